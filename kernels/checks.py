@@ -1,0 +1,135 @@
+"""Input validation shared by the reference and the Triton kernels.
+
+Errors name the offending argument, what was given and what to change. Checks that need a
+device-to-host sync (cu_seqlens contents) run only with ``debug=True``.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    log_fgate: torch.Tensor,
+    *,
+    cu_seqlens: torch.Tensor | None = None,
+    window_size: int | None = None,
+    debug: bool = False,
+) -> None:
+    """Validate forgetting-attention inputs; raise ``ValueError``/``TypeError`` on misuse.
+
+    Shapes: q ``[B, T, HQ, D]``, k/v ``[B, T, H, D]`` with ``HQ % H == 0``, log_fgate
+    ``[B, T, HQ]`` float32, cu_seqlens ``[N + 1]`` integer with ``B == 1``.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(
+                f"{name} must have shape [B, T, heads, head_dim], got {tuple(t.shape)}; "
+                "reshape (B, T, hidden) to (B, T, heads, hidden // heads)"
+            )
+        if t.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"{name} must be a floating tensor, got dtype {t.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device == log_fgate.device):
+        raise ValueError(
+            f"q, k, v, log_fgate must be on one device, got {q.device}, {k.device}, "
+            f"{v.device}, {log_fgate.device}"
+        )
+    B, T, HQ, D = q.shape
+    if k.shape != v.shape:
+        raise ValueError(
+            f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}"
+        )
+    if k.shape[0] != B or k.shape[1] != T or k.shape[3] != D:
+        raise ValueError(
+            f"k/v shape {tuple(k.shape)} does not match q shape {tuple(q.shape)}: batch, length "
+            "and head_dim must agree (only the number of heads may differ, for GQA)"
+        )
+    H = k.shape[2]
+    if HQ % H != 0:
+        raise ValueError(
+            f"query heads ({HQ}) must be a multiple of key/value heads ({H}) for grouped-query "
+            "attention"
+        )
+    if not isinstance(log_fgate, torch.Tensor) or log_fgate.dtype != torch.float32:
+        got = log_fgate.dtype if isinstance(log_fgate, torch.Tensor) else type(log_fgate).__name__
+        raise TypeError(
+            f"log_fgate must be a float32 tensor, got {got}; compute the log-gate in fp32, "
+            "e.g. F.logsigmoid(gate_logits.float())"
+        )
+    if tuple(log_fgate.shape) != (B, T, HQ):
+        raise ValueError(
+            f"log_fgate must have shape [B, T, HQ] = {(B, T, HQ)} (one gate per query head), "
+            f"got {tuple(log_fgate.shape)}"
+        )
+    if window_size is not None and (not isinstance(window_size, int) or window_size < 1):
+        raise ValueError(f"window_size must be a positive int or None, got {window_size!r}")
+    if cu_seqlens is not None:
+        if B != 1:
+            raise ValueError(
+                f"cu_seqlens (packed documents) needs batch size 1, got B={B}; pack the "
+                "documents along the time axis"
+            )
+        if cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
+            raise ValueError(
+                f"cu_seqlens must be a 1-D int32/int64 tensor, got shape "
+                f"{tuple(cu_seqlens.shape)} dtype {cu_seqlens.dtype}"
+            )
+        if cu_seqlens.numel() < 2:
+            raise ValueError("cu_seqlens must have at least two entries [0, ..., T]")
+        if debug:
+            cs = cu_seqlens.tolist()
+            if cs[0] != 0 or cs[-1] != T or any(b < a for a, b in itertools.pairwise(cs)):
+                raise ValueError(
+                    f"cu_seqlens must start at 0, be non-decreasing and end at T={T}, got "
+                    f"{cs[:8]}{'...' if len(cs) > 8 else ''}"
+                )
+
+
+def check_decode_inputs(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    q_cumsum: torch.Tensor,
+    k_cumsum: torch.Tensor,
+    *,
+    key_mask: torch.Tensor | None = None,
+) -> None:
+    """Validate decode inputs: q ``[B, Tq, HQ, D]``, caches ``[B, Tk, H, D]``, cumsums
+    ``[B, Tq, HQ]`` / ``[B, Tk, HQ]`` float32/64, key_mask ``[B, Tk]`` bool."""
+    if q.dim() != 4 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"decode expects q [B, Tq, HQ, D] and k/v caches [B, Tk, H, D] of equal shape, got "
+            f"{tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
+        )
+    B, Tq, HQ, D = q.shape
+    Bk, Tk, H, Dk = k_cache.shape
+    if Bk != B or Dk != D or HQ % H != 0:
+        raise ValueError(
+            f"cache shape {tuple(k_cache.shape)} does not fit queries {tuple(q.shape)} (batch and "
+            "head_dim must agree, query heads a multiple of kv heads)"
+        )
+    if Tq > Tk:
+        raise ValueError(
+            f"decode has {Tq} queries but only {Tk} cached keys: append the new tokens' keys to "
+            "the cache before attending"
+        )
+    for name, t, want in (("q_cumsum", q_cumsum, (B, Tq, HQ)), ("k_cumsum", k_cumsum, (B, Tk, HQ))):
+        if t.dtype not in (torch.float32, torch.float64) or tuple(t.shape) != want:
+            raise ValueError(
+                f"{name} must be float32/float64 of shape {want}, got {t.dtype} {tuple(t.shape)}"
+            )
+    if key_mask is not None and (key_mask.dtype != torch.bool or tuple(key_mask.shape) != (B, Tk)):
+        raise ValueError(
+            f"key_mask must be bool of shape {(B, Tk)}, got {key_mask.dtype} {tuple(key_mask.shape)}"
+        )

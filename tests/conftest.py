@@ -1,0 +1,49 @@
+"""Test settings shared by the whole suite.
+
+* Offline: no hub, no dataset hub, no wandb server.
+* No GPU: Triton kernels run under the interpreter (``TRITON_INTERPRET=1``), which must be set
+  before triton is imported. Triton's autotuner would still benchmark every config through the
+  GPU driver ("0 active drivers"), so under the interpreter its benchmark is replaced by a
+  no-op timing and the first config runs.
+* ``@pytest.mark.gpu`` tests are skipped (and reported as skipped) without CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "disabled")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+
+
+def _disable_autotune_benchmarks() -> None:
+    from triton.runtime import autotuner
+
+    def _no_bench(self, *args, config, **meta):
+        return [0.0, 0.0, 0.0]
+
+    autotuner.Autotuner._bench = _no_bench
+
+
+if not HAS_CUDA:
+    _disable_autotune_benchmarks()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if HAS_CUDA:
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)

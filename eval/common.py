@@ -1,0 +1,437 @@
+"""Pieces shared by every evaluation command.
+
+Checkpoint loading, device/dtype choice, per-token cross-entropy for any Hugging Face causal
+LM, greedy generation, resumable JSONL result logs and the ``run_config.json`` written next to
+every result.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import subprocess
+import sys
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def pick_device(name: str | None = None) -> torch.device:
+    """The device to evaluate on: ``name`` if given, else CUDA when present, else CPU.
+
+    Under ``torchrun`` (``LOCAL_RANK`` set) the default is ``cuda:LOCAL_RANK``.
+    """
+    if name:
+        return torch.device(name)
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def parse_dtype(name: str | None, device: torch.device) -> torch.dtype:
+    """Parse ``--dtype``; the default is bfloat16 on CUDA and float32 on CPU."""
+    if name is None or name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in _DTYPES:
+        raise ValueError(f"--dtype {name!r} is not one of {sorted(_DTYPES)} or 'auto'")
+    return _DTYPES[name]
+
+
+def check_checkpoint_dir(path: str | os.PathLike) -> Path:
+    """Raise a clear error unless ``path`` is an exported Hugging Face checkpoint folder."""
+    p = Path(path)
+    if not p.is_dir():
+        raise FileNotFoundError(
+            f"checkpoint {str(p)!r} is not a folder; pass a folder written by fot.export.export_hf "
+            "(or any save_pretrained folder) holding config.json, weights and a tokenizer"
+        )
+    if not (p / "config.json").is_file():
+        raise FileNotFoundError(
+            f"checkpoint folder {str(p)!r} has no config.json; export the model with "
+            "fot.export.export_hf(model, dir) or model.save_pretrained(dir) first"
+        )
+    return p
+
+
+def load_checkpoint(
+    path: str | os.PathLike,
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | str | None = None,
+) -> tuple[torch.nn.Module, Any]:
+    """Load an exported checkpoint folder with ``AutoModelForCausalLM``/``AutoTokenizer``.
+
+    ``import fot`` runs first so that FoT model types are registered with the Auto classes.
+
+    Args:
+        path: folder with ``config.json``, weights and a tokenizer.
+        device: where to put the model (default: :func:`pick_device`).
+        dtype: torch dtype or its name (default: bf16 on CUDA, fp32 on CPU).
+
+    Returns:
+        ``(model, tokenizer)``; the model is in eval mode on ``device``.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import fot  # noqa: F401 - registers the FoT model types with the Auto classes
+
+    p = check_checkpoint_dir(path)
+    dev = torch.device(device) if device is not None else pick_device()
+    dt = dtype if isinstance(dtype, torch.dtype) else parse_dtype(dtype, dev)
+    model = AutoModelForCausalLM.from_pretrained(str(p), dtype=dt)
+    model.to(dev).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(p))
+    return model, tokenizer
+
+
+def model_max_length(model: torch.nn.Module, default: int | None = None) -> int | None:
+    """The context length the model was configured for (``max_position_embeddings`` etc.)."""
+    cfg = getattr(model, "config", None)
+    for key in (
+        "train_length",
+        "max_position_embeddings",
+        "n_positions",
+        "max_seq_len",
+        "seq_length",
+    ):
+        value = getattr(cfg, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return default
+
+
+def eot_id(tokenizer: Any) -> int:
+    """The end-of-text id used as BOS/separator (GPT-2: 50256)."""
+    for attr in ("bos_token_id", "eos_token_id"):
+        value = getattr(tokenizer, attr, None)
+        if value is not None:
+            return int(value)
+    raise ValueError(
+        "the checkpoint's tokenizer has neither bos_token_id nor eos_token_id; set one in its "
+        "tokenizer_config.json"
+    )
+
+
+def model_logits(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    """Logits ``[B, T, V]`` of any causal LM (objects returning ``.logits`` or a tensor)."""
+    out = model(input_ids=input_ids)
+    return out.logits if hasattr(out, "logits") else out
+
+
+def hidden_and_head(model: torch.nn.Module, input_ids: torch.Tensor):
+    """Final hidden states and the LM head of a causal LM, for logits of chosen positions only.
+
+    Args:
+        input_ids: ``[B, T]`` int64.
+
+    Returns:
+        ``(hidden [B, T, H], head)`` with ``head(hidden[..., s:e, :])`` equal to the model's
+        logits there (vocab padding cut off), or ``None`` when the model does not split this
+        way (no decoder/head accessors, logit soft-capping or scaling): use the full logits.
+    """
+    get_decoder = getattr(model, "get_decoder", None)
+    get_head = getattr(model, "get_output_embeddings", None)
+    if get_decoder is None or get_head is None:
+        return None
+    try:
+        decoder, head = get_decoder(), get_head()
+    except (AttributeError, NotImplementedError):
+        return None
+    if decoder is None or decoder is model or not isinstance(head, torch.nn.Linear):
+        return None
+    cfg = getattr(model, "config", None)
+    if getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", None):
+        return None  # logits are not head(hidden): use the full forward instead
+    out = decoder(input_ids=input_ids, use_cache=False)
+    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    vocab = getattr(cfg, "vocab_size", None)
+    if isinstance(vocab, int) and 0 < vocab < head.out_features:
+        # A vocab-padded head (FoT): padding rows are never predicted.
+        return hidden, lambda h: head(h)[..., :vocab]
+    return hidden, head
+
+
+@torch.no_grad()
+def token_losses(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    chunk_size: int = 4096,
+) -> torch.Tensor:
+    """Per-token cross-entropy of any Hugging Face causal LM.
+
+    Uses ``model.per_token_loss`` when the model has it (FoT models), else the decoder's final
+    hidden states and the LM head in chunks of ``chunk_size`` positions (no ``[B, T, V]``
+    logits in memory), else the full logits.
+
+    Args:
+        input_ids: ``[B, T]`` int64.
+        labels: ``[B, T]`` int64, ``labels[:, t]`` is the token that follows ``input_ids[:, t]``;
+            ``-100`` marks positions to ignore (their loss is 0).
+
+    Returns:
+        ``[B, T]`` float32 losses in nats.
+    """
+    if input_ids.shape != labels.shape or input_ids.dim() != 2:
+        raise ValueError(
+            f"input_ids {tuple(input_ids.shape)} and labels {tuple(labels.shape)} must both be "
+            "[B, T]"
+        )
+    if hasattr(model, "per_token_loss"):
+        return model.per_token_loss(input_ids, labels).float()
+    split = hidden_and_head(model, input_ids)
+    if split is None:
+        logits = model_logits(model, input_ids).float()
+        return F.cross_entropy(
+            logits.transpose(1, 2), labels, ignore_index=-100, reduction="none"
+        ).float()
+    hidden, head = split
+    losses = []
+    for s in range(0, hidden.shape[1], chunk_size):
+        logits = head(hidden[:, s : s + chunk_size]).float()  # (B, c, V)
+        losses.append(
+            F.cross_entropy(
+                logits.transpose(1, 2),
+                labels[:, s : s + chunk_size],
+                ignore_index=-100,
+                reduction="none",
+            )
+        )
+    return torch.cat(losses, dim=1)
+
+
+@torch.no_grad()
+def next_token_argmax(
+    model: torch.nn.Module, input_ids: torch.Tensor, start: int, end: int, *, chunk_size: int = 4096
+) -> torch.Tensor:
+    """Greedy next-token predictions at positions ``start..end-1`` (teacher forcing).
+
+    Only the requested positions go through the LM head when the model splits into decoder and
+    head, so long inputs never hold ``[B, T, V]`` logits.
+
+    Args:
+        input_ids: ``[B, T]`` int64.
+        start, end: position range, ``0 <= start < end <= T``.
+
+    Returns:
+        ``[B, end - start]`` int64: argmax of the logits at each position (the prediction of
+        the token at the next position).
+    """
+    if not 0 <= start < end <= input_ids.shape[1]:
+        raise ValueError(f"need 0 <= start < end <= T={input_ids.shape[1]}, got {start}, {end}")
+    split = hidden_and_head(model, input_ids)
+    if split is None:
+        return model_logits(model, input_ids)[:, start:end].argmax(-1)
+    hidden, head = split
+    preds = [
+        head(hidden[:, s : min(s + chunk_size, end)]).argmax(-1)
+        for s in range(start, end, chunk_size)
+    ]
+    return torch.cat(preds, dim=1)
+
+
+@torch.no_grad()
+def greedy_generate(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    *,
+    max_new_tokens: int,
+    eos_token_id: int | list[int] | None = None,
+) -> list[int]:
+    """Greedy continuation of one prompt with the model's own ``generate`` (KV cache).
+
+    Args:
+        input_ids: ``[1, T]`` int64 prompt on the model's device.
+        max_new_tokens: tokens to generate at most.
+        eos_token_id: stop ids (generation stops after emitting one).
+
+    Returns:
+        The generated token ids (prompt excluded), eos included if emitted.
+    """
+    pad = eos_token_id[0] if isinstance(eos_token_id, list) else eos_token_id
+    out = model.generate(
+        input_ids=input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        num_beams=1,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad if pad is not None else 0,
+        temperature=None,
+        top_p=None,
+        top_k=None,
+    )
+    return out[0, input_ids.shape[1] :].tolist()
+
+
+def git_sha() -> str | None:
+    """The git commit of the fot source tree, or ``None`` outside a git checkout."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def library_versions() -> dict[str, str | None]:
+    """Versions of the libraries results depend on."""
+    from importlib import metadata
+
+    versions: dict[str, str | None] = {"python": platform.python_version()}
+    for name in (
+        "fot",
+        "torch",
+        "transformers",
+        "triton",
+        "flash-linear-attention",
+        "lm_eval",
+        "rouge-score",
+        "numpy",
+    ):
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    versions["torch_cuda"] = torch.version.cuda
+    return versions
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return str(value)
+
+
+def write_run_config(
+    out_dir: str | os.PathLike,
+    command: str,
+    args: dict[str, Any],
+    checkpoint: str | os.PathLike | None,
+) -> Path:
+    """Write ``run_config.json``: command, arguments, checkpoint, git SHA, versions, time."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt_cfg = None
+    if checkpoint is not None and (Path(checkpoint) / "config.json").is_file():
+        ckpt_cfg = json.loads((Path(checkpoint) / "config.json").read_text())
+    record = {
+        "command": command,
+        "argv": sys.argv,
+        "arguments": _jsonable(args),
+        "checkpoint": str(Path(checkpoint).resolve()) if checkpoint is not None else None,
+        "checkpoint_config": ckpt_cfg,
+        "git_sha": git_sha(),
+        "versions": library_versions(),
+        "host": platform.node(),
+        "cuda_device": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "started_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+    path = out / "run_config.json"
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    return path
+
+
+class JsonlLog:
+    """An append-only JSONL results file keyed by ``record[key]``: the resume mechanism.
+
+    Every finished item is appended (and flushed) at once; on restart, items whose key is
+    already in the file are skipped. A partly written last line (killed mid-write) is ignored.
+    """
+
+    def __init__(self, path: str | os.PathLike, key: str = "key") -> None:
+        self.path = Path(path)
+        self.key = key
+        self.records: list[dict[str, Any]] = []
+        if self.path.is_file():
+            for line in self.path.read_text().splitlines():
+                try:
+                    self.records.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue  # torn last line of an interrupted run
+            # Rewrite without the torn line so appends start on a fresh line.
+            self.path.write_text("".join(json.dumps(r) + "\n" for r in self.records))
+        self._done = {str(r[self.key]) for r in self.records if self.key in r}
+
+    def done(self, key: Any) -> bool:
+        """Whether an item with this key is already recorded."""
+        return str(key) in self._done
+
+    def append(self, record: dict[str, Any]) -> None:
+        """Record one finished item (flushed to disk immediately)."""
+        if self.key not in record:
+            raise KeyError(f"record has no {self.key!r} field: {record}")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a") as f:
+            f.write(json.dumps(_jsonable(record)) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        self.records.append(record)
+        self._done.add(str(record[self.key]))
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return iter(self.records)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+
+def parse_int_list(text: str | Iterable[int]) -> list[int]:
+    """Parse ``"1024,2048,4k,16k"`` (``k`` = 1024) into ints."""
+    if not isinstance(text, str):
+        return [int(x) for x in text]
+    values = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        if not part:
+            continue
+        mult = 1024 if part.endswith("k") else 1
+        try:
+            values.append(int(float(part.rstrip("k")) * mult))
+        except ValueError:
+            raise ValueError(
+                f"cannot parse {part!r} in {text!r}: expected integers like '1024,2k,16k'"
+            ) from None
+    return values
+
+
+def parse_float_list(text: str | Iterable[float]) -> list[float]:
+    """Parse ``"0,25,50"`` into floats."""
+    if not isinstance(text, str):
+        return [float(x) for x in text]
+    try:
+        return [float(p) for p in text.split(",") if p.strip()]
+    except ValueError:
+        raise ValueError(f"cannot parse {text!r}: expected numbers like '0,25,50,75,100'") from None
+
+
+def use_agg_backend() -> None:
+    """Select matplotlib's file-only Agg backend (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)

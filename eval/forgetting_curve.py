@@ -1,0 +1,321 @@
+"""Forgetting curve (Liu et al., "Forgetting Curve: A Reliable Method for Evaluating
+Memorization Capability for Long-context Models").
+
+For a total length ``L`` let ``n = (L - 2) // 2``. S and I are two unrelated ``n``-token
+stretches of real text. Two teacher-forced inputs are scored on the second half of the second
+S (the last ``n // 2`` tokens):
+
+* copy:  ``[bos] S [bos] S`` -- a model that remembers S predicts these tokens exactly;
+* LM:    ``[bos] I [bos] S`` -- the same tokens predicted from language modelling alone.
+
+Accuracy is top-1 next-token accuracy. Over a grid of lengths with repeats:
+
+* fine-grained memory length: the largest grid length up to which copy accuracy >= 99%
+  at every grid length;
+* coarse-grained memory length: the largest grid length up to which copy accuracy exceeds
+  LM accuracy by more than 1 point at every grid length.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .common import (
+    JsonlLog,
+    eot_id,
+    load_checkpoint,
+    model_max_length,
+    next_token_argmax,
+    parse_int_list,
+    pick_device,
+    use_agg_backend,
+    write_run_config,
+)
+
+FINE_THRESHOLD = 0.99
+COARSE_MARGIN = 0.01
+
+
+def build_pair(
+    s: Sequence[int], irrelevant: Sequence[int], bos_id: int
+) -> tuple[list[int], list[int], int, int]:
+    """The copy and LM inputs and the scored target range.
+
+    Args:
+        s: the text S (``n`` tokens); irrelevant: the text I (``n`` tokens).
+        bos_id: separator/BOS token.
+
+    Returns:
+        ``(copy_ids, lm_ids, start, end)``: both inputs have ``2n + 2`` tokens; targets at
+        positions ``start..end-1`` (the second half of the second S) are scored.
+    """
+    n = len(s)
+    if len(irrelevant) != n or n < 2:
+        raise ValueError(f"S and I must have the same length >= 2, got {n} and {len(irrelevant)}")
+    copy_ids = [bos_id, *s, bos_id, *s]
+    lm_ids = [bos_id, *irrelevant, bos_id, *s]
+    end = 2 * n + 2
+    return copy_ids, lm_ids, end - n // 2, end
+
+
+@torch.no_grad()
+def teacher_forced_accuracy(
+    model: torch.nn.Module, ids: Sequence[int], start: int, end: int
+) -> float:
+    """Fraction of target positions ``start..end-1`` whose token is the model's argmax.
+
+    Args:
+        ids: the input tokens (``end <= len(ids)``).
+        start, end: target positions (token ``ids[t]`` predicted from ``ids[:t]``), ``start >= 1``.
+    """
+    if start < 1:
+        raise ValueError(f"start must be >= 1 (position 0 has no context), got {start}")
+    device = next(model.parameters()).device
+    x = torch.tensor([list(ids)], dtype=torch.long, device=device)
+    pred = next_token_argmax(model, x, start - 1, end - 1)  # predictions of tokens start..end-1
+    return float((pred[0] == x[0, start:end]).float().mean())
+
+
+def memory_lengths(
+    lengths: Sequence[int], copy_acc: Sequence[float], lm_acc: Sequence[float]
+) -> dict[str, int]:
+    """Fine- and coarse-grained memory lengths from mean accuracies per grid length."""
+    order = np.argsort(lengths)
+    fine = coarse = 0
+    fine_ok = coarse_ok = True
+    for i in order:
+        fine_ok = fine_ok and copy_acc[i] >= FINE_THRESHOLD
+        coarse_ok = coarse_ok and copy_acc[i] > lm_acc[i] + COARSE_MARGIN
+        if fine_ok:
+            fine = int(lengths[i])
+        if coarse_ok:
+            coarse = int(lengths[i])
+    return {"fine_grained_length": fine, "coarse_grained_length": coarse}
+
+
+def sample_pair(
+    stream: np.ndarray, n: int, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """Two non-overlapping random ``n``-token spans (S, I) of ``stream`` (tiled if short)."""
+    if len(stream) < 4 * n:
+        stream = np.tile(stream, -(-4 * n // max(len(stream), 1)))
+    a = int(rng.integers(0, len(stream) - n + 1))
+    while True:  # at least half the stream is outside [a - n, a + n): terminates fast
+        b = int(rng.integers(0, len(stream) - n + 1))
+        if abs(b - a) >= n:
+            return stream[a : a + n], stream[b : b + n]
+
+
+def run_curve(
+    model: torch.nn.Module,
+    stream: np.ndarray,
+    *,
+    lengths: Sequence[int],
+    repeats: int,
+    bos_id: int,
+    log: JsonlLog,
+    seed: int = 0,
+    progress: bool = True,
+) -> list[dict[str, Any]]:
+    """Score every (length, repeat) not yet in ``log``; return this grid's records.
+
+    Args:
+        stream: token ids of a corpus (S and I are disjoint random spans of it).
+    """
+    from tqdm.auto import tqdm
+
+    cells = [(L, r) for L in lengths for r in range(repeats)]
+    todo = [c for c in cells if not log.done(f"{c[0]}:{c[1]}")]
+    for L, r in tqdm(
+        todo,
+        disable=not progress,
+        desc="forgetting curve",
+        unit="seq",
+        initial=len(cells) - len(todo),
+        total=len(cells),
+    ):
+        n = (L - 2) // 2
+        if n < 2:
+            raise ValueError(f"length {L} is too short: need at least 6 tokens")
+        rng = np.random.default_rng([seed, L, r])
+        s, irrelevant = sample_pair(stream, n, rng)
+        copy_ids, lm_ids, start, end = build_pair(s.tolist(), irrelevant.tolist(), bos_id)
+        log.append(
+            {
+                "key": f"{L}:{r}",
+                "length": L,
+                "repeat": r,
+                "n": n,
+                "copy_accuracy": teacher_forced_accuracy(model, copy_ids, start, end),
+                "lm_accuracy": teacher_forced_accuracy(model, lm_ids, start, end),
+            }
+        )
+    keys = {f"{L}:{r}" for L, r in cells}
+    return [rec for rec in log if rec["key"] in keys]
+
+
+def summarize(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Mean/std/min/max accuracies per length and the two memory lengths."""
+    lengths = sorted({int(r["length"]) for r in records})
+    rows = []
+    for L in lengths:
+        c = np.array([r["copy_accuracy"] for r in records if r["length"] == L])
+        m = np.array([r["lm_accuracy"] for r in records if r["length"] == L])
+        rows.append(
+            {
+                "length": L,
+                "repeats": len(c),
+                "copy_mean": float(c.mean()),
+                "copy_std": float(c.std()),
+                "copy_min": float(c.min()),
+                "copy_max": float(c.max()),
+                "lm_mean": float(m.mean()),
+                "lm_std": float(m.std()),
+                "lm_min": float(m.min()),
+                "lm_max": float(m.max()),
+            }
+        )
+    mem = memory_lengths(lengths, [r["copy_mean"] for r in rows], [r["lm_mean"] for r in rows])
+    return {"per_length": rows, **mem}
+
+
+def plot_curve(
+    summary: dict[str, Any], out_file: Path, *, train_length: int | None = None, title: str = ""
+) -> Path:
+    """Copy and LM accuracy vs length with min--max bands and the memory lengths marked."""
+    use_agg_backend()
+    import matplotlib.pyplot as plt
+
+    rows = summary["per_length"]
+    x = np.array([r["length"] for r in rows])
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, color in (("copy", "tab:blue"), ("lm", "tab:orange")):
+        mean = np.array([r[f"{name}_mean"] for r in rows])
+        ax.plot(
+            x,
+            mean,
+            marker="o",
+            ms=3,
+            color=color,
+            label="copy [bos] S [bos] S" if name == "copy" else "LM [bos] I [bos] S",
+        )
+        ax.fill_between(
+            x,
+            [r[f"{name}_min"] for r in rows],
+            [r[f"{name}_max"] for r in rows],
+            color=color,
+            alpha=0.2,
+        )
+    if summary["fine_grained_length"]:
+        ax.axvline(
+            summary["fine_grained_length"],
+            color="tab:green",
+            ls=":",
+            lw=1.2,
+            label=f"fine-grained {summary['fine_grained_length']}",
+        )
+    if summary["coarse_grained_length"]:
+        ax.axvline(
+            summary["coarse_grained_length"],
+            color="tab:red",
+            ls=":",
+            lw=1.2,
+            label=f"coarse-grained {summary['coarse_grained_length']}",
+        )
+    if train_length:
+        ax.axvline(train_length, color="gray", ls="--", lw=1, label="training length")
+    ax.set_xscale("log", base=2)
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_xlabel("sequence length (tokens)")
+    ax.set_ylabel("next-token accuracy (second half of 2nd S)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    if title:
+        ax.set_title(title)
+    fig.tight_layout()
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_file, dpi=130)
+    plt.close(fig)
+    return out_file
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", help="exported HF checkpoint folder")
+    p.add_argument(
+        "--lengths", default="256,512,1k,2k,4k,8k,16k,32k", help="total sequence lengths (k = 1024)"
+    )
+    p.add_argument("--repeats", type=int, default=5, help="sequences per length")
+    p.add_argument(
+        "--data",
+        default="sample",
+        help="'sample', a token folder or a zarr array (source of S and I)",
+    )
+    p.add_argument("--train-length", type=str, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True, help="results folder (resumes if it exists)")
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default="auto")
+
+
+def _token_stream(source: str, max_tokens: int) -> np.ndarray:
+    from .per_token_loss import num_documents, open_documents
+
+    docs, _ = open_documents(source)
+    parts, total = [], 0
+    for i in range(num_documents(docs)):
+        d = np.asarray(docs[i], dtype=np.int64)
+        parts.append(d)
+        total += len(d)
+        if total >= max_tokens:
+            break
+    if not parts or total == 0:
+        raise ValueError(f"--data {source!r} holds no tokens")
+    return np.concatenate(parts)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    lengths = parse_int_list(args.lengths)
+    if not lengths or args.repeats < 1:
+        raise ValueError("--lengths must list at least one length and --repeats must be >= 1")
+    model, tokenizer = load_checkpoint(
+        args.checkpoint, device=pick_device(args.device), dtype=args.dtype
+    )
+    write_run_config(out, "forgetting-curve", vars(args), args.checkpoint)
+    stream = _token_stream(args.data, max(20 * max(lengths), 200_000))
+    log = JsonlLog(out / "forgetting_curve.jsonl")
+    records = run_curve(
+        model,
+        stream,
+        lengths=lengths,
+        repeats=args.repeats,
+        bos_id=eot_id(tokenizer),
+        log=log,
+        seed=args.seed,
+    )
+    summary = summarize(records)
+    with (out / "forgetting_curve.csv").open("w") as f:
+        cols = list(summary["per_length"][0])
+        f.write(",".join(cols) + "\n")
+        for r in summary["per_length"]:
+            f.write(",".join(str(r[c]) for c in cols) + "\n")
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    train_length = (
+        parse_int_list(args.train_length)[0] if args.train_length else model_max_length(model)
+    )
+    plot_curve(
+        summary,
+        out / "forgetting_curve.png",
+        train_length=train_length,
+        title=Path(args.checkpoint).name,
+    )
+    print(json.dumps({k: summary[k] for k in ("fine_grained_length", "coarse_grained_length")}))
+    return summary

@@ -1,0 +1,260 @@
+"""Forget-gate visualisation: gate matrix F and attention maps of chosen heads (paper Fig. 3/21).
+
+For layer l and head h with forget gates f_t (per token), ``F_ij = prod_{j < t <= i} f_t =
+exp(c_i - c_j)`` for ``j <= i`` (0 above the diagonal), ``c`` the cumulative sum of log f. The
+attention map is ``A_ij = softmax_j(q_i . k_j * scale + c_i - c_j)``.
+
+How the values are obtained: during one forward pass the attention function that every
+``FoTAttention`` layer calls (looked up through ``fot.models.modeling_fot.get_attention_functions``)
+is wrapped, and the wrapper records the layer's final q, k (after KV-shift, QK-norm, RoPE) and
+log f exactly as the layer passes them; nothing is recomputed from weights. Only FoT models
+(``model_type == "fot"``) have these layers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .common import (
+    eot_id,
+    load_checkpoint,
+    parse_int_list,
+    pick_device,
+    use_agg_backend,
+    write_run_config,
+)
+
+
+@contextlib.contextmanager
+def capture_attention_inputs(model: torch.nn.Module) -> Iterator[list[dict[str, torch.Tensor]]]:
+    """Record ``q, k, log_fgate, scale`` of every attention call, in layer order.
+
+    Yields:
+        A list that fills with one dict per attention call: ``q`` ``[B, T, HQ, D]``, ``k``
+        ``[B, T, H, D]``, ``log_fgate`` ``[B, T, HQ]`` float32 and ``scale``.
+    """
+    from fot.models import modeling_fot
+
+    if not any(isinstance(m, modeling_fot.FoTAttention) for m in model.modules()):
+        raise ValueError(
+            f"{type(model).__name__} has no FoTAttention layers: the gates command needs a FoT "
+            "checkpoint (model_type 'fot')"
+        )
+    records: list[dict[str, Any]] = []
+    original = modeling_fot.get_attention_functions
+
+    def patched(backend: str, device: torch.device):
+        attn, decode = original(backend, device)
+
+        def recording_attn(q, k, v, log_fgate, *, scale=None, **kwargs):
+            records.append(
+                {
+                    "q": q.detach().float().cpu(),
+                    "k": k.detach().float().cpu(),
+                    "log_fgate": log_fgate.detach().float().cpu(),
+                    "scale": scale if scale is not None else q.shape[-1] ** -0.5,
+                }
+            )
+            return attn(q, k, v, log_fgate, scale=scale, **kwargs)
+
+        return recording_attn, decode
+
+    modeling_fot.get_attention_functions = patched
+    try:
+        yield records
+    finally:
+        modeling_fot.get_attention_functions = original
+
+
+def gate_matrix(log_fgate: torch.Tensor) -> torch.Tensor:
+    """``F`` ``[T, T]`` float64 from one head's log gates ``[T]``: ``exp(c_i - c_j)``, j <= i."""
+    c = torch.cumsum(log_fgate.double(), 0)
+    diff = c[:, None] - c[None, :]
+    causal = torch.ones_like(diff, dtype=torch.bool).tril()
+    return torch.where(causal, diff.clamp(max=0).exp(), torch.zeros_like(diff))
+
+
+def attention_map(
+    q: torch.Tensor, k: torch.Tensor, log_fgate: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Attention probabilities ``[T, T]`` of one head: q ``[T, D]``, k ``[T, D]``, log f ``[T]``."""
+    c = torch.cumsum(log_fgate.double(), 0)
+    s = (q.double() @ k.double().T) * scale + c[:, None] - c[None, :]
+    s = s.masked_fill(~torch.ones_like(s, dtype=torch.bool).tril(), float("-inf"))
+    return torch.softmax(s, dim=-1)
+
+
+@torch.no_grad()
+def gate_data(
+    model: torch.nn.Module, input_ids: torch.Tensor, layers: Sequence[int], heads: Sequence[int]
+) -> dict[str, Any]:
+    """Gates of every layer/head and F/attention maps of the chosen ones for one text.
+
+    Args:
+        input_ids: ``[1, T]`` int64 on the model's device.
+        layers, heads: which layers and query heads to keep maps for (negative = from the end).
+
+    Returns:
+        ``{"log_fgate": [L, T, HQ] float32, "F": {(l, h): [T, T]}, "attention": {(l, h): [T, T]}}``.
+    """
+    with capture_attention_inputs(model) as rec:
+        model(input_ids=input_ids)
+    n_layers = len(rec)
+    hq = rec[0]["log_fgate"].shape[-1]
+    chosen = []
+    for layer in layers:
+        li = layer % n_layers if -n_layers <= layer < n_layers else None
+        if li is None:
+            raise ValueError(f"layer {layer} out of range for {n_layers} layers")
+        for h in heads:
+            if not -hq <= h < hq:
+                raise ValueError(f"head {h} out of range for {hq} heads")
+            chosen.append((li, h % hq))
+    F_maps, A_maps = {}, {}
+    for li, h in chosen:
+        r = rec[li]
+        n_rep = r["q"].shape[2] // r["k"].shape[2]
+        q, k, lf = r["q"][0, :, h], r["k"][0, :, h // n_rep], r["log_fgate"][0, :, h]
+        F_maps[(li, h)] = gate_matrix(lf).float()
+        A_maps[(li, h)] = attention_map(q, k, lf, r["scale"]).float()
+    return {
+        "log_fgate": torch.stack([r["log_fgate"][0] for r in rec]),
+        "F": F_maps,
+        "attention": A_maps,
+    }
+
+
+def plot_gates(
+    data: dict[str, Any], tokens: Sequence[str], out_file: Path, *, title: str = ""
+) -> Path:
+    """One row per chosen (layer, head): gate matrix F and attention map side by side."""
+    use_agg_backend()
+    import matplotlib.pyplot as plt
+
+    keys = list(data["F"])
+    fig, axes = plt.subplots(len(keys), 2, figsize=(9, 4.2 * len(keys)), squeeze=False)
+    T = len(tokens)
+    for row, key in enumerate(keys):
+        for col, (name, mat, cmap) in enumerate(
+            (
+                ("forget gate matrix F", data["F"][key], "viridis"),
+                ("attention", data["attention"][key], "magma"),
+            )
+        ):
+            ax = axes[row, col]
+            im = ax.imshow(
+                mat.numpy(),
+                cmap=cmap,
+                vmin=0,
+                vmax=1 if col == 0 else None,
+                interpolation="nearest",
+            )
+            ax.set_title(f"layer {key[0]} head {key[1]}: {name}", fontsize=9)
+            fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
+            if T <= 48:
+                ax.set_xticks(range(T), tokens, rotation=90, fontsize=6)
+                ax.set_yticks(range(T), tokens, fontsize=6)
+            else:
+                ax.set_xlabel("key position j")
+                ax.set_ylabel("query position i")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_file, dpi=130)
+    plt.close(fig)
+    return out_file
+
+
+def plot_gate_values(log_fgate: torch.Tensor, out_file: Path) -> Path:
+    """Forget-gate values f_t of every head, one panel per layer (mean over time in legend)."""
+    use_agg_backend()
+    import matplotlib.pyplot as plt
+
+    L = log_fgate.shape[0]
+    cols = min(4, L)
+    rows = math.ceil(L / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.4 * rows), squeeze=False)
+    f = log_fgate.exp().numpy()
+    for i in range(rows * cols):
+        ax = axes[i // cols, i % cols]
+        if i >= L:
+            ax.axis("off")
+            continue
+        ax.plot(f[i], lw=0.8)
+        ax.set_ylim(0, 1.02)
+        ax.set_title(f"layer {i}", fontsize=9)
+        ax.set_xlabel("position", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_file, dpi=120)
+    plt.close(fig)
+    return out_file
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", help="exported FoT checkpoint folder")
+    p.add_argument("--text", default=None, help="text to analyse")
+    p.add_argument("--text-file", default=None, help="read the text from this file")
+    p.add_argument("--max-tokens", type=int, default=256, help="truncate the text to this")
+    p.add_argument("--layers", default="0,-1", help="layers to show (negative from the end)")
+    p.add_argument("--heads", default="0", help="query heads to show")
+    p.add_argument("--out", required=True, help="results folder")
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default="float32")
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        return parse_int_list(text)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.text and args.text_file:
+        raise ValueError("give --text or --text-file, not both")
+    if args.text_file:
+        text = Path(args.text_file).read_text(encoding="utf-8", errors="replace")
+    elif args.text:
+        text = args.text
+    else:
+        from fot.data.sample import sample_texts
+
+        text = sample_texts()[0][:20_000]
+    model, tokenizer = load_checkpoint(
+        args.checkpoint, device=pick_device(args.device), dtype=args.dtype
+    )
+    write_run_config(out, "gates", vars(args), args.checkpoint)
+    ids = [eot_id(tokenizer), *tokenizer.encode(text, add_special_tokens=False)]
+    ids = ids[: args.max_tokens]
+    x = torch.tensor([ids], device=next(model.parameters()).device)
+    data = gate_data(model, x, _int_list(args.layers), _int_list(args.heads))
+    tokens = [tokenizer.decode([t]) for t in ids]
+    np.savez(
+        out / "gates.npz",
+        tokens=np.asarray(ids),
+        log_fgate=data["log_fgate"].numpy(),
+        **{f"F_l{li}_h{h}": m.numpy() for (li, h), m in data["F"].items()},
+        **{f"attn_l{li}_h{h}": m.numpy() for (li, h), m in data["attention"].items()},
+    )
+    plot_gates(data, tokens, out / "gates.png", title=Path(args.checkpoint).name)
+    plot_gate_values(data["log_fgate"], out / "gate_values.png")
+    summary = {
+        "tokens": len(ids),
+        "mean_gate_per_layer_head": data["log_fgate"].exp().mean(1).tolist(),
+        "maps": [f"layer {li} head {h}" for li, h in data["F"]],
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(json.dumps({"tokens": len(ids), "maps": summary["maps"]}))
+    return summary

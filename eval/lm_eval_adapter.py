@@ -1,0 +1,490 @@
+"""LM-evaluation-harness on an exported checkpoint, through lm-eval's own machinery.
+
+:class:`FoTLM` implements lm-eval's ``TemplateLM`` for any Hugging Face causal LM (tasks,
+prompts, metrics and aggregation are lm-eval's own), with fot's tokenisation rules:
+
+* exactly one BOS (``<|endoftext|>``) in front of every scored sequence: the context of
+  ``loglikelihood`` requests gets it from :meth:`FoTLM.tok_encode`, rolling log-likelihood
+  (wikitext) gets it only from lm-eval's window prefix token (lm-eval's own
+  ``HFLM(add_bos_token=True)`` puts two BOS there, and HFLM needs ``accelerate``);
+* an explicit ``max_length`` (default: the model's configured length) for truncation and
+  rolling windows.
+
+It is registered with lm-eval as model type ``fot`` (``lm_eval --model fot --model_args
+pretrained=DIR``) once :mod:`fot.eval.lm_eval_adapter` is imported.
+
+Offline use. Every standard lm-eval task loads its data from the Hugging Face hub. Either
+
+1. fill the datasets cache once on a machine with internet (``python -m fot.eval lm-eval CKPT
+   --out o`` there, or ``datasets.load_dataset`` of each task's ``dataset_path``), copy
+   ``~/.cache/huggingface`` over and run with ``HF_DATASETS_OFFLINE=1``; or
+2. download each task's dataset repository (``huggingface-cli download --repo-type dataset
+   ORG/NAME --local-dir ROOT/ORG/NAME``; the repository names are the ``dataset_path`` in
+   lm-eval's task YAMLs, printed by ``--list-datasets``) and pass ``--dataset-root ROOT``: each
+   task whose ``ROOT/<dataset_path>`` folder exists reads it from there; or
+3. write your own task YAMLs (``dataset_path: json`` + ``dataset_kwargs.data_files``) and pass
+   their folder with ``--include-path``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import register_model
+
+from .common import (
+    JsonlLog,
+    greedy_generate,
+    hidden_and_head,
+    load_checkpoint,
+    model_logits,
+    model_max_length,
+    pick_device,
+    write_run_config,
+)
+
+PAPER_TASKS = (
+    "wikitext",
+    "lambada_openai",
+    "piqa",
+    "hellaswag",
+    "winogrande",
+    "arc_easy",
+    "arc_challenge",
+    "copa",
+    "openbookqa",
+    "sciq",
+    "boolq",
+)
+"""The FoX paper's zero-shot suite (Table 1)."""
+
+# (column title, task, metric key in lm-eval results, scale) in the paper's Table 1 order.
+TABLE1_COLUMNS = (
+    ("Wiki. ppl↓", "wikitext", "word_perplexity,none", 1.0),
+    ("LMB. ppl↓", "lambada_openai", "perplexity,none", 1.0),
+    ("LMB. acc↑", "lambada_openai", "acc,none", 100.0),
+    ("PIQA acc↑", "piqa", "acc,none", 100.0),
+    ("Hella. acc-n↑", "hellaswag", "acc_norm,none", 100.0),
+    ("Wino. acc↑", "winogrande", "acc,none", 100.0),
+    ("ARC-e acc↑", "arc_easy", "acc,none", 100.0),
+    ("ARC-c acc-n↑", "arc_challenge", "acc_norm,none", 100.0),
+    ("COPA acc↑", "copa", "acc,none", 100.0),
+    ("OBQA acc-n↑", "openbookqa", "acc_norm,none", 100.0),
+    ("SciQA acc↑", "sciq", "acc,none", 100.0),
+    ("BoolQ acc↑", "boolq", "acc,none", 100.0),
+)
+
+
+def make_fot_lm(
+    model: torch.nn.Module | str,
+    tokenizer: Any = None,
+    *,
+    max_length: int | None = None,
+    batch_size: int = 1,
+    bos: bool = True,
+    **kwargs: Any,
+) -> FoTLM:
+    """Build a :class:`FoTLM` around a loaded model or an exported checkpoint folder.
+
+    Args:
+        model: a loaded causal LM, or an exported checkpoint folder.
+        tokenizer: the model's tokenizer (loaded from the folder if ``model`` is a path).
+        max_length: context length for truncation and rolling windows (default: the model's).
+        batch_size: requests per forward pass.
+        bos: put one BOS in front of every scored sequence.
+
+    Returns:
+        An lm-eval ``LM`` ready for ``lm_eval.simple_evaluate``.
+    """
+    return FoTLM(model, tokenizer, max_length=max_length, batch_size=batch_size, bos=bos, **kwargs)
+
+
+@register_model("fot")
+class FoTLM(TemplateLM):
+    """An lm-eval language model for any Hugging Face causal LM, fot's tokenisation rules.
+
+    Implements lm-eval's ``TemplateLM`` (requests, tasks, metrics and aggregation stay
+    lm-eval's) without lm-eval's ``HFLM``, so neither ``accelerate`` nor HFLM's BOS handling
+    is involved:
+
+    * ``loglikelihood``: ``[BOS] context continuation``, left-truncated to ``max_length + 1``
+      tokens; the continuation's log-probabilities are summed.
+    * ``loglikelihood_rolling``: the text's tokens, split by lm-eval's rolling windows of
+      ``max_length`` tokens with BOS as the prefix token: exactly one BOS.
+    * ``generate_until``: greedy decoding (``max_gen_toks``, default 256), cut at ``until``.
+
+    Args:
+        pretrained: a loaded causal LM or an exported checkpoint folder.
+        tokenizer: the tokenizer (loaded from the folder when ``pretrained`` is a path).
+        max_length: context length (default: the model's configured length, else 2048).
+        batch_size: sequences per forward pass.
+        bos: put one BOS in front of every scored sequence (rolling windows always start with
+            BOS, the first token needs a context).
+        device, dtype: used when loading from a folder.
+    """
+
+    def __init__(
+        self,
+        pretrained: Any,
+        tokenizer: Any = None,
+        max_length: int | str | None = None,
+        batch_size: int | str = 1,
+        bos: bool | str = True,
+        device: str | None = None,
+        dtype: str | None = "auto",
+        **_: Any,
+    ) -> None:
+        super().__init__()
+        if isinstance(bos, str):
+            bos = bos.lower() in ("1", "true", "yes")
+        if isinstance(pretrained, (str, Path)):
+            pretrained, tokenizer = load_checkpoint(
+                pretrained, device=pick_device(device), dtype=dtype
+            )
+        if tokenizer is None:
+            raise ValueError("pass the tokenizer together with a loaded model")
+        self.model = pretrained
+        self.tokenizer = tokenizer
+        self.max_length = int(max_length) if max_length else (model_max_length(pretrained) or 2048)
+        self.batch_size = int(batch_size) if str(batch_size) != "auto" else 1
+        if self.max_length < 2 or self.batch_size < 1:
+            raise ValueError(
+                f"max_length ({self.max_length}) must be >= 2 and batch_size "
+                f"({self.batch_size}) >= 1"
+            )
+        self.bos = bool(bos)
+        self._device = next(pretrained.parameters()).device
+
+    @property
+    def eot_token_id(self) -> int:
+        return int(self.tokenizer.eos_token_id)
+
+    @property
+    def prefix_token_id(self) -> int:
+        bos = self.tokenizer.bos_token_id
+        return int(bos if bos is not None else self.tokenizer.eos_token_id)
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def tokenizer_name(self) -> str:
+        return str(getattr(self.tokenizer, "name_or_path", "tokenizer")).replace("/", "__")
+
+    def tok_encode(
+        self,
+        string: str,
+        add_special_tokens: bool | None = None,
+        left_truncate_len: int | None = None,
+        **kwargs: Any,
+    ) -> list[int]:
+        ids = list(self.tokenizer.encode(string, add_special_tokens=False))
+        if self.bos and add_special_tokens is not False:
+            ids = [self.prefix_token_id, *ids]
+        if left_truncate_len:
+            ids = ids[-left_truncate_len:]
+        return ids
+
+    def tok_decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    @torch.no_grad()
+    def _score(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
+        """Sum log p(continuation | context) and greedy-match flag for each pair (one batch)."""
+        rows, spans = [], []
+        for ctx, cont in pairs:
+            if not cont:
+                raise ValueError("empty continuation")
+            full = (ctx + cont)[-(self.max_length + 1) :]
+            inp = full[:-1]
+            n = min(len(cont), len(inp))
+            rows.append(inp)
+            spans.append((len(inp) - n, len(inp), full[-n:]))
+        T = max(len(r) for r in rows)
+        ids = torch.full((len(rows), T), self.eot_token_id, dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, : len(r)] = torch.tensor(r)  # right padding never affects earlier positions
+        ids = ids.to(self.device)
+        split = hidden_and_head(self.model, ids)
+        logits_all = model_logits(self.model, ids) if split is None else None
+        out = []
+        for i, (s, e, target) in enumerate(spans):
+            if split is None:
+                logits = logits_all[i, s:e].float()
+            else:
+                hidden, head = split
+                logits = head(hidden[i, s:e]).float()
+            logp = torch.log_softmax(logits, -1)  # (n, V)
+            tgt = torch.tensor(target, device=logp.device)
+            total = float(logp.gather(-1, tgt[:, None]).sum())
+            greedy = bool((logp.argmax(-1) == tgt).all())
+            out.append((total, greedy))
+        return out
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs: Any):
+        from tqdm.auto import tqdm
+
+        order = sorted(
+            range(len(requests)), key=lambda i: -len(requests[i][1]) - len(requests[i][2])
+        )
+        results: list[tuple[float, bool] | None] = [None] * len(requests)
+        bar = tqdm(total=len(requests), disable=disable_tqdm, desc="loglikelihood")
+        for s in range(0, len(order), self.batch_size):
+            idx = order[s : s + self.batch_size]
+            scored = self._score([(list(requests[i][1]), list(requests[i][2])) for i in idx])
+            for i, res in zip(idx, scored):
+                results[i] = res
+                if requests[i][0] is not None:
+                    self.cache_hook.add_partial("loglikelihood", requests[i][0], res)
+            bar.update(len(idx))
+        bar.close()
+        return results
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        from lm_eval import utils
+
+        windows, owners = [], []
+        for j, (text,) in enumerate(req.args for req in requests):
+            tokens = self.tok_encode(text, add_special_tokens=False)  # BOS comes from windows
+            for ctx, cont in map(
+                utils.make_disjoint_window,
+                utils.get_rolling_token_windows(
+                    token_list=tokens,
+                    prefix_token=self.prefix_token_id,
+                    max_seq_len=self.max_length,
+                    context_len=1,
+                ),
+            ):
+                windows.append((None, ctx, cont))
+                owners.append(j)
+        scored = self._loglikelihood_tokens(windows, disable_tqdm=disable_tqdm)
+        totals = [0.0] * len(requests)
+        for j, (ll, _) in zip(owners, scored):
+            totals[j] += ll
+        for req, total in zip(requests, totals):
+            self.cache_hook.add_partial("loglikelihood_rolling", (req.args[0],), total)
+        return totals
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        from tqdm.auto import tqdm
+
+        outs = []
+        for req in tqdm(requests, disable=disable_tqdm, desc="generate"):
+            context, kwargs = req.args
+            kwargs = dict(kwargs or {})
+            until = kwargs.get("until") or []
+            until = [until] if isinstance(until, str) else list(until)
+            max_gen = int(kwargs.get("max_gen_toks", 256))
+            ids = self.tok_encode(context, left_truncate_len=max(1, self.max_length - max_gen))
+            gen = greedy_generate(
+                self.model,
+                torch.tensor([ids], device=self.device),
+                max_new_tokens=max_gen,
+                eos_token_id=self.eot_token_id,
+            )
+            text = self.tok_decode([t for t in gen if t != self.eot_token_id])
+            for stop in until:
+                if stop:
+                    text = text.split(stop)[0]
+            self.cache_hook.add_partial("generate_until", (context, req.args[1]), text)
+            outs.append(text)
+        return outs
+
+
+def _task_config(task_manager: Any, task: str, *, resolve_func: bool) -> dict[str, Any] | None:
+    """A task's full YAML config (``include:`` resolved), or None for non-YAML tasks."""
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    entry = task_manager.task_index.get(task)
+    if entry is None:
+        raise KeyError(f"lm-eval knows no task {task!r}; check --tasks and --include-path")
+    if not getattr(entry, "yaml_path", None):
+        return None
+    return dict(load_yaml(entry.yaml_path, resolve_func=resolve_func))
+
+
+def _task_dataset_paths(task_manager: Any, tasks: list[str]) -> dict[str, str | None]:
+    """``dataset_path`` of each task's YAML (read without building the task: no download)."""
+    out: dict[str, str | None] = {}
+    for t in tasks:
+        cfg = _task_config(task_manager, t, resolve_func=False)
+        out[t] = cfg.get("dataset_path") if cfg else None
+    return out
+
+
+def table1(results: dict[str, dict[str, Any]]) -> str:
+    """Markdown table in the paper's Table 1 columns; missing tasks show as ``-``.
+
+    The average is over the accuracy columns present (perplexities excluded), as in the paper.
+    """
+    titles, values, accs = [], [], []
+    for title, task, key, scale in TABLE1_COLUMNS:
+        titles.append(title)
+        v = results.get(task, {}).get(key)
+        if isinstance(v, (int, float)):
+            values.append(f"{scale * v:.2f}")
+            if "acc" in key:
+                accs.append(scale * v)
+        else:
+            values.append("-")
+    titles.append("Avg↑")
+    values.append(f"{sum(accs) / len(accs):.2f}" if accs else "-")
+    return "\n".join(
+        [
+            "| " + " | ".join(titles) + " |",
+            "|" + "---|" * len(titles),
+            "| " + " | ".join(values) + " |",
+        ]
+    )
+
+
+def evaluate(
+    lm: Any,
+    tasks: list[str],
+    *,
+    out: Path,
+    include_path: str | None = None,
+    dataset_root: str | None = None,
+    limit: int | None = None,
+    log_samples: bool = False,
+) -> dict[str, dict[str, Any]]:
+    """Run lm-eval task by task (zero-shot), resumable.
+
+    Finished tasks are recorded in ``results.jsonl`` and skipped on restart; inside a task,
+    finished requests are kept in lm-eval's request cache (``lm_cache_rank0.db``).
+
+    Args:
+        lm: an lm-eval ``LM`` (e.g. :func:`make_fot_lm`).
+        tasks: lm-eval task names.
+        out: results folder (``results.jsonl`` per finished task, ``samples_<task>.jsonl``).
+        include_path: extra folder of task YAMLs (local copies).
+        dataset_root: folder of downloaded dataset repositories, ``ROOT/<dataset_path>``.
+        limit: examples per task (smoke runs only: results are not comparable).
+        log_samples: also write per-example outputs.
+
+    Returns:
+        ``{task: {metric: value}}`` for every requested task.
+    """
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+    from tqdm.auto import tqdm
+
+    tm = TaskManager(include_path=include_path) if include_path else TaskManager()
+    log = JsonlLog(out / "results.jsonl")
+    paths = _task_dataset_paths(tm, tasks) if dataset_root else {}
+    for task in tqdm(tasks, desc="lm-eval tasks", unit="task"):
+        if log.done(task):
+            continue
+        spec: str | dict[str, Any] = task
+        local = Path(dataset_root) / paths[task] if dataset_root and paths.get(task) else None
+        if local is not None and local.is_dir():
+            # The task's whole config with only the dataset location changed (an inline
+            # config replaces the registered one, so it must be complete).
+            spec = _task_config(tm, task, resolve_func=True) or {"task": task}
+            spec["dataset_path"] = str(local.resolve())
+        res = lm_eval.simple_evaluate(
+            model=lm,
+            tasks=[spec],
+            num_fewshot=0,
+            limit=limit,
+            task_manager=tm,
+            log_samples=log_samples,
+            bootstrap_iters=0,
+            # Request-level resume inside a task: lm-eval's sqlite cache of finished requests.
+            use_cache=str(out / "lm_cache"),
+        )
+        metrics = {
+            k: v
+            for k, v in res["results"].get(task, {}).items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)
+        }
+        if log_samples and "samples" in res:
+            with (out / f"samples_{task}.jsonl").open("w") as f:
+                for s in res["samples"].get(task, []):
+                    f.write(json.dumps(s, default=str) + "\n")
+        log.append(
+            {"key": task, "metrics": metrics, "n_samples": res.get("n-samples", {}).get(task)}
+        )
+    return {r["key"]: r["metrics"] for r in log if r["key"] in tasks}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", help="exported HF checkpoint folder")
+    p.add_argument(
+        "--tasks",
+        default=",".join(PAPER_TASKS),
+        help="comma-separated lm-eval tasks (default: the paper's zero-shot suite)",
+    )
+    p.add_argument(
+        "--max-length",
+        type=int,
+        default=None,
+        help="context length for truncation/rolling windows (default: model config)",
+    )
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--no-bos", action="store_true", help="score sequences without a BOS token")
+    p.add_argument("--include-path", default=None, help="folder of extra/local task YAMLs")
+    p.add_argument(
+        "--dataset-root",
+        default=None,
+        help="folder of downloaded HF dataset repos, ROOT/<dataset_path> (offline)",
+    )
+    p.add_argument(
+        "--list-datasets",
+        action="store_true",
+        help="print each task's dataset_path (what to download) and exit",
+    )
+    p.add_argument("--limit", type=int, default=None, help="examples per task (smoke runs)")
+    p.add_argument("--log-samples", action="store_true")
+    p.add_argument("--out", required=True, help="results folder (resumes if it exists)")
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default="auto")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if args.list_datasets:
+        from lm_eval.tasks import TaskManager
+
+        tm = TaskManager(include_path=args.include_path) if args.include_path else TaskManager()
+        paths = _task_dataset_paths(tm, tasks)
+        print(json.dumps(paths, indent=2))
+        return paths
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model, tokenizer = load_checkpoint(
+        args.checkpoint, device=pick_device(args.device), dtype=args.dtype
+    )
+    write_run_config(out, "lm-eval", vars(args), args.checkpoint)
+    lm = make_fot_lm(
+        model,
+        tokenizer,
+        max_length=args.max_length,
+        batch_size=args.batch_size,
+        bos=not args.no_bos,
+    )
+    results = evaluate(
+        lm,
+        tasks,
+        out=out,
+        include_path=args.include_path,
+        dataset_root=args.dataset_root,
+        limit=args.limit,
+        log_samples=args.log_samples,
+    )
+    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    with (out / "results.csv").open("w") as f:
+        f.write("task,metric,value\n")
+        for task, metrics in results.items():
+            for key, value in metrics.items():
+                f.write(f"{task},{key},{value}\n")
+    table = table1(results)
+    (out / "table1.md").write_text(table + "\n")
+    print(table)
+    return results

@@ -1,0 +1,345 @@
+"""LongBench: the FoX paper's 14 English tasks (paper Table 2), from local jsonl files.
+
+Input: a folder with one ``<task>.jsonl`` per task in LongBench's own format (the files of
+LongBench's ``data.zip``; each line has ``input``, ``context``, ``answers`` (list),
+``all_classes`` and ``_id``). Fetch them once on a machine with internet, e.g.
+``datasets.load_dataset("THUDM/LongBench", task, split="test").to_json(f"{task}.jsonl")``
+or unzip LongBench's ``data.zip``, then copy the folder.
+
+Per example: the task's prompt template is filled, the tokenized prompt is truncated in the
+middle (first and last halves kept) to ``--max-length`` tokens, the model decodes greedily for
+the task's generation length, and the official metric scores the prediction against every
+reference (max). Few-shot tasks (TREC, TriviaQA, SAMSum) are scored on the first line of the
+prediction, as in LongBench. Prompt templates are written for fot from each task's definition
+(instruction wording is ours; the few-shot and code layouts follow the data format).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .common import (
+    JsonlLog,
+    eot_id,
+    greedy_generate,
+    load_checkpoint,
+    model_max_length,
+    pick_device,
+    write_run_config,
+)
+from .metrics import best_score
+
+
+@dataclass(frozen=True)
+class Task:
+    """One LongBench task: display name, group, prompt template, generation length, metric."""
+
+    name: str
+    group: str
+    template: str
+    max_new_tokens: int
+    metric: str
+    first_line: bool = False
+
+
+_QA_TAIL = "Answer with as few words as possible, a single phrase if you can, and no explanation."
+
+TASKS: dict[str, Task] = {
+    "narrativeqa": Task(
+        "NarrativeQA",
+        "Single-Document QA",
+        "Below is a story (from a novel or a film script), followed by a question about it. "
+        f"{_QA_TAIL}\n\nStory: {{context}}\n\nAnswer the question about the story above. "
+        f"{_QA_TAIL}\n\nQuestion: {{input}}\n\nAnswer:",
+        128,
+        "qa_f1",
+    ),
+    "qasper": Task(
+        "Qasper",
+        "Single-Document QA",
+        "Below is a scientific paper, followed by a question about it. Answer in as few words "
+        "as possible, a single phrase or sentence if you can. If the paper does not answer the "
+        'question, reply "unanswerable". For a yes/no question, reply "yes", "no" or '
+        '"unanswerable". Give no explanation.\n\nPaper: {context}\n\nUsing the paper above, '
+        'answer the question with the same rules: as briefly as possible, "unanswerable" if '
+        'the paper does not say, "yes"/"no" for yes/no questions, no explanation.\n\n'
+        "Question: {input}\n\nAnswer:",
+        128,
+        "qa_f1",
+    ),
+    "multifieldqa_en": Task(
+        "MultiFieldQA-en",
+        "Single-Document QA",
+        "Read the text below and answer the question that follows it.\n\n{context}\n\nAnswer "
+        "the question using the text above. Reply with the answer only and nothing else.\n\n"
+        "Question: {input}\nAnswer:",
+        64,
+        "qa_f1",
+    ),
+    "hotpotqa": Task(
+        "HotpotQA",
+        "Multi-Document QA",
+        "Answer the question using the passages below. Reply with the answer only and nothing "
+        "else.\n\nThe passages:\n{context}\n\nAnswer the question using the passages above. "
+        "Reply with the answer only and nothing else.\n\nQuestion: {input}\nAnswer:",
+        32,
+        "qa_f1",
+    ),
+    "2wikimqa": Task(
+        "2WikiMQA",
+        "Multi-Document QA",
+        "Answer the question using the passages below. Reply with the answer only and nothing "
+        "else.\n\nThe passages:\n{context}\n\nAnswer the question using the passages above. "
+        "Reply with the answer only and nothing else.\n\nQuestion: {input}\nAnswer:",
+        32,
+        "qa_f1",
+    ),
+    "musique": Task(
+        "MuSiQue",
+        "Multi-Document QA",
+        "Answer the question using the passages below. Reply with the answer only and nothing "
+        "else.\n\nThe passages:\n{context}\n\nAnswer the question using the passages above. "
+        "Reply with the answer only and nothing else.\n\nQuestion: {input}\nAnswer:",
+        32,
+        "qa_f1",
+    ),
+    "gov_report": Task(
+        "GovReport",
+        "Summarization",
+        "Below is a report written by a government agency. Summarize the whole report.\n\n"
+        "Report:\n{context}\n\nSummary of the report:",
+        512,
+        "rouge_l",
+    ),
+    "qmsum": Task(
+        "QMSum",
+        "Summarization",
+        "Below is the transcript of a meeting, followed by a request. Answer the request in one "
+        "or more sentences.\n\nTranscript:\n{context}\n\nAnswer the request about the meeting "
+        "above in one or more sentences.\n\nRequest: {input}\nAnswer:",
+        512,
+        "rouge_l",
+    ),
+    "multi_news": Task(
+        "MultiNews",
+        "Summarization",
+        "Below are several news articles on the same story. Summarize all of them together.\n\n"
+        "{context}\n\nSummary of all the articles:",
+        512,
+        "rouge_l",
+    ),
+    "trec": Task(
+        "TREC",
+        "Few-shot Learning",
+        "Classify the question below into its question type. Examples of questions with their "
+        "types come first.\n\n{context}\n{input}",
+        64,
+        "classification",
+        first_line=True,
+    ),
+    "triviaqa": Task(
+        "TriviaQA",
+        "Few-shot Learning",
+        "Answer the question from the passage. Reply with the answer only. Examples come "
+        "first.\n\n{context}\n\n{input}",
+        32,
+        "qa_f1",
+        first_line=True,
+    ),
+    "samsum": Task(
+        "SAMSum",
+        "Few-shot Learning",
+        "Summarize the dialogue in a few short sentences. Examples come first.\n\n{context}\n\n"
+        "{input}",
+        128,
+        "rouge_l",
+        first_line=True,
+    ),
+    "lcc": Task(
+        "LCC",
+        "Code Completion",
+        "Complete the code below.\n{context}Next line of code:\n",
+        64,
+        "code_sim",
+    ),
+    "repobench-p": Task(
+        "RepoBench-P",
+        "Code Completion",
+        "Complete the code below.\n{context}{input}Next line of code:\n",
+        64,
+        "code_sim",
+    ),
+}
+"""The paper's 14 English tasks, in Table 2 order."""
+
+
+def format_prompt(task: str, example: dict[str, Any]) -> str:
+    """Fill the task's template with an example's ``context`` and ``input``."""
+    if task not in TASKS:
+        raise ValueError(f"unknown LongBench task {task!r}; choose from {list(TASKS)}")
+    return TASKS[task].template.format(
+        context=example.get("context", ""), input=example.get("input", "")
+    )
+
+
+def truncate_middle(ids: list[int], max_length: int) -> list[int]:
+    """Keep the first ``max_length // 2`` and last ``max_length - max_length // 2`` tokens."""
+    if max_length < 2:
+        raise ValueError(f"max_length must be >= 2, got {max_length}")
+    if len(ids) <= max_length:
+        return list(ids)
+    half = max_length // 2
+    return list(ids[:half]) + list(ids[len(ids) - (max_length - half) :])
+
+
+def postprocess(task: str, prediction: str) -> str:
+    """First line for few-shot tasks (LongBench), the text unchanged otherwise."""
+    if TASKS[task].first_line:
+        return prediction.lstrip("\n").split("\n")[0]
+    return prediction
+
+
+def score_example(task: str, prediction: str, example: dict[str, Any]) -> float:
+    """Score in [0, 1]: the task's metric, max over ``example["answers"]``."""
+    answers = example.get("answers")
+    if isinstance(answers, str):
+        answers = [answers]
+    if not answers:
+        raise ValueError(f"{task} example {example.get('_id')} has no answers")
+    return best_score(
+        TASKS[task].metric, postprocess(task, prediction), answers, example.get("all_classes") or ()
+    )
+
+
+def read_jsonl(path: Path, limit: int | None = None) -> list[dict[str, Any]]:
+    """Examples of one task file (first ``limit`` only if given)."""
+    rows = []
+    with path.open() as f:
+        for line in f:
+            if line.strip():
+                rows.append(json.loads(line))
+                if limit and len(rows) >= limit:
+                    break
+    return rows
+
+
+def summary_table(scores: dict[str, float]) -> str:
+    """Markdown table in the paper's Table 2 layout (groups, task columns, average)."""
+    tasks = [t for t in TASKS if t in scores]
+    groups: list[tuple[str, int]] = []
+    for t in tasks:
+        g = TASKS[t].group
+        if groups and groups[-1][0] == g:
+            groups[-1] = (g, groups[-1][1] + 1)
+        else:
+            groups.append((g, 1))
+    head = "| " + " | ".join(f"{g} ({n})" for g, n in groups) + " | |"
+    names = "| " + " | ".join(TASKS[t].name for t in tasks) + " | Avg |"
+    sep = "|" + "---|" * (len(tasks) + 1)
+    avg = float(np.mean([scores[t] for t in tasks])) if tasks else float("nan")
+    vals = "| " + " | ".join(f"{scores[t]:.2f}" for t in tasks) + f" | {avg:.2f} |"
+    return "\n".join([head, names, sep, vals])
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", help="exported HF checkpoint folder")
+    p.add_argument(
+        "--data-dir",
+        required=True,
+        help="folder with <task>.jsonl files in LongBench format (see module docs)",
+    )
+    p.add_argument(
+        "--tasks",
+        default=",".join(TASKS),
+        help=f"comma-separated tasks (default: the 14 of the paper: {','.join(TASKS)})",
+    )
+    p.add_argument(
+        "--max-length",
+        type=int,
+        default=None,
+        help="prompt token budget, middle-truncated (default: the model's length "
+        "minus the task's generation length)",
+    )
+    p.add_argument("--limit", type=int, default=None, help="examples per task (for smoke runs)")
+    p.add_argument("--no-bos", action="store_true", help="do not start prompts with BOS")
+    p.add_argument("--out", required=True, help="results folder (resumes if it exists)")
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default="auto")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from tqdm.auto import tqdm
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    unknown = [t for t in tasks if t not in TASKS]
+    if unknown:
+        raise ValueError(f"unknown LongBench tasks {unknown}; choose from {list(TASKS)}")
+    data_dir = Path(args.data_dir)
+    missing = [t for t in tasks if not (data_dir / f"{t}.jsonl").is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"{data_dir} lacks {[f'{t}.jsonl' for t in missing]}; see "
+            "`python -m fot.eval longbench --help` for how to get them"
+        )
+    model, tokenizer = load_checkpoint(
+        args.checkpoint, device=pick_device(args.device), dtype=args.dtype
+    )
+    write_run_config(out, "longbench", vars(args), args.checkpoint)
+    device = next(model.parameters()).device
+    model_len = model_max_length(model)
+    eos = tokenizer.eos_token_id
+    bos = [] if args.no_bos else [eot_id(tokenizer)]
+    scores: dict[str, float] = {}
+    for task in tasks:
+        spec = TASKS[task]
+        budget = args.max_length or (
+            (model_len - spec.max_new_tokens - len(bos)) if model_len else None
+        )
+        if budget is None:
+            raise ValueError("the model config has no max_position_embeddings: pass --max-length")
+        examples = read_jsonl(data_dir / f"{task}.jsonl", args.limit)
+        log = JsonlLog(out / f"pred_{task}.jsonl")
+        for i, ex in enumerate(tqdm(examples, desc=f"longbench {task}", unit="ex")):
+            key = ex.get("_id", i)
+            if log.done(key):
+                continue
+            ids = bos + truncate_middle(
+                tokenizer.encode(format_prompt(task, ex), add_special_tokens=False), budget
+            )
+            gen = greedy_generate(
+                model,
+                torch.tensor([ids], device=device),
+                max_new_tokens=spec.max_new_tokens,
+                eos_token_id=eos,
+            )
+            pred = tokenizer.decode([t for t in gen if t != eos], skip_special_tokens=True)
+            log.append(
+                {
+                    "key": key,
+                    "prompt_tokens": len(ids),
+                    "prediction": pred,
+                    "answers": ex.get("answers"),
+                    "score": score_example(task, pred, ex),
+                }
+            )
+        keys = {str(ex.get("_id", i)) for i, ex in enumerate(examples)}
+        task_scores = [r["score"] for r in log if str(r["key"]) in keys]
+        scores[task] = 100.0 * float(np.mean(task_scores)) if task_scores else float("nan")
+    table = summary_table(scores)
+    (out / "scores.json").write_text(json.dumps(scores, indent=2) + "\n")
+    (out / "table2.md").write_text(table + "\n")
+    with (out / "scores.csv").open("w") as f:
+        f.write("task,name,group,metric,score\n")
+        for t, s in scores.items():
+            f.write(f"{t},{TASKS[t].name},{TASKS[t].group},{TASKS[t].metric},{s:.4f}\n")
+    print(table)
+    return scores

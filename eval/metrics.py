@@ -1,0 +1,131 @@
+"""LongBench's metrics, written from their definitions (no GPL dependency).
+
+* :func:`qa_f1` -- token-level F1 after SQuAD-style normalisation (lower case, no punctuation,
+  no articles, single spaces).
+* :func:`rouge_l` -- ROUGE-L F-measure (``rouge-score`` package; LongBench uses the ``rouge``
+  package, whose tokenisation differs slightly: scores agree to within about a point).
+* :func:`classification_score` -- which class names appear in the prediction; a class that is
+  a strict substring of the true class does not count; score ``1 / #matches`` if the true
+  class is among the matches.
+* :func:`code_similarity` -- first line of the prediction that is not a comment/fence, compared
+  to the reference with :func:`fuzzy_ratio`.
+* :func:`fuzzy_ratio` -- ``round(100 * 2 * LCS / (len(a) + len(b)))`` with LCS the longest common
+  character subsequence: the normalised Indel similarity that ``fuzz.ratio`` computes.
+"""
+
+from __future__ import annotations
+
+import re
+import string
+from collections import Counter
+from collections.abc import Sequence
+
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_PUNCT = set(string.punctuation)
+
+
+def normalize_answer(text: str) -> str:
+    """Lower-case, drop ASCII punctuation and the articles a/an/the, collapse whitespace."""
+    text = "".join(ch for ch in text.lower() if ch not in _PUNCT)
+    text = _ARTICLES.sub(" ", text)
+    return " ".join(text.split())
+
+
+def token_f1(prediction_tokens: Sequence[str], reference_tokens: Sequence[str]) -> float:
+    """F1 of the multiset overlap of two token lists (0 when nothing overlaps)."""
+    common = Counter(prediction_tokens) & Counter(reference_tokens)
+    same = sum(common.values())
+    if same == 0:
+        return 0.0
+    precision = same / len(prediction_tokens)
+    recall = same / len(reference_tokens)
+    return 2 * precision * recall / (precision + recall)
+
+
+def qa_f1(prediction: str, reference: str, **_: object) -> float:
+    """Token F1 between normalised prediction and reference (LongBench ``qa_f1_score``)."""
+    return token_f1(normalize_answer(prediction).split(), normalize_answer(reference).split())
+
+
+def rouge_l(prediction: str, reference: str, **_: object) -> float:
+    """ROUGE-L F-measure in [0, 1] (0 for an empty prediction or reference)."""
+    from rouge_score import rouge_scorer
+
+    if not prediction.strip() or not reference.strip():
+        return 0.0
+    scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=False)
+    return float(scorer.score(reference, prediction)["rougeL"].fmeasure)
+
+
+def classification_score(
+    prediction: str, reference: str, *, all_classes: Sequence[str], **_: object
+) -> float:
+    """LongBench's classification score (e.g. TREC question types).
+
+    Args:
+        prediction: generated text.
+        reference: the true class name.
+        all_classes: every class name of the task.
+    """
+    if not all_classes:
+        raise ValueError("classification_score needs the task's class names (all_classes)")
+    matches = [c for c in all_classes if c in prediction]
+    matches = [c for c in matches if not (c in reference and c != reference)]
+    return 1.0 / len(matches) if reference in matches else 0.0
+
+
+def _lcs_length(a: str, b: str) -> int:
+    if len(a) < len(b):
+        a, b = b, a
+    prev = [0] * (len(b) + 1)
+    for ch in a:
+        cur = [0]
+        for j, bj in enumerate(b):
+            cur.append(prev[j] + 1 if ch == bj else max(prev[j + 1], cur[j]))
+        prev = cur
+    return prev[-1]
+
+
+def fuzzy_ratio(a: str, b: str) -> int:
+    """Similarity 0--100: ``round(100 * 2 * LCS(a, b) / (len(a) + len(b)))``.
+
+    Identical strings give 100 (two empty strings included); one empty string gives 0.
+    """
+    if a == b:
+        return 100
+    if not a or not b:
+        return 0
+    return round(100.0 * 2 * _lcs_length(a, b) / (len(a) + len(b)))
+
+
+def code_similarity(prediction: str, reference: str, **_: object) -> float:
+    """LongBench ``code_sim_score``: fuzzy ratio of the first non-comment line, in [0, 1]."""
+    line = ""
+    for candidate in prediction.lstrip("\n").split("\n"):
+        if "`" not in candidate and "#" not in candidate and "//" not in candidate:
+            line = candidate
+            break
+    return fuzzy_ratio(line, reference) / 100.0
+
+
+METRICS = {
+    "qa_f1": qa_f1,
+    "rouge_l": rouge_l,
+    "classification": classification_score,
+    "code_sim": code_similarity,
+}
+
+
+def best_score(
+    metric: str,
+    prediction: str,
+    references: Sequence[str],
+    all_classes: Sequence[str] | None = None,
+) -> float:
+    """Max of ``metric`` over the references (LongBench scores against every answer)."""
+    if metric not in METRICS:
+        raise ValueError(f"unknown metric {metric!r}; choose from {sorted(METRICS)}")
+    if not references:
+        raise ValueError("no reference answers")
+    fn = METRICS[metric]
+    return max(fn(prediction, ref, all_classes=all_classes or ()) for ref in references)

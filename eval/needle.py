@@ -1,0 +1,522 @@
+"""Needle in a haystack and passkey retrieval, scored objectively (paper Fig. 6, App. B.3).
+
+Modes:
+
+* ``easy`` -- the needle holds both the question and its answer ("Question: ... Answer: ...");
+  the prompt ends with the same question, so the model only has to find and copy (the paper's
+  easy mode, which suits base models that were never instruction-tuned).
+* ``standard`` -- the needle is the answer sentence alone; the prompt ends with the question.
+* ``passkey`` -- a random 5-digit key hidden in filler text; the prompt asks for it.
+
+A prompt of exactly ``context_length`` tokens is built in token space: prefix, haystack cut to
+fit, needle inserted at ``depth`` percent of the haystack (moved back to the closest sentence or
+line end nearby), then the question. Generation is greedy.
+
+Scoring (no judge model): key-phrase recall (case-insensitive substring match of the needle's
+key phrases) and ROUGE-L recall of the reference answer, mapped to 1--10 like the paper's
+GPT-4o rubric: 10 when every key phrase is present, else ``1 + 9 * (kp + rouge) / 2``. Passkey:
+10 if the key appears in the answer, else 1.
+
+Haystack text: the offline sample corpus by default; ``--haystack`` takes text files or folders
+of ``.txt`` files (e.g. PG19 books: point it at a folder of PG19 ``.txt`` files).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .common import (
+    JsonlLog,
+    eot_id,
+    greedy_generate,
+    load_checkpoint,
+    model_max_length,
+    parse_float_list,
+    parse_int_list,
+    pick_device,
+    use_agg_backend,
+    write_run_config,
+)
+
+MODES = ("easy", "standard", "passkey")
+
+
+@dataclass(frozen=True)
+class Needle:
+    """A fact to hide and how to ask for it.
+
+    Attributes:
+        answer: the fact, as one sentence (also the reference answer for ROUGE-L).
+        question: the question whose answer is the fact.
+        key_phrases: phrases a correct answer must contain.
+    """
+
+    answer: str
+    question: str
+    key_phrases: tuple[str, ...] = field(default_factory=tuple)
+
+
+DEFAULT_NEEDLE = Needle(
+    answer="The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on "
+    "a sunny day.",
+    question="What is the best thing to do in San Francisco?",
+    key_phrases=("sandwich", "Dolores Park"),
+)
+
+_PASSKEY_FILLER = (
+    "The river runs past the old mill. The hills are quiet in the evening. Birds circle over "
+    "the fields and come back again. "
+)
+
+
+@dataclass
+class NeedlePrompt:
+    """A built prompt and where its needle sits.
+
+    Attributes:
+        input_ids: the prompt token ids (length == context length).
+        needle_start, needle_end: token span of the needle in ``input_ids``.
+        haystack_start, haystack_len: token span of the haystack (needle excluded).
+        depth: requested depth in percent; ``actual_depth``: realised depth in percent.
+        reference: expected answer text; ``key_phrases``: phrases that must appear.
+    """
+
+    input_ids: list[int]
+    needle_start: int
+    needle_end: int
+    haystack_start: int
+    haystack_len: int
+    depth: float
+    actual_depth: float
+    reference: str
+    key_phrases: tuple[str, ...]
+
+
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _boundary_ids(tokenizer: Any) -> set[int]:
+    """Token ids whose text ends a sentence or line (where a needle may be inserted after)."""
+    cache = getattr(tokenizer, "_fot_boundary_ids", None)
+    if cache is not None:
+        return cache
+    ids = set()
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    for tok, i in vocab.items():
+        text = tokenizer.convert_tokens_to_string([tok])
+        if text.rstrip(" ").endswith((".", "!", "?", "\n")):
+            ids.add(i)
+    with contextlib.suppress(AttributeError):  # some tokenizers refuse new attributes
+        tokenizer._fot_boundary_ids = ids
+    return ids
+
+
+def needle_texts(
+    mode: str, needle: Needle, passkey: str | None = None
+) -> tuple[str, str, str, str, tuple[str, ...]]:
+    """The text pieces of a prompt: ``(prefix, needle, suffix, reference, key_phrases)``."""
+    if mode == "easy":
+        return (
+            "",
+            f" Question: {needle.question} Answer: {needle.answer}\n",
+            f"\n\nQuestion: {needle.question} Answer:",
+            needle.answer,
+            needle.key_phrases,
+        )
+    if mode == "standard":
+        return (
+            "",
+            f" {needle.answer}\n",
+            f"\n\nRead the text above and answer the question.\nQuestion: {needle.question}"
+            "\nAnswer:",
+            needle.answer,
+            needle.key_phrases,
+        )
+    if mode == "passkey":
+        if passkey is None:
+            raise ValueError("passkey mode needs a passkey")
+        return (
+            "Somewhere in the long text below is a pass key. Find it and remember it: you "
+            "will be asked for it at the end.\n",
+            f" The pass key is {passkey}. Remember it: {passkey} is the pass key.\n",
+            "\n\nWhat is the pass key? The pass key is",
+            passkey,
+            (passkey,),
+        )
+    raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+
+
+def build_prompt(
+    tokenizer: Any,
+    haystack_ids: Sequence[int],
+    *,
+    context_length: int,
+    depth: float,
+    mode: str = "easy",
+    needle: Needle = DEFAULT_NEEDLE,
+    passkey: str | None = None,
+    bos_id: int | None = None,
+    snap_tokens: int | None = None,
+) -> NeedlePrompt:
+    """Build one needle prompt of exactly ``context_length`` tokens.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer.
+        haystack_ids: haystack token ids (repeated if shorter than needed).
+        context_length: total prompt length in tokens (BOS included).
+        depth: needle position in percent of the haystack (0 = start, 100 = end).
+        mode: ``easy``, ``standard`` or ``passkey``.
+        needle: the fact for ``easy``/``standard``.
+        passkey: the key for ``passkey`` mode.
+        bos_id: token put first (e.g. ``<|endoftext|>``), or None.
+        snap_tokens: how far back the needle may move to land after a sentence/line end
+            (default ``max(16, 1% of the haystack)``).
+
+    Returns:
+        The prompt with the needle's token span.
+    """
+    if not 0.0 <= depth <= 100.0:
+        raise ValueError(f"depth must be a percentage in [0, 100], got {depth}")
+    prefix, needle_text, suffix, reference, keys = needle_texts(mode, needle, passkey)
+    prefix_ids = ([bos_id] if bos_id is not None else []) + _encode(tokenizer, prefix)
+    needle_ids, suffix_ids = _encode(tokenizer, needle_text), _encode(tokenizer, suffix)
+    budget = context_length - len(prefix_ids) - len(needle_ids) - len(suffix_ids)
+    if budget < 1:
+        raise ValueError(
+            f"context_length {context_length} leaves no room for a haystack (prompt pieces take "
+            f"{context_length - budget} tokens); use a longer context length"
+        )
+    if len(haystack_ids) == 0:
+        raise ValueError("haystack is empty")
+    reps = -(-budget // len(haystack_ids))
+    hay = (list(haystack_ids) * reps)[:budget]
+    point = int(depth / 100.0 * budget)  # floor: the needle never lands past the depth
+    snap = snap_tokens if snap_tokens is not None else max(16, budget // 100)
+    if 0 < point < budget:
+        bounds = _boundary_ids(tokenizer)
+        for j in range(point, max(point - snap, 0), -1):
+            if hay[j - 1] in bounds:
+                point = j
+                break
+    ids = prefix_ids + hay[:point] + needle_ids + hay[point:] + suffix_ids
+    start = len(prefix_ids) + point
+    return NeedlePrompt(
+        input_ids=ids,
+        needle_start=start,
+        needle_end=start + len(needle_ids),
+        haystack_start=len(prefix_ids),
+        haystack_len=budget,
+        depth=depth,
+        actual_depth=100.0 * point / budget,
+        reference=reference,
+        key_phrases=keys,
+    )
+
+
+def _normalize(text: str) -> str:
+    return " ".join(text.lower().split())
+
+
+def score_response(
+    response: str, reference: str, key_phrases: Sequence[str], *, mode: str = "easy"
+) -> dict[str, float]:
+    """Objective 1--10 score of a needle answer.
+
+    Args:
+        response: the generated text (only its first non-empty line is scored).
+        reference: the expected answer.
+        key_phrases: phrases that a correct answer contains.
+        mode: ``passkey`` scores exact key presence only.
+
+    Returns:
+        ``{"score": 1..10, "keyphrase_recall": 0..1, "rouge_l_recall": 0..1, "correct": 0/1}``.
+    """
+    from rouge_score import rouge_scorer
+
+    lines = [ln for ln in response.strip().split("\n") if ln.strip()]
+    answer = lines[0] if lines else ""
+    norm = _normalize(answer)
+    if mode == "passkey":
+        found = float(bool(key_phrases) and all(k in answer for k in key_phrases))
+        return {
+            "score": 1.0 + 9.0 * found,
+            "keyphrase_recall": found,
+            "rouge_l_recall": found,
+            "correct": found,
+        }
+    kp = sum(_normalize(k) in norm for k in key_phrases) / len(key_phrases) if key_phrases else 0.0
+    scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=False)
+    rouge = scorer.score(reference, answer)["rougeL"].recall if answer else 0.0
+    good = 1.0 if key_phrases and kp == 1.0 else 0.5 * kp + 0.5 * rouge
+    return {
+        "score": round(1.0 + 9.0 * good, 3),
+        "keyphrase_recall": kp,
+        "rouge_l_recall": rouge,
+        "correct": float(kp == 1.0),
+    }
+
+
+def load_haystack_text(paths: Sequence[str] | None, max_chars: int) -> str:
+    """Haystack text: files/folders of ``.txt`` (e.g. PG19 books) or the sample corpus."""
+    pieces: list[str] = []
+    total = 0
+    if paths:
+        files: list[Path] = []
+        for p in map(Path, paths):
+            if p.is_dir():
+                files.extend(sorted(p.rglob("*.txt")))
+            elif p.is_file():
+                files.append(p)
+            else:
+                raise FileNotFoundError(f"--haystack {str(p)!r} is neither a file nor a folder")
+        if not files:
+            raise ValueError(f"--haystack {list(paths)} holds no .txt files")
+        texts = (f.read_text(encoding="utf-8", errors="replace") for f in files)
+    else:
+        from fot.data.sample import sample_texts
+
+        texts = iter(sample_texts())
+    for t in texts:
+        pieces.append(t)
+        total += len(t)
+        if total >= max_chars:
+            break
+    return "\n\n".join(pieces)[:max_chars]
+
+
+def plot_heatmap(
+    records: Sequence[dict[str, Any]],
+    out_file: Path,
+    *,
+    train_length: int | None = None,
+    title: str = "",
+) -> Path:
+    """Heatmap of the mean score over (context length x depth), training length marked."""
+    use_agg_backend()
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import LinearSegmentedColormap
+
+    lengths = sorted({int(r["context_length"]) for r in records})
+    depths = sorted({float(r["depth"]) for r in records})
+    grid = np.full((len(depths), len(lengths)), np.nan)
+    for i, d in enumerate(depths):
+        for j, L in enumerate(lengths):
+            s = [
+                r["score"]
+                for r in records
+                if int(r["context_length"]) == L and float(r["depth"]) == d
+            ]
+            if s:
+                grid[i, j] = float(np.mean(s))
+    cmap = LinearSegmentedColormap.from_list("needle", ["#F0496E", "#EBB839", "#0CD79F"])
+    fig, ax = plt.subplots(
+        figsize=(max(5, 0.7 * len(lengths) + 2), max(3, 0.35 * len(depths) + 1.5))
+    )
+    im = ax.imshow(grid, cmap=cmap, vmin=1, vmax=10, aspect="auto")
+    ax.set_xticks(
+        range(len(lengths)),
+        [f"{L // 1024}k" if L >= 1024 else str(L) for L in lengths],
+        rotation=45,
+    )
+    ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths])
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("needle depth (%)")
+    if train_length and lengths[0] <= train_length < lengths[-1]:
+        # between the last length <= training length and the next one
+        x = np.searchsorted(np.asarray(lengths), train_length, side="right") - 0.5
+        ax.axvline(x, color="white", lw=2, ls="--")
+        ax.set_xlabel(f"context length (tokens); dashed line: training length {train_length}")
+    fig.colorbar(im, ax=ax, label="score (1-10)")
+    if title:
+        ax.set_title(title, pad=14)
+    fig.tight_layout()
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_file, dpi=130)
+    plt.close(fig)
+    return out_file
+
+
+def run_grid(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    *,
+    lengths: Sequence[int],
+    depths: Sequence[float],
+    mode: str,
+    log: JsonlLog,
+    haystack_ids: Sequence[int],
+    repeats: int = 1,
+    max_new_tokens: int = 32,
+    needle: Needle = DEFAULT_NEEDLE,
+    bos_id: int | None = None,
+    seed: int = 0,
+    progress: bool = True,
+) -> list[dict[str, Any]]:
+    """Run every (length, depth, repeat) cell not yet in ``log``; return all records."""
+    from tqdm.auto import tqdm
+
+    device = next(model.parameters()).device
+    cells = [(L, d, r) for L in lengths for d in depths for r in range(repeats)]
+    todo = [c for c in cells if not log.done(f"{c[0]}:{c[1]:g}:{c[2]}")]
+    eos = tokenizer.eos_token_id
+    for L, d, r in tqdm(
+        todo,
+        disable=not progress,
+        desc=f"needle ({mode})",
+        unit="cell",
+        initial=len(cells) - len(todo),
+        total=len(cells),
+    ):
+        rng = random.Random(f"{seed}:{L}:{d}:{r}")
+        passkey = str(rng.randint(10000, 99999)) if mode == "passkey" else None
+        # different repeats read the haystack from a different offset
+        off = rng.randrange(len(haystack_ids)) if r else 0
+        hay = list(haystack_ids[off:]) + list(haystack_ids[:off])
+        prompt = build_prompt(
+            tokenizer,
+            hay,
+            context_length=L,
+            depth=d,
+            mode=mode,
+            needle=needle,
+            passkey=passkey,
+            bos_id=bos_id,
+        )
+        ids = torch.tensor([prompt.input_ids], dtype=torch.long, device=device)
+        gen = greedy_generate(model, ids, max_new_tokens=max_new_tokens, eos_token_id=eos)
+        response = tokenizer.decode([t for t in gen if t != eos], skip_special_tokens=True)
+        scores = score_response(response, prompt.reference, prompt.key_phrases, mode=mode)
+        log.append(
+            {
+                "key": f"{L}:{d:g}:{r}",
+                "mode": mode,
+                "context_length": L,
+                "depth": d,
+                "repeat": r,
+                "actual_depth": prompt.actual_depth,
+                "needle_start": prompt.needle_start,
+                "response": response,
+                "reference": prompt.reference,
+                **scores,
+            }
+        )
+    keys = {f"{c[0]}:{c[1]:g}:{c[2]}" for c in cells}
+    return [rec for rec in log if rec["key"] in keys]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", help="exported HF checkpoint folder")
+    p.add_argument("--mode", choices=MODES, default="easy")
+    p.add_argument(
+        "--lengths",
+        default="1k,2k,4k,8k,16k,32k",
+        help="context lengths in tokens, comma separated (k = 1024)",
+    )
+    p.add_argument(
+        "--depths",
+        default="0,10,20,30,40,50,60,70,80,90,100",
+        help="needle depths in percent, comma separated",
+    )
+    p.add_argument("--repeats", type=int, default=1, help="prompts per cell (different offsets)")
+    p.add_argument(
+        "--haystack",
+        nargs="*",
+        default=None,
+        help="text files or folders of .txt (e.g. PG19 books); default: the offline sample corpus",
+    )
+    p.add_argument(
+        "--max-new-tokens", type=int, default=None, help="generated tokens (default 32, passkey 8)"
+    )
+    p.add_argument("--needle", default=None, help="custom needle sentence (with --question)")
+    p.add_argument("--question", default=None)
+    p.add_argument("--key-phrases", default=None, help="comma-separated key phrases")
+    p.add_argument("--no-bos", action="store_true", help="do not start prompts with BOS")
+    p.add_argument(
+        "--train-length",
+        type=str,
+        default=None,
+        help="training length marked on the heatmap (default: model config)",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True, help="results folder (resumes if it exists)")
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default="auto")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    lengths, depths = parse_int_list(args.lengths), parse_float_list(args.depths)
+    if not lengths or not depths:
+        raise ValueError("--lengths and --depths must each list at least one value")
+    needle = DEFAULT_NEEDLE
+    if args.needle or args.question:
+        if not (args.needle and args.question):
+            raise ValueError("--needle and --question must be given together")
+        keys = tuple(k.strip() for k in (args.key_phrases or "").split(",") if k.strip())
+        needle = Needle(args.needle, args.question, keys)
+    model, tokenizer = load_checkpoint(
+        args.checkpoint, device=pick_device(args.device), dtype=args.dtype
+    )
+    write_run_config(out, "needle", vars(args), args.checkpoint)
+    max_chars = 8 * max(lengths) + 10_000
+    text = (
+        (_PASSKEY_FILLER * (max_chars // len(_PASSKEY_FILLER) + 1))[:max_chars]
+        if (args.mode == "passkey" and not args.haystack)
+        else load_haystack_text(args.haystack, max_chars)
+    )
+    haystack_ids = _encode(tokenizer, text)
+    log = JsonlLog(out / f"needle_{args.mode}.jsonl")
+    records = run_grid(
+        model,
+        tokenizer,
+        lengths=lengths,
+        depths=depths,
+        mode=args.mode,
+        log=log,
+        haystack_ids=haystack_ids,
+        repeats=args.repeats,
+        max_new_tokens=args.max_new_tokens or (8 if args.mode == "passkey" else 32),
+        needle=needle,
+        bos_id=None if args.no_bos else eot_id(tokenizer),
+        seed=args.seed,
+    )
+    train_length = (
+        parse_int_list(args.train_length)[0] if args.train_length else model_max_length(model)
+    )
+    with (out / f"needle_{args.mode}.csv").open("w") as f:
+        f.write("context_length,depth,repeat,score,correct\n")
+        for r in records:
+            f.write(
+                f"{r['context_length']},{r['depth']:g},{r['repeat']},{r['score']},{r['correct']}\n"
+            )
+    summary = {
+        "mode": args.mode,
+        "cells": len(records),
+        "mean_score": float(np.mean([r["score"] for r in records])),
+        "accuracy": float(np.mean([r["correct"] for r in records])),
+        "mean_score_by_length": {
+            str(L): float(np.mean([r["score"] for r in records if r["context_length"] == L]))
+            for L in lengths
+        },
+    }
+    (out / f"summary_{args.mode}.json").write_text(json.dumps(summary, indent=2) + "\n")
+    plot_heatmap(
+        records,
+        out / f"needle_{args.mode}.png",
+        train_length=train_length,
+        title=f"{Path(args.checkpoint).name}: needle ({args.mode})",
+    )
+    print(json.dumps({k: summary[k] for k in ("mode", "cells", "mean_score", "accuracy")}))
+    return summary

@@ -1,0 +1,474 @@
+"""Per-token loss L(i), validation perplexity P(l) and horizon averages (paper Fig. 2).
+
+For every held-out document with at least ``length`` tokens the model reads its first
+``length`` tokens once; ``L[j]`` is the mean cross-entropy (nats) of predicting the token at
+position ``j + 1`` from the ``j + 1`` tokens before it (with ``prepend_bos``, a BOS token is put
+in front and ``L[j]`` predicts token ``j`` from BOS plus the ``j`` tokens before it). From it:
+
+* horizon average ``A(h) = mean(L[:h])`` (loss of the first h predictions), and
+* ``P(l) = exp(A(l))``: perplexity of a sequence of length l (for a causal model, evaluating at
+  length l is the same as truncating the length-``length`` evaluation at l).
+
+Data sources: a LongCrawl64-style zarr array (one document per row), a token folder
+(:class:`fot.data.tokens.TokenDocuments`) or ``sample`` (the offline held-out sample corpus).
+
+Under ``torchrun`` every rank reads every ``world_size``-th document and the sums are
+all-reduced. Resume: each rank saves its running sums and finished document ids to
+``state_rank{r}.npz`` every few documents and continues from there after an interruption.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .common import (
+    eot_id,
+    load_checkpoint,
+    model_max_length,
+    parse_int_list,
+    pick_device,
+    token_losses,
+    use_agg_backend,
+    write_run_config,
+)
+
+
+class PerTokenLossAccumulator:
+    """Running sums of per-position losses; ``mean()`` is L(i).
+
+    Sums are kept in float64 on the CPU so the order of documents does not change results.
+
+    Args:
+        length: number of positions ``n`` (losses are ``[B, n]``).
+    """
+
+    def __init__(self, length: int) -> None:
+        if length < 1:
+            raise ValueError(f"length must be >= 1, got {length}")
+        self.length = length
+        self.loss_sum = np.zeros(length, dtype=np.float64)
+        self.count = np.zeros(length, dtype=np.int64)
+
+    def update(
+        self, losses: torch.Tensor | np.ndarray, mask: torch.Tensor | np.ndarray | None = None
+    ) -> None:
+        """Add a batch of losses ``[B, n]`` (float); ``mask`` ``[B, n]`` bool marks valid ones."""
+        arr = (
+            losses.detach().double().cpu().numpy()
+            if torch.is_tensor(losses)
+            else np.asarray(losses, dtype=np.float64)
+        )
+        if arr.ndim != 2 or arr.shape[1] != self.length:
+            raise ValueError(f"losses must be [B, {self.length}], got {list(arr.shape)}")
+        if not np.isfinite(arr).all():
+            raise ValueError("losses contain NaN or inf: the model output is broken")
+        if mask is None:
+            self.loss_sum += arr.sum(0)
+            self.count += arr.shape[0]
+        else:
+            m = mask.cpu().numpy() if torch.is_tensor(mask) else np.asarray(mask)
+            self.loss_sum += np.where(m, arr, 0.0).sum(0)
+            self.count += m.sum(0).astype(np.int64)
+
+    def all_reduce(self) -> None:
+        """Sum the accumulators of all ranks (no-op without an initialised process group)."""
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            return
+        backend = torch.distributed.get_backend()
+        device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if backend == "nccl"
+            else torch.device("cpu")
+        )
+        s = torch.from_numpy(self.loss_sum).to(device)
+        c = torch.from_numpy(self.count).to(device)
+        torch.distributed.all_reduce(s)
+        torch.distributed.all_reduce(c)
+        self.loss_sum = s.cpu().numpy()
+        self.count = c.cpu().numpy()
+
+    def mean(self) -> np.ndarray:
+        """``[n]`` float64 mean loss per position (NaN where nothing was counted)."""
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return self.loss_sum / self.count
+
+    def horizon_average(self, horizons: Sequence[int]) -> dict[int, float]:
+        """Loss averaged over the first ``h`` positions, for each ``h`` (token-weighted)."""
+        cs, cc = np.cumsum(self.loss_sum), np.cumsum(self.count)
+        out = {}
+        for h in horizons:
+            if not 1 <= h <= self.length:
+                raise ValueError(f"horizon {h} outside [1, {self.length}]")
+            out[int(h)] = float(cs[h - 1] / cc[h - 1]) if cc[h - 1] else float("nan")
+        return out
+
+    def state(self) -> dict[str, np.ndarray]:
+        return {"loss_sum": self.loss_sum, "count": self.count}
+
+    def load_state(self, state: dict[str, np.ndarray]) -> None:
+        if state["loss_sum"].shape != (self.length,):
+            raise ValueError(
+                f"saved state has {state['loss_sum'].shape[0]} positions, this run "
+                f"{self.length}: use a fresh --out folder or the same --length"
+            )
+        self.loss_sum = np.array(state["loss_sum"], dtype=np.float64)
+        self.count = np.array(state["count"], dtype=np.int64)
+
+
+def default_horizons(n: int) -> list[int]:
+    """Powers of two from 16 up to ``n``, plus ``n`` itself."""
+    hs = [h for h in (2**k for k in range(4, 40)) if h < n]
+    return [*hs, n]
+
+
+# --------------------------------------------------------------------------------------------
+# data
+
+
+def open_documents(source: str) -> tuple[Sequence[np.ndarray], str]:
+    """Open a held-out document source.
+
+    Args:
+        source: ``"sample"`` (held-out split of the offline sample corpus), a zarr array folder
+            (LongCrawl64 ``heldout.zarr``: rows of token ids) or a token folder.
+
+    Returns:
+        ``(documents, kind)`` with ``kind`` in ``{"sample", "zarr", "tokens"}``; documents
+        support ``len()`` and ``[i]`` giving 1-D integer arrays.
+    """
+    if source == "sample":
+        from fot.data.sample import sample_documents
+
+        return sample_documents("heldout"), "sample"
+    path = Path(source)
+    if not path.exists():
+        raise FileNotFoundError(
+            f"--data {source!r} does not exist; pass 'sample', a zarr array "
+            "(e.g. LongCrawl64 heldout.zarr) or a token folder"
+        )
+    if (path / "meta.json").is_file():
+        from fot.data.tokens import TokenDocuments
+
+        return TokenDocuments(path), "tokens"
+    if path.suffix == ".zarr" or (path / "zarr.json").is_file() or (path / ".zarray").is_file():
+        import zarr
+
+        arr = zarr.open(str(path), mode="r")
+        if not hasattr(arr, "shape") or len(arr.shape) != 2:
+            raise ValueError(f"zarr at {source!r} must be a 2-D array (documents x tokens)")
+        return arr, "zarr"
+    raise ValueError(f"--data {source!r} is neither a token folder (meta.json) nor a zarr array")
+
+
+def num_documents(docs: Sequence[np.ndarray]) -> int:
+    """Number of documents (rows of a zarr array, entries of a list or token folder)."""
+    shape = getattr(docs, "shape", None)
+    return int(shape[0]) if shape is not None and len(shape) == 2 else len(docs)
+
+
+def eligible_documents(
+    docs: Sequence[np.ndarray], kind: str, min_tokens: int, max_docs: int | None
+) -> list[int]:
+    """Indices of the first ``max_docs`` documents with at least ``min_tokens`` tokens."""
+    if kind == "zarr":
+        n = num_documents(docs) if int(docs.shape[1]) >= min_tokens else 0  # type: ignore[attr-defined]
+        idx = list(range(n))
+    elif hasattr(docs, "lengths"):
+        idx = np.flatnonzero(docs.lengths() >= min_tokens).tolist()  # type: ignore[attr-defined]
+    else:
+        idx = [i for i in range(len(docs)) if len(docs[i]) >= min_tokens]
+    return idx[:max_docs] if max_docs else idx
+
+
+# --------------------------------------------------------------------------------------------
+# evaluation
+
+
+def _dist_info() -> tuple[int, int]:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and torch.distributed.is_available() and not torch.distributed.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.distributed.init_process_group(backend)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+def evaluate_per_token_loss(
+    model: torch.nn.Module,
+    docs: Sequence[np.ndarray],
+    doc_ids: Sequence[int],
+    *,
+    length: int,
+    batch_size: int = 1,
+    bos_id: int | None = None,
+    device: torch.device | None = None,
+    state_path: Path | None = None,
+    save_every: int = 8,
+    progress: bool = True,
+) -> tuple[PerTokenLossAccumulator, list[int]]:
+    """Accumulate L(i) over documents (this rank's share; call ``all_reduce`` afterwards).
+
+    Args:
+        model: causal LM (see :func:`fot.eval.common.token_losses`).
+        docs: documents (``docs[i]`` is a 1-D int array).
+        doc_ids: which documents to read (each has at least ``length`` tokens).
+        length: tokens read per document (without BOS).
+        batch_size: documents per forward pass.
+        bos_id: if given, this token is put in front of every document.
+        state_path: ``.npz`` file for resuming (sums and finished ids), or None.
+        save_every: documents between two state saves.
+
+    Returns:
+        ``(accumulator, finished_doc_ids)``; the accumulator has ``length`` positions with BOS,
+        ``length - 1`` without.
+    """
+    from tqdm.auto import tqdm
+
+    device = device or next(model.parameters()).device
+    n = length if bos_id is not None else length - 1
+    acc = PerTokenLossAccumulator(n)
+    done: list[int] = []
+    if state_path is not None and state_path.is_file():
+        saved = np.load(state_path)
+        acc.load_state({"loss_sum": saved["loss_sum"], "count": saved["count"]})
+        done = saved["done"].astype(np.int64).tolist()
+    finished = set(done)
+    todo = [i for i in doc_ids if i not in finished]
+    since_save = 0
+
+    def save() -> None:
+        if state_path is None:
+            return
+        tmp = state_path.with_suffix(".tmp.npz")
+        np.savez(tmp, **acc.state(), done=np.asarray(done, dtype=np.int64))
+        os.replace(tmp, state_path)
+
+    bar = tqdm(
+        total=len(doc_ids),
+        initial=len(doc_ids) - len(todo),
+        disable=not progress,
+        desc=f"per-token loss @ {length}",
+        unit="doc",
+    )
+    for s in range(0, len(todo), batch_size):
+        ids = todo[s : s + batch_size]
+        rows = np.stack([np.asarray(docs[i][:length], dtype=np.int64) for i in ids])
+        tokens = torch.from_numpy(rows).to(device)  # (B, length)
+        if bos_id is not None:
+            bos = torch.full((tokens.shape[0], 1), bos_id, dtype=torch.long, device=device)
+            inputs, labels = torch.cat([bos, tokens[:, :-1]], 1), tokens  # (B, length)
+        else:
+            inputs, labels = tokens[:, :-1], tokens[:, 1:]  # (B, length - 1)
+        acc.update(token_losses(model, inputs, labels))
+        done.extend(ids)
+        since_save += len(ids)
+        bar.update(len(ids))
+        if since_save >= save_every:
+            save()
+            since_save = 0
+    bar.close()
+    save()
+    return acc, done
+
+
+def moving_average(x: np.ndarray, window: int) -> np.ndarray:
+    """Trailing moving average over ``window`` points (fewer at the start of ``x``)."""
+    if window <= 1:
+        return x
+    c = np.cumsum(np.insert(x, 0, 0.0))
+    out = np.empty_like(x, dtype=np.float64)
+    idx = np.arange(1, len(x) + 1)
+    lo = np.maximum(idx - window, 0)
+    out[:] = (c[idx] - c[lo]) / (idx - lo)
+    return out
+
+
+def plot_per_token_loss(
+    runs: dict[str, Path],
+    out_file: Path,
+    *,
+    train_length: int | None = None,
+    smooth: int = 101,
+) -> Path:
+    """Plot L(i) (moving-average smoothed) and P(l) of several runs overlaid (paper Fig. 2).
+
+    Args:
+        runs: label -> results folder (holding ``per_token_loss.npz``) or the npz file itself.
+        out_file: image path (``.png``/``.pdf``).
+        train_length: draw a vertical marker at the training context length.
+        smooth: moving-average window in tokens.
+    """
+    use_agg_backend()
+    import matplotlib.pyplot as plt
+
+    fig, (ax_l, ax_p) = plt.subplots(1, 2, figsize=(11, 4))
+    for label, path in runs.items():
+        f = Path(path)
+        data = np.load(f / "per_token_loss.npz" if f.is_dir() else f)
+        pos, loss = data["position"], data["loss"]
+        ax_l.plot(pos, moving_average(loss, smooth), label=label, lw=1.2)
+        ax_p.plot(data["p_length"], data["perplexity"], marker="o", ms=3, label=label)
+    for ax in (ax_l, ax_p):
+        if train_length:
+            ax.axvline(train_length, color="gray", ls="--", lw=1, label="training length")
+        ax.set_xscale("log", base=2)
+        ax.grid(alpha=0.3)
+    ax_l.set_xlabel("token position i")
+    ax_l.set_ylabel(f"per-token loss L(i) (moving avg {smooth})")
+    ax_p.set_xlabel("validation context length l")
+    ax_p.set_ylabel("perplexity P(l)")
+    ax_l.legend(fontsize=8)
+    fig.tight_layout()
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_file, dpi=130)
+    plt.close(fig)
+    return out_file
+
+
+def write_results(
+    acc: PerTokenLossAccumulator,
+    out: Path,
+    *,
+    length: int,
+    bos: bool,
+    num_docs: int,
+    horizons: Sequence[int],
+) -> dict[str, Any]:
+    """Write ``per_token_loss.npz``, ``horizons.csv`` and ``summary.json``; return the summary."""
+    loss = acc.mean()
+    hz = acc.horizon_average(horizons)
+    # context length of prediction j: j + 1 tokens before it (BOS counted as context).
+    position = np.arange(1, acc.length + 1)
+    np.savez(
+        out / "per_token_loss.npz",
+        loss=loss,
+        count=acc.count,
+        position=position,
+        p_length=np.asarray(list(hz)),
+        perplexity=np.exp(np.asarray(list(hz.values()))),
+        horizon_loss=np.asarray(list(hz.values())),
+    )
+    with (out / "horizons.csv").open("w") as f:
+        f.write("horizon,mean_loss,perplexity\n")
+        for h, v in hz.items():
+            f.write(f"{h},{v:.6f},{np.exp(v):.6f}\n")
+    summary = {
+        "length": length,
+        "prepend_bos": bos,
+        "num_documents": num_docs,
+        "positions": acc.length,
+        "mean_loss": float(np.nanmean(loss)),
+        "horizon_loss": {str(k): v for k, v in hz.items()},
+        "perplexity": {str(k): float(np.exp(v)) for k, v in hz.items()},
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", help="exported HF checkpoint folder")
+    p.add_argument(
+        "--data",
+        default="sample",
+        help="'sample' (offline held-out corpus), a zarr array such as LongCrawl64 "
+        "heldout.zarr, or a token folder (default: sample)",
+    )
+    p.add_argument(
+        "--length",
+        type=str,
+        default=None,
+        help="evaluation length in tokens, e.g. 16k or 65536 (default: the model's "
+        "max_position_embeddings); only documents at least this long are used",
+    )
+    p.add_argument("--max-docs", type=int, default=None, help="use at most this many documents")
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument(
+        "--prepend-bos",
+        choices=["auto", "yes", "no"],
+        default="auto",
+        help="put <|endoftext|> before each document (auto: yes for token folders "
+        "and sample, no for zarr rows as in LongCrawl64 training)",
+    )
+    p.add_argument(
+        "--train-length",
+        type=str,
+        default=None,
+        help="training context length for the plot marker (default: model config)",
+    )
+    p.add_argument("--smooth", type=int, default=101, help="moving-average window of the plot")
+    p.add_argument(
+        "--overlay",
+        nargs="*",
+        default=[],
+        metavar="LABEL=DIR",
+        help="earlier per-token-loss result folders to draw in the same plot",
+    )
+    p.add_argument("--label", default=None, help="legend label of this run")
+    p.add_argument("--save-every", type=int, default=8, help="documents between resume saves")
+    p.add_argument("--out", required=True, help="results folder (resumes if it exists)")
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default="auto")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    rank, world = _dist_info()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = pick_device(args.device)
+    model, tokenizer = load_checkpoint(args.checkpoint, device=device, dtype=args.dtype)
+    length = parse_int_list(args.length)[0] if args.length else model_max_length(model)
+    if not length or length < 2:
+        raise ValueError(f"--length must be >= 2 tokens, got {length}")
+    train_length = (
+        parse_int_list(args.train_length)[0] if args.train_length else model_max_length(model)
+    )
+    docs, kind = open_documents(args.data)
+    bos = args.prepend_bos == "yes" or (args.prepend_bos == "auto" and kind != "zarr")
+    ids = eligible_documents(docs, kind, length, args.max_docs)
+    if not ids:
+        raise ValueError(
+            f"no document in {args.data!r} has at least {length} tokens; lower "
+            "--length or use longer held-out data"
+        )
+    if rank == 0:
+        write_run_config(out, "per-token-loss", vars(args), args.checkpoint)
+    acc, _ = evaluate_per_token_loss(
+        model,
+        docs,
+        ids[rank::world],
+        length=length,
+        batch_size=args.batch_size,
+        bos_id=eot_id(tokenizer) if bos else None,
+        device=device,
+        state_path=out / f"state_rank{rank}.npz" if world > 1 else out / "state.npz",
+        save_every=args.save_every,
+        progress=rank == 0,
+    )
+    acc.all_reduce()
+    if world > 1:
+        torch.distributed.destroy_process_group()
+    if rank != 0:
+        return {}
+    summary = write_results(
+        acc, out, length=length, bos=bos, num_docs=len(ids), horizons=default_horizons(acc.length)
+    )
+    runs = {args.label or Path(args.checkpoint).name: out}
+    for item in args.overlay:
+        label, _, path = item.rpartition("=")
+        runs[label or Path(path).name] = Path(path)
+    plot_per_token_loss(
+        runs, out / "per_token_loss.png", train_length=train_length, smooth=args.smooth
+    )
+    print(json.dumps({k: summary[k] for k in ("length", "num_documents", "mean_loss")}))
+    return summary

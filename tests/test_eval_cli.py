@@ -1,0 +1,388 @@
+"""Every ``python -m fot.eval`` command end to end on tiny checkpoints, offline, with resume."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from eval_helpers import QUESTIONS, make_fot_checkpoint, make_llama_checkpoint
+
+from fot.eval.__main__ import main
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpts")
+    return {
+        "llama": make_llama_checkpoint(root / "llama"),
+        "fot": make_fot_checkpoint(root / "fot"),
+    }
+
+
+def _lines(path):
+    return path.read_text().splitlines()
+
+
+def _run_config(out, command):
+    cfg = json.loads((out / "run_config.json").read_text())
+    assert cfg["command"] == command
+    assert "torch" in cfg["versions"] and "checkpoint" in cfg
+    return cfg
+
+
+def test_bad_checkpoint_and_arguments_are_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not a folder"):
+        main(["needle", str(tmp_path / "missing"), "--out", str(tmp_path / "o")])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"no config\.json"):
+        main(["gates", str(tmp_path / "empty"), "--out", str(tmp_path / "o")])
+    with pytest.raises(ValueError, match="'2x'"):
+        main(["needle", str(tmp_path / "empty"), "--lengths", "1k,2x", "--out", str(tmp_path)])
+
+
+def test_help_lists_all_commands():
+    out = subprocess.run(
+        [sys.executable, "-m", "fot.eval", "--help"], capture_output=True, text=True, check=True
+    ).stdout
+    for cmd in ("per-token-loss", "needle", "forgetting-curve", "lm-eval", "longbench", "gates"):
+        assert cmd in out
+
+
+@pytest.mark.parametrize("which", ["llama", "fot"])
+def test_per_token_loss_sources_and_resume(ckpts, tmp_path, which):
+    import zarr
+
+    from fot.data.tokens import write_token_documents
+
+    ck = str(ckpts[which])
+    out = tmp_path / "sample"
+    s = main(
+        [
+            "per-token-loss",
+            ck,
+            "--length",
+            "48",
+            "--max-docs",
+            "2",
+            "--out",
+            str(out),
+            "--device",
+            "cpu",
+            "--smooth",
+            "5",
+        ]
+    )
+    assert s["num_documents"] == 2 and s["positions"] == 48  # BOS in front for the sample
+    assert (out / "per_token_loss.png").stat().st_size > 1000
+    loss = np.load(out / "per_token_loss.npz")["loss"]
+    assert loss.shape == (48,) and np.isfinite(loss).all()
+    _run_config(out, "per-token-loss")
+    # Rerun: everything is in state.npz, same numbers.
+    s2 = main(
+        [
+            "per-token-loss",
+            ck,
+            "--length",
+            "48",
+            "--max-docs",
+            "2",
+            "--out",
+            str(out),
+            "--device",
+            "cpu",
+        ]
+    )
+    assert s2["mean_loss"] == pytest.approx(s["mean_loss"])
+    if which == "fot":
+        return
+    # zarr rows (LongCrawl64 format): no BOS, length - 1 positions; short arrays rejected.
+    rows = np.random.default_rng(0).integers(0, 50000, size=(3, 40)).astype(np.uint16)
+    arr = zarr.create_array(
+        store=str(tmp_path / "heldout.zarr"), shape=rows.shape, dtype="uint16", chunks=(1, 40)
+    )
+    arr[:] = rows
+    z = main(
+        [
+            "per-token-loss",
+            ck,
+            "--data",
+            str(tmp_path / "heldout.zarr"),
+            "--length",
+            "40",
+            "--out",
+            str(tmp_path / "z"),
+            "--device",
+            "cpu",
+            "--overlay",
+            f"sample={out}",
+        ]
+    )
+    assert z["num_documents"] == 3 and z["positions"] == 39
+    with pytest.raises(ValueError, match="at least 41 tokens"):
+        main(
+            [
+                "per-token-loss",
+                ck,
+                "--data",
+                str(tmp_path / "heldout.zarr"),
+                "--length",
+                "41",
+                "--out",
+                str(tmp_path / "z2"),
+                "--device",
+                "cpu",
+            ]
+        )
+    # token folder: only documents at least --length long.
+    write_token_documents(tmp_path / "tok", [rows[0], rows[1][:10], rows[2]])
+    t = main(
+        [
+            "per-token-loss",
+            ck,
+            "--data",
+            str(tmp_path / "tok"),
+            "--length",
+            "20",
+            "--out",
+            str(tmp_path / "t"),
+            "--device",
+            "cpu",
+        ]
+    )
+    assert t["num_documents"] == 2
+
+
+def test_per_token_loss_under_torchrun_equals_single_process(ckpts, tmp_path):
+    """Two CPU ranks (gloo) split the documents; the all-reduced L(i) is the same."""
+    ck = str(ckpts["llama"])
+    common = ["per-token-loss", ck, "--length", "40", "--max-docs", "3", "--device", "cpu"]
+    single = main([*common, "--out", str(tmp_path / "one")])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+           "2", "-m", "fot.eval", *common, "--out", str(tmp_path / "two")]  # fmt: skip
+    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+    a = np.load(tmp_path / "one" / "per_token_loss.npz")
+    b = np.load(tmp_path / "two" / "per_token_loss.npz")
+    np.testing.assert_array_equal(b["count"], np.full(40, 3))  # every document counted once
+    np.testing.assert_allclose(b["loss"], a["loss"], rtol=1e-6)
+    assert (tmp_path / "two" / "state_rank1.npz").is_file()
+    assert json.loads((tmp_path / "two" / "summary.json").read_text())["num_documents"] == 3
+    assert single["num_documents"] == 3
+
+
+def test_needle_and_passkey_resume(ckpts, tmp_path):
+    ck = str(ckpts["llama"])
+    out = tmp_path / "n"
+    args = [
+        "needle",
+        ck,
+        "--mode",
+        "passkey",
+        "--lengths",
+        "64,128",
+        "--depths",
+        "0,50,100",
+        "--max-new-tokens",
+        "3",
+        "--out",
+        str(out),
+        "--device",
+        "cpu",
+        "--train-length",
+        "64",
+    ]
+    s = main(args)
+    assert s["cells"] == 6 and 1.0 <= s["mean_score"] <= 10.0
+    assert len(_lines(out / "needle_passkey.jsonl")) == 6
+    assert (out / "needle_passkey.png").stat().st_size > 1000
+    assert len(_lines(out / "needle_passkey.csv")) == 7
+    main(args)  # resumed: nothing recomputed, nothing appended
+    assert len(_lines(out / "needle_passkey.jsonl")) == 6
+    s = main(
+        [
+            "needle",
+            str(ckpts["fot"]),
+            "--mode",
+            "easy",
+            "--lengths",
+            "96",
+            "--depths",
+            "50",
+            "--max-new-tokens",
+            "2",
+            "--out",
+            str(tmp_path / "f"),
+            "--device",
+            "cpu",
+        ]
+    )
+    assert s["cells"] == 1
+    _run_config(tmp_path / "f", "needle")
+
+
+@pytest.mark.parametrize("which", ["llama", "fot"])
+def test_forgetting_curve_cli(ckpts, tmp_path, which):
+    out = tmp_path / "fc"
+    s = main(
+        [
+            "forgetting-curve",
+            str(ckpts[which]),
+            "--lengths",
+            "32,64",
+            "--repeats",
+            "2",
+            "--out",
+            str(out),
+            "--device",
+            "cpu",
+        ]
+    )
+    assert [r["length"] for r in s["per_length"]] == [32, 64]
+    for r in s["per_length"]:
+        assert 0.0 <= r["copy_min"] <= r["copy_mean"] <= r["copy_max"] <= 1.0
+    assert (out / "forgetting_curve.png").stat().st_size > 1000
+    assert len(_lines(out / "forgetting_curve.csv")) == 3
+
+
+def test_gates_cli(ckpts, tmp_path):
+    out = tmp_path / "g"
+    s = main(
+        [
+            "gates",
+            str(ckpts["fot"]),
+            "--text",
+            "The quick brown fox jumps over the lazy dog. " * 3,
+            "--max-tokens",
+            "24",
+            "--layers",
+            "0,-1",
+            "--heads",
+            "0,3",
+            "--out",
+            str(out),
+            "--device",
+            "cpu",
+        ]
+    )
+    assert s["maps"] == ["layer 0 head 0", "layer 0 head 3", "layer 1 head 0", "layer 1 head 3"]
+    data = np.load(out / "gates.npz")
+    F = data["F_l1_h3"]
+    A = data["attn_l1_h3"]
+    # F from the saved gate values: exp(c_i - c_j) below the diagonal, 1 on it, 0 above.
+    c = np.cumsum(data["log_fgate"][1, :, 3].astype(np.float64))
+    np.testing.assert_allclose(F[5, 2], np.exp(c[5] - c[2]), rtol=1e-5)
+    np.testing.assert_allclose(np.diag(F), 1.0, rtol=1e-6)
+    assert np.all(np.triu(F, 1) == 0) and np.all(np.triu(A, 1) == 0)
+    np.testing.assert_allclose(A.sum(-1), 1.0, rtol=1e-5)
+    assert (out / "gates.png").stat().st_size > 1000
+    with pytest.raises(ValueError, match="FoTAttention"):
+        main(
+            [
+                "gates",
+                str(ckpts["llama"]),
+                "--text",
+                "hi there",
+                "--out",
+                str(tmp_path / "x"),
+                "--device",
+                "cpu",
+            ]
+        )
+
+
+def test_longbench_cli(ckpts, tmp_path):
+    data = tmp_path / "lb"
+    data.mkdir()
+    ctx = "Paragraph one talks about rivers. " * 20
+    (data / "hotpotqa.jsonl").write_text(
+        "".join(
+            json.dumps(
+                {
+                    "_id": f"h{i}",
+                    "input": "Which topic?",
+                    "context": ctx,
+                    "answers": ["rivers"],
+                    "all_classes": None,
+                }
+            )
+            + "\n"
+            for i in range(2)
+        )
+    )
+    (data / "trec.jsonl").write_text(
+        json.dumps(
+            {
+                "_id": "t0",
+                "input": "Question: Who wrote Hamlet?\nType:",
+                "context": "Question: Where is Rome?\nType: Location",
+                "answers": ["Human being"],
+                "all_classes": ["Human being", "Location"],
+            }
+        )
+        + "\n"
+    )
+    out = tmp_path / "out"
+    args = [
+        "longbench",
+        str(ckpts["llama"]),
+        "--data-dir",
+        str(data),
+        "--tasks",
+        "hotpotqa,trec",
+        "--max-length",
+        "64",
+        "--out",
+        str(out),
+        "--device",
+        "cpu",
+    ]
+    scores = main(args)
+    assert set(scores) == {"hotpotqa", "trec"}
+    preds = [json.loads(x) for x in _lines(out / "pred_hotpotqa.jsonl")]
+    assert len(preds) == 2 and all(p["prompt_tokens"] == 65 for p in preds)  # BOS + 64
+    assert "HotpotQA" in (out / "table2.md").read_text()
+    main(args)
+    assert len(_lines(out / "pred_hotpotqa.jsonl")) == 2
+    with pytest.raises(FileNotFoundError, match=r"narrativeqa\.jsonl"):
+        main(
+            [
+                "longbench",
+                str(ckpts["llama"]),
+                "--data-dir",
+                str(data),
+                "--tasks",
+                "narrativeqa",
+                "--out",
+                str(out),
+            ]
+        )
+
+
+def test_lm_eval_cli_with_local_dataset_root(ckpts, tmp_path):
+    """A task whose dataset_path is a hub repo, read offline from --dataset-root."""
+    pytest.importorskip("lm_eval")
+    repo = tmp_path / "datasets" / "fot-test" / "toyrepo"
+    repo.mkdir(parents=True)
+    (repo / "test.jsonl").write_text(
+        "".join(json.dumps(q) + "\n" for q in [*QUESTIONS, *QUESTIONS])
+    )
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "hub.yaml").write_text(
+        "task: fot_toy_hub\ndataset_path: fot-test/toyrepo\ntest_split: test\n"
+        "output_type: multiple_choice\ndoc_to_text: '{{question}}'\n"
+        "doc_to_target: '{{label}}'\ndoc_to_choice: '{{choices}}'\n"
+        "metric_list:\n  - metric: acc\n"
+    )
+    out = tmp_path / "o"
+    res = main(
+        ["lm-eval", str(ckpts["fot"]), "--tasks", "fot_toy_hub", "--include-path",
+         str(tmp_path / "tasks"), "--dataset-root", str(tmp_path / "datasets"),
+         "--max-length", "64", "--out", str(out), "--device", "cpu"]
+    )  # fmt: skip
+    assert 0.0 <= res["fot_toy_hub"]["acc,none"] <= 1.0
+    assert json.loads((out / "results.json").read_text()) == res
+    assert (out / "table1.md").is_file()
+    assert "fot_toy_hub,acc,none" in (out / "results.csv").read_text()
+    _run_config(out, "lm-eval")

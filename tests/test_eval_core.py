@@ -1,0 +1,147 @@
+"""fot.eval common pieces and per-token loss: checked against direct cross-entropy."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from eval_helpers import make_fot_checkpoint, make_llama_checkpoint
+
+from fot.eval.common import (
+    JsonlLog,
+    load_checkpoint,
+    next_token_argmax,
+    parse_int_list,
+    token_losses,
+)
+from fot.eval.per_token_loss import (
+    PerTokenLossAccumulator,
+    evaluate_per_token_loss,
+    moving_average,
+    plot_per_token_loss,
+    write_results,
+)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    path = make_llama_checkpoint(tmp_path_factory.mktemp("llama") / "ckpt")
+    return load_checkpoint(path, device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def fot_model(tmp_path_factory):
+    path = make_fot_checkpoint(tmp_path_factory.mktemp("fot") / "ckpt")
+    return load_checkpoint(path, device="cpu", dtype="float32")
+
+
+@torch.no_grad()
+def _direct_ce(model, ids):
+    logits = model(input_ids=ids[:, :-1]).logits.float()
+    return F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+
+
+@pytest.mark.parametrize("which", ["llama", "fot_model"])
+def test_token_losses_equal_direct_cross_entropy(which, request):
+    model, _ = request.getfixturevalue(which)
+    ids = torch.randint(0, 50257, (2, 37), generator=torch.Generator().manual_seed(1))
+    got = token_losses(model, ids[:, :-1], ids[:, 1:], chunk_size=8)  # chunked head path
+    want = _direct_ce(model, ids)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert got.shape == (2, 36)
+    # ignore_index positions give 0
+    labels = ids[:, 1:].clone()
+    labels[:, 5] = -100
+    assert torch.all(token_losses(model, ids[:, :-1], labels)[:, 5] == 0)
+
+
+@pytest.mark.parametrize("which", ["llama", "fot_model"])
+def test_next_token_argmax_matches_logits(which, request):
+    model, _ = request.getfixturevalue(which)
+    ids = torch.randint(0, 50257, (1, 20), generator=torch.Generator().manual_seed(2))
+    want = model(input_ids=ids).logits[:, 4:15].argmax(-1)
+    assert torch.equal(next_token_argmax(model, ids, 4, 15, chunk_size=3), want)
+    with pytest.raises(ValueError, match="start < end"):
+        next_token_argmax(model, ids, 5, 5)
+
+
+def test_accumulator_equals_direct_mean_and_resumes(llama, tmp_path):
+    model, _ = llama
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(0, 50257, size=n) for n in (40, 33, 50, 32, 64)]
+    length = 32
+    acc, done = evaluate_per_token_loss(
+        model, docs, [0, 1, 2, 3, 4], length=length, batch_size=2, progress=False
+    )
+    assert sorted(done) == [0, 1, 2, 3, 4]
+    ids = torch.tensor(np.stack([d[:length] for d in docs]), dtype=torch.long)
+    want = _direct_ce(model, ids).double().mean(0).numpy()
+    np.testing.assert_allclose(acc.mean(), want, rtol=1e-5)
+    hz = acc.horizon_average([1, 10, 31])
+    assert hz[31] == pytest.approx(want.mean(), rel=1e-6)
+    assert hz[10] == pytest.approx(want[:10].mean(), rel=1e-6)
+
+    # Interrupted run: first two documents, then the rest from the saved state.
+    state = tmp_path / "state.npz"
+    evaluate_per_token_loss(
+        model, docs, [0, 1], length=length, state_path=state, save_every=1, progress=False
+    )
+    acc2, done2 = evaluate_per_token_loss(
+        model, docs, [0, 1, 2, 3, 4], length=length, state_path=state, progress=False
+    )
+    assert sorted(done2) == [0, 1, 2, 3, 4]
+    np.testing.assert_allclose(acc2.mean(), acc.mean(), rtol=1e-6)
+    np.testing.assert_array_equal(acc2.count, np.full(length - 1, 5))
+
+    # With BOS: `length` positions, position 0 predicts the first token from BOS alone.
+    acc3, _ = evaluate_per_token_loss(model, docs, [0], length=8, bos_id=50256, progress=False)
+    with_bos = torch.tensor([[50256, *docs[0][:8]]])
+    np.testing.assert_allclose(
+        acc3.mean(), _direct_ce(model, with_bos)[0].double().numpy(), rtol=1e-5
+    )
+
+    out = tmp_path / "res"
+    out.mkdir()
+    summary = write_results(acc, out, length=length, bos=False, num_docs=5, horizons=[16, 31])
+    assert summary["perplexity"]["31"] == pytest.approx(np.exp(want.mean()), rel=1e-6)
+    png = plot_per_token_loss(
+        {"a": out, "b": out / "per_token_loss.npz"}, out / "p.png", train_length=16, smooth=3
+    )
+    assert png.stat().st_size > 1000
+
+
+def test_accumulator_mask_and_bad_input():
+    acc = PerTokenLossAccumulator(3)
+    acc.update(
+        torch.tensor([[1.0, 2.0, 3.0], [3.0, 4.0, 5.0]]),
+        mask=torch.tensor([[True, True, False], [True, False, True]]),
+    )
+    np.testing.assert_allclose(acc.mean(), [2.0, 2.0, 5.0])
+    with pytest.raises(ValueError, match=r"\[B, 3\]"):
+        acc.update(torch.zeros(2, 4))
+    with pytest.raises(ValueError, match="NaN"):
+        acc.update(torch.tensor([[float("nan"), 0.0, 0.0]]))
+
+
+def test_moving_average_and_parsers():
+    x = np.array([1.0, 2.0, 3.0, 4.0])
+    np.testing.assert_allclose(moving_average(x, 2), [1.0, 1.5, 2.5, 3.5])
+    assert parse_int_list("1k, 2048,16k") == [1024, 2048, 16384]
+    with pytest.raises(ValueError, match="'abc'"):
+        parse_int_list("1k,abc")
+
+
+def test_jsonl_log_skips_done_and_torn_lines(tmp_path):
+    path = tmp_path / "r.jsonl"
+    log = JsonlLog(path)
+    log.append({"key": "a", "v": 1})
+    log.append({"key": "b", "v": 2})
+    with path.open("a") as f:
+        f.write('{"key": "c", "v"')  # killed mid-write
+    log2 = JsonlLog(path)
+    assert log2.done("a") and log2.done("b") and not log2.done("c")
+    log2.append({"key": "c", "v": 3})
+    assert [json.loads(x)["key"] for x in path.read_text().splitlines()] == ["a", "b", "c"]

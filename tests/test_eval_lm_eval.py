@@ -1,0 +1,120 @@
+"""The lm-eval adapter on local toy tasks equals a direct log-likelihood computation."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from eval_helpers import QUESTIONS, make_llama_checkpoint
+
+from fot.eval.common import load_checkpoint, token_losses
+
+pytest.importorskip("lm_eval")
+
+TEXTS = [
+    {"text": "It was a bright cold day in April, and the clocks were striking thirteen."},
+    {"text": "Call me Ishmael. Some years ago, never mind how long precisely."},
+]
+
+
+def _write_tasks(root):
+    mc_file, text_file = root / "mc.jsonl", root / "text.jsonl"
+    (root / "mc.jsonl").write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
+    (root / "text.jsonl").write_text("".join(json.dumps(t) + "\n" for t in TEXTS))
+    (root / "fot_toy_mc.yaml").write_text(f"""task: fot_toy_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {mc_file}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_target: "{{{{label}}}}"
+doc_to_choice: "{{{{choices}}}}"
+metric_list:
+  - metric: acc
+""")
+    (root / "fot_toy_rolling.yaml").write_text(f"""task: fot_toy_rolling
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {text_file}
+test_split: test
+output_type: loglikelihood_rolling
+doc_to_text: ""
+doc_to_target: "{{{{text}}}}"
+metric_list:
+  - metric: word_perplexity
+""")
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lm_eval")
+    ckpt = make_llama_checkpoint(root / "ckpt")
+    (root / "tasks").mkdir()
+    _write_tasks(root / "tasks")
+    model, tok = load_checkpoint(ckpt, device="cpu", dtype="float32")
+    return root, model, tok
+
+
+def _logprob(model, context_ids, target_ids):
+    ids = torch.tensor([context_ids + target_ids])
+    losses = token_losses(model, ids[:, :-1], ids[:, 1:])[0, len(context_ids) - 1 :]
+    return -float(losses.sum())
+
+
+def _samples(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_multiple_choice_matches_direct_loglikelihood(setup):
+    from fot.eval.lm_eval_adapter import evaluate, make_fot_lm, table1
+
+    root, model, tok = setup
+    lm = make_fot_lm(model, tok, max_length=64, batch_size=3)
+    out = root / "out_mc"
+    out.mkdir()
+    res = evaluate(lm, ["fot_toy_mc"], out=out, include_path=str(root / "tasks"), log_samples=True)
+    samples = sorted(_samples(out / "samples_fot_toy_mc.jsonl"), key=lambda s: s["doc_id"])
+    assert len(samples) == 2
+    n_correct = 0
+    for s, q in zip(samples, QUESTIONS):
+        ctx = tok.encode(q["question"], add_special_tokens=False)
+        direct = []
+        for choice in q["choices"]:
+            whole = tok.encode(q["question"] + " " + choice, add_special_tokens=False)
+            direct.append(_logprob(model, [50256, *ctx], whole[len(ctx) :]))
+        got = [float(r[0]) for r in s["filtered_resps"]]
+        assert got == pytest.approx(direct, rel=1e-4, abs=1e-4)
+        n_correct += int(max(range(len(direct)), key=direct.__getitem__) == q["label"])
+    assert res["fot_toy_mc"]["acc,none"] == pytest.approx(n_correct / 2)
+    # Resume: the finished task is read back, not recomputed.
+    assert evaluate(None, ["fot_toy_mc"], out=out, include_path=str(root / "tasks")) == res
+    assert table1({"piqa": {"acc,none": 0.5}}).splitlines()[2].startswith("| - | - | - | 50.00")
+
+
+def test_rolling_loglikelihood_has_one_bos_and_respects_max_length(setup):
+    max_length = 8  # the ~17-token texts span three windows
+    from fot.eval.lm_eval_adapter import evaluate, make_fot_lm
+
+    root, model, tok = setup
+    lm = make_fot_lm(model, tok, max_length=max_length, batch_size=2)
+    out = root / f"out_roll{max_length}"
+    out.mkdir()
+    evaluate(lm, ["fot_toy_rolling"], out=out, include_path=str(root / "tasks"), log_samples=True)
+    samples = sorted(_samples(out / "samples_fot_toy_rolling.jsonl"), key=lambda s: s["doc_id"])
+    for s, t in zip(samples, TEXTS):
+        tokens = tok.encode(t["text"], add_special_tokens=False)
+        stream = [50256, *tokens]  # exactly one BOS
+        # Independent oracle: consecutive windows of max_length inputs, each predicting the
+        # next max_length tokens with only its own window as context.
+        direct = 0.0
+        for start in range(0, len(tokens), max_length):
+            window = stream[start : start + max_length + 1]
+            ids = torch.tensor([window])
+            direct -= float(token_losses(model, ids[:, :-1], ids[:, 1:]).sum())
+        got = s["filtered_resps"][0]
+        got = float(got[0] if isinstance(got, list) else got)
+        assert got == pytest.approx(direct, rel=1e-4)

@@ -1,0 +1,111 @@
+"""LongBench metrics on hand-computed pairs, prompt building and truncation."""
+
+from __future__ import annotations
+
+import pytest
+
+from fot.eval.longbench import (
+    TASKS,
+    format_prompt,
+    postprocess,
+    score_example,
+    summary_table,
+    truncate_middle,
+)
+from fot.eval.metrics import (
+    best_score,
+    classification_score,
+    code_similarity,
+    fuzzy_ratio,
+    normalize_answer,
+    qa_f1,
+    rouge_l,
+)
+
+
+def test_qa_f1_hand_computed():
+    assert normalize_answer("The  Eiffel-Tower, an icon!") == "eiffeltower icon"
+    assert qa_f1("The Eiffel Tower!", "eiffel tower") == 1.0
+    # pred {in, paris, france}, ref {paris}: P = 1/3, R = 1, F1 = 2 * (1/3) / (4/3) = 0.5
+    assert qa_f1("in Paris France", "Paris") == pytest.approx(0.5)
+    # counts matter: pred {a-less: "x x y"} vs ref "x y y" -> overlap x1 y1 = 2, P = R = 2/3
+    assert qa_f1("x x y", "x y y") == pytest.approx(2 / 3)
+    assert qa_f1("no", "yes") == 0.0
+    assert qa_f1("", "yes") == 0.0
+    assert best_score("qa_f1", "Paris", ["London", "paris"]) == 1.0
+
+
+def test_rouge_l_hand_computed():
+    # LCS(the cat sat on the mat, the cat is on the mat) = 5 of 6 tokens each: F = 5/6
+    assert rouge_l("the cat sat on the mat", "the cat is on the mat") == pytest.approx(5 / 6)
+    # LCS(a b c d, b d) = 2: P = 2/4, R = 2/2, F = 2/3
+    assert rouge_l("a b c d", "b d") == pytest.approx(2 / 3)
+    assert rouge_l("", "b d") == 0.0
+
+
+def test_classification_hand_computed():
+    classes = ["Location", "Location city", "Human"]
+    assert classification_score("Location city", "Location city", all_classes=classes) == 1.0
+    # "Location" is a strict substring of the truth and is dropped; two matches remain.
+    assert (
+        classification_score("Human or Location city", "Location city", all_classes=classes) == 0.5
+    )
+    assert classification_score("Location", "Location city", all_classes=classes) == 0.0
+    assert classification_score("Human", "Location city", all_classes=classes) == 0.0
+    with pytest.raises(ValueError, match="all_classes"):
+        classification_score("x", "y", all_classes=[])
+
+
+def test_fuzzy_ratio_and_code_similarity_hand_computed():
+    assert fuzzy_ratio("abcd", "abed") == 75  # LCS abd = 3: 200 * 3 / 8
+    assert fuzzy_ratio("kitten", "sitting") == 62  # LCS ittn = 4: 800 / 13 = 61.5
+    assert fuzzy_ratio("same", "same") == 100
+    assert fuzzy_ratio("", "") == 100
+    assert fuzzy_ratio("", "x") == 0
+    # first line without a comment or fence: "    return x + 1" (16 chars) vs 12 chars,
+    # LCS 12 -> round(2400 / 28) = 86
+    assert code_similarity("# comment\n    return x + 1\n", "return x + 1") == 0.86
+    assert code_similarity("```python\nfoo()\n```", "foo()") == 1.0
+    assert code_similarity("// only comments", "foo()") == 0.0
+
+
+def test_prompts_truncation_and_postprocessing():
+    assert len(TASKS) == 14
+    assert {t.metric for t in TASKS.values()} == {"qa_f1", "rouge_l", "classification", "code_sim"}
+    assert TASKS["gov_report"].max_new_tokens == 512 and TASKS["hotpotqa"].max_new_tokens == 32
+    ex = {"context": "CTX-TEXT", "input": "QUESTION?", "answers": ["yes"], "_id": "1"}
+    for name in TASKS:
+        prompt = format_prompt(name, ex)
+        assert "CTX-TEXT" in prompt
+        if "{input}" in TASKS[name].template:
+            assert "QUESTION?" in prompt
+            assert prompt.index("CTX-TEXT") < prompt.index("QUESTION?")
+    with pytest.raises(ValueError, match="unknown LongBench task"):
+        format_prompt("nope", ex)
+    assert truncate_middle(list(range(10)), 4) == [0, 1, 8, 9]
+    assert truncate_middle(list(range(10)), 5) == [0, 1, 7, 8, 9]
+    assert truncate_middle([1, 2], 4) == [1, 2]
+    assert postprocess("triviaqa", "\nParis\nQuestion: next") == "Paris"
+    assert postprocess("narrativeqa", "a\nb") == "a\nb"
+    assert score_example("triviaqa", "\nParis\nLondon", {"answers": ["Paris"]}) == 1.0
+    assert (
+        score_example(
+            "trec",
+            "Human being",
+            {"answers": ["Human being"], "all_classes": ["Human being", "Location"]},
+        )
+        == 1.0
+    )
+
+
+def test_table2_layout():
+    scores = {t: float(i) for i, t in enumerate(TASKS)}
+    table = summary_table(scores)
+    lines = table.splitlines()
+    assert lines[0].startswith(
+        "| Single-Document QA (3) | Multi-Document QA (3) | "
+        "Summarization (3) | Few-shot Learning (3) | Code Completion (2)"
+    )
+    assert lines[1].split("|")[1].strip() == "NarrativeQA"
+    assert lines[1].rstrip().endswith("| Avg |")
+    assert lines[3].rstrip().endswith(f"| {sum(range(14)) / 14:.2f} |")

@@ -1,0 +1,166 @@
+"""Needle/passkey prompt builders and the objective scorer; forgetting-curve oracles."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from eval_helpers import CopyOracle, RandomLogits
+
+from fot.eval.common import JsonlLog
+from fot.eval.forgetting_curve import build_pair, memory_lengths, run_curve, summarize
+from fot.eval.needle import DEFAULT_NEEDLE, build_prompt, plot_heatmap, score_response
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    from fot.tokenizer import save_hf_tokenizer
+
+    return AutoTokenizer.from_pretrained(save_hf_tokenizer(tmp_path_factory.mktemp("tok")))
+
+
+@pytest.fixture(scope="module")
+def haystack(tokenizer):
+    from fot.data.sample import sample_texts
+
+    return tokenizer.encode(sample_texts()[0][:30_000], add_special_tokens=False)
+
+
+@pytest.mark.parametrize("mode", ["easy", "standard", "passkey"])
+@pytest.mark.parametrize("length", [300, 1000])
+def test_needle_at_requested_depth_and_length(tokenizer, haystack, mode, length):
+    for depth in (0.0, 25.0, 50.0, 75.0, 100.0):
+        p = build_prompt(
+            tokenizer,
+            haystack,
+            context_length=length,
+            depth=depth,
+            mode=mode,
+            passkey="48213",
+            bos_id=50256,
+        )
+        assert len(p.input_ids) == length
+        assert p.input_ids[0] == 50256
+        needle_text = tokenizer.decode(p.input_ids[p.needle_start : p.needle_end])
+        assert ("48213" if mode == "passkey" else "Dolores Park") in needle_text
+        # Realised depth: position of the needle inside the haystack tokens.
+        realised = 100.0 * (p.needle_start - p.haystack_start) / p.haystack_len
+        assert realised == pytest.approx(p.actual_depth)
+        assert abs(realised - depth) <= 100.0 * max(16, p.haystack_len // 100) / p.haystack_len
+        assert realised <= depth + 1e-9  # moved back to a sentence end, never forward
+        # The needle sits after a sentence/line end unless at the very start.
+        if 0 < p.needle_start - p.haystack_start < p.haystack_len and depth not in (0.0, 100.0):
+            before = tokenizer.decode(p.input_ids[p.needle_start - 1 : p.needle_start])
+            assert before.rstrip(" ").endswith((".", "!", "?", "\n"))
+        # Question at the end.
+        tail = tokenizer.decode(p.input_ids[p.needle_end :])
+        assert tail.endswith("The pass key is" if mode == "passkey" else "Answer:")
+    with pytest.raises(ValueError, match="no room"):
+        build_prompt(tokenizer, haystack, context_length=20, depth=50, mode=mode, passkey="1")
+    with pytest.raises(ValueError, match="depth"):
+        build_prompt(tokenizer, haystack, context_length=500, depth=150, mode=mode, passkey="1")
+
+
+def test_scorer_rates_known_answers():
+    ref, keys = DEFAULT_NEEDLE.answer, DEFAULT_NEEDLE.key_phrases
+    perfect = score_response(" " + ref + "\nmore text", ref, keys)
+    assert perfect["score"] == 10.0 and perfect["correct"] == 1.0
+    assert perfect["rouge_l_recall"] == pytest.approx(1.0)
+    paraphrase = score_response(" Eat a sandwich in dolores park.", ref, keys)
+    assert paraphrase["score"] == 10.0  # every key phrase, case-insensitive
+    partial = score_response(" Have a sandwich at the beach.", ref, keys)
+    assert 1.0 < partial["score"] < 10.0 and partial["keyphrase_recall"] == 0.5
+    wrong = score_response(" Purple elephants dance quietly.", ref, keys)
+    assert wrong["score"] == 1.0 and wrong["correct"] == 0.0
+    assert score_response("", ref, keys)["score"] == 1.0
+    # Only the first non-empty line counts.
+    assert score_response("\n\nno idea\nsandwich Dolores Park", ref, keys)["score"] < 10.0
+    assert score_response(" 48213. Done", "48213", ("48213",), mode="passkey")["score"] == 10.0
+    assert score_response(" 48231", "48213", ("48213",), mode="passkey")["score"] == 1.0
+
+
+def test_heatmap_is_written(tmp_path):
+    recs = [
+        {"context_length": L, "depth": d, "score": s}
+        for L, s in ((1024, 10.0), (2048, 5.0))
+        for d in (0.0, 50.0)
+    ]
+    out = plot_heatmap(recs, tmp_path / "h.png", train_length=1024, title="t")
+    assert out.stat().st_size > 1000
+
+
+def test_forgetting_pair_layout():
+    copy_ids, lm_ids, start, end = build_pair([5, 6, 7, 8, 9], [1, 2, 3, 4, 0], bos_id=99)
+    assert copy_ids == [99, 5, 6, 7, 8, 9, 99, 5, 6, 7, 8, 9]
+    assert lm_ids == [99, 1, 2, 3, 4, 0, 99, 5, 6, 7, 8, 9]
+    assert (start, end) == (10, 12)  # second half (5 // 2 = 2 tokens) of the second S
+
+
+def test_copy_oracle_gets_one_and_random_model_gets_chance(tmp_path):
+    vocab = 10
+    stream = np.random.default_rng(0).integers(0, vocab - 1, size=5000)  # bos = vocab - 1
+    oracle = CopyOracle(bos=vocab - 1, vocab=vocab)
+    recs = run_curve(
+        oracle,
+        stream,
+        lengths=[34, 130],
+        repeats=2,
+        bos_id=vocab - 1,
+        log=JsonlLog(tmp_path / "o.jsonl"),
+        progress=False,
+    )
+    assert all(r["copy_accuracy"] == 1.0 for r in recs)
+    # The oracle copies from one period back: on [bos] I [bos] S it predicts I, i.e. chance.
+    s = summarize(recs)
+    assert s["fine_grained_length"] == 130 and s["coarse_grained_length"] == 130
+
+    rand = RandomLogits(vocab - 1, seed=0)
+    recs = run_curve(
+        rand,
+        stream,
+        lengths=[802],
+        repeats=3,
+        bos_id=vocab - 1,
+        log=JsonlLog(tmp_path / "r.jsonl"),
+        progress=False,
+    )
+    copy = np.mean([r["copy_accuracy"] for r in recs])
+    lm = np.mean([r["lm_accuracy"] for r in recs])
+    chance = 1.0 / (vocab - 1)  # 600 scored tokens: std ~ 0.012
+    assert abs(copy - chance) < 0.05 and abs(lm - chance) < 0.05
+    assert summarize(recs)["fine_grained_length"] == 0
+
+    # Resume: a second call reuses the log instead of recomputing.
+    log = JsonlLog(tmp_path / "r.jsonl")
+    assert (
+        len(
+            run_curve(
+                torch.nn.Identity(),
+                stream,
+                lengths=[802],
+                repeats=3,
+                bos_id=vocab - 1,
+                log=log,
+                progress=False,
+            )
+        )
+        == 3
+    )
+
+
+def test_memory_lengths_hand_computed():
+    lengths = [512, 128, 256, 1024]
+    copy = [0.995, 1.0, 0.999, 0.5]
+    lm = [0.3, 0.3, 0.3, 0.485]  # 0.5 > 0.485 + 0.01 at 1024
+    assert memory_lengths(lengths, copy, lm) == {
+        "fine_grained_length": 512,
+        "coarse_grained_length": 1024,
+    }
+    assert memory_lengths([128, 256], [0.98, 1.0], [0.99, 0.2]) == {
+        "fine_grained_length": 0,
+        "coarse_grained_length": 0,
+    }
+    # 0.5 is not > 0.495 + 0.01: the coarse length stops before 1024.
+    assert memory_lengths(lengths, copy, [0.3, 0.3, 0.3, 0.495])["coarse_grained_length"] == 512

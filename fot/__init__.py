@@ -6,4 +6,15 @@ from fot import _source_layout
 
 _source_layout.install(_Path(__file__).resolve().parent)
 
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM  # noqa: E402
+
+from fot.models import FoTConfig, FoTForCausalLM, FoTModel  # noqa: E402
+
+# `import fot` makes AutoConfig / AutoModelForCausalLM know model_type "fot".
+AutoConfig.register(FoTConfig.model_type, FoTConfig, exist_ok=True)
+AutoModel.register(FoTConfig, FoTModel, exist_ok=True)
+AutoModelForCausalLM.register(FoTConfig, FoTForCausalLM, exist_ok=True)
+
 __version__ = "0.1.0"
+
+__all__ = ["FoTConfig", "FoTForCausalLM", "FoTModel", "__version__"]

@@ -1,0 +1,220 @@
+"""Configuration of the Forgetting Transformer (FoT) family and its Transformer baselines.
+
+One config class covers FoT (LLaMA), FoT (Pro), the forget-gate ablations and the Transformer
+baselines: a Transformer is the same block with ``fgate_type="none"`` and ``use_rope=True``.
+The Pro components (QK-norm, KV-shift, output norm, output gate) are independent switches.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from transformers import PretrainedConfig
+
+FGATE_TYPES = ("full", "bias_only", "fixed", "none")
+ATTN_BACKENDS = ("auto", "triton", "reference")
+LOSS_IMPLS = ("auto", "chunked", "fla")
+
+
+class FoTConfig(PretrainedConfig):
+    r"""Configuration for :class:`fot.FoTForCausalLM`.
+
+    Args:
+        vocab_size: number of real tokens (GPT-2: 50257). Logits have exactly this last dim.
+        pad_vocab_multiple: the embedding and LM head are padded to a multiple of this (for
+            fast matmuls); padded rows are never predicted.
+        hidden_size: model width.
+        num_hidden_layers: number of blocks.
+        num_heads: query heads; ``hidden_size % num_heads == 0``, head dim
+            ``hidden_size // num_heads``.
+        num_kv_heads: key/value heads (grouped-query attention); ``None`` = ``num_heads``.
+        hidden_ratio: SwiGLU width factor; the MLP width is ``2/3 * hidden_ratio * hidden_size``
+            rounded up to a multiple of 256 (LLaMA 4, Pro 3.5 so that parameters match).
+        intermediate_size: explicit MLP width (overrides ``hidden_ratio``).
+        fgate_type: ``"full"`` (data-dependent ``sigmoid(w.x + b)``), ``"bias_only"``
+            (learned per-head constant), ``"fixed"`` (untrained per-head constant: ALiBi-like
+            linear decay) or ``"none"`` (no forget gate).
+        decay_time_min, decay_time_max: "long-init" of data-independent gates: per-head decay
+            times ``T(b) = 1 / (-log sigmoid(b))`` spaced log-uniformly in ``[min, max]``.
+        use_rope: rotary position embedding on q and k (Transformer baselines).
+        rope_theta: RoPE base.
+        qk_norm: per-head RMSNorm (per-head weights) on q and k.
+        use_k_shift, use_v_shift: data-dependent token shift of k / v (KV-shift).
+        use_output_norm: per-head RMSNorm of the attention output.
+        use_output_gate: sigmoid output gate ``o * sigmoid(W_g x)``.
+        window_size: sliding-window attention (keys ``i - window_size < j <= i``); ``None`` = full.
+        attn_backend: ``"auto"`` (Triton on CUDA tensors, else reference), ``"triton"`` or
+            ``"reference"`` (pure PyTorch, any device).
+        loss_impl: ``"auto"`` (FLA fused linear cross-entropy on CUDA, else chunked),
+            ``"chunked"`` (pure PyTorch, ``loss_chunk_size`` rows at a time) or ``"fla"``.
+        loss_chunk_size: rows of the ``[T, V]`` logits materialised at once by the chunked loss.
+        norm_eps: RMSNorm epsilon.
+        initializer_range: std of the N(0, std) init of linear and embedding weights.
+    """
+
+    model_type = "fot"
+    attribute_map: ClassVar[dict[str, str]] = {"num_attention_heads": "num_heads"}
+    keys_to_ignore_at_inference: ClassVar[list[str]] = ["past_key_values"]
+
+    def __init__(
+        self,
+        vocab_size: int = 50257,
+        pad_vocab_multiple: int = 64,
+        hidden_size: int = 768,
+        num_hidden_layers: int = 12,
+        num_heads: int = 12,
+        num_kv_heads: int | None = None,
+        hidden_ratio: float = 4.0,
+        intermediate_size: int | None = None,
+        fgate_type: str = "full",
+        decay_time_min: float = 2.0,
+        decay_time_max: float = 16384.0,
+        use_rope: bool = False,
+        rope_theta: float = 500000.0,
+        qk_norm: bool = False,
+        use_k_shift: bool = False,
+        use_v_shift: bool = False,
+        use_output_norm: bool = False,
+        use_output_gate: bool = False,
+        window_size: int | None = None,
+        attn_backend: str = "auto",
+        loss_impl: str = "auto",
+        loss_chunk_size: int = 2048,
+        norm_eps: float = 1e-6,
+        initializer_range: float = 0.02,
+        max_position_embeddings: int = 65536,
+        use_cache: bool = True,
+        bos_token_id: int | None = 50256,
+        eos_token_id: int | None = 50256,
+        pad_token_id: int | None = None,
+        tie_word_embeddings: bool = False,
+        **kwargs,
+    ) -> None:
+        head_dim = kwargs.pop("head_dim", None)
+        if head_dim is not None and head_dim * num_heads != hidden_size:
+            raise ValueError(
+                f"head_dim is derived as hidden_size // num_heads = {hidden_size} // {num_heads}; "
+                f"got head_dim={head_dim}: set num_heads = hidden_size // head_dim instead"
+            )
+        self.vocab_size = vocab_size
+        self.pad_vocab_multiple = pad_vocab_multiple
+        self.hidden_size = hidden_size
+        self.num_hidden_layers = num_hidden_layers
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.hidden_ratio = hidden_ratio
+        self.intermediate_size = intermediate_size
+        self.fgate_type = fgate_type
+        self.decay_time_min = decay_time_min
+        self.decay_time_max = decay_time_max
+        self.use_rope = use_rope
+        self.rope_theta = rope_theta
+        self.qk_norm = qk_norm
+        self.use_k_shift = use_k_shift
+        self.use_v_shift = use_v_shift
+        self.use_output_norm = use_output_norm
+        self.use_output_gate = use_output_gate
+        self.window_size = window_size
+        self.attn_backend = attn_backend
+        self.loss_impl = loss_impl
+        self.loss_chunk_size = loss_chunk_size
+        self.norm_eps = norm_eps
+        self.initializer_range = initializer_range
+        self.max_position_embeddings = max_position_embeddings
+        self.use_cache = use_cache
+        if tie_word_embeddings:
+            raise ValueError(
+                "tie_word_embeddings=True is not supported: FoT models use untied input and "
+                "output embeddings (paper App. E); set tie_word_embeddings=False"
+            )
+        super().__init__(
+            bos_token_id=bos_token_id,
+            eos_token_id=eos_token_id,
+            pad_token_id=pad_token_id,
+            tie_word_embeddings=False,
+            **kwargs,
+        )
+        self.validate_fot()
+
+    # -- derived sizes -------------------------------------------------------------------
+    @property
+    def head_dim(self) -> int:
+        """Per-head width ``hidden_size // num_heads``."""
+        return self.hidden_size // self.num_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """Number of key/value heads (``num_kv_heads`` or ``num_heads``)."""
+        return self.num_kv_heads if self.num_kv_heads is not None else self.num_heads
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """Rows of the embedding / LM head: ``vocab_size`` rounded up to ``pad_vocab_multiple``."""
+        m = self.pad_vocab_multiple
+        return ((self.vocab_size + m - 1) // m) * m
+
+    @property
+    def mlp_size(self) -> int:
+        """SwiGLU width: ``intermediate_size`` or ``2/3 * hidden_ratio * hidden`` rounded up to 256."""
+        if self.intermediate_size is not None:
+            return int(self.intermediate_size)
+        width = int(self.hidden_size * self.hidden_ratio * 2 / 3)
+        return 256 * ((width + 255) // 256)
+
+    # -- validation ----------------------------------------------------------------------
+    def validate_fot(self) -> None:
+        """Raise ``ValueError`` naming the bad field and what to change."""
+
+        def _positive_int(name: str) -> None:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+        for name in (
+            "vocab_size",
+            "pad_vocab_multiple",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_heads",
+            "loss_chunk_size",
+        ):
+            _positive_int(name)
+        if self.hidden_size % self.num_heads != 0:
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) must be divisible by num_heads "
+                f"({self.num_heads}); pick num_heads in "
+                f"{[h for h in range(1, 65) if self.hidden_size % h == 0]}"
+            )
+        if self.head_dim % 2 != 0 and self.use_rope:
+            raise ValueError(f"RoPE needs an even head dim, got {self.head_dim}; change num_heads")
+        if self.num_kv_heads is not None:
+            _positive_int("num_kv_heads")
+            if self.num_heads % self.num_kv_heads != 0:
+                raise ValueError(
+                    f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                    f"({self.num_kv_heads}) for grouped-query attention"
+                )
+        if self.fgate_type not in FGATE_TYPES:
+            raise ValueError(f"unknown fgate_type {self.fgate_type!r}; valid: {list(FGATE_TYPES)}")
+        if self.attn_backend not in ATTN_BACKENDS:
+            raise ValueError(
+                f"unknown attn_backend {self.attn_backend!r}; valid: {list(ATTN_BACKENDS)}"
+            )
+        if self.loss_impl not in LOSS_IMPLS:
+            raise ValueError(f"unknown loss_impl {self.loss_impl!r}; valid: {list(LOSS_IMPLS)}")
+        if not (0 < self.decay_time_min <= self.decay_time_max):
+            raise ValueError(
+                f"need 0 < decay_time_min <= decay_time_max, got {self.decay_time_min} and "
+                f"{self.decay_time_max}"
+            )
+        if self.window_size is not None and (
+            not isinstance(self.window_size, int) or self.window_size < 1
+        ):
+            raise ValueError(
+                f"window_size must be a positive int or None, got {self.window_size!r}"
+            )
+        if self.intermediate_size is None and not self.hidden_ratio > 0:
+            raise ValueError(f"hidden_ratio must be > 0, got {self.hidden_ratio!r}")
+
+
+__all__ = ["ATTN_BACKENDS", "FGATE_TYPES", "LOSS_IMPLS", "FoTConfig"]

@@ -1,0 +1,284 @@
+"""Recurrent baselines (Mamba-2, DeltaNet, HGRN2, Samba) from flash-linear-attention.
+
+The models are FLA's own config and model classes, looked up by name and configured with the
+FoX paper's sizes; nothing of FLA is copied. Each model class is wrapped in a thin subclass that
+speaks the fot model contract (``shift_labels``, ``cu_seqlens``, ``per_token_loss``), so the
+trainer and the evaluation code treat every model alike.
+
+FLA kernels need Triton (a CUDA GPU, or ``TRITON_INTERPRET=1`` on CPU, which is slow).
+``import fla`` is deferred until a baseline is actually configured or built.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import itertools
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import PretrainedConfig
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+IGNORE_INDEX = -100
+
+# name -> (FLA config class, FLA model class, varlen support through cu_seqlens)
+_FLA_CLASSES: dict[str, tuple[str, str, bool]] = {
+    "mamba2": ("Mamba2Config", "Mamba2ForCausalLM", False),
+    "deltanet": ("DeltaNetConfig", "DeltaNetForCausalLM", True),
+    "hgrn2": ("HGRN2Config", "HGRN2ForCausalLM", True),
+    "samba": ("SambaConfig", "SambaForCausalLM", False),
+}
+FLA_MODELS: tuple[str, ...] = tuple(_FLA_CLASSES)
+
+# Sizes of the paper's baselines (its configs/experiment/longcrawl64/*): hidden, layers and the
+# per-model head settings. Samba alternates Mamba and sliding-window attention layers.
+_HIDDEN = {"tiny": (128, 2), "125m": (768, 12), "360m": (1024, 24), "760m": (1536, 24)}
+
+
+def _size_fields(model: str, size: str) -> dict[str, Any]:
+    hidden, layers = _HIDDEN[size]
+    if model == "mamba2":
+        # Mamba-2 blocks have no MLP: twice the layers, heads of dim 64 over the 2x expansion.
+        return {
+            "hidden_size": hidden,
+            "num_hidden_layers": 2 * layers,
+            "head_dim": 64 if size != "tiny" else 32,
+            "num_heads": 2 * hidden // (64 if size != "tiny" else 32),
+            "state_size": 128 if size != "tiny" else 16,
+        }
+    if model == "deltanet":
+        return {
+            "hidden_size": hidden,
+            "num_hidden_layers": layers,
+            "num_heads": max(hidden // 128, 1),
+        }
+    if model == "hgrn2":
+        return {
+            "hidden_size": hidden,
+            "num_hidden_layers": layers,
+            "expand_ratio": 128 if size != "tiny" else 32,
+        }
+    # samba
+    heads = {"tiny": 4, "125m": 12, "360m": 16, "760m": 12}[size]
+    return {
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "attn": {
+            "layers": list(range(1, layers, 2)),
+            "num_heads": heads,
+            "num_kv_heads": heads,
+            "window_size": 2048 if size != "tiny" else 64,
+            "rope_theta": 500000.0,
+        },
+    }
+
+
+def _fla_models_module():
+    try:
+        return importlib.import_module("fla.models")
+    except ImportError as err:  # pragma: no cover - fla is a hard dependency
+        raise ImportError(
+            f"the recurrent baselines need flash-linear-attention (pip install "
+            f"flash-linear-attention): {err}"
+        ) from err
+
+
+def fla_config(model: str, size: str, **overrides: Any) -> PretrainedConfig:
+    """FLA config of a baseline at a paper size (GPT-2 vocab, untied embeddings).
+
+    Args:
+        model: one of :data:`FLA_MODELS`.
+        size: ``"tiny"``, ``"125m"``, ``"360m"`` or ``"760m"``.
+        **overrides: FLA config fields.
+
+    Returns:
+        An instance of FLA's config class for that model.
+    """
+    if model not in _FLA_CLASSES:
+        raise ValueError(f"unknown FLA baseline {model!r}; valid: {list(FLA_MODELS)}")
+    if size not in _HIDDEN:
+        raise ValueError(f"unknown size {size!r}; valid sizes: {list(_HIDDEN)}")
+    config_cls = getattr(_fla_models_module(), _FLA_CLASSES[model][0])
+    fields: dict[str, Any] = {
+        "vocab_size": 50257,
+        "bos_token_id": 50256,
+        "eos_token_id": 50256,
+        "pad_token_id": None,
+        "tie_word_embeddings": False,
+        "initializer_range": 0.02,
+        # FLA's fused cross-entropy asserts CUDA; the loss is computed by fot (see below).
+        "fuse_cross_entropy": False,
+        **_size_fields(model, size),
+    }
+    fields.update(overrides)
+    return config_cls(**fields)
+
+
+def _fla_name(config: PretrainedConfig) -> str:
+    for name, (config_cls, _, _) in _FLA_CLASSES.items():
+        if type(config).__name__ == config_cls:
+            return name
+    raise ValueError(
+        f"no FLA baseline for config class {type(config).__name__}; valid: "
+        f"{[c for c, _, _ in _FLA_CLASSES.values()]}"
+    )
+
+
+def _chunked_ce(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, fp32_logits: bool
+) -> torch.Tensor:
+    from fot.models.modeling_fot import _chunked_cross_entropy
+
+    return _chunked_cross_entropy(hidden, weight, labels, 2048, fp32_logits=fp32_logits)
+
+
+class _FoTContractMixin:
+    """``shift_labels`` / ``cu_seqlens`` / ``per_token_loss`` on top of an FLA causal LM."""
+
+    _supports_varlen = False
+
+    @property
+    def _decoder(self) -> torch.nn.Module:
+        # FLA names the decoder `model` (DeltaNet, HGRN2) or `backbone` (Mamba-2, Samba).
+        return self.model if hasattr(self, "model") else self.backbone
+
+    def _hidden(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        cu_seqlens: torch.Tensor | None,
+    ) -> torch.Tensor:
+        if cu_seqlens is None:
+            return self._decoder(
+                input_ids=input_ids, attention_mask=attention_mask, use_cache=False
+            )[0]
+        if input_ids.shape[0] != 1:
+            raise ValueError(f"cu_seqlens needs batch size 1, got {input_ids.shape[0]}")
+        if self._supports_varlen:
+            return self._decoder(input_ids=input_ids, use_cache=False, cu_seqlens=cu_seqlens)[0]
+        # No varlen kernels for this model: run the documents one by one (exact, slower).
+        bounds = cu_seqlens.tolist()
+        parts = [
+            self._decoder(input_ids=input_ids[:, s:e], use_cache=False)[0]
+            for s, e in itertools.pairwise(bounds)
+            if e > s
+        ]
+        return torch.cat(parts, dim=1)
+
+    def _token_losses(
+        self, hidden: torch.Tensor, shift_labels: torch.Tensor, fp32_logits: bool = False
+    ) -> torch.Tensor:
+        B, T, H = hidden.shape
+        if shift_labels.shape != (B, T):
+            raise ValueError(
+                f"shift_labels must be [B, T] = {(B, T)}, got {tuple(shift_labels.shape)}"
+            )
+        labels = shift_labels.to(hidden.device).reshape(-1).long()
+        return _chunked_ce(hidden.reshape(B * T, H), self.lm_head.weight, labels, fp32_logits).view(
+            B, T
+        )
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask=None,
+        labels: torch.LongTensor | None = None,
+        shift_labels: torch.LongTensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        **kwargs: Any,
+    ):
+        if shift_labels is None and labels is None and cu_seqlens is None:
+            return super().forward(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        if shift_labels is None and labels is not None:
+            shift_labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+        hidden = self._hidden(input_ids, attention_mask, cu_seqlens)
+        if shift_labels is None:
+            return CausalLMOutputWithPast(logits=self.lm_head(hidden).float())
+        if hidden.is_cuda:
+            from fla.modules import FusedLinearCrossEntropyLoss
+
+            B, T, H = hidden.shape
+            fn = FusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX, reduction="mean")
+            loss = fn(
+                hidden.reshape(B * T, H), shift_labels.reshape(-1).long(), self.lm_head.weight
+            )
+        else:
+            losses = self._token_losses(hidden, shift_labels)
+            loss = losses.sum() / (shift_labels != IGNORE_INDEX).sum().clamp(min=1)
+        return CausalLMOutputWithPast(loss=loss, logits=None)
+
+    @torch.no_grad()
+    def per_token_loss(
+        self,
+        input_ids: torch.LongTensor,
+        shift_labels: torch.LongTensor,
+        cu_seqlens: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``[B, T]`` float32 next-token losses, 0 where ``shift_labels == -100``."""
+        hidden = self._hidden(input_ids, None, cu_seqlens)
+        return self._token_losses(hidden, shift_labels, fp32_logits=True)
+
+
+_WRAPPED: dict[str, type] = {}
+
+
+def fla_model_class(name: str) -> type:
+    """The fot-contract subclass of FLA's model class for baseline ``name`` (cached)."""
+    if name not in _WRAPPED:
+        _, model_cls_name, varlen = _FLA_CLASSES[name]
+        base = getattr(_fla_models_module(), model_cls_name)
+        _WRAPPED[name] = type(
+            f"FoT{model_cls_name}",
+            (_FoTContractMixin, base),
+            {
+                "_supports_varlen": varlen,
+                "__module__": __name__,
+                "__doc__": f"FLA's {model_cls_name} with the fot model contract.",
+            },
+        )
+    return _WRAPPED[name]
+
+
+def register_auto_classes() -> None:
+    """Make ``AutoModelForCausalLM`` build the fot-contract wrappers for FLA's config classes
+    (instead of FLA's own classes, which ``import fla`` registers)."""
+    from transformers import AutoModelForCausalLM
+
+    for name, (config_cls_name, _, _) in _FLA_CLASSES.items():
+        config_cls = getattr(_fla_models_module(), config_cls_name)
+        AutoModelForCausalLM.register(config_cls, fla_model_class(name), exist_ok=True)
+
+
+def build_fla_model(config: PretrainedConfig) -> torch.nn.Module:
+    """Instantiate the (wrapped) FLA model for an FLA config from :func:`fla_config`.
+
+    Raises:
+        ImportError: Samba's attention layers need the ``flash-attn`` package (FLA's choice).
+    """
+    name = _fla_name(config)
+    register_auto_classes()
+    if name == "samba" and importlib.util.find_spec("flash_attn") is None:
+        raise ImportError(
+            "FLA's Samba uses flash-attn for its sliding-window attention layers: install it "
+            "on the GPU machine (pip install flash-attn --no-build-isolation) to build 'samba'"
+        )
+    return fla_model_class(name)(config)
+
+
+def __getattr__(name: str) -> type:
+    # Lazy module attributes FoTMamba2ForCausalLM etc., so exported auto_map shims can import them.
+    for key, (_, model_cls_name, _) in _FLA_CLASSES.items():
+        if name == f"FoT{model_cls_name}":
+            return fla_model_class(key)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = [
+    "FLA_MODELS",
+    "build_fla_model",
+    "fla_config",
+    "fla_model_class",
+    "register_auto_classes",
+]

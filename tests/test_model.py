@@ -1,0 +1,581 @@
+"""FoT model family on CPU (reference attention backend).
+
+Oracles: a hand-written float64 forgetting-attention layer (loops over i, j; no cumsum trick),
+HF ``LlamaForCausalLM`` with copied weights (gate ``none`` + RoPE), separate sequences (packed
+batches), the full forward (cached decode, left padding, generate), and ``F.cross_entropy`` on
+full logits (chunked loss).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fot
+from fot import presets
+from fot.models.modeling_fot import FoTAttention, long_init_bias
+
+VOCAB = 300  # small vocab keeps tests fast; padded to 320 in the embedding
+SMALL = {"bos_token_id": None, "eos_token_id": None}  # GPT-2 EOT (50256) is outside VOCAB
+TOL = 2e-5  # fp32 absolute tolerance on logits
+
+FOT_MODELS = [m for m in presets.MODELS if m not in ("mamba2", "deltanet", "hgrn2", "samba")]
+PRO_FIELDS = ("qk_norm", "use_k_shift", "use_v_shift", "use_output_norm", "use_output_gate")
+
+
+def tiny(model: str = "fot_pro", **overrides) -> fot.FoTForCausalLM:
+    torch.manual_seed(0)
+    kwargs = {"vocab_size": VOCAB, "attn_backend": "reference", **SMALL, **overrides}
+    cfg = presets.config(model, "tiny", **kwargs)
+    m = presets.build_model(cfg).eval()
+    _randomize_norms(m)
+    return m
+
+
+def _randomize_norms(model: torch.nn.Module) -> None:
+    """Norm weights start at 1: perturb them so that tests see their per-head layout."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.3 * torch.randn_like(p))
+
+
+def ids(B: int, T: int, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (B, T), generator=g)
+
+
+def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert not torch.isnan(a).any() and not torch.isnan(b).any()
+    return (a - b).abs().max().item()
+
+
+# ---------------------------------------------------------------------------------------
+# Shapes, gradients, loss
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model", FOT_MODELS)
+def test_every_variant_shapes_and_gradients(model: str) -> None:
+    m = tiny(model).train()
+    x = ids(2, 33)
+    out = m(x)
+    assert out.logits.shape == (2, 33, VOCAB)  # padding columns never returned
+    loss = m(x, shift_labels=ids(2, 33, seed=2)).loss
+    assert torch.isfinite(loss) and 4.0 < loss.item() < 8.0  # ~log(300) = 5.7 at init
+    loss.backward()
+    for name, p in m.named_parameters():
+        assert p.grad is not None, f"no gradient for {name}"
+        assert torch.isfinite(p.grad).all(), name
+        if name != "lm_head.weight":
+            assert p.grad.abs().sum() > 0, f"zero gradient for {name}"
+    # padded LM-head rows get no gradient: they are never predicted
+    assert m.lm_head.weight.grad[VOCAB:].abs().sum() == 0
+    assert m.lm_head.weight.grad[:VOCAB].abs().sum() > 0
+
+
+def test_vocab_padded_to_multiple_of_64() -> None:
+    m = tiny("fot_llama", vocab_size=50257)
+    assert m.model.embed_tokens.weight.shape[0] == 50304
+    assert m.lm_head.weight.shape[0] == 50304
+    assert m(ids(1, 5)).logits.shape[-1] == 50257
+
+
+def test_init_is_normal_002_and_untied() -> None:
+    m = presets.build_model(presets.config("fot_pro", "tiny"))
+    emb, head = m.model.embed_tokens.weight, m.lm_head.weight
+    assert emb.data_ptr() != head.data_ptr()
+    for w in (
+        emb,
+        head,
+        m.model.layers[0].self_attn.q_proj.weight,
+        m.model.layers[0].mlp.up_proj.weight,
+    ):
+        assert abs(w.std().item() - 0.02) < 0.002 and abs(w.mean().item()) < 0.002
+    assert torch.all(m.model.layers[0].self_attn.fgate_proj.bias == 0)
+
+
+def test_loss_matches_full_cross_entropy_and_labels_convention() -> None:
+    m = tiny("fot_pro", loss_chunk_size=7)  # chunks that do not divide B*T
+    x, y = ids(2, 19), ids(2, 19, seed=3)
+    y[0, :4] = -100
+    logits = m(x).logits
+    want = F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1), ignore_index=-100)
+    out = m(x, shift_labels=y)
+    assert out.logits is None  # loss path never builds the full logits
+    assert abs(out.loss.item() - want.item()) < 1e-5
+    # HF-style labels are shifted inside: labels[t + 1] is the target of position t
+    labels = torch.cat([torch.zeros(2, 1, dtype=torch.long), y[:, :-1]], dim=1)
+    y_hf = y.clone()
+    y_hf[:, -1] = -100
+    want_hf = F.cross_entropy(logits.reshape(-1, VOCAB), y_hf.reshape(-1), ignore_index=-100)
+    assert abs(m(x, labels=labels).loss.item() - want_hf.item()) < 1e-5
+    # per-token loss: same numbers, 0 where ignored
+    ptl = m.per_token_loss(x, y)
+    assert ptl.dtype == torch.float32 and ptl.shape == (2, 19)
+    manual = F.cross_entropy(
+        logits.reshape(-1, VOCAB), y.reshape(-1), ignore_index=-100, reduction="none"
+    ).view(2, 19)
+    assert max_err(ptl, manual) < 1e-5
+    assert torch.all(ptl[0, :4] == 0)
+
+
+def test_chunked_loss_gradient_matches_full() -> None:
+    m1, m2 = tiny("fot_llama", loss_chunk_size=5), tiny("fot_llama", loss_chunk_size=4096)
+    x, y = ids(1, 13), ids(1, 13, seed=4)
+    m1(x, shift_labels=y).loss.backward()
+    m2(x, shift_labels=y).loss.backward()
+    for (n, p1), p2 in zip(m1.named_parameters(), m2.parameters()):
+        assert torch.allclose(p1.grad, p2.grad, atol=1e-6), n
+
+
+# ---------------------------------------------------------------------------------------
+# Oracles for the block
+# ---------------------------------------------------------------------------------------
+
+
+def _oracle_attention(attn: FoTAttention, x: torch.Tensor) -> torch.Tensor:
+    """Forgetting attention written from the paper's equations, float64, explicit loops."""
+    cfg = attn.config
+    B, T, _ = x.shape
+    HQ, H, D = cfg.num_heads, cfg.kv_heads, cfg.head_dim
+    p = {n: t.double() for n, t in attn.state_dict().items()}
+    x = x.double()
+
+    def rms(y, w):  # y (..., D), w (D,)
+        return y / torch.sqrt((y * y).mean(-1, keepdim=True) + cfg.norm_eps) * w
+
+    q = (x @ p["q_proj.weight"].T).view(B, T, HQ, D)
+    k = (x @ p["k_proj.weight"].T).view(B, T, H, D)
+    v = (x @ p["v_proj.weight"].T).view(B, T, H, D)
+    for name, flag in (("k", cfg.use_k_shift), ("v", cfg.use_v_shift)):
+        if not flag:
+            continue
+        raw = k if name == "k" else v
+        a = torch.sigmoid(x @ p[f"{name}_shift_proj.weight"].T)  # (B, T, H)
+        shifted = torch.zeros_like(raw)
+        for t in range(T):
+            prev = raw[:, t - 1] if t > 0 else torch.zeros_like(raw[:, 0])
+            shifted[:, t] = a[:, t, :, None] * prev + (1 - a[:, t, :, None]) * raw[:, t]
+        if name == "k":
+            k = shifted
+        else:
+            v = shifted
+    if cfg.qk_norm:
+        q = torch.stack([rms(q[:, :, h], p["q_norm.weight"][h]) for h in range(HQ)], dim=2)
+        k = torch.stack([rms(k[:, :, h], p["k_norm.weight"][h]) for h in range(H)], dim=2)
+    if cfg.fgate_type == "full":
+        log_f = F.logsigmoid(x @ p["fgate_proj.weight"].T + p["fgate_proj.bias"])
+    elif cfg.fgate_type in ("bias_only", "fixed"):
+        log_f = F.logsigmoid(p["fgate_bias"]).expand(B, T, HQ)
+    else:
+        log_f = torch.zeros(B, T, HQ, dtype=torch.float64)
+    o = torch.zeros(B, T, HQ, D, dtype=torch.float64)
+    for b in range(B):
+        for h in range(HQ):
+            kv = h // (HQ // H)
+            for i in range(T):
+                logits = torch.stack(
+                    [
+                        q[b, i, h] @ k[b, j, kv] / math.sqrt(D) + log_f[b, j + 1 : i + 1, h].sum()
+                        for j in range(i + 1)
+                    ]
+                )
+                w = torch.softmax(logits, dim=0)
+                o[b, i, h] = (w[:, None] * v[b, : i + 1, kv]).sum(0)
+    if cfg.use_output_norm:
+        o = torch.stack([rms(o[:, :, h], p["o_norm.weight"][h]) for h in range(HQ)], dim=2)
+    if cfg.use_output_gate:
+        o = o * torch.sigmoid(x @ p["g_proj.weight"].T).view(B, T, HQ, D)
+    return o.reshape(B, T, HQ * D) @ p["o_proj.weight"].T
+
+
+@pytest.mark.parametrize(
+    "model,extra",
+    [
+        ("fot_pro", {}),
+        ("fot_llama", {}),
+        ("fot_pro", {"num_kv_heads": 2}),
+        ("fot_pro_bias_only", {}),
+        ("fot_llama_fixed", {}),
+    ],
+)
+def test_attention_layer_matches_handwritten_oracle(model: str, extra: dict) -> None:
+    m = tiny(model, **extra)
+    attn = m.model.layers[0].self_attn
+    with torch.no_grad():  # non-trivial gate biases so that decay actually matters
+        if hasattr(attn, "fgate_proj"):
+            attn.fgate_proj.bias.normal_(1.0, 1.0)
+            attn.fgate_proj.weight.mul_(20)
+    x = torch.randn(2, 9, m.config.hidden_size)
+    from fot.models.modeling_fot import _Context
+
+    ctx = _Context(None, None, None, None, None)
+    got = attn(x, ctx).double()
+    want = _oracle_attention(attn, x)
+    assert max_err(got, want) < 1e-5
+
+
+def test_gate_none_with_rope_equals_hf_llama() -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    m = tiny("transformer_llama")
+    c = m.config
+    llama_cfg = LlamaConfig(
+        vocab_size=c.padded_vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.mlp_size,
+        num_hidden_layers=c.num_hidden_layers,
+        num_attention_heads=c.num_heads,
+        num_key_value_heads=c.kv_heads,
+        rms_norm_eps=c.norm_eps,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
+        attention_bias=False,
+        mlp_bias=False,
+    )
+    llama = LlamaForCausalLM(llama_cfg).eval()
+    missing, unexpected = llama.load_state_dict(m.state_dict(), strict=False)
+    assert not unexpected and all("rotary" in k for k in missing)
+    x = ids(2, 40)
+    want = llama(x).logits[..., :VOCAB]
+    assert max_err(m(x).logits, want) < 1e-4
+
+
+@pytest.mark.parametrize("component", PRO_FIELDS)
+def test_each_pro_component_toggles_independently(component: str) -> None:
+    base = tiny("fot_llama")
+    one = tiny("fot_llama", **{component: True})
+    assert all(getattr(one.config, f) == (f == component) for f in PRO_FIELDS)
+    extra = set(one.state_dict()) - set(base.state_dict())
+    expected = {
+        "qk_norm": {"q_norm.weight", "k_norm.weight"},
+        "use_k_shift": {"k_shift_proj.weight"},
+        "use_v_shift": {"v_shift_proj.weight"},
+        "use_output_norm": {"o_norm.weight"},
+        "use_output_gate": {"g_proj.weight"},
+    }[component]
+    assert {k.split("self_attn.")[-1] for k in extra} == expected
+    assert len(extra) == len(expected) * base.config.num_hidden_layers
+    # with the shared weights equal, switching the component on changes the output
+    one.load_state_dict(base.state_dict(), strict=False)
+    x = ids(1, 12)
+    assert max_err(one(x).logits, base(x).logits) > 1e-4
+
+
+def test_fixed_gate_has_no_trainable_gate_and_bias_only_ignores_input() -> None:
+    fixed = tiny("fot_llama_fixed")
+    attn = fixed.model.layers[0].self_attn
+    assert not any("fgate" in n for n, _ in fixed.named_parameters())
+    assert "model.layers.0.self_attn.fgate_bias" in fixed.state_dict()  # saved buffer
+    # long-init: decay times 1/(-log sigmoid(b)) log-uniform in [2, decay_time_max]
+    times = 1.0 / (-F.logsigmoid(attn.fgate_bias.double()))
+    want = torch.logspace(
+        math.log10(2.0), math.log10(fixed.config.decay_time_max), 4, dtype=torch.float64
+    )
+    assert torch.allclose(times, want, rtol=1e-4)
+
+    bias_only = tiny("fot_llama_bias_only")
+    attn = bias_only.model.layers[0].self_attn
+    gate_params = [n for n, _ in bias_only.named_parameters() if "fgate" in n]
+    assert gate_params == [f"model.layers.{i}.self_attn.fgate_bias" for i in range(2)]
+    x1, x2 = torch.randn(1, 7, 128), torch.randn(1, 7, 128)
+    lf1, lf2 = attn.log_fgate(x1), attn.log_fgate(x2)
+    assert lf1.dtype == torch.float32 and torch.equal(lf1, lf2)
+    full = tiny("fot_llama").model.layers[0].self_attn
+    assert not torch.equal(full.log_fgate(x1), full.log_fgate(x2))
+    assert full.log_fgate(x1.bfloat16()).dtype == torch.float32
+
+
+# ---------------------------------------------------------------------------------------
+# Packed documents
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model", ["fot_pro", "transformer_pro", "transformer_swa"])
+def test_packed_batch_equals_separate_sequences(model: str) -> None:
+    m = tiny(model)
+    lengths = [5, 17, 0, 1, 10, 0]  # empty documents too (also at the end)
+    docs = [ids(1, n, seed=10 + i) for i, n in enumerate(lengths)]
+    packed = torch.cat(docs, dim=1)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    got = m(packed, cu_seqlens=cu).logits
+    want = torch.cat([m(d).logits for d in docs if d.numel()], dim=1)
+    assert max_err(got, want) < TOL
+    # and the loss path agrees with the separate per-document losses
+    y = torch.cat([ids(1, n, seed=20 + i) for i, n in enumerate(lengths)], dim=1)
+    ptl = m.per_token_loss(packed, y, cu_seqlens=cu)
+    bounds = zip(docs, cu[:-1].tolist(), cu[1:].tolist())
+    sep = torch.cat([m.per_token_loss(d, y[:, s:e]) for d, s, e in bounds if e > s], dim=1)
+    assert max_err(ptl, sep) < 1e-4
+
+
+# ---------------------------------------------------------------------------------------
+# HF round trip
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model", ["fot_pro", "fot_llama_fixed"])
+def test_hf_save_from_pretrained_round_trip(model: str, tmp_path) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    m = tiny(model)
+    m.save_pretrained(tmp_path)
+    cfg = AutoConfig.from_pretrained(tmp_path)
+    assert isinstance(cfg, fot.FoTConfig) and cfg.fgate_type == m.config.fgate_type
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert isinstance(loaded, fot.FoTForCausalLM)
+    x = ids(2, 21)
+    assert torch.equal(loaded(x).logits, m(x).logits)
+
+
+# ---------------------------------------------------------------------------------------
+# Generation cache
+# ---------------------------------------------------------------------------------------
+
+
+def _decode_logits(m, x: torch.Tensor, chunks: list[int], mask: torch.Tensor | None = None):
+    """Feed ``x`` through the cache in chunks of the given sizes; return all logits."""
+    cache, outs, start = None, [], 0
+    for n in chunks:
+        am = None if mask is None else mask[:, : start + n]
+        out = m(x[:, start : start + n], attention_mask=am, past_key_values=cache, use_cache=True)
+        cache = out.past_key_values
+        outs.append(out.logits)
+        start += n
+    assert start == x.shape[1]
+    return torch.cat(outs, dim=1), cache
+
+
+@pytest.mark.parametrize(
+    "model,extra",
+    [
+        ("fot_pro", {}),
+        ("fot_llama", {}),
+        ("transformer_pro", {}),
+        ("fot_pro_fixed", {}),
+        ("transformer_swa", {"window_size": 5}),
+        ("fot_pro", {"num_kv_heads": 2}),
+    ],
+)
+def test_cached_decode_equals_full_forward(model: str, extra: dict) -> None:
+    m = tiny(model, **extra)
+    x = ids(2, 14, seed=5)
+    full = m(x).logits
+    token_by_token, cache = _decode_logits(m, x, [1] * 14)
+    assert max_err(token_by_token, full) < TOL
+    chunked, cache = _decode_logits(m, x, [6, 3, 1, 4])  # prefill, chunked prefill, decode
+    assert max_err(chunked, full) < TOL
+    layer = cache[0]
+    assert layer.keys.shape[1] == 14 and layer.cumsum.dtype == torch.float32
+    if m.config.use_k_shift:
+        assert layer.k_shift.shape == (2, m.config.kv_heads, m.config.head_dim)
+
+
+@pytest.mark.parametrize("model", ["fot_pro", "transformer_pro"])
+def test_left_padding_equals_unpadded(model: str) -> None:
+    m = tiny(model)
+    a, b = ids(1, 9, seed=6), ids(1, 4, seed=7)
+    pad = 5
+    x = torch.cat([a, torch.cat([torch.zeros(1, pad, dtype=torch.long), b], dim=1)])
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, :pad] = 0
+    want_a, want_b = m(a).logits, m(b).logits
+    full = m(x, attention_mask=mask).logits  # no cache, padded
+    assert max_err(full[0], want_a[0]) < TOL and max_err(full[1, pad:], want_b[0]) < TOL
+    # prefill the padded prompt, then decode 3 more tokens per row
+    nxt = ids(2, 3, seed=8)
+    x2 = torch.cat([x, nxt], dim=1)
+    mask2 = torch.cat([mask, torch.ones(2, 3, dtype=torch.long)], dim=1)
+    got, _ = _decode_logits(m, x2, [9, 1, 1, 1], mask2)
+    want_a = m(torch.cat([a, nxt[:1]], dim=1)).logits
+    want_b = m(torch.cat([b, nxt[1:]], dim=1)).logits
+    assert max_err(got[0], want_a[0]) < TOL and max_err(got[1, pad:], want_b[0]) < TOL
+
+
+@pytest.mark.parametrize("model", ["fot_pro", "transformer_llama"])
+def test_generate_greedy_equals_argmax_of_full_forward(model: str) -> None:
+    m = tiny(model)
+    prompt = ids(2, 6, seed=9)
+    out = m.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert out.shape == (2, 14) and torch.equal(out[:, :6], prompt)
+    seq = prompt
+    for _ in range(8):
+        nxt = m(seq).logits[:, -1].argmax(-1, keepdim=True)
+        seq = torch.cat([seq, nxt], dim=1)
+    assert torch.equal(out, seq)
+
+
+def test_generate_left_padded_batch_and_sampling() -> None:
+    m = tiny("fot_pro")
+    a, b = ids(1, 7, seed=11), ids(1, 3, seed=12)
+    x = torch.cat([a, torch.cat([torch.zeros(1, 4, dtype=torch.long), b], dim=1)])
+    mask = torch.tensor([[1] * 7, [0] * 4 + [1] * 3])
+    kw = {
+        "max_new_tokens": 5,
+        "do_sample": False,
+        "pad_token_id": 0,
+        "output_logits": True,
+        "return_dict_in_generate": True,
+    }
+    out = m.generate(x, attention_mask=mask, **kw)
+    solo_a, solo_b = m.generate(a, **kw), m.generate(b, **kw)
+    assert torch.equal(out.sequences[1, 4:], solo_b.sequences[0])
+    assert torch.equal(out.sequences[0], solo_a.sequences[0])
+    for step, (lp, la, lb) in enumerate(zip(out.logits, solo_a.logits, solo_b.logits)):
+        assert max_err(lp[0], la[0]) < TOL and max_err(lp[1], lb[0]) < TOL, step
+    torch.manual_seed(0)
+    s1 = m.generate(
+        x, attention_mask=mask, max_new_tokens=5, do_sample=True, top_k=50, pad_token_id=0
+    )
+    torch.manual_seed(0)
+    s2 = m.generate(
+        x, attention_mask=mask, max_new_tokens=5, do_sample=True, top_k=50, pad_token_id=0
+    )
+    assert s1.shape == (2, 12) and torch.equal(s1, s2) and (s1 < VOCAB).all()
+
+
+def test_generate_beam_search_and_chunked_prefill_match_uncached() -> None:
+    m = tiny("fot_pro")
+    x = ids(2, 9, seed=13)
+    kw = {"max_new_tokens": 4, "pad_token_id": 0, "do_sample": False}
+    beams = m.generate(x, num_beams=3, **kw)
+    assert torch.equal(beams, m.generate(x, num_beams=3, use_cache=False, **kw))
+    greedy = m.generate(x, **kw)
+    assert torch.equal(greedy, m.generate(x, prefill_chunk_size=4, **kw))
+
+
+# ---------------------------------------------------------------------------------------
+# Presets and errors
+# ---------------------------------------------------------------------------------------
+
+PAPER_760M = {
+    "fot_pro": 758e6,
+    "transformer_pro": 757e6,
+    "fot_llama": 757e6,
+    "transformer_llama": 756e6,
+}
+
+
+@pytest.mark.parametrize("model", list(PAPER_760M))
+def test_preset_parameter_counts_match_paper(model: str) -> None:
+    with torch.device("meta"):
+        m = presets.build_model(presets.config(model, "760m"))
+    n = presets.count_params(m)  # without the input embedding, as the paper counts
+    assert abs(n - PAPER_760M[model]) / PAPER_760M[model] < 0.02, n
+    cfg = m.config
+    assert (cfg.hidden_size, cfg.num_hidden_layers) == (1536, 24)
+    assert cfg.head_dim == (128 if model.startswith("transformer") else 64)
+
+
+@pytest.mark.parametrize("size,nominal", [("125m", 125e6), ("360m", 360e6)])
+def test_smaller_presets_pro_matches_llama(size: str, nominal: float) -> None:
+    counts = {}
+    for model in PAPER_760M:
+        with torch.device("meta"):
+            counts[model] = presets.count_params(presets.build_model(presets.config(model, size)))
+    for n in counts.values():
+        assert abs(n - nominal) / nominal < 0.03
+    assert abs(counts["fot_pro"] - counts["fot_llama"]) / counts["fot_llama"] < 0.025
+
+
+def test_presets_names_and_overrides() -> None:
+    assert set(FOT_MODELS) <= set(presets.MODELS)
+    assert presets.SIZES == ("tiny", "125m", "360m", "760m")
+    c = presets.config("transformer_llama_nope", "125m", attn_backend="reference")
+    assert c.fgate_type == "none" and not c.use_rope and c.attn_backend == "reference"
+    assert presets.config("transformer_swa", "760m").window_size == 2048
+    assert presets.config("fot_pro_fixed").fgate_type == "fixed"
+    with pytest.raises(ValueError, match=r"valid models: .*fot_pro"):
+        presets.config("fot_large")
+    with pytest.raises(ValueError, match=r"valid sizes: .*'125m'"):
+        presets.config("fot_pro", "1b")
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"hidden_size": 100, "num_heads": 3}, "divisible by num_heads"),
+        ({"num_heads": 12, "num_kv_heads": 5}, "multiple of num_kv_heads"),
+        ({"fgate_type": "sometimes"}, "valid: .*'bias_only'"),
+        ({"attn_backend": "cuda"}, "valid: .*'triton'"),
+        ({"tie_word_embeddings": True}, "untied"),
+        ({"decay_time_min": 0.0}, "decay_time_min"),
+        (
+            {"hidden_size": 768, "num_heads": 12, "head_dim": 32},
+            "num_heads = hidden_size // head_dim",
+        ),
+    ],
+)
+def test_impossible_configs_raise_clear_errors(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        fot.FoTConfig(**kwargs)
+
+
+def test_bad_inputs_raise_clear_errors() -> None:
+    m = tiny("fot_llama")
+    with pytest.raises(ValueError, match="attention_mask must be"):
+        m(ids(2, 5), attention_mask=torch.ones(2, 4))
+    with pytest.raises(ValueError, match="batch size 1"):
+        m(ids(2, 5), cu_seqlens=torch.tensor([0, 5]))
+    with pytest.raises(ValueError, match="end at T=5"):
+        m(ids(1, 5), cu_seqlens=torch.tensor([0, 4]))
+    with pytest.raises(ValueError, match="shift_labels must be"):
+        m(ids(1, 5), shift_labels=ids(1, 4))
+
+
+def test_registered_with_auto_classes() -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(
+        "fot", hidden_size=64, num_heads=4, num_hidden_layers=1, vocab_size=VOCAB
+    )
+    assert isinstance(cfg, fot.FoTConfig)
+    assert isinstance(AutoModelForCausalLM.from_config(cfg), fot.FoTForCausalLM)
+
+
+def test_long_init_bias_decay_times() -> None:
+    b = long_init_bias(5, 2.0, 32.0)
+    times = 1.0 / (-F.logsigmoid(b.double()))
+    assert torch.allclose(
+        times, torch.tensor([2.0, 4.0, 8.0, 16.0, 32.0], dtype=torch.float64), rtol=1e-5
+    )
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter path; tests/test_model_gpu.py")
+def test_triton_backend_under_interpreter_matches_reference() -> None:
+    """The model drives fot.kernels' Triton functions (fp32 under TRITON_INTERPRET=1)."""
+    ref = tiny("fot_pro")
+    tri = tiny("fot_pro", attn_backend="triton")
+    tri.load_state_dict(ref.state_dict())
+    x, y = ids(2, 24), ids(2, 24, seed=2)
+    assert max_err(tri(x).logits, ref(x).logits) < TOL
+    got, _ = _decode_logits(tri, x, [22, 1, 1])
+    assert max_err(got, ref(x).logits) < TOL
+    ref.train()(x, shift_labels=y).loss.backward()
+    tri.train()(x, shift_labels=y).loss.backward()
+    for (name, p), q in zip(ref.named_parameters(), tri.parameters()):
+        assert torch.allclose(p.grad, q.grad, atol=1e-5, rtol=1e-4), name
+
+
+def test_log_gate_stays_fp32_under_autocast_and_gradient_checkpointing_works() -> None:
+    m = tiny("fot_pro")
+    attn = m.model.layers[0].self_attn
+    x = torch.randn(1, 6, 128)
+    want = attn.log_fgate(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = attn.log_fgate(x)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    # activation checkpointing (HF API) gives the same gradients
+    x, y = ids(1, 20), ids(1, 20, seed=3)
+    m.train()(x, shift_labels=y).loss.backward()
+    want = [p.grad.clone() for p in m.parameters()]
+    m.zero_grad()
+    m.activation_checkpointing_enable({"use_reentrant": False})
+    assert all(layer.gradient_checkpointing for layer in m.model.layers)
+    m(x, shift_labels=y).loss.backward()
+    for w, p in zip(want, m.parameters()):
+        assert torch.allclose(w, p.grad, atol=1e-6)

@@ -1,0 +1,104 @@
+"""Recurrent baselines from flash-linear-attention (run under TRITON_INTERPRET on CPU: seconds).
+
+Oracle: FLA's own forward (its logits) for our ``shift_labels`` loss; separate sequences for
+packed ``cu_seqlens`` batches.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fot import presets
+
+VOCAB = 300
+
+
+def tiny(name: str):
+    torch.manual_seed(0)
+    return presets.build_model(presets.config(name, "tiny", vocab_size=VOCAB))
+
+
+@pytest.mark.parametrize("name", ["deltanet", "hgrn2", "mamba2"])
+def test_fla_baseline_loss_matches_its_own_logits_and_trains(name: str) -> None:
+    m = tiny(name)
+    x = torch.randint(0, VOCAB, (1, 16))
+    y = torch.randint(0, VOCAB, (1, 16))
+    y[0, :3] = -100
+    logits = m(x).logits  # FLA's own forward
+    assert logits.shape == (1, 16, VOCAB)
+    want = F.cross_entropy(logits.float().reshape(-1, VOCAB), y.reshape(-1), ignore_index=-100)
+    out = m(x, shift_labels=y)
+    assert abs(out.loss.item() - want.item()) < 1e-4
+    out.loss.backward()
+    grads = [p.grad for p in m.parameters() if p.requires_grad]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)
+    assert m.get_input_embeddings().weight.grad.abs().sum() > 0
+    ptl = m.per_token_loss(x, y)
+    assert ptl.shape == (1, 16) and torch.all(ptl[0, :3] == 0)
+    assert abs(ptl.sum().item() / 13 - want.item()) < 1e-4
+
+
+@pytest.mark.parametrize("name", ["deltanet"])
+def test_fla_baseline_packed_equals_separate(name: str) -> None:
+    m = tiny(name)
+    docs = [torch.randint(0, VOCAB, (1, n)) for n in (8, 8)]
+    cu = torch.tensor([0, 8, 16], dtype=torch.int32)
+    y = torch.randint(0, VOCAB, (1, 16))
+    got = m.per_token_loss(torch.cat(docs, dim=1), y, cu_seqlens=cu)
+    want = torch.cat([m.per_token_loss(d, y[:, s : s + 8]) for d, s in zip(docs, (0, 8))], 1)
+    assert (got - want).abs().max() < 1e-3
+
+
+def test_fla_presets_are_fla_classes_at_paper_sizes() -> None:
+    for name, cls in [
+        ("mamba2", "Mamba2Config"),
+        ("deltanet", "DeltaNetConfig"),
+        ("hgrn2", "HGRN2Config"),
+        ("samba", "SambaConfig"),
+    ]:
+        c = presets.config(name, "760m")
+        assert type(c).__name__ == cls and c.vocab_size == 50257 and not c.tie_word_embeddings
+    assert presets.config("deltanet", "760m").num_heads == 12
+    assert presets.config("samba", "760m").attn["window_size"] == 2048
+    for name in ("mamba2", "deltanet", "hgrn2"):
+        with torch.device("meta"):
+            m = presets.build_model(presets.config(name, "760m"))
+        n = presets.count_params(m)
+        assert 0.74e9 < n < 0.80e9, (name, n)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("flash_attn") is not None, reason="flash-attn present")
+def test_samba_without_flash_attn_says_what_to_install() -> None:
+    with pytest.raises(ImportError, match="flash-attn"):
+        presets.build_model(presets.config("samba", "tiny"))
+
+
+def test_fla_export_loads_fot_wrapper_with_trust_remote_code(tmp_path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from fot.export import export_hf
+
+    m = tiny("hgrn2").eval()
+    out = export_hf(m, tmp_path / "hgrn2", tokenizer=False)
+    want = sum(p.double().sum().item() for p in m.parameters())
+    code = (
+        "import torch\n"
+        "from transformers import AutoModelForCausalLM\n"
+        f"m = AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True)\n"
+        "assert callable(m.per_token_loss)\n"
+        "print(type(m).__name__, sum(p.double().sum().item() for p in m.parameters()))\n"
+    )
+    # loading only (no forward: a fresh process has no conftest to tame Triton's autotuner)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "HF_MODULES_CACHE": str(tmp_path / "mods")}
+    res = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    name, value = res.stdout.strip().splitlines()[-1].split()
+    assert name == "FoTHGRN2ForCausalLM" and abs(float(value) - want) < 1e-6

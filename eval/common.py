@@ -7,6 +7,7 @@ every result.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import os
@@ -90,6 +91,13 @@ def load_checkpoint(
     import fot  # noqa: F401 - registers the FoT model types with the Auto classes
 
     p = check_checkpoint_dir(path)
+    if json.loads((p / "config.json").read_text()).get("model_type") != "fot":
+        # Exported FLA baselines (mamba2, deltanet, ...) load through fot's wrappers, which
+        # are registered on demand (importing fla is slow and needs triton).
+        from fot.models.fla_baselines import register_auto_classes
+
+        with contextlib.suppress(ImportError):
+            register_auto_classes()
     dev = torch.device(device) if device is not None else pick_device()
     dt = dtype if isinstance(dtype, torch.dtype) else parse_dtype(dtype, dev)
     model = AutoModelForCausalLM.from_pretrained(str(p), dtype=dt)

@@ -102,3 +102,16 @@ def test_fla_export_loads_fot_wrapper_with_trust_remote_code(tmp_path) -> None:
     assert res.returncode == 0, res.stderr[-2000:]
     name, value = res.stdout.strip().splitlines()[-1].split()
     assert name == "FoTHGRN2ForCausalLM" and abs(float(value) - want) < 1e-6
+
+
+def test_fla_export_loads_through_fot_eval_without_remote_code(tmp_path) -> None:
+    from fot.eval.common import load_checkpoint
+    from fot.export import export_hf
+
+    m = tiny("hgrn2").eval()
+    out = export_hf(m, tmp_path / "hgrn2")
+    loaded, tok = load_checkpoint(out, device="cpu", dtype="float32")
+    assert type(loaded).__name__ == "FoTHGRN2ForCausalLM"
+    for (name, a), b in zip(m.state_dict().items(), loaded.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert tok("Hello world").input_ids == [15496, 995]

@@ -1,1 +1,7 @@
-"""fot.training."""
+"""fot.training: Hydra configs, the training loop, optimizer/schedule, parallelism,
+checkpoints and metrics. Entry point: ``train.py`` (or :func:`train` with a composed config)."""
+
+from fot.training.config import TrainConfig, register_configs
+from fot.training.trainer import TrainingDivergedError, train
+
+__all__ = ["TrainConfig", "TrainingDivergedError", "register_configs", "train"]

@@ -1,0 +1,146 @@
+"""Build the training and held-out sequence sources from a ``data`` config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fot.data.streams import PACKINGS, HFSource, PackedSource, PaddedSource, ZarrRowsSource
+
+KINDS = ("sample", "longcrawl64", "tokens", "hf")
+
+_PREPARE_HINT = (
+    "Turn text files, folders or HF datasets into a token folder with "
+    "`python -m fot.data.prepare --help`, then set data.path=<folder>."
+)
+
+
+def _documents_source(docs: Any, seq_len: int, packing: str) -> Any:
+    if packing == "padded":
+        return PaddedSource(docs, seq_len)
+    return PackedSource.from_documents(docs, seq_len, varlen=packing == "varlen")
+
+
+def open_token_path(path: str | Path, seq_len: int, packing: str) -> Any:
+    """A sequence source for a token folder, a flat ``.npy``/``.bin`` file or a 2-D ``.zarr``.
+
+    Args:
+        path: the data on disk.
+        seq_len: T.
+        packing: ``varlen``, ``causal`` or ``padded`` (documents only; flat files cannot pad).
+    """
+    from fot.data.streams import open_zarr_array
+    from fot.data.tokens import TokenDocuments
+
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise FileNotFoundError(f"data path {p} does not exist. {_PREPARE_HINT}")
+    if p.suffix == ".zarr" or (p.is_dir() and (p / "zarr.json").exists()):
+        return ZarrRowsSource(open_zarr_array(p), seq_len)
+    if p.is_dir():
+        return _documents_source(TokenDocuments(p), seq_len, packing)
+    if packing == "padded":
+        raise ValueError(
+            f"data.packing=padded needs document boundaries, but {p} is a flat token file; use "
+            "a token folder (`python -m fot.data.prepare`) or data.packing=varlen/causal"
+        )
+    if p.suffix == ".npy":
+        tokens = np.load(p, mmap_mode="r")
+    elif p.suffix == ".bin":
+        tokens = np.memmap(p, dtype=np.uint16, mode="r")
+    else:
+        raise ValueError(
+            f"don't know how to read {p}: expected a token folder, a .npy/.bin (uint16) token "
+            f"file or a .zarr array. {_PREPARE_HINT}"
+        )
+    return PackedSource.from_flat(tokens, seq_len, varlen=packing == "varlen")
+
+
+def _hf_source(cfg: Any, split: str) -> HFSource:
+    from fot.tokenizer import get_encoding
+
+    if not cfg.path:
+        raise ValueError(
+            "data=hf needs data.path: a dataset name on the HF hub (e.g. data.path=allenai/c4 "
+            "data.hf_name=en data.streaming=true) or a loader with files (data.path=json "
+            "data.hf_data_files=[/data/*.jsonl])"
+        )
+
+    def make() -> Any:
+        import datasets
+
+        return datasets.load_dataset(
+            cfg.path,
+            name=cfg.hf_name,
+            data_files=list(cfg.hf_data_files) if cfg.hf_data_files else None,
+            split=split,
+            streaming=bool(cfg.streaming),
+        )
+
+    enc = get_encoding()
+    return HFSource(
+        make, enc.encode_ordinary, cfg.seq_len, packing=cfg.packing, text_field=cfg.text_field
+    )
+
+
+def build_sources(cfg: Any) -> tuple[Any, Any | None]:
+    """Training and held-out sources for a ``data`` config.
+
+    Args:
+        cfg: :class:`fot.training.config.DataConfig` (or DictConfig of it).
+
+    Returns:
+        ``(train_source, val_source)``; ``val_source`` is ``None`` when the config has no
+        held-out data or ``val_tokens == 0``.
+    """
+    if cfg.kind not in KINDS:
+        raise ValueError(f"data.kind={cfg.kind!r} is not one of {list(KINDS)}")
+    if cfg.packing not in PACKINGS:
+        raise ValueError(f"data.packing={cfg.packing!r} is not one of {list(PACKINGS)}")
+    T = int(cfg.seq_len)
+    want_val = cfg.val_tokens > 0
+    if cfg.kind == "sample":
+        from fot.data.sample import sample_token_documents
+
+        train = _documents_source(sample_token_documents("train"), T, cfg.packing)
+        val = _documents_source(sample_token_documents("heldout"), T, cfg.packing)
+        return train, val if want_val else None
+    if cfg.kind == "longcrawl64":
+        from fot.data.streams import open_zarr_array
+
+        if not cfg.path:
+            raise ValueError(
+                "data=longcrawl64 needs data.path=<folder with train.zarr and heldout.zarr>. "
+                "Get LongCrawl64 from https://manifestai.com/articles/longcrawl64 (e.g. "
+                "`gsutil -m cp -r gs://longcrawl64/train.zarr gs://longcrawl64/heldout.zarr "
+                "<folder>`)."
+            )
+        root = Path(cfg.path).expanduser()
+        train_path = root / "train.zarr" if (root / "train.zarr").exists() else root
+        if not train_path.exists() or (train_path == root and root.suffix != ".zarr"):
+            raise FileNotFoundError(
+                f"no LongCrawl64 train.zarr under {root}. Download train.zarr and heldout.zarr "
+                "from https://manifestai.com/articles/longcrawl64 into that folder."
+            )
+        train = ZarrRowsSource(open_zarr_array(train_path), T)
+        val = None
+        if want_val:
+            val_path = Path(cfg.val_path).expanduser() if cfg.val_path else root / "heldout.zarr"
+            if not val_path.exists():
+                raise FileNotFoundError(
+                    f"held-out data {val_path} not found; download heldout.zarr next to "
+                    "train.zarr, set data.val_path, or data.val_tokens=0 to skip validation"
+                )
+            val = ZarrRowsSource(open_zarr_array(val_path), T)
+        return train, val
+    if cfg.kind == "tokens":
+        if not cfg.path:
+            raise ValueError(f"data=tokens needs data.path. {_PREPARE_HINT}")
+        train = open_token_path(cfg.path, T, cfg.packing)
+        val = open_token_path(cfg.val_path, T, cfg.packing) if cfg.val_path and want_val else None
+        return train, val
+    train = _hf_source(cfg, cfg.hf_split)
+    val = _hf_source(cfg, cfg.hf_val_split) if cfg.hf_val_split and want_val else None
+    return train, val

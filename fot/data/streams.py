@@ -1,0 +1,610 @@
+"""Training streams: deterministic, rank-sharded, exactly resumable sequences of token ids.
+
+Everything here is built from one idea: a *sequence source* numbers the training sequences of
+a corpus ``0, 1, 2, ...`` (wrapping around into further epochs), and a
+:class:`SequenceStream` hands each step's global batch (``global_batch_size`` consecutive
+sequences) to the ranks, each rank taking a contiguous block and cutting it into micro batches.
+The stream's position is the number of sequences consumed, so the split of a global batch does
+not depend on the world size, resuming is exact, and memory stays constant.
+
+Conventions (GPT-2 ids; ``EOT_ID = 50256`` is ``<|endoftext|>``):
+
+* **BOS**: every document starts with one ``<|endoftext|>`` token. Token folders store
+  documents without it; the readers insert it. Predicting it at the end of the previous
+  document (packed streams) is how the model learns where a document ends.
+* **LongCrawl64** (and any 2-D zarr of rows): each row is one document. It is cut into
+  ``row_len // seq_len`` chunks; chunk ``c`` of a row gives ``labels = row[cT:cT+T]`` and
+  ``input_ids = [EOT] + row[cT:cT+T-1]`` (every chunk starts with BOS, all T labels count).
+  Sequences are numbered column-major, as in the paper's code: the first chunk of every row,
+  then the second chunk of every row, and so on.
+* **Packed documents** (``packing="varlen"`` or ``"causal"``): the documents, each with its
+  BOS, are concatenated into one stream; sequence ``g`` is ``stream[gT : gT+T+1]`` (inputs
+  the first T, labels the last T), so all labels count. ``"varlen"`` adds ``cu_seqlens`` at
+  every BOS so no token attends across documents; ``"causal"`` leaves attention unmasked.
+* **Padded documents** (``packing="padded"``): sequence ``g`` is document ``g mod N``, BOS
+  first, truncated to ``T + 1`` tokens (the rest of a longer document is dropped), padded with
+  EOT; padded positions have label ``-100``.
+* A flat ``.npy``/``.bin`` token file is taken as already packed (GPT-2 style, documents
+  separated by EOT) and read like a packed stream, without inserting anything.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import os
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+EOT_ID = 50256
+"""``<|endoftext|>`` in GPT-2: used as BOS before every document and as padding."""
+IGNORE_INDEX = -100
+PACKINGS = ("varlen", "causal", "padded")
+
+
+@dataclass
+class Batch:
+    """One micro batch.
+
+    Attributes:
+        input_ids: ``[B, T]`` int64.
+        labels: ``[B, T]`` int64 next tokens, ``-100`` where ignored.
+        cu_seqlens: ``None``, or ``[N+1]`` int32 document boundaries in the flattened batch
+            (then ``B == 1``; rows of the micro batch are laid end to end).
+        seq_len: length of one training sequence (``T * B_rows == numel`` for varlen).
+    """
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    cu_seqlens: torch.Tensor | None
+    seq_len: int
+
+    def to(self, device: torch.device | str) -> Batch:
+        """Copy to ``device`` (non-blocking where possible)."""
+        nb = torch.device(device).type == "cuda"
+        return Batch(
+            self.input_ids.to(device, non_blocking=nb),
+            self.labels.to(device, non_blocking=nb),
+            None if self.cu_seqlens is None else self.cu_seqlens.to(device, non_blocking=nb),
+            self.seq_len,
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        """Number of input positions."""
+        return self.input_ids.numel()
+
+    def num_label_tokens(self) -> int:
+        """Number of positions whose label counts (not ``-100``)."""
+        return int((self.labels != IGNORE_INDEX).sum())
+
+
+class SequenceSource(Protocol):
+    """Numbers a corpus' training sequences; see the module docstring."""
+
+    seq_len: int
+    sequential: bool
+    """True when ``read`` must be called with consecutive ``start`` values (HF streaming)."""
+
+    def read(self, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """Sequences ``start .. start+count-1`` as ``(input_ids, labels)``, each
+        ``[count, seq_len]`` int64."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def _check_seq_len(seq_len: int) -> None:
+    if not isinstance(seq_len, int) or seq_len < 2:
+        raise ValueError(f"data.seq_len must be an integer >= 2, got {seq_len!r}")
+
+
+# --------------------------------------------------------------------------------------------
+# 2-D zarr rows (LongCrawl64)
+# --------------------------------------------------------------------------------------------
+
+
+class ZarrRowsSource:
+    """Rows of a 2-D token array (LongCrawl64 ``train.zarr``/``heldout.zarr``), cut into chunks.
+
+    Args:
+        array: ``[R, L]`` array-like of token ids supporting 2-D slicing (zarr array, numpy).
+        seq_len: T; must be at most L. ``L // T`` chunks per row are used (a remainder at the
+            end of each row is skipped).
+        max_rows: use only the first rows (e.g. to hold out nothing but read faster).
+    """
+
+    sequential = False
+
+    def __init__(self, array: Any, seq_len: int, *, max_rows: int | None = None) -> None:
+        _check_seq_len(seq_len)
+        if len(array.shape) != 2:
+            raise ValueError(f"expected a 2-D [rows, row_len] token array, got shape {array.shape}")
+        self.array = array
+        self.seq_len = seq_len
+        self.rows = int(array.shape[0]) if max_rows is None else min(max_rows, int(array.shape[0]))
+        self.row_len = int(array.shape[1])
+        if self.rows < 1:
+            raise ValueError("the token array has no rows")
+        if seq_len > self.row_len:
+            raise ValueError(
+                f"data.seq_len={seq_len} is longer than a row ({self.row_len} tokens); "
+                f"use data.seq_len <= {self.row_len}"
+            )
+        self.chunks_per_row = self.row_len // seq_len
+        self.num_sequences = self.rows * self.chunks_per_row
+        """Sequences in one epoch."""
+
+    def read(self, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+        T = self.seq_len
+        labels = np.empty((count, T), dtype=np.int64)
+        done = 0
+        while done < count:
+            g = (start + done) % self.num_sequences
+            col, row = divmod(g, self.rows)
+            n = min(count - done, self.rows - row)  # a run of rows at one column
+            labels[done : done + n] = self.array[row : row + n, col * T : col * T + T]
+            done += n
+        inputs = np.empty_like(labels)
+        inputs[:, 0] = EOT_ID
+        inputs[:, 1:] = labels[:, :-1]
+        return inputs, labels
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+def open_zarr_array(path: str | os.PathLike) -> Any:
+    """Open a 2-D zarr token array read-only, with a clear error if it is missing."""
+    import zarr
+
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(
+            f"zarr array {p} does not exist. LongCrawl64 is at "
+            "https://manifestai.com/articles/longcrawl64 (download train.zarr and heldout.zarr "
+            "into one folder and set data.path=<that folder>), or turn your own text into "
+            "tokens with `python -m fot.data.prepare --help`."
+        )
+    arr = zarr.open(str(p), mode="r")
+    if not hasattr(arr, "shape"):
+        raise ValueError(f"{p} is a zarr group, not an array; point to the array itself")
+    return arr
+
+
+# --------------------------------------------------------------------------------------------
+# packed token streams (documents with BOS, or flat token files)
+# --------------------------------------------------------------------------------------------
+
+
+class _DocStarts(Sequence):
+    """Lazy ``[N+1]`` start positions of documents in the BOS-packed stream."""
+
+    def __init__(self, offsets: np.ndarray) -> None:
+        self.offsets = offsets
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def __getitem__(self, i: int) -> int:  # type: ignore[override]
+        return int(self.offsets[i]) + i  # one BOS per earlier document
+
+
+def _doc_offsets(docs: Sequence[np.ndarray]) -> np.ndarray:
+    offsets = getattr(docs, "offsets", None)
+    if offsets is not None:
+        return np.asarray(offsets, dtype=np.int64)
+    lengths = np.fromiter((len(d) for d in docs), dtype=np.int64, count=len(docs))
+    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+
+
+class PackedSource:
+    """A token stream cut into sequences of ``seq_len`` (+1 for the last label).
+
+    Build it with :meth:`from_documents` (BOS inserted before every document) or
+    :meth:`from_flat` (a flat token array used as is). Sequence ``g`` of epoch ``e`` starts at
+    stream position ``g * seq_len`` modulo the stream length; a sequence that runs past the end
+    continues at the start (the stream is cyclic).
+
+    Args:
+        read_tokens: ``(start, n) -> int array`` of ``n`` stream tokens from ``start``
+            (``start + n <= length``).
+        length: stream length in tokens.
+        seq_len: T.
+        varlen: emit document boundaries (positions holding EOT) as ``cu_seqlens``.
+    """
+
+    sequential = False
+
+    def __init__(
+        self,
+        read_tokens: Callable[[int, int], np.ndarray],
+        length: int,
+        seq_len: int,
+        *,
+        varlen: bool,
+    ) -> None:
+        _check_seq_len(seq_len)
+        if length < seq_len + 1:
+            raise ValueError(
+                f"the token stream has {length} tokens, fewer than data.seq_len + 1 = "
+                f"{seq_len + 1}; use more data or a shorter data.seq_len"
+            )
+        self._read_tokens = read_tokens
+        self.length = length
+        self.seq_len = seq_len
+        self.varlen = varlen
+        self.num_sequences = length // seq_len
+        """Sequences per pass over the stream (approximately one epoch)."""
+
+    @classmethod
+    def from_documents(
+        cls, docs: Sequence[np.ndarray], seq_len: int, *, varlen: bool = True
+    ) -> PackedSource:
+        """Pack documents (token arrays without BOS), inserting EOT before each."""
+        if len(docs) == 0:
+            raise ValueError("no documents to train on")
+        starts = _DocStarts(_doc_offsets(docs))
+        length = starts[len(starts) - 1]
+
+        def read(start: int, n: int) -> np.ndarray:
+            out = np.empty(n, dtype=np.int64)
+            i = bisect.bisect_right(starts, start) - 1  # document holding `start`
+            pos, filled = start, 0
+            while filled < n:
+                doc_start = starts[i]
+                if pos == doc_start:
+                    out[filled] = EOT_ID
+                    filled += 1
+                    pos += 1
+                    continue
+                local = pos - doc_start - 1
+                doc = docs[i]
+                take = min(n - filled, len(doc) - local)
+                out[filled : filled + take] = doc[local : local + take]
+                filled += take
+                pos += take
+                i += 1
+            return out
+
+        return cls(read, length, seq_len, varlen=varlen)
+
+    @classmethod
+    def from_flat(cls, tokens: np.ndarray, seq_len: int, *, varlen: bool = True) -> PackedSource:
+        """Use a flat 1-D token array (memmap) as the packed stream."""
+        if tokens.ndim != 1:
+            raise ValueError(f"a flat token file must be 1-D, got shape {tokens.shape}")
+        return cls(
+            lambda s, n: np.asarray(tokens[s : s + n], dtype=np.int64),
+            len(tokens),
+            seq_len,
+            varlen=varlen,
+        )
+
+    def read(self, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+        T = self.seq_len
+        out = np.empty((count, T + 1), dtype=np.int64)
+        for j in range(count):
+            s = ((start + j) * T) % self.length
+            first = min(T + 1, self.length - s)
+            out[j, :first] = self._read_tokens(s, first)
+            if first < T + 1:  # wraps into the next epoch
+                out[j, first:] = self._read_tokens(0, T + 1 - first)
+        return out[:, :-1].copy(), out[:, 1:].copy()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+class PaddedSource:
+    """One document per sequence (BOS first, truncated to T+1 tokens, EOT padding, label -100).
+
+    Args:
+        docs: documents (token arrays without BOS).
+        seq_len: T.
+    """
+
+    sequential = False
+    varlen = False
+
+    def __init__(self, docs: Sequence[np.ndarray], seq_len: int) -> None:
+        _check_seq_len(seq_len)
+        if len(docs) == 0:
+            raise ValueError("no documents to train on")
+        self.docs = docs
+        self.seq_len = seq_len
+        self.num_sequences = len(docs)
+
+    def read(self, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+        T = self.seq_len
+        inputs = np.full((count, T), EOT_ID, dtype=np.int64)
+        labels = np.full((count, T), IGNORE_INDEX, dtype=np.int64)
+        for j in range(count):
+            doc = self.docs[(start + j) % len(self.docs)]
+            x = np.concatenate([[EOT_ID], np.asarray(doc[:T], dtype=np.int64)])
+            inputs[j, : len(x) - 1] = x[:-1]
+            labels[j, : len(x) - 1] = x[1:]
+        return inputs, labels
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+# --------------------------------------------------------------------------------------------
+# HF datasets, tokenized on the fly
+# --------------------------------------------------------------------------------------------
+
+
+class HFSource:
+    """Documents from a Hugging Face dataset (map-style or streaming), tokenized on the fly.
+
+    Sequential: every rank walks the whole document stream (tokenizing it) and keeps its own
+    share, so the global batch is the same for every world size. For large corpora, tokenize
+    once with ``python -m fot.data.prepare`` and train on the token folder instead.
+
+    The state is the number of documents consumed plus the tokens carried over to the next
+    sequence; resuming skips that many documents (``IterableDataset.skip`` or indexing).
+
+    Args:
+        make_dataset: returns a fresh dataset (``datasets.Dataset`` or ``IterableDataset``).
+        encode: text -> list of token ids (e.g. ``fot.tokenizer.get_encoding().encode_ordinary``).
+        seq_len: T.
+        packing: ``"varlen"``, ``"causal"`` or ``"padded"``.
+        text_field: column holding the text; if the rows instead hold ``input_ids``, they are
+            used as tokens directly.
+    """
+
+    sequential = True
+
+    def __init__(
+        self,
+        make_dataset: Callable[[], Any],
+        encode: Callable[[str], list[int]],
+        seq_len: int,
+        *,
+        packing: str = "varlen",
+        text_field: str = "text",
+    ) -> None:
+        _check_seq_len(seq_len)
+        if packing not in PACKINGS:
+            raise ValueError(f"data.packing={packing!r} is not one of {list(PACKINGS)}")
+        self.make_dataset = make_dataset
+        self.encode = encode
+        self.seq_len = seq_len
+        self.packing = packing
+        self.varlen = packing == "varlen"
+        self.text_field = text_field
+        self.position = 0  # next sequence index
+        self.docs_consumed = 0  # over all epochs
+        self.docs_per_epoch: int | None = None
+        self.buffer = np.zeros(0, dtype=np.int64)
+        self._it: Iterator[Any] | None = None
+        self._it_docs = 0  # documents consumed when _it was created
+
+    def _open(self) -> Iterator[Any]:
+        ds = self.make_dataset()
+        skip = self.docs_consumed
+        if self.docs_per_epoch:
+            skip %= self.docs_per_epoch
+        if hasattr(ds, "__len__") and hasattr(ds, "select"):
+            return (ds[i] for i in range(skip, len(ds)))
+        return iter(ds.skip(skip) if skip else ds)
+
+    def _next_doc(self) -> np.ndarray:
+        if self._it is None:
+            self._it = self._open()
+        for attempt in range(2):
+            try:
+                row = next(self._it)
+                break
+            except StopIteration:
+                if attempt == 1 or self.docs_consumed == 0:
+                    raise ValueError("the HF dataset has no documents") from None
+                self.docs_per_epoch = self.docs_per_epoch or self.docs_consumed
+                self._it = iter(self.make_dataset())  # next epoch from the start
+        self.docs_consumed += 1
+        if self.text_field in row:
+            toks = self.encode(row[self.text_field])
+        elif "input_ids" in row:
+            toks = row["input_ids"]
+        else:
+            raise KeyError(
+                f"dataset rows have columns {sorted(row)}; set data.text_field to the text column"
+            )
+        return np.asarray(toks, dtype=np.int64)
+
+    def read(self, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+        if start != self.position:
+            raise RuntimeError(
+                f"HFSource is sequential: asked for sequence {start}, at {self.position}"
+            )
+        T = self.seq_len
+        inputs = np.empty((count, T), dtype=np.int64)
+        labels = np.empty((count, T), dtype=np.int64)
+        for j in range(count):
+            if self.packing == "padded":
+                x = np.concatenate([[EOT_ID], self._next_doc()[:T]])
+                inputs[j].fill(EOT_ID)
+                labels[j].fill(IGNORE_INDEX)
+                inputs[j, : len(x) - 1] = x[:-1]
+                labels[j, : len(x) - 1] = x[1:]
+                continue
+            pieces = [self.buffer]
+            have = len(self.buffer)
+            while have < T + 1:
+                doc = np.concatenate([[EOT_ID], self._next_doc()])
+                pieces.append(doc)
+                have += len(doc)
+            buf = np.concatenate(pieces)
+            inputs[j], labels[j] = buf[:T], buf[1 : T + 1]
+            self.buffer = buf[T:].copy()  # the last label is the next sequence's first input
+        self.position += count
+        return inputs, labels
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "position": self.position,
+            "docs_consumed": self.docs_consumed,
+            "docs_per_epoch": self.docs_per_epoch,
+            "buffer": self.buffer.tolist(),
+        }
+
+    def reset(self) -> None:
+        """Go back to the first sequence of the first epoch."""
+        self.load_state_dict(
+            {"position": 0, "docs_consumed": 0, "docs_per_epoch": None, "buffer": []}
+        )
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.position = int(state["position"])
+        self.docs_consumed = int(state["docs_consumed"])
+        self.docs_per_epoch = state["docs_per_epoch"]
+        self.buffer = np.asarray(state["buffer"], dtype=np.int64)
+        self._it = None
+
+
+# --------------------------------------------------------------------------------------------
+# batching and sharding
+# --------------------------------------------------------------------------------------------
+
+
+def make_batch(inputs: np.ndarray, labels: np.ndarray, *, varlen: bool) -> Batch:
+    """Turn ``[B, T]`` numpy sequences into a :class:`Batch`.
+
+    With ``varlen`` the rows are laid end to end (``B == 1``) and ``cu_seqlens`` marks a
+    boundary at every row start and every EOT (BOS) position, so attention never crosses a
+    document.
+    """
+    B, T = inputs.shape
+    if not varlen:
+        return Batch(torch.from_numpy(inputs), torch.from_numpy(labels), None, T)
+    flat = inputs.reshape(-1)
+    starts = np.flatnonzero(flat == EOT_ID)
+    bounds = np.union1d(np.union1d(starts, np.arange(B) * T), [B * T]).astype(np.int32)
+    return Batch(
+        torch.from_numpy(flat.reshape(1, -1)),
+        torch.from_numpy(labels.reshape(1, -1)),
+        torch.from_numpy(bounds),
+        T,
+    )
+
+
+class SequenceStream:
+    """Per-rank batches of a :class:`SequenceSource`, with an exact, resumable position.
+
+    Each :meth:`next_step` consumes one global batch of ``global_batch_size`` sequences.
+    Rank ``r`` of ``W`` takes the contiguous block ``[r * S / W, (r+1) * S / W)`` of it and cuts
+    that into ``accum`` micro batches of ``micro_batch_size`` sequences.
+
+    Args:
+        source: the sequence source.
+        global_batch_size: sequences per optimizer step over all ranks (S).
+        micro_batch_size: sequences per forward pass on one rank.
+        rank: this process' rank.
+        world_size: number of ranks (W); ``S`` must be divisible by ``W * micro_batch_size``.
+    """
+
+    def __init__(
+        self,
+        source: SequenceSource,
+        *,
+        global_batch_size: int,
+        micro_batch_size: int,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
+        if micro_batch_size < 1 or global_batch_size < 1:
+            raise ValueError(
+                f"batch sizes must be >= 1, got global {global_batch_size}, micro {micro_batch_size}"
+            )
+        if global_batch_size % (world_size * micro_batch_size):
+            raise ValueError(
+                f"the global batch of {global_batch_size} sequences cannot be split into "
+                f"{world_size} ranks x micro batches of {micro_batch_size} sequences; choose "
+                "sizes so that global_batch_tokens / seq_len is a multiple of "
+                f"world_size * micro_batch_size = {world_size * micro_batch_size}"
+            )
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside world of size {world_size}")
+        self.source = source
+        self.global_batch_size = global_batch_size
+        self.micro_batch_size = micro_batch_size
+        self.rank = rank
+        self.world_size = world_size
+        self.local_batch_size = global_batch_size // world_size
+        self.accum_steps = self.local_batch_size // micro_batch_size
+        self.position = 0
+        self.varlen = bool(getattr(source, "varlen", False))
+
+    def next_step(self) -> list[Batch]:
+        """The micro batches of this rank for the next optimizer step."""
+        S, local, m = self.global_batch_size, self.local_batch_size, self.micro_batch_size
+        if self.source.sequential:
+            inputs, labels = self.source.read(self.position, S)
+            lo = self.rank * local
+            inputs, labels = inputs[lo : lo + local], labels[lo : lo + local]
+        else:
+            inputs, labels = self.source.read(self.position + self.rank * local, local)
+        self.position += S
+        return [
+            make_batch(inputs[a : a + m], labels[a : a + m], varlen=self.varlen)
+            for a in range(0, local, m)
+        ]
+
+    def state_dict(self) -> dict[str, Any]:
+        """Position (sequences consumed) and the source's own state; the same on every rank."""
+        return {"position": self.position, "source": self.source.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict`."""
+        self.position = int(state["position"])
+        self.source.load_state_dict(state["source"])
+
+
+def iterate_eval_batches(
+    source: SequenceSource,
+    *,
+    num_sequences: int,
+    micro_batch_size: int,
+    rank: int = 0,
+    world_size: int = 1,
+) -> Iterator[Batch]:
+    """The first ``num_sequences`` sequences of ``source``, this rank's share, in micro batches.
+
+    Rank ``r`` takes the contiguous block ``[r * n, (r+1) * n)`` with ``n = ceil(N / W)`` (the
+    last rank may get fewer, or none). Sequential sources are reset and read from the start.
+    """
+    per = math.ceil(num_sequences / world_size)
+    lo, hi = min(rank * per, num_sequences), min((rank + 1) * per, num_sequences)
+    varlen = bool(getattr(source, "varlen", False))
+    if source.sequential:
+        source.reset()  # type: ignore[attr-defined]
+        inputs, labels = source.read(0, hi)
+        for a in range(lo, hi, micro_batch_size):
+            b = min(a + micro_batch_size, hi)
+            yield make_batch(inputs[a:b], labels[a:b], varlen=varlen)
+        return
+    for a in range(lo, hi, micro_batch_size):
+        inputs, labels = source.read(a, min(micro_batch_size, hi - a))
+        yield make_batch(inputs, labels, varlen=varlen)
+
+
+def num_eval_sequences(tokens: int, seq_len: int) -> int:
+    """How many sequences of ``seq_len`` hold at least ``tokens`` tokens (>= 1)."""
+    return max(1, math.ceil(tokens / seq_len))

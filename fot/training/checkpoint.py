@@ -1,0 +1,238 @@
+"""Atomic, keep-last-k training checkpoints that resume bit-exactly.
+
+A checkpoint is a folder ``<run>/checkpoints/step_<step:08d>/`` holding
+
+    model.pt      full (unsharded) model state dict, fp32, FQN keys
+    optim.pt      full optimizer state dict (FQN keys, so it loads under any strategy)
+    rng.pt        the RNG states of every rank (torch, CUDA, numpy, python)
+    trainer.json  step, tokens seen, data stream position, the resolved config
+
+It is written into ``.tmp-step_<step>`` and renamed into place only when complete, so a crash
+mid-save leaves the previous checkpoint the latest usable one (a stale temp folder is ignored
+and cleaned up). Older checkpoints beyond ``keep_last`` are deleted after the rename.
+Multi-node runs need the run folder on a shared file system.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+FAULT_ENV = "FOT_FAULT"
+"""Test hook: ``kill_after_step:N`` or ``kill_in_checkpoint:N`` SIGKILLs the process (rank 0)
+after optimizer step N, or halfway through writing the checkpoint of step N."""
+
+
+def _fault(point: str, step: int) -> None:
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return
+    name, _, n = spec.partition(":")
+    if name == point and int(n) == step:
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _dist() -> bool:
+    return dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _state_dict_options(**kw: Any) -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, **kw)
+
+
+def gather_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Full, unsharded model state on CPU (every rank must call it under DDP/FSDP)."""
+    if not _dist():
+        from fot.training.parallel import unwrap
+
+        return {k: v.detach().cpu().clone() for k, v in unwrap(model).state_dict().items()}
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(model, options=_state_dict_options(cpu_offload=True))
+
+
+def gather_optim_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Full optimizer state keyed by parameter names (every rank must call it)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    opts = _state_dict_options(cpu_offload=True) if _dist() else _state_dict_options()
+    return get_optimizer_state_dict(model, optimizer, options=opts)
+
+
+def rng_state() -> dict[str, Any]:
+    """This process' RNG states."""
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        "numpy": np.random.get_state(),
+        "python": random.getstate(),
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore :func:`rng_state`."""
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _save(obj: Any, path: Path) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def list_checkpoints(ckpt_dir: str | os.PathLike) -> list[Path]:
+    """Complete checkpoints under ``ckpt_dir``, oldest first."""
+    root = Path(ckpt_dir)
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        m = _STEP_DIR.match(p.name)
+        if m and (p / "trainer.json").is_file():
+            found.append((int(m.group(1)), p))
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(ckpt_dir: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint, or ``None``."""
+    found = list_checkpoints(ckpt_dir)
+    return found[-1] if found else None
+
+
+def save_checkpoint(
+    ckpt_dir: str | os.PathLike,
+    *,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    trainer_state: dict[str, Any],
+    keep_last: int,
+    is_main: bool,
+) -> Path:
+    """Write a checkpoint atomically (all ranks call this; rank 0 writes).
+
+    Args:
+        ckpt_dir: the run's ``checkpoints`` folder.
+        step: optimizer steps done; names the folder.
+        model: the trained (possibly wrapped/sharded) model.
+        optimizer: its optimizer.
+        trainer_state: JSON-serialisable state (step, tokens, data position, config).
+        keep_last: complete checkpoints to keep (>= 1).
+        is_main: whether this is rank 0.
+
+    Returns:
+        The checkpoint folder.
+    """
+    root = Path(ckpt_dir)
+    final = root / f"step_{step:08d}"
+    model_state = gather_model_state(model)
+    optim_state = gather_optim_state(model, optimizer)
+    rng = rng_state()
+    if _dist():
+        rngs: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(rngs, rng)
+    else:
+        rngs = [rng]
+    if is_main:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = root / f".tmp-step_{step:08d}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        _save(model_state, tmp / "model.pt")
+        _fault("kill_in_checkpoint", step)
+        _save(optim_state, tmp / "optim.pt")
+        _save(rngs, tmp / "rng.pt")
+        with open(tmp / "trainer.json", "w") as f:
+            json.dump(trainer_state, f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        if final.exists():  # re-saving the same step (e.g. final save after a periodic one)
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(root)
+        for old in list_checkpoints(root)[: -max(keep_last, 1)]:
+            shutil.rmtree(old, ignore_errors=True)
+    if _dist():
+        dist.barrier()
+    return final
+
+
+def clean_stale(ckpt_dir: str | os.PathLike) -> None:
+    """Remove half-written ``.tmp-*`` folders left by a crash (rank 0, before training)."""
+    root = Path(ckpt_dir)
+    if root.is_dir():
+        for p in root.glob(".tmp-step_*"):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def load_checkpoint(
+    path: str | os.PathLike,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    rank: int,
+) -> dict[str, Any]:
+    """Restore model, optimizer and this rank's RNG from ``path``; return the trainer state.
+
+    Every rank reads the full state (the folder must be visible to all ranks) and loads it into
+    its own (possibly sharded) model.
+    """
+    p = Path(path)
+    if not (p / "trainer.json").is_file():
+        raise FileNotFoundError(
+            f"{p} is not a complete checkpoint (no trainer.json); pass a folder like "
+            "<run>/checkpoints/step_00001000, or resume=auto to pick the latest"
+        )
+    model_state = torch.load(p / "model.pt", map_location="cpu", weights_only=True)
+    optim_state = torch.load(p / "optim.pt", map_location="cpu", weights_only=False)
+    if _dist():
+        from torch.distributed.checkpoint.state_dict import (
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        set_model_state_dict(model, model_state, options=_state_dict_options())
+        set_optimizer_state_dict(model, optimizer, optim_state, options=_state_dict_options())
+    else:
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        from fot.training.parallel import unwrap
+
+        unwrap(model).load_state_dict(model_state)
+        set_optimizer_state_dict(model, optimizer, optim_state, options=_state_dict_options())
+    rngs = torch.load(p / "rng.pt", map_location="cpu", weights_only=False)
+    set_rng_state(rngs[rank] if rank < len(rngs) else rngs[0])
+    with open(p / "trainer.json") as f:
+        return json.load(f)

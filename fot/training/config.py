@@ -1,0 +1,180 @@
+"""Typed Hydra configs for training: one dataclass per config group, registered as schemas.
+
+The YAML files under ``configs/`` fill these dataclasses; a misspelt key or a wrong type is
+rejected by OmegaConf at compose time. The model group only *names* a preset (plus optional
+overrides) and the size group names a size: the HF model config itself always comes from
+:func:`fot.presets.config`, the single source of truth for model fields.
+
+Everything that counts data is in tokens (``*_tokens``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+Mi = 1 << 20
+
+
+@dataclass
+class ModelConfig:
+    """``model`` group: which architecture (a :data:`fot.presets.MODELS` name)."""
+
+    name: str = MISSING
+    overrides: dict[str, Any] = field(default_factory=dict)
+    """Extra HF config fields passed to ``fot.presets.config(name, size, **overrides)``."""
+
+
+@dataclass
+class SizeConfig:
+    """``size`` group: which model size (a :data:`fot.presets.SIZES` name)."""
+
+    name: str = MISSING
+
+
+@dataclass
+class DataConfig:
+    """``data`` group. See :mod:`fot.data.streams` for the BOS and packing conventions."""
+
+    kind: str = MISSING
+    """``sample`` (offline Shakespeare), ``longcrawl64``, ``tokens`` or ``hf``."""
+    seq_len: int = 16384
+    packing: str = "varlen"
+    """``varlen`` (pack, no attention across documents), ``causal`` (pack, plain causal) or
+    ``padded`` (one document per sequence). LongCrawl64 rows are always chunked."""
+    path: str | None = None
+    """longcrawl64: folder with ``train.zarr``/``heldout.zarr``; tokens: a token folder, a flat
+    ``.npy``/``.bin`` (uint16) file or a 2-D ``.zarr``; hf: dataset name or local path."""
+    val_path: str | None = None
+    """Held-out data of the same kind (longcrawl64 default: ``<path>/heldout.zarr``)."""
+    val_tokens: int = 0
+    """Held-out tokens per validation (0: no validation)."""
+    hf_name: str | None = None
+    """hf: dataset configuration name (``load_dataset(path, name)``)."""
+    hf_data_files: list[str] | None = None
+    hf_split: str = "train"
+    hf_val_split: str | None = None
+    streaming: bool = False
+    text_field: str = "text"
+
+
+@dataclass
+class OptimConfig:
+    """``optim`` group: AdamW. Weight decay skips biases, norms and gate biases (all 1-D)."""
+
+    name: str = "adamw"
+    lr: float = 1e-3
+    """Peak learning rate."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    """Max global gradient norm (0 disables clipping)."""
+    fused: bool | None = None
+    """Fused AdamW kernel (default: on CUDA)."""
+
+
+@dataclass
+class ScheduleConfig:
+    """``schedule`` group: learning rate as a function of tokens seen."""
+
+    name: str = "warmup_cosine"
+    """``warmup_cosine``, ``warmup_linear`` or ``constant`` (after warmup)."""
+    warmup_tokens: int = 256 * Mi
+    min_lr_ratio: float = 0.1
+    """Final LR as a fraction of the peak (cosine/linear decay end point)."""
+
+
+@dataclass
+class ParallelConfig:
+    """``parallel`` group: how the model is distributed and run."""
+
+    strategy: str = "auto"
+    """``auto`` (DDP under torchrun with >1 process, else single), ``single``, ``ddp``, ``fsdp``
+    (FSDP2: ``fully_shard`` per block)."""
+    precision: str = "auto"
+    """``auto`` (bf16 on CUDA, fp32 on CPU), ``bf16`` or ``fp32``."""
+    compile: bool = False
+    """``torch.compile`` each block."""
+    activation_checkpointing: bool = False
+    backend: str = "auto"
+    """Process group backend: ``auto`` (nccl on CUDA, gloo on CPU), ``nccl`` or ``gloo``."""
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "auto"
+    """``auto`` (online with an API key, offline without), ``online``, ``offline``, ``disabled``."""
+    project: str = "fot"
+    entity: str | None = None
+    name: str | None = None
+    """Run name (default: the output folder's name)."""
+
+
+@dataclass
+class TrainConfig:
+    """The root config (``configs/train.yaml`` extends it)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    size: SizeConfig = field(default_factory=SizeConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+    total_tokens: int = MISSING
+    """Training length in tokens (rounded down to whole global batches)."""
+    global_batch_tokens: int = 512 * 1024
+    """Tokens per optimizer step over all ranks (a multiple of ``data.seq_len``)."""
+    micro_batch_size: int = 1
+    """Sequences per forward pass per rank; gradient accumulation fills the global batch."""
+    seed: int = 0
+    device: str = "auto"
+    """``auto`` (CUDA if available), ``cpu`` or ``cuda``."""
+    out_dir: str | None = None
+    """Run folder (default: Hydra's job output folder)."""
+    log_every_tokens: int = 32 * Mi
+    val_every_tokens: int = 0
+    """Validate every this many tokens (0: only at the end, if ``data.val_tokens > 0``)."""
+    val_micro_batch_size: int | None = None
+    ckpt_every_tokens: int = 256 * Mi
+    """Checkpoint every this many tokens (0: only at the end)."""
+    keep_last: int = 2
+    """Checkpoints kept (older ones are deleted after a new one is complete)."""
+    resume: str = "auto"
+    """``auto`` (latest checkpoint in ``<out_dir>/checkpoints`` if any), ``never``, or a
+    checkpoint folder."""
+    export_hf: bool = True
+    """Write an HF folder (weights, config, tokenizer) to ``<out_dir>/hf`` at the end."""
+    progress: bool = True
+    """tqdm progress bar on rank 0."""
+    peak_flops: float | None = None
+    """Per-device peak FLOP/s for MFU (default: looked up for known GPUs; none on CPU)."""
+
+
+GROUPS = {
+    "model": ModelConfig,
+    "size": SizeConfig,
+    "data": DataConfig,
+    "optim": OptimConfig,
+    "schedule": ScheduleConfig,
+    "parallel": ParallelConfig,
+}
+
+
+def register_configs() -> None:
+    """Register the root schema with Hydra's ConfigStore as ``train_schema``.
+
+    Group YAMLs merge into its typed fields, so they need no schema of their own.
+    """
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+
+
+def to_container(cfg: DictConfig) -> dict[str, Any]:
+    """The resolved config as plain Python objects (for logging and checkpoints)."""
+    return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]

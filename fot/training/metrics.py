@@ -1,0 +1,227 @@
+"""Run logging: JSONL metrics, wandb (online/offline/disabled, never fatal), run info, MFU."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import logging
+import os
+import platform
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+logger = logging.getLogger("fot.train")
+
+WANDB_MODES = ("auto", "online", "offline", "disabled")
+
+# Dense bf16 peak FLOP/s per device (no sparsity), by substring of the device name.
+_PEAK_FLOPS = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "H800": 989e12,
+    "GH200": 989e12,
+    "B200": 2250e12,
+    "A100": 312e12,
+    "A800": 312e12,
+    "L40S": 362e12,
+    "A6000": 155e12,
+    "4090": 165e12,
+}
+
+
+def peak_flops_per_device(device: torch.device) -> float | None:
+    """bf16 dense peak FLOP/s of a known GPU, else ``None`` (CPU, unknown GPUs)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, value in _PEAK_FLOPS.items():
+        if key in name:
+            return value
+    return None
+
+
+def flops_per_token(model: nn.Module, config: Any, seq_len: int) -> float:
+    """Training FLOPs per token: ``6 N + 6 L d_attn T_eff`` (forward + backward).
+
+    ``N`` counts every parameter except the input embedding (the LM head included; the
+    embedding lookup costs no matmul FLOPs). The attention term counts ``q k^T`` and ``p v``
+    (``2 * 2 * d_attn`` FLOPs per key, times 3 for backward) over the average causal context
+    ``T_eff = (T + 1) / 2``, or the window for sliding-window attention. Models without
+    softmax attention (Mamba-2, DeltaNet, HGRN-2) get no attention term; Samba counts its
+    attention layers only if the config says which.
+
+    Args:
+        model: the unwrapped model.
+        config: its HF config.
+        seq_len: training sequence length T.
+    """
+    emb = model.get_input_embeddings().weight.numel()
+    n = sum(p.numel() for p in model.parameters()) - emb
+    attn_layers = 0
+    if getattr(config, "model_type", None) == "fot":
+        attn_layers = config.num_hidden_layers
+    d_attn = getattr(config, "hidden_size", 0)
+    window = getattr(config, "window_size", None)
+    t_eff = (seq_len + 1) / 2 if not window else min(window, (seq_len + 1) / 2)
+    return 6.0 * n + 12.0 * attn_layers * d_attn * t_eff
+
+
+def git_sha(repo: str | os.PathLike | None = None) -> str | None:
+    """The checkout's commit (``+dirty`` if modified), or ``None`` outside git."""
+    cwd = Path(repo) if repo else Path(__file__).resolve().parents[2]
+    try:
+        sha = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10
+        )
+        if sha.returncode != 0:
+            return None
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+        return sha.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def versions() -> dict[str, str | None]:
+    """Versions of Python and the libraries that shape a run."""
+    out: dict[str, str | None] = {"python": platform.python_version()}
+    for pkg in ("torch", "triton", "transformers", "flash-linear-attention", "hydra-core", "numpy"):
+        try:
+            out[pkg] = importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            out[pkg] = None
+    try:
+        out["fot"] = importlib.metadata.version("fot")
+    except importlib.metadata.PackageNotFoundError:
+        import fot
+
+        out["fot"] = getattr(fot, "__version__", None)
+    out["cuda"] = torch.version.cuda
+    return out
+
+
+def resolve_wandb_mode(mode: str) -> str:
+    """``auto`` -> ``online`` with an API key (env or netrc), else ``offline``."""
+    if mode not in WANDB_MODES:
+        raise ValueError(f"wandb.mode={mode!r} is not one of {list(WANDB_MODES)}")
+    env = os.environ.get("WANDB_MODE")
+    if env in ("online", "offline", "disabled", "dryrun"):
+        return "offline" if env == "dryrun" else env
+    if mode != "auto":
+        return mode
+    if os.environ.get("WANDB_API_KEY"):
+        return "online"
+    netrc = Path.home() / ".netrc"
+    try:
+        if netrc.is_file() and "api.wandb.ai" in netrc.read_text():
+            return "online"
+    except OSError:
+        pass
+    return "offline"
+
+
+class MetricsLogger:
+    """Rank-0 sink for metrics: a JSONL file and, if it starts, a wandb run.
+
+    Every record gets ``step`` and ``tokens``. wandb failures (no key, no network, no package)
+    become a warning and the run continues with JSONL only.
+
+    Args:
+        out_dir: the run folder (``metrics.jsonl`` is appended to).
+        enabled: False on ranks other than 0 (then every call is a no-op).
+        wandb_cfg: ``wandb`` config (mode, project, entity, name).
+        config: the resolved config, sent to wandb.
+        resume_id: wandb run id to resume (kept in checkpoints).
+    """
+
+    def __init__(
+        self,
+        out_dir: str | os.PathLike,
+        *,
+        enabled: bool,
+        wandb_cfg: Any,
+        config: dict[str, Any],
+        resume_id: str | None = None,
+    ) -> None:
+        self.enabled = enabled
+        self.path = Path(out_dir) / "metrics.jsonl"
+        self.wandb_run = None
+        self.wandb_id: str | None = resume_id
+        if not enabled:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "a")  # noqa: SIM115 - closed in close()
+        mode = resolve_wandb_mode(wandb_cfg.mode)
+        if mode == "disabled":
+            return
+        if os.environ.get("WANDB_MODE") == "":
+            os.environ.pop("WANDB_MODE")  # wandb rejects an empty mode; ours is passed below
+        try:
+            import wandb
+
+            self.wandb_run = wandb.init(
+                project=wandb_cfg.project,
+                entity=wandb_cfg.entity,
+                name=wandb_cfg.name or Path(out_dir).name,
+                dir=str(out_dir),
+                config=config,
+                mode=mode,
+                id=resume_id,
+                resume="allow" if resume_id else None,
+            )
+            self.wandb_id = self.wandb_run.id
+        except Exception as err:  # wandb must never stop training
+            warnings.warn(
+                f"wandb ({mode}) did not start ({type(err).__name__}: {err}); logging to "
+                f"{self.path} only. Set wandb.mode=disabled to silence this.",
+                stacklevel=2,
+            )
+            self.wandb_run = None
+
+    def log(self, record: dict[str, Any]) -> None:
+        """Append one record (must include ``step``)."""
+        if not self.enabled:
+            return
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self.wandb_run is not None:
+            try:
+                data = {k: v for k, v in record.items() if k != "step"}
+                self.wandb_run.log(data, step=int(record["step"]))
+            except Exception as err:
+                warnings.warn(f"wandb.log failed ({err}); continuing", stacklevel=2)
+
+    def close(self) -> None:
+        """Flush and close the file and the wandb run."""
+        if not self.enabled:
+            return
+        self._file.close()
+        if self.wandb_run is not None:
+            try:
+                self.wandb_run.finish()
+            except Exception as err:
+                warnings.warn(f"wandb.finish failed ({err})", stacklevel=2)
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak memory of this process: CUDA allocated on GPU, max RSS on CPU (GiB)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    try:
+        import resource
+
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return rss / 2**20 if sys.platform != "darwin" else rss / 2**30
+    except ImportError:  # pragma: no cover - Windows
+        return float("nan")

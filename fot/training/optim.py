@@ -1,0 +1,101 @@
+"""AdamW with the paper's weight-decay rule, and the learning-rate schedule in tokens."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from fot.training.config import OptimConfig, ScheduleConfig
+
+SCHEDULES = ("warmup_cosine", "warmup_linear", "constant")
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Split trainable parameters into decayed and non-decayed groups.
+
+    No weight decay on biases, norm weights and gate biases: every parameter with fewer than two
+    dimensions (all of those are vectors), and any parameter whose name contains ``bias`` or
+    ``norm``. Matrices (projections, embeddings) are decayed.
+
+    Args:
+        model: the (possibly wrapped) model.
+        weight_decay: decay for the decayed group.
+
+    Returns:
+        Two parameter groups for ``torch.optim.AdamW``.
+    """
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        lowered = name.lower()
+        if p.ndim < 2 or "bias" in lowered or "norm" in lowered:
+            no_decay.append(p)
+        else:
+            decay.append(p)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def build_optimizer(
+    model: nn.Module, cfg: OptimConfig, *, device: torch.device
+) -> torch.optim.Optimizer:
+    """AdamW over ``model``'s parameters (see :func:`param_groups`).
+
+    Args:
+        model: the model after :func:`fot.training.parallel.parallelize`.
+        cfg: ``optim`` config. ``lr`` is the peak; the schedule sets each step's LR.
+        device: where the parameters live (the fused kernel is used on CUDA by default).
+    """
+    if cfg.name != "adamw":
+        raise ValueError(f"optim.name={cfg.name!r} is not supported; valid: ['adamw']")
+    if len(cfg.betas) != 2 or not all(0.0 <= b < 1.0 for b in cfg.betas):
+        raise ValueError(f"optim.betas must be two numbers in [0, 1), got {list(cfg.betas)}")
+    if cfg.lr <= 0:
+        raise ValueError(f"optim.lr must be > 0, got {cfg.lr}")
+    fused = cfg.fused if cfg.fused is not None else device.type == "cuda"
+    return torch.optim.AdamW(
+        param_groups(model, cfg.weight_decay),
+        lr=cfg.lr,
+        betas=(float(cfg.betas[0]), float(cfg.betas[1])),
+        eps=cfg.eps,
+        fused=fused or None,
+    )
+
+
+def lr_at(tokens: int, *, peak_lr: float, total_tokens: int, cfg: ScheduleConfig) -> float:
+    """Learning rate of the step that brings the run to ``tokens`` training tokens.
+
+    Linear warmup from 0 to ``peak_lr`` over ``cfg.warmup_tokens``, then (``warmup_cosine``)
+    cosine decay or (``warmup_linear``) linear decay to ``cfg.min_lr_ratio * peak_lr`` at
+    ``total_tokens``, or (``constant``) the peak.
+
+    Args:
+        tokens: tokens seen including this step's batch (so the first step's LR is not 0).
+        peak_lr: the peak learning rate (``optim.lr``).
+        total_tokens: the run's length in tokens.
+        cfg: ``schedule`` config.
+    """
+    if cfg.name not in SCHEDULES:
+        raise ValueError(f"schedule.name={cfg.name!r} is not one of {list(SCHEDULES)}")
+    warmup = cfg.warmup_tokens
+    if warmup > 0 and tokens < warmup:
+        return peak_lr * tokens / warmup
+    if cfg.name == "constant":
+        return peak_lr
+    floor = cfg.min_lr_ratio * peak_lr
+    span = max(total_tokens - warmup, 1)
+    progress = min(max((tokens - warmup) / span, 0.0), 1.0)
+    if cfg.name == "warmup_linear":
+        return peak_lr - (peak_lr - floor) * progress
+    return floor + 0.5 * (peak_lr - floor) * (1.0 + math.cos(math.pi * progress))
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Set every parameter group's learning rate."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr

@@ -1,0 +1,192 @@
+"""Processes, devices and the one place where the model is distributed: :func:`parallelize`."""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from fot.training.config import ParallelConfig
+
+STRATEGIES = ("auto", "single", "ddp", "fsdp")
+PRECISIONS = ("auto", "bf16", "fp32")
+
+
+@dataclass
+class DistInfo:
+    """Where this process sits: rank, world size, local rank and device."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def init_distributed(device: str = "auto", backend: str = "auto") -> DistInfo:
+    """Set up the process group under torchrun (``WORLD_SIZE`` > 1), or a single process.
+
+    Several nodes work through torchrun's own rendezvous (``--nnodes``, ``--rdzv_endpoint``);
+    this function only reads the environment torchrun sets.
+
+    Args:
+        device: ``auto`` (CUDA if available), ``cpu`` or ``cuda``.
+        backend: ``auto`` (nccl on CUDA, gloo on CPU), ``nccl`` or ``gloo``.
+    """
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device={device!r} is not one of ['auto', 'cpu', 'cuda']")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device=cuda but no CUDA device is visible; use device=cpu or auto")
+    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if use_cuda:
+        if local_rank >= torch.cuda.device_count():
+            raise RuntimeError(
+                f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} CUDA devices are "
+                "visible; use --nproc_per_node <= the number of GPUs"
+            )
+        dev = torch.device("cuda", local_rank)
+        torch.cuda.set_device(dev)
+    else:
+        dev = torch.device("cpu")
+    if world_size > 1 and not dist.is_initialized():
+        if backend == "auto":
+            backend = "nccl" if use_cuda else "gloo"
+        if backend not in ("nccl", "gloo"):
+            raise ValueError(f"parallel.backend={backend!r} is not one of ['auto', 'nccl', 'gloo']")
+        kwargs = {"device_id": dev} if use_cuda else {}
+        dist.init_process_group(backend=backend, **kwargs)
+        # Kept for the life of the process: Hydra multirun under torchrun runs several jobs in
+        # the same processes, and a process group cannot be re-created after destruction.
+        atexit.register(_destroy)
+    return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=dev)
+
+
+def _destroy() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def resolve_strategy(cfg: ParallelConfig, info: DistInfo) -> str:
+    """The strategy to use: ``single``, ``ddp`` or ``fsdp`` (``auto`` resolved)."""
+    if cfg.strategy not in STRATEGIES:
+        raise ValueError(f"parallel.strategy={cfg.strategy!r} is not one of {list(STRATEGIES)}")
+    if cfg.strategy == "auto":
+        return "ddp" if info.distributed else "single"
+    if cfg.strategy == "single" and info.distributed:
+        raise ValueError(
+            f"parallel.strategy=single but torchrun started {info.world_size} processes; use "
+            "parallel=ddp or parallel=fsdp, or run without torchrun"
+        )
+    return cfg.strategy
+
+
+def autocast_dtype(cfg: ParallelConfig, device: torch.device) -> torch.dtype | None:
+    """bf16 when asked (or ``auto`` on CUDA); ``None`` for fp32."""
+    if cfg.precision not in PRECISIONS:
+        raise ValueError(f"parallel.precision={cfg.precision!r} is not one of {list(PRECISIONS)}")
+    if cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda"):
+        return torch.bfloat16
+    return None
+
+
+def _blocks(model: nn.Module) -> nn.ModuleList:
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise TypeError(
+            f"{type(model).__name__} has no `model.layers` ModuleList; parallelize needs the "
+            "blocks to shard, compile and checkpoint them one by one"
+        )
+    return layers
+
+
+def _checkpointed(forward, *args, **kwargs):
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def parallelize(
+    model: nn.Module, cfg: ParallelConfig, info: DistInfo, *, strategy: str
+) -> nn.Module:
+    """Apply activation checkpointing, per-block compile and DDP/FSDP2 to ``model``.
+
+    The order follows torchtitan: checkpoint each block, compile each block, then shard each
+    block and the root (FSDP2) or wrap the whole model (DDP). Checkpointing and compile act on
+    each block in place, so parameter names (and checkpoints) do not change.
+
+    Args:
+        model: the model on ``info.device`` in fp32; its blocks are ``model.model.layers``.
+        cfg: ``parallel`` config.
+        info: from :func:`init_distributed`.
+        strategy: from :func:`resolve_strategy`.
+
+    Returns:
+        The model to train (the same object for ``single``/``fsdp``, a DDP wrapper for ``ddp``).
+    """
+    blocks = _blocks(model)
+    if cfg.activation_checkpointing:
+        for block in blocks:
+            block.forward = functools.partial(_checkpointed, block.forward)
+    if cfg.compile:
+        for block in blocks:
+            block.compile()
+    if strategy == "single":
+        return model
+    if not dist.is_initialized():
+        raise RuntimeError(
+            f"parallel.strategy={strategy} needs torchrun (e.g. `torchrun "
+            "--nproc_per_node=2 train.py ...`); for one process use parallel=single"
+        )
+    if strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [info.device.index] if info.device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=ids)
+    if strategy == "fsdp":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        dtype = autocast_dtype(cfg, info.device)
+        mp = MixedPrecisionPolicy(param_dtype=dtype or torch.float32, reduce_dtype=torch.float32)
+        for block in blocks:
+            fully_shard(block, mp_policy=mp)
+        fully_shard(model, mp_policy=mp)
+        if hasattr(model, "per_token_loss"):
+            from torch.distributed.fsdp import register_fsdp_forward_method
+
+            # evaluation calls per_token_loss, not forward: it must all-gather too
+            register_fsdp_forward_method(model, "per_token_loss")
+        return model
+    raise ValueError(f"unknown strategy {strategy!r}")
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model under a DDP wrapper (the model itself otherwise)."""
+    return getattr(model, "module", model)
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum over ranks, in place (no-op in a single process)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def barrier() -> None:
+    """Wait for all ranks (no-op in a single process)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()

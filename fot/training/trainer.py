@@ -1,0 +1,506 @@
+"""The training loop: read it top to bottom in :func:`train`.
+
+One optimizer step consumes one global batch of ``global_batch_tokens`` tokens: each rank
+takes its share of the batch's sequences and accumulates gradients over micro batches. The
+loss of every micro batch is weighted by its share of the global number of label tokens, so
+the gradient is that of the mean loss over the whole global batch, whatever the world size and
+micro-batch size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from fot.data.streams import SequenceStream, iterate_eval_batches
+from fot.training import checkpoint as ckpt
+from fot.training.config import to_container
+from fot.training.metrics import (
+    MetricsLogger,
+    flops_per_token,
+    git_sha,
+    peak_flops_per_device,
+    peak_memory_gib,
+    versions,
+)
+from fot.training.optim import build_optimizer, lr_at, set_lr
+from fot.training.parallel import (
+    DistInfo,
+    all_reduce_sum,
+    autocast_dtype,
+    barrier,
+    init_distributed,
+    parallelize,
+    resolve_strategy,
+    unwrap,
+)
+
+logger = logging.getLogger("fot.train")
+
+
+class TrainingDivergedError(FloatingPointError):
+    """The loss or gradient norm became NaN/inf; the last checkpoint was left untouched."""
+
+
+def check_sizes(cfg: Any, world_size: int) -> tuple[int, int]:
+    """Validate batch/sequence/world sizes; return ``(global_sequences, total_steps)``.
+
+    Raises:
+        ValueError: with the sizes involved and what to change.
+    """
+    T = int(cfg.data.seq_len)
+    gbt = int(cfg.global_batch_tokens)
+    if T < 2:
+        raise ValueError(f"data.seq_len must be >= 2, got {T}")
+    if gbt < T or gbt % T:
+        raise ValueError(
+            f"global_batch_tokens={gbt} must be a positive multiple of data.seq_len={T} "
+            f"(e.g. global_batch_tokens={max(1, gbt // T) * T})"
+        )
+    seqs = gbt // T
+    m = int(cfg.micro_batch_size)
+    if m < 1 or seqs % (world_size * m):
+        raise ValueError(
+            f"a global batch of {seqs} sequences (global_batch_tokens={gbt} / seq_len={T}) "
+            f"cannot be split over {world_size} process(es) x micro_batch_size={m}; the number "
+            f"of sequences must be a multiple of world_size * micro_batch_size = {world_size * m}"
+        )
+    total = int(cfg.total_tokens)
+    if total < gbt:
+        raise ValueError(
+            f"total_tokens={total} is less than one global batch ({gbt} tokens); raise "
+            "total_tokens or lower global_batch_tokens"
+        )
+    for key in ("log_every_tokens", "val_every_tokens", "ckpt_every_tokens"):
+        if int(cfg[key]) < 0:
+            raise ValueError(f"{key} must be >= 0, got {cfg[key]}")
+    if int(cfg.keep_last) < 1:
+        raise ValueError(f"keep_last must be >= 1, got {cfg.keep_last}")
+    return seqs, total // gbt
+
+
+def _crossed(before: int, after: int, every: int) -> bool:
+    return every > 0 and after // every > before // every
+
+
+def model_config_from_train_config(cfg: Any) -> Any:
+    """The HF model config a training config selects: ``fot.presets.config(model, size, **ov)``.
+
+    Args:
+        cfg: the training config (``cfg.model.name``, ``cfg.model.overrides``, ``cfg.size.name``).
+    """
+    from fot import presets
+
+    overrides = (
+        OmegaConf.to_container(cfg.model.overrides, resolve=True)
+        if isinstance(cfg.model.overrides, DictConfig)
+        else dict(cfg.model.overrides)
+    )
+    return presets.config(cfg.model.name, cfg.size.name, **overrides)
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module,
+    source: Any,
+    *,
+    num_sequences: int,
+    micro_batch_size: int,
+    info: DistInfo,
+    amp_dtype: torch.dtype | None,
+) -> dict[str, float]:
+    """Held-out loss, overall and over the last 512/1k/.../T positions of each sequence.
+
+    Args:
+        model: the (possibly wrapped) model; ``per_token_loss`` is called on it.
+        source: held-out sequence source.
+        num_sequences: sequences to evaluate (a multiple of ``world_size * micro_batch_size``
+            so every rank runs the same number of forward passes).
+        micro_batch_size: sequences per forward pass.
+        info: distributed info.
+        amp_dtype: autocast dtype or ``None``.
+
+    Returns:
+        ``{"val/loss": ..., "val/loss_last_512": ..., ..., "val/loss_last_<T>": ...}``.
+    """
+    T = source.seq_len
+    sums = torch.zeros(T, dtype=torch.float64, device=info.device)
+    counts = torch.zeros(T, dtype=torch.float64, device=info.device)
+    inner = unwrap(model)
+    was_training = inner.training
+    inner.eval()
+    amp = (
+        torch.autocast(info.device.type, dtype=amp_dtype)
+        if amp_dtype is not None
+        else contextlib.nullcontext()
+    )
+    for batch in iterate_eval_batches(
+        source,
+        num_sequences=num_sequences,
+        micro_batch_size=micro_batch_size,
+        rank=info.rank,
+        world_size=info.world_size,
+    ):
+        b = batch.to(info.device)
+        with amp:
+            losses = inner.per_token_loss(b.input_ids, b.labels, cu_seqlens=b.cu_seqlens)
+        valid = (b.labels != -100).reshape(-1, T)
+        sums += (losses.float().reshape(-1, T) * valid).sum(0).double()
+        counts += valid.sum(0).double()
+    inner.train(was_training)
+    all_reduce_sum(sums)
+    all_reduce_sum(counts)
+    out = {"val/loss": float(sums.sum() / counts.sum().clamp(min=1))}
+    k = 512
+    lasts = []
+    while k < T:
+        lasts.append(k)
+        k *= 2
+    lasts.append(T)
+    for k in lasts:
+        out[f"val/loss_last_{k}"] = float(sums[T - k :].sum() / counts[T - k :].sum().clamp(min=1))
+    return out
+
+
+def export_hf_folder(model: nn.Module, hf_config: Any, out: Path, *, is_main: bool) -> Path | None:
+    """Gather the full weights and write an HF folder (weights, config, tokenizer) on rank 0."""
+    state = ckpt.gather_model_state(model)
+    if not is_main:
+        return None
+    from fot import presets
+
+    with torch.device("cpu"):
+        cpu_model = presets.build_model(hf_config)
+    cpu_model.load_state_dict(state)
+    try:
+        from fot.export import export_hf
+    except ImportError:
+        export_hf = None
+    if export_hf is not None:
+        export_hf(cpu_model, out)
+    else:  # until fot.export exists: the same content, written directly
+        from fot.tokenizer import save_hf_tokenizer
+
+        cpu_model.save_pretrained(out)
+        save_hf_tokenizer(out)
+    return out
+
+
+def _from_rank0(obj: Any) -> Any:
+    """Rank 0's value of ``obj`` on every rank (``obj`` itself in a single process)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _write_run_info(out_dir: Path, info: dict[str, Any]) -> None:
+    path = out_dir / "run_info.json"
+    runs = json.loads(path.read_text()) if path.is_file() else []
+    runs.append(info)
+    path.write_text(json.dumps(runs, indent=2, default=str) + "\n")
+
+
+def train(cfg: DictConfig) -> dict[str, Any]:
+    """Train with a composed config (see ``configs/train.yaml``); return the final metrics.
+
+    Args:
+        cfg: the Hydra config (root schema :class:`fot.training.config.TrainConfig`).
+            ``cfg.out_dir`` is the run folder (``train.py`` sets it to Hydra's output folder).
+
+    Returns:
+        The last logged training record merged with the final validation metrics, plus
+        ``checkpoint`` and ``hf_dir`` paths.
+
+    Raises:
+        TrainingDivergedError: NaN/inf loss or gradient norm (no checkpoint is written).
+        ValueError / FileNotFoundError: bad sizes, options or missing data (with the fix).
+    """
+    return _train(cfg)
+
+
+def _train(cfg: DictConfig) -> dict[str, Any]:
+    t_start = time.time()
+    info = init_distributed(cfg.device, cfg.parallel.backend)
+    strategy = resolve_strategy(cfg.parallel, info)
+    # rank 0's folder for every rank (Hydra's timestamped folders can differ by a second)
+    out_dir = Path(_from_rank0(str(Path(cfg.out_dir or ".").resolve())))
+    ckpt_dir = out_dir / "checkpoints"
+    T = int(cfg.data.seq_len)
+    gbt = int(cfg.global_batch_tokens)
+    amp_dtype = autocast_dtype(cfg.parallel, info.device)
+    if info.is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        ckpt.clean_stale(ckpt_dir)
+
+    # ---- data ----------------------------------------------------------------------------
+    from fot.data.loaders import build_sources
+
+    train_source, val_source = build_sources(cfg.data)  # first: missing data explains itself
+    global_seqs, total_steps = check_sizes(cfg, info.world_size)
+    stream = SequenceStream(
+        train_source,
+        global_batch_size=global_seqs,
+        micro_batch_size=int(cfg.micro_batch_size),
+        rank=info.rank,
+        world_size=info.world_size,
+    )
+
+    # ---- model and optimizer -------------------------------------------------------------
+    from fot import presets
+
+    hf_config = model_config_from_train_config(cfg)
+    torch.manual_seed(int(cfg.seed))
+    with torch.device(info.device):
+        model = presets.build_model(hf_config)
+    model.train()
+    n_params = presets.count_params(model)
+    fpt = flops_per_token(model, hf_config, T)
+    model = parallelize(model, cfg.parallel, info, strategy=strategy)
+    optimizer = build_optimizer(model, cfg.optim, device=info.device)
+    peak = cfg.peak_flops or peak_flops_per_device(info.device)
+
+    # ---- resume --------------------------------------------------------------------------
+    step, tokens, wandb_id = 0, 0, None
+    resume_from = None
+    if cfg.resume == "auto":
+        resume_from = ckpt.latest_checkpoint(ckpt_dir)
+    elif cfg.resume not in ("never", "", None):
+        resume_from = Path(cfg.resume)
+    resume_from = _from_rank0(resume_from)  # every rank resumes from the same checkpoint
+    if resume_from is not None:
+        state = ckpt.load_checkpoint(resume_from, model=model, optimizer=optimizer, rank=info.rank)
+        sizes = {"global_batch_tokens": gbt, "seq_len": T}
+        for key, value in sizes.items():
+            if state["sizes"][key] != value:
+                raise ValueError(
+                    f"checkpoint {resume_from} was trained with {key}={state['sizes'][key]}, "
+                    f"this run has {key}={value}; exact resume needs the same value (or use "
+                    "resume=never / a new run folder)"
+                )
+        step, tokens, wandb_id = state["step"], state["tokens"], state.get("wandb_id")
+        stream.load_state_dict(state["data"])
+
+    # ---- logging -------------------------------------------------------------------------
+    resolved = to_container(cfg)
+    metrics = MetricsLogger(
+        out_dir, enabled=info.is_main, wandb_cfg=cfg.wandb, config=resolved, resume_id=wandb_id
+    )
+    if info.is_main:
+        run_info = {
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "git_sha": git_sha(),
+            "versions": versions(),
+            "world_size": info.world_size,
+            "strategy": strategy,
+            "device": str(info.device),
+            "params_without_embedding": n_params,
+            "flops_per_token": fpt,
+            "accum_steps": stream.accum_steps,
+            "total_steps": total_steps,
+            "resumed_from": str(resume_from) if resume_from else None,
+            "config": resolved,
+        }
+        _write_run_info(out_dir, run_info)
+        logger.info("config:\n%s", OmegaConf.to_yaml(cfg, resolve=True))
+        logger.info(
+            "git %s | %s | %s x %s | %.2fM params (no embedding) | %d steps x %d tokens%s",
+            run_info["git_sha"],
+            json.dumps(run_info["versions"]),
+            info.world_size,
+            strategy,
+            n_params / 1e6,
+            total_steps,
+            gbt,
+            f" | resuming from {resume_from} at step {step}" if resume_from else "",
+        )
+    if info.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(info.device)
+
+    def save(at_step: int) -> Path:
+        return ckpt.save_checkpoint(
+            ckpt_dir,
+            step=at_step,
+            model=model,
+            optimizer=optimizer,
+            trainer_state={
+                "step": at_step,
+                "tokens": tokens,
+                "data": stream.state_dict(),
+                "sizes": {"global_batch_tokens": gbt, "seq_len": T},
+                "wandb_id": metrics.wandb_id,
+                "config": resolved,
+            },
+            keep_last=int(cfg.keep_last),
+            is_main=info.is_main,
+        )
+
+    num_val = 0
+    val_micro = int(cfg.val_micro_batch_size or cfg.micro_batch_size)
+    if val_source is not None:
+        unit = info.world_size * val_micro
+        num_val = math.ceil(int(cfg.data.val_tokens) / T / unit) * unit
+
+    def validate() -> dict[str, float]:
+        if val_source is None:
+            return {}
+        return evaluate(
+            model,
+            val_source,
+            num_sequences=num_val,
+            micro_batch_size=val_micro,
+            info=info,
+            amp_dtype=amp_dtype,
+        )
+
+    # ---- loop ----------------------------------------------------------------------------
+    amp = (
+        (lambda: torch.autocast(info.device.type, dtype=amp_dtype))
+        if amp_dtype is not None and strategy != "fsdp"  # FSDP2 casts parameters itself
+        else contextlib.nullcontext
+    )
+    from tqdm.auto import tqdm
+
+    bar = tqdm(
+        total=total_steps,
+        initial=step,
+        disable=not (info.is_main and cfg.progress),
+        unit="step",
+        dynamic_ncols=True,
+    )
+    last_record: dict[str, Any] = {}
+    last_ckpt: Path | None = resume_from
+    window_loss, window_tokens, window_steps = 0.0, 0, 0
+    t_window = time.time()
+    clip = float(cfg.optim.grad_clip) if cfg.optim.grad_clip > 0 else float("inf")
+    while step < total_steps:
+        batches = stream.next_step()
+        n_local = sum(b.num_label_tokens() for b in batches)
+        n_global = int(all_reduce_sum(torch.tensor([n_local], dtype=torch.float64)).item())
+        lr = lr_at(
+            tokens + gbt, peak_lr=cfg.optim.lr, total_tokens=total_steps * gbt, cfg=cfg.schedule
+        )
+        set_lr(optimizer, lr)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=info.device)
+        for i, batch in enumerate(batches):
+            b = batch.to(info.device)
+            last = i == len(batches) - 1
+            if strategy == "ddp" and not last:
+                sync = model.no_sync()
+            else:
+                sync = contextlib.nullcontext()
+                if strategy == "fsdp":
+                    model.set_requires_gradient_sync(last)
+            with sync:
+                with amp():
+                    out = model(
+                        input_ids=b.input_ids, shift_labels=b.labels, cu_seqlens=b.cu_seqlens
+                    )
+                n_b = b.num_label_tokens()
+                # weight by this micro batch's share of the global label tokens; DDP/FSDP
+                # average gradients over ranks, hence the world size
+                (out.loss * (n_b * info.world_size / max(n_global, 1))).backward()
+            loss_sum += out.loss.detach().double() * n_b
+        loss = float(all_reduce_sum(loss_sum.reshape(1)).item()) / max(n_global, 1)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        grad_norm = float(grad_norm)
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            bar.close()
+            metrics.close()
+            where = (
+                f"the last checkpoint ({last_ckpt}) is untouched"
+                if last_ckpt
+                else "no checkpoint was written"
+            )
+            raise TrainingDivergedError(
+                f"loss={loss}, grad_norm={grad_norm} at step {step + 1} (tokens {tokens + gbt}, "
+                f"lr {lr:.3g}); {where}. Hints: lower optim.lr, lengthen schedule.warmup_tokens, "
+                "use parallel.precision=fp32 to rule out bf16 overflow, then resume=auto"
+            )
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        prev_tokens = tokens
+        step += 1
+        tokens += gbt
+        window_loss += loss * n_global
+        window_tokens += n_global
+        window_steps += 1
+
+        if _crossed(prev_tokens, tokens, int(cfg.log_every_tokens)) or step == total_steps:
+            dt = max(time.time() - t_window, 1e-9)
+            tps = window_steps * gbt / dt
+            last_record = {
+                "step": step,
+                "tokens": tokens,
+                "loss": window_loss / max(window_tokens, 1),
+                "lr": lr,
+                "grad_norm": grad_norm,
+                "tokens_per_s": tps,
+                "tokens_per_s_per_device": tps / info.world_size,
+                "mfu": fpt * tps / (peak * info.world_size) if peak else None,
+                "peak_mem_gib": peak_memory_gib(info.device),
+                "elapsed_s": time.time() - t_start,
+            }
+            metrics.log(last_record)
+            bar.set_postfix(loss=f"{last_record['loss']:.4f}", tok_s=f"{tps:,.0f}", refresh=False)
+            window_loss, window_tokens, window_steps = 0.0, 0, 0
+            t_window = time.time()
+        bar.update(1)
+
+        if _crossed(prev_tokens, tokens, int(cfg.val_every_tokens)) and step < total_steps:
+            val = validate()
+            if val:
+                metrics.log({"step": step, "tokens": tokens, **val})
+                bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in val.items()))
+            t_window = time.time()
+        if _crossed(prev_tokens, tokens, int(cfg.ckpt_every_tokens)) and step < total_steps:
+            last_ckpt = save(step)
+            t_window = time.time()
+        if info.is_main:
+            ckpt._fault("kill_after_step", step)
+    bar.close()
+
+    # ---- end: validation, checkpoint, export ---------------------------------------------
+    result: dict[str, Any] = dict(last_record)
+    val = validate()
+    if val:
+        metrics.log({"step": step, "tokens": tokens, **val})
+        result.update(val)
+        if info.is_main:
+            logger.info("final validation: %s", val)
+    if last_ckpt is None or not str(last_ckpt).endswith(f"step_{step:08d}"):
+        last_ckpt = save(step)
+    result["checkpoint"] = str(last_ckpt)
+    if cfg.export_hf:
+        hf_dir = export_hf_folder(model, hf_config, out_dir / "hf", is_main=info.is_main)
+        result["hf_dir"] = str(hf_dir) if hf_dir else None
+        if info.is_main:
+            logger.info("HF export: %s", hf_dir)
+    metrics.close()
+    barrier()
+    if info.is_main:
+        (out_dir / "final.json").write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+__all__ = [
+    "TrainingDivergedError",
+    "check_sizes",
+    "evaluate",
+    "export_hf_folder",
+    "model_config_from_train_config",
+    "train",
+]

@@ -1,0 +1,301 @@
+"""Sequence sources and streams: order, BOS convention, rank sharding, exact resume."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from fot.data.loaders import build_sources, open_token_path
+from fot.data.streams import (
+    EOT_ID,
+    HFSource,
+    PackedSource,
+    PaddedSource,
+    SequenceStream,
+    ZarrRowsSource,
+    iterate_eval_batches,
+    make_batch,
+)
+from fot.data.tokens import write_token_documents
+
+
+def _zarr_rows(path, rows: int, row_len: int) -> np.ndarray:
+    import zarr
+
+    data = (np.arange(rows * row_len, dtype=np.int64) % 50000).reshape(rows, row_len)
+    data = data.astype(np.uint16)
+    arr = zarr.open(str(path), mode="w", shape=data.shape, dtype="uint16", chunks=(2, row_len))
+    arr[:] = data
+    return data
+
+
+def _docs(rng: np.random.Generator, n: int, lo: int = 1, hi: int = 40) -> list[np.ndarray]:
+    return [
+        rng.integers(0, 50000, size=int(rng.integers(lo, hi))).astype(np.uint16) for _ in range(n)
+    ]
+
+
+# ------------------------------------------------------------------ LongCrawl64 (zarr rows)
+
+
+def test_zarr_rows_order_bos_and_epoch(tmp_path) -> None:
+    data = _zarr_rows(tmp_path / "train.zarr", rows=5, row_len=32)
+    import zarr
+
+    src = ZarrRowsSource(zarr.open(str(tmp_path / "train.zarr"), mode="r"), seq_len=8)
+    assert src.num_sequences == 5 * 4
+    inputs, labels = src.read(0, 2 * src.num_sequences)  # two epochs
+    for g in range(2 * src.num_sequences):
+        col, row = divmod(g % src.num_sequences, 5)  # column-major: chunk col of every row first
+        chunk = data[row, col * 8 : col * 8 + 8].astype(np.int64)
+        np.testing.assert_array_equal(labels[g], chunk)
+        assert inputs[g, 0] == EOT_ID  # every chunk starts with BOS
+        np.testing.assert_array_equal(inputs[g, 1:], chunk[:-1])
+
+
+def test_zarr_rows_rank_slicing_and_resume(tmp_path) -> None:
+    import zarr
+
+    _zarr_rows(tmp_path / "train.zarr", rows=6, row_len=16)
+    arr = zarr.open(str(tmp_path / "train.zarr"), mode="r")
+    src = ZarrRowsSource(arr, seq_len=4)
+    _, ref_lab = src.read(0, 12 * 5)  # oracle: the global sequence order
+
+    world, S, m = 3, 6, 1
+    streams = [
+        SequenceStream(src, global_batch_size=S, micro_batch_size=m, rank=r, world_size=world)
+        for r in range(world)
+    ]
+    for step in range(5):
+        got = [torch.cat([b.labels for b in s.next_step()]) for s in streams]
+        # rank r holds the contiguous block r of the step's global batch
+        for r in range(world):
+            lo = step * S + r * (S // world)
+            np.testing.assert_array_equal(got[r].numpy(), ref_lab[lo : lo + S // world])
+        if step == 2:
+            saved = streams[1].state_dict()
+    resumed = SequenceStream(src, global_batch_size=S, micro_batch_size=m, rank=1, world_size=3)
+    resumed.load_state_dict(json.loads(json.dumps(saved)))  # survives JSON (checkpoints)
+    after = torch.cat([b.labels for b in resumed.next_step()]).numpy()
+    np.testing.assert_array_equal(after, ref_lab[3 * S + 2 : 3 * S + 4])
+
+
+def test_zarr_seq_len_longer_than_row_is_explained(tmp_path) -> None:
+    import zarr
+
+    _zarr_rows(tmp_path / "a.zarr", rows=2, row_len=16)
+    with pytest.raises(ValueError, match="longer than a row"):
+        ZarrRowsSource(zarr.open(str(tmp_path / "a.zarr"), mode="r"), seq_len=32)
+
+
+def test_longcrawl64_loader_and_missing_data_message(tmp_path) -> None:
+    from omegaconf import OmegaConf
+
+    from fot.training.config import DataConfig
+
+    cfg = OmegaConf.structured(DataConfig(kind="longcrawl64", seq_len=8, val_tokens=16))
+    with pytest.raises(ValueError, match=r"manifestai\.com"):
+        build_sources(cfg)
+    cfg.path = str(tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"train\.zarr"):
+        build_sources(cfg)
+    train = _zarr_rows(tmp_path / "train.zarr", rows=3, row_len=16)
+    held = _zarr_rows(tmp_path / "heldout.zarr", rows=2, row_len=16)[::-1]
+    import zarr
+
+    zarr.open(str(tmp_path / "heldout.zarr"), mode="r+")[:] = held
+    tr, va = build_sources(cfg)
+    np.testing.assert_array_equal(tr.read(1, 1)[1][0], train[1, :8])
+    np.testing.assert_array_equal(va.read(0, 1)[1][0], held[0, :8])
+
+
+# ------------------------------------------------------------------ packed / padded documents
+
+
+def test_packed_documents_bos_order_and_wrap() -> None:
+    rng = np.random.default_rng(0)
+    docs = _docs(rng, 7)
+    stream = np.concatenate([np.concatenate([[EOT_ID], d]) for d in docs]).astype(np.int64)
+    T = 5
+    src = PackedSource.from_documents(docs, T)
+    n = 3 * len(stream) // T  # three passes: sequences that wrap continue at the start
+    inputs, labels = src.read(0, n)
+    cyc = np.concatenate([stream] * 5)
+    for g in range(n):
+        s = (g * T) % len(stream)
+        np.testing.assert_array_equal(inputs[g], cyc[s : s + T])
+        np.testing.assert_array_equal(labels[g], cyc[s + 1 : s + T + 1])
+
+
+def test_token_folder_equals_in_memory_docs(tmp_path) -> None:
+    docs = _docs(np.random.default_rng(1), 9)
+    write_token_documents(tmp_path / "tok", docs)
+    a = open_token_path(tmp_path / "tok", 6, "varlen").read(0, 20)
+    b = PackedSource.from_documents(docs, 6).read(0, 20)
+    np.testing.assert_array_equal(a[0], b[0])
+    np.testing.assert_array_equal(a[1], b[1])
+
+
+def test_flat_npy_and_bin_files(tmp_path) -> None:
+    flat = np.random.default_rng(2).integers(0, 50257, size=500).astype(np.uint16)
+    np.save(tmp_path / "t.npy", flat)
+    flat.tofile(tmp_path / "t.bin")
+    for name in ("t.npy", "t.bin"):
+        inputs, labels = open_token_path(tmp_path / name, 16, "causal").read(3, 2)
+        np.testing.assert_array_equal(inputs[0], flat[48:64])
+        np.testing.assert_array_equal(labels[1], flat[65:81])
+    with pytest.raises(ValueError, match="document boundaries"):
+        open_token_path(tmp_path / "t.npy", 16, "padded")
+    with pytest.raises(FileNotFoundError, match=r"fot\.data\.prepare"):
+        open_token_path(tmp_path / "missing", 16, "varlen")
+
+
+def test_varlen_batch_cu_seqlens_mark_documents_and_rows() -> None:
+    inputs = np.array([[EOT_ID, 1, 2, EOT_ID, 3], [4, 5, EOT_ID, 6, 7]])
+    b = make_batch(inputs, inputs + 1, varlen=True)
+    assert b.input_ids.shape == (1, 10)
+    assert b.cu_seqlens.dtype == torch.int32
+    assert b.cu_seqlens.tolist() == [0, 3, 5, 7, 10]
+    assert make_batch(inputs, inputs, varlen=False).cu_seqlens is None
+
+
+def test_padded_documents() -> None:
+    docs = [np.array([5, 6, 7], np.uint16), np.arange(10, 30, dtype=np.uint16)]
+    src = PaddedSource(docs, seq_len=6)
+    inputs, labels = src.read(0, 3)
+    np.testing.assert_array_equal(inputs[0], [EOT_ID, 5, 6, EOT_ID, EOT_ID, EOT_ID])
+    np.testing.assert_array_equal(labels[0], [5, 6, 7, -100, -100, -100])
+    np.testing.assert_array_equal(inputs[1], [EOT_ID, 10, 11, 12, 13, 14])  # truncated
+    np.testing.assert_array_equal(labels[1], [10, 11, 12, 13, 14, 15])
+    np.testing.assert_array_equal(labels[2], labels[0])  # wraps to the first document
+
+
+# ------------------------------------------------------------------ HF datasets
+
+
+def _jsonl(path, texts: list[str]) -> str:
+    with open(path, "w") as f:
+        for t in texts:
+            f.write(json.dumps({"text": t}) + "\n")
+    return str(path)
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_hf_source_packs_like_documents_and_resumes(tmp_path, streaming: bool) -> None:
+    import datasets
+
+    texts = [f"document number {i} " + "word " * (i % 7) for i in range(30)]
+    files = _jsonl(tmp_path / "d.jsonl", texts)
+
+    def make():
+        return datasets.load_dataset("json", data_files=files, split="train", streaming=streaming)
+
+    def encode(s: str) -> list[int]:  # a toy tokenizer: one id per character
+        return [ord(c) for c in s]
+
+    T = 16
+    oracle = PackedSource.from_documents([np.array(encode(t), np.uint16) for t in texts], T)
+    n = oracle.num_sequences + 5  # runs into a second epoch
+    want = oracle.read(0, n)
+    src = HFSource(make, encode, T)
+    first = src.read(0, 7)
+    state = json.loads(json.dumps(src.state_dict()))
+    resumed = HFSource(make, encode, T)
+    resumed.load_state_dict(state)
+    rest = resumed.read(7, n - 7)
+    np.testing.assert_array_equal(np.concatenate([first[0], rest[0]]), want[0])
+    np.testing.assert_array_equal(np.concatenate([first[1], rest[1]]), want[1])
+    with pytest.raises(RuntimeError, match="sequential"):
+        resumed.read(0, 1)
+
+
+def test_eval_batches_cover_each_sequence_once() -> None:
+    docs = _docs(np.random.default_rng(3), 20)
+    src = PackedSource.from_documents(docs, 8, varlen=False)
+    want = src.read(0, 12)[1]
+    got = [
+        torch.cat(
+            [
+                b.labels
+                for b in iterate_eval_batches(
+                    src, num_sequences=12, micro_batch_size=2, rank=r, world_size=3
+                )
+            ]
+        )
+        for r in range(3)
+    ]
+    np.testing.assert_array_equal(torch.cat(got).numpy(), want)
+
+
+def test_stream_rejects_indivisible_batches() -> None:
+    src = PackedSource.from_documents(_docs(np.random.default_rng(4), 5), 4)
+    with pytest.raises(ValueError, match="world_size \\* micro_batch_size"):
+        SequenceStream(src, global_batch_size=6, micro_batch_size=4, rank=0, world_size=1)
+
+
+# ------------------------------------------------------------------ prepare CLI
+
+
+def test_prepare_cli_round_trip(tmp_path) -> None:
+    from fot.data.prepare import main
+    from fot.data.tokens import TokenDocuments
+    from fot.tokenizer import get_encoding
+
+    texts = [f"The {i}th file says hello to the world." for i in range(6)]
+    folder = tmp_path / "corpus"
+    (folder / "sub").mkdir(parents=True)
+    for i, t in enumerate(texts):
+        (folder / ("sub" if i % 2 else ".") / f"{i:02d}.txt").write_text(t)
+    lines = tmp_path / "more.jsonl"
+    lines.write_text("\n".join(json.dumps({"body": f"line {i}"}) for i in range(3)) + "\n")
+    rc = main(
+        [
+            str(folder),
+            str(lines),
+            "--text-field",
+            "body",
+            "--out",
+            str(tmp_path / "tok"),
+            "--heldout-every",
+            "3",
+            "--heldout-out",
+            str(tmp_path / "held"),
+        ]
+    )
+    assert rc == 0
+    enc = get_encoding()
+    files = sorted(folder.rglob("*.txt"))
+    all_texts = [f.read_text() for f in files] + [f"line {i}" for i in range(3)]
+    want = [enc.encode_ordinary(t) for t in all_texts]
+    tr, held = TokenDocuments(tmp_path / "tok"), TokenDocuments(tmp_path / "held")
+    assert [list(map(int, d)) for d in held] == [want[i] for i in (2, 5, 8)]
+    assert [list(map(int, d)) for d in tr] == [w for i, w in enumerate(want) if i % 3 != 2]
+    # the folder trains: a packed source over it starts with BOS + the first document
+    src = open_token_path(tmp_path / "tok", 4, "varlen")
+    assert src.read(0, 1)[0][0].tolist() == [EOT_ID, *want[0][:3]]
+    assert main([str(tmp_path / "nope"), "--out", str(tmp_path / "x")]) == 2
+
+
+def test_hf_loader_tokenizes_with_gpt2(tmp_path) -> None:
+    from omegaconf import OmegaConf
+
+    from fot.tokenizer import get_encoding
+    from fot.training.config import DataConfig
+
+    texts = [f"Row {i}: the quick brown fox jumps over the lazy dog." for i in range(12)]
+    files = _jsonl(tmp_path / "d.jsonl", texts)
+    cfg = OmegaConf.structured(
+        DataConfig(kind="hf", path="json", hf_data_files=[files], seq_len=16, val_tokens=0)
+    )
+    train_src, val_src = build_sources(cfg)
+    assert val_src is None
+    enc = get_encoding()
+    oracle = PackedSource.from_documents(
+        [np.array(enc.encode_ordinary(t), np.uint16) for t in texts], 16
+    )
+    got, want = train_src.read(0, 10), oracle.read(0, 10)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])

@@ -579,3 +579,18 @@ def test_log_gate_stays_fp32_under_autocast_and_gradient_checkpointing_works() -
     m(x, shift_labels=y).loss.backward()
     for w, p in zip(want, m.parameters()):
         assert torch.allclose(w, p.grad, atol=1e-6)
+
+
+@pytest.mark.parametrize("model", ["fot_pro", "fot_llama", "transformer_pro"])
+def test_bf16_autocast_forward_backward_close_to_fp32(model: str) -> None:
+    """The trainer runs under bf16 autocast: every variant must run there (q, k, v of one
+    dtype after QK-norm/KV-shift) and stay close to the fp32 loss."""
+    m = tiny(model).train()
+    x, y = ids(2, 24), ids(2, 24, seed=4)
+    want = m(x, shift_labels=y).loss
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = m(x, shift_labels=y).loss
+    got.backward()
+    assert got.dtype == torch.float32
+    assert abs(got.item() - want.item()) < 2e-2 * want.item()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in m.parameters())

@@ -92,7 +92,9 @@ class FoTRMSNorm(nn.Module):
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        # Scale in fp32, then return the input's dtype: under bf16 autocast an fp32 weight
+        # times a bf16 tensor would promote q/k to fp32 while v stays bf16.
+        return (self.weight * x).to(dtype)
 
 
 class FoTHeadRMSNorm(nn.Module):
@@ -111,7 +113,9 @@ class FoTHeadRMSNorm(nn.Module):
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        # Scale in fp32, then return the input's dtype: under bf16 autocast an fp32 weight
+        # times a bf16 tensor would promote q/k to fp32 while v stays bf16.
+        return (self.weight * x).to(dtype)
 
 
 class FoTMLP(nn.Module):
@@ -625,10 +629,10 @@ class FoTForCausalLM(FoTPreTrainedModel, GenerationMixin):
         if fused is not None:
             B, T, H = hidden.shape
             labels = shift_labels.to(hidden.device).reshape(-1).long()
-            if bool((labels != IGNORE_INDEX).any()):
-                fn = fused(ignore_index=IGNORE_INDEX, reduction="mean")
-                return fn(hidden.reshape(B * T, H), labels, self._head_weight)
-            return hidden.sum() * 0.0
+            # Sum, then divide on device: no host sync, and an all-ignored batch gives 0.
+            fn = fused(ignore_index=IGNORE_INDEX, reduction="sum")
+            total = fn(hidden.reshape(B * T, H), labels, self._head_weight)
+            return total / (labels != IGNORE_INDEX).sum().clamp(min=1)
         losses = self._loss_per_token(hidden, shift_labels)
         count = (shift_labels != IGNORE_INDEX).sum().clamp(min=1)
         return losses.sum() / count

@@ -1,0 +1,292 @@
+"""Decode speed at a long context: FoT (Pro) with its cache vs HF Llama (SDPA, with cache).
+
+For each model and batch size: prefill a random prompt of ``--context`` tokens in one forward
+(``use_cache=True``, logits of the last position only), then ``--new-tokens`` greedy decode
+steps, one token per sequence per forward, feeding the cache back. Reported: prefill time,
+decode tokens/s (``batch * new_tokens / decode time``), time per decode step and peak memory.
+A warm-up pass with the same shapes (prefill + 2 steps) runs first so that Triton compilation
+and autotuning are not timed.
+
+* ``fot_pro`` (or any of our models): :class:`fot.models.cache.FoTCache` and the decode path of
+  ``attn_backend`` (``triton`` on CUDA: ``fot.kernels.forgetting_attention_decode``;
+  ``reference`` on CPU).
+* ``hf_llama``: ``LlamaForCausalLM`` (SDPA) of the same size, HF's default ``DynamicCache``.
+
+Weights are bf16 on CUDA (inference), fp32 on CPU.
+
+    python benchmarks/decode.py --out results/decode_760m.json          # 760m, 16k, B=1 and 8
+    python benchmarks/decode.py --device cpu --size tiny --context 128 --new-tokens 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import sys
+import time
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+_HERE = Path(__file__).resolve().parent
+if str(_HERE) not in sys.path:  # sibling modules when imported from elsewhere
+    sys.path.insert(0, str(_HERE))
+
+from train_throughput import (  # noqa: E402
+    OUR_MODELS,
+    build,
+    log,
+    parse_models,
+    resolve_device,
+    run_meta,
+    write_json,
+)
+
+DECODE_MODELS = (*OUR_MODELS, "hf_llama")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def greedy_decode(model: nn.Module, prompt: torch.Tensor, new_tokens: int) -> dict[str, Any]:
+    """Prefill ``prompt`` with a cache, then ``new_tokens`` greedy one-token steps.
+
+    Args:
+        model: a causal LM whose forward takes ``input_ids``, ``past_key_values``,
+            ``use_cache`` and ``logits_to_keep`` and returns ``logits``/``past_key_values``.
+        prompt: ``[B, T]`` int64 on the model's device.
+        new_tokens: decode steps (forwards of one token per sequence) after the prefill.
+
+    Returns:
+        ``tokens`` ``[B, new_tokens + 1]`` int64 (the prefill's prediction, then one per step),
+        ``prefill_s`` and ``decode_s`` wall times (device synchronised).
+    """
+    device = prompt.device
+    _sync(device)
+    t0 = time.perf_counter()
+    out = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
+    cache = out.past_key_values
+    nxt = out.logits[:, -1].argmax(-1)  # (B,)
+    _sync(device)
+    t1 = time.perf_counter()
+    tokens = [nxt]
+    for _ in range(new_tokens):
+        out = model(input_ids=nxt[:, None], past_key_values=cache, use_cache=True)
+        cache = out.past_key_values
+        nxt = out.logits[:, -1].argmax(-1)  # (B,)
+        tokens.append(nxt)
+    _sync(device)
+    t2 = time.perf_counter()
+    return {"tokens": torch.stack(tokens, dim=1), "prefill_s": t1 - t0, "decode_s": t2 - t1}
+
+
+def measure(
+    model: nn.Module,
+    name: str,
+    *,
+    batch_size: int,
+    context: int,
+    new_tokens: int,
+    vocab_size: int,
+    device: torch.device,
+) -> dict[str, Any]:
+    """One (model, batch size) measurement: warm-up pass, then the timed pass."""
+    gen = torch.Generator(device="cpu").manual_seed(batch_size)
+    prompt = torch.randint(0, vocab_size, (batch_size, context), generator=gen).to(device)
+    greedy_decode(model, prompt, min(2, new_tokens))  # compile / autotune with these shapes
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    res = greedy_decode(model, prompt, new_tokens)
+    decode_s = res["decode_s"]
+    return {
+        "model": name,
+        "status": "ok",
+        "batch_size": batch_size,
+        "context": context,
+        "new_tokens": new_tokens,
+        "prefill_s": res["prefill_s"],
+        "prefill_tokens_per_s": batch_size * context / res["prefill_s"],
+        "decode_s": decode_s,
+        "decode_tokens_per_s": batch_size * new_tokens / decode_s if decode_s > 0 else None,
+        "ms_per_step": 1e3 * decode_s / new_tokens,
+        "peak_mem_gib": (
+            torch.cuda.max_memory_allocated(device) / 2**30
+            if device.type == "cuda"
+            else float("nan")
+        ),
+        "first_tokens": res["tokens"][0, :8].tolist(),
+    }
+
+
+def add_ratios(rows: list[dict[str, Any]]) -> None:
+    """``vs_hf_llama``: decode tokens/s over HF Llama's at the same batch size (in place)."""
+    ref = {
+        r["batch_size"]: r["decode_tokens_per_s"]
+        for r in rows
+        if r["model"] == "hf_llama" and r["status"] == "ok" and r.get("decode_tokens_per_s")
+    }
+    for r in rows:
+        good = r["status"] == "ok" and r.get("decode_tokens_per_s") and r["batch_size"] in ref
+        r["vs_hf_llama"] = r["decode_tokens_per_s"] / ref[r["batch_size"]] if good else None
+
+
+def _fmt(value: Any, spec: str) -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "—"
+    return format(value, spec)
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    """The decode results as a markdown table (one row per model and batch size)."""
+    lines = [
+        "| model | batch | context | status | prefill (s) | decode tokens/s | ms/step | "
+        "peak mem (GiB) | vs HF Llama |",
+        "|" + "---|" * 9,
+    ]
+    for r in rows:
+        status = r["status"] if r["status"] == "ok" else f"{r['status']}: {r.get('error', '')}"
+        ratio = r.get("vs_hf_llama")
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    r["model"],
+                    str(r["batch_size"]),
+                    str(r["context"]),
+                    status.replace("|", "/")[:120],
+                    _fmt(r.get("prefill_s"), ".3f"),
+                    _fmt(r.get("decode_tokens_per_s"), ",.1f"),
+                    _fmt(r.get("ms_per_step"), ".2f"),
+                    _fmt(r.get("peak_mem_gib"), ".1f"),
+                    _fmt(ratio, ".2f") + ("×" if ratio else ""),
+                ]
+            )
+            + " |"
+        )
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from fot import presets
+
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--models", default="fot_pro,hf_llama", help="comma-separated names")
+    p.add_argument("--size", default="760m", choices=presets.SIZES)
+    p.add_argument("--context", "--seq-len", dest="context", type=int, default=16384)
+    p.add_argument("--new-tokens", "--steps", dest="new_tokens", type=int, default=128)
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"))
+    p.add_argument("--fot-backend", default="auto", choices=("auto", "triton", "reference"))
+    p.add_argument("--hf-llama-heads", type=int, default=None, help="default: as FoT (hd 64)")
+    p.add_argument("--out", default=None, help="JSON file (rewritten after every measurement)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Run the decode benchmark; returns ``{"meta": ..., "results": [row, ...]}``.
+
+    Row keys: ``model``, ``status`` (``ok``, ``OOM``, ``error``), ``error``, ``batch_size``,
+    ``context``, ``new_tokens``, ``prefill_s``, ``prefill_tokens_per_s``, ``decode_s``,
+    ``decode_tokens_per_s``, ``ms_per_step``, ``peak_mem_gib``, ``first_tokens``,
+    ``vs_hf_llama``.
+    """
+    args = build_parser().parse_args(argv)
+    models = parse_models(args.models, DECODE_MODELS)
+    if args.context < 1 or args.new_tokens < 1 or min(args.batch_sizes) < 1:
+        raise SystemExit(
+            f"--context, --new-tokens and --batch-sizes must be >= 1, got {args.context}, "
+            f"{args.new_tokens}, {args.batch_sizes}"
+        )
+    device = resolve_device(args.device)
+    dtype_name = (
+        args.dtype if args.dtype != "auto" else ("bf16" if device.type == "cuda" else "fp32")
+    )
+    dtype = torch.bfloat16 if dtype_name == "bf16" else torch.float32
+    meta = run_meta(device, args)
+    meta["dtype"] = dtype_name
+    log(f"# decode: {json.dumps(meta, default=str)}")
+    payload: dict[str, Any] = {"meta": meta, "results": []}
+
+    def record(row: dict[str, Any]) -> None:
+        payload["results"].append(row)
+        add_ratios(payload["results"])
+        log("RESULT " + json.dumps(row, default=str))
+        if args.out:
+            write_json(args.out, payload)
+
+    for name in models:
+        model = None
+        try:
+            torch.manual_seed(0)
+            model, config, _ = build(
+                name,
+                args.size,
+                device=device,
+                seq_len=args.context + args.new_tokens,
+                fot_backend=args.fot_backend,
+                hf_llama_heads=args.hf_llama_heads,
+            )
+            model.to(dtype).eval()
+        except Exception as err:
+            traceback.print_exc(limit=-8)
+            for b in args.batch_sizes:
+                record(
+                    {
+                        "model": name,
+                        "status": "OOM" if isinstance(err, torch.OutOfMemoryError) else "error",
+                        "error": f"{type(err).__name__}: {err}"[:500],
+                        "batch_size": b,
+                        "context": args.context,
+                    }
+                )
+            continue
+        for b in args.batch_sizes:
+            log(f"## {name}: size {args.size}, B={b}, context {args.context}, {dtype_name} ...")
+            try:
+                row = measure(
+                    model,
+                    name,
+                    batch_size=b,
+                    context=args.context,
+                    new_tokens=args.new_tokens,
+                    vocab_size=int(config.vocab_size),
+                    device=device,
+                )
+            except torch.OutOfMemoryError as err:
+                msg = str(err).strip().splitlines()[0] if str(err).strip() else ""
+                row = {"model": name, "status": "OOM", "error": msg[:300]}
+            except Exception as err:
+                traceback.print_exc(limit=-8)
+                row = {"model": name, "status": "error", "error": f"{type(err).__name__}: {err}"}
+                row["error"] = row["error"][:500]
+            row.update(batch_size=b, context=args.context, dtype=dtype_name, size=args.size)
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            record(row)
+        del model
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    log("")
+    log(f"Device: {meta['device_name']}; command: {meta['command']}")
+    log(markdown_table(payload["results"]))
+    return payload
+
+
+if __name__ == "__main__":
+    main()

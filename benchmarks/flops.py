@@ -1,0 +1,93 @@
+"""Training FLOPs per token of every benchmarked model, through the trainer's one formula.
+
+The formula lives in :func:`fot.training.metrics.flops_per_token` (the trainer logs MFU with it);
+this module only tells it where the softmax attention is in configs that it does not know
+(HF ``LlamaForCausalLM``, FLA's ``ForgettingTransformerForCausalLM``), so that every model in a
+benchmark is counted the same way:
+
+    FLOPs/token = 6 * N  +  12 * L_attn * d_attn * T_eff
+
+* ``N``: every parameter except the input embedding. It includes the untied LM head, so
+  ``6 * N = 6 * N_blocks + 6 * d * V`` (forward 2, backward 4 FLOPs per weight and token; the
+  embedding lookup costs no matmul FLOPs).
+* ``12 * L_attn * d_attn * T_eff``: ``q k^T`` and ``p v`` are ``2 * 2 * d_attn`` FLOPs per
+  (query, key) pair in the forward, times 3 with the backward, over the average causal context
+  ``T_eff = (T + 1) / 2`` (``min(window, T_eff)`` with a sliding window). ``d_attn`` is
+  ``num_heads * head_dim`` and ``L_attn`` the number of softmax-attention layers.
+
+Example (760M, T = 16384): N = 757.7M (FoT LLaMA) gives 6N = 4.55 GFLOP and the attention term
+12 * 24 * 1536 * 8192.5 = 3.62 GFLOP, 8.17 GFLOP per token in all.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+from torch import nn
+
+from fot.training.metrics import flops_per_token
+
+# model_type of HF configs whose every layer is softmax attention, beside fot's own "fot"
+_ATTENTION_MODEL_TYPES = ("fot", "llama", "forgetting_transformer")
+
+
+def attention_spec(config: Any) -> tuple[int, int, int | None]:
+    """Where the softmax attention is: ``(layers, d_attn = heads * head_dim, window)``.
+
+    Args:
+        config: an HF config (``FoTConfig``, ``LlamaConfig``, FLA ``ForgettingTransformerConfig``;
+            other model types count no attention).
+
+    Returns:
+        Number of attention layers, attention width and sliding window (``None`` = full).
+    """
+    if getattr(config, "model_type", None) not in _ATTENTION_MODEL_TYPES:
+        return 0, 0, None
+    heads = getattr(config, "num_attention_heads", None) or config.num_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    window = getattr(config, "window_size", None) or getattr(config, "sliding_window", None)
+    return int(config.num_hidden_layers), int(heads * head_dim), window
+
+
+def train_flops_per_token(model: nn.Module, config: Any, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward) of ``model`` at sequence length ``seq_len``.
+
+    Calls :func:`fot.training.metrics.flops_per_token` (see the module docstring for the
+    formula) with the attention layers of :func:`attention_spec`.
+
+    Args:
+        model: the unwrapped causal LM (``get_input_embeddings()`` must work; meta device is fine).
+        config: its HF config.
+        seq_len: training sequence length T.
+    """
+    layers, d_attn, window = attention_spec(config)
+    view = SimpleNamespace(
+        model_type="fot" if layers else None,
+        num_hidden_layers=layers,
+        hidden_size=d_attn,
+        window_size=window,
+    )
+    return flops_per_token(model, view, seq_len)
+
+
+def flops_breakdown(model: nn.Module, config: Any, seq_len: int) -> dict[str, float]:
+    """Per-token training FLOPs split into ``blocks``, ``lm_head`` and ``attention`` (and ``total``).
+
+    ``blocks`` is ``6 *`` the parameters that are neither the input embedding nor the LM head.
+    """
+    total = train_flops_per_token(model, config, seq_len)
+    emb = model.get_input_embeddings().weight.numel()
+    n = sum(p.numel() for p in model.parameters()) - emb
+    head = model.get_output_embeddings()
+    tied = head is None or head.weight is model.get_input_embeddings().weight
+    n_head = 0 if tied else head.weight.numel()  # a tied head is not in N (see above)
+    return {
+        "blocks": 6.0 * (n - n_head),
+        "lm_head": 6.0 * n_head,
+        "attention": total - 6.0 * n,
+        "total": total,
+    }
+
+
+__all__ = ["attention_spec", "flops_breakdown", "train_flops_per_token"]

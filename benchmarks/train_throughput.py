@@ -1,0 +1,683 @@
+"""Training throughput of FoT models and their baselines, side by side in one process.
+
+For each model: build it as the trainer does (fp32 weights on the device, bf16 autocast,
+fused AdamW from :func:`fot.training.optim.build_optimizer`), run ``--warmup`` untimed steps,
+then ``--steps`` timed steps of forward + backward + gradient clipping + AdamW step on random
+tokens, and report step time, tokens/s, MFU and peak memory. Models:
+
+* ``fot_pro``, ``fot_llama``, ``transformer_pro``, ``transformer_llama``: ours, from
+  :func:`fot.presets.config` (``attn_backend="triton"`` on CUDA, ``"reference"`` on CPU). The
+  Transformer baselines run the same kernel with the forget gate off (``log f = 0``).
+* ``hf_llama``: ``transformers.LlamaForCausalLM`` with SDPA, the width, depth, heads (head dim 64
+  at 760m), MLP width and vocabulary of the ``fot_llama`` preset, RoPE theta 500000.
+* ``fla_fot``: FLA's ``ForgettingTransformerForCausalLM`` of the same size (FLA's defaults:
+  fused norm, SwiGLU and cross-entropy on CUDA).
+
+MFU = FLOPs/token * tokens/s / peak, with FLOPs/token from ``benchmarks/flops.py`` (one formula
+for all models, attention included: ``6 N + 12 L d_attn (T + 1) / 2``) and the peak dense bf16
+FLOP/s from ``--peak-tflops`` (default by device name: 989 TFLOP/s for H100/H200).
+
+    python benchmarks/train_throughput.py --out results/train_760m.json        # 760m, T=16384
+    python benchmarks/train_throughput.py --models fot_pro,hf_llama --compile --act-ckpt
+    python benchmarks/train_throughput.py --device cpu --size tiny --seq-len 128 --steps 2
+
+Each model runs inside its own ``try``: an out-of-memory error or any other failure is reported
+in its row and the next model runs. The JSON file (``--out``) is rewritten after every model;
+the markdown table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+_HERE = Path(__file__).resolve().parent
+if str(_HERE) not in sys.path:  # sibling modules (flops.py) when imported from elsewhere
+    sys.path.insert(0, str(_HERE))
+
+from flops import flops_breakdown  # noqa: E402
+
+OUR_MODELS = ("fot_pro", "fot_llama", "transformer_pro", "transformer_llama")
+BASELINES = ("hf_llama", "fla_fot")
+ALL_MODELS = OUR_MODELS + BASELINES
+PRECISIONS = ("auto", "autocast", "bf16", "fp32")
+ROPE_THETA = 500000.0
+
+LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def log(msg: str) -> None:
+    """Print a progress line at once (stdout, flushed: readable under a pipe)."""
+    print(msg, flush=True)
+
+
+# ---------------------------------------------------------------------------------------
+# Model construction
+# ---------------------------------------------------------------------------------------
+
+
+def hf_llama_config(size: str, *, max_positions: int = 65536, num_heads: int | None = None) -> Any:
+    """HF ``LlamaConfig`` of the same size as the ``fot_llama`` preset.
+
+    Args:
+        size: a :data:`fot.presets.SIZES` name.
+        max_positions: ``max_position_embeddings`` (at least the sequence length).
+        num_heads: attention heads (default: the FoT preset's, i.e. head dim 64 at 760m).
+
+    Returns:
+        A ``LlamaConfig`` with SDPA attention, untied embeddings and GPT-2's vocabulary.
+    """
+    from transformers import LlamaConfig
+
+    from fot import presets
+
+    base = presets.config("fot_llama", size)
+    heads = num_heads or base.num_heads
+    if base.hidden_size % heads:
+        raise ValueError(
+            f"--hf-llama-heads {heads} does not divide hidden_size {base.hidden_size}; pick a "
+            "divisor"
+        )
+    fields = {
+        "vocab_size": base.vocab_size,
+        "hidden_size": base.hidden_size,
+        "intermediate_size": base.mlp_size,
+        "num_hidden_layers": base.num_hidden_layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": heads,
+        "max_position_embeddings": max_positions,
+        "rms_norm_eps": base.norm_eps,
+        "initializer_range": base.initializer_range,
+        "tie_word_embeddings": False,
+        "bos_token_id": base.bos_token_id,
+        "eos_token_id": base.eos_token_id,
+        "use_cache": False,
+    }
+    try:  # transformers 5: rope_parameters; older releases: rope_theta
+        config = LlamaConfig(
+            **fields, rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA}
+        )
+    except TypeError:
+        config = LlamaConfig(**fields, rope_theta=ROPE_THETA)
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def fla_fot_config(size: str, *, on_cuda: bool, fused_linear_ce: bool = False) -> Any:
+    """FLA ``ForgettingTransformerConfig`` of the same size as the ``fot_llama`` preset.
+
+    Args:
+        size: a :data:`fot.presets.SIZES` name.
+        on_cuda: keep FLA's fused cross-entropy (it asserts CUDA, so off on CPU).
+        fused_linear_ce: use FLA's fused linear cross-entropy instead of fused cross-entropy.
+    """
+    from fla.models import ForgettingTransformerConfig
+
+    from fot import presets
+
+    base = presets.config("fot_llama", size)
+    return ForgettingTransformerConfig(
+        hidden_size=base.hidden_size,
+        num_hidden_layers=base.num_hidden_layers,
+        num_heads=base.num_heads,
+        intermediate_size=base.mlp_size,
+        vocab_size=base.vocab_size,
+        norm_eps=base.norm_eps,
+        initializer_range=base.initializer_range,
+        bos_token_id=base.bos_token_id,
+        eos_token_id=base.eos_token_id,
+        tie_word_embeddings=False,
+        use_cache=False,
+        fuse_cross_entropy=on_cuda and not fused_linear_ce,
+        fuse_linear_cross_entropy=on_cuda and fused_linear_ce,
+    )
+
+
+def _our_loss(model: nn.Module, input_ids: torch.Tensor, shift_labels: torch.Tensor):
+    return model(input_ids=input_ids, shift_labels=shift_labels).loss
+
+
+def _hf_loss(model: nn.Module, input_ids: torch.Tensor, shift_labels: torch.Tensor):
+    # HF / FLA shift the labels themselves: position t predicts input_ids[t + 1]
+    return model(input_ids=input_ids, labels=input_ids).loss
+
+
+def build(
+    name: str,
+    size: str,
+    *,
+    device: torch.device,
+    seq_len: int,
+    fot_backend: str = "auto",
+    fot_overrides: dict[str, Any] | None = None,
+    hf_llama_heads: int | None = None,
+    fla_fused_linear_ce: bool = False,
+) -> tuple[nn.Module, Any, LossFn]:
+    """Build one benchmarked model in fp32 on ``device``.
+
+    Args:
+        name: one of :data:`ALL_MODELS`.
+        size: a :data:`fot.presets.SIZES` name.
+        device: where to build it.
+        seq_len: sequence length (sizes the position tables).
+        fot_backend: ``attn_backend`` of our models; ``auto`` = ``triton`` on CUDA, else
+            ``reference``.
+        fot_overrides: further ``FoTConfig`` fields of our models (e.g. ``loss_impl``).
+        hf_llama_heads: heads of ``hf_llama`` (default: as the FoT preset).
+        fla_fused_linear_ce: ``fla_fot`` with fused linear cross-entropy.
+
+    Returns:
+        ``(model, config, loss_fn)``; ``loss_fn(model, input_ids, shift_labels)`` is the mean
+        next-token loss, ``input_ids``/``shift_labels`` ``[B, T]`` int64.
+    """
+    from fot import presets
+
+    max_positions = max(65536, seq_len)
+    if name in OUR_MODELS:
+        backend = fot_backend
+        if backend == "auto":
+            backend = "triton" if device.type == "cuda" else "reference"
+        fields = {"attn_backend": backend, "max_position_embeddings": max_positions}
+        config = presets.config(name, size, **{**fields, **(fot_overrides or {})})
+        with torch.device(device):
+            model = presets.build_model(config)
+        return model, config, _our_loss
+    if name == "hf_llama":
+        from transformers import LlamaForCausalLM
+
+        config = hf_llama_config(size, max_positions=max_positions, num_heads=hf_llama_heads)
+        with torch.device(device):
+            model = LlamaForCausalLM(config)
+        return model, config, _hf_loss
+    if name == "fla_fot":
+        from fla.models import ForgettingTransformerForCausalLM
+
+        config = fla_fot_config(
+            size, on_cuda=device.type == "cuda", fused_linear_ce=fla_fused_linear_ce
+        )
+        with torch.device(device):
+            model = ForgettingTransformerForCausalLM(config)
+        return model, config, _hf_loss
+    raise ValueError(f"unknown model {name!r}; valid: {list(ALL_MODELS)}")
+
+
+# ---------------------------------------------------------------------------------------
+# Measurement
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Settings:
+    """What every model in one run shares."""
+
+    size: str
+    seq_len: int
+    batch_size: int
+    steps: int
+    warmup: int
+    device: torch.device
+    precision: str  # autocast | bf16 | fp32 (resolved)
+    compile: bool
+    act_ckpt: bool
+    peak_flops: float | None
+    fot_backend: str = "auto"
+    fot_overrides: dict[str, Any] | None = None
+    hf_llama_heads: int | None = None
+    fla_fused_linear_ce: bool = False
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """``auto`` -> ``autocast`` (bf16 autocast, fp32 weights, as the trainer) on CUDA, else fp32."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"--precision {precision!r} is not one of {list(PRECISIONS)}")
+    if precision == "auto":
+        return "autocast" if device.type == "cuda" else "fp32"
+    return precision
+
+
+class _Timer:
+    """Per-step wall time: CUDA events on GPU (no host sync between steps), perf_counter on CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.marks: list[Any] = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def step_seconds(self) -> list[float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:])]
+        return [b - a for a, b in zip(self.marks, self.marks[1:])]
+
+
+def _apply_compile_and_ckpt(model: nn.Module, s: Settings) -> None:
+    """Per-block activation checkpointing / torch.compile through the trainer's parallelize."""
+    if not (s.compile or s.act_ckpt):
+        return
+    from fot.training.config import ParallelConfig
+    from fot.training.parallel import DistInfo, parallelize
+
+    cfg = ParallelConfig(strategy="single", compile=s.compile, activation_checkpointing=s.act_ckpt)
+    info = DistInfo(rank=0, world_size=1, local_rank=0, device=s.device)
+    parallelize(model, cfg, info, strategy="single")
+
+
+def measure(name: str, s: Settings) -> dict[str, Any]:
+    """Build ``name``, train ``warmup + steps`` steps on random tokens and measure.
+
+    Returns:
+        The result row (see :func:`main` for the keys). Raises on any failure (the caller
+        catches it).
+    """
+    from fot.training.config import OptimConfig
+    from fot.training.optim import build_optimizer
+
+    dev = s.device
+    mem_before = 0.0
+    if dev.type == "cuda":
+        mem_before = torch.cuda.memory_allocated(dev) / 2**30  # > 0: the last model leaked
+        torch.cuda.reset_peak_memory_stats(dev)
+    torch.manual_seed(0)
+    model, config, loss_fn = build(
+        name,
+        s.size,
+        device=dev,
+        seq_len=s.seq_len,
+        fot_backend=s.fot_backend,
+        fot_overrides=s.fot_overrides,
+        hf_llama_heads=s.hf_llama_heads,
+        fla_fused_linear_ce=s.fla_fused_linear_ce,
+    )
+    flops = flops_breakdown(model, config, s.seq_len)
+    n_params = sum(p.numel() for p in model.parameters())
+    n_non_emb = n_params - model.get_input_embeddings().weight.numel()
+    if s.precision == "bf16":
+        model.to(torch.bfloat16)  # bf16 weights and AdamW states, no fp32 master copy
+    model.train()
+    _apply_compile_and_ckpt(model, s)
+    optimizer = build_optimizer(model, OptimConfig(), device=dev)
+    amp = (
+        (lambda: torch.autocast(dev.type, dtype=torch.bfloat16))
+        if s.precision == "autocast"
+        else contextlib.nullcontext
+    )
+
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    vocab = int(config.vocab_size)
+    tokens = torch.randint(0, vocab, (s.batch_size, s.seq_len + 1), generator=gen)
+    input_ids = tokens[:, :-1].contiguous().to(dev)  # (B, T)
+    shift_labels = tokens[:, 1:].contiguous().to(dev)  # (B, T)
+
+    def step() -> torch.Tensor:
+        with amp():
+            loss = loss_fn(model, input_ids, shift_labels)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    t0 = time.perf_counter()
+    first = None
+    for _ in range(s.warmup):
+        loss = step()
+        first = loss if first is None else first
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    warmup_s = time.perf_counter() - t0
+
+    timer = _Timer(dev)
+    timer.mark()
+    for _ in range(s.steps):
+        loss = step()
+        first = loss if first is None else first
+        timer.mark()
+    times = timer.step_seconds()
+    total = sum(times)
+    loss_first, loss_last = float(first), float(loss)
+    tokens_per_step = s.batch_size * s.seq_len
+    tps = tokens_per_step * len(times) / total if total > 0 else float("nan")
+    peak_mem = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else float("nan")
+    row = {
+        "model": name,
+        "status": "ok" if math.isfinite(loss_last) else "non-finite loss",
+        "params": n_params,
+        "params_non_embedding": n_non_emb,
+        "flops_per_token": flops["total"],
+        "flops_breakdown": flops,
+        "tokens_per_step": tokens_per_step,
+        "step_time_ms_mean": 1e3 * total / len(times),
+        "step_time_ms_median": 1e3 * statistics.median(times),
+        "step_time_ms_min": 1e3 * min(times),
+        "tokens_per_s": tps,
+        "mfu": flops["total"] * tps / s.peak_flops if s.peak_flops else None,
+        "achieved_tflops": flops["total"] * tps / 1e12,
+        "peak_mem_gib": peak_mem,
+        "mem_before_gib": mem_before,
+        "step_times_ms": [round(1e3 * t, 3) for t in times],
+        "warmup_s": warmup_s,
+        "loss_first": loss_first,
+        "loss_last": loss_last,
+    }
+    try:
+        row.update(_implementation(name, config, dev))
+    except Exception as err:  # a renamed helper must not cost the measurement
+        row.update(attn_impl="unknown", loss_impl=f"unknown ({type(err).__name__})")
+    return row
+
+
+def _implementation(name: str, config: Any, device: torch.device) -> dict[str, Any]:
+    """Which attention / loss implementation a model ran with (to read the numbers right)."""
+    if name in OUR_MODELS:
+        loss = config.loss_impl
+        if loss == "auto":
+            from fot.models.modeling_fot import _fla_fused_linear_ce
+
+            fused = device.type == "cuda" and _fla_fused_linear_ce() is not None
+            loss = "fla fused linear CE" if fused else "chunked"
+        return {"attn_impl": config.attn_backend, "loss_impl": loss}
+    if name == "hf_llama":
+        return {"attn_impl": config._attn_implementation, "loss_impl": "full logits (HF)"}
+    if config.fuse_linear_cross_entropy:
+        loss = "fla fused linear CE"
+    else:
+        loss = "fla fused CE" if config.fuse_cross_entropy else "full logits"
+    return {"attn_impl": "fla parallel_forgetting_attn", "loss_impl": loss}
+
+
+def _free(device: torch.device, compiled: bool) -> None:
+    gc.collect()
+    if compiled:
+        torch._dynamo.reset()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+def run_one(name: str, s: Settings) -> dict[str, Any]:
+    """:func:`measure` one model; an OOM or any error becomes the row's ``status``."""
+    row: dict[str, Any]
+    try:
+        row = measure(name, s)
+    except torch.OutOfMemoryError as err:
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        row = {"model": name, "status": "OOM", "error": first_line[:300]}
+    except Exception as err:  # one model's failure must not end the benchmark
+        traceback.print_exc(limit=-8)
+        msg = f"{type(err).__name__}: {err}"
+        if name == "fla_fot" and s.device.type != "cuda":
+            msg += " (FLA's Triton kernels need CUDA, or TRITON_INTERPRET=1 on CPU)"
+        row = {"model": name, "status": "error", "error": msg[:500]}
+    if s.device.type == "cuda" and row["status"] != "ok":
+        row["peak_mem_gib"] = torch.cuda.max_memory_allocated(s.device) / 2**30
+    _free(s.device, s.compile)
+    return row
+
+
+def add_ratios(rows: list[dict[str, Any]]) -> None:
+    """Add ``vs_hf_llama`` / ``vs_fla_fot`` (tokens/s ratios) and ``mem_vs_hf_llama`` in place."""
+    ok = {r["model"]: r for r in rows if r.get("status") == "ok"}
+    for row in rows:
+        for ref, key in (("hf_llama", "vs_hf_llama"), ("fla_fot", "vs_fla_fot")):
+            good = row.get("status") == "ok" and ref in ok
+            row[key] = row["tokens_per_s"] / ok[ref]["tokens_per_s"] if good else None
+        good = row.get("status") == "ok" and "hf_llama" in ok
+        row["mem_vs_hf_llama"] = (
+            row["peak_mem_gib"] / ok["hf_llama"]["peak_mem_gib"]
+            if good and ok["hf_llama"]["peak_mem_gib"] > 0
+            else None
+        )
+
+
+def _fmt(value: Any, spec: str) -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "—"
+    return format(value, spec)
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    """The results as a markdown table (one row per model)."""
+    head = (
+        "| model | status | params (no emb.) | GFLOP/token | step (ms) | tokens/s | MFU | "
+        "peak mem (GiB) | vs HF Llama | vs FLA FoT |"
+    )
+    lines = [head, "|" + "---|" * 10]
+    for r in rows:
+        status = r["status"] if r["status"] == "ok" else f"{r['status']}: {r.get('error', '')}"
+        mfu = r.get("mfu")
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    r["model"],
+                    status.replace("|", "/")[:120],
+                    _fmt(r.get("params_non_embedding", 0) / 1e6, ".1f") + "M"
+                    if r.get("params_non_embedding")
+                    else "—",
+                    _fmt(r.get("flops_per_token", 0) / 1e9, ".2f")
+                    if r.get("flops_per_token")
+                    else "—",
+                    _fmt(r.get("step_time_ms_median"), ".1f"),
+                    _fmt(r.get("tokens_per_s"), ",.0f"),
+                    _fmt(100 * mfu, ".1f") + "%" if mfu is not None else "—",
+                    _fmt(r.get("peak_mem_gib"), ".1f"),
+                    _fmt(r.get("vs_hf_llama"), ".2f") + ("×" if r.get("vs_hf_llama") else ""),
+                    _fmt(r.get("vs_fla_fot"), ".2f") + ("×" if r.get("vs_fla_fot") else ""),
+                ]
+            )
+            + " |"
+        )
+    return "\n".join(lines)
+
+
+def write_json(path: str | os.PathLike, payload: dict[str, Any]) -> None:
+    """Write ``payload`` atomically (a partial file never replaces a good one)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=2, default=str))
+    os.replace(tmp, path)
+
+
+def run_meta(device: torch.device, args: argparse.Namespace | None = None) -> dict[str, Any]:
+    """Device, library versions, git SHA and arguments of this run."""
+    from fot.training.metrics import git_sha, versions
+
+    meta: dict[str, Any] = {
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "git_sha": git_sha(),
+        "versions": versions(),
+    }
+    if args is not None:
+        meta["args"] = vars(args)
+    return meta
+
+
+# ---------------------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------------------
+
+
+def parse_models(text: str, valid: Sequence[str]) -> list[str]:
+    """``"a,b c"`` -> ``["a", "b", "c"]``, every name checked against ``valid``."""
+    names = [n for n in text.replace(",", " ").split() if n]
+    bad = [n for n in names if n not in valid]
+    if bad or not names:
+        raise SystemExit(f"--models: unknown or empty {bad or text!r}; valid: {','.join(valid)}")
+    return names
+
+
+def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
+    """``["loss_impl=chunked", "loss_chunk_size=4096"]`` -> dict (values parsed as JSON if
+    they can be, else kept as strings)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--fot-override {item!r}: expected KEY=VALUE, e.g. loss_impl=chunked")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` -> CUDA if available, else CPU."""
+    if name not in ("auto", "cpu", "cuda"):
+        raise SystemExit(f"--device {name!r} is not one of auto, cpu, cuda")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda but no CUDA device is visible; use --device cpu")
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from fot import presets
+
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--models", default=",".join(ALL_MODELS), help="comma-separated names")
+    p.add_argument("--size", default="760m", choices=presets.SIZES)
+    p.add_argument("--seq-len", type=int, default=16384)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--steps", type=int, default=10, help="timed steps")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps before timing")
+    p.add_argument("--device", default="auto")
+    p.add_argument(
+        "--precision",
+        default="auto",
+        choices=PRECISIONS,
+        help="auto: bf16 autocast with fp32 weights on CUDA (as the trainer), fp32 on CPU; "
+        "bf16: bf16 weights and optimizer states (no fp32 master)",
+    )
+    p.add_argument("--compile", action="store_true", help="torch.compile each block")
+    p.add_argument("--act-ckpt", action="store_true", help="activation checkpointing per block")
+    p.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help="peak dense bf16 TFLOP/s for MFU (default by device name: H100/H200 989)",
+    )
+    p.add_argument("--fot-backend", default="auto", choices=("auto", "triton", "reference"))
+    p.add_argument(
+        "--fot-override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="FoTConfig field of our models, repeatable (e.g. loss_impl=chunked)",
+    )
+    p.add_argument("--hf-llama-heads", type=int, default=None, help="default: as FoT (hd 64)")
+    p.add_argument("--fla-fused-linear-ce", action="store_true")
+    p.add_argument("--out", default=None, help="JSON file (rewritten after every model)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Run the benchmark; returns ``{"meta": ..., "results": [row, ...]}``.
+
+    Row keys: ``model``, ``status`` (``ok``, ``OOM``, ``error``, ``non-finite loss``), ``error``,
+    ``params``, ``params_non_embedding``, ``flops_per_token``, ``flops_breakdown``,
+    ``tokens_per_step``, ``step_time_ms_{mean,median,min}``, ``tokens_per_s``, ``mfu``,
+    ``achieved_tflops``, ``peak_mem_gib``, ``mem_before_gib`` (allocated before the model was
+    built: > 0 means an earlier model leaked), ``step_times_ms``, ``warmup_s``, ``loss_first``,
+    ``loss_last``, ``attn_impl``, ``loss_impl``, ``vs_hf_llama``, ``vs_fla_fot``,
+    ``mem_vs_hf_llama``, and the run settings (``batch_size``, ``seq_len``, ``size``,
+    ``precision``, ``compile``, ``act_ckpt``).
+    """
+    args = build_parser().parse_args(argv)
+    models = parse_models(args.models, ALL_MODELS)
+    for flag in ("seq_len", "batch_size", "steps"):
+        if getattr(args, flag) < 1:
+            raise SystemExit(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.warmup < 0:
+        raise SystemExit(f"--warmup must be >= 0, got {args.warmup}")
+    overrides = parse_overrides(args.fot_override)
+    device = resolve_device(args.device)
+    if device.type == "cuda":
+        # Many models in one process: expandable segments keep fragmentation from turning into
+        # OOMs for the later ones (read at the first CUDA allocation; the user's setting wins).
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    if args.peak_tflops is not None:
+        peak = args.peak_tflops * 1e12
+    else:
+        from fot.training.metrics import peak_flops_per_device
+
+        peak = peak_flops_per_device(device)
+    s = Settings(
+        size=args.size,
+        seq_len=args.seq_len,
+        batch_size=args.batch_size,
+        steps=args.steps,
+        warmup=args.warmup,
+        device=device,
+        precision=resolve_precision(args.precision, device),
+        compile=args.compile,
+        act_ckpt=args.act_ckpt,
+        peak_flops=peak,
+        fot_backend=args.fot_backend,
+        fot_overrides=overrides,
+        hf_llama_heads=args.hf_llama_heads,
+        fla_fused_linear_ce=args.fla_fused_linear_ce,
+    )
+    meta = run_meta(device, args)
+    meta.update(
+        precision=s.precision,
+        peak_tflops=peak / 1e12 if peak else None,
+        alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+    )
+    log(f"# train throughput: {json.dumps(meta, default=str)}")
+    if peak is None:
+        log("# no peak FLOP/s known for this device: MFU not computed (pass --peak-tflops)")
+    payload: dict[str, Any] = {"meta": meta, "results": []}
+    for name in models:
+        log(f"## {name}: size {s.size}, B={s.batch_size}, T={s.seq_len}, {s.precision} ...")
+        row = run_one(name, s)
+        row.update(
+            batch_size=s.batch_size,
+            seq_len=s.seq_len,
+            size=s.size,
+            precision=s.precision,
+            compile=s.compile,
+            act_ckpt=s.act_ckpt,
+        )
+        payload["results"].append(row)
+        add_ratios(payload["results"])
+        log("RESULT " + json.dumps(row, default=str))
+        if args.out:
+            write_json(args.out, payload)
+    log("")
+    log(f"Device: {meta['device_name']}; command: {meta['command']}")
+    log(markdown_table(payload["results"]))
+    return payload
+
+
+if __name__ == "__main__":
+    main()

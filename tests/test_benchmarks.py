@@ -1,0 +1,252 @@
+"""Benchmark scripts (``benchmarks/train_throughput.py``, ``decode.py``, ``flops.py``) on CPU.
+
+Oracles: FLOPs against a hand count of the weights of a tiny config and a brute-force count of
+the causal (query, key) pairs; the scripts' reported numbers against their own timings; greedy
+decoding with the cache against argmax of a full forward without cache (teacher forcing).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    """The benchmark modules (``benchmarks/`` is a folder of scripts, not a package)."""
+    names = ("flops", "train_throughput", "decode")
+    sys.path.insert(0, str(BENCH))
+    try:
+        yield {name: importlib.import_module(name) for name in names}
+    finally:
+        sys.path.remove(str(BENCH))
+        for name in names:  # generic top-level names: do not leak them to other tests
+            sys.modules.pop(name, None)
+
+
+def _causal_pairs(T: int) -> int:
+    return int(torch.tril(torch.ones(T, T)).sum())
+
+
+# ---------------------------------------------------------------------------------------
+# FLOPs
+# ---------------------------------------------------------------------------------------
+
+
+def test_flops_hand_count_fot_llama_tiny(bench):
+    from fot import presets
+
+    cfg = presets.config("fot_llama", "tiny")  # hidden 128, 2 layers, 4 heads, MLP 512
+    with torch.device("meta"):
+        model = presets.build_model(cfg)
+    d, L, H, mlp, T = 128, 2, 4, 512, 128
+    v_padded = 50304  # 50257 rounded up to a multiple of 64
+    per_layer = (
+        4 * d * d  # q, k, v, o projections
+        + d * H
+        + H  # forget-gate projection and bias
+        + 3 * d * mlp  # SwiGLU gate, up, down
+        + 2 * d  # two RMSNorm weights
+    )
+    n = L * per_layer + d + v_padded * d  # + final norm + untied LM head (no input embedding)
+    # q k^T and p v: 2 * 2 * d FLOPs per causal (query, key) pair, x3 with backward
+    attn = 3 * 2 * 2 * d * L * _causal_pairs(T) / T
+    expected = 6 * n + attn
+    got = bench["flops"].train_flops_per_token(model, cfg, T)
+    assert got == pytest.approx(expected, rel=1e-12)
+    parts = bench["flops"].flops_breakdown(model, cfg, T)
+    assert parts["lm_head"] == 6 * v_padded * d
+    assert parts["attention"] == pytest.approx(attn, rel=1e-12)
+    assert parts["blocks"] + parts["lm_head"] + parts["attention"] == pytest.approx(got)
+
+
+def test_flops_hand_count_hf_llama_and_fla_spec(bench):
+    from transformers import LlamaForCausalLM
+
+    cfg = bench["train_throughput"].hf_llama_config("tiny")
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    d, L, mlp, V, T = 128, 2, 512, 50257, 256
+    n = L * (4 * d * d + 3 * d * mlp + 2 * d) + d + V * d
+    expected = 6 * n + 3 * 2 * 2 * d * L * _causal_pairs(T) / T
+    assert bench["flops"].train_flops_per_token(model, cfg, T) == pytest.approx(expected, rel=1e-12)
+    # heads x head_dim, not hidden, is the attention width
+    cfg8 = bench["train_throughput"].hf_llama_config("tiny", num_heads=8)
+    assert bench["flops"].attention_spec(cfg8) == (2, 128, None)
+    fla_cfg = bench["train_throughput"].fla_fot_config("tiny", on_cuda=False)
+    assert bench["flops"].attention_spec(fla_cfg) == (2, 128, None)
+    assert (fla_cfg.hidden_size, fla_cfg.num_heads, fla_cfg.intermediate_size) == (128, 4, 512)
+
+
+def test_hf_llama_matches_fot_llama_size(bench):
+    from transformers import LlamaForCausalLM
+
+    from fot import presets
+
+    cfg = bench["train_throughput"].hf_llama_config("760m")
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.head_dim) == (
+        1536,
+        24,
+        24,
+        64,
+    )
+    with torch.device("meta"):
+        hf = LlamaForCausalLM(cfg)
+        ours = presets.build_model(presets.config("fot_llama", "760m"))
+    # same up to the forget gate (24 x (1536 x 24 + 24)) and our vocab padding (47 rows)
+    diff = presets.count_params(ours) - presets.count_params(hf)
+    assert diff == 24 * (1536 * 24 + 24) + 47 * 1536
+
+
+# ---------------------------------------------------------------------------------------
+# Training throughput
+# ---------------------------------------------------------------------------------------
+
+TOY = ["--device", "cpu", "--size", "tiny", "--seq-len", "64", "--steps", "2", "--warmup", "1"]
+
+
+def test_train_throughput_cpu(bench, tmp_path, capsys):
+    tt = bench["train_throughput"]
+    out = tmp_path / "res.json"
+    models = "fot_pro,transformer_llama,hf_llama"
+    payload = tt.main([*TOY, "--models", models, "--peak-tflops", "0.5", "--out", str(out)])
+    rows = {r["model"]: r for r in payload["results"]}
+    assert list(rows) == models.split(",")
+    assert json.loads(out.read_text())["results"] == json.loads(json.dumps(payload["results"]))
+    for name, r in rows.items():
+        assert r["status"] == "ok", r
+        assert r["tokens_per_step"] == 64
+        # tokens/s is the timed tokens over the timed time
+        assert r["tokens_per_s"] * r["step_time_ms_mean"] / 1e3 == pytest.approx(64, rel=1e-6)
+        assert r["mfu"] == pytest.approx(r["flops_per_token"] * r["tokens_per_s"] / 0.5e12)
+        # random init: loss near ln(V); two AdamW steps on the same batch lower it
+        assert abs(r["loss_first"] - math.log(50257)) < 0.5, name
+        assert r["loss_last"] < r["loss_first"] - 1e-3, name
+        assert r["vs_hf_llama"] == pytest.approx(
+            r["tokens_per_s"] / rows["hf_llama"]["tokens_per_s"]
+        )
+        assert r["vs_fla_fot"] is None  # FLA FoT not in this run
+    assert rows["fot_pro"]["attn_impl"] == "reference"  # CPU falls back automatically
+    assert rows["fot_pro"]["loss_impl"] == "chunked"
+    assert rows["hf_llama"]["attn_impl"] == "sdpa"
+    table = capsys.readouterr().out.rstrip().splitlines()
+    assert table[-5].startswith("| model | status |")
+    assert table[-1].startswith("| hf_llama | ok |") and "1.00×" in table[-1]
+
+
+def test_train_throughput_reports_oom_and_errors(bench, monkeypatch, capsys):
+    tt = bench["train_throughput"]
+    real_build = tt.build
+
+    def fake_build(name, *args, **kwargs):
+        if name == "fot_llama":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB")
+        if name == "transformer_pro":
+            raise ValueError("broken on purpose")
+        return real_build(name, *args, **kwargs)
+
+    monkeypatch.setattr(tt, "build", fake_build)
+    payload = tt.main([*TOY, "--steps", "1", "--models", "fot_llama,transformer_pro,hf_llama"])
+    status = {r["model"]: r["status"] for r in payload["results"]}
+    assert status == {"fot_llama": "OOM", "transformer_pro": "error", "hf_llama": "ok"}
+    assert "9.00 GiB" in payload["results"][0]["error"]
+    assert "broken on purpose" in payload["results"][1]["error"]
+    out = capsys.readouterr().out
+    assert "| fot_llama | OOM: CUDA out of memory" in out
+
+
+def test_train_throughput_fla_fot_cpu(bench):
+    """FLA's model runs under the Triton interpreter (conftest) and is counted like ours."""
+    payload = bench["train_throughput"].main(
+        [*TOY, "--steps", "1", "--warmup", "0", "--models", "fla_fot,fot_llama"]
+    )
+    fla, ours = payload["results"]
+    assert fla["status"] == "ok", fla
+    assert fla["flops_breakdown"]["attention"] == ours["flops_breakdown"]["attention"] > 0
+    assert ours["vs_fla_fot"] == pytest.approx(ours["tokens_per_s"] / fla["tokens_per_s"])
+
+
+def test_train_throughput_fot_override(bench):
+    over = ["--fot-override", "loss_impl=chunked", "--fot-override", "loss_chunk_size=16"]
+    payload = bench["train_throughput"].main([*TOY, "--steps", "1", "--models", "fot_llama", *over])
+    (row,) = payload["results"]
+    assert row["status"] == "ok" and row["loss_impl"] == "chunked"
+    with pytest.raises(SystemExit, match="expected KEY=VALUE"):
+        bench["train_throughput"].main([*TOY, "--fot-override", "loss_impl"])
+
+
+def test_train_throughput_bad_args(bench):
+    with pytest.raises(SystemExit, match="valid: fot_pro"):
+        bench["train_throughput"].main([*TOY, "--models", "fot_pro,gpt5"])
+    with pytest.raises(SystemExit, match="--seq-len must be >= 1"):
+        bench["train_throughput"].main([*TOY, "--seq-len", "0"])
+
+
+# ---------------------------------------------------------------------------------------
+# Decode
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["fot_pro", "hf_llama"])
+def test_greedy_decode_matches_full_forward(bench, name):
+    torch.manual_seed(0)
+    model, _, _ = bench["train_throughput"].build(
+        name, "tiny", device=torch.device("cpu"), seq_len=64
+    )
+    model.eval()
+    prompt = torch.randint(0, 50257, (2, 20), generator=torch.Generator().manual_seed(0))
+    res = bench["decode"].greedy_decode(model, prompt, 5)
+    tokens = res["tokens"]
+    assert tokens.shape == (2, 6)
+    seq = torch.cat([prompt, tokens[:, :-1]], dim=1)  # teacher forcing, no cache
+    with torch.no_grad():
+        logits = model(input_ids=seq).logits  # (2, 25, V)
+    assert torch.equal(logits[:, 19:].argmax(-1), tokens)
+    assert res["prefill_s"] > 0 and res["decode_s"] > 0
+
+
+def test_decode_cpu(bench, tmp_path):
+    out = tmp_path / "decode.json"
+    payload = bench["decode"].main(
+        [
+            "--device",
+            "cpu",
+            "--size",
+            "tiny",
+            "--context",
+            "32",
+            "--new-tokens",
+            "3",
+            "--batch-sizes",
+            "1",
+            "2",
+            "--out",
+            str(out),
+        ]
+    )
+    rows = payload["results"]
+    assert [(r["model"], r["batch_size"]) for r in rows] == [
+        ("fot_pro", 1),
+        ("fot_pro", 2),
+        ("hf_llama", 1),
+        ("hf_llama", 2),
+    ]
+    assert json.loads(out.read_text())["results"] == json.loads(json.dumps(rows))
+    for r in rows:
+        assert r["status"] == "ok", r
+        assert r["decode_tokens_per_s"] == pytest.approx(r["batch_size"] * 3 / r["decode_s"])
+        assert r["ms_per_step"] == pytest.approx(1e3 * r["decode_s"] / 3)
+        hf = next(
+            x for x in rows if x["model"] == "hf_llama" and x["batch_size"] == r["batch_size"]
+        )
+        assert r["vs_hf_llama"] == pytest.approx(
+            r["decode_tokens_per_s"] / hf["decode_tokens_per_s"]
+        )

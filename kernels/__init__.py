@@ -1,5 +1,20 @@
-"""Forgetting-attention kernels (imported as ``fot.kernels``)."""
+"""Forgetting-attention kernels (imported as ``fot.kernels``).
 
+* :func:`forgetting_attention` — Triton forward + backward (CUDA, or CPU under
+  ``TRITON_INTERPRET=1``), varlen/GQA/window, exact block pruning.
+* :func:`forgetting_attention_reference` — pure PyTorch oracle, any device.
+* :func:`forgetting_attention_decode` / :func:`forgetting_attention_decode_reference` — a few
+  new queries against a K/V cache and a cached gate cumsum.
+"""
+
+from .decode import forgetting_attention_decode
+from .forgetting_attention import PruneStats, forgetting_attention
 from .reference import forgetting_attention_decode_reference, forgetting_attention_reference
 
-__all__ = ["forgetting_attention_decode_reference", "forgetting_attention_reference"]
+__all__ = [
+    "PruneStats",
+    "forgetting_attention",
+    "forgetting_attention_decode",
+    "forgetting_attention_decode_reference",
+    "forgetting_attention_reference",
+]

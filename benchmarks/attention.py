@@ -1,0 +1,257 @@
+"""Forgetting-attention speed, side by side, on one GPU.
+
+Compares ``fot.kernels.forgetting_attention`` with FLA's ``parallel_forgetting_attn``,
+PyTorch SDPA without a gate (FlashAttention and cuDNN backends) and, when ``--fox-path``
+points at a local copy of the paper's ``forgetting_attention.py``, the paper's kernel.
+
+    python benchmarks/attention.py [--fox-path PATH] [--out results.md] [--sweep]
+
+Times are medians of ``triton.testing.do_bench`` (CUDA events) after warm-up. FLOPs count
+the causal half: fwd = 2 * 2 * B * H * T * T * D / 2, bwd = 2.5 * fwd.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+import triton
+
+SHAPES = [(1, 16384, 12, 128), (4, 4096, 12, 128), (1, 16384, 16, 64), (2, 8192, 16, 128)]
+WEAK, STRONG = 4.0, -2.0
+
+
+def _flops_fwd(B: int, T: int, H: int, D: int) -> float:
+    return 2 * 2 * B * H * T * T * D / 2
+
+
+def _load_fox(path: str):
+    spec = importlib.util.spec_from_file_location("fox_attention", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.forgetting_attention
+
+
+def _make(B: int, T: int, H: int, D: int, gate_mean: float):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, do = (
+        torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+        for _ in range(4)
+    )
+    log_f = F.logsigmoid(torch.randn(B, T, H, device="cuda", generator=gen) + gate_mean)
+    return q, k, v, log_f, do
+
+
+def _impls(fox_path: str | None) -> dict[str, Callable]:
+    """name -> fn(q, k, v, log_f) taking [B, T, H, D] tensors (layout work outside timing)."""
+    from fot.kernels import forgetting_attention
+
+    impls: dict[str, Callable] = {
+        "fot": lambda q, k, v, g: forgetting_attention(q, k, v, g),
+        "fot (prune off)": lambda q, k, v, g: forgetting_attention(q, k, v, g, prune=False),
+    }
+    try:
+        from fla.ops.forgetting_attn import parallel_forgetting_attn
+
+        impls["fla"] = lambda q, k, v, g: parallel_forgetting_attn(q, k, v, g)
+    except Exception as exc:
+        print(f"FLA unavailable: {exc!r}", file=sys.stderr)
+    if fox_path:
+        fox = _load_fox(fox_path)
+        impls["fox (paper)"] = lambda q, k, v, g: fox(q, k, v, g, head_first=True)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def sdpa(backend):
+        def run(q, k, v, g):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+        return run
+
+    impls["sdpa flash (no gate)"] = sdpa(SDPBackend.FLASH_ATTENTION)
+    impls["sdpa cudnn (no gate)"] = sdpa(SDPBackend.CUDNN_ATTENTION)
+    return impls
+
+
+_HEAD_FIRST = {"fox (paper)", "sdpa flash (no gate)", "sdpa cudnn (no gate)"}
+
+
+def _time(fn, q, k, v, g, do) -> tuple[float, float]:
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v, g)]
+    fwd = triton.testing.do_bench(lambda: fn(q, k, v, g), warmup=50, rep=200, return_mode="median")
+
+    def fwd_bwd():
+        o = fn(*leaves)
+        # SDPA ignores the gate: allow_unused lets its log_f gradient be None.
+        torch.autograd.grad(o, leaves, do, allow_unused=True)
+
+    both = triton.testing.do_bench(fwd_bwd, warmup=50, rep=300, return_mode="median")
+    return fwd, both
+
+
+def run_table(fox_path: str | None, shapes, rows_out: list[str]) -> None:
+    impls = _impls(fox_path)
+    header = (
+        "| shape (B,T,H,D) | gates | kernel | fwd ms | fwd TFLOP/s | fwd+bwd ms | "
+        "fwd+bwd TFLOP/s | vs FLA | vs cuDNN | vs paper |"
+    )
+    rows_out += [header, "|" + "---|" * 10]
+    cases = [(s, WEAK) for s in shapes] + [(shapes[0], STRONG)]
+    for (B, T, H, D), gate_mean in cases:
+        q, k, v, g, do = _make(B, T, H, D, gate_mean)
+        qh, kh, vh, doh = (t.transpose(1, 2).contiguous() for t in (q, k, v, do))
+        gh = g.transpose(1, 2).contiguous()
+        fl = _flops_fwd(B, T, H, D)
+        res: dict[str, tuple[float, float]] = {}
+        for name, fn in impls.items():
+            if gate_mean == STRONG and "sdpa" in name:
+                continue
+            args = (qh, kh, vh, gh, doh) if name in _HEAD_FIRST else (q, k, v, g, do)
+            try:
+                res[name] = _time(fn, *args)
+            except Exception as exc:
+                print(f"{name} failed on {(B, T, H, D)}: {exc!r}", file=sys.stderr)
+        skipped = ""
+        try:
+            from fot.kernels import PruneStats, forgetting_attention
+
+            st = PruneStats()
+            forgetting_attention(q, k, v, g, stats=st)
+            skipped = f" (fot skips {st.skipped_fraction:.0%} of tiles)"
+        except Exception as exc:
+            print(f"stats failed: {exc!r}", file=sys.stderr)
+        gates = ("weak N(4,1)" if gate_mean == WEAK else "strong N(-2,1)") + skipped
+        for name, (f_ms, b_ms) in res.items():
+            tf_f = fl / f_ms / 1e9
+            tf_b = 3.5 * fl / b_ms / 1e9
+
+            def ratio(other: str, b_ms=b_ms, res=res) -> str:
+                return f"{res[other][1] / b_ms:.2f}x" if other in res else "-"
+
+            rows_out.append(
+                f"| {(B, T, H, D)} | {gates} | {name} | {f_ms:.2f} | {tf_f:.0f} | {b_ms:.2f} | "
+                f"{tf_b:.0f} | {ratio('fla')} | {ratio('sdpa cudnn (no gate)')} | "
+                f"{ratio('fox (paper)')} |"
+            )
+            print(rows_out[-1], flush=True)
+        del q, k, v, g, do, qh, kh, vh, gh, doh
+        torch.cuda.empty_cache()
+
+
+def sweep(shape, rows_out: list[str]) -> None:
+    """Time our kernel under several tile configs (fwd alone, bwd alone)."""
+    import importlib
+
+    from fot.kernels import forgetting_attention
+
+    mod = importlib.import_module("fot.kernels.forgetting_attention")
+    B, T, H, D = shape
+    q, k, v, g, do = _make(B, T, H, D, WEAK)
+    fl = _flops_fwd(B, T, H, D)
+    fwd_cfgs = [
+        {"fwd_bm": bm, "fwd_bn": bn, "fwd_warps": w, "fwd_stages": s}
+        for bm, bn, w, s in [
+            (128, 128, 8, 3),
+            (128, 64, 8, 3),
+            (128, 64, 4, 3),
+            (64, 64, 4, 3),
+            (128, 128, 8, 2),
+        ]
+    ]
+    dq_opts = {
+        "A": (128, 64, 8, 3),
+        "B": (64, 64, 4, 3),
+        "C": (64, 64, 4, 2),
+        "D": (128, 64, 8, 2),
+    }
+    kv_opts = {
+        "a": (64, 128, 8, 3),
+        "b": (64, 64, 4, 3),
+        "c": (64, 64, 4, 2),
+        "d": (64, 128, 8, 2),
+    }
+    combos = ["Aa", "Bb", "Cc", "Ac", "Ca", "Ab", "Ba", "Ad", "Dd"]
+    bwd_cfgs = []
+    for dq_key, kv_key in combos:
+        dbm, dbn, dw, ds = dq_opts[dq_key]
+        kbm, kbn, kw, ks = kv_opts[kv_key]
+        bwd_cfgs.append(
+            {
+                "dq_bm": dbm,
+                "dq_bn": dbn,
+                "dq_warps": dw,
+                "dq_stages": ds,
+                "kv_bm": kbm,
+                "kv_bn": kbn,
+                "kv_warps": kw,
+                "kv_stages": ks,
+            }
+        )
+    rows_out.append(f"sweep {shape}")
+    for cfg in fwd_cfgs:
+        mod._CONFIG_OVERRIDE.clear()
+        mod._CONFIG_OVERRIDE.update(cfg)
+        try:
+            ms = triton.testing.do_bench(
+                lambda: forgetting_attention(q, k, v, g, prune=False),
+                warmup=30,
+                rep=150,
+                return_mode="median",
+            )
+            rows_out.append(f"fwd {cfg}: {ms:.3f} ms {fl / ms / 1e9:.0f} TFLOP/s")
+        except Exception as exc:
+            rows_out.append(f"fwd {cfg}: failed {exc!r:.200}")
+        print(rows_out[-1], flush=True)
+    for cfg in bwd_cfgs:
+        mod._CONFIG_OVERRIDE.clear()
+        mod._CONFIG_OVERRIDE.update(cfg)
+        try:
+            leaves = [t.clone().requires_grad_(True) for t in (q, k, v, g)]
+            o = forgetting_attention(*leaves, prune=False)
+            ms = triton.testing.do_bench(
+                lambda o=o, leaves=leaves: torch.autograd.grad(o, leaves, do, retain_graph=True),
+                warmup=30,
+                rep=150,
+                return_mode="median",
+            )
+            rows_out.append(f"bwd {cfg}: {ms:.3f} ms {2.5 * fl / ms / 1e9:.0f} TFLOP/s")
+        except Exception as exc:
+            rows_out.append(f"bwd {cfg}: failed {exc!r:.200}")
+        print(rows_out[-1], flush=True)
+    mod._CONFIG_OVERRIDE.clear()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--fox-path", help="local copy of the paper's ops/forgetting_attention.py")
+    ap.add_argument("--out", help="write the markdown table to this file")
+    ap.add_argument("--sweep", action="store_true", help="also sweep our tile configs")
+    ap.add_argument("--no-table", action="store_true")
+    ap.add_argument("--shapes", nargs="*", help="B,T,H,D ... (default: the four bar shapes)")
+    args = ap.parse_args()
+    shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes] if args.shapes else SHAPES
+    props = torch.cuda.get_device_properties(0)
+    rows = [
+        f"device: {props.name}, torch {torch.__version__}, triton {triton.__version__}",
+        f"command: python benchmarks/attention.py {' '.join(sys.argv[1:])}",
+        "",
+    ]
+    print("\n".join(rows), flush=True)
+    if args.sweep:
+        for shape in shapes[:1] + [s for s in shapes if s[3] == 64][:1]:
+            sweep(shape, rows)
+    if not args.no_table:
+        run_table(args.fox_path, shapes, rows)
+    text = "\n".join(rows) + "\n"
+    if args.out:
+        with open(args.out, "w") as fh:
+            fh.write(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,533 @@
+"""Triton jit kernels for causal forgetting attention (forward and backward).
+
+Conventions shared by every kernel here:
+
+* q/k/v/o/do are ``[B, T, heads, D]`` with a unit stride on D; strides are passed in.
+* ``C`` is the gate cumsum in log2 units, ``c * log2(e)``, as a float32 pair ``[B, HQ, 2, T]``
+  (hi = float32 rounding of the float64 sum, lo = the remainder). Each program anchors it at
+  one position ``a`` of its own tile, ``(hi - a_hi) + (lo - a_lo)`` (the hi difference is
+  exact, Sterbenz), so the bias ``c_i - c_j`` does not degrade with sequence length or |c|
+  (DESIGN.md §4). Its error is ~6e-8 x (|c_i - a| + |c_j - a|). Anchors: the first query of
+  a query tile (forward, dQ) and the last key of a key tile (dK/dV); then for every pair
+  outside the diagonal tile both terms are <= |c_i - c_j|, i.e. float32 relative accuracy of
+  the bias. Inside the diagonal tile the error is bounded by ~6e-8 x the fall of c within
+  that one tile (e.g. 1e-4 nats only if the gates drop by ~2000 nats inside 128 positions).
+* Scores live in log2 units: ``s = qk * scale * log2(e) + (c_i - c_j) * log2(e)`` and
+  ``exp2`` replaces ``exp``. ``LSE`` is stored in log2 units.
+* Query row ``i`` sees key ``j`` iff ``lb_i <= j <= i`` with ``lb_i = max(doc_start_i,
+  i - W + 1)`` (doc_start only with packed documents, the window term only with a window).
+* One loop per program over its key (or query) tiles, with the causal/document/window mask
+  applied to every tile (a few integer ops per score; an isolated H200 forward with it ran at
+  351 TFLOP/s, 385 without any bias or mask). Loads are unmasked when ``EVEN`` (T a multiple
+  of every tile size).
+* Exact pruning (c is non-increasing, so the bias only falls with distance): a key tile whose
+  scores are all ``< row max - PRUNE_LOG2`` (2^-160: exp2 underflows to exactly 0 in float32)
+  contributes nothing and is skipped. The bound is ``scale*|q_i|*max_j|k_j| + c_i - c_j``
+  against the diagonal score ``s_ii`` (a lower bound of the row max), so the first key tile
+  to visit is found before the loop by a binary search over c.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _row_lower_bound(offs_m, T, DOCSTART, W, HAS_DOC: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """Smallest key each query row may see (int32 vector)."""
+    lb = tl.zeros_like(offs_m)
+    if HAS_DOC:
+        lb = tl.load(DOCSTART + offs_m, mask=offs_m < T, other=0)
+    if HAS_WINDOW:
+        lb = tl.maximum(lb, offs_m - W + 1)
+    return lb
+
+
+@triton.jit
+def _c_rel(C_row, offs, T, a_hi, a_lo, MASKED: tl.constexpr):
+    """c (log2 units) at ``offs`` relative to the anchor, in float32."""
+    if MASKED:
+        hi = tl.load(C_row + offs, mask=offs < T, other=0.0)
+        lo = tl.load(C_row + T + offs, mask=offs < T, other=0.0)
+    else:
+        hi = tl.load(C_row + offs)
+        lo = tl.load(C_row + T + offs)
+    return (hi - a_hi) + (lo - a_lo)
+
+
+@triton.jit
+def _first_needed_key(C_row, g, a_hi, a_lo, t_lo, t_hi, T, BN: tl.constexpr):
+    """First key tile in [t_lo, t_hi] whose last key has c - anchor <= g (c non-increasing).
+
+    Tiles before it have every key's bias below the pruning bound. Returns t_hi at most.
+    """
+    last = tl.minimum(t_lo * BN + BN, T) - 1
+    c_last = (tl.load(C_row + last) - a_hi) + (tl.load(C_row + T + last) - a_lo)
+    lo = t_lo
+    hi = t_hi
+    if c_last > g:
+        # Tile t_lo is prunable; binary search the first tile that is not (t_hi never is).
+        lo = t_lo + 1
+        while lo < hi:
+            mid = (lo + hi) // 2
+            pos = tl.minimum(mid * BN + BN, T) - 1
+            c_mid = (tl.load(C_row + pos) - a_hi) + (tl.load(C_row + T + pos) - a_lo)
+            if c_mid > g:
+                lo = mid + 1
+            else:
+                hi = mid
+    return lo
+
+
+@triton.jit
+def _fwd_kernel(
+    Q,
+    K,
+    V,
+    C,
+    DOCSTART,
+    KMAX,
+    Out,
+    LSE,
+    STATS,
+    stride_qb,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_ob,
+    stride_ot,
+    stride_oh,
+    T,
+    HQ,
+    H,
+    N_REP,
+    qk_scale,
+    W,
+    prune_log2,
+    D: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    HAS_DOC: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    PRUNE: tl.constexpr,
+    STATS_ON: tl.constexpr,
+    EVEN: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    n_m = tl.cdiv(T, BM)
+    pid_m = n_m - 1 - tl.program_id(0)  # heaviest (last) tiles first
+    bh = tl.program_id(1)
+    b = bh // HQ
+    h = bh % HQ
+    hk = h // N_REP
+    m0 = pid_m * BM
+    offs_m = m0 + tl.arange(0, BM)
+    offs_d = tl.arange(0, D)
+    row_ok = offs_m < T
+    m_last = tl.minimum(m0 + BM, T) - 1
+
+    Q_ptr = Q + b.to(tl.int64) * stride_qb + h * stride_qh
+    K_ptr = K + b.to(tl.int64) * stride_kb + hk * stride_kh
+    V_ptr = V + b.to(tl.int64) * stride_vb + hk * stride_vh
+    C_row = C + bh.to(tl.int64) * 2 * T
+
+    q = tl.load(
+        Q_ptr + offs_m[:, None] * stride_qt + offs_d[None, :], mask=row_ok[:, None], other=0.0
+    )
+    a_hi = tl.load(C_row + m0)
+    a_lo = tl.load(C_row + T + m0)
+    cq = _c_rel(C_row, offs_m, T, a_hi, a_lo, True)
+    lb = _row_lower_bound(offs_m, T, DOCSTART, W, HAS_DOC, HAS_WINDOW)
+    lb_first = tl.min(tl.where(row_ok, lb, T))
+
+    t_lo = lb_first // BN
+    t_hi = m_last // BN  # the diagonal tile: never pruned
+    if PRUNE:
+        # Lower bound of each row's max: its diagonal score s_ii (bias 0).
+        k_diag = tl.load(
+            K_ptr + offs_m[:, None] * stride_kt + offs_d[None, :], mask=row_ok[:, None], other=0.0
+        )
+        qf = q.to(tl.float32)
+        s_diag = tl.sum(qf * k_diag.to(tl.float32), 1) * qk_scale
+        q_norm = tl.sqrt(tl.sum(qf * qf, 1))
+        kmax = tl.load(KMAX + b * H + hk)
+        bound = q_norm * kmax * qk_scale + cq - s_diag  # log2 units, relative to the anchor
+        g = tl.max(tl.where(row_ok, bound, float("-inf"))) + prune_log2
+        t_first = _first_needed_key(C_row, g, a_hi, a_lo, t_lo, t_hi, T, BN)
+    else:
+        t_first = t_lo
+    if STATS_ON:
+        n_prog = tl.num_programs(0)
+        tl.store(STATS + (bh * n_prog + pid_m) * 2, t_hi - t_lo + 1)
+        tl.store(STATS + (bh * n_prog + pid_m) * 2 + 1, t_first - t_lo)
+
+    m_i = tl.full([BM], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BM], dtype=tl.float32)
+    acc = tl.zeros([BM, D], dtype=tl.float32)
+    for start_n in range(t_first * BN, (t_hi + 1) * BN, BN):
+        start_n = tl.multiple_of(start_n, BN)
+        offs_n = start_n + tl.arange(0, BN)
+        if EVEN:
+            kT = tl.load(K_ptr + offs_n[None, :] * stride_kt + offs_d[:, None])
+            v = tl.load(V_ptr + offs_n[:, None] * stride_vt + offs_d[None, :])
+            ck = _c_rel(C_row, offs_n, T, a_hi, a_lo, False)
+        else:
+            kT = tl.load(
+                K_ptr + offs_n[None, :] * stride_kt + offs_d[:, None],
+                mask=offs_n[None, :] < T,
+                other=0.0,
+            )
+            v = tl.load(
+                V_ptr + offs_n[:, None] * stride_vt + offs_d[None, :],
+                mask=offs_n[:, None] < T,
+                other=0.0,
+            )
+            ck = _c_rel(C_row, offs_n, T, a_hi, a_lo, True)
+        s = tl.dot(q, kT, input_precision=DOT_PREC) * qk_scale + (cq[:, None] - ck[None, :])
+        ok = offs_n[None, :] <= offs_m[:, None]
+        if not EVEN:
+            ok = ok & (offs_n[None, :] < T)
+        if HAS_DOC or HAS_WINDOW:
+            ok = ok & (offs_n[None, :] >= lb[:, None])
+        s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = m_new
+        if HAS_DOC or HAS_WINDOW:
+            # A row may have no visible key in this tile (and none before): keep exp2 finite.
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    # LSE in log2 units, absolute in c (the anchor cancels in c_i - c_j).
+    lse = m_i + tl.math.log2(l_safe)
+    O_ptr = Out + b.to(tl.int64) * stride_ob + h * stride_oh
+    tl.store(
+        O_ptr + offs_m[:, None] * stride_ot + offs_d[None, :],
+        out.to(Out.dtype.element_ty),
+        mask=row_ok[:, None],
+    )
+    tl.store(LSE + bh.to(tl.int64) * T + offs_m, lse, mask=row_ok)
+
+
+@triton.jit
+def _bwd_dq_kernel(
+    Q,
+    K,
+    V,
+    C,
+    DOCSTART,
+    DO,
+    Out,
+    LSE,
+    DELTA,
+    DQ,
+    DROW,
+    KMAX,
+    KFIRST,
+    stride_qb,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_dob,
+    stride_dot,
+    stride_doh,
+    stride_ob,
+    stride_ot,
+    stride_oh,
+    stride_dqb,
+    stride_dqt,
+    stride_dqh,
+    T,
+    HQ,
+    H,
+    N_REP,
+    qk_scale,
+    scale,
+    W,
+    prune_log2,
+    D: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    HAS_DOC: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    PRUNE: tl.constexpr,
+    EVEN: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    n_m = tl.cdiv(T, BM)
+    pid_m = n_m - 1 - tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // HQ
+    h = bh % HQ
+    hk = h // N_REP
+    m0 = pid_m * BM
+    offs_m = m0 + tl.arange(0, BM)
+    offs_d = tl.arange(0, D)
+    row_ok = offs_m < T
+    m_last = tl.minimum(m0 + BM, T) - 1
+
+    Q_ptr = Q + b.to(tl.int64) * stride_qb + h * stride_qh
+    DO_ptr = DO + b.to(tl.int64) * stride_dob + h * stride_doh
+    K_ptr = K + b.to(tl.int64) * stride_kb + hk * stride_kh
+    V_ptr = V + b.to(tl.int64) * stride_vb + hk * stride_vh
+    C_row = C + bh.to(tl.int64) * 2 * T
+
+    q = tl.load(
+        Q_ptr + offs_m[:, None] * stride_qt + offs_d[None, :], mask=row_ok[:, None], other=0.0
+    )
+    do = tl.load(
+        DO_ptr + offs_m[:, None] * stride_dot + offs_d[None, :], mask=row_ok[:, None], other=0.0
+    )
+    # Rows past T get lse=+inf, so their p is 0 and nothing non-finite appears.
+    lse = tl.load(LSE + bh.to(tl.int64) * T + offs_m, mask=row_ok, other=float("inf"))
+    # delta_i = sum_d O_id dO_id (O kept in float32 by the forward); stored for dK/dV.
+    O_ptr = Out + b.to(tl.int64) * stride_ob + h * stride_oh
+    o = tl.load(
+        O_ptr + offs_m[:, None] * stride_ot + offs_d[None, :], mask=row_ok[:, None], other=0.0
+    )
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(DELTA + bh.to(tl.int64) * T + offs_m, delta, mask=row_ok)
+    a_hi = tl.load(C_row + m0)
+    a_lo = tl.load(C_row + T + m0)
+    cq = _c_rel(C_row, offs_m, T, a_hi, a_lo, True)
+    lb = _row_lower_bound(offs_m, T, DOCSTART, W, HAS_DOC, HAS_WINDOW)
+    lb_first = tl.min(tl.where(row_ok, lb, T))
+
+    t_lo = lb_first // BN
+    t_hi = m_last // BN
+    if PRUNE:
+        # p = exp2(s - lse): with the final lse the bound is tighter than in the forward.
+        qf = q.to(tl.float32)
+        q_norm = tl.sqrt(tl.sum(qf * qf, 1))
+        kmax = tl.load(KMAX + b * H + hk)
+        bound = q_norm * kmax * qk_scale + cq - lse
+        g = tl.max(tl.where(row_ok, bound, float("-inf"))) + prune_log2
+        t_first = _first_needed_key(C_row, g, a_hi, a_lo, t_lo, t_hi, T, BN)
+        # The dK/dV kernel reads where each query tile starts.
+        tl.store(KFIRST + bh * n_m + pid_m, t_first * BN)
+    else:
+        t_first = t_lo
+
+    dq = tl.zeros([BM, D], dtype=tl.float32)
+    drow = tl.zeros([BM], dtype=tl.float32)
+    for start_n in range(t_first * BN, (t_hi + 1) * BN, BN):
+        start_n = tl.multiple_of(start_n, BN)
+        offs_n = start_n + tl.arange(0, BN)
+        if EVEN:
+            kT = tl.load(K_ptr + offs_n[None, :] * stride_kt + offs_d[:, None])
+            vT = tl.load(V_ptr + offs_n[None, :] * stride_vt + offs_d[:, None])
+            ck = _c_rel(C_row, offs_n, T, a_hi, a_lo, False)
+        else:
+            kT = tl.load(
+                K_ptr + offs_n[None, :] * stride_kt + offs_d[:, None],
+                mask=offs_n[None, :] < T,
+                other=0.0,
+            )
+            vT = tl.load(
+                V_ptr + offs_n[None, :] * stride_vt + offs_d[:, None],
+                mask=offs_n[None, :] < T,
+                other=0.0,
+            )
+            ck = _c_rel(C_row, offs_n, T, a_hi, a_lo, True)
+        s = tl.dot(q, kT, input_precision=DOT_PREC) * qk_scale + (cq[:, None] - ck[None, :])
+        ok = offs_n[None, :] <= offs_m[:, None]
+        if not EVEN:
+            ok = ok & (offs_n[None, :] < T)
+        if HAS_DOC or HAS_WINDOW:
+            ok = ok & (offs_n[None, :] >= lb[:, None])
+        # Mask before exp2: masked-out entries (j > i) can have a huge positive bias.
+        p = tl.math.exp2(tl.where(ok, s - lse[:, None], float("-inf")))
+        dp = tl.dot(do, vT, input_precision=DOT_PREC)
+        ds = p * (dp - delta[:, None])
+        drow += tl.sum(ds, 1)
+        dq += tl.dot(ds.to(kT.dtype), tl.trans(kT), input_precision=DOT_PREC)
+    dq = dq * scale
+    tl.store(DROW + bh.to(tl.int64) * T + offs_m, drow, mask=row_ok)
+    DQ_ptr = DQ + b.to(tl.int64) * stride_dqb + h * stride_dqh
+    tl.store(
+        DQ_ptr + offs_m[:, None] * stride_dqt + offs_d[None, :],
+        dq.to(DQ.dtype.element_ty),
+        mask=row_ok[:, None],
+    )
+
+
+@triton.jit
+def _bwd_dkdv_kernel(
+    Q,
+    K,
+    V,
+    C,
+    DOCSTART,
+    DOCEND,
+    DO,
+    LSE,
+    DELTA,
+    DK,
+    DV,
+    DCOL,
+    KF,
+    stride_qb,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_dob,
+    stride_dot,
+    stride_doh,
+    stride_dkb,
+    stride_dkt,
+    stride_dkh,
+    stride_dvb,
+    stride_dvt,
+    stride_dvh,
+    T,
+    HQ,
+    H,
+    N_REP,
+    qk_scale,
+    scale,
+    W,
+    n_dq,
+    D: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    DQ_BM: tl.constexpr,
+    HAS_DOC: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    PRUNE: tl.constexpr,
+    EVEN: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    pid_n = tl.program_id(0)  # first key tiles see the most queries: schedule them first
+    bhk = tl.program_id(1)
+    b = bhk // H
+    hk = bhk % H
+    n0 = pid_n * BN
+    offs_n = n0 + tl.arange(0, BN)
+    offs_d = tl.arange(0, D)
+    col_ok = offs_n < T
+    n_last = tl.minimum(n0 + BN, T) - 1
+
+    K_ptr = K + b.to(tl.int64) * stride_kb + hk * stride_kh
+    V_ptr = V + b.to(tl.int64) * stride_vb + hk * stride_vh
+    k = tl.load(
+        K_ptr + offs_n[:, None] * stride_kt + offs_d[None, :], mask=col_ok[:, None], other=0.0
+    )
+    v = tl.load(
+        V_ptr + offs_n[:, None] * stride_vt + offs_d[None, :], mask=col_ok[:, None], other=0.0
+    )
+
+    # Rows that may see some key of this tile: [n0, r_hi).
+    r_hi = T
+    if HAS_DOC:
+        r_hi = tl.load(DOCEND + n_last)
+    if HAS_WINDOW:
+        r_hi = tl.minimum(r_hi, n_last + W)
+    start = (n0 // BM) * BM
+    end = tl.cdiv(r_hi, BM) * BM
+
+    dk = tl.zeros([BN, D], dtype=tl.float32)
+    dv = tl.zeros([BN, D], dtype=tl.float32)
+    for g in range(0, N_REP):
+        h = hk * N_REP + g
+        bh = b * HQ + h
+        Q_ptr = Q + b.to(tl.int64) * stride_qb + h * stride_qh
+        DO_ptr = DO + b.to(tl.int64) * stride_dob + h * stride_doh
+        C_row = C + bh.to(tl.int64) * 2 * T
+        LSE_row = LSE + bh.to(tl.int64) * T
+        DELTA_row = DELTA + bh.to(tl.int64) * T
+        # Anchor at the tile's last key: every query after the tile then sees
+        # |c - anchor| <= |c_i - c_j| on both sides, so the bias keeps float32 relative accuracy.
+        a_hi = tl.load(C_row + n_last)
+        a_lo = tl.load(C_row + T + n_last)
+        ck = _c_rel(C_row, offs_n, T, a_hi, a_lo, True)
+        dcol = tl.zeros([BN], dtype=tl.float32)
+        end_g = end
+        if PRUNE:
+            # KF[t] = first key any query of dq tile t (or of a later one) needs: a
+            # non-decreasing row, so the query tiles that need this key tile are a prefix of
+            # [start, end). Tile 0 (holding the diagonal) always does.
+            KF_row = KF + bh * n_dq
+            lo = 1
+            hi = (end - start) // BM
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if tl.load(KF_row + (start + mid * BM) // DQ_BM) <= n_last:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            end_g = start + lo * BM
+        for start_m in range(start, end_g, BM):
+            start_m = tl.multiple_of(start_m, BM)
+            offs_m = start_m + tl.arange(0, BM)
+            if EVEN:
+                qT = tl.load(Q_ptr + offs_m[None, :] * stride_qt + offs_d[:, None])
+                do = tl.load(DO_ptr + offs_m[:, None] * stride_dot + offs_d[None, :])
+                cq = _c_rel(C_row, offs_m, T, a_hi, a_lo, False)
+                lse = tl.load(LSE_row + offs_m)
+                delta = tl.load(DELTA_row + offs_m)
+            else:
+                row_ok = offs_m < T
+                qT = tl.load(
+                    Q_ptr + offs_m[None, :] * stride_qt + offs_d[:, None],
+                    mask=row_ok[None, :],
+                    other=0.0,
+                )
+                do = tl.load(
+                    DO_ptr + offs_m[:, None] * stride_dot + offs_d[None, :],
+                    mask=row_ok[:, None],
+                    other=0.0,
+                )
+                cq = _c_rel(C_row, offs_m, T, a_hi, a_lo, True)
+                lse = tl.load(LSE_row + offs_m, mask=row_ok, other=float("inf"))
+                delta = tl.load(DELTA_row + offs_m, mask=row_ok, other=0.0)
+            sT = tl.dot(k, qT, input_precision=DOT_PREC) * qk_scale + (cq[None, :] - ck[:, None])
+            ok = offs_n[:, None] <= offs_m[None, :]
+            if not EVEN:
+                ok = ok & (offs_m[None, :] < T)
+            if HAS_DOC or HAS_WINDOW:
+                lb = _row_lower_bound(offs_m, T, DOCSTART, W, HAS_DOC, HAS_WINDOW)
+                ok = ok & (offs_n[:, None] >= lb[None, :])
+            pT = tl.math.exp2(tl.where(ok, sT - lse[None, :], float("-inf")))
+            dv += tl.dot(pT.to(do.dtype), do, input_precision=DOT_PREC)
+            dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
+            dsT = pT * (dpT - delta[None, :])
+            dcol += tl.sum(dsT, 1)
+            dk += tl.dot(dsT.to(qT.dtype), tl.trans(qT), input_precision=DOT_PREC)
+        tl.store(DCOL + bh.to(tl.int64) * T + offs_n, dcol, mask=col_ok)
+    dk = dk * scale
+    DK_ptr = DK + b.to(tl.int64) * stride_dkb + hk * stride_dkh
+    DV_ptr = DV + b.to(tl.int64) * stride_dvb + hk * stride_dvh
+    tl.store(
+        DK_ptr + offs_n[:, None] * stride_dkt + offs_d[None, :],
+        dk.to(DK.dtype.element_ty),
+        mask=col_ok[:, None],
+    )
+    tl.store(
+        DV_ptr + offs_n[:, None] * stride_dvt + offs_d[None, :],
+        dv.to(DV.dtype.element_ty),
+        mask=col_ok[:, None],
+    )

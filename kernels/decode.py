@@ -1,0 +1,82 @@
+"""Decode-time forgetting attention: a few new queries against a long K/V cache.
+
+A vectorised PyTorch implementation (one batched matmul for the scores, one for the values,
+GQA by grouping query heads instead of copying the cache). Decode is memory-bound (each
+cached key and value is read once per step), which batched matmuls already do well; the gate
+cumsum of the cache is never recomputed: the caller passes the running c.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .checks import check_decode_inputs
+
+
+def forgetting_attention_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    q_cumsum: torch.Tensor,
+    k_cumsum: torch.Tensor,
+    *,
+    scale: float | None = None,
+    window_size: int | None = None,
+    key_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Few queries vs cached keys/values; same contract as the decode reference.
+
+    The ``Tq`` queries are the last ``Tq`` positions of the ``Tk`` cached keys: query ``i``
+    attends key ``j`` iff ``j <= Tk - Tq + i`` (and ``Tk - Tq + i - j < window_size`` with a
+    window, and ``key_mask[b, j]``).
+
+    Args:
+        q: ``[B, Tq, HQ, D]`` float16/bfloat16/float32/float64, any device.
+        k_cache: ``[B, Tk, H, D]``; ``v_cache`` the same shape; ``HQ % H == 0``.
+        q_cumsum: ``[B, Tq, HQ]`` float32/float64 running gate cumsum at the query positions.
+        k_cumsum: ``[B, Tk, HQ]`` float32/float64 running gate cumsum at the key positions.
+        scale: logit scale; default ``D ** -0.5``.
+        window_size: sliding window, as in :func:`forgetting_attention`.
+        key_mask: ``[B, Tk]`` bool, False for keys to ignore (left padding).
+
+    Returns:
+        ``[B, Tq, HQ, D]`` in q's dtype (float32 softmax inside; float64 for float64 input).
+        A query with no visible key gets zeros.
+    """
+    check_decode_inputs(q, k_cache, v_cache, q_cumsum, k_cumsum, key_mask=key_mask)
+    if window_size is not None and (not isinstance(window_size, int) or window_size < 1):
+        raise ValueError(f"window_size must be a positive int or None, got {window_size!r}")
+    B, Tq, HQ, D = q.shape
+    Tk, H = k_cache.shape[1], k_cache.shape[2]
+    R = HQ // H
+    if scale is None:
+        scale = 1.0 / math.sqrt(D)
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    qg = q.to(compute).reshape(B, Tq, H, R, D).permute(0, 2, 3, 1, 4)  # (B, H, R, Tq, D)
+    kc = k_cache.to(compute).permute(0, 2, 3, 1)  # (B, H, D, Tk)
+    vc = v_cache.to(compute).permute(0, 2, 1, 3)  # (B, H, Tk, D)
+    scores = torch.matmul(qg.reshape(B, H, R * Tq, D), kc) * scale  # (B, H, R*Tq, Tk)
+    scores = scores.view(B, H, R, Tq, Tk)
+    # The bias difference in float64: long caches have large |c|, and c_i - c_j must not
+    # lose its low bits (only the difference matters).
+    cq = q_cumsum.to(torch.float64).reshape(B, Tq, H, R).permute(0, 2, 3, 1)  # (B, H, R, Tq)
+    ck = k_cumsum.to(torch.float64).reshape(B, Tk, H, R).permute(0, 2, 3, 1)  # (B, H, R, Tk)
+    scores = scores + (cq[..., :, None] - ck[..., None, :]).to(compute)
+    q_pos = torch.arange(Tk - Tq, Tk, device=q.device)
+    k_pos = torch.arange(Tk, device=q.device)
+    allowed = k_pos[None, :] <= q_pos[:, None]  # (Tq, Tk)
+    if window_size is not None:
+        allowed = allowed & (q_pos[:, None] - k_pos[None, :] < window_size)
+    allowed = allowed.view(1, 1, 1, Tq, Tk)
+    if key_mask is not None:
+        allowed = allowed & key_mask.view(B, 1, 1, 1, Tk)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # (B, H, R, Tq, Tk)
+    out = torch.matmul(probs.view(B, H, R * Tq, Tk), vc)  # (B, H, R*Tq, D)
+    out = out.view(B, H, R, Tq, D).permute(0, 3, 1, 2, 4).reshape(B, Tq, HQ, D)
+    return out.to(q.dtype)
+
+
+__all__ = ["forgetting_attention_decode"]

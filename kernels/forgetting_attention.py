@@ -1,0 +1,522 @@
+"""Public forgetting-attention entry point backed by the Triton kernels.
+
+Layers: jit kernels (``_triton_kernels``) -> launchers (``_forward`` / ``_backward``) ->
+``_ForgettingAttentionFn`` (autograd) -> :func:`forgetting_attention`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+
+import torch
+import triton
+
+from . import _triton_kernels as kern
+from .checks import check_inputs
+
+_SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
+# Exact pruning margin in log2 units: exp2(x) underflows to exactly 0 in float32 for
+# x < -150; 10 more units cover rounding in the bound.
+_EXACT_PRUNE_LOG2 = 160.0
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@dataclass
+class PruneStats:
+    """Tile counts from the forward kernel, filled only when passed as ``stats=``.
+
+    Attributes:
+        tiles_total: (query tile, key tile) pairs in the causal/window/document range.
+        tiles_skipped: pairs skipped by pruning (exact, or approximate with a threshold).
+        calls: forward calls accumulated into this object.
+        history: ``(tiles_total, tiles_skipped)`` of each call.
+
+    The backward pass prunes too (with the final LSE, so at least as many tiles), but its
+    counts are not recorded.
+    """
+
+    tiles_total: int = 0
+    tiles_skipped: int = 0
+    calls: int = 0
+    history: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def skipped_fraction(self) -> float:
+        """Fraction of tiles skipped (0 when nothing was counted)."""
+        return self.tiles_skipped / self.tiles_total if self.tiles_total else 0.0
+
+
+# Private tuning hook for benchmarks/attention.py --sweep: keys of _tile_sizes and
+# "<kernel>_warps"/"<kernel>_stages" (kernel in fwd/dq/kv) override the defaults below.
+_CONFIG_OVERRIDE: dict[str, int] = {}
+
+
+def _tile_sizes(D: int) -> dict[str, int]:
+    """Tile shapes. Under the interpreter, small tiles keep numpy arrays small."""
+    if _interpreting():
+        sizes = {"fwd_bm": 32, "fwd_bn": 32, "dq_bm": 32, "dq_bn": 32, "kv_bm": 32, "kv_bn": 32}
+    elif D <= 64:
+        sizes = {"fwd_bm": 128, "fwd_bn": 64, "dq_bm": 64, "dq_bn": 64, "kv_bm": 64, "kv_bn": 64}
+    elif D <= 128:
+        sizes = {"fwd_bm": 128, "fwd_bn": 128, "dq_bm": 128, "dq_bn": 64, "kv_bm": 64, "kv_bn": 64}
+    else:
+        sizes = {"fwd_bm": 64, "fwd_bn": 32, "dq_bm": 64, "dq_bn": 32, "kv_bm": 32, "kv_bn": 64}
+    sizes.update({key: val for key, val in _CONFIG_OVERRIDE.items() if key in sizes})
+    return sizes
+
+
+def _launch_params(D: int) -> dict[str, tuple[int, int]]:
+    """(num_warps, num_stages) per kernel on a GPU."""
+    if _interpreting():
+        return {"fwd": (4, 1), "dq": (4, 1), "kv": (4, 1)}
+    # Picked by `benchmarks/attention.py --sweep` on an H200 (B1 T16k, H12 D128 / H16 D64).
+    if D <= 64:
+        params = {"fwd": (4, 3), "dq": (4, 3), "kv": (4, 3)}
+    elif D <= 128:
+        params = {"fwd": (8, 3), "dq": (8, 3), "kv": (4, 2)}
+    else:
+        params = {"fwd": (8, 2), "dq": (8, 2), "kv": (8, 2)}
+    for name, (warps, stages) in params.items():
+        params[name] = (
+            _CONFIG_OVERRIDE.get(f"{name}_warps", warps),
+            _CONFIG_OVERRIDE.get(f"{name}_stages", stages),
+        )
+    return params
+
+
+@dataclass
+class _Layout:
+    """Per-call constants shared by forward and backward launchers."""
+
+    B: int
+    T: int
+    HQ: int
+    H: int
+    D: int
+    scale: float
+    window: int
+    has_doc: bool
+    has_window: bool
+    doc_start: torch.Tensor
+    doc_end: torch.Tensor
+    dot_prec: str
+    kmax: torch.Tensor | None = None  # (B, H) max |k| (float32), set by the forward when pruning
+
+
+def _doc_bounds(cu_seqlens: torch.Tensor | None, T: int, device: torch.device):
+    """Per-position document start/end (int32 ``[T]``), computed on device without a sync."""
+    if cu_seqlens is None:
+        dummy = torch.zeros(1, dtype=torch.int32, device=device)
+        return dummy, dummy
+    cu = cu_seqlens.to(device=device, dtype=torch.int64)
+    pos = torch.arange(T, device=device)
+    doc = torch.searchsorted(cu, pos, right=True) - 1  # (T,)
+    doc = doc.clamp(0, cu.numel() - 2)
+    return cu[doc].to(torch.int32).contiguous(), cu[doc + 1].to(torch.int32).contiguous()
+
+
+def _gate_cumsum(log_fgate: torch.Tensor) -> torch.Tensor:
+    """``[B, T, HQ]`` float32 -> ``c * log2(e)`` as a float32 (hi, lo) pair ``[B, HQ, 2, T]``.
+
+    The sum runs in float64; hi is its float32 rounding and lo the remainder, so kernels get
+    c_i - c_j to ~float64 accuracy near the diagonal with float32 arithmetic only (float64
+    arithmetic in the inner loop is slow on GPUs). One running sum over the packed sequence
+    serves packed documents: only differences c_i - c_j within one document are used.
+    """
+    # Scan along the innermost dim: torch's scan over a middle dim of [B, T, HQ] runs one
+    # thread per (b, head) serially over T (measured 2.7 ms at T=16k, HQ=12 on an H200).
+    lf = log_fgate.transpose(1, 2).contiguous().to(torch.float64)  # (B, HQ, T)
+    c = torch.cumsum(lf, dim=-1) * kern.LOG2E
+    hi = c.to(torch.float32)
+    lo = (c - hi.to(torch.float64)).to(torch.float32)
+    return torch.stack([hi, lo], dim=2).contiguous()  # (B, HQ, 2, T)
+
+
+def _forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    c: torch.Tensor,
+    lay: _Layout,
+    prune_log2: float | None,
+    stats: PruneStats | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    B, T, HQ, H, D = lay.B, lay.T, lay.HQ, lay.H, lay.D
+    tiles = _tile_sizes(D)
+    warps, stages = _launch_params(D)["fwd"]
+    bm, bn = tiles["fwd_bm"], tiles["fwd_bn"]
+    # o in float32: the backward's delta = rowsum(dO * O) needs O unrounded (with a 16-bit O
+    # the rounding dominates dq/dk under strong decay, where dS = P (dP - delta) cancels).
+    o = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.empty((B, HQ, T), dtype=torch.float32, device=q.device)
+    prune = prune_log2 is not None
+    if prune:
+        kmax = torch.linalg.vector_norm(k, dim=-1, dtype=torch.float32).amax(dim=1)  # (B, H)
+        kmax = kmax.contiguous()
+    else:
+        kmax = lse  # unused
+    n_m = triton.cdiv(T, bm)
+    lay.kmax = kmax if prune else None
+    stats_buf = (
+        torch.zeros(B * HQ * n_m * 2, dtype=torch.int32, device=q.device)
+        if stats is not None
+        else lse
+    )
+    grid = (n_m, B * HQ)
+    kern._fwd_kernel[grid](
+        q,
+        k,
+        v,
+        c,
+        lay.doc_start,
+        kmax,
+        o,
+        lse,
+        stats_buf,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        v.stride(0),
+        v.stride(1),
+        v.stride(2),
+        o.stride(0),
+        o.stride(1),
+        o.stride(2),
+        T,
+        HQ,
+        H,
+        HQ // H,
+        lay.scale * kern.LOG2E,
+        lay.window,
+        float(prune_log2) if prune else 0.0,
+        D=D,
+        BM=bm,
+        BN=bn,
+        HAS_DOC=lay.has_doc,
+        HAS_WINDOW=lay.has_window,
+        PRUNE=prune,
+        STATS_ON=stats is not None,
+        EVEN=T % bm == 0 and T % bn == 0,
+        DOT_PREC=lay.dot_prec,
+        num_warps=warps,
+        num_stages=stages,
+    )
+    if stats is not None:
+        counts = stats_buf.view(-1, 2).sum(0).tolist()  # host sync, only when asked
+        stats.tiles_total += int(counts[0])
+        stats.tiles_skipped += int(counts[1])
+        stats.calls += 1
+        stats.history.append((int(counts[0]), int(counts[1])))
+    return o, lse
+
+
+def _backward(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    c: torch.Tensor,
+    lse: torch.Tensor,
+    lay: _Layout,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    B, T, HQ, H, D = lay.B, lay.T, lay.HQ, lay.H, lay.D
+    tiles = _tile_sizes(D)
+    params = _launch_params(D)
+    do = do.contiguous()
+    delta = torch.empty((B, HQ, T), dtype=torch.float32, device=q.device)  # dq kernel fills it
+    dq = torch.empty_like(q)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    dcol = torch.empty((B, HQ, T), dtype=torch.float32, device=q.device)
+    drow = torch.empty((B, HQ, T), dtype=torch.float32, device=q.device)
+    qk_scale = lay.scale * kern.LOG2E
+
+    bm, bn = tiles["dq_bm"], tiles["dq_bn"]
+    warps, stages = params["dq"]
+    prune = lay.kmax is not None
+    n_dq = triton.cdiv(T, bm)
+    kfirst = torch.empty((B * HQ, n_dq), dtype=torch.int32, device=q.device) if prune else lse
+    kern._bwd_dq_kernel[(n_dq, B * HQ)](
+        q,
+        k,
+        v,
+        c,
+        lay.doc_start,
+        do,
+        o,
+        lse,
+        delta,
+        dq,
+        drow,
+        lay.kmax if prune else lse,
+        kfirst,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        v.stride(0),
+        v.stride(1),
+        v.stride(2),
+        do.stride(0),
+        do.stride(1),
+        do.stride(2),
+        o.stride(0),
+        o.stride(1),
+        o.stride(2),
+        dq.stride(0),
+        dq.stride(1),
+        dq.stride(2),
+        T,
+        HQ,
+        H,
+        HQ // H,
+        qk_scale,
+        lay.scale,
+        lay.window,
+        _EXACT_PRUNE_LOG2,
+        D=D,
+        BM=bm,
+        BN=bn,
+        HAS_DOC=lay.has_doc,
+        HAS_WINDOW=lay.has_window,
+        PRUNE=prune,
+        EVEN=T % bm == 0 and T % bn == 0,
+        DOT_PREC=lay.dot_prec,
+        num_warps=warps,
+        num_stages=stages,
+    )
+    dq_bm = bm
+    if prune:
+        # Make each row of first-needed keys non-decreasing (suffix minimum): the dK/dV
+        # kernel then stops at the first query tile that needs nothing of its key tile.
+        kfirst = torch.flip(torch.cummin(torch.flip(kfirst, (-1,)), dim=-1).values, (-1,))
+        kfirst = kfirst.contiguous()
+    bm, bn = tiles["kv_bm"], tiles["kv_bn"]
+    warps, stages = params["kv"]
+    kern._bwd_dkdv_kernel[(triton.cdiv(T, bn), B * H)](
+        q,
+        k,
+        v,
+        c,
+        lay.doc_start,
+        lay.doc_end,
+        do,
+        lse,
+        delta,
+        dk,
+        dv,
+        dcol,
+        kfirst,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        v.stride(0),
+        v.stride(1),
+        v.stride(2),
+        do.stride(0),
+        do.stride(1),
+        do.stride(2),
+        dk.stride(0),
+        dk.stride(1),
+        dk.stride(2),
+        dv.stride(0),
+        dv.stride(1),
+        dv.stride(2),
+        T,
+        HQ,
+        H,
+        HQ // H,
+        qk_scale,
+        lay.scale,
+        lay.window,
+        n_dq,
+        D=D,
+        BM=bm,
+        BN=bn,
+        DQ_BM=dq_bm,
+        HAS_DOC=lay.has_doc,
+        HAS_WINDOW=lay.has_window,
+        PRUNE=prune,
+        EVEN=T % bm == 0 and T % bn == 0,
+        DOT_PREC=lay.dot_prec,
+        num_warps=warps,
+        num_stages=stages,
+    )
+    # d c_t = sum_j dS_tj - sum_i dS_it. The query-side row sum is zero in exact arithmetic
+    # (DESIGN.md §4) but not with delta = rowsum(dO * O) taken from the rounded 16-bit O:
+    # keeping it cancels most of that rounding in d log f (fp16 test, strong decay: 7.6e-3 -> 3e-4).
+    # d log f_l = sum_{t >= l, same document} d c_t: a reverse cumsum restarting per document.
+    dc = drow.double() - dcol.double()
+    rev = torch.flip(torch.cumsum(torch.flip(dc, (-1,)), -1), (-1,))  # (B, HQ, T)
+    if lay.has_doc:
+        rev = torch.cat([rev, rev.new_zeros(B, HQ, 1)], dim=-1)
+        rev = rev[..., :T] - rev[..., lay.doc_end.long()]
+    dlogf = rev.to(torch.float32).transpose(1, 2).contiguous()  # (B, T, HQ)
+    return dq, dk, dv, dlogf
+
+
+class _ForgettingAttentionFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, log_fgate, lay, prune_log2, stats, compute_dtype):
+        out_dtype = q.dtype
+        if compute_dtype is not None:
+            q, k, v = q.to(compute_dtype), k.to(compute_dtype), v.to(compute_dtype)
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        c = _gate_cumsum(log_fgate)
+        o, lse = _forward(q, k, v, c, lay, prune_log2, stats)
+        ctx.save_for_backward(q, k, v, o, c, lse)
+        ctx.lay = lay
+        ctx.out_dtype = out_dtype
+        return o.to(out_dtype)
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, c, lse = ctx.saved_tensors
+        dq, dk, dv, dlogf = _backward(do.to(q.dtype), q, k, v, o, c, lse, ctx.lay)
+        dt = ctx.out_dtype
+        return dq.to(dt), dk.to(dt), dv.to(dt), dlogf, None, None, None, None
+
+
+def forgetting_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    log_fgate: torch.Tensor,
+    *,
+    scale: float | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    window_size: int | None = None,
+    prune: bool = True,
+    prune_threshold: float | None = None,
+    stats: PruneStats | None = None,
+    debug: bool = False,
+) -> torch.Tensor:
+    """Causal forgetting attention, forward and backward in Triton.
+
+    ``o_i = sum_{j<=i} softmax_j(q_i . k_j * scale + c_i - c_j) v_j`` with
+    ``c = cumsum(log_fgate)`` over time (restarting at each ``cu_seqlens`` document).
+
+    Args:
+        q: ``[B, T, HQ, D]`` float16/bfloat16 (float32 accepted, for tests), on CUDA (or on
+            CPU under ``TRITON_INTERPRET=1``). ``D`` in {16, 32, 64, 128, 256}.
+        k: ``[B, T, H, D]``, same dtype; ``HQ % H == 0`` (grouped-query attention: query head
+            ``h`` reads key/value head ``h // (HQ // H)``).
+        v: ``[B, T, H, D]``.
+        log_fgate: ``[B, T, HQ]`` float32, log of the forget gate, ``<= 0`` (e.g.
+            ``F.logsigmoid``). Pruning relies on the sign (c is then non-increasing).
+        scale: logit scale; default ``D ** -0.5``.
+        cu_seqlens: ``[N + 1]`` int32/int64 document boundaries of packed sequences
+            (``B == 1``); no attention and no gate cumsum across documents.
+        window_size: query ``i`` sees keys ``i - window_size < j <= i`` only.
+        prune: skip key tiles whose every weight underflows to zero, in the forward and the
+            backward (exact: results are bitwise the same as with ``prune=False``; the bound
+            uses ``|q_i| * max_j |k_j|`` and the monotone gate cumsum). On by default.
+        prune_threshold: approximate pruning (natural-log units, e.g. ``-20.0``): also skip
+            tiles whose bound on every weight is below ``e**prune_threshold`` times the
+            row's diagonal weight. Off (``None``) by default; only the forward pass is
+            approximated (the backward prunes exactly and computes the gradient of the exact
+            function).
+        stats: a :class:`PruneStats` to accumulate tile counts into (costs a host sync;
+            leave ``None`` in training).
+        debug: validate ``cu_seqlens`` contents and ``log_fgate <= 0`` (host syncs).
+
+    Returns:
+        ``[B, T, HQ, D]`` in q's dtype. Differentiable in q, k, v and log_fgate. Saved for
+        backward: q, k, v, a float32 copy of o (the backward's rowsum(dO * O) needs it
+        unrounded), c (8 bytes per position and head) and the LSE.
+
+    Raises:
+        RuntimeError: on a CPU tensor without ``TRITON_INTERPRET=1``.
+        ValueError / TypeError: on malformed inputs (see ``checks.check_inputs``).
+    """
+    check_inputs(q, k, v, log_fgate, cu_seqlens=cu_seqlens, window_size=window_size, debug=debug)
+    B, T, HQ, D = q.shape
+    H = k.shape[2]
+    if q.device.type != "cuda" and not _interpreting():
+        raise RuntimeError(
+            f"forgetting_attention (Triton) needs CUDA tensors, got device {q.device}; use "
+            "fot.kernels.forgetting_attention_reference on CPU (the model does this "
+            "automatically), or set TRITON_INTERPRET=1 before importing triton to run the "
+            "kernel in Triton's (slow) interpreter"
+        )
+    if D not in _SUPPORTED_HEAD_DIMS:
+        raise ValueError(
+            f"head_dim {D} is not supported by the Triton kernel; use one of "
+            f"{_SUPPORTED_HEAD_DIMS} (or forgetting_attention_reference)"
+        )
+    if q.dtype == torch.float64:
+        raise TypeError(
+            "forgetting_attention (Triton) takes float16/bfloat16/float32, got float64; use "
+            "forgetting_attention_reference for float64"
+        )
+    if T * max(HQ, H) * D >= 2**31:
+        raise ValueError(
+            f"T * heads * head_dim = {T * HQ * D} overflows int32 offsets; split the sequence "
+            "or the heads"
+        )
+    if prune_threshold is not None:
+        if not prune:
+            raise ValueError("prune_threshold needs prune=True")
+        if not (isinstance(prune_threshold, (int, float)) and prune_threshold < 0):
+            raise ValueError(
+                f"prune_threshold must be a negative number (natural-log units, e.g. -20.0), "
+                f"got {prune_threshold!r}"
+            )
+    if stats is not None and not isinstance(stats, PruneStats):
+        raise TypeError(f"stats must be a fot.kernels.PruneStats or None, got {type(stats)}")
+    if debug:
+        bad = (log_fgate > 0) | ~torch.isfinite(log_fgate)
+        if bool(bad.any()):
+            raise ValueError(
+                "log_fgate must be finite and <= 0 (log of a gate in (0, 1]); got "
+                f"{int(bad.sum())} bad entries; use F.logsigmoid(gate_logits)"
+            )
+    if T == 0 or B == 0:
+        return q.new_empty(q.shape)
+    if scale is None:
+        scale = 1.0 / math.sqrt(D)
+    compute_dtype = None
+    if _interpreting() and q.dtype == torch.bfloat16:
+        # The interpreter's tl.dot multiplies raw bf16 bit patterns (DESIGN.md §4): upcast.
+        compute_dtype = torch.float32
+    has_doc = cu_seqlens is not None
+    doc_start, doc_end = _doc_bounds(cu_seqlens, T, q.device)
+    eff_dtype = compute_dtype or q.dtype
+    lay = _Layout(
+        B=B,
+        T=T,
+        HQ=HQ,
+        H=H,
+        D=D,
+        scale=float(scale),
+        window=int(window_size) if window_size is not None else 0,
+        has_doc=has_doc,
+        has_window=window_size is not None,
+        doc_start=doc_start,
+        doc_end=doc_end,
+        dot_prec="ieee" if eff_dtype == torch.float32 else "tf32",
+    )
+    if not prune:
+        prune_log2 = None
+    elif prune_threshold is None:
+        prune_log2 = _EXACT_PRUNE_LOG2
+    else:
+        prune_log2 = min(-float(prune_threshold) * kern.LOG2E, _EXACT_PRUNE_LOG2)
+    return _ForgettingAttentionFn.apply(q, k, v, log_fgate, lay, prune_log2, stats, compute_dtype)
+
+
+__all__ = ["PruneStats", "forgetting_attention"]

@@ -1,0 +1,286 @@
+"""Triton forgetting attention vs the float64 PyTorch reference (CPU: Triton interpreter).
+
+Every check draws fresh random inputs and compares the output and all four gradients
+(q, k, v, log_fgate) with the reference by relative error (with a small absolute floor, for
+gradients that are exactly zero, e.g. at T=1). NaN never passes.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fot.kernels import (
+    PruneStats,
+    forgetting_attention,
+    forgetting_attention_decode,
+    forgetting_attention_decode_reference,
+    forgetting_attention_reference,
+)
+
+# Named tolerances (relative L2 error vs the float64 reference).
+TOL = {torch.float32: 1e-4, torch.float16: 5e-3}
+ABS_FLOOR_RMS = 1e-2  # absolute floor (RMS) for tensors whose reference is ~0 (T=1: dq=dk=dlogf=0)
+WEAK, STRONG = 4.0, -2.0  # mean of the gate logits: weak decay (f ~ 0.98), strong (f ~ 0.12)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert torch.isfinite(a).all(), "non-finite values in the kernel's result"
+    a, b = a.double(), b.double()
+    floor = ABS_FLOOR_RMS * b.numel() ** 0.5
+    return ((a - b).norm() / (b.norm() + floor)).item()
+
+
+def make_inputs(B, T, HQ, H, D, dtype=torch.float32, gate_mean=WEAK, seed=None):
+    g = torch.Generator().manual_seed(seed) if seed is not None else None
+    q = torch.randn(B, T, HQ, D, generator=g).to(dtype)
+    k = torch.randn(B, T, H, D, generator=g).to(dtype)
+    v = torch.randn(B, T, H, D, generator=g).to(dtype)
+    log_f = F.logsigmoid(torch.randn(B, T, HQ, generator=g) + gate_mean)
+    return q, k, v, log_f
+
+
+def kernel_and_grads(q, k, v, log_f, do, **kw):
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v, log_f)]
+    o = forgetting_attention(*leaves, **kw)
+    grads = torch.autograd.grad(o, leaves, do.to(o.dtype))
+    return o.detach(), grads
+
+
+def reference_and_grads(q, k, v, log_f, do, **kw):
+    leaves = [q.double(), k.double(), v.double()]
+    leaves = [t.clone().requires_grad_(True) for t in leaves]
+    lf = log_f.clone().requires_grad_(True)
+    o = forgetting_attention_reference(*leaves, lf, **kw)
+    grads = torch.autograd.grad(o, [*leaves, lf], do.double())
+    return o.detach(), grads
+
+
+def assert_matches_reference(q, k, v, log_f, tol, **kw):
+    do = torch.randn(q.shape, dtype=torch.float32)
+    o, grads = kernel_and_grads(q, k, v, log_f, do, **kw)
+    kw.pop("prune", None)
+    kw.pop("stats", None)
+    o_ref, grads_ref = reference_and_grads(q, k, v, log_f, do, **kw)
+    errs = {"o": rel_err(o, o_ref)}
+    for name, a, b in zip(("dq", "dk", "dv", "dlogf"), grads, grads_ref):
+        assert a.shape == b.shape and a.dtype == (log_f.dtype if name == "dlogf" else q.dtype)
+        errs[name] = rel_err(a, b)
+    bad = {n: e for n, e in errs.items() if not e <= tol}
+    assert not bad, f"relative error above {tol}: {bad} (all: {errs})"
+    return o, grads
+
+
+@pytest.mark.parametrize(
+    ("T", "D", "HQ", "H", "gate_mean", "dtype"),
+    [
+        (1, 32, 2, 1, WEAK, torch.float32),
+        (17, 64, 2, 2, STRONG, torch.float32),
+        (64, 32, 4, 2, WEAK, torch.float32),
+        (255, 64, 2, 1, STRONG, torch.float16),
+        (300, 32, 2, 2, WEAK, torch.float16),
+        (300, 64, 2, 2, STRONG, torch.float32),
+    ],
+)
+def test_matches_reference(T, D, HQ, H, gate_mean, dtype):
+    q, k, v, log_f = make_inputs(1, T, HQ, H, D, dtype, gate_mean)
+    assert_matches_reference(q, k, v, log_f, TOL[dtype])
+
+
+def test_batch_and_custom_scale():
+    q, k, v, log_f = make_inputs(2, 70, 2, 1, 32, torch.float32, WEAK)
+    assert_matches_reference(q, k, v, log_f, TOL[torch.float32], scale=0.3)
+
+
+@pytest.mark.parametrize(("window", "gate_mean"), [(1, WEAK), (40, WEAK), (33, STRONG)])
+def test_sliding_window(window, gate_mean):
+    q, k, v, log_f = make_inputs(1, 150, 2, 1, 32, torch.float32, gate_mean)
+    assert_matches_reference(q, k, v, log_f, TOL[torch.float32], window_size=window)
+
+
+def test_varlen_matches_loop_over_documents():
+    # Boundaries off tile edges, an empty document and a length-1 document.
+    cu = torch.tensor([0, 45, 45, 46, 130, 200], dtype=torch.int32)
+    q, k, v, log_f = make_inputs(1, 200, 4, 2, 32, torch.float32, WEAK)
+    do = torch.randn(q.shape)
+    o, grads = kernel_and_grads(q, k, v, log_f, do, cu_seqlens=cu)
+    bounds = cu.tolist()
+    for s, e in itertools.pairwise(bounds):
+        if e == s:
+            continue
+        sl = slice(s, e)
+        o_doc, g_doc = kernel_and_grads(q[:, sl], k[:, sl], v[:, sl], log_f[:, sl], do[:, sl])
+        assert rel_err(o[:, sl], o_doc) <= TOL[torch.float32]
+        for a, b in zip(grads, g_doc):
+            assert rel_err(a[:, sl], b) <= TOL[torch.float32]
+    # ...and the whole packed call against the reference (also with a window).
+    assert_matches_reference(q, k, v, log_f, TOL[torch.float32], cu_seqlens=cu)
+    assert_matches_reference(
+        q, k, v, log_f, TOL[torch.float32], cu_seqlens=cu.long(), window_size=30
+    )
+
+
+def test_pruning_is_exact_and_skips_tiles():
+    q, k, v, log_f = make_inputs(1, 300, 2, 1, 32, torch.float32, STRONG)
+    do = torch.randn(q.shape)
+    stats = PruneStats()
+    o_on, g_on = kernel_and_grads(q, k, v, log_f, do, prune=True, stats=stats)
+    off = PruneStats()
+    o_off, g_off = kernel_and_grads(q, k, v, log_f, do, prune=False, stats=off)
+    assert torch.equal(o_on, o_off)
+    for a, b in zip(g_on, g_off):
+        assert torch.equal(a, b)
+    assert stats.tiles_total == off.tiles_total > 0
+    assert off.tiles_skipped == 0
+    assert 0 < stats.tiles_skipped < stats.tiles_total
+    # Weak decay at this length: nothing can be skipped exactly.
+    q, k, v, log_f = make_inputs(1, 300, 2, 1, 32, torch.float32, WEAK)
+    weak = PruneStats()
+    forgetting_attention(q, k, v, log_f, stats=weak)
+    assert weak.tiles_skipped == 0
+
+
+def test_approximate_pruning_skips_more_and_stays_close():
+    q, k, v, log_f = make_inputs(1, 300, 2, 1, 32, torch.float32, -0.5)
+    exact, approx = PruneStats(), PruneStats()
+    o_exact = forgetting_attention(q, k, v, log_f, stats=exact)
+    o_approx = forgetting_attention(q, k, v, log_f, prune_threshold=-12.0, stats=approx)
+    assert approx.tiles_skipped > exact.tiles_skipped
+    # Dropped weights are below e^-12 of the diagonal weight each.
+    assert rel_err(o_approx, o_exact) < 1e-3
+
+
+def test_bfloat16_is_upcast_under_interpreter():
+    q, k, v, log_f = make_inputs(1, 40, 2, 1, 32, torch.bfloat16, WEAK)
+    o = forgetting_attention(q, k, v, log_f)
+    assert o.dtype == torch.bfloat16
+    o_ref = forgetting_attention_reference(q.double(), k.double(), v.double(), log_f)
+    assert rel_err(o, o_ref) < 1e-2  # bf16 output rounding only
+
+
+def test_non_contiguous_inputs():
+    q, k, v, log_f = make_inputs(1, 50, 2, 2, 32, torch.float32, WEAK)
+    qt = q.transpose(1, 2).contiguous().transpose(1, 2)  # same values, other strides
+    assert not qt.is_contiguous()
+    assert_matches_reference(qt, k, v, log_f, TOL[torch.float32])
+
+
+# --- errors -------------------------------------------------------------------------------
+
+
+def _ok(**over):
+    q, k, v, log_f = make_inputs(1, 8, 2, 1, 32)
+    args = {"q": q, "k": k, "v": v, "log_fgate": log_f}
+    args.update(over)
+    return args
+
+
+@pytest.mark.parametrize(
+    ("over", "kw", "exc", "match"),
+    [
+        ({"q": torch.randn(1, 8, 2, 48)}, {}, ValueError, "k/v shape"),
+        (
+            {
+                "q": torch.randn(1, 8, 2, 48),
+                "k": torch.randn(1, 8, 1, 48),
+                "v": torch.randn(1, 8, 1, 48),
+            },
+            {},
+            ValueError,
+            "head_dim 48",
+        ),
+        (
+            {
+                "q": torch.randn(1, 8, 3, 32),
+                "k": torch.randn(1, 8, 2, 32),
+                "v": torch.randn(1, 8, 2, 32),
+                "log_fgate": torch.zeros(1, 8, 3),
+            },
+            {},
+            ValueError,
+            "multiple",
+        ),
+        ({"log_fgate": torch.zeros(1, 8, 2, dtype=torch.float16)}, {}, TypeError, "float32"),
+        ({"log_fgate": torch.zeros(1, 8, 1)}, {}, ValueError, "one gate per query head"),
+        (
+            {
+                "q": torch.randn(1, 8, 2, 32).double(),
+                "k": torch.randn(1, 8, 1, 32).double(),
+                "v": torch.randn(1, 8, 1, 32).double(),
+            },
+            {},
+            TypeError,
+            "float64",
+        ),
+        ({}, {"window_size": 0}, ValueError, "window_size"),
+        ({}, {"prune_threshold": 3.0}, ValueError, "negative"),
+        ({}, {"prune": False, "prune_threshold": -5.0}, ValueError, "prune=True"),
+        ({}, {"cu_seqlens": torch.tensor([0, 9])}, ValueError, "end at T=8"),
+        ({}, {"cu_seqlens": torch.tensor([0.0, 8.0])}, ValueError, "int32/int64"),
+        ({"log_fgate": torch.full((1, 8, 2), 0.5)}, {"debug": True}, ValueError, "<= 0"),
+    ],
+)
+def test_bad_inputs_raise_clear_errors(over, kw, exc, match):
+    args = _ok(**over)
+    if "cu_seqlens" in kw:
+        kw = {**kw, "debug": True}
+    with pytest.raises(exc, match=match):
+        forgetting_attention(args["q"], args["k"], args["v"], args["log_fgate"], **kw)
+
+
+def test_varlen_needs_batch_one():
+    q, k, v, log_f = make_inputs(2, 8, 2, 1, 32)
+    with pytest.raises(ValueError, match="batch size 1"):
+        forgetting_attention(q, k, v, log_f, cu_seqlens=torch.tensor([0, 8]))
+
+
+def test_cpu_without_interpreter_points_to_reference(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    q, k, v, log_f = make_inputs(1, 8, 2, 1, 32)
+    with pytest.raises(RuntimeError, match="forgetting_attention_reference"):
+        forgetting_attention(q, k, v, log_f)
+
+
+# --- decode -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("Tq", "window", "use_mask"), [(1, None, False), (3, 20, True)])
+def test_decode_matches_reference(Tq, window, use_mask):
+    B, Tk, HQ, H, D = 2, 90, 4, 2, 32
+    q = torch.randn(B, Tq, HQ, D)
+    kc, vc = torch.randn(B, Tk, H, D), torch.randn(B, Tk, H, D)
+    c = torch.cumsum(F.logsigmoid(torch.randn(B, Tk, HQ) + 2.0), dim=1) - 1000.0  # large |c|
+    mask = None
+    if use_mask:
+        mask = torch.ones(B, Tk, dtype=torch.bool)
+        mask[1, :30] = False  # left padding
+    kw = {"window_size": window, "key_mask": mask}
+    out = forgetting_attention_decode(q, kc, vc, c[:, -Tq:], c, **kw)
+    ref = forgetting_attention_decode_reference(
+        q.double(), kc.double(), vc.double(), c[:, -Tq:], c, **kw
+    )
+    assert rel_err(out, ref) < TOL[torch.float32]
+
+
+def test_decode_agrees_with_full_attention():
+    q, k, v, log_f = make_inputs(1, 60, 4, 2, 32)
+    full = forgetting_attention_reference(q, k, v, log_f)
+    c = torch.cumsum(log_f.double(), dim=1)
+    out = forgetting_attention_decode(q[:, -2:], k, v, c[:, -2:], c)
+    assert rel_err(out, full[:, -2:]) < TOL[torch.float32]
+
+
+def test_large_gate_cumsum_keeps_precision():
+    # c reaches ~ -8.5e4 over the first 128 steps; the last 172 positions then attend among
+    # themselves with weak decay. A plain float32 c (ulp ~8e-3 at 1e5) puts ~1e-2 errors
+    # into every bias c_i - c_j (relative output error ~4.5e-4, measured); anchoring c per
+    # tile keeps float32 accuracy. (The transition sits on a tile edge: the anchoring is
+    # exact up to ~1e-7 x the spread of c inside one tile, see _triton_kernels.py.)
+    q, k, v, _ = make_inputs(1, 300, 2, 1, 32, torch.float32)
+    weak = F.logsigmoid(torch.randn(1, 172, 2) + 4)
+    log_f = torch.cat([torch.full((1, 128, 2), -666.0), weak], 1)
+    assert log_f.double().sum(1).min() < -8e4
+    assert_matches_reference(q, k, v, log_f, TOL[torch.float32])

@@ -23,6 +23,9 @@ COMMANDS = {
     "gates": ("gates", "forget-gate matrix F and attention maps of chosen layers/heads"),
 }
 
+# Packages of the `eval` extra that a command may need; without them the other commands work.
+OPTIONAL_PACKAGES = ("lm_eval", "sqlitedict")
+
 
 def build_parser() -> argparse.ArgumentParser:
     """The CLI parser; each command's options come from its module's ``add_arguments``."""
@@ -32,8 +35,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module, help_text) in COMMANDS.items():
+        try:
+            mod = importlib.import_module(f"fot.eval.{module}")
+        except ModuleNotFoundError as err:
+            if (err.name or "").split(".")[0] not in OPTIONAL_PACKAGES:
+                raise
+            # An optional extra is not installed: the other commands still work.
+            missing = err.name.split(".")[0]
+            p = sub.add_parser(name, help=f"{help_text} [needs {missing}]", description=help_text)
+            p.add_argument("rest", nargs=argparse.REMAINDER)
+            p.set_defaults(_missing=(name, missing))
+            continue
         p = sub.add_parser(name, help=help_text, description=help_text)
-        mod = importlib.import_module(f"fot.eval.{module}")
         mod.add_arguments(p)
         p.set_defaults(_module=module)
     return parser
@@ -45,6 +58,12 @@ def main(argv: Sequence[str] | None = None) -> Any:
     import fot  # noqa: F401 - installs fot.eval for source checkouts, registers FoT models
 
     args = build_parser().parse_args(argv)
+    if getattr(args, "_missing", None):
+        command, missing = args._missing
+        raise SystemExit(
+            f"`{command}` needs the package {missing!r}, which is not installed: "
+            "pip install 'fot[eval]' (or pip install lm-eval)"
+        )
     mod = importlib.import_module(f"fot.eval.{args._module}")
     del args._module
     return mod.run(args)

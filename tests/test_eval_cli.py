@@ -386,3 +386,21 @@ def test_lm_eval_cli_with_local_dataset_root(ckpts, tmp_path):
     assert (out / "table1.md").is_file()
     assert "fot_toy_hub,acc,none" in (out / "results.csv").read_text()
     _run_config(out, "lm-eval")
+
+
+def test_cli_works_without_the_optional_lm_eval_package():
+    """lm-eval is an optional extra: without it the other commands still parse and run, and
+    `lm-eval` says what to install."""
+    code = (
+        "import sys; sys.modules['lm_eval'] = None\n"
+        "from fot.eval.__main__ import main\n"
+        "try:\n"
+        "    main(['lm-eval', 'ckpt', '--out', 'x'])\n"
+        "except SystemExit as e:\n"
+        "    print('EXIT:', e)\n"
+        "main(['needle', '--help'])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert "EXIT: `lm-eval` needs the package 'lm_eval'" in out.stdout, out.stderr[-2000:]
+    assert "pip install 'fot[eval]'" in out.stdout
+    assert "--mode {easy,standard,passkey}" in out.stdout

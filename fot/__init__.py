@@ -6,15 +6,26 @@ from fot import _source_layout
 
 _source_layout.install(_Path(__file__).resolve().parent)
 
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM  # noqa: E402
+from transformers import AutoConfig as _AutoConfig  # noqa: E402
+from transformers import AutoModel as _AutoModel  # noqa: E402
+from transformers import AutoModelForCausalLM as _AutoModelForCausalLM  # noqa: E402
 
+from fot import export, presets, tokenizer  # noqa: E402
 from fot.models import FoTConfig, FoTForCausalLM, FoTModel  # noqa: E402
 
 # `import fot` makes AutoConfig / AutoModelForCausalLM know model_type "fot".
-AutoConfig.register(FoTConfig.model_type, FoTConfig, exist_ok=True)
-AutoModel.register(FoTConfig, FoTModel, exist_ok=True)
-AutoModelForCausalLM.register(FoTConfig, FoTForCausalLM, exist_ok=True)
+_AutoConfig.register(FoTConfig.model_type, FoTConfig, exist_ok=True)
+_AutoModel.register(FoTConfig, FoTModel, exist_ok=True)
+_AutoModelForCausalLM.register(FoTConfig, FoTForCausalLM, exist_ok=True)
 
 __version__ = "0.1.0"
 
-__all__ = ["FoTConfig", "FoTForCausalLM", "FoTModel", "__version__"]
+__all__ = [
+    "FoTConfig",
+    "FoTForCausalLM",
+    "FoTModel",
+    "__version__",
+    "export",
+    "presets",
+    "tokenizer",
+]

@@ -35,13 +35,13 @@ def test_no_toplevel_kernels_or_eval_from_another_directory(tmp_path):
         "import importlib.util, fot, fot.kernels, fot.eval;"
         "assert importlib.util.find_spec('kernels') is None, 'top-level kernels importable';"
         "assert importlib.util.find_spec('eval') is None, 'top-level eval importable';"
-        "print(fot.kernels.forgetting_attention_reference.__name__)"
+        "print(fot.kernels.forgetting_attention_reference.__name__, fot.presets.config('fot_pro').model_type)"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120
     )
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "forgetting_attention_reference"
+    assert out.stdout.strip() == "forgetting_attention_reference fot"
 
 
 def test_gpt2_encoding_offline():

@@ -180,9 +180,18 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-    """Sum over ranks, in place (no-op in a single process)."""
+    """Sum over ranks, in place (no-op in a single process).
+
+    NCCL reduces CUDA tensors only: a CPU tensor (a token count, say) goes through the current
+    CUDA device and back.
+    """
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        if dist.get_backend() == "nccl" and not t.is_cuda:
+            buf = t.to(torch.device("cuda", torch.cuda.current_device()))
+            dist.all_reduce(buf, op=dist.ReduceOp.SUM)
+            t.copy_(buf)
+        else:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t
 
 

@@ -97,3 +97,36 @@ class RandomLogits(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor, **_) -> SimpleNamespace:
         B, T = input_ids.shape
         return SimpleNamespace(logits=torch.randn(B, T, self.vocab, generator=self.gen))
+
+
+def make_trained_fot_checkpoint(path: Path) -> Path:
+    """A tiny FoT (Pro) trained for a few steps by the trainer; returns its HF export folder.
+
+    This is the checkpoint users evaluate: the trainer's own ``hf/`` export.
+    """
+    from hydra import compose, initialize_config_dir
+
+    from fot.training import register_configs, train
+
+    register_configs()
+    configs = Path(__file__).resolve().parents[1] / "configs"
+    with initialize_config_dir(config_dir=str(configs), version_base="1.3"):
+        cfg = compose(
+            "train",
+            overrides=[
+                f"out_dir={path}",
+                "data.seq_len=128",
+                "data.val_tokens=256",
+                "global_batch_tokens=512",
+                "micro_batch_size=4",
+                "total_tokens=1024",
+                "log_every_tokens=512",
+                "val_every_tokens=0",
+                "ckpt_every_tokens=0",
+                "export_hf=true",
+                "progress=false",
+                "wandb.mode=disabled",
+                "device=cpu",
+            ],
+        )
+    return Path(train(cfg)["hf_dir"])

@@ -8,7 +8,7 @@ import sys
 
 import numpy as np
 import pytest
-from eval_helpers import QUESTIONS, make_fot_checkpoint, make_llama_checkpoint
+from eval_helpers import QUESTIONS, make_llama_checkpoint, make_trained_fot_checkpoint
 
 from fot.eval.__main__ import main
 
@@ -18,7 +18,7 @@ def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpts")
     return {
         "llama": make_llama_checkpoint(root / "llama"),
-        "fot": make_fot_checkpoint(root / "fot"),
+        "fot": make_trained_fot_checkpoint(root / "fot"),  # the trainer's own export
     }
 
 

@@ -6,8 +6,14 @@ then ``--steps`` timed steps of forward + backward + gradient clipping + AdamW s
 tokens, and report step time, tokens/s, MFU and peak memory. Models:
 
 * ``fot_pro``, ``fot_llama``, ``transformer_pro``, ``transformer_llama``: ours, from
-  :func:`fot.presets.config` (``attn_backend="triton"`` on CUDA, ``"reference"`` on CPU). The
-  Transformer baselines run the same kernel with the forget gate off (``log f = 0``).
+  :func:`fot.presets.config` (``attn_backend="auto"`` on CUDA: the Triton kernel for gated
+  attention, PyTorch SDPA for the Transformer baselines; ``"reference"`` on CPU).
+  ``--fot-backend triton`` runs the baselines through our kernel with ``log f = 0`` instead.
+  ``--fgate-bias-init B`` sets the forget-gate bias of the FoT models. The default init (0, so
+  ``f ~ 0.5``, ``log f ~ -0.69`` per token) decays so fast that exact pruning (margin ~111
+  nats) skips every key tile more than ~200 tokens back: attention costs almost nothing.
+  ``B = 5`` (``f ~ 0.993``) reaches the margin only after ~16k tokens, i.e. next to no pruning
+  at T=16k (the cost of long-range heads); ``B = 3`` (``f ~ 0.95``) prunes beyond ~2k tokens.
 * ``hf_llama``: ``transformers.LlamaForCausalLM`` with SDPA, the width, depth, heads (head dim 64
   at 760m), MLP width and vocabulary of the ``fot_llama`` preset, RoPE theta 500000.
 * ``fla_fot``: FLA's ``ForgettingTransformerForCausalLM`` of the same size (FLA's defaults:
@@ -167,6 +173,7 @@ def build(
     fot_overrides: dict[str, Any] | None = None,
     hf_llama_heads: int | None = None,
     fla_fused_linear_ce: bool = False,
+    fgate_bias_init: float | None = None,
 ) -> tuple[nn.Module, Any, LossFn]:
     """Build one benchmarked model in fp32 on ``device``.
 
@@ -175,11 +182,13 @@ def build(
         size: a :data:`fot.presets.SIZES` name.
         device: where to build it.
         seq_len: sequence length (sizes the position tables).
-        fot_backend: ``attn_backend`` of our models; ``auto`` = ``triton`` on CUDA, else
-            ``reference``.
+        fot_backend: ``attn_backend`` of our models; ``auto`` = the model's ``auto`` on CUDA
+            (Triton kernel, SDPA without a gate), ``reference`` elsewhere.
         fot_overrides: further ``FoTConfig`` fields of our models (e.g. ``loss_impl``).
         hf_llama_heads: heads of ``hf_llama`` (default: as the FoT preset).
         fla_fused_linear_ce: ``fla_fot`` with fused linear cross-entropy.
+        fgate_bias_init: if set, the bias of every data-dependent forget gate of our models
+            (``fgate_proj.bias``) is filled with it after init (decay strength at init).
 
     Returns:
         ``(model, config, loss_fn)``; ``loss_fn(model, input_ids, shift_labels)`` is the mean
@@ -190,12 +199,18 @@ def build(
     max_positions = max(65536, seq_len)
     if name in OUR_MODELS:
         backend = fot_backend
-        if backend == "auto":
-            backend = "triton" if device.type == "cuda" else "reference"
+        if backend == "auto" and device.type != "cuda":
+            backend = "reference"
         fields = {"attn_backend": backend, "max_position_embeddings": max_positions}
         config = presets.config(name, size, **{**fields, **(fot_overrides or {})})
         with torch.device(device):
             model = presets.build_model(config)
+        if fgate_bias_init is not None:
+            with torch.no_grad():
+                for module in model.modules():
+                    gate = getattr(module, "fgate_proj", None)
+                    if isinstance(gate, nn.Linear) and gate.bias is not None:
+                        gate.bias.fill_(fgate_bias_init)
         return model, config, _our_loss
     if name == "hf_llama":
         from transformers import LlamaForCausalLM
@@ -239,6 +254,7 @@ class Settings:
     fot_overrides: dict[str, Any] | None = None
     hf_llama_heads: int | None = None
     fla_fused_linear_ce: bool = False
+    fgate_bias_init: float | None = None
 
 
 def resolve_precision(precision: str, device: torch.device) -> str:
@@ -309,6 +325,7 @@ def measure(name: str, s: Settings) -> dict[str, Any]:
         fot_overrides=s.fot_overrides,
         hf_llama_heads=s.hf_llama_heads,
         fla_fused_linear_ce=s.fla_fused_linear_ce,
+        fgate_bias_init=s.fgate_bias_init,
     )
     flops = flops_breakdown(model, config, s.seq_len)
     n_params = sum(p.numel() for p in model.parameters())
@@ -397,7 +414,11 @@ def _implementation(name: str, config: Any, device: torch.device) -> dict[str, A
 
             fused = device.type == "cuda" and _fla_fused_linear_ce() is not None
             loss = "fla fused linear CE" if fused else "chunked"
-        return {"attn_impl": config.attn_backend, "loss_impl": loss}
+        attn = config.attn_backend
+        if attn in ("auto", "sdpa") and (device.type == "cuda" or attn == "sdpa"):
+            ungated = config.fgate_type == "none" and config.window_size is None
+            attn = "sdpa" if ungated else ("triton" if device.type == "cuda" else "reference")
+        return {"attn_impl": attn, "loss_impl": loss}
     if name == "hf_llama":
         return {"attn_impl": config._attn_implementation, "loss_impl": "full logits (HF)"}
     if config.fuse_linear_cross_entropy:
@@ -586,7 +607,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="peak dense bf16 TFLOP/s for MFU (default by device name: H100/H200 989)",
     )
-    p.add_argument("--fot-backend", default="auto", choices=("auto", "triton", "reference"))
+    p.add_argument("--fot-backend", default="auto", choices=("auto", "triton", "reference", "sdpa"))
+    p.add_argument(
+        "--fgate-bias-init",
+        type=float,
+        default=None,
+        metavar="B",
+        help="fill the forget-gate bias of our FoT models with B after init (default: the "
+        "model's init 0: f~0.5, nearly all tiles pruned; 5: f~0.993, next to no pruning at 16k)",
+    )
     p.add_argument(
         "--fot-override",
         action="append",
@@ -646,6 +675,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         fot_overrides=overrides,
         hf_llama_heads=args.hf_llama_heads,
         fla_fused_linear_ce=args.fla_fused_linear_ce,
+        fgate_bias_init=args.fgate_bias_init,
     )
     meta = run_meta(device, args)
     meta.update(
@@ -667,6 +697,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             precision=s.precision,
             compile=s.compile,
             act_ckpt=s.act_ckpt,
+            fgate_bias_init=s.fgate_bias_init,
         )
         payload["results"].append(row)
         add_ratios(payload["results"])

@@ -15,6 +15,26 @@ import torch
 from .checks import check_decode_inputs
 
 
+def _bmm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` for half-precision ``[N, M, K] x [N, K, P]`` with an fp32 result.
+
+    On CUDA one cuBLAS call with fp32 output (``out_dtype``, PyTorch >= 2.8): no fp32 copy of
+    the operands and no rounding of the products to half precision. Elsewhere (or on older
+    PyTorch) the operands are upcast first (same numbers, more memory traffic).
+    """
+    if a.is_cuda and _HAS_OUT_DTYPE[0]:
+        try:
+            return torch.bmm(a, b, out_dtype=torch.float32)
+        except torch.OutOfMemoryError:
+            raise
+        except (TypeError, RuntimeError, NotImplementedError):
+            _HAS_OUT_DTYPE[0] = False  # remember: do not try again in every decode step
+    return torch.bmm(a.float(), b.float())
+
+
+_HAS_OUT_DTYPE = [True]
+
+
 def forgetting_attention_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -54,10 +74,20 @@ def forgetting_attention_decode(
     if scale is None:
         scale = 1.0 / math.sqrt(D)
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
-    qg = q.to(compute).reshape(B, Tq, H, R, D).permute(0, 2, 3, 1, 4)  # (B, H, R, Tq, D)
-    kc = k_cache.to(compute).permute(0, 2, 3, 1)  # (B, H, D, Tk)
-    vc = v_cache.to(compute).permute(0, 2, 1, 3)  # (B, H, Tk, D)
-    scores = torch.matmul(qg.reshape(B, H, R * Tq, D), kc) * scale  # (B, H, R*Tq, Tk)
+    low = k_cache.dtype in (torch.float16, torch.bfloat16) and v_cache.dtype == k_cache.dtype
+    if low and compute == torch.float32:
+        # Half-precision cache: never copy it to fp32. The two matmuls read it as is (a view
+        # per head when the cache is head-major, as FoTCache keeps it) and accumulate in fp32.
+        qg = q.to(k_cache.dtype).reshape(B, Tq, H, R, D).permute(0, 2, 3, 1, 4)
+        qg = qg.reshape(B * H, R * Tq, D)  # (B*H, R*Tq, D), small
+        kc = k_cache.transpose(1, 2).reshape(B * H, Tk, D)  # (B*H, Tk, D): a view if head-major
+        vc = v_cache.transpose(1, 2).reshape(B * H, Tk, D)
+        scores = _bmm_fp32(qg, kc.transpose(1, 2)) * scale  # (B*H, R*Tq, Tk) float32
+    else:
+        qg = q.to(compute).reshape(B, Tq, H, R, D).permute(0, 2, 3, 1, 4)  # (B, H, R, Tq, D)
+        kc = k_cache.to(compute).permute(0, 2, 3, 1)  # (B, H, D, Tk)
+        vc = v_cache.to(compute).permute(0, 2, 1, 3)  # (B, H, Tk, D)
+        scores = torch.matmul(qg.reshape(B, H, R * Tq, D), kc) * scale  # (B, H, R*Tq, Tk)
     scores = scores.view(B, H, R, Tq, Tk)
     # The bias difference in float64: long caches have large |c|, and c_i - c_j must not
     # lose its low bits (only the difference matters).
@@ -74,7 +104,11 @@ def forgetting_attention_decode(
         allowed = allowed & key_mask.view(B, 1, 1, 1, Tk)
     scores = scores.masked_fill(~allowed, float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # (B, H, R, Tq, Tk)
-    out = torch.matmul(probs.view(B, H, R * Tq, Tk), vc)  # (B, H, R*Tq, D)
+    if low and compute == torch.float32:
+        # probabilities rounded to the cache dtype, as FlashAttention does before P @ V
+        out = _bmm_fp32(probs.to(v_cache.dtype).view(B * H, R * Tq, Tk), vc)  # (B*H, R*Tq, D)
+    else:
+        out = torch.matmul(probs.view(B, H, R * Tq, Tk), vc)  # (B, H, R*Tq, D)
     out = out.view(B, H, R, Tq, D).permute(0, 3, 1, 2, 4).reshape(B, Tq, HQ, D)
     return out.to(q.dtype)
 

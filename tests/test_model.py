@@ -594,3 +594,223 @@ def test_bf16_autocast_forward_backward_close_to_fp32(model: str) -> None:
     assert got.dtype == torch.float32
     assert abs(got.item() - want.item()) < 2e-2 * want.item()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in m.parameters())
+
+
+# ---------------------------------------------------------------------------------------
+# Performance paths (issue 7): SDPA for ungated attention, lean Pro components
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("T,hq,hkv", [(1, 2, 2), (37, 4, 4), (29, 4, 2)])
+def test_sdpa_attention_equals_reference_without_gate(T: int, hq: int, hkv: int) -> None:
+    """SDPA (no gate) against the reference kernel with log f = 0: output and gradients."""
+    from fot.kernels import forgetting_attention_reference
+    from fot.models.modeling_fot import _sdpa_priority, sdpa_attention
+
+    g = torch.Generator().manual_seed(T)
+    q = torch.randn(2, T, hq, 16, generator=g, requires_grad=True)
+    k = torch.randn(2, T, hkv, 16, generator=g, requires_grad=True)
+    v = torch.randn(2, T, hkv, 16, generator=g, requires_grad=True)
+    zero = torch.zeros(2, T, hq)
+    do = torch.randn(2, T, hq, 16, generator=g)
+    got = sdpa_attention(q, k, v, zero, scale=0.3)
+    want = forgetting_attention_reference(q, k, v, zero, scale=0.3)
+    assert got.shape == want.shape and max_err(got, want) < 1e-5
+    with _sdpa_priority():  # the CUDA backend order (cuDNN first) is a valid context anywhere
+        assert max_err(sdpa_attention(q, k, v, zero, scale=0.3), want) < 1e-5
+    grads = torch.autograd.grad((got * do).sum(), (q, k, v))
+    wants = torch.autograd.grad((want * do).sum(), (q, k, v))
+    for a, b in zip(grads, wants):
+        assert max_err(a, b) < 1e-5
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        sdpa_attention(q, k, v, zero, cu_seqlens=torch.tensor([0, T]))
+    with pytest.raises(ValueError, match="window_size"):
+        sdpa_attention(q, k, v, zero, window_size=4)
+
+
+@pytest.mark.parametrize(
+    "model,extra",
+    [("transformer_pro", {}), ("transformer_llama", {"num_kv_heads": 2}), ("fot_pro", {})],
+)
+def test_sdpa_backend_matches_reference_and_is_chosen_only_without_gate(
+    model: str, extra: dict, monkeypatch
+) -> None:
+    """``attn_backend="sdpa"`` on CPU: equal logits and gradients to the reference backend;
+    SDPA runs exactly for gate ``none`` on whole sequences (not packed, not cached decode)."""
+    import fot.models.modeling_fot as mf
+
+    ref = tiny(model, **extra).train()
+    sdp = tiny(model, attn_backend="sdpa", **extra).train()
+    sdp.load_state_dict(ref.state_dict())
+    calls = []
+    real = mf.sdpa_attention
+    monkeypatch.setattr(mf, "sdpa_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    x, y = ids(2, 23), ids(2, 23, seed=5)
+    assert max_err(sdp(x).logits, ref(x).logits) < TOL
+    ungated = ref.config.fgate_type == "none"
+    assert len(calls) == (ref.config.num_hidden_layers if ungated else 0)
+    ref(x, shift_labels=y).loss.backward()
+    sdp(x, shift_labels=y).loss.backward()
+    for (name, p), q in zip(ref.named_parameters(), sdp.parameters()):
+        assert torch.allclose(p.grad, q.grad, atol=1e-5, rtol=1e-4), name
+    calls.clear()
+    cu = torch.tensor([0, 9, 23], dtype=torch.int32)  # packed documents: the kernel path
+    assert max_err(sdp.eval()(x[:1], cu_seqlens=cu).logits, ref(x[:1], cu_seqlens=cu).logits) < TOL
+    assert not calls
+    got, _ = _decode_logits(sdp, x, [20, 2, 1])  # prefill may use SDPA, decode steps may not
+    assert max_err(got, ref(x).logits) < TOL
+
+
+def _saved_tensors(fn, *args) -> list[torch.Tensor]:
+    saved: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn(*args)
+    out.float().sum().backward()
+    return saved
+
+
+def _pro_inputs(device: str = "cpu"):
+    g = torch.Generator().manual_seed(0)
+    B, T, H, D = 2, 33, 3, 16
+    x = torch.randn(B, T, H, D, generator=g)
+    gate = torch.sigmoid(torch.randn(B, T, H, D, generator=g))
+    logits = torch.randn(B, T, H, generator=g)
+    w = 1 + 0.3 * torch.randn(H, D, generator=g)
+    return [t.to(device) for t in (x, gate, logits, w)]
+
+
+def test_pro_components_bf16_close_to_fp32_and_shift_saves_no_fp32_copies() -> None:
+    """QK/output norm (with the gate folded in) and KV-shift: equal to the fp32 formulas in fp32,
+    within bf16 rounding in bf16; KV-shift keeps no fp32 [B, T, H, D] tensor for backward (the
+    norm's fused kernel is CUDA-only: see the GPU test below)."""
+    from fot.models.modeling_fot import FoTHeadRMSNorm, token_shift
+
+    x, gate, logits, w = _pro_inputs()
+    norm = FoTHeadRMSNorm(*w.shape, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(w)
+    want_norm = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w * gate
+    a = torch.sigmoid(logits)[..., None]
+    prev = torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], dim=1)
+    want_shift = a * prev + (1 - a) * x
+    assert max_err(norm(x, gate), want_norm) < 1e-5
+    assert max_err(norm(x), want_norm / gate) < 1e-5
+    assert max_err(token_shift(x, logits, None, None), want_shift) < 1e-6
+    xb = x.bfloat16().requires_grad_()
+    for fn, args, want in (
+        (norm, (xb, gate.bfloat16()), want_norm),
+        (token_shift, (xb, logits.bfloat16(), None, None), want_shift),
+    ):
+        saved = _saved_tensors(fn, *args)
+        got = fn(*args)
+        assert got.dtype == torch.bfloat16
+        assert ((got.float() - want).norm() / want.norm()).item() < 1e-2
+        assert torch.isfinite(xb.grad).all()
+        xb.grad = None
+        if fn is token_shift:
+            big = [t for t in saved if t.dtype == torch.float32 and t.numel() >= x.numel()]
+            assert not big, [tuple(t.shape) for t in big]
+
+
+@pytest.mark.gpu
+def test_head_norm_saves_no_fp32_copies_on_cuda() -> None:
+    """On CUDA ``F.rms_norm`` is one fused kernel: bf16 in, bf16 saved, fp32 math inside."""
+    from fot.models.modeling_fot import FoTHeadRMSNorm
+
+    x, gate, _, w = _pro_inputs("cuda")
+    norm = FoTHeadRMSNorm(*w.shape, eps=1e-6).cuda()
+    with torch.no_grad():
+        norm.weight.copy_(w)
+    xb = x.bfloat16().requires_grad_()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        saved = _saved_tensors(norm, xb, gate.bfloat16())
+    big = [t for t in saved if t.dtype == torch.float32 and t.numel() >= x.numel()]
+    assert not big, [tuple(t.shape) for t in big]
+
+
+def test_train_throughput_gate_init_flag_and_sdpa_backend() -> None:
+    """``benchmarks/train_throughput.py --fgate-bias-init`` sets every gate bias (weak decay at
+    init) and ``--fot-backend sdpa`` runs the Transformer baseline through SDPA."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "benchmarks"
+    sys.path.insert(0, str(bench))
+    try:
+        tt = importlib.import_module("train_throughput")
+        cpu = torch.device("cpu")
+        model, _, _ = tt.build("fot_llama", "tiny", device=cpu, seq_len=32, fgate_bias_init=5.0)
+        biases = [layer.self_attn.fgate_proj.bias for layer in model.model.layers]
+        assert biases and all(torch.equal(b, torch.full_like(b, 5.0)) for b in biases)
+        model, _, _ = tt.build("fot_llama", "tiny", device=cpu, seq_len=32)
+        assert all(
+            torch.equal(layer.self_attn.fgate_proj.bias, torch.zeros_like(biases[0]))
+            for layer in model.model.layers
+        )
+        args = ["--device", "cpu", "--size", "tiny", "--seq-len", "32", "--steps", "1"]
+        args += ["--warmup", "0", "--fot-backend", "sdpa", "--fgate-bias-init", "5"]
+        payload = tt.main([*args, "--models", "transformer_llama,fot_llama"])
+        rows = {r["model"]: r for r in payload["results"]}
+        assert rows["transformer_llama"]["status"] == "ok"
+        assert rows["transformer_llama"]["attn_impl"] == "sdpa"
+        assert rows["fot_llama"]["attn_impl"] == "reference"
+        assert rows["fot_llama"]["fgate_bias_init"] == 5.0
+    finally:
+        sys.path.remove(str(bench))
+        for name in ("train_throughput", "flops"):
+            sys.modules.pop(name, None)
+
+
+def test_rope_function_gradient_and_values() -> None:
+    """RoPE's hand-written backward (a rotation's transpose) against autograd of the formula."""
+    from fot.models.modeling_fot import apply_rope, rope_cos_sin, rotate_half
+
+    g = torch.Generator().manual_seed(3)
+    pos = torch.arange(7)[None].expand(2, 7)
+    cos, sin = (t.double() for t in rope_cos_sin(pos, 8, 10000.0))
+    q = torch.randn(2, 7, 3, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    k = torch.randn(2, 7, 1, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, b: apply_rope(a, b, cos, sin), (q, k))
+    got_q, _ = apply_rope(q, k, cos, sin)
+    assert max_err(got_q, q * cos + rotate_half(q) * sin) < 1e-12
+    qb = q.detach().bfloat16().requires_grad_()
+    out, _ = apply_rope(qb, k.detach().bfloat16(), cos.float(), sin.float())
+    assert out.dtype == torch.bfloat16
+    out.float().sum().backward()
+    assert qb.grad.dtype == torch.bfloat16 and torch.isfinite(qb.grad).all()
+
+
+def test_pro_recompute_same_gradients_and_keeps_less_for_backward(monkeypatch) -> None:
+    """Recomputing KV-shift / QK-norm / output norm+gate in backward: equal gradients to keeping
+    their intermediates, and fewer bytes saved for backward."""
+
+    m = tiny("fot_pro").train()
+    x, y = ids(2, 19), ids(2, 19, seed=7)
+
+    def run(recompute: bool) -> tuple[list[torch.Tensor], int]:
+        for module in m.modules():
+            if hasattr(module, "config"):
+                module.config.recompute_pro = recompute
+        m.zero_grad()
+        storages: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = m(x, shift_labels=y).loss
+        loss.backward()
+        return [p.grad.clone() for p in m.parameters()], sum(storages.values())
+
+    kept_grads, kept_bytes = run(False)
+    re_grads, re_bytes = run(True)
+    for a, b in zip(kept_grads, re_grads):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-5)
+    assert re_bytes < kept_bytes

@@ -10,32 +10,79 @@ then feeds it back step by step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 
-@dataclass
 class FoTLayerCache:
     """Cached state of one attention layer.
 
+    Keys and values live in head-major buffers ``[B, H, capacity, D]`` in the dtype attention
+    consumed them in (the model dtype), grown by ~1/8 at a time: appending a token writes one
+    row instead of copying the whole cache (``torch.cat``), and the decode attention can read
+    each head's keys as one ``[Tk, D]`` matrix without a copy.
+
     Attributes:
-        keys: ``[B, Tk, H, D]`` keys after shift/norm/RoPE, as attention consumed them.
-        values: ``[B, Tk, H, D]``.
+        keys: ``[B, Tk, H, D]`` keys after shift/norm/RoPE, as attention consumed them (a view
+            of the buffer; read-only use).
+        values: ``[B, Tk, H, D]`` (a view).
         cumsum: ``[B, Tk, HQ]`` float32, running gate cumsum ``c`` at each cached position.
         k_shift: ``[B, H, D]`` last pre-shift key projection (``None`` without KV-shift).
         v_shift: ``[B, H, D]`` last pre-shift value projection (``None`` without KV-shift).
     """
 
-    keys: torch.Tensor | None = None
-    values: torch.Tensor | None = None
-    cumsum: torch.Tensor | None = None
-    k_shift: torch.Tensor | None = None
-    v_shift: torch.Tensor | None = None
+    def __init__(
+        self,
+        keys: torch.Tensor | None = None,
+        values: torch.Tensor | None = None,
+        cumsum: torch.Tensor | None = None,
+        k_shift: torch.Tensor | None = None,
+        v_shift: torch.Tensor | None = None,
+    ) -> None:
+        self._k = self._v = self._c = None  # (B, H, cap, D), (B, H, cap, D), (B, cap, HQ)
+        self._len = 0
+        if keys is not None:
+            self._set(keys, values, cumsum)
+        self.k_shift, self.v_shift = k_shift, v_shift
+
+    # -- storage -------------------------------------------------------------------------
+
+    def _set(self, keys: torch.Tensor, values: torch.Tensor, cumsum: torch.Tensor) -> None:
+        """Replace the cached positions by ``keys``/``values`` ``[B, Tk, H, D]``, ``cumsum``."""
+        self._k = keys.transpose(1, 2).contiguous()  # (B, H, Tk, D)
+        self._v = values.transpose(1, 2).contiguous()
+        self._c = cumsum.contiguous()  # (B, Tk, HQ)
+        self._len = keys.shape[1]
+
+    def _reserve(self, need: int) -> None:
+        """Grow the buffers to hold ``need`` positions (amortised: +1/8, at least 256)."""
+        cap = self._k.shape[2]
+        if need <= cap:
+            return
+        new_cap = need + max(256, need // 8)
+        n = self._len
+        for name, dim in (("_k", 2), ("_v", 2), ("_c", 1)):
+            old = getattr(self, name)
+            shape = list(old.shape)
+            shape[dim] = new_cap
+            buf = old.new_empty(shape)
+            buf.narrow(dim, 0, n).copy_(old.narrow(dim, 0, n))
+            setattr(self, name, buf)
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return None if self._k is None else self._k[:, :, : self._len].transpose(1, 2)
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return None if self._v is None else self._v[:, :, : self._len].transpose(1, 2)
+
+    @property
+    def cumsum(self) -> torch.Tensor | None:
+        return None if self._c is None else self._c[:, : self._len]
 
     @property
     def seq_length(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[1]
+        return self._len
 
     def append(
         self,
@@ -48,7 +95,8 @@ class FoTLayerCache:
         """Append ``T`` new positions; return their running gate cumsum.
 
         Args:
-            k, v: ``[B, T, H, D]`` keys/values as attention consumes them.
+            k, v: ``[B, T, H, D]`` keys/values as attention consumes them (stored in the dtype
+                of the first call's keys).
             log_fgate: ``[B, T, HQ]`` float32 log forget gates of the new positions.
             k_pre, v_pre: ``[B, T, H, D]`` pre-shift projections (KV-shift), or None.
 
@@ -57,14 +105,17 @@ class FoTLayerCache:
             summed in float64).
         """
         c = torch.cumsum(log_fgate.double(), dim=1)
-        if self.seq_length:
-            c = (c + self.cumsum[:, -1:].double()).float()
-            self.keys = torch.cat([self.keys, k], dim=1)
-            self.values = torch.cat([self.values, v], dim=1)
-            self.cumsum = torch.cat([self.cumsum, c], dim=1)
+        if self._len:
+            c = (c + self._c[:, self._len - 1 : self._len].double()).float()
+            n, T = self._len, k.shape[1]
+            self._reserve(n + T)
+            self._k[:, :, n : n + T] = k.transpose(1, 2)  # (B, H, T, D), cast to cache dtype
+            self._v[:, :, n : n + T] = v.transpose(1, 2)
+            self._c[:, n : n + T] = c
+            self._len = n + T
         else:
             c = c.float()
-            self.keys, self.values, self.cumsum = k, v, c
+            self._set(k, v, c)
         if k_pre is not None:
             self.k_shift = k_pre[:, -1]
         if v_pre is not None:
@@ -72,7 +123,10 @@ class FoTLayerCache:
         return c
 
     def map(self, fn) -> None:
-        for name in ("keys", "values", "cumsum", "k_shift", "v_shift"):
+        """Apply ``fn`` (a batch-dim op: index_select, repeat_interleave) to every tensor."""
+        if self._len:
+            self._set(fn(self.keys), fn(self.values), fn(self.cumsum))
+        for name in ("k_shift", "v_shift"):
             value = getattr(self, name)
             if value is not None:
                 setattr(self, name, fn(value))

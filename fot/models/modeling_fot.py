@@ -17,6 +17,7 @@ Attention is chosen by name (``config.attn_backend``) among functions with one s
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,24 +46,26 @@ def get_attention_functions(backend: str, device: torch.device) -> tuple[Callabl
     """Return ``(attention, decode_attention)`` for a backend name.
 
     Args:
-        backend: ``"auto"`` (Triton on CUDA tensors, reference elsewhere), ``"triton"`` or
-            ``"reference"``.
-        device: device of the query tensor (decides ``"auto"``).
+        backend: ``"auto"`` (Triton on CUDA tensors, reference elsewhere), ``"triton"``,
+            ``"reference"`` or ``"sdpa"`` (the gated paths of ``"sdpa"`` are those of
+            ``"auto"``; :func:`sdpa_attention` serves the ungated whole-sequence case, chosen
+            in :class:`FoTAttention`).
+        device: device of the query tensor (decides ``"auto"`` and ``"sdpa"``).
 
     Returns:
         Two callables with the signatures of ``fot.kernels.forgetting_attention_reference`` and
         ``fot.kernels.forgetting_attention_decode_reference``.
     """
-    if backend == "reference" or (backend == "auto" and device.type != "cuda"):
+    if backend == "reference" or (backend in ("auto", "sdpa") and device.type != "cuda"):
         from fot.kernels.reference import (
             forgetting_attention_decode_reference,
             forgetting_attention_reference,
         )
 
         return forgetting_attention_reference, forgetting_attention_decode_reference
-    if backend not in ("auto", "triton"):
+    if backend not in ("auto", "triton", "sdpa"):
         raise ValueError(
-            f"unknown attn_backend {backend!r}; valid: ['auto', 'triton', 'reference']"
+            f"unknown attn_backend {backend!r}; valid: ['auto', 'triton', 'reference', 'sdpa']"
         )
     try:  # lazily: Triton is only needed on this path
         from fot.kernels import forgetting_attention, forgetting_attention_decode
@@ -75,13 +78,102 @@ def get_attention_functions(backend: str, device: torch.device) -> tuple[Callabl
     return forgetting_attention, forgetting_attention_decode
 
 
+def sdpa_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    log_fgate: torch.Tensor | None = None,
+    *,
+    scale: float | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    window_size: int | None = None,
+) -> torch.Tensor:
+    """Causal softmax attention without a forget gate, through ``F.scaled_dot_product_attention``.
+
+    Same signature as ``fot.kernels.forgetting_attention_reference``, for the case ``log f = 0``
+    (gate ``none``): SDPA picks cuDNN / FlashAttention on CUDA and a fused CPU kernel elsewhere.
+
+    Args:
+        q: ``[B, T, HQ, D]``; k, v: ``[B, T, H, D]`` (``HQ % H == 0``: GQA).
+        log_fgate: ignored (must be all zeros, i.e. no gate; not checked: no host sync).
+        scale: logit scale, default ``D ** -0.5``.
+        cu_seqlens, window_size: not supported (must be None); use the kernel for those.
+
+    Returns:
+        ``[B, T, HQ, D]`` in the dtype of ``q`` (or the autocast dtype).
+    """
+    if cu_seqlens is not None or window_size is not None:
+        raise ValueError(
+            "sdpa_attention supports neither cu_seqlens nor window_size; use the Triton or "
+            "reference forgetting attention for packed documents or a sliding window"
+        )
+    hq, hkv = q.shape[2], k.shape[2]
+    if k.shape[2] != v.shape[2] or hq % hkv:
+        raise ValueError(
+            f"GQA needs HQ % H == 0 and equal K/V heads, got {hq}, {hkv}, {v.shape[2]}"
+        )
+    extra = {"enable_gqa": True} if hq != hkv else {}  # only when needed: keeps every backend
+    # Eager only: under torch.compile the backend is left to PyTorch (and Inductor).
+    prefer = q.is_cuda and not torch.compiler.is_compiling()
+    with _sdpa_priority() if prefer else contextlib.nullcontext():
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2),  # (B, HQ, T, D): the layout SDPA wants (a view, no copy)
+            k.transpose(1, 2),  # (B, H, T, D)
+            v.transpose(1, 2),
+            is_causal=True,
+            scale=scale,
+            **extra,
+        )  # (B, HQ, T, D)
+    return o.transpose(1, 2)  # (B, T, HQ, D)
+
+
+def _sdpa_priority() -> contextlib.AbstractContextManager:
+    """Try cuDNN attention first on CUDA, then FlashAttention-2, then the others.
+
+    Measured on one H200 (bf16, causal, T=16k, 12 heads of dim 128, fwd+bwd): cuDNN 537 TFLOP/s,
+    FlashAttention-2 316 (DESIGN.md §5). Inputs cuDNN does not support fall through to the next.
+    """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    order = [
+        SDPBackend.CUDNN_ATTENTION,
+        SDPBackend.FLASH_ATTENTION,
+        SDPBackend.EFFICIENT_ATTENTION,
+        SDPBackend.MATH,
+    ]
+    return sdpa_kernel(order, set_priority=True)
+
+
+@torch.compiler.disable
+def _run_kernel(fn: Callable, *args, **kwargs) -> torch.Tensor:
+    """Call an attention function outside torch.compile's graph (a deliberate graph break).
+
+    The Triton kernels are an autograd.Function with autotuned launchers that Dynamo need not
+    trace; under per-block compile the code before and after the call is compiled, the kernel
+    runs as is.
+    """
+    return fn(*args, **kwargs)
+
+
 # ---------------------------------------------------------------------------------------
 # Small layers
 # ---------------------------------------------------------------------------------------
 
 
+def _rms_normalize(x: torch.Tensor, eps: float, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """``x / rms(x) [* weight]`` over the last dim, fp32 math inside, ``x``'s dtype out.
+
+    One ``F.rms_norm`` call (a fused kernel on CUDA that saves only ``x`` and the per-row rstd
+    for backward) instead of a chain of fp32 ops that each keep an fp32 copy of ``x``. Autocast
+    is off inside: the norm must not upcast its input and return fp32.
+    """
+    with torch.autocast(x.device.type, enabled=False):
+        w = weight.to(x.dtype) if weight is not None else None
+        return F.rms_norm(x, (x.shape[-1],), w, eps)
+
+
 class FoTRMSNorm(nn.Module):
-    """RMSNorm over the last dim, computed in fp32: ``x / rms(x) * weight``."""
+    """RMSNorm over the last dim (fp32 math): ``x / rms(x) * weight``, ``x``'s dtype out."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -89,12 +181,9 @@ class FoTRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        # Scale in fp32, then return the input's dtype: under bf16 autocast an fp32 weight
+        # The weight is cast to x's dtype (not x to fp32): under bf16 autocast an fp32 weight
         # times a bf16 tensor would promote q/k to fp32 while v stays bf16.
-        return (self.weight * x).to(dtype)
+        return _rms_normalize(x, self.eps, self.weight)
 
 
 class FoTHeadRMSNorm(nn.Module):
@@ -109,13 +198,17 @@ class FoTHeadRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(num_heads, head_dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        # Scale in fp32, then return the input's dtype: under bf16 autocast an fp32 weight
-        # times a bf16 tensor would promote q/k to fp32 while v stays bf16.
-        return (self.weight * x).to(dtype)
+    def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+        """``x`` ``[..., H, D]`` -> same shape and dtype; times ``gate`` (same shape) if given.
+
+        The per-head weight ``[H, D]`` is not one vector over ``D``, so it is applied after the
+        normalisation, in ``x``'s dtype (bf16 under autocast: no fp32 ``[B, T, H, D]`` copy).
+        """
+        y = _rms_normalize(x, self.eps)  # (..., H, D)
+        w = self.weight.to(y.dtype)
+        if gate is not None:  # output gate folded in: (y * w) * gate, one fewer saved tensor
+            return y * (w * gate.to(y.dtype))
+        return y * w
 
 
 class FoTMLP(nn.Module):
@@ -156,9 +249,29 @@ def apply_rope(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q ``[B, T, HQ, D]`` and k ``[B, T, H, D]`` (LLaMA layout) in fp32; input dtype out."""
-    q_out = q.float() * cos + rotate_half(q.float()) * sin
-    k_out = k.float() * cos + rotate_half(k.float()) * sin
-    return q_out.to(q.dtype), k_out.to(k.dtype)
+    return _RoPE.apply(q, cos, sin), _RoPE.apply(k, cos, sin)
+
+
+class _RoPE(torch.autograd.Function):
+    """``y = x cos + rotate_half(x) sin`` in fp32, ``x``'s dtype out.
+
+    Why a Function: RoPE is linear in ``x``, so backward needs only ``cos``/``sin`` (shared by
+    all layers), not the fp32 copies of ``[B, T, H, D]`` tensors that autograd would keep.
+    ``rotate_half`` is a rotation by 90 degrees, whose transpose is ``-rotate_half``, so
+    ``dx = g cos - rotate_half(g sin)``.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(cos, sin)
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))  # fp32 (fp64 stays fp64)
+        return (xf * cos + rotate_half(xf) * sin).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        cos, sin = ctx.saved_tensors
+        g = grad.to(torch.promote_types(grad.dtype, torch.float32))
+        return (g * cos - rotate_half(g * sin)).to(grad.dtype), None, None
 
 
 def long_init_bias(num_heads: int, t_min: float, t_max: float) -> torch.Tensor:
@@ -191,14 +304,53 @@ def token_shift(
         reset: ``[T]`` bool, True where a new document starts (``x_{t-1}`` treated as 0).
 
     Returns:
-        ``[B, T, H, D]`` in x's dtype (mixing in fp32).
+        ``[B, T, H, D]`` in x's dtype.
     """
     first = torch.zeros_like(x[:, :1]) if prev is None else prev[:, None].to(x.dtype)
     x_prev = torch.cat([first, x[:, :-1]], dim=1)  # (B, T, H, D)
     if reset is not None:
         x_prev = x_prev.masked_fill(reset[None, :, None, None], 0.0)
-    a = torch.sigmoid(shift_logits.float())[..., None]  # (B, T, H, 1)
-    return (a * x_prev.float() + (1.0 - a) * x.float()).to(x.dtype)
+    # One fused op in x's dtype (lerp computes in fp32 internally for bf16): x + a (x_prev - x).
+    # Only x, x_prev and a are saved for backward, not fp32 copies of [B, T, H, D] tensors.
+    a = torch.sigmoid(shift_logits.float()).to(x.dtype)[..., None]  # (B, T, H, 1)
+    return torch.lerp(x, x_prev, a)
+
+
+def _shift_then_norm(
+    x: torch.Tensor,
+    shift_logits: torch.Tensor,
+    prev: torch.Tensor | None,
+    reset: torch.Tensor | None,
+    norm: nn.Module | None,
+) -> torch.Tensor:
+    """KV-shift, then the (optional) per-head RMSNorm: ``[B, T, H, D]`` in, same out."""
+    y = token_shift(x, shift_logits, prev, reset)
+    return norm(y) if norm is not None else y
+
+
+def _norm_then_gate(
+    o: torch.Tensor, gate_logits: torch.Tensor | None, norm: nn.Module | None
+) -> torch.Tensor:
+    """Output norm (optional) and sigmoid output gate (optional) of ``o`` ``[B, T, HQ, D]``."""
+    gate = torch.sigmoid(gate_logits) if gate_logits is not None else None
+    if norm is not None:
+        return norm(o, gate)  # norm and gate in one expression
+    return o * gate.to(o.dtype)
+
+
+def _recomputed(enabled: bool, fn: Callable, *args) -> torch.Tensor:
+    """``fn(*args)``; if ``enabled`` and under autograd, keep only the inputs and recompute
+    ``fn`` in backward (``FoTConfig.recompute_pro``).
+
+    For the Pro components (KV-shift, QK-norm, output norm and gate): elementwise work of a few
+    bytes per element, while keeping their intermediates costs ~21 KB per token per layer at
+    760m (~8 GiB at T=16k, 24 layers). Non-reentrant checkpoint: nests inside block-level
+    activation checkpointing and traces under torch.compile.
+    """
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if enabled and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return checkpoint(fn, *args, use_reentrant=False)
+    return fn(*args)
 
 
 @dataclass
@@ -274,6 +426,23 @@ class FoTAttention(nn.Module):
             return F.logsigmoid(self.fgate_bias.float()).expand(B, T, self.num_heads)
         return x.new_zeros(B, T, self.num_heads, dtype=torch.float32)  # "none": f = 1
 
+    def _use_sdpa(
+        self,
+        backend: str,
+        device: torch.device,
+        cu_seqlens: torch.Tensor | None,
+        window: int | None,
+    ) -> bool:
+        """Whether whole-sequence attention runs through ``F.scaled_dot_product_attention``.
+
+        Only without a forget gate (``log f = 0``: plain causal softmax), without packed
+        documents and without a window; then for ``"sdpa"`` on any device and for ``"auto"`` on
+        CUDA (cuDNN/FlashAttention beat our kernel, which cannot prune anything at ``f = 1``).
+        """
+        if self.fgate_type != "none" or cu_seqlens is not None or window is not None:
+            return False
+        return backend == "sdpa" or (backend == "auto" and device.type == "cuda")
+
     def forward(
         self,
         x: torch.Tensor,
@@ -292,15 +461,30 @@ class FoTAttention(nn.Module):
 
         # KV-shift mixes each token's k/v with the previous token's (pre-shift) k/v.
         k_pre, v_pre = k, v
-        if self.config.use_k_shift:
+        # Shift and norm are cheap elementwise ops on [B, T, H, D] tensors: under autograd they
+        # run inside `_recomputed` (only their inputs are kept; backward recomputes them).
+        k_norm = self.k_norm if self.config.qk_norm else None
+        recompute = self.config.recompute_pro
+        if self.config.use_k_shift:  # k_t = RMSNorm(shifted k): both in one recomputed region
             prev = cache.k_shift if cache is not None else None
-            k = token_shift(k_pre, self.k_shift_proj(x), prev, ctx.doc_starts)
+            k = _recomputed(
+                recompute,
+                _shift_then_norm,
+                k_pre,
+                self.k_shift_proj(x),
+                prev,
+                ctx.doc_starts,
+                k_norm,
+            )
+        elif k_norm is not None:
+            k = _recomputed(recompute, k_norm, k)
         if self.config.use_v_shift:
             prev = cache.v_shift if cache is not None else None
-            v = token_shift(v_pre, self.v_shift_proj(x), prev, ctx.doc_starts)
-
-        if self.config.qk_norm:  # after the shift: k_t = RMSNorm(shifted k)
-            q, k = self.q_norm(q), self.k_norm(k)
+            v = _recomputed(
+                recompute, token_shift, v_pre, self.v_shift_proj(x), prev, ctx.doc_starts
+            )
+        if self.config.qk_norm:
+            q = _recomputed(recompute, self.q_norm, q)
         if self.config.use_rope:
             q, k = apply_rope(q, k, *ctx.rope)
 
@@ -308,7 +492,8 @@ class FoTAttention(nn.Module):
         if ctx.query_mask is not None:
             log_f = log_f * ctx.query_mask[:, :, None]
 
-        attn, decode = get_attention_functions(self.config.attn_backend, q.device)
+        backend = self.config.attn_backend
+        attn, decode = get_attention_functions(backend, q.device)
         scale, window = d**-0.5, self.config.window_size
         past = cache.seq_length if cache is not None else 0
         if cache is not None:
@@ -320,8 +505,14 @@ class FoTAttention(nn.Module):
                 v_pre if self.config.use_v_shift else None,
             )  # (B, T, HQ)
         if past == 0 and ctx.key_mask is None:
-            # Whole sequences (training, evaluation, first prefill): the flash-style kernel.
-            o = attn(q, k, v, log_f, scale=scale, cu_seqlens=ctx.cu_seqlens, window_size=window)
+            # Whole sequences (training, evaluation, first prefill): the flash-style kernel, or
+            # PyTorch SDPA when there is no gate to apply (Transformer baselines).
+            if self._use_sdpa(backend, q.device, ctx.cu_seqlens, window):
+                o = sdpa_attention(q, k, v, log_f, scale=scale)
+            else:
+                o = _run_kernel(
+                    attn, q, k, v, log_f, scale=scale, cu_seqlens=ctx.cu_seqlens, window_size=window
+                )
         else:
             # Cached keys or padding: the decode function takes the running gate cumsum c of
             # the queries and of all keys, and a key mask.
@@ -330,15 +521,25 @@ class FoTAttention(nn.Module):
                 keys, values, c_k = k, v, c_q
             else:
                 keys, values, c_k = cache.keys, cache.values, cache.cumsum
-            o = decode(
-                q, keys, values, c_q, c_k, scale=scale, window_size=window, key_mask=ctx.key_mask
+            o = _run_kernel(
+                decode,
+                q,
+                keys,
+                values,
+                c_q,
+                c_k,
+                scale=scale,
+                window_size=window,
+                key_mask=ctx.key_mask,
             )  # (B, T, HQ, D)
 
         # o: (B, T, HQ, D)
-        if self.config.use_output_norm:
-            o = self.o_norm(o)
-        if self.config.use_output_gate:
-            o = o * torch.sigmoid(self.g_proj(x)).view(B, T, hq, d)
+        g = self.g_proj(x).view(B, T, hq, d) if self.config.use_output_gate else None
+        o_norm = self.o_norm if self.config.use_output_norm else None
+        if o_norm is not None or g is not None:
+            o = _recomputed(
+                self.config.recompute_pro, _norm_then_gate, o, g, o_norm
+            )  # (B, T, HQ, D)
         return self.o_proj(o.reshape(B, T, hq * d))
 
 
@@ -728,4 +929,5 @@ __all__ = [
     "FoTModel",
     "FoTPreTrainedModel",
     "get_attention_functions",
+    "sdpa_attention",
 ]

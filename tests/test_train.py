@@ -107,6 +107,7 @@ def test_short_run_learns_and_writes_everything(tmp_path, monkeypatch) -> None:
     import fot  # noqa: F401 - registers the HF classes
 
     model = AutoModelForCausalLM.from_pretrained(hf)
+    assert model.config.train_length == 64  # data.seq_len, read by fot.eval as the default
     assert AutoTokenizer.from_pretrained(hf).encode("Hello world")
     x = torch.tensor([[50256, 15496, 995]])
     with torch.no_grad():

@@ -178,21 +178,12 @@ def export_hf_folder(model: nn.Module, hf_config: Any, out: Path, *, is_main: bo
     if not is_main:
         return None
     from fot import presets
+    from fot.export import export_hf
 
     with torch.device("cpu"):
         cpu_model = presets.build_model(hf_config)
     cpu_model.load_state_dict(state)
-    try:
-        from fot.export import export_hf
-    except ImportError:
-        export_hf = None
-    if export_hf is not None:
-        export_hf(cpu_model, out)
-    else:  # until fot.export exists: the same content, written directly
-        from fot.tokenizer import save_hf_tokenizer
-
-        cpu_model.save_pretrained(out)
-        save_hf_tokenizer(out)
+    export_hf(cpu_model, out)
     return out
 
 
@@ -485,6 +476,8 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
         last_ckpt = save(step)
     result["checkpoint"] = str(last_ckpt)
     if cfg.export_hf:
+        # Recorded in config.json: fot.eval marks it on plots and uses it as a default length.
+        hf_config.train_length = int(cfg.data.seq_len)
         hf_dir = export_hf_folder(model, hf_config, out_dir / "hf", is_main=info.is_main)
         result["hf_dir"] = str(hf_dir) if hf_dir else None
         if info.is_main:

@@ -13,7 +13,7 @@ from fot.training.config import register_configs
 from fot.training.trainer import check_sizes, model_config_from_train_config
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-EXPERIMENTS = sorted(p.stem for p in (CONFIGS / "experiment").glob("*.yaml"))
+EXPERIMENTS = sorted(p.stem for p in (CONFIGS / "experiment").glob("*_*_*b.yaml"))  # paper runs
 
 register_configs()
 

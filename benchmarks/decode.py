@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import sys
 import time
 import traceback
@@ -41,6 +40,7 @@ if str(_HERE) not in sys.path:  # sibling modules when imported from elsewhere
 from train_throughput import (  # noqa: E402
     OUR_MODELS,
     build,
+    fmt,
     log,
     parse_models,
     resolve_device,
@@ -141,12 +141,6 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
         r["vs_hf_llama"] = r["decode_tokens_per_s"] / ref[r["batch_size"]] if good else None
 
 
-def _fmt(value: Any, spec: str) -> str:
-    if value is None or (isinstance(value, float) and not math.isfinite(value)):
-        return "—"
-    return format(value, spec)
-
-
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     """The decode results as a markdown table (one row per model and batch size)."""
     lines = [
@@ -165,11 +159,11 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
                     str(r["batch_size"]),
                     str(r["context"]),
                     status.replace("|", "/")[:120],
-                    _fmt(r.get("prefill_s"), ".3f"),
-                    _fmt(r.get("decode_tokens_per_s"), ",.1f"),
-                    _fmt(r.get("ms_per_step"), ".2f"),
-                    _fmt(r.get("peak_mem_gib"), ".1f"),
-                    _fmt(ratio, ".2f") + ("×" if ratio else ""),
+                    fmt(r.get("prefill_s"), ".3f"),
+                    fmt(r.get("decode_tokens_per_s"), ",.1f"),
+                    fmt(r.get("ms_per_step"), ".2f"),
+                    fmt(r.get("peak_mem_gib"), ".1f"),
+                    fmt(ratio, ".2f") + ("×" if ratio else ""),
                 ]
             )
             + " |"

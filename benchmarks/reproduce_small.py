@@ -298,7 +298,10 @@ def judge_claims(res: dict[str, dict], T: int) -> list[dict]:
     def need(*ms: str) -> list[str]:
         return [m for m in ms if m not in ok]
 
-    claims = []
+    claims: list[dict] = []
+
+    def add(claim: str, rule: str, numbers: str, verdict: str) -> None:
+        claims.append(dict(claim=claim, rule=rule, numbers=numbers, verdict=verdict))
 
     # 1. FoT at or below the Transformer at long positions (Pro vs Pro, LLaMA vs LLaMA).
     rule = (
@@ -311,14 +314,7 @@ def judge_claims(res: dict[str, dict], T: int) -> list[dict]:
         if not need(f, t)
     ]
     if not pairs:
-        claims.append(
-            dict(
-                claim="FoT L(i) <= Transformer at long positions",
-                rule=rule,
-                numbers="missing models",
-                verdict="inconclusive",
-            )
-        )
+        add("FoT L(i) <= Transformer at long positions", rule, "missing models", "inconclusive")
     else:
         diffs = {f"{f} - {t}": L(f, T // 2, T) - L(t, T // 2, T) for f, t in pairs}
         nums = "; ".join(
@@ -332,14 +328,7 @@ def judge_claims(res: dict[str, dict], T: int) -> list[dict]:
             if any(d > 0.05 for d in diffs.values())
             else "inconclusive"
         )
-        claims.append(
-            dict(
-                claim="FoT L(i) <= Transformer at long positions",
-                rule=rule,
-                numbers=nums,
-                verdict=v,
-            )
-        )
+        add("FoT L(i) <= Transformer at long positions", rule, nums, v)
 
     # 2. FoT extrapolates past T where Transformer (LLaMA) degrades.
     rule = (
@@ -349,13 +338,11 @@ def judge_claims(res: dict[str, dict], T: int) -> list[dict]:
     )
     fots = [f for f in ("fot_pro", "fot_llama") if f in ok]
     if need("transformer_llama") or not fots or len(ok["transformer_llama"]["loss"]) < 4 * T:
-        claims.append(
-            dict(
-                claim="FoT extrapolates where Transformer (LLaMA) degrades",
-                rule=rule,
-                numbers="missing models or positions",
-                verdict="inconclusive",
-            )
+        add(
+            "FoT extrapolates where Transformer (LLaMA) degrades",
+            rule,
+            "missing models or positions",
+            "inconclusive",
         )
     else:
         d = {m: L(m, 2 * T, 4 * T) - L(m, T // 2, T) for m in ["transformer_llama", *fots]}
@@ -366,13 +353,11 @@ def judge_claims(res: dict[str, dict], T: int) -> list[dict]:
             v = "not reproduced"
         else:
             v = "inconclusive"
-        claims.append(
-            dict(
-                claim="FoT extrapolates where Transformer (LLaMA) degrades",
-                rule=rule,
-                numbers="; ".join(f"d({m}) = {x:+.4f}" for m, x in d.items()),
-                verdict=v,
-            )
+        add(
+            "FoT extrapolates where Transformer (LLaMA) degrades",
+            rule,
+            "; ".join(f"d({m}) = {x:+.4f}" for m, x in d.items()),
+            v,
         )
 
     # 3. Transformer without RoPE much worse.
@@ -381,24 +366,15 @@ def judge_claims(res: dict[str, dict], T: int) -> list[dict]:
         "nats; not reproduced if <= 0; inconclusive in between"
     )
     if need("transformer_llama_nope", "transformer_llama"):
-        claims.append(
-            dict(
-                claim="Transformer without RoPE is much worse",
-                rule=rule,
-                numbers="missing models",
-                verdict="inconclusive",
-            )
-        )
+        add("Transformer without RoPE is much worse", rule, "missing models", "inconclusive")
     else:
         a, b = L("transformer_llama_nope", 0, T), L("transformer_llama", 0, T)
         v = "reproduced" if a - b >= 0.05 else "not reproduced" if a - b <= 0 else "inconclusive"
-        claims.append(
-            dict(
-                claim="Transformer without RoPE is much worse",
-                rule=rule,
-                numbers=f"no RoPE {a:.4f} vs RoPE {b:.4f} (diff {a - b:+.4f})",
-                verdict=v,
-            )
+        add(
+            "Transformer without RoPE is much worse",
+            rule,
+            f"no RoPE {a:.4f} vs RoPE {b:.4f} (diff {a - b:+.4f})",
+            v,
         )
 
     # 4. Recurrent baseline's L(i) flattens early.
@@ -408,14 +384,7 @@ def judge_claims(res: dict[str, dict], T: int) -> list[dict]:
     )
     rec = next((m for m in RECURRENT if m in ok), None)
     if rec is None or need("fot_pro"):
-        claims.append(
-            dict(
-                claim="Recurrent baseline's L(i) flattens early",
-                rule=rule,
-                numbers="missing models",
-                verdict="inconclusive",
-            )
-        )
+        add("Recurrent baseline's L(i) flattens early", rule, "missing models", "inconclusive")
     else:
         g = {m: L(m, T // 8, T // 4) - L(m, T // 2, T) for m in (rec, "fot_pro")}
         if g[rec] <= g["fot_pro"] / 2 and g["fot_pro"] >= 0.02:
@@ -424,13 +393,11 @@ def judge_claims(res: dict[str, dict], T: int) -> list[dict]:
             v = "not reproduced"
         else:
             v = "inconclusive"
-        claims.append(
-            dict(
-                claim="Recurrent baseline's L(i) flattens early",
-                rule=rule,
-                numbers="; ".join(f"g({m}) = {x:+.4f}" for m, x in g.items()),
-                verdict=v,
-            )
+        add(
+            "Recurrent baseline's L(i) flattens early",
+            rule,
+            "; ".join(f"g({m}) = {x:+.4f}" for m, x in g.items()),
+            v,
         )
 
     # 5. Easy needle near perfect within the training length for FoT.
@@ -440,14 +407,7 @@ def judge_claims(res: dict[str, dict], T: int) -> list[dict]:
     )
     fots = [f for f in ("fot_pro", "fot_llama") if f in ok and "needle" in ok[f]]
     if not fots:
-        claims.append(
-            dict(
-                claim="Easy needle near perfect within T for FoT",
-                rule=rule,
-                numbers="missing models",
-                verdict="inconclusive",
-            )
-        )
+        add("Easy needle near perfect within T for FoT", rule, "missing models", "inconclusive")
     else:
         sc = {f: needle_mean(ok[f]["needle"], T) for f in fots}
         v = (
@@ -457,13 +417,11 @@ def judge_claims(res: dict[str, dict], T: int) -> list[dict]:
             if any(x < 5 for x in sc.values())
             else "inconclusive"
         )
-        claims.append(
-            dict(
-                claim="Easy needle near perfect within T for FoT",
-                rule=rule,
-                numbers="; ".join(f"{f}: {x:.2f}" for f, x in sc.items()),
-                verdict=v,
-            )
+        add(
+            "Easy needle near perfect within T for FoT",
+            rule,
+            "; ".join(f"{f}: {x:.2f}" for f, x in sc.items()),
+            v,
         )
     return claims
 

@@ -472,7 +472,8 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
         )
 
 
-def _fmt(value: Any, spec: str) -> str:
+def fmt(value: Any, spec: str) -> str:
+    """``format(value, spec)``, or an em dash for a missing or non-finite value."""
     if value is None or (isinstance(value, float) and not math.isfinite(value)):
         return "—"
     return format(value, spec)
@@ -494,18 +495,18 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
                 [
                     r["model"],
                     status.replace("|", "/")[:120],
-                    _fmt(r.get("params_non_embedding", 0) / 1e6, ".1f") + "M"
+                    fmt(r.get("params_non_embedding", 0) / 1e6, ".1f") + "M"
                     if r.get("params_non_embedding")
                     else "—",
-                    _fmt(r.get("flops_per_token", 0) / 1e9, ".2f")
+                    fmt(r.get("flops_per_token", 0) / 1e9, ".2f")
                     if r.get("flops_per_token")
                     else "—",
-                    _fmt(r.get("step_time_ms_median"), ".1f"),
-                    _fmt(r.get("tokens_per_s"), ",.0f"),
-                    _fmt(100 * mfu, ".1f") + "%" if mfu is not None else "—",
-                    _fmt(r.get("peak_mem_gib"), ".1f"),
-                    _fmt(r.get("vs_hf_llama"), ".2f") + ("×" if r.get("vs_hf_llama") else ""),
-                    _fmt(r.get("vs_fla_fot"), ".2f") + ("×" if r.get("vs_fla_fot") else ""),
+                    fmt(r.get("step_time_ms_median"), ".1f"),
+                    fmt(r.get("tokens_per_s"), ",.0f"),
+                    fmt(100 * mfu, ".1f") + "%" if mfu is not None else "—",
+                    fmt(r.get("peak_mem_gib"), ".1f"),
+                    fmt(r.get("vs_hf_llama"), ".2f") + ("×" if r.get("vs_hf_llama") else ""),
+                    fmt(r.get("vs_fla_fot"), ".2f") + ("×" if r.get("vs_fla_fot") else ""),
                 ]
             )
             + " |"

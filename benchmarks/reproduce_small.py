@@ -353,10 +353,19 @@ def judge_claims(res: dict[str, dict], T: int) -> list[dict]:
             v = "not reproduced"
         else:
             v = "inconclusive"
+        # Extra evidence, not part of the rule: the held-out text itself is harder at some
+        # positions, which moves every model's d alike; the gap to Transformer (LLaMA) cancels it.
+        gaps = "; ".join(
+            f"{f} - transformer_llama: {L(f, T // 2, T) - L('transformer_llama', T // 2, T):+.4f} "
+            f"over [T/2, T), {L(f, 2 * T, 4 * T) - L('transformer_llama', 2 * T, 4 * T):+.4f} "
+            "over [2T, 4T)"
+            for f in fots
+        )
         add(
             "FoT extrapolates where Transformer (LLaMA) degrades",
             rule,
-            "; ".join(f"d({m}) = {x:+.4f}" for m, x in d.items()),
+            "; ".join(f"d({m}) = {x:+.4f}" for m, x in d.items())
+            + f" (gaps, outside the rule: {gaps})",
             v,
         )
 
@@ -551,6 +560,55 @@ def _git_sha() -> str:
     return r.stdout.strip() or "unknown"
 
 
+PAPER_SCALE = (760e6, 48e9)  # the paper's main setting: parameters, training tokens
+
+
+def scale_notes(res: dict[str, dict], s: Settings) -> list[str]:
+    """Bullet lines that put the run's scale next to the paper's, from the numbers in ``res``."""
+    notes = []
+    params = [r["train"]["params"] for r in res.values() if r.get("train", {}).get("params")]
+    if params:
+        ratio = s.total_tokens / float(np.mean(params))
+        paper = PAPER_SCALE[1] / PAPER_SCALE[0]
+        notes.append(
+            f"- {s.total_tokens / 1e6:.1f}M tokens for ~{np.mean(params) / 1e6:.0f}M-parameter "
+            f"models is {ratio:.2f} tokens per parameter; the paper's main runs use "
+            f"{PAPER_SCALE[1] / 1e9:.0f}B tokens for {PAPER_SCALE[0] / 1e6:.0f}M parameters "
+            f"({paper:.0f} tokens per parameter), so these models are far from converged."
+        )
+    val = [r["train"]["val/loss"] for r in res.values() if "val/loss" in r.get("train", {})]
+    if val:
+        notes.append(f"- Held-out losses are {min(val):.2f}-{max(val):.2f} nats.")
+    fc = [r["fc_summary"] for r in res.values() if "fc_summary" in r]
+    if fc:
+        copying = sum(1 for x in fc if (x.get("coarse_grained_length") or 0) > 0)
+        notes.append(
+            f"- {copying} of {len(fc)} models copy a repeated span better than a language model "
+            "would (forgetting-curve coarse memory length > 0)."
+        )
+    nd = [np.mean([row["score"] for row in r["needle"]]) for r in res.values() if "needle" in r]
+    if nd:
+        notes.append(
+            f"- Mean easy-needle scores are {min(nd):.2f}-{max(nd):.2f} of 10: "
+            + ("no model retrieves the needle." if max(nd) < 2 else "some models retrieve it.")
+        )
+    docs = [len(r["loss"]) for r in res.values() if "loss" in r]
+    if docs:
+        notes.append(
+            f"- L(i) is averaged over at most {s.ptl_docs} held-out documents of at least "
+            f"{s.eval_length} tokens, so single positions are noisy; the claims use window means."
+        )
+    return notes
+
+
+def _shown(path: Path) -> str:
+    """``path`` relative to the checkout when inside it (reports stay machine-independent)."""
+    try:
+        return str(path.relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
 def write_report(out: Path, s: Settings, data: Path, report: Path, meta: dict) -> dict:
     """Write the markdown report (and its PNGs in ``<report stem>_files/``) from ``out``.
 
@@ -582,7 +640,7 @@ def write_report(out: Path, s: Settings, data: Path, report: Path, meta: dict) -
     L.append("")
     L.append(f"- **Device:** {meta.get('device', _device())}")
     L.append(
-        f"- **Data:** `{data}`: {corpus.get('train_tokens', '?')} training tokens in "
+        f"- **Data:** `{_shown(data)}`: {corpus.get('train_tokens', '?')} training tokens in "
         f"{corpus.get('train_docs', '?')} documents, {corpus.get('heldout_tokens', '?')} "
         f"held-out tokens in {corpus.get('heldout_docs', '?')} documents (sources: "
         f"{', '.join(corpus.get('sources', {})) or '?'}; `benchmarks/make_corpus.py`)"
@@ -597,7 +655,13 @@ def write_report(out: Path, s: Settings, data: Path, report: Path, meta: dict) -
         f"held-out documents; easy needle at lengths {s.needle_lengths} x depths "
         f"{s.needle_depths}; forgetting curve at {s.fc_lengths} x {s.fc_repeats}"
     )
-    L.append(f"- **Total wall time:** {meta.get('total_wall_s', float('nan')):.0f} s\n")
+    train_s = sum(r.get("train", {}).get("wall_s", 0.0) for r in res.values())
+    eval_s = sum(r.get("eval_wall_s", 0.0) for r in res.values())
+    L.append(
+        f"- **Wall time:** {train_s:.0f} s training + {eval_s:.0f} s evaluation = "
+        f"{train_s + eval_s:.0f} s ({(train_s + eval_s) / 60:.1f} min), summed over the models "
+        "(package installs and Python start-up of each call not included)\n"
+    )
 
     L.append("## Runs\n")
     L.append(
@@ -684,6 +748,9 @@ def write_report(out: Path, s: Settings, data: Path, report: Path, meta: dict) -
             )
         L.append("")
 
+    L.append("## Scale and caveats\n")
+    L.extend(scale_notes(res, s))
+    L.append("")
     L.append("## The paper's claims\n")
     L.append(
         "Positions are 0-based; T is the training length. Each verdict follows the rule "
@@ -750,8 +817,14 @@ def main(argv: list[str] | None = None) -> int:
     def log(msg: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
-    t0 = time.perf_counter()
     if not args.report_only:
+        # Recorded before the work, so that a call cut off by a time limit is still listed.
+        meta = {
+            "calls": [*meta.get("calls", []), sys.argv[1:] if argv is None else argv],
+            "device": _device(),
+            "git_sha": _git_sha(),
+        }
+        meta_path.write_text(json.dumps(meta, indent=2))
         (out / "settings.json").write_text(json.dumps(asdict(s), indent=2))
         (out / "errors").mkdir(exist_ok=True)
         for m in s.models:
@@ -767,13 +840,6 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as e:  # one failing model must not lose the others' results
                 log(f"[error] {m}: {e}")
                 err.write_text(f"{type(e).__name__}: {e}")
-        meta = {
-            "calls": [*meta.get("calls", []), sys.argv[1:] if argv is None else argv],
-            "device": _device(),
-            "git_sha": _git_sha(),
-            "total_wall_s": meta.get("total_wall_s", 0.0) + time.perf_counter() - t0,
-        }
-        meta_path.write_text(json.dumps(meta, indent=2))
     result = write_report(out, s, data, report, meta)
     for c in result["claims"]:
         log(f"{c['verdict']:>15}: {c['claim']} ({c['numbers']})")

@@ -250,3 +250,85 @@ def test_decode_cpu(bench, tmp_path):
         assert r["vs_hf_llama"] == pytest.approx(
             r["decode_tokens_per_s"] / hf["decode_tokens_per_s"]
         )
+
+
+# ---------------------------------------------------------------------------------------
+# Pruning on a trained checkpoint
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("decay_time", "expect_skips"), [(0.1, True), (1e9, False)])
+def test_pruning_cpu_tile_counts(tmp_path, decay_time, expect_skips):
+    """Tile counts from the interpreter kernel on a tiny fixed-gate model: the total equals the
+    hand count of causal 32x32 tile pairs; with a decay time of 0.1 token (log f = -10 per
+    token) exact pruning must skip every pair of tiles two or more apart (the gate bias alone
+    is below -320 there), with 1e9 it skips none; the output is unchanged either way."""
+    from fot import presets
+    from fot.data.tokens import write_token_documents
+    from fot.export import export_hf
+
+    sys.path.insert(0, str(BENCH))
+    try:
+        pruning = importlib.import_module("pruning")
+    finally:
+        sys.path.remove(str(BENCH))
+        sys.modules.pop("train_throughput", None)
+    torch.manual_seed(0)
+    over = {"decay_time_min": decay_time, "decay_time_max": decay_time}
+    model = presets.build_model(presets.config("fot_llama_fixed", "tiny", **over))
+    export_hf(model, tmp_path / "ckpt")
+    rng = torch.Generator().manual_seed(1)
+    docs = [torch.randint(0, 50257, (100,), generator=rng).tolist() for _ in range(3)]
+    write_token_documents(tmp_path / "data", docs)
+    T = 128
+    res = pruning.main([str(tmp_path / "ckpt"), "--data", str(tmp_path / "data"),
+                        "--length", str(T), "--device", "cpu", "--out", str(tmp_path / "p.json")])  # fmt: skip
+    cfg = model.config
+    n_tiles = T // 32
+    pairs = n_tiles * (n_tiles + 1) // 2
+    assert len(res["layers"]) == cfg.num_hidden_layers
+    for layer in res["layers"]:
+        assert layer["off"]["tiles_total"] == pairs * cfg.num_attention_heads
+        assert layer["off"]["tiles_skipped"] == 0
+        assert layer["exact"]["tiles_total"] == pairs * cfg.num_attention_heads
+        assert layer["exact"]["max_rel_err"] == 0.0
+    frac = res["total"]["exact"]["skipped_fraction"]
+    if expect_skips:
+        assert frac >= 3 / pairs
+    else:
+        assert frac == 0.0
+    assert (
+        json.loads((tmp_path / "p.json").read_text())["total"]["exact"]["skipped_fraction"] == frac
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# Multi-process scaling
+# ---------------------------------------------------------------------------------------
+
+
+def test_scaling_cpu_two_processes_match_one(tmp_path):
+    """benchmarks/scaling.py on CPU (gloo): with one global batch, the 2-process DDP run's
+    per-step losses equal the 1-process run's (the oracle), and every step is reported."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        scaling = importlib.import_module("scaling")
+    finally:
+        sys.path.remove(str(BENCH))
+    try:
+        res = scaling.main(["--size", "tiny", "--seq-len", "64", "--steps", "3", "--warmup", "1",
+                            "--nprocs", "1,2", "--strategies", "ddp", "--device", "cpu",
+                            "--work-dir", str(tmp_path / "runs"), "--out", str(tmp_path)])  # fmt: skip
+    finally:
+        for name in ("scaling", "train_throughput"):
+            sys.modules.pop(name, None)
+    rows = {r["name"]: r for r in res["rows"]}
+    assert set(rows) == {"single_x1", "ddp_x2"}
+    one, two = rows["single_x1"], rows["ddp_x2"]
+    assert one["error"] is None and two["error"] is None
+    assert len(one["losses"]) == len(two["losses"]) == 3
+    assert max(abs(a - b) for a, b in zip(one["losses"], two["losses"])) < 1e-5
+    assert two["max_abs_loss_diff"] < 1e-5 and two["tokens_per_s_per_gpu"] > 0
+    assert "| ddp | 2 |" in (tmp_path / "scaling.md").read_text()
+    with pytest.raises(SystemExit):
+        scaling.parse_args(["--nprocs", "2,3"])  # 3 does not divide into one global batch

@@ -259,7 +259,8 @@ def test_multirun_under_torchrun_one_folder_per_job(tmp_path) -> None:
         assert json.loads((p / "run_info.json").read_text())[0]["world_size"] == 2
 
 
-def test_nan_loss_stops_and_keeps_last_checkpoint(tmp_path, monkeypatch) -> None:
+def _poison_after(monkeypatch, micro_batches: int) -> None:
+    """Make the model's loss NaN from micro batch ``micro_batches + 1`` on (2 per step)."""
     from fot import presets
 
     real_build = presets.build_model
@@ -270,7 +271,7 @@ def test_nan_loss_stops_and_keeps_last_checkpoint(tmp_path, monkeypatch) -> None
 
         def hook(module, args, kwargs, output):
             calls["n"] += 1
-            if calls["n"] > 6:  # micro batches 7+ (step 4 onwards) diverge
+            if calls["n"] > micro_batches:
                 output.loss = output.loss * float("nan")
             return output
 
@@ -278,12 +279,141 @@ def test_nan_loss_stops_and_keeps_last_checkpoint(tmp_path, monkeypatch) -> None
         return model
 
     monkeypatch.setattr(presets, "build_model", poisoned_build)
+
+
+def test_nan_loss_stops_and_keeps_last_checkpoint(tmp_path, monkeypatch) -> None:
+    _poison_after(monkeypatch, 6)  # micro batches 7+ (step 4 onwards) diverge
     out = tmp_path / "run"
     with pytest.raises(TrainingDivergedError, match=r"step 4 .*step_00000002.*untouched"):
         train(_cfg(out))
     ckpts = list_checkpoints(out / "checkpoints")
     assert [p.name for p in ckpts] == ["step_00000002"]
     assert json.loads((ckpts[0] / "trainer.json").read_text())["step"] == 2
+
+
+def test_nan_between_log_boundaries_is_caught_before_the_next_checkpoint(
+    tmp_path, monkeypatch
+) -> None:
+    # logs at steps 6 and 8 only, checkpoints at 2, 4, 6; step 3 is the first NaN step: the
+    # check runs lazily at the step-4 checkpoint boundary, before anything is written
+    _poison_after(monkeypatch, 4)
+    out = tmp_path / "run"
+    with pytest.raises(TrainingDivergedError) as err:
+        train(_cfg(out, "log_every_tokens=1536", "ckpt_every_tokens=512"))
+    msg = str(err.value)
+    assert "loss=nan" in msg and "at step 3 (tokens 768," in msg, msg
+    assert "found at step 4" in msg and "steps 3-4 are lost" in msg, msg
+    assert "step_00000002) is untouched" in msg and "lower optim.lr" in msg, msg
+    ckpts = list_checkpoints(out / "checkpoints")
+    assert [p.name for p in ckpts] == ["step_00000002"]  # no step-4 checkpoint with NaN weights
+    assert not list((out / "checkpoints").glob(".tmp-*"))
+    state = torch.load(ckpts[0] / "model.pt", map_location="cpu", weights_only=True)
+    assert all(torch.isfinite(t).all() for t in state.values() if t.is_floating_point())
+    assert (
+        not (out / "metrics.jsonl").exists() or "loss" not in (out / "metrics.jsonl").read_text()
+    )  # no training record was logged before the stop
+
+
+# Tensor -> Python conversions; on a GPU each one waits for the device (a host sync).
+_SYNCS = ("item", "tolist", "__float__", "__int__", "__bool__", "__index__")
+# Conversions made below these folders are host-only: the label counts of the CPU batches
+# (before they are copied to the device), and CPU AdamW's step counters (the fused CUDA AdamW
+# used on GPU keeps them on the device and reads none).
+_HOST_ONLY = (f"{os.sep}fot{os.sep}data{os.sep}", f"{os.sep}torch{os.sep}optim{os.sep}")
+
+
+def _count_syncs(monkeypatch) -> dict:
+    """Patch the conversions; count them per training step (key = step, None outside steps)."""
+    import fot.training.trainer as trainer_mod
+    from fot.data.streams import SequenceStream
+
+    where: dict = {"step": None, "counts": {}, "n_tokens": {}}
+
+    def counted(name):
+        orig = getattr(torch.Tensor, name)
+
+        def wrapper(self, *args, **kwargs):
+            frame = sys._getframe(1)
+            while frame is not None:
+                if any(s in frame.f_code.co_filename for s in _HOST_ONLY):
+                    break
+                frame = frame.f_back
+            else:
+                step = where["step"]
+                where["counts"][step] = where["counts"].get(step, 0) + 1
+            return orig(self, *args, **kwargs)
+
+        return wrapper
+
+    for name in _SYNCS:
+        monkeypatch.setattr(torch.Tensor, name, counted(name))
+    real_next, real_fault = SequenceStream.next_step, trainer_mod.ckpt._fault
+
+    def next_step(self):
+        where["step"] = self.position // self.global_batch_size + 1
+        batches = real_next(self)
+        where["n_tokens"][where["step"]] = sum(b.num_label_tokens() for b in batches)
+        return batches
+
+    def fault(point, step):
+        if point == "kill_after_step":
+            where["step"] = None
+        return real_fault(point, step)
+
+    monkeypatch.setattr(SequenceStream, "next_step", next_step)
+    monkeypatch.setattr(trainer_mod.ckpt, "_fault", fault)
+    return where
+
+
+def _records(out_dir: Path) -> dict[int, dict]:
+    lines = (out_dir / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r for r in map(json.loads, lines) if "loss" in r}
+
+
+def test_no_host_sync_between_boundaries(tmp_path, monkeypatch) -> None:
+    # padded packing of short documents: label counts differ between steps (the logged loss is
+    # token-weighted) and there is no cu_seqlens (the model's varlen path checks it on the host)
+    from fot.data import sample
+
+    real_docs = sample.sample_token_documents
+
+    def short_docs(split="all"):
+        docs = list(real_docs(split))[:3]
+        return [d[i : i + 7 + i % 53] for d in docs for i in range(0, 6000, 60)]
+
+    monkeypatch.setattr(sample, "sample_token_documents", short_docs)
+    common = ["data.packing=padded", "total_tokens=3072", "val_every_tokens=2560"]
+    common += ["ckpt_every_tokens=1536", "data.val_tokens=64"]
+    # oracle: the same run logging every step
+    every = tmp_path / "every"
+    counts_every = _count_syncs(monkeypatch)
+    train(_cfg(every, *common, "log_every_tokens=256"))
+    per_step, n_tok = _records(every), counts_every["n_tokens"]
+    assert sorted(per_step) == list(range(1, 13))
+    assert len(set(n_tok.values())) > 1, n_tok  # the weighting matters
+
+    out = tmp_path / "sparse"
+    counts = _count_syncs(monkeypatch)
+    train(_cfg(out, *common, "log_every_tokens=1024"))
+    recs = _records(out)
+    logs, ckpts, vals = {4, 8, 12}, {6}, {10}
+    assert sorted(recs) == sorted(logs)
+    c = counts["counts"]
+    for step in range(1, 13):
+        if step in logs:
+            assert c.get(step, 0) == 1, (step, c)  # one transfer per log record
+        elif step in ckpts | vals:
+            assert c.get(step, 0) >= 1, (step, c)
+        else:
+            assert c.get(step, 0) == 0, (step, c)  # no host sync in a plain step
+    # the logged values are the same as before: token-weighted window loss, last grad norm
+    for end in logs:
+        window = range(end - 3, end + 1)
+        want = sum(per_step[k]["loss"] * n_tok[k] for k in window) / sum(n_tok[k] for k in window)
+        assert recs[end]["loss"] == pytest.approx(want, rel=1e-12)
+        assert recs[end]["grad_norm"] == per_step[end]["grad_norm"]
+        assert recs[end]["lr"] == per_step[end]["lr"] and recs[end]["tokens"] == end * 256
+        assert recs[end]["tokens_per_s"] > 0
 
 
 def test_lr_schedule_in_tokens() -> None:

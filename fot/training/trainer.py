@@ -22,7 +22,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from fot.data.streams import SequenceStream, iterate_eval_batches
+from fot.data.streams import Batch, SequenceStream, iterate_eval_batches
 from fot.training import checkpoint as ckpt
 from fot.training.config import to_container
 from fot.training.metrics import (
@@ -91,6 +91,50 @@ def check_sizes(cfg: Any, world_size: int) -> tuple[int, int]:
 
 def _crossed(before: int, after: int, every: int) -> bool:
     return every > 0 and after // every > before // every
+
+
+def _clamp1(n: int | torch.Tensor) -> int | torch.Tensor:
+    return n.clamp(min=1) if isinstance(n, torch.Tensor) else max(n, 1)
+
+
+def _to_device(batch: Batch, device: torch.device) -> Batch:
+    """Copy a CPU batch to ``device``; on CUDA from pinned memory, so the copy is asynchronous."""
+    if device.type == "cuda" and not batch.input_ids.is_pinned():
+        batch = Batch(
+            batch.input_ids.pin_memory(),
+            batch.labels.pin_memory(),
+            None if batch.cu_seqlens is None else batch.cu_seqlens.pin_memory(),
+            batch.seq_len,
+        )
+    return batch.to(device)
+
+
+def _diverged_message(
+    *,
+    bad_step: int,
+    loss: float,
+    grad_norm: float,
+    tokens: int,
+    lr: float,
+    detected_step: int,
+    last_ckpt: Path | None,
+) -> str:
+    where = (
+        f"the last checkpoint ({last_ckpt}) is untouched"
+        if last_ckpt
+        else "no checkpoint was written"
+    )
+    lost = (
+        f" (found at step {detected_step}, the next log/validation/checkpoint boundary; the "
+        f"optimizer steps {bad_step}-{detected_step} are lost)"
+        if detected_step != bad_step
+        else ""
+    )
+    return (
+        f"loss={loss}, grad_norm={grad_norm} at step {bad_step} (tokens {tokens}, lr {lr:.3g})"
+        f"{lost}; {where}. Hints: lower optim.lr, lengthen schedule.warmup_tokens, use "
+        "parallel.precision=fp32 to rule out bf16 overflow, then resume=auto"
+    )
 
 
 def model_config_from_train_config(cfg: Any) -> Any:
@@ -214,8 +258,19 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         The last logged training record merged with the final validation metrics, plus
         ``checkpoint`` and ``hf_dir`` paths.
 
+    A step that does not log, validate or checkpoint makes no host sync: the loss, token count
+    and gradient norm are accumulated on the device and fetched with one transfer at the
+    ``log_every_tokens`` / ``val_every_tokens`` / ``ckpt_every_tokens`` boundaries (and at the
+    last step). A NaN/inf loss or gradient norm is therefore detected lazily, at the first such
+    boundary after the bad step: the stop can come up to ``log_every_tokens`` later than the
+    bad step (with ``log_every_tokens=0``, at the next validation/checkpoint or the end of the
+    run), and the optimizer steps in between are lost. It is always detected before a
+    checkpoint is saved and before validation, so no checkpoint holds weights updated by a
+    non-finite step: the last checkpoint is untouched and ``resume=auto`` restarts from it.
+
     Raises:
-        TrainingDivergedError: NaN/inf loss or gradient norm (no checkpoint is written).
+        TrainingDivergedError: NaN/inf loss or gradient norm; the message names the first bad
+            step (number, tokens, LR) and the step where it was found. No checkpoint is written.
         ValueError / FileNotFoundError: bad sizes, options or missing data (with the fix).
     """
     return _train(cfg)
@@ -356,6 +411,9 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
         )
 
     # ---- loop ----------------------------------------------------------------------------
+    # No host sync in a step that does not log, validate or checkpoint: the loss, token count,
+    # grad norm and the first non-finite step stay on the device and are fetched with one
+    # transfer (`fetch`) at those boundaries, where the divergence check happens too.
     amp = (
         (lambda: torch.autocast(info.device.type, dtype=amp_dtype))
         if amp_dtype is not None and strategy != "fsdp"  # FSDP2 casts parameters itself
@@ -372,20 +430,62 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
     )
     last_record: dict[str, Any] = {}
     last_ckpt: Path | None = resume_from
-    window_loss, window_tokens, window_steps = 0.0, 0, 0
+    f64 = {"dtype": torch.float64, "device": info.device}
+    window_loss = torch.zeros((), **f64)  # sum of the global loss sums of the window's steps
+    window_tokens: int | torch.Tensor = 0  # global label tokens (a device tensor if > 1 rank)
+    window_steps = 0
+    grad_norm = torch.zeros((), **f64)  # of the last step
+    diverged = torch.zeros(3, **f64)  # first non-finite step: (step, loss, grad_norm); 0 = none
     t_window = time.time()
     clip = float(cfg.optim.grad_clip) if cfg.optim.grad_clip > 0 else float("inf")
+
+    def fetch() -> tuple[float, float, float]:
+        """One device->host transfer: ``(window loss, window tokens, grad norm)``.
+
+        Raises :class:`TrainingDivergedError` if a step since the last fetch was non-finite.
+        """
+        parts = [window_loss.reshape(1), grad_norm.reshape(1).double(), diverged]
+        if isinstance(window_tokens, torch.Tensor):
+            parts.append(window_tokens.reshape(1).double())
+        host = torch.cat(parts).tolist()
+        n_tokens = host[5] if isinstance(window_tokens, torch.Tensor) else float(window_tokens)
+        bad_step, bad_loss, bad_norm = int(host[2]), host[3], host[4]
+        if bad_step:
+            bar.close()
+            metrics.close()
+            raise TrainingDivergedError(
+                _diverged_message(
+                    bad_step=bad_step,
+                    loss=bad_loss,
+                    grad_norm=bad_norm,
+                    tokens=bad_step * gbt,
+                    lr=lr_at(
+                        bad_step * gbt,
+                        peak_lr=cfg.optim.lr,
+                        total_tokens=total_steps * gbt,
+                        cfg=cfg.schedule,
+                    ),
+                    detected_step=step,
+                    last_ckpt=last_ckpt,
+                )
+            )
+        return host[0], n_tokens, host[1]
+
     while step < total_steps:
         batches = stream.next_step()
-        n_local = sum(b.num_label_tokens() for b in batches)
-        n_global = int(all_reduce_sum(torch.tensor([n_local], dtype=torch.float64)).item())
+        n_micro = [b.num_label_tokens() for b in batches]  # host ints: batches are on the CPU
+        n_local = sum(n_micro)
+        n_global: int | torch.Tensor = n_local
+        if info.world_size > 1:
+            # all-reduced on the device and left there; `torch.full` needs no host copy
+            n_global = all_reduce_sum(torch.full((1,), n_local, **f64)).reshape(())
         lr = lr_at(
             tokens + gbt, peak_lr=cfg.optim.lr, total_tokens=total_steps * gbt, cfg=cfg.schedule
         )
         set_lr(optimizer, lr)
-        loss_sum = torch.zeros((), dtype=torch.float64, device=info.device)
-        for i, batch in enumerate(batches):
-            b = batch.to(info.device)
+        loss_sum = torch.zeros((), **f64)
+        for i, (batch, n_b) in enumerate(zip(batches, n_micro, strict=True)):
+            b = _to_device(batch, info.device)
             last = i == len(batches) - 1
             if strategy == "ddp" and not last:
                 sync = model.no_sync()
@@ -398,47 +498,53 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
                     out = model(
                         input_ids=b.input_ids, shift_labels=b.labels, cu_seqlens=b.cu_seqlens
                     )
-                n_b = b.num_label_tokens()
                 # weight by this micro batch's share of the global label tokens; DDP/FSDP
                 # average gradients over ranks, hence the world size
-                (out.loss * (n_b * info.world_size / max(n_global, 1))).backward()
+                if isinstance(n_global, torch.Tensor):
+                    scale = (n_b * info.world_size / n_global.clamp(min=1)).float()
+                else:
+                    scale = n_b * info.world_size / max(n_global, 1)
+                (out.loss * scale).backward()
             loss_sum += out.loss.detach().double() * n_b
-        loss = float(all_reduce_sum(loss_sum.reshape(1)).item()) / max(n_global, 1)
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
-        grad_norm = float(grad_norm)
-        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-            bar.close()
-            metrics.close()
-            where = (
-                f"the last checkpoint ({last_ckpt}) is untouched"
-                if last_ckpt
-                else "no checkpoint was written"
-            )
-            raise TrainingDivergedError(
-                f"loss={loss}, grad_norm={grad_norm} at step {step + 1} (tokens {tokens + gbt}, "
-                f"lr {lr:.3g}); {where}. Hints: lower optim.lr, lengthen schedule.warmup_tokens, "
-                "use parallel.precision=fp32 to rule out bf16 overflow, then resume=auto"
-            )
+        all_reduce_sum(loss_sum.reshape(1))  # global sum of token losses (in place)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        grad_norm = norm.detach().double()
+        # remember the first non-finite step on the device; `fetch` raises on it
+        first = torch.stack(
+            [torch.full((), step + 1, **f64), loss_sum / _clamp1(n_global), grad_norm]
+        )
+        bad = ~(torch.isfinite(loss_sum) & torch.isfinite(grad_norm)) & (diverged[0] == 0)
+        diverged = torch.where(bad, first, diverged)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         prev_tokens = tokens
         step += 1
         tokens += gbt
-        window_loss += loss * n_global
-        window_tokens += n_global
+        window_loss += loss_sum
+        window_tokens = window_tokens + n_global
         window_steps += 1
 
-        if _crossed(prev_tokens, tokens, int(cfg.log_every_tokens)) or step == total_steps:
+        do_log = _crossed(prev_tokens, tokens, int(cfg.log_every_tokens)) or step == total_steps
+        do_val = (
+            val_source is not None
+            and _crossed(prev_tokens, tokens, int(cfg.val_every_tokens))
+            and step < total_steps
+        )
+        do_ckpt = _crossed(prev_tokens, tokens, int(cfg.ckpt_every_tokens)) and step < total_steps
+        if do_log or do_val or do_ckpt:
+            # the only sync; it also makes sure no checkpoint or validation sees NaN weights
+            loss_total, n_tokens, last_norm = fetch()
+        if do_log:
             dt = max(time.time() - t_window, 1e-9)
             tps = window_steps * gbt / dt
             last_record = {
                 "step": step,
                 "tokens": tokens,
-                "loss": window_loss / max(window_tokens, 1),
+                "loss": loss_total / max(n_tokens, 1),
                 "lr": lr,
-                "grad_norm": grad_norm,
+                "grad_norm": last_norm,
                 "tokens_per_s": tps,
                 "tokens_per_s_per_device": tps / info.world_size,
                 "mfu": fpt * tps / (peak * info.world_size) if peak else None,
@@ -447,17 +553,18 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
             }
             metrics.log(last_record)
             bar.set_postfix(loss=f"{last_record['loss']:.4f}", tok_s=f"{tps:,.0f}", refresh=False)
-            window_loss, window_tokens, window_steps = 0.0, 0, 0
+            window_loss = torch.zeros((), **f64)
+            window_tokens, window_steps = 0, 0
             t_window = time.time()
         bar.update(1)
 
-        if _crossed(prev_tokens, tokens, int(cfg.val_every_tokens)) and step < total_steps:
+        if do_val:
             val = validate()
             if val:
                 metrics.log({"step": step, "tokens": tokens, **val})
                 bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in val.items()))
             t_window = time.time()
-        if _crossed(prev_tokens, tokens, int(cfg.ckpt_every_tokens)) and step < total_steps:
+        if do_ckpt:
             last_ckpt = save(step)
             t_window = time.time()
         if info.is_main:

@@ -1,0 +1,244 @@
+"""Multi-GPU scaling: tokens/s per GPU on 1, 2, 4, ... GPUs, and the loss against one GPU.
+
+Every run trains the same model on the same data with the same **global** batch (``--nprocs``'
+largest entry x ``--per-gpu-batch`` sequences of ``--seq-len`` tokens), so the losses of the
+first steps must agree between world sizes up to floating-point reduction order; fewer
+processes accumulate gradients over more micro batches. Each run is ``train.py`` under
+``torchrun --standalone`` (a plain process for one GPU, ``parallel=single``), logging every
+step to ``metrics.jsonl``; checkpoints and the HF export of the benchmark runs are deleted.
+
+Reported per (strategy, processes): median tokens/s and tokens/s per GPU over the steps after
+``--warmup``, scaling efficiency (per-GPU tokens/s over the one-GPU run's), MFU, peak memory,
+and the largest |loss difference| to the one-GPU run over the common steps.
+
+    python benchmarks/scaling.py --nprocs 1,2,4 --strategies fsdp,ddp --out results/scaling
+    python benchmarks/scaling.py --size tiny --seq-len 64 --steps 3 --nprocs 1,2 \\
+        --strategies ddp --device cpu                       # CPU (gloo) smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+_HERE = Path(__file__).resolve().parent
+ROOT = _HERE.parent
+if str(_HERE) not in sys.path:  # sibling modules when imported from elsewhere
+    sys.path.insert(0, str(_HERE))
+
+import torch  # noqa: E402
+from train_throughput import fmt, log, run_meta, write_json  # noqa: E402
+
+STRATEGIES = ("ddp", "fsdp")
+
+
+def train_command(nproc: int, strategy: str, args: argparse.Namespace, run_dir: Path) -> list[str]:
+    """The ``train.py`` command line of one run (``torchrun`` when ``nproc > 1``)."""
+    gbt = max(args.nprocs) * args.per_gpu_batch * args.seq_len
+    overrides = [
+        f"model={args.model}",
+        f"size={args.size}",
+        "data=sample",
+        f"data.seq_len={args.seq_len}",
+        "data.val_tokens=0",
+        f"global_batch_tokens={gbt}",
+        f"micro_batch_size={args.per_gpu_batch}",
+        f"total_tokens={gbt * args.steps}",
+        f"log_every_tokens={gbt}",
+        "val_every_tokens=0",
+        "ckpt_every_tokens=0",
+        "export_hf=false",
+        "resume=never",
+        "progress=false",
+        f"parallel={strategy if nproc > 1 else 'single'}",
+        f"parallel.compile={str(args.compile).lower()}",
+        f"parallel.activation_checkpointing={str(args.activation_checkpointing).lower()}",
+        f"out_dir={run_dir}",
+        f"hydra.run.dir={run_dir}",
+        *args.override,
+    ]
+    if nproc == 1:
+        return [sys.executable, str(ROOT / "train.py"), *overrides]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(ROOT / "train.py"),
+        *overrides,
+    ]
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """Training records (those with ``tokens_per_s``) of ``run_dir/metrics.jsonl``, by step."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    by_step = {r["step"]: r for r in recs if "tokens_per_s" in r}  # later records win
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def run_one(nproc: int, strategy: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Train one configuration; return its throughput summary and per-step losses."""
+    name = f"{strategy}_x{nproc}" if nproc > 1 else "single_x1"
+    run_dir = Path(args.work_dir) / name
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    cmd = train_command(nproc, strategy, args, run_dir)
+    env = {**os.environ, "WANDB_MODE": "disabled"}
+    if args.device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    log(f"[{name}] {' '.join(cmd[1:])}")
+    t0 = time.perf_counter()
+    with open(run_dir / "train.out", "w") as fh:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT)
+    wall = time.perf_counter() - t0
+    recs = read_metrics(run_dir)
+    row: dict[str, Any] = {
+        "name": name,
+        "strategy": strategy if nproc > 1 else "single",
+        "nproc": nproc,
+        "wall_s": wall,
+        "returncode": proc.returncode,
+        "losses": [r["loss"] for r in recs],
+        "error": None,
+    }
+    if proc.returncode != 0 or not recs:
+        lines = (run_dir / "train.out").read_text(errors="replace").splitlines()
+        errs = [ln for ln in lines if re.search(r"(Error|Exception)\b", ln)]
+        row["error"] = (errs[-1] if errs else (lines[-1] if lines else "no output"))[:300]
+        log(f"[{name}] FAILED (exit {proc.returncode}): {row['error']}")
+    timed = recs[args.warmup :] or recs[-1:]
+    if timed:
+        tps = statistics.median(r["tokens_per_s"] for r in timed)
+        mfu = [r["mfu"] for r in timed if r.get("mfu") is not None]
+        row.update(
+            tokens_per_s=tps,
+            tokens_per_s_per_gpu=tps / nproc,
+            mfu=statistics.median(mfu) if mfu else None,
+            peak_mem_gib=max(r.get("peak_mem_gib") or 0.0 for r in recs),
+        )
+    if not args.keep_runs:  # checkpoints of a 760M model are ~9 GB each
+        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+    return row
+
+
+def compare(rows: list[dict[str, Any]]) -> None:
+    """Add scaling efficiency and loss differences against the one-process row, in place."""
+    base = next((r for r in rows if r["nproc"] == 1 and r.get("tokens_per_s")), None)
+    for r in rows:
+        if base is None:
+            r["efficiency"] = r["max_abs_loss_diff"] = None
+            continue
+        per_gpu = r.get("tokens_per_s_per_gpu")
+        r["efficiency"] = per_gpu / base["tokens_per_s_per_gpu"] if per_gpu else None
+        n = min(len(r["losses"]), len(base["losses"]))
+        r["max_abs_loss_diff"] = (
+            max(abs(a - b) for a, b in zip(r["losses"][:n], base["losses"][:n])) if n else None
+        )
+
+
+def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    """A markdown table of the rows."""
+    lines = [
+        f"Device: {meta['device_name']} x {max(r['nproc'] for r in rows)}; command: "
+        f"`{meta['command']}`",
+        "",
+        "| strategy | GPUs | tokens/s | tokens/s per GPU | efficiency | MFU | peak mem (GiB) "
+        "| max abs loss diff vs 1 GPU | status |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['strategy']} | {r['nproc']} | {fmt(r.get('tokens_per_s'), ',.0f')} | "
+            f"{fmt(r.get('tokens_per_s_per_gpu'), ',.0f')} | {fmt(r.get('efficiency'), '.1%')} | "
+            f"{fmt(r.get('mfu'), '.1%')} | {fmt(r.get('peak_mem_gib'), '.1f')} | "
+            f"{fmt(r.get('max_abs_loss_diff'), '.2e')} | "
+            f"{'ok' if r['error'] is None else 'FAILED: ' + r['error'].replace('|', '/')} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--nprocs", default="1,2,4", help="comma-separated process counts")
+    p.add_argument("--strategies", default="fsdp,ddp", help=f"subset of {','.join(STRATEGIES)}")
+    p.add_argument("--model", default="fot_pro", help="configs/model name")
+    p.add_argument("--size", default="760m", help="configs/size name")
+    p.add_argument("--seq-len", type=int, default=16384)
+    p.add_argument("--per-gpu-batch", type=int, default=1, help="sequences per GPU per micro batch")
+    p.add_argument("--steps", type=int, default=8, help="optimizer steps per run")
+    p.add_argument("--warmup", type=int, default=2, help="steps left out of the timing")
+    p.add_argument("--compile", action="store_true", help="parallel.compile=true")
+    p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--override", action="append", default=[], help="extra train.py override")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu"))
+    p.add_argument("--work-dir", default="/tmp/fot_scaling", help="run folders")
+    p.add_argument("--keep-runs", action="store_true", help="keep checkpoints")
+    p.add_argument("--out", default=None, help="folder for scaling.json and scaling.md")
+    args = p.parse_args(argv)
+    try:
+        args.nprocs = sorted({int(x) for x in args.nprocs.split(",") if x})
+    except ValueError:
+        p.error(f"--nprocs {args.nprocs!r}: expected comma-separated integers, e.g. 1,2,4")
+    args.strategies = [s for s in args.strategies.split(",") if s]
+    bad = [s for s in args.strategies if s not in STRATEGIES]
+    if bad or not args.strategies:
+        p.error(f"--strategies {bad or args.strategies}: choose from {','.join(STRATEGIES)}")
+    if not args.nprocs or args.nprocs[0] < 1:
+        p.error(f"--nprocs must be positive, got {args.nprocs}")
+    if any(max(args.nprocs) % n for n in args.nprocs):
+        p.error(
+            f"--nprocs {args.nprocs}: every count must divide the largest, so that one global "
+            "batch serves all runs (e.g. 1,2,4)"
+        )
+    if args.steps <= args.warmup:
+        p.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """CLI entry point (see the module docstring)."""
+    args = parse_args(argv)
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else "cpu")
+    if device.type == "cuda" and torch.cuda.device_count() < max(args.nprocs):
+        raise SystemExit(
+            f"--nprocs {args.nprocs} needs {max(args.nprocs)} GPUs, "
+            f"{torch.cuda.device_count()} visible; lower --nprocs"
+        )
+    meta = run_meta(device, args)
+    out = Path(args.out) if args.out else None
+    plan = [(1, "single")] if 1 in args.nprocs else []
+    # largest world size first: a run cut short by a time limit keeps the most telling rows
+    plan += [(n, s) for s in args.strategies for n in sorted(args.nprocs, reverse=True) if n > 1]
+    rows: list[dict[str, Any]] = []
+    for n, strategy in plan:
+        rows.append(run_one(n, strategy, args))
+        compare(rows)
+        if out is not None:  # after every run, so that partial results survive
+            write_json(out / "scaling.json", {"meta": meta, "rows": rows})
+            (out / "scaling.md").write_text(markdown(rows, meta))
+    for r in rows:
+        log(
+            f"{r['strategy']:>6} x{r['nproc']}: {fmt(r.get('tokens_per_s_per_gpu'), ',.0f')} "
+            f"tokens/s per GPU, efficiency {fmt(r.get('efficiency'), '.1%')}, max |loss diff| "
+            f"{fmt(r.get('max_abs_loss_diff'), '.2e')}"
+        )
+    return {"meta": meta, "rows": rows}
+
+
+if __name__ == "__main__":
+    main()

@@ -175,6 +175,11 @@ def sweep(shape, rows_out: list[str]) -> None:
         "d": (64, 128, 8, 2),
     }
     combos = ["Aa", "Bb", "Cc", "Ac", "Ca", "Ab", "Ba", "Ad", "Dd"]
+    if D <= 64:  # small heads leave room for larger tiles
+        dq_opts |= {"E": (128, 128, 8, 2), "F": (128, 64, 4, 3), "G": (128, 128, 8, 3)}
+        kv_opts |= {"e": (128, 128, 8, 2), "f": (64, 128, 4, 3), "g": (128, 64, 4, 3),
+                    "h": (32, 128, 4, 3), "i": (64, 128, 8, 4)}  # fmt: skip
+        combos += ["Ae", "Af", "Ag", "Ah", "Ai", "Ea", "Fa", "Ga", "Ef", "Ff", "Bf"]
     bwd_cfgs = []
     for dq_key, kv_key in combos:
         dbm, dbn, dw, ds = dq_opts[dq_key]

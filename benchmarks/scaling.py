@@ -1,15 +1,18 @@
 """Multi-GPU scaling: tokens/s per GPU on 1, 2, 4, ... GPUs, and the loss against one GPU.
 
-Every run trains the same model on the same data with the same **global** batch (``--nprocs``'
-largest entry x ``--per-gpu-batch`` sequences of ``--seq-len`` tokens), so the losses of the
+Every run trains the same model on the same data with the same **global** batch
+(``--global-sequences``, by default ``--nprocs``' largest entry x ``--per-gpu-batch``, sequences
+of ``--seq-len`` tokens), so the losses of the
 first steps must agree between world sizes up to floating-point reduction order; fewer
 processes accumulate gradients over more micro batches. Each run is ``train.py`` under
-``torchrun --standalone`` (a plain process for one GPU, ``parallel=single``), logging every
-step to ``metrics.jsonl``; checkpoints and the HF export of the benchmark runs are deleted.
+``torchrun --standalone`` (a plain process for one GPU, ``parallel=single``; FSDP2 also on one
+process, as the loss reference of its multi-GPU rows), logging every step to ``metrics.jsonl``;
+checkpoints of the benchmark runs are deleted and no HF export is written.
 
 Reported per (strategy, processes): median tokens/s and tokens/s per GPU over the steps after
 ``--warmup``, scaling efficiency (per-GPU tokens/s over the one-GPU run's), MFU, peak memory,
-and the largest |loss difference| to the one-GPU run over the common steps.
+and the largest |loss difference| to the one-GPU run (of the same strategy, else the plain
+one) over the common steps.
 
     python benchmarks/scaling.py --nprocs 1,2,4 --strategies fsdp,ddp --out results/scaling
     python benchmarks/scaling.py --size tiny --seq-len 64 --steps 3 --nprocs 1,2 \\
@@ -43,7 +46,7 @@ STRATEGIES = ("ddp", "fsdp")
 
 def train_command(nproc: int, strategy: str, args: argparse.Namespace, run_dir: Path) -> list[str]:
     """The ``train.py`` command line of one run (``torchrun`` when ``nproc > 1``)."""
-    gbt = max(args.nprocs) * args.per_gpu_batch * args.seq_len
+    gbt = args.global_sequences * args.seq_len
     overrides = [
         f"model={args.model}",
         f"size={args.size}",
@@ -59,14 +62,14 @@ def train_command(nproc: int, strategy: str, args: argparse.Namespace, run_dir: 
         "export_hf=false",
         "resume=never",
         "progress=false",
-        f"parallel={strategy if nproc > 1 else 'single'}",
+        f"parallel={strategy}",
         f"parallel.compile={str(args.compile).lower()}",
         f"parallel.activation_checkpointing={str(args.activation_checkpointing).lower()}",
         f"out_dir={run_dir}",
         f"hydra.run.dir={run_dir}",
         *args.override,
     ]
-    if nproc == 1:
+    if strategy == "single":
         return [sys.executable, str(ROOT / "train.py"), *overrides]
     return [
         sys.executable,
@@ -91,7 +94,7 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
 
 def run_one(nproc: int, strategy: str, args: argparse.Namespace) -> dict[str, Any]:
     """Train one configuration; return its throughput summary and per-step losses."""
-    name = f"{strategy}_x{nproc}" if nproc > 1 else "single_x1"
+    name = f"{strategy}_x{nproc}"
     run_dir = Path(args.work_dir) / name
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
@@ -107,7 +110,7 @@ def run_one(nproc: int, strategy: str, args: argparse.Namespace) -> dict[str, An
     recs = read_metrics(run_dir)
     row: dict[str, Any] = {
         "name": name,
-        "strategy": strategy if nproc > 1 else "single",
+        "strategy": strategy,
         "nproc": nproc,
         "wall_s": wall,
         "returncode": proc.returncode,
@@ -135,17 +138,30 @@ def run_one(nproc: int, strategy: str, args: argparse.Namespace) -> dict[str, An
 
 
 def compare(rows: list[dict[str, Any]]) -> None:
-    """Add scaling efficiency and loss differences against the one-process row, in place."""
-    base = next((r for r in rows if r["nproc"] == 1 and r.get("tokens_per_s")), None)
+    """Add scaling efficiency (per-GPU tokens/s over the plain one-GPU run's, and over the
+    one-GPU run of the same strategy when there is one) and the largest
+    loss difference to the one-GPU run of the same strategy (``fsdp_x1``: FSDP2's bf16
+    parameters round differently from autocast over fp32 weights) or else the plain one, in
+    place."""
+    one = {r["strategy"]: r for r in rows if r["nproc"] == 1 and r["losses"]}
+    base = one.get("single")
     for r in rows:
-        if base is None:
-            r["efficiency"] = r["max_abs_loss_diff"] = None
-            continue
         per_gpu = r.get("tokens_per_s_per_gpu")
-        r["efficiency"] = per_gpu / base["tokens_per_s_per_gpu"] if per_gpu else None
-        n = min(len(r["losses"]), len(base["losses"]))
+        r["efficiency"] = (
+            per_gpu / base["tokens_per_s_per_gpu"]
+            if per_gpu and base and base.get("tokens_per_s_per_gpu")
+            else None
+        )
+        ref = one.get(r["strategy"], base)
+        r["efficiency_same_strategy"] = (
+            per_gpu / ref["tokens_per_s_per_gpu"]
+            if per_gpu and ref and ref.get("tokens_per_s_per_gpu")
+            else None
+        )
+        r["loss_reference"] = ref["name"] if ref else None
+        n = min(len(r["losses"]), len(ref["losses"])) if ref else 0
         r["max_abs_loss_diff"] = (
-            max(abs(a - b) for a, b in zip(r["losses"][:n], base["losses"][:n])) if n else None
+            max(abs(a - b) for a, b in zip(r["losses"][:n], ref["losses"][:n])) if n else None
         )
 
 
@@ -155,16 +171,18 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         f"Device: {meta['device_name']} x {max(r['nproc'] for r in rows)}; command: "
         f"`{meta['command']}`",
         "",
-        "| strategy | GPUs | tokens/s | tokens/s per GPU | efficiency | MFU | peak mem (GiB) "
-        "| max abs loss diff vs 1 GPU | status |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| strategy | GPUs | tokens/s | tokens/s per GPU | efficiency vs single | "
+        "efficiency vs same strategy on 1 GPU | MFU | peak mem (GiB) | max abs loss diff (vs) "
+        "| status |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['strategy']} | {r['nproc']} | {fmt(r.get('tokens_per_s'), ',.0f')} | "
             f"{fmt(r.get('tokens_per_s_per_gpu'), ',.0f')} | {fmt(r.get('efficiency'), '.1%')} | "
+            f"{fmt(r.get('efficiency_same_strategy'), '.1%')} | "
             f"{fmt(r.get('mfu'), '.1%')} | {fmt(r.get('peak_mem_gib'), '.1f')} | "
-            f"{fmt(r.get('max_abs_loss_diff'), '.2e')} | "
+            f"{fmt(r.get('max_abs_loss_diff'), '.2e')} ({r.get('loss_reference') or '-'}) | "
             f"{'ok' if r['error'] is None else 'FAILED: ' + r['error'].replace('|', '/')} |"
         )
     return "\n".join(lines) + "\n"
@@ -180,6 +198,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--size", default="760m", help="configs/size name")
     p.add_argument("--seq-len", type=int, default=16384)
     p.add_argument("--per-gpu-batch", type=int, default=1, help="sequences per GPU per micro batch")
+    p.add_argument(
+        "--global-sequences",
+        type=int,
+        default=None,
+        help="sequences per optimizer step (default: largest --nprocs x --per-gpu-batch); set "
+        "it to compare with runs made with other --nprocs",
+    )
     p.add_argument("--steps", type=int, default=8, help="optimizer steps per run")
     p.add_argument("--warmup", type=int, default=2, help="steps left out of the timing")
     p.add_argument("--compile", action="store_true", help="parallel.compile=true")
@@ -205,6 +230,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             f"--nprocs {args.nprocs}: every count must divide the largest, so that one global "
             "batch serves all runs (e.g. 1,2,4)"
         )
+    if args.global_sequences is None:
+        args.global_sequences = max(args.nprocs) * args.per_gpu_batch
+    bad = [n for n in args.nprocs if args.global_sequences % (n * args.per_gpu_batch)]
+    if bad:
+        p.error(
+            f"--global-sequences {args.global_sequences} is not a multiple of nprocs x "
+            f"--per-gpu-batch for nprocs {bad}"
+        )
     if args.steps <= args.warmup:
         p.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
     return args
@@ -222,8 +255,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     meta = run_meta(device, args)
     out = Path(args.out) if args.out else None
     plan = [(1, "single")] if 1 in args.nprocs else []
-    # largest world size first: a run cut short by a time limit keeps the most telling rows
-    plan += [(n, s) for s in args.strategies for n in sorted(args.nprocs, reverse=True) if n > 1]
+    # largest world size first: a run cut short by a time limit keeps the most telling rows;
+    # FSDP2 also on one process (under torchrun), the loss reference for its other rows
+    plan += [
+        (n, s)
+        for s in args.strategies
+        for n in sorted(args.nprocs, reverse=True)
+        if n > 1 or s == "fsdp"
+    ]
     rows: list[dict[str, Any]] = []
     for n, strategy in plan:
         rows.append(run_one(n, strategy, args))

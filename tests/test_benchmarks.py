@@ -323,7 +323,7 @@ def test_scaling_cpu_two_processes_match_one(tmp_path):
         for name in ("scaling", "train_throughput"):
             sys.modules.pop(name, None)
     rows = {r["name"]: r for r in res["rows"]}
-    assert set(rows) == {"single_x1", "ddp_x2"}
+    assert set(rows) == {"single_x1", "ddp_x2"}  # fsdp_x1 only when fsdp is asked for
     one, two = rows["single_x1"], rows["ddp_x2"]
     assert one["error"] is None and two["error"] is None
     assert len(one["losses"]) == len(two["losses"]) == 3

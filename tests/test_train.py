@@ -448,3 +448,21 @@ def test_no_weight_decay_on_biases_norms_and_gate_biases() -> None:
             assert n not in names, n
     assert any(n.endswith("fgate_proj.bias") for n in names)  # the forget-gate bias
     assert any(n.endswith("fgate_proj.weight") for n in decay_names(model, decay))
+
+
+def test_fsdp_in_one_process_equals_single(tmp_path, one_process_run) -> None:
+    """parallel=fsdp without torchrun (a process group of one, made by ``parallelize``) trains
+    to the same losses as parallel=single in fp32 on CPU."""
+    import torch.distributed as dist
+
+    single_dir, res1 = one_process_run
+    fsdp_dir = tmp_path / "fsdp1"
+    try:
+        res2 = train(_cfg(fsdp_dir, *_COMMON, "parallel=fsdp"))
+    finally:
+        if dist.is_initialized():  # leave no process group behind for other tests
+            dist.destroy_process_group()
+    one, two = _losses(single_dir), _losses(fsdp_dir)
+    assert one.keys() == two.keys() and len(one) > 0
+    assert max(abs(one[k] - two[k]) for k in one) < 1e-5
+    assert abs(res1["loss"] - res2["loss"]) < 1e-5

@@ -147,6 +147,12 @@ def parallelize(
             block.compile()
     if strategy == "single":
         return model
+    if strategy == "fsdp" and not dist.is_initialized():
+        # One process (no torchrun, or torchrun with one): FSDP2 needs a process group, so
+        # make one of size 1 (same numerics as N processes: parameters cast by the policy).
+        backend = "nccl" if info.device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        atexit.register(_destroy)
     if not dist.is_initialized():
         raise RuntimeError(
             f"parallel.strategy={strategy} needs torchrun (e.g. `torchrun "

@@ -83,6 +83,56 @@ def _first_needed_key(C_row, g, a_hi, a_lo, t_lo, t_hi, T, BN: tl.constexpr):
 
 
 @triton.jit
+def _fwd_tile(
+    acc, l_i, m_i, q, cq, lb, offs_m, offs_d, start_n, K_ptr, V_ptr, stride_kt, stride_vt,
+    C_row, T, a_hi, a_lo, qk_scale,
+    BN: tl.constexpr, MASK: tl.constexpr, EVEN: tl.constexpr, HAS_DOC: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr,
+):  # fmt: skip
+    """One key tile of the forward's online softmax. ``MASK``: apply the causal (and, unless
+    ``EVEN``, the length) mask; without it only the document/window bound is applied."""
+    start_n = tl.multiple_of(start_n, BN)
+    offs_n = start_n + tl.arange(0, BN)
+    if EVEN or not MASK:
+        kT = tl.load(K_ptr + offs_n[None, :] * stride_kt + offs_d[:, None])
+        v = tl.load(V_ptr + offs_n[:, None] * stride_vt + offs_d[None, :])
+        ck = _c_rel(C_row, offs_n, T, a_hi, a_lo, False)
+    else:
+        kT = tl.load(
+            K_ptr + offs_n[None, :] * stride_kt + offs_d[:, None],
+            mask=offs_n[None, :] < T,
+            other=0.0,
+        )
+        v = tl.load(
+            V_ptr + offs_n[:, None] * stride_vt + offs_d[None, :],
+            mask=offs_n[:, None] < T,
+            other=0.0,
+        )
+        ck = _c_rel(C_row, offs_n, T, a_hi, a_lo, True)
+    s = tl.dot(q, kT, input_precision=DOT_PREC) * qk_scale + (cq[:, None] - ck[None, :])
+    if MASK:
+        ok = offs_n[None, :] <= offs_m[:, None]
+        if not EVEN:
+            ok = ok & (offs_n[None, :] < T)
+        if HAS_DOC or HAS_WINDOW:
+            ok = ok & (offs_n[None, :] >= lb[:, None])
+        s = tl.where(ok, s, float("-inf"))
+    elif HAS_DOC or HAS_WINDOW:
+        s = tl.where(offs_n[None, :] >= lb[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = m_new
+    if HAS_DOC or HAS_WINDOW:
+        # A row may have no visible key in this tile (and none before): keep exp2 finite.
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_use[:, None])
+    alpha = tl.math.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    return acc, l_i, m_new
+
+
+@triton.jit
 def _fwd_kernel(
     Q,
     K,
@@ -172,43 +222,20 @@ def _fwd_kernel(
     m_i = tl.full([BM], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BM], dtype=tl.float32)
     acc = tl.zeros([BM, D], dtype=tl.float32)
-    for start_n in range(t_first * BN, (t_hi + 1) * BN, BN):
-        start_n = tl.multiple_of(start_n, BN)
-        offs_n = start_n + tl.arange(0, BN)
-        if EVEN:
-            kT = tl.load(K_ptr + offs_n[None, :] * stride_kt + offs_d[:, None])
-            v = tl.load(V_ptr + offs_n[:, None] * stride_vt + offs_d[None, :])
-            ck = _c_rel(C_row, offs_n, T, a_hi, a_lo, False)
-        else:
-            kT = tl.load(
-                K_ptr + offs_n[None, :] * stride_kt + offs_d[:, None],
-                mask=offs_n[None, :] < T,
-                other=0.0,
-            )
-            v = tl.load(
-                V_ptr + offs_n[:, None] * stride_vt + offs_d[None, :],
-                mask=offs_n[:, None] < T,
-                other=0.0,
-            )
-            ck = _c_rel(C_row, offs_n, T, a_hi, a_lo, True)
-        s = tl.dot(q, kT, input_precision=DOT_PREC) * qk_scale + (cq[:, None] - ck[None, :])
-        ok = offs_n[None, :] <= offs_m[:, None]
-        if not EVEN:
-            ok = ok & (offs_n[None, :] < T)
-        if HAS_DOC or HAS_WINDOW:
-            ok = ok & (offs_n[None, :] >= lb[:, None])
-        s = tl.where(ok, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = m_new
-        if HAS_DOC or HAS_WINDOW:
-            # A row may have no visible key in this tile (and none before): keep exp2 finite.
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_use[:, None])
-        alpha = tl.math.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-        m_i = m_new
+    # Key tiles before m0 lie wholly below the diagonal (BM is a multiple of BN) and before T:
+    # no causal or length mask there; the tiles from m0 on are masked.
+    for start_n in range(t_first * BN, m0, BN):
+        acc, l_i, m_i = _fwd_tile(
+            acc, l_i, m_i, q, cq, lb, offs_m, offs_d, start_n, K_ptr, V_ptr, stride_kt,
+            stride_vt, C_row, T, a_hi, a_lo, qk_scale,
+            BN, False, EVEN, HAS_DOC, HAS_WINDOW, DOT_PREC,
+        )  # fmt: skip
+    for start_n in range(tl.maximum(t_first * BN, m0), (t_hi + 1) * BN, BN):
+        acc, l_i, m_i = _fwd_tile(
+            acc, l_i, m_i, q, cq, lb, offs_m, offs_d, start_n, K_ptr, V_ptr, stride_kt,
+            stride_vt, C_row, T, a_hi, a_lo, qk_scale,
+            BN, True, EVEN, HAS_DOC, HAS_WINDOW, DOT_PREC,
+        )  # fmt: skip
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -221,6 +248,52 @@ def _fwd_kernel(
         mask=row_ok[:, None],
     )
     tl.store(LSE + bh.to(tl.int64) * T + offs_m, lse, mask=row_ok)
+
+
+@triton.jit
+def _dq_tile(
+    dq, drow, q, do, lse, delta, cq, lb, offs_m, offs_d, start_n, K_ptr, V_ptr, stride_kt,
+    stride_vt, C_row, T, a_hi, a_lo, qk_scale,
+    BN: tl.constexpr, MASK: tl.constexpr, EVEN: tl.constexpr, HAS_DOC: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr,
+):  # fmt: skip
+    """One key tile of the dQ kernel (``MASK`` as in :func:`_fwd_tile`)."""
+    start_n = tl.multiple_of(start_n, BN)
+    offs_n = start_n + tl.arange(0, BN)
+    if EVEN or not MASK:
+        kT = tl.load(K_ptr + offs_n[None, :] * stride_kt + offs_d[:, None])
+        vT = tl.load(V_ptr + offs_n[None, :] * stride_vt + offs_d[:, None])
+        ck = _c_rel(C_row, offs_n, T, a_hi, a_lo, False)
+    else:
+        kT = tl.load(
+            K_ptr + offs_n[None, :] * stride_kt + offs_d[:, None],
+            mask=offs_n[None, :] < T,
+            other=0.0,
+        )
+        vT = tl.load(
+            V_ptr + offs_n[None, :] * stride_vt + offs_d[:, None],
+            mask=offs_n[None, :] < T,
+            other=0.0,
+        )
+        ck = _c_rel(C_row, offs_n, T, a_hi, a_lo, True)
+    s = tl.dot(q, kT, input_precision=DOT_PREC) * qk_scale + (cq[:, None] - ck[None, :])
+    # Mask before exp2: masked-out entries (j > i) can have a huge positive bias.
+    if MASK:
+        ok = offs_n[None, :] <= offs_m[:, None]
+        if not EVEN:
+            ok = ok & (offs_n[None, :] < T)
+        if HAS_DOC or HAS_WINDOW:
+            ok = ok & (offs_n[None, :] >= lb[:, None])
+        p = tl.math.exp2(tl.where(ok, s - lse[:, None], float("-inf")))
+    elif HAS_DOC or HAS_WINDOW:
+        p = tl.math.exp2(tl.where(offs_n[None, :] >= lb[:, None], s - lse[:, None], float("-inf")))
+    else:
+        p = tl.math.exp2(s - lse[:, None])
+    dp = tl.dot(do, vT, input_precision=DOT_PREC)
+    ds = p * (dp - delta[:, None])
+    drow += tl.sum(ds, 1)
+    dq += tl.dot(ds.to(kT.dtype), tl.trans(kT), input_precision=DOT_PREC)
+    return dq, drow
 
 
 @triton.jit
@@ -329,37 +402,19 @@ def _bwd_dq_kernel(
 
     dq = tl.zeros([BM, D], dtype=tl.float32)
     drow = tl.zeros([BM], dtype=tl.float32)
-    for start_n in range(t_first * BN, (t_hi + 1) * BN, BN):
-        start_n = tl.multiple_of(start_n, BN)
-        offs_n = start_n + tl.arange(0, BN)
-        if EVEN:
-            kT = tl.load(K_ptr + offs_n[None, :] * stride_kt + offs_d[:, None])
-            vT = tl.load(V_ptr + offs_n[None, :] * stride_vt + offs_d[:, None])
-            ck = _c_rel(C_row, offs_n, T, a_hi, a_lo, False)
-        else:
-            kT = tl.load(
-                K_ptr + offs_n[None, :] * stride_kt + offs_d[:, None],
-                mask=offs_n[None, :] < T,
-                other=0.0,
-            )
-            vT = tl.load(
-                V_ptr + offs_n[None, :] * stride_vt + offs_d[:, None],
-                mask=offs_n[None, :] < T,
-                other=0.0,
-            )
-            ck = _c_rel(C_row, offs_n, T, a_hi, a_lo, True)
-        s = tl.dot(q, kT, input_precision=DOT_PREC) * qk_scale + (cq[:, None] - ck[None, :])
-        ok = offs_n[None, :] <= offs_m[:, None]
-        if not EVEN:
-            ok = ok & (offs_n[None, :] < T)
-        if HAS_DOC or HAS_WINDOW:
-            ok = ok & (offs_n[None, :] >= lb[:, None])
-        # Mask before exp2: masked-out entries (j > i) can have a huge positive bias.
-        p = tl.math.exp2(tl.where(ok, s - lse[:, None], float("-inf")))
-        dp = tl.dot(do, vT, input_precision=DOT_PREC)
-        ds = p * (dp - delta[:, None])
-        drow += tl.sum(ds, 1)
-        dq += tl.dot(ds.to(kT.dtype), tl.trans(kT), input_precision=DOT_PREC)
+    # As in the forward: key tiles before m0 need no causal or length mask.
+    for start_n in range(t_first * BN, m0, BN):
+        dq, drow = _dq_tile(
+            dq, drow, q, do, lse, delta, cq, lb, offs_m, offs_d, start_n, K_ptr, V_ptr,
+            stride_kt, stride_vt, C_row, T, a_hi, a_lo, qk_scale,
+            BN, False, EVEN, HAS_DOC, HAS_WINDOW, DOT_PREC,
+        )  # fmt: skip
+    for start_n in range(tl.maximum(t_first * BN, m0), (t_hi + 1) * BN, BN):
+        dq, drow = _dq_tile(
+            dq, drow, q, do, lse, delta, cq, lb, offs_m, offs_d, start_n, K_ptr, V_ptr,
+            stride_kt, stride_vt, C_row, T, a_hi, a_lo, qk_scale,
+            BN, True, EVEN, HAS_DOC, HAS_WINDOW, DOT_PREC,
+        )  # fmt: skip
     dq = dq * scale
     tl.store(DROW + bh.to(tl.int64) * T + offs_m, drow, mask=row_ok)
     DQ_ptr = DQ + b.to(tl.int64) * stride_dqb + h * stride_dqh
@@ -368,6 +423,62 @@ def _bwd_dq_kernel(
         dq.to(DQ.dtype.element_ty),
         mask=row_ok[:, None],
     )
+
+
+@triton.jit
+def _dkdv_tile(
+    dk, dv, dcol, k, v, ck, offs_n, offs_d, start_m, Q_ptr, DO_ptr, LSE_row, DELTA_row,
+    DOCSTART, stride_qt, stride_dot, C_row, T, W, a_hi, a_lo, qk_scale,
+    BM: tl.constexpr, MASK: tl.constexpr, EVEN: tl.constexpr, HAS_DOC: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr,
+):  # fmt: skip
+    """One query tile of the dK/dV kernel. ``MASK``: causal and (unless ``EVEN``) length masks
+    on; without it the tile must lie above the diagonal and before T."""
+    start_m = tl.multiple_of(start_m, BM)
+    offs_m = start_m + tl.arange(0, BM)
+    if EVEN or not MASK:
+        qT = tl.load(Q_ptr + offs_m[None, :] * stride_qt + offs_d[:, None])
+        do = tl.load(DO_ptr + offs_m[:, None] * stride_dot + offs_d[None, :])
+        cq = _c_rel(C_row, offs_m, T, a_hi, a_lo, False)
+        lse = tl.load(LSE_row + offs_m)
+        delta = tl.load(DELTA_row + offs_m)
+    else:
+        row_ok = offs_m < T
+        qT = tl.load(
+            Q_ptr + offs_m[None, :] * stride_qt + offs_d[:, None],
+            mask=row_ok[None, :],
+            other=0.0,
+        )
+        do = tl.load(
+            DO_ptr + offs_m[:, None] * stride_dot + offs_d[None, :],
+            mask=row_ok[:, None],
+            other=0.0,
+        )
+        cq = _c_rel(C_row, offs_m, T, a_hi, a_lo, True)
+        lse = tl.load(LSE_row + offs_m, mask=row_ok, other=float("inf"))
+        delta = tl.load(DELTA_row + offs_m, mask=row_ok, other=0.0)
+    sT = tl.dot(k, qT, input_precision=DOT_PREC) * qk_scale + (cq[None, :] - ck[:, None])
+    if MASK:
+        ok = offs_n[:, None] <= offs_m[None, :]
+        if not EVEN:
+            ok = ok & (offs_m[None, :] < T)
+        if HAS_DOC or HAS_WINDOW:
+            lb = _row_lower_bound(offs_m, T, DOCSTART, W, HAS_DOC, HAS_WINDOW)
+            ok = ok & (offs_n[:, None] >= lb[None, :])
+        pT = tl.math.exp2(tl.where(ok, sT - lse[None, :], float("-inf")))
+    elif HAS_DOC or HAS_WINDOW:
+        lb = _row_lower_bound(offs_m, T, DOCSTART, W, HAS_DOC, HAS_WINDOW)
+        pT = tl.math.exp2(
+            tl.where(offs_n[:, None] >= lb[None, :], sT - lse[None, :], float("-inf"))
+        )
+    else:
+        pT = tl.math.exp2(sT - lse[None, :])
+    dv += tl.dot(pT.to(do.dtype), do, input_precision=DOT_PREC)
+    dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
+    dsT = pT * (dpT - delta[None, :])
+    dcol += tl.sum(dsT, 1)
+    dk += tl.dot(dsT.to(qT.dtype), tl.trans(qT), input_precision=DOT_PREC)
+    return dk, dv, dcol
 
 
 @triton.jit
@@ -480,43 +591,30 @@ def _bwd_dkdv_kernel(
                 else:
                     hi = mid
             end_g = start + lo * BM
-        for start_m in range(start, end_g, BM):
-            start_m = tl.multiple_of(start_m, BM)
-            offs_m = start_m + tl.arange(0, BM)
-            if EVEN:
-                qT = tl.load(Q_ptr + offs_m[None, :] * stride_qt + offs_d[:, None])
-                do = tl.load(DO_ptr + offs_m[:, None] * stride_dot + offs_d[None, :])
-                cq = _c_rel(C_row, offs_m, T, a_hi, a_lo, False)
-                lse = tl.load(LSE_row + offs_m)
-                delta = tl.load(DELTA_row + offs_m)
-            else:
-                row_ok = offs_m < T
-                qT = tl.load(
-                    Q_ptr + offs_m[None, :] * stride_qt + offs_d[:, None],
-                    mask=row_ok[None, :],
-                    other=0.0,
-                )
-                do = tl.load(
-                    DO_ptr + offs_m[:, None] * stride_dot + offs_d[None, :],
-                    mask=row_ok[:, None],
-                    other=0.0,
-                )
-                cq = _c_rel(C_row, offs_m, T, a_hi, a_lo, True)
-                lse = tl.load(LSE_row + offs_m, mask=row_ok, other=float("inf"))
-                delta = tl.load(DELTA_row + offs_m, mask=row_ok, other=0.0)
-            sT = tl.dot(k, qT, input_precision=DOT_PREC) * qk_scale + (cq[None, :] - ck[:, None])
-            ok = offs_n[:, None] <= offs_m[None, :]
-            if not EVEN:
-                ok = ok & (offs_m[None, :] < T)
-            if HAS_DOC or HAS_WINDOW:
-                lb = _row_lower_bound(offs_m, T, DOCSTART, W, HAS_DOC, HAS_WINDOW)
-                ok = ok & (offs_n[:, None] >= lb[None, :])
-            pT = tl.math.exp2(tl.where(ok, sT - lse[None, :], float("-inf")))
-            dv += tl.dot(pT.to(do.dtype), do, input_precision=DOT_PREC)
-            dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
-            dsT = pT * (dpT - delta[None, :])
-            dcol += tl.sum(dsT, 1)
-            dk += tl.dot(dsT.to(qT.dtype), tl.trans(qT), input_precision=DOT_PREC)
+        # Query tiles from diag_end on lie wholly above the diagonal; before T (``full_end``)
+        # they need no causal or length mask. The diagonal tiles and a partial last tile do.
+        diag_end = tl.minimum(end_g, tl.cdiv(n0 + BN, BM) * BM)
+        full_end = end_g
+        if not EVEN:
+            full_end = tl.minimum(end_g, (T // BM) * BM)
+        for start_m in range(start, diag_end, BM):
+            dk, dv, dcol = _dkdv_tile(
+                dk, dv, dcol, k, v, ck, offs_n, offs_d, start_m, Q_ptr, DO_ptr, LSE_row,
+                DELTA_row, DOCSTART, stride_qt, stride_dot, C_row, T, W, a_hi, a_lo, qk_scale,
+                BM, True, EVEN, HAS_DOC, HAS_WINDOW, DOT_PREC,
+            )  # fmt: skip
+        for start_m in range(diag_end, full_end, BM):
+            dk, dv, dcol = _dkdv_tile(
+                dk, dv, dcol, k, v, ck, offs_n, offs_d, start_m, Q_ptr, DO_ptr, LSE_row,
+                DELTA_row, DOCSTART, stride_qt, stride_dot, C_row, T, W, a_hi, a_lo, qk_scale,
+                BM, False, EVEN, HAS_DOC, HAS_WINDOW, DOT_PREC,
+            )  # fmt: skip
+        for start_m in range(tl.maximum(diag_end, full_end), end_g, BM):
+            dk, dv, dcol = _dkdv_tile(
+                dk, dv, dcol, k, v, ck, offs_n, offs_d, start_m, Q_ptr, DO_ptr, LSE_row,
+                DELTA_row, DOCSTART, stride_qt, stride_dot, C_row, T, W, a_hi, a_lo, qk_scale,
+                BM, True, EVEN, HAS_DOC, HAS_WINDOW, DOT_PREC,
+            )  # fmt: skip
         tl.store(DCOL + bh.to(tl.int64) * T + offs_n, dcol, mask=col_ok)
     dk = dk * scale
     DK_ptr = DK + b.to(tl.int64) * stride_dkb + hk * stride_dkh

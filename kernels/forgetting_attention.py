@@ -67,6 +67,12 @@ def _tile_sizes(D: int) -> dict[str, int]:
     else:
         sizes = {"fwd_bm": 64, "fwd_bn": 32, "dq_bm": 64, "dq_bn": 32, "kv_bm": 32, "kv_bn": 64}
     sizes.update({key: val for key, val in _CONFIG_OVERRIDE.items() if key in sizes})
+    for kern_name in ("fwd", "dq"):  # their unmasked key tiles end exactly at the query tile
+        if sizes[f"{kern_name}_bm"] % sizes[f"{kern_name}_bn"]:
+            raise ValueError(
+                f"{kern_name}_bm={sizes[f'{kern_name}_bm']} must be a multiple of "
+                f"{kern_name}_bn={sizes[f'{kern_name}_bn']}"
+            )
     return sizes
 
 

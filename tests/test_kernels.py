@@ -7,6 +7,7 @@ gradients that are exactly zero, e.g. at T=1). NaN never passes.
 
 from __future__ import annotations
 
+import importlib
 import itertools
 
 import pytest
@@ -121,6 +122,43 @@ def test_varlen_matches_loop_over_documents():
     assert_matches_reference(
         q, k, v, log_f, TOL[torch.float32], cu_seqlens=cu.long(), window_size=30
     )
+
+
+@pytest.fixture
+def unequal_tiles():
+    """Tiles of different shapes (query tiles 64, key tiles 32 in forward/dQ; the reverse in
+    dK/dV), so the unmasked interior tiles and the masked diagonal ones split differently."""
+    fa = importlib.import_module("fot.kernels.forgetting_attention")
+
+    fa._CONFIG_OVERRIDE.update(
+        {"fwd_bm": 64, "fwd_bn": 32, "dq_bm": 64, "dq_bn": 32, "kv_bm": 32, "kv_bn": 64}
+    )
+    try:
+        yield
+    finally:
+        fa._CONFIG_OVERRIDE.clear()
+
+
+@pytest.mark.parametrize(
+    ("T", "kw"),
+    [(255, {}), (256, {}), (200, {"cu_seqlens": "docs"}), (255, {"window_size": 70})],
+)
+def test_unequal_tiles_match_reference(unequal_tiles, T, kw):
+    q, k, v, log_f = make_inputs(1, T, 2, 1, 32, torch.float32, STRONG if kw else WEAK)
+    if kw.get("cu_seqlens") == "docs":
+        kw = {"cu_seqlens": torch.tensor([0, 45, 45, 46, 130, T], dtype=torch.int32)}
+    assert_matches_reference(q, k, v, log_f, TOL[torch.float32], **kw)
+
+
+def test_tiles_that_split_a_query_tile_are_refused():
+    fa = importlib.import_module("fot.kernels.forgetting_attention")
+
+    fa._CONFIG_OVERRIDE.update({"fwd_bm": 32, "fwd_bn": 64})
+    try:
+        with pytest.raises(ValueError, match="fwd_bm=32 must be a multiple of fwd_bn=64"):
+            forgetting_attention(*make_inputs(1, 8, 1, 1, 32))
+    finally:
+        fa._CONFIG_OVERRIDE.clear()
 
 
 def test_pruning_is_exact_and_skips_tiles():

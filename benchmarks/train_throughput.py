@@ -255,6 +255,63 @@ class Settings:
     hf_llama_heads: int | None = None
     fla_fused_linear_ce: bool = False
     fgate_bias_init: float | None = None
+    profile_steps: int = 0
+
+
+# Kernel-name patterns -> category, first match wins (lower-case substrings), after our own
+# attention kernels (exact names). Heuristic: `top_kernels` shows what the categories hold.
+OUR_ATTENTION_KERNELS = frozenset({"_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkdv_kernel"})
+PROFILE_CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("attention: other", ("flash", "fmha", "cudnn", "attn", "attention")),
+    ("loss (cross-entropy)", ("cross_entropy", "crossentropy", "linear_cross", "logsumexp")),
+    ("optimizer", ("adam", "multi_tensor", "foreach")),
+    (
+        "matmul",
+        (
+            "gemm",
+            "xmma",
+            "cutlass",
+            "nvjet",
+            "matmul",
+            "sm90",
+            "sm80",
+            "cublas",
+            "::mm",
+            "::bmm",
+            "::addmm",
+        ),
+    ),
+    ("norms", ("rms", "norm")),
+)
+
+
+def profile_categories(events: list[tuple[str, float]], steps: int) -> dict[str, Any]:
+    """Per-step device time by kernel category from ``(kernel name, total ms)`` pairs.
+
+    Returns:
+        ``{"ms_per_step": {category: ms}, "total_ms_per_step": float, "top_kernels":
+        [(name, ms per step), ...]}`` (ten largest kernels).
+    """
+    cats: dict[str, float] = {"attention: ours (Triton)": 0.0}
+    cats.update({name: 0.0 for name, _ in PROFILE_CATEGORIES})
+    cats["elementwise and other"] = 0.0
+    for name, ms in events:
+        low = name.lower()
+        cat = (
+            "attention: ours (Triton)"
+            if name in OUR_ATTENTION_KERNELS  # Triton names kernels after their functions
+            else next(
+                (c for c, pats in PROFILE_CATEGORIES if any(p in low for p in pats)),
+                "elementwise and other",
+            )
+        )
+        cats[cat] += ms / steps
+    top = sorted(events, key=lambda e: -e[1])[:10]
+    return {
+        "ms_per_step": cats,
+        "total_ms_per_step": sum(cats.values()),
+        "top_kernels": [(name[:120], ms / steps) for name, ms in top],
+    }
 
 
 def resolve_precision(precision: str, device: torch.device) -> str:
@@ -373,6 +430,9 @@ def measure(name: str, s: Settings) -> dict[str, Any]:
         timer.mark()
     times = timer.step_seconds()
     total = sum(times)
+    profile = None
+    if s.profile_steps > 0:
+        profile = _profile(step, s.profile_steps, dev)
     loss_first, loss_last = float(first), float(loss)
     tokens_per_step = s.batch_size * s.seq_len
     tps = tokens_per_step * len(times) / total if total > 0 else float("nan")
@@ -398,11 +458,42 @@ def measure(name: str, s: Settings) -> dict[str, Any]:
         "loss_first": loss_first,
         "loss_last": loss_last,
     }
+    if profile is not None:
+        row["profile"] = profile
     try:
         row.update(_implementation(name, config, dev))
     except Exception as err:  # a renamed helper must not cost the measurement
         row.update(attn_impl="unknown", loss_impl=f"unknown ({type(err).__name__})")
     return row
+
+
+def _profile(step: Callable[[], torch.Tensor], steps: int, dev: torch.device) -> dict[str, Any]:
+    """Run ``steps`` more training steps under ``torch.profiler``; kernel time by category
+    (device time on CUDA, self CPU time of each op on CPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            step()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+    if dev.type == "cuda":
+        events = [
+            (e.name, e.device_time_total / 1e3)
+            for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0
+        ]
+    else:
+        events = [
+            (a.key, a.self_cpu_time_total / 1e3)
+            for a in prof.key_averages()
+            if a.self_cpu_time_total > 0
+        ]
+    merged: dict[str, float] = {}
+    for name, ms in events:
+        merged[name] = merged.get(name, 0.0) + ms
+    return profile_categories(list(merged.items()), steps)
 
 
 def _implementation(name: str, config: Any, device: torch.device) -> dict[str, Any]:
@@ -511,6 +602,21 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
             )
             + " |"
         )
+    return "\n".join(lines)
+
+
+def profile_table(rows: list[dict[str, Any]]) -> str:
+    """Markdown table: per-step kernel time by category (ms) for the profiled models."""
+    rows = [r for r in rows if "profile" in r]
+    cats = list(rows[0]["profile"]["ms_per_step"])
+    lines = ["| category | " + " | ".join(r["model"] for r in rows) + " |"]
+    lines.append("|---|" + "---|" * len(rows))
+    for c in [*cats, "total"]:
+        vals = [
+            r["profile"]["total_ms_per_step"] if c == "total" else r["profile"]["ms_per_step"][c]
+            for r in rows
+        ]
+        lines.append(f"| {c} | " + " | ".join(f"{v:.1f}" for v in vals) + " |")
     return "\n".join(lines)
 
 
@@ -626,6 +732,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--hf-llama-heads", type=int, default=None, help="default: as FoT (hd 64)")
     p.add_argument("--fla-fused-linear-ce", action="store_true")
+    p.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after timing, profile N more steps: kernel time per step by category",
+    )
     p.add_argument("--out", default=None, help="JSON file (rewritten after every model)")
     return p
 
@@ -677,6 +790,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         hf_llama_heads=args.hf_llama_heads,
         fla_fused_linear_ce=args.fla_fused_linear_ce,
         fgate_bias_init=args.fgate_bias_init,
+        profile_steps=args.profile,
     )
     meta = run_meta(device, args)
     meta.update(
@@ -708,6 +822,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     log("")
     log(f"Device: {meta['device_name']}; command: {meta['command']}")
     log(markdown_table(payload["results"]))
+    if any("profile" in r for r in payload["results"]):
+        log("")
+        log(profile_table(payload["results"]))
     return payload
 
 

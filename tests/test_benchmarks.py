@@ -332,3 +332,28 @@ def test_scaling_cpu_two_processes_match_one(tmp_path):
     assert "| ddp | 2 |" in (tmp_path / "scaling.md").read_text()
     with pytest.raises(SystemExit):
         scaling.parse_args(["--nprocs", "2,3"])  # 3 does not divide into one global batch
+
+
+def test_profile_categories_hand_count(bench):
+    """Kernel names sort into categories by the first matching pattern; per-step times are the
+    totals over the profiled steps divided by the step count."""
+    tt = bench["train_throughput"]
+    events = [
+        ("_fwd_kernel", 10.0),
+        ("_bwd_dkdv_kernel", 6.0),
+        ("sm90_xmma_gemm_bf16bf16_bf16f32", 20.0),
+        ("flash_fwd_kernel", 4.0),
+        ("triton_red_fused__rms_norm_0", 5.0),
+        ("multi_tensor_apply_kernel<FusedAdamW>", 2.0),
+        ("vectorized_elementwise_kernel<add>", 3.0),
+    ]
+    prof = tt.profile_categories(events, steps=2)
+    ms = prof["ms_per_step"]
+    assert ms["attention: ours (Triton)"] == 8.0
+    assert ms["attention: other"] == 2.0
+    assert ms["matmul"] == 10.0 and ms["norms"] == 2.5 and ms["optimizer"] == 1.0
+    assert ms["elementwise and other"] == 1.5 and ms["loss (cross-entropy)"] == 0.0
+    assert prof["total_ms_per_step"] == 25.0
+    assert prof["top_kernels"][0] == ("sm90_xmma_gemm_bf16bf16_bf16f32", 10.0)
+    table = tt.profile_table([{"model": "m", "profile": prof}])
+    assert "| matmul | 10.0 |" in table and "| total | 25.0 |" in table

@@ -814,3 +814,26 @@ def test_pro_recompute_same_gradients_and_keeps_less_for_backward(monkeypatch) -
     for a, b in zip(kept_grads, re_grads):
         assert torch.allclose(a, b, atol=1e-6, rtol=1e-5)
     assert re_bytes < kept_bytes
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_padded_head_with_bias_equals_cut_head(dtype) -> None:
+    """The fused loss's aligned head (all padded rows, padding logits biased by -1e4) gives the
+    cut head's cross-entropy and gradients; padding rows get exactly zero gradient."""
+    m = tiny("fot_llama")
+    weight, bias = m._padded_head()
+    assert weight.shape[0] == 320 and bias is not None and (bias[VOCAB:] == -1e4).all()
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(64, m.config.hidden_size, generator=g)
+    y = torch.randint(0, VOCAB, (64,), generator=g)
+    w = m.lm_head.weight.detach().to(dtype).requires_grad_(True)
+    full = F.cross_entropy(F.linear(h.to(dtype), w, bias.to(dtype)).float(), y)
+    (g_full,) = torch.autograd.grad(full, w)
+    w2 = m.lm_head.weight.detach().to(dtype).requires_grad_(True)
+    cut = F.cross_entropy(F.linear(h.to(dtype), w2[:VOCAB]).float(), y)
+    (g_cut,) = torch.autograd.grad(cut, w2)
+    assert torch.equal(full, cut)
+    assert torch.equal(g_full[VOCAB:], torch.zeros_like(g_full[VOCAB:]))
+    assert torch.equal(g_full, g_cut)
+    unpadded = tiny("fot_llama", vocab_size=320)
+    assert unpadded._padded_head()[1] is None

@@ -290,7 +290,7 @@ def profile_categories(events: list[tuple[str, float]], steps: int) -> dict[str,
 
     Returns:
         ``{"ms_per_step": {category: ms}, "total_ms_per_step": float, "top_kernels":
-        [(name, ms per step), ...]}`` (ten largest kernels).
+        [(name, ms per step), ...]}`` (the 30 largest kernels).
     """
     cats: dict[str, float] = {"attention: ours (Triton)": 0.0}
     cats.update({name: 0.0 for name, _ in PROFILE_CATEGORIES})
@@ -306,11 +306,11 @@ def profile_categories(events: list[tuple[str, float]], steps: int) -> dict[str,
             )
         )
         cats[cat] += ms / steps
-    top = sorted(events, key=lambda e: -e[1])[:10]
+    top = sorted(events, key=lambda e: -e[1])[:30]
     return {
         "ms_per_step": cats,
         "total_ms_per_step": sum(cats.values()),
-        "top_kernels": [(name[:120], ms / steps) for name, ms in top],
+        "top_kernels": [(name[:160], ms / steps) for name, ms in top],
     }
 
 

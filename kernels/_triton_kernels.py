@@ -29,10 +29,17 @@ Conventions shared by every kernel here:
 
 from __future__ import annotations
 
+import struct
+
 import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
+# log2(e) as two float32 constants (hi + lo, exact to ~1e-15) for float64 math inside kernels:
+# a plain float constant would enter a kernel rounded to float32.
+_LOG2E_HI_F = struct.unpack("f", struct.pack("f", LOG2E))[0]
+_LOG2E_HI = tl.constexpr(_LOG2E_HI_F)
+_LOG2E_LO = tl.constexpr(struct.unpack("f", struct.pack("f", LOG2E - _LOG2E_HI_F))[0])
 
 
 @triton.jit
@@ -252,12 +259,13 @@ def _fwd_kernel(
 
 @triton.jit
 def _dq_tile(
-    dq, drow, q, do, lse, delta, cq, lb, offs_m, offs_d, start_n, K_ptr, V_ptr, stride_kt,
+    dq, drow, q, do, delta, cq_lse, lb, offs_m, offs_d, start_n, K_ptr, V_ptr, stride_kt,
     stride_vt, C_row, T, a_hi, a_lo, qk_scale,
     BN: tl.constexpr, MASK: tl.constexpr, EVEN: tl.constexpr, HAS_DOC: tl.constexpr,
     HAS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr,
 ):  # fmt: skip
-    """One key tile of the dQ kernel (``MASK`` as in :func:`_fwd_tile`)."""
+    """One key tile of the dQ kernel (``MASK`` as in :func:`_fwd_tile`). ``cq_lse`` is the
+    queries' ``c - LSE`` (folded once per program: one op per score fewer)."""
     start_n = tl.multiple_of(start_n, BN)
     offs_n = start_n + tl.arange(0, BN)
     if EVEN or not MASK:
@@ -276,7 +284,8 @@ def _dq_tile(
             other=0.0,
         )
         ck = _c_rel(C_row, offs_n, T, a_hi, a_lo, True)
-    s = tl.dot(q, kT, input_precision=DOT_PREC) * qk_scale + (cq[:, None] - ck[None, :])
+    # s - LSE (log2 units) of every score of the tile.
+    s = tl.dot(q, kT, input_precision=DOT_PREC) * qk_scale + (cq_lse[:, None] - ck[None, :])
     # Mask before exp2: masked-out entries (j > i) can have a huge positive bias.
     if MASK:
         ok = offs_n[None, :] <= offs_m[:, None]
@@ -284,11 +293,11 @@ def _dq_tile(
             ok = ok & (offs_n[None, :] < T)
         if HAS_DOC or HAS_WINDOW:
             ok = ok & (offs_n[None, :] >= lb[:, None])
-        p = tl.math.exp2(tl.where(ok, s - lse[:, None], float("-inf")))
+        p = tl.math.exp2(tl.where(ok, s, float("-inf")))
     elif HAS_DOC or HAS_WINDOW:
-        p = tl.math.exp2(tl.where(offs_n[None, :] >= lb[:, None], s - lse[:, None], float("-inf")))
+        p = tl.math.exp2(tl.where(offs_n[None, :] >= lb[:, None], s, float("-inf")))
     else:
-        p = tl.math.exp2(s - lse[:, None])
+        p = tl.math.exp2(s)
     dp = tl.dot(do, vT, input_precision=DOT_PREC)
     ds = p * (dp - delta[:, None])
     drow += tl.sum(ds, 1)
@@ -382,6 +391,7 @@ def _bwd_dq_kernel(
     a_hi = tl.load(C_row + m0)
     a_lo = tl.load(C_row + T + m0)
     cq = _c_rel(C_row, offs_m, T, a_hi, a_lo, True)
+    cq_lse = cq - lse  # -inf on rows past T
     lb = _row_lower_bound(offs_m, T, DOCSTART, W, HAS_DOC, HAS_WINDOW)
     lb_first = tl.min(tl.where(row_ok, lb, T))
 
@@ -392,7 +402,7 @@ def _bwd_dq_kernel(
         qf = q.to(tl.float32)
         q_norm = tl.sqrt(tl.sum(qf * qf, 1))
         kmax = tl.load(KMAX + b * H + hk)
-        bound = q_norm * kmax * qk_scale + cq - lse
+        bound = q_norm * kmax * qk_scale + cq_lse
         g = tl.max(tl.where(row_ok, bound, float("-inf"))) + prune_log2
         t_first = _first_needed_key(C_row, g, a_hi, a_lo, t_lo, t_hi, T, BN)
         # The dK/dV kernel reads where each query tile starts.
@@ -405,13 +415,13 @@ def _bwd_dq_kernel(
     # As in the forward: key tiles before m0 need no causal or length mask.
     for start_n in range(t_first * BN, m0, BN):
         dq, drow = _dq_tile(
-            dq, drow, q, do, lse, delta, cq, lb, offs_m, offs_d, start_n, K_ptr, V_ptr,
+            dq, drow, q, do, delta, cq_lse, lb, offs_m, offs_d, start_n, K_ptr, V_ptr,
             stride_kt, stride_vt, C_row, T, a_hi, a_lo, qk_scale,
             BN, False, EVEN, HAS_DOC, HAS_WINDOW, DOT_PREC,
         )  # fmt: skip
     for start_n in range(tl.maximum(t_first * BN, m0), (t_hi + 1) * BN, BN):
         dq, drow = _dq_tile(
-            dq, drow, q, do, lse, delta, cq, lb, offs_m, offs_d, start_n, K_ptr, V_ptr,
+            dq, drow, q, do, delta, cq_lse, lb, offs_m, offs_d, start_n, K_ptr, V_ptr,
             stride_kt, stride_vt, C_row, T, a_hi, a_lo, qk_scale,
             BN, True, EVEN, HAS_DOC, HAS_WINDOW, DOT_PREC,
         )  # fmt: skip
@@ -457,22 +467,28 @@ def _dkdv_tile(
         cq = _c_rel(C_row, offs_m, T, a_hi, a_lo, True)
         lse = tl.load(LSE_row + offs_m, mask=row_ok, other=float("inf"))
         delta = tl.load(DELTA_row + offs_m, mask=row_ok, other=0.0)
-    sT = tl.dot(k, qT, input_precision=DOT_PREC) * qk_scale + (cq[None, :] - ck[:, None])
+    # s - LSE (log2 units), transposed.
     if MASK:
+        # Diagonal tiles: c_i relative to the key anchor may be large (c falls inside the tile),
+        # so it meets c_j first, where the two cancel exactly.
+        sT = tl.dot(k, qT, input_precision=DOT_PREC) * qk_scale + (cq[None, :] - ck[:, None])
+        sT = sT - lse[None, :]
         ok = offs_n[:, None] <= offs_m[None, :]
         if not EVEN:
             ok = ok & (offs_m[None, :] < T)
         if HAS_DOC or HAS_WINDOW:
             lb = _row_lower_bound(offs_m, T, DOCSTART, W, HAS_DOC, HAS_WINDOW)
             ok = ok & (offs_n[:, None] >= lb[None, :])
-        pT = tl.math.exp2(tl.where(ok, sT - lse[None, :], float("-inf")))
-    elif HAS_DOC or HAS_WINDOW:
-        lb = _row_lower_bound(offs_m, T, DOCSTART, W, HAS_DOC, HAS_WINDOW)
-        pT = tl.math.exp2(
-            tl.where(offs_n[:, None] >= lb[None, :], sT - lse[None, :], float("-inf"))
-        )
+        pT = tl.math.exp2(tl.where(ok, sT, float("-inf")))
     else:
-        pT = tl.math.exp2(sT - lse[None, :])
+        # Queries after the tile: |c_i - anchor| <= |c_i - c_j|, so c - LSE can be folded per
+        # query first (one op per score fewer) without losing the bias's relative accuracy.
+        cq_lse = cq - lse
+        sT = tl.dot(k, qT, input_precision=DOT_PREC) * qk_scale + (cq_lse[None, :] - ck[:, None])
+        if HAS_DOC or HAS_WINDOW:
+            lb = _row_lower_bound(offs_m, T, DOCSTART, W, HAS_DOC, HAS_WINDOW)
+            sT = tl.where(offs_n[:, None] >= lb[None, :], sT, float("-inf"))
+        pT = tl.math.exp2(sT)
     dv += tl.dot(pT.to(do.dtype), do, input_precision=DOT_PREC)
     dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
     dsT = pT * (dpT - delta[None, :])
@@ -629,3 +645,54 @@ def _bwd_dkdv_kernel(
         dv.to(DV.dtype.element_ty),
         mask=col_ok[:, None],
     )
+
+
+@triton.jit
+def _gate_cumsum_kernel(LF, C, T, HQ, BLOCK: tl.constexpr):
+    """``C[b, h] = (hi, lo)`` of ``cumsum_t(LF[b, :, h]) * log2(e)`` summed in float64.
+
+    ``LF`` ``[B, T, HQ]`` float32 (contiguous), ``C`` ``[B, HQ, 2, T]`` float32. One program
+    per (batch, head) walks T in blocks, carrying the running float64 sum.
+    """
+    bh = tl.program_id(0)
+    b = bh // HQ
+    h = bh % HQ
+    LF_row = LF + b.to(tl.int64) * T * HQ + h
+    C_row = C + bh.to(tl.int64) * 2 * T
+    carry = tl.zeros([1], dtype=tl.float64)
+    for t0 in range(0, T, BLOCK):
+        offs = t0 + tl.arange(0, BLOCK)
+        ok = offs < T
+        lf = tl.load(LF_row + offs * HQ, mask=ok, other=0.0).to(tl.float64)
+        c = tl.cumsum(lf, 0) + carry
+        c = c * _LOG2E_HI + c * _LOG2E_LO
+        hi = c.to(tl.float32)
+        lo = (c - hi.to(tl.float64)).to(tl.float32)
+        tl.store(C_row + offs, hi, mask=ok)
+        tl.store(C_row + T + offs, lo, mask=ok)
+        carry += tl.sum(lf, 0)
+
+
+@triton.jit
+def _dlogf_kernel(DROW, DCOL, DLOGF, T, HQ, BLOCK: tl.constexpr):
+    """``DLOGF[b, t, h] = sum_{s >= t} (DROW - DCOL)[b, h, s]`` (float64 sums, float32 out).
+
+    The reverse cumsum of d c over one whole sequence (no packed documents). ``DROW``/``DCOL``
+    ``[B, HQ, T]`` float32, ``DLOGF`` ``[B, T, HQ]`` float32. One program per (batch, head)
+    walks T backwards in blocks, carrying the running float64 sum.
+    """
+    bh = tl.program_id(0)
+    b = bh // HQ
+    h = bh % HQ
+    row = bh.to(tl.int64) * T
+    OUT_row = DLOGF + b.to(tl.int64) * T * HQ + h
+    carry = tl.zeros([1], dtype=tl.float64)
+    n_blocks = tl.cdiv(T, BLOCK)
+    for i in range(0, n_blocks):
+        offs = (n_blocks - 1 - i) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < T
+        dc = tl.load(DROW + row + offs, mask=ok, other=0.0).to(tl.float64)
+        dc -= tl.load(DCOL + row + offs, mask=ok, other=0.0).to(tl.float64)
+        rev = tl.cumsum(dc, 0, reverse=True) + carry
+        tl.store(OUT_row + offs * HQ, rev.to(tl.float32), mask=ok)
+        carry += tl.sum(dc, 0)

@@ -322,3 +322,28 @@ def test_large_gate_cumsum_keeps_precision():
     log_f = torch.cat([torch.full((1, 128, 2), -666.0), weak], 1)
     assert log_f.double().sum(1).min() < -8e4
     assert_matches_reference(q, k, v, log_f, TOL[torch.float32])
+
+
+def test_forward_without_grad_equals_forward_with_grad():
+    """Without autograd the forward writes o in the input dtype directly (no float32 copy);
+    with autograd it keeps float32 o for the backward and casts: the same rounding."""
+    q, k, v, log_f = make_inputs(2, 100, 2, 2, 32, torch.float16, seed=7)
+    with torch.no_grad():
+        direct = forgetting_attention(q, k, v, log_f)
+    via_f32 = forgetting_attention(q.requires_grad_(True), k, v, log_f)
+    assert direct.dtype == via_f32.dtype == torch.float16
+    assert torch.equal(direct, via_f32.detach())
+
+
+def test_gate_cumsum_kernel_matches_float64_cumsum():
+    """The (hi, lo) float32 pair of the Triton scan is the float64 cumsum of log f in log2
+    units, across several scan blocks and batch/head rows."""
+    from fot.kernels import _triton_kernels as kern
+    from fot.kernels.forgetting_attention import _gate_cumsum
+
+    log_f = F.logsigmoid(torch.randn(2, 300, 3, generator=torch.Generator().manual_seed(0)) - 2)
+    c = _gate_cumsum(log_f)  # (B, HQ, 2, T)
+    want = torch.cumsum(log_f.double().transpose(1, 2), -1) * kern.LOG2E
+    got = c[:, :, 0].double() + c[:, :, 1].double()
+    assert ((got - want).abs() / want.abs().clamp(min=1)).max() < 1e-13
+    assert torch.equal(c[:, :, 0], want.float())  # hi is the float32 rounding

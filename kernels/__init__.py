@@ -5,10 +5,13 @@
 * :func:`forgetting_attention_reference` — pure PyTorch oracle, any device.
 * :func:`forgetting_attention_decode` / :func:`forgetting_attention_decode_reference` — a few
   new queries against a K/V cache and a cached gate cumsum.
+* :func:`shift_norm` / :func:`norm_gate` — fused FoT (Pro) components (KV-shift + per-head
+  RMSNorm; output norm + gate): Triton on CUDA (or under the interpreter), PyTorch elsewhere.
 """
 
 from .decode import forgetting_attention_decode
 from .forgetting_attention import PruneStats, forgetting_attention
+from .pro_ops import norm_gate, shift_norm
 from .reference import forgetting_attention_decode_reference, forgetting_attention_reference
 
 __all__ = [
@@ -17,4 +20,6 @@ __all__ = [
     "forgetting_attention_decode",
     "forgetting_attention_decode_reference",
     "forgetting_attention_reference",
+    "norm_gate",
+    "shift_norm",
 ]

@@ -153,20 +153,16 @@ def _forward(
     lay: _Layout,
     prune_log2: float | None,
     stats: PruneStats | None,
-    out_dtype: torch.dtype,
-    save_f32: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """Returns o ``[B, T, HQ, D]`` in ``out_dtype``, a float32 copy of o if ``save_f32``
-    (else None) and the LSE ``[B, HQ, T]`` (log2 units)."""
+) -> tuple[torch.Tensor, torch.Tensor]:
     B, T, HQ, H, D = lay.B, lay.T, lay.HQ, lay.H, lay.D
     tiles = _tile_sizes(D)
     warps, stages = _launch_params(D)["fwd"]
     bm, bn = tiles["fwd_bm"], tiles["fwd_bn"]
-    # For the backward o is kept in float32: its delta = rowsum(dO * O) needs O unrounded
-    # (with a 16-bit O the rounding dominates dq/dk under strong decay, where dS = P (dP -
-    # delta) cancels). Writing a 16-bit copy from the kernel as well made the D=128 forward
-    # 12% slower on an H200 (2.14 -> 2.41 ms at B1 T16k H12), more than the cast pass costs.
-    o = torch.empty(q.shape, dtype=torch.float32 if save_f32 else out_dtype, device=q.device)
+    # o in float32: the backward's delta = rowsum(dO * O) needs O unrounded (with a 16-bit O
+    # the rounding dominates dq/dk under strong decay, where dS = P (dP - delta) cancels).
+    # Storing a 16-bit o from the kernel instead (when no backward follows) made the D=128
+    # forward slower on an H200 (2.14 -> 2.41 ms at B1 T16k H12), more than the cast costs.
+    o = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.empty((B, HQ, T), dtype=torch.float32, device=q.device)
     prune = prune_log2 is not None
     if prune:
@@ -229,9 +225,7 @@ def _forward(
         stats.tiles_skipped += int(counts[1])
         stats.calls += 1
         stats.history.append((int(counts[0]), int(counts[1])))
-    if save_f32:
-        return o.to(out_dtype), o, lse
-    return o, None, lse
+    return o, lse
 
 
 def _backward(
@@ -398,13 +392,11 @@ class _ForgettingAttentionFn(torch.autograd.Function):
             q, k, v = q.to(compute_dtype), k.to(compute_dtype), v.to(compute_dtype)
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         c = _gate_cumsum(log_fgate)
-        o, o32, lse = _forward(
-            q, k, v, c, lay, prune_log2, stats, out_dtype, any(ctx.needs_input_grad[:4])
-        )
-        ctx.save_for_backward(q, k, v, o32, c, lse)
+        o, lse = _forward(q, k, v, c, lay, prune_log2, stats)
+        ctx.save_for_backward(q, k, v, o, c, lse)
         ctx.lay = lay
         ctx.out_dtype = out_dtype
-        return o
+        return o.to(out_dtype)
 
     @staticmethod
     def backward(ctx, do):

@@ -837,3 +837,29 @@ def test_padded_head_with_bias_equals_cut_head(dtype) -> None:
     assert torch.equal(g_full, g_cut)
     unpadded = tiny("fot_llama", vocab_size=320)
     assert unpadded._padded_head()[1] is None
+
+
+def test_fused_projections_equal_separate_layers() -> None:
+    """One GEMM over concatenated weights gives each layer's output and the same input and
+    weight gradients (fp32); under bf16 autocast the outputs are bf16 like the layers'."""
+    from fot.models.modeling_fot import fused_projections
+
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(16, n, bias=False) for n in (8, 4, 3)]
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    outs = fused_projections(x, layers)
+    want = [layer(x) for layer in layers]
+    for got, ref in zip(outs, want):
+        assert got.shape == ref.shape and torch.allclose(got, ref, atol=1e-6)
+    weights = [layer.weight for layer in layers]
+    up = [torch.randn_like(r) for r in want]
+    g_fused = torch.autograd.grad(outs, [x, *weights], up)
+    g_sep = torch.autograd.grad(want, [x, *weights], up)
+    for a, b in zip(g_fused, g_sep):
+        assert torch.allclose(a, b, atol=1e-5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        outs = fused_projections(x, layers)
+        want = [layer(x) for layer in layers]
+    for got, ref in zip(outs, want):
+        assert got.dtype == ref.dtype == torch.bfloat16
+        assert torch.allclose(got.float(), ref.float(), atol=2e-2, rtol=1e-2)

@@ -155,6 +155,31 @@ def _run_kernel(fn: Callable, *args, **kwargs) -> torch.Tensor:
     return fn(*args, **kwargs)
 
 
+def fused_projections(x: torch.Tensor, layers: list[nn.Linear]) -> list[torch.Tensor]:
+    """``[layer(x) for layer in layers]`` for bias-free ``nn.Linear`` layers, as one GEMM.
+
+    The weights are concatenated (in the autocast dtype when autocast is on) and multiplied
+    once: under autocast the input is cast to 16 bits once instead of once per layer, and the
+    backward computes one input gradient instead of one per layer summed in float32.
+
+    Args:
+        x: ``[..., in_features]``.
+        layers: bias-free linear layers with that ``in_features``.
+
+    Returns:
+        One ``[..., out_features]`` tensor per layer: column slices (views) of one output.
+    """
+    if len(layers) == 1:
+        return [layers[0](x)]
+    dev = x.device.type
+    dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+    weight = torch.cat(
+        [layer.weight if dtype is None else layer.weight.to(dtype) for layer in layers]
+    )
+    y = F.linear(x, weight)
+    return list(y.split([layer.out_features for layer in layers], dim=-1))
+
+
 # ---------------------------------------------------------------------------------------
 # Small layers
 # ---------------------------------------------------------------------------------------
@@ -222,7 +247,8 @@ class FoTMLP(nn.Module):
         self.down_proj = nn.Linear(width, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = fused_projections(x, [self.gate_proj, self.up_proj])
+        return self.down_proj(F.silu(gate) * up)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -353,6 +379,21 @@ def _recomputed(enabled: bool, fn: Callable, *args) -> torch.Tensor:
     return fn(*args)
 
 
+def _use_fused_pro(backend: str, t: torch.Tensor) -> bool:
+    """Whether the Pro components run as the fused kernels of ``fot.kernels.pro_ops``.
+
+    Follows the attention backend's name: ``"reference"`` keeps the PyTorch composition,
+    ``"triton"`` always uses the fused functions (which fall back to the same math in PyTorch on
+    CPU without ``TRITON_INTERPRET=1``), ``"auto"``/``"sdpa"`` use them on CUDA. Only for the
+    head sizes and dtypes the kernels take (``head_dim <= 256``, 16/32-bit floats).
+    """
+    if backend == "reference" or t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return False
+    if t.shape[-1] > 256:  # fot.kernels.pro_ops.MAX_HEAD_DIM (not imported: Triton is lazy)
+        return False
+    return backend == "triton" or t.device.type == "cuda"
+
+
 @dataclass
 class _Context:
     """Per-forward information shared by all layers (built once in :class:`FoTModel`)."""
@@ -451,9 +492,19 @@ class FoTAttention(nn.Module):
     ) -> torch.Tensor:
         B, T, _ = x.shape
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        q = self.q_proj(x).view(B, T, hq, d)  # (B, T, HQ, D)
-        k = self.k_proj(x).view(B, T, hkv, d)  # (B, T, H, D)
-        v = self.v_proj(x).view(B, T, hkv, d)  # (B, T, H, D)
+        cfg = self.config
+        # Every bias-free projection of x in one GEMM (the gate's fp32 projection stays apart).
+        layers = [self.q_proj, self.k_proj, self.v_proj]
+        layers += [self.g_proj] if cfg.use_output_gate else []
+        layers += [self.k_shift_proj] if cfg.use_k_shift else []
+        layers += [self.v_shift_proj] if cfg.use_v_shift else []
+        outs = iter(fused_projections(x, layers))
+        q = next(outs).view(B, T, hq, d)  # (B, T, HQ, D)
+        k = next(outs).view(B, T, hkv, d)  # (B, T, H, D)
+        v = next(outs).view(B, T, hkv, d)  # (B, T, H, D)
+        g = next(outs).view(B, T, hq, d) if cfg.use_output_gate else None  # (B, T, HQ, D)
+        k_shift = next(outs) if cfg.use_k_shift else None  # (B, T, H) logits
+        v_shift = next(outs) if cfg.use_v_shift else None  # (B, T, H) logits
         if ctx.query_mask is not None:
             # Padding contributes nothing to the KV-shift of the next real token.
             keep = ctx.query_mask[:, :, None, None]
@@ -461,30 +512,49 @@ class FoTAttention(nn.Module):
 
         # KV-shift mixes each token's k/v with the previous token's (pre-shift) k/v.
         k_pre, v_pre = k, v
-        # Shift and norm are cheap elementwise ops on [B, T, H, D] tensors: under autograd they
-        # run inside `_recomputed` (only their inputs are kept; backward recomputes them).
         k_norm = self.k_norm if self.config.qk_norm else None
         recompute = self.config.recompute_pro
-        if self.config.use_k_shift:  # k_t = RMSNorm(shifted k): both in one recomputed region
-            prev = cache.k_shift if cache is not None else None
-            k = _recomputed(
-                recompute,
-                _shift_then_norm,
-                k_pre,
-                self.k_shift_proj(x),
-                prev,
-                ctx.doc_starts,
-                k_norm,
-            )
-        elif k_norm is not None:
-            k = _recomputed(recompute, k_norm, k)
-        if self.config.use_v_shift:
-            prev = cache.v_shift if cache is not None else None
-            v = _recomputed(
-                recompute, token_shift, v_pre, self.v_shift_proj(x), prev, ctx.doc_starts
-            )
-        if self.config.qk_norm:
-            q = _recomputed(recompute, self.q_norm, q)
+        # Whole sequences (no cache) on the kernel backends: one fused kernel per component
+        # in forward and in backward, saving only its inputs (recompute_pro does not apply).
+        fused = cache is None and _use_fused_pro(self.config.attn_backend, q)
+        if fused:
+            from fot.kernels.pro_ops import shift_norm
+
+            if cfg.use_k_shift or k_norm is not None:  # shift + norm, shift only or norm only
+                k = _run_kernel(
+                    shift_norm,
+                    k_pre,
+                    k_shift,  # (B, T, H) or None
+                    k_norm.weight if k_norm is not None else None,  # (H, D)
+                    eps=k_norm.eps if k_norm is not None else 1e-6,
+                    reset=ctx.doc_starts,
+                )  # (B, T, H, D)
+            if cfg.use_v_shift:
+                v = _run_kernel(shift_norm, v_pre, v_shift, reset=ctx.doc_starts)
+            if cfg.qk_norm:
+                q = _run_kernel(shift_norm, q, None, self.q_norm.weight, eps=self.q_norm.eps)
+        else:
+            # PyTorch path. Shift and norm are cheap elementwise ops on [B, T, H, D] tensors:
+            # under autograd they run inside `_recomputed` (only their inputs are kept; backward
+            # recomputes them).
+            if self.config.use_k_shift:  # k_t = RMSNorm(shifted k): both in one region
+                prev = cache.k_shift if cache is not None else None
+                k = _recomputed(
+                    recompute,
+                    _shift_then_norm,
+                    k_pre,
+                    k_shift,
+                    prev,
+                    ctx.doc_starts,
+                    k_norm,
+                )
+            elif k_norm is not None:
+                k = _recomputed(recompute, k_norm, k)
+            if self.config.use_v_shift:
+                prev = cache.v_shift if cache is not None else None
+                v = _recomputed(recompute, token_shift, v_pre, v_shift, prev, ctx.doc_starts)
+            if self.config.qk_norm:
+                q = _recomputed(recompute, self.q_norm, q)
         if self.config.use_rope:
             q, k = apply_rope(q, k, *ctx.rope)
 
@@ -534,9 +604,13 @@ class FoTAttention(nn.Module):
             )  # (B, T, HQ, D)
 
         # o: (B, T, HQ, D)
-        g = self.g_proj(x).view(B, T, hq, d) if self.config.use_output_gate else None
         o_norm = self.o_norm if self.config.use_output_norm else None
-        if o_norm is not None or g is not None:
+        if (o_norm is not None or g is not None) and fused:
+            from fot.kernels.pro_ops import norm_gate
+
+            w, eps = (o_norm.weight, o_norm.eps) if o_norm is not None else (None, 1e-6)
+            o = _run_kernel(norm_gate, o, g, w, eps=eps)  # (B, T, HQ, D)
+        elif o_norm is not None or g is not None:
             o = _recomputed(
                 self.config.recompute_pro, _norm_then_gate, o, g, o_norm
             )  # (B, T, HQ, D)

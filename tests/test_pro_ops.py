@@ -1,0 +1,528 @@
+"""Fused FoT (Pro) components (``fot.kernels.shift_norm`` / ``norm_gate``).
+
+Oracle: the plain formulas in float64 with autograd, written here (the shift as a loop over
+positions). On CPU the Triton kernels run under ``TRITON_INTERPRET=1`` (set by conftest).
+
+Tolerances (elementwise ``|got - want| <= RTOL * |want| + ATOL * max|want|``):
+
+* float32: everything in float32, so ~1e-7 relative.
+* bfloat16: inputs are bfloat16 values (exact in float64); each output and each input gradient
+  is rounded to bfloat16 once (at most 2**-8 relative with round-to-nearest; 2**-7 under the
+  interpreter, which truncates), plus float32 rounding inside. The weight gradient is
+  accumulated and returned in float32.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fot.kernels import norm_gate, pro_ops, shift_norm
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+
+# Triton's interpreter converts float32 to bfloat16 by truncation (measured: 2.0255 -> 2.015625,
+# where round-to-nearest and torch give 2.03125), so under it one rounding costs up to one whole
+# bfloat16 step (2**-7 relative); compiled kernels round to nearest (half a step, 2**-8).
+BF16_STEP = 2.0**-8 if HAS_CUDA else 2.0**-7
+TOL = {  # (RTOL, ATOL relative to the tensor's largest value)
+    torch.float32: (1e-5, 1e-6),
+    torch.bfloat16: (BF16_STEP, 1e-5),
+}
+DW_TOL = (1e-5, 1e-5)  # weight gradient: float32 reduction in both dtypes
+
+# (B, T, H, D, reset): every T in {1, 5, 64, 130}, H in {1, 3}, D in {32, 64, 128}, B in {1, 2}
+CASES = [
+    (1, 1, 1, 32, True),
+    (2, 5, 3, 64, True),
+    (1, 64, 3, 128, True),
+    (2, 130, 1, 32, True),
+    (1, 130, 3, 64, False),
+    (2, 64, 1, 128, False),
+]
+SHIFT_VARIANTS = ["shift+norm", "shift", "norm"]
+GATE_VARIANTS = ["norm+gate", "gate", "norm"]
+
+
+def assert_close(
+    got: torch.Tensor,
+    want: torch.Tensor,
+    tol: tuple[float, float],
+    name: str,
+    scale: float | None = None,
+) -> None:
+    """``|got - want| <= rtol |want| + atol * scale`` with ``scale = max |want|`` by default."""
+    assert got.shape == want.shape, name
+    got, want = got.double(), want.double()
+    assert torch.isfinite(got).all(), f"{name}: non-finite values"
+    rtol, atol = tol
+    scale = want.abs().max().item() if scale is None else scale
+    bound = rtol * want.abs() + atol * scale
+    excess = ((got - want).abs() - bound).max().item()
+    assert excess <= 0, f"{name}: max error above tolerance by {excess:.3g}"
+
+
+def random_reset(T: int, g: torch.Generator) -> torch.Tensor:
+    reset = torch.rand(T, generator=g) < 0.15
+    reset[0] = True  # a document starts at t = 0 (x_{-1} is 0 anyway)
+    if T > 3:
+        reset[T // 2] = True
+    return reset
+
+
+# ---------------------------------------------------------------------------------------
+# float64 oracles
+# ---------------------------------------------------------------------------------------
+
+
+def shift_oracle(x, s, reset):
+    out = []
+    for t in range(x.shape[1]):
+        starts = t == 0 or (reset is not None and bool(reset[t]))
+        prev = torch.zeros_like(x[:, t]) if starts else x[:, t - 1]
+        a = 1.0 / (1.0 + torch.exp(-s[:, t]))  # (B, H)
+        out.append((1.0 - a[..., None]) * x[:, t] + a[..., None] * prev)
+    return torch.stack(out, dim=1)
+
+
+def rmsnorm_oracle(z, w, eps):
+    return z / torch.sqrt((z * z).mean(-1, keepdim=True) + eps) * w
+
+
+def shift_norm_oracle(x, s, w, reset, eps):
+    z = shift_oracle(x, s, reset) if s is not None else x
+    return rmsnorm_oracle(z, w, eps) if w is not None else z
+
+
+def norm_gate_oracle(o, g, w, eps):
+    y = rmsnorm_oracle(o, w, eps) if w is not None else o
+    return y * (1.0 / (1.0 + torch.exp(-g))) if g is not None else y
+
+
+def grads_vs_oracle(fn, oracle, inputs, kwargs, seed):
+    """Output and input gradients of ``fn`` and of ``oracle`` (float64 copies of the inputs)
+    for one random upstream gradient."""
+    out = fn(*inputs, **kwargs)
+    dy = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(out)
+    leaves = [t for t in inputs if t is not None]
+    got = torch.autograd.grad(out, leaves, dy)
+    ref_in = [t.detach().double().requires_grad_() if t is not None else None for t in inputs]
+    ref_out = oracle(*ref_in, **kwargs)
+    want = torch.autograd.grad(ref_out, [t for t in ref_in if t is not None], dy.double())
+    return out, ref_out, got, want, dy
+
+
+def shift_grad_scale(x, s, w, reset, eps, dy) -> float:
+    """Scale of ``ds_t = a_t (1 - a_t) sum_D dz_t (x_{t-1} - x_t)``: the same sum of absolute
+    terms. The norm's backward makes ``dz_t`` nearly orthogonal to ``z_t``, so the sum cancels
+    (exactly, at a document start where z = (1 - a) x): its float32 rounding error scales
+    with the terms, not with the result."""
+    x, s = x.detach().double(), s.detach().double()
+    z = shift_oracle(x, s, reset).requires_grad_()
+    y = rmsnorm_oracle(z, w.detach().double(), eps) if w is not None else z
+    (dz,) = torch.autograd.grad(y, z, dy.double())
+    diff = shift_oracle(x, torch.full_like(s, 1e4), reset) - x  # x_{t-1} - x_t (a = 1)
+    a = torch.sigmoid(s)
+    return (a * (1 - a) * (dz * diff).abs().sum(-1)).max().item()
+
+
+def make_shift_inputs(B, T, H, D, variant, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, T, H, D, generator=g).to(DEVICE, dtype).requires_grad_()
+    s = None
+    if "shift" in variant:  # spread logits: mixing weights from ~0.05 to ~0.95
+        s = (2.0 * torch.randn(B, T, H, generator=g)).to(DEVICE, dtype).requires_grad_()
+    w = None
+    if "norm" in variant:
+        w = (1.0 + 0.3 * torch.randn(H, D, generator=g)).to(DEVICE).requires_grad_()
+    return x, s, w
+
+
+# ---------------------------------------------------------------------------------------
+# Kernels vs the float64 oracle
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("variant", SHIFT_VARIANTS)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}T{}H{}D{}{}".format(*c[:4], "r" * c[4]))
+def test_shift_norm_matches_oracle(case, variant, dtype) -> None:
+    B, T, H, D, with_reset = case
+    x, s, w = make_shift_inputs(B, T, H, D, variant, dtype, seed=T * 7 + D)
+    g = torch.Generator().manual_seed(T)
+    reset = random_reset(T, g).to(DEVICE) if with_reset and s is not None else None
+    kwargs = {"eps": 1e-6, "reset": reset}
+    y, want_y, got, want, dy = grads_vs_oracle(
+        lambda a, b, c, **kw: shift_norm(a, b, c, **kw),
+        lambda a, b, c, **kw: shift_norm_oracle(a, b, c, kw["reset"], kw["eps"]),
+        (x, s, w),
+        kwargs,
+        seed=3,
+    )
+    assert y.dtype == dtype and y.is_contiguous()
+    assert_close(y, want_y, TOL[dtype], "y")
+    names = ["dx"] + (["ds"] if s is not None else []) + (["dw"] if w is not None else [])
+    for name, a, b in zip(names, got, want):
+        tol = DW_TOL if name == "dw" else TOL[dtype]
+        scale = shift_grad_scale(x, s, w, reset, 1e-6, dy) if name == "ds" else None
+        assert_close(a, b, tol, name, scale)
+    assert got[0].dtype == dtype
+    if s is not None:
+        assert got[1].dtype == s.dtype
+    if w is not None:
+        assert got[-1].dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("variant", GATE_VARIANTS)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}T{}H{}D{}".format(*c[:4]))
+def test_norm_gate_matches_oracle(case, variant, dtype) -> None:
+    B, T, H, D, _ = case
+    gen = torch.Generator().manual_seed(T * 5 + D)
+    o = torch.randn(B, T, H, D, generator=gen).to(DEVICE, dtype).requires_grad_()
+    gl = None
+    if "gate" in variant:
+        gl = (2.0 * torch.randn(B, T, H, D, generator=gen)).to(DEVICE, dtype).requires_grad_()
+    w = None
+    if "norm" in variant:
+        w = (1.0 + 0.3 * torch.randn(H, D, generator=gen)).to(DEVICE).requires_grad_()
+    y, want_y, got, want, _ = grads_vs_oracle(
+        lambda a, b, c, **kw: norm_gate(a, b, c, **kw),
+        lambda a, b, c, **kw: norm_gate_oracle(a, b, c, kw["eps"]),
+        (o, gl, w),
+        {"eps": 1e-6},
+        seed=4,
+    )
+    assert y.dtype == dtype and y.is_contiguous()
+    assert_close(y, want_y, TOL[dtype], "y")
+    names = ["do"] + (["dg"] if gl is not None else []) + (["dw"] if w is not None else [])
+    for name, a, b in zip(names, got, want):
+        assert_close(a, b, DW_TOL if name == "dw" else TOL[dtype], name)
+        if name != "dw":
+            assert a.dtype == dtype
+
+
+def test_gpu_block_sizes_strided_inputs_and_frozen_weight(monkeypatch) -> None:
+    """The GPU tile heights (32 rows forward, 16 backward at D=128: forward and backward blocks
+    differ, the t+1 recompute crosses many block edges), inputs that are strided views of
+    fused projections, a non-contiguous upstream gradient, and a weight without grad."""
+    monkeypatch.setattr(pro_ops, "_CONFIG_OVERRIDE", {"fwd_elems": 4096, "bwd_elems": 2048})
+    B, T, H, D = 2, 70, 2, 128
+    g = torch.Generator().manual_seed(11)
+    qkv = torch.randn(B, T, 3, H, D, generator=g).to(DEVICE).requires_grad_()
+    logits = (2 * torch.randn(B, T, 2 * H, generator=g)).to(DEVICE).requires_grad_()
+    x, s = qkv[:, :, 1], logits[:, :, H:]  # strided views, unit stride on D
+    w = (1.0 + 0.3 * torch.randn(H, D, generator=g)).to(DEVICE)  # no grad
+    reset = random_reset(T, g).to(DEVICE)
+    c = torch.randn(B, H, T, D, generator=g).to(DEVICE)
+    y = shift_norm(x, s, w, reset=reset)
+    (y.transpose(1, 2) * c).sum().backward()  # dy = c.transpose(1, 2): non-contiguous
+    x64 = qkv.detach().double()[:, :, 1].requires_grad_()
+    s64 = logits.detach().double()[:, :, H:].requires_grad_()
+    want = shift_norm_oracle(x64, s64, w.double(), reset, 1e-6)
+    (want.transpose(1, 2) * c.double()).sum().backward()
+    assert_close(y, want, TOL[torch.float32], "y")
+    assert_close(qkv.grad[:, :, 1], x64.grad, TOL[torch.float32], "dx")
+    assert qkv.grad[:, :, [0, 2]].abs().max() == 0
+    assert_close(logits.grad[:, :, H:], s64.grad, TOL[torch.float32], "ds")
+    # norm_gate on the same block sizes, with o a transposed (B, H, T, D) attention output
+    o = torch.randn(B, H, T, D, generator=g).to(DEVICE).transpose(1, 2).requires_grad_()
+    gl = torch.randn(B, T, H, D, generator=g).to(DEVICE).requires_grad_()
+    wn = (1.0 + 0.3 * torch.randn(H, D, generator=g)).to(DEVICE).requires_grad_()
+    y, want_y, got, want, _ = grads_vs_oracle(
+        lambda a, b, c, **kw: norm_gate(a, b, c, **kw),
+        lambda a, b, c, **kw: norm_gate_oracle(a, b, c, kw["eps"]),
+        (o, gl, wn),
+        {"eps": 1e-6},
+        seed=5,
+    )
+    assert_close(y, want_y, TOL[torch.float32], "y")
+    for name, a, b in zip(["do", "dg", "dw"], got, want):
+        assert_close(a, b, DW_TOL if name == "dw" else TOL[torch.float32], name)
+
+
+def test_pytorch_path_without_triton(monkeypatch) -> None:
+    """Off CUDA without the interpreter the public functions run the same math in PyTorch."""
+    if HAS_CUDA:
+        pytest.skip("the PyTorch path is taken on CPU tensors only")
+    monkeypatch.setattr(pro_ops, "_interpreting", lambda: False)
+    called = []
+    monkeypatch.setattr(pro_ops._ShiftNormFn, "apply", lambda *a: called.append(a))
+    monkeypatch.setattr(pro_ops._NormGateFn, "apply", lambda *a: called.append(a))
+    B, T, H, D = 2, 9, 3, 16
+    x, s, w = make_shift_inputs(B, T, H, D, "shift+norm", torch.bfloat16, seed=1)
+    reset = random_reset(T, torch.Generator().manual_seed(2))
+    y, want_y, got, want, dy = grads_vs_oracle(
+        lambda a, b, c, **kw: shift_norm(a, b, c, **kw),
+        lambda a, b, c, **kw: shift_norm_oracle(a, b, c, kw["reset"], kw["eps"]),
+        (x, s, w),
+        {"eps": 1e-6, "reset": reset},
+        seed=6,
+    )
+    assert_close(y, want_y, TOL[torch.bfloat16], "y")
+    scales = [None, shift_grad_scale(x, s, w, reset, 1e-6, dy), None]
+    for name, a, b, scale in zip(["dx", "ds", "dw"], got, want, scales):
+        assert_close(a, b, DW_TOL if name == "dw" else TOL[torch.bfloat16], name, scale)
+    o = torch.randn(B, T, H, D, dtype=torch.float32)
+    gl = torch.randn(B, T, H, D, dtype=torch.float32)
+    assert_close(
+        norm_gate(o, gl, w),
+        norm_gate_oracle(o.double(), gl.double(), w.double(), 1e-6),
+        TOL[torch.float32],
+        "norm_gate",
+    )
+    assert not called
+
+
+# ---------------------------------------------------------------------------------------
+# Same semantics as the model's PyTorch composition
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_equals_model_pytorch_composition(dtype) -> None:
+    """``shift_norm``/``norm_gate`` against ``_shift_then_norm``/``token_shift``/
+    ``FoTHeadRMSNorm``/``_norm_then_gate`` of the model. The composition rounds in between
+    (``a``, the shifted value and the normalised value to the input dtype), so in bfloat16 the
+    two differ by a few bfloat16 steps; in float32 they agree to float32 accuracy."""
+    from fot.models.modeling_fot import (
+        FoTHeadRMSNorm,
+        _norm_then_gate,
+        _shift_then_norm,
+        token_shift,
+    )
+
+    B, T, H, D = 2, 33, 3, 32
+    x, s, _ = make_shift_inputs(B, T, H, D, "shift", dtype, seed=8)
+    norm = FoTHeadRMSNorm(H, D).to(DEVICE)
+    with torch.no_grad():
+        norm.weight.add_(
+            0.3 * torch.randn(H, D, generator=torch.Generator().manual_seed(9)).to(DEVICE)
+        )
+    reset = random_reset(T, torch.Generator().manual_seed(10)).to(DEVICE)
+    o = torch.randn(B, T, H, D).to(DEVICE, dtype)
+    gl = torch.randn(B, T, H, D).to(DEVICE, dtype)
+    # a few bfloat16 steps: up to three roundings in the composition vs one here
+    tol = TOL[torch.float32] if dtype == torch.float32 else (4 * 2.0**-8, 4 * 2.0**-8)
+    with torch.no_grad():
+        pairs = {
+            "shift+norm": (
+                shift_norm(x, s, norm.weight, eps=norm.eps, reset=reset),
+                _shift_then_norm(x, s, None, reset, norm),
+            ),
+            "shift": (shift_norm(x, s, reset=reset), token_shift(x, s, None, reset)),
+            "norm": (shift_norm(x, None, norm.weight, eps=norm.eps), norm(x)),
+            "norm+gate": (
+                norm_gate(o, gl, norm.weight, eps=norm.eps),
+                _norm_then_gate(o, gl, norm),
+            ),
+            "gate": (norm_gate(o, gl), _norm_then_gate(o, gl, None)),
+        }
+    for name, (got, want) in pairs.items():
+        assert got.dtype == want.dtype == dtype, name
+        assert_close(got, want, tol, name)
+
+
+# ---------------------------------------------------------------------------------------
+# The model: fused path vs PyTorch path
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},  # shift + norm on K, shift on V, norm on Q, output norm + gate
+        {"qk_norm": False, "use_output_norm": False},  # K shift only, output gate only
+        {"use_k_shift": False, "use_v_shift": False, "use_output_gate": False},  # norms only
+    ],
+    ids=["pro", "shift_gate", "norms"],
+)
+def test_model_fused_equals_pytorch_path(monkeypatch, overrides) -> None:
+    """A tiny FoT (Pro) with the fused Pro components equals the same model (same Triton
+    attention) with the PyTorch composition: logits, loss and every parameter gradient, for
+    plain batches and packed documents (the KV-shift resets at each document start)."""
+    from fot import presets
+    from fot.models import modeling_fot
+
+    torch.manual_seed(0)
+    cfg = presets.config(
+        "fot_pro",
+        "tiny",
+        vocab_size=300,
+        bos_token_id=None,
+        eos_token_id=None,
+        attn_backend="triton",
+        **overrides,
+    )
+    model = presets.build_model(cfg).to(DEVICE).train()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.3 * torch.randn_like(p))
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randint(0, 300, (2, 40), generator=g), torch.randint(0, 300, (2, 40), generator=g)
+    x, y = x.to(DEVICE), y.to(DEVICE)
+    cu = torch.tensor([0, 13, 14, 40], dtype=torch.int32)
+
+    calls = []
+    real = modeling_fot._use_fused_pro
+
+    def run(fused: bool):
+        def spy(backend, t):
+            calls.append(fused)
+            return fused and real(backend, t)
+
+        monkeypatch.setattr(modeling_fot, "_use_fused_pro", spy)
+        model.zero_grad()
+        out = model(x, shift_labels=y)
+        packed = model(x[:1], shift_labels=y[:1], cu_seqlens=cu.to(DEVICE))
+        (out.loss + packed.loss).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        with torch.no_grad():  # logits (the training forward with labels returns only the loss)
+            logits, packed_logits = model(x).logits, model(x[:1], cu_seqlens=cu.to(DEVICE)).logits
+        return logits, packed_logits, out.loss.detach() + packed.loss.detach(), grads
+
+    want = run(False)
+    got = run(True)
+    assert True in calls and False in calls
+    assert real("triton", torch.empty(1, 1, 1, 32))  # the fused path was on in the second run
+    assert (got[0] - want[0]).abs().max() < 2e-5
+    assert (got[1] - want[1]).abs().max() < 2e-5
+    assert abs(got[2] - want[2]) < 1e-5
+    assert got[3].keys() == want[3].keys()
+    for name, grad in want[3].items():
+        assert torch.allclose(got[3][name], grad, atol=1e-5, rtol=1e-4), name
+
+
+def test_model_fused_path_with_query_padding() -> None:
+    """Left padding without a cache (the padded k/v are zeroed before the shift): the padded
+    sequence's real positions equal the unpadded sequence, with the fused path on."""
+    from fot import presets
+
+    torch.manual_seed(0)
+    cfg = presets.config(
+        "fot_pro",
+        "tiny",
+        vocab_size=300,
+        bos_token_id=None,
+        eos_token_id=None,
+        attn_backend="triton",
+    )
+    model = presets.build_model(cfg).to(DEVICE).eval()
+    x = torch.randint(0, 300, (1, 12), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    padded = torch.cat([torch.zeros(1, 5, dtype=x.dtype, device=DEVICE), x], dim=1)
+    mask = torch.cat([torch.zeros(1, 5), torch.ones(1, 12)], dim=1).to(DEVICE)
+    with torch.no_grad():
+        want = model(x).logits
+        got = model(padded, attention_mask=mask).logits[:, 5:]
+    assert (got - want).abs().max() < 2e-5
+
+
+# ---------------------------------------------------------------------------------------
+# Compiled for a Hopper GPU (without one): catches what the interpreter lets through
+# ---------------------------------------------------------------------------------------
+
+_COMPILE_SCRIPT = r"""
+import json, os, subprocess, sys, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from fot.kernels import _pro_kernels as K
+
+DIV16 = {"sx_b", "sx_t", "sx_h", "sdy_b", "sdy_t", "sdy_h", "so_b", "so_t", "so_h", "sg_b",
+         "sg_t", "sg_h"}  # strides the JIT sees as multiples of 16 for D = 128 (not ss_*)
+cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+out = {}
+for fn, ptrs, consts in json.loads(sys.argv[1]):
+    kernel = getattr(K, fn)
+    names = kernel.arg_names
+    sig = {n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n == "eps" else "i32")
+           for n in names}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
+             if n in ptrs or n in DIV16}
+    src = ASTSource(kernel, sig, constexprs={(names.index(k),): v for k, v in consts.items()},
+                    attrs=attrs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(compiled.asm["cubin"])
+    usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True,
+                           text=True, check=True).stdout
+    out[fn] = [line.strip() for line in usage.splitlines() if "REG:" in line][0]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="with a GPU the other tests run the compiled kernels")
+def test_kernels_compile_for_sm90_without_spills(tmp_path, monkeypatch) -> None:
+    """The kernels with every feature on (bf16, D=128, the GPU tile heights) compile for sm_90
+    with Triton's bundled ptxas, and use no local memory (no register spills)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    monkeypatch.setattr(pro_ops, "_interpreting", lambda: False)  # the GPU tile heights
+    (_, fwd_bt, fwd_warps), (_, bwd_bt, bwd_warps) = (
+        pro_ops._launch(128, k) for k in ("fwd", "bwd")
+    )
+    assert fwd_warps == bwd_warps == 4
+    bf = "*bf16"
+    shift = {"D": 128, "BD": 128, "HAS_SHIFT": True, "HAS_NORM": True, "HAS_RESET": True}
+    gate = {"D": 128, "BD": 128, "HAS_GATE": True, "HAS_NORM": True}
+    jobs = [
+        ("_shift_norm_fwd_kernel", {"X": bf, "S": bf, "W": "*fp32", "RESET": "*i8", "Y": bf},
+         {**shift, "BT": fwd_bt}),
+        ("_shift_norm_bwd_kernel", {"X": bf, "S": bf, "W": "*fp32", "RESET": "*i8", "DY": bf,
+         "DX": bf, "DS": bf, "DW": "*fp32"}, {**shift, "BT": bwd_bt}),
+        ("_norm_gate_fwd_kernel", {"OIN": bf, "G": bf, "W": "*fp32", "Y": bf},
+         {**gate, "BT": fwd_bt}),
+        ("_norm_gate_bwd_kernel", {"OIN": bf, "G": bf, "W": "*fp32", "DY": bf, "DO": bf,
+         "DG": bf, "DW": "*fp32"}, {**gate, "BT": bwd_bt}),
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-c", _COMPILE_SCRIPT, json.dumps(jobs)],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    usage = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(usage) == {name for name, _, _ in jobs}
+    for name, line in usage.items():
+        assert "STACK:0 " in line and "LOCAL:0 " in line, f"{name} spills: {line}"
+
+
+# ---------------------------------------------------------------------------------------
+# Input checks
+# ---------------------------------------------------------------------------------------
+
+
+def test_bad_inputs_raise_clear_errors() -> None:
+    x = torch.randn(1, 4, 2, 8, device=DEVICE)
+    s = torch.randn(1, 4, 2, device=DEVICE)
+    w = torch.ones(2, 8, device=DEVICE)
+    with pytest.raises(ValueError, match=r"shift_logits must have shape \(1, 4, 2\)"):
+        shift_norm(x, s[:, :3])
+    with pytest.raises(ValueError, match=r"weight must have shape \(2, 8\)"):
+        shift_norm(x, s, torch.ones(8, device=DEVICE))
+    with pytest.raises(TypeError, match="reset must be a bool tensor"):
+        shift_norm(x, s, reset=torch.zeros(4, dtype=torch.int64, device=DEVICE))
+    with pytest.raises(ValueError, match=r"reset must have shape \[T\] = \(4,\)"):
+        shift_norm(x, s, reset=torch.zeros(5, dtype=torch.bool, device=DEVICE))
+    with pytest.raises(ValueError, match="needs shift_logits or weight"):
+        shift_norm(x, None)
+    with pytest.raises(ValueError, match=r"x must have shape \[B, T, H, D\]"):
+        shift_norm(x.flatten(2), s)
+    with pytest.raises(TypeError, match="x must be float16, bfloat16 or float32"):
+        shift_norm(x.double(), s)
+    with pytest.raises(ValueError, match="head_dim 512 exceeds the supported maximum 256"):
+        shift_norm(torch.randn(1, 2, 1, 512, device=DEVICE), None, torch.ones(1, 512))
+    with pytest.raises(ValueError, match="eps must be a positive number"):
+        shift_norm(x, s, w, eps=0.0)
+    with pytest.raises(ValueError, match=r"gate_logits must have shape \(1, 4, 2, 8\)"):
+        norm_gate(x, torch.randn(1, 4, 2, 4, device=DEVICE))
+    with pytest.raises(ValueError, match="needs gate_logits or weight"):
+        norm_gate(x)
+    with pytest.raises(TypeError, match="gate_logits must be a floating tensor"):
+        norm_gate(x, torch.ones(1, 4, 2, 8, dtype=torch.int32, device=DEVICE))

@@ -261,6 +261,11 @@ class Settings:
 # Kernel-name patterns -> category, first match wins (lower-case substrings), after our own
 # attention kernels (exact names). Heuristic: `top_kernels` shows what the categories hold.
 OUR_ATTENTION_KERNELS = frozenset({"_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkdv_kernel"})
+# The fused FoT (Pro) component kernels of fot.kernels.pro_ops (their names contain "norm").
+OUR_PRO_KERNELS = frozenset(
+    {"_shift_norm_fwd_kernel", "_shift_norm_bwd_kernel", "_norm_gate_fwd_kernel",
+     "_norm_gate_bwd_kernel"}
+)  # fmt: skip
 PROFILE_CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("attention: other", ("flash", "fmha", "cudnn", "attn", "attention")),
     ("loss (cross-entropy)", ("cross_entropy", "crossentropy", "linear_cross", "logsumexp")),
@@ -292,19 +297,20 @@ def profile_categories(events: list[tuple[str, float]], steps: int) -> dict[str,
         ``{"ms_per_step": {category: ms}, "total_ms_per_step": float, "top_kernels":
         [(name, ms per step), ...]}`` (the 30 largest kernels).
     """
-    cats: dict[str, float] = {"attention: ours (Triton)": 0.0}
+    cats: dict[str, float] = {"attention: ours (Triton)": 0.0, "Pro components (fused)": 0.0}
     cats.update({name: 0.0 for name, _ in PROFILE_CATEGORIES})
     cats["elementwise and other"] = 0.0
     for name, ms in events:
         low = name.lower()
-        cat = (
-            "attention: ours (Triton)"
-            if name in OUR_ATTENTION_KERNELS  # Triton names kernels after their functions
-            else next(
+        if name in OUR_ATTENTION_KERNELS:  # Triton names kernels after their functions
+            cat = "attention: ours (Triton)"
+        elif name in OUR_PRO_KERNELS:
+            cat = "Pro components (fused)"
+        else:
+            cat = next(
                 (c for c, pats in PROFILE_CATEGORIES if any(p in low for p in pats)),
                 "elementwise and other",
             )
-        )
         cats[cat] += ms / steps
     top = sorted(events, key=lambda e: -e[1])[:30]
     return {

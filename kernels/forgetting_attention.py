@@ -136,8 +136,8 @@ def _gate_cumsum(log_fgate: torch.Tensor) -> torch.Tensor:
     """
     B, T, HQ = log_fgate.shape
     c = torch.empty((B, HQ, 2, T), dtype=torch.float32, device=log_fgate.device)
-    # One launch instead of ~9 small torch ops (transpose, casts, scan, split, stack).
-    # Block of 4096 with 8 warps: 20 us at B1 T16k HQ16 on an H200 (the torch ops: 59 us).
+    # One launch instead of ~9 small torch ops (transpose, casts, scan, split, stack); block
+    # 4096 with 8 warps was the fastest of 1024-8192 on an H200.
     block, warps = (32, 1) if _interpreting() else (4096, 8)
     kern._gate_cumsum_kernel[(B * HQ,)](
         log_fgate.contiguous(), c, T, HQ, BLOCK=block, num_warps=warps
@@ -372,7 +372,7 @@ def _backward(
     # d log f_l = sum_{t >= l, same document} d c_t: a reverse cumsum restarting per document.
     if not lay.has_doc:  # one launch (float64 running sum) instead of ~8 small torch ops
         dlogf = torch.empty((B, T, HQ), dtype=torch.float32, device=q.device)
-        # 28 us at B1 T16k HQ16 on an H200 (the torch ops: 59 us).
+        # Block 4096 with 8 warps, as for the gate cumsum.
         block, warps = (32, 1) if _interpreting() else (4096, 8)
         kern._dlogf_kernel[(B * HQ,)](drow, dcol, dlogf, T, HQ, BLOCK=block, num_warps=warps)
         return dq, dk, dv, dlogf

@@ -344,6 +344,7 @@ def test_profile_categories_hand_count(bench):
         ("sm90_xmma_gemm_bf16bf16_bf16f32", 20.0),
         ("flash_fwd_kernel", 4.0),
         ("triton_red_fused__rms_norm_0", 5.0),
+        ("_shift_norm_bwd_kernel", 0.5),
         ("multi_tensor_apply_kernel<FusedAdamW>", 2.0),
         ("vectorized_elementwise_kernel<add>", 3.0),
     ]
@@ -352,8 +353,9 @@ def test_profile_categories_hand_count(bench):
     assert ms["attention: ours (Triton)"] == 8.0
     assert ms["attention: other"] == 2.0
     assert ms["matmul"] == 10.0 and ms["norms"] == 2.5 and ms["optimizer"] == 1.0
+    assert ms["Pro components (fused)"] == 0.25  # not "norms", although its name has "norm"
     assert ms["elementwise and other"] == 1.5 and ms["loss (cross-entropy)"] == 0.0
-    assert prof["total_ms_per_step"] == 25.0
+    assert prof["total_ms_per_step"] == 25.25
     assert prof["top_kernels"][0] == ("sm90_xmma_gemm_bf16bf16_bf16f32", 10.0)
     table = tt.profile_table([{"model": "m", "profile": prof}])
-    assert "| matmul | 10.0 |" in table and "| total | 25.0 |" in table
+    assert "| matmul | 10.0 |" in table and "| total | 25.2 |" in table

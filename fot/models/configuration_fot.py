@@ -47,8 +47,10 @@ class FoTConfig(PretrainedConfig):
             for gate ``none`` on whole sequences), ``"triton"``, ``"reference"`` (pure PyTorch,
             any device) or ``"sdpa"`` (PyTorch SDPA for gate ``none`` on whole sequences on any
             device, else as ``"auto"``).
-        recompute_pro: recompute KV-shift, QK-norm and output norm/gate in backward instead of
-            keeping their intermediates (~8 GiB less at 760m, T=16k; a little extra compute).
+        recompute_pro: on the PyTorch path of the Pro components (``attn_backend=
+            "reference"``, or the cached decode path), recompute KV-shift, QK-norm and output
+            norm/gate in backward instead of keeping their intermediates (~8 GiB less at 760m,
+            T=16k). The fused kernels used on the kernel backends always keep only inputs.
         loss_impl: ``"auto"`` (FLA fused linear cross-entropy on CUDA, else chunked),
             ``"chunked"`` (pure PyTorch, ``loss_chunk_size`` rows at a time) or ``"fla"``.
         loss_chunk_size: rows of the ``[T, V]`` logits materialised at once by the chunked loss.

@@ -167,6 +167,8 @@ def sweep(shape, rows_out: list[str]) -> None:
         "B": (64, 64, 4, 3),
         "C": (64, 64, 4, 2),
         "D": (128, 64, 8, 2),
+        "H": (64, 64, 4, 4),
+        "I": (128, 64, 8, 4),
     }
     kv_opts = {
         "a": (64, 128, 8, 3),
@@ -174,7 +176,7 @@ def sweep(shape, rows_out: list[str]) -> None:
         "c": (64, 64, 4, 2),
         "d": (64, 128, 8, 2),
     }
-    combos = ["Aa", "Bb", "Cc", "Ac", "Ca", "Ab", "Ba", "Ad", "Dd"]
+    combos = ["Aa", "Bb", "Cc", "Ac", "Ca", "Ab", "Ba", "Ad", "Dd", "Hb", "Ic", "Hc"]
     if D <= 64:  # small heads leave room for larger tiles
         dq_opts |= {"E": (128, 128, 8, 2), "F": (128, 64, 4, 3), "G": (128, 128, 8, 3)}
         kv_opts |= {"e": (128, 128, 8, 2), "f": (64, 128, 4, 3), "g": (128, 64, 4, 3),

@@ -11,12 +11,11 @@ registers with one rounding per output. On tensors that are not on CUDA, without
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 
 from . import _pro_kernels as kern
+from .forgetting_attention import _interpreting
 
 MAX_HEAD_DIM = 256
 """Largest head_dim the kernels take (a ``[rows, head_dim]`` tile lives in registers)."""
@@ -27,10 +26,6 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # Private tuning hook (like forgetting_attention._CONFIG_OVERRIDE): keys "fwd_elems",
 # "bwd_elems" (rows * padded head_dim per program) and "fwd_warps", "bwd_warps".
 _CONFIG_OVERRIDE: dict[str, int] = {}
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _use_triton(x: torch.Tensor) -> bool:

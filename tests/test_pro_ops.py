@@ -329,6 +329,22 @@ def test_equals_model_pytorch_composition(dtype) -> None:
 # ---------------------------------------------------------------------------------------
 
 
+def tiny_pro(**overrides) -> torch.nn.Module:
+    """A tiny FoT (Pro) on the Triton attention backend, on DEVICE (vocabulary of 300)."""
+    from fot import presets
+
+    cfg = presets.config(
+        "fot_pro",
+        "tiny",
+        vocab_size=300,
+        bos_token_id=None,
+        eos_token_id=None,
+        attn_backend="triton",
+        **overrides,
+    )
+    return presets.build_model(cfg).to(DEVICE)
+
+
 @pytest.mark.parametrize(
     "overrides",
     [
@@ -342,20 +358,10 @@ def test_model_fused_equals_pytorch_path(monkeypatch, overrides) -> None:
     """A tiny FoT (Pro) with the fused Pro components equals the same model (same Triton
     attention) with the PyTorch composition: logits, loss and every parameter gradient, for
     plain batches and packed documents (the KV-shift resets at each document start)."""
-    from fot import presets
     from fot.models import modeling_fot
 
     torch.manual_seed(0)
-    cfg = presets.config(
-        "fot_pro",
-        "tiny",
-        vocab_size=300,
-        bos_token_id=None,
-        eos_token_id=None,
-        attn_backend="triton",
-        **overrides,
-    )
-    model = presets.build_model(cfg).to(DEVICE).train()
+    model = tiny_pro(**overrides).train()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -398,18 +404,9 @@ def test_model_fused_equals_pytorch_path(monkeypatch, overrides) -> None:
 def test_model_fused_path_with_query_padding() -> None:
     """Left padding without a cache (the padded k/v are zeroed before the shift): the padded
     sequence's real positions equal the unpadded sequence, with the fused path on."""
-    from fot import presets
 
     torch.manual_seed(0)
-    cfg = presets.config(
-        "fot_pro",
-        "tiny",
-        vocab_size=300,
-        bos_token_id=None,
-        eos_token_id=None,
-        attn_backend="triton",
-    )
-    model = presets.build_model(cfg).to(DEVICE).eval()
+    model = tiny_pro().eval()
     x = torch.randint(0, 300, (1, 12), generator=torch.Generator().manual_seed(2)).to(DEVICE)
     padded = torch.cat([torch.zeros(1, 5, dtype=x.dtype, device=DEVICE), x], dim=1)
     mask = torch.cat([torch.zeros(1, 5), torch.ones(1, 12)], dim=1).to(DEVICE)

@@ -169,6 +169,7 @@ def sweep(shape, rows_out: list[str]) -> None:
         "D": (128, 64, 8, 2),
         "H": (64, 64, 4, 4),
         "I": (128, 64, 8, 4),
+        "E": (128, 128, 8, 2),
     }
     kv_opts = {
         "a": (64, 128, 8, 3),
@@ -176,12 +177,12 @@ def sweep(shape, rows_out: list[str]) -> None:
         "c": (64, 64, 4, 2),
         "d": (64, 128, 8, 2),
     }
-    combos = ["Aa", "Bb", "Cc", "Ac", "Ca", "Ab", "Ba", "Ad", "Dd", "Hb", "Ic", "Hc"]
+    combos = ["Aa", "Bb", "Cc", "Ac", "Ca", "Ab", "Ba", "Ad", "Dd", "Hb", "Ic", "Hc", "Ea", "Ia"]
     if D <= 64:  # small heads leave room for larger tiles
-        dq_opts |= {"E": (128, 128, 8, 2), "F": (128, 64, 4, 3), "G": (128, 128, 8, 3)}
+        dq_opts |= {"F": (128, 64, 4, 3), "G": (128, 128, 8, 3)}
         kv_opts |= {"e": (128, 128, 8, 2), "f": (64, 128, 4, 3), "g": (128, 64, 4, 3),
                     "h": (32, 128, 4, 3), "i": (64, 128, 8, 4)}  # fmt: skip
-        combos += ["Ae", "Af", "Ag", "Ah", "Ai", "Ea", "Fa", "Ga", "Ef", "Ff", "Bf"]
+        combos += ["Ae", "Af", "Ag", "Ah", "Ai", "Fa", "Ga", "Ef", "Ff", "Bf"]
     bwd_cfgs = []
     for dq_key, kv_key in combos:
         dbm, dbn, dw, ds = dq_opts[dq_key]

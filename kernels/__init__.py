@@ -7,10 +7,13 @@
   new queries against a K/V cache and a cached gate cumsum.
 * :func:`shift_norm` / :func:`norm_gate` — fused FoT (Pro) components (KV-shift + per-head
   RMSNorm; output norm + gate): Triton on CUDA (or under the interpreter), PyTorch elsewhere.
+* :func:`swiglu` — the MLP's ``silu(gate) * up`` from one ``[..., 2 * I]`` projection, one
+  kernel each way (same dispatch as the Pro components).
 """
 
 from .decode import forgetting_attention_decode
 from .forgetting_attention import PruneStats, forgetting_attention
+from .mlp_ops import swiglu
 from .pro_ops import norm_gate, shift_norm
 from .reference import forgetting_attention_decode_reference, forgetting_attention_reference
 
@@ -22,4 +25,5 @@ __all__ = [
     "forgetting_attention_reference",
     "norm_gate",
     "shift_norm",
+    "swiglu",
 ]

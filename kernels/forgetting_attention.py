@@ -63,7 +63,14 @@ def _tile_sizes(D: int) -> dict[str, int]:
     elif D <= 64:
         sizes = {"fwd_bm": 128, "fwd_bn": 64, "dq_bm": 64, "dq_bn": 64, "kv_bm": 64, "kv_bn": 64}
     elif D <= 128:
-        sizes = {"fwd_bm": 128, "fwd_bn": 128, "dq_bm": 128, "dq_bn": 64, "kv_bm": 64, "kv_bn": 64}
+        sizes = {
+            "fwd_bm": 128,
+            "fwd_bn": 128,
+            "dq_bm": 128,
+            "dq_bn": 128,
+            "kv_bm": 64,
+            "kv_bn": 128,
+        }
     else:
         sizes = {"fwd_bm": 64, "fwd_bn": 32, "dq_bm": 64, "dq_bn": 32, "kv_bm": 32, "kv_bn": 64}
     sizes.update({key: val for key, val in _CONFIG_OVERRIDE.items() if key in sizes})
@@ -81,11 +88,13 @@ def _launch_params(D: int) -> dict[str, tuple[int, int]]:
     if _interpreting():
         return {"fwd": (4, 1), "dq": (4, 1), "kv": (4, 1)}
     # Picked by `benchmarks/attention.py --sweep` on an H200 (B1 T16k, H12 D128 / H16 D64);
-    # dQ with 4 stages from a later sweep of its stages (D=64 fwd+bwd 6.97 -> 6.84 ms).
+    # dQ with 4 stages from a later sweep of its stages (D=64 fwd+bwd 6.97 -> 6.84 ms); D=128
+    # backward tiles from a sweep after the unmasked-tile and folded-bias changes (bwd 6.44 ->
+    # 5.98 ms: 128-key dK/dV tiles, 128 x 128 dQ tiles).
     if D <= 64:
         params = {"fwd": (4, 3), "dq": (4, 4), "kv": (4, 3)}
     elif D <= 128:
-        params = {"fwd": (8, 3), "dq": (8, 4), "kv": (4, 2)}
+        params = {"fwd": (8, 3), "dq": (8, 2), "kv": (8, 3)}
     else:
         params = {"fwd": (8, 2), "dq": (8, 2), "kv": (8, 2)}
     for name, (warps, stages) in params.items():

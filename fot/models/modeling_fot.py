@@ -155,8 +155,8 @@ def _run_kernel(fn: Callable, *args, **kwargs) -> torch.Tensor:
     return fn(*args, **kwargs)
 
 
-def fused_projections(x: torch.Tensor, layers: list[nn.Linear]) -> list[torch.Tensor]:
-    """``[layer(x) for layer in layers]`` for bias-free ``nn.Linear`` layers, as one GEMM.
+def fused_linear(x: torch.Tensor, layers: list[nn.Linear]) -> torch.Tensor:
+    """``torch.cat([layer(x) for layer in layers], -1)`` for bias-free ``nn.Linear`` layers, as one GEMM.
 
     The weights are concatenated (in the autocast dtype when autocast is on) and multiplied
     once: under autocast the input is cast to 16 bits once instead of once per layer, and the
@@ -167,16 +167,29 @@ def fused_projections(x: torch.Tensor, layers: list[nn.Linear]) -> list[torch.Te
         layers: bias-free linear layers with that ``in_features``.
 
     Returns:
-        One ``[..., out_features]`` tensor per layer: column slices (views) of one output.
+        ``[..., sum of out_features]``, the layers' outputs side by side in ``layers`` order.
     """
-    if len(layers) == 1:
-        return [layers[0](x)]
     dev = x.device.type
     dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
     weight = torch.cat(
         [layer.weight if dtype is None else layer.weight.to(dtype) for layer in layers]
     )
-    y = F.linear(x, weight)
+    return F.linear(x, weight)
+
+
+def fused_projections(x: torch.Tensor, layers: list[nn.Linear]) -> list[torch.Tensor]:
+    """``[layer(x) for layer in layers]`` as one GEMM (:func:`fused_linear`), split into views.
+
+    Args:
+        x: ``[..., in_features]``.
+        layers: bias-free linear layers with that ``in_features``.
+
+    Returns:
+        One ``[..., out_features]`` tensor per layer: column slices (views) of one output.
+    """
+    if len(layers) == 1:
+        return [layers[0](x)]
+    y = fused_linear(x, layers)
     return list(y.split([layer.out_features for layer in layers], dim=-1))
 
 
@@ -241,13 +254,21 @@ class FoTMLP(nn.Module):
 
     def __init__(self, config: FoTConfig) -> None:
         super().__init__()
+        self.config = config
         width = config.mlp_size
         self.gate_proj = nn.Linear(config.hidden_size, width, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, width, bias=False)
         self.down_proj = nn.Linear(width, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = fused_projections(x, [self.gate_proj, self.up_proj])
+        projections = [self.gate_proj, self.up_proj]
+        # Eager on the kernel backends: one fused kernel each way (fot.kernels.swiglu). Under
+        # torch.compile the PyTorch form is left to Inductor, which fuses it without a graph break.
+        if _use_fused_kernels(self.config.attn_backend, x) and not torch.compiler.is_compiling():
+            from fot.kernels.mlp_ops import swiglu
+
+            return self.down_proj(swiglu(fused_linear(x, projections)))  # (B, T, hidden)
+        gate, up = fused_projections(x, projections)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -379,19 +400,23 @@ def _recomputed(enabled: bool, fn: Callable, *args) -> torch.Tensor:
     return fn(*args)
 
 
-def _use_fused_pro(backend: str, t: torch.Tensor) -> bool:
-    """Whether the Pro components run as the fused kernels of ``fot.kernels.pro_ops``.
+def _use_fused_kernels(backend: str, t: torch.Tensor) -> bool:
+    """Whether the fused elementwise kernels (``fot.kernels.pro_ops``, ``fot.kernels.swiglu``) run.
 
     Follows the attention backend's name: ``"reference"`` keeps the PyTorch composition,
     ``"triton"`` always uses the fused functions (which fall back to the same math in PyTorch on
     CPU without ``TRITON_INTERPRET=1``), ``"auto"``/``"sdpa"`` use them on CUDA. Only for the
-    head sizes and dtypes the kernels take (``head_dim <= 256``, 16/32-bit floats).
+    dtypes the kernels take (16/32-bit floats).
     """
     if backend == "reference" or t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return False
-    if t.shape[-1] > 256:  # fot.kernels.pro_ops.MAX_HEAD_DIM (not imported: Triton is lazy)
-        return False
     return backend == "triton" or t.device.type == "cuda"
+
+
+def _use_fused_pro(backend: str, t: torch.Tensor) -> bool:
+    """:func:`_use_fused_kernels` for the Pro components, whose kernels take ``head_dim <= 256``."""
+    # 256 = fot.kernels.pro_ops.MAX_HEAD_DIM (not imported: Triton is loaded lazily)
+    return t.shape[-1] <= 256 and _use_fused_kernels(backend, t)
 
 
 @dataclass

@@ -54,10 +54,10 @@ def _swiglu_bwd_kernel(X, DY, DX, n_cols, stride_x, stride_dy, stride_dx, BLOCK:
 
 
 def _block(n_cols: int) -> int:
+    """Columns per program: up to 1024 on a GPU; the whole row under the interpreter, which
+    pays per program."""
     if _interpreting():
-        return triton.next_power_of_2(
-            n_cols
-        )  # one program per row: the interpreter pays per program
+        return triton.next_power_of_2(n_cols)
     return min(1024, triton.next_power_of_2(n_cols))
 
 

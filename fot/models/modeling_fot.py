@@ -156,7 +156,7 @@ def _run_kernel(fn: Callable, *args, **kwargs) -> torch.Tensor:
 
 
 def fused_linear(x: torch.Tensor, layers: list[nn.Linear]) -> torch.Tensor:
-    """``torch.cat([layer(x) for layer in layers], -1)`` for bias-free ``nn.Linear`` layers, as one GEMM.
+    """``torch.cat([layer(x) for layer in layers], -1)`` for bias-free linear layers, one GEMM.
 
     The weights are concatenated (in the autocast dtype when autocast is on) and multiplied
     once: under autocast the input is cast to 16 bits once instead of once per layer, and the

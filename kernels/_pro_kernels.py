@@ -39,6 +39,24 @@ def _rms_bwd(z, dn, D: tl.constexpr, eps):
 
 
 @triton.jit
+def _tile(T, H, D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr):
+    """This program's tile: ``(b, h, offs_t, offs_d, mask_t, mask_d, mask, rows)``.
+
+    ``b`` and ``rows`` (``offs_t`` as an int64 column, for pointer arithmetic) are int64;
+    ``mask`` is the ``[BT, BD]`` in-range mask.
+    """
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = pid_bh % H
+    offs_t = tl.program_id(0) * BT + tl.arange(0, BT)
+    offs_d = tl.arange(0, BD)
+    mask_t = offs_t < T
+    mask_d = offs_d < D
+    mask = mask_t[:, None] & mask_d[None, :]
+    return b, h, offs_t, offs_d, mask_t, mask_d, mask, offs_t.to(tl.int64)[:, None]
+
+
+@triton.jit
 def _shift_norm_fwd_kernel(
     X,
     S,
@@ -65,16 +83,8 @@ def _shift_norm_fwd_kernel(
 
     Y is contiguous ``[B, T, H, D]``.
     """
-    pid_t = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // H).to(tl.int64)
-    h = pid_bh % H
-    offs_t = pid_t * BT + tl.arange(0, BT)
-    offs_d = tl.arange(0, BD)
-    mask_t = offs_t < T
-    mask_d = offs_d < D
-    mask = mask_t[:, None] & mask_d[None, :]
-    rows = offs_t.to(tl.int64)[:, None] * sx_t
+    b, h, offs_t, offs_d, mask_t, mask_d, mask, rows = _tile(T, H, D, BD, BT)
+    rows = rows * sx_t
     x_ptr = X + b * sx_b + h * sx_h + rows + offs_d[None, :]
     x = tl.load(x_ptr, mask=mask, other=0.0).to(tl.float32)  # (BT, BD)
     z = x
@@ -133,17 +143,9 @@ def _shift_norm_bwd_kernel(
     DX is contiguous ``[B, T, H, D]``, DS contiguous ``[B, T, H]``, DW float32
     ``[n_blocks * B, H, D]`` (per-program partial sums).
     """
-    pid_t = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // H).to(tl.int64)
-    h = pid_bh % H
-    offs_t = pid_t * BT + tl.arange(0, BT)
-    offs_d = tl.arange(0, BD)
-    mask_t = offs_t < T
-    mask_d = offs_d < D
-    mask = mask_t[:, None] & mask_d[None, :]
-    x_ptr = X + b * sx_b + h * sx_h + offs_t.to(tl.int64)[:, None] * sx_t + offs_d[None, :]
-    dy_ptr = DY + b * sdy_b + h * sdy_h + offs_t.to(tl.int64)[:, None] * sdy_t + offs_d[None, :]
+    b, h, offs_t, offs_d, mask_t, mask_d, mask, rows = _tile(T, H, D, BD, BT)
+    x_ptr = X + b * sx_b + h * sx_h + rows * sx_t + offs_d[None, :]
+    dy_ptr = DY + b * sdy_b + h * sdy_h + rows * sdy_t + offs_d[None, :]
     x = tl.load(x_ptr, mask=mask, other=0.0).to(tl.float32)  # (BT, BD)
     dy = tl.load(dy_ptr, mask=mask, other=0.0).to(tl.float32)
     if HAS_NORM:
@@ -162,7 +164,7 @@ def _shift_norm_bwd_kernel(
     if HAS_NORM:
         dz, n = _rms_bwd(z, dy * w, D, eps)
         dw = tl.sum(dy * n, axis=0)  # (BD,) partial over this block's rows
-        dw_ptr = DW + ((pid_t * B + b) * H + h) * D + offs_d
+        dw_ptr = DW + ((tl.program_id(0) * B + b) * H + h) * D + offs_d
         tl.store(dw_ptr, dw, mask=mask_d)
     else:
         dz = dy
@@ -214,16 +216,7 @@ def _norm_gate_fwd_kernel(
     HAS_NORM: tl.constexpr,
 ):
     """``y = rmsnorm(o) * w * sigmoid(g)`` (each factor only if present); Y contiguous."""
-    pid_t = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // H).to(tl.int64)
-    h = pid_bh % H
-    offs_t = pid_t * BT + tl.arange(0, BT)
-    offs_d = tl.arange(0, BD)
-    mask_t = offs_t < T
-    mask_d = offs_d < D
-    mask = mask_t[:, None] & mask_d[None, :]
-    rows = offs_t.to(tl.int64)[:, None]
+    b, h, _, offs_d, _, mask_d, mask, rows = _tile(T, H, D, BD, BT)
     o = tl.load(OIN + b * so_b + h * so_h + rows * so_t + offs_d[None, :], mask=mask, other=0.0)
     y = o.to(tl.float32)  # (BT, BD)
     if HAS_NORM:
@@ -269,16 +262,7 @@ def _norm_gate_bwd_kernel(
     ``dg = dy * n * w * sg (1 - sg)``, ``dn = dy * w * sg`` (then the RMSNorm backward), and
     ``dw = sum_{b,t} dy * n * sg``. DO, DG contiguous; DW float32 ``[n_blocks * B, H, D]``.
     """
-    pid_t = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // H).to(tl.int64)
-    h = pid_bh % H
-    offs_t = pid_t * BT + tl.arange(0, BT)
-    offs_d = tl.arange(0, BD)
-    mask_t = offs_t < T
-    mask_d = offs_d < D
-    mask = mask_t[:, None] & mask_d[None, :]
-    rows = offs_t.to(tl.int64)[:, None]
+    b, h, _, offs_d, _, mask_d, mask, rows = _tile(T, H, D, BD, BT)
     o = tl.load(OIN + b * so_b + h * so_h + rows * so_t + offs_d[None, :], mask=mask, other=0.0)
     o = o.to(tl.float32)  # (BT, BD)
     dy = tl.load(DY + b * sdy_b + h * sdy_h + rows * sdy_t + offs_d[None, :], mask=mask, other=0.0)
@@ -293,7 +277,7 @@ def _norm_gate_bwd_kernel(
         w = tl.load(W + h * D + offs_d, mask=mask_d, other=0.0).to(tl.float32)[None, :]
         do, n = _rms_bwd(o, dn * w, D, eps)
         dw = tl.sum(dn * n, axis=0)  # (BD,)
-        tl.store(DW + ((pid_t * B + b) * H + h) * D + offs_d, dw, mask=mask_d)
+        tl.store(DW + ((tl.program_id(0) * B + b) * H + h) * D + offs_d, dw, mask=mask_d)
         pre_gate = n * w
     else:
         do = dn

@@ -7,6 +7,8 @@
   new queries against a K/V cache and a cached gate cumsum.
 * :func:`shift_norm` / :func:`norm_gate` — fused FoT (Pro) components (KV-shift + per-head
   RMSNorm; output norm + gate): Triton on CUDA (or under the interpreter), PyTorch elsewhere.
+* :func:`add_rms_norm` — residual add + RMSNorm of the pre-norm blocks, one kernel each way
+  (same dispatch as the Pro components).
 * :func:`swiglu` — the MLP's ``silu(gate) * up`` from one ``[..., 2 * I]`` projection, one
   kernel each way (same dispatch as the Pro components).
 """
@@ -14,11 +16,13 @@
 from .decode import forgetting_attention_decode
 from .forgetting_attention import PruneStats, forgetting_attention
 from .mlp_ops import swiglu
+from .norm_ops import add_rms_norm
 from .pro_ops import norm_gate, shift_norm
 from .reference import forgetting_attention_decode_reference, forgetting_attention_reference
 
 __all__ = [
     "PruneStats",
+    "add_rms_norm",
     "forgetting_attention",
     "forgetting_attention_decode",
     "forgetting_attention_decode_reference",

@@ -169,8 +169,7 @@ def fused_linear(x: torch.Tensor, layers: list[nn.Linear]) -> torch.Tensor:
     Returns:
         ``[..., sum of out_features]``, the layers' outputs side by side in ``layers`` order.
     """
-    dev = x.device.type
-    dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+    dtype = _autocast_dtype(x)
     weight = torch.cat(
         [layer.weight if dtype is None else layer.weight.to(dtype) for layer in layers]
     )
@@ -222,6 +221,35 @@ class FoTRMSNorm(nn.Module):
         # The weight is cast to x's dtype (not x to fp32): under bf16 autocast an fp32 weight
         # times a bf16 tensor would promote q/k to fp32 while v stays bf16.
         return _rms_normalize(x, self.eps, self.weight)
+
+    def add_norm(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        fused: bool,
+        out_dtype: torch.dtype | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pre-norm step of a block: ``h = residual + x`` and ``norm(h)``.
+
+        Args:
+            x: ``[B, T, hidden]``, the previous block's output (or the embeddings, with
+                ``residual=None``: then ``h = x``).
+            residual: ``[B, T, hidden]``, the stream before that block, or None.
+            fused: one kernel each way (``fot.kernels.add_rms_norm``); otherwise PyTorch ops.
+                Both compute the same function.
+            out_dtype: dtype of the normalised output (e.g. the autocast dtype, so that the
+                next GEMM needs no cast); default ``h``'s.
+
+        Returns:
+            ``(norm(h) [B, T, hidden] in out_dtype, h [B, T, hidden])``.
+        """
+        if fused:
+            from fot.kernels.norm_ops import add_rms_norm
+
+            return add_rms_norm(x, residual, self.weight, eps=self.eps, out_dtype=out_dtype)
+        h = x if residual is None else residual + x
+        y = self(h)
+        return (y if out_dtype is None else y.to(out_dtype)), h
 
 
 class FoTHeadRMSNorm(nn.Module):
@@ -411,6 +439,12 @@ def _use_fused_kernels(backend: str, t: torch.Tensor) -> bool:
     if backend == "reference" or t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return False
     return backend == "triton" or t.device.type == "cuda"
+
+
+def _autocast_dtype(t: torch.Tensor) -> torch.dtype | None:
+    """The autocast dtype on ``t``'s device, or None when autocast is off there."""
+    dev = t.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
 
 
 def _use_fused_pro(backend: str, t: torch.Tensor) -> bool:
@@ -643,10 +677,16 @@ class FoTAttention(nn.Module):
 
 
 class FoTDecoderLayer(GradientCheckpointingLayer):
-    """Pre-norm block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
+    """Pre-norm block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``.
+
+    The residual stream travels as ``(branch, residual)`` with ``x = residual + branch``: each
+    residual add is done by the norm that follows it, so that on the kernel backends add, norm
+    and the cast for the next GEMM are one kernel (``fot.kernels.add_rms_norm``).
+    """
 
     def __init__(self, config: FoTConfig, layer_idx: int) -> None:
         super().__init__()
+        self.config = config
         self.input_layernorm = FoTRMSNorm(config.hidden_size, config.norm_eps)
         self.self_attn = FoTAttention(config, layer_idx)
         self.post_attention_layernorm = FoTRMSNorm(config.hidden_size, config.norm_eps)
@@ -655,12 +695,32 @@ class FoTDecoderLayer(GradientCheckpointingLayer):
     def forward(
         self,
         hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
         ctx: _Context,
         past_key_values: FoTCache | None = None,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One block on the stream ``residual + hidden_states``.
+
+        Args:
+            hidden_states: ``[B, T, hidden]``, the previous block's MLP output (the embeddings
+                for the first block, with ``residual=None``).
+            residual: ``[B, T, hidden]``, the stream before that output, or None.
+
+        Returns:
+            ``(mlp_out, residual)``: the stream after this block is their sum.
+        """
         cache = past_key_values[self.self_attn.layer_idx] if past_key_values is not None else None
-        h = hidden_states + self.self_attn(self.input_layernorm(hidden_states), ctx, cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        fused = _use_fused_kernels(self.config.attn_backend, hidden_states) and (
+            not torch.compiler.is_compiling()  # Inductor fuses the PyTorch form itself
+        )
+        gemm_dtype = _autocast_dtype(hidden_states)
+        # The forget gate's fp32 projection reads the normalised input: keep it unrounded.
+        attn_in_dtype = None if self.self_attn.fgate_type == "full" else gemm_dtype
+        x, h = self.input_layernorm.add_norm(hidden_states, residual, fused, attn_in_dtype)
+        x, h = self.post_attention_layernorm.add_norm(
+            self.self_attn(x, ctx, cache), h, fused, gemm_dtype
+        )
+        return self.mlp(x), h
 
 
 # ---------------------------------------------------------------------------------------
@@ -816,10 +876,13 @@ class FoTModel(FoTPreTrainedModel):
             )
         past = past_key_values.get_seq_length() if past_key_values is not None else 0
         ctx = self._context(B, T, inputs_embeds.device, attention_mask, cu_seqlens, past)
-        h = inputs_embeds
+        branch, residual = inputs_embeds, None  # the stream is residual + branch
         for layer in self.layers:
-            h = layer(h, ctx, past_key_values=past_key_values)
-        h = self.norm(h)
+            branch, residual = layer(branch, residual, ctx, past_key_values=past_key_values)
+        fused = _use_fused_kernels(self.config.attn_backend, branch) and (
+            not torch.compiler.is_compiling()
+        )
+        h, _ = self.norm.add_norm(branch, residual, fused)
         return BaseModelOutputWithPast(last_hidden_state=h, past_key_values=past_key_values)
 
 

@@ -1,0 +1,141 @@
+"""Fused elementwise kernels against the PyTorch compositions they replace, on one GPU.
+
+    python benchmarks/fused_ops.py [--tokens 16384] [--preset 760m] [--sweep] [--out ops.md]
+
+Per op, forward + backward (gradients into every input) of:
+
+* ``add_rms_norm``: the pre-norm step of a block under bf16 autocast, ``h = residual + x``
+  (float32 stream, bf16 branch output), ``y = RMSNorm(h)`` cast to bf16 for the next GEMM,
+  with gradients arriving at ``y`` (bf16) and ``h`` (float32), against ``fot.kernels.add_rms_norm``.
+* ``swiglu``: ``silu(gate) * up`` on the two halves of one ``[T, 2I]`` bf16 GEMM output, against
+  ``fot.kernels.swiglu``.
+
+Shapes from the FoT (Pro) preset (hidden size, MLP width) at ``--tokens`` rows; the 760M model
+has two norms per block and 24 blocks, so the per-step effect is ``48 x`` the ``add_rms_norm``
+row. Times are medians of ``triton.testing.do_bench``; GB/s counts the bytes each fused kernel
+must move (inputs read once, outputs written once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+import torch.nn.functional as F
+import triton
+
+
+def _norm_case(tokens: int, hidden: int):
+    dev = "cuda"
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(tokens, hidden, device=dev, generator=g).to(torch.bfloat16)
+    residual = torch.randn(tokens, hidden, device=dev, generator=g)
+    weight = 1 + 0.1 * torch.randn(hidden, device=dev, generator=g)
+    dy = torch.randn(tokens, hidden, device=dev, generator=g).to(torch.bfloat16)
+    dh = torch.randn(tokens, hidden, device=dev, generator=g)
+    leaves = [t.clone().requires_grad_(True) for t in (x, residual, weight)]
+
+    def pytorch():
+        xl, rl, wl = leaves
+        h = rl + xl
+        y = F.rms_norm(h, (hidden,), wl, 1e-6).to(torch.bfloat16)
+        torch.autograd.grad([y, h], leaves, [dy, dh])
+
+    def fused():
+        from fot.kernels import add_rms_norm
+
+        y, h = add_rms_norm(*leaves, eps=1e-6, out_dtype=torch.bfloat16)
+        torch.autograd.grad([y, h], leaves, [dy, dh])
+
+    # fwd: x (2) + residual (4) in, h (4) + y (2) out; bwd: h, dh (4 + 4), dy (2) in,
+    # d residual (4) + dx (2) out: 28 bytes per element.
+    return pytorch, fused, 28 * tokens * hidden
+
+
+def _swiglu_case(tokens: int, width: int):
+    dev = "cuda"
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(tokens, 2 * width, device=dev, generator=g).to(torch.bfloat16)
+    dy = torch.randn(tokens, width, device=dev, generator=g).to(torch.bfloat16)
+    leaf = x.clone().requires_grad_(True)
+
+    def pytorch():
+        gate, up = leaf.split(width, dim=-1)
+        torch.autograd.grad(F.silu(gate) * up, leaf, dy)
+
+    def fused():
+        from fot.kernels import swiglu
+
+        torch.autograd.grad(swiglu(leaf), leaf, dy)
+
+    # fwd: x (4) in, y (2) out; bwd: x (4), dy (2) in, dx (4) out: 16 bytes per output element.
+    return pytorch, fused, 16 * tokens * width
+
+
+def run_table(tokens: int, preset: str, rows_out: list[str]) -> None:
+    from fot import presets
+
+    cfg = presets.config("fot_pro", preset)
+    cases = {
+        f"add_rms_norm ({tokens} x {cfg.hidden_size})": _norm_case(tokens, cfg.hidden_size),
+        f"swiglu ({tokens} x 2 x {cfg.mlp_size})": _swiglu_case(tokens, cfg.mlp_size),
+    }
+    rows_out += [
+        "| op (fwd + bwd) | PyTorch (ms) | fused (ms) | speed-up | fused GB/s |",
+        "|---|---|---|---|---|",
+    ]
+    for name, (pytorch, fused, nbytes) in cases.items():
+        t_pt = triton.testing.do_bench(pytorch, warmup=25, rep=200)
+        t_f = triton.testing.do_bench(fused, warmup=25, rep=200)
+        rows_out.append(
+            f"| {name} | {t_pt:.3f} | {t_f:.3f} | {t_pt / t_f:.2f}x | {nbytes / t_f / 1e6:.0f} |"
+        )
+        print(rows_out[-1], flush=True)
+
+
+def sweep(tokens: int, preset: str, rows_out: list[str]) -> None:
+    """Launch settings of the add + norm kernels (``norm_ops._CONFIG_OVERRIDE``)."""
+    from fot import presets
+    from fot.kernels import norm_ops
+
+    hidden = presets.config("fot_pro", preset).hidden_size
+    _, fused, _ = _norm_case(tokens, hidden)
+    rows_out += [
+        "",
+        "| fwd elems / warps | bwd elems / warps / programs per SM | ms |",
+        "|---|---|---|",
+    ]
+    for fwd in ((2048, 4), (4096, 4), (4096, 8), (8192, 8)):
+        for bwd in ((2048, 4, 2), (4096, 8, 2), (4096, 8, 4), (8192, 8, 2), (8192, 16, 1)):
+            norm_ops._CONFIG_OVERRIDE.clear()
+            norm_ops._CONFIG_OVERRIDE.update({
+                "fwd_elems": fwd[0], "fwd_warps": fwd[1], "bwd_elems": bwd[0],
+                "bwd_warps": bwd[1], "bwd_programs_per_sm": bwd[2],
+            })  # fmt: skip
+            ms = triton.testing.do_bench(fused, warmup=25, rep=100)
+            rows_out.append(f"| {fwd[0]} / {fwd[1]} | {bwd[0]} / {bwd[1]} / {bwd[2]} | {ms:.3f} |")
+            print(rows_out[-1], flush=True)
+    norm_ops._CONFIG_OVERRIDE.clear()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=16384, help="rows (batch x sequence length)")
+    ap.add_argument("--preset", default="760m", help="FoT (Pro) size preset for the widths")
+    ap.add_argument("--sweep", action="store_true", help="also sweep add_rms_norm launches")
+    ap.add_argument("--out", help="write the markdown table to this file")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/fused_ops.py needs a CUDA GPU (the kernels are timed compiled)")
+    rows: list[str] = [f"device: {torch.cuda.get_device_name()}", ""]
+    run_table(args.tokens, args.preset, rows)
+    if args.sweep:
+        sweep(args.tokens, args.preset, rows)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(rows) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -600,6 +600,8 @@ def _bwd_dkdv_kernel(
             KF_row = KF + bh * n_dq
             lo = 1
             hi = (end - start) // BM
+            if tl.load(KF_row + (start + (hi - 1) * BM) // DQ_BM) <= n_last:
+                lo = hi  # the last query tile needs this key tile: so do all (no search)
             while lo < hi:
                 mid = (lo + hi) // 2
                 if tl.load(KF_row + (start + mid * BM) // DQ_BM) <= n_last:
@@ -645,6 +647,26 @@ def _bwd_dkdv_kernel(
         dv.to(DV.dtype.element_ty),
         mask=col_ok[:, None],
     )
+
+
+@triton.jit
+def _kmax_kernel(K, KMAX, T, H, stride_kb, stride_kt, stride_kh, D: tl.constexpr, BT: tl.constexpr):
+    """``KMAX[b, h] = max_t |K[b, t, h, :]|`` (float32, zero-initialised) for exact pruning.
+
+    Program (t-block, b * H + h) reduces ``BT`` rows and folds its maximum in with an atomic
+    max (norms are >= 0, so the float order is the integer order).
+    """
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    rows = tl.program_id(0) * BT + tl.arange(0, BT)
+    offs_d = tl.arange(0, D)
+    K_ptr = K + b.to(tl.int64) * stride_kb + h * stride_kh
+    k = tl.load(
+        K_ptr + rows[:, None] * stride_kt + offs_d[None, :], mask=(rows < T)[:, None], other=0.0
+    ).to(tl.float32)
+    norm = tl.sqrt(tl.sum(k * k, 1))
+    tl.atomic_max(KMAX + bh, tl.max(norm, 0), sem="relaxed")
 
 
 @triton.jit

@@ -1,5 +1,8 @@
 """Triton forgetting attention vs the float64 PyTorch reference (CPU: Triton interpreter).
 
+Inputs are made on the CPU; the kernel runs on the GPU where there is one (results come back
+to the CPU for the comparison), under the interpreter otherwise.
+
 Every check draws fresh random inputs and compares the output and all four gradients
 (q, k, v, log_fgate) with the reference by relative error (with a small absolute floor, for
 gradients that are exactly zero, e.g. at T=1). NaN never passes.
@@ -26,6 +29,7 @@ from fot.kernels import (
 TOL = {torch.float32: 1e-4, torch.float16: 5e-3}
 ABS_FLOOR_RMS = 1e-2  # absolute floor (RMS) for tensors whose reference is ~0 (T=1: dq=dk=dlogf=0)
 WEAK, STRONG = 4.0, -2.0  # mean of the gate logits: weak decay (f ~ 0.98), strong (f ~ 0.12)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the Triton interpreter
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -44,11 +48,24 @@ def make_inputs(B, T, HQ, H, D, dtype=torch.float32, gate_mean=WEAK, seed=None):
     return q, k, v, log_f
 
 
+def on_device(*tensors):
+    return [t.to(DEVICE) for t in tensors]
+
+
+def run_kernel(q, k, v, log_f, **kw):
+    """The kernel on DEVICE; output on the CPU."""
+    if isinstance(kw.get("cu_seqlens"), torch.Tensor):
+        kw["cu_seqlens"] = kw["cu_seqlens"].to(DEVICE)
+    return forgetting_attention(*on_device(q, k, v, log_f), **kw).cpu()
+
+
 def kernel_and_grads(q, k, v, log_f, do, **kw):
-    leaves = [t.clone().requires_grad_(True) for t in (q, k, v, log_f)]
+    if isinstance(kw.get("cu_seqlens"), torch.Tensor):
+        kw["cu_seqlens"] = kw["cu_seqlens"].to(DEVICE)
+    leaves = [t.clone().requires_grad_(True) for t in on_device(q, k, v, log_f)]
     o = forgetting_attention(*leaves, **kw)
-    grads = torch.autograd.grad(o, leaves, do.to(o.dtype))
-    return o.detach(), grads
+    grads = torch.autograd.grad(o, leaves, do.to(o.dtype).to(DEVICE))
+    return o.detach().cpu(), [g.cpu() for g in grads]
 
 
 def reference_and_grads(q, k, v, log_f, do, **kw):
@@ -156,7 +173,7 @@ def test_tiles_that_split_a_query_tile_are_refused():
     fa._CONFIG_OVERRIDE.update({"fwd_bm": 32, "fwd_bn": 64})
     try:
         with pytest.raises(ValueError, match="fwd_bm=32 must be a multiple of fwd_bn=64"):
-            forgetting_attention(*make_inputs(1, 8, 1, 1, 32))
+            run_kernel(*make_inputs(1, 8, 1, 1, 32))
     finally:
         fa._CONFIG_OVERRIDE.clear()
 
@@ -177,15 +194,15 @@ def test_pruning_is_exact_and_skips_tiles():
     # Weak decay at this length: nothing can be skipped exactly.
     q, k, v, log_f = make_inputs(1, 300, 2, 1, 32, torch.float32, WEAK)
     weak = PruneStats()
-    forgetting_attention(q, k, v, log_f, stats=weak)
+    run_kernel(q, k, v, log_f, stats=weak)
     assert weak.tiles_skipped == 0
 
 
 def test_approximate_pruning_skips_more_and_stays_close():
     q, k, v, log_f = make_inputs(1, 300, 2, 1, 32, torch.float32, -0.5)
     exact, approx = PruneStats(), PruneStats()
-    o_exact = forgetting_attention(q, k, v, log_f, stats=exact)
-    o_approx = forgetting_attention(q, k, v, log_f, prune_threshold=-12.0, stats=approx)
+    o_exact = run_kernel(q, k, v, log_f, stats=exact)
+    o_approx = run_kernel(q, k, v, log_f, prune_threshold=-12.0, stats=approx)
     assert approx.tiles_skipped > exact.tiles_skipped
     # Dropped weights are below e^-12 of the diagonal weight each.
     assert rel_err(o_approx, o_exact) < 1e-3
@@ -193,7 +210,7 @@ def test_approximate_pruning_skips_more_and_stays_close():
 
 def test_bfloat16_is_upcast_under_interpreter():
     q, k, v, log_f = make_inputs(1, 40, 2, 1, 32, torch.bfloat16, WEAK)
-    o = forgetting_attention(q, k, v, log_f)
+    o = run_kernel(q, k, v, log_f)
     assert o.dtype == torch.bfloat16
     o_ref = forgetting_attention_reference(q.double(), k.double(), v.double(), log_f)
     assert rel_err(o, o_ref) < 1e-2  # bf16 output rounding only
@@ -266,13 +283,13 @@ def test_bad_inputs_raise_clear_errors(over, kw, exc, match):
     if "cu_seqlens" in kw:
         kw = {**kw, "debug": True}
     with pytest.raises(exc, match=match):
-        forgetting_attention(args["q"], args["k"], args["v"], args["log_fgate"], **kw)
+        run_kernel(args["q"], args["k"], args["v"], args["log_fgate"], **kw)
 
 
 def test_varlen_needs_batch_one():
     q, k, v, log_f = make_inputs(2, 8, 2, 1, 32)
     with pytest.raises(ValueError, match="batch size 1"):
-        forgetting_attention(q, k, v, log_f, cu_seqlens=torch.tensor([0, 8]))
+        run_kernel(q, k, v, log_f, cu_seqlens=torch.tensor([0, 8]))
 
 
 def test_cpu_without_interpreter_points_to_reference(monkeypatch):
@@ -331,8 +348,27 @@ def test_gate_cumsum_kernel_matches_float64_cumsum():
     from fot.kernels.forgetting_attention import _gate_cumsum
 
     log_f = F.logsigmoid(torch.randn(2, 300, 3, generator=torch.Generator().manual_seed(0)) - 2)
-    c = _gate_cumsum(log_f)  # (B, HQ, 2, T)
+    c = _gate_cumsum(log_f.to(DEVICE)).cpu()  # (B, HQ, 2, T)
     want = torch.cumsum(log_f.double().transpose(1, 2), -1) * kern.LOG2E
     got = c[:, :, 0].double() + c[:, :, 1].double()
     assert ((got - want).abs() / want.abs().clamp(min=1)).max() < 1e-13
     assert torch.equal(c[:, :, 0], want.float())  # hi is the float32 rounding
+
+
+def test_key_norm_maximum_kernel_matches_torch():
+    """The per-(batch, kv head) maximum key norm that bounds exact pruning, over several row
+    blocks with a partial last block and strided keys, against torch's norm and max."""
+    import triton
+
+    from fot.kernels import _triton_kernels as kern
+
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(2, 75, 5, 32, generator=g) * torch.rand(2, 75, 5, 1, generator=g)
+    k = k[:, :, 1:4]
+    assert not k.is_contiguous()  # a slice of the heads: every stride but D's differs
+    k, kmax = k.to(DEVICE), torch.zeros(2, 3, device=DEVICE)
+    kern._kmax_kernel[(triton.cdiv(75, 32), 2 * 3)](
+        k, kmax, 75, 3, k.stride(0), k.stride(1), k.stride(2), D=32, BT=32
+    )
+    want = torch.linalg.vector_norm(k.cpu().double(), dim=-1).amax(dim=1)
+    assert ((kmax.cpu().double() - want).abs() / want).max() < 1e-6

@@ -26,8 +26,9 @@ import torch.nn.functional as F
 import triton
 
 
-def _norm_case(tokens: int, hidden: int):
-    dev = "cuda"
+def _norm_case(tokens: int, hidden: int, dev: str = "cuda"):
+    """``(pytorch, fused, bytes)``: two closures that run forward + backward and return the
+    input gradients (x, residual, weight), and the bytes the fused kernels move."""
     g = torch.Generator(device=dev).manual_seed(0)
     x = torch.randn(tokens, hidden, device=dev, generator=g).to(torch.bfloat16)
     residual = torch.randn(tokens, hidden, device=dev, generator=g)
@@ -40,21 +41,21 @@ def _norm_case(tokens: int, hidden: int):
         xl, rl, wl = leaves
         h = rl + xl
         y = F.rms_norm(h, (hidden,), wl, 1e-6).to(torch.bfloat16)
-        torch.autograd.grad([y, h], leaves, [dy, dh])
+        return torch.autograd.grad([y, h], leaves, [dy, dh])
 
     def fused():
         from fot.kernels import add_rms_norm
 
         y, h = add_rms_norm(*leaves, eps=1e-6, out_dtype=torch.bfloat16)
-        torch.autograd.grad([y, h], leaves, [dy, dh])
+        return torch.autograd.grad([y, h], leaves, [dy, dh])
 
     # fwd: x (2) + residual (4) in, h (4) + y (2) out; bwd: h, dh (4 + 4), dy (2) in,
     # d residual (4) + dx (2) out: 28 bytes per element.
     return pytorch, fused, 28 * tokens * hidden
 
 
-def _swiglu_case(tokens: int, width: int):
-    dev = "cuda"
+def _swiglu_case(tokens: int, width: int, dev: str = "cuda"):
+    """As :func:`_norm_case`, for SwiGLU (the gradient of the ``[tokens, 2 * width]`` input)."""
     g = torch.Generator(device=dev).manual_seed(0)
     x = torch.randn(tokens, 2 * width, device=dev, generator=g).to(torch.bfloat16)
     dy = torch.randn(tokens, width, device=dev, generator=g).to(torch.bfloat16)
@@ -62,12 +63,12 @@ def _swiglu_case(tokens: int, width: int):
 
     def pytorch():
         gate, up = leaf.split(width, dim=-1)
-        torch.autograd.grad(F.silu(gate) * up, leaf, dy)
+        return torch.autograd.grad(F.silu(gate) * up, leaf, dy)
 
     def fused():
         from fot.kernels import swiglu
 
-        torch.autograd.grad(swiglu(leaf), leaf, dy)
+        return torch.autograd.grad(swiglu(leaf), leaf, dy)
 
     # fwd: x (4) in, y (2) out; bwd: x (4), dy (2) in, dx (4) out: 16 bytes per output element.
     return pytorch, fused, 16 * tokens * width

@@ -1,4 +1,4 @@
-"""Benchmark scripts (``benchmarks/train_throughput.py``, ``decode.py``, ``flops.py``) on CPU.
+"""Benchmark scripts (``benchmarks/train_throughput.py``, ``decode.py``, ``flops.py``, ``fused_ops.py``) on CPU.
 
 Oracles: FLOPs against a hand count of the weights of a tiny config and a brute-force count of
 the causal (query, key) pairs; the scripts' reported numbers against their own timings; greedy
@@ -359,3 +359,30 @@ def test_profile_categories_hand_count(bench):
     assert prof["top_kernels"][0] == ("sm90_xmma_gemm_bf16bf16_bf16f32", 10.0)
     table = tt.profile_table([{"model": "m", "profile": prof}])
     assert "| matmul | 10.0 |" in table and "| total | 25.2 |" in table
+
+
+# ---------------------------------------------------------------------------------------
+# Fused elementwise ops
+# ---------------------------------------------------------------------------------------
+
+
+def test_fused_ops_benchmark_times_equal_functions() -> None:
+    """benchmarks/fused_ops.py compares like with like: its PyTorch and fused closures return
+    the same input gradients (CPU: the kernels under the Triton interpreter)."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        fused_ops = importlib.import_module("fused_ops")
+    finally:
+        sys.path.remove(str(BENCH))
+        sys.modules.pop("fused_ops", None)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    for case, tol in (
+        (fused_ops._norm_case(37, 96, dev), 2e-2),
+        (fused_ops._swiglu_case(37, 40, dev), 2e-2),
+    ):
+        pytorch, fused, nbytes = case
+        assert nbytes > 0
+        for got, want in zip(fused(), pytorch(), strict=True):
+            assert got.dtype == want.dtype
+            err = (got.float() - want.float()).norm() / want.float().norm()
+            assert err < tol

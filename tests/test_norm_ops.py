@@ -211,42 +211,11 @@ def test_model_fused_kernels_equal_pytorch_path(monkeypatch, autocast) -> None:
         assert err < (5e-2 if autocast else 1e-4), name
 
 
-_COMPILE_SCRIPT = r"""
-import json, os, subprocess, sys, tempfile
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from fot.kernels import norm_ops as K
-
-cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
-out = {}
-for fn, ptrs, consts, warps in json.loads(sys.argv[1]):
-    kernel = getattr(K, fn)
-    names = kernel.arg_names
-    sig = {n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n == "eps" else "i32")
-           for n in names}
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
-             if n in ptrs or n.startswith("stride")}
-    src = ASTSource(kernel, sig, constexprs={(names.index(k),): v for k, v in consts.items()},
-                    attrs=attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(compiled.asm["cubin"])
-    usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True,
-                           text=True, check=True).stdout
-    out[f"{fn} N={consts['BN']}"] = [line.strip() for line in usage.splitlines() if "REG:" in line][0]
-print(json.dumps(out))
-"""
-
-
 @pytest.mark.skipif(HAS_CUDA, reason="with a GPU the other tests run the compiled kernels")
 def test_kernels_compile_for_sm90_without_spills(tmp_path, monkeypatch) -> None:
     """Both kernels, at the 760M width (1536) and at MAX_WIDTH, with the GPU launch settings,
     compile for sm_90 with Triton's bundled ptxas and use no local memory (no spills)."""
-    import json
-    import os
-    import subprocess
-    import sys
+    from sm90_compile import assert_no_spills, resource_usage
 
     monkeypatch.setattr(norm_ops, "_interpreting", lambda: False)
     jobs = []
@@ -260,15 +229,9 @@ def test_kernels_compile_for_sm90_without_spills(tmp_path, monkeypatch) -> None:
                 ptrs = {"H": "*fp32", "W": "*fp32", "DY": "*bf16", "DH": "*fp32", "DR": "*fp32",
                         "DX": "*bf16", "DW": "*fp32"}  # fmt: skip
                 consts = {"BM": bm, "BN": bn, "HAS_DH": True, "HAS_RES": True}
-            jobs.append((f"_add_rms_norm_{kind}_kernel", ptrs, consts, warps))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    proc = subprocess.run(
-        [sys.executable, "-c", _COMPILE_SCRIPT, json.dumps(jobs)],
-        capture_output=True, text=True, env=env, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    usage = json.loads(proc.stdout.strip().splitlines()[-1])
+            name = f"_add_rms_norm_{kind}_kernel"
+            strides = [n for n in getattr(norm_ops, name).arg_names if n.startswith("stride")]
+            jobs.append((f"{name} N={width}", name, ptrs, consts, warps, strides))
+    usage = resource_usage("fot.kernels.norm_ops", jobs, tmp_path)
     assert len(usage) == 4
-    for name, line in usage.items():
-        assert "STACK:0 " in line and "LOCAL:0 " in line, f"{name} spills: {line}"
+    assert_no_spills(usage)

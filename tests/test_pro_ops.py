@@ -420,44 +420,12 @@ def test_model_fused_path_with_query_padding() -> None:
 # Compiled for a Hopper GPU (without one): catches what the interpreter lets through
 # ---------------------------------------------------------------------------------------
 
-_COMPILE_SCRIPT = r"""
-import json, os, subprocess, sys, tempfile
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from fot.kernels import _pro_kernels as K
-
-DIV16 = {"sx_b", "sx_t", "sx_h", "sdy_b", "sdy_t", "sdy_h", "so_b", "so_t", "so_h", "sg_b",
-         "sg_t", "sg_h"}  # strides the JIT sees as multiples of 16 for D = 128 (not ss_*)
-cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
-out = {}
-for fn, ptrs, consts in json.loads(sys.argv[1]):
-    kernel = getattr(K, fn)
-    names = kernel.arg_names
-    sig = {n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n == "eps" else "i32")
-           for n in names}
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
-             if n in ptrs or n in DIV16}
-    src = ASTSource(kernel, sig, constexprs={(names.index(k),): v for k, v in consts.items()},
-                    attrs=attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(compiled.asm["cubin"])
-    usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True,
-                           text=True, check=True).stdout
-    out[fn] = [line.strip() for line in usage.splitlines() if "REG:" in line][0]
-print(json.dumps(out))
-"""
-
 
 @pytest.mark.skipif(HAS_CUDA, reason="with a GPU the other tests run the compiled kernels")
 def test_kernels_compile_for_sm90_without_spills(tmp_path, monkeypatch) -> None:
     """The kernels with every feature on (bf16, D=128, the GPU tile heights) compile for sm_90
     with Triton's bundled ptxas, and use no local memory (no register spills)."""
-    import json
-    import os
-    import subprocess
-    import sys
+    from sm90_compile import assert_no_spills, resource_usage
 
     monkeypatch.setattr(pro_ops, "_interpreting", lambda: False)  # the GPU tile heights
     (_, fwd_bt, fwd_warps), (_, bwd_bt, bwd_warps) = (
@@ -467,6 +435,9 @@ def test_kernels_compile_for_sm90_without_spills(tmp_path, monkeypatch) -> None:
     bf = "*bf16"
     shift = {"D": 128, "BD": 128, "HAS_SHIFT": True, "HAS_NORM": True, "HAS_RESET": True}
     gate = {"D": 128, "BD": 128, "HAS_GATE": True, "HAS_NORM": True}
+    # strides the JIT sees as multiples of 16 for D = 128 (not the shift logits' ss_*)
+    div16 = ["sx_b", "sx_t", "sx_h", "sdy_b", "sdy_t", "sdy_h", "so_b", "so_t", "so_h", "sg_b",
+             "sg_t", "sg_h"]  # fmt: skip
     jobs = [
         ("_shift_norm_fwd_kernel", {"X": bf, "S": bf, "W": "*fp32", "RESET": "*i8", "Y": bf},
          {**shift, "BT": fwd_bt}),
@@ -477,17 +448,13 @@ def test_kernels_compile_for_sm90_without_spills(tmp_path, monkeypatch) -> None:
         ("_norm_gate_bwd_kernel", {"OIN": bf, "G": bf, "W": "*fp32", "DY": bf, "DO": bf,
          "DG": bf, "DW": "*fp32"}, {**gate, "BT": bwd_bt}),
     ]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    proc = subprocess.run(
-        [sys.executable, "-c", _COMPILE_SCRIPT, json.dumps(jobs)],
-        capture_output=True, text=True, env=env, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    usage = json.loads(proc.stdout.strip().splitlines()[-1])
+    usage = resource_usage(
+        "fot.kernels._pro_kernels",
+        [(name, name, ptrs, consts, 4, div16) for name, ptrs, consts in jobs],
+        tmp_path,
+    )
     assert set(usage) == {name for name, _, _ in jobs}
-    for name, line in usage.items():
-        assert "STACK:0 " in line and "LOCAL:0 " in line, f"{name} spills: {line}"
+    assert_no_spills(usage)
 
 
 # ---------------------------------------------------------------------------------------

@@ -290,9 +290,8 @@ class FoTMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         projections = [self.gate_proj, self.up_proj]
-        # Eager on the kernel backends: one fused kernel each way (fot.kernels.swiglu). Under
-        # torch.compile the PyTorch form is left to Inductor, which fuses it without a graph break.
-        if _use_fused_kernels(self.config.attn_backend, x) and not torch.compiler.is_compiling():
+        # Eager on the kernel backends: one fused kernel each way (fot.kernels.swiglu).
+        if _use_fused_eager(self.config.attn_backend, x):
             from fot.kernels.mlp_ops import swiglu
 
             return self.down_proj(swiglu(fused_linear(x, projections)))  # (B, T, hidden)
@@ -439,6 +438,12 @@ def _use_fused_kernels(backend: str, t: torch.Tensor) -> bool:
     if backend == "reference" or t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return False
     return backend == "triton" or t.device.type == "cuda"
+
+
+def _use_fused_eager(backend: str, t: torch.Tensor) -> bool:
+    """:func:`_use_fused_kernels` outside ``torch.compile`` (SwiGLU, add + norm): compiled,
+    the PyTorch form is left to Inductor, which fuses it without a graph break."""
+    return _use_fused_kernels(backend, t) and not torch.compiler.is_compiling()
 
 
 def _autocast_dtype(t: torch.Tensor) -> torch.dtype | None:
@@ -710,9 +715,7 @@ class FoTDecoderLayer(GradientCheckpointingLayer):
             ``(mlp_out, residual)``: the stream after this block is their sum.
         """
         cache = past_key_values[self.self_attn.layer_idx] if past_key_values is not None else None
-        fused = _use_fused_kernels(self.config.attn_backend, hidden_states) and (
-            not torch.compiler.is_compiling()  # Inductor fuses the PyTorch form itself
-        )
+        fused = _use_fused_eager(self.config.attn_backend, hidden_states)
         gemm_dtype = _autocast_dtype(hidden_states)
         # The forget gate's fp32 projection reads the normalised input: keep it unrounded.
         attn_in_dtype = None if self.self_attn.fgate_type == "full" else gemm_dtype
@@ -879,10 +882,9 @@ class FoTModel(FoTPreTrainedModel):
         branch, residual = inputs_embeds, None  # the stream is residual + branch
         for layer in self.layers:
             branch, residual = layer(branch, residual, ctx, past_key_values=past_key_values)
-        fused = _use_fused_kernels(self.config.attn_backend, branch) and (
-            not torch.compiler.is_compiling()
+        h, _ = self.norm.add_norm(
+            branch, residual, _use_fused_eager(self.config.attn_backend, branch)
         )
-        h, _ = self.norm.add_norm(branch, residual, fused)
         return BaseModelOutputWithPast(last_hidden_state=h, past_key_values=past_key_values)
 
 

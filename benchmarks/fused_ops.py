@@ -1,4 +1,4 @@
-"""Fused elementwise kernels against the PyTorch compositions they replace, on one GPU.
+"""Fused kernels against the PyTorch compositions they replace, on one GPU.
 
     python benchmarks/fused_ops.py [--tokens 16384] [--preset 760m] [--sweep] [--out ops.md]
 
@@ -9,11 +9,15 @@ Per op, forward + backward (gradients into every input) of:
   with gradients arriving at ``y`` (bf16) and ``h`` (float32), against ``fot.kernels.add_rms_norm``.
 * ``swiglu``: ``silu(gate) * up`` on the two halves of one ``[T, 2I]`` bf16 GEMM output, against
   ``fot.kernels.swiglu``.
+* ``linear_cross_entropy``: the LM head and the loss under bf16 autocast (bf16 hidden states,
+  float32 head padded to a multiple of 64 rows), against the model's PyTorch chunked loss and
+  against FLA's fused linear cross-entropy (when installed), ``fot.kernels.loss_ops``.
 
 Shapes from the FoT (Pro) preset (hidden size, MLP width) at ``--tokens`` rows; the 760M model
 has two norms per block and 24 blocks, so the per-step effect is ``48 x`` the ``add_rms_norm``
-row. Times are medians of ``triton.testing.do_bench``; GB/s counts the bytes each fused kernel
-must move (inputs read once, outputs written once).
+row. Times are medians of ``triton.testing.do_bench``; GB/s counts the bytes each fused
+elementwise kernel must move (inputs read once, outputs written once), TFLOP/s the loss's three
+GEMMs (``6 * T * hidden * V``).
 """
 
 from __future__ import annotations
@@ -74,6 +78,55 @@ def _swiglu_case(tokens: int, width: int, dev: str = "cuda"):
     return pytorch, fused, 16 * tokens * width
 
 
+def _loss_case(tokens: int, hidden: int, vocab: int, dev: str = "cuda", chunk_rows: int = 4096):
+    """``(pytorch, fused, fla, flops)`` for the LM head + loss under bf16 autocast: closures that
+    run forward + backward of the summed loss and return the gradients (hidden, head weight);
+    ``fla`` is None without FLA (or off CUDA)."""
+    from fot.kernels import linear_cross_entropy
+    from fot.models.modeling_fot import PADDING_LOGIT_BIAS, _chunked_cross_entropy
+
+    padded = -(-vocab // 64) * 64
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(tokens, hidden, device=dev, generator=g).to(torch.bfloat16)
+    weight = 0.02 * torch.randn(padded, hidden, device=dev, generator=g)
+    labels = torch.randint(0, vocab, (tokens,), device=dev, generator=g)
+    leaves = [t.clone().requires_grad_(True) for t in (x, weight)]
+
+    def run(loss_fn):
+        def closure():
+            with torch.autocast(dev, dtype=torch.bfloat16):
+                loss = loss_fn(*leaves)
+            return torch.autograd.grad(loss, leaves)
+
+        return closure
+
+    def pytorch(xl, wl):
+        return _chunked_cross_entropy(xl, wl[:vocab], labels, chunk_rows).sum()
+
+    def fused(xl, wl):
+        return linear_cross_entropy(xl, wl, labels, n_classes=vocab, chunk_rows=chunk_rows)
+
+    fla = None
+    try:
+        from fla.modules import FusedLinearCrossEntropyLoss
+    except ImportError:
+        FusedLinearCrossEntropyLoss = None
+    if FusedLinearCrossEntropyLoss is not None and dev == "cuda":
+        bias = torch.zeros(padded, device=dev)
+        bias[vocab:] = PADDING_LOGIT_BIAS
+        fla_loss = FusedLinearCrossEntropyLoss(reduction="sum")
+
+        def fla_fn(xl, wl):
+            torch.backends.cuda.matmul.allow_tf32 = True  # as the model runs it
+            try:
+                return fla_loss(xl, labels, wl, bias)
+            finally:
+                torch.backends.cuda.matmul.allow_tf32 = False
+
+        fla = run(fla_fn)
+    return run(pytorch), run(fused), fla, 6 * tokens * hidden * padded
+
+
 def run_table(tokens: int, preset: str, rows_out: list[str]) -> None:
     from fot import presets
 
@@ -83,16 +136,37 @@ def run_table(tokens: int, preset: str, rows_out: list[str]) -> None:
         f"swiglu ({tokens} x 2 x {cfg.mlp_size})": _swiglu_case(tokens, cfg.mlp_size),
     }
     rows_out += [
-        "| op (fwd + bwd) | PyTorch (ms) | fused (ms) | speed-up | fused GB/s |",
-        "|---|---|---|---|---|",
+        "| op (fwd + bwd) | baseline | baseline (ms) | fused (ms) | speed-up | fused rate |",
+        "|---|---|---|---|---|---|",
     ]
-    for name, (pytorch, fused, nbytes) in cases.items():
-        t_pt = triton.testing.do_bench(pytorch, warmup=25, rep=200)
-        t_f = triton.testing.do_bench(fused, warmup=25, rep=200)
+
+    def row(name: str, baseline: str, base_fn, fused_fn, rate) -> None:
+        t_b = triton.testing.do_bench(base_fn, warmup=25, rep=200)
+        t_f = triton.testing.do_bench(fused_fn, warmup=25, rep=200)
         rows_out.append(
-            f"| {name} | {t_pt:.3f} | {t_f:.3f} | {t_pt / t_f:.2f}x | {nbytes / t_f / 1e6:.0f} |"
+            f"| {name} | {baseline} | {t_b:.3f} | {t_f:.3f} | {t_b / t_f:.2f}x | "
+            + rate(t_f)
+            + " |"
         )
         print(rows_out[-1], flush=True)
+
+    for name, (pytorch, fused, nbytes) in cases.items():
+        row(name, "PyTorch", pytorch, fused, lambda ms, n=nbytes: f"{n / ms / 1e6:.0f} GB/s")
+    for chunk in (2048, 4096, 8192):
+        pytorch, fused, fla, flops = _loss_case(
+            tokens, cfg.hidden_size, cfg.vocab_size, chunk_rows=chunk
+        )
+        name = (
+            f"linear_cross_entropy ({tokens} x {cfg.hidden_size} -> {cfg.vocab_size}, "
+            f"chunks of {chunk})"
+        )
+
+        def tflops(ms: float, n: int = flops) -> str:
+            return f"{n / ms / 1e9:.0f} TFLOP/s"
+
+        row(name, "PyTorch chunked", pytorch, fused, tflops)
+        if fla is not None:
+            row(name, "FLA fused linear CE", fla, fused, tflops)
 
 
 def sweep(tokens: int, preset: str, rows_out: list[str]) -> None:

@@ -507,10 +507,8 @@ def _implementation(name: str, config: Any, device: torch.device) -> dict[str, A
     if name in OUR_MODELS:
         loss = config.loss_impl
         if loss == "auto":
-            from fot.models.modeling_fot import _fla_fused_linear_ce
-
-            fused = device.type == "cuda" and _fla_fused_linear_ce() is not None
-            loss = "fla fused linear CE" if fused else "chunked"
+            loss = "fused" if device.type == "cuda" else "chunked"
+        loss = {"fused": "fused linear CE (ours)", "fla": "fla fused linear CE"}.get(loss, loss)
         attn = config.attn_backend
         if attn in ("auto", "sdpa") and (device.type == "cuda" or attn == "sdpa"):
             ungated = config.fgate_type == "none" and config.window_size is None

@@ -9,12 +9,15 @@
   RMSNorm; output norm + gate): Triton on CUDA (or under the interpreter), PyTorch elsewhere.
 * :func:`add_rms_norm` — residual add + RMSNorm of the pre-norm blocks, one kernel each way
   (same dispatch as the Pro components).
+* :func:`linear_cross_entropy` — the LM head and the cross-entropy fused chunk by chunk, the
+  gradients computed in the forward (Triton row kernel on CUDA, PyTorch elsewhere).
 * :func:`swiglu` — the MLP's ``silu(gate) * up`` from one ``[..., 2 * I]`` projection, one
   kernel each way (same dispatch as the Pro components).
 """
 
 from .decode import forgetting_attention_decode
 from .forgetting_attention import PruneStats, forgetting_attention
+from .loss_ops import linear_cross_entropy
 from .mlp_ops import swiglu
 from .norm_ops import add_rms_norm
 from .pro_ops import norm_gate, shift_norm
@@ -27,6 +30,7 @@ __all__ = [
     "forgetting_attention_decode",
     "forgetting_attention_decode_reference",
     "forgetting_attention_reference",
+    "linear_cross_entropy",
     "norm_gate",
     "shift_norm",
     "swiglu",

@@ -107,9 +107,15 @@ def test_triton_generate_left_padded_matches_unpadded() -> None:
         assert rel_err(lp[1], lb[0]) <= REL_TOL
 
 
-def test_fused_loss_matches_chunked_loss() -> None:
-    pytest.importorskip("fla.modules", reason="loss_impl='fla' needs flash-linear-attention")
-    fused = build("fot_pro", "triton", loss_impl="fla")
+def _need_impl(impl: str) -> None:
+    if impl == "fla":
+        pytest.importorskip("fla.modules", reason="loss_impl='fla' needs flash-linear-attention")
+
+
+@pytest.mark.parametrize("impl", ["fused", "fla"])
+def test_fused_loss_matches_chunked_loss(impl: str) -> None:
+    _need_impl(impl)
+    fused = build("fot_pro", "triton", loss_impl=impl)
     chunked = build("fot_pro", "triton", loss_impl="chunked")
     chunked.load_state_dict(fused.state_dict())
     x = torch.randint(0, VOCAB, (2, 512), device="cuda")
@@ -120,11 +126,13 @@ def test_fused_loss_matches_chunked_loss() -> None:
     assert fused(x, shift_labels=y).logits is None
 
 
-def test_fused_loss_gradients_match_fp32_oracle() -> None:
-    """The fused loss (padded head with a -1e4 bias on padding rows, TF32 weight-gradient GEMM
-    in 16-bit runs) gives the chunked loss's gradients: equal to 1e-5 in fp32, and in bf16 no
-    further from the fp32 result than the chunked bf16 path is; padding rows get no gradient."""
-    pytest.importorskip("fla.modules", reason="loss_impl='fla' needs flash-linear-attention")
+@pytest.mark.parametrize("impl", ["fused", "fla"])
+def test_fused_loss_gradients_match_fp32_oracle(impl: str) -> None:
+    """The fused losses (ours: 16-bit GEMMs with a float32-accumulated weight gradient; FLA's:
+    padded head with a -1e4 bias on padding rows, TF32 weight-gradient GEMM in 16-bit runs) give
+    the chunked loss's gradients: equal to 1e-5 in fp32, and in bf16 no further from the fp32
+    result than the chunked bf16 path is; padding rows get no gradient."""
+    _need_impl(impl)
     x = torch.randint(0, VOCAB, (2, 512), device="cuda")
     y = torch.randint(0, VOCAB, (2, 512), device="cuda")
     y[:, :10] = -100
@@ -136,11 +144,11 @@ def test_fused_loss_gradients_match_fp32_oracle() -> None:
         return m.lm_head.weight.grad.float(), m.model.embed_tokens.weight.grad.float()
 
     head_o, emb_o = grads(oracle)
-    head_f32, emb_f32 = grads(build("fot_pro", "triton", loss_impl="fla").float())
+    head_f32, emb_f32 = grads(build("fot_pro", "triton", loss_impl=impl).float())
     assert rel_err(head_f32[:VOCAB], head_o[:VOCAB]) <= 1e-5
     assert rel_err(emb_f32, emb_o) <= 1e-5
     assert torch.count_nonzero(head_f32[VOCAB:]) == 0
-    head_fb, emb_fb = grads(build("fot_pro", "triton", loss_impl="fla"))
+    head_fb, emb_fb = grads(build("fot_pro", "triton", loss_impl=impl))
     head_cb, emb_cb = grads(build("fot_pro", "triton", loss_impl="chunked"))
     assert torch.count_nonzero(head_fb[VOCAB:]) == 0
     for fused, chunked, want in ((head_fb, head_cb, head_o), (emb_fb, emb_cb, emb_o)):

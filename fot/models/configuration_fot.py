@@ -13,7 +13,7 @@ from transformers import PretrainedConfig
 
 FGATE_TYPES = ("full", "bias_only", "fixed", "none")
 ATTN_BACKENDS = ("auto", "triton", "reference", "sdpa")
-LOSS_IMPLS = ("auto", "chunked", "fla")
+LOSS_IMPLS = ("auto", "fused", "chunked", "fla")
 
 
 class FoTConfig(PretrainedConfig):
@@ -51,9 +51,12 @@ class FoTConfig(PretrainedConfig):
             "reference"``, or the cached decode path), recompute KV-shift, QK-norm and output
             norm/gate in backward instead of keeping their intermediates (~8 GiB less at 760m,
             T=16k). The fused kernels used on the kernel backends always keep only inputs.
-        loss_impl: ``"auto"`` (FLA fused linear cross-entropy on CUDA, else chunked),
-            ``"chunked"`` (pure PyTorch, ``loss_chunk_size`` rows at a time) or ``"fla"``.
-        loss_chunk_size: rows of the ``[T, V]`` logits materialised at once by the chunked loss.
+        loss_impl: ``"auto"`` (``"fused"`` on CUDA, else ``"chunked"``), ``"fused"`` (our
+            fused linear cross-entropy, ``fot.kernels.loss_ops``: gradients computed chunk by
+            chunk in the forward, Triton on CUDA), ``"chunked"`` (pure PyTorch, each chunk
+            recomputed in backward) or ``"fla"`` (FLA's fused linear cross-entropy, to compare).
+        loss_chunk_size: rows of the ``[T, V]`` logits materialised at once by the fused and
+            chunked losses.
         norm_eps: RMSNorm epsilon.
         initializer_range: std of the N(0, std) init of linear and embedding weights.
     """

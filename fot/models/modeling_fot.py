@@ -942,8 +942,9 @@ class FoTForCausalLM(FoTPreTrainedModel, GenerationMixin):
     """FoT / Transformer language model with an untied, vocab-padded LM head.
 
     ``forward`` returns ``CausalLMOutputWithPast``. When a loss is requested (``labels`` or
-    ``shift_labels``) the ``[T, V]`` logits are never materialised in fp32 as a whole (FLA fused
-    linear cross-entropy on CUDA, chunked cross-entropy elsewhere) and ``.logits`` is ``None``.
+    ``shift_labels``) the ``[T, V]`` logits are never materialised as a whole (our fused linear
+    cross-entropy on CUDA, ``fot.kernels.linear_cross_entropy``; chunked cross-entropy
+    elsewhere; see ``FoTConfig.loss_impl``) and ``.logits`` is ``None``.
     """
 
     def __init__(self, config: FoTConfig) -> None:
@@ -1008,18 +1009,31 @@ class FoTForCausalLM(FoTPreTrainedModel, GenerationMixin):
 
     def _mean_loss(self, hidden: torch.Tensor, shift_labels: torch.Tensor) -> torch.Tensor:
         impl = self.config.loss_impl
-        fused = (
-            _fla_fused_linear_ce() if impl == "fla" or (impl == "auto" and hidden.is_cuda) else None
-        )
-        if impl == "fla" and fused is None:
-            raise ImportError(
-                "loss_impl='fla' needs flash-linear-attention (fla.modules."
-                "FusedLinearCrossEntropyLoss); install it or use loss_impl='chunked'"
+        if impl == "auto":
+            impl = "fused" if hidden.is_cuda else "chunked"
+        B, T, H = hidden.shape
+        labels = shift_labels.to(hidden.device).reshape(-1).long()
+        # Sum, then divide on device: no host sync, and an all-ignored batch gives 0.
+        count = (labels != IGNORE_INDEX).sum().clamp(min=1)
+        if impl == "fused":
+            from fot.kernels.loss_ops import linear_cross_entropy
+
+            total = linear_cross_entropy(
+                hidden.reshape(B * T, H),
+                self.lm_head.weight,  # the whole padded head: aligned GEMMs
+                labels,
+                n_classes=self.config.vocab_size,
+                ignore_index=IGNORE_INDEX,
+                chunk_rows=self.config.loss_chunk_size,
             )
-        if fused is not None:
-            B, T, H = hidden.shape
-            labels = shift_labels.to(hidden.device).reshape(-1).long()
-            # Sum, then divide on device: no host sync, and an all-ignored batch gives 0.
+            return total / count
+        if impl == "fla":
+            fused = _fla_fused_linear_ce()
+            if fused is None:
+                raise ImportError(
+                    "loss_impl='fla' needs flash-linear-attention (fla.modules."
+                    "FusedLinearCrossEntropyLoss); install it or use loss_impl='fused'"
+                )
             fn = fused(ignore_index=IGNORE_INDEX, reduction="sum")
             weight, bias = self._padded_head()
             # FLA accumulates the weight gradient with a float32 GEMM (CUDA cores unless TF32
@@ -1035,10 +1049,8 @@ class FoTForCausalLM(FoTPreTrainedModel, GenerationMixin):
                 total = fn(hidden.reshape(B * T, H), labels, weight, bias)
             finally:
                 torch.backends.cuda.matmul.allow_tf32 = prev
-            return total / (labels != IGNORE_INDEX).sum().clamp(min=1)
-        losses = self._loss_per_token(hidden, shift_labels)
-        count = (shift_labels != IGNORE_INDEX).sum().clamp(min=1)
-        return losses.sum() / count
+            return total / count
+        return self._loss_per_token(hidden, shift_labels).sum() / count
 
     def forward(
         self,

@@ -3,7 +3,16 @@
 For each model: build it as the trainer does (fp32 weights on the device, bf16 autocast,
 fused AdamW from :func:`fot.training.optim.build_optimizer`), run ``--warmup`` untimed steps,
 then ``--steps`` timed steps of forward + backward + gradient clipping + AdamW step on random
-tokens, and report step time, tokens/s, MFU and peak memory. Models:
+tokens, and report step time, tokens/s, MFU and peak memory.
+
+The AdamW step runs at learning rate ``--lr``, by default 0: the same kernels and bytes as at
+any learning rate, but the parameters stay as built, so every timed step costs what the model
+at its initialisation costs. Training on the benchmark's one repeated batch would otherwise
+change the step time as it goes: the FoT gates learn to decay faster and exact pruning then
+skips more (760M FoT (Pro), weak gates, H200: 396 ms falling to 366-371 ms over 10 steps at
+LR 1e-3, against a flat 408-413 ms at LR 0).
+
+Models:
 
 * ``fot_pro``, ``fot_llama``, ``transformer_pro``, ``transformer_llama``: ours, from
   :func:`fot.presets.config` (``attn_backend="auto"`` on CUDA: the Triton kernel for gated
@@ -256,6 +265,7 @@ class Settings:
     fla_fused_linear_ce: bool = False
     fgate_bias_init: float | None = None
     profile_steps: int = 0
+    lr: float = 0.0
 
 
 # Kernel-name patterns -> category, first match wins (lower-case substrings), after our own
@@ -398,6 +408,8 @@ def measure(name: str, s: Settings) -> dict[str, Any]:
     model.train()
     _apply_compile_and_ckpt(model, s)
     optimizer = build_optimizer(model, OptimConfig(), device=dev)
+    for group in optimizer.param_groups:  # as the trainer's schedule sets each step's LR
+        group["lr"] = s.lr
     amp = (
         (lambda: torch.autocast(dev.type, dtype=torch.bfloat16))
         if s.precision == "autocast"
@@ -473,9 +485,37 @@ def measure(name: str, s: Settings) -> dict[str, Any]:
     return row
 
 
+def gpu_timeline(kernels: list[tuple[float, float, str]], steps: int) -> dict[str, Any]:
+    """How busy the GPU was: kernel intervals ``(start_us, end_us, name)`` -> per-step busy time
+    (the union of the intervals), span (first start to last end), idle (span - busy: the GPU
+    waiting for the host) and the 10 largest gaps ``(ms, kernel before, kernel after)``."""
+    if not kernels:
+        return {"busy_ms_per_step": 0.0, "span_ms_per_step": 0.0, "idle_ms_per_step": 0.0,
+                "largest_gaps": []}  # fmt: skip
+    kernels = sorted(kernels)
+    busy, gaps = 0.0, []
+    run_start, run_end, last = kernels[0][0], kernels[0][1], kernels[0][2]
+    for start, end, name in kernels[1:]:
+        if start > run_end:  # the GPU was idle from run_end to start
+            busy += run_end - run_start
+            gaps.append(((start - run_end) / 1e3, last[:80], name[:80]))
+            run_start = start
+        if end >= run_end:
+            run_end, last = end, name
+    busy += run_end - run_start
+    span = run_end - kernels[0][0]
+    return {
+        "busy_ms_per_step": busy / 1e3 / steps,
+        "span_ms_per_step": span / 1e3 / steps,
+        "idle_ms_per_step": (span - busy) / 1e3 / steps,
+        "largest_gaps": sorted(gaps, key=lambda g: -g[0])[:10],
+    }
+
+
 def _profile(step: Callable[[], torch.Tensor], steps: int, dev: torch.device) -> dict[str, Any]:
     """Run ``steps`` more training steps under ``torch.profiler``; kernel time by category
-    (device time on CUDA, self CPU time of each op on CPU)."""
+    (device time on CUDA, self CPU time of each op on CPU) and, on CUDA, the GPU timeline
+    (:func:`gpu_timeline`)."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
@@ -484,12 +524,21 @@ def _profile(step: Callable[[], torch.Tensor], steps: int, dev: torch.device) ->
             step()
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
+    timeline = None
     if dev.type == "cuda":
-        events = [
-            (e.name, e.device_time_total / 1e3)
+        # Kernels and copies only: user annotations such as "Optimizer.step#AdamW.step" are
+        # device-side ranges around kernels that are also listed (counting them twice).
+        kernels = [
+            e
             for e in prof.events()
-            if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0
+            if e.device_type == torch.autograd.DeviceType.CUDA
+            and e.device_time_total > 0
+            and not getattr(e, "is_user_annotation", False)
         ]
+        events = [(e.name, e.device_time_total / 1e3) for e in kernels]
+        timeline = gpu_timeline(
+            [(e.time_range.start, e.time_range.end, e.name) for e in kernels], steps
+        )
     else:
         events = [
             (a.key, a.self_cpu_time_total / 1e3)
@@ -499,7 +548,10 @@ def _profile(step: Callable[[], torch.Tensor], steps: int, dev: torch.device) ->
     merged: dict[str, float] = {}
     for name, ms in events:
         merged[name] = merged.get(name, 0.0) + ms
-    return profile_categories(list(merged.items()), steps)
+    result = profile_categories(list(merged.items()), steps)
+    if timeline is not None:
+        result["timeline"] = timeline
+    return result
 
 
 def _implementation(name: str, config: Any, device: torch.device) -> dict[str, Any]:
@@ -621,6 +673,11 @@ def profile_table(rows: list[dict[str, Any]]) -> str:
             for r in rows
         ]
         lines.append(f"| {c} | " + " | ".join(f"{v:.1f}" for v in vals) + " |")
+    if all("timeline" in r["profile"] for r in rows):
+        vals = [r["profile"]["timeline"]["idle_ms_per_step"] for r in rows]
+        lines.append(
+            "| GPU idle (no kernel running) | " + " | ".join(f"{v:.1f}" for v in vals) + " |"
+        )
     return "\n".join(lines)
 
 
@@ -702,6 +759,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--steps", type=int, default=10, help="timed steps")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps before timing")
+    p.add_argument(
+        "--lr",
+        type=float,
+        default=0.0,
+        help="AdamW learning rate (default 0: same work, parameters frozen, no drift)",
+    )
     p.add_argument("--device", default="auto")
     p.add_argument(
         "--precision",
@@ -766,6 +829,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             raise SystemExit(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.warmup < 0:
         raise SystemExit(f"--warmup must be >= 0, got {args.warmup}")
+    if not (math.isfinite(args.lr) and args.lr >= 0):
+        raise SystemExit(f"--lr must be a finite number >= 0, got {args.lr}")
     overrides = parse_overrides(args.fot_override)
     device = resolve_device(args.device)
     if device.type == "cuda":
@@ -795,6 +860,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         fla_fused_linear_ce=args.fla_fused_linear_ce,
         fgate_bias_init=args.fgate_bias_init,
         profile_steps=args.profile,
+        lr=args.lr,
     )
     meta = run_meta(device, args)
     meta.update(

@@ -117,7 +117,8 @@ def test_train_throughput_cpu(bench, tmp_path, capsys):
     tt = bench["train_throughput"]
     out = tmp_path / "res.json"
     models = "fot_pro,transformer_llama,hf_llama"
-    payload = tt.main([*TOY, "--models", models, "--peak-tflops", "0.5", "--out", str(out)])
+    args = [*TOY, "--models", models, "--peak-tflops", "0.5", "--lr", "1e-3", "--out", str(out)]
+    payload = tt.main(args)
     rows = {r["model"]: r for r in payload["results"]}
     assert list(rows) == models.split(",")
     assert json.loads(out.read_text())["results"] == json.loads(json.dumps(payload["results"]))
@@ -127,7 +128,7 @@ def test_train_throughput_cpu(bench, tmp_path, capsys):
         # tokens/s is the timed tokens over the timed time
         assert r["tokens_per_s"] * r["step_time_ms_mean"] / 1e3 == pytest.approx(64, rel=1e-6)
         assert r["mfu"] == pytest.approx(r["flops_per_token"] * r["tokens_per_s"] / 0.5e12)
-        # random init: loss near ln(V); two AdamW steps on the same batch lower it
+        # random init: loss near ln(V); AdamW steps at LR 1e-3 on the same batch lower it
         assert abs(r["loss_first"] - math.log(50257)) < 0.5, name
         assert r["loss_last"] < r["loss_first"] - 1e-3, name
         assert r["vs_hf_llama"] == pytest.approx(
@@ -183,11 +184,23 @@ def test_train_throughput_fot_override(bench):
         bench["train_throughput"].main([*TOY, "--fot-override", "loss_impl"])
 
 
+def test_train_throughput_default_lr_freezes_the_model(bench):
+    """By default the AdamW step runs at LR 0: every step sees the model as built, so the loss
+    of the repeated batch is the same at the first and the last step (it falls at LR 1e-3,
+    test above)."""
+    payload = bench["train_throughput"].main([*TOY, "--models", "fot_pro"])
+    r = payload["results"][0]
+    assert r["status"] == "ok" and r["loss_last"] == r["loss_first"]
+    assert payload["meta"]["args"]["lr"] == 0.0
+
+
 def test_train_throughput_bad_args(bench):
     with pytest.raises(SystemExit, match="valid: fot_pro"):
         bench["train_throughput"].main([*TOY, "--models", "fot_pro,gpt5"])
     with pytest.raises(SystemExit, match="--seq-len must be >= 1"):
         bench["train_throughput"].main([*TOY, "--seq-len", "0"])
+    with pytest.raises(SystemExit, match="--lr must be a finite number >= 0"):
+        bench["train_throughput"].main([*TOY, "--lr", "-1"])
 
 
 # ---------------------------------------------------------------------------------------
@@ -359,6 +372,29 @@ def test_profile_categories_hand_count(bench):
     assert prof["top_kernels"][0] == ("sm90_xmma_gemm_bf16bf16_bf16f32", 10.0)
     table = tt.profile_table([{"model": "m", "profile": prof}])
     assert "| matmul | 10.0 |" in table and "| total | 25.2 |" in table
+
+
+def test_gpu_timeline_hand_count(bench):
+    """Busy time is the union of the kernel intervals (overlaps counted once), idle the rest of
+    the span, and the gaps name the kernels on either side."""
+    tt = bench["train_throughput"]
+    kernels = [  # (start us, end us, name), unsorted, two overlapping on a side stream
+        (1000.0, 1600.0, "c"),
+        (0.0, 400.0, "a"),
+        (300.0, 500.0, "b"),
+        (1700.0, 2000.0, "d"),
+    ]
+    tl = tt.gpu_timeline(kernels, steps=2)
+    # busy: [0, 500] + [1000, 1600] + [1700, 2000] = 1400 us; span 2000 us; over 2 steps
+    assert tl["busy_ms_per_step"] == pytest.approx(0.7)
+    assert tl["span_ms_per_step"] == pytest.approx(1.0)
+    assert tl["idle_ms_per_step"] == pytest.approx(0.3)
+    assert tl["largest_gaps"] == [(0.5, "b", "c"), (0.1, "c", "d")]
+    prof = tt.profile_categories([("a", 1.0)], steps=2)
+    prof["timeline"] = tl
+    assert "| GPU idle (no kernel running) | 0.3 |" in tt.profile_table(
+        [{"model": "m", "profile": prof}]
+    )
 
 
 # ---------------------------------------------------------------------------------------

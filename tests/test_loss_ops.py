@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from tolerance import assert_close
 
 from fot.kernels import linear_cross_entropy, loss_ops
 
@@ -22,15 +23,6 @@ HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 BF16_STEP = 2.0**-8 if HAS_CUDA else 2.0**-7  # the interpreter truncates instead of rounding
 IGNORE = -100
-
-
-def assert_close(got: torch.Tensor, want: torch.Tensor, tol: tuple[float, float], name: str):
-    assert got.shape == want.shape, name
-    got, want = got.double().cpu(), want.double().cpu()
-    rtol, atol = tol
-    bound = rtol * want.abs() + atol * want.abs().max()
-    excess = ((got - want).abs() - bound).max().item()
-    assert excess <= 0, f"{name}: max error above tolerance by {excess:.3g}"
 
 
 def make(N: int, H: int, V: int, n_classes: int, seed: int = 0):

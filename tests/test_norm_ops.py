@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from tolerance import assert_close
 
 from fot.kernels import add_rms_norm, norm_ops
 
@@ -21,15 +22,6 @@ DEVICE = "cuda" if HAS_CUDA else "cpu"
 BF16_STEP = 2.0**-8 if HAS_CUDA else 2.0**-7  # the interpreter truncates instead of rounding
 TOL = {torch.float32: (1e-5, 1e-6), torch.bfloat16: (BF16_STEP, 1e-3)}
 EPS = 1e-6
-
-
-def assert_close(got: torch.Tensor, want: torch.Tensor, tol: tuple[float, float], name: str):
-    assert got.shape == want.shape, name
-    got, want = got.double().cpu(), want.double().cpu()
-    rtol, atol = tol
-    bound = rtol * want.abs() + atol * want.abs().max()
-    excess = ((got - want).abs() - bound).max().item()
-    assert excess <= 0, f"{name}: max error above tolerance by {excess:.3g}"
 
 
 def oracle(x, residual, weight, dy, dh):

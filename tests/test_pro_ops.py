@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tolerance import assert_close
 
 from fot.kernels import norm_gate, pro_ops, shift_norm
 
@@ -43,24 +44,6 @@ CASES = [
 ]
 SHIFT_VARIANTS = ["shift+norm", "shift", "norm"]
 GATE_VARIANTS = ["norm+gate", "gate", "norm"]
-
-
-def assert_close(
-    got: torch.Tensor,
-    want: torch.Tensor,
-    tol: tuple[float, float],
-    name: str,
-    scale: float | None = None,
-) -> None:
-    """``|got - want| <= rtol |want| + atol * scale`` with ``scale = max |want|`` by default."""
-    assert got.shape == want.shape, name
-    got, want = got.double(), want.double()
-    assert torch.isfinite(got).all(), f"{name}: non-finite values"
-    rtol, atol = tol
-    scale = want.abs().max().item() if scale is None else scale
-    bound = rtol * want.abs() + atol * scale
-    excess = ((got - want).abs() - bound).max().item()
-    assert excess <= 0, f"{name}: max error above tolerance by {excess:.3g}"
 
 
 def random_reset(T: int, g: torch.Generator) -> torch.Tensor:

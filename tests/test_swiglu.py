@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from tolerance import assert_close
 
 from fot.kernels import mlp_ops, swiglu
 
@@ -29,15 +30,6 @@ def oracle(x: torch.Tensor, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     y = F.silu(gate) * up
     y.backward(dy.double())
     return y.detach(), x64.grad
-
-
-def assert_close(got: torch.Tensor, want: torch.Tensor, tol: tuple[float, float], name: str):
-    assert got.shape == want.shape, name
-    got, want = got.double(), want.double()
-    rtol, atol = tol
-    bound = rtol * want.abs() + atol * want.abs().max()
-    excess = ((got - want).abs() - bound).max().item()
-    assert excess <= 0, f"{name}: max error above tolerance by {excess:.3g}"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

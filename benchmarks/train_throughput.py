@@ -196,8 +196,8 @@ def build(
         fot_overrides: further ``FoTConfig`` fields of our models (e.g. ``loss_impl``).
         hf_llama_heads: heads of ``hf_llama`` (default: as the FoT preset).
         fla_fused_linear_ce: ``fla_fot`` with fused linear cross-entropy.
-        fgate_bias_init: if set, the bias of every data-dependent forget gate of our models
-            (``fgate_proj.bias``) is filled with it after init (decay strength at init).
+        fgate_bias_init: if set, our models' ``FoTConfig.fgate_bias_init`` (the initial bias
+            of every data-dependent forget gate: the decay strength at init).
 
     Returns:
         ``(model, config, loss_fn)``; ``loss_fn(model, input_ids, shift_labels)`` is the mean
@@ -210,16 +210,12 @@ def build(
         backend = fot_backend
         if backend == "auto" and device.type != "cuda":
             backend = "reference"
-        fields = {"attn_backend": backend, "max_position_embeddings": max_positions}
+        fields: dict[str, Any] = {"attn_backend": backend, "max_position_embeddings": max_positions}
+        if fgate_bias_init is not None:
+            fields["fgate_bias_init"] = fgate_bias_init
         config = presets.config(name, size, **{**fields, **(fot_overrides or {})})
         with torch.device(device):
             model = presets.build_model(config)
-        if fgate_bias_init is not None:
-            with torch.no_grad():
-                for module in model.modules():
-                    gate = getattr(module, "fgate_proj", None)
-                    if isinstance(gate, nn.Linear) and gate.bias is not None:
-                        gate.bias.fill_(fgate_bias_init)
         return model, config, _our_loss
     if name == "hf_llama":
         from transformers import LlamaForCausalLM
@@ -485,38 +481,13 @@ def measure(name: str, s: Settings) -> dict[str, Any]:
     return row
 
 
-def gpu_timeline(kernels: list[tuple[float, float, str]], steps: int) -> dict[str, Any]:
-    """How busy the GPU was: kernel intervals ``(start_us, end_us, name)`` -> per-step busy time
-    (the union of the intervals), span (first start to last end), idle (span - busy: the GPU
-    waiting for the host) and the 10 largest gaps ``(ms, kernel before, kernel after)``."""
-    if not kernels:
-        return {"busy_ms_per_step": 0.0, "span_ms_per_step": 0.0, "idle_ms_per_step": 0.0,
-                "largest_gaps": []}  # fmt: skip
-    kernels = sorted(kernels)
-    busy, gaps = 0.0, []
-    run_start, run_end, last = kernels[0][0], kernels[0][1], kernels[0][2]
-    for start, end, name in kernels[1:]:
-        if start > run_end:  # the GPU was idle from run_end to start
-            busy += run_end - run_start
-            gaps.append(((start - run_end) / 1e3, last[:80], name[:80]))
-            run_start = start
-        if end >= run_end:
-            run_end, last = end, name
-    busy += run_end - run_start
-    span = run_end - kernels[0][0]
-    return {
-        "busy_ms_per_step": busy / 1e3 / steps,
-        "span_ms_per_step": span / 1e3 / steps,
-        "idle_ms_per_step": (span - busy) / 1e3 / steps,
-        "largest_gaps": sorted(gaps, key=lambda g: -g[0])[:10],
-    }
-
-
 def _profile(step: Callable[[], torch.Tensor], steps: int, dev: torch.device) -> dict[str, Any]:
     """Run ``steps`` more training steps under ``torch.profiler``; kernel time by category
     (device time on CUDA, self CPU time of each op on CPU) and, on CUDA, the GPU timeline
-    (:func:`gpu_timeline`)."""
+    (:func:`fot.training.profiling.gpu_timeline`)."""
     from torch.profiler import ProfilerActivity, profile
+
+    from fot.training.profiling import gpu_timeline
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
     with profile(activities=acts) as prof:

@@ -374,24 +374,13 @@ def test_profile_categories_hand_count(bench):
     assert "| matmul | 10.0 |" in table and "| total | 25.2 |" in table
 
 
-def test_gpu_timeline_hand_count(bench):
-    """Busy time is the union of the kernel intervals (overlaps counted once), idle the rest of
-    the span, and the gaps name the kernels on either side."""
+def test_profile_table_reports_gpu_idle(bench):
+    """The profile table has a GPU-idle row from the timeline (fot.training.profiling)."""
+    from fot.training.profiling import gpu_timeline
+
     tt = bench["train_throughput"]
-    kernels = [  # (start us, end us, name), unsorted, two overlapping on a side stream
-        (1000.0, 1600.0, "c"),
-        (0.0, 400.0, "a"),
-        (300.0, 500.0, "b"),
-        (1700.0, 2000.0, "d"),
-    ]
-    tl = tt.gpu_timeline(kernels, steps=2)
-    # busy: [0, 500] + [1000, 1600] + [1700, 2000] = 1400 us; span 2000 us; over 2 steps
-    assert tl["busy_ms_per_step"] == pytest.approx(0.7)
-    assert tl["span_ms_per_step"] == pytest.approx(1.0)
-    assert tl["idle_ms_per_step"] == pytest.approx(0.3)
-    assert tl["largest_gaps"] == [(0.5, "b", "c"), (0.1, "c", "d")]
     prof = tt.profile_categories([("a", 1.0)], steps=2)
-    prof["timeline"] = tl
+    prof["timeline"] = gpu_timeline([(0.0, 400.0, "a"), (1000.0, 1600.0, "c")], steps=2)
     assert "| GPU idle (no kernel running) | 0.3 |" in tt.profile_table(
         [{"model": "m", "profile": prof}]
     )

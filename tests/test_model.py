@@ -504,6 +504,7 @@ def test_presets_names_and_overrides() -> None:
         ({"attn_backend": "cuda"}, "valid: .*'triton'"),
         ({"tie_word_embeddings": True}, "untied"),
         ({"decay_time_min": 0.0}, "decay_time_min"),
+        ({"fgate_bias_init": float("inf")}, "fgate_bias_init must be a finite number"),
         (
             {"hidden_size": 768, "num_heads": 12, "head_dim": 32},
             "num_heads = hidden_size // head_dim",
@@ -731,6 +732,25 @@ def test_head_norm_saves_no_fp32_copies_on_cuda() -> None:
         saved = _saved_tensors(norm, xb, gate.bfloat16())
     big = [t for t in saved if t.dtype == torch.float32 and t.numel() >= x.numel()]
     assert not big, [tuple(t.shape) for t in big]
+
+
+def test_fgate_bias_init_sets_gate_bias_and_survives_reload(tmp_path) -> None:
+    """``FoTConfig.fgate_bias_init`` is the initial bias of every data-dependent gate (weights
+    keep their N(0, std) init); a saved model loads its trained bias, not the init value."""
+    config = fot.presets.config("fot_pro", "tiny", fgate_bias_init=3.0)
+    model = fot.presets.build_model(config)
+    gates = [layer.self_attn.fgate_proj for layer in model.model.layers]
+    assert all(torch.equal(g.bias, torch.full_like(g.bias, 3.0)) for g in gates)
+    assert all(0.01 < float(g.weight.std()) < 0.03 for g in gates)  # std 0.02, not constant
+    q_std = float(model.model.layers[0].self_attn.q_proj.weight.std())
+    assert 0.015 < q_std < 0.025
+    with torch.no_grad():
+        gates[0].bias.fill_(1.5)
+    model.save_pretrained(tmp_path)
+    loaded = type(model).from_pretrained(tmp_path)
+    assert loaded.config.fgate_bias_init == 3.0
+    assert torch.equal(loaded.model.layers[0].self_attn.fgate_proj.bias, gates[0].bias)
+    assert torch.equal(loaded.model.layers[1].self_attn.fgate_proj.bias, gates[1].bias)
 
 
 def test_train_throughput_gate_init_flag_and_sdpa_backend() -> None:

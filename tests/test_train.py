@@ -155,6 +155,20 @@ def test_activation_checkpointing_gives_the_same_losses(tmp_path, reference_run)
     assert _losses(out) == {1: reference_run[1], 2: reference_run[2]}
 
 
+def test_profiled_run_writes_summary_and_trains_the_same(tmp_path, reference_run) -> None:
+    """``profile.steps=1`` profiles the second step; the losses equal the unprofiled run's."""
+    out = tmp_path / "run"
+    train(_cfg(out, "total_tokens=512", "data.val_tokens=0", "profile.steps=1",
+               "profile.start_step=1", "profile.trace=false"))  # fmt: skip
+    assert _losses(out) == {1: reference_run[1], 2: reference_run[2]}
+    summary = json.loads((out / "profile" / "rank0.json").read_text())
+    assert summary["steps"] == 1 and summary["first_step"] == 1
+    assert any(name == "aten::mm" for name, _ in summary["top_cpu_ops"])
+    assert not (out / "profile" / "rank0.trace.json").exists()
+    with pytest.raises(ValueError, match=r"profile\.start_step \+ profile\.steps = 4 but this run"):
+        train(_cfg(tmp_path / "bad", "total_tokens=512", "profile.steps=2"))
+
+
 _COMMON = ["total_tokens=1024", "ckpt_every_tokens=0", "micro_batch_size=1", "data.val_tokens=256"]
 
 

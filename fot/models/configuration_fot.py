@@ -7,6 +7,7 @@ The Pro components (QK-norm, KV-shift, output norm, output gate) are independent
 
 from __future__ import annotations
 
+import math
 from typing import ClassVar
 
 from transformers import PretrainedConfig
@@ -34,6 +35,9 @@ class FoTConfig(PretrainedConfig):
         fgate_type: ``"full"`` (data-dependent ``sigmoid(w.x + b)``), ``"bias_only"``
             (learned per-head constant), ``"fixed"`` (untrained per-head constant: ALiBi-like
             linear decay) or ``"none"`` (no forget gate).
+        fgate_bias_init: initial bias ``b`` of the data-dependent gate (``"full"``): 0 starts
+            every head at ``f = sigmoid(w.x)`` around 0.5 (short memory);
+            e.g. 5 starts at ``f`` ~ 0.993 (long memory, next to no exact pruning at 16k).
         decay_time_min, decay_time_max: "long-init" of data-independent gates: per-head decay
             times ``T(b) = 1 / (-log sigmoid(b))`` spaced log-uniformly in ``[min, max]``.
         use_rope: rotary position embedding on q and k (Transformer baselines).
@@ -76,6 +80,7 @@ class FoTConfig(PretrainedConfig):
         hidden_ratio: float = 4.0,
         intermediate_size: int | None = None,
         fgate_type: str = "full",
+        fgate_bias_init: float = 0.0,
         decay_time_min: float = 2.0,
         decay_time_max: float = 16384.0,
         use_rope: bool = False,
@@ -115,6 +120,7 @@ class FoTConfig(PretrainedConfig):
         self.hidden_ratio = hidden_ratio
         self.intermediate_size = intermediate_size
         self.fgate_type = fgate_type
+        self.fgate_bias_init = fgate_bias_init
         self.decay_time_min = decay_time_min
         self.decay_time_max = decay_time_max
         self.use_rope = use_rope
@@ -213,6 +219,14 @@ class FoTConfig(PretrainedConfig):
             )
         if self.loss_impl not in LOSS_IMPLS:
             raise ValueError(f"unknown loss_impl {self.loss_impl!r}; valid: {list(LOSS_IMPLS)}")
+        if not (
+            isinstance(self.fgate_bias_init, (int, float))
+            and not isinstance(self.fgate_bias_init, bool)
+            and math.isfinite(self.fgate_bias_init)
+        ):
+            raise ValueError(
+                f"fgate_bias_init must be a finite number, got {self.fgate_bias_init!r}"
+            )
         if not (0 < self.decay_time_min <= self.decay_time_max):
             raise ValueError(
                 f"need 0 < decay_time_min <= decay_time_max, got {self.decay_time_min} and "

@@ -474,6 +474,12 @@ class _Context:
 # ---------------------------------------------------------------------------------------
 
 
+class FoTForgetGateProj(nn.Linear):
+    """The data-dependent forget gate's projection ``hidden -> HQ`` logits (a plain
+    ``nn.Linear``; its own class so that ``_init_weights`` gives its bias
+    ``config.fgate_bias_init`` instead of 0)."""
+
+
 class FoTAttention(nn.Module):
     """Forgetting attention with optional Pro components, RoPE and sliding window."""
 
@@ -494,7 +500,7 @@ class FoTAttention(nn.Module):
 
         # Forget gate: one scalar per query head and time step.
         if self.fgate_type == "full":
-            self.fgate_proj = nn.Linear(hidden, hq, bias=True)
+            self.fgate_proj = FoTForgetGateProj(hidden, hq, bias=True)
         elif self.fgate_type == "bias_only":
             self.fgate_bias = nn.Parameter(
                 long_init_bias(hq, config.decay_time_min, config.decay_time_max)
@@ -746,7 +752,9 @@ class FoTPreTrainedModel(PreTrainedModel):
         std = self.config.initializer_range
         if isinstance(module, nn.Linear):
             init.normal_(module.weight, mean=0.0, std=std)
-            if module.bias is not None:
+            if isinstance(module, FoTForgetGateProj):
+                init.constant_(module.bias, self.config.fgate_bias_init)
+            elif module.bias is not None:
                 init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
             init.normal_(module.weight, mean=0.0, std=std)
@@ -1140,6 +1148,7 @@ __all__ = [
     "FoTAttention",
     "FoTDecoderLayer",
     "FoTForCausalLM",
+    "FoTForgetGateProj",
     "FoTModel",
     "FoTPreTrainedModel",
     "get_attention_functions",

@@ -96,6 +96,10 @@ class ParallelConfig:
     (FSDP2: ``fully_shard`` per block)."""
     precision: str = "auto"
     """``auto`` (bf16 on CUDA, fp32 on CPU), ``bf16`` or ``fp32``."""
+    reshard_after_forward: bool = True
+    """FSDP2: free each block's gathered parameters after its forward and all-gather them again
+    in backward. ``false`` keeps them until the backward (one all-gather per block and step
+    fewer, for one 16-bit copy of the blocks per GPU more memory)."""
     compile: bool = False
     """``torch.compile`` each block."""
     activation_checkpointing: bool = False
@@ -114,6 +118,18 @@ class WandbConfig:
 
 
 @dataclass
+class ProfileConfig:
+    """``profile``: ``torch.profiler`` over a few steps (see :mod:`fot.training.profiling`)."""
+
+    steps: int = 0
+    """Steps to profile (0: off). Each rank writes ``<out_dir>/profile/rank<r>.json``."""
+    start_step: int = 2
+    """Steps of this run before the profiled ones (warm-up)."""
+    trace: bool = True
+    """Also write a Chrome trace per rank (``rank<r>.trace.json``)."""
+
+
+@dataclass
 class TrainConfig:
     """The root config (``configs/train.yaml`` extends it)."""
 
@@ -124,6 +140,7 @@ class TrainConfig:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
     total_tokens: int = MISSING
     """Training length in tokens (rounded down to whole global batches)."""

@@ -169,8 +169,8 @@ def parallelize(
         dtype = autocast_dtype(cfg, info.device)
         mp = MixedPrecisionPolicy(param_dtype=dtype or torch.float32, reduce_dtype=torch.float32)
         for block in blocks:
-            fully_shard(block, mp_policy=mp)
-        fully_shard(model, mp_policy=mp)
+            fully_shard(block, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward)
+        fully_shard(model, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward)
         if hasattr(model, "per_token_loss"):
             from torch.distributed.fsdp import register_fsdp_forward_method
 

@@ -44,6 +44,7 @@ from fot.training.parallel import (
     resolve_strategy,
     unwrap,
 )
+from fot.training.profiling import StepProfiler
 
 logger = logging.getLogger("fot.train")
 
@@ -373,6 +374,20 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
         )
     if info.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(info.device)
+    prof_cfg = cfg.profile
+    if prof_cfg.steps and prof_cfg.start_step + prof_cfg.steps > total_steps - step:
+        raise ValueError(
+            f"profile.start_step + profile.steps = {prof_cfg.start_step + prof_cfg.steps} but "
+            f"this run has {total_steps - step} steps left: lower them or raise total_tokens"
+        )
+    profiler = StepProfiler(
+        steps=int(prof_cfg.steps),
+        start_step=int(prof_cfg.start_step),
+        out_dir=out_dir,
+        rank=info.rank,
+        device=info.device,
+        trace=bool(prof_cfg.trace),
+    )
 
     def save(at_step: int) -> Path:
         return ckpt.save_checkpoint(
@@ -472,6 +487,7 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
         return host[0], n_tokens, host[1]
 
     while step < total_steps:
+        profiler.step_begin()
         batches = stream.next_step()
         n_micro = [b.num_label_tokens() for b in batches]  # host ints: batches are on the CPU
         n_local = sum(n_micro)
@@ -557,6 +573,21 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
             window_tokens, window_steps = 0, 0
             t_window = time.time()
         bar.update(1)
+        done = profiler.step_end()
+        if done is not None and info.is_main:
+            logger.info(
+                "profile of steps %d-%d written to %s: %.1f ms per step%s",
+                done["first_step"] + 1,
+                done["first_step"] + done["steps"],
+                out_dir / "profile",
+                done["wall_ms_per_step"],
+                (
+                    f", GPU idle {done['timeline']['idle_ms_per_step']:.1f} ms, exposed "
+                    f"communication {done['comm']['exposed_comm_ms']:.1f} ms"
+                    if "comm" in done
+                    else ""
+                ),
+            )
 
         if do_val:
             val = validate()

@@ -169,6 +169,30 @@ def test_profiled_run_writes_summary_and_trains_the_same(tmp_path, reference_run
         train(_cfg(tmp_path / "bad", "total_tokens=512", "profile.steps=2"))
 
 
+def test_gc_is_manual_while_training(tmp_path, reference_run, monkeypatch) -> None:
+    """``gc_every_steps=3``: automatic GC off during the 8 steps, a young-generation collection
+    before steps 1, 4 and 7, automatic GC back on afterwards; the losses are unchanged."""
+    import gc
+
+    calls: list[tuple[tuple, bool]] = []
+    real_collect = gc.collect
+
+    def collect(*args):
+        calls.append((args, gc.isenabled()))
+        return real_collect(*args)
+
+    monkeypatch.setattr(gc, "collect", collect)
+    out = tmp_path / "run"
+    train(_cfg(out, "gc_every_steps=3", "data.val_tokens=0"))
+    assert gc.isenabled()
+    assert _losses(out) == reference_run
+    young = [enabled for args, enabled in calls if args == (1,)]
+    assert young == [False, False, False]
+    with pytest.raises(ValueError, match="gc_every_steps must be >= 0"):
+        train(_cfg(tmp_path / "bad", "gc_every_steps=-1"))
+    assert gc.isenabled()
+
+
 _COMMON = ["total_tokens=1024", "ckpt_every_tokens=0", "micro_batch_size=1", "data.val_tokens=256"]
 
 

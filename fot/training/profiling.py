@@ -139,9 +139,11 @@ class StepProfiler:
         if self.steps and self._done == self.start_step:
             from torch.profiler import ProfilerActivity, profile
 
+            # On CUDA, CPU ops are recorded only for the trace: recording them slows the host
+            # down enough to leave the GPU idle where it otherwise would not be.
             acts = [ProfilerActivity.CPU]
             if self.device.type == "cuda":
-                acts.append(ProfilerActivity.CUDA)
+                acts = [ProfilerActivity.CUDA] + (acts if self.trace else [])
             self._sync()
             self._prof = profile(activities=acts)
             self._prof.__enter__()

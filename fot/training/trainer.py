@@ -10,6 +10,7 @@ micro-batch size.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import logging
 import math
@@ -274,7 +275,18 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             step (number, tokens, LR) and the step where it was found. No checkpoint is written.
         ValueError / FileNotFoundError: bad sizes, options or missing data (with the fix).
     """
-    return _train(cfg)
+    every = int(cfg.gc_every_steps)
+    if every < 0:
+        raise ValueError(f"gc_every_steps must be >= 0 (0: automatic collection), got {every}")
+    if every == 0 or not gc.isenabled():
+        return _train(cfg)
+    # Python's automatic cyclic GC is off while training (see TrainConfig.gc_every_steps).
+    gc.collect()
+    gc.disable()
+    try:
+        return _train(cfg)
+    finally:
+        gc.enable()
 
 
 def _train(cfg: DictConfig) -> dict[str, Any]:
@@ -486,7 +498,10 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
             )
         return host[0], n_tokens, host[1]
 
+    gc_every = int(cfg.gc_every_steps) if not gc.isenabled() else 0
     while step < total_steps:
+        if gc_every and step % gc_every == 0:
+            gc.collect(1)  # the young generations only: milliseconds
         profiler.step_begin()
         batches = stream.next_step()
         n_micro = [b.num_label_tokens() for b in batches]  # host ints: batches are on the CPU

@@ -171,7 +171,8 @@ def test_profiled_run_writes_summary_and_trains_the_same(tmp_path, reference_run
 
 def test_gc_is_manual_while_training(tmp_path, reference_run, monkeypatch) -> None:
     """``gc_every_steps=3``: automatic GC off during the 8 steps, a young-generation collection
-    before steps 1, 4 and 7, automatic GC back on afterwards; the losses are unchanged."""
+    before steps 1, 4 and 7, a full one at the checkpoints after steps 2, 4 and 6 (and one
+    before training), automatic GC back on afterwards; the losses are unchanged."""
     import gc
 
     calls: list[tuple[tuple, bool]] = []
@@ -188,6 +189,8 @@ def test_gc_is_manual_while_training(tmp_path, reference_run, monkeypatch) -> No
     assert _losses(out) == reference_run
     young = [enabled for args, enabled in calls if args == (1,)]
     assert young == [False, False, False]
+    full = [enabled for args, enabled in calls if args == ()]
+    assert full == [True, False, False, False]
     with pytest.raises(ValueError, match="gc_every_steps must be >= 0"):
         train(_cfg(tmp_path / "bad", "gc_every_steps=-1"))
     assert gc.isenabled()

@@ -567,6 +567,8 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
         if do_log or do_val or do_ckpt:
             # the only sync; it also makes sure no checkpoint or validation sees NaN weights
             loss_total, n_tokens, last_norm = fetch()
+        if gc_every and (do_val or do_ckpt):
+            gc.collect()  # a full collection where every rank stops anyway: no straggler
         if do_log:
             dt = max(time.time() - t_window, 1e-9)
             tps = window_steps * gbt / dt

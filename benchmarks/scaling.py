@@ -10,9 +10,11 @@ process, as the loss reference of its multi-GPU rows), logging every step to ``m
 checkpoints of the benchmark runs are deleted and no HF export is written.
 
 Reported per (strategy, processes): median tokens/s and tokens/s per GPU over the steps after
-``--warmup``, scaling efficiency (per-GPU tokens/s over the one-GPU run's), MFU, peak memory,
-and the largest |loss difference| to the one-GPU run (of the same strategy, else the plain
-one) over the common steps.
+``--warmup``, scaling efficiency (per-GPU tokens/s over the one-GPU run's), the same over all
+timed steps (all tokens over all time: a stalled step counts in full, which the median hides),
+MFU, peak memory, and the largest |loss difference| to the one-GPU run (of the same strategy,
+else the plain one) over the common steps. ``--override profile.steps=2 --override
+profile.start_step=...`` adds per-rank profiles (``<work-dir>/<run>/profile/``).
 
     python benchmarks/scaling.py --nprocs 1,2,4 --strategies fsdp,ddp --out results/scaling
     python benchmarks/scaling.py --size tiny --seq-len 64 --steps 3 --nprocs 1,2 \\
@@ -92,6 +94,12 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     return [by_step[s] for s in sorted(by_step)]
 
 
+def all_steps_rate(rates: list[float]) -> float:
+    """Tokens/s over several steps of equal tokens, from each step's tokens/s: all tokens over
+    all time, i.e. the harmonic mean. Unlike the median it counts a stalled step in full."""
+    return len(rates) / sum(1.0 / r for r in rates)
+
+
 def run_one(nproc: int, strategy: str, args: argparse.Namespace) -> dict[str, Any]:
     """Train one configuration; return its throughput summary and per-step losses."""
     name = f"{strategy}_x{nproc}"
@@ -124,11 +132,13 @@ def run_one(nproc: int, strategy: str, args: argparse.Namespace) -> dict[str, An
         log(f"[{name}] FAILED (exit {proc.returncode}): {row['error']}")
     timed = recs[args.warmup :] or recs[-1:]
     if timed:
-        tps = statistics.median(r["tokens_per_s"] for r in timed)
+        rates = [r["tokens_per_s"] for r in timed]
+        tps = statistics.median(rates)
         mfu = [r["mfu"] for r in timed if r.get("mfu") is not None]
         row.update(
             tokens_per_s=tps,
             tokens_per_s_per_gpu=tps / nproc,
+            tokens_per_s_per_gpu_all=all_steps_rate(rates) / nproc,
             mfu=statistics.median(mfu) if mfu else None,
             peak_mem_gib=max(r.get("peak_mem_gib") or 0.0 for r in recs),
         )
@@ -158,6 +168,12 @@ def compare(rows: list[dict[str, Any]]) -> None:
             if per_gpu and ref and ref.get("tokens_per_s_per_gpu")
             else None
         )
+        all_gpu = r.get("tokens_per_s_per_gpu_all")
+        r["efficiency_same_strategy_all"] = (
+            all_gpu / ref["tokens_per_s_per_gpu_all"]
+            if all_gpu and ref and ref.get("tokens_per_s_per_gpu_all")
+            else None
+        )
         r["loss_reference"] = ref["name"] if ref else None
         n = min(len(r["losses"]), len(ref["losses"])) if ref else 0
         r["max_abs_loss_diff"] = (
@@ -172,15 +188,18 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         f"`{meta['command']}`",
         "",
         "| strategy | GPUs | tokens/s | tokens/s per GPU | efficiency vs single | "
-        "efficiency vs same strategy on 1 GPU | MFU | peak mem (GiB) | max abs loss diff (vs) "
-        "| status |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "efficiency vs same strategy on 1 GPU | tokens/s per GPU, all timed steps | "
+        "efficiency vs same strategy, all timed steps | MFU | peak mem (GiB) | "
+        "max abs loss diff (vs) | status |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['strategy']} | {r['nproc']} | {fmt(r.get('tokens_per_s'), ',.0f')} | "
             f"{fmt(r.get('tokens_per_s_per_gpu'), ',.0f')} | {fmt(r.get('efficiency'), '.1%')} | "
             f"{fmt(r.get('efficiency_same_strategy'), '.1%')} | "
+            f"{fmt(r.get('tokens_per_s_per_gpu_all'), ',.0f')} | "
+            f"{fmt(r.get('efficiency_same_strategy_all'), '.1%')} | "
             f"{fmt(r.get('mfu'), '.1%')} | {fmt(r.get('peak_mem_gib'), '.1f')} | "
             f"{fmt(r.get('max_abs_loss_diff'), '.2e')} ({r.get('loss_reference') or '-'}) | "
             f"{'ok' if r['error'] is None else 'FAILED: ' + r['error'].replace('|', '/')} |"

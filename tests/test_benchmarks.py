@@ -342,9 +342,36 @@ def test_scaling_cpu_two_processes_match_one(tmp_path):
     assert len(one["losses"]) == len(two["losses"]) == 3
     assert max(abs(a - b) for a, b in zip(one["losses"], two["losses"])) < 1e-5
     assert two["max_abs_loss_diff"] < 1e-5 and two["tokens_per_s_per_gpu"] > 0
+    assert two["tokens_per_s_per_gpu_all"] > 0 and two["efficiency_same_strategy_all"] > 0
     assert "| ddp | 2 |" in (tmp_path / "scaling.md").read_text()
     with pytest.raises(SystemExit):
         scaling.parse_args(["--nprocs", "2,3"])  # 3 does not divide into one global batch
+
+
+def test_scaling_all_steps_rate_and_efficiency_hand_count():
+    """All-steps tokens/s is all tokens over all time; a stalled step lowers it, not the
+    median. Efficiencies divide per-GPU rates by the same strategy's one-GPU run."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        scaling = importlib.import_module("scaling")
+    finally:
+        sys.path.remove(str(BENCH))
+        for name in ("scaling", "train_throughput"):
+            sys.modules.pop(name, None)
+    # 3 steps of 100 tokens at 100, 100 and 50 tokens/s: 300 tokens in 4 s
+    assert scaling.all_steps_rate([100.0, 100.0, 50.0]) == pytest.approx(75.0)
+    rows = [
+        {"name": "fsdp_x1", "strategy": "fsdp", "nproc": 1, "losses": [2.0, 1.5],
+         "tokens_per_s_per_gpu": 100.0, "tokens_per_s_per_gpu_all": 80.0},
+        {"name": "fsdp_x2", "strategy": "fsdp", "nproc": 2, "losses": [2.0, 1.4],
+         "tokens_per_s_per_gpu": 90.0, "tokens_per_s_per_gpu_all": 60.0},
+    ]  # fmt: skip
+    scaling.compare(rows)
+    two = rows[1]
+    assert two["efficiency_same_strategy"] == pytest.approx(0.9)
+    assert two["efficiency_same_strategy_all"] == pytest.approx(0.75)
+    assert two["max_abs_loss_diff"] == pytest.approx(0.1)
+    assert two["loss_reference"] == "fsdp_x1" and two["efficiency"] is None  # no single run
 
 
 def test_profile_categories_hand_count(bench):

@@ -507,3 +507,37 @@ def test_fsdp_in_one_process_equals_single(tmp_path, one_process_run) -> None:
     assert one.keys() == two.keys() and len(one) > 0
     assert max(abs(one[k] - two[k]) for k in one) < 1e-5
     assert abs(res1["loss"] - res2["loss"]) < 1e-5
+
+
+def test_fsdp_bf16_gradient_reduction() -> None:
+    """``parallel.reduce_precision=bf16`` makes FSDP2 reduce gradients in bf16: every reduced
+    gradient is a bf16 value, while an fp32 reduction leaves them off the bf16 grid (process
+    group of one, fp32 model); an unknown value, or bf16 with DDP, is named."""
+    import torch.distributed as dist
+
+    from fot import presets
+    from fot.training.config import ParallelConfig
+    from fot.training.parallel import DistInfo, parallelize
+
+    info = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for precision in ("fp32", "bf16"):
+            torch.manual_seed(0)
+            config = presets.config("fot_pro", "tiny", hidden_size=32, num_heads=2)
+            cfg = ParallelConfig(strategy="fsdp", precision="fp32", reduce_precision=precision)
+            model = parallelize(presets.build_model(config), cfg, info, strategy="fsdp")
+            ids = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(1))
+            model(input_ids=ids, shift_labels=ids).loss.backward()
+            grads = [getattr(p.grad, "_local_tensor", p.grad) for p in model.parameters()]
+            on_grid = [torch.equal(g, g.bfloat16().float()) for g in grads if g is not None]
+            assert len(on_grid) > 10
+            assert all(on_grid) if precision == "bf16" else not any(on_grid), on_grid
+        bad = ParallelConfig(strategy="fsdp", reduce_precision="fp16")
+        with pytest.raises(ValueError, match="reduce_precision='fp16' is not one of"):
+            parallelize(presets.build_model(config), bad, info, strategy="fsdp")
+        ddp = ParallelConfig(strategy="ddp", reduce_precision="bf16")
+        with pytest.raises(ValueError, match="reduce_precision=bf16 needs parallel=fsdp"):
+            parallelize(presets.build_model(config), ddp, info, strategy="ddp")
+    finally:
+        dist.destroy_process_group()

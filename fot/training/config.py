@@ -101,6 +101,10 @@ class ParallelConfig:
     in backward (``true``, least memory), or keep them until the backward (``false``: one
     all-gather per block and step fewer, for one 16-bit copy of the model per GPU more
     memory, 1.5 GB at 760M)."""
+    reduce_precision: str = "fp32"
+    """FSDP2's gradient reduce-scatter: ``fp32`` or ``bf16`` (half the bytes and shorter
+    collectives; each rank's gradients are rounded to bf16 before they are summed). DDP
+    reduces in fp32 only."""
     compile: bool = False
     """``torch.compile`` each block."""
     activation_checkpointing: bool = False

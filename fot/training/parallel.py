@@ -16,6 +16,7 @@ from fot.training.config import ParallelConfig
 
 STRATEGIES = ("auto", "single", "ddp", "fsdp")
 PRECISIONS = ("auto", "bf16", "fp32")
+REDUCE_PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 @dataclass
@@ -147,6 +148,16 @@ def parallelize(
             block.compile()
     if strategy == "single":
         return model
+    if cfg.reduce_precision not in REDUCE_PRECISIONS:
+        raise ValueError(
+            f"parallel.reduce_precision={cfg.reduce_precision!r} is not one of "
+            f"{list(REDUCE_PRECISIONS)}"
+        )
+    if strategy == "ddp" and cfg.reduce_precision != "fp32":
+        raise ValueError(
+            f"parallel.reduce_precision={cfg.reduce_precision} needs parallel=fsdp; DDP reduces "
+            "in fp32 (set parallel.reduce_precision=fp32)"
+        )
     if strategy == "fsdp" and not dist.is_initialized():
         # One process (no torchrun, or torchrun with one): FSDP2 needs a process group, so
         # make one of size 1 (same numerics as N processes: parameters cast by the policy).
@@ -167,7 +178,10 @@ def parallelize(
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         dtype = autocast_dtype(cfg, info.device)
-        mp = MixedPrecisionPolicy(param_dtype=dtype or torch.float32, reduce_dtype=torch.float32)
+        mp = MixedPrecisionPolicy(
+            param_dtype=dtype or torch.float32,
+            reduce_dtype=REDUCE_PRECISIONS[cfg.reduce_precision],
+        )
         for block in blocks:
             fully_shard(block, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward)
         fully_shard(model, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward)

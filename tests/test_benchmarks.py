@@ -22,7 +22,7 @@ BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 @pytest.fixture(scope="module")
 def bench():
     """The benchmark modules (``benchmarks/`` is a folder of scripts, not a package)."""
-    names = ("flops", "train_throughput", "decode")
+    names = ("flops", "train_throughput", "decode", "scaling")
     sys.path.insert(0, str(BENCH))
     try:
         yield {name: importlib.import_module(name) for name in names}
@@ -320,21 +320,13 @@ def test_pruning_cpu_tile_counts(tmp_path, decay_time, expect_skips):
 # ---------------------------------------------------------------------------------------
 
 
-def test_scaling_cpu_two_processes_match_one(tmp_path):
+def test_scaling_cpu_two_processes_match_one(tmp_path, bench):
     """benchmarks/scaling.py on CPU (gloo): with one global batch, the 2-process DDP run's
     per-step losses equal the 1-process run's (the oracle), and every step is reported."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        scaling = importlib.import_module("scaling")
-    finally:
-        sys.path.remove(str(BENCH))
-    try:
-        res = scaling.main(["--size", "tiny", "--seq-len", "64", "--steps", "3", "--warmup", "1",
-                            "--nprocs", "1,2", "--strategies", "ddp", "--device", "cpu",
-                            "--work-dir", str(tmp_path / "runs"), "--out", str(tmp_path)])  # fmt: skip
-    finally:
-        for name in ("scaling", "train_throughput"):
-            sys.modules.pop(name, None)
+    scaling = bench["scaling"]
+    res = scaling.main(["--size", "tiny", "--seq-len", "64", "--steps", "3", "--warmup", "1",
+                        "--nprocs", "1,2", "--strategies", "ddp", "--device", "cpu",
+                        "--work-dir", str(tmp_path / "runs"), "--out", str(tmp_path)])  # fmt: skip
     rows = {r["name"]: r for r in res["rows"]}
     assert set(rows) == {"single_x1", "ddp_x2"}  # fsdp_x1 only when fsdp is asked for
     one, two = rows["single_x1"], rows["ddp_x2"]
@@ -348,16 +340,10 @@ def test_scaling_cpu_two_processes_match_one(tmp_path):
         scaling.parse_args(["--nprocs", "2,3"])  # 3 does not divide into one global batch
 
 
-def test_scaling_all_steps_rate_and_efficiency_hand_count():
+def test_scaling_all_steps_rate_and_efficiency_hand_count(bench):
     """All-steps tokens/s is all tokens over all time; a stalled step lowers it, not the
     median. Efficiencies divide per-GPU rates by the same strategy's one-GPU run."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        scaling = importlib.import_module("scaling")
-    finally:
-        sys.path.remove(str(BENCH))
-        for name in ("scaling", "train_throughput"):
-            sys.modules.pop(name, None)
+    scaling = bench["scaling"]
     # 3 steps of 100 tokens at 100, 100 and 50 tokens/s: 300 tokens in 4 s
     assert scaling.all_steps_rate([100.0, 100.0, 50.0]) == pytest.approx(75.0)
     rows = [

@@ -22,7 +22,7 @@ BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 @pytest.fixture(scope="module")
 def bench():
     """The benchmark modules (``benchmarks/`` is a folder of scripts, not a package)."""
-    names = ("flops", "train_throughput", "decode", "scaling")
+    names = ("flops", "train_throughput", "decode", "scaling", "pruning", "fused_ops")
     sys.path.insert(0, str(BENCH))
     try:
         yield {name: importlib.import_module(name) for name in names}
@@ -271,7 +271,7 @@ def test_decode_cpu(bench, tmp_path):
 
 
 @pytest.mark.parametrize(("decay_time", "expect_skips"), [(0.1, True), (1e9, False)])
-def test_pruning_cpu_tile_counts(tmp_path, decay_time, expect_skips):
+def test_pruning_cpu_tile_counts(tmp_path, bench, decay_time, expect_skips):
     """Tile counts from the interpreter kernel on a tiny fixed-gate model: the total equals the
     hand count of causal 32x32 tile pairs; with a decay time of 0.1 token (log f = -10 per
     token) exact pruning must skip every pair of tiles two or more apart (the gate bias alone
@@ -280,12 +280,7 @@ def test_pruning_cpu_tile_counts(tmp_path, decay_time, expect_skips):
     from fot.data.tokens import write_token_documents
     from fot.export import export_hf
 
-    sys.path.insert(0, str(BENCH))
-    try:
-        pruning = importlib.import_module("pruning")
-    finally:
-        sys.path.remove(str(BENCH))
-        sys.modules.pop("train_throughput", None)
+    pruning = bench["pruning"]
     torch.manual_seed(0)
     over = {"decay_time_min": decay_time, "decay_time_max": decay_time}
     model = presets.build_model(presets.config("fot_llama_fixed", "tiny", **over))
@@ -404,15 +399,10 @@ def test_profile_table_reports_gpu_idle(bench):
 # ---------------------------------------------------------------------------------------
 
 
-def test_fused_ops_benchmark_times_equal_functions() -> None:
+def test_fused_ops_benchmark_times_equal_functions(bench) -> None:
     """benchmarks/fused_ops.py compares like with like: its PyTorch and fused closures return
     the same input gradients (CPU: the kernels under the Triton interpreter)."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        fused_ops = importlib.import_module("fused_ops")
-    finally:
-        sys.path.remove(str(BENCH))
-        sys.modules.pop("fused_ops", None)
+    fused_ops = bench["fused_ops"]
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     for case, tol in (
         (fused_ops._norm_case(37, 96, dev), 2e-2),

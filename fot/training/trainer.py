@@ -498,7 +498,7 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
             )
         return host[0], n_tokens, host[1]
 
-    gc_every = int(cfg.gc_every_steps) if not gc.isenabled() else 0
+    gc_every = int(cfg.gc_every_steps)  # train() turned automatic GC off when this is > 0
     while step < total_steps:
         if gc_every and step % gc_every == 0:
             gc.collect(1)  # the young generations only: milliseconds

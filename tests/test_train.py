@@ -541,3 +541,46 @@ def test_fsdp_bf16_gradient_reduction() -> None:
             parallelize(presets.build_model(config), ddp, info, strategy="ddp")
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("reshard_after_backward", [False, True])
+def test_fsdp_accumulation_keeps_parameters_gathered(reshard_after_backward: bool) -> None:
+    """Gradient accumulation under FSDP2 (process group of one, fp32): with
+    ``reshard_after_backward=false`` the parameters stay gathered (plain tensors, not DTensor
+    shards) between a step's micro batches and are sharded again after the last one; with
+    ``true`` they are sharded after every micro batch. Either way the accumulated gradients
+    equal those of the unsharded model over the same two micro batches."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from fot import presets
+    from fot.training.config import ParallelConfig
+    from fot.training.parallel import DistInfo, accumulation, parallelize
+
+    info = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    config = presets.config("fot_pro", "tiny", hidden_size=32, num_heads=2)
+    torch.manual_seed(0)
+    reference = presets.build_model(config)
+    sharded = presets.build_model(config)
+    sharded.load_state_dict(reference.state_dict())
+    micro = [
+        torch.randint(0, 200, (1, 16), generator=torch.Generator().manual_seed(s)) for s in (1, 2)
+    ]
+    for ids in micro:
+        reference(input_ids=ids, shift_labels=ids).loss.backward()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        cfg = ParallelConfig(
+            strategy="fsdp", precision="fp32", reshard_after_backward=reshard_after_backward
+        )
+        model = parallelize(sharded, cfg, info, strategy="fsdp")
+        gathered = []
+        for i, ids in enumerate(micro):
+            with accumulation(model, "fsdp", last=i == len(micro) - 1, cfg=cfg):
+                model(input_ids=ids, shift_labels=ids).loss.backward()
+            gathered.append(not any(isinstance(p, DTensor) for p in model.parameters()))
+        assert gathered == [not reshard_after_backward, False]
+        for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-5, atol=1e-6, msg=name)
+    finally:
+        dist.destroy_process_group()

@@ -101,6 +101,11 @@ class ParallelConfig:
     in backward (``true``, least memory), or keep them until the backward (``false``: one
     all-gather per block and step fewer, for one 16-bit copy of the model per GPU more
     memory, 1.5 GB at 760M)."""
+    reshard_after_backward: bool = False
+    """FSDP2 with more than one micro batch per step: free the gathered parameters after every
+    micro batch's backward and all-gather them again for the next (``true``), or keep them
+    gathered until the step's last micro batch (``false``: one all-gather per block and step
+    instead of one per micro batch; the memory of ``reshard_after_forward=false``)."""
     reduce_precision: str = "fp32"
     """FSDP2's gradient reduce-scatter: ``fp32`` or ``bf16`` (half the bytes and shorter
     collectives; each rank's gradients are rounded to bf16 before they are summed). DDP

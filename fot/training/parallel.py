@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import os
 from dataclasses import dataclass
@@ -192,6 +193,25 @@ def parallelize(
             register_fsdp_forward_method(model, "per_token_loss")
         return model
     raise ValueError(f"unknown strategy {strategy!r}")
+
+
+def accumulation(
+    model: nn.Module, strategy: str, *, last: bool, cfg: ParallelConfig
+) -> contextlib.AbstractContextManager:
+    """The context for one micro batch's forward and backward when a step accumulates
+    gradients over several: only the step's ``last`` micro batch reduces gradients over the
+    ranks (DDP ``no_sync`` before it; FSDP2 ``set_requires_gradient_sync``), and unless
+    ``cfg.reshard_after_backward`` FSDP2 keeps the gathered parameters from one micro batch to
+    the next (``set_reshard_after_backward``), so each block is all-gathered once per step.
+    With one micro batch per step (``last`` always true) nothing changes. ``single``: no-op.
+    """
+    if strategy == "ddp" and not last:
+        return model.no_sync()
+    if strategy == "fsdp":
+        model.set_requires_gradient_sync(last)
+        if not cfg.reshard_after_backward:
+            model.set_reshard_after_backward(last)
+    return contextlib.nullcontext()
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -37,6 +37,7 @@ from fot.training.metrics import (
 from fot.training.optim import build_optimizer, lr_at, set_lr
 from fot.training.parallel import (
     DistInfo,
+    accumulation,
     all_reduce_sum,
     autocast_dtype,
     barrier,
@@ -518,13 +519,7 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
         for i, (batch, n_b) in enumerate(zip(batches, n_micro, strict=True)):
             b = _to_device(batch, info.device)
             last = i == len(batches) - 1
-            if strategy == "ddp" and not last:
-                sync = model.no_sync()
-            else:
-                sync = contextlib.nullcontext()
-                if strategy == "fsdp":
-                    model.set_requires_gradient_sync(last)
-            with sync:
+            with accumulation(model, strategy, last=last, cfg=cfg.parallel):
                 with amp():
                     out = model(
                         input_ids=b.input_ids, shift_labels=b.labels, cu_seqlens=b.cu_seqlens

@@ -167,6 +167,10 @@ def test_profiled_run_writes_summary_and_trains_the_same(tmp_path, reference_run
     assert not (out / "profile" / "rank0.trace.json").exists()
     with pytest.raises(ValueError, match=r"profile\.start_step \+ profile\.steps = 4 but this run"):
         train(_cfg(tmp_path / "bad", "total_tokens=512", "profile.steps=2"))
+    with pytest.raises(ValueError, match=r"profile\.steps and profile\.start_step must be >= 0"):
+        train(
+            _cfg(tmp_path / "neg", "total_tokens=512", "profile.steps=-1", "profile.start_step=9")
+        )
 
 
 def test_gc_is_manual_while_training(tmp_path, reference_run, monkeypatch) -> None:

@@ -388,12 +388,7 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
     if info.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(info.device)
     prof_cfg = cfg.profile
-    if prof_cfg.steps and prof_cfg.start_step + prof_cfg.steps > total_steps - step:
-        raise ValueError(
-            f"profile.start_step + profile.steps = {prof_cfg.start_step + prof_cfg.steps} but "
-            f"this run has {total_steps - step} steps left: lower them or raise total_tokens"
-        )
-    profiler = StepProfiler(
+    profiler = StepProfiler(  # checks that both counts are >= 0
         steps=int(prof_cfg.steps),
         start_step=int(prof_cfg.start_step),
         out_dir=out_dir,
@@ -401,6 +396,11 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
         device=info.device,
         trace=bool(prof_cfg.trace),
     )
+    if prof_cfg.steps and prof_cfg.start_step + prof_cfg.steps > total_steps - step:
+        raise ValueError(
+            f"profile.start_step + profile.steps = {prof_cfg.start_step + prof_cfg.steps} but "
+            f"this run has {total_steps - step} steps left: lower them or raise total_tokens"
+        )
 
     def save(at_step: int) -> Path:
         return ckpt.save_checkpoint(

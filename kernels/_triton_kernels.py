@@ -12,6 +12,9 @@ Conventions shared by every kernel here:
   outside the diagonal tile both terms are <= |c_i - c_j|, i.e. float32 relative accuracy of
   the bias. Inside the diagonal tile the error is bounded by ~6e-8 x the fall of c within
   that one tile (e.g. 1e-4 nats only if the gates drop by ~2000 nats inside 128 positions).
+  Where both sides of ``c_i - c_j`` are built in one kernel they may drop ``a_lo`` (the "key
+  form" ``(hi - a_hi) + lo``): it cancels, one op per value fewer. The dQ kernel stores
+  ``lo - LSE`` per query so that the dK/dV kernel forms ``c_i - LSE_i`` in two ops.
 * Scores live in log2 units: ``s = qk * scale * log2(e) + (c_i - c_j) * log2(e)`` and
   ``exp2`` replaces ``exp``. ``LSE`` is stored in log2 units.
 * Query row ``i`` sees key ``j`` iff ``lb_i <= j <= i`` with ``lb_i = max(doc_start_i,
@@ -55,7 +58,11 @@ def _row_lower_bound(offs_m, T, DOCSTART, W, HAS_DOC: tl.constexpr, HAS_WINDOW: 
 
 @triton.jit
 def _c_rel(C_row, offs, T, a_hi, a_lo, MASKED: tl.constexpr):
-    """c (log2 units) at ``offs`` relative to the anchor, in float32."""
+    """c (log2 units) at ``offs`` relative to the anchor, in float32.
+
+    With ``a_lo = 0`` (the "key form", ``(hi - a_hi) + lo``) the value is off by the anchor's
+    lo part, which cancels in ``c_i - c_j`` when both sides take that form: one op per value
+    fewer, the same accuracy."""
     if MASKED:
         hi = tl.load(C_row + offs, mask=offs < T, other=0.0)
         lo = tl.load(C_row + T + offs, mask=offs < T, other=0.0)
@@ -260,18 +267,19 @@ def _fwd_kernel(
 @triton.jit
 def _dq_tile(
     dq, drow, q, do, delta, cq_lse, lb, offs_m, offs_d, start_n, K_ptr, V_ptr, stride_kt,
-    stride_vt, C_row, T, a_hi, a_lo, qk_scale,
+    stride_vt, C_row, T, a_hi, qk_scale,
     BN: tl.constexpr, MASK: tl.constexpr, EVEN: tl.constexpr, HAS_DOC: tl.constexpr,
     HAS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr,
 ):  # fmt: skip
     """One key tile of the dQ kernel (``MASK`` as in :func:`_fwd_tile`). ``cq_lse`` is the
-    queries' ``c - LSE`` (folded once per program: one op per score fewer)."""
+    queries' ``c - LSE`` (folded once per program: one op per score fewer), c in the key form
+    of :func:`_c_rel` on both sides."""
     start_n = tl.multiple_of(start_n, BN)
     offs_n = start_n + tl.arange(0, BN)
     if EVEN or not MASK:
         kT = tl.load(K_ptr + offs_n[None, :] * stride_kt + offs_d[:, None])
         vT = tl.load(V_ptr + offs_n[None, :] * stride_vt + offs_d[:, None])
-        ck = _c_rel(C_row, offs_n, T, a_hi, a_lo, False)
+        ck = _c_rel(C_row, offs_n, T, a_hi, 0.0, False)
     else:
         kT = tl.load(
             K_ptr + offs_n[None, :] * stride_kt + offs_d[:, None],
@@ -283,9 +291,9 @@ def _dq_tile(
             mask=offs_n[None, :] < T,
             other=0.0,
         )
-        ck = _c_rel(C_row, offs_n, T, a_hi, a_lo, True)
+        ck = _c_rel(C_row, offs_n, T, a_hi, 0.0, True)
     # s - LSE (log2 units) of every score of the tile.
-    s = tl.dot(q, kT, input_precision=DOT_PREC) * qk_scale + (cq_lse[:, None] - ck[None, :])
+    s = tl.fma(tl.dot(q, kT, input_precision=DOT_PREC), qk_scale, cq_lse[:, None] - ck[None, :])
     # Mask before exp2: masked-out entries (j > i) can have a huge positive bias.
     if MASK:
         ok = offs_n[None, :] <= offs_m[:, None]
@@ -316,6 +324,7 @@ def _bwd_dq_kernel(
     Out,
     LSE,
     DELTA,
+    LOLSE,
     DQ,
     DROW,
     KMAX,
@@ -388,10 +397,14 @@ def _bwd_dq_kernel(
     )
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(DELTA + bh.to(tl.int64) * T + offs_m, delta, mask=row_ok)
+    # For dK/dV: lo - LSE, so that it forms c_i - LSE_i with two ops per query (see there).
+    lo = tl.load(C_row + T + offs_m, mask=row_ok, other=0.0)
+    tl.store(LOLSE + bh.to(tl.int64) * T + offs_m, lo - lse, mask=row_ok)
     a_hi = tl.load(C_row + m0)
     a_lo = tl.load(C_row + T + m0)
     cq = _c_rel(C_row, offs_m, T, a_hi, a_lo, True)
-    cq_lse = cq - lse  # -inf on rows past T
+    # c - LSE in the key form of _c_rel for the tiles; -inf on rows past T.
+    cq_lse = _c_rel(C_row, offs_m, T, a_hi, 0.0, True) - lse
     lb = _row_lower_bound(offs_m, T, DOCSTART, W, HAS_DOC, HAS_WINDOW)
     lb_first = tl.min(tl.where(row_ok, lb, T))
 
@@ -402,7 +415,7 @@ def _bwd_dq_kernel(
         qf = q.to(tl.float32)
         q_norm = tl.sqrt(tl.sum(qf * qf, 1))
         kmax = tl.load(KMAX + b * H + hk)
-        bound = q_norm * kmax * qk_scale + cq_lse
+        bound = q_norm * kmax * qk_scale + cq - lse
         g = tl.max(tl.where(row_ok, bound, float("-inf"))) + prune_log2
         t_first = _first_needed_key(C_row, g, a_hi, a_lo, t_lo, t_hi, T, BN)
         # The dK/dV kernel reads where each query tile starts.
@@ -416,13 +429,13 @@ def _bwd_dq_kernel(
     for start_n in range(t_first * BN, m0, BN):
         dq, drow = _dq_tile(
             dq, drow, q, do, delta, cq_lse, lb, offs_m, offs_d, start_n, K_ptr, V_ptr,
-            stride_kt, stride_vt, C_row, T, a_hi, a_lo, qk_scale,
+            stride_kt, stride_vt, C_row, T, a_hi, qk_scale,
             BN, False, EVEN, HAS_DOC, HAS_WINDOW, DOT_PREC,
         )  # fmt: skip
     for start_n in range(tl.maximum(t_first * BN, m0), (t_hi + 1) * BN, BN):
         dq, drow = _dq_tile(
             dq, drow, q, do, delta, cq_lse, lb, offs_m, offs_d, start_n, K_ptr, V_ptr,
-            stride_kt, stride_vt, C_row, T, a_hi, a_lo, qk_scale,
+            stride_kt, stride_vt, C_row, T, a_hi, qk_scale,
             BN, True, EVEN, HAS_DOC, HAS_WINDOW, DOT_PREC,
         )  # fmt: skip
     dq = dq * scale
@@ -437,20 +450,19 @@ def _bwd_dq_kernel(
 
 @triton.jit
 def _dkdv_tile(
-    dk, dv, dcol, k, v, ck, offs_n, offs_d, start_m, Q_ptr, DO_ptr, LSE_row, DELTA_row,
-    DOCSTART, stride_qt, stride_dot, C_row, T, W, a_hi, a_lo, qk_scale,
+    dk, dv, dcol, k, v, ck, offs_n, offs_d, start_m, Q_ptr, DO_ptr, LSE_row, LOLSE_row,
+    DELTA_row, DOCSTART, stride_qt, stride_dot, C_row, T, W, a_hi, qk_scale,
     BM: tl.constexpr, MASK: tl.constexpr, EVEN: tl.constexpr, HAS_DOC: tl.constexpr,
     HAS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr,
 ):  # fmt: skip
     """One query tile of the dK/dV kernel. ``MASK``: causal and (unless ``EVEN``) length masks
-    on; without it the tile must lie above the diagonal and before T."""
+    on; without it the tile must lie above the diagonal and before T. ``ck``: the keys' c in
+    the key form of :func:`_c_rel`."""
     start_m = tl.multiple_of(start_m, BM)
     offs_m = start_m + tl.arange(0, BM)
     if EVEN or not MASK:
         qT = tl.load(Q_ptr + offs_m[None, :] * stride_qt + offs_d[:, None])
         do = tl.load(DO_ptr + offs_m[:, None] * stride_dot + offs_d[None, :])
-        cq = _c_rel(C_row, offs_m, T, a_hi, a_lo, False)
-        lse = tl.load(LSE_row + offs_m)
         delta = tl.load(DELTA_row + offs_m)
     else:
         row_ok = offs_m < T
@@ -464,13 +476,16 @@ def _dkdv_tile(
             mask=row_ok[:, None],
             other=0.0,
         )
-        cq = _c_rel(C_row, offs_m, T, a_hi, a_lo, True)
-        lse = tl.load(LSE_row + offs_m, mask=row_ok, other=float("inf"))
         delta = tl.load(DELTA_row + offs_m, mask=row_ok, other=0.0)
     # s - LSE (log2 units), transposed.
     if MASK:
         # Diagonal tiles: c_i relative to the key anchor may be large (c falls inside the tile),
         # so it meets c_j first, where the two cancel exactly.
+        cq = _c_rel(C_row, offs_m, T, a_hi, 0.0, not EVEN)
+        if EVEN:
+            lse = tl.load(LSE_row + offs_m)
+        else:
+            lse = tl.load(LSE_row + offs_m, mask=offs_m < T, other=float("inf"))
         sT = tl.dot(k, qT, input_precision=DOT_PREC) * qk_scale + (cq[None, :] - ck[:, None])
         sT = sT - lse[None, :]
         ok = offs_n[:, None] <= offs_m[None, :]
@@ -482,9 +497,12 @@ def _dkdv_tile(
         pT = tl.math.exp2(tl.where(ok, sT, float("-inf")))
     else:
         # Queries after the tile: |c_i - anchor| <= |c_i - c_j|, so c - LSE can be folded per
-        # query first (one op per score fewer) without losing the bias's relative accuracy.
-        cq_lse = cq - lse
-        sT = tl.dot(k, qT, input_precision=DOT_PREC) * qk_scale + (cq_lse[None, :] - ck[:, None])
+        # query first without losing the bias's relative accuracy: (hi - a_hi) + (lo - LSE),
+        # the second term stored by the dQ kernel (two ops per query, one per score).
+        cq_lse = (tl.load(C_row + offs_m) - a_hi) + tl.load(LOLSE_row + offs_m)
+        sT = tl.fma(
+            tl.dot(k, qT, input_precision=DOT_PREC), qk_scale, cq_lse[None, :] - ck[:, None]
+        )
         if HAS_DOC or HAS_WINDOW:
             lb = _row_lower_bound(offs_m, T, DOCSTART, W, HAS_DOC, HAS_WINDOW)
             sT = tl.where(offs_n[:, None] >= lb[None, :], sT, float("-inf"))
@@ -508,6 +526,7 @@ def _bwd_dkdv_kernel(
     DO,
     LSE,
     DELTA,
+    LOLSE,
     DK,
     DV,
     DCOL,
@@ -585,12 +604,12 @@ def _bwd_dkdv_kernel(
         DO_ptr = DO + b.to(tl.int64) * stride_dob + h * stride_doh
         C_row = C + bh.to(tl.int64) * 2 * T
         LSE_row = LSE + bh.to(tl.int64) * T
+        LOLSE_row = LOLSE + bh.to(tl.int64) * T
         DELTA_row = DELTA + bh.to(tl.int64) * T
         # Anchor at the tile's last key: every query after the tile then sees
         # |c - anchor| <= |c_i - c_j| on both sides, so the bias keeps float32 relative accuracy.
         a_hi = tl.load(C_row + n_last)
-        a_lo = tl.load(C_row + T + n_last)
-        ck = _c_rel(C_row, offs_n, T, a_hi, a_lo, True)
+        ck = _c_rel(C_row, offs_n, T, a_hi, 0.0, True)
         dcol = tl.zeros([BN], dtype=tl.float32)
         end_g = end
         if PRUNE:
@@ -618,19 +637,22 @@ def _bwd_dkdv_kernel(
         for start_m in range(start, diag_end, BM):
             dk, dv, dcol = _dkdv_tile(
                 dk, dv, dcol, k, v, ck, offs_n, offs_d, start_m, Q_ptr, DO_ptr, LSE_row,
-                DELTA_row, DOCSTART, stride_qt, stride_dot, C_row, T, W, a_hi, a_lo, qk_scale,
+                LOLSE_row, DELTA_row, DOCSTART, stride_qt, stride_dot, C_row, T, W, a_hi,
+                qk_scale,
                 BM, True, EVEN, HAS_DOC, HAS_WINDOW, DOT_PREC,
             )  # fmt: skip
         for start_m in range(diag_end, full_end, BM):
             dk, dv, dcol = _dkdv_tile(
                 dk, dv, dcol, k, v, ck, offs_n, offs_d, start_m, Q_ptr, DO_ptr, LSE_row,
-                DELTA_row, DOCSTART, stride_qt, stride_dot, C_row, T, W, a_hi, a_lo, qk_scale,
+                LOLSE_row, DELTA_row, DOCSTART, stride_qt, stride_dot, C_row, T, W, a_hi,
+                qk_scale,
                 BM, False, EVEN, HAS_DOC, HAS_WINDOW, DOT_PREC,
             )  # fmt: skip
         for start_m in range(tl.maximum(diag_end, full_end), end_g, BM):
             dk, dv, dcol = _dkdv_tile(
                 dk, dv, dcol, k, v, ck, offs_n, offs_d, start_m, Q_ptr, DO_ptr, LSE_row,
-                DELTA_row, DOCSTART, stride_qt, stride_dot, C_row, T, W, a_hi, a_lo, qk_scale,
+                LOLSE_row, DELTA_row, DOCSTART, stride_qt, stride_dot, C_row, T, W, a_hi,
+                qk_scale,
                 BM, True, EVEN, HAS_DOC, HAS_WINDOW, DOT_PREC,
             )  # fmt: skip
         tl.store(DCOL + bh.to(tl.int64) * T + offs_n, dcol, mask=col_ok)

@@ -257,6 +257,7 @@ def _backward(
     params = _launch_params(D)
     do = do.contiguous()
     delta = torch.empty((B, HQ, T), dtype=torch.float32, device=q.device)  # dq kernel fills it
+    lolse = torch.empty((B, HQ, T), dtype=torch.float32, device=q.device)  # dq kernel fills it
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
@@ -279,6 +280,7 @@ def _backward(
         o,
         lse,
         delta,
+        lolse,
         dq,
         drow,
         lay.kmax if prune else lse,
@@ -338,6 +340,7 @@ def _backward(
         do,
         lse,
         delta,
+        lolse,
         dk,
         dv,
         dcol,

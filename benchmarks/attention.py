@@ -162,41 +162,61 @@ def sweep(shape, rows_out: list[str]) -> None:
             (128, 128, 8, 2),
         ]
     ]
+    # dQ and dK/dV: (bm, bn, warps, stages, register cap; 0 = none)
     dq_opts = {
-        "A": (128, 64, 8, 3),
-        "B": (64, 64, 4, 3),
-        "C": (64, 64, 4, 2),
-        "D": (128, 64, 8, 2),
-        "H": (64, 64, 4, 4),
-        "I": (128, 64, 8, 4),
-        "E": (128, 128, 8, 2),
+        "A": (128, 64, 8, 3, 0),
+        "B": (64, 64, 4, 3, 0),
+        "C": (64, 64, 4, 2, 0),
+        "D": (128, 64, 8, 2, 0),
+        "H": (64, 64, 4, 4, 0),
+        "I": (128, 64, 8, 4, 0),
+        "E": (128, 128, 8, 2, 0),
     }
     kv_opts = {
-        "a": (64, 128, 8, 3),
-        "b": (64, 64, 4, 3),
-        "c": (64, 64, 4, 2),
-        "d": (64, 128, 8, 2),
+        "a": (64, 128, 8, 3, 0),
+        "b": (64, 64, 4, 3, 0),
+        "c": (64, 64, 4, 2, 0),
+        "d": (64, 128, 8, 2, 0),
     }
     combos = ["Aa", "Bb", "Cc", "Ac", "Ca", "Ab", "Ba", "Ad", "Dd", "Hb", "Ic", "Hc", "Ea", "Ia"]
     if D <= 64:  # small heads leave room for larger tiles
-        dq_opts |= {"F": (128, 64, 4, 3), "G": (128, 128, 8, 3)}
-        kv_opts |= {"e": (128, 128, 8, 2), "f": (64, 128, 4, 3), "g": (128, 64, 4, 3),
-                    "h": (32, 128, 4, 3), "i": (64, 128, 8, 4)}  # fmt: skip
-        combos += ["Ae", "Af", "Ag", "Ah", "Ai", "Fa", "Ga", "Ef", "Ff", "Bf"]
+        dq_opts |= {"F": (128, 64, 4, 3, 0), "G": (128, 128, 8, 3, 0), "J": (64, 64, 4, 3, 168)}
+        kv_opts |= {"e": (128, 128, 8, 2, 0), "f": (64, 128, 4, 3, 0), "g": (128, 64, 4, 3, 0),
+                    "h": (32, 128, 4, 3, 0), "i": (64, 128, 8, 4, 0), "j": (64, 64, 4, 3, 168),
+                    "k": (64, 64, 4, 3, 160), "l": (64, 64, 4, 2, 168)}  # fmt: skip
+        combos += [
+            "Ae",
+            "Af",
+            "Ag",
+            "Ah",
+            "Ai",
+            "Fa",
+            "Ga",
+            "Ef",
+            "Ff",
+            "Bf",
+            "Hj",
+            "Hk",
+            "Hl",
+            "Jb",
+            "Jj",
+        ]
     bwd_cfgs = []
     for dq_key, kv_key in combos:
-        dbm, dbn, dw, ds = dq_opts[dq_key]
-        kbm, kbn, kw, ks = kv_opts[kv_key]
+        dbm, dbn, dw, ds, dr = dq_opts[dq_key]
+        kbm, kbn, kw, ks, kr = kv_opts[kv_key]
         bwd_cfgs.append(
             {
                 "dq_bm": dbm,
                 "dq_bn": dbn,
                 "dq_warps": dw,
                 "dq_stages": ds,
+                "dq_maxnreg": dr,
                 "kv_bm": kbm,
                 "kv_bn": kbn,
                 "kv_warps": kw,
                 "kv_stages": ks,
+                "kv_maxnreg": kr,
             }
         )
     rows_out.append(f"sweep {shape}")

@@ -52,7 +52,8 @@ class PruneStats:
 
 
 # Private tuning hook for benchmarks/attention.py --sweep: keys of _tile_sizes and
-# "<kernel>_warps"/"<kernel>_stages" (kernel in fwd/dq/kv) override the defaults below.
+# "<kernel>_warps"/"<kernel>_stages"/"<kernel>_maxnreg" (kernel in fwd/dq/kv) override the
+# defaults below.
 _CONFIG_OVERRIDE: dict[str, int] = {}
 
 
@@ -83,26 +84,37 @@ def _tile_sizes(D: int) -> dict[str, int]:
     return sizes
 
 
-def _launch_params(D: int) -> dict[str, tuple[int, int]]:
-    """(num_warps, num_stages) per kernel on a GPU."""
+def _launch_params(D: int) -> dict[str, dict[str, int]]:
+    """Launch options per kernel on a GPU: ``num_warps``, ``num_stages`` and, where set,
+    ``maxnreg`` (registers per thread)."""
     if _interpreting():
-        return {"fwd": (4, 1), "dq": (4, 1), "kv": (4, 1)}
+        return {name: {"num_warps": 4, "num_stages": 1} for name in ("fwd", "dq", "kv")}
     # Picked by `benchmarks/attention.py --sweep` on an H200 (B1 T16k, H12 D128 / H16 D64);
     # dQ with 4 stages from a later sweep of its stages (D=64 fwd+bwd 6.97 -> 6.84 ms); D=128
     # backward tiles from a sweep after the unmasked-tile and folded-bias changes (bwd 6.44 ->
-    # 5.98 ms: 128-key dK/dV tiles, 128 x 128 dQ tiles).
+    # 5.98 ms: 128-key dK/dV tiles, 128 x 128 dQ tiles). At D=64 the dK/dV and dQ kernels are
+    # capped at 168 registers (199 and 211 uncapped; dQ with 3 stages to fit 3 programs in
+    # shared memory): 3 programs per SM instead of 2, a few registers spilled, and the backward
+    # at B1 T16k H24 7.39 -> 7.10 ms (dK/dV cap; 160: 7.25, 128: 8.73), then 7.02 with the
+    # dQ cap (3.59 -> 3.29 -> 3.20 ms with pruning on). A capped forward spilled ~80 registers
+    # and ran 18% slower.
     if D <= 64:
-        params = {"fwd": (4, 3), "dq": (4, 4), "kv": (4, 3)}
+        params = {"fwd": (4, 3, None), "dq": (4, 3, 168), "kv": (4, 3, 168)}
     elif D <= 128:
-        params = {"fwd": (8, 3), "dq": (8, 2), "kv": (8, 3)}
+        params = {"fwd": (8, 3, None), "dq": (8, 2, None), "kv": (8, 3, None)}
     else:
-        params = {"fwd": (8, 2), "dq": (8, 2), "kv": (8, 2)}
-    for name, (warps, stages) in params.items():
-        params[name] = (
-            _CONFIG_OVERRIDE.get(f"{name}_warps", warps),
-            _CONFIG_OVERRIDE.get(f"{name}_stages", stages),
-        )
-    return params
+        params = {"fwd": (8, 2, None), "dq": (8, 2, None), "kv": (8, 2, None)}
+    out = {}
+    for name, (warps, stages, regs) in params.items():
+        opts = {
+            "num_warps": _CONFIG_OVERRIDE.get(f"{name}_warps", warps),
+            "num_stages": _CONFIG_OVERRIDE.get(f"{name}_stages", stages),
+        }
+        regs = _CONFIG_OVERRIDE.get(f"{name}_maxnreg", regs)
+        if regs:  # an override of 0 removes the cap
+            opts["maxnreg"] = regs
+        out[name] = opts
+    return out
 
 
 @dataclass
@@ -166,7 +178,7 @@ def _forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     B, T, HQ, H, D = lay.B, lay.T, lay.HQ, lay.H, lay.D
     tiles = _tile_sizes(D)
-    warps, stages = _launch_params(D)["fwd"]
+    launch = _launch_params(D)["fwd"]
     bm, bn = tiles["fwd_bm"], tiles["fwd_bn"]
     # o in float32: the backward's delta = rowsum(dO * O) needs O unrounded (with a 16-bit O
     # the rounding dominates dq/dk under strong decay, where dS = P (dP - delta) cancels).
@@ -230,8 +242,7 @@ def _forward(
         STATS_ON=stats is not None,
         EVEN=T % bm == 0 and T % bn == 0,
         DOT_PREC=lay.dot_prec,
-        num_warps=warps,
-        num_stages=stages,
+        **launch,
     )
     if stats is not None:
         counts = stats_buf.view(-1, 2).sum(0).tolist()  # host sync, only when asked
@@ -254,7 +265,7 @@ def _backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     B, T, HQ, H, D = lay.B, lay.T, lay.HQ, lay.H, lay.D
     tiles = _tile_sizes(D)
-    params = _launch_params(D)
+    launch = _launch_params(D)
     do = do.contiguous()
     delta = torch.empty((B, HQ, T), dtype=torch.float32, device=q.device)  # dq kernel fills it
     lolse = torch.empty((B, HQ, T), dtype=torch.float32, device=q.device)  # dq kernel fills it
@@ -266,7 +277,6 @@ def _backward(
     qk_scale = lay.scale * kern.LOG2E
 
     bm, bn = tiles["dq_bm"], tiles["dq_bn"]
-    warps, stages = params["dq"]
     prune = lay.kmax is not None
     n_dq = triton.cdiv(T, bm)
     kfirst = torch.empty((B * HQ, n_dq), dtype=torch.int32, device=q.device) if prune else lse
@@ -319,8 +329,7 @@ def _backward(
         PRUNE=prune,
         EVEN=T % bm == 0 and T % bn == 0,
         DOT_PREC=lay.dot_prec,
-        num_warps=warps,
-        num_stages=stages,
+        **launch["dq"],
     )
     dq_bm = bm
     if prune:
@@ -329,7 +338,6 @@ def _backward(
         kfirst = torch.flip(torch.cummin(torch.flip(kfirst, (-1,)), dim=-1).values, (-1,))
         kfirst = kfirst.contiguous()
     bm, bn = tiles["kv_bm"], tiles["kv_bn"]
-    warps, stages = params["kv"]
     kern._bwd_dkdv_kernel[(triton.cdiv(T, bn), B * H)](
         q,
         k,
@@ -380,8 +388,7 @@ def _backward(
         PRUNE=prune,
         EVEN=T % bm == 0 and T % bn == 0,
         DOT_PREC=lay.dot_prec,
-        num_warps=warps,
-        num_stages=stages,
+        **launch["kv"],
     )
     # d c_t = sum_j dS_tj - sum_i dS_it. The query-side row sum is zero in exact arithmetic
     # (DESIGN.md §4) but not with delta = rowsum(dO * O) taken from the rounded 16-bit O:

@@ -24,16 +24,17 @@ module_name, jobs = sys.argv[1], json.loads(sys.argv[2])
 module = importlib.import_module(module_name)
 cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
 out = {}
-for label, fn, ptrs, consts, warps, div16 in jobs:
+for label, fn, ptrs, consts, warps, div16, *extra in jobs:
+    options = {"num_warps": warps, **(extra[0] if extra else {})}
     kernel = getattr(module, fn)
     names = kernel.arg_names
     sig = {n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n == "eps" else "i32")
            for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
-             if n in ptrs or n in div16}
+             if sig[n].startswith("*") or n in div16}
     src = ASTSource(kernel, sig, constexprs={(names.index(k),): v for k, v in consts.items()},
                     attrs=attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(compiled.asm["cubin"])
     usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True,
@@ -48,9 +49,10 @@ def resource_usage(module: str, jobs: list[tuple], cache_dir: Path) -> dict[str,
 
     Args:
         module: the kernels' module, e.g. ``"fot.kernels._pro_kernels"``.
-        jobs: ``(label, kernel name, {pointer arg: "*bf16" ...}, {constexpr arg: value},
-            num_warps, [integer args to mark divisible by 16, as the JIT sees 16-byte
-            aligned strides])``; other arguments are ``i32`` (``eps`` ``fp32``).
+        jobs: ``(label, kernel name, {pointer or scalar arg: "*bf16" / "fp32" ...},
+            {constexpr arg: value}, num_warps, [integer args to mark divisible by 16, as the
+            JIT sees 16-byte aligned strides], optional {compile option: value} such as
+            ``num_stages`` or ``maxnreg``)``; other arguments are ``i32`` (``eps`` ``fp32``).
         cache_dir: Triton's cache for the subprocess (a fresh temporary directory).
     """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

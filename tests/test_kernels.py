@@ -372,3 +372,40 @@ def test_key_norm_maximum_kernel_matches_torch():
     )
     want = torch.linalg.vector_norm(k.cpu().double(), dim=-1).amax(dim=1)
     assert ((kmax.cpu().double() - want).abs() / want).max() < 1e-6
+
+
+def test_d64_backward_launch_caps_registers_for_three_programs_per_sm(tmp_path, monkeypatch):
+    """At D=64 the dQ and dK/dV kernels launch with 4 warps and ``maxnreg=168``: compiled for
+    sm_90 with those options (Triton's bundled ptxas) they use at most 168 registers per
+    thread, so three programs fit in an SM's 65536 registers (uncapped, the dK/dV kernel takes
+    ~200 to 255 depending on the Triton version)."""
+    import re
+
+    from sm90_compile import resource_usage
+
+    fa = importlib.import_module("fot.kernels.forgetting_attention")
+    monkeypatch.setattr(fa, "_interpreting", lambda: False)  # the GPU launch options
+    launch, tiles = fa._launch_params(64), fa._tile_sizes(64)
+    assert fa._launch_params(128)["kv"].get("maxnreg") is None  # D=128 keeps its 8 warps
+    f32, bf = "*fp32", "*bf16"
+    common = {"D": 64, "HAS_DOC": False, "HAS_WINDOW": False, "PRUNE": True, "EVEN": True}
+    common["DOT_PREC"] = "tf32"
+    scalars = {"qk_scale": "fp32", "scale": "fp32", "prune_log2": "fp32"}
+    ints = {"DOCSTART": "*i32", "DOCEND": "*i32", "KF": "*i32", "KFIRST": "*i32"}
+    floats = {n: f32 for n in ("C", "LSE", "DELTA", "LOLSE", "DCOL", "DROW", "KMAX", "Out")}
+    vecs = {n: bf for n in ("Q", "K", "V", "DO", "DQ", "DK", "DV")}
+    ptrs = {**vecs, **floats, **ints, **scalars}
+    div16 = [f"stride_{t}{a}" for t in ("q", "k", "v", "do", "o", "dq", "dk", "dv") for a in "bt"]
+    jobs = []
+    for name, fn, consts in [
+        ("dq", "_bwd_dq_kernel", {"BM": tiles["dq_bm"], "BN": tiles["dq_bn"]}),
+        ("kv", "_bwd_dkdv_kernel", {"BM": tiles["kv_bm"], "BN": tiles["kv_bn"], "DQ_BM": 64}),
+    ]:
+        opts = dict(launch[name])
+        assert opts.pop("num_warps") == 4 and opts["maxnreg"] == 168
+        jobs.append((name, fn, ptrs, {**common, **consts}, 4, div16, opts))
+    usage = resource_usage("fot.kernels._triton_kernels", jobs, tmp_path)
+    for name, line in usage.items():
+        regs = int(re.search(r"REG:(\d+)", line).group(1))
+        assert regs <= 168, f"{name}: {line}"
+        assert 3 * 4 * 32 * regs <= 65536

@@ -184,23 +184,8 @@ def sweep(shape, rows_out: list[str]) -> None:
         kv_opts |= {"e": (128, 128, 8, 2, 0), "f": (64, 128, 4, 3, 0), "g": (128, 64, 4, 3, 0),
                     "h": (32, 128, 4, 3, 0), "i": (64, 128, 8, 4, 0), "j": (64, 64, 4, 3, 168),
                     "k": (64, 64, 4, 3, 160), "l": (64, 64, 4, 2, 168)}  # fmt: skip
-        combos += [
-            "Ae",
-            "Af",
-            "Ag",
-            "Ah",
-            "Ai",
-            "Fa",
-            "Ga",
-            "Ef",
-            "Ff",
-            "Bf",
-            "Hj",
-            "Hk",
-            "Hl",
-            "Jb",
-            "Jj",
-        ]
+        combos += ["Ae", "Af", "Ag", "Ah", "Ai", "Fa", "Ga", "Ef", "Ff", "Bf",
+                   "Hj", "Hk", "Hl", "Jb", "Jj"]  # fmt: skip
     bwd_cfgs = []
     for dq_key, kv_key in combos:
         dbm, dbn, dw, ds, dr = dq_opts[dq_key]

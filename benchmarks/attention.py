@@ -152,15 +152,15 @@ def sweep(shape, rows_out: list[str]) -> None:
     B, T, H, D = shape
     q, k, v, g, do = _make(B, T, H, D, WEAK)
     fl = _flops_fwd(B, T, H, D)
+    # forward: (bm, bn, warps, stages, register cap; 0 = none)
+    fwd_opts = [(128, 128, 8, 3, 0), (128, 64, 8, 3, 0), (128, 64, 4, 3, 0), (64, 64, 4, 3, 0)]
+    fwd_opts.append((128, 128, 8, 2, 0))
+    if D <= 64:  # smaller tiles or register caps: 3 or 4 programs per SM instead of 2
+        fwd_opts += [(64, 64, 4, 3, 128), (64, 64, 4, 2, 128), (64, 32, 4, 3, 0), (64, 32, 4, 4, 0)]
+        fwd_opts += [(64, 32, 4, 3, 96), (128, 32, 4, 3, 168), (256, 64, 8, 3, 0)]
     fwd_cfgs = [
-        {"fwd_bm": bm, "fwd_bn": bn, "fwd_warps": w, "fwd_stages": s}
-        for bm, bn, w, s in [
-            (128, 128, 8, 3),
-            (128, 64, 8, 3),
-            (128, 64, 4, 3),
-            (64, 64, 4, 3),
-            (128, 128, 8, 2),
-        ]
+        {"fwd_bm": bm, "fwd_bn": bn, "fwd_warps": w, "fwd_stages": s, "fwd_maxnreg": r}
+        for bm, bn, w, s, r in fwd_opts
     ]
     # dQ and dK/dV: (bm, bn, warps, stages, register cap; 0 = none)
     dq_opts = {
@@ -180,12 +180,30 @@ def sweep(shape, rows_out: list[str]) -> None:
     }
     combos = ["Aa", "Bb", "Cc", "Ac", "Ca", "Ab", "Ba", "Ad", "Dd", "Hb", "Ic", "Hc", "Ea", "Ia"]
     if D <= 64:  # small heads leave room for larger tiles
-        dq_opts |= {"F": (128, 64, 4, 3, 0), "G": (128, 128, 8, 3, 0), "J": (64, 64, 4, 3, 168)}
-        kv_opts |= {"e": (128, 128, 8, 2, 0), "f": (64, 128, 4, 3, 0), "g": (128, 64, 4, 3, 0),
-                    "h": (32, 128, 4, 3, 0), "i": (64, 128, 8, 4, 0), "j": (64, 64, 4, 3, 168),
-                    "k": (64, 64, 4, 3, 160), "l": (64, 64, 4, 2, 168)}  # fmt: skip
+        dq_opts |= {
+            "F": (128, 64, 4, 3, 0),
+            "G": (128, 128, 8, 3, 0),
+            "J": (64, 64, 4, 3, 168),
+            "K": (64, 64, 4, 3, 128),
+            "L": (64, 32, 4, 3, 128),
+            "M": (64, 64, 4, 3, 152),
+        }
+        kv_opts |= {
+            "e": (128, 128, 8, 2, 0),
+            "f": (64, 128, 4, 3, 0),
+            "g": (128, 64, 4, 3, 0),
+            "h": (32, 128, 4, 3, 0),
+            "i": (64, 128, 8, 4, 0),
+            "j": (64, 64, 4, 3, 168),
+            "k": (64, 64, 4, 3, 160),
+            "l": (64, 64, 4, 2, 168),
+            "m": (32, 64, 4, 3, 168),
+            "n": (32, 64, 4, 3, 128),
+            "o": (64, 64, 4, 3, 128),
+            "p": (64, 64, 4, 3, 152),
+        }
         combos += ["Ae", "Af", "Ag", "Ah", "Ai", "Fa", "Ga", "Ef", "Ff", "Bf",
-                   "Hj", "Hk", "Hl", "Jb", "Jj"]  # fmt: skip
+                   "Hj", "Hk", "Hl", "Jb", "Jj", "Kj", "Jo", "Jm", "Jn", "Lj", "Mp"]  # fmt: skip
     bwd_cfgs = []
     for dq_key, kv_key in combos:
         dbm, dbn, dw, ds, dr = dq_opts[dq_key]
@@ -255,7 +273,8 @@ def main() -> None:
     ]
     print("\n".join(rows), flush=True)
     if args.sweep:
-        for shape in shapes[:1] + [s for s in shapes if s[3] == 64][:1]:
+        # the first shape and the first one with D=64, each once
+        for shape in dict.fromkeys(shapes[:1] + [s for s in shapes if s[3] == 64][:1]):
             sweep(shape, rows)
     if not args.no_table:
         run_table(args.fox_path, shapes, rows)

@@ -97,7 +97,8 @@ def _launch_params(D: int) -> dict[str, dict[str, int]]:
     # shared memory): 3 programs per SM instead of 2, a few registers spilled, and the backward
     # at B1 T16k H24 7.39 -> 7.10 ms (dK/dV cap; 160: 7.25, 128: 8.73), then 7.02 with the
     # dQ cap (3.59 -> 3.29 -> 3.20 ms with pruning on). A capped forward spilled ~80 registers
-    # and ran 18% slower.
+    # and ran 18% slower; smaller forward tiles with 3-5 programs per SM, caps of 128/152 and
+    # 32-query dK/dV tiles were slower too (sweep in docs/benchmarks.md, "Checked afterwards").
     if D <= 64:
         params = {"fwd": (4, 3, None), "dq": (4, 3, 168), "kv": (4, 3, 168)}
     elif D <= 128:

@@ -9,8 +9,18 @@ memory-bound kernels per norm (forward + backward 0.52 ms at 16k x 1536 on an H2
 0.22 ms here; ``benchmarks/fused_ops.py``, 48 norms per 760M step). Here it is one kernel
 each way: the forward reads ``x`` and ``residual`` and writes ``h`` and ``y`` (in the dtype
 the next GEMM wants); the backward reads ``h`` and the two incoming gradients and writes both
-input gradients, with the weight gradient reduced per program. Only ``h`` is saved. On tensors that are not on CUDA, without ``TRITON_INTERPRET=1``,
-the same math runs as PyTorch ops.
+input gradients, with the weight gradient reduced per program. Only ``h`` is saved.
+
+FoT's forget gate reads the attention block's normalised input in float32 (a ``[K = heads,
+N]`` projection). Without help that costs a float32 ``y``, its cast for the GEMMs, a float32
+GEMM each way, a saved float32 copy and a float32 gradient add. With ``proj_weight`` the
+forward writes ``y`` in 16 bits only, plus each row's ``rstd``, and takes the logits from the
+float32 ``h`` it wrote anyway (``z = rstd * (h @ (PW * w)^T) + b``, one small GEMM); the
+backward kernel adds ``dz @ PW`` into ``dy`` (no float32 gradient tensor for it), and PW's
+gradient is one small GEMM over the saved ``h``.
+
+On tensors that are not on CUDA, without ``TRITON_INTERPRET=1``, the same math runs as
+PyTorch ops.
 """
 
 from __future__ import annotations
@@ -30,14 +40,15 @@ MAX_WIDTH = 8192
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 # Private tuning hook (like pro_ops._CONFIG_OVERRIDE): "fwd_elems"/"bwd_elems" (rows * padded
-# width per program), "fwd_warps"/"bwd_warps", "bwd_programs_per_sm".
+# width per program), "fwd_warps"/"bwd_warps" (and "bwd_proj_elems"/"bwd_proj_warps" for the
+# backward with a projection), "bwd_programs_per_sm", "bwd_proj_maxnreg".
 _CONFIG_OVERRIDE: dict[str, int] = {}
 
 
 @triton.jit
 def _add_rms_norm_fwd_kernel(
-    X, R, W, Y, H, M, N, stride_x, stride_r, stride_y, stride_h, eps,
-    BM: tl.constexpr, BN: tl.constexpr, HAS_RES: tl.constexpr,
+    X, R, W, Y, H, RSTD, M, N, stride_x, stride_r, stride_y, stride_h, eps,
+    BM: tl.constexpr, BN: tl.constexpr, HAS_RES: tl.constexpr, STORE_RSTD: tl.constexpr,
 ):  # fmt: skip
     rows = (tl.program_id(0) * BM + tl.arange(0, BM)).to(tl.int64)
     cols = tl.arange(0, BN)
@@ -54,15 +65,20 @@ def _add_rms_norm_fwd_kernel(
     rstd = 1.0 / tl.sqrt(tl.sum(h * h, 1) / N + eps)
     y = h * rstd[:, None] * w[None, :]
     tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=ok)
+    if STORE_RSTD:
+        tl.store(RSTD + rows, rstd, mask=rows < M)
 
 
 @triton.jit
 def _add_rms_norm_bwd_kernel(
-    H, W, DY, DH, DR, DX, DW, M, N, stride_h, stride_dy, stride_dh, stride_dr, stride_dx, eps,
+    H, W, DY, DH, DR, DX, DW, PW, DZ, M, N, K, stride_h, stride_dy, stride_dh, stride_dr,
+    stride_dx, eps,
     BM: tl.constexpr, BN: tl.constexpr, HAS_DH: tl.constexpr, HAS_RES: tl.constexpr,
+    HAS_PROJ: tl.constexpr,
 ):  # fmt: skip
     """Persistent: program p takes row blocks p, p + P, ... and writes one weight-gradient
-    partial row ``DW[p]``."""
+    partial row ``DW[p]``. With the projection, ``dy += DZ @ PW`` first (an outer product per
+    output column: no reductions, and before ``h`` is loaded: fewer live registers)."""
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
     cols = tl.arange(0, BN)
@@ -72,10 +88,15 @@ def _add_rms_norm_bwd_kernel(
     for block in range(pid, tl.cdiv(M, BM), n_prog):
         rows = (block * BM + tl.arange(0, BM)).to(tl.int64)
         ok = (rows < M)[:, None] & col_ok[None, :]
-        h = tl.load(H + rows[:, None] * stride_h + cols[None, :], mask=ok, other=0.0)
-        h = h.to(tl.float32)
         dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=ok, other=0.0)
         dy = dy.to(tl.float32)
+        if HAS_PROJ:
+            for k in range(K):
+                dz = tl.load(DZ + rows * K + k, mask=rows < M, other=0.0).to(tl.float32)
+                pw = tl.load(PW + k * N + cols, mask=col_ok, other=0.0).to(tl.float32)
+                dy += dz[:, None] * pw[None, :]
+        h = tl.load(H + rows[:, None] * stride_h + cols[None, :], mask=ok, other=0.0)
+        h = h.to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(h * h, 1) / N + eps)
         n = h * rstd[:, None]
         g = dy * w[None, :]
@@ -103,7 +124,8 @@ def _sm_count(index: int) -> int:
 
 
 def _launch(n: int, kind: str) -> tuple[int, int, int]:
-    """``(BN, BM, num_warps)``: padded width, rows per program and warps."""
+    """``(BN, BM, num_warps)``: padded width, rows per program and warps (``kind``: ``fwd``,
+    ``bwd``, or ``bwd_proj`` for the backward with a projection)."""
     bn = triton.next_power_of_2(n)
     if _interpreting():
         elems, warps = 16 * bn, 4  # few, large programs: the interpreter pays per program
@@ -116,17 +138,19 @@ def _launch(n: int, kind: str) -> tuple[int, int, int]:
     return bn, triton.next_power_of_2(max(1, min(64, elems // bn))), warps
 
 
-def _fwd(x2, r2, w, eps, out_dtype, h_dtype):
+def _fwd(x2, r2, w, eps, out_dtype, h_dtype, store_rstd):
     M, N = x2.shape
     bn, bm, warps = _launch(N, "fwd")
     y = torch.empty((M, N), dtype=out_dtype, device=x2.device)
     h = torch.empty((M, N), dtype=h_dtype, device=x2.device) if r2 is not None else x2
+    rstd = torch.empty((M,), dtype=torch.float32, device=x2.device) if store_rstd else None
     _add_rms_norm_fwd_kernel[(triton.cdiv(M, bm),)](
         x2,
         r2 if r2 is not None else x2,
         w,
         y,
         h,
+        rstd if store_rstd else y,
         M,
         N,
         x2.stride(0),
@@ -137,14 +161,16 @@ def _fwd(x2, r2, w, eps, out_dtype, h_dtype):
         BM=bm,
         BN=bn,
         HAS_RES=r2 is not None,
+        STORE_RSTD=store_rstd,
         num_warps=warps,
     )
-    return y, h
+    return y, h, rstd
 
 
-def _bwd(h, w, dy, dh, eps, x_dtype, r_dtype):
+def _bwd(h, w, dy, dh, eps, x_dtype, r_dtype, pw, dz):
     M, N = h.shape
-    bn, bm, warps = _launch(N, "bwd")
+    proj = pw is not None and dz is not None
+    bn, bm, warps = _launch(N, "bwd_proj" if proj else "bwd")
     n_blocks = triton.cdiv(M, bm)
     if _interpreting() or h.device.type != "cuda":
         n_prog = min(n_blocks, 2)  # still more than one block per program in tests
@@ -155,6 +181,16 @@ def _bwd(h, w, dy, dh, eps, x_dtype, r_dtype):
     dx = torch.empty((M, N), dtype=x_dtype, device=h.device)
     dr = torch.empty((M, N), dtype=r_dtype, device=h.device) if r_dtype is not None else dx
     dw_part = torch.empty((n_prog, N), dtype=torch.float32, device=h.device)
+    K = pw.shape[0] if proj else 0
+    opts = {"num_warps": warps}
+    if proj and not _interpreting():
+        # Two 8-warp programs per SM need <= 128 registers; the projection's loop takes the
+        # kernel to 147-148 uncapped (sm_90, 1536 wide, Triton 3.6 and 3.7), and capped it
+        # spills nothing. (A cap must also leave 32 * warps threads within the 64K-register
+        # file.) On an H200 capped and uncapped timed alike within noise.
+        cap = _CONFIG_OVERRIDE.get("bwd_proj_maxnreg", 128)
+        if cap:  # an override of 0 removes the cap
+            opts["maxnreg"] = min(cap, 65536 // (32 * warps))
     _add_rms_norm_bwd_kernel[(n_prog,)](
         h,
         w,
@@ -163,8 +199,11 @@ def _bwd(h, w, dy, dh, eps, x_dtype, r_dtype):
         dr,
         dx,
         dw_part,
+        pw if proj else w,
+        dz if proj else dw_part,
         M,
         N,
+        K,
         h.stride(0),
         dy.stride(0),
         dh.stride(0) if dh is not None else 0,
@@ -175,7 +214,8 @@ def _bwd(h, w, dy, dh, eps, x_dtype, r_dtype):
         BN=bn,
         HAS_DH=dh is not None,
         HAS_RES=r_dtype is not None,
-        num_warps=warps,
+        HAS_PROJ=proj,
+        **opts,
     )
     return dx, (dr if r_dtype is not None else None), dw_part.sum(0)
 
@@ -188,39 +228,67 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 class _AddRMSNormFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, residual, weight, eps, out_dtype):
+    def forward(ctx, x, residual, weight, eps, out_dtype, proj_weight, proj_bias):
         shape = x.shape
         h_dtype = residual.dtype if residual is not None else x.dtype
         x2 = _rows(x)
         r2 = _rows(residual) if residual is not None else None
-        y, h = _fwd(x2, r2, weight, eps, out_dtype, h_dtype)
-        ctx.save_for_backward(h, weight)
+        proj = proj_weight is not None
+        y, h, rstd = _fwd(x2, r2, weight, eps, out_dtype, h_dtype, proj)
+        outs = [y.view(shape)]
+        if residual is not None:
+            outs.append(h.view(shape))
+        if proj:
+            # y = h * rstd * w, so z = rstd * (h @ (PW * w)^T) + b: one float32 GEMM over the
+            # float32 h already in memory (no float32 y to write, cast or save).
+            with torch.autocast(h.device.type, enabled=False):
+                z = h @ (proj_weight.float() * weight.to(h.dtype)[None, :]).t()  # (M, K)
+                z.mul_(rstd[:, None])
+                if proj_bias is not None:
+                    z.add_(proj_bias.float())
+            outs.append(z.view(*shape[:-1], z.shape[-1]))
+        ctx.save_for_backward(h, weight, proj_weight, rstd)
         ctx.set_materialize_grads(False)  # an unused h (the last norm) sends no gradient
         ctx.eps = eps
         ctx.shape = shape
         ctx.dtypes = (x.dtype, residual.dtype if residual is not None else None)
-        if residual is None:
-            return y.view(shape)
-        return y.view(shape), h.view(shape)
+        ctx.proj_bias_dtype = proj_bias.dtype if proj_bias is not None else None
+        return outs[0] if len(outs) == 1 else tuple(outs)
 
     @staticmethod
-    def backward(ctx, dy, dh=None):
-        h, weight = ctx.saved_tensors
+    def backward(ctx, dy, *more):
+        h, weight, proj_weight, rstd = ctx.saved_tensors
         x_dtype, r_dtype = ctx.dtypes
+        dh = more[0] if r_dtype is not None else None
+        dz = more[-1] if proj_weight is not None else None
         dy2 = _rows(dy) if dy is not None else torch.zeros_like(h)
         dh2 = _rows(dh) if dh is not None else None
-        dx, dr, dw = _bwd(h, weight, dy2, dh2, ctx.eps, x_dtype, r_dtype)
+        dz2 = _rows(dz).float() if dz is not None else None
+        dx, dr, dw = _bwd(h, weight, dy2, dh2, ctx.eps, x_dtype, r_dtype, proj_weight, dz2)
         dw = dw.to(weight.dtype) if ctx.needs_input_grad[2] else None
         dr = dr.view(ctx.shape) if dr is not None else None
-        return dx.view(ctx.shape), dr, dw, None, None
+        dpw = dpb = None
+        if dz2 is not None:
+            # dPW = dz^T @ y = ((dz * rstd)^T @ h) * w: one GEMM over the saved h.
+            with torch.autocast(h.device.type, enabled=False):
+                if ctx.needs_input_grad[5]:
+                    dpw = ((dz2 * rstd[:, None]).t() @ h) * weight.to(h.dtype)[None, :]
+                    dpw = dpw.to(proj_weight.dtype)
+                if ctx.proj_bias_dtype is not None and ctx.needs_input_grad[6]:
+                    dpb = dz2.sum(0).to(ctx.proj_bias_dtype)
+        return dx.view(ctx.shape), dr, dw, None, None, dpw, dpb
 
 
-def _add_rms_norm_torch(x, residual, weight, eps, out_dtype):
+def _add_rms_norm_torch(x, residual, weight, eps, out_dtype, proj_weight=None, proj_bias=None):
     """The same function as PyTorch ops (the model's composition, float32 norm math)."""
     h = x if residual is None else residual + x
+    z = None
     with torch.autocast(h.device.type, enabled=False):
         y = F.rms_norm(h, (h.shape[-1],), weight.to(h.dtype), eps)
-    return y.to(out_dtype), h
+        if proj_weight is not None:
+            pb = proj_bias.float() if proj_bias is not None else None
+            z = F.linear(y, proj_weight.float(), pb)
+    return y.to(out_dtype), h, z
 
 
 def add_rms_norm(
@@ -230,8 +298,10 @@ def add_rms_norm(
     *,
     eps: float = 1e-6,
     out_dtype: torch.dtype | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Residual add and RMSNorm in one kernel each way: ``(y, h)``.
+    proj_weight: torch.Tensor | None = None,
+    proj_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """Residual add and RMSNorm in one kernel each way: ``(y, h)``, or ``(y, h, z)``.
 
     ``h = residual + x`` (in float32, rounded once to ``residual``'s dtype; ``h = x`` when
     ``residual`` is None) and ``y = h / sqrt(mean(h^2) + eps) * weight`` with float32 math, the
@@ -239,6 +309,11 @@ def add_rms_norm(
     rounding to ``out_dtype``. This is the PyTorch composition ``h = residual + x; y =
     F.rms_norm(h, ..., weight.to(h.dtype), eps).to(out_dtype)`` up to the order of the float32
     sum of squares.
+
+    With ``proj_weight`` it also returns a narrow float32 projection of the *unrounded* ``y``:
+    ``z = F.linear(y, proj_weight, proj_bias)`` in float32 (FoT's forget-gate logits, one per
+    head), so that ``y`` itself can leave in 16 bits for the GEMMs while ``z`` sees no 16-bit
+    rounding; no float32 ``y`` is written or saved. Needs a float32 stream.
 
     Args:
         x: ``[..., N]`` float16/bfloat16/float32, e.g. a block's output (or the embeddings).
@@ -248,12 +323,17 @@ def add_rms_norm(
         eps: added to the mean square.
         out_dtype: dtype of ``y`` (e.g. bfloat16 when the next GEMM runs in it); default
             ``h``'s dtype.
+        proj_weight: ``[K, N]`` float weight of the projection, or None (no ``z``). Needs
+            ``h`` in float32.
+        proj_bias: ``[K]`` float bias of the projection, or None.
 
     Returns:
         ``y`` in ``out_dtype`` and ``h`` (``residual``'s dtype, or ``x`` itself when
-        ``residual`` is None), both ``[..., N]``. Differentiable in x, residual and weight
-        (float32 reduction, then the weight's dtype). Saved for backward: ``h`` only. Triton
-        on CUDA (or under ``TRITON_INTERPRET=1``) for ``N <= MAX_WIDTH``; PyTorch ops elsewhere.
+        ``residual`` is None), both ``[..., N]``; with ``proj_weight`` also ``z`` ``[..., K]``
+        float32. Differentiable in x, residual, weight, proj_weight and proj_bias (float32
+        reductions, then each parameter's dtype). Saved for backward: ``h`` (and, with a
+        projection, each row's float32 ``rstd``). Triton on CUDA (or under
+        ``TRITON_INTERPRET=1``) for ``N <= MAX_WIDTH``; PyTorch ops elsewhere.
 
     Raises:
         TypeError / ValueError: on malformed inputs (naming the argument and what to change).
@@ -287,11 +367,55 @@ def add_rms_norm(
     out_dtype = out_dtype or h_dtype
     if out_dtype not in _DTYPES:
         raise TypeError(f"out_dtype must be float16, bfloat16 or float32, got {out_dtype}")
+    _check_projection(proj_weight, proj_bias, N, h_dtype, x.device)
     use_kernel = (x.device.type == "cuda" or _interpreting()) and 0 < N <= MAX_WIDTH
     if not use_kernel or x.numel() == 0:
-        return _add_rms_norm_torch(x, residual, weight, eps, out_dtype)
-    out = _AddRMSNormFn.apply(x, residual, weight.contiguous(), float(eps), out_dtype)
-    return (out, x) if residual is None else out
+        y, h, z = _add_rms_norm_torch(x, residual, weight, eps, out_dtype, proj_weight, proj_bias)
+        return (y, h) if z is None else (y, h, z)
+    if proj_weight is not None:
+        proj_weight = proj_weight.contiguous()
+        proj_bias = proj_bias.contiguous() if proj_bias is not None else None
+    out = _AddRMSNormFn.apply(
+        x, residual, weight.contiguous(), float(eps), out_dtype, proj_weight, proj_bias
+    )
+    if residual is None:  # h = x: the Function does not return its own input
+        return (out, x) if proj_weight is None else (out[0], x, out[1])
+    return out
+
+
+def _check_projection(
+    proj_weight: torch.Tensor | None,
+    proj_bias: torch.Tensor | None,
+    n: int,
+    h_dtype: torch.dtype,
+    device: torch.device,
+) -> None:
+    """Raise a clear error for a malformed ``proj_weight`` / ``proj_bias`` of :func:`add_rms_norm`."""
+    if proj_weight is None:
+        if proj_bias is not None:
+            raise ValueError("proj_bias was given without proj_weight; pass both or neither")
+        return
+    if not isinstance(proj_weight, torch.Tensor) or not proj_weight.is_floating_point():
+        raise TypeError(f"proj_weight must be a floating tensor [K, N] with N = {n}")
+    if proj_weight.dim() != 2 or proj_weight.shape[1] != n or proj_weight.shape[0] == 0:
+        raise ValueError(
+            f"proj_weight must have shape [K, {n}] (K >= 1 outputs, x's last dim), got "
+            f"{tuple(proj_weight.shape)}"
+        )
+    k = proj_weight.shape[0]
+    if proj_bias is not None:
+        if not isinstance(proj_bias, torch.Tensor) or not proj_bias.is_floating_point():
+            raise TypeError(f"proj_bias must be a floating tensor [{k}] or None")
+        if tuple(proj_bias.shape) != (k,):
+            raise ValueError(f"proj_bias must have shape [{k}], got {tuple(proj_bias.shape)}")
+    for name, t in (("proj_weight", proj_weight), ("proj_bias", proj_bias)):
+        if t is not None and t.device != device:
+            raise ValueError(f"{name} is on {t.device} but x is on {device}; move it")
+    if h_dtype != torch.float32:
+        raise ValueError(
+            f"proj_weight needs a float32 stream (residual, or x without one), got {h_dtype}; "
+            "project the norm's output with a separate matmul instead"
+        )
 
 
 __all__ = ["MAX_WIDTH", "add_rms_norm"]

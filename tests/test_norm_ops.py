@@ -10,6 +10,8 @@ one rounding per output, so ~1e-6 relative in float32 and one 16-bit rounding st
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -102,6 +104,100 @@ def test_add_rms_norm_matches_float64_oracle(shape, x_dtype, r_dtype, out_dtype,
     assert_close(dw, want[4], tol[stream] if stream != torch.float32 else (1e-4, 1e-5), "dw")
 
 
+PROJ_CASES = [
+    # (shape, x dtype, residual dtype or None, out dtype, K, bias, z gets a gradient)
+    ((3, 5, 100), torch.bfloat16, torch.float32, torch.bfloat16, 6, True, True),  # FoT's gate
+    ((2, 7, 48), torch.float32, torch.float32, None, 3, False, True),
+    ((1, 9, 40), torch.float32, None, torch.bfloat16, 5, True, True),  # first block
+    ((2, 6, 72), torch.bfloat16, torch.float32, torch.bfloat16, 4, True, False),  # z unused
+]
+
+
+@pytest.mark.parametrize(
+    "shape,x_dtype,r_dtype,out_dtype,K,bias,with_dz",
+    PROJ_CASES,
+    ids=["gate", "fp32_no_bias", "no_residual", "z_unused"],
+)
+def test_add_rms_norm_projection_matches_float64_oracle(
+    shape, x_dtype, r_dtype, out_dtype, K, bias, with_dz
+):
+    """``z = F.linear(y, proj_weight, proj_bias)`` of the unrounded float32 ``y`` (not of the
+    16-bit ``y`` returned), and every gradient with ``z``'s gradient flowing into x, the
+    residual and the norm weight, against float64 autograd of that composition."""
+    g = torch.Generator().manual_seed(3)
+    x = (2 * torch.randn(*shape, generator=g)).to(x_dtype)
+    residual = (3 * torch.randn(*shape, generator=g)).to(r_dtype) if r_dtype else None
+    weight = 1 + 0.3 * torch.randn(shape[-1], generator=g)
+    pw = torch.randn(K, shape[-1], generator=g) / shape[-1] ** 0.5
+    pb = torch.randn(K, generator=g) if bias else None
+    out = out_dtype or torch.float32
+    dy = torch.randn(*shape, generator=g).to(out)
+    dh = torch.randn(*shape, generator=g)
+    dz = torch.randn(*shape[:-1], K, generator=g) if with_dz else None
+
+    leaves64 = [t.double().requires_grad_(True) if t is not None else None
+                for t in (x, residual, weight, pw, pb)]  # fmt: skip
+    x64, r64, w64, pw64, pb64 = leaves64
+    h = x64 if r64 is None else r64 + x64
+    y = h * torch.rsqrt(h.square().mean(-1, keepdim=True) + EPS) * w64
+    z = F.linear(y, pw64, pb64)
+    outs, grads = [y, h], [dy.double(), dh.double()]
+    if with_dz:
+        outs.append(z)
+        grads.append(dz.double())
+    torch.autograd.backward(outs, grads)
+
+    leaves = [t.to(DEVICE).requires_grad_(True) if t is not None else None
+              for t in (x, residual, weight, pw, pb)]  # fmt: skip
+    xg, rg, wg, pwg, pbg = leaves
+    y_got, h_got, z_got = add_rms_norm(
+        xg, rg, wg, eps=EPS, out_dtype=out_dtype, proj_weight=pwg, proj_bias=pbg
+    )
+    assert y_got.dtype == out and z_got.dtype == torch.float32
+    assert z_got.shape == (*shape[:-1], K)
+    got_outs, got_grads = [y_got, h_got], [dy.to(DEVICE), dh.to(DEVICE)]
+    if with_dz:
+        got_outs.append(z_got)
+        got_grads.append(dz.to(DEVICE))
+    torch.autograd.backward(got_outs, got_grads)
+
+    f32 = TOL[torch.float32]
+    assert_close(y_got, y.detach(), TOL[out], "y")
+    assert_close(z_got, z.detach(), f32, "z")
+    assert_close(xg.grad, x64.grad, TOL[x_dtype], "dx")
+    if rg is not None:
+        assert_close(rg.grad, r64.grad, f32, "d residual")
+    assert_close(wg.grad, w64.grad, (1e-4, 1e-5), "d weight")
+    if with_dz:
+        assert_close(pwg.grad, pw64.grad, (1e-4, 1e-5), "d proj_weight")
+        if bias:
+            assert_close(pbg.grad, pb64.grad, (1e-4, 1e-5), "d proj_bias")
+    else:
+        assert pwg.grad is None and (pbg is None or pbg.grad is None)
+
+
+def test_add_rms_norm_projection_pytorch_path_equals_model_composition(monkeypatch) -> None:
+    """Off CUDA without the interpreter, ``z`` is the model's float32 ``F.linear`` of the
+    float32 norm output bit for bit, and the kernel path agrees with it."""
+    if HAS_CUDA:
+        pytest.skip("the PyTorch path is for tensors that are not on CUDA; covered on CPU runs")
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 5, 30, generator=g).to(torch.bfloat16)
+    residual = torch.randn(2, 5, 30, generator=g)
+    weight = 1 + 0.1 * torch.randn(30, generator=g)
+    pw, pb = torch.randn(4, 30, generator=g), torch.randn(4, generator=g)
+    kernel = add_rms_norm(x, residual, weight, eps=EPS, out_dtype=torch.bfloat16,
+                          proj_weight=pw, proj_bias=pb)  # fmt: skip
+    monkeypatch.setattr(norm_ops, "_interpreting", lambda: False)
+    torch_path = add_rms_norm(x, residual, weight, eps=EPS, out_dtype=torch.bfloat16,
+                              proj_weight=pw, proj_bias=pb)  # fmt: skip
+    h = residual + x
+    y = F.rms_norm(h, (30,), weight, EPS)
+    assert torch.equal(torch_path[0], y.to(torch.bfloat16)) and torch.equal(torch_path[1], h)
+    assert torch.equal(torch_path[2], F.linear(y, pw, pb))
+    assert_close(kernel[2], torch_path[2], TOL[torch.float32], "z")
+
+
 def test_add_rms_norm_strided_inputs() -> None:
     """Column slices of wider tensors (row stride != width) and a non-contiguous incoming
     gradient give the same results as contiguous copies."""
@@ -154,6 +250,15 @@ def test_add_rms_norm_bad_inputs_raise_clear_errors() -> None:
         add_rms_norm(x, None, w, eps=0.0)
     with pytest.raises(TypeError, match="out_dtype"):
         add_rms_norm(x, None, w, out_dtype=torch.float64)
+    pw = torch.ones(3, 8, device=DEVICE)
+    with pytest.raises(ValueError, match=r"proj_weight must have shape \[K, 8\]"):
+        add_rms_norm(x, None, w, proj_weight=torch.ones(3, 7, device=DEVICE))
+    with pytest.raises(ValueError, match=r"proj_bias must have shape \[3\]"):
+        add_rms_norm(x, None, w, proj_weight=pw, proj_bias=torch.ones(4, device=DEVICE))
+    with pytest.raises(ValueError, match="without proj_weight"):
+        add_rms_norm(x, None, w, proj_bias=torch.ones(3, device=DEVICE))
+    with pytest.raises(ValueError, match="needs a float32 stream"):
+        add_rms_norm(x.bfloat16(), None, w, proj_weight=pw)
 
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16_autocast"])
@@ -176,6 +281,14 @@ def test_model_fused_kernels_equal_pytorch_path(monkeypatch, autocast) -> None:
     x, y = (torch.randint(0, 300, (2, 40), generator=g).to(DEVICE) for _ in range(2))
     real = modeling_fot._use_fused_kernels
     calls = []
+    real_norm = norm_ops.add_rms_norm
+    gate_projections = []  # the forget gate's logits taken from the fused norm
+
+    def norm_spy(*args, **kwargs):
+        gate_projections.append(kwargs.get("proj_weight") is not None)
+        return real_norm(*args, **kwargs)
+
+    monkeypatch.setattr(norm_ops, "add_rms_norm", norm_spy)
 
     def forward_backward(fused: bool):
         def spy(backend, t):
@@ -194,6 +307,7 @@ def test_model_fused_kernels_equal_pytorch_path(monkeypatch, autocast) -> None:
 
     want, got = forward_backward(False), forward_backward(True)
     assert True in calls and False in calls
+    assert any(gate_projections)  # the fused run took the gate logits from the norm kernel
     tol = 3e-2 if autocast else 2e-5  # bf16: rounding of y and of the GEMM inputs differs
     assert (got[0] - want[0]).abs().max() / want[0].abs().max() < tol
     assert abs(got[1] - want[1]) < (1e-2 if autocast else 1e-5)
@@ -206,24 +320,33 @@ def test_model_fused_kernels_equal_pytorch_path(monkeypatch, autocast) -> None:
 @pytest.mark.skipif(HAS_CUDA, reason="with a GPU the other tests run the compiled kernels")
 def test_kernels_compile_for_sm90_without_spills(tmp_path, monkeypatch) -> None:
     """Both kernels, at the 760M width (1536) and at MAX_WIDTH, with the GPU launch settings,
-    compile for sm_90 with Triton's bundled ptxas and use no local memory (no spills)."""
+    with and without the gate projection, compile for sm_90 with Triton's bundled ptxas and
+    use no local memory (no spills)."""
     from sm90_compile import assert_no_spills, resource_usage
 
     monkeypatch.setattr(norm_ops, "_interpreting", lambda: False)
     jobs = []
     for width in (1536, norm_ops.MAX_WIDTH):
         for kind in ("fwd", "bwd"):
-            bn, bm, warps = norm_ops._launch(width, kind)
-            if kind == "fwd":
-                ptrs = {"X": "*bf16", "R": "*fp32", "W": "*fp32", "Y": "*bf16", "H": "*fp32"}
-                consts = {"BM": bm, "BN": bn, "HAS_RES": True}
-            else:
-                ptrs = {"H": "*fp32", "W": "*fp32", "DY": "*bf16", "DH": "*fp32", "DR": "*fp32",
-                        "DX": "*bf16", "DW": "*fp32"}  # fmt: skip
-                consts = {"BM": bm, "BN": bn, "HAS_DH": True, "HAS_RES": True}
-            name = f"_add_rms_norm_{kind}_kernel"
-            strides = [n for n in getattr(norm_ops, name).arg_names if n.startswith("stride")]
-            jobs.append((f"{name} N={width}", name, ptrs, consts, warps, strides))
+            for proj in (False, True):
+                bn, bm, warps = norm_ops._launch(width, kind)
+                if kind == "fwd":
+                    ptrs = {"X": "*bf16", "R": "*fp32", "W": "*fp32", "Y": "*bf16",
+                            "H": "*fp32", "RSTD": "*fp32"}  # fmt: skip
+                    consts = {"BM": bm, "BN": bn, "HAS_RES": True, "STORE_RSTD": proj}
+                else:
+                    ptrs = {"H": "*fp32", "W": "*fp32", "DY": "*bf16", "DH": "*fp32",
+                            "DR": "*fp32", "DX": "*bf16", "DW": "*fp32", "PW": "*fp32",
+                            "DZ": "*fp32"}  # fmt: skip
+                    consts = {"BM": bm, "BN": bn, "HAS_DH": True, "HAS_RES": True,
+                              "HAS_PROJ": proj}  # fmt: skip
+                name = f"_add_rms_norm_{kind}_kernel"
+                strides = [n for n in getattr(norm_ops, name).arg_names if n.startswith("stride")]
+                label = f"{name} N={width}{' proj' if proj else ''}"
+                cap = min(128, 65536 // (32 * warps))  # as launched
+                opts = [{"maxnreg": cap}] if kind == "bwd" and proj else []
+                jobs.append((label, name, ptrs, consts, warps, strides, *opts))
     usage = resource_usage("fot.kernels.norm_ops", jobs, tmp_path)
-    assert len(usage) == 4
+    assert len(usage) == 8
     assert_no_spills(usage)
+    print(json.dumps(usage, indent=1))

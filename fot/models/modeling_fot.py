@@ -228,7 +228,8 @@ class FoTRMSNorm(nn.Module):
         residual: torch.Tensor | None,
         fused: bool,
         out_dtype: torch.dtype | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        proj: nn.Linear | None = None,
+    ) -> tuple[torch.Tensor, ...]:
         """The pre-norm step of a block: ``h = residual + x`` and ``norm(h)``.
 
         Args:
@@ -239,17 +240,29 @@ class FoTRMSNorm(nn.Module):
                 Both compute the same function.
             out_dtype: dtype of the normalised output (e.g. the autocast dtype, so that the
                 next GEMM needs no cast); default ``h``'s.
+            proj: a narrow linear layer (the forget gate's) applied in float32 to the
+                unrounded ``norm(h)``; needs a float32 stream.
 
         Returns:
-            ``(norm(h) [B, T, hidden] in out_dtype, h [B, T, hidden])``.
+            ``(norm(h) [B, T, hidden] in out_dtype, h [B, T, hidden])``, and with ``proj``
+            also ``proj(norm(h))`` ``[B, T, out_features]`` float32.
         """
+        pw, pb = (proj.weight, proj.bias) if proj is not None else (None, None)
         if fused:
             from fot.kernels.norm_ops import add_rms_norm
 
-            return add_rms_norm(x, residual, self.weight, eps=self.eps, out_dtype=out_dtype)
+            return add_rms_norm(
+                x, residual, self.weight, eps=self.eps, out_dtype=out_dtype,
+                proj_weight=pw, proj_bias=pb,
+            )  # fmt: skip
         h = x if residual is None else residual + x
         y = self(h)
-        return (y if out_dtype is None else y.to(out_dtype)), h
+        out = (y if out_dtype is None else y.to(out_dtype)), h
+        if proj is None:
+            return out
+        with torch.autocast(h.device.type, enabled=False):
+            z = F.linear(y.float(), pw.float(), pb.float() if pb is not None else None)
+        return (*out, z)
 
 
 class FoTHeadRMSNorm(nn.Module):
@@ -559,7 +572,14 @@ class FoTAttention(nn.Module):
         x: torch.Tensor,
         ctx: _Context,
         cache: FoTLayerCache | None = None,
+        gate_logits: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """Attention of the normalised hidden states ``x`` ``[B, T, hidden]``.
+
+        ``gate_logits`` ``[B, T, HQ]`` float32: the forget gate's logits when the caller has
+        them already (the fused add + norm kernel computes them from the unrounded norm
+        output); otherwise they come from ``x`` (:meth:`log_fgate`).
+        """
         B, T, _ = x.shape
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         cfg = self.config
@@ -628,7 +648,10 @@ class FoTAttention(nn.Module):
         if self.config.use_rope:
             q, k = apply_rope(q, k, *ctx.rope)
 
-        log_f = self.log_fgate(x)  # (B, T, HQ) float32
+        if gate_logits is not None:
+            log_f = F.logsigmoid(gate_logits)  # (B, T, HQ) float32
+        else:
+            log_f = self.log_fgate(x)  # (B, T, HQ) float32
         if ctx.query_mask is not None:
             log_f = log_f * ctx.query_mask[:, :, None]
 
@@ -723,12 +746,21 @@ class FoTDecoderLayer(GradientCheckpointingLayer):
         cache = past_key_values[self.self_attn.layer_idx] if past_key_values is not None else None
         fused = _use_fused_eager(self.config.attn_backend, hidden_states)
         gemm_dtype = _autocast_dtype(hidden_states)
-        # The forget gate's fp32 projection reads the normalised input: keep it unrounded.
-        attn_in_dtype = None if self.self_attn.fgate_type == "full" else gemm_dtype
-        x, h = self.input_layernorm.add_norm(hidden_states, residual, fused, attn_in_dtype)
-        x, h = self.post_attention_layernorm.add_norm(
-            self.self_attn(x, ctx, cache), h, fused, gemm_dtype
-        )
+        stream = residual if residual is not None else hidden_states
+        gate_logits = None
+        if self.self_attn.fgate_type != "full":
+            x, h = self.input_layernorm.add_norm(hidden_states, residual, fused, gemm_dtype)
+        elif fused and stream.dtype == torch.float32:
+            # The forget gate's fp32 logits come out of the norm kernel, computed from the
+            # unrounded norm output; the output itself leaves in the GEMMs' dtype.
+            x, h, gate_logits = self.input_layernorm.add_norm(
+                hidden_states, residual, fused, gemm_dtype, proj=self.self_attn.fgate_proj
+            )
+        else:
+            # The gate's fp32 projection reads the normalised input: keep it unrounded.
+            x, h = self.input_layernorm.add_norm(hidden_states, residual, fused)
+        attn_out = self.self_attn(x, ctx, cache, gate_logits=gate_logits)
+        x, h = self.post_attention_layernorm.add_norm(attn_out, h, fused, gemm_dtype)
         return self.mlp(x), h
 
 

@@ -16,8 +16,8 @@ N]`` projection). Without help that costs a float32 ``y``, its cast for the GEMM
 GEMM each way, a saved float32 copy and a float32 gradient add. With ``proj_weight`` the
 forward writes ``y`` in 16 bits only, plus each row's ``rstd``, and takes the logits from the
 float32 ``h`` it wrote anyway (``z = rstd * (h @ (PW * w)^T) + b``, one small GEMM); the
-backward kernel adds ``dz @ PW`` into ``dy`` (no float32 gradient tensor for it), and PW's
-gradient is one small GEMM over the saved ``h``.
+backward kernel reads ``dz @ PW`` (one small GEMM) beside the 16-bit ``dy`` instead of a
+float32 sum of the two, and PW's gradient is one small GEMM over the saved ``h``.
 
 On tensors that are not on CUDA, without ``TRITON_INTERPRET=1``, the same math runs as
 PyTorch ops.
@@ -40,8 +40,7 @@ MAX_WIDTH = 8192
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 # Private tuning hook (like pro_ops._CONFIG_OVERRIDE): "fwd_elems"/"bwd_elems" (rows * padded
-# width per program), "fwd_warps"/"bwd_warps" (and "bwd_proj_elems"/"bwd_proj_warps" for the
-# backward with a projection), "bwd_programs_per_sm", "bwd_proj_maxnreg".
+# width per program), "fwd_warps"/"bwd_warps", "bwd_programs_per_sm".
 _CONFIG_OVERRIDE: dict[str, int] = {}
 
 
@@ -71,14 +70,13 @@ def _add_rms_norm_fwd_kernel(
 
 @triton.jit
 def _add_rms_norm_bwd_kernel(
-    H, W, DY, DH, DR, DX, DW, PW, DZ, M, N, K, stride_h, stride_dy, stride_dh, stride_dr,
-    stride_dx, eps,
-    BM: tl.constexpr, BN: tl.constexpr, HAS_DH: tl.constexpr, HAS_RES: tl.constexpr,
-    HAS_PROJ: tl.constexpr,
+    H, W, DY, DY2, DH, DR, DX, DW, M, N, stride_h, stride_dy, stride_dy2, stride_dh,
+    stride_dr, stride_dx, eps,
+    BM: tl.constexpr, BN: tl.constexpr, HAS_DY2: tl.constexpr, HAS_DH: tl.constexpr,
+    HAS_RES: tl.constexpr,
 ):  # fmt: skip
     """Persistent: program p takes row blocks p, p + P, ... and writes one weight-gradient
-    partial row ``DW[p]``. With the projection, ``dy += DZ @ PW`` first (an outer product per
-    output column: no reductions, and before ``h`` is loaded: fewer live registers)."""
+    partial row ``DW[p]``. ``DY2`` (the projection's share of y's gradient) adds to ``DY``."""
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
     cols = tl.arange(0, BN)
@@ -90,11 +88,9 @@ def _add_rms_norm_bwd_kernel(
         ok = (rows < M)[:, None] & col_ok[None, :]
         dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=ok, other=0.0)
         dy = dy.to(tl.float32)
-        if HAS_PROJ:
-            for k in range(K):
-                dz = tl.load(DZ + rows * K + k, mask=rows < M, other=0.0).to(tl.float32)
-                pw = tl.load(PW + k * N + cols, mask=col_ok, other=0.0).to(tl.float32)
-                dy += dz[:, None] * pw[None, :]
+        if HAS_DY2:
+            dy2 = tl.load(DY2 + rows[:, None] * stride_dy2 + cols[None, :], mask=ok, other=0.0)
+            dy += dy2.to(tl.float32)
         h = tl.load(H + rows[:, None] * stride_h + cols[None, :], mask=ok, other=0.0)
         h = h.to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(h * h, 1) / N + eps)
@@ -124,8 +120,7 @@ def _sm_count(index: int) -> int:
 
 
 def _launch(n: int, kind: str) -> tuple[int, int, int]:
-    """``(BN, BM, num_warps)``: padded width, rows per program and warps (``kind``: ``fwd``,
-    ``bwd``, or ``bwd_proj`` for the backward with a projection)."""
+    """``(BN, BM, num_warps)``: padded width, rows per program and warps."""
     bn = triton.next_power_of_2(n)
     if _interpreting():
         elems, warps = 16 * bn, 4  # few, large programs: the interpreter pays per program
@@ -167,10 +162,9 @@ def _fwd(x2, r2, w, eps, out_dtype, h_dtype, store_rstd):
     return y, h, rstd
 
 
-def _bwd(h, w, dy, dh, eps, x_dtype, r_dtype, pw, dz):
+def _bwd(h, w, dy, dy2, dh, eps, x_dtype, r_dtype):
     M, N = h.shape
-    proj = pw is not None and dz is not None
-    bn, bm, warps = _launch(N, "bwd_proj" if proj else "bwd")
+    bn, bm, warps = _launch(N, "bwd")
     n_blocks = triton.cdiv(M, bm)
     if _interpreting() or h.device.type != "cuda":
         n_prog = min(n_blocks, 2)  # still more than one block per program in tests
@@ -181,41 +175,30 @@ def _bwd(h, w, dy, dh, eps, x_dtype, r_dtype, pw, dz):
     dx = torch.empty((M, N), dtype=x_dtype, device=h.device)
     dr = torch.empty((M, N), dtype=r_dtype, device=h.device) if r_dtype is not None else dx
     dw_part = torch.empty((n_prog, N), dtype=torch.float32, device=h.device)
-    K = pw.shape[0] if proj else 0
-    opts = {"num_warps": warps}
-    if proj and not _interpreting():
-        # Two 8-warp programs per SM need <= 128 registers; the projection's loop takes the
-        # kernel to 147-148 uncapped (sm_90, 1536 wide, Triton 3.6 and 3.7), and capped it
-        # spills nothing. (A cap must also leave 32 * warps threads within the 64K-register
-        # file.) On an H200 capped and uncapped timed alike within noise.
-        cap = _CONFIG_OVERRIDE.get("bwd_proj_maxnreg", 128)
-        if cap:  # an override of 0 removes the cap
-            opts["maxnreg"] = min(cap, 65536 // (32 * warps))
     _add_rms_norm_bwd_kernel[(n_prog,)](
         h,
         w,
         dy,
+        dy2 if dy2 is not None else dy,
         dh if dh is not None else dy,
         dr,
         dx,
         dw_part,
-        pw if proj else w,
-        dz if proj else dw_part,
         M,
         N,
-        K,
         h.stride(0),
         dy.stride(0),
+        dy2.stride(0) if dy2 is not None else 0,
         dh.stride(0) if dh is not None else 0,
         dr.stride(0),
         dx.stride(0),
         eps,
         BM=bm,
         BN=bn,
+        HAS_DY2=dy2 is not None,
         HAS_DH=dh is not None,
         HAS_RES=r_dtype is not None,
-        HAS_PROJ=proj,
-        **opts,
+        num_warps=warps,
     )
     return dx, (dr if r_dtype is not None else None), dw_part.sum(0)
 
@@ -264,7 +247,11 @@ class _AddRMSNormFn(torch.autograd.Function):
         dy2 = _rows(dy) if dy is not None else torch.zeros_like(h)
         dh2 = _rows(dh) if dh is not None else None
         dz2 = _rows(dz).float() if dz is not None else None
-        dx, dr, dw = _bwd(h, weight, dy2, dh2, ctx.eps, x_dtype, r_dtype, proj_weight, dz2)
+        dy_proj = None
+        if dz2 is not None:  # z's share of y's gradient: one float32 GEMM, added in the kernel
+            with torch.autocast(h.device.type, enabled=False):
+                dy_proj = dz2 @ proj_weight.float()  # (M, N)
+        dx, dr, dw = _bwd(h, weight, dy2, dy_proj, dh2, ctx.eps, x_dtype, r_dtype)
         dw = dw.to(weight.dtype) if ctx.needs_input_grad[2] else None
         dr = dr.view(ctx.shape) if dr is not None else None
         dpw = dpb = None

@@ -750,14 +750,16 @@ class FoTDecoderLayer(GradientCheckpointingLayer):
         gate_logits = None
         if self.self_attn.fgate_type != "full":
             x, h = self.input_layernorm.add_norm(hidden_states, residual, fused, gemm_dtype)
-        elif fused and stream.dtype == torch.float32:
-            # The forget gate's fp32 logits come out of the norm kernel, computed from the
-            # unrounded norm output; the output itself leaves in the GEMMs' dtype.
+        elif stream.dtype == torch.float32:
+            # The forget gate's fp32 logits come with the norm (on the kernel path out of the
+            # fused kernel), from the unrounded norm output; the output itself leaves in the
+            # GEMMs' dtype.
             x, h, gate_logits = self.input_layernorm.add_norm(
                 hidden_states, residual, fused, gemm_dtype, proj=self.self_attn.fgate_proj
             )
         else:
-            # The gate's fp32 projection reads the normalised input: keep it unrounded.
+            # A 16-bit stream (a bf16 model): the gate's fp32 projection reads the norm output
+            # in that dtype (log_fgate).
             x, h = self.input_layernorm.add_norm(hidden_states, residual, fused)
         attn_out = self.self_attn(x, ctx, cache, gate_logits=gate_logits)
         x, h = self.post_attention_layernorm.add_norm(attn_out, h, fused, gemm_dtype)

@@ -10,8 +10,6 @@ one rounding per output, so ~1e-6 relative in float32 and one 16-bit rounding st
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -346,4 +344,3 @@ def test_kernels_compile_for_sm90_without_spills(tmp_path, monkeypatch) -> None:
     usage = resource_usage("fot.kernels.norm_ops", jobs, tmp_path)
     assert len(usage) == 8
     assert_no_spills(usage)
-    print(json.dumps(usage, indent=1))

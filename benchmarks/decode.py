@@ -9,7 +9,11 @@ and autotuning are not timed.
 
 * ``fot_pro`` (or any of our models): :class:`fot.models.cache.FoTCache` and the decode path of
   ``attn_backend`` (``triton`` on CUDA: ``fot.kernels.forgetting_attention_decode``;
-  ``reference`` on CPU).
+  ``reference`` on CPU), in two cache modes (``--fot-cache``): ``graphs``, what ``generate()``
+  uses on CUDA (a fixed-capacity cache whose one-token steps are captured as CUDA graphs and
+  replayed; the capture of each bucket of 1024 positions is part of the timed decode), and
+  ``eager`` (a growing cache, every step launched op by op from Python). On CPU ``graphs`` runs
+  the same fixed-capacity steps eagerly.
 * ``hf_llama``: ``LlamaForCausalLM`` (SDPA) of the same size, HF's default ``DynamicCache``.
 
 Weights are bf16 on CUDA (inference), fp32 on CPU.
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import sys
 import time
@@ -57,7 +62,9 @@ def _sync(device: torch.device) -> None:
 
 
 @torch.no_grad()
-def greedy_decode(model: nn.Module, prompt: torch.Tensor, new_tokens: int) -> dict[str, Any]:
+def greedy_decode(
+    model: nn.Module, prompt: torch.Tensor, new_tokens: int, cache: Any = None
+) -> dict[str, Any]:
     """Prefill ``prompt`` with a cache, then ``new_tokens`` greedy one-token steps.
 
     Args:
@@ -65,6 +72,8 @@ def greedy_decode(model: nn.Module, prompt: torch.Tensor, new_tokens: int) -> di
             ``use_cache`` and ``logits_to_keep`` and returns ``logits``/``past_key_values``.
         prompt: ``[B, T]`` int64 on the model's device.
         new_tokens: decode steps (forwards of one token per sequence) after the prefill.
+        cache: an empty cache to fill (e.g. a fixed-capacity ``FoTCache``); None = the model's
+            default.
 
     Returns:
         ``tokens`` ``[B, new_tokens + 1]`` int64 (the prefill's prediction, then one per step),
@@ -73,7 +82,7 @@ def greedy_decode(model: nn.Module, prompt: torch.Tensor, new_tokens: int) -> di
     device = prompt.device
     _sync(device)
     t0 = time.perf_counter()
-    out = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
+    out = model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
     cache = out.past_key_values
     nxt = out.logits[:, -1].argmax(-1)  # (B,)
     _sync(device)
@@ -98,19 +107,33 @@ def measure(
     new_tokens: int,
     vocab_size: int,
     device: torch.device,
+    fot_cache: str | None = None,
 ) -> dict[str, Any]:
-    """One (model, batch size) measurement: warm-up pass, then the timed pass."""
+    """One (model, batch size) measurement: warm-up pass, then the timed pass.
+
+    ``fot_cache`` (our models): ``"graphs"`` = a fixed-capacity :class:`FoTCache` with CUDA
+    graphs, ``"eager"`` = the growing cache; None for other models.
+    """
+    from fot.models import FoTCache
+
+    def new_cache() -> Any:
+        if fot_cache != "graphs":
+            return None
+        layers = model.config.num_hidden_layers
+        return FoTCache(layers, capacity=context + new_tokens + 1, cuda_graphs=True)
+
     gen = torch.Generator(device="cpu").manual_seed(batch_size)
     prompt = torch.randint(0, vocab_size, (batch_size, context), generator=gen).to(device)
-    greedy_decode(model, prompt, min(2, new_tokens))  # compile / autotune with these shapes
+    greedy_decode(model, prompt, min(2, new_tokens), new_cache())  # compile / autotune
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    res = greedy_decode(model, prompt, new_tokens)
+    res = greedy_decode(model, prompt, new_tokens, new_cache())
     decode_s = res["decode_s"]
     return {
         "model": name,
+        "cache": fot_cache or "default",
         "status": "ok",
         "batch_size": batch_size,
         "context": context,
@@ -144,9 +167,9 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     """The decode results as a markdown table (one row per model and batch size)."""
     lines = [
-        "| model | batch | context | status | prefill (s) | decode tokens/s | ms/step | "
+        "| model | cache | batch | context | status | prefill (s) | decode tokens/s | ms/step | "
         "peak mem (GiB) | vs HF Llama |",
-        "|" + "---|" * 9,
+        "|" + "---|" * 10,
     ]
     for r in rows:
         status = r["status"] if r["status"] == "ok" else f"{r['status']}: {r.get('error', '')}"
@@ -156,6 +179,7 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
             + " | ".join(
                 [
                     r["model"],
+                    r.get("cache", "—"),
                     str(r["batch_size"]),
                     str(r["context"]),
                     status.replace("|", "/")[:120],
@@ -185,6 +209,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"))
     p.add_argument("--fot-backend", default="auto", choices=("auto", "triton", "reference"))
+    p.add_argument(
+        "--fot-cache",
+        default="graphs,eager",
+        help="our models' cache modes, comma-separated: graphs (fixed capacity, CUDA graphs: "
+        "what generate() uses on CUDA), eager (growing cache, steps launched op by op)",
+    )
     p.add_argument("--hf-llama-heads", type=int, default=None, help="default: as FoT (hd 64)")
     p.add_argument("--out", default=None, help="JSON file (rewritten after every measurement)")
     return p
@@ -193,7 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Run the decode benchmark; returns ``{"meta": ..., "results": [row, ...]}``.
 
-    Row keys: ``model``, ``status`` (``ok``, ``OOM``, ``error``), ``error``, ``batch_size``,
+    Row keys: ``model``, ``cache`` (``graphs``/``eager`` for our models, else ``default``),
+    ``status`` (``ok``, ``OOM``, ``error``), ``error``, ``batch_size``,
     ``context``, ``new_tokens``, ``prefill_s``, ``prefill_tokens_per_s``, ``decode_s``,
     ``decode_tokens_per_s``, ``ms_per_step``, ``peak_mem_gib``, ``first_tokens``,
     ``vs_hf_llama``.
@@ -205,6 +236,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             f"--context, --new-tokens and --batch-sizes must be >= 1, got {args.context}, "
             f"{args.new_tokens}, {args.batch_sizes}"
         )
+    fot_caches = [c.strip() for c in args.fot_cache.split(",") if c.strip()]
+    if not fot_caches or any(c not in ("graphs", "eager") for c in fot_caches):
+        raise SystemExit(f"--fot-cache takes graphs and/or eager, got {args.fot_cache!r}")
     device = resolve_device(args.device)
     dtype_name = (
         args.dtype if args.dtype != "auto" else ("bf16" if device.type == "cuda" else "fp32")
@@ -248,8 +282,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                     }
                 )
             continue
-        for b in args.batch_sizes:
-            log(f"## {name}: size {args.size}, B={b}, context {args.context}, {dtype_name} ...")
+        modes = fot_caches if name in OUR_MODELS else [None]
+        for b, mode in itertools.product(args.batch_sizes, modes):
+            label = f"{name} ({mode} cache)" if mode else name
+            log(f"## {label}: size {args.size}, B={b}, context {args.context}, {dtype_name} ...")
             try:
                 row = measure(
                     model,
@@ -259,6 +295,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                     new_tokens=args.new_tokens,
                     vocab_size=int(config.vocab_size),
                     device=device,
+                    fot_cache=mode,
                 )
             except torch.OutOfMemoryError as err:
                 msg = str(err).strip().splitlines()[0] if str(err).strip() else ""
@@ -267,7 +304,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 traceback.print_exc(limit=-8)
                 row = {"model": name, "status": "error", "error": f"{type(err).__name__}: {err}"}
                 row["error"] = row["error"][:500]
-            row.update(batch_size=b, context=args.context, dtype=dtype_name, size=args.size)
+            row.update(
+                cache=mode or "default",
+                batch_size=b,
+                context=args.context,
+                dtype=dtype_name,
+                size=args.size,
+            )
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()

@@ -16,6 +16,8 @@ import torch.nn.functional as F
 
 import fot
 from fot import presets
+from fot.models import FoTCache
+from fot.models import cache as cache_module
 from fot.models.modeling_fot import FoTAttention, long_init_bias
 
 VOCAB = 300  # small vocab keeps tests fast; padded to 320 in the embedding
@@ -337,9 +339,12 @@ def test_hf_save_from_pretrained_round_trip(model: str, tmp_path) -> None:
 # ---------------------------------------------------------------------------------------
 
 
-def _decode_logits(m, x: torch.Tensor, chunks: list[int], mask: torch.Tensor | None = None):
-    """Feed ``x`` through the cache in chunks of the given sizes; return all logits."""
-    cache, outs, start = None, [], 0
+def _decode_logits(
+    m, x: torch.Tensor, chunks: list[int], mask: torch.Tensor | None = None, cache=None
+):
+    """Feed ``x`` through the cache (``cache``, else the model's) in chunks of the given sizes;
+    return all logits."""
+    outs, start = [], 0
     for n in chunks:
         am = None if mask is None else mask[:, : start + n]
         out = m(x[:, start : start + n], attention_mask=am, past_key_values=cache, use_cache=True)
@@ -446,6 +451,82 @@ def test_generate_beam_search_and_chunked_prefill_match_uncached() -> None:
     assert torch.equal(beams, m.generate(x, num_beams=3, use_cache=False, **kw))
     greedy = m.generate(x, **kw)
     assert torch.equal(greedy, m.generate(x, prefill_chunk_size=4, **kw))
+
+
+# ---------------------------------------------------------------------------------------
+# Fixed-capacity cache: the device-indexed decode steps that CUDA graphs capture (run eagerly
+# here; tests/test_model_gpu.py replays them as graphs)
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "model,extra",
+    [
+        ("fot_pro", {}),
+        ("fot_llama", {}),
+        ("transformer_llama", {}),
+        ("transformer_swa", {"window_size": 5}),
+        ("fot_pro", {"window_size": 5, "num_kv_heads": 2}),
+    ],
+)
+def test_static_cache_steps_match_full_forward(model: str, extra: dict, monkeypatch) -> None:
+    monkeypatch.setattr(cache_module, "GRAPH_BUCKET", 4)  # 12 steps cross several buckets
+    m = tiny(model, **extra)
+    a, b = ids(1, 9, seed=21), ids(1, 5, seed=22)
+    pad = 4
+    x = torch.cat([a, torch.cat([torch.zeros(1, pad, dtype=torch.long), b], dim=1)])
+    mask = torch.ones(2, 9 + 12, dtype=torch.long)
+    mask[1, :pad] = 0
+    nxt = ids(2, 12, seed=23)
+    cache = FoTCache(m.config.num_hidden_layers, capacity=9 + 12)
+    calls = []
+    real_step = FoTCache.static_step
+
+    def spy(self, *args, **kwargs):
+        calls.append(self.get_seq_length())
+        return real_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(FoTCache, "static_step", spy)
+    got, _ = _decode_logits(m, torch.cat([x, nxt], 1), [9] + [1] * 12, mask, cache=cache)
+    assert calls == list(range(9, 21))  # every one-token step was a static step
+    assert cache.get_seq_length() == 21 and cache[0]._k.shape[2] == 21  # buffers never grew
+    want_a = m(torch.cat([a, nxt[:1]], dim=1)).logits
+    want_b = m(torch.cat([b, nxt[1:]], dim=1)).logits
+    assert max_err(got[0], want_a[0]) < TOL and max_err(got[1, pad:], want_b[0]) < TOL
+
+
+def test_generate_with_static_cache_matches_default() -> None:
+    m = tiny("fot_pro")
+    x = ids(2, 9, seed=24)
+    kw = {"max_new_tokens": 6, "pad_token_id": 0, "do_sample": False}
+    L = m.config.num_hidden_layers
+    want = m.generate(x, **kw)
+    got = m.generate(x, past_key_values=FoTCache(L, capacity=15), **kw)
+    assert torch.equal(got, want)
+    # beam search reorders the fixed buffers in place
+    want = m.generate(x, num_beams=3, use_cache=False, **kw)
+    x3 = x.repeat_interleave(3, dim=0)  # generate expands the prompt before the prefill
+    cache = FoTCache(L, capacity=15)
+    got = m.generate(x, num_beams=3, past_key_values=cache, **kw)
+    assert torch.equal(got, want) and cache[0]._k.shape[0] == x3.shape[0]
+
+
+def test_static_cache_errors() -> None:
+    m = tiny("fot_pro")
+    L = m.config.num_hidden_layers
+    cache = FoTCache(L, capacity=10)
+    out = m(ids(1, 9), past_key_values=cache, use_cache=True)
+    m(out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)  # position 10: fits
+    with torch.no_grad(), pytest.raises(ValueError, match="at most 10 positions"):
+        m(ids(1, 1), past_key_values=cache, use_cache=True)
+    with pytest.raises(ValueError, match="at most 10 positions"):
+        m(ids(1, 11), past_key_values=FoTCache(L, capacity=10), use_cache=True)
+    with pytest.raises(ValueError, match="capacity must be a positive int"):
+        FoTCache(L, capacity=0)
+    with pytest.raises(ValueError, match="needs a fixed capacity"):
+        FoTCache(L, cuda_graphs=True)
+    with pytest.raises(ValueError, match="decode_cuda_graphs must be true or false"):
+        presets.config("fot_pro", "tiny", decode_cuda_graphs="yes")
 
 
 # ---------------------------------------------------------------------------------------

@@ -61,6 +61,9 @@ class FoTConfig(PretrainedConfig):
             recomputed in backward) or ``"fla"`` (FLA's fused linear cross-entropy, to compare).
         loss_chunk_size: rows of the ``[T, V]`` logits materialised at once by the fused and
             chunked losses.
+        decode_cuda_graphs: ``generate()`` on CUDA uses a fixed-capacity cache and replays its
+            one-token decode steps as CUDA graphs (``fot.models.cache.FoTCache``); False: eager
+            steps with a growing cache.
         norm_eps: RMSNorm epsilon.
         initializer_range: std of the N(0, std) init of linear and embedding weights.
     """
@@ -95,6 +98,7 @@ class FoTConfig(PretrainedConfig):
         recompute_pro: bool = True,
         loss_impl: str = "auto",
         loss_chunk_size: int = 2048,
+        decode_cuda_graphs: bool = True,
         norm_eps: float = 1e-6,
         initializer_range: float = 0.02,
         max_position_embeddings: int = 65536,
@@ -135,6 +139,7 @@ class FoTConfig(PretrainedConfig):
         self.recompute_pro = recompute_pro
         self.loss_impl = loss_impl
         self.loss_chunk_size = loss_chunk_size
+        self.decode_cuda_graphs = decode_cuda_graphs
         self.norm_eps = norm_eps
         self.initializer_range = initializer_range
         self.max_position_embeddings = max_position_embeddings
@@ -211,6 +216,10 @@ class FoTConfig(PretrainedConfig):
                     f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
                     f"({self.num_kv_heads}) for grouped-query attention"
                 )
+        if not isinstance(self.decode_cuda_graphs, bool):
+            raise ValueError(
+                f"decode_cuda_graphs must be true or false, got {self.decode_cuda_graphs!r}"
+            )
         if self.fgate_type not in FGATE_TYPES:
             raise ValueError(f"unknown fgate_type {self.fgate_type!r}; valid: {list(FGATE_TYPES)}")
         if self.attn_backend not in ATTN_BACKENDS:

@@ -32,7 +32,7 @@ from transformers import initialization as init
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
-from .cache import FoTCache, FoTLayerCache
+from .cache import FoTCache, FoTLayerCache, StaticStep
 from .configuration_fot import FoTConfig
 
 IGNORE_INDEX = -100
@@ -480,6 +480,9 @@ class _Context:
     doc_starts: torch.Tensor | None  # (T,) bool, True at document starts (KV-shift reset)
     key_mask: torch.Tensor | None  # (B, Tk) bool over cached + new keys; None = all valid
     query_mask: torch.Tensor | None  # (B, T) bool over the new positions; None = all valid
+    # A static decode step (FoTCache.static_step): the sliding window is part of key_mask,
+    # whose length is the step's bucket, not the number of cached keys.
+    window_in_key_mask: bool = False
 
 
 # ---------------------------------------------------------------------------------------
@@ -692,7 +695,7 @@ class FoTAttention(nn.Module):
                 c_q,
                 c_k,
                 scale=scale,
-                window_size=window,
+                window_size=None if ctx.window_in_key_mask else window,
                 key_mask=ctx.key_mask,
             )  # (B, T, HQ, D)
 
@@ -835,7 +838,16 @@ class FoTModel(FoTPreTrainedModel):
         attention_mask: torch.Tensor | None,
         cu_seqlens: torch.Tensor | None,
         past: int,
+        step: StaticStep | None = None,
     ) -> _Context:
+        if step is not None:
+            # A static decode step: masks and positions from the device position, no host
+            # value (the step may be captured as a CUDA graph and replayed at later positions).
+            rope = None
+            if self.config.use_rope:
+                rope = rope_cos_sin(step.positions(), self.config.head_dim, self.config.rope_theta)
+            key_mask = step.key_mask(self.config.window_size)  # (B, bucket)
+            return _Context(rope, None, None, key_mask, None, window_in_key_mask=True)
         key_mask = query_mask = None
         if attention_mask is not None:
             if attention_mask.dim() != 2 or attention_mask.shape != (B, past + T):
@@ -920,7 +932,8 @@ class FoTModel(FoTPreTrainedModel):
                 f"use_cache=True), got {type(past_key_values).__name__}"
             )
         past = past_key_values.get_seq_length() if past_key_values is not None else 0
-        ctx = self._context(B, T, inputs_embeds.device, attention_mask, cu_seqlens, past)
+        step = past_key_values.step if past_key_values is not None else None
+        ctx = self._context(B, T, inputs_embeds.device, attention_mask, cu_seqlens, past, step)
         branch, residual = inputs_embeds, None  # the stream is residual + branch
         for layer in self.layers:
             branch, residual = layer(branch, residual, ctx, past_key_values=past_key_values)
@@ -1126,6 +1139,26 @@ class FoTForCausalLM(FoTPreTrainedModel, GenerationMixin):
             are given, else ``logits`` ``[B, T, vocab_size]`` float32 (``None`` with a loss),
             and ``past_key_values`` when caching.
         """
+        cache = past_key_values
+        if (
+            isinstance(cache, FoTCache)
+            and cache.capacity is not None
+            and input_ids is not None
+            and input_ids.shape[1] == 1
+            and cache.get_seq_length() > 0
+            and inputs_embeds is None
+            and labels is None
+            and shift_labels is None
+            and cu_seqlens is None
+        ):
+            # One decode step with a fixed-capacity cache: device-side positions, replayed as a
+            # CUDA graph where the cache captures them.
+            def run(ids: torch.Tensor) -> torch.Tensor:
+                out = self.model(input_ids=ids, past_key_values=cache, use_cache=True)
+                return F.linear(out.last_hidden_state, self._head_weight).float()  # (B, 1, V)
+
+            logits = cache.static_step(run, input_ids, attention_mask)
+            return CausalLMOutputWithPast(logits=logits, past_key_values=cache)
         out = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -1150,9 +1183,25 @@ class FoTForCausalLM(FoTPreTrainedModel, GenerationMixin):
         self, generation_config, model_kwargs: dict, *args, **kwargs
     ) -> None:
         """``generate()`` hook: start with an empty :class:`FoTCache` (HF's default caches hold
-        K and V only), so that chunked prefill (``prefill_chunk_size``) works too."""
+        K and V only), so that chunked prefill (``prefill_chunk_size``) works too.
+
+        On CUDA (with ``config.decode_cuda_graphs``) the cache gets a fixed capacity of
+        ``generate``'s maximum length and replays its decode steps as CUDA graphs.
+        """
         if model_kwargs.get("past_key_values") is None and generation_config.use_cache is not False:
-            model_kwargs["past_key_values"] = FoTCache(self.config.num_hidden_layers)
+            # transformers passes (generation_mode, batch_size, max_cache_length) after these
+            max_len = kwargs.get("max_cache_length", args[2] if len(args) > 2 else None)
+            graphs = bool(
+                self.config.decode_cuda_graphs
+                and self.device.type == "cuda"
+                and isinstance(max_len, int)
+                and max_len > 0
+            )
+            model_kwargs["past_key_values"] = FoTCache(
+                self.config.num_hidden_layers,
+                capacity=max_len + 1 if graphs else None,
+                cuda_graphs=graphs,
+            )
             return
         super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
 

@@ -135,8 +135,16 @@ def test_cuda_graph_decode_steps(model: str, extra: dict, monkeypatch) -> None:
     mask[1, :70] = 0  # left padding in row 1
     full = m(x[1:, 70:]).logits  # row 1 alone, unpadded: the oracle
     graphs = FoTCache(L, capacity=341, cuda_graphs=True)
+    captures, real_graph = [], torch.cuda.graph
+
+    def counting_graph(*args, **kwargs):
+        captures.append(graphs.get_seq_length())
+        return real_graph(*args, **kwargs)
+
+    monkeypatch.setattr(torch.cuda, "graph", counting_graph)
     got = _steps(m, x, mask, 300, graphs)
-    assert sorted(b for _, b in graphs._graphs) == [304, 320, 336, 341]
+    assert captures == [300, 304, 320, 336]  # the first step of each bucket; the rest replay
+    assert list(graphs._graphs) == [(2, 341)]  # the earlier buckets' graphs were dropped
     assert rel_err(got[1:, 70:], full) <= REL_TOL
     # the replayed graphs compute what the same steps compute eagerly
     eager = _steps(m, x, mask, 300, FoTCache(L, capacity=341))
@@ -149,6 +157,53 @@ def test_cuda_graph_decode_steps(model: str, extra: dict, monkeypatch) -> None:
         x[:, :300], attention_mask=mask[:, :300], past_key_values=FoTCache(L, capacity=330), **kw
     )
     assert torch.equal(out.sequences, want)
+
+
+def test_cuda_graph_decode_off_under_autocast() -> None:
+    """Autocast's cache of cast weights is freed when its region ends, so no graph is captured
+    under autocast; the steps still run (eagerly) and match a growing cache."""
+    m = build("fot_pro", "triton").float()
+    L = m.config.num_hidden_layers
+    x = torch.randint(0, VOCAB, (1, 104), device="cuda")
+    cache = FoTCache(L, capacity=120, cuda_graphs=True)
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        got = _steps(m, x, torch.ones_like(x), 100, cache)
+        want = _steps(m, x, torch.ones_like(x), 100, None)
+    assert not cache._graphs and cache.get_seq_length() == 104
+    assert rel_err(got, want) <= REL_TOL
+
+
+_FAILING_CAPTURE = """
+import pytest, torch
+from fot import presets
+from fot.models import FoTCache
+m = presets.build_model(presets.config("fot_pro", "tiny", num_hidden_layers=2)).cuda().eval()
+cache = FoTCache(2, capacity=40, cuda_graphs=True)
+x = torch.randint(0, 1000, (1, 31), device="cuda")
+
+def run(ids):
+    logits = m.lm_head(m.model(input_ids=ids, past_key_values=cache).last_hidden_state)
+    if torch.cuda.is_current_stream_capturing():
+        logits.sum().item()  # a host sync: not capturable
+    return logits.float()
+
+with torch.no_grad():
+    m(x[:, :30], past_key_values=cache, use_cache=True)
+    with pytest.raises(RuntimeError, match="capturing the decode step as a CUDA graph failed"):
+        cache.static_step(run, x[:, 30:], None)
+print("OK")
+"""
+
+
+def test_cuda_graph_capture_failure_says_what_to_do() -> None:
+    # In a subprocess: a failed capture can leave CUDA's random generator unusable.
+    import subprocess
+    import sys
+
+    res = subprocess.run(
+        [sys.executable, "-c", _FAILING_CAPTURE], capture_output=True, text=True, timeout=300
+    )
+    assert res.returncode == 0 and res.stdout.strip().endswith("OK"), res.stderr[-2000:]
 
 
 def _need_impl(impl: str) -> None:

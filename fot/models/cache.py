@@ -332,8 +332,9 @@ class FoTCache:
 
         The layers write the new token at the device position ``pos`` and attend over the
         first ``bucket`` buffer positions with a device mask, so the same kernels serve every
-        step of a bucket: with ``cuda_graphs`` on CUDA (and autograd off) the first step of a
-        bucket runs eagerly, is then captured as a CUDA graph, and later steps replay it.
+        step of a bucket: with ``cuda_graphs`` on CUDA (autograd and autocast off) the first
+        step of a bucket runs eagerly, is then captured as a CUDA graph, and later steps replay
+        it.
 
         Args:
             run: ``run(input_ids [B, 1]) -> logits [B, 1, V]`` float32, the model's forward with
@@ -370,7 +371,14 @@ class FoTCache:
         for layer in self.layers:
             layer.step = step
         try:
-            if self.cuda_graphs and input_ids.is_cuda and not torch.is_grad_enabled():
+            if (
+                self.cuda_graphs
+                and input_ids.is_cuda
+                and not torch.is_grad_enabled()
+                # autocast's cache of cast weights is freed when its region ends: a graph
+                # captured inside one would read freed memory afterwards
+                and not torch.is_autocast_enabled(input_ids.device.type)
+            ):
                 logits = self._graph_step(run, inp["ids"], bucket)
             else:
                 logits = run(inp["ids"])
@@ -400,9 +408,20 @@ class FoTCache:
         current = torch.cuda.current_stream(ids.device)
         current.wait_stream(side)
         logits.record_stream(current)  # made on the side stream, used on this one
+        # The cache only grows: graphs of smaller buckets will not be replayed again.
+        for old in [k for k in self._graphs if k[0] == key[0] and k[1] < bucket]:
+            del self._graphs[old]
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = run(ids)
+        try:
+            with torch.cuda.graph(graph):
+                out = run(ids)
+        except Exception as err:
+            raise RuntimeError(
+                f"capturing the decode step as a CUDA graph failed ({type(err).__name__}: "
+                f"{str(err)[:300]}). Decode without graphs: set model.config.decode_cuda_graphs "
+                "= False for generate(), or pass a FoTCache without cuda_graphs. A failed capture "
+                "can leave CUDA's random generator unusable: restart the process."
+            ) from err
         self._graphs[key] = (graph, out)
         return logits
 

@@ -505,10 +505,10 @@ def test_generate_with_static_cache_matches_default() -> None:
     assert torch.equal(got, want)
     # beam search reorders the fixed buffers in place
     want = m.generate(x, num_beams=3, use_cache=False, **kw)
-    x3 = x.repeat_interleave(3, dim=0)  # generate expands the prompt before the prefill
     cache = FoTCache(L, capacity=15)
     got = m.generate(x, num_beams=3, past_key_values=cache, **kw)
-    assert torch.equal(got, want) and cache[0]._k.shape[0] == x3.shape[0]
+    # generate expands the 2 prompts to 3 beams each before the prefill
+    assert torch.equal(got, want) and cache[0]._k.shape[0] == 2 * 3
 
 
 def test_static_cache_errors() -> None:

@@ -352,8 +352,7 @@ class FoTCache:
                 f"a static step takes one new token per sequence after a prefill, got input_ids "
                 f"{tuple(input_ids.shape)} with {n} cached positions"
             )
-        for layer in self.layers:
-            layer._check_room(n + 1)
+        self.layers[0]._check_room(n + 1)  # every layer has this capacity and length
         inp = self._step_inputs(B, input_ids.device)
         inp["ids"].copy_(input_ids)
         if attention_mask is None:

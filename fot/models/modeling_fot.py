@@ -155,40 +155,61 @@ def _run_kernel(fn: Callable, *args, **kwargs) -> torch.Tensor:
     return fn(*args, **kwargs)
 
 
-def fused_linear(x: torch.Tensor, layers: list[nn.Linear]) -> torch.Tensor:
+def fused_linear(x: torch.Tensor, layers: list[nn.Linear], *, mixed: bool = False) -> torch.Tensor:
     """``torch.cat([layer(x) for layer in layers], -1)`` for bias-free linear layers, one GEMM.
 
     The weights are concatenated (in the autocast dtype when autocast is on) and multiplied
     once: under autocast the input is cast to 16 bits once instead of once per layer, and the
     backward computes one input gradient instead of one per layer summed in float32.
 
+    With ``mixed=True`` (the eager kernel path), under autocast and with float32 weights of
+    plain ``nn.Linear`` layers, :func:`fot.kernels.linear_ops.mixed_precision_linear` does the
+    same GEMM with one cast launch for all weights and float32 weight gradients straight from
+    the backward GEMM (no 16-bit weight gradient, no cast kernels).
+
     Args:
         x: ``[..., in_features]``.
         layers: bias-free linear layers with that ``in_features``.
+        mixed: allow the mixed-precision path (callers pass it outside ``torch.compile``).
 
     Returns:
         ``[..., sum of out_features]``, the layers' outputs side by side in ``layers`` order.
     """
     dtype = _autocast_dtype(x)
+    if (
+        mixed
+        and dtype in (torch.float16, torch.bfloat16)
+        and all(
+            type(layer) is nn.Linear and layer.weight.dtype == torch.float32 for layer in layers
+        )
+    ):
+        from fot.kernels.linear_ops import mixed_precision_linear
+
+        return mixed_precision_linear(x, [layer.weight for layer in layers], dtype)
+    if len(layers) == 1:
+        return layers[0](x)
     weight = torch.cat(
         [layer.weight if dtype is None else layer.weight.to(dtype) for layer in layers]
     )
     return F.linear(x, weight)
 
 
-def fused_projections(x: torch.Tensor, layers: list[nn.Linear]) -> list[torch.Tensor]:
+def fused_projections(
+    x: torch.Tensor, layers: list[nn.Linear], *, mixed: bool = False
+) -> list[torch.Tensor]:
     """``[layer(x) for layer in layers]`` as one GEMM (:func:`fused_linear`), split into views.
 
     Args:
         x: ``[..., in_features]``.
         layers: bias-free linear layers with that ``in_features``.
+        mixed: as in :func:`fused_linear`.
 
     Returns:
         One ``[..., out_features]`` tensor per layer: column slices (views) of one output.
     """
     if len(layers) == 1:
-        return [layers[0](x)]
-    y = fused_linear(x, layers)
+        return [fused_linear(x, layers, mixed=mixed)]
+    y = fused_linear(x, layers, mixed=mixed)
     return list(y.split([layer.out_features for layer in layers], dim=-1))
 
 
@@ -307,7 +328,8 @@ class FoTMLP(nn.Module):
         if _use_fused_eager(self.config.attn_backend, x):
             from fot.kernels.mlp_ops import swiglu
 
-            return self.down_proj(swiglu(fused_linear(x, projections)))  # (B, T, hidden)
+            h = swiglu(fused_linear(x, projections, mixed=True))  # (B, T, mlp_size)
+            return fused_linear(h, [self.down_proj], mixed=True)  # (B, T, hidden)
         gate, up = fused_projections(x, projections)
         return self.down_proj(F.silu(gate) * up)
 
@@ -591,7 +613,8 @@ class FoTAttention(nn.Module):
         layers += [self.g_proj] if cfg.use_output_gate else []
         layers += [self.k_shift_proj] if cfg.use_k_shift else []
         layers += [self.v_shift_proj] if cfg.use_v_shift else []
-        outs = iter(fused_projections(x, layers))
+        mixed = _use_fused_eager(cfg.attn_backend, x)
+        outs = iter(fused_projections(x, layers, mixed=mixed))
         q = next(outs).view(B, T, hq, d)  # (B, T, HQ, D)
         k = next(outs).view(B, T, hkv, d)  # (B, T, H, D)
         v = next(outs).view(B, T, hkv, d)  # (B, T, H, D)
@@ -710,7 +733,7 @@ class FoTAttention(nn.Module):
             o = _recomputed(
                 self.config.recompute_pro, _norm_then_gate, o, g, o_norm
             )  # (B, T, HQ, D)
-        return self.o_proj(o.reshape(B, T, hq * d))
+        return fused_linear(o.reshape(B, T, hq * d), [self.o_proj], mixed=mixed)  # (B, T, hidden)
 
 
 class FoTDecoderLayer(GradientCheckpointingLayer):

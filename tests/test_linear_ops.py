@@ -1,0 +1,91 @@
+"""Mixed-precision linear (``fot.kernels.linear_ops``) and its use in ``fused_linear``.
+
+Oracles: autocast's own ``F.linear`` for the forward and the input gradient (the same 16-bit
+operands and GEMM, so equal), and float64 products of the 16-bit-rounded operands for the
+weight gradient (float32 accumulation with a float32 result: ~1e-6 relative). Runs on the CPU
+(float32 matmul of the rounded operands) and, with a GPU, on CUDA (cuBLAS with a float32
+output).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fot.kernels.linear_ops import mixed_precision_linear
+from fot.models.modeling_fot import fused_linear
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("widths", [[24], [16, 8, 8, 3]])
+def test_fused_linear_mixed_matches_autocast_with_float32_weight_grads(device, widths) -> None:
+    torch.manual_seed(0)
+    layers = [nn.Linear(40, n, bias=False, device=device) for n in widths]
+    x = torch.randn(2, 33, 40, device=device, requires_grad=True)
+    dy = torch.randn(2, 33, sum(widths), device=device).bfloat16()
+
+    def run(mixed: bool):
+        for layer in layers:
+            layer.weight.grad = None
+        x.grad = None
+        with torch.autocast(device, dtype=torch.bfloat16):
+            y = fused_linear(x, layers, mixed=mixed)
+        y.backward(dy)
+        return y.detach(), x.grad.clone(), [layer.weight.grad.clone() for layer in layers]
+
+    y_ref, dx_ref, dw_ref = run(False)  # autocast's F.linear
+    y, dx, dw = run(True)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, y_ref)
+    assert dx.dtype == torch.float32
+    assert rel(dx, dx_ref) < 1e-6  # same bf16 GEMM (CPU and cuBLAS may split K differently)
+    # weight gradient oracle: float64 products of the bf16 operands
+    x16 = x.detach().bfloat16().double().reshape(-1, 40)
+    oracle = (dy.double().reshape(-1, sum(widths)).t() @ x16).split(widths)
+    for got, ref, want in zip(dw, dw_ref, oracle, strict=True):
+        assert got.dtype == torch.float32
+        assert rel(got, want) < 1e-5, rel(got, want)
+        assert rel(ref, want) > 1e-4  # autocast rounds its weight gradient to bf16 first
+
+
+def test_mixed_precision_linear_without_weight_grads_and_errors() -> None:
+    w = torch.randn(6, 5)
+    x = torch.randn(3, 5, requires_grad=True)
+    y = mixed_precision_linear(x, [w], torch.bfloat16)
+    y.sum().backward()
+    want = torch.ones(3, 6).bfloat16() @ w.bfloat16()
+    assert torch.equal(x.grad, want.float())
+    assert torch.equal(y, F.linear(x.bfloat16(), w.bfloat16()))
+    with pytest.raises(TypeError, match=r"must be torch\.float16 or"):
+        mixed_precision_linear(x, [w], torch.float32)
+    with pytest.raises(ValueError, match="at least one"):
+        mixed_precision_linear(x, [], torch.bfloat16)
+    with pytest.raises(TypeError, match=r"weights\[1\] must be a float32 \[N, 5\]"):
+        mixed_precision_linear(x, [w, torch.randn(6, 4)], torch.bfloat16)
+    with pytest.raises(TypeError, match="float32"):
+        mixed_precision_linear(x, [w.bfloat16()], torch.bfloat16)
+
+
+def test_fused_linear_mixed_falls_back_outside_autocast_and_for_other_layers() -> None:
+    """No autocast, or a layer that is not a plain nn.Linear (a subclass may change forward):
+    the ordinary path, in the layers' own dtype."""
+
+    class Scaled(nn.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    plain = nn.Linear(8, 3, bias=False)
+    assert torch.equal(fused_linear(x, [plain], mixed=True), plain(x))  # float32, no autocast
+    scaled = Scaled(8, 3, bias=False)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = fused_linear(x, [scaled], mixed=True)
+    assert torch.equal(got, 2 * F.linear(x.bfloat16(), scaled.weight.bfloat16()))

@@ -125,6 +125,12 @@ def _shift_norm_bwd_kernel(
     sdy_b,
     sdy_t,
     sdy_h,
+    sdx_b,
+    sdx_t,
+    sdx_h,
+    sds_b,
+    sds_t,
+    sds_h,
     B,
     T,
     H,
@@ -140,7 +146,7 @@ def _shift_norm_bwd_kernel(
 
     ``dx_t = dz_t (1 - a_t) + [t+1 has a prev] a_{t+1} dz_{t+1}``,
     ``ds_t = a_t (1 - a_t) sum_D dz_t (x_{t-1} - x_t)``, ``dw = sum_{b,t} dy * n``.
-    DX is contiguous ``[B, T, H, D]``, DS contiguous ``[B, T, H]``, DW float32
+    DX ``[B, T, H, D]`` and DS ``[B, T, H]`` with their own strides (unit stride on D), DW float32
     ``[n_blocks * B, H, D]`` (per-program partial sums).
     """
     b, h, offs_t, offs_d, mask_t, mask_d, mask, rows = _tile(T, H, D, BD, BT)
@@ -171,7 +177,8 @@ def _shift_norm_bwd_kernel(
     dx = dz
     if HAS_SHIFT:
         ds = a * (1.0 - a) * tl.sum(dz * diff, axis=1)  # (BT,)
-        tl.store(DS + (b * T + offs_t) * H + h, ds.to(DS.dtype.element_ty), mask=mask_t)
+        ds_ptr = DS + b * sds_b + offs_t.to(tl.int64) * sds_t + h * sds_h
+        tl.store(ds_ptr, ds.to(DS.dtype.element_ty), mask=mask_t)
         # Rows t + 1, whose shift reads x_t: recompute their dz (offset loads hit L1/L2).
         offs_n = offs_t + 1
         has_next = offs_n < T
@@ -190,7 +197,7 @@ def _shift_norm_bwd_kernel(
         else:
             dz_n = dy_n
         dx = dz * (1.0 - a)[:, None] + a_n[:, None] * dz_n
-    dx_ptr = DX + (b * T * H + h) * D + offs_t.to(tl.int64)[:, None] * (H * D) + offs_d[None, :]
+    dx_ptr = DX + b * sdx_b + h * sdx_h + rows * sdx_t + offs_d[None, :]
     tl.store(dx_ptr, dx.to(DX.dtype.element_ty), mask=mask)
 
 
@@ -248,6 +255,9 @@ def _norm_gate_bwd_kernel(
     sdy_b,
     sdy_t,
     sdy_h,
+    sdg_b,
+    sdg_t,
+    sdg_h,
     B,
     T,
     H,
@@ -260,7 +270,8 @@ def _norm_gate_bwd_kernel(
 ):
     """Gradients of :func:`_norm_gate_fwd_kernel`: with ``n = o * rstd(o)``, ``sg = sigmoid(g)``,
     ``dg = dy * n * w * sg (1 - sg)``, ``dn = dy * w * sg`` (then the RMSNorm backward), and
-    ``dw = sum_{b,t} dy * n * sg``. DO, DG contiguous; DW float32 ``[n_blocks * B, H, D]``.
+    ``dw = sum_{b,t} dy * n * sg``. DO contiguous, DG with its own strides (unit stride on D);
+    DW float32 ``[n_blocks * B, H, D]``.
     """
     b, h, _, offs_d, _, mask_d, mask, rows = _tile(T, H, D, BD, BT)
     o = tl.load(OIN + b * so_b + h * so_h + rows * so_t + offs_d[None, :], mask=mask, other=0.0)
@@ -284,5 +295,6 @@ def _norm_gate_bwd_kernel(
         pre_gate = o
     if HAS_GATE:
         dg = dy * pre_gate * sg * (1.0 - sg)
-        tl.store(DG + out_off, dg.to(DG.dtype.element_ty), mask=mask)
+        dg_ptr = DG + b * sdg_b + h * sdg_h + rows * sdg_t + offs_d[None, :]
+        tl.store(dg_ptr, dg.to(DG.dtype.element_ty), mask=mask)
     tl.store(DO + out_off, do.to(DO.dtype.element_ty), mask=mask)

@@ -103,6 +103,118 @@ def _check_weight(weight: torch.Tensor | None, x: torch.Tensor) -> None:
 
 
 # ---------------------------------------------------------------------------------------
+# One gradient buffer for the column slices of a projection output
+# ---------------------------------------------------------------------------------------
+
+
+class ColumnGrads:
+    """The gradient of a projection output ``y`` ``[B, T, N]`` whose column slices feed
+    separate kernels, assembled in one buffer instead of concatenated.
+
+    Autograd gives each slice of ``y.split(...)`` its own gradient and concatenates them in
+    the split's backward: one more read and write of ``y``'s whole gradient. With the
+    ``ColumnGrads`` of :func:`split_columns`, the backward kernels of :func:`shift_norm` and
+    :func:`norm_gate` write their input gradients straight into the matching columns of one
+    ``[B, T, N]`` buffer, and the split's backward returns that buffer; gradients of slices
+    that came from elsewhere are copied in. Each column range is handed out once per backward
+    (a second consumer of the same columns gets a buffer of its own, so nothing is
+    overwritten). Only ``y``'s layout is kept, not ``y``.
+    """
+
+    def __init__(self, y: torch.Tensor) -> None:
+        if y.dim() != 3 or not y.is_contiguous():
+            raise ValueError(f"y must be a contiguous [B, T, N] tensor, got {tuple(y.shape)}")
+        self.shape, self.dtype, self.device = tuple(y.shape), y.dtype, y.device
+        self._storage = y.untyped_storage().data_ptr()
+        self._offset = y.storage_offset()
+        self.buffer: torch.Tensor | None = None
+        self._claimed: list[tuple[int, int]] = []  # column ranges handed out
+
+    def claim(self, t: torch.Tensor) -> torch.Tensor | None:
+        """The buffer's columns under ``t`` (same shape and strides), or None.
+
+        None unless ``t`` is a view of ``y`` (same storage and dtype) that covers whole rows'
+        column ranges (``[B, T, ...]`` with ``y``'s batch and row strides and a contiguous
+        rest), and its columns were not handed out before in this backward.
+        """
+        B, T, N = self.shape
+        if (
+            t.untyped_storage().data_ptr() != self._storage
+            or t.dtype != self.dtype
+            or t.dim() < 3
+            or tuple(t.shape[:2]) != (B, T)
+            or t.stride()[:2] != (T * N, N)
+            or not t[0, 0].is_contiguous()
+        ):
+            return None
+        start = t.storage_offset() - self._offset
+        stop = start + t[0, 0].numel()
+        if not 0 <= start < stop <= N or any(a < stop and start < b for a, b in self._claimed):
+            return None
+        if self.buffer is None:
+            self.buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        self._claimed.append((start, stop))
+        return self.buffer.as_strided(t.shape, t.stride(), self.buffer.storage_offset() + start)
+
+
+def _grad_like(t: torch.Tensor, grads: ColumnGrads | None) -> torch.Tensor:
+    """Where the gradient of ``t`` goes: ``grads``' buffer if it takes ``t``, else new memory."""
+    out = grads.claim(t) if grads is not None else None
+    return out if out is not None else torch.empty(t.shape, dtype=t.dtype, device=t.device)
+
+
+class _SplitColumnsFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, sizes, grads):
+        ctx.sizes, ctx.grads = sizes, grads
+        ctx.set_materialize_grads(False)
+        return tuple(y.split(sizes, dim=-1))
+
+    @staticmethod
+    def backward(ctx, *douts):
+        g = ctx.grads
+        buf = (
+            g.buffer
+            if g.buffer is not None
+            else torch.empty(g.shape, dtype=g.dtype, device=g.device)
+        )
+        g.buffer, g._claimed = None, []  # a second backward (retain_graph) starts afresh
+        start = 0
+        for d, n in zip(douts, ctx.sizes, strict=True):
+            cols = buf[..., start : start + n]
+            if d is None:
+                cols.zero_()
+            elif not (
+                d.data_ptr() == cols.data_ptr()
+                and d.shape == cols.shape
+                and d.stride() == cols.stride()
+            ):
+                cols.copy_(d)  # not written in place by a consumer
+            start += n
+        return buf, None, None
+
+
+def split_columns(
+    y: torch.Tensor, sizes: list[int]
+) -> tuple[tuple[torch.Tensor, ...], ColumnGrads]:
+    """``y.split(sizes, dim=-1)``, plus the :class:`ColumnGrads` its consumers write into.
+
+    Args:
+        y: ``[B, T, N]`` contiguous projection output (e.g. q, k, v and the gates side by side).
+        sizes: column widths summing to ``N``.
+
+    Returns:
+        ``(parts, grads)``: the column slices (views of ``y``) and the buffer to pass as
+        ``grads=`` to :func:`shift_norm` / :func:`norm_gate` calls on them. The backward gives
+        ``y`` one ``[B, T, N]`` gradient, assembled in place where the consumers allowed it.
+    """
+    if sum(sizes) != y.shape[-1]:
+        raise ValueError(f"sizes {list(sizes)} must sum to y's last dim {y.shape[-1]}")
+    grads = ColumnGrads(y)
+    return _SplitColumnsFn.apply(y, tuple(sizes), grads), grads
+
+
+# ---------------------------------------------------------------------------------------
 # Shift + norm
 # ---------------------------------------------------------------------------------------
 
@@ -143,13 +255,13 @@ def _shift_norm_fwd(x, s, w, reset, eps):
     return y
 
 
-def _shift_norm_bwd(dy, x, s, w, reset, eps, need_dw):
+def _shift_norm_bwd(dy, x, s, w, reset, eps, need_dw, grads):
     B, T, H, D = x.shape
     bd, bt, warps = _launch(D, "bwd")
     n_t = triton.cdiv(T, bt)
     has_shift, has_norm = s is not None, w is not None
-    dx = torch.empty((B, T, H, D), dtype=x.dtype, device=x.device)
-    ds = torch.empty((B, T, H), dtype=s.dtype, device=x.device) if has_shift else _dummy(x)
+    dx = _grad_like(x, grads)
+    ds = _grad_like(s, grads) if has_shift else _dummy(x)
     dw_part = (
         torch.empty((n_t * B, H, D), dtype=torch.float32, device=x.device)
         if has_norm
@@ -172,6 +284,8 @@ def _shift_norm_bwd(dy, x, s, w, reset, eps, need_dw):
         dy.stride(0),
         dy.stride(1),
         dy.stride(2),
+        *dx.stride()[:3],
+        *(ds.stride() if has_shift else (0, 0, 0)),
         B,
         T,
         H,
@@ -190,9 +304,9 @@ def _shift_norm_bwd(dy, x, s, w, reset, eps, need_dw):
 
 class _ShiftNormFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, s, w, reset, eps):
+    def forward(ctx, x, s, w, reset, eps, grads):
         ctx.save_for_backward(x, s, w, reset)
-        ctx.eps = eps
+        ctx.eps, ctx.grads = eps, grads
         return _shift_norm_fwd(x, s, w, reset, eps)
 
     @staticmethod
@@ -200,8 +314,9 @@ class _ShiftNormFn(torch.autograd.Function):
         x, s, w, reset = ctx.saved_tensors
         if dy.stride(-1) != 1:
             dy = dy.contiguous()
-        dx, ds, dw = _shift_norm_bwd(dy, x, s, w, reset, ctx.eps, ctx.needs_input_grad[2])
-        return dx, ds, dw, None, None
+        need_dw = ctx.needs_input_grad[2]
+        dx, ds, dw = _shift_norm_bwd(dy, x, s, w, reset, ctx.eps, need_dw, ctx.grads)
+        return dx, ds, dw, None, None, None
 
 
 def _shift_norm_torch(x, s, w, reset, eps):
@@ -225,6 +340,7 @@ def shift_norm(
     *,
     eps: float = 1e-6,
     reset: torch.Tensor | None = None,
+    grads: ColumnGrads | None = None,
 ) -> torch.Tensor:
     """Data-dependent token shift, then per-head RMSNorm, in one kernel (each part optional).
 
@@ -246,6 +362,8 @@ def shift_norm(
             only. At least one of ``shift_logits`` / ``weight`` must be given.
         eps: added to the mean square.
         reset: ``[T]`` bool, True where a document starts (shared by the batch), or None.
+        grads: when x and shift_logits are column slices of one projection output, its
+            :class:`ColumnGrads`: their gradients are then written into its shared buffer.
 
     Returns:
         ``[B, T, H, D]`` contiguous, in x's dtype. Differentiable in x, shift_logits (gradient
@@ -283,7 +401,7 @@ def shift_norm(
         x = x.contiguous()
     w = weight.contiguous() if weight is not None else None
     r = reset.contiguous().view(torch.int8) if reset is not None else None
-    return _ShiftNormFn.apply(x, shift_logits, w, r, float(eps))
+    return _ShiftNormFn.apply(x, shift_logits, w, r, float(eps), grads)
 
 
 # ---------------------------------------------------------------------------------------
@@ -319,13 +437,13 @@ def _norm_gate_fwd(o, g, w, eps):
     return y
 
 
-def _norm_gate_bwd(dy, o, g, w, eps, need_dw):
+def _norm_gate_bwd(dy, o, g, w, eps, need_dw, grads):
     B, T, H, D = o.shape
     bd, bt, warps = _launch(D, "bwd")
     n_t = triton.cdiv(T, bt)
     has_gate, has_norm = g is not None, w is not None
     do = torch.empty((B, T, H, D), dtype=o.dtype, device=o.device)
-    dg = torch.empty((B, T, H, D), dtype=g.dtype, device=o.device) if has_gate else _dummy(o)
+    dg = _grad_like(g, grads) if has_gate else _dummy(o)
     dw_part = (
         torch.empty((n_t * B, H, D), dtype=torch.float32, device=o.device)
         if has_norm
@@ -347,6 +465,7 @@ def _norm_gate_bwd(dy, o, g, w, eps, need_dw):
         dy.stride(0),
         dy.stride(1),
         dy.stride(2),
+        *(dg.stride()[:3] if has_gate else (0, 0, 0)),
         B,
         T,
         H,
@@ -364,9 +483,9 @@ def _norm_gate_bwd(dy, o, g, w, eps, need_dw):
 
 class _NormGateFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, o, g, w, eps):
+    def forward(ctx, o, g, w, eps, grads):
         ctx.save_for_backward(o, g, w)
-        ctx.eps = eps
+        ctx.eps, ctx.grads = eps, grads
         return _norm_gate_fwd(o, g, w, eps)
 
     @staticmethod
@@ -374,8 +493,8 @@ class _NormGateFn(torch.autograd.Function):
         o, g, w = ctx.saved_tensors
         if dy.stride(-1) != 1:
             dy = dy.contiguous()
-        do, dg, dw = _norm_gate_bwd(dy, o, g, w, ctx.eps, ctx.needs_input_grad[2])
-        return do, dg, dw, None
+        do, dg, dw = _norm_gate_bwd(dy, o, g, w, ctx.eps, ctx.needs_input_grad[2], ctx.grads)
+        return do, dg, dw, None, None
 
 
 def _norm_gate_torch(o, g, w, eps):
@@ -394,6 +513,7 @@ def norm_gate(
     weight: torch.Tensor | None = None,
     *,
     eps: float = 1e-6,
+    grads: ColumnGrads | None = None,
 ) -> torch.Tensor:
     """Per-head RMSNorm and sigmoid output gate in one kernel (each part optional).
 
@@ -408,6 +528,8 @@ def norm_gate(
         weight: ``[H, D]`` per-head norm weight (any float dtype), or None. At least one of
             ``gate_logits`` / ``weight`` must be given.
         eps: added to the mean square.
+        grads: when gate_logits is a column slice of a projection output, its
+            :class:`ColumnGrads`: the gate's gradient is then written into its shared buffer.
 
     Returns:
         ``[B, T, H, D]`` contiguous, in o's dtype. Differentiable in o, gate_logits (its
@@ -435,7 +557,7 @@ def norm_gate(
     if gate_logits is not None and gate_logits.stride(-1) != 1:
         gate_logits = gate_logits.contiguous()
     w = weight.contiguous() if weight is not None else None
-    return _NormGateFn.apply(o, gate_logits, w, float(eps))
+    return _NormGateFn.apply(o, gate_logits, w, float(eps), grads)
 
 
-__all__ = ["MAX_HEAD_DIM", "norm_gate", "shift_norm"]
+__all__ = ["MAX_HEAD_DIM", "ColumnGrads", "norm_gate", "shift_norm", "split_columns"]

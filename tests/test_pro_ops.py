@@ -358,9 +358,9 @@ def test_model_fused_equals_pytorch_path(monkeypatch, overrides) -> None:
     real = modeling_fot._use_fused_pro
 
     def run(fused: bool):
-        def spy(backend, t):
+        def spy(backend, t, head_dim):
             calls.append(fused)
-            return fused and real(backend, t)
+            return fused and real(backend, t, head_dim)
 
         monkeypatch.setattr(modeling_fot, "_use_fused_pro", spy)
         model.zero_grad()
@@ -375,7 +375,7 @@ def test_model_fused_equals_pytorch_path(monkeypatch, overrides) -> None:
     want = run(False)
     got = run(True)
     assert True in calls and False in calls
-    assert real("triton", torch.empty(1, 1, 1, 32))  # the fused path was on in the second run
+    assert real("triton", torch.empty(1, 1, 64), 32)  # the fused path was on in the second run
     assert (got[0] - want[0]).abs().max() < 2e-5
     assert (got[1] - want[1]).abs().max() < 2e-5
     assert abs(got[2] - want[2]) < 1e-5
@@ -473,3 +473,73 @@ def test_bad_inputs_raise_clear_errors() -> None:
         norm_gate(x)
     with pytest.raises(TypeError, match="gate_logits must be a floating tensor"):
         norm_gate(x, torch.ones(1, 4, 2, 8, dtype=torch.int32, device=DEVICE))
+
+
+# ---------------------------------------------------------------------------------------
+# split_columns / ColumnGrads: the consumers' gradients written into one buffer
+# ---------------------------------------------------------------------------------------
+
+
+def _projection_consumers(y, use_buffer: bool, *, extra_use: bool = False):
+    """A Pro attention block's use of one projection output: q (norm), k (shift + norm), v
+    (shift), the output gate, and the two shift logits; plus, with ``extra_use``, a second
+    consumer of k's columns and a plain PyTorch use of v's."""
+    B, T, _ = y.shape
+    H, D = 2, 32
+    sizes = [H * D, H * D, H * D, H * D, H, H, 5]
+    grads = None
+    if use_buffer:
+        parts, grads = pro_ops.split_columns(y, sizes)
+    else:
+        parts = y.split(sizes, dim=-1)
+    q, k, v, g, ks, vs, _unused = parts
+    q, k, v, g = (t.view(B, T, H, D) for t in (q, k, v, g))
+    w = torch.linspace(0.5, 1.5, H * D, device=y.device).view(H, D)
+    qn = shift_norm(q, None, w, grads=grads)
+    kn = shift_norm(k, ks, w, grads=grads)
+    vn = shift_norm(v, vs, None, grads=grads)
+    o = norm_gate(qn + kn + vn, g, w, grads=grads)
+    loss = (o.float() * torch.linspace(-1, 1, o.numel(), device=y.device).view_as(o)).sum()
+    if extra_use:
+        loss = loss + shift_norm(k, ks, None, grads=grads).float().square().sum()
+        loss = loss + v.float().sin().sum()
+    return loss
+
+
+@pytest.mark.parametrize("extra_use", [False, True])
+def test_split_columns_gradient_equals_autograd_split(extra_use, monkeypatch) -> None:
+    """The projection output's gradient assembled in one buffer equals autograd's concatenation
+    (same kernels: bitwise), unused columns get zeros, every consumer of the Pro block wrote in
+    place (claims counted), and a second consumer of the same columns got memory of its own."""
+    g = torch.Generator().manual_seed(0)
+    y0 = torch.randn(2, 9, 4 * 64 + 2 * 2 + 5, generator=g).to(DEVICE)
+    claims = []
+    real_claim = pro_ops.ColumnGrads.claim
+
+    def spy(self, t):
+        out = real_claim(self, t)
+        claims.append(out is not None)
+        return out
+
+    monkeypatch.setattr(pro_ops.ColumnGrads, "claim", spy)
+    grads_of = {}
+    for use_buffer in (False, True):
+        y = y0.clone().requires_grad_(True)
+        _projection_consumers(y * 1.0, use_buffer, extra_use=extra_use).backward()
+        grads_of[use_buffer] = y.grad
+    assert torch.equal(grads_of[True], grads_of[False])
+    assert torch.all(grads_of[True][..., -5:] == 0)
+    # q, k, ks, v, vs, g in place; the second consumer of k / ks gets fresh memory
+    assert claims.count(True) == 6 and claims.count(False) == (2 if extra_use else 0)
+
+
+def test_split_columns_retain_graph_and_errors() -> None:
+    y = torch.randn(1, 4, 4 * 64 + 9, device=DEVICE, requires_grad=True)
+    loss = _projection_consumers(y * 1.0, True)
+    (first,) = torch.autograd.grad(loss, y, retain_graph=True)
+    (second,) = torch.autograd.grad(loss, y)
+    assert torch.equal(first, second)
+    with pytest.raises(ValueError, match="must sum to"):
+        pro_ops.split_columns(y, [3, 4])
+    with pytest.raises(ValueError, match="contiguous"):
+        pro_ops.split_columns(y[:, ::2], [y.shape[-1]])

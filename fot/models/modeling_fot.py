@@ -487,10 +487,10 @@ def _autocast_dtype(t: torch.Tensor) -> torch.dtype | None:
     return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
 
 
-def _use_fused_pro(backend: str, t: torch.Tensor) -> bool:
+def _use_fused_pro(backend: str, t: torch.Tensor, head_dim: int) -> bool:
     """:func:`_use_fused_kernels` for the Pro components, whose kernels take ``head_dim <= 256``."""
     # 256 = fot.kernels.pro_ops.MAX_HEAD_DIM (not imported: Triton is loaded lazily)
-    return t.shape[-1] <= 256 and _use_fused_kernels(backend, t)
+    return head_dim <= 256 and _use_fused_kernels(backend, t)
 
 
 @dataclass
@@ -614,7 +614,18 @@ class FoTAttention(nn.Module):
         layers += [self.k_shift_proj] if cfg.use_k_shift else []
         layers += [self.v_shift_proj] if cfg.use_v_shift else []
         mixed = _use_fused_eager(cfg.attn_backend, x)
-        outs = iter(fused_projections(x, layers, mixed=mixed))
+        # Whole sequences (no cache) on the kernel backends: one fused kernel per component
+        # in forward and in backward, saving only its inputs (recompute_pro does not apply).
+        fused = cache is None and _use_fused_pro(cfg.attn_backend, x, d)
+        grads = None  # with the fused kernels: their input gradients go into one buffer
+        if fused and mixed and len(layers) > 1:
+            from fot.kernels.pro_ops import split_columns
+
+            y = fused_linear(x, layers, mixed=True)  # (B, T, sum of widths)
+            parts, grads = split_columns(y, [layer.out_features for layer in layers])
+            outs = iter(parts)
+        else:
+            outs = iter(fused_projections(x, layers, mixed=mixed))
         q = next(outs).view(B, T, hq, d)  # (B, T, HQ, D)
         k = next(outs).view(B, T, hkv, d)  # (B, T, H, D)
         v = next(outs).view(B, T, hkv, d)  # (B, T, H, D)
@@ -630,9 +641,6 @@ class FoTAttention(nn.Module):
         k_pre, v_pre = k, v
         k_norm = self.k_norm if self.config.qk_norm else None
         recompute = self.config.recompute_pro
-        # Whole sequences (no cache) on the kernel backends: one fused kernel per component
-        # in forward and in backward, saving only its inputs (recompute_pro does not apply).
-        fused = cache is None and _use_fused_pro(self.config.attn_backend, q)
         if fused:
             from fot.kernels.pro_ops import shift_norm
 
@@ -644,11 +652,14 @@ class FoTAttention(nn.Module):
                     k_norm.weight if k_norm is not None else None,  # (H, D)
                     eps=k_norm.eps if k_norm is not None else 1e-6,
                     reset=ctx.doc_starts,
+                    grads=grads,
                 )  # (B, T, H, D)
             if cfg.use_v_shift:
-                v = _run_kernel(shift_norm, v_pre, v_shift, reset=ctx.doc_starts)
+                v = _run_kernel(shift_norm, v_pre, v_shift, reset=ctx.doc_starts, grads=grads)
             if cfg.qk_norm:
-                q = _run_kernel(shift_norm, q, None, self.q_norm.weight, eps=self.q_norm.eps)
+                q = _run_kernel(
+                    shift_norm, q, None, self.q_norm.weight, eps=self.q_norm.eps, grads=grads
+                )
         else:
             # PyTorch path. Shift and norm are cheap elementwise ops on [B, T, H, D] tensors:
             # under autograd they run inside `_recomputed` (only their inputs are kept; backward
@@ -728,7 +739,7 @@ class FoTAttention(nn.Module):
             from fot.kernels.pro_ops import norm_gate
 
             w, eps = (o_norm.weight, o_norm.eps) if o_norm is not None else (None, 1e-6)
-            o = _run_kernel(norm_gate, o, g, w, eps=eps)  # (B, T, HQ, D)
+            o = _run_kernel(norm_gate, o, g, w, eps=eps, grads=grads)  # (B, T, HQ, D)
         elif o_norm is not None or g is not None:
             o = _recomputed(
                 self.config.recompute_pro, _norm_then_gate, o, g, o_norm

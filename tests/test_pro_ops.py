@@ -509,7 +509,7 @@ def _projection_consumers(y, use_buffer: bool, *, extra_use: bool = False):
 @pytest.mark.parametrize("extra_use", [False, True])
 def test_split_columns_gradient_equals_autograd_split(extra_use, monkeypatch) -> None:
     """The projection output's gradient assembled in one buffer equals autograd's concatenation
-    (same kernels: bitwise), unused columns get zeros, every consumer of the Pro block wrote in
+    (same kernels), unused columns get zeros, every consumer of the Pro block wrote in
     place (claims counted), and a second consumer of the same columns got memory of its own."""
     g = torch.Generator().manual_seed(0)
     y0 = torch.randn(2, 9, 4 * 64 + 2 * 2 + 5, generator=g).to(DEVICE)
@@ -527,7 +527,10 @@ def test_split_columns_gradient_equals_autograd_split(extra_use, monkeypatch) ->
         y = y0.clone().requires_grad_(True)
         _projection_consumers(y * 1.0, use_buffer, extra_use=extra_use).backward()
         grads_of[use_buffer] = y.grad
-    assert torch.equal(grads_of[True], grads_of[False])
+    # bitwise under the interpreter; compiled, the strided stores may change Triton's layouts
+    # and with them the order of the float32 row sums (~1e-7): a missed or overwritten column
+    # would be off by O(1)
+    torch.testing.assert_close(grads_of[True], grads_of[False], rtol=1e-5, atol=1e-6)
     assert torch.all(grads_of[True][..., -5:] == 0)
     # q, k, ks, v, vs, g in place; the second consumer of k / ks gets fresh memory
     assert claims.count(True) == 6 and claims.count(False) == (2 if extra_use else 0)
@@ -538,7 +541,7 @@ def test_split_columns_retain_graph_and_errors() -> None:
     loss = _projection_consumers(y * 1.0, True)
     (first,) = torch.autograd.grad(loss, y, retain_graph=True)
     (second,) = torch.autograd.grad(loss, y)
-    assert torch.equal(first, second)
+    torch.testing.assert_close(second, first, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="must sum to"):
         pro_ops.split_columns(y, [3, 4])
     with pytest.raises(ValueError, match="contiguous"):

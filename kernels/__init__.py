@@ -13,10 +13,13 @@
   gradients computed in the forward (Triton row kernel on CUDA, PyTorch elsewhere).
 * :func:`swiglu` — the MLP's ``silu(gate) * up`` from one ``[..., 2 * I]`` projection, one
   kernel each way (same dispatch as the Pro components).
+* :func:`mixed_precision_linear` — bias-free projections with float32 master weights under
+  autocast: one cast launch for all weights, float32 weight gradients from the GEMM.
 """
 
 from .decode import forgetting_attention_decode
 from .forgetting_attention import PruneStats, forgetting_attention
+from .linear_ops import mixed_precision_linear
 from .loss_ops import linear_cross_entropy
 from .mlp_ops import swiglu
 from .norm_ops import add_rms_norm
@@ -31,6 +34,7 @@ __all__ = [
     "forgetting_attention_decode_reference",
     "forgetting_attention_reference",
     "linear_cross_entropy",
+    "mixed_precision_linear",
     "norm_gate",
     "shift_norm",
     "swiglu",

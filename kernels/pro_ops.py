@@ -156,6 +156,15 @@ class ColumnGrads:
         self._claimed.append((start, stop))
         return self.buffer.as_strided(t.shape, t.stride(), self.buffer.storage_offset() + start)
 
+    def take(self) -> torch.Tensor:
+        """The buffer (new memory if nobody claimed any columns); ``self`` starts afresh, so a
+        second backward of the same graph (``retain_graph``) hands out new memory."""
+        buf = self.buffer
+        if buf is None:
+            buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        self.buffer, self._claimed = None, []
+        return buf
+
 
 def _grad_like(t: torch.Tensor, grads: ColumnGrads | None) -> torch.Tensor:
     """Where the gradient of ``t`` goes: ``grads``' buffer if it takes ``t``, else new memory."""
@@ -172,13 +181,7 @@ class _SplitColumnsFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *douts):
-        g = ctx.grads
-        buf = (
-            g.buffer
-            if g.buffer is not None
-            else torch.empty(g.shape, dtype=g.dtype, device=g.device)
-        )
-        g.buffer, g._claimed = None, []  # a second backward (retain_graph) starts afresh
+        buf = ctx.grads.take()
         start = 0
         for d, n in zip(douts, ctx.sizes, strict=True):
             cols = buf[..., start : start + n]

@@ -207,10 +207,8 @@ def fused_projections(
     Returns:
         One ``[..., out_features]`` tensor per layer: column slices (views) of one output.
     """
-    if len(layers) == 1:
-        return [fused_linear(x, layers, mixed=mixed)]
     y = fused_linear(x, layers, mixed=mixed)
-    return list(y.split([layer.out_features for layer in layers], dim=-1))
+    return [y] if len(layers) == 1 else list(y.split([lay.out_features for lay in layers], -1))
 
 
 # ---------------------------------------------------------------------------------------

@@ -679,6 +679,118 @@ def test_bf16_autocast_forward_backward_close_to_fp32(model: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------
+# Adapters and hooks: the fused paths read weights, wrapped or hooked layers must still run
+# ---------------------------------------------------------------------------------------
+
+
+class LowRankAdapted(torch.nn.Module):
+    """A LoRA wrapper shaped like PEFT's: ``base(x) + x A^T B^T``, with ``weight``/``bias``/
+    ``out_features`` still answering from the base layer (so reading the weight misses ``B A``)."""
+
+    def __init__(self, base: torch.nn.Linear, rank: int = 2, scale: float = 0.2) -> None:
+        super().__init__()
+        self.base_layer = base
+        self.lora_A = torch.nn.Parameter(scale * torch.randn(rank, base.in_features))
+        self.lora_B = torch.nn.Parameter(scale * torch.randn(base.out_features, rank))
+
+    weight = property(lambda self: self.base_layer.weight)
+    bias = property(lambda self: self.base_layer.bias)
+    out_features = property(lambda self: self.base_layer.out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base_layer(x) + x @ self.lora_A.T @ self.lora_B.T
+
+
+def _linears(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.nn.Linear]]:
+    """(parent, attribute, layer) for every nn.Linear (the forget gate's subclass included)."""
+    return [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if isinstance(child, torch.nn.Linear)
+    ]
+
+
+# The Triton backend here runs under the interpreter; with a GPU, tests/test_model_gpu.py.
+INTERPRETED_BACKENDS = [
+    "reference",
+    pytest.param(
+        "triton", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="test_model_gpu.py")
+    ),
+]
+
+
+@pytest.mark.parametrize("backend", INTERPRETED_BACKENDS)
+def test_adapters_on_every_linear_equal_merged_weights(backend: str) -> None:
+    """LoRA-style wrappers on every projection, the forget gate's and the LM head included,
+    give the logits, loss and weight gradients of a plain model with ``W + B A`` merged in."""
+    wrapped = tiny("fot_pro", attn_backend=backend)
+    merged = tiny("fot_pro", attn_backend=backend)
+    torch.manual_seed(5)
+    pairs = []  # (adapter, the merged model's layer in its place)
+    with torch.no_grad():
+        for (parent, name, layer), (_, _, plain) in zip(_linears(wrapped), _linears(merged)):
+            adapter = LowRankAdapted(layer)
+            setattr(parent, name, adapter)
+            plain.weight += adapter.lora_B @ adapter.lora_A
+            pairs.append((adapter, plain))
+    x, y = ids(2, 21), ids(2, 21, seed=4)
+    assert max_err(wrapped(x).logits, merged(x).logits) < TOL
+    loss = wrapped.train()(x, shift_labels=y).loss
+    want = merged.train()(x, shift_labels=y).loss
+    assert abs(loss.item() - want.item()) < 1e-5
+    loss.backward()
+    want.backward()
+    # dL/dW is the same for the base weight and the merged one; every adapter is trained.
+    assert len(pairs) == 11 * len(wrapped.model.layers) + 1  # 11 per layer + the LM head
+    for adapter, plain in pairs:
+        assert torch.allclose(adapter.weight.grad, plain.weight.grad, atol=1e-5)
+        assert adapter.lora_B.grad is not None and adapter.lora_B.grad.abs().sum() > 0
+
+
+def double_projections_by_hooks(hooked: torch.nn.Module, scaled: torch.nn.Module) -> list:
+    """Doubling forward hooks on layer 0's q, forget-gate and MLP-up projections, its input
+    norm and q-norm, and on the LM head of ``hooked``; the same layers' weights doubled in
+    ``scaled``. Returns the list the hooks append their module to (6 calls per forward)."""
+    calls = []
+
+    def double(module: torch.nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+        calls.append(module)
+        return 2 * out
+
+    with torch.no_grad():
+        for name in (
+            "self_attn.q_proj",
+            "self_attn.fgate_proj",
+            "mlp.up_proj",
+            "input_layernorm",
+            "self_attn.q_norm",
+        ):
+            hooked.model.layers[0].get_submodule(name).register_forward_hook(double)
+            layer = scaled.model.layers[0].get_submodule(name)
+            layer.weight *= 2
+            if getattr(layer, "bias", None) is not None:
+                layer.bias *= 2
+        hooked.lm_head.register_forward_hook(double)
+        scaled.lm_head.weight *= 2
+    return calls
+
+
+@pytest.mark.parametrize("backend", INTERPRETED_BACKENDS)
+def test_forward_hooks_on_projections_fire(backend: str) -> None:
+    """A hook that doubles a projection's or a norm's output acts like doubling its weight
+    (the projections, norms and LM head that the kernel paths otherwise run fused)."""
+    hooked = tiny("fot_pro", attn_backend=backend)
+    scaled = tiny("fot_pro", attn_backend=backend)
+    calls = double_projections_by_hooks(hooked, scaled)
+    x, y = ids(1, 19), ids(1, 19, seed=6)
+    assert max_err(hooked(x).logits, scaled(x).logits) < 2 * TOL
+    assert len(calls) == 6
+    got = hooked(x, shift_labels=y).loss.item()
+    assert abs(got - scaled(x, shift_labels=y).loss.item()) < 1e-5
+
+
+# ---------------------------------------------------------------------------------------
 # Performance paths (issue 7): SDPA for ungated attention, lean Pro components
 # ---------------------------------------------------------------------------------------
 

@@ -100,6 +100,58 @@ def test_autocast_training_step_matches_float32_reference(model: str, monkeypatc
             assert rel_err(p_tri.grad, p_ref.grad) <= 5e-2, name
 
 
+def test_adapters_under_autocast_equal_merged_weights() -> None:
+    """LoRA-style wrappers on every linear layer, in the trainer's precision on the Triton
+    backend (where plain layers take the fused GEMM, norm and loss kernels), against a float32
+    reference model with the adapters merged into its weights: loss and weight gradients agree
+    within bf16 accuracy and every adapter gets a gradient. (Adapters as large as the CPU
+    test's make the model so sharp that bf16 alone moves some gradients by 50%.)"""
+    from test_model import LowRankAdapted, _linears
+
+    wrapped = build("fot_pro", "triton").float().train()
+    merged = build("fot_pro", "reference").float().train()
+    merged.load_state_dict(wrapped.state_dict())
+    pairs = []
+    with torch.no_grad():
+        for (parent, name, layer), (_, _, plain) in zip(_linears(wrapped), _linears(merged)):
+            adapter = LowRankAdapted(layer, scale=0.05).cuda()
+            setattr(parent, name, adapter)
+            plain.weight += adapter.lora_B @ adapter.lora_A
+            pairs.append((adapter, plain))
+    x = torch.randint(0, VOCAB, (2, 1000), device="cuda")
+    y = torch.randint(0, VOCAB, (2, 1000), device="cuda")
+    want = merged(x, shift_labels=y).loss
+    want.backward()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = wrapped(x, shift_labels=y).loss
+    loss.backward()
+    assert abs(loss.item() - want.item()) <= 1e-2 * abs(want.item())
+    for adapter, plain in pairs:
+        assert rel_err(adapter.weight.grad, plain.weight.grad) <= 5e-2
+        assert adapter.lora_B.grad.abs().sum() > 0
+
+
+def test_forward_hooks_fire_under_autocast() -> None:
+    """Doubling hooks on projections and norms that the Triton backend runs fused (and on the
+    LM head of the fused loss) act like doubled weights, in the trainer's precision."""
+    from test_model import double_projections_by_hooks
+
+    hooked = build("fot_pro", "triton").float()
+    scaled = build("fot_pro", "triton").float()
+    calls = double_projections_by_hooks(hooked, scaled)
+    x = torch.randint(0, VOCAB, (2, 1000), device="cuda")
+    y = torch.randint(0, VOCAB, (2, 1000), device="cuda")
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        got, want = hooked(x).logits, scaled(x).logits
+        assert len(calls) == 6
+        loss, loss_want = hooked(x, shift_labels=y).loss, scaled(x, shift_labels=y).loss
+    # Two bf16 computations (unfused and rounded, then doubled; fused with doubled weights):
+    # 1.06e-2 apart on an H200. Without the hooks they would be >= 50% apart (the LM head's
+    # hook alone halves the logits).
+    assert rel_err(got, want) <= 2 * REL_TOL
+    assert abs(loss.item() - loss_want.item()) <= 1e-2 * abs(loss_want.item())
+
+
 @pytest.mark.parametrize("model", ["fot_pro", "fot_llama"])
 def test_triton_cached_decode_equals_full_forward(model: str) -> None:
     m = build(model, "triton")

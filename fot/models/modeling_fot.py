@@ -155,12 +155,41 @@ def _run_kernel(fn: Callable, *args, **kwargs) -> torch.Tensor:
     return fn(*args, **kwargs)
 
 
-def fused_linear(x: torch.Tensor, layers: list[nn.Linear], *, mixed: bool = False) -> torch.Tensor:
+def hooked(module: nn.Module) -> bool:
+    """Whether ``module`` carries forward or backward hooks of its own (which only calling
+    it runs: the fused paths that read its weights skip them)."""
+    return bool(
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or module._backward_hooks
+        or module._backward_pre_hooks
+    )
+
+
+def plain_linear(layer: nn.Module) -> bool:
+    """Whether a fused path may read ``layer.weight`` instead of calling ``layer``.
+
+    True for an ``nn.Linear`` (or the forget gate's subclass) without module hooks. A wrapper
+    (PEFT/LoRA adapters, a quantised or otherwise subclassed linear) or a hook changes what
+    calling the module computes, so those layers always run as modules: the fused GEMMs, the
+    forget gate's logits in the fused norm and the fused loss are skipped for them (slower,
+    never wrong). Norms with hooks likewise leave their fused kernels.
+    """
+    return type(layer) in (nn.Linear, FoTForgetGateProj) and not hooked(layer)
+
+
+def _fusable(layer: nn.Module) -> bool:
+    """A :func:`plain_linear` without bias: its weight can join a concatenated GEMM."""
+    return plain_linear(layer) and layer.bias is None
+
+
+def fused_linear(x: torch.Tensor, layers: list[nn.Module], *, mixed: bool = False) -> torch.Tensor:
     """``torch.cat([layer(x) for layer in layers], -1)`` for bias-free linear layers, one GEMM.
 
     The weights are concatenated (in the autocast dtype when autocast is on) and multiplied
     once: under autocast the input is cast to 16 bits once instead of once per layer, and the
-    backward computes one input gradient instead of one per layer summed in float32.
+    backward computes one input gradient instead of one per layer summed in float32. Layers
+    that are not :func:`plain_linear` (adapters, hooks) or have a bias are called one by one.
 
     With ``mixed=True`` (the eager kernel path), under autocast and with float32 weights of
     plain ``nn.Linear`` layers, :func:`fot.kernels.linear_ops.mixed_precision_linear` does the
@@ -175,13 +204,13 @@ def fused_linear(x: torch.Tensor, layers: list[nn.Linear], *, mixed: bool = Fals
     Returns:
         ``[..., sum of out_features]``, the layers' outputs side by side in ``layers`` order.
     """
+    if not all(_fusable(layer) for layer in layers):
+        return torch.cat([layer(x) for layer in layers], -1) if len(layers) > 1 else layers[0](x)
     dtype = _autocast_dtype(x)
     if (
         mixed
         and dtype in (torch.float16, torch.bfloat16)
-        and all(
-            type(layer) is nn.Linear and layer.weight.dtype == torch.float32 for layer in layers
-        )
+        and all(layer.weight.dtype == torch.float32 for layer in layers)
     ):
         from fot.kernels.linear_ops import mixed_precision_linear
 
@@ -195,7 +224,7 @@ def fused_linear(x: torch.Tensor, layers: list[nn.Linear], *, mixed: bool = Fals
 
 
 def fused_projections(
-    x: torch.Tensor, layers: list[nn.Linear], *, mixed: bool = False
+    x: torch.Tensor, layers: list[nn.Module], *, mixed: bool = False
 ) -> list[torch.Tensor]:
     """``[layer(x) for layer in layers]`` as one GEMM (:func:`fused_linear`), split into views.
 
@@ -207,6 +236,8 @@ def fused_projections(
     Returns:
         One ``[..., out_features]`` tensor per layer: column slices (views) of one output.
     """
+    if not all(_fusable(layer) for layer in layers):
+        return [layer(x) for layer in layers]
     y = fused_linear(x, layers, mixed=mixed)
     return [y] if len(layers) == 1 else list(y.split([lay.out_features for lay in layers], -1))
 
@@ -260,14 +291,20 @@ class FoTRMSNorm(nn.Module):
             out_dtype: dtype of the normalised output (e.g. the autocast dtype, so that the
                 next GEMM needs no cast); default ``h``'s.
             proj: a narrow linear layer (the forget gate's) applied in float32 to the
-                unrounded ``norm(h)``; needs a float32 stream.
+                unrounded ``norm(h)``; needs a float32 stream. Called as a module when it is
+                not :func:`plain_linear` (an adapter, hooks).
 
         Returns:
             ``(norm(h) [B, T, hidden] in out_dtype, h [B, T, hidden])``, and with ``proj``
             also ``proj(norm(h))`` ``[B, T, out_features]`` float32.
         """
+        if proj is not None and not plain_linear(proj):
+            y, h = self.add_norm(x, residual, fused)  # (B, T, hidden) float32
+            with torch.autocast(h.device.type, enabled=False):
+                z = proj(y).float()  # (B, T, out_features)
+            return (y if out_dtype is None else y.to(out_dtype)), h, z
         pw, pb = (proj.weight, proj.bias) if proj is not None else (None, None)
-        if fused:
+        if fused and not hooked(self):
             from fot.kernels.norm_ops import add_rms_norm
 
             return add_rms_norm(
@@ -565,9 +602,12 @@ class FoTAttention(nn.Module):
         if self.fgate_type == "full":
             # The gate logits are computed in fp32 (tiny: HQ outputs), never in bf16, also
             # under autocast (which would otherwise run this matmul in bf16).
-            w, b = self.fgate_proj.weight, self.fgate_proj.bias
+            proj = self.fgate_proj
             with torch.autocast(x.device.type, enabled=False):
-                logits = F.linear(x.float(), w.float(), b.float())  # (B, T, HQ)
+                if plain_linear(proj):
+                    logits = F.linear(x.float(), proj.weight.float(), proj.bias.float())
+                else:  # an adapter or hooks: the module, in its weights' dtype
+                    logits = proj(x.to(proj.weight.dtype)).float()  # (B, T, HQ)
             return F.logsigmoid(logits)
         if self.fgate_type in ("bias_only", "fixed"):
             return F.logsigmoid(self.fgate_bias.float()).expand(B, T, self.num_heads)
@@ -614,9 +654,14 @@ class FoTAttention(nn.Module):
         mixed = _use_fused_eager(cfg.attn_backend, x)
         # Whole sequences (no cache) on the kernel backends: one fused kernel per component
         # in forward and in backward, saving only its inputs (recompute_pro does not apply).
-        fused = cache is None and _use_fused_pro(cfg.attn_backend, x, d)
+        norms = [getattr(self, n, None) for n in ("q_norm", "k_norm", "o_norm")]
+        fused = (
+            cache is None
+            and _use_fused_pro(cfg.attn_backend, x, d)
+            and not any(hooked(n) for n in norms if n is not None)
+        )
         grads = None  # with the fused kernels: their input gradients go into one buffer
-        if fused and mixed and len(layers) > 1:
+        if fused and mixed and len(layers) > 1 and all(_fusable(lay) for lay in layers):
             from fot.kernels.pro_ops import split_columns
 
             y = fused_linear(x, layers, mixed=True)  # (B, T, sum of widths)
@@ -977,7 +1022,7 @@ class FoTModel(FoTPreTrainedModel):
 
 def _chunked_cross_entropy(
     hidden: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | Callable[[torch.Tensor], torch.Tensor],
     labels: torch.Tensor,
     chunk_size: int,
     fp32_logits: bool = False,
@@ -985,25 +1030,31 @@ def _chunked_cross_entropy(
     """Per-row cross-entropy of ``hidden @ weight.T`` without materialising all logits.
 
     Args:
-        hidden: ``[N, hidden]``; weight: ``[V, hidden]``; labels: ``[N]`` int64 (-100 = ignore).
+        hidden: ``[N, hidden]``; labels: ``[N]`` int64 (-100 = ignore).
+        weight: ``[V, hidden]``, or a head ``[n, hidden] -> [n, V]`` logits (a wrapped LM
+            head, run as it is under the current autocast).
         chunk_size: rows whose fp32 logits exist at once; under autograd each chunk is
             checkpointed, so backward also holds one chunk's logits at a time.
         fp32_logits: compute the logits in fp32 with autocast off (evaluation); otherwise in
-            the autocast/model dtype, then upcast for the softmax (training).
+            the autocast/model dtype, then upcast for the softmax (training). Only with a
+            weight tensor.
 
     Returns:
         ``[N]`` float32 losses, 0 at ignored rows.
     """
 
     def _rows(h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        if fp32_logits:  # evaluation: exact logits even under a bf16 autocast
+        if not isinstance(weight, torch.Tensor):
+            logits = weight(h).float()  # (n, V)
+        elif fp32_logits:  # evaluation: exact logits even under a bf16 autocast
             with torch.autocast(h.device.type, enabled=False):
                 logits = F.linear(h.float(), weight.float())  # (n, V)
         else:
             logits = F.linear(h, weight).float()  # (n, V)
         return F.cross_entropy(logits, y, ignore_index=IGNORE_INDEX, reduction="none")
 
-    grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    trainable = not isinstance(weight, torch.Tensor) or weight.requires_grad
+    grad = torch.is_grad_enabled() and (hidden.requires_grad or trainable)
     out = []
     for s in range(0, hidden.shape[0], chunk_size):
         h, y = hidden[s : s + chunk_size], labels[s : s + chunk_size]
@@ -1057,6 +1108,20 @@ class FoTForCausalLM(FoTPreTrainedModel, GenerationMixin):
         """``[vocab_size, hidden]``: the LM head without its padding rows (never predicted)."""
         return self.lm_head.weight[: self.config.vocab_size]
 
+    def _head(self) -> torch.Tensor | Callable[[torch.Tensor], torch.Tensor]:
+        """What the loss multiplies by: :attr:`_head_weight`; for an LM head that is not
+        :func:`plain_linear` (wrapped, hooked) or has a bias, the module itself, its logits
+        cut to ``vocab_size``."""
+        if _fusable(self.lm_head):
+            return self._head_weight
+        return lambda h: self.lm_head(h)[..., : self.config.vocab_size]
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[B, T, vocab_size]`` float32 logits of the hidden states ``[B, T, hidden]``."""
+        head = self._head()
+        logits = F.linear(hidden, head) if isinstance(head, torch.Tensor) else head(hidden)
+        return logits.float()
+
     def _padded_head(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The whole LM head ``[padded_vocab, hidden]`` and a bias ``[padded_vocab]`` (weight's
         dtype) that is 0 for real tokens and -1e4 for the padding rows (None without padding).
@@ -1087,7 +1152,7 @@ class FoTForCausalLM(FoTPreTrainedModel, GenerationMixin):
         labels = shift_labels.to(hidden.device).reshape(-1).long()
         losses = _chunked_cross_entropy(
             hidden.reshape(B * T, H),
-            self._head_weight,
+            self._head(),
             labels,
             self.config.loss_chunk_size,
             fp32_logits=fp32_logits,
@@ -1098,6 +1163,8 @@ class FoTForCausalLM(FoTPreTrainedModel, GenerationMixin):
         impl = self.config.loss_impl
         if impl == "auto":
             impl = "fused" if hidden.is_cuda else "chunked"
+        if not _fusable(self.lm_head):  # the fused losses read the weight: call the module
+            impl = "chunked"
         B, T, H = hidden.shape
         labels = shift_labels.to(hidden.device).reshape(-1).long()
         # Sum, then divide on device: no host sync, and an all-ignored batch gives 0.
@@ -1187,7 +1254,7 @@ class FoTForCausalLM(FoTPreTrainedModel, GenerationMixin):
             # CUDA graph where the cache captures them.
             def run(ids: torch.Tensor) -> torch.Tensor:
                 out = self.model(input_ids=ids, past_key_values=cache, use_cache=True)
-                return F.linear(out.last_hidden_state, self._head_weight).float()  # (B, 1, V)
+                return self._logits(out.last_hidden_state)  # (B, 1, V)
 
             logits = cache.static_step(run, input_ids, attention_mask)
             return CausalLMOutputWithPast(logits=logits, past_key_values=cache)
@@ -1208,7 +1275,7 @@ class FoTForCausalLM(FoTPreTrainedModel, GenerationMixin):
         else:
             if logits_to_keep:
                 hidden = hidden[:, -logits_to_keep:]
-            logits = F.linear(hidden, self._head_weight).float()  # (B, T, V)
+            logits = self._logits(hidden)  # (B, T, V)
         return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=out.past_key_values)
 
     def _prepare_cache_for_generation(

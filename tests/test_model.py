@@ -720,6 +720,22 @@ INTERPRETED_BACKENDS = [
 ]
 
 
+def attach_adapters(
+    wrapped: torch.nn.Module, merged: torch.nn.Module, scale: float = 0.2
+) -> list[tuple[LowRankAdapted, torch.nn.Linear]]:
+    """Wrap every linear layer of ``wrapped`` in a :class:`LowRankAdapted` and add its ``B A``
+    to the same layer of ``merged`` (same architecture and weights). Returns (adapter, merged
+    layer) pairs."""
+    pairs = []
+    with torch.no_grad():
+        for (parent, name, layer), (_, _, plain) in zip(_linears(wrapped), _linears(merged)):
+            adapter = LowRankAdapted(layer, scale=scale).to(layer.weight.device)
+            setattr(parent, name, adapter)
+            plain.weight += adapter.lora_B @ adapter.lora_A
+            pairs.append((adapter, plain))
+    return pairs
+
+
 @pytest.mark.parametrize("backend", INTERPRETED_BACKENDS)
 def test_adapters_on_every_linear_equal_merged_weights(backend: str) -> None:
     """LoRA-style wrappers on every projection, the forget gate's and the LM head included,
@@ -727,13 +743,7 @@ def test_adapters_on_every_linear_equal_merged_weights(backend: str) -> None:
     wrapped = tiny("fot_pro", attn_backend=backend)
     merged = tiny("fot_pro", attn_backend=backend)
     torch.manual_seed(5)
-    pairs = []  # (adapter, the merged model's layer in its place)
-    with torch.no_grad():
-        for (parent, name, layer), (_, _, plain) in zip(_linears(wrapped), _linears(merged)):
-            adapter = LowRankAdapted(layer)
-            setattr(parent, name, adapter)
-            plain.weight += adapter.lora_B @ adapter.lora_A
-            pairs.append((adapter, plain))
+    pairs = attach_adapters(wrapped, merged)
     x, y = ids(2, 21), ids(2, 21, seed=4)
     assert max_err(wrapped(x).logits, merged(x).logits) < TOL
     loss = wrapped.train()(x, shift_labels=y).loss

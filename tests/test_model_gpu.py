@@ -70,6 +70,21 @@ def test_triton_backend_matches_reference_bf16(model: str) -> None:
             assert rel_err(p_tri.grad, p_ref.grad) <= 5e-2, name
 
 
+def float32_and_autocast_steps(
+    ref: torch.nn.Module, tri: torch.nn.Module
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Loss and backward of ``ref`` in float32 and of ``tri`` under bf16 autocast, on the same
+    random batch (2 x 1000 tokens). Returns ``(loss_ref, loss_tri)``."""
+    x = torch.randint(0, VOCAB, (2, 1000), device="cuda")
+    y = torch.randint(0, VOCAB, (2, 1000), device="cuda")
+    loss_ref = ref(x, shift_labels=y).loss
+    loss_ref.backward()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = tri(x, shift_labels=y).loss
+    loss.backward()
+    return loss_ref, loss
+
+
 @pytest.mark.parametrize("model", ["fot_pro", "transformer_llama"])
 def test_autocast_training_step_matches_float32_reference(model: str, monkeypatch) -> None:
     """The trainer's precision (float32 weights, bf16 autocast) on the Triton backend, where
@@ -85,13 +100,7 @@ def test_autocast_training_step_matches_float32_reference(model: str, monkeypatc
     ref = build(model, "reference").float().train()
     tri = build(model, "triton").float().train()
     tri.load_state_dict(ref.state_dict())
-    x = torch.randint(0, VOCAB, (2, 1000), device="cuda")
-    y = torch.randint(0, VOCAB, (2, 1000), device="cuda")
-    loss_ref = ref(x, shift_labels=y).loss
-    loss_ref.backward()
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        loss = tri(x, shift_labels=y).loss
-    loss.backward()
+    loss_ref, loss = float32_and_autocast_steps(ref, tri)
     assert len(calls) == 4 * 2  # per layer: q/k/v(/gates), o, gate/up, down
     assert abs(loss.item() - loss_ref.item()) <= 1e-2 * abs(loss_ref.item())
     for (name, p_ref), p_tri in zip(ref.named_parameters(), tri.parameters(), strict=True):
@@ -106,25 +115,13 @@ def test_adapters_under_autocast_equal_merged_weights() -> None:
     reference model with the adapters merged into its weights: loss and weight gradients agree
     within bf16 accuracy and every adapter gets a gradient. (Adapters as large as the CPU
     test's make the model so sharp that bf16 alone moves some gradients by 50%.)"""
-    from test_model import LowRankAdapted, _linears
+    from test_model import attach_adapters
 
     wrapped = build("fot_pro", "triton").float().train()
     merged = build("fot_pro", "reference").float().train()
     merged.load_state_dict(wrapped.state_dict())
-    pairs = []
-    with torch.no_grad():
-        for (parent, name, layer), (_, _, plain) in zip(_linears(wrapped), _linears(merged)):
-            adapter = LowRankAdapted(layer, scale=0.05).cuda()
-            setattr(parent, name, adapter)
-            plain.weight += adapter.lora_B @ adapter.lora_A
-            pairs.append((adapter, plain))
-    x = torch.randint(0, VOCAB, (2, 1000), device="cuda")
-    y = torch.randint(0, VOCAB, (2, 1000), device="cuda")
-    want = merged(x, shift_labels=y).loss
-    want.backward()
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        loss = wrapped(x, shift_labels=y).loss
-    loss.backward()
+    pairs = attach_adapters(wrapped, merged, scale=0.05)
+    want, loss = float32_and_autocast_steps(merged, wrapped)
     assert abs(loss.item() - want.item()) <= 1e-2 * abs(want.item())
     for adapter, plain in pairs:
         assert rel_err(adapter.weight.grad, plain.weight.grad) <= 5e-2

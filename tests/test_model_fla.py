@@ -42,6 +42,16 @@ def test_fla_baseline_loss_matches_its_own_logits_and_trains(name: str) -> None:
     assert abs(ptl.sum().item() / 13 - want.item()) < 1e-4
 
 
+def test_fla_baseline_loss_runs_a_hooked_lm_head() -> None:
+    """Our loss calls a hooked (or adapter-wrapped) LM head as a module, as FLA's forward does."""
+    m = tiny("deltanet")
+    m.lm_head.register_forward_hook(lambda module, args, out: 2 * out)
+    x, y = torch.randint(0, VOCAB, (1, 16)), torch.randint(0, VOCAB, (1, 16))
+    logits = m(x).logits  # FLA's own forward, through the hook
+    want = F.cross_entropy(logits.float().reshape(-1, VOCAB), y.reshape(-1))
+    assert abs(m(x, shift_labels=y).loss.item() - want.item()) < 1e-4
+
+
 @pytest.mark.parametrize("name", ["deltanet"])
 def test_fla_baseline_packed_equals_separate(name: str) -> None:
     m = tiny(name)

@@ -127,10 +127,13 @@ def _fla_name(config: PretrainedConfig) -> str:
 
 
 def _chunked_ce(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, fp32_logits: bool
+    hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Tensor, fp32_logits: bool
 ) -> torch.Tensor:
-    from fot.models.modeling_fot import _chunked_cross_entropy
+    """``[N]`` float32 losses of ``head(hidden)`` (``hidden`` ``[N, H]``, ``labels`` ``[N]``),
+    2048 rows of logits at a time; a wrapped or hooked head is called as a module."""
+    from fot.models.modeling_fot import _chunked_cross_entropy, _fusable
 
+    weight = head.weight if _fusable(head) else head
     return _chunked_cross_entropy(hidden, weight, labels, 2048, fp32_logits=fp32_logits)
 
 
@@ -176,9 +179,7 @@ class _FoTContractMixin:
                 f"shift_labels must be [B, T] = {(B, T)}, got {tuple(shift_labels.shape)}"
             )
         labels = shift_labels.to(hidden.device).reshape(-1).long()
-        return _chunked_ce(hidden.reshape(B * T, H), self.lm_head.weight, labels, fp32_logits).view(
-            B, T
-        )
+        return _chunked_ce(hidden.reshape(B * T, H), self.lm_head, labels, fp32_logits).view(B, T)
 
     def forward(
         self,
@@ -196,7 +197,9 @@ class _FoTContractMixin:
         hidden = self._hidden(input_ids, attention_mask, cu_seqlens)
         if shift_labels is None:
             return CausalLMOutputWithPast(logits=self.lm_head(hidden).float())
-        if hidden.is_cuda:
+        from fot.models.modeling_fot import _fusable
+
+        if hidden.is_cuda and _fusable(self.lm_head):  # the fused loss reads the weight
             from fla.modules import FusedLinearCrossEntropyLoss
 
             B, T, H = hidden.shape

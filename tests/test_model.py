@@ -786,6 +786,22 @@ def double_projections_by_hooks(hooked: torch.nn.Module, scaled: torch.nn.Module
     return calls
 
 
+def test_chunked_loss_of_a_head_module_keeps_fp32_logits_under_autocast() -> None:
+    """Evaluation's float32 logits hold for a wrapped LM head too (autocast off around it)."""
+    from fot.models.modeling_fot import _chunked_cross_entropy
+
+    torch.manual_seed(0)
+    head = LowRankAdapted(torch.nn.Linear(16, VOCAB, bias=False))
+    hidden, labels = torch.randn(40, 16), torch.randint(0, VOCAB, (40,))
+    with torch.no_grad():
+        want = F.cross_entropy(head(hidden), labels, reduction="none")  # float32, no autocast
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = _chunked_cross_entropy(hidden, head, labels, 16, fp32_logits=True)
+            rounded = _chunked_cross_entropy(hidden, head, labels, 16)
+    assert max_err(got, want) < 1e-5
+    assert max_err(rounded, want) > 1e-3  # without it the head runs in bf16
+
+
 @pytest.mark.parametrize("backend", INTERPRETED_BACKENDS)
 def test_forward_hooks_on_projections_fire(backend: str) -> None:
     """A hook that doubles a projection's or a norm's output acts like doubling its weight

@@ -1032,12 +1032,12 @@ def _chunked_cross_entropy(
     Args:
         hidden: ``[N, hidden]``; labels: ``[N]`` int64 (-100 = ignore).
         weight: ``[V, hidden]``, or a head ``[n, hidden] -> [n, V]`` logits (a wrapped LM
-            head, run as it is under the current autocast).
+            head, called as it is).
         chunk_size: rows whose fp32 logits exist at once; under autograd each chunk is
             checkpointed, so backward also holds one chunk's logits at a time.
-        fp32_logits: compute the logits in fp32 with autocast off (evaluation); otherwise in
-            the autocast/model dtype, then upcast for the softmax (training). Only with a
-            weight tensor.
+        fp32_logits: compute the logits in fp32 with autocast off (evaluation; a head module
+            then runs in its own weights' dtype); otherwise in the autocast/model dtype, then
+            upcast for the softmax (training).
 
     Returns:
         ``[N]`` float32 losses, 0 at ignored rows.
@@ -1045,7 +1045,9 @@ def _chunked_cross_entropy(
 
     def _rows(h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if not isinstance(weight, torch.Tensor):
-            logits = weight(h).float()  # (n, V)
+            off = torch.autocast(h.device.type, enabled=False)
+            with off if fp32_logits else contextlib.nullcontext():
+                logits = weight(h).float()  # (n, V)
         elif fp32_logits:  # evaluation: exact logits even under a bf16 autocast
             with torch.autocast(h.device.type, enabled=False):
                 logits = F.linear(h.float(), weight.float())  # (n, V)

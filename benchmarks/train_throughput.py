@@ -262,6 +262,7 @@ class Settings:
     fgate_bias_init: float | None = None
     profile_steps: int = 0
     lr: float = 0.0
+    cuda_graphs: bool = False
 
 
 # Kernel-name patterns -> category, first match wins (lower-case substrings), after our own
@@ -403,7 +404,7 @@ def measure(name: str, s: Settings) -> dict[str, Any]:
         model.to(torch.bfloat16)  # bf16 weights and AdamW states, no fp32 master copy
     model.train()
     _apply_compile_and_ckpt(model, s)
-    optimizer = build_optimizer(model, OptimConfig(), device=dev)
+    optimizer = build_optimizer(model, OptimConfig(), device=dev, capturable=s.cuda_graphs)
     for group in optimizer.param_groups:  # as the trainer's schedule sets each step's LR
         group["lr"] = s.lr
     amp = (
@@ -426,6 +427,34 @@ def measure(name: str, s: Settings) -> dict[str, Any]:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return loss.detach()
+
+    if s.cuda_graphs:
+        # The trainer's parallel.cuda_graphs: two eager steps, then one captured step replayed;
+        # each step copies its tokens from pinned host memory into the graph's buffers.
+        from fot.data.streams import Batch
+        from fot.training.cuda_graph import GraphedStep
+
+        host_batch = Batch(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(), None, s.seq_len)
+
+        def body(
+            batches: Sequence[Batch], n_tokens: Sequence[Any], scales: Sequence[Any]
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            b = batches[0]
+            with amp():
+                loss = loss_fn(model, b.input_ids, b.labels)
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            return loss.detach().double(), norm
+
+        graphed = GraphedStep(body, optimizer, device=dev)
+
+        def graph_step() -> torch.Tensor:
+            loss, _ = graphed([host_batch], [host_batch.num_label_tokens()], [1.0])
+            optimizer.zero_grad(set_to_none=True)
+            return loss.clone()  # the graph's output is overwritten by the next replay
+
+        step = graph_step
 
     t0 = time.perf_counter()
     first = None
@@ -747,6 +776,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", action="store_true", help="torch.compile each block")
     p.add_argument("--act-ckpt", action="store_true", help="activation checkpointing per block")
     p.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="as the trainer's parallel.cuda_graphs=true: after two eager warm-up steps, "
+        "capture one step as a CUDA graph and time its replays (CUDA only, --warmup >= 3)",
+    )
+    p.add_argument(
         "--peak-tflops",
         type=float,
         default=None,
@@ -791,7 +826,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     built: > 0 means an earlier model leaked), ``step_times_ms``, ``warmup_s``, ``loss_first``,
     ``loss_last``, ``attn_impl``, ``loss_impl``, ``vs_hf_llama``, ``vs_fla_fot``,
     ``mem_vs_hf_llama``, and the run settings (``batch_size``, ``seq_len``, ``size``,
-    ``precision``, ``compile``, ``act_ckpt``).
+    ``precision``, ``compile``, ``act_ckpt``, ``cuda_graphs``).
     """
     args = build_parser().parse_args(argv)
     models = parse_models(args.models, ALL_MODELS)
@@ -804,6 +839,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         raise SystemExit(f"--lr must be a finite number >= 0, got {args.lr}")
     overrides = parse_overrides(args.fot_override)
     device = resolve_device(args.device)
+    if args.cuda_graphs:
+        if device.type != "cuda":
+            raise SystemExit(f"--cuda-graphs needs a CUDA device, got {device}")
+        if args.compile:
+            raise SystemExit("--cuda-graphs and --compile do not go together (drop one)")
+        if args.warmup < 3:
+            raise SystemExit(
+                f"--cuda-graphs needs --warmup >= 3 (two eager steps, then the capture), "
+                f"got {args.warmup}"
+            )
     if device.type == "cuda":
         # Many models in one process: expandable segments keep fragmentation from turning into
         # OOMs for the later ones (read at the first CUDA allocation; the user's setting wins).
@@ -832,6 +877,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         fgate_bias_init=args.fgate_bias_init,
         profile_steps=args.profile,
         lr=args.lr,
+        cuda_graphs=args.cuda_graphs,
     )
     meta = run_meta(device, args)
     meta.update(
@@ -853,6 +899,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             precision=s.precision,
             compile=s.compile,
             act_ckpt=s.act_ckpt,
+            cuda_graphs=s.cuda_graphs,
             fgate_bias_init=s.fgate_bias_init,
         )
         payload["results"].append(row)

@@ -201,6 +201,8 @@ def test_train_throughput_bad_args(bench):
         bench["train_throughput"].main([*TOY, "--seq-len", "0"])
     with pytest.raises(SystemExit, match="--lr must be a finite number >= 0"):
         bench["train_throughput"].main([*TOY, "--lr", "-1"])
+    with pytest.raises(SystemExit, match="--cuda-graphs needs a CUDA device"):
+        bench["train_throughput"].main([*TOY, "--cuda-graphs"])
 
 
 # ---------------------------------------------------------------------------------------

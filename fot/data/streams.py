@@ -65,12 +65,19 @@ class Batch:
     seq_len: int
 
     def to(self, device: torch.device | str) -> Batch:
-        """Copy to ``device`` (non-blocking where possible)."""
+        """Copy to ``device``; from the CPU to CUDA through pinned memory, so the copy does not
+        wait for the GPU."""
         nb = torch.device(device).type == "cuda"
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            if nb and t.device.type == "cpu" and not t.is_pinned():
+                t = t.pin_memory()
+            return t.to(device, non_blocking=nb)
+
         return Batch(
-            self.input_ids.to(device, non_blocking=nb),
-            self.labels.to(device, non_blocking=nb),
-            None if self.cu_seqlens is None else self.cu_seqlens.to(device, non_blocking=nb),
+            move(self.input_ids),
+            move(self.labels),
+            None if self.cu_seqlens is None else move(self.cu_seqlens),
             self.seq_len,
         )
 

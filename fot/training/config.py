@@ -112,6 +112,11 @@ class ParallelConfig:
     reduces in fp32 only."""
     compile: bool = False
     """``torch.compile`` each block."""
+    cuda_graphs: bool = False
+    """Replay each training step as one CUDA graph after two eager steps (one GPU,
+    ``parallel=single``; batches of one shape, so not ``data.packing=varlen``; not with
+    ``compile``). Removes the host's launch time from the step: worth it where the GPU work
+    per step is short (small models; FoT heads whose pruning skips most attention)."""
     activation_checkpointing: bool = False
     backend: str = "auto"
     """Process group backend: ``auto`` (nccl on CUDA, gloo on CPU), ``nccl`` or ``gloo``."""

@@ -42,7 +42,7 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(
-    model: nn.Module, cfg: OptimConfig, *, device: torch.device
+    model: nn.Module, cfg: OptimConfig, *, device: torch.device, capturable: bool = False
 ) -> torch.optim.Optimizer:
     """AdamW over ``model``'s parameters (see :func:`param_groups`).
 
@@ -50,6 +50,7 @@ def build_optimizer(
         model: the model after :func:`fot.training.parallel.parallelize`.
         cfg: ``optim`` config. ``lr`` is the peak; the schedule sets each step's LR.
         device: where the parameters live (the fused kernel is used on CUDA by default).
+        capturable: whether a CUDA graph may capture ``step()`` (for ``parallel.cuda_graphs``).
     """
     if cfg.name != "adamw":
         raise ValueError(f"optim.name={cfg.name!r} is not supported; valid: ['adamw']")
@@ -64,6 +65,7 @@ def build_optimizer(
         betas=(float(cfg.betas[0]), float(cfg.betas[1])),
         eps=cfg.eps,
         fused=fused or None,
+        capturable=capturable,
     )
 
 

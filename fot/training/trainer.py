@@ -15,6 +15,7 @@ import json
 import logging
 import math
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from torch import nn
 from fot.data.streams import Batch, SequenceStream, iterate_eval_batches
 from fot.training import checkpoint as ckpt
 from fot.training.config import to_container
+from fot.training.cuda_graph import GraphedStep, check_cuda_graphs
 from fot.training.metrics import (
     MetricsLogger,
     flops_per_token,
@@ -98,18 +100,6 @@ def _crossed(before: int, after: int, every: int) -> bool:
 
 def _clamp1(n: int | torch.Tensor) -> int | torch.Tensor:
     return n.clamp(min=1) if isinstance(n, torch.Tensor) else max(n, 1)
-
-
-def _to_device(batch: Batch, device: torch.device) -> Batch:
-    """Copy a CPU batch to ``device``; on CUDA from pinned memory, so the copy is asynchronous."""
-    if device.type == "cuda" and not batch.input_ids.is_pinned():
-        batch = Batch(
-            batch.input_ids.pin_memory(),
-            batch.labels.pin_memory(),
-            None if batch.cu_seqlens is None else batch.cu_seqlens.pin_memory(),
-            batch.seq_len,
-        )
-    return batch.to(device)
 
 
 def _diverged_message(
@@ -294,6 +284,7 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
     t_start = time.time()
     info = init_distributed(cfg.device, cfg.parallel.backend)
     strategy = resolve_strategy(cfg.parallel, info)
+    check_cuda_graphs(cfg.parallel, strategy=strategy, device=info.device)
     # rank 0's folder for every rank (Hydra's timestamped folders can differ by a second)
     out_dir = Path(_from_rank0(str(Path(cfg.out_dir or ".").resolve())))
     ckpt_dir = out_dir / "checkpoints"
@@ -328,7 +319,9 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
     n_params = presets.count_params(model)
     fpt = flops_per_token(model, hf_config, T)
     model = parallelize(model, cfg.parallel, info, strategy=strategy)
-    optimizer = build_optimizer(model, cfg.optim, device=info.device)
+    optimizer = build_optimizer(
+        model, cfg.optim, device=info.device, capturable=bool(cfg.parallel.cuda_graphs)
+    )
     peak = cfg.peak_flops or peak_flops_per_device(info.device)
 
     # ---- resume --------------------------------------------------------------------------
@@ -499,6 +492,35 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
             )
         return host[0], n_tokens, host[1]
 
+    def run_step(
+        batches: Sequence[Batch],
+        n_tokens: Sequence[int | torch.Tensor],
+        scales: Sequence[float | torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step on device ``batches`` (forward and backward of each micro batch,
+        gradient clip, AdamW): returns the global sum of token losses and the gradient norm.
+        Also the function :class:`GraphedStep` captures, so it waits for the host nowhere."""
+        loss_sum = torch.zeros((), **f64)
+        for i, (b, n_b, scale) in enumerate(zip(batches, n_tokens, scales, strict=True)):
+            last = i == len(batches) - 1
+            with accumulation(model, strategy, last=last, cfg=cfg.parallel):
+                with amp():
+                    out = model(
+                        input_ids=b.input_ids, shift_labels=b.labels, cu_seqlens=b.cu_seqlens
+                    )
+                (out.loss * scale).backward()
+            loss_sum += out.loss.detach().double() * n_b
+        all_reduce_sum(loss_sum.reshape(1))  # global sum of token losses (in place)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        optimizer.step()
+        return loss_sum, norm
+
+    graphed = None
+    if cfg.parallel.cuda_graphs:
+        graphed = GraphedStep(run_step, optimizer, device=info.device)
+
     gc_every = int(cfg.gc_every_steps)  # train() turned automatic GC off when this is > 0
     while step < total_steps:
         if gc_every and step % gc_every == 0:
@@ -515,27 +537,16 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
             tokens + gbt, peak_lr=cfg.optim.lr, total_tokens=total_steps * gbt, cfg=cfg.schedule
         )
         set_lr(optimizer, lr)
-        loss_sum = torch.zeros((), **f64)
-        for i, (batch, n_b) in enumerate(zip(batches, n_micro, strict=True)):
-            b = _to_device(batch, info.device)
-            last = i == len(batches) - 1
-            with accumulation(model, strategy, last=last, cfg=cfg.parallel):
-                with amp():
-                    out = model(
-                        input_ids=b.input_ids, shift_labels=b.labels, cu_seqlens=b.cu_seqlens
-                    )
-                # weight by this micro batch's share of the global label tokens; DDP/FSDP
-                # average gradients over ranks, hence the world size
-                if isinstance(n_global, torch.Tensor):
-                    scale = (n_b * info.world_size / n_global.clamp(min=1)).float()
-                else:
-                    scale = n_b * info.world_size / max(n_global, 1)
-                (out.loss * scale).backward()
-            loss_sum += out.loss.detach().double() * n_b
-        all_reduce_sum(loss_sum.reshape(1))  # global sum of token losses (in place)
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
+        # weight each micro batch by its share of the global label tokens; DDP/FSDP average
+        # gradients over ranks, hence the world size
+        if isinstance(n_global, torch.Tensor):
+            scales = [(n_b * info.world_size / n_global.clamp(min=1)).float() for n_b in n_micro]
+        else:
+            scales = [n_b * info.world_size / max(n_global, 1) for n_b in n_micro]
+        if graphed is not None:
+            loss_sum, norm = graphed(batches, n_micro, scales)
+        else:
+            loss_sum, norm = run_step([b.to(info.device) for b in batches], n_micro, scales)
         grad_norm = norm.detach().double()
         # remember the first non-finite step on the device; `fetch` raises on it
         first = torch.stack(
@@ -543,7 +554,6 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
         )
         bad = ~(torch.isfinite(loss_sum) & torch.isfinite(grad_norm)) & (diverged[0] == 0)
         diverged = torch.where(bad, first, diverged)
-        optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         prev_tokens = tokens
         step += 1

@@ -1,0 +1,197 @@
+"""The training step as one CUDA graph (``parallel.cuda_graphs=true``, one GPU).
+
+An eager step spends host time on every kernel launch: Python, autograd and Triton's
+launcher. When the GPU work per step is short (small models, or FoT heads whose exact pruning
+skips most attention tiles) the GPU waits for the host. :class:`GraphedStep` runs the first
+steps eagerly (they compile and tune every kernel and create the optimizer state), then
+captures one whole step (every micro batch's forward and backward, the gradient clip and
+AdamW) as a CUDA graph and replays it for each later step, after copying the step's tokens,
+label counts and learning rate into the graph's fixed input buffers. A replay launches the
+same kernels on the same memory as the eager step, so the losses and weights equal those of
+an eager run.
+
+What a graph needs, and :func:`check_cuda_graphs` / :class:`GraphedStep` check: one CUDA
+device (``parallel=single``), no ``torch.compile`` (it makes its own graphs), batches of one
+shape (``data.packing=varlen`` gives every step its own document boundaries), and a model
+whose step never waits for the host.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import torch
+
+from fot.data.streams import Batch
+from fot.training.config import ParallelConfig
+
+logger = logging.getLogger("fot.train")
+
+StepFn = Callable[
+    [Sequence[Batch], Sequence[int | torch.Tensor], Sequence[float | torch.Tensor]],
+    tuple[torch.Tensor, torch.Tensor],
+]
+
+
+def check_cuda_graphs(cfg: ParallelConfig, *, strategy: str, device: torch.device) -> None:
+    """Raise ``ValueError`` if ``parallel.cuda_graphs=true`` cannot work for this run.
+
+    Args:
+        cfg: the ``parallel`` config.
+        strategy: the resolved strategy (``single``, ``ddp`` or ``fsdp``).
+        device: this process's device.
+    """
+    if not cfg.cuda_graphs:
+        return
+    off = "or set parallel.cuda_graphs=false"
+    if device.type != "cuda":
+        raise ValueError(
+            f"parallel.cuda_graphs=true needs a CUDA device, this run is on {device} ({off})"
+        )
+    if strategy != "single":
+        raise ValueError(
+            f"parallel.cuda_graphs=true runs one GPU (parallel=single), this run is "
+            f"parallel={strategy}: its gradients are reduced by collectives outside the graph "
+            f"(use parallel=single, {off})"
+        )
+    if cfg.compile:
+        raise ValueError(
+            "parallel.cuda_graphs=true and parallel.compile=true do not go together: "
+            f"torch.compile makes and replays its own graphs (set parallel.compile=false, {off})"
+        )
+
+
+class GraphedStep:
+    """Run ``step_fn`` eagerly for ``eager_steps`` calls, then as one CUDA graph.
+
+    ``step_fn(batches, n_tokens, scales) -> (loss_sum, grad_norm)`` does one optimizer step on
+    device batches: ``batches[i]`` is micro batch ``i`` (``input_ids``/``labels`` ``[B, T]``
+    int64), ``n_tokens[i]`` its number of label tokens and ``scales[i]`` the factor of its
+    mean loss in the backward; it returns the float64 sum of token losses and the gradient
+    norm. Eager calls get Python numbers, the captured call 0-dim CUDA tensors (float64 token
+    counts, float32 scales) holding the same values. ``step_fn`` must not zero the gradients:
+    the graph's first backward writes them and the later ones add to them.
+
+    The optimizer must be ``capturable``. Its learning rate stays a float in
+    ``param_groups`` (what schedules set and checkpoints store); each replay copies it into
+    the tensor the captured AdamW reads.
+
+    Args:
+        step_fn: the step, as above.
+        optimizer: the optimizer ``step_fn`` steps.
+        device: the CUDA device.
+        eager_steps: calls run eagerly before the capture (at least 1: the first call
+            compiles the Triton kernels and creates the AdamW state).
+    """
+
+    def __init__(
+        self,
+        step_fn: StepFn,
+        optimizer: torch.optim.Optimizer,
+        *,
+        device: torch.device,
+        eager_steps: int = 2,
+    ) -> None:
+        if eager_steps < 1:
+            raise ValueError(f"eager_steps must be >= 1, got {eager_steps}")
+        if not all(g.get("capturable", False) for g in optimizer.param_groups):
+            raise ValueError("GraphedStep needs an optimizer built with capturable=True")
+        self.step_fn = step_fn
+        self.optimizer = optimizer
+        self.device = device
+        self.eager_left = eager_steps
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    @property
+    def captured(self) -> bool:
+        """Whether the graph exists (later calls replay it)."""
+        return self.graph is not None
+
+    def __call__(
+        self, batches: Sequence[Batch], n_tokens: Sequence[int], scales: Sequence[float]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One step on CPU (or device) ``batches``; returns ``(loss_sum, grad_norm)``.
+
+        After the capture the two tensors are the graph's outputs, overwritten by the next
+        call: copy them (or add them to something) before calling again.
+        """
+        for b in batches:
+            if b.cu_seqlens is not None:
+                raise ValueError(
+                    "parallel.cuda_graphs=true needs batches of one shape, but this batch has "
+                    "document boundaries (cu_seqlens, from data.packing=varlen) that change "
+                    "every step: use data.packing=causal or padded, or set "
+                    "parallel.cuda_graphs=false"
+                )
+        if self.eager_left > 0:
+            self.eager_left -= 1
+            return self.step_fn([b.to(self.device) for b in batches], n_tokens, scales)
+        if self.graph is None:
+            self._capture(batches)
+        self._load(batches, n_tokens, scales)
+        assert self.graph is not None
+        self.graph.replay()
+        return self.loss_sum, self.grad_norm
+
+    def _load(
+        self, batches: Sequence[Batch], n_tokens: Sequence[int], scales: Sequence[float]
+    ) -> None:
+        """Copy one step's inputs into the graph's buffers (asynchronously, from pinned memory)."""
+        if len(batches) != len(self.input_ids):
+            raise ValueError(
+                f"this step has {len(batches)} micro batches, the captured step "
+                f"{len(self.input_ids)}: a CUDA-graph step needs the same number every step"
+            )
+        for b, ids, labels in zip(batches, self.input_ids, self.labels, strict=True):
+            if b.input_ids.shape != ids.shape:
+                raise ValueError(
+                    f"micro batch of shape {tuple(b.input_ids.shape)}, the captured step's is "
+                    f"{tuple(ids.shape)}: a CUDA-graph step needs one batch shape"
+                )
+            ids.copy_(b.input_ids.pin_memory(), non_blocking=True)
+            labels.copy_(b.labels.pin_memory(), non_blocking=True)
+        host = torch.tensor([*n_tokens, *scales], dtype=torch.float64).pin_memory()
+        self.numbers.copy_(host, non_blocking=True)
+        for lr, group in zip(self.lrs, self.optimizer.param_groups, strict=True):
+            lr.fill_(group["lr"])
+
+    def _capture(self, batches: Sequence[Batch]) -> None:
+        dev = self.device
+        k = len(batches)
+        self.input_ids = [torch.empty_like(b.input_ids, device=dev) for b in batches]
+        self.labels = [torch.empty_like(b.labels, device=dev) for b in batches]
+        self.numbers = torch.zeros(2 * k, dtype=torch.float64, device=dev)
+        statics = [
+            Batch(ids, labels, None, b.seq_len)
+            for ids, labels, b in zip(self.input_ids, self.labels, batches, strict=True)
+        ]
+        groups = self.optimizer.param_groups
+        self.lrs = [torch.tensor(float(g["lr"]), device=dev) for g in groups]
+        lr_floats = [g["lr"] for g in groups]
+        self.optimizer.zero_grad(set_to_none=True)  # the graph's backward allocates them
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()  # the eager steps' cached blocks, before the graph's pool
+        graph = torch.cuda.CUDAGraph()
+        try:
+            for g, lr in zip(groups, self.lrs, strict=True):
+                g["lr"] = lr
+            with torch.cuda.graph(graph):
+                n_tokens = [self.numbers[i] for i in range(k)]  # (,) float64
+                scales = [self.numbers[k + i].float() for i in range(k)]  # (,) float32
+                self.loss_sum, self.grad_norm = self.step_fn(statics, n_tokens, scales)
+        except RuntimeError as e:
+            raise RuntimeError(
+                f"capturing the training step as a CUDA graph failed ({e}). Something in "
+                "this model's step waits for the host or cannot be captured; set "
+                "parallel.cuda_graphs=false"
+            ) from e
+        finally:
+            for g, lr in zip(groups, lr_floats, strict=True):
+                g["lr"] = lr
+        self.graph = graph
+        logger.info(
+            "training step captured as a CUDA graph (%d micro batches of %s); replaying it",
+            k,
+            tuple(self.input_ids[0].shape),
+        )

@@ -1,0 +1,144 @@
+"""``parallel.cuda_graphs``: the training step replayed as one CUDA graph trains exactly as the
+eager step does (GPU), and runs it cannot serve are refused up front with the fix (CPU)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from fot.data.tokens import write_token_documents
+from fot.training import register_configs, train
+from fot.training.checkpoint import list_checkpoints
+from fot.training.config import ParallelConfig
+from fot.training.cuda_graph import GraphedStep, check_cuda_graphs
+
+ROOT = Path(__file__).resolve().parents[1]
+register_configs()
+
+
+def _documents(path: Path, n_docs: int = 400, seed: int = 0) -> Path:
+    """A token folder of documents of 5-80 tokens: padded sequences of 64 tokens then hold
+    different numbers of label tokens."""
+    rng = np.random.default_rng(seed)
+    docs = [rng.integers(0, 50000, int(rng.integers(5, 81))) for _ in range(n_docs)]
+    write_token_documents(path, docs)
+    return path
+
+
+def _cfg(out_dir: Path, data: Path, *overrides: str):
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        return compose(
+            "train",
+            overrides=[
+                "++model.overrides={hidden_size:64,num_hidden_layers:2,num_heads:2}",
+                "data=tokens",
+                f"data.path={data}",
+                f"data.val_path={data}",
+                "data.seq_len=64",
+                "data.packing=padded",
+                "data.val_tokens=256",
+                "global_batch_tokens=256",
+                "micro_batch_size=2",  # two micro batches per step
+                "total_tokens=2560",
+                "log_every_tokens=256",  # every step
+                "val_every_tokens=1280",
+                "ckpt_every_tokens=1280",  # one checkpoint between replays
+                "schedule.warmup_tokens=1024",  # a new learning rate every step
+                "optim.lr=0.01",
+                "export_hf=false",
+                "progress=false",
+                "wandb.mode=disabled",
+                f"out_dir={out_dir}",
+                *overrides,
+            ],
+        )
+
+
+def _records(out_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+TIMING = {"tokens_per_s", "tokens_per_s_per_device", "mfu", "peak_mem_gib", "elapsed_s"}
+
+
+def _values(records: list[dict]) -> list[dict]:
+    """The records without their timings and memory."""
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in records]
+
+
+def test_config_checks_name_the_fix() -> None:
+    on = ParallelConfig(cuda_graphs=True)
+    cuda = torch.device("cuda", 0)
+    with pytest.raises(ValueError, match=r"needs a CUDA device.*cuda_graphs=false"):
+        check_cuda_graphs(on, strategy="single", device=torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"parallel=ddp.*use parallel=single"):
+        check_cuda_graphs(on, strategy="ddp", device=cuda)
+    with pytest.raises(ValueError, match=r"parallel\.compile=false"):
+        check_cuda_graphs(
+            ParallelConfig(cuda_graphs=True, compile=True), strategy="single", device=cuda
+        )
+    check_cuda_graphs(on, strategy="single", device=cuda)  # what it is for
+    check_cuda_graphs(ParallelConfig(), strategy="ddp", device=torch.device("cpu"))  # off
+
+
+def test_cpu_run_is_refused_before_anything_is_written(tmp_path) -> None:
+    data = _documents(tmp_path / "docs")
+    out = tmp_path / "run"
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        train(_cfg(out, data, "device=cpu", "parallel.cuda_graphs=true"))
+    assert not out.exists()
+
+
+def test_graphed_step_needs_a_capturable_optimizer() -> None:
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))])
+    with pytest.raises(ValueError, match="capturable=True"):
+        GraphedStep(lambda *a: None, opt, device=torch.device("cpu"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("act_ckpt", [False, True])
+def test_graphed_training_equals_eager(tmp_path, caplog, act_ckpt: bool) -> None:
+    """Ten steps of two micro batches with a new learning rate and new label counts every
+    step: the eager run is the oracle for the graphed one (losses, gradient norms, validation
+    and the weights in both checkpoints)."""
+    data = _documents(tmp_path / "docs")
+    extra = ["device=cuda", f"parallel.activation_checkpointing={str(act_ckpt).lower()}"]
+    eager = train(_cfg(tmp_path / "eager", data, *extra))
+    with caplog.at_level(logging.INFO, logger="fot.train"):
+        graphed = train(_cfg(tmp_path / "graphed", data, *extra, "parallel.cuda_graphs=true"))
+    assert sum("captured as a CUDA graph" in r.message for r in caplog.records) == 1
+
+    a, b = _records(tmp_path / "eager"), _records(tmp_path / "graphed")
+    steps = [r for r in a if "loss" in r]
+    assert len(steps) == 10
+    assert len({r["loss"] for r in steps}) == 10  # the run is not trivially constant
+    assert sum("val/loss" in r for r in a) == 2  # after step 5 (between replays) and at the end
+    assert _values(a) == _values(b)  # losses, gradient norms, learning rates, validation
+    assert eager["val/loss"] == graphed["val/loss"]
+    ckpts = list_checkpoints(tmp_path / "eager" / "checkpoints")
+    assert [p.name for p in ckpts] == [
+        p.name for p in list_checkpoints(tmp_path / "graphed" / "checkpoints")
+    ]
+    assert len(ckpts) == 2  # step 5 (between replays) and the final step 10
+    for p in ckpts:
+        wa = torch.load(p / "model.pt")
+        wb = torch.load(tmp_path / "graphed" / "checkpoints" / p.name / "model.pt")
+        assert wa.keys() == wb.keys()
+        for name in wa:
+            assert torch.equal(wa[name], wb[name]), (p.name, name)
+
+
+@pytest.mark.gpu
+def test_varlen_batches_are_refused_with_the_fix(tmp_path) -> None:
+    data = _documents(tmp_path / "docs")
+    cfg = _cfg(
+        tmp_path / "run", data, "device=cuda", "data.packing=varlen", "parallel.cuda_graphs=true"
+    )
+    with pytest.raises(ValueError, match=r"data\.packing=causal or padded"):
+        train(cfg)

@@ -66,10 +66,24 @@ class FoTConfig(PretrainedConfig):
             steps with a growing cache.
         norm_eps: RMSNorm epsilon.
         initializer_range: std of the N(0, std) init of linear and embedding weights.
+
+    LLaMA-named fields are read as their FoT equivalents, as constructor arguments and as
+    attributes: ``num_attention_heads`` (``num_heads``), ``num_key_value_heads``
+    (``num_kv_heads``; reads give the resolved count :attr:`kv_heads`), ``rms_norm_eps``
+    (``norm_eps``), ``rope_parameters={"rope_type": "default", "rope_theta": x}``
+    (``rope_theta``). Fields of features FoT models do not have are refused with a
+    ``ValueError`` rather than stored and ignored: non-zero dropout (``dropout``,
+    ``attention_dropout``, ``hidden_dropout``, ``resid_pdrop``, ...), ``rope_scaling`` or a
+    non-default ``rope_parameters`` type, ``attention_bias`` / ``mlp_bias``, and a
+    ``hidden_act`` other than ``"silu"``.
     """
 
     model_type = "fot"
-    attribute_map: ClassVar[dict[str, str]] = {"num_attention_heads": "num_heads"}
+    attribute_map: ClassVar[dict[str, str]] = {
+        "num_attention_heads": "num_heads",
+        "num_key_value_heads": "kv_heads",
+        "rms_norm_eps": "norm_eps",
+    }
     keys_to_ignore_at_inference: ClassVar[list[str]] = ["past_key_values"]
 
     def __init__(
@@ -109,6 +123,13 @@ class FoTConfig(PretrainedConfig):
         tie_word_embeddings: bool = False,
         **kwargs,
     ) -> None:
+        num_kv_heads = _take_alias(
+            kwargs, "num_key_value_heads", "num_kv_heads", num_kv_heads, None
+        )
+        norm_eps = _take_alias(kwargs, "rms_norm_eps", "norm_eps", norm_eps, 1e-6)
+        num_heads = _take_alias(kwargs, "num_attention_heads", "num_heads", num_heads, 12)
+        rope_theta = _take_rope_parameters(kwargs, rope_theta)
+        _refuse_unsupported_fields(kwargs)
         head_dim = kwargs.pop("head_dim", None)
         if head_dim is not None and head_dim * num_heads != hidden_size:
             raise ValueError(
@@ -166,8 +187,16 @@ class FoTConfig(PretrainedConfig):
 
     @property
     def kv_heads(self) -> int:
-        """Number of key/value heads (``num_kv_heads`` or ``num_heads``)."""
+        """Number of key/value heads (``num_kv_heads`` or ``num_heads``).
+
+        Also read as ``num_key_value_heads`` (LLaMA's name); assigning either sets
+        ``num_kv_heads``.
+        """
         return self.num_kv_heads if self.num_kv_heads is not None else self.num_heads
+
+    @kv_heads.setter
+    def kv_heads(self, value: int | None) -> None:
+        self.num_kv_heads = value
 
     @property
     def padded_vocab_size(self) -> int:
@@ -249,6 +278,99 @@ class FoTConfig(PretrainedConfig):
             )
         if self.intermediate_size is None and not self.hidden_ratio > 0:
             raise ValueError(f"hidden_ratio must be > 0, got {self.hidden_ratio!r}")
+
+
+# Dropout fields of other architectures' configs: FoT models have no dropout layers.
+DROPOUT_FIELDS = (
+    "dropout",
+    "attention_dropout",
+    "hidden_dropout",
+    "hidden_dropout_prob",
+    "attention_probs_dropout_prob",
+    "activation_dropout",
+    "resid_pdrop",
+    "embd_pdrop",
+    "attn_pdrop",
+)
+
+
+def _take_alias(kwargs: dict, alias: str, name: str, value: object, default: object) -> object:
+    """Pop the LLaMA-named ``alias`` from ``kwargs``; return the value for the FoT field ``name``.
+
+    Raises:
+        ValueError: both names were given (``value`` is not the default) with different values.
+    """
+    if alias not in kwargs:
+        return value
+    other = kwargs.pop(alias)
+    if value != default and value != other:
+        raise ValueError(
+            f"{alias}={other!r} and {name}={value!r} name the same setting with different "
+            f"values; pass only {name}"
+        )
+    return other
+
+
+def _take_rope_parameters(kwargs: dict, rope_theta: float) -> float:
+    """Read ``rope_scaling`` / ``rope_parameters`` (transformers' RoPE fields) from ``kwargs``.
+
+    Returns:
+        The RoPE base to use: ``rope_parameters["rope_theta"]`` when given, else ``rope_theta``.
+
+    Raises:
+        ValueError: for any RoPE scaling (FoT's RoPE is the default, unscaled one).
+    """
+    scaling = kwargs.pop("rope_scaling", None)
+    if scaling is not None:
+        raise ValueError(
+            f"rope_scaling={scaling!r} is not supported: FoT models apply plain (unscaled) RoPE "
+            "with base rope_theta; remove rope_scaling (or set it to null) and set rope_theta"
+        )
+    params = kwargs.pop("rope_parameters", None)
+    if params is None:
+        return rope_theta
+    if not isinstance(params, dict):
+        raise ValueError(f"rope_parameters must be a dict or None, got {params!r}")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    extra = set(params) - {"rope_type", "type", "rope_theta"}
+    if rope_type != "default" or extra:
+        raise ValueError(
+            f"rope_parameters={params!r} is not supported: FoT models apply plain RoPE (rope_type "
+            "'default') with base rope_theta; drop the scaling entries and set rope_theta"
+        )
+    theta = params.get("rope_theta", rope_theta)
+    if rope_theta not in (500000.0, theta):  # an explicit rope_theta that disagrees
+        raise ValueError(
+            f"rope_parameters['rope_theta']={theta!r} and rope_theta={rope_theta!r} differ; "
+            "pass only rope_theta"
+        )
+    return float(theta)
+
+
+def _refuse_unsupported_fields(kwargs: dict) -> None:
+    """Raise ``ValueError`` for fields of other architectures that FoT models cannot honour
+    (instead of storing and ignoring them); zero dropouts are dropped from ``kwargs``."""
+    for name in DROPOUT_FIELDS:
+        if name not in kwargs:
+            continue
+        value = kwargs.pop(name)
+        if value not in (None, 0, 0.0):
+            raise ValueError(
+                f"{name}={value!r}: FoT models have no dropout; set {name} to 0 (or leave it out) "
+                "and regularise otherwise (e.g. weight decay in the optimizer)"
+            )
+    for name in ("attention_bias", "mlp_bias"):
+        if kwargs.get(name):
+            raise ValueError(
+                f"{name}=True is not supported: FoT's projections have no bias; set {name}=False"
+            )
+        kwargs.pop(name, None)
+    act = kwargs.pop("hidden_act", None)
+    if act not in (None, "silu", "swish"):
+        raise ValueError(
+            f"hidden_act={act!r} is not supported: FoT's MLP is SwiGLU (silu); set "
+            "hidden_act='silu' or leave it out"
+        )
 
 
 __all__ = ["ATTN_BACKENDS", "FGATE_TYPES", "LOSS_IMPLS", "FoTConfig"]

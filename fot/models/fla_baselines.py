@@ -186,31 +186,73 @@ class _FoTContractMixin:
         input_ids: torch.LongTensor | None = None,
         attention_mask=None,
         labels: torch.LongTensor | None = None,
-        shift_labels: torch.LongTensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
         **kwargs: Any,
     ):
+        """FLA's forward, or fot's loss / packed path when ``shift_labels``, ``labels`` or
+        document boundaries are given.
+
+        ``shift_labels`` ``[B, T]`` and ``num_items_in_batch`` (HF ``Trainer`` under gradient
+        accumulation: the loss is then the sum of token losses over it) come as keyword
+        arguments, as in HF models. HF's packing keys (``cu_seq_lens_q`` / ``cu_seq_lens_k``,
+        restarting ``position_ids``; ``fot.models.modeling_fot.hf_packing_kwargs``) are read
+        as ``cu_seqlens``. On fot's path, keys other than these, ``use_cache``,
+        ``return_dict`` and ``cache_position`` raise ``TypeError`` unless None.
+        """
+        from fot.models.modeling_fot import _fusable, hf_packing_kwargs
+
+        shift_labels = kwargs.pop("shift_labels", None)
+        num_items = kwargs.pop("num_items_in_batch", None)
+        packing = {
+            k: kwargs.pop(k)
+            for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+            if k in kwargs
+        }
+        if kwargs.get("position_ids") is not None:  # restarts mark documents, else unused
+            packing["position_ids"] = kwargs.pop("position_ids")
+        if packing and input_ids is None:
+            raise ValueError(
+                f"the packing keys {sorted(packing)} need input_ids (not inputs_embeds) here"
+            )
+        if packing:
+            cu_seqlens = hf_packing_kwargs(
+                packing, cu_seqlens, tuple(input_ids.shape), attention_mask, 0, input_ids.device
+            )
         if shift_labels is None and labels is None and cu_seqlens is None:
             return super().forward(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        unknown = sorted(
+            k
+            for k, v in kwargs.items()
+            if v is not None and k not in ("use_cache", "return_dict", "cache_position")
+        )
+        if unknown:
+            raise TypeError(
+                f"with labels or packed documents the fot wrapper computes the loss itself and "
+                f"does not support the keyword arguments {unknown}; leave them out"
+            )
         if shift_labels is None and labels is not None:
             shift_labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
         hidden = self._hidden(input_ids, attention_mask, cu_seqlens)
         if shift_labels is None:
             return CausalLMOutputWithPast(logits=self.lm_head(hidden).float())
-        from fot.models.modeling_fot import _fusable
-
+        # Sum, then divide on device (no host sync); an all-ignored batch gives 0.
+        if num_items is None:
+            count = (shift_labels.to(hidden.device) != IGNORE_INDEX).sum().clamp(min=1)
+        elif isinstance(num_items, torch.Tensor):
+            count = num_items.to(hidden.device, non_blocking=True).clamp(min=1)
+        else:
+            count = max(int(num_items), 1)
         if hidden.is_cuda and _fusable(self.lm_head):  # the fused loss reads the weight
             from fla.modules import FusedLinearCrossEntropyLoss
 
             B, T, H = hidden.shape
-            fn = FusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX, reduction="mean")
-            loss = fn(
+            fn = FusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX, reduction="sum")
+            total = fn(
                 hidden.reshape(B * T, H), shift_labels.reshape(-1).long(), self.lm_head.weight
             )
         else:
-            losses = self._token_losses(hidden, shift_labels)
-            loss = losses.sum() / (shift_labels != IGNORE_INDEX).sum().clamp(min=1)
-        return CausalLMOutputWithPast(loss=loss, logits=None)
+            total = self._token_losses(hidden, shift_labels).sum()
+        return CausalLMOutputWithPast(loss=total / count, logits=None)
 
     @torch.no_grad()
     def per_token_loss(

@@ -860,6 +860,9 @@ class FoTPreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = True
     _no_split_modules: ClassVar[list[str]] = ["FoTDecoderLayer"]
     _skip_keys_device_placement: ClassVar[list[str]] = ["past_key_values"]
+    # The forget gate is computed in float32 (its logits feed a cumsum over the whole
+    # sequence): from_pretrained(dtype=bf16 / fp16) keeps its projection's weights in float32.
+    _keep_in_fp32_modules_strict: ClassVar[list[str]] = ["fgate_proj"]
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -880,6 +883,83 @@ class FoTPreTrainedModel(PreTrainedModel):
                 module.fgate_bias,
                 long_init_bias(module.num_heads, cfg.decay_time_min, cfg.decay_time_max),
             )
+
+    @torch.no_grad()
+    def resize_token_embeddings(
+        self,
+        new_num_tokens: int | None = None,
+        pad_to_multiple_of: int | None = None,
+        mean_resizing: bool = True,
+    ) -> nn.Embedding:
+        """Change the number of real tokens to ``new_num_tokens``, keeping the rows padded.
+
+        Unlike the generic HF method (which would give the embedding exactly
+        ``new_num_tokens`` rows while the config still implies padded ones, so the saved
+        checkpoint no longer loads), this sets ``config.vocab_size = new_num_tokens`` and
+        ``config.pad_vocab_multiple = pad_to_multiple_of`` (if given), and gives the embedding
+        and the LM head ``config.padded_vocab_size`` rows: the model stays what its config
+        builds, logits have ``new_num_tokens`` columns.
+
+        Rows of tokens kept keep their weights. Tokens that become real (ids from the old
+        ``vocab_size`` up to ``new_num_tokens``, including those that were padding rows, which
+        were never trained) get the mean of the old real tokens' rows (embedding and LM head)
+        with ``mean_resizing=True`` (HF samples around that mean with a tiny covariance; the
+        mean itself is used here), else N(0, ``initializer_range``). Padding rows are drawn
+        from N(0, ``initializer_range``) and never predicted.
+
+        Args:
+            new_num_tokens: new ``vocab_size``; None keeps it (then only
+                ``pad_to_multiple_of`` changes, if given).
+            pad_to_multiple_of: new ``pad_vocab_multiple``; None keeps it.
+            mean_resizing: initialise new tokens with the old tokens' mean row.
+
+        Returns:
+            The (new) input embedding module.
+        """
+        cfg = self.config
+        if new_num_tokens is None and pad_to_multiple_of is None:
+            return self.get_input_embeddings()
+        n = cfg.vocab_size if new_num_tokens is None else new_num_tokens
+        multiple = cfg.pad_vocab_multiple if pad_to_multiple_of is None else pad_to_multiple_of
+        for name, value in (("new_num_tokens", n), ("pad_to_multiple_of", multiple)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        rows = -(-n // multiple) * multiple
+        old_vocab = cfg.vocab_size
+        std = cfg.initializer_range
+
+        def resized(weight: torch.Tensor) -> torch.Tensor:
+            new = torch.empty(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
+            new.normal_(0.0, std)
+            keep = min(old_vocab, n)
+            new[:keep] = weight[:keep]
+            if n > old_vocab and mean_resizing:
+                new[old_vocab:n] = weight[:old_vocab].float().mean(0).to(weight.dtype)
+            return new
+
+        embed = self.get_input_embeddings()
+        head = self.get_output_embeddings()
+        if type(embed) is not nn.Embedding or (
+            head is not None and (type(head) is not nn.Linear or head.bias is not None)
+        ):
+            raise ValueError(
+                "resize_token_embeddings needs a plain nn.Embedding and a bias-free nn.Linear LM "
+                f"head, got {type(embed).__name__} and {type(head).__name__}: resize before "
+                "wrapping the model (adapters, quantisation)"
+            )
+        new_embed = nn.Embedding(rows, embed.embedding_dim, device=embed.weight.device)
+        new_embed.weight = nn.Parameter(
+            resized(embed.weight), requires_grad=embed.weight.requires_grad
+        )
+        self.set_input_embeddings(new_embed)
+        if head is not None:
+            new_head = nn.Linear(head.in_features, rows, bias=False, device=head.weight.device)
+            new_head.weight = nn.Parameter(
+                resized(head.weight), requires_grad=head.weight.requires_grad
+            )
+            self.set_output_embeddings(new_head)
+        cfg.vocab_size, cfg.pad_vocab_multiple = n, multiple
+        return new_embed
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
@@ -980,8 +1060,11 @@ class FoTModel(FoTPreTrainedModel):
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
         cu_seqlens: torch.Tensor | None = None,
+        output_hidden_states: bool | None = None,
+        output_attentions: bool | None = None,
+        return_dict: bool | None = None,
         **kwargs,
-    ) -> BaseModelOutputWithPast:
+    ) -> BaseModelOutputWithPast | tuple:
         """Hidden states of the last layer (after the final norm).
 
         Args:
@@ -992,12 +1075,25 @@ class FoTModel(FoTPreTrainedModel):
             use_cache: return a (new or updated) :class:`FoTCache`. Default False.
             cu_seqlens: ``[N + 1]`` cumulative document lengths (packed documents, ``B == 1``):
                 attention, gate cumsum, KV-shift and RoPE positions restart per document.
+            output_hidden_states: also return ``hidden_states``, ``num_hidden_layers + 1``
+                tensors ``[B, T, hidden]``: the embeddings, the residual stream after each block,
+                the last one after the final norm (``last_hidden_state``), as HF's LLaMA does.
+                Default ``config.output_hidden_states``.
+            output_attentions: must be false: the attention kernels never form the attention
+                matrix (a ``ValueError`` otherwise).
+            return_dict: False returns ``output.to_tuple()``. Default ``config.return_dict``.
+            **kwargs: Hugging Face's packing keys, see :func:`hf_packing_kwargs`
+                (``cu_seq_lens_q`` / ``cu_seq_lens_k`` / ``max_length_q`` / ``max_length_k`` /
+                ``position_ids``) and ``cache_position`` (ignored: the cache knows its length).
+                Any other key with a value other than None raises ``TypeError``.
 
         Returns:
-            ``BaseModelOutputWithPast`` with ``last_hidden_state`` ``[B, T, hidden]``.
+            ``BaseModelOutputWithPast`` with ``last_hidden_state`` ``[B, T, hidden]`` (and
+            ``hidden_states`` when asked), or its tuple.
         """
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        hidden_states = _output_flags(self.config, output_hidden_states, output_attentions)
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)  # (B, T, hidden)
         B, T, _ = inputs_embeds.shape
@@ -1009,15 +1105,163 @@ class FoTModel(FoTPreTrainedModel):
                 f"use_cache=True), got {type(past_key_values).__name__}"
             )
         past = past_key_values.get_seq_length() if past_key_values is not None else 0
+        if kwargs:  # never on the training path (input_ids, cu_seqlens only): no cost there
+            cu_seqlens = hf_packing_kwargs(
+                kwargs, cu_seqlens, (B, T), attention_mask, past, inputs_embeds.device
+            )
         step = past_key_values.step if past_key_values is not None else None
         ctx = self._context(B, T, inputs_embeds.device, attention_mask, cu_seqlens, past, step)
         branch, residual = inputs_embeds, None  # the stream is residual + branch
-        for layer in self.layers:
+        states = [inputs_embeds] if hidden_states else None
+        for i, layer in enumerate(self.layers):
             branch, residual = layer(branch, residual, ctx, past_key_values=past_key_values)
+            if states is not None and i < len(self.layers) - 1:
+                states.append(residual + branch)  # the stream after block i
         h, _ = self.norm.add_norm(
             branch, residual, _use_fused_eager(self.config.attn_backend, branch)
         )
-        return BaseModelOutputWithPast(last_hidden_state=h, past_key_values=past_key_values)
+        out = BaseModelOutputWithPast(
+            last_hidden_state=h,
+            past_key_values=past_key_values,
+            hidden_states=(*states, h) if states is not None else None,
+        )
+        return out if _return_dict(self.config, return_dict) else out.to_tuple()
+
+
+# Keys that ``generate()`` and HF collators may pass and that change nothing here.
+_HARMLESS_KWARGS = frozenset({"cache_position", "max_length_q", "max_length_k"})
+
+
+def _output_flags(
+    config: FoTConfig, output_hidden_states: bool | None, output_attentions: bool | None
+) -> bool:
+    """Resolve HF's ``output_*`` flags against the config; return ``output_hidden_states``.
+
+    Raises:
+        ValueError: attentions were asked for (the kernels never form the attention matrix), or
+            ``output_hidden_states`` is not a bool.
+    """
+    if output_attentions is None:
+        output_attentions = getattr(config, "output_attentions", False)
+    if output_attentions:
+        raise ValueError(
+            "output_attentions=True is not supported: FoT's attention kernels never form the "
+            "attention matrix (flash-style). Pass output_attentions=False, or compute the "
+            "weights from the layer's q, k and log forget gates yourself"
+        )
+    if output_hidden_states is None:
+        output_hidden_states = getattr(config, "output_hidden_states", False)
+    if not isinstance(output_hidden_states, bool):
+        raise ValueError(
+            f"output_hidden_states must be True or False, got {output_hidden_states!r}; select "
+            "layers from the returned tuple instead"
+        )
+    return output_hidden_states
+
+
+def _return_dict(config: FoTConfig, return_dict: bool | None) -> bool:
+    """HF's ``return_dict`` argument, defaulting to ``config.return_dict``."""
+    return getattr(config, "return_dict", True) if return_dict is None else bool(return_dict)
+
+
+def hf_packing_kwargs(
+    kwargs: dict,
+    cu_seqlens: torch.Tensor | None,
+    shape: tuple[int, int],
+    attention_mask: torch.Tensor | None,
+    past: int,
+    device: torch.device,
+) -> torch.Tensor | None:
+    """Packed-document boundaries from the keys Hugging Face's padding-free collators emit.
+
+    ``DataCollatorWithFlattening`` concatenates a batch into one row ``[1, total]`` and marks
+    the documents with ``position_ids`` (restarting at every document) and, with
+    ``return_flash_attn_kwargs=True``, ``cu_seq_lens_q`` / ``cu_seq_lens_k`` /
+    ``max_length_q`` / ``max_length_k``. FoT takes the boundaries as ``cu_seqlens``:
+
+    * ``cu_seq_lens_q`` / ``cu_seq_lens_k`` are used as ``cu_seqlens`` (they must be equal:
+      FoT is causal self-attention; converted to int32 on the model's device). The
+      ``max_length_*`` keys are derived from them and ignored.
+    * ``position_ids`` without boundaries: a new document starts wherever a position is not
+      the previous one + 1 (between two real tokens of ``attention_mask``), so the collator's
+      default output packs correctly too. Positions that never restart (``arange``, from any
+      offset) change nothing: FoT's positions are relative (RoPE) or unused, and a cache
+      knows its own offset. Restarts need batch size 1 and no cache (as ``cu_seqlens``).
+      With ``cu_seqlens`` (or ``cu_seq_lens_q``) given, ``position_ids`` are not read.
+      Deriving the boundaries reads ``position_ids`` on the host (one sync).
+
+    Args:
+        kwargs: the extra keyword arguments of ``forward``.
+        cu_seqlens: the ``cu_seqlens`` argument, or None.
+        shape: ``(B, T)`` of the new tokens.
+        attention_mask: ``[B, past + T]`` or None.
+        past: cached positions before the new tokens.
+        device: the model's input device.
+
+    Returns:
+        ``cu_seqlens`` ``[N + 1]`` (int32), or None for unpacked sequences.
+
+    Raises:
+        TypeError: a key other than these (and ``cache_position``) with a value that is not None
+            (it would otherwise be ignored silently).
+        ValueError: unequal ``cu_seq_lens_q`` and ``cu_seq_lens_k``, both ``cu_seqlens`` and
+            ``cu_seq_lens_*``, a bad ``position_ids`` shape, or restarting positions with
+            ``B > 1`` or a cache.
+    """
+    cu_q = kwargs.pop("cu_seq_lens_q", None)
+    cu_k = kwargs.pop("cu_seq_lens_k", None)
+    position_ids = kwargs.pop("position_ids", None)
+    unknown = sorted(k for k, v in kwargs.items() if v is not None and k not in _HARMLESS_KWARGS)
+    if unknown:
+        raise TypeError(
+            f"FoT models do not support the keyword arguments {unknown} (they would be ignored "
+            "silently). Packed documents: pass cu_seqlens (or HF's cu_seq_lens_q / "
+            "cu_seq_lens_k / position_ids); labels: labels or shift_labels"
+        )
+    B, T = shape
+    if cu_q is not None or cu_k is not None:
+        if cu_seqlens is not None:
+            raise ValueError(
+                "pass the document boundaries once: either cu_seqlens or cu_seq_lens_q / "
+                "cu_seq_lens_k, not both"
+            )
+        cu_q = torch.as_tensor(cu_q if cu_q is not None else cu_k)
+        cu_k = torch.as_tensor(cu_k) if cu_k is not None else cu_q
+        if cu_k is not cu_q and (
+            cu_q.shape != cu_k.shape or not torch.equal(cu_q, cu_k.to(cu_q.device))
+        ):
+            raise ValueError(
+                f"cu_seq_lens_q {cu_q.tolist()[:8]} and cu_seq_lens_k {cu_k.tolist()[:8]} "
+                "differ: FoT is causal self-attention over packed documents, whose query and "
+                "key boundaries are the same; pass equal ones (or cu_seqlens)"
+            )
+        return cu_q.to(device=device, dtype=torch.int32)
+    if position_ids is None or cu_seqlens is not None:
+        return cu_seqlens
+    pos = torch.as_tensor(position_ids, device=device)
+    pos = pos[None] if pos.dim() == 1 else pos
+    if pos.dim() != 2 or pos.shape[1] != T or pos.shape[0] not in (1, B):
+        raise ValueError(
+            f"position_ids must be [B, T] = {(B, T)} (or [1, T]), got {tuple(pos.shape)}"
+        )
+    restart = pos[:, 1:] != pos[:, :-1] + 1  # (B, T - 1): True where a new document starts
+    if attention_mask is not None and tuple(attention_mask.shape) == (B, past + T):
+        real = attention_mask[:, past:].to(device=device, dtype=torch.bool)  # (B, T)
+        restart = restart & real[:, 1:] & real[:, :-1]  # padding is no document boundary
+    starts = restart.nonzero()  # (n, 2) rows and positions - 1; one host sync
+    if starts.numel() == 0:
+        return None
+    if B != 1 or past:
+        where = (starts[:, 1] + 1).unique()[:8].tolist()
+        raise ValueError(
+            f"position_ids restart within a row (packed documents) at positions {where}, but "
+            f"packed documents need batch size 1 and no cache (got B={B}, {past} cached "
+            "positions): flatten the documents into one row (DataCollatorWithFlattening does) "
+            "or pass cu_seqlens"
+        )
+    inner = (starts[:, 1] + 1).to(torch.int32)
+    edge = torch.tensor([0], dtype=torch.int32, device=device)
+    return torch.cat([edge, inner, edge + T])
 
 
 def _chunked_cross_entropy(
@@ -1161,7 +1405,15 @@ class FoTForCausalLM(FoTPreTrainedModel, GenerationMixin):
         )
         return losses.view(B, T)
 
-    def _mean_loss(self, hidden: torch.Tensor, shift_labels: torch.Tensor) -> torch.Tensor:
+    def _mean_loss(
+        self,
+        hidden: torch.Tensor,
+        shift_labels: torch.Tensor,
+        num_items: int | torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Sum of the next-token losses over the non-ignored positions, divided by their count
+        or by ``num_items`` (HF ``Trainer``'s ``num_items_in_batch``, counted over all
+        micro-batches of a step); on device, no host sync either way."""
         impl = self.config.loss_impl
         if impl == "auto":
             impl = "fused" if hidden.is_cuda else "chunked"
@@ -1170,7 +1422,12 @@ class FoTForCausalLM(FoTPreTrainedModel, GenerationMixin):
         B, T, H = hidden.shape
         labels = shift_labels.to(hidden.device).reshape(-1).long()
         # Sum, then divide on device: no host sync, and an all-ignored batch gives 0.
-        count = (labels != IGNORE_INDEX).sum().clamp(min=1)
+        if num_items is None:
+            count = (labels != IGNORE_INDEX).sum().clamp(min=1)
+        elif isinstance(num_items, torch.Tensor):
+            count = num_items.to(hidden.device, non_blocking=True).clamp(min=1)
+        else:
+            count = max(int(num_items), 1)
         if impl == "fused":
             from fot.kernels.loss_ops import linear_cross_entropy
 
@@ -1213,33 +1470,46 @@ class FoTForCausalLM(FoTPreTrainedModel, GenerationMixin):
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
-        shift_labels: torch.LongTensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
         past_key_values: FoTCache | None = None,
         use_cache: bool | None = None,
         inputs_embeds: torch.Tensor | None = None,
         logits_to_keep: int = 0,
         return_dict: bool | None = None,
+        output_hidden_states: bool | None = None,
+        output_attentions: bool | None = None,
         **kwargs,
-    ) -> CausalLMOutputWithPast:
+    ) -> CausalLMOutputWithPast | tuple:
         """Language-model forward.
 
         Args:
             input_ids: ``[B, T]`` int64.
             attention_mask: ``[B, past + T]`` (1 = token, 0 = padding) or None.
             labels: ``[B, T]`` HF-style labels (shifted inside: position t predicts labels[t+1]).
-            shift_labels: ``[B, T]`` next-token labels (-100 = ignore); takes precedence over
-                ``labels``.
             cu_seqlens: ``[N + 1]`` packed document boundaries (``B == 1``).
             past_key_values: :class:`FoTCache` from a previous call.
             use_cache: return the cache (default False; ``generate()`` sets it).
             logits_to_keep: if > 0, logits only for the last ``logits_to_keep`` positions.
+            return_dict: False returns ``output.to_tuple()``. Default ``config.return_dict``.
+            output_hidden_states: also return ``hidden_states`` (see :meth:`FoTModel.forward`).
+            output_attentions: must be false (``ValueError``: no attention matrix is formed).
+            **kwargs: ``shift_labels`` ``[B, T]``: next-token labels (-100 = ignore), taking
+                precedence over ``labels`` (a keyword argument, not a named parameter, as in HF
+                models: HF's ``Trainer`` then requires only ``labels`` in its batches).
+                ``num_items_in_batch``: int or 0-d tensor, what HF's ``Trainer`` passes under
+                gradient accumulation: the loss is then ``sum of token losses /
+                num_items_in_batch`` instead of the mean over this batch. HF's packing keys
+                (``cu_seq_lens_q``, ``position_ids``, ...; :func:`hf_packing_kwargs`); other
+                keys raise ``TypeError`` unless None.
 
         Returns:
-            ``CausalLMOutputWithPast``: ``loss`` (mean over non-ignored positions) when labels
-            are given, else ``logits`` ``[B, T, vocab_size]`` float32 (``None`` with a loss),
-            and ``past_key_values`` when caching.
+            ``CausalLMOutputWithPast`` (or its tuple): ``loss`` (mean over non-ignored positions,
+            or the sum over ``num_items_in_batch``) when labels are given, else ``logits``
+            ``[B, T, vocab_size]`` float32 (``None`` with a loss), and ``past_key_values`` when
+            caching.
         """
+        shift_labels = kwargs.pop("shift_labels", None)
+        num_items = kwargs.pop("num_items_in_batch", None)
         cache = past_key_values
         if (
             isinstance(cache, FoTCache)
@@ -1251,15 +1521,20 @@ class FoTForCausalLM(FoTPreTrainedModel, GenerationMixin):
             and labels is None
             and shift_labels is None
             and cu_seqlens is None
+            and all(v is None or k in _HARMLESS_KWARGS for k, v in kwargs.items())
+            and not _output_flags(self.config, output_hidden_states, output_attentions)
         ):
             # One decode step with a fixed-capacity cache: device-side positions, replayed as a
             # CUDA graph where the cache captures them.
             def run(ids: torch.Tensor) -> torch.Tensor:
-                out = self.model(input_ids=ids, past_key_values=cache, use_cache=True)
+                out = self.model(
+                    input_ids=ids, past_key_values=cache, use_cache=True, return_dict=True
+                )
                 return self._logits(out.last_hidden_state)  # (B, 1, V)
 
             logits = cache.static_step(run, input_ids, attention_mask)
-            return CausalLMOutputWithPast(logits=logits, past_key_values=cache)
+            result = CausalLMOutputWithPast(logits=logits, past_key_values=cache)
+            return result if _return_dict(self.config, return_dict) else result.to_tuple()
         out = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -1267,18 +1542,28 @@ class FoTForCausalLM(FoTPreTrainedModel, GenerationMixin):
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             cu_seqlens=cu_seqlens,
+            output_hidden_states=output_hidden_states,
+            output_attentions=output_attentions,
+            return_dict=True,
+            **kwargs,
         )
         hidden = out.last_hidden_state  # (B, T, hidden)
         if shift_labels is None and labels is not None:
             shift_labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
         loss = logits = None
         if shift_labels is not None:
-            loss = self._mean_loss(hidden, shift_labels)
+            loss = self._mean_loss(hidden, shift_labels, num_items)
         else:
             if logits_to_keep:
                 hidden = hidden[:, -logits_to_keep:]
             logits = self._logits(hidden)  # (B, T, V)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=out.past_key_values)
+        result = CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            past_key_values=out.past_key_values,
+            hidden_states=out.hidden_states,
+        )
+        return result if _return_dict(self.config, return_dict) else result.to_tuple()
 
     def _prepare_cache_for_generation(
         self, generation_config, model_kwargs: dict, *args, **kwargs
@@ -1306,6 +1591,24 @@ class FoTForCausalLM(FoTPreTrainedModel, GenerationMixin):
             return
         super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
 
+    def _validate_generation_mode(self, generation_mode, *args, **kwargs) -> None:
+        """``generate()`` hook: refuse assisted / prompt-lookup (speculative) decoding clearly.
+
+        Those strategies roll the cache back over rejected draft tokens, and a
+        :class:`FoTCache` cannot be cropped (the KV-shift state of earlier positions is not
+        kept).
+        """
+        from transformers.generation.configuration_utils import GenerationMode
+
+        if generation_mode == GenerationMode.ASSISTED_GENERATION:
+            raise ValueError(
+                "assisted / speculative decoding (assistant_model=..., prompt_lookup_num_tokens="
+                "..., assistant_early_exit=...) is not supported by FoT models: it rolls the "
+                "cache back over rejected draft tokens and FoTCache cannot be cropped. Use "
+                "greedy decoding, sampling or beam search"
+            )
+        super()._validate_generation_mode(generation_mode, *args, **kwargs)
+
     @torch.no_grad()
     def per_token_loss(
         self,
@@ -1324,7 +1627,8 @@ class FoTForCausalLM(FoTPreTrainedModel, GenerationMixin):
             ``[B, T]`` float32 losses in nats, 0 where ignored. The LM-head logits are computed
             in fp32 even under a bf16 autocast.
         """
-        hidden = self.model(input_ids=input_ids, cu_seqlens=cu_seqlens).last_hidden_state
+        out = self.model(input_ids=input_ids, cu_seqlens=cu_seqlens, return_dict=True)
+        hidden = out.last_hidden_state
         return self._loss_per_token(hidden, shift_labels, fp32_logits=True)
 
 

@@ -1,0 +1,417 @@
+"""Hugging Face compatibility of the FoT models (CPU, reference attention backend).
+
+What HF tooling passes a causal LM must either work or fail loudly: padding-free collators'
+packing keys, ``Trainer``'s gradient accumulation (``num_items_in_batch``) and label names,
+``resize_token_embeddings``, LLaMA-named config fields, ``output_hidden_states`` /
+``return_dict`` / ``output_attentions``, assisted decoding and ``from_pretrained(dtype=bf16)``.
+
+Oracles: separate per-document forwards (packing), the full batch without accumulation
+(gradient accumulation), the model's own mean loss (evaluation), save/load round trips and the
+model before resizing, a model built with the FoT field names, HF's ``LlamaModel`` with copied
+weights (hidden states), the float32 checkpoint (bf16 load).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_model import TOL, VOCAB, ids, max_err, tiny
+
+import fot
+from fot import presets
+
+
+def _docs(lengths: list[int]) -> list[torch.Tensor]:
+    return [ids(1, n, seed=30 + i)[0] for i, n in enumerate(lengths)]
+
+
+# ---------------------------------------------------------------------------------------
+# 1. Packing keys of HF's padding-free collator
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model", ["fot_pro", "transformer_pro"])
+def test_flattening_collator_keys_pack_documents_like_cu_seqlens(model: str) -> None:
+    from transformers import DataCollatorWithFlattening
+
+    m = tiny(model)
+    docs = _docs([5, 1, 9, 4])
+    want = torch.cat([m(d[None]).logits for d in docs], dim=1)  # documents run separately
+    features = [{"input_ids": d.tolist()} for d in docs]
+    for collator in (
+        DataCollatorWithFlattening(return_flash_attn_kwargs=True),
+        DataCollatorWithFlattening(),  # position_ids only
+        DataCollatorWithFlattening(return_position_ids=True, position_ids_start=2),
+    ):
+        batch = collator(features)
+        labels = batch.pop("labels")
+        assert max_err(m(**batch).logits, want) < TOL, sorted(batch)
+        # the loss of the packed batch is the mean over all documents' next-token losses
+        loss = m(**batch, labels=labels).loss
+        sep = [m(d[None], labels=d[None]).loss * (len(d) - 1) for d in docs]
+        assert abs(loss.item() - (sum(sep) / sum(len(d) - 1 for d in docs)).item()) < 1e-5
+    # cu_seq_lens_q alone is the same as cu_seqlens, in any integer dtype
+    x = torch.cat(docs)[None]
+    cu = torch.tensor([0, 5, 6, 15, 19])
+    assert torch.equal(m(x, cu_seq_lens_q=cu).logits, m(x, cu_seqlens=cu.int()).logits)
+
+
+def test_position_ids_that_never_restart_change_nothing() -> None:
+    m = tiny("transformer_pro")  # RoPE: positions would matter if they were read as absolute
+    x = ids(2, 12)
+    want = m(x).logits
+    assert torch.equal(m(x, position_ids=torch.arange(12)[None].expand(2, 12)).logits, want)
+    assert max_err(m(x, position_ids=torch.arange(12)[None] + 7).logits, want) < TOL
+    # HF's left-padding position ids (cumsum of the mask, padding at 0) are no documents
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, :4] = 0
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    assert torch.equal(
+        m(x, attention_mask=mask, position_ids=pos).logits, m(x, attention_mask=mask).logits
+    )
+
+
+def test_packing_keys_errors_and_unknown_kwargs_are_refused() -> None:
+    m = tiny("fot_llama")
+    x = ids(1, 10)
+    with pytest.raises(ValueError, match=r"cu_seq_lens_q .* and cu_seq_lens_k .* differ"):
+        m(x, cu_seq_lens_q=torch.tensor([0, 4, 10]), cu_seq_lens_k=torch.tensor([0, 5, 10]))
+    with pytest.raises(ValueError, match="either cu_seqlens or cu_seq_lens_q"):
+        m(x, cu_seqlens=torch.tensor([0, 10]), cu_seq_lens_q=torch.tensor([0, 10]))
+    restart = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4, 5, 6]] * 2)
+    with pytest.raises(ValueError, match=r"restart within a row .*positions \[3\].*batch size 1"):
+        m(ids(2, 10), position_ids=restart)
+    with pytest.raises(ValueError, match="position_ids must be"):
+        m(x, position_ids=torch.arange(9)[None])
+    with pytest.raises(TypeError, match=r"\['seq_idx', 'token_type_ids'\]"):
+        m(x, token_type_ids=torch.zeros_like(x), seq_idx=torch.zeros_like(x))
+    # None values and generate()'s bookkeeping keys are harmless
+    want = m(x).logits
+    got = m(x, token_type_ids=None, cache_position=torch.arange(10), max_length_q=10).logits
+    assert torch.equal(got, want)
+
+
+# ---------------------------------------------------------------------------------------
+# 2, 3. HF Trainer: gradient accumulation and evaluation
+# ---------------------------------------------------------------------------------------
+
+
+def _lm_samples() -> list[dict[str, torch.Tensor]]:
+    """Four sequences with different numbers of ignored labels (so that a mean of per-batch
+    means differs from the mean over all tokens)."""
+    samples = []
+    for i, ignored in enumerate([0, 9, 3, 13]):
+        x = ids(1, 16, seed=40 + i)[0]
+        y = x.clone()
+        y[:ignored] = -100
+        samples.append({"input_ids": x, "labels": y})
+    return samples
+
+
+def _train_one_step(tmp_path, batch_size: int, accumulation: int):
+    from transformers import Trainer, TrainingArguments
+
+    m = tiny("fot_pro").train()
+    args = TrainingArguments(
+        output_dir=str(tmp_path / f"bs{batch_size}"),
+        per_device_train_batch_size=batch_size,
+        gradient_accumulation_steps=accumulation,
+        max_steps=1,
+        learning_rate=0.5,
+        optim="sgd",
+        max_grad_norm=0.0,
+        lr_scheduler_type="constant",
+        weight_decay=0.0,
+        logging_steps=1,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    trainer = Trainer(model=m, args=args, train_dataset=_lm_samples())
+    trainer.train()
+    logged = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return m, logged
+
+
+def test_trainer_gradient_accumulation_equals_full_batch(tmp_path) -> None:
+    start = tiny("fot_pro")
+    full, loss_full = _train_one_step(tmp_path, batch_size=4, accumulation=1)
+    accum, loss_accum = _train_one_step(tmp_path, batch_size=2, accumulation=2)
+    # the reference: the mean next-token loss over all four sequences
+    batch = {k: torch.stack([s[k] for s in _lm_samples()]) for k in ("input_ids", "labels")}
+    mean_loss = start.eval()(**batch).loss.item()
+    assert len(loss_full) == len(loss_accum) == 1
+    assert abs(loss_full[0] - mean_loss) < 1e-4
+    assert abs(loss_accum[0] - mean_loss) < 1e-4
+    deltas = []
+    for (name, p0), p1, p2 in zip(
+        start.named_parameters(), full.parameters(), accum.parameters(), strict=True
+    ):
+        d_full, d_accum = p1.detach() - p0.detach(), p2.detach() - p0.detach()
+        assert (d_full - d_accum).abs().max() <= 1e-5 + 1e-4 * d_full.abs().max(), name
+        deltas.append(d_full.abs().max().item())
+    assert max(deltas) > 1e-3  # the step did move the weights
+
+
+def test_num_items_in_batch_divides_the_summed_loss() -> None:
+    m = tiny("fot_llama")
+    x, y = ids(2, 9), ids(2, 9, seed=3)
+    y[0, :4] = -100
+    tokens = (y[:, 1:] != -100).sum()
+    mean = m(x, labels=y).loss
+    for n in (tokens.item(), tokens, 100):
+        got = m(x, labels=y, num_items_in_batch=n).loss
+        assert abs(got.item() - mean.item() * tokens.item() / int(n)) < 1e-5
+
+
+def test_trainer_evaluate_reports_the_mean_loss(tmp_path) -> None:
+    from transformers import Trainer, TrainingArguments
+
+    m = tiny("fot_pro")
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        per_device_eval_batch_size=4,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        disable_tqdm=True,
+    )
+    trainer = Trainer(model=m, args=args)
+    assert trainer.label_names == ["labels"]
+    metrics = trainer.evaluate(eval_dataset=_lm_samples())
+    batch = {k: torch.stack([s[k] for s in _lm_samples()]) for k in ("input_ids", "labels")}
+    assert abs(metrics["eval_loss"] - m(**batch).loss.item()) < 1e-5
+
+
+def test_shift_labels_keyword_still_selects_the_loss() -> None:
+    m = tiny("fot_llama")
+    x, y = ids(2, 9), ids(2, 9, seed=3)
+    shifted = torch.nn.functional.pad(y[:, 1:], (0, 1), value=-100)
+    assert torch.equal(m(x, shift_labels=shifted).loss, m(x, labels=y).loss)
+    assert m(x, shift_labels=shifted).logits is None
+
+
+# ---------------------------------------------------------------------------------------
+# 4. resize_token_embeddings
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("new,multiple", [(VOCAB, None), (330, None), (250, None), (330, 128)])
+def test_resize_token_embeddings_round_trips_and_keeps_old_tokens(
+    new: int, multiple: int | None, tmp_path
+) -> None:
+    m = tiny("fot_pro")
+    x = ids(2, 11) % min(new, VOCAB)
+    before = m(x).logits
+    old_embed = m.model.embed_tokens.weight.detach().clone()
+    old_head = m.lm_head.weight.detach().clone()
+    m.resize_token_embeddings(new, pad_to_multiple_of=multiple)
+    rows = -(-new // (multiple or 64)) * (multiple or 64)
+    assert m.config.vocab_size == new and m.config.padded_vocab_size == rows
+    assert m.model.embed_tokens.weight.shape[0] == m.lm_head.weight.shape[0] == rows
+    after = m(x).logits
+    assert after.shape == (2, 11, new)
+    keep = min(new, VOCAB)
+    assert torch.equal(after[..., :keep], before[..., :keep])  # old tokens' logits unchanged
+    if new > VOCAB:  # new tokens (also the old padding rows 300..319) get the mean row
+        for w, old in ((m.model.embed_tokens.weight, old_embed), (m.lm_head.weight, old_head)):
+            mean = old[:VOCAB].mean(0)
+            assert torch.allclose(w[VOCAB:new], mean.expand(new - VOCAB, -1), atol=1e-7)
+    m.save_pretrained(tmp_path)
+    loaded = fot.FoTForCausalLM.from_pretrained(tmp_path).eval()
+    assert loaded.config.vocab_size == new
+    assert torch.equal(loaded(x).logits, after)
+
+
+def test_resize_token_embeddings_without_mean_and_bad_values() -> None:
+    m = tiny("fot_llama")
+    m.resize_token_embeddings(400, mean_resizing=False)
+    new_rows = m.model.embed_tokens.weight[VOCAB:400]
+    assert 0.01 < new_rows.std().item() < 0.03  # N(0, initializer_range = 0.02)
+    with pytest.raises(ValueError, match="new_num_tokens must be a positive int"):
+        m.resize_token_embeddings(0)
+    assert m.resize_token_embeddings() is m.model.embed_tokens  # no arguments: nothing changes
+
+
+# ---------------------------------------------------------------------------------------
+# 5. LLaMA-named config fields
+# ---------------------------------------------------------------------------------------
+
+
+def test_llama_named_config_fields_map_to_fot_fields() -> None:
+    base = {
+        "vocab_size": VOCAB,
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "attn_backend": "reference",
+    }
+    cfg = fot.FoTConfig(num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-3, **base)
+    ref = fot.FoTConfig(num_heads=4, num_kv_heads=2, norm_eps=1e-3, **base)
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.norm_eps) == (4, 2, 1e-3)
+    assert cfg.num_key_value_heads == 2 and cfg.rms_norm_eps == 1e-3  # read back by HF name
+    assert "num_key_value_heads" not in cfg.to_dict() and "rms_norm_eps" not in cfg.to_dict()
+    torch.manual_seed(0)
+    m = fot.FoTForCausalLM(cfg).eval()
+    torch.manual_seed(0)
+    r = fot.FoTForCausalLM(ref).eval()
+    assert m.model.layers[0].self_attn.k_proj.out_features == 2 * 16  # GQA: 2 KV heads
+    assert m.model.norm.eps == 1e-3
+    x = ids(1, 9)
+    assert torch.equal(m(x).logits, r(x).logits)
+    # default RoPE parameters map to rope_theta; zero dropout and silu are what FoT does
+    base = {**base, "num_heads": 4}
+    c = fot.FoTConfig(rope_parameters={"rope_type": "default", "rope_theta": 1e4}, **base)
+    assert c.rope_theta == 1e4 and "rope_parameters" not in c.to_dict()
+    assert fot.FoTConfig(rope_theta=1e4, **base).to_dict() == c.to_dict()
+    assert fot.FoTConfig(attention_dropout=0.0, hidden_act="silu", **base).to_dict() == (
+        fot.FoTConfig(**base).to_dict()
+    )
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"attention_dropout": 0.1}, "attention_dropout=0.1: FoT models have no dropout"),
+        ({"hidden_dropout": 0.1}, "hidden_dropout=0.1"),
+        ({"dropout": 0.2}, "dropout=0.2"),
+        ({"resid_pdrop": 0.1}, "resid_pdrop=0.1"),
+        ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling=.*not supported"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope_parameters=.*yarn"),
+        ({"num_key_value_heads": 2, "num_kv_heads": 4}, "pass only num_kv_heads"),
+        ({"attention_bias": True}, "attention_bias=True"),
+        ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ],
+)
+def test_unsupported_llama_fields_raise(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        fot.FoTConfig(hidden_size=64, num_heads=4, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------
+# 6. output_hidden_states / return_dict / output_attentions
+# ---------------------------------------------------------------------------------------
+
+
+def test_hidden_states_follow_hf_llama() -> None:
+    from transformers import LlamaConfig, LlamaModel
+
+    m = tiny("transformer_llama")
+    c = m.config
+    llama = LlamaModel(
+        LlamaConfig(
+            vocab_size=c.padded_vocab_size,
+            hidden_size=c.hidden_size,
+            intermediate_size=c.mlp_size,
+            num_hidden_layers=c.num_hidden_layers,
+            num_attention_heads=c.num_heads,
+            num_key_value_heads=c.kv_heads,
+            rms_norm_eps=c.norm_eps,
+            rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
+        )
+    ).eval()
+    missing, unexpected = llama.load_state_dict(m.model.state_dict(), strict=False)
+    assert not unexpected and all("rotary" in k for k in missing)
+    x = ids(2, 13)
+    want = llama(x, output_hidden_states=True).hidden_states
+    out = m(x, output_hidden_states=True)
+    assert len(out.hidden_states) == len(want) == c.num_hidden_layers + 1
+    for i, (a, b) in enumerate(zip(out.hidden_states, want)):
+        assert max_err(a, b) < 1e-4, i
+    base = m.model(x, output_hidden_states=True)
+    assert torch.equal(base.hidden_states[-1], base.last_hidden_state)
+    assert torch.equal(out.logits, m(x).logits) and m(x).hidden_states is None
+
+
+def test_return_dict_false_gives_tuples_and_attentions_are_refused() -> None:
+    m = tiny("fot_pro")
+    x, y = ids(2, 7), ids(2, 7, seed=4)
+    out = m(x, return_dict=False)
+    assert isinstance(out, tuple) and len(out) == 1 and torch.equal(out[0], m(x).logits)
+    loss, logits = m(x, labels=y, return_dict=False)[0], m(x).logits
+    assert torch.equal(loss, m(x, labels=y).loss) and logits is not None
+    cached = m(x, use_cache=True, return_dict=False)
+    assert len(cached) == 2 and isinstance(cached[1], fot.models.FoTCache)
+    base = m.model(x, return_dict=False)
+    assert isinstance(base, tuple) and torch.equal(base[0], m.model(x).last_hidden_state)
+    with pytest.raises(ValueError, match="output_attentions=True is not supported"):
+        m(x, output_attentions=True)
+    with pytest.raises(ValueError, match="output_attentions=True is not supported"):
+        m.generate(x, max_new_tokens=2, output_attentions=True, return_dict_in_generate=True)
+    gen = m.generate(
+        x,
+        max_new_tokens=3,
+        do_sample=False,
+        pad_token_id=0,
+        output_hidden_states=True,
+        return_dict_in_generate=True,
+    )
+    assert len(gen.hidden_states) == 3  # one tuple per step
+    prefill = gen.hidden_states[0]
+    assert len(prefill) == m.config.num_hidden_layers + 1 and prefill[0].shape[1] == 7
+    full = m(x, output_hidden_states=True).hidden_states
+    assert all(max_err(a, b) < TOL for a, b in zip(prefill, full))
+
+
+# ---------------------------------------------------------------------------------------
+# 7. Assisted / prompt-lookup decoding
+# ---------------------------------------------------------------------------------------
+
+
+def test_assisted_and_prompt_lookup_decoding_are_refused_clearly() -> None:
+    m = tiny("fot_pro")
+    x = ids(1, 8)
+    kw = {"max_new_tokens": 3, "do_sample": False, "pad_token_id": 0}
+    with pytest.raises(ValueError, match=r"assisted / speculative decoding .* cannot be cropped"):
+        m.generate(x, prompt_lookup_num_tokens=2, **kw)
+    with pytest.raises(ValueError, match="assisted / speculative decoding"):
+        m.generate(x, assistant_model=tiny("fot_llama"), **kw)
+    assert m.generate(x, **kw).shape == (1, 11)  # plain decoding unaffected
+
+
+# ---------------------------------------------------------------------------------------
+# 8. from_pretrained(dtype=bf16) keeps the forget gate's projection in float32
+# ---------------------------------------------------------------------------------------
+
+
+def test_bf16_load_keeps_forget_gate_projection_fp32(tmp_path) -> None:
+    m = tiny("fot_pro")
+    with torch.no_grad():  # biases that bf16 cannot hold exactly (6.3 -> 6.3125)
+        for layer in m.model.layers:
+            layer.self_attn.fgate_proj.bias.fill_(6.3)
+    m.save_pretrained(tmp_path)
+    b = fot.FoTForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
+    for layer, ref in zip(b.model.layers, m.model.layers):
+        got, want = layer.self_attn.fgate_proj, ref.self_attn.fgate_proj
+        assert got.weight.dtype == got.bias.dtype == torch.float32
+        assert torch.equal(got.weight, want.weight) and torch.equal(got.bias, want.bias)
+        assert layer.self_attn.q_proj.weight.dtype == torch.bfloat16
+    x = ids(2, 12)
+    assert max_err(b(x).logits, m(x).logits) < 0.1  # a bf16 model, close to fp32
+    assert torch.isfinite(b(x, labels=x).loss)
+
+
+# ---------------------------------------------------------------------------------------
+# FLA baselines: the same contract (shift_labels keyword, num_items_in_batch, packing keys)
+# ---------------------------------------------------------------------------------------
+
+
+def test_fla_baseline_num_items_and_packing_keys() -> None:
+    torch.manual_seed(0)
+    m = presets.build_model(presets.config("deltanet", "tiny", vocab_size=VOCAB))
+    x, y = ids(1, 16), ids(1, 16, seed=3)
+    y[0, :5] = -100
+    mean = m(x, shift_labels=y).loss
+    assert (
+        abs(m(x, shift_labels=y, num_items_in_batch=22).loss.item() - mean.item() * 11 / 22) < 1e-5
+    )
+    cu = torch.tensor([0, 8, 16], dtype=torch.int32)
+    want = m(x, shift_labels=y, cu_seqlens=cu).loss
+    got = m(x, shift_labels=y, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=8).loss
+    assert abs(got.item() - want.item()) < 1e-6
+    pos = torch.cat([torch.arange(8), torch.arange(8)])[None]
+    assert abs(m(x, shift_labels=y, position_ids=pos).loss.item() - want.item()) < 1e-6
+    from transformers.utils.generic import find_labels
+
+    assert find_labels(type(m)) == ["labels"]

@@ -29,6 +29,7 @@ Offline use. Every standard lm-eval task loads its data from the Hugging Face hu
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 from pathlib import Path
 from typing import Any
@@ -479,11 +480,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         log_samples=args.log_samples,
     )
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-    with (out / "results.csv").open("w") as f:
-        f.write("task,metric,value\n")
+    with (out / "results.csv").open("w", newline="") as f:
+        rows = csv.writer(f)  # quotes lm-eval's metric keys, which hold a comma ("acc,none")
+        rows.writerow(["task", "metric", "value"])
         for task, metrics in results.items():
             for key, value in metrics.items():
-                f.write(f"{task},{key},{value}\n")
+                rows.writerow([task, key, value])
     table = table1(results)
     (out / "table1.md").write_text(table + "\n")
     print(table)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import subprocess
 import sys
@@ -384,7 +385,11 @@ def test_lm_eval_cli_with_local_dataset_root(ckpts, tmp_path):
     assert 0.0 <= res["fot_toy_hub"]["acc,none"] <= 1.0
     assert json.loads((out / "results.json").read_text()) == res
     assert (out / "table1.md").is_file()
-    assert "fot_toy_hub,acc,none" in (out / "results.csv").read_text()
+    with (out / "results.csv").open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert all(set(r) == {"task", "metric", "value"} for r in rows)  # no stray columns
+    acc = [r for r in rows if r["task"] == "fot_toy_hub" and r["metric"] == "acc,none"]
+    assert len(acc) == 1 and float(acc[0]["value"]) == res["fot_toy_hub"]["acc,none"]
     _run_config(out, "lm-eval")
 
 

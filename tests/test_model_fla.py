@@ -6,7 +6,10 @@ packed ``cu_seqlens`` batches.
 
 from __future__ import annotations
 
+import copy
+import functools
 import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
@@ -125,3 +128,47 @@ def test_fla_export_loads_through_fot_eval_without_remote_code(tmp_path) -> None
     for (name, a), b in zip(m.state_dict().items(), loaded.state_dict().values()):
         assert torch.equal(a, b), name
     assert tok("Hello world").input_ids == [15496, 995]
+
+
+def test_mamba2_blocks_are_found_for_activation_checkpointing() -> None:
+    """FLA's Mamba-2 keeps its blocks under ``backbone``, not ``model``: parallelize finds them,
+    checkpoints each, and the checkpointed model gives the plain model's loss and gradients."""
+    from fot.training.config import ParallelConfig
+    from fot.training.parallel import DistInfo, parallelize
+
+    model = tiny("mamba2")
+    plain = copy.deepcopy(model)
+    info = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    cfg = ParallelConfig(strategy="single", activation_checkpointing=True)
+    assert parallelize(model, cfg, info, strategy="single") is model
+    assert all(isinstance(b.forward, functools.partial) for b in model.backbone.layers)
+    ids = torch.randint(0, VOCAB, (1, 16), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for m in (model, plain):
+        loss = m(input_ids=ids, shift_labels=ids).loss
+        loss.backward()
+        losses.append(loss.detach())
+    assert torch.equal(losses[0], losses[1])
+    for (name, a), b in zip(model.named_parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_fla_baseline_on_cpu_is_refused_with_the_fix(tmp_path, monkeypatch) -> None:
+    """Without CUDA (and without Triton's interpreter) FLA's kernels cannot run: the trainer
+    says so before training, instead of Triton's '0 active drivers'."""
+    from hydra import compose, initialize_config_dir
+
+    from fot.training import register_configs, train
+
+    register_configs()
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    root = Path(__file__).resolve().parents[1]
+    with initialize_config_dir(config_dir=str(root / "configs"), version_base="1.3"):
+        cfg = compose(
+            "train",
+            overrides=["model=mamba2", "device=cpu", f"out_dir={tmp_path}", "wandb.mode=disabled"],
+        )
+    with pytest.raises(
+        ValueError, match="model=mamba2 runs FLA's Triton kernels, which need a CUDA"
+    ):
+        train(cfg)

@@ -141,6 +141,8 @@ class _FoTContractMixin:
     """``shift_labels`` / ``cu_seqlens`` / ``per_token_loss`` on top of an FLA causal LM."""
 
     _supports_varlen = False
+    # FLA's Triton kernels have no CPU path (only Triton's interpreter, TRITON_INTERPRET=1).
+    requires_cuda = True
 
     @property
     def _decoder(self) -> torch.nn.Module:

@@ -108,14 +108,16 @@ def autocast_dtype(cfg: ParallelConfig, device: torch.device) -> torch.dtype | N
 
 
 def _blocks(model: nn.Module) -> nn.ModuleList:
-    inner = getattr(model, "model", None)
-    layers = getattr(inner, "layers", None)
-    if not isinstance(layers, nn.ModuleList):
-        raise TypeError(
-            f"{type(model).__name__} has no `model.layers` ModuleList; parallelize needs the "
-            "blocks to shard, compile and checkpoint them one by one"
-        )
-    return layers
+    # The decoder is `model` (ours, HF LLaMA, FLA's DeltaNet/HGRN2) or `backbone` (FLA's
+    # Mamba-2 and Samba).
+    for name in ("model", "backbone"):
+        layers = getattr(getattr(model, name, None), "layers", None)
+        if isinstance(layers, nn.ModuleList):
+            return layers
+    raise TypeError(
+        f"{type(model).__name__} has no `model.layers` or `backbone.layers` ModuleList; "
+        "parallelize needs the blocks to shard, compile and checkpoint them one by one"
+    )
 
 
 def _checkpointed(forward, *args, **kwargs):

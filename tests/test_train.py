@@ -588,3 +588,113 @@ def test_fsdp_accumulation_keeps_parameters_gathered(reshard_after_backward: boo
             torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-5, atol=1e-6, msg=name)
     finally:
         dist.destroy_process_group()
+
+
+def test_fsdp_in_one_process_saves_plain_tensors_exports_and_resumes(
+    tmp_path, one_process_run
+) -> None:
+    """A process group of one still shards into DTensors: its checkpoint must hold plain full
+    tensors equal to parallel=single's, the HF export must work, and the checkpoint must resume
+    under parallel=single and parallel=fsdp to the same losses as single resumed from single."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    single_dir, _ = one_process_run
+    fsdp_dir = tmp_path / "fsdp1"
+    try:
+        res = train(_cfg(fsdp_dir, *_COMMON, "parallel=fsdp", "export_hf=true"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert (fsdp_dir / "final.json").is_file()
+    assert Path(res["hf_dir"]) == fsdp_dir / "hf"
+    assert (fsdp_dir / "hf" / "config.json").is_file()
+    assert list((fsdp_dir / "hf").glob("*.safetensors"))
+    fsdp_ckpt = fsdp_dir / "checkpoints" / "step_00000004"
+    single_ckpt = single_dir / "checkpoints" / "step_00000004"
+    got = torch.load(fsdp_ckpt / "model.pt", weights_only=True)
+    want = torch.load(single_ckpt / "model.pt", weights_only=True)
+    assert got.keys() == want.keys()
+    for k, v in got.items():
+        assert type(v) is torch.Tensor, (k, type(v))
+        assert torch.allclose(v, want[k], atol=1e-5, rtol=1e-4), k
+    optim = torch.load(fsdp_ckpt / "optim.pt", weights_only=False)
+    for name, st in optim["state"].items():
+        for key, v in st.items():
+            assert not isinstance(v, DTensor), (name, key)
+
+    # oracle: the single run's checkpoint resumed under parallel=single
+    oracle = tmp_path / "oracle"
+    train(_cfg(oracle, *_COMMON, "total_tokens=2048", f"resume={single_ckpt}"))
+    want_losses = _losses(oracle)
+    assert sorted(want_losses) == [5, 6, 7, 8]
+    for strategy in ("single", "fsdp"):
+        out = tmp_path / f"resumed_{strategy}"
+        try:
+            train(
+                _cfg(
+                    out,
+                    *_COMMON,
+                    "total_tokens=2048",
+                    f"resume={fsdp_ckpt}",
+                    f"parallel={strategy}",
+                )
+            )
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        got_losses = _losses(out)
+        assert got_losses.keys() == want_losses.keys(), strategy
+        for k in want_losses:
+            assert got_losses[k] == pytest.approx(want_losses[k], abs=1e-5), (strategy, k)
+
+
+def test_corrupt_latest_checkpoint_is_named_and_resuming_earlier_abandons_it(
+    tmp_path, reference_run
+) -> None:
+    from fot.training.checkpoint import CorruptCheckpointError, clean_stale, latest_checkpoint
+
+    out = tmp_path / "run"
+    train(_cfg(out, "total_tokens=1024"))  # 4 steps; checkpoints at steps 2 and 4
+    ckpts = out / "checkpoints"
+    step2, step4 = ckpts / "step_00000002", ckpts / "step_00000004"
+    assert list_checkpoints(ckpts) == [step2, step4]
+    with open(step4 / "model.pt", "r+b") as f:
+        f.truncate(1 << 20)
+    with pytest.raises(CorruptCheckpointError) as err:
+        train(_cfg(out, "total_tokens=2048"))  # resume=auto picks the corrupt step 4
+    msg = str(err.value)
+    assert str(step4) in msg and "model.pt" in msg
+    assert f"resume={step2}" in msg and "step_00000002" in msg
+    assert "delete or move" in msg
+    assert (step4 / "model.pt").stat().st_size == 1 << 20  # nothing touched
+
+    # follow the advice: resume from step 2 (inside the warmup, so the schedule is the same as
+    # the 8-step reference run's); the stale step 4 is moved aside, not deleted
+    train(_cfg(out, "total_tokens=2048", f"resume={step2}"))
+    abandoned = ckpts / ".abandoned-step_00000004"
+    assert (abandoned / "model.pt").stat().st_size == 1 << 20
+    # keep_last=2 kept this run's newest, not the stale one
+    assert [p.name for p in list_checkpoints(ckpts)] == ["step_00000006", "step_00000008"]
+    assert latest_checkpoint(ckpts) == ckpts / "step_00000008"
+    assert _losses(out) == reference_run  # steps 3, 4 re-run; all exactly as uninterrupted
+    clean_stale(ckpts)
+    assert abandoned.is_dir()
+
+
+def test_abandon_newer_moves_only_newer_checkpoints_aside(tmp_path) -> None:
+    from fot.training.checkpoint import abandon_newer, clean_stale, latest_checkpoint
+
+    ckpts = tmp_path / "checkpoints"
+    for step in (2, 4, 6):
+        (ckpts / f"step_{step:08d}").mkdir(parents=True)
+        (ckpts / f"step_{step:08d}" / "trainer.json").write_text(json.dumps({"step": step}))
+    (ckpts / ".abandoned-step_00000006").mkdir()  # left by an earlier abandoned run
+    moved = abandon_newer(ckpts, 2, keep=ckpts / "step_00000002")
+    assert [p.name for p in moved] == [".abandoned-step_00000004", ".abandoned-step_00000006.1"]
+    assert all((p / "trainer.json").is_file() for p in moved)
+    assert list_checkpoints(ckpts) == [ckpts / "step_00000002"]
+    assert latest_checkpoint(ckpts) == ckpts / "step_00000002"
+    clean_stale(ckpts)
+    assert all(p.is_dir() for p in moved) and (ckpts / ".abandoned-step_00000006").is_dir()
+    assert abandon_newer(ckpts, 2) == []

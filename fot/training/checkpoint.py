@@ -10,6 +10,9 @@ A checkpoint is a folder ``<run>/checkpoints/step_<step:08d>/`` holding
 It is written into ``.tmp-step_<step>`` and renamed into place only when complete, so a crash
 mid-save leaves the previous checkpoint the latest usable one (a stale temp folder is ignored
 and cleaned up). Older checkpoints beyond ``keep_last`` are deleted after the rename.
+Checkpoints newer than the one a run resumes from belong to an abandoned run: they are renamed
+to ``.abandoned-step_<step>`` (kept, but no longer picked by ``resume=auto`` nor counted by
+``keep_last``).
 Multi-node runs need the run folder on a shared file system.
 """
 
@@ -29,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+ABANDONED_PREFIX = ".abandoned-"
 FAULT_ENV = "FOT_FAULT"
 """Test hook: ``kill_after_step:N`` or ``kill_in_checkpoint:N`` SIGKILLs the process (rank 0)
 after optimizer step N, or halfway through writing the checkpoint of step N."""
@@ -46,7 +50,13 @@ def _fault(point: str, step: int) -> None:
 
 
 def _dist() -> bool:
-    return dist.is_initialized() and dist.get_world_size() > 1
+    """Whether a process group exists, so state must go through the collective path.
+
+    This includes a group of one process (``parallel=fsdp`` without torchrun, whose group
+    ``parallelize`` makes): its parameters are DTensors even though nothing is sharded, and only
+    the ``torch.distributed.checkpoint`` path turns them into (and back from) plain full tensors.
+    """
+    return dist.is_initialized()
 
 
 def _state_dict_options(**kw: Any) -> Any:
@@ -189,8 +199,51 @@ def save_checkpoint(
     return final
 
 
+def abandon_newer(
+    ckpt_dir: str | os.PathLike, step: int, *, keep: str | os.PathLike | None = None
+) -> list[Path]:
+    """Move checkpoints of steps after ``step`` aside (rank 0, when a run starts at ``step``).
+
+    They belong to an abandoned run (this run resumed from an earlier checkpoint, or started
+    over): left in place, ``keep_last`` would delete the checkpoints this run writes instead of
+    them and ``resume=auto`` would pick them. Each ``step_N`` is renamed to
+    ``.abandoned-step_N`` (``.abandoned-step_N.1``, ... if that exists), which
+    :func:`list_checkpoints` and :func:`clean_stale` ignore; nothing is deleted.
+
+    Args:
+        ckpt_dir: the run's ``checkpoints`` folder.
+        step: the step the run starts at (0 without resume).
+        keep: the checkpoint resumed from; never moved.
+
+    Returns:
+        The new paths of the moved checkpoints, oldest first.
+    """
+    root = Path(ckpt_dir)
+    if not root.is_dir():
+        return []
+    kept = Path(keep).resolve() if keep is not None else None
+    moved = []
+    for p in sorted(root.iterdir()):
+        m = _STEP_DIR.match(p.name)
+        if not (m and p.is_dir() and int(m.group(1)) > step) or p.resolve() == kept:
+            continue
+        dest = root / f"{ABANDONED_PREFIX}{p.name}"
+        n = 0
+        while dest.exists():
+            n += 1
+            dest = root / f"{ABANDONED_PREFIX}{p.name}.{n}"
+        os.rename(p, dest)
+        moved.append(dest)
+    if moved:
+        _fsync_dir(root)
+    return moved
+
+
 def clean_stale(ckpt_dir: str | os.PathLike) -> None:
-    """Remove half-written ``.tmp-*`` folders left by a crash (rank 0, before training)."""
+    """Remove half-written ``.tmp-*`` folders left by a crash (rank 0, before training).
+
+    ``.abandoned-*`` folders (see :func:`abandon_newer`) are complete checkpoints: kept.
+    """
     root = Path(ckpt_dir)
     if root.is_dir():
         for p in root.glob(".tmp-step_*"):
@@ -215,8 +268,8 @@ def load_checkpoint(
             f"{p} is not a complete checkpoint (no trainer.json); pass a folder like "
             "<run>/checkpoints/step_00001000, or resume=auto to pick the latest"
         )
-    model_state = torch.load(p / "model.pt", map_location="cpu", weights_only=True)
-    optim_state = torch.load(p / "optim.pt", map_location="cpu", weights_only=False)
+    model_state = _load_file(p, "model.pt", weights_only=True)
+    optim_state = _load_file(p, "optim.pt", weights_only=False)
     if _dist():
         from torch.distributed.checkpoint.state_dict import (
             set_model_state_dict,
@@ -232,7 +285,44 @@ def load_checkpoint(
 
         unwrap(model).load_state_dict(model_state)
         set_optimizer_state_dict(model, optimizer, optim_state, options=_state_dict_options())
-    rngs = torch.load(p / "rng.pt", map_location="cpu", weights_only=False)
+    rngs = _load_file(p, "rng.pt", weights_only=False)
     set_rng_state(rngs[rank] if rank < len(rngs) else rngs[0])
-    with open(p / "trainer.json") as f:
-        return json.load(f)
+    return _load_file(p, "trainer.json")
+
+
+class CorruptCheckpointError(RuntimeError):
+    """A file of a checkpoint cannot be read (truncated, corrupt or missing)."""
+
+
+def _load_file(ckpt: Path, name: str, *, weights_only: bool = False) -> Any:
+    """Read ``ckpt/name``; a file that cannot be read names the checkpoint and what to do."""
+    path = ckpt / name
+    try:
+        if name.endswith(".json"):
+            with open(path) as f:
+                return json.load(f)
+        return torch.load(path, map_location="cpu", weights_only=weights_only)
+    except Exception as e:
+        raise CorruptCheckpointError(_corrupt_message(ckpt, path, e)) from e
+
+
+def _corrupt_message(ckpt: Path, path: Path, error: Exception) -> str:
+    m = _STEP_DIR.match(ckpt.name)
+    step = int(m.group(1)) if m else None
+    earlier = [
+        c
+        for c in list_checkpoints(ckpt.parent)
+        if step is not None and int(c.name.split("_")[1]) < step
+    ]
+    if earlier:
+        options = (
+            f"resume from an earlier checkpoint with resume=<path>, e.g. resume={earlier[-1]} "
+            f"(earlier checkpoints there: {', '.join(c.name for c in earlier)})"
+        )
+    else:
+        options = "start over with resume=never (no earlier checkpoint in that folder)"
+    return (
+        f"checkpoint {ckpt} is corrupt or incomplete: cannot read {path.name} "
+        f"({path}): {type(error).__name__}: {error}. Either {options}, or delete or move "
+        f"{ckpt} away and rerun with resume=auto to use the newest remaining one"
+    )

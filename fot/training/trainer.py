@@ -352,6 +352,17 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
                 )
         step, tokens, wandb_id = state["step"], state["tokens"], state.get("wandb_id")
         stream.load_state_dict(state["data"])
+    if info.is_main:
+        # checkpoints after the starting step are from an abandoned run: move them aside so
+        # keep_last does not delete this run's instead and resume=auto does not pick them
+        for moved in ckpt.abandon_newer(ckpt_dir, step, keep=resume_from):
+            logger.warning(
+                "moved %s aside to %s: it is newer than the step this run starts at (%d), so "
+                "it belongs to an abandoned run (kept; delete it when no longer needed)",
+                moved.name.removeprefix(ckpt.ABANDONED_PREFIX).split(".")[0],
+                moved,
+                step,
+            )
 
     # ---- logging -------------------------------------------------------------------------
     resolved = to_container(cfg)

@@ -221,12 +221,11 @@ def test_attention_layer_matches_handwritten_oracle(model: str, extra: dict) -> 
     assert max_err(got, want) < 1e-5
 
 
-def test_gate_none_with_rope_equals_hf_llama() -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM
+def llama_config_like(c):
+    """The HF ``LlamaConfig`` of the same shapes as FoT config ``c`` (a Transformer (LLaMA))."""
+    from transformers import LlamaConfig
 
-    m = tiny("transformer_llama")
-    c = m.config
-    llama_cfg = LlamaConfig(
+    return LlamaConfig(
         vocab_size=c.padded_vocab_size,
         hidden_size=c.hidden_size,
         intermediate_size=c.mlp_size,
@@ -239,7 +238,13 @@ def test_gate_none_with_rope_equals_hf_llama() -> None:
         attention_bias=False,
         mlp_bias=False,
     )
-    llama = LlamaForCausalLM(llama_cfg).eval()
+
+
+def test_gate_none_with_rope_equals_hf_llama() -> None:
+    from transformers import LlamaForCausalLM
+
+    m = tiny("transformer_llama")
+    llama = LlamaForCausalLM(llama_config_like(m.config)).eval()
     missing, unexpected = llama.load_state_dict(m.state_dict(), strict=False)
     assert not unexpected and all("rotary" in k for k in missing)
     x = ids(2, 40)

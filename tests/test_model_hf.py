@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_model import TOL, VOCAB, ids, max_err, tiny
+from test_model import TOL, VOCAB, ids, llama_config_like, max_err, tiny
 
 import fot
 from fot import presets
@@ -295,22 +295,11 @@ def test_unsupported_llama_fields_raise(kwargs: dict, match: str) -> None:
 
 
 def test_hidden_states_follow_hf_llama() -> None:
-    from transformers import LlamaConfig, LlamaModel
+    from transformers import LlamaModel
 
     m = tiny("transformer_llama")
     c = m.config
-    llama = LlamaModel(
-        LlamaConfig(
-            vocab_size=c.padded_vocab_size,
-            hidden_size=c.hidden_size,
-            intermediate_size=c.mlp_size,
-            num_hidden_layers=c.num_hidden_layers,
-            num_attention_heads=c.num_heads,
-            num_key_value_heads=c.kv_heads,
-            rms_norm_eps=c.norm_eps,
-            rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
-        )
-    ).eval()
+    llama = LlamaModel(llama_config_like(c)).eval()
     missing, unexpected = llama.load_state_dict(m.model.state_dict(), strict=False)
     assert not unexpected and all("rotary" in k for k in missing)
     x = ids(2, 13)

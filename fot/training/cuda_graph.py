@@ -103,11 +103,6 @@ class GraphedStep:
         self.eager_left = eager_steps
         self.graph: torch.cuda.CUDAGraph | None = None
 
-    @property
-    def captured(self) -> bool:
-        """Whether the graph exists (later calls replay it)."""
-        return self.graph is not None
-
     def __call__(
         self, batches: Sequence[Batch], n_tokens: Sequence[int], scales: Sequence[float]
     ) -> tuple[torch.Tensor, torch.Tensor]:

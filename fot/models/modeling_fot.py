@@ -441,7 +441,8 @@ def token_shift(
     """Data-dependent token shift ``y_t = a_t * x_{t-1} + (1 - a_t) * x_t``, ``a = sigmoid``.
 
     Args:
-        x: ``[B, T, H, D]`` pre-shift projections (already zero at padding positions).
+        x: ``[B, T, H, D]`` pre-shift projections (padding already holds the previous real
+            token's value, see ``_fill_padding``).
         shift_logits: ``[B, T, H]`` logits of ``a_t`` (one mixing weight per head and step).
         prev: ``[B, H, D]`` the projection of the token before ``x[:, 0]`` (cache), or None
             (sequence start: ``x_{-1} = 0``).
@@ -458,6 +459,28 @@ def token_shift(
     # Only x, x_prev and a are saved for backward, not fp32 copies of [B, T, H, D] tensors.
     a = torch.sigmoid(shift_logits.float()).to(x.dtype)[..., None]  # (B, T, H, 1)
     return torch.lerp(x, x_prev, a)
+
+
+def _fill_padding(x: torch.Tensor, real: torch.Tensor, prev: torch.Tensor | None) -> torch.Tensor:
+    """Give every padding position the value of the last real position before it.
+
+    Args:
+        x: ``[B, T, H, D]`` pre-shift projections.
+        real: ``[B, T]`` bool, True for tokens, False for padding (anywhere in the row).
+        prev: ``[B, H, D]`` the value before ``x[:, 0]`` (the cache's last pre-shift
+            projection), or None (zero: nothing came before).
+
+    Returns:
+        ``[B, T, H, D]`` in x's dtype: ``x`` at real positions; at padding, the last real
+        position's value, else ``prev`` (or zero) when no real token precedes it in ``x``.
+    """
+    B, T = real.shape
+    first = torch.zeros_like(x[:, :1]) if prev is None else prev[:, None].to(x.dtype)
+    ext = torch.cat([first, x], dim=1)  # (B, T + 1, H, D): index 0 is what came before
+    pos = torch.arange(1, T + 1, device=x.device).expand(B, T)
+    src = torch.where(real.to(x.device), pos, 0).cummax(dim=1).values  # (B, T) last real index
+    idx = src[:, :, None, None].expand(-1, -1, *x.shape[2:])
+    return ext.gather(1, idx)
 
 
 def _shift_then_norm(
@@ -676,9 +699,13 @@ class FoTAttention(nn.Module):
         k_shift = next(outs) if cfg.use_k_shift else None  # (B, T, H) logits
         v_shift = next(outs) if cfg.use_v_shift else None  # (B, T, H) logits
         if ctx.query_mask is not None:
-            # Padding contributes nothing to the KV-shift of the next real token.
-            keep = ctx.query_mask[:, :, None, None]
-            k, v = k * keep, v * keep
+            # Padding is removed from the sequence: the KV-shift of a real token mixes in the
+            # previous *real* token (across left padding and gaps alike), so each padding
+            # position carries the last real token's k/v (or the cache's, or zero).
+            if cfg.use_k_shift:
+                k = _fill_padding(k, ctx.query_mask, cache.k_shift if cache is not None else None)
+            if cfg.use_v_shift:
+                v = _fill_padding(v, ctx.query_mask, cache.v_shift if cache is not None else None)
 
         # KV-shift mixes each token's k/v with the previous token's (pre-shift) k/v.
         k_pre, v_pre = k, v

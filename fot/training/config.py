@@ -114,7 +114,7 @@ class ParallelConfig:
     """``torch.compile`` each block."""
     cuda_graphs: bool = False
     """Replay each training step as one CUDA graph after two eager steps (one GPU,
-    ``parallel=single``; batches of one shape, so not ``data.packing=varlen``; not with
+    ``parallel=single``; batches of one shape, ``data.packing=varlen`` included; not with
     ``compile``). Removes the host's launch time from the step: worth it where the GPU work
     per step is short (small models; FoT heads whose pruning skips most attention)."""
     activation_checkpointing: bool = False

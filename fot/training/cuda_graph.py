@@ -10,10 +10,14 @@ label counts and learning rate into the graph's fixed input buffers. A replay la
 same kernels on the same memory as the eager step, so the losses and weights equal those of
 an eager run.
 
+Packed documents (``data.packing=varlen``) work too: a step's ``cu_seqlens`` has as many
+entries as its batch has documents, so the graph reads a fixed buffer of ``tokens + 1``
+entries, the step's boundaries followed by copies of the last one (empty documents at the
+end, which the kernels and the model never visit).
+
 What a graph needs, and :func:`check_cuda_graphs` / :class:`GraphedStep` check: one CUDA
 device (``parallel=single``), no ``torch.compile`` (it makes its own graphs), batches of one
-shape (``data.packing=varlen`` gives every step its own document boundaries), and a model
-whose step never waits for the host.
+shape, and a model whose step never waits for the host.
 """
 
 from __future__ import annotations
@@ -67,7 +71,7 @@ class GraphedStep:
 
     ``step_fn(batches, n_tokens, scales) -> (loss_sum, grad_norm)`` does one optimizer step on
     device batches: ``batches[i]`` is micro batch ``i`` (``input_ids``/``labels`` ``[B, T]``
-    int64), ``n_tokens[i]`` its number of label tokens and ``scales[i]`` the factor of its
+    int64, optional ``cu_seqlens`` ``[N + 1]``), ``n_tokens[i]`` its number of label tokens and ``scales[i]`` the factor of its
     mean loss in the backward; it returns the float64 sum of token losses and the gradient
     norm. Eager calls get Python numbers, the captured call 0-dim CUDA tensors (float64 token
     counts, float32 scales) holding the same values. ``step_fn`` must not zero the gradients:
@@ -111,14 +115,6 @@ class GraphedStep:
         After the capture the two tensors are the graph's outputs, overwritten by the next
         call: copy them (or add them to something) before calling again.
         """
-        for b in batches:
-            if b.cu_seqlens is not None:
-                raise ValueError(
-                    "parallel.cuda_graphs=true needs batches of one shape, but this batch has "
-                    "document boundaries (cu_seqlens, from data.packing=varlen) that change "
-                    "every step: use data.packing=causal or padded, or set "
-                    "parallel.cuda_graphs=false"
-                )
         if self.eager_left > 0:
             self.eager_left -= 1
             return self.step_fn([b.to(self.device) for b in batches], n_tokens, scales)
@@ -138,14 +134,29 @@ class GraphedStep:
                 f"this step has {len(batches)} micro batches, the captured step "
                 f"{len(self.input_ids)}: a CUDA-graph step needs the same number every step"
             )
-        for b, ids, labels in zip(batches, self.input_ids, self.labels, strict=True):
-            if b.input_ids.shape != ids.shape:
+        for b, ids, labels, cu in zip(
+            batches, self.input_ids, self.labels, self.cu_seqlens, strict=True
+        ):
+            if b.input_ids.shape != ids.shape or (b.cu_seqlens is None) != (cu is None):
                 raise ValueError(
-                    f"micro batch of shape {tuple(b.input_ids.shape)}, the captured step's is "
-                    f"{tuple(ids.shape)}: a CUDA-graph step needs one batch shape"
+                    f"micro batch of shape {tuple(b.input_ids.shape)} "
+                    f"({'with' if b.cu_seqlens is not None else 'without'} cu_seqlens), the "
+                    f"captured step's is {tuple(ids.shape)} "
+                    f"({'with' if cu is not None else 'without'}): a CUDA-graph step needs one "
+                    "batch shape"
                 )
             ids.copy_(b.input_ids.pin_memory(), non_blocking=True)
             labels.copy_(b.labels.pin_memory(), non_blocking=True)
+            if cu is not None:
+                n = b.cu_seqlens.numel()
+                if n > cu.numel():
+                    raise ValueError(
+                        f"cu_seqlens has {n} entries, more than tokens + 1 = {cu.numel()}: "
+                        "document boundaries must be distinct positions"
+                    )
+                padded = torch.full((cu.numel(),), ids.numel(), dtype=cu.dtype).pin_memory()
+                padded[:n] = b.cu_seqlens
+                cu.copy_(padded, non_blocking=True)
         host = torch.tensor([*n_tokens, *scales], dtype=torch.float64).pin_memory()
         self.numbers.copy_(host, non_blocking=True)
         for lr, group in zip(self.lrs, self.optimizer.param_groups, strict=True):
@@ -156,10 +167,20 @@ class GraphedStep:
         k = len(batches)
         self.input_ids = [torch.empty_like(b.input_ids, device=dev) for b in batches]
         self.labels = [torch.empty_like(b.labels, device=dev) for b in batches]
+        # Packed documents: a fixed buffer of tokens + 1 boundaries (the step's, then copies
+        # of the last), filled by _load like the tokens.
+        self.cu_seqlens = [
+            None
+            if b.cu_seqlens is None
+            else torch.empty(b.input_ids.numel() + 1, dtype=b.cu_seqlens.dtype, device=dev)
+            for b in batches
+        ]
         self.numbers = torch.zeros(2 * k, dtype=torch.float64, device=dev)
         statics = [
-            Batch(ids, labels, None, b.seq_len)
-            for ids, labels, b in zip(self.input_ids, self.labels, batches, strict=True)
+            Batch(ids, labels, cu, b.seq_len)
+            for ids, labels, cu, b in zip(
+                self.input_ids, self.labels, self.cu_seqlens, batches, strict=True
+            )
         ]
         groups = self.optimizer.param_groups
         self.lrs = [torch.tensor(float(g["lr"]), device=dev) for g in groups]

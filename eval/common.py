@@ -1,20 +1,22 @@
 """Pieces shared by every evaluation command.
 
 Checkpoint loading, device/dtype choice, per-token cross-entropy for any Hugging Face causal
-LM, greedy generation, resumable JSONL result logs and the ``run_config.json`` written next to
-every result.
+LM, greedy generation, resumable JSONL result logs, the record that ties resumable results to
+the checkpoint and settings that made them (:func:`claim_results`) and the ``run_config.json``
+written next to every result.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import hashlib
 import json
 import os
 import platform
 import subprocess
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,44 @@ _DTYPES = {
     "float16": torch.float16,
     "fp16": torch.float16,
 }
+
+
+CONTEXT_LENGTH_KEYS = (
+    "train_length",
+    "max_position_embeddings",
+    "n_positions",
+    "max_seq_len",
+    "seq_length",
+)
+"""Config fields read, in this order, as a model's context length (:func:`model_max_length`).
+
+fot's trainer writes ``train_length`` (the training sequence length) into exported configs;
+``max_position_embeddings`` of a FoT config is only the RoPE table size (65536 by default).
+"""
+
+CONTEXT_LENGTH_HELP = (
+    "the model's context length: the first of "
+    + ", ".join(CONTEXT_LENGTH_KEYS)
+    + " in its config.json"
+)
+"""How ``--help`` texts describe a default taken from :func:`model_max_length`."""
+
+DEVICE_HELP = (
+    "torch device, e.g. cuda, cuda:1 or cpu (default: CUDA when present, cuda:LOCAL_RANK "
+    "under torchrun, else CPU)"
+)
+DTYPE_HELP = (
+    "float32, bfloat16, float16 or auto (default: %(default)s; auto: bfloat16 on CUDA, float32 "
+    "on CPU)"
+)
+RESTART_HELP = (
+    "start over: move this command's earlier results in --out to --out/superseded/ (default: "
+    "resume results of the same checkpoint and settings, refuse those of others)"
+)
+OUT_HELP = (
+    "results folder; rerunning with the same checkpoint and settings resumes from it, other "
+    "checkpoints or settings are refused (see --restart)"
+)
 
 
 def pick_device(name: str | None = None) -> torch.device:
@@ -107,15 +147,10 @@ def load_checkpoint(
 
 
 def model_max_length(model: torch.nn.Module, default: int | None = None) -> int | None:
-    """The context length the model was configured for (``max_position_embeddings`` etc.)."""
+    """The model's context length: the first positive int of :data:`CONTEXT_LENGTH_KEYS` in
+    its config (``train_length`` before ``max_position_embeddings``), else ``default``."""
     cfg = getattr(model, "config", None)
-    for key in (
-        "train_length",
-        "max_position_embeddings",
-        "n_positions",
-        "max_seq_len",
-        "seq_length",
-    ):
+    for key in CONTEXT_LENGTH_KEYS:
         value = getattr(cfg, key, None)
         if isinstance(value, int) and value > 0:
             return value
@@ -365,11 +400,205 @@ def write_run_config(
     return path
 
 
+# Checkpoint files whose content decides results: weights, configs, tokenizer files.
+_FINGERPRINT_SUFFIXES = (".json", ".safetensors", ".bin", ".pt", ".pth", ".model", ".txt")
+_FINGERPRINT_WHOLE = 8 << 20  # files up to this size are hashed whole
+_FINGERPRINT_BLOCK = 64 << 10  # larger ones: this many bytes at ...
+_FINGERPRINT_BLOCKS = 64  # ... this many evenly spaced offsets (first and last included)
+
+
+def checkpoint_fingerprint(path: str | os.PathLike) -> str:
+    """A content fingerprint of a checkpoint folder, for telling checkpoints apart cheaply.
+
+    SHA-256 over the name and size of every weight, config and tokenizer file in the folder
+    (``*.json``, ``*.safetensors``, ``*.bin``, ``*.pt``, ``*.pth``, ``*.model``, ``*.txt``),
+    the whole content of files up to 8 MiB and 64 evenly spaced 64 KiB blocks of larger ones
+    (4 MiB read per weight file, whatever its size). Copies and moves of a folder keep the
+    fingerprint; another config or tokenizer changes it, and so do other weights (a training
+    step changes every block), unless they differ only between the sampled blocks of a file
+    larger than 8 MiB (e.g. one fine-tuned bias): such variants need separate ``--out`` folders.
+    """
+    digest = hashlib.sha256()
+    files = sorted(
+        f
+        for f in check_checkpoint_dir(path).iterdir()
+        if f.is_file() and f.suffix in _FINGERPRINT_SUFFIXES and not f.name.startswith(".")
+    )
+    for f in files:
+        size = f.stat().st_size
+        digest.update(f"{f.name}\0{size}\0".encode())
+        with f.open("rb") as fh:
+            if size <= _FINGERPRINT_WHOLE:
+                digest.update(fh.read())
+                continue
+            last = size - _FINGERPRINT_BLOCK
+            for i in range(_FINGERPRINT_BLOCKS):
+                fh.seek(last * i // (_FINGERPRINT_BLOCKS - 1))
+                digest.update(fh.read(_FINGERPRINT_BLOCK))
+    return digest.hexdigest()
+
+
+def path_setting(value: str | os.PathLike | None) -> str | None:
+    """A data/folder argument as recorded for resuming: absolute if it names an existing path
+    (so that ``data`` and ``./data`` compare equal), else unchanged (e.g. ``sample``)."""
+    if value is None:
+        return None
+    p = Path(value)
+    return str(p.resolve()) if p.exists() else str(value)
+
+
+def model_dtype(model: torch.nn.Module) -> str:
+    """The dtype of the model's parameters as a short name (``float32``, ``bfloat16``)."""
+    return str(next(model.parameters()).dtype).removeprefix("torch.")
+
+
+class ResumeMismatchError(ValueError):
+    """``--out`` holds saved results of another checkpoint or other settings than this run."""
+
+
+def _show(value: Any) -> str:
+    return json.dumps(value) if not isinstance(value, str) else repr(value)
+
+
+def claim_results(
+    out_dir: str | os.PathLike,
+    name: str,
+    *,
+    checkpoint: str | os.PathLike,
+    settings: dict[str, Any],
+    state: Sequence[str],
+    outputs: Sequence[str] = (),
+    restart: bool = False,
+    write: bool = True,
+) -> dict[str, Any]:
+    """Tie the resumable results ``name`` in ``out_dir`` to the checkpoint and settings of this run.
+
+    Every resumable command calls this before it reads saved results, so that reusing a results
+    folder never mixes the results of one checkpoint (or setting) into those of another. The
+    record ``out_dir/<name>.resume.json`` holds the checkpoint (path and
+    :func:`checkpoint_fingerprint`) and ``settings`` (the result-changing arguments, resolved):
+
+    * no saved results (no file matches ``state``): the record is (re)written, the run starts;
+    * saved results and the same checkpoint content and settings: resume (the checkpoint folder
+      may have moved: its fingerprint is compared, not its path; the record notes the new path);
+    * saved results of another checkpoint or other settings, or without a record:
+      :class:`ResumeMismatchError` naming every difference (saved and new value) and the ways
+      out;
+    * ``restart``: saved results (``state`` and ``outputs``) and their record are moved, not
+      deleted, to ``out_dir/superseded/<name>-<UTC time>/`` and the run starts over.
+
+    Args:
+        out_dir: the command's ``--out`` folder.
+        name: the result set (one record each), e.g. ``per_token_loss`` or ``needle_easy``.
+        checkpoint: the evaluated checkpoint folder.
+        settings: option name -> value of every argument that changes results (JSON-able).
+        state: glob patterns (relative to ``out_dir``) of the files a resumed run reads.
+        outputs: glob patterns of the final result files, moved away with ``state`` on restart.
+        restart: start over: move saved results away instead of resuming or refusing them.
+        write: whether this process may write (False on torchrun ranks other than 0: they only
+            check, and with ``restart`` they leave everything to rank 0).
+
+    Returns:
+        The record of this run.
+
+    Raises:
+        ResumeMismatchError: saved results do not match and ``restart`` is off.
+    """
+    out = Path(out_dir)
+    record_path = out / f"{name}.resume.json"
+    record = {
+        "command": name,
+        "checkpoint": str(Path(checkpoint).resolve()),
+        "checkpoint_fingerprint": checkpoint_fingerprint(checkpoint),
+        "settings": json.loads(json.dumps(_jsonable(settings))),
+    }
+    saved_files = sorted({f for pattern in state for f in out.glob(pattern) if f.is_file()})
+    if not saved_files:
+        if write:
+            _write_json_atomic(record_path, record)
+        return record
+    if restart:
+        if write:
+            stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%S")
+            moved = out / "superseded" / f"{name}-{stamp}"
+            n = 1
+            while moved.exists():  # never overwrite results moved away before
+                n += 1
+                moved = out / "superseded" / f"{name}-{stamp}-{n}"
+            moved.mkdir(parents=True)
+            extra = {f for pattern in outputs for f in out.glob(pattern) if f.is_file()}
+            for f in sorted(set(saved_files) | extra | {record_path}):
+                if f.is_file():
+                    os.replace(f, moved / f.name)
+            print(f"--restart: moved the earlier {name} results to {moved}", file=sys.stderr)
+            _write_json_atomic(record_path, record)
+        return record
+    saved = None
+    if record_path.is_file():
+        with contextlib.suppress(json.JSONDecodeError):
+            saved = json.loads(record_path.read_text())
+    problems = _record_differences(saved, record) if saved is not None else []
+    if saved is not None and not problems:
+        if write and saved != record:
+            _write_json_atomic(record_path, record)  # the checkpoint moved: note where it is
+        return record
+    names = ", ".join(f.name for f in saved_files)
+    if saved is None:
+        why = (
+            f"--out {str(out)!r} holds {name} results ({names}) without a record of the "
+            f"checkpoint and settings that made them ({record_path.name}, written since fot "
+            "checks resumed results), so they cannot be resumed safely."
+        )
+    else:
+        why = (
+            f"--out {str(out)!r} holds {name} results ({names}) of another checkpoint or other "
+            "settings; resuming would mix them into this run:\n  " + "\n  ".join(problems)
+        )
+    raise ResumeMismatchError(
+        f"{why}\nChoose another --out for this run, or pass --restart to move the saved results "
+        f"to {str(out / 'superseded')!r} and start over (or delete them yourself)."
+    )
+
+
+def _record_differences(saved: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """Human-readable differences between a saved and a new :func:`claim_results` record."""
+    problems = []
+    if saved.get("command") != new["command"]:
+        problems.append(f"results: saved {saved.get('command')!r}, this run {new['command']!r}")
+    if saved.get("checkpoint_fingerprint") != new["checkpoint_fingerprint"]:
+        old_path = saved.get("checkpoint")
+        if old_path == new["checkpoint"]:
+            problems.append(
+                f"checkpoint: the folder {old_path!r} has changed since (other weights, config "
+                "or tokenizer)"
+            )
+        else:
+            problems.append(
+                f"checkpoint: saved results are of {old_path!r}, this run evaluates "
+                f"{new['checkpoint']!r} (other content)"
+            )
+    old_settings, new_settings = saved.get("settings") or {}, new["settings"]
+    for key in [*new_settings, *(k for k in old_settings if k not in new_settings)]:
+        old, now = old_settings.get(key, "(not recorded)"), new_settings.get(key, "(not set)")
+        if old != now:
+            problems.append(f"{key}: saved {_show(old)}, this run {_show(now)}")
+    return problems
+
+
+def _write_json_atomic(path: Path, value: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(value, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
 class JsonlLog:
     """An append-only JSONL results file keyed by ``record[key]``: the resume mechanism.
 
     Every finished item is appended (and flushed) at once; on restart, items whose key is
     already in the file are skipped. A partly written last line (killed mid-write) is ignored.
+    The file does not know which checkpoint and settings produced it: commands call
+    :func:`claim_results` before opening it.
     """
 
     def __init__(self, path: str | os.PathLike, key: str = "key") -> None:

@@ -28,12 +28,20 @@ import numpy as np
 import torch
 
 from .common import (
+    CONTEXT_LENGTH_HELP,
+    DEVICE_HELP,
+    DTYPE_HELP,
+    OUT_HELP,
+    RESTART_HELP,
     JsonlLog,
+    claim_results,
     eot_id,
     load_checkpoint,
+    model_dtype,
     model_max_length,
     next_token_argmax,
     parse_int_list,
+    path_setting,
     pick_device,
     use_agg_backend,
     write_run_config,
@@ -247,21 +255,35 @@ def plot_curve(
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``forgetting-curve`` command's options."""
     p.add_argument("checkpoint", help="exported HF checkpoint folder")
     p.add_argument(
-        "--lengths", default="256,512,1k,2k,4k,8k,16k,32k", help="total sequence lengths (k = 1024)"
+        "--lengths",
+        default="256,512,1k,2k,4k,8k,16k,32k",
+        help="total sequence lengths, k = 1024 (default: %(default)s)",
     )
-    p.add_argument("--repeats", type=int, default=5, help="sequences per length")
+    p.add_argument(
+        "--repeats", type=int, default=5, help="sequences per length (default: %(default)s)"
+    )
     p.add_argument(
         "--data",
         default="sample",
-        help="'sample', a token folder or a zarr array (source of S and I)",
+        help="'sample', a token folder or a zarr array: the source of S and I "
+        "(default: %(default)s)",
     )
-    p.add_argument("--train-length", type=str, default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", required=True, help="results folder (resumes if it exists)")
-    p.add_argument("--device", default=None)
-    p.add_argument("--dtype", default="auto")
+    p.add_argument(
+        "--train-length",
+        type=str,
+        default=None,
+        help=f"training length marked on the plot (default: {CONTEXT_LENGTH_HELP})",
+    )
+    p.add_argument(
+        "--seed", type=int, default=0, help="seed of the S and I spans (default: %(default)s)"
+    )
+    p.add_argument("--out", required=True, help=OUT_HELP)
+    p.add_argument("--restart", action="store_true", help=RESTART_HELP)
+    p.add_argument("--device", default=None, help=DEVICE_HELP)
+    p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
 
 
 def _token_stream(source: str, max_tokens: int) -> np.ndarray:
@@ -281,6 +303,7 @@ def _token_stream(source: str, max_tokens: int) -> np.ndarray:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Run ``forgetting-curve``; returns the summary (per-length accuracies, memory lengths)."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     lengths = parse_int_list(args.lengths)
@@ -288,6 +311,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError("--lengths must list at least one length and --repeats must be >= 1")
     model, tokenizer = load_checkpoint(
         args.checkpoint, device=pick_device(args.device), dtype=args.dtype
+    )
+    # (length, repeat) cells extend the saved grid, of the same checkpoint and data only.
+    claim_results(
+        out,
+        "forgetting_curve",
+        checkpoint=args.checkpoint,
+        settings={
+            "--data": path_setting(args.data),
+            "--seed": args.seed,
+            "--dtype": model_dtype(model),
+        },
+        state=["forgetting_curve.jsonl"],
+        outputs=["forgetting_curve.csv", "summary.json", "forgetting_curve.png"],
+        restart=args.restart,
     )
     write_run_config(out, "forgetting-curve", vars(args), args.checkpoint)
     stream = _token_stream(args.data, max(20 * max(lengths), 200_000))

@@ -25,6 +25,8 @@ import numpy as np
 import torch
 
 from .common import (
+    DEVICE_HELP,
+    DTYPE_HELP,
     eot_id,
     load_checkpoint,
     parse_int_list,
@@ -201,15 +203,34 @@ def plot_gate_values(log_fgate: torch.Tensor, out_file: Path) -> Path:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``gates`` command's options."""
     p.add_argument("checkpoint", help="exported FoT checkpoint folder")
-    p.add_argument("--text", default=None, help="text to analyse")
-    p.add_argument("--text-file", default=None, help="read the text from this file")
-    p.add_argument("--max-tokens", type=int, default=256, help="truncate the text to this")
-    p.add_argument("--layers", default="0,-1", help="layers to show (negative from the end)")
-    p.add_argument("--heads", default="0", help="query heads to show")
-    p.add_argument("--out", required=True, help="results folder")
-    p.add_argument("--device", default=None)
-    p.add_argument("--dtype", default="float32")
+    p.add_argument(
+        "--text",
+        default=None,
+        help="text to analyse (default: the start of the offline sample corpus)",
+    )
+    p.add_argument(
+        "--text-file",
+        default=None,
+        help="read the text from this file instead (default: use --text)",
+    )
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=256,
+        help="truncate the text to this many tokens, the leading BOS included "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--layers",
+        default="0,-1",
+        help="layers to show, negative from the end (default: %(default)s)",
+    )
+    p.add_argument("--heads", default="0", help="query heads to show (default: %(default)s)")
+    p.add_argument("--out", required=True, help="results folder (overwritten, no resume)")
+    p.add_argument("--device", default=None, help=DEVICE_HELP)
+    p.add_argument("--dtype", default="float32", help=DTYPE_HELP)
 
 
 def _int_list(text: str) -> list[int]:
@@ -220,6 +241,7 @@ def _int_list(text: str) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Run ``gates``; returns the summary (tokens, mean gate per layer and head, maps)."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.text and args.text_file:

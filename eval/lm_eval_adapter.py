@@ -20,8 +20,9 @@ Offline use. Every standard lm-eval task loads its data from the Hugging Face hu
    ``~/.cache/huggingface`` over and run with ``HF_DATASETS_OFFLINE=1``; or
 2. download each task's dataset repository (``huggingface-cli download --repo-type dataset
    ORG/NAME --local-dir ROOT/ORG/NAME``; the repository names are the ``dataset_path`` in
-   lm-eval's task YAMLs, printed by ``--list-datasets``) and pass ``--dataset-root ROOT``: each
-   task whose ``ROOT/<dataset_path>`` folder exists reads it from there; or
+   lm-eval's task YAMLs, printed by ``--list-datasets``) and pass ``--dataset-root ROOT``:
+   every task with a hub ``dataset_path`` reads it from ``ROOT/<dataset_path>``, and a missing
+   folder is an error before anything runs; or
 3. write your own task YAMLs (``dataset_path: json`` + ``dataset_kwargs.data_files``) and pass
    their folder with ``--include-path``.
 """
@@ -31,6 +32,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -39,12 +41,20 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
 from .common import (
+    CONTEXT_LENGTH_HELP,
+    DEVICE_HELP,
+    DTYPE_HELP,
+    OUT_HELP,
+    RESTART_HELP,
     JsonlLog,
+    claim_results,
     greedy_generate,
     hidden_and_head,
     load_checkpoint,
+    model_dtype,
     model_logits,
     model_max_length,
+    path_setting,
     pick_device,
     write_run_config,
 )
@@ -319,6 +329,70 @@ def _task_dataset_paths(task_manager: Any, tasks: list[str]) -> dict[str, str | 
     return out
 
 
+# `datasets` builders that read the local files a task config names (dataset_kwargs), not a
+# hub repository; used when `datasets` does not expose its list.
+_LOCAL_BUILDERS = frozenset({"arrow", "csv", "json", "pandas", "parquet", "text", "xml"})
+
+
+def _is_hub_dataset(dataset_path: str) -> bool:
+    """Whether a task's ``dataset_path`` names a hub repository (not a builder or a path)."""
+    try:
+        from datasets.packaged_modules import _PACKAGED_DATASETS_MODULES as builders
+    except ImportError:
+        builders = _LOCAL_BUILDERS
+    return dataset_path not in builders and not Path(dataset_path).is_absolute()
+
+
+def local_dataset_dirs(task_manager: Any, tasks: list[str], dataset_root: str) -> dict[str, Path]:
+    """The folder under ``dataset_root`` that each task reads its hub dataset from, checked.
+
+    Tasks whose ``dataset_path`` is a hub repository ``ORG/NAME`` read ``ROOT/ORG/NAME``;
+    tasks reading local files (``dataset_path: json`` etc.) or without a YAML are left alone.
+
+    Raises:
+        FileNotFoundError: ``dataset_root`` is not a folder, or some task's folder is missing;
+            the message names the paths and the download commands that fill them.
+    """
+    root = Path(dataset_root)
+    if not root.is_dir():
+        raise FileNotFoundError(_missing_root_message(root))
+    dirs: dict[str, Path] = {}
+    missing: dict[str, str] = {}
+    for task, dataset_path in _task_dataset_paths(task_manager, tasks).items():
+        if not dataset_path or not _is_hub_dataset(dataset_path):
+            continue
+        local = root / dataset_path
+        if local.is_dir():
+            dirs[task] = local.resolve()
+        else:
+            missing[task] = dataset_path
+    if missing:
+        lines = [
+            f"  {task}: {str(root / path)!r} is missing; download it with: huggingface-cli "
+            f"download --repo-type dataset {path} --local-dir {shlex.quote(str(root / path))}"
+            for task, path in missing.items()
+        ]
+        raise FileNotFoundError(
+            f"--dataset-root {str(root)!r} lacks the dataset folders of "
+            f"{len(missing)} task(s):\n" + "\n".join(lines) + "\nDownload them on a machine with "
+            "internet and copy them there (`python -m fot.eval lm-eval CKPT --tasks ... "
+            "--list-datasets --out x` prints every task's dataset), or leave these tasks out of "
+            "--tasks and run them without --dataset-root (Hugging Face datasets cache)."
+        )
+    return dirs
+
+
+def _missing_root_message(root: Path) -> str:
+    what = "is a file, not a folder" if root.exists() else "does not exist"
+    return (
+        f"--dataset-root {str(root)!r} {what}; pass the folder holding the downloaded dataset "
+        "repositories as ROOT/<dataset_path> (`python -m fot.eval lm-eval CKPT --list-datasets "
+        "--out x` prints what to download: huggingface-cli download --repo-type dataset "
+        "ORG/NAME --local-dir ROOT/ORG/NAME), or leave --dataset-root out to read the Hugging "
+        "Face datasets cache"
+    )
+
+
 def table1(results: dict[str, dict[str, Any]]) -> str:
     """Markdown table in the paper's Table 1 columns; missing tasks show as ``-``.
 
@@ -354,41 +428,47 @@ def evaluate(
     dataset_root: str | None = None,
     limit: int | None = None,
     log_samples: bool = False,
+    task_manager: Any = None,
 ) -> dict[str, dict[str, Any]]:
     """Run lm-eval task by task (zero-shot), resumable.
 
     Finished tasks are recorded in ``results.jsonl`` and skipped on restart; inside a task,
-    finished requests are kept in lm-eval's request cache (``lm_cache_rank0.db``).
+    finished requests are kept in lm-eval's request cache (``lm_cache_rank0.db``). Neither knows
+    which model produced it: use a separate ``out`` per model and settings (the CLI checks this
+    with :func:`fot.eval.common.claim_results`).
 
     Args:
         lm: an lm-eval ``LM`` (e.g. :func:`make_fot_lm`).
         tasks: lm-eval task names.
         out: results folder (``results.jsonl`` per finished task, ``samples_<task>.jsonl``).
         include_path: extra folder of task YAMLs (local copies).
-        dataset_root: folder of downloaded dataset repositories, ``ROOT/<dataset_path>``.
+        dataset_root: folder of downloaded dataset repositories, ``ROOT/<dataset_path>``;
+            every task's folder must exist (:func:`local_dataset_dirs`).
         limit: examples per task (smoke runs only: results are not comparable).
         log_samples: also write per-example outputs.
+        task_manager: an lm-eval ``TaskManager`` to reuse (default: a new one with
+            ``include_path``).
 
     Returns:
         ``{task: {metric: value}}`` for every requested task.
     """
     import lm_eval
-    from lm_eval.tasks import TaskManager
     from tqdm.auto import tqdm
 
-    tm = TaskManager(include_path=include_path) if include_path else TaskManager()
+    if dataset_root and not Path(dataset_root).is_dir():
+        raise FileNotFoundError(_missing_root_message(Path(dataset_root)))
+    tm = task_manager or _task_manager(include_path)
+    local_dirs = local_dataset_dirs(tm, tasks, dataset_root) if dataset_root else {}
     log = JsonlLog(out / "results.jsonl")
-    paths = _task_dataset_paths(tm, tasks) if dataset_root else {}
     for task in tqdm(tasks, desc="lm-eval tasks", unit="task"):
         if log.done(task):
             continue
         spec: str | dict[str, Any] = task
-        local = Path(dataset_root) / paths[task] if dataset_root and paths.get(task) else None
-        if local is not None and local.is_dir():
+        if task in local_dirs:
             # The task's whole config with only the dataset location changed (an inline
             # config replaces the registered one, so it must be complete).
             spec = _task_config(tm, task, resolve_func=True) or {"task": task}
-            spec["dataset_path"] = str(local.resolve())
+            spec["dataset_path"] = str(local_dirs[task])
         res = lm_eval.simple_evaluate(
             model=lm,
             tasks=[spec],
@@ -415,54 +495,81 @@ def evaluate(
     return {r["key"]: r["metrics"] for r in log if r["key"] in tasks}
 
 
+def _task_manager(include_path: str | None) -> Any:
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=include_path) if include_path else TaskManager()
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``lm-eval`` command's options."""
     p.add_argument("checkpoint", help="exported HF checkpoint folder")
     p.add_argument(
         "--tasks",
         default=",".join(PAPER_TASKS),
-        help="comma-separated lm-eval tasks (default: the paper's zero-shot suite)",
+        help="comma-separated lm-eval tasks (default: the paper's zero-shot suite: %(default)s)",
     )
     p.add_argument(
         "--max-length",
         type=int,
         default=None,
-        help="context length for truncation/rolling windows (default: model config)",
+        help="context length for truncation/rolling windows (default: "
+        f"{CONTEXT_LENGTH_HELP}, else 2048)",
     )
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=8,
+        help="requests per forward pass (default: %(default)s)",
+    )
     p.add_argument("--no-bos", action="store_true", help="score sequences without a BOS token")
-    p.add_argument("--include-path", default=None, help="folder of extra/local task YAMLs")
+    p.add_argument(
+        "--include-path",
+        default=None,
+        help="folder of extra/local task YAMLs (default: lm-eval's own tasks only)",
+    )
     p.add_argument(
         "--dataset-root",
         default=None,
-        help="folder of downloaded HF dataset repos, ROOT/<dataset_path> (offline)",
+        help="folder of downloaded HF dataset repos, ROOT/<dataset_path>, for offline runs; "
+        "every task's folder must exist, --list-datasets prints them (default: the Hugging "
+        "Face datasets cache or hub)",
     )
     p.add_argument(
         "--list-datasets",
         action="store_true",
         help="print each task's dataset_path (what to download) and exit",
     )
-    p.add_argument("--limit", type=int, default=None, help="examples per task (smoke runs)")
-    p.add_argument("--log-samples", action="store_true")
-    p.add_argument("--out", required=True, help="results folder (resumes if it exists)")
-    p.add_argument("--device", default=None)
-    p.add_argument("--dtype", default="auto")
+    p.add_argument(
+        "--limit",
+        type=int,
+        default=None,
+        help="examples per task, for smoke runs (default: all)",
+    )
+    p.add_argument("--log-samples", action="store_true", help="also write samples_<task>.jsonl")
+    p.add_argument("--out", required=True, help=OUT_HELP)
+    p.add_argument("--restart", action="store_true", help=RESTART_HELP)
+    p.add_argument("--device", default=None, help=DEVICE_HELP)
+    p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Run ``lm-eval``; returns ``{task: {metric: value}}`` (``--list-datasets``: the paths)."""
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    if args.list_datasets:
-        from lm_eval.tasks import TaskManager
-
-        tm = TaskManager(include_path=args.include_path) if args.include_path else TaskManager()
-        paths = _task_dataset_paths(tm, tasks)
+    if args.list_datasets:  # what to download: works before --dataset-root exists
+        paths = _task_dataset_paths(_task_manager(args.include_path), tasks)
         print(json.dumps(paths, indent=2))
         return paths
+    if args.dataset_root and not Path(args.dataset_root).is_dir():
+        raise FileNotFoundError(_missing_root_message(Path(args.dataset_root)))
+    tm = _task_manager(args.include_path)
+    if args.dataset_root:
+        local_dataset_dirs(tm, tasks, args.dataset_root)  # missing folders: fail before loading
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model, tokenizer = load_checkpoint(
         args.checkpoint, device=pick_device(args.device), dtype=args.dtype
     )
-    write_run_config(out, "lm-eval", vars(args), args.checkpoint)
     lm = make_fot_lm(
         model,
         tokenizer,
@@ -470,6 +577,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         batch_size=args.batch_size,
         bos=not args.no_bos,
     )
+    # Finished tasks and lm-eval's request cache (keyed by request text only, not by model)
+    # resume only a run of the same checkpoint and settings; other tasks extend it.
+    claim_results(
+        out,
+        "lm_eval",
+        checkpoint=args.checkpoint,
+        settings={
+            "--max-length": lm.max_length,
+            "--no-bos": args.no_bos,
+            "--limit": args.limit,
+            "--include-path": path_setting(args.include_path),
+            "--dataset-root": path_setting(args.dataset_root),
+            "--dtype": model_dtype(model),
+        },
+        state=["results.jsonl", "lm_cache_rank*.db"],
+        outputs=["results.json", "results.csv", "table1.md", "samples_*.jsonl"],
+        restart=args.restart,
+    )
+    write_run_config(out, "lm-eval", vars(args), args.checkpoint)
     results = evaluate(
         lm,
         tasks,
@@ -478,6 +604,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         dataset_root=args.dataset_root,
         limit=args.limit,
         log_samples=args.log_samples,
+        task_manager=tm,
     )
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     with (out / "results.csv").open("w", newline="") as f:

@@ -26,11 +26,20 @@ import numpy as np
 import torch
 
 from .common import (
+    CONTEXT_LENGTH_HELP,
+    CONTEXT_LENGTH_KEYS,
+    DEVICE_HELP,
+    DTYPE_HELP,
+    OUT_HELP,
+    RESTART_HELP,
     JsonlLog,
+    claim_results,
     eot_id,
     greedy_generate,
     load_checkpoint,
+    model_dtype,
     model_max_length,
+    path_setting,
     pick_device,
     write_run_config,
 )
@@ -249,32 +258,42 @@ def summary_table(scores: dict[str, float]) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``longbench`` command's options."""
     p.add_argument("checkpoint", help="exported HF checkpoint folder")
     p.add_argument(
         "--data-dir",
         required=True,
-        help="folder with <task>.jsonl files in LongBench format (see module docs)",
+        help="folder with <task>.jsonl files in LongBench's format: unzip LongBench's data.zip, "
+        "or on a machine with internet datasets.load_dataset('THUDM/LongBench', task, "
+        "split='test').to_json(f'{task}.jsonl') for each task",
     )
     p.add_argument(
         "--tasks",
         default=",".join(TASKS),
-        help=f"comma-separated tasks (default: the 14 of the paper: {','.join(TASKS)})",
+        help="comma-separated tasks (default: the 14 of the paper: %(default)s)",
     )
     p.add_argument(
         "--max-length",
         type=int,
         default=None,
-        help="prompt token budget, middle-truncated (default: the model's length "
-        "minus the task's generation length)",
+        help="prompt token budget without BOS, middle-truncated (default: "
+        f"{CONTEXT_LENGTH_HELP}, minus the task's generation length and the BOS token)",
     )
-    p.add_argument("--limit", type=int, default=None, help="examples per task (for smoke runs)")
+    p.add_argument(
+        "--limit",
+        type=int,
+        default=None,
+        help="first examples per task, for smoke runs (default: all)",
+    )
     p.add_argument("--no-bos", action="store_true", help="do not start prompts with BOS")
-    p.add_argument("--out", required=True, help="results folder (resumes if it exists)")
-    p.add_argument("--device", default=None)
-    p.add_argument("--dtype", default="auto")
+    p.add_argument("--out", required=True, help=OUT_HELP)
+    p.add_argument("--restart", action="store_true", help=RESTART_HELP)
+    p.add_argument("--device", default=None, help=DEVICE_HELP)
+    p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Run ``longbench``; returns ``{task: score}`` (0--100)."""
     from tqdm.auto import tqdm
 
     out = Path(args.out)
@@ -293,6 +312,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model, tokenizer = load_checkpoint(
         args.checkpoint, device=pick_device(args.device), dtype=args.dtype
     )
+    # Predictions are keyed by example id: they resume a run of the same checkpoint and
+    # prompts only (other tasks or a larger --limit extend it).
+    claim_results(
+        out,
+        "longbench",
+        checkpoint=args.checkpoint,
+        settings={
+            "--data-dir": path_setting(args.data_dir),
+            "--max-length": args.max_length,
+            "--no-bos": args.no_bos,
+            "--dtype": model_dtype(model),
+        },
+        state=["pred_*.jsonl"],
+        outputs=["scores.json", "scores.csv", "table2.md"],
+        restart=args.restart,
+    )
     write_run_config(out, "longbench", vars(args), args.checkpoint)
     device = next(model.parameters()).device
     model_len = model_max_length(model)
@@ -305,7 +340,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             (model_len - spec.max_new_tokens - len(bos)) if model_len else None
         )
         if budget is None:
-            raise ValueError("the model config has no max_position_embeddings: pass --max-length")
+            raise ValueError(
+                f"the model config has none of {', '.join(CONTEXT_LENGTH_KEYS)}: pass "
+                "--max-length (prompt tokens)"
+            )
         examples = read_jsonl(data_dir / f"{task}.jsonl", args.limit)
         log = JsonlLog(out / f"pred_{task}.jsonl")
         for i, ex in enumerate(tqdm(examples, desc=f"longbench {task}", unit="ex")):

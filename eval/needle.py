@@ -36,13 +36,21 @@ import numpy as np
 import torch
 
 from .common import (
+    CONTEXT_LENGTH_HELP,
+    DEVICE_HELP,
+    DTYPE_HELP,
+    OUT_HELP,
+    RESTART_HELP,
     JsonlLog,
+    claim_results,
     eot_id,
     greedy_generate,
     load_checkpoint,
+    model_dtype,
     model_max_length,
     parse_float_list,
     parse_int_list,
+    path_setting,
     pick_device,
     use_agg_backend,
     write_run_config,
@@ -416,45 +424,79 @@ def run_grid(
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``needle`` command's options."""
     p.add_argument("checkpoint", help="exported HF checkpoint folder")
-    p.add_argument("--mode", choices=MODES, default="easy")
+    p.add_argument(
+        "--mode",
+        choices=MODES,
+        default="easy",
+        help="easy: the needle holds question and answer; standard: the answer only; passkey: "
+        "a random 5-digit key in filler text (default: %(default)s)",
+    )
     p.add_argument(
         "--lengths",
         default="1k,2k,4k,8k,16k,32k",
-        help="context lengths in tokens, comma separated (k = 1024)",
+        help="context lengths in tokens, comma separated, k = 1024 (default: %(default)s)",
     )
     p.add_argument(
         "--depths",
         default="0,10,20,30,40,50,60,70,80,90,100",
-        help="needle depths in percent, comma separated",
+        help="needle depths in percent, comma separated (default: %(default)s)",
     )
-    p.add_argument("--repeats", type=int, default=1, help="prompts per cell (different offsets)")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="prompts per cell, at different haystack offsets (default: %(default)s)",
+    )
     p.add_argument(
         "--haystack",
         nargs="*",
         default=None,
-        help="text files or folders of .txt (e.g. PG19 books); default: the offline sample corpus",
+        help="text files or folders of .txt (e.g. PG19 books) (default: the offline sample "
+        "corpus; passkey mode: a repeated filler paragraph)",
     )
     p.add_argument(
-        "--max-new-tokens", type=int, default=None, help="generated tokens (default 32, passkey 8)"
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        help="generated tokens (default: 32, passkey mode 8)",
     )
-    p.add_argument("--needle", default=None, help="custom needle sentence (with --question)")
-    p.add_argument("--question", default=None)
-    p.add_argument("--key-phrases", default=None, help="comma-separated key phrases")
+    p.add_argument(
+        "--needle",
+        default=None,
+        help="custom needle sentence, with --question (default: the San Francisco needle: "
+        f"{DEFAULT_NEEDLE.answer!r})",
+    )
+    p.add_argument(
+        "--question",
+        default=None,
+        help=f"the question the needle answers (default: {DEFAULT_NEEDLE.question!r})",
+    )
+    p.add_argument(
+        "--key-phrases",
+        default=None,
+        help="comma-separated key phrases of a custom needle (default: "
+        f"{','.join(DEFAULT_NEEDLE.key_phrases)} for the default needle, none for a custom one)",
+    )
     p.add_argument("--no-bos", action="store_true", help="do not start prompts with BOS")
     p.add_argument(
         "--train-length",
         type=str,
         default=None,
-        help="training length marked on the heatmap (default: model config)",
+        help=f"training length marked on the heatmap (default: {CONTEXT_LENGTH_HELP})",
     )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", required=True, help="results folder (resumes if it exists)")
-    p.add_argument("--device", default=None)
-    p.add_argument("--dtype", default="auto")
+    p.add_argument(
+        "--seed", type=int, default=0, help="seed of passkeys and offsets (default: %(default)s)"
+    )
+    p.add_argument("--out", required=True, help=OUT_HELP)
+    p.add_argument("--restart", action="store_true", help=RESTART_HELP)
+    p.add_argument("--device", default=None, help=DEVICE_HELP)
+    p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Run ``needle``; returns the summary (mean score and accuracy, per length)."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     lengths, depths = parse_int_list(args.lengths), parse_float_list(args.depths)
@@ -468,6 +510,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         needle = Needle(args.needle, args.question, keys)
     model, tokenizer = load_checkpoint(
         args.checkpoint, device=pick_device(args.device), dtype=args.dtype
+    )
+    max_new_tokens = args.max_new_tokens or (8 if args.mode == "passkey" else 32)
+    # Cells are keyed by (length, depth, repeat): a larger grid extends the saved one, but
+    # saved cells resume only a run of the same checkpoint, haystack, needle and generation.
+    claim_results(
+        out,
+        f"needle_{args.mode}",
+        checkpoint=args.checkpoint,
+        settings={
+            "--haystack": [path_setting(h) for h in args.haystack] if args.haystack else None,
+            "--needle": needle.answer,
+            "--question": needle.question,
+            "--key-phrases": list(needle.key_phrases),
+            "--no-bos": args.no_bos,
+            "--max-new-tokens": max_new_tokens,
+            "--seed": args.seed,
+            "--dtype": model_dtype(model),
+        },
+        state=[f"needle_{args.mode}.jsonl"],
+        outputs=[f"needle_{args.mode}.csv", f"summary_{args.mode}.json", f"needle_{args.mode}.png"],
+        restart=args.restart,
     )
     write_run_config(out, "needle", vars(args), args.checkpoint)
     max_chars = 8 * max(lengths) + 10_000
@@ -487,7 +550,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         log=log,
         haystack_ids=haystack_ids,
         repeats=args.repeats,
-        max_new_tokens=args.max_new_tokens or (8 if args.mode == "passkey" else 32),
+        max_new_tokens=max_new_tokens,
         needle=needle,
         bos_id=None if args.no_bos else eot_id(tokenizer),
         seed=args.seed,

@@ -14,7 +14,9 @@ Data sources: a LongCrawl64-style zarr array (one document per row), a token fol
 
 Under ``torchrun`` every rank reads every ``world_size``-th document and the sums are
 all-reduced. Resume: each rank saves its running sums and finished document ids to
-``state_rank{r}.npz`` every few documents and continues from there after an interruption.
+``state_rank{r}.npz`` every few documents and continues from there after an interruption;
+``per_token_loss.resume.json`` records the checkpoint and settings these sums belong to
+(:func:`fot.eval.common.claim_results`), so other ones are refused instead of mixed in.
 """
 
 from __future__ import annotations
@@ -30,10 +32,18 @@ import numpy as np
 import torch
 
 from .common import (
+    CONTEXT_LENGTH_HELP,
+    DEVICE_HELP,
+    DTYPE_HELP,
+    OUT_HELP,
+    RESTART_HELP,
+    claim_results,
     eot_id,
     load_checkpoint,
+    model_dtype,
     model_max_length,
     parse_int_list,
+    path_setting,
     pick_device,
     token_losses,
     use_agg_backend,
@@ -377,51 +387,76 @@ def write_results(
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``per-token-loss`` command's options."""
     p.add_argument("checkpoint", help="exported HF checkpoint folder")
     p.add_argument(
         "--data",
         default="sample",
         help="'sample' (offline held-out corpus), a zarr array such as LongCrawl64 "
-        "heldout.zarr, or a token folder (default: sample)",
+        "heldout.zarr, or a token folder (default: %(default)s)",
     )
     p.add_argument(
         "--length",
         type=str,
         default=None,
-        help="evaluation length in tokens, e.g. 16k or 65536 (default: the model's "
-        "max_position_embeddings); only documents at least this long are used",
+        help="evaluation length in tokens, e.g. 16k or 65536 (default: "
+        f"{CONTEXT_LENGTH_HELP}); only documents at least this long are used",
     )
-    p.add_argument("--max-docs", type=int, default=None, help="use at most this many documents")
-    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument(
+        "--max-docs",
+        type=int,
+        default=None,
+        help="use at most this many documents (default: every long enough document)",
+    )
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=1,
+        help="documents per forward pass (default: %(default)s)",
+    )
     p.add_argument(
         "--prepend-bos",
         choices=["auto", "yes", "no"],
         default="auto",
-        help="put <|endoftext|> before each document (auto: yes for token folders "
-        "and sample, no for zarr rows as in LongCrawl64 training)",
+        help="put <|endoftext|> before each document (default: %(default)s: yes for token "
+        "folders and sample, no for zarr rows as in LongCrawl64 training)",
     )
     p.add_argument(
         "--train-length",
         type=str,
         default=None,
-        help="training context length for the plot marker (default: model config)",
+        help=f"training context length for the plot marker (default: {CONTEXT_LENGTH_HELP})",
     )
-    p.add_argument("--smooth", type=int, default=101, help="moving-average window of the plot")
+    p.add_argument(
+        "--smooth",
+        type=int,
+        default=101,
+        help="moving-average window of the plot in tokens (default: %(default)s)",
+    )
     p.add_argument(
         "--overlay",
         nargs="*",
         default=[],
         metavar="LABEL=DIR",
-        help="earlier per-token-loss result folders to draw in the same plot",
+        help="earlier per-token-loss result folders to draw in the same plot (default: none)",
     )
-    p.add_argument("--label", default=None, help="legend label of this run")
-    p.add_argument("--save-every", type=int, default=8, help="documents between resume saves")
-    p.add_argument("--out", required=True, help="results folder (resumes if it exists)")
-    p.add_argument("--device", default=None)
-    p.add_argument("--dtype", default="auto")
+    p.add_argument(
+        "--label", default=None, help="legend label of this run (default: checkpoint folder name)"
+    )
+    p.add_argument(
+        "--save-every",
+        type=int,
+        default=8,
+        help="documents between resume saves (default: %(default)s)",
+    )
+    p.add_argument("--out", required=True, help=OUT_HELP)
+    p.add_argument("--restart", action="store_true", help=RESTART_HELP)
+    p.add_argument("--device", default=None, help=DEVICE_HELP)
+    p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Run ``per-token-loss``; returns the summary (``{}`` on torchrun ranks other than 0)."""
     rank, world = _dist_info()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -441,6 +476,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             f"no document in {args.data!r} has at least {length} tokens; lower "
             "--length or use longer held-out data"
         )
+    # Saved sums resume only a run of the same checkpoint over the same documents and tokens.
+    claim_results(
+        out,
+        "per_token_loss",
+        checkpoint=args.checkpoint,
+        settings={
+            "--data": path_setting(args.data),
+            "--length": length,
+            "--prepend-bos": bos,
+            "--max-docs": args.max_docs,
+            "--dtype": model_dtype(model),
+            "torchrun processes": world,  # each process resumes its own share of documents
+        },
+        state=["state*.npz"],
+        outputs=["per_token_loss.npz", "horizons.csv", "summary.json", "per_token_loss.png"],
+        restart=args.restart,
+        write=rank == 0,
+    )
+    if world > 1:
+        torch.distributed.barrier()  # rank 0 has moved away results (--restart) before reads
     if rank == 0:
         write_run_config(out, "per-token-loss", vars(args), args.checkpoint)
     acc, _ = evaluate_per_token_loss(

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import csv
 import json
+import re
+import shutil
 import subprocess
 import sys
 
@@ -11,7 +14,8 @@ import numpy as np
 import pytest
 from eval_helpers import QUESTIONS, make_llama_checkpoint, make_trained_fot_checkpoint
 
-from fot.eval.__main__ import main
+from fot.eval.__main__ import build_parser, main
+from fot.eval.common import ResumeMismatchError
 
 
 @pytest.fixture(scope="module")
@@ -19,6 +23,7 @@ def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpts")
     return {
         "llama": make_llama_checkpoint(root / "llama"),
+        "llama2": make_llama_checkpoint(root / "llama2", seed=1),  # other weights
         "fot": make_trained_fot_checkpoint(root / "fot"),  # the trainer's own export
     }
 
@@ -391,6 +396,47 @@ def test_lm_eval_cli_with_local_dataset_root(ckpts, tmp_path):
     acc = [r for r in rows if r["task"] == "fot_toy_hub" and r["metric"] == "acc,none"]
     assert len(acc) == 1 and float(acc[0]["value"]) == res["fot_toy_hub"]["acc,none"]
     _run_config(out, "lm-eval")
+    # Another checkpoint on this --out: the finished task (and lm-eval's request cache, keyed
+    # by request text only) must not be reported as its results.
+    saved = (out / "results.jsonl").read_text()
+    with pytest.raises(ResumeMismatchError, match="checkpoint: saved results are of") as err:
+        main(
+            ["lm-eval", str(ckpts["llama"]), "--tasks", "fot_toy_hub", "--include-path",
+             str(tmp_path / "tasks"), "--dataset-root", str(tmp_path / "datasets"),
+             "--max-length", "64", "--out", str(out), "--device", "cpu"]
+        )  # fmt: skip
+    assert str(ckpts["fot"].resolve()) in str(err.value) and "--restart" in str(err.value)
+    assert (out / "results.jsonl").read_text() == saved
+
+
+def test_lm_eval_dataset_root_must_hold_every_task_folder(ckpts, tmp_path):
+    """--dataset-root and ROOT/<dataset_path> are checked before anything runs."""
+    pytest.importorskip("lm_eval")
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "hub.yaml").write_text(
+        "task: fot_toy_hub2\ndataset_path: fot-test/toyrepo2\ntest_split: test\n"
+        "output_type: multiple_choice\ndoc_to_text: '{{question}}'\n"
+        "doc_to_target: '{{label}}'\ndoc_to_choice: '{{choices}}'\n"
+        "metric_list:\n  - metric: acc\n"
+    )
+    args = ["lm-eval", str(ckpts["llama"]), "--tasks", "fot_toy_hub2", "--include-path",
+            str(tmp_path / "tasks"), "--out", str(tmp_path / "o"), "--device", "cpu"]  # fmt: skip
+    missing_root = tmp_path / "no_such_root"
+    with pytest.raises(FileNotFoundError, match="does not exist") as err:
+        main([*args, "--dataset-root", str(missing_root)])
+    assert repr(str(missing_root)) in str(err.value) and "--list-datasets" in str(err.value)
+    # The fix the message names works before the folder exists.
+    listed = main([*args, "--dataset-root", str(missing_root), "--list-datasets"])
+    assert listed == {"fot_toy_hub2": "fot-test/toyrepo2"}
+    root = tmp_path / "datasets"
+    root.mkdir()
+    with pytest.raises(FileNotFoundError, match="lacks the dataset folders") as err:
+        main([*args, "--dataset-root", str(root)])
+    msg = str(err.value)
+    assert repr(str(root / "fot-test" / "toyrepo2")) in msg
+    assert "huggingface-cli download --repo-type dataset fot-test/toyrepo2" in msg
+    assert "--list-datasets" in msg
+    assert not (tmp_path / "o").exists()  # refused before loading the model or writing
 
 
 def test_cli_works_without_the_optional_lm_eval_package():
@@ -409,3 +455,150 @@ def test_cli_works_without_the_optional_lm_eval_package():
     assert "EXIT: `lm-eval` needs the package 'lm_eval'" in out.stdout, out.stderr[-2000:]
     assert "pip install 'fot[eval]'" in out.stdout
     assert "--mode {easy,standard,passkey}" in out.stdout
+
+
+def _per_token_loss(ckpt, out, *extra):
+    return main(["per-token-loss", str(ckpt), "--length", "48", "--max-docs", "2", "--out",
+                 str(out), "--device", "cpu", "--smooth", "5", *extra])  # fmt: skip
+
+
+def test_per_token_loss_refuses_saved_sums_of_another_checkpoint(ckpts, tmp_path):
+    """Reusing --out with another checkpoint or setting never returns or mixes in old sums."""
+    a, b = ckpts["llama"], ckpts["llama2"]
+    out = tmp_path / "out"
+    first = _per_token_loss(a, out)
+    state = (out / "state.npz").read_bytes()
+    with pytest.raises(ResumeMismatchError) as err:
+        _per_token_loss(b, out)
+    msg = str(err.value)
+    assert f"saved results are of {str(a.resolve())!r}" in msg and str(b.resolve()) in msg
+    assert "another --out" in msg and "--restart" in msg
+    with pytest.raises(ResumeMismatchError, match="--max-docs: saved 2, this run 1"):
+        main(["per-token-loss", str(a), "--length", "48", "--max-docs", "1", "--out", str(out),
+              "--device", "cpu"])  # fmt: skip
+    from fot.data.tokens import write_token_documents
+
+    docs = np.random.default_rng(0).integers(0, 50000, size=(2, 60))
+    write_token_documents(tmp_path / "tok", list(docs))
+    with pytest.raises(ResumeMismatchError, match="--data: saved 'sample', this run '/"):
+        _per_token_loss(a, out, "--data", str(tmp_path / "tok"))
+    assert (out / "state.npz").read_bytes() == state  # untouched
+    # The same checkpoint moved elsewhere resumes (its content is compared, not its path).
+    moved = shutil.copytree(a, tmp_path / "moved")
+    assert _per_token_loss(moved, out)["mean_loss"] == first["mean_loss"]
+    # The same folder re-exported with other weights is another checkpoint.
+    shutil.copytree(b, moved, dirs_exist_ok=True)
+    with pytest.raises(ResumeMismatchError, match="has changed since"):
+        _per_token_loss(moved, out)
+    # --restart: the old results are moved aside, this checkpoint's are computed afresh.
+    restarted = _per_token_loss(b, out, "--restart")
+    fresh = _per_token_loss(b, tmp_path / "fresh")
+    assert restarted["mean_loss"] == pytest.approx(fresh["mean_loss"], rel=1e-12)
+    assert restarted["mean_loss"] != pytest.approx(first["mean_loss"])
+    (old,) = (out / "superseded").iterdir()
+    assert (old / "state.npz").read_bytes() == state
+    assert json.loads((old / "summary.json").read_text())["mean_loss"] == first["mean_loss"]
+
+
+_JSONL_COMMANDS = {
+    # command: (arguments, result file, a result-changing option with another value)
+    "needle": (
+        ["--mode", "passkey", "--lengths", "64", "--depths", "0,100", "--max-new-tokens", "2"],
+        "needle_passkey.jsonl",
+        ["--seed", "1"],
+    ),
+    "forgetting-curve": (
+        ["--lengths", "32", "--repeats", "2"],
+        "forgetting_curve.jsonl",
+        ["--seed", "1"],
+    ),
+    "longbench": (
+        ["--tasks", "hotpotqa", "--max-length", "48"],
+        "pred_hotpotqa.jsonl",
+        ["--no-bos"],
+    ),
+}
+
+
+@pytest.mark.parametrize("command", list(_JSONL_COMMANDS))
+def test_resumable_commands_refuse_results_of_another_checkpoint(ckpts, tmp_path, command):
+    args, results, other_setting = _JSONL_COMMANDS[command]
+    if command == "longbench":
+        (tmp_path / "lb").mkdir()
+        (tmp_path / "lb" / "hotpotqa.jsonl").write_text(
+            "".join(
+                json.dumps(
+                    {
+                        "_id": f"h{i}",
+                        "input": "Which topic?",
+                        "context": "Rivers. " * 30,
+                        "answers": ["rivers"],
+                    }
+                )
+                + "\n"
+                for i in range(2)
+            )
+        )
+        args = [*args, "--data-dir", str(tmp_path / "lb")]
+    out = tmp_path / "out"
+
+    def run(ckpt, *extra):
+        return main([command, str(ckpts[ckpt]), *args, "--out", str(out), "--device", "cpu",
+                     *extra])  # fmt: skip
+
+    run("llama")
+    saved = (out / results).read_text()
+    with pytest.raises(ResumeMismatchError, match="checkpoint: saved results are of") as err:
+        run("llama2")
+    assert str(ckpts["llama"].resolve()) in str(err.value)
+    assert str(ckpts["llama2"].resolve()) in str(err.value)
+    option = other_setting[0]
+    with pytest.raises(ResumeMismatchError, match=f"{option}: saved"):
+        run("llama", *other_setting)
+    assert (out / results).read_text() == saved  # nothing mixed in
+    run("llama")  # same checkpoint and settings: resumed, nothing appended
+    assert (out / results).read_text() == saved
+    run("llama2", "--restart")
+    (old,) = (out / "superseded").iterdir()
+    assert (old / results).read_text() == saved
+    assert len(_lines(out / results)) == len(saved.splitlines())  # every item computed anew
+    run("llama2")  # now resumes the new checkpoint's results
+    assert len(_lines(out / results)) == len(saved.splitlines())
+
+
+def _subcommands():
+    parser = build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return sub.choices
+
+
+def test_every_help_states_the_default_the_code_uses():
+    """Every option that takes a value says what happens without it, literal defaults verbatim."""
+    for name, parser in _subcommands().items():
+        formatter = parser._get_formatter()
+        for action in parser._actions:
+            if not action.option_strings or action.required or action.nargs == 0:
+                continue  # positionals, --out, flags
+            text = formatter._expand_help(action)
+            assert "default" in text, f"{name} {action.option_strings[0]}: {text!r}"
+            if action.default not in (None, []):
+                assert f"{action.default}" in text, f"{name} {action.option_strings[0]}: {text!r}"
+
+
+def test_per_token_loss_default_length_is_the_one_help_names(ckpts, tmp_path):
+    """--length defaults to the config field that --help names (fot's trainer writes
+    train_length; max_position_embeddings is FoT's RoPE table size)."""
+    action = next(
+        a for a in _subcommands()["per-token-loss"]._actions if "--length" in a.option_strings
+    )
+    config = json.loads((ckpts["fot"] / "config.json").read_text())
+    named = re.search(
+        r"default:[^)]*?\b(train_length|max_position_embeddings|n_positions|max_seq_len|"
+        r"seq_length)\b",
+        action.help,
+    )
+    assert named, action.help
+    assert config["train_length"] != config["max_position_embeddings"]  # the trap is present
+    s = main(["per-token-loss", str(ckpts["fot"]), "--max-docs", "1", "--out",
+              str(tmp_path / "o"), "--device", "cpu"])  # fmt: skip
+    assert s["length"] == config[named.group(1)]

@@ -12,6 +12,9 @@ from eval_helpers import make_fot_checkpoint, make_llama_checkpoint
 
 from fot.eval.common import (
     JsonlLog,
+    ResumeMismatchError,
+    checkpoint_fingerprint,
+    claim_results,
     load_checkpoint,
     next_token_argmax,
     parse_int_list,
@@ -145,3 +148,79 @@ def test_jsonl_log_skips_done_and_torn_lines(tmp_path):
     assert log2.done("a") and log2.done("b") and not log2.done("c")
     log2.append({"key": "c", "v": 3})
     assert [json.loads(x)["key"] for x in path.read_text().splitlines()] == ["a", "b", "c"]
+
+
+def _fake_checkpoint(path, weights: bytes):
+    path.mkdir()
+    (path / "config.json").write_text('{"model_type": "llama"}')
+    (path / "model.safetensors").write_bytes(weights)
+    return path
+
+
+def test_checkpoint_fingerprint_follows_content_not_location(tmp_path):
+    import shutil
+
+    a = _fake_checkpoint(tmp_path / "a", b"w" * 1000)
+    copy = shutil.copytree(a, tmp_path / "copy")
+    assert checkpoint_fingerprint(copy) == checkpoint_fingerprint(a)
+    (copy / "model.safetensors").write_bytes(b"v" * 1000)
+    assert checkpoint_fingerprint(copy) != checkpoint_fingerprint(a)
+    (tmp_path / "copy" / "README.md").write_text("notes")  # not a model file
+    b = _fake_checkpoint(tmp_path / "b", b"v" * 1000)
+    assert checkpoint_fingerprint(copy) == checkpoint_fingerprint(b)
+    # Large weight files are sampled: a change at a sampled block (the last one) counts.
+    big = bytearray(9 << 20)
+    c = _fake_checkpoint(tmp_path / "c", bytes(big))
+    before = checkpoint_fingerprint(c)
+    big[-1] = 1
+    (c / "model.safetensors").write_bytes(bytes(big))
+    assert checkpoint_fingerprint(c) != before
+
+
+def test_claim_results_resumes_refuses_and_restarts(tmp_path):
+    a = _fake_checkpoint(tmp_path / "a", b"a" * 100)
+    b = _fake_checkpoint(tmp_path / "b", b"b" * 100)
+    out = tmp_path / "out"
+    out.mkdir()
+
+    def claim(ckpt, restart=False, **settings):
+        return claim_results(
+            out,
+            "toy",
+            checkpoint=ckpt,
+            settings={"--length": 64, **settings},
+            state=["toy.jsonl"],
+            outputs=["toy.csv"],
+            restart=restart,
+        )
+
+    claim(a)  # nothing saved yet: the record is written
+    record = json.loads((out / "toy.resume.json").read_text())
+    assert record["checkpoint"] == str(a.resolve()) and record["settings"] == {"--length": 64}
+    (out / "toy.jsonl").write_text('{"key": 1}\n')
+    (out / "toy.csv").write_text("x\n")
+    claim(a)  # same checkpoint and settings: resume
+    claim(tmp_path / "a" / ".." / "a")  # the same folder, spelled differently
+    with pytest.raises(ResumeMismatchError) as err:
+        claim(b, **{"--length": 128})
+    msg = str(err.value)
+    assert f"saved results are of {str(a.resolve())!r}" in msg and str(b.resolve()) in msg
+    assert "--length: saved 64, this run 128" in msg
+    assert "another --out" in msg and "--restart" in msg
+    assert (out / "toy.jsonl").read_text() == '{"key": 1}\n'  # nothing touched
+    # Results without a record (an older fot) are refused too: they cannot be verified.
+    (out / "toy.resume.json").unlink()
+    with pytest.raises(ResumeMismatchError, match="without a record"):
+        claim(a)
+    # --restart moves the saved results away (never deletes them) and starts over, twice.
+    claim(b, restart=True)
+    (out / "toy.jsonl").write_text('{"key": 2}\n')
+    claim(a, restart=True)
+    moved = sorted((out / "superseded").iterdir())
+    assert len(moved) == 2
+    assert (moved[0] / "toy.jsonl").read_text() == '{"key": 1}\n'
+    assert (moved[0] / "toy.csv").read_text() == "x\n"
+    assert (moved[1] / "toy.jsonl").read_text() == '{"key": 2}\n'
+    assert json.loads((moved[1] / "toy.resume.json").read_text())["checkpoint"] == str(b.resolve())
+    assert not (out / "toy.jsonl").exists()
+    assert json.loads((out / "toy.resume.json").read_text())["checkpoint"] == str(a.resolve())

@@ -7,6 +7,9 @@ both of these work (with fot installed)::
     AutoModelForCausalLM.from_pretrained(dir)                          # after `import fot`
     AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)  # without importing fot
     lm_eval --model hf --model_args pretrained=dir,trust_remote_code=True ...
+
+A FoT model loaded from such a folder (either way) and saved again with ``save_pretrained``
+gets the same shims (``FoTConfig.save_pretrained``), so the new folder loads the same way.
 """
 
 from __future__ import annotations
@@ -14,15 +17,37 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from transformers import PreTrainedModel
+from transformers import PretrainedConfig, PreTrainedModel
 
 _CONFIG_MODULE = "configuration_fot"
 _MODEL_MODULE = "modeling_fot"
 
-_SHIM_HEADER = '''"""Remote-code entry point written by fot.export: the classes live in the installed `fot`
-package (pip install fot); this file only re-exports them for `trust_remote_code=True`."""
+# Where the remote-code modules tell users to get fot: it is installed from its source tree
+# (README), not from a package index.
+INSTALL_HINT = (
+    "fot is installed from a clone of its repository: `pip install -e <clone>` (the clone's "
+    "README.md gives the full install); it is not on a package index, so installing it by "
+    "name does not work"
+)
+
+_SHIM_HEADER = '''"""Remote-code entry point written by fot.export: re-exports classes of the `fot` package
+for `trust_remote_code=True`. fot must be installed: it is installed from a clone of its
+repository (`pip install -e <clone>`, see the clone's README.md), not from a package index."""
 
 '''
+
+# The import sits in a try block: transformers then does not pre-check it (its own message
+# would be "Run `pip install fot`"), and a missing fot is reported with the right install.
+_SHIM_IMPORT = """try:
+{imports}
+except ModuleNotFoundError as err:
+    if err.name not in ("fot", "fot.models"):
+        raise
+    raise ImportError(
+        "this checkpoint's code is in the fot package, which is not installed. "
+        {hint!r}
+    ) from err
+"""
 
 
 def _class_path(cls: type) -> tuple[str, str]:
@@ -58,29 +83,12 @@ def export_hf(
         )
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    config_module, config_name = _class_path(type(model.config))
-    model_module, model_name = _class_path(type(model))
-
-    register = ""
-    if model_module == "fot.models.fla_baselines":
-        # FLA registers its own classes with the Auto classes; put the fot wrappers first.
-        register = "from fot.models.fla_baselines import register_auto_classes\n\nregister_auto_classes()\n"
-    (out / f"{_CONFIG_MODULE}.py").write_text(
-        _SHIM_HEADER
-        + f"from {config_module} import {config_name}\n{register}\n"
-        + f'__all__ = ["{config_name}"]\n'
-    )
-    (out / f"{_MODEL_MODULE}.py").write_text(
-        _SHIM_HEADER + f'from {model_module} import {model_name}\n\n__all__ = ["{model_name}"]\n'
-    )
-    auto_map = {
-        "AutoConfig": f"{_CONFIG_MODULE}.{config_name}",
-        "AutoModelForCausalLM": f"{_MODEL_MODULE}.{model_name}",
-    }
     previous = getattr(model.config, "auto_map", None)
-    model.config.auto_map = auto_map
+    model.config.auto_map = remote_code_auto_map(type(model.config), type(model))
     try:
         model.save_pretrained(out, max_shard_size=max_shard_size)
+        # after save_pretrained: it may copy module files of registered classes over these
+        write_remote_code(out, type(model.config), type(model))
     finally:
         if previous is None:
             del model.config.auto_map
@@ -94,4 +102,91 @@ def export_hf(
     return out
 
 
-__all__ = ["export_hf"]
+def remote_code_auto_map(config_cls: type, model_cls: type) -> dict[str, str]:
+    """The ``auto_map`` of an exported folder: the classes in the two shim modules."""
+    return {
+        "AutoConfig": f"{_CONFIG_MODULE}.{config_cls.__name__}",
+        "AutoModelForCausalLM": f"{_MODEL_MODULE}.{model_cls.__name__}",
+    }
+
+
+def _shim(module: str, name: str, *, register_fla: bool = False) -> str:
+    """Source of a shim module that re-exports ``module.name``."""
+    imports = [f"from {module} import {name}"]
+    tail = ""
+    if register_fla:
+        # FLA registers its own classes with the Auto classes; put the fot wrappers first.
+        imports.append("from fot.models.fla_baselines import register_auto_classes")
+        tail = "\nregister_auto_classes()\n"
+    body = "\n".join(f"    {line}" for line in imports)
+    return (
+        _SHIM_HEADER
+        + _SHIM_IMPORT.format(imports=body, hint=INSTALL_HINT)
+        + tail
+        + f'\n__all__ = ["{name}"]\n'
+    )
+
+
+def write_remote_code(
+    path: str | os.PathLike, config_cls: type | None, model_cls: type | None
+) -> list[Path]:
+    """Write the remote-code shim modules that :func:`remote_code_auto_map` points to.
+
+    Args:
+        path: the checkpoint folder.
+        config_cls: the config class (``configuration_fot.py``), or None to skip it.
+        model_cls: the model class (``modeling_fot.py``), or None to skip it.
+
+    Returns:
+        The files written.
+    """
+    out = Path(path)
+    written = []
+    if config_cls is not None:
+        module, name = _class_path(config_cls)
+        fla = model_cls is not None and _class_path(model_cls)[0] == "fot.models.fla_baselines"
+        file = out / f"{_CONFIG_MODULE}.py"
+        file.write_text(_shim(module, name, register_fla=fla))
+        written.append(file)
+    if model_cls is not None:
+        module, name = _class_path(model_cls)
+        file = out / f"{_MODEL_MODULE}.py"
+        file.write_text(_shim(module, name))
+        written.append(file)
+    return written
+
+
+def write_remote_code_for_config(config: PretrainedConfig, path: str | os.PathLike) -> list[Path]:
+    """Write the shims that a saved FoT config's ``auto_map`` names (``FoTConfig.save_pretrained``).
+
+    A model loaded from an exported folder keeps the folder's ``auto_map``; saving it again must
+    write the modules that ``auto_map`` points to, or ``trust_remote_code=True`` cannot load the
+    new folder. Entries that do not name the shim modules (or classes fot does not have) are
+    left alone.
+
+    Args:
+        config: the config being saved.
+        path: the folder it is saved to.
+
+    Returns:
+        The files written (none when ``auto_map`` names no shim).
+    """
+    auto_map = getattr(config, "auto_map", None) or {}
+    config_cls = model_cls = None
+    if auto_map.get("AutoConfig") == f"{_CONFIG_MODULE}.{type(config).__name__}":
+        config_cls = type(config)
+    ref = auto_map.get("AutoModelForCausalLM")
+    if isinstance(ref, str) and ref.startswith(f"{_MODEL_MODULE}."):
+        from fot.models import modeling_fot
+
+        model_cls = getattr(modeling_fot, ref.split(".", 1)[1], None)
+    return write_remote_code(path, config_cls, model_cls)
+
+
+__all__ = [
+    "INSTALL_HINT",
+    "export_hf",
+    "remote_code_auto_map",
+    "write_remote_code",
+    "write_remote_code_for_config",
+]

@@ -12,12 +12,16 @@ head included); :func:`count_params` uses the same convention.
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import inspect
+from collections.abc import Mapping
 from typing import Any
 
 from torch import nn
 from transformers import PretrainedConfig
 
-from fot.models.configuration_fot import FoTConfig
+from fot.models.configuration_fot import FoTConfig, merge_overrides
 from fot.models.fla_baselines import FLA_MODELS, fla_config
 
 SIZES = ("tiny", "125m", "360m", "760m")
@@ -69,14 +73,19 @@ def config(model: str, size: str = "tiny", **overrides: Any) -> PretrainedConfig
         A :class:`fot.FoTConfig` for FoT / Transformer models, else the FLA config class.
 
     Raises:
-        ValueError: unknown model or size (the message lists the valid names).
+        ValueError: unknown model or size (the message lists the valid names), or an override
+            that is no field of the model's config class (the message names it, the closest
+            field names and the fix).
     """
     if model not in MODELS:
         raise ValueError(f"unknown model {model!r}; valid models: {list(MODELS)}")
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; valid sizes: {list(SIZES)}")
     if model in FLA_MODELS:
+        cfg = fla_config(model, size)  # the class first, so that no override is applied unchecked
+        check_override_keys(model, type(cfg), overrides)
         return fla_config(model, size, **overrides)
+    check_override_keys(model, FoTConfig, overrides)
     fields, transformer_heads = _FOT_MODELS[model]
     dims = _SIZE_TABLE[size]
     kwargs: dict[str, Any] = {
@@ -87,8 +96,96 @@ def config(model: str, size: str = "tiny", **overrides: Any) -> PretrainedConfig
     }
     if size == "tiny" and "window_size" in kwargs:
         kwargs["window_size"] = 64  # keep the window smaller than tiny test sequences
-    kwargs.update(overrides)
-    return FoTConfig(**kwargs)
+    # an override under a LLaMA name (num_attention_heads) replaces the preset's FoT name
+    return FoTConfig(**merge_overrides(kwargs, overrides))
+
+
+# Keywords every transformers config accepts besides its dataclass fields
+# (``PretrainedConfig.__post_init__``).
+_BASE_CONFIG_KEYS = frozenset(
+    {
+        "torch_dtype",
+        "num_labels",
+        "output_attentions",
+        "attn_implementation",
+        "experts_implementation",
+        "name_or_path",
+    }
+)
+
+
+def config_keys(config_cls: type[PretrainedConfig]) -> frozenset[str]:
+    """Every keyword that ``config_cls(**kwargs)`` reads as a config field.
+
+    The named parameters of the ``__init__`` of each class in its MRO, the dataclass fields,
+    the ``attribute_map`` aliases, the keywords every transformers config accepts (``dtype``,
+    ``attn_implementation``, ...) and, for :class:`FoTConfig`, the LLaMA names and foreign
+    fields it maps or refuses (:meth:`FoTConfig.constructor_keys`). Anything else would be
+    stored on the config and ignored by the model.
+    """
+    keys = set(_BASE_CONFIG_KEYS)
+    for klass in config_cls.__mro__:
+        init = vars(klass).get("__init__")
+        if init is not None and klass is not object:
+            params = inspect.signature(init).parameters.values()
+            keys.update(
+                p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+            )
+        if dataclasses.is_dataclass(klass):
+            keys.update(f.name for f in dataclasses.fields(klass))
+        keys.update(getattr(klass, "attribute_map", None) or {})
+    constructor_keys = getattr(config_cls, "constructor_keys", None)
+    if constructor_keys is not None:
+        keys.update(constructor_keys())
+    keys.discard("self")
+    return frozenset(keys)
+
+
+def check_override_keys(
+    model: str, config_cls: type[PretrainedConfig], overrides: Mapping[str, Any]
+) -> None:
+    """Refuse override keys that are no field of ``config_cls`` (typos such as ``hidden_sise``).
+
+    transformers configs store unknown keywords as attributes that no model reads, so a
+    misspelt ``model.overrides`` key would train the un-overridden model without a word.
+
+    Args:
+        model: the preset name (for the message).
+        config_cls: the config class the overrides are passed to.
+        overrides: the override fields.
+
+    Raises:
+        ValueError: naming each unknown key, the closest valid names and the fix.
+    """
+    known = config_keys(config_cls)
+    unknown = [key for key in overrides if key not in known]
+    if not unknown:
+        return
+    # Suggest among the class's own constructor fields first (the others are rarely meant).
+    params = inspect.signature(config_cls.__init__).parameters.values()
+    own = sorted(p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD and p.name != "self")
+    lines = []
+    for key in unknown:
+        close = difflib.get_close_matches(key, own, n=3, cutoff=0.6) or difflib.get_close_matches(
+            key, sorted(known), n=3, cutoff=0.6
+        )
+        hint = f"did you mean {' or '.join(repr(c) for c in close)}?" if close else "no close match"
+        lines.append(f"  {key}={overrides[key]!r}: {hint}")
+    fix_key = (
+        difflib.get_close_matches(unknown[0], own, n=1, cutoff=0.6)
+        or difflib.get_close_matches(unknown[0], sorted(known), n=1, cutoff=0.6)
+        or ["<field>"]
+    )[0]
+    raise ValueError(
+        f"unknown model override{'s' if len(unknown) > 1 else ''} for model {model!r} "
+        f"({config_cls.__name__} has no such field{'s' if len(unknown) > 1 else ''}; "
+        "it would be stored and ignored):\n"
+        + "\n".join(lines)
+        + f"\nFix: spell the field as {config_cls.__name__} does, e.g. "
+        f"`python train.py +model.overrides.{fix_key}={overrides[unknown[0]]!r}` or "
+        f"`fot.presets.config({model!r}, size, {fix_key}=...)`.\n"
+        f"{config_cls.__name__} fields: {', '.join(own)}"
+    )
 
 
 def build_model(config: PretrainedConfig) -> nn.Module:
@@ -120,4 +217,12 @@ def count_params(model: nn.Module, *, exclude_input_embedding: bool = True) -> i
     return total
 
 
-__all__ = ["MODELS", "SIZES", "build_model", "config", "count_params"]
+__all__ = [
+    "MODELS",
+    "SIZES",
+    "build_model",
+    "check_override_keys",
+    "config",
+    "config_keys",
+    "count_params",
+]

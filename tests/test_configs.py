@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -114,3 +115,168 @@ def test_bad_sizes_are_explained(hydra_ctx, overrides, world, match) -> None:
     cfg = compose("train", overrides=overrides)
     with pytest.raises(ValueError, match=match):
         check_sizes(cfg, world)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "world"),
+    [(["micro_batch_size=3"], 1), (["micro_batch_size=8"], 3), (["micro_batch_size=8"], 2),
+     (["global_batch_tokens=3072", "micro_batch_size=4"], 2)],
+)  # fmt: skip
+def test_batch_split_error_suggests_sizes_that_work(hydra_ctx, overrides, world) -> None:
+    """Every ``key=value`` the split error suggests, applied alone, passes the check."""
+    cfg = compose("train", overrides=overrides)
+    with pytest.raises(ValueError, match="cannot be split") as err:
+        check_sizes(cfg, world)
+    fixes = re.findall(r"(\w+)=(\d+)", str(err.value).split("(e.g. ")[1])
+    assert fixes
+    for key, value in fixes:
+        check_sizes(compose("train", overrides=[*overrides, f"{key}={value}"]), world)
+
+
+# -- model overrides: unknown keys are refused ---------------------------------------------------
+
+
+def test_misspelt_model_override_is_refused_with_the_closest_name(hydra_ctx) -> None:
+    cfg = compose("train", overrides=["+model.overrides.hidden_sise=512"])
+    with pytest.raises(ValueError, match="hidden_sise") as err:
+        model_config_from_train_config(cfg)
+    message = str(err.value)
+    assert "did you mean 'hidden_size'" in message
+    assert "+model.overrides.hidden_size=512" in message  # the fix, spelt out
+    # The Python API goes through the same check, for FLA baselines as well.
+    with pytest.raises(ValueError, match=r"qk_nrom=True: did you mean 'qk_norm'"):
+        presets.config("fot_pro", "tiny", qk_nrom=True)
+    with pytest.raises(ValueError, match=r"num_head=2: did you mean 'num_heads'"):
+        presets.config("deltanet", "tiny", num_head=2)
+
+
+def test_every_valid_model_override_is_still_accepted(hydra_ctx) -> None:
+    import inspect
+
+    from fot.models.configuration_fot import FoTConfig
+
+    base = presets.config("fot_pro", "tiny")
+    params = inspect.signature(FoTConfig.__init__).parameters
+    same = {name: getattr(base, name) for name in params if name not in ("self", "kwargs")}
+    assert presets.config("fot_pro", "tiny", **same).to_dict() == base.to_dict()
+    # LLaMA names, zero dropouts and keys every transformers config takes pass through.
+    cfg = presets.config(
+        "fot_pro",
+        "tiny",
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+        attention_dropout=0.0,
+        hidden_act="silu",
+        output_hidden_states=True,
+        dtype="float32",
+    )
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.norm_eps, cfg.rope_theta) == (2, 1, 1e-5, 1e4)
+    assert cfg.output_hidden_states is True
+    built = model_config_from_train_config(
+        compose("train", overrides=["+model.overrides.fgate_bias_init=5"])
+    )
+    assert built.fgate_bias_init == 5
+    assert presets.config("deltanet", "tiny", num_heads=2, expand_v=1.0).expand_v == 1.0
+
+
+# -- from_pretrained / from_dict keyword overrides are checked like the constructor ---------------
+
+
+def _saved_config(tmp_path: Path) -> Path:
+    presets.config(
+        "fot_pro", "tiny", vocab_size=300, bos_token_id=None, eos_token_id=None
+    ).save_pretrained(tmp_path)
+    return tmp_path
+
+
+@pytest.mark.parametrize("loader", ["FoTConfig", "AutoConfig"])
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"attention_dropout": 0.1}, "attention_dropout=0.1: FoT models have no dropout"),
+        ({"num_heads": 3}, r"divisible by num_heads \(3\)"),
+        ({"num_attention_heads": 3}, r"divisible by num_heads \(3\)"),
+        ({"kv_heads": 3}, r"multiple of num_kv_heads \(3\)"),
+        ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling"),
+        ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+        ({"head_dim": 16}, "head_dim=16"),
+        ({"fgate_type": "ful"}, "unknown fgate_type 'ful'"),
+    ],
+)
+def test_from_pretrained_overrides_are_checked_like_the_constructor(
+    tmp_path, loader: str, kwargs: dict, match: str
+) -> None:
+    import transformers
+
+    import fot
+
+    cls = fot.FoTConfig if loader == "FoTConfig" else transformers.AutoConfig
+    path = _saved_config(tmp_path)
+    with pytest.raises(ValueError, match=match):
+        cls.from_pretrained(path, **kwargs)
+
+
+def test_from_pretrained_overrides_map_llama_names_and_keep_the_rest(tmp_path) -> None:
+    from transformers import AutoConfig
+
+    from fot import FoTConfig
+
+    path = _saved_config(tmp_path)
+    for load in (FoTConfig.from_pretrained, AutoConfig.from_pretrained):
+        cfg, unused = load(
+            path,
+            num_attention_heads=8,  # replaces the saved num_heads=4
+            rope_parameters={"rope_type": "default", "rope_theta": 1e4},  # the saved rope_theta
+            attention_dropout=0.0,  # consumed (not passed on to the model's __init__)
+            output_hidden_states=True,
+            not_a_field=1,
+            return_unused_kwargs=True,
+        )
+        assert (cfg.num_heads, cfg.kv_heads, cfg.rope_theta) == (8, 8, 1e4)
+        assert cfg.output_hidden_states is True
+        assert unused == {"not_a_field": 1}
+        assert not hasattr(cfg, "attention_dropout")
+    cfg = FoTConfig.from_dict(FoTConfig.from_pretrained(path).to_dict(), num_kv_heads=2)
+    assert cfg.kv_heads == 2
+
+
+# -- the default global batch fits every data group -----------------------------------------------
+
+
+def _readme_tokens_command() -> list[str]:
+    import shlex
+
+    readme = (CONFIGS.parent / "README.md").read_text()
+    lines = [ln.strip() for ln in readme.splitlines() if ln.strip().startswith("python train.py")]
+    commands = [shlex.split(ln)[2:] for ln in lines if "data=tokens" in ln]
+    assert commands, "README.md shows no `python train.py data=tokens ...` command"
+    return commands[0]
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        pytest.param(None, id="readme-example"),
+        pytest.param(["data=tokens", "data.path=data/mine"], id="tokens"),
+        pytest.param(["data.seq_len=512"], id="sample-512"),
+        pytest.param(["data=hf", "data.path=x", "data.seq_len=1024"], id="hf-1024"),
+    ],
+)
+def test_default_batch_splits_for_every_data_group(hydra_ctx, overrides) -> None:
+    cfg = compose("train", overrides=overrides or _readme_tokens_command())
+    seqs, steps = check_sizes(cfg, 1)
+    assert seqs == 8 and cfg.global_batch_tokens == 8 * cfg.data.seq_len
+    assert steps == cfg.total_tokens // cfg.global_batch_tokens >= 1
+    # the default run on the sample corpus is unchanged: 48 steps of 8 x 256 tokens
+    default = compose("train")
+    assert (default.global_batch_tokens, check_sizes(default, 1)) == (2048, (8, 48))
+
+
+def test_mul_resolver_refuses_non_integers() -> None:
+    from fot.training.config import mul
+
+    assert mul(8, 2048) == 16384
+    with pytest.raises(ValueError, match=r"fot.mul multiplies integers, got 2.5"):
+        mul(8, 2.5)

@@ -94,6 +94,113 @@ def test_trust_remote_code_in_fresh_process_without_importing_fot(exported) -> N
     assert max(abs(a - b) for a, b in zip(got, want)) < 1e-5
 
 
+def _fresh_python(code: str, out: Path) -> subprocess.Popen:
+    """Start ``code`` in a new interpreter (offline; nothing imported from fot beforehand)."""
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "HF_MODULES_CACHE": str(out.parent / "modules"),
+    }
+    return subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=out.parent,
+    )
+
+
+def _finish(proc: subprocess.Popen) -> tuple[int, str, str]:
+    stdout, stderr = proc.communicate(timeout=300)
+    return proc.returncode, stdout, stderr
+
+
+_LOAD_AND_PRINT = (
+    "import sys, torch\n"
+    "from transformers import AutoModelForCausalLM\n"
+    "m = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval()\n"
+    "if len(sys.argv) > 2:\n"
+    "    m.save_pretrained(sys.argv[2])\n"
+    "x = torch.arange(11)[None] * 7 % 300\n"
+    "print(type(m).__name__, m(x).logits[0, -1, :5].tolist())\n"
+)
+
+
+def test_resaved_trust_remote_code_model_loads_the_same_way(exported, tmp_path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model, out = exported
+    x = torch.arange(11)[None] * 7 % VOCAB
+    want = model(x).logits[0, -1, :5].tolist()
+    # (a) loaded and re-saved in a process that has imported fot
+    loaded = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    loaded.save_pretrained(tmp_path / "a")
+    # (b) loaded and re-saved in a fresh process, where the remote code imports fot
+    code = f"import sys; sys.argv = ['-', {str(out)!r}, {str(tmp_path / 'b')!r}]\n"
+    rc, _, stderr = _finish(_fresh_python(code + _LOAD_AND_PRINT, out))
+    assert rc == 0, stderr[-2000:]
+    for name in ("a", "b"):
+        folder = tmp_path / name
+        for shim in ("configuration_fot.py", "modeling_fot.py"):  # the shims, not fot's modules
+            assert (folder / shim).read_text() == (out / shim).read_text(), (name, shim)
+    # each re-saved folder loads with trust_remote_code in a fresh process, same logits
+    procs = {
+        name: _fresh_python(
+            f"import sys; sys.argv = ['-', {str(tmp_path / name)!r}]\n" + _LOAD_AND_PRINT, out
+        )
+        for name in ("a", "b")
+    }
+    for name, proc in procs.items():
+        rc, stdout, stderr = _finish(proc)
+        assert rc == 0, (name, stderr[-2000:])
+        cls, values = stdout.strip().splitlines()[-1].split(" ", 1)
+        assert cls == "FoTForCausalLM"
+        got = json.loads(values)
+        assert max(abs(a - b) for a, b in zip(got, want)) < 1e-5, name
+        # and the weights are the exported ones exactly
+        again = AutoModelForCausalLM.from_pretrained(tmp_path / name).eval()
+        assert torch.equal(again(x).logits, model(x).logits), name
+
+
+def test_remote_code_without_fot_names_the_true_install(exported) -> None:
+    _, out = exported
+    for shim in ("configuration_fot.py", "modeling_fot.py"):
+        assert "pip install fot" not in (out / shim).read_text()
+    # A fresh process in which `fot` is not importable (as on a machine without it).
+    code = (
+        "import sys\n"
+        "class NoFot:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'fot' or name.startswith('fot.'):\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+        "sys.meta_path.insert(0, NoFot())\n"
+        "from transformers import AutoModelForCausalLM\n"
+        f"AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True)\n"
+    )
+    rc, _, stderr = _finish(_fresh_python(code, out))
+    assert rc != 0
+    error = stderr.strip().splitlines()[-1]
+    assert error.startswith("ImportError"), stderr[-2000:]
+    assert "pip install fot" not in error
+    assert "pip install -e <clone>" in error
+
+    from fot.export import INSTALL_HINT
+
+    assert INSTALL_HINT in error
+
+
+def test_model_from_pretrained_overrides_are_checked(exported) -> None:
+    from transformers import AutoModelForCausalLM
+
+    _, out = exported
+    with pytest.raises(ValueError, match=r"attention_dropout=0\.1: FoT models have no dropout"):
+        AutoModelForCausalLM.from_pretrained(out, attention_dropout=0.1)
+    with pytest.raises(ValueError, match=r"divisible by num_heads \(3\)"):
+        fot.FoTForCausalLM.from_pretrained(out, num_attention_heads=3)
+
+
 def test_export_rejects_non_hf_modules(tmp_path) -> None:
     with pytest.raises(TypeError, match="PreTrainedModel"):
         export_hf(torch.nn.Linear(2, 2), tmp_path)

@@ -7,8 +7,10 @@ The Pro components (QK-norm, KV-shift, output norm, output gate) are independent
 
 from __future__ import annotations
 
+import inspect
 import math
-from typing import ClassVar
+import os
+from typing import Any, ClassVar
 
 from transformers import PretrainedConfig
 
@@ -76,6 +78,12 @@ class FoTConfig(PretrainedConfig):
     ``attention_dropout``, ``hidden_dropout``, ``resid_pdrop``, ...), ``rope_scaling`` or a
     non-default ``rope_parameters`` type, ``attention_bias`` / ``mlp_bias``, and a
     ``hidden_act`` other than ``"silu"``.
+
+    Keyword overrides given to :meth:`from_pretrained` / :meth:`from_dict` (and so to
+    ``AutoConfig`` / ``AutoModelForCausalLM.from_pretrained``) go through the same constructor,
+    LLaMA-name mapping and checks. :meth:`save_pretrained` re-writes the remote-code modules
+    that an exported config's ``auto_map`` names (see :mod:`fot.export`), so a model loaded
+    with ``trust_remote_code=True`` and saved again loads the same way.
     """
 
     model_type = "fot"
@@ -178,6 +186,64 @@ class FoTConfig(PretrainedConfig):
             **kwargs,
         )
         self.validate_fot()
+
+    # -- loading and saving ----------------------------------------------------------------
+    @classmethod
+    def constructor_keys(cls) -> frozenset[str]:
+        """Keywords that :class:`FoTConfig`'s own constructor reads and checks.
+
+        Its parameters, the LLaMA-named aliases, ``kv_heads`` and the fields of other
+        architectures it refuses or checks (dropouts, ``rope_scaling``, ``head_dim``, ...).
+        Keys of :class:`~transformers.PretrainedConfig` itself (``dtype``, ``architectures``,
+        ...) are not included.
+        """
+        params = inspect.signature(FoTConfig.__init__).parameters.values()
+        own = {p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD and p.name != "self"}
+        return frozenset(own | {"kv_heads"} | set(LLAMA_ALIASES) | set(FOREIGN_FIELDS))
+
+    @classmethod
+    def from_dict(
+        cls, config_dict: dict[str, Any], **kwargs: Any
+    ) -> FoTConfig | tuple[FoTConfig, dict[str, Any]]:
+        """Build a config from ``config_dict`` with keyword overrides, checked as in ``__init__``.
+
+        transformers' :meth:`~transformers.PretrainedConfig.from_dict` constructs the config
+        from ``config_dict`` and then *sets* keyword overrides as attributes, so an override
+        would skip the constructor's checks and LLaMA-name mapping (``attention_dropout=0.1``
+        was dropped silently, ``num_heads=3`` stored unchecked). Here overrides of FoT fields
+        (:meth:`constructor_keys`) are merged into ``config_dict`` first: an override replaces
+        the saved value of the same setting under any of its names (``num_attention_heads=8``
+        replaces a saved ``num_heads``). Other keywords (``dtype``, ``return_unused_kwargs``,
+        ...) are handled by transformers as before.
+
+        Returns:
+            The config, or ``(config, unused_kwargs)`` with ``return_unused_kwargs=True``.
+
+        Raises:
+            ValueError: an override the constructor refuses, with the field and the fix.
+        """
+        own = cls.constructor_keys()
+        overrides = {key: kwargs.pop(key) for key in list(kwargs) if key in own}
+        if overrides:
+            config_dict = merge_overrides(config_dict, overrides)
+        return super().from_dict(config_dict, **kwargs)
+
+    def save_pretrained(
+        self, save_directory: str | os.PathLike, push_to_hub: bool = False, **kwargs: Any
+    ) -> None:
+        """Save ``config.json`` (as transformers does) and, when ``auto_map`` names the
+        remote-code modules of :func:`fot.export.export_hf`, write those modules too.
+
+        A config loaded from an exported folder keeps its ``auto_map``; without the modules
+        next to it, the saved folder could not be loaded with ``trust_remote_code=True``.
+        transformers may also have copied this package's own ``configuration_fot.py`` there
+        (after a ``trust_remote_code`` load it registers the class for saving); the shim
+        replaces it, so that the folder always loads the installed ``fot`` classes.
+        """
+        super().save_pretrained(save_directory, push_to_hub=push_to_hub, **kwargs)
+        from fot.export import write_remote_code_for_config
+
+        write_remote_code_for_config(self, save_directory)
 
     # -- derived sizes -------------------------------------------------------------------
     @property
@@ -294,6 +360,47 @@ DROPOUT_FIELDS = (
 )
 
 
+# LLaMA-named fields read as FoT fields (constructor arguments).
+LLAMA_ALIASES: dict[str, str] = {
+    "num_attention_heads": "num_heads",
+    "num_key_value_heads": "num_kv_heads",
+    "rms_norm_eps": "norm_eps",
+    "rope_parameters": "rope_theta",
+}
+# Fields of other architectures that the constructor refuses or checks instead of storing.
+FOREIGN_FIELDS = (
+    *DROPOUT_FIELDS,
+    "rope_scaling",
+    "attention_bias",
+    "mlp_bias",
+    "hidden_act",
+    "head_dim",
+)
+# Names of one setting: an override under one name replaces a saved value under the others.
+_SYNONYMS: tuple[frozenset[str], ...] = (
+    frozenset({"num_heads", "num_attention_heads"}),
+    frozenset({"num_kv_heads", "num_key_value_heads", "kv_heads"}),
+    frozenset({"norm_eps", "rms_norm_eps"}),
+    frozenset({"rope_theta", "rope_parameters"}),
+)
+
+
+def merge_overrides(config_dict: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """``config_dict`` updated with ``overrides`` (neither is modified).
+
+    A value in ``config_dict`` of a setting that an override names differently is dropped
+    rather than kept to conflict: ``num_attention_heads=8`` replaces ``num_heads``,
+    ``rope_parameters`` replaces ``rope_theta``, and so on (LLaMA names and FoT names).
+    """
+    merged = dict(config_dict)
+    for names in _SYNONYMS:
+        if names & overrides.keys():
+            for name in names - overrides.keys():
+                merged.pop(name, None)
+    merged.update(overrides)
+    return merged
+
+
 def _take_alias(kwargs: dict, alias: str, name: str, value: object, default: object) -> object:
     """Pop the LLaMA-named ``alias`` from ``kwargs``; return the value for the FoT field ``name``.
 
@@ -373,4 +480,4 @@ def _refuse_unsupported_fields(kwargs: dict) -> None:
         )
 
 
-__all__ = ["ATTN_BACKENDS", "FGATE_TYPES", "LOSS_IMPLS", "FoTConfig"]
+__all__ = ["ATTN_BACKENDS", "FGATE_TYPES", "LOSS_IMPLS", "FoTConfig", "merge_overrides"]

@@ -24,7 +24,8 @@ class ModelConfig:
 
     name: str = MISSING
     overrides: dict[str, Any] = field(default_factory=dict)
-    """Extra HF config fields passed to ``fot.presets.config(name, size, **overrides)``."""
+    """Extra HF config fields passed to ``fot.presets.config(name, size, **overrides)``; a key
+    that is no field of the model's config class is refused with the closest names."""
 
 
 @dataclass
@@ -160,7 +161,9 @@ class TrainConfig:
     total_tokens: int = MISSING
     """Training length in tokens (rounded down to whole global batches)."""
     global_batch_tokens: int = 512 * 1024
-    """Tokens per optimizer step over all ranks (a multiple of ``data.seq_len``)."""
+    """Tokens per optimizer step over all ranks (a multiple of ``data.seq_len``).
+    ``configs/train.yaml`` sets it to 8 sequences of ``data.seq_len``
+    (``${fot.mul:8,${data.seq_len}}``), so that it fits any data group's sequence length."""
     micro_batch_size: int = 1
     """Sequences per forward pass per rank; gradient accumulation fills the global batch."""
     seed: int = 0
@@ -203,13 +206,29 @@ GROUPS = {
 }
 
 
+def mul(*factors: int) -> int:
+    """The ``fot.mul`` resolver: the product of integers (``${fot.mul:8,${data.seq_len}}``).
+
+    Raises:
+        ValueError: a factor that is not an integer.
+    """
+    product = 1
+    for factor in factors:
+        if isinstance(factor, bool) or not isinstance(factor, int):
+            raise ValueError(f"fot.mul multiplies integers, got {factor!r} in {factors!r}")
+        product *= factor
+    return product
+
+
 def register_configs() -> None:
-    """Register the root schema with Hydra's ConfigStore as ``train_schema``.
+    """Register the root schema with Hydra's ConfigStore as ``train_schema`` and the
+    ``fot.mul`` resolver that ``configs/train.yaml`` uses.
 
     Group YAMLs merge into its typed fields, so they need no schema of their own.
     """
     from hydra.core.config_store import ConfigStore
 
+    OmegaConf.register_new_resolver("fot.mul", mul, replace=True)
     ConfigStore.instance().store(name="train_schema", node=TrainConfig)
 
 

@@ -8,6 +8,10 @@ points at a local copy of the paper's ``forgetting_attention.py``, the paper's k
 
 Times are medians of ``triton.testing.do_bench`` (CUDA events) after warm-up. FLOPs count
 the causal half: fwd = 2 * 2 * B * H * T * T * D / 2, bwd = 2.5 * fwd.
+
+Needs a CUDA GPU; without one it stops at once and says so. On CPU, ``python -m pytest
+tests/test_kernels.py`` checks the kernel against the PyTorch reference under Triton's
+interpreter, and ``benchmarks/pruning.py --device cpu`` counts the tiles that pruning skips.
 """
 
 from __future__ import annotations
@@ -256,14 +260,26 @@ def sweep(shape, rows_out: list[str]) -> None:
     mod._CONFIG_OVERRIDE.clear()
 
 
-def main() -> None:
+NO_GPU = (
+    "benchmarks/attention.py times the attention kernels on a CUDA GPU (CUDA events, bf16 "
+    "inputs of up to 16k tokens), and torch sees none (torch.cuda.is_available() is False): run "
+    "it on a machine with an NVIDIA GPU and a CUDA build of PyTorch. On CPU, `python -m pytest "
+    "tests/test_kernels.py` checks the kernel against the PyTorch reference under Triton's "
+    "interpreter, and `python benchmarks/pruning.py CKPT --data DATA --device cpu` counts the "
+    "tiles that pruning skips (no times)"
+)
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--fox-path", help="local copy of the paper's ops/forgetting_attention.py")
     ap.add_argument("--out", help="write the markdown table to this file")
     ap.add_argument("--sweep", action="store_true", help="also sweep our tile configs")
     ap.add_argument("--no-table", action="store_true")
     ap.add_argument("--shapes", nargs="*", help="B,T,H,D ... (default: the four bar shapes)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit(NO_GPU)
     shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes] if args.shapes else SHAPES
     props = torch.cuda.get_device_properties(0)
     rows = [

@@ -16,7 +16,9 @@ and autotuning are not timed.
   the same fixed-capacity steps eagerly.
 * ``hf_llama``: ``LlamaForCausalLM`` (SDPA) of the same size, HF's default ``DynamicCache``.
 
-Weights are bf16 on CUDA (inference), fp32 on CPU.
+Weights are bf16 on CUDA (inference), fp32 on CPU. On CPU our models decode with the PyTorch
+reference attention (``--fot-backend auto`` or ``reference``); ``--fot-backend triton`` needs a
+CUDA GPU (or Triton's interpreter, ``TRITON_INTERPRET=1``, whose times mean nothing).
 
     python benchmarks/decode.py --out results/decode_760m.json          # 760m, 16k, B=1 and 8
     python benchmarks/decode.py --device cpu --size tiny --context 128 --new-tokens 4
@@ -28,6 +30,7 @@ import argparse
 import gc
 import itertools
 import json
+import os
 import sys
 import time
 import traceback
@@ -240,6 +243,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if not fot_caches or any(c not in ("graphs", "eager") for c in fot_caches):
         raise SystemExit(f"--fot-cache takes graphs and/or eager, got {args.fot_cache!r}")
     device = resolve_device(args.device)
+    if (
+        device.type != "cuda"
+        and args.fot_backend == "triton"
+        and os.environ.get("TRITON_INTERPRET") != "1"
+    ):
+        raise SystemExit(
+            f"--fot-backend triton runs fot's Triton kernels, which need a CUDA GPU, and the "
+            f"device is {device}: on CPU use --fot-backend auto or reference (the PyTorch "
+            "reference attention), or run on a GPU"
+        )
     dtype_name = (
         args.dtype if args.dtype != "auto" else ("bf16" if device.type == "cuda" else "fp32")
     )

@@ -14,6 +14,11 @@ optionally approximate pruning (``--threshold``), and reports per layer and in t
 values). The text is ``--docs`` held-out windows of ``--length`` tokens (documents shorter than
 that are concatenated, as in training without document masking).
 
+On CPU (``--device cpu``, or ``auto`` without a GPU) the Triton kernel runs in Triton's
+interpreter: the script turns it on itself (``TRITON_INTERPRET=1``, set before Triton is
+imported; setting it by hand works too). The interpreter is slow and uses its own 32x32 tiles,
+so a CPU run gives tile counts for those tiles and no times: a smoke run for short windows.
+
     python benchmarks/pruning.py out/repro/runs/fot_pro/hf --data data/repro/heldout \\
         --length 8192 --out results/pruning.json
     python benchmarks/pruning.py CKPT --data DATA --device cpu --length 64 --docs 1   # smoke run
@@ -22,6 +27,7 @@ that are concatenated, as in training without document masking).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -33,7 +39,48 @@ _HERE = Path(__file__).resolve().parent
 if str(_HERE) not in sys.path:  # sibling modules when imported from elsewhere
     sys.path.insert(0, str(_HERE))
 
-from train_throughput import fmt, log, resolve_device, run_meta, write_json  # noqa: E402
+# Nothing above imports Triton (``import torch`` does not): ``main`` decides on
+# ``TRITON_INTERPRET`` first, then imports ``train_throughput`` and ``fot`` (which do).
+
+
+def _triton_compiled_here() -> bool:
+    """Whether this process already holds Triton functions made for a GPU (``@triton.jit``
+    read ``TRITON_INTERPRET`` as unset when their module was imported)."""
+    jit = sys.modules.get("triton.runtime.jit")
+    if jit is None:
+        return False
+    for name in ("triton.language.standard", "fot.kernels._triton_kernels"):
+        mod = sys.modules.get(name)
+        if mod is not None and any(isinstance(v, jit.JITFunction) for v in vars(mod).values()):
+            return True
+    return False
+
+
+def use_triton_interpreter() -> None:
+    """Run the Triton kernels on CPU tensors: turn on Triton's interpreter.
+
+    ``@triton.jit`` reads ``TRITON_INTERPRET`` when a module of kernels (Triton's own
+    ``triton.language`` included) is imported, so the variable only works if it is set before
+    Triton is imported; the script does that itself (``main`` before its other imports). Where
+    this process already imported Triton for a GPU (``main`` called from a program that did),
+    the kernels cannot run on CPU tensors, and that is refused with the fix instead of failing
+    deep inside Triton.
+
+    Raises:
+        SystemExit: Triton was already imported without the interpreter.
+    """
+    if _triton_compiled_here():
+        raise SystemExit(
+            "--device cpu runs the Triton kernels in Triton's interpreter, which must be on "
+            "before Triton is imported, but this process imported Triton without it (compiled "
+            "kernels, for a GPU): run `TRITON_INTERPRET=1 python benchmarks/pruning.py ... "
+            "--device cpu` in a fresh process, or use --device cuda on a GPU"
+        )
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        print(
+            "CPU: the Triton kernels run in Triton's interpreter (TRITON_INTERPRET=1)", flush=True
+        )
+        os.environ["TRITON_INTERPRET"] = "1"
 
 
 def heldout_windows(path: str | Path, length: int, docs: int) -> torch.Tensor:
@@ -149,11 +196,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--docs", type=int, default=1, help="windows (batch size)")
     p.add_argument("--threshold", type=float, default=None,
                    help="also measure approximate pruning with this log-threshold (e.g. -20)")  # fmt: skip
-    p.add_argument("--device", default="auto", help="auto, cuda or cpu (cpu: tile counts only)")
+    p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"),
+                   help="auto = cuda if available, else cpu (cpu: tile counts only, the kernels "
+                   "in Triton's interpreter, which the script turns on: TRITON_INTERPRET=1)")  # fmt: skip
     p.add_argument("--out", default=None, help="JSON file for the results")
     args = p.parse_args(argv)
     if args.length < 1 or args.docs < 1:
         p.error(f"--length and --docs must be >= 1, got {args.length} and {args.docs}")
+    if args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available()):
+        use_triton_interpreter()  # before anything imports Triton
+    from train_throughput import fmt, log, resolve_device, run_meta, write_json
+
     device = resolve_device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
 
@@ -181,7 +234,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"(x{fmt(t['fwd_speedup'], '.2f')})  fwd+bwd {fmt(t['fwd_bwd_ms'], '.2f')} ms "
             f"(x{fmt(t['fwd_bwd_speedup'], '.2f')})  max rel err {t['max_rel_err']:.1e}"
         )
-    result = {"meta": run_meta(device, args), "layers": layers, "total": total}
+    meta = run_meta(device, args)
+    meta["triton_interpret"] = os.environ.get("TRITON_INTERPRET") == "1"  # CPU: 32x32 tiles
+    result = {"meta": meta, "layers": layers, "total": total}
     if args.out:
         write_json(args.out, result)
     return result

@@ -6,6 +6,9 @@
   GPU driver ("0 active drivers"), so under the interpreter its benchmark is replaced by a
   no-op timing and the first config runs.
 * ``@pytest.mark.gpu`` tests are skipped (and reported as skipped) without CUDA.
+* The ``device`` fixture is where a test that runs Triton kernels (ours or FLA's) puts its
+  models and tensors: CUDA on a GPU machine (there the kernels are compiled and cannot read CPU
+  tensors), CPU under the interpreter otherwise. Such a test runs on both kinds of machines.
 """
 
 from __future__ import annotations
@@ -38,6 +41,26 @@ def _disable_autotune_benchmarks() -> None:
 
 if not HAS_CUDA:
     _disable_autotune_benchmarks()
+
+
+@pytest.fixture
+def device():
+    """``cuda`` where there is a GPU, else ``cpu`` (the Triton interpreter, above).
+
+    On CUDA, float32 matmuls and convolutions run without TF32 for the test (PyTorch turns TF32
+    on for cuDNN by default), so tolerances written for float32 on CPU hold; the previous
+    settings come back afterwards.
+    """
+    if not HAS_CUDA:
+        yield torch.device("cpu")
+        return
+    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield torch.device("cuda")
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

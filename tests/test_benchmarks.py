@@ -1,15 +1,23 @@
-"""Benchmark scripts (``benchmarks/train_throughput.py``, ``decode.py``, ``flops.py``, ``fused_ops.py``) on CPU.
+"""Benchmark scripts (``benchmarks/train_throughput.py``, ``decode.py``, ``flops.py``, ``fused_ops.py``,
+``pruning.py``, ``attention.py``) on CPU.
 
 Oracles: FLOPs against a hand count of the weights of a tiny config and a brute-force count of
 the causal (query, key) pairs; the scripts' reported numbers against their own timings; greedy
 decoding with the cache against argmax of a full forward without cache (teacher forcing).
+
+Where a script's own start-up matters (which device it may use, whether Triton's interpreter is
+on), it runs as a user runs it: a fresh ``python benchmarks/...`` process without the
+``TRITON_INTERPRET=1`` that conftest sets for this process.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import json
 import math
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -30,6 +38,19 @@ def bench():
         sys.path.remove(str(BENCH))
         for name in names:  # generic top-level names: do not leak them to other tests
             sys.modules.pop(name, None)
+
+
+def _run_script(args: list[str], **env: str) -> subprocess.CompletedProcess:
+    """``python ARGS`` in a fresh process, without ``TRITON_INTERPRET`` (plus ``env``)."""
+    base = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return subprocess.run(
+        [sys.executable, *args],
+        capture_output=True,
+        text=True,
+        env={**base, **env},
+        cwd=BENCH.parent,
+        timeout=300,
+    )
 
 
 def _causal_pairs(T: int) -> int:
@@ -164,11 +185,14 @@ def test_train_throughput_reports_oom_and_errors(bench, monkeypatch, capsys):
     assert "| fot_llama | OOM: CUDA out of memory" in out
 
 
-def test_train_throughput_fla_fot_cpu(bench):
-    """FLA's model runs under the Triton interpreter (conftest) and is counted like ours."""
+def test_train_throughput_fla_fot(bench, device):
+    """FLA's model runs on ``device`` (conftest: CUDA on a GPU machine, where FLA's compiled
+    kernels cannot read CPU tensors; else CPU under the Triton interpreter) and is counted like
+    ours."""
     payload = bench["train_throughput"].main(
-        [*TOY, "--steps", "1", "--warmup", "0", "--models", "fla_fot,fot_llama"]
-    )
+        [*TOY, "--device", device.type, "--steps", "1", "--warmup", "0",
+         "--models", "fla_fot,fot_llama"]
+    )  # fmt: skip
     fla, ours = payload["results"]
     assert fla["status"] == "ok", fla
     assert fla["flops_breakdown"]["attention"] == ours["flops_breakdown"]["attention"] > 0
@@ -272,22 +296,57 @@ def test_decode_cpu(bench, tmp_path):
         assert all(x["first_tokens"] == r["first_tokens"] for x in same)
 
 
+def test_decode_triton_backend_on_cpu_says_the_fix(bench, monkeypatch):
+    """Our Triton kernels cannot run on CPU tensors (no interpreter): the script stops before
+    building anything and names the CPU backends, instead of an error row per measurement."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(SystemExit, match="use --fot-backend auto or reference"):
+        bench["decode"].main(["--device", "cpu", "--size", "tiny", "--fot-backend", "triton",
+                              "--context", "8", "--new-tokens", "1", "--batch-sizes", "1"])  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------
+# Attention kernels (a GPU benchmark)
+# ---------------------------------------------------------------------------------------
+
+
+def test_attention_benchmark_without_gpu_says_what_it_needs():
+    """Without a visible GPU, ``benchmarks/attention.py`` stops at once with what it needs and
+    what runs on CPU instead (no traceback from ``torch.cuda``)."""
+    res = _run_script([str(BENCH / "attention.py")], CUDA_VISIBLE_DEVICES="")
+    assert res.returncode == 1, res.stderr[-3000:]
+    assert "Traceback" not in res.stderr, res.stderr[-3000:]
+    assert "on a CUDA GPU" in res.stderr and "torch.cuda.is_available() is False" in res.stderr
+    assert "python -m pytest tests/test_kernels.py" in res.stderr
+    assert "benchmarks/pruning.py CKPT --data DATA --device cpu" in res.stderr
+
+
 # ---------------------------------------------------------------------------------------
 # Pruning on a trained checkpoint
 # ---------------------------------------------------------------------------------------
 
 
+TRITON_VERSION = tuple(int(x) for x in importlib.metadata.version("triton").split(".")[:2])
+
+
+@pytest.mark.skipif(
+    TRITON_VERSION < (3, 7),
+    reason="Triton < 3.7's interpreter stops at our kernels' loops over runtime bounds "
+    "(seen with Triton 3.6: 'only 0-dimensional arrays can be converted to Python scalars')",
+)
 @pytest.mark.parametrize(("decay_time", "expect_skips"), [(0.1, True), (1e9, False)])
-def test_pruning_cpu_tile_counts(tmp_path, bench, decay_time, expect_skips):
-    """Tile counts from the interpreter kernel on a tiny fixed-gate model: the total equals the
-    hand count of causal 32x32 tile pairs; with a decay time of 0.1 token (log f = -10 per
-    token) exact pruning must skip every pair of tiles two or more apart (the gate bias alone
-    is below -320 there), with 1e9 it skips none; the output is unchanged either way."""
+def test_pruning_cpu_tile_counts(tmp_path, decay_time, expect_skips):
+    """``python benchmarks/pruning.py ... --device cpu`` in a fresh process without
+    ``TRITON_INTERPRET`` (as a user runs it, on a GPU machine too): the script turns Triton's
+    interpreter on itself. Tile counts from the interpreter kernel on a tiny fixed-gate model:
+    the total equals the hand count of causal 32x32 tile pairs; with a decay time of 0.1 token
+    (log f = -10 per token) exact pruning must skip every pair of tiles two or more apart (the
+    gate bias alone is below -320 there), with 1e9 it skips none; the output is unchanged
+    either way."""
     from fot import presets
     from fot.data.tokens import write_token_documents
     from fot.export import export_hf
 
-    pruning = bench["pruning"]
     torch.manual_seed(0)
     over = {"decay_time_min": decay_time, "decay_time_max": decay_time}
     model = presets.build_model(presets.config("fot_llama_fixed", "tiny", **over))
@@ -296,8 +355,13 @@ def test_pruning_cpu_tile_counts(tmp_path, bench, decay_time, expect_skips):
     docs = [torch.randint(0, 50257, (100,), generator=rng).tolist() for _ in range(3)]
     write_token_documents(tmp_path / "data", docs)
     T = 128
-    res = pruning.main([str(tmp_path / "ckpt"), "--data", str(tmp_path / "data"),
-                        "--length", str(T), "--device", "cpu", "--out", str(tmp_path / "p.json")])  # fmt: skip
+    run = _run_script([str(BENCH / "pruning.py"), str(tmp_path / "ckpt"),
+                       "--data", str(tmp_path / "data"), "--length", str(T), "--device", "cpu",
+                       "--out", str(tmp_path / "p.json")])  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "Triton's interpreter (TRITON_INTERPRET=1)" in run.stdout
+    res = json.loads((tmp_path / "p.json").read_text())
+    assert res["meta"]["triton_interpret"] is True
     cfg = model.config
     n_tiles = T // 32
     pairs = n_tiles * (n_tiles + 1) // 2
@@ -312,9 +376,24 @@ def test_pruning_cpu_tile_counts(tmp_path, bench, decay_time, expect_skips):
         assert frac >= 3 / pairs
     else:
         assert frac == 0.0
-    assert (
-        json.loads((tmp_path / "p.json").read_text())["total"]["exact"]["skipped_fraction"] == frac
+    assert f"exact: skipped {frac:6.1%}" in run.stdout
+
+
+def test_pruning_cpu_after_triton_was_imported_without_interpreter_says_the_fix():
+    """``pruning.main(--device cpu)`` in a process that imported Triton without the interpreter
+    (its kernels compiled, for a GPU) cannot turn it on any more: it stops with the command to
+    run instead of failing inside Triton (or, before, of loading the checkpoint first)."""
+    code = (
+        "import sys, triton\n"
+        f"sys.path.insert(0, {str(BENCH)!r})\n"
+        "import pruning\n"
+        "pruning.main(['no-such-checkpoint', '--data', 'no-such-data', '--device', 'cpu'])\n"
     )
+    res = _run_script(["-c", code])
+    assert res.returncode == 1, res.stderr[-3000:]
+    assert "Traceback" not in res.stderr, res.stderr[-3000:]
+    assert "imported Triton without it" in res.stderr
+    assert "`TRITON_INTERPRET=1 python benchmarks/pruning.py ... --device cpu`" in res.stderr
 
 
 # ---------------------------------------------------------------------------------------

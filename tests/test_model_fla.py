@@ -1,4 +1,9 @@
-"""Recurrent baselines from flash-linear-attention (run under TRITON_INTERPRET on CPU: seconds).
+"""Recurrent baselines from flash-linear-attention (seconds).
+
+Tests that run FLA's Triton kernels take the ``device`` fixture (conftest): CUDA tensors where
+there is a GPU (the kernels compiled, float32 without TF32), CPU tensors under TRITON_INTERPRET
+otherwise. FLA's compiled kernels cannot read CPU tensors, so every model and input of such a
+test is on ``device``.
 
 Oracle: FLA's own forward (its logits) for our ``shift_labels`` loss; separate sequences for
 packed ``cu_seqlens`` batches.
@@ -9,6 +14,7 @@ from __future__ import annotations
 import copy
 import functools
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -26,10 +32,10 @@ def tiny(name: str):
 
 
 @pytest.mark.parametrize("name", ["deltanet", "hgrn2", "mamba2"])
-def test_fla_baseline_loss_matches_its_own_logits_and_trains(name: str) -> None:
-    m = tiny(name)
-    x = torch.randint(0, VOCAB, (1, 16))
-    y = torch.randint(0, VOCAB, (1, 16))
+def test_fla_baseline_loss_matches_its_own_logits_and_trains(name: str, device) -> None:
+    m = tiny(name).to(device)
+    x = torch.randint(0, VOCAB, (1, 16)).to(device)
+    y = torch.randint(0, VOCAB, (1, 16)).to(device)
     y[0, :3] = -100
     logits = m(x).logits  # FLA's own forward
     assert logits.shape == (1, 16, VOCAB)
@@ -45,22 +51,22 @@ def test_fla_baseline_loss_matches_its_own_logits_and_trains(name: str) -> None:
     assert abs(ptl.sum().item() / 13 - want.item()) < 1e-4
 
 
-def test_fla_baseline_loss_runs_a_hooked_lm_head() -> None:
+def test_fla_baseline_loss_runs_a_hooked_lm_head(device) -> None:
     """Our loss calls a hooked (or adapter-wrapped) LM head as a module, as FLA's forward does."""
-    m = tiny("deltanet")
+    m = tiny("deltanet").to(device)
     m.lm_head.register_forward_hook(lambda module, args, out: 2 * out)
-    x, y = torch.randint(0, VOCAB, (1, 16)), torch.randint(0, VOCAB, (1, 16))
+    x, y = (torch.randint(0, VOCAB, (1, 16)).to(device) for _ in range(2))
     logits = m(x).logits  # FLA's own forward, through the hook
     want = F.cross_entropy(logits.float().reshape(-1, VOCAB), y.reshape(-1))
     assert abs(m(x, shift_labels=y).loss.item() - want.item()) < 1e-4
 
 
 @pytest.mark.parametrize("name", ["deltanet"])
-def test_fla_baseline_packed_equals_separate(name: str) -> None:
-    m = tiny(name)
-    docs = [torch.randint(0, VOCAB, (1, n)) for n in (8, 8)]
-    cu = torch.tensor([0, 8, 16], dtype=torch.int32)
-    y = torch.randint(0, VOCAB, (1, 16))
+def test_fla_baseline_packed_equals_separate(name: str, device) -> None:
+    m = tiny(name).to(device)
+    docs = [torch.randint(0, VOCAB, (1, n)).to(device) for n in (8, 8)]
+    cu = torch.tensor([0, 8, 16], dtype=torch.int32, device=device)
+    y = torch.randint(0, VOCAB, (1, 16)).to(device)
     got = m.per_token_loss(torch.cat(docs, dim=1), y, cu_seqlens=cu)
     want = torch.cat([m.per_token_loss(d, y[:, s : s + 8]) for d, s in zip(docs, (0, 8))], 1)
     assert (got - want).abs().max() < 1e-3
@@ -100,21 +106,34 @@ def test_fla_export_loads_fot_wrapper_with_trust_remote_code(tmp_path) -> None:
     m = tiny("hgrn2").eval()
     out = export_hf(m, tmp_path / "hgrn2", tokenizer=False)
     want = sum(p.double().sum().item() for p in m.parameters())
-    code = (
-        "import torch\n"
-        "from transformers import AutoModelForCausalLM\n"
-        f"m = AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True)\n"
-        "assert callable(m.per_token_loss)\n"
-        "print(type(m).__name__, sum(p.double().sum().item() for p in m.parameters()))\n"
+    resaved = tmp_path / "resaved"
+
+    def load(folder: Path, save_to: Path | None = None) -> None:
+        """In a fresh process: load ``folder`` with trust_remote_code (and save it again)."""
+        code = (
+            "import torch\n"
+            "from transformers import AutoModelForCausalLM\n"
+            f"m = AutoModelForCausalLM.from_pretrained({str(folder)!r}, trust_remote_code=True)\n"
+            "assert callable(m.per_token_loss)\n"
+            + (f"m.save_pretrained({str(save_to)!r})\n" if save_to else "")
+            + "print(type(m).__name__, sum(p.double().sum().item() for p in m.parameters()))\n"
+        )
+        # loading only (no forward: a fresh process has no conftest to tame Triton's autotuner)
+        env = {**os.environ, "TRITON_INTERPRET": "1", "HF_MODULES_CACHE": str(tmp_path / "mods")}
+        res = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
+        )
+        assert res.returncode == 0, res.stderr[-2000:]
+        name, value = res.stdout.strip().splitlines()[-1].split()
+        assert name == "FoTHGRN2ForCausalLM" and abs(float(value) - want) < 1e-6
+
+    load(out, save_to=resaved)
+    # the re-saved folder loads the same way (its remote code is fot's again, not FLA's)
+    load(resaved)
+    assert (
+        json.loads((resaved / "config.json").read_text())["auto_map"]
+        == json.loads((out / "config.json").read_text())["auto_map"]
     )
-    # loading only (no forward: a fresh process has no conftest to tame Triton's autotuner)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "HF_MODULES_CACHE": str(tmp_path / "mods")}
-    res = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
-    )
-    assert res.returncode == 0, res.stderr[-2000:]
-    name, value = res.stdout.strip().splitlines()[-1].split()
-    assert name == "FoTHGRN2ForCausalLM" and abs(float(value) - want) < 1e-6
 
 
 def test_fla_export_loads_through_fot_eval_without_remote_code(tmp_path) -> None:
@@ -130,19 +149,19 @@ def test_fla_export_loads_through_fot_eval_without_remote_code(tmp_path) -> None
     assert tok("Hello world").input_ids == [15496, 995]
 
 
-def test_mamba2_blocks_are_found_for_activation_checkpointing() -> None:
+def test_mamba2_blocks_are_found_for_activation_checkpointing(device) -> None:
     """FLA's Mamba-2 keeps its blocks under ``backbone``, not ``model``: parallelize finds them,
     checkpoints each, and the checkpointed model gives the plain model's loss and gradients."""
     from fot.training.config import ParallelConfig
     from fot.training.parallel import DistInfo, parallelize
 
-    model = tiny("mamba2")
+    model = tiny("mamba2").to(device)
     plain = copy.deepcopy(model)
-    info = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    info = DistInfo(rank=0, world_size=1, local_rank=0, device=device)
     cfg = ParallelConfig(strategy="single", activation_checkpointing=True)
     assert parallelize(model, cfg, info, strategy="single") is model
     assert all(isinstance(b.forward, functools.partial) for b in model.backbone.layers)
-    ids = torch.randint(0, VOCAB, (1, 16), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, VOCAB, (1, 16), generator=torch.Generator().manual_seed(0)).to(device)
     losses = []
     for m in (model, plain):
         loss = m(input_ids=ids, shift_labels=ids).loss

@@ -386,20 +386,22 @@ def test_bf16_load_keeps_forget_gate_projection_fp32(tmp_path) -> None:
 # ---------------------------------------------------------------------------------------
 
 
-def test_fla_baseline_num_items_and_packing_keys() -> None:
+def test_fla_baseline_num_items_and_packing_keys(device) -> None:
+    """FLA's Triton kernels: on ``device`` (conftest: CUDA if there is one, else CPU under the
+    interpreter); every tensor goes there, compiled kernels cannot read CPU tensors."""
     torch.manual_seed(0)
-    m = presets.build_model(presets.config("deltanet", "tiny", vocab_size=VOCAB))
-    x, y = ids(1, 16), ids(1, 16, seed=3)
+    m = presets.build_model(presets.config("deltanet", "tiny", vocab_size=VOCAB)).to(device)
+    x, y = ids(1, 16).to(device), ids(1, 16, seed=3).to(device)
     y[0, :5] = -100
     mean = m(x, shift_labels=y).loss
     assert (
         abs(m(x, shift_labels=y, num_items_in_batch=22).loss.item() - mean.item() * 11 / 22) < 1e-5
     )
-    cu = torch.tensor([0, 8, 16], dtype=torch.int32)
+    cu = torch.tensor([0, 8, 16], dtype=torch.int32, device=device)
     want = m(x, shift_labels=y, cu_seqlens=cu).loss
     got = m(x, shift_labels=y, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=8).loss
     assert abs(got.item() - want.item()) < 1e-6
-    pos = torch.cat([torch.arange(8), torch.arange(8)])[None]
+    pos = torch.cat([torch.arange(8), torch.arange(8)])[None].to(device)
     assert abs(m(x, shift_labels=y, position_ids=pos).loss.item() - want.item()) < 1e-6
     from transformers.utils.generic import find_labels
 

@@ -14,6 +14,9 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import itertools
+import json
+import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -143,6 +146,26 @@ class _FoTContractMixin:
     _supports_varlen = False
     # FLA's Triton kernels have no CPU path (only Triton's interpreter, TRITON_INTERPRET=1).
     requires_cuda = True
+
+    def save_pretrained(self, save_directory: str | os.PathLike, *args: Any, **kwargs: Any) -> None:
+        """``PreTrainedModel.save_pretrained``, keeping a folder exported by
+        :func:`fot.export.export_hf` loadable with ``trust_remote_code=True``.
+
+        A model loaded from such a folder keeps its ``auto_map`` (fot's remote-code shims);
+        transformers' save would copy FLA's config module instead and point ``auto_map`` at it,
+        without the model shim. The shims and ``auto_map`` are written again after the save.
+        """
+        super().save_pretrained(save_directory, *args, **kwargs)
+        ref = (getattr(self.config, "auto_map", None) or {}).get("AutoModelForCausalLM")
+        if not (isinstance(ref, str) and ref.startswith("modeling_fot.")):
+            return  # not a folder of fot's remote code: transformers' save as it is
+        from fot.export import remote_code_auto_map, write_remote_code
+
+        write_remote_code(save_directory, type(self.config), type(self))
+        path = Path(save_directory) / "config.json"
+        saved = json.loads(path.read_text())
+        saved["auto_map"] = remote_code_auto_map(type(self.config), type(self))
+        path.write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")
 
     @property
     def _decoder(self) -> torch.nn.Module:

@@ -75,11 +75,19 @@ def check_sizes(cfg: Any, world_size: int) -> tuple[int, int]:
         )
     seqs = gbt // T
     m = int(cfg.micro_batch_size)
-    if m < 1 or seqs % (world_size * m):
+    if m < 1:
+        raise ValueError(f"micro_batch_size must be >= 1, got {m}")
+    if seqs % (world_size * m):
+        split = world_size * m
+        fixes = [f"global_batch_tokens={-(-seqs // split) * split * T}"]
+        if seqs % world_size == 0:
+            per_rank = seqs // world_size
+            fixes.append(f"micro_batch_size={max(d for d in range(1, m) if per_rank % d == 0)}")
         raise ValueError(
             f"a global batch of {seqs} sequences (global_batch_tokens={gbt} / seq_len={T}) "
             f"cannot be split over {world_size} process(es) x micro_batch_size={m}; the number "
-            f"of sequences must be a multiple of world_size * micro_batch_size = {world_size * m}"
+            f"of sequences must be a multiple of world_size * micro_batch_size = {split} "
+            f"(e.g. {' or '.join(fixes)})"
         )
     total = int(cfg.total_tokens)
     if total < gbt:

@@ -11,6 +11,8 @@ registers with one rounding per output. On tensors that are not on CUDA, without
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import triton
 
@@ -118,13 +120,21 @@ class ColumnGrads:
     ``[B, T, N]`` buffer, and the split's backward returns that buffer; gradients of slices
     that came from elsewhere are copied in. Each column range is handed out once per backward
     (a second consumer of the same columns gets a buffer of its own, so nothing is
-    overwritten). Only ``y``'s layout is kept, not ``y``.
+    overwritten). Only ``y``'s layout and a weak reference to it are kept, not ``y``.
+
+    Only views of ``y`` itself are claimed, while ``y`` lives. Under activation checkpointing
+    ``y`` is freed after the forward and the backward's inputs are views of a recomputed copy:
+    those get memory of their own, even when the copy lands at ``y``'s old address. (Whether
+    it does depends on the allocator's state; were that to decide the path, the kernels would
+    run with other strides from one step to the next, compiled differently, and gradients
+    could differ in the last bit between otherwise identical runs.)
     """
 
     def __init__(self, y: torch.Tensor) -> None:
         if y.dim() != 3 or not y.is_contiguous():
             raise ValueError(f"y must be a contiguous [B, T, N] tensor, got {tuple(y.shape)}")
         self.shape, self.dtype, self.device = tuple(y.shape), y.dtype, y.device
+        self._y = weakref.ref(y)  # dead once y is freed (activation checkpointing)
         self._storage = y.untyped_storage().data_ptr()
         self._offset = y.storage_offset()
         self.buffer: torch.Tensor | None = None
@@ -133,13 +143,14 @@ class ColumnGrads:
     def claim(self, t: torch.Tensor) -> torch.Tensor | None:
         """The buffer's columns under ``t`` (same shape and strides), or None.
 
-        None unless ``t`` is a view of ``y`` (same storage and dtype) that covers whole rows'
+        None unless ``y`` is alive and ``t`` is a view of it (same storage and dtype) that covers whole rows'
         column ranges (``[B, T, ...]`` with ``y``'s batch and row strides and a contiguous
         rest), and its columns were not handed out before in this backward.
         """
         B, T, N = self.shape
         if (
-            t.untyped_storage().data_ptr() != self._storage
+            self._y() is None
+            or t.untyped_storage().data_ptr() != self._storage
             or t.dtype != self.dtype
             or t.dim() < 3
             or tuple(t.shape[:2]) != (B, T)

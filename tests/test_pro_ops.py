@@ -536,6 +536,23 @@ def test_split_columns_gradient_equals_autograd_split(extra_use, monkeypatch) ->
     assert claims.count(True) == 6 and claims.count(False) == (2 if extra_use else 0)
 
 
+def test_column_grads_claims_views_of_live_y_only() -> None:
+    """Under activation checkpointing ``y`` is freed after the forward and the backward gets
+    views of a recomputed copy, which may or may not land at ``y``'s old address. Claims go to
+    views of the live ``y`` only, so the allocator's state never decides the kernels' path."""
+    y = torch.randn(1, 4, 3 * 8, device=DEVICE)
+    cols = pro_ops.ColumnGrads(y)
+    view = y[..., 8:16]
+    assert cols.claim(view) is not None  # a view of the live y
+    storage = y.untyped_storage()
+    # the same memory, seen through a tensor that is not y (as a recomputed copy at y's old
+    # address would be) once y itself is gone
+    twin = torch.empty(0, device=DEVICE).set_(storage, 16, (1, 4, 8), (96, 24, 1))  # cols 16:24
+    del y, view
+    assert twin.untyped_storage().data_ptr() == storage.data_ptr()
+    assert cols.claim(twin) is None
+
+
 def test_split_columns_retain_graph_and_errors() -> None:
     y = torch.randn(1, 4, 4 * 64 + 9, device=DEVICE, requires_grad=True)
     loss = _projection_consumers(y * 1.0, True)

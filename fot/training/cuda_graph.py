@@ -71,8 +71,8 @@ class GraphedStep:
 
     ``step_fn(batches, n_tokens, scales) -> (loss_sum, grad_norm)`` does one optimizer step on
     device batches: ``batches[i]`` is micro batch ``i`` (``input_ids``/``labels`` ``[B, T]``
-    int64, optional ``cu_seqlens`` ``[N + 1]``), ``n_tokens[i]`` its number of label tokens and ``scales[i]`` the factor of its
-    mean loss in the backward; it returns the float64 sum of token losses and the gradient
+    int64, optional ``cu_seqlens`` ``[N + 1]``), ``n_tokens[i]`` its number of label tokens
+    and ``scales[i]`` the factor of its mean loss in the backward; it returns the float64 sum of token losses and the gradient
     norm. Eager calls get Python numbers, the captured call 0-dim CUDA tensors (float64 token
     counts, float32 scales) holding the same values. ``step_fn`` must not zero the gradients:
     the graph's first backward writes them and the later ones add to them.

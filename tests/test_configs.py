@@ -120,12 +120,13 @@ def test_bad_sizes_are_explained(hydra_ctx, overrides, world, match) -> None:
 @pytest.mark.parametrize(
     ("overrides", "world"),
     [(["micro_batch_size=3"], 1), (["micro_batch_size=8"], 3), (["micro_batch_size=8"], 2),
-     (["global_batch_tokens=3072", "micro_batch_size=4"], 2)],
+     (["global_batch_tokens=3072", "micro_batch_size=4"], 2), (["global_batch_tokens=3000"], 1),
+     (["global_batch_tokens=3000"], 2)],
 )  # fmt: skip
-def test_batch_split_error_suggests_sizes_that_work(hydra_ctx, overrides, world) -> None:
-    """Every ``key=value`` the split error suggests, applied alone, passes the check."""
+def test_batch_size_errors_suggest_sizes_that_work(hydra_ctx, overrides, world) -> None:
+    """Every ``key=value`` a batch-size error suggests, applied alone, passes the check."""
     cfg = compose("train", overrides=overrides)
-    with pytest.raises(ValueError, match="cannot be split") as err:
+    with pytest.raises(ValueError, match=r"cannot be split|multiple of data\.seq_len") as err:
         check_sizes(cfg, world)
     fixes = re.findall(r"(\w+)=(\d+)", str(err.value).split("(e.g. ")[1])
     assert fixes

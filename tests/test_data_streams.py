@@ -279,6 +279,60 @@ def test_prepare_cli_round_trip(tmp_path) -> None:
     assert main([str(tmp_path / "nope"), "--out", str(tmp_path / "x")]) == 2
 
 
+def test_prepare_never_deletes_a_folder_that_is_not_a_token_folder(tmp_path, capsys) -> None:
+    from fot.data.prepare import main
+    from fot.data.tokens import TokenDocuments
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(4):
+        (corpus / f"{i}.txt").write_text(f"text number {i}")
+    other = tmp_path / "project"
+    other.mkdir()
+    (other / "notes.md").write_text("keep me")
+    # --out naming the input folder, or any folder that is not a token folder: refused, kept
+    for out in (corpus, other, corpus / "0.txt"):
+        assert main([str(corpus), "--out", str(out)]) == 2
+        assert str(out) in capsys.readouterr().err
+    assert sorted(p.name for p in corpus.iterdir()) == [f"{i}.txt" for i in range(4)]
+    assert (other / "notes.md").read_text() == "keep me"
+    # --heldout-out that would replace --out, or that nothing would be written to: refused
+    tok = tmp_path / "tok"
+    args = [str(corpus), "--out", str(tok)]
+    assert main([*args, "--heldout-every", "2", "--heldout-out", str(tok)]) == 2
+    assert main([*args, "--heldout-out", str(tmp_path / "held")]) == 2
+    assert not tok.exists() and not (tmp_path / "held").exists()
+    # an existing token folder is replaced, as documented
+    assert main(args) == 0
+    assert main([str(corpus / "1.txt"), "--out", str(tok)]) == 0
+    assert len(TokenDocuments(tok)) == 1
+
+
+def test_data_paths_the_data_kind_would_ignore_are_refused(tmp_path) -> None:
+    from omegaconf import OmegaConf
+
+    from fot.training.config import DataConfig
+
+    write_token_documents(tmp_path / "tok", [np.arange(1, 40, dtype=np.uint16)])
+    for key in ("path", "val_path"):  # data=sample would train on the built-in corpus instead
+        cfg = OmegaConf.structured(
+            DataConfig(kind="sample", seq_len=8, **{key: str(tmp_path / "tok")})
+        )
+        with pytest.raises(ValueError, match=rf"data\.{key}=.*data=sample.*data=tokens"):
+            build_sources(cfg)
+    cfg = OmegaConf.structured(
+        DataConfig(kind="hf", seq_len=8, path="json", val_path=str(tmp_path / "tok"))
+    )
+    with pytest.raises(ValueError, match=r"data\.val_path=.*data\.hf_val_split"):
+        build_sources(cfg)
+    # the same paths with data=tokens are read
+    cfg = OmegaConf.structured(
+        DataConfig(kind="tokens", seq_len=8, path=str(tmp_path / "tok"), val_tokens=8)
+    )
+    train, val = build_sources(cfg)
+    assert train.read(0, 1)[0][0].tolist() == [EOT_ID, *range(1, 8)] and val is None
+
+
 def test_hf_loader_tokenizes_with_gpt2(tmp_path) -> None:
     from omegaconf import OmegaConf
 

@@ -678,8 +678,31 @@ def test_corrupt_latest_checkpoint_is_named_and_resuming_earlier_abandons_it(
     assert [p.name for p in list_checkpoints(ckpts)] == ["step_00000006", "step_00000008"]
     assert latest_checkpoint(ckpts) == ckpts / "step_00000008"
     assert _losses(out) == reference_run  # steps 3, 4 re-run; all exactly as uninterrupted
+    # metrics.jsonl holds this run's records only, each step once; the abandoned run's
+    # records of steps 3 and 4 were moved aside, not lost
+    recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    loss_steps = [r["step"] for r in recs if "loss" in r]
+    assert loss_steps == list(range(1, 9))
+    aside = [json.loads(x) for x in (out / "metrics.abandoned.jsonl").read_text().splitlines()]
+    assert sorted({r["step"] for r in aside}) == [3, 4]
     clean_stale(ckpts)
     assert abandoned.is_dir()
+
+
+def test_abandon_newer_records_moves_later_steps_and_cut_lines_aside(tmp_path) -> None:
+    from fot.training.metrics import abandon_newer_records
+
+    path = tmp_path / "metrics.jsonl"
+    assert abandon_newer_records(path, 0) == 0  # no file yet
+    lines = [json.dumps({"step": s, "loss": float(s)}) for s in (1, 2, 3, 4)]
+    path.write_text("\n".join([*lines, '{"step": 5, "lo']))  # cut short by a crash
+    assert abandon_newer_records(path, 2) == 3
+    assert path.read_text().splitlines() == lines[:2]
+    aside = tmp_path / "metrics.abandoned.jsonl"
+    assert aside.read_text().splitlines() == [*lines[2:], '{"step": 5, "lo']
+    assert abandon_newer_records(path, 2) == 0
+    assert abandon_newer_records(path, 0) == 2  # a new run in the same folder: all moved
+    assert path.read_text() == "" and len(aside.read_text().splitlines()) == 5
 
 
 def test_abandon_newer_moves_only_newer_checkpoints_aside(tmp_path) -> None:

@@ -85,6 +85,29 @@ def _hf_source(cfg: Any, split: str) -> HFSource:
     )
 
 
+def _refuse_unused_paths(cfg: Any) -> None:
+    """Refuse ``data.path``/``data.val_path`` where the data kind would silently ignore them.
+
+    ``data=sample`` reads the built-in corpus and ``data=hf`` takes its held-out data from
+    ``data.hf_val_split``: a path given there would otherwise train on other data than asked.
+    """
+    if cfg.kind == "sample":
+        for key in ("path", "val_path"):
+            value = getattr(cfg, key, None)
+            if value:
+                raise ValueError(
+                    f"data.{key}={value} is not read by data=sample (the built-in corpus); "
+                    "select the data group that reads it: data=tokens for a token folder or "
+                    ".bin/.npy/.zarr file, data=longcrawl64, or data=hf for an HF dataset"
+                )
+    elif cfg.kind == "hf" and getattr(cfg, "val_path", None):
+        raise ValueError(
+            f"data.val_path={cfg.val_path} is not read by data=hf: set data.hf_val_split=<split> "
+            "for held-out data from the same dataset, or use data=tokens with a token folder "
+            "(`python -m fot.data.prepare`)"
+        )
+
+
 def build_sources(cfg: Any) -> tuple[Any, Any | None]:
     """Training and held-out sources for a ``data`` config.
 
@@ -99,6 +122,7 @@ def build_sources(cfg: Any) -> tuple[Any, Any | None]:
         raise ValueError(f"data.kind={cfg.kind!r} is not one of {list(KINDS)}")
     if cfg.packing not in PACKINGS:
         raise ValueError(f"data.packing={cfg.packing!r} is not one of {list(PACKINGS)}")
+    _refuse_unused_paths(cfg)
     T = int(cfg.seq_len)
     want_val = cfg.val_tokens > 0
     if cfg.kind == "sample":

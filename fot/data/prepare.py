@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fot.data.tokens import write_token_documents
+from fot.data.tokens import FORMAT, write_token_documents
 
 
 def iter_texts(
@@ -109,6 +109,28 @@ def tokenize(
     yield from flush()
 
 
+def _check_replaceable(path: str | Path, flag: str) -> None:
+    """Refuse an output path that exists and is not a token folder (it would be deleted).
+
+    Raises:
+        ValueError: ``path`` is a file, or a folder without a ``fot-tokens`` ``meta.json``.
+    """
+    p = Path(path).expanduser()
+    if not p.exists() and not p.is_symlink():
+        return
+    meta = p / "meta.json"
+    try:
+        fmt = json.loads(meta.read_text()).get("format") if p.is_dir() else None
+    except (OSError, ValueError, AttributeError):
+        fmt = None
+    if fmt != FORMAT:
+        raise ValueError(
+            f"{flag} {p} exists and is not a token folder; it would be replaced, and everything "
+            f"in it deleted. Choose a new folder for {flag} (an existing token folder is "
+            "replaced), or delete it yourself first"
+        )
+
+
 def prepare(
     docs: Iterator[np.ndarray],
     out: str | Path,
@@ -123,11 +145,28 @@ def prepare(
 
     Returns:
         Counts: ``{"train_docs", "train_tokens", "heldout_docs", "heldout_tokens"}``.
+
+    Raises:
+        ValueError: bad ``heldout_every``/``heldout_out``, or an output path that exists and
+            is not a token folder (checked before any document is read or written).
     """
     if heldout_every and heldout_out is None:
         raise ValueError("--heldout-every needs --heldout-out (where held-out documents go)")
     if heldout_every < 0 or heldout_every == 1:
         raise ValueError(f"--heldout-every must be 0 (none) or >= 2, got {heldout_every}")
+    if heldout_out is not None and not heldout_every:
+        raise ValueError(
+            f"--heldout-out {heldout_out} needs --heldout-every K (hold out every K-th document, "
+            "K >= 2); without it nothing would be written there"
+        )
+    _check_replaceable(out, "--out")
+    if heldout_out is not None:
+        _check_replaceable(heldout_out, "--heldout-out")
+        if Path(heldout_out).expanduser().resolve() == Path(out).expanduser().resolve():
+            raise ValueError(
+                f"--heldout-out and --out are the same folder ({out}): the held-out documents "
+                "would replace the training ones; give --heldout-out a folder of its own"
+            )
     held: list[np.ndarray] = []
 
     def train_docs() -> Iterator[np.ndarray]:
@@ -158,7 +197,12 @@ def main(argv: list[str] | None = None) -> int:
         "token folder for `train.py data=tokens data.path=<out>`.",
     )
     ap.add_argument("inputs", nargs="*", help="text files, .jsonl files or folders")
-    ap.add_argument("--out", required=True, help="token folder to write (replaced if it exists)")
+    ap.add_argument(
+        "--out",
+        required=True,
+        help="token folder to write (an existing token folder is replaced; any other "
+        "existing path is refused)",
+    )
     ap.add_argument("--glob", default="*.txt", help="file pattern inside folders (default *.txt)")
     ap.add_argument("--text-field", default="text", help="text field of .jsonl / HF rows")
     ap.add_argument("--hf", help="HF dataset name or local path (instead of inputs)")

@@ -131,6 +131,42 @@ def resolve_wandb_mode(mode: str) -> str:
     return "offline"
 
 
+def abandon_newer_records(path: str | os.PathLike, step: int) -> int:
+    """Move the records of steps after ``step`` out of a ``metrics.jsonl`` (rank 0, at start).
+
+    A run that starts at ``step`` (0 for a new run in a used folder, ``resume=<earlier
+    checkpoint>``, or ``resume=auto`` after a crash past the last checkpoint) logs those steps
+    again; left in place, the file would hold two runs' records for the same steps. They are
+    appended to ``metrics.abandoned.jsonl`` next to it (kept, like ``.abandoned-step_*``
+    checkpoints), as is any line that is not a JSON record with a ``step`` (a line cut short
+    by a crash).
+
+    Returns:
+        The number of lines moved.
+    """
+    p = Path(path)
+    if not p.is_file():
+        return 0
+    keep: list[str] = []
+    moved: list[str] = []
+    for line in p.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            rec_step = int(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):
+            rec_step = None
+        (keep if rec_step is not None and rec_step <= step else moved).append(line + "\n")
+    if not moved:
+        return 0
+    with open(p.with_name(f"{p.stem}.abandoned.jsonl"), "a") as f:  # first: nothing is lost
+        f.writelines(moved)
+    tmp = p.with_name(f".{p.name}.tmp")
+    tmp.write_text("".join(keep))
+    os.replace(tmp, p)
+    return len(moved)
+
+
 class MetricsLogger:
     """Rank-0 sink for metrics: a JSONL file and, if it starts, a wandb run.
 

@@ -31,6 +31,7 @@ from fot.training.config import to_container
 from fot.training.cuda_graph import GraphedStep, check_cuda_graphs
 from fot.training.metrics import (
     MetricsLogger,
+    abandon_newer_records,
     flops_per_token,
     git_sha,
     peak_flops_per_device,
@@ -68,15 +69,16 @@ def check_sizes(cfg: Any, world_size: int) -> tuple[int, int]:
     gbt = int(cfg.global_batch_tokens)
     if T < 2:
         raise ValueError(f"data.seq_len must be >= 2, got {T}")
-    if gbt < T or gbt % T:
-        raise ValueError(
-            f"global_batch_tokens={gbt} must be a positive multiple of data.seq_len={T} "
-            f"(e.g. global_batch_tokens={max(1, gbt // T) * T})"
-        )
-    seqs = gbt // T
     m = int(cfg.micro_batch_size)
     if m < 1:
         raise ValueError(f"micro_batch_size must be >= 1, got {m}")
+    if gbt < T or gbt % T:
+        unit = T * world_size * m  # also splits over the processes and micro batches
+        raise ValueError(
+            f"global_batch_tokens={gbt} must be a positive multiple of data.seq_len={T} "
+            f"(e.g. global_batch_tokens={max(1, round(gbt / unit)) * unit})"
+        )
+    seqs = gbt // T
     if seqs % (world_size * m):
         split = world_size * m
         fixes = [f"global_batch_tokens={-(-seqs // split) * split * T}"]
@@ -370,6 +372,14 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
                 moved.name.removeprefix(ckpt.ABANDONED_PREFIX).split(".")[0],
                 moved,
                 step,
+            )
+        n_moved = abandon_newer_records(out_dir / "metrics.jsonl", step)
+        if n_moved:
+            logger.warning(
+                "moved %d metrics.jsonl record(s) of steps after %d (an abandoned run's) to %s",
+                n_moved,
+                step,
+                out_dir / "metrics.abandoned.jsonl",
             )
 
     # ---- logging -------------------------------------------------------------------------

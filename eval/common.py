@@ -8,6 +8,7 @@ written next to every result.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import datetime as _dt
 import hashlib
@@ -69,6 +70,15 @@ OUT_HELP = (
     "results folder; rerunning with the same checkpoint and settings resumes from it, other "
     "checkpoints or settings are refused (see --restart)"
 )
+
+
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    """The options every resumable command shares: ``--out``, ``--restart``, ``--device`` and
+    ``--dtype``."""
+    p.add_argument("--out", required=True, help=OUT_HELP)
+    p.add_argument("--restart", action="store_true", help=RESTART_HELP)
+    p.add_argument("--device", default=None, help=DEVICE_HELP)
+    p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
 
 
 def pick_device(name: str | None = None) -> torch.device:

@@ -42,11 +42,8 @@ from lm_eval.api.registry import register_model
 
 from .common import (
     CONTEXT_LENGTH_HELP,
-    DEVICE_HELP,
-    DTYPE_HELP,
-    OUT_HELP,
-    RESTART_HELP,
     JsonlLog,
+    add_run_arguments,
     claim_results,
     greedy_generate,
     hidden_and_head,
@@ -547,10 +544,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="examples per task, for smoke runs (default: all)",
     )
     p.add_argument("--log-samples", action="store_true", help="also write samples_<task>.jsonl")
-    p.add_argument("--out", required=True, help=OUT_HELP)
-    p.add_argument("--restart", action="store_true", help=RESTART_HELP)
-    p.add_argument("--device", default=None, help=DEVICE_HELP)
-    p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
+    add_run_arguments(p)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -28,11 +28,8 @@ import torch
 from .common import (
     CONTEXT_LENGTH_HELP,
     CONTEXT_LENGTH_KEYS,
-    DEVICE_HELP,
-    DTYPE_HELP,
-    OUT_HELP,
-    RESTART_HELP,
     JsonlLog,
+    add_run_arguments,
     claim_results,
     eot_id,
     greedy_generate,
@@ -286,10 +283,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="first examples per task, for smoke runs (default: all)",
     )
     p.add_argument("--no-bos", action="store_true", help="do not start prompts with BOS")
-    p.add_argument("--out", required=True, help=OUT_HELP)
-    p.add_argument("--restart", action="store_true", help=RESTART_HELP)
-    p.add_argument("--device", default=None, help=DEVICE_HELP)
-    p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
+    add_run_arguments(p)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -33,10 +33,7 @@ import torch
 
 from .common import (
     CONTEXT_LENGTH_HELP,
-    DEVICE_HELP,
-    DTYPE_HELP,
-    OUT_HELP,
-    RESTART_HELP,
+    add_run_arguments,
     claim_results,
     eot_id,
     load_checkpoint,
@@ -449,10 +446,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=8,
         help="documents between resume saves (default: %(default)s)",
     )
-    p.add_argument("--out", required=True, help=OUT_HELP)
-    p.add_argument("--restart", action="store_true", help=RESTART_HELP)
-    p.add_argument("--device", default=None, help=DEVICE_HELP)
-    p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
+    add_run_arguments(p)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

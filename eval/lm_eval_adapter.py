@@ -452,8 +452,6 @@ def evaluate(
     import lm_eval
     from tqdm.auto import tqdm
 
-    if dataset_root and not Path(dataset_root).is_dir():
-        raise FileNotFoundError(_missing_root_message(Path(dataset_root)))
     tm = task_manager or _task_manager(include_path)
     local_dirs = local_dataset_dirs(tm, tasks, dataset_root) if dataset_root else {}
     log = JsonlLog(out / "results.jsonl")
@@ -554,11 +552,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         paths = _task_dataset_paths(_task_manager(args.include_path), tasks)
         print(json.dumps(paths, indent=2))
         return paths
-    if args.dataset_root and not Path(args.dataset_root).is_dir():
-        raise FileNotFoundError(_missing_root_message(Path(args.dataset_root)))
     tm = _task_manager(args.include_path)
-    if args.dataset_root:
-        local_dataset_dirs(tm, tasks, args.dataset_root)  # missing folders: fail before loading
+    if args.dataset_root:  # a missing root or task folder: fail before loading the model
+        local_dataset_dirs(tm, tasks, args.dataset_root)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model, tokenizer = load_checkpoint(

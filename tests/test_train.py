@@ -4,15 +4,18 @@ checkpoints, DDP over gloo equal to one process, multirun folders, NaN stop."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
 from fot.training import TrainingDivergedError, register_configs, train
 from fot.training.checkpoint import FAULT_ENV, list_checkpoints
@@ -721,3 +724,51 @@ def test_abandon_newer_moves_only_newer_checkpoints_aside(tmp_path) -> None:
     clean_stale(ckpts)
     assert all(p.is_dir() for p in moved) and (ckpts / ".abandoned-step_00000006").is_dir()
     assert abandon_newer(ckpts, 2) == []
+
+
+def _flat_source(num_sequences: int, seq_len: int = 64):
+    from fot.data.streams import PackedSource
+
+    tokens = np.arange(num_sequences * seq_len + 1) % 50000
+    return PackedSource.from_flat(tokens.astype(np.uint16), seq_len, varlen=False)
+
+
+def _data_cfg(kind: str, val_tokens: int, seq_len: int = 64):
+    return OmegaConf.create({"kind": kind, "seq_len": seq_len, "val_tokens": val_tokens})
+
+
+def test_validation_never_reads_past_the_held_out_data(caplog) -> None:
+    from fot.training.trainer import validation_sequences
+
+    caplog.set_level(logging.WARNING, logger="fot.train")
+    held = _flat_source(10)
+    assert held.num_sequences == 10
+    # enough held-out data: val_tokens rounded up to sequences, then to the unit; no warning
+    assert validation_sequences(_data_cfg("tokens", 64 * 5), held, unit=2, warn=True) == 6
+    assert not caplog.records
+    # 16 asked, 10 held: the largest multiple of the unit that fits, and why
+    assert validation_sequences(_data_cfg("tokens", 64 * 16), held, unit=4, warn=True) == 8
+    assert "reads 8 sequences" in caplog.text and "holds only 10" in caplog.text
+    caplog.clear()
+    # fewer sequences than one unit: one unit (wrapping), said out loud
+    assert (
+        validation_sequences(_data_cfg("tokens", 64 * 16), _flat_source(3), unit=4, warn=True) == 4
+    )
+    assert "counts some sequences twice" in caplog.text
+    caplog.clear()
+    assert validation_sequences(_data_cfg("tokens", 64 * 16), held, unit=4, warn=False) == 8
+    assert not caplog.records
+
+
+@pytest.mark.parametrize(
+    ("kind", "fix"), [("tokens", "data.val_path="), ("hf", "data.hf_val_split=")]
+)
+def test_missing_held_out_data_is_said_with_the_fix(caplog, kind: str, fix: str) -> None:
+    from fot.training.trainer import validation_sequences
+
+    caplog.set_level(logging.WARNING, logger="fot.train")
+    assert validation_sequences(_data_cfg(kind, 0), None, unit=1, warn=True) == 0
+    assert not caplog.records  # validation switched off on purpose
+    assert validation_sequences(_data_cfg(kind, 4096), None, unit=1, warn=True) == 0
+    assert "no validation" in caplog.text and fix in caplog.text
+    assert "data.val_tokens=0" in caplog.text

@@ -244,6 +244,63 @@ def _from_rank0(obj: Any) -> Any:
     return box[0]
 
 
+def validation_sequences(data_cfg: Any, source: Any | None, *, unit: int, warn: bool) -> int:
+    """How many held-out sequences each validation reads (a multiple of ``unit``).
+
+    ``data.val_tokens`` rounded up to whole sequences and to ``unit`` (world size x validation
+    micro batch, so that every rank runs the same number of forward passes), but never more
+    than the held-out source holds: reading past its end would wrap around and count the same
+    tokens twice. Logs a warning (when ``warn``) where validation differs from what the config
+    asks: no held-out data configured, or less of it than ``data.val_tokens``.
+    """
+    want = int(data_cfg.val_tokens)
+    if source is None:
+        if warn and want > 0:
+            fix = {
+                "tokens": "set data.val_path=<held-out token folder or file> (`python -m "
+                "fot.data.prepare ... --heldout-out <folder> --heldout-every N` writes one)",
+                "hf": "set data.hf_val_split=<split> (e.g. validation, or train[:1%] with "
+                "data.hf_split=train[1%:])",
+            }.get(str(data_cfg.kind), "configure held-out data")
+            logger.warning(
+                "no validation: data.val_tokens=%d but data=%s has no held-out data; %s, or set "
+                "data.val_tokens=0 to run without it",
+                want,
+                data_cfg.kind,
+                fix,
+            )
+        return 0
+    seq_len = int(data_cfg.seq_len)
+    num = math.ceil(want / seq_len / unit) * unit
+    held = getattr(source, "num_sequences", None)  # None: a stream of unknown length
+    if held is None or num <= held:
+        return num
+    fits = held // unit * unit
+    if warn:
+        if fits:
+            logger.warning(
+                "validation reads %d sequences (%d tokens), not the %d asked by "
+                "data.val_tokens=%d: the held-out data holds only %d sequences of %d tokens",
+                fits,
+                fits * seq_len,
+                num,
+                want,
+                held,
+                seq_len,
+            )
+        else:
+            logger.warning(
+                "the held-out data holds %d sequences of %d tokens, fewer than one per rank "
+                "and validation micro batch (%d): validation reads %d and so counts some "
+                "sequences twice; add held-out data or lower val_micro_batch_size",
+                held,
+                seq_len,
+                unit,
+                unit,
+            )
+    return fits or unit
+
+
 def _write_run_info(out_dir: Path, info: dict[str, Any]) -> None:
     path = out_dir / "run_info.json"
     runs = json.loads(path.read_text()) if path.is_file() else []
@@ -450,11 +507,10 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
             is_main=info.is_main,
         )
 
-    num_val = 0
     val_micro = int(cfg.val_micro_batch_size or cfg.micro_batch_size)
-    if val_source is not None:
-        unit = info.world_size * val_micro
-        num_val = math.ceil(int(cfg.data.val_tokens) / T / unit) * unit
+    num_val = validation_sequences(
+        cfg.data, val_source, unit=info.world_size * val_micro, warn=info.is_main
+    )
 
     def validate() -> dict[str, float]:
         if val_source is None:

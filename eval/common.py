@@ -111,11 +111,35 @@ def check_checkpoint_dir(path: str | os.PathLike) -> Path:
             "(or any save_pretrained folder) holding config.json, weights and a tokenizer"
         )
     if not (p / "config.json").is_file():
-        raise FileNotFoundError(
-            f"checkpoint folder {str(p)!r} has no config.json; export the model with "
-            "fot.export.export_hf(model, dir) or model.save_pretrained(dir) first"
-        )
+        raise FileNotFoundError(_not_exported_message(p))
     return p
+
+
+def _not_exported_message(p: Path) -> str:
+    """Why folder ``p`` (no ``config.json``) is not a checkpoint, and which folder to pass."""
+    if (p / "hf" / "config.json").is_file():
+        # A fot training run folder: its final weights are exported to <run>/hf.
+        return (
+            f"checkpoint {str(p)!r} is a training run folder, not an exported checkpoint; "
+            f"pass its Hugging Face export {str(p / 'hf')!r}"
+        )
+    if (p / "model.pt").is_file() and (p / "trainer.json").is_file():
+        # A fot training checkpoint <run>/checkpoints/step_*: resume state, not an HF folder.
+        run_hf = p.parent.parent / "hf"
+        hint = (
+            f"pass the run's Hugging Face export {str(run_hf)!r} (the final weights)"
+            if (run_hf / "config.json").is_file()
+            else "pass the run's hf/ folder (written at the end of training, export_hf=true)"
+        )
+        return (
+            f"checkpoint {str(p)!r} is a training checkpoint (model.pt, trainer.json) for "
+            f"resuming training, not an exported checkpoint; {hint}, or load model.pt into "
+            "fot.presets.build_model(config) and write it with fot.export.export_hf(model, dir)"
+        )
+    return (
+        f"checkpoint folder {str(p)!r} has no config.json; export the model with "
+        "fot.export.export_hf(model, dir) or model.save_pretrained(dir) first"
+    )
 
 
 def load_checkpoint(

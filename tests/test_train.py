@@ -227,19 +227,12 @@ def test_two_processes_equal_one(tmp_path, strategy: str, one_process_run) -> No
     DDP runs as two "nodes" joined by torchrun's c10d rendezvous (the multi-node path, here on
     one host); FSDP2 as one node with two processes.
     """
-    common = [
-        "total_tokens=1024",
-        "ckpt_every_tokens=0",
-        "micro_batch_size=1",
-        "data.val_tokens=256",
-    ]
-    single = tmp_path / "single"
-    res1 = train(_cfg(single, *common))
+    single, res1 = one_process_run
     multi = tmp_path / strategy
     script = [
         str(ROOT / "train.py"),
         *SMALL,
-        *common,
+        *_COMMON,
         f"parallel={strategy}",
         f"out_dir={multi}",
         f"hydra.run.dir={multi}",

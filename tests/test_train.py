@@ -765,3 +765,14 @@ def test_missing_held_out_data_is_said_with_the_fix(caplog, kind: str, fix: str)
     assert validation_sequences(_data_cfg(kind, 4096), None, unit=1, warn=True) == 0
     assert "no validation" in caplog.text and fix in caplog.text
     assert "data.val_tokens=0" in caplog.text
+
+
+def test_bad_data_or_sizes_leave_no_run_folder(tmp_path) -> None:
+    missing = tmp_path / "no_such_tokens"
+    out = tmp_path / "run"
+    with pytest.raises(FileNotFoundError, match=r"fot\.data\.prepare"):
+        train(_cfg(out, "data=tokens", f"data.path={missing}"))
+    assert not out.exists()
+    with pytest.raises(ValueError, match=r"cannot be split|multiple"):
+        train(_cfg(out, "micro_batch_size=3"))
+    assert not out.exists()

@@ -359,15 +359,15 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
     T = int(cfg.data.seq_len)
     gbt = int(cfg.global_batch_tokens)
     amp_dtype = autocast_dtype(cfg.parallel, info.device)
-    if info.is_main:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        ckpt.clean_stale(ckpt_dir)
 
     # ---- data ----------------------------------------------------------------------------
     from fot.data.loaders import build_sources
 
     train_source, val_source = build_sources(cfg.data)  # first: missing data explains itself
     global_seqs, total_steps = check_sizes(cfg, info.world_size)
+    if info.is_main:  # only now: bad data or sizes leave no run folder behind
+        out_dir.mkdir(parents=True, exist_ok=True)
+        ckpt.clean_stale(ckpt_dir)
     stream = SequenceStream(
         train_source,
         global_batch_size=global_seqs,

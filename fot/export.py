@@ -8,6 +8,12 @@ both of these work (with fot installed)::
     AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)  # without importing fot
     lm_eval --model hf --model_args pretrained=dir,trust_remote_code=True ...
 
+Without ``import fot``, pass ``trust_remote_code=True`` to ``AutoTokenizer.from_pretrained(dir)``
+as well: transformers reads ``config.json`` (whose ``auto_map`` names the shims) before the
+tokenizer files, and otherwise stops to ask "Do you wish to run the custom code? [y/N]".
+Attention is chosen by ``attn_backend`` (e.g. ``from_pretrained(dir, attn_backend="reference")``),
+not by HF's ``attn_implementation``.
+
 A FoT model loaded from such a folder (either way) and saved again with ``save_pretrained``
 gets the same shims (``FoTConfig.save_pretrained``), so the new folder loads the same way.
 """

@@ -204,3 +204,35 @@ def test_model_from_pretrained_overrides_are_checked(exported) -> None:
 def test_export_rejects_non_hf_modules(tmp_path) -> None:
     with pytest.raises(TypeError, match="PreTrainedModel"):
         export_hf(torch.nn.Linear(2, 2), tmp_path)
+
+
+def test_generate_stop_strings_with_the_exported_tokenizer(exported) -> None:
+    # generate(stop_strings=..., tokenizer=tok) leaves `tokenizer` among the model kwargs;
+    # FoT's forward refused it. Oracle: the unstopped greedy output cut at the stop string.
+    from transformers import AutoTokenizer
+
+    model, out = exported
+    tok = AutoTokenizer.from_pretrained(out)
+    x = torch.arange(5, 12)[None]
+    kw = {"max_new_tokens": 12, "do_sample": False, "pad_token_id": 0}
+    full = model.generate(x, **kw)
+    # a later new token that is one printable ASCII character (ids 0-93 in GPT-2's BPE)
+    stop = tok.decode(next(t for t in full[0, 9:].tolist() if t < 94))
+    end = next(t for t in range(8, 20) if tok.decode(full[0, :t]).endswith(stop))
+    got = model.generate(x, stop_strings=[stop], tokenizer=tok, **kw)
+    assert torch.equal(got, full[:, :end]), (stop, got, full)
+    assert torch.equal(model.generate(x, tokenizer=tok, **kw), full)  # tokenizer alone: no-op
+
+
+def test_hf_attention_names_are_refused_with_attn_backend(exported) -> None:
+    # HF's own error for attn_implementation="sdpa" asks to request support from transformers
+    # and to use "eager"; FoT picks its attention by config.attn_backend instead.
+    from transformers import AutoModelForCausalLM
+
+    model, out = exported
+    for impl in ("sdpa", "flash_attention_2"):
+        with pytest.raises(ValueError, match=rf"attn_implementation='{impl}' is not used .*attn_"):
+            AutoModelForCausalLM.from_pretrained(out, attn_implementation=impl)
+    x = torch.arange(9)[None] * 5 % VOCAB
+    eager = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+    assert torch.equal(eager(x).logits, model(x).logits)  # HF's default name still loads

@@ -3,7 +3,8 @@
 What HF tooling passes a causal LM must either work or fail loudly: padding-free collators'
 packing keys, ``Trainer``'s gradient accumulation (``num_items_in_batch``) and label names,
 ``resize_token_embeddings``, LLaMA-named config fields, ``output_hidden_states`` /
-``return_dict`` / ``output_attentions``, assisted decoding and ``from_pretrained(dtype=bf16)``.
+``return_dict`` / ``output_attentions``, assisted decoding, ``from_pretrained(dtype=bf16)``,
+HF cache objects, prompt caches reused for beam search and ``generate(inputs_embeds=...)``.
 
 Oracles: separate per-document forwards (packing), the full batch without accumulation
 (gradient accumulation), the model's own mean loss (evaluation), save/load round trips and the
@@ -406,3 +407,56 @@ def test_fla_baseline_num_items_and_packing_keys(device) -> None:
     from transformers.utils.generic import find_labels
 
     assert find_labels(type(m)) == ["labels"]
+
+
+# ---------------------------------------------------------------------------------------
+# 10. HF cache objects: refused with the fix; the suggested FoTCache works in generate()
+# ---------------------------------------------------------------------------------------
+
+
+def test_hf_cache_is_refused_with_a_fix_that_works() -> None:
+    from transformers import DynamicCache
+
+    m = tiny("fot_pro")
+    x = ids(1, 6)
+    kw = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0}
+    fix = r"got DynamicCache: .*Omit past_key_values.*fot\.models\.FoTCache\(config\.num_hidden_layers\)"
+    with pytest.raises(TypeError, match=fix):
+        m.generate(x, past_key_values=DynamicCache(), **kw)
+    with pytest.raises(TypeError, match=fix):
+        m(x, past_key_values=DynamicCache(), use_cache=True)
+    cache = fot.models.FoTCache(m.config.num_hidden_layers)  # what the message suggests
+    got = m.generate(x, past_key_values=cache, **kw)
+    assert torch.equal(got, m.generate(x, use_cache=False, **kw))
+    assert cache.get_seq_length() == 9  # filled in place: prompt + 3 fed-back tokens
+
+
+def test_generate_from_inputs_embeds_equals_generate_from_ids() -> None:
+    # generate() inspects prepare_inputs_for_generation's signature for inputs_embeds; FoT
+    # overrides that hook (to drop generate-only keys) and must keep the parameter visible.
+    m = tiny("fot_pro")
+    x = ids(2, 7)
+    kw = {"max_new_tokens": 5, "do_sample": False, "pad_token_id": 0}
+    from_ids = m.generate(x, **kw)
+    from_embeds = m.generate(inputs_embeds=m.get_input_embeddings()(x), **kw)
+    assert torch.equal(from_embeds, from_ids[:, 7:])
+
+
+def test_prompt_cache_reused_for_beam_search() -> None:
+    # A prompt cache of one sequence passed to generate(num_beams=2) failed deep inside the
+    # KV-shift (generate expands the inputs, not the cache); now a clear error names the fix,
+    # and the fix gives the uncached beams.
+    import copy
+
+    m = tiny("fot_pro")
+    x = ids(1, 9)
+    kw = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0, "num_beams": 2}
+    with torch.no_grad():
+        prompt = m(x[:, :5], use_cache=True).past_key_values
+    with pytest.raises(ValueError, match=r"holds 1 sequences .* 2 rows.*batch_repeat_interleave"):
+        m.generate(x, past_key_values=copy.deepcopy(prompt), **kw)
+    cache = copy.deepcopy(prompt)
+    cache.batch_repeat_interleave(2)
+    assert torch.equal(
+        m.generate(x, past_key_values=cache, **kw), m.generate(x, use_cache=False, **kw)
+    )

@@ -33,7 +33,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from .cache import FoTCache, FoTLayerCache, StaticStep
-from .configuration_fot import FoTConfig
+from .configuration_fot import ATTN_BACKENDS, FoTConfig
 
 IGNORE_INDEX = -100
 
@@ -891,6 +891,30 @@ class FoTPreTrainedModel(PreTrainedModel):
     # sequence): from_pretrained(dtype=bf16 / fp16) keeps its projection's weights in float32.
     _keep_in_fp32_modules_strict: ClassVar[list[str]] = ["fgate_proj"]
 
+    def _check_and_adjust_attn_implementation(
+        self, attn_implementation: str | None, *args, **kwargs
+    ) -> str:
+        """HF hook behind ``from_pretrained(attn_implementation=...)`` and
+        ``set_attn_implementation``: refuse HF's attention names with FoT's own switch.
+
+        FoT layers pick their attention by ``config.attn_backend``, never by HF's
+        ``attn_implementation``; HF's generic error for ``"sdpa"`` / ``"flash_attention_2"``
+        says to ask transformers for support and to use ``"eager"``, which would leave the
+        FoT backend as it was. ``None`` and ``"eager"`` (HF's defaults) are accepted.
+
+        Raises:
+            ValueError: any other ``attn_implementation``.
+        """
+        if attn_implementation not in (None, "eager"):
+            raise ValueError(
+                f"attn_implementation={attn_implementation!r} is not used by FoT models: they "
+                "choose attention by config.attn_backend, one of "
+                f"{list(ATTN_BACKENDS)} ('auto' = Triton kernels on CUDA, PyTorch elsewhere; "
+                "'sdpa' = PyTorch SDPA where there is no forget gate, else as 'auto'). Drop "
+                "attn_implementation and pass e.g. attn_backend='auto' to from_pretrained"
+            )
+        return super()._check_and_adjust_attn_implementation(attn_implementation, *args, **kwargs)
+
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         std = self.config.initializer_range
@@ -1128,10 +1152,24 @@ class FoTModel(FoTPreTrainedModel):
             past_key_values = FoTCache(self.config.num_hidden_layers)
         if past_key_values is not None and not isinstance(past_key_values, FoTCache):
             raise TypeError(
-                f"past_key_values must be a FoTCache (returned by a previous forward with "
-                f"use_cache=True), got {type(past_key_values).__name__}"
+                f"past_key_values must be a fot.models.FoTCache, got {type(past_key_values).__name__}: "
+                "FoT layers cache the running forget-gate cumsum and KV-shift state besides K "
+                "and V, which HF's caches (DynamicCache, StaticCache, ...) cannot hold. Omit "
+                "past_key_values (generate() and forward(use_cache=True) create a FoTCache), "
+                "pass the one a previous call returned, or start one with "
+                "fot.models.FoTCache(config.num_hidden_layers)"
             )
         past = past_key_values.get_seq_length() if past_key_values is not None else 0
+        cached_rows = past_key_values[0].keys.shape[0] if past and len(past_key_values) else B
+        if cached_rows != B:
+            # e.g. a prompt cache of one sequence passed to generate(num_beams=4): generate
+            # expands the inputs but never a cache it is given
+            raise ValueError(
+                f"past_key_values holds {cached_rows} sequences but the input has {B} rows. "
+                "generate() repeats the inputs for num_beams / num_return_sequences, not a "
+                "cache passed to it: repeat the cache first (cache.batch_repeat_interleave(n) "
+                "for n beams or returned sequences), or pass no cache"
+            )
         if kwargs:  # never on the training path (input_ids, cu_seqlens only): no cost there
             cu_seqlens = hf_packing_kwargs(
                 kwargs, cu_seqlens, (B, T), attention_mask, past, inputs_embeds.device
@@ -1157,6 +1195,8 @@ class FoTModel(FoTPreTrainedModel):
 
 # Keys that ``generate()`` and HF collators may pass and that change nothing here.
 _HARMLESS_KWARGS = frozenset({"cache_position", "max_length_q", "max_length_k"})
+# generate() keyword arguments that HF leaves among the model inputs but no forward reads
+_GENERATE_ONLY_KWARGS = ("tokenizer", "assistant_tokenizer")
 
 
 def _output_flags(
@@ -1617,6 +1657,37 @@ class FoTForCausalLM(FoTPreTrainedModel, GenerationMixin):
             )
             return
         super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+
+    def prepare_inputs_for_generation(
+        self,
+        input_ids: torch.LongTensor,
+        *args,
+        inputs_embeds: torch.Tensor | None = None,
+        **kwargs,
+    ) -> dict:
+        """``generate()`` hook: HF's inputs for the next forward, less generate-only keys.
+
+        ``generate(..., tokenizer=tok)`` (needed by ``stop_strings`` and token healing) leaves
+        ``tokenizer`` among the model keyword arguments that HF passes on to every forward;
+        HF models swallow it in ``**kwargs``, but FoT's forward refuses unknown keys, so it is
+        dropped here. Everything else goes to ``GenerationMixin.prepare_inputs_for_generation``
+        unchanged (its other parameters differ between transformers releases);
+        ``inputs_embeds`` is named because ``generate`` looks for it in this signature.
+
+        Args:
+            input_ids: ``[B, T]`` all tokens so far.
+            *args: passed on.
+            inputs_embeds: ``[B, T, hidden]`` prompt embeddings (prefill only), or None.
+            **kwargs: passed on (``past_key_values``, ``attention_mask``, ...).
+
+        Returns:
+            The keyword arguments of the next forward call.
+        """
+        for key in _GENERATE_ONLY_KWARGS:
+            kwargs.pop(key, None)
+        return super().prepare_inputs_for_generation(
+            input_ids, *args, inputs_embeds=inputs_embeds, **kwargs
+        )
 
     def _validate_generation_mode(self, generation_mode, *args, **kwargs) -> None:
         """``generate()`` hook: refuse assisted / prompt-lookup (speculative) decoding clearly.

@@ -53,7 +53,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> Any:
-    """Run one evaluation command; returns its result (summary dict)."""
+    """Run one evaluation command.
+
+    Args:
+        argv: the arguments after ``python -m fot.eval``; ``None`` reads ``sys.argv`` (the
+            ``fot-eval`` console script, which calls ``sys.exit(main())``).
+
+    Returns:
+        The command's result (summary dict) when ``argv`` is given; ``0`` when it is ``None``,
+        so that the console script exits with status 0 after a successful run (``sys.exit``
+        of a dict would print it to stderr and exit with status 1).
+    """
+    if argv is None:
+        return cli(sys.argv[1:])
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import fot  # noqa: F401 - installs fot.eval for source checkouts, registers FoT models
 
@@ -69,5 +81,41 @@ def main(argv: Sequence[str] | None = None) -> Any:
     return mod.run(args)
 
 
+# Errors that name a bad argument, file or setting and the fix: the message is what a user
+# needs, the traceback only hides it (FOT_EVAL_TRACEBACK=1 shows it).
+USER_ERRORS = (FileNotFoundError, FileExistsError, NotADirectoryError, ValueError, ConnectionError)
+
+
+def cli(argv: Sequence[str]) -> int:
+    """Run :func:`main` for the command line; returns the process exit status.
+
+    Errors that name the problem (:data:`USER_ERRORS`) print as one ``error:`` message (status
+    2) and Ctrl-C prints how to resume (status 130), without a traceback unless the
+    environment variable ``FOT_EVAL_TRACEBACK`` is ``1``.
+    """
+    show_traceback = os.environ.get("FOT_EVAL_TRACEBACK") == "1"
+    command = next((a for a in argv if a in COMMANDS), "")
+    prog = f"python -m fot.eval {command}".rstrip()
+    try:
+        main(argv)
+    except KeyboardInterrupt:
+        if show_traceback:
+            raise
+        print(
+            f"\n{prog}: interrupted; finished items are saved in --out: rerun the same command "
+            "to resume",
+            file=sys.stderr,
+        )
+        return 130
+    except USER_ERRORS as err:
+        if show_traceback:
+            raise
+        print(
+            f"{prog}: error: {err}\n(set FOT_EVAL_TRACEBACK=1 for the traceback)", file=sys.stderr
+        )
+        return 2
+    return 0
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(cli(sys.argv[1:]))

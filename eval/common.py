@@ -87,7 +87,25 @@ def pick_device(name: str | None = None) -> torch.device:
     Under ``torchrun`` (``LOCAL_RANK`` set) the default is ``cuda:LOCAL_RANK``.
     """
     if name:
-        return torch.device(name)
+        try:
+            device = torch.device(name)
+        except RuntimeError:
+            raise ValueError(
+                f"--device {name!r} is not a torch device; use e.g. cuda, cuda:1 or cpu"
+            ) from None
+        if device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError(
+                    f"--device {name!r} but this machine has no usable CUDA device (or torch "
+                    "is a CPU build); pass --device cpu or leave --device out"
+                )
+            count = torch.cuda.device_count()
+            if device.index is not None and device.index >= count:
+                raise ValueError(
+                    f"--device {name!r} but this machine has {count} CUDA device(s); pass "
+                    f"cuda:0 ... cuda:{count - 1}"
+                )
+        return device
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
@@ -140,6 +158,13 @@ def _not_exported_message(p: Path) -> str:
         f"checkpoint folder {str(p)!r} has no config.json; export the model with "
         "fot.export.export_hf(model, dir) or model.save_pretrained(dir) first"
     )
+
+
+def checkpoint_label(path: str | os.PathLike) -> str:
+    """A short name of a checkpoint for legends and titles: the folder name, or for fot's
+    trainer export ``<run>/hf`` the run folder's name (every such export is called ``hf``)."""
+    p = Path(path).resolve()
+    return p.parent.name if p.name == "hf" and p.parent.name else p.name
 
 
 def load_checkpoint(
@@ -430,8 +455,48 @@ def write_run_config(
         "started_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }
     path = out / "run_config.json"
+    if path.is_file():
+        # Several commands (or needle modes) may share one --out: keep the earlier record.
+        # (A torn record of a killed run is not worth keeping.)
+        with (
+            (out / "run_config.history.jsonl").open("a") as f,
+            contextlib.suppress(json.JSONDecodeError),
+        ):
+            f.write(json.dumps(json.loads(path.read_text())) + "\n")
     path.write_text(json.dumps(record, indent=2) + "\n")
     return path
+
+
+# Commands that write the same file name into --out, and the files that show their results.
+_SUMMARY_WRITERS = {
+    "per-token-loss": ("per_token_loss.resume.json", "per_token_loss.npz"),
+    "forgetting-curve": ("forgetting_curve.resume.json", "forgetting_curve.jsonl"),
+    "gates": ("gates.npz",),
+}
+
+
+def check_out_shared(out_dir: str | os.PathLike, command: str) -> None:
+    """Refuse an ``--out`` that holds another command's results which ``command`` would overwrite.
+
+    ``per-token-loss``, ``forgetting-curve`` and ``gates`` each write ``summary.json``; running
+    one into a folder holding another's results would silently replace that summary.
+
+    Args:
+        out_dir: the ``--out`` folder.
+        command: the command about to write there (a key of ``_SUMMARY_WRITERS``).
+
+    Raises:
+        FileExistsError: naming the other command, its files and the fix.
+    """
+    out = Path(out_dir)
+    for other, markers in _SUMMARY_WRITERS.items():
+        found = [m for m in markers if other != command and (out / m).is_file()]
+        if found:
+            raise FileExistsError(
+                f"--out {str(out)!r} holds {other} results ({', '.join(found)}); {command} "
+                f"would overwrite their summary.json. Give each command its own --out, e.g. "
+                f"{str(out / command.replace('-', '_'))!r}"
+            )
 
 
 # Checkpoint files whose content decides results: weights, configs, tokenizer files.
@@ -689,6 +754,21 @@ def parse_int_list(text: str | Iterable[int]) -> list[int]:
                 f"cannot parse {part!r} in {text!r}: expected integers like '1024,2k,16k'"
             ) from None
     return values
+
+
+def positive_int(text: str) -> int:
+    """An ``argparse`` type for counts and sizes: an integer >= 1.
+
+    Raises:
+        argparse.ArgumentTypeError: naming the value (argparse prints it as a usage error).
+    """
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
 
 
 def parse_float_list(text: str | Iterable[float]) -> list[float]:

@@ -31,6 +31,8 @@ from .common import (
     CONTEXT_LENGTH_HELP,
     JsonlLog,
     add_run_arguments,
+    check_out_shared,
+    checkpoint_label,
     claim_results,
     eot_id,
     load_checkpoint,
@@ -301,6 +303,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     lengths = parse_int_list(args.lengths)
+    check_out_shared(out, "forgetting-curve")
     if not lengths or args.repeats < 1:
         raise ValueError("--lengths must list at least one length and --repeats must be >= 1")
     model, tokenizer = load_checkpoint(
@@ -346,7 +349,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         summary,
         out / "forgetting_curve.png",
         train_length=train_length,
-        title=Path(args.checkpoint).name,
+        title=checkpoint_label(args.checkpoint),
     )
     print(json.dumps({k: summary[k] for k in ("fine_grained_length", "coarse_grained_length")}))
     return summary

@@ -27,10 +27,13 @@ import torch
 from .common import (
     DEVICE_HELP,
     DTYPE_HELP,
+    check_out_shared,
+    checkpoint_label,
     eot_id,
     load_checkpoint,
     parse_int_list,
     pick_device,
+    positive_int,
     use_agg_backend,
     write_run_config,
 )
@@ -217,7 +220,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--max-tokens",
-        type=int,
+        type=positive_int,
         default=256,
         help="truncate the text to this many tokens, the leading BOS included "
         "(default: %(default)s)",
@@ -244,6 +247,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run ``gates``; returns the summary (tokens, mean gate per layer and head, maps)."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    check_out_shared(out, "gates")
     if args.text and args.text_file:
         raise ValueError("give --text or --text-file, not both")
     if args.text_file:
@@ -270,7 +274,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         **{f"F_l{li}_h{h}": m.numpy() for (li, h), m in data["F"].items()},
         **{f"attn_l{li}_h{h}": m.numpy() for (li, h), m in data["attention"].items()},
     )
-    plot_gates(data, tokens, out / "gates.png", title=Path(args.checkpoint).name)
+    plot_gates(data, tokens, out / "gates.png", title=checkpoint_label(args.checkpoint))
     plot_gate_values(data["log_fgate"], out / "gate_values.png")
     summary = {
         "tokens": len(ids),

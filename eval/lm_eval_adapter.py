@@ -53,6 +53,7 @@ from .common import (
     model_max_length,
     path_setting,
     pick_device,
+    positive_int,
     write_run_config,
 )
 
@@ -464,17 +465,25 @@ def evaluate(
             # config replaces the registered one, so it must be complete).
             spec = _task_config(tm, task, resolve_func=True) or {"task": task}
             spec["dataset_path"] = str(local_dirs[task])
-        res = lm_eval.simple_evaluate(
-            model=lm,
-            tasks=[spec],
-            num_fewshot=0,
-            limit=limit,
-            task_manager=tm,
-            log_samples=log_samples,
-            bootstrap_iters=0,
-            # Request-level resume inside a task: lm-eval's sqlite cache of finished requests.
-            use_cache=str(out / "lm_cache"),
-        )
+        try:
+            res = lm_eval.simple_evaluate(
+                model=lm,
+                tasks=[spec],
+                num_fewshot=0,
+                limit=limit,
+                task_manager=tm,
+                log_samples=log_samples,
+                bootstrap_iters=0,
+                # Request-level resume inside a task: lm-eval's sqlite cache of finished requests.
+                use_cache=str(out / "lm_cache"),
+            )
+        except ConnectionError as err:  # datasets could not reach the hub (offline machine)
+            raise ConnectionError(
+                f"lm-eval task {task!r}: its dataset is neither in the Hugging Face datasets "
+                f"cache nor reachable on the hub ({err}). Offline, download it elsewhere and "
+                "pass --dataset-root ROOT (--list-datasets prints what to download), or "
+                "--include-path with local task YAMLs (eval/README.md, section Data)"
+            ) from err
         metrics = {
             k: v
             for k, v in res["results"].get(task, {}).items()
@@ -506,14 +515,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--max-length",
-        type=int,
+        type=positive_int,
         default=None,
         help="context length for truncation/rolling windows (default: "
         f"{CONTEXT_LENGTH_HELP}, else 2048)",
     )
     p.add_argument(
         "--batch-size",
-        type=int,
+        type=positive_int,
         default=8,
         help="requests per forward pass (default: %(default)s)",
     )
@@ -537,7 +546,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--limit",
-        type=int,
+        type=positive_int,
         default=None,
         help="examples per task, for smoke runs (default: all)",
     )
@@ -548,11 +557,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run ``lm-eval``; returns ``{task: {metric: value}}`` (``--list-datasets``: the paths)."""
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    tm = _task_manager(args.include_path)
+    unknown = [t for t in tasks if t not in tm.task_index and not Path(t).is_file()]
+    if unknown or not tasks:  # before the model is loaded
+        raise ValueError(
+            f"--tasks {args.tasks!r}: lm-eval knows no task {unknown or '(empty list)'}; check "
+            "the spelling (`lm_eval ls tasks` lists them) or pass the folder of your task YAMLs "
+            "with --include-path"
+        )
     if args.list_datasets:  # what to download: works before --dataset-root exists
-        paths = _task_dataset_paths(_task_manager(args.include_path), tasks)
+        paths = _task_dataset_paths(tm, tasks)
         print(json.dumps(paths, indent=2))
         return paths
-    tm = _task_manager(args.include_path)
     if args.dataset_root:  # a missing root or task folder: fail before loading the model
         local_dataset_dirs(tm, tasks, args.dataset_root)
     out = Path(args.out)

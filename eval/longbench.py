@@ -38,6 +38,7 @@ from .common import (
     model_max_length,
     path_setting,
     pick_device,
+    positive_int,
     write_run_config,
 )
 from .metrics import best_score
@@ -271,14 +272,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--max-length",
-        type=int,
+        type=positive_int,
         default=None,
         help="prompt token budget without BOS, middle-truncated (default: "
         f"{CONTEXT_LENGTH_HELP}, minus the task's generation length and the BOS token)",
     )
     p.add_argument(
         "--limit",
-        type=int,
+        type=positive_int,
         default=None,
         help="first examples per task, for smoke runs (default: all)",
     )

@@ -39,6 +39,7 @@ from .common import (
     CONTEXT_LENGTH_HELP,
     JsonlLog,
     add_run_arguments,
+    checkpoint_label,
     claim_results,
     eot_id,
     greedy_generate,
@@ -49,6 +50,7 @@ from .common import (
     parse_int_list,
     path_setting,
     pick_device,
+    positive_int,
     use_agg_backend,
     write_run_config,
 )
@@ -442,7 +444,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--repeats",
-        type=int,
+        type=positive_int,
         default=1,
         help="prompts per cell, at different haystack offsets (default: %(default)s)",
     )
@@ -455,7 +457,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--max-new-tokens",
-        type=int,
+        type=positive_int,
         default=None,
         help="generated tokens (default: 32, passkey mode 8)",
     )
@@ -496,6 +498,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     lengths, depths = parse_int_list(args.lengths), parse_float_list(args.depths)
     if not lengths or not depths:
         raise ValueError("--lengths and --depths must each list at least one value")
+    bad = [d for d in depths if not 0.0 <= d <= 100.0]
+    if bad:  # checked before anything is loaded or written
+        raise ValueError(f"--depths {args.depths!r}: {bad} outside [0, 100] (percent of haystack)")
     needle = DEFAULT_NEEDLE
     if args.needle or args.question:
         if not (args.needle and args.question):
@@ -573,7 +578,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         records,
         out / f"needle_{args.mode}.png",
         train_length=train_length,
-        title=f"{Path(args.checkpoint).name}: needle ({args.mode})",
+        title=f"{checkpoint_label(args.checkpoint)}: needle ({args.mode})",
     )
     print(json.dumps({k: summary[k] for k in ("mode", "cells", "mean_score", "accuracy")}))
     return summary

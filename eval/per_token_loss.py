@@ -34,6 +34,8 @@ import torch
 from .common import (
     CONTEXT_LENGTH_HELP,
     add_run_arguments,
+    check_out_shared,
+    checkpoint_label,
     claim_results,
     eot_id,
     load_checkpoint,
@@ -42,6 +44,7 @@ from .common import (
     parse_int_list,
     path_setting,
     pick_device,
+    positive_int,
     token_losses,
     use_agg_backend,
     write_run_config,
@@ -383,6 +386,32 @@ def write_results(
     return summary
 
 
+def parse_overlays(items: Sequence[str]) -> dict[str, Path]:
+    """Parse ``--overlay LABEL=DIR ...`` (or bare ``DIR``, labelled by its folder name).
+
+    Raises:
+        FileNotFoundError: a folder holds no ``per_token_loss.npz`` (named, with the fix).
+    """
+    runs: dict[str, Path] = {}
+    for item in items:
+        label, _, path = item.rpartition("=")
+        p = Path(path)
+        npz = p / "per_token_loss.npz" if p.is_dir() else p
+        if not (npz.is_file() and npz.suffix == ".npz"):
+            raise FileNotFoundError(
+                f"--overlay {item!r}: {str(npz)!r} does not exist; pass LABEL=DIR with DIR the "
+                "--out folder of a finished per-token-loss run (holding per_token_loss.npz)"
+            )
+        label = label or p.name
+        if label in runs:
+            raise ValueError(
+                f"--overlay {item!r}: the label {label!r} is used twice (one curve would hide "
+                "the other); name each run, e.g. --overlay fot=DIR1 transformer=DIR2"
+            )
+        runs[label] = p
+    return runs
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``per-token-loss`` command's options."""
     p.add_argument("checkpoint", help="exported HF checkpoint folder")
@@ -401,13 +430,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--max-docs",
-        type=int,
+        type=positive_int,
         default=None,
         help="use at most this many documents (default: every long enough document)",
     )
     p.add_argument(
         "--batch-size",
-        type=int,
+        type=positive_int,
         default=1,
         help="documents per forward pass (default: %(default)s)",
     )
@@ -438,11 +467,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="earlier per-token-loss result folders to draw in the same plot (default: none)",
     )
     p.add_argument(
-        "--label", default=None, help="legend label of this run (default: checkpoint folder name)"
+        "--label",
+        default=None,
+        help="legend label of this run (default: the checkpoint folder name; RUN for a trainer "
+        "export RUN/hf)",
     )
     p.add_argument(
         "--save-every",
-        type=int,
+        type=positive_int,
         default=8,
         help="documents between resume saves (default: %(default)s)",
     )
@@ -454,6 +486,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rank, world = _dist_info()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    check_out_shared(out, "per-token-loss")
+    overlays = parse_overlays(args.overlay)  # checked before the evaluation, not after
+    label = args.label or checkpoint_label(args.checkpoint)
+    if label in overlays:
+        raise ValueError(
+            f"--overlay label {label!r} is also this run's label (one curve would hide the "
+            "other); rename the overlay (LABEL=DIR) or pass --label"
+        )
     device = pick_device(args.device)
     model, tokenizer = load_checkpoint(args.checkpoint, device=device, dtype=args.dtype)
     length = parse_int_list(args.length)[0] if args.length else model_max_length(model)
@@ -512,10 +552,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     summary = write_results(
         acc, out, length=length, bos=bos, num_docs=len(ids), horizons=default_horizons(acc.length)
     )
-    runs = {args.label or Path(args.checkpoint).name: out}
-    for item in args.overlay:
-        label, _, path = item.rpartition("=")
-        runs[label or Path(path).name] = Path(path)
+    runs = {label: out, **overlays}
     plot_per_token_loss(
         runs, out / "per_token_loss.png", train_length=train_length, smooth=args.smooth
     )

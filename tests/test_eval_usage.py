@@ -1,0 +1,192 @@
+"""``python -m fot.eval`` used wrongly: wrong checkpoint folders, --device cuda without CUDA,
+shared --out folders, bad counts, Ctrl-C, unknown lm-eval tasks, the console script's exit
+status. Each error must name the problem and the fix, and lose no results."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+from eval_helpers import make_llama_checkpoint
+
+import fot.eval.__main__ as eval_main
+from fot.eval.__main__ import cli, main
+from fot.eval.common import check_checkpoint_dir, pick_device, write_run_config
+
+PTL = ["--length", "64", "--max-docs", "1", "--device", "cpu"]
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return make_llama_checkpoint(tmp_path_factory.mktemp("ckpt") / "llama")
+
+
+def _training_run(root):
+    """The layout fot's trainer writes: <run>/hf (export) and <run>/checkpoints/step_*."""
+    (root / "hf").mkdir(parents=True)
+    (root / "hf" / "config.json").write_text("{}")
+    step = root / "checkpoints" / "step_00000004"
+    step.mkdir(parents=True)
+    (step / "model.pt").write_bytes(b"")
+    (step / "trainer.json").write_text("{}")
+    return step
+
+
+def test_run_folder_and_training_checkpoint_name_the_hf_export(tmp_path):
+    step = _training_run(tmp_path / "run")
+    hf = str(tmp_path / "run" / "hf")
+    with pytest.raises(FileNotFoundError, match="training run folder") as err:
+        check_checkpoint_dir(tmp_path / "run")
+    assert repr(hf) in str(err.value)
+    with pytest.raises(FileNotFoundError, match="training checkpoint") as err:
+        check_checkpoint_dir(step)
+    assert repr(hf) in str(err.value)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"no config\.json"):
+        check_checkpoint_dir(tmp_path / "empty")
+
+
+def test_device_cuda_without_cuda_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"--device 'cuda'.*--device cpu"):
+        pick_device("cuda")
+    with pytest.raises(ValueError, match=r"--device 'gpu0' is not a torch device"):
+        pick_device("gpu0")
+    assert pick_device("cpu") == torch.device("cpu")
+
+
+def test_console_script_exits_with_status_0(llama, tmp_path):
+    # What the fot-eval script does: sys.exit(main()) with the arguments in sys.argv.
+    argv = ["fot-eval", "per-token-loss", str(llama), *PTL, "--out", str(tmp_path / "o")]
+    code = f"import sys; from fot.eval.__main__ import main; sys.argv = {argv!r}; sys.exit(main())"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "'mean_loss'" not in res.stderr  # the summary dict is not printed as an error
+    assert (tmp_path / "o" / "summary.json").is_file()
+
+
+def test_cli_user_errors_and_ctrl_c_print_a_message_not_a_traceback(tmp_path, monkeypatch, capsys):
+    res = subprocess.run(
+        [sys.executable, "-m", "fot.eval", "needle", str(tmp_path / "missing"), "--out", "o"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert res.returncode == 2
+    assert "Traceback" not in res.stderr
+    assert "error: checkpoint" in res.stderr and "is not a folder" in res.stderr
+
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(eval_main, "main", interrupted)
+    assert cli(["needle", "x", "--out", "o"]) == 130
+    assert "rerun the same command to resume" in capsys.readouterr().err
+
+
+def test_missing_overlay_is_refused_before_the_evaluation(llama, tmp_path):
+    out = tmp_path / "o"
+    with pytest.raises(FileNotFoundError, match=r"--overlay 'old=.*nowhere'"):
+        main(["per-token-loss", str(llama), *PTL, "--overlay", f"old={tmp_path / 'nowhere'}",
+              "--out", str(out)])  # fmt: skip
+    assert not (out / "state.npz").exists()  # nothing was evaluated
+    main(["per-token-loss", str(llama), *PTL, "--out", str(out)])
+    main(["per-token-loss", str(llama), *PTL, "--overlay", f"old={out}", "--out", str(tmp_path / "n")])  # fmt: skip
+    assert (tmp_path / "n" / "per_token_loss.png").is_file()
+
+
+def test_a_second_command_in_the_same_out_keeps_the_first_ones_results(llama, tmp_path):
+    out = tmp_path / "o"
+    summary = main(["per-token-loss", str(llama), *PTL, "--out", str(out)])
+    with pytest.raises(FileExistsError, match=r"per-token-loss results.*summary\.json"):
+        main(["forgetting-curve", str(llama), "--lengths", "64", "--repeats", "1", "--out",
+              str(out)])  # fmt: skip
+    assert json.loads((out / "summary.json").read_text()) == summary
+    fc = main(["forgetting-curve", str(llama), "--lengths", "64", "--repeats", "1", "--out",
+               str(out / "forgetting_curve")])  # fmt: skip
+    assert fc["per_length"][0]["length"] == 64
+
+
+def test_run_config_of_an_earlier_command_is_kept(tmp_path):
+    write_run_config(tmp_path, "needle", {"mode": "easy"}, None)
+    write_run_config(tmp_path, "needle", {"mode": "passkey"}, None)
+    assert json.loads((tmp_path / "run_config.json").read_text())["arguments"]["mode"] == "passkey"
+    history = (tmp_path / "run_config.history.jsonl").read_text().splitlines()
+    assert [json.loads(line)["arguments"]["mode"] for line in history] == ["easy"]
+
+
+def test_needle_depths_are_checked_before_anything_is_loaded_or_written(tmp_path):
+    out = tmp_path / "o"
+    with pytest.raises(ValueError, match=r"--depths '0,150'.*\[150\.0\]"):
+        main(["needle", str(tmp_path / "missing"), "--depths", "0,150", "--out", str(out)])
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_lm_eval_offline_dataset_error_says_what_to_do(tmp_path, monkeypatch):
+    lm_eval = pytest.importorskip("lm_eval")
+    from fot.eval.lm_eval_adapter import evaluate
+
+    def offline(**kw):
+        raise ConnectionError("Couldn't reach 'baber/piqa' on the Hub (OfflineModeIsEnabled)")
+
+    monkeypatch.setattr(lm_eval, "simple_evaluate", offline)
+    with pytest.raises(ConnectionError, match=r"'piqa'.*--dataset-root ROOT.*--list-datasets"):
+        evaluate(object(), ["piqa"], out=tmp_path, task_manager=object())
+
+
+def test_trainer_export_is_labelled_by_its_run_and_overlay_labels_are_unique(llama, tmp_path):
+    from fot.eval.common import checkpoint_label
+
+    (tmp_path / "fot_pro_run" / "hf").mkdir(parents=True)
+    assert checkpoint_label(tmp_path / "fot_pro_run" / "hf") == "fot_pro_run"
+    assert checkpoint_label(tmp_path / "fot_pro_run" / "hf" / ".") == "fot_pro_run"
+    assert checkpoint_label(llama) == "llama"
+    first = tmp_path / "a" / "ptl"
+    main(["per-token-loss", str(llama), *PTL, "--out", str(first)])
+    (tmp_path / "b").mkdir()
+    shutil.copytree(first, tmp_path / "b" / "ptl")
+    out = tmp_path / "o"
+    with pytest.raises(ValueError, match=r"label 'ptl' is used twice"):  # one curve would vanish
+        main(["per-token-loss", str(llama), *PTL, "--overlay", str(first),
+              str(tmp_path / "b" / "ptl"), "--out", str(out)])  # fmt: skip
+    with pytest.raises(ValueError, match=r"label 'llama' is also this run's label"):
+        main(["per-token-loss", str(llama), *PTL, "--overlay", f"llama={first}", "--out",
+              str(out)])  # fmt: skip
+    assert not (out / "state.npz").exists()
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["per-token-loss", "--batch-size", "0"],
+        ["per-token-loss", "--max-docs", "0"],  # was: silently every document
+        ["needle", "--repeats", "0"],
+        ["needle", "--max-new-tokens", "0"],  # was: silently the default
+        ["gates", "--max-tokens", "0"],
+        ["longbench", "--data-dir", "d", "--limit", "0"],
+    ],
+)
+def test_counts_below_one_are_usage_errors(argv, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main([argv[0], str(tmp_path), *argv[1:], "--out", str(tmp_path / "o")])
+    assert exit_.value.code == 2
+    assert f"argument {argv[-2]}: expected an integer >= 1, got '0'" in capsys.readouterr().err
+
+
+def test_lm_eval_unknown_task_is_named_before_the_model_loads(tmp_path, monkeypatch):
+    pytest.importorskip("lm_eval")
+    import fot.eval.lm_eval_adapter as adapter
+
+    # lm-eval's own task index takes seconds to build: a stand-in that knows piqa only.
+    monkeypatch.setattr(adapter, "_task_manager", lambda _: SimpleNamespace(task_index={"piqa": 0}))
+    with pytest.raises(ValueError, match=r"knows no task \['nosuchtask'\].*--include-path"):
+        main(["lm-eval", str(tmp_path / "missing"), "--tasks", "piqa,nosuchtask", "--out",
+              str(tmp_path / "o")])  # fmt: skip
+    with pytest.raises(ValueError, match=r"knows no task \['nosuchtask'\]"):
+        main(["lm-eval", str(tmp_path / "missing"), "--tasks", "nosuchtask", "--list-datasets",
+              "--out", str(tmp_path / "o")])  # fmt: skip

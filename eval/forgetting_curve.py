@@ -301,7 +301,6 @@ def _token_stream(source: str, max_tokens: int) -> np.ndarray:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run ``forgetting-curve``; returns the summary (per-length accuracies, memory lengths)."""
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     lengths = parse_int_list(args.lengths)
     check_out_shared(out, "forgetting-curve")
     if not lengths or args.repeats < 1:
@@ -309,6 +308,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model, tokenizer = load_checkpoint(
         args.checkpoint, device=pick_device(args.device), dtype=args.dtype
     )
+    out.mkdir(parents=True, exist_ok=True)  # only now: bad arguments leave no folder
     # (length, repeat) cells extend the saved grid, of the same checkpoint and data only.
     claim_results(
         out,

@@ -246,7 +246,6 @@ def _int_list(text: str) -> list[int]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run ``gates``; returns the summary (tokens, mean gate per layer and head, maps)."""
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     check_out_shared(out, "gates")
     if args.text and args.text_file:
         raise ValueError("give --text or --text-file, not both")
@@ -261,6 +260,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model, tokenizer = load_checkpoint(
         args.checkpoint, device=pick_device(args.device), dtype=args.dtype
     )
+    out.mkdir(parents=True, exist_ok=True)  # only now: bad arguments leave no folder
     write_run_config(out, "gates", vars(args), args.checkpoint)
     ids = [eot_id(tokenizer), *tokenizer.encode(text, add_special_tokens=False)]
     ids = ids[: args.max_tokens]

@@ -572,10 +572,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.dataset_root:  # a missing root or task folder: fail before loading the model
         local_dataset_dirs(tm, tasks, args.dataset_root)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     model, tokenizer = load_checkpoint(
         args.checkpoint, device=pick_device(args.device), dtype=args.dtype
     )
+    out.mkdir(parents=True, exist_ok=True)  # only now: bad arguments leave no folder
     lm = make_fot_lm(
         model,
         tokenizer,

@@ -292,7 +292,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from tqdm.auto import tqdm
 
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     unknown = [t for t in tasks if t not in TASKS]
     if unknown:
@@ -307,6 +306,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model, tokenizer = load_checkpoint(
         args.checkpoint, device=pick_device(args.device), dtype=args.dtype
     )
+    out.mkdir(parents=True, exist_ok=True)  # only now: bad arguments leave no folder
     # Predictions are keyed by example id: they resume a run of the same checkpoint and
     # prompts only (other tasks or a larger --limit extend it).
     claim_results(

@@ -494,7 +494,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run ``needle``; returns the summary (mean score and accuracy, per length)."""
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     lengths, depths = parse_int_list(args.lengths), parse_float_list(args.depths)
     if not lengths or not depths:
         raise ValueError("--lengths and --depths must each list at least one value")
@@ -510,6 +509,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model, tokenizer = load_checkpoint(
         args.checkpoint, device=pick_device(args.device), dtype=args.dtype
     )
+    out.mkdir(parents=True, exist_ok=True)  # only now: bad arguments leave no folder
     max_new_tokens = args.max_new_tokens or (8 if args.mode == "passkey" else 32)
     # Cells are keyed by (length, depth, repeat): a larger grid extends the saved one, but
     # saved cells resume only a run of the same checkpoint, haystack, needle and generation.

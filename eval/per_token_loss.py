@@ -485,7 +485,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run ``per-token-loss``; returns the summary (``{}`` on torchrun ranks other than 0)."""
     rank, world = _dist_info()
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     check_out_shared(out, "per-token-loss")
     overlays = parse_overlays(args.overlay)  # checked before the evaluation, not after
     label = args.label or checkpoint_label(args.checkpoint)
@@ -494,15 +493,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             f"--overlay label {label!r} is also this run's label (one curve would hide the "
             "other); rename the overlay (LABEL=DIR) or pass --label"
         )
+    asked = parse_int_list(args.length)[0] if args.length else None
+    if asked is not None and asked < 2:  # checked before the model is loaded
+        raise ValueError(f"--length must be >= 2 tokens, got {asked}")
+    docs, kind = open_documents(args.data)  # missing data: said before the model loads
     device = pick_device(args.device)
     model, tokenizer = load_checkpoint(args.checkpoint, device=device, dtype=args.dtype)
-    length = parse_int_list(args.length)[0] if args.length else model_max_length(model)
-    if not length or length < 2:
-        raise ValueError(f"--length must be >= 2 tokens, got {length}")
+    out.mkdir(parents=True, exist_ok=True)  # only now: bad arguments leave no folder
+    length = asked or model_max_length(model)
+    if not length:
+        raise ValueError(
+            f"{args.checkpoint}'s config names no context length (train_length or "
+            "max_position_embeddings): pass --length"
+        )
     train_length = (
         parse_int_list(args.train_length)[0] if args.train_length else model_max_length(model)
     )
-    docs, kind = open_documents(args.data)
     bos = args.prepend_bos == "yes" or (args.prepend_bos == "auto" and kind != "zarr")
     ids = eligible_documents(docs, kind, length, args.max_docs)
     if not ids:

@@ -124,7 +124,25 @@ def test_needle_depths_are_checked_before_anything_is_loaded_or_written(tmp_path
     out = tmp_path / "o"
     with pytest.raises(ValueError, match=r"--depths '0,150'.*\[150\.0\]"):
         main(["needle", str(tmp_path / "missing"), "--depths", "0,150", "--out", str(out)])
-    assert not out.exists() or not any(out.iterdir())
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["per-token-loss", "--length", "64"],
+        ["forgetting-curve", "--lengths", "64"],
+        ["needle"],
+        ["gates"],
+        ["lm-eval", "--tasks", "piqa"],
+    ],
+    ids=lambda a: a[0],
+)
+def test_a_missing_checkpoint_leaves_no_out_folder(argv, tmp_path):
+    out = tmp_path / "new" / "results"
+    with pytest.raises(FileNotFoundError, match="missing"):
+        main([argv[0], str(tmp_path / "missing"), *argv[1:], "--device", "cpu", "--out", str(out)])
+    assert not (tmp_path / "new").exists()
 
 
 def test_lm_eval_offline_dataset_error_says_what_to_do(tmp_path, monkeypatch):

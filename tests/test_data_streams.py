@@ -353,3 +353,176 @@ def test_hf_loader_tokenizes_with_gpt2(tmp_path) -> None:
     got, want = train_src.read(0, 10), oracle.read(0, 10)
     np.testing.assert_array_equal(got[0], want[0])
     np.testing.assert_array_equal(got[1], want[1])
+
+
+def _decoded(path) -> list[str]:
+    from fot.data.tokens import TokenDocuments
+    from fot.tokenizer import get_encoding
+
+    enc = get_encoding()
+    return [enc.decode([int(t) for t in d]) for d in TokenDocuments(path)]
+
+
+def _hidden(folder) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith("."))
+
+
+def test_prepare_bad_jsonl_lines_are_named_and_leave_nothing_behind(tmp_path, capsys) -> None:
+    from fot.data.prepare import main
+
+    good = '{"text": "fine"}\n\n   \n'
+    cases = {
+        "broken.jsonl": (good + '{"text": "no brace"\n', ":4 is not valid JSON"),
+        "list.jsonl": (good + '["a", "b"]\n', ":4 is a JSON list, not an object"),
+        "null.jsonl": (good + '{"text": null}\n', ":4 field 'text' is None"),
+        "other.jsonl": (good + '{"body": "x"}\n', ":4 has no field 'text'"),
+        "latin.jsonl": (b'{"text": "caf\xe9"}\n', None),
+    }
+    for name, (content, want) in cases.items():
+        f = tmp_path / name
+        f.write_bytes(content if isinstance(content, bytes) else content.encode())
+        rc = main([str(f), "--out", str(tmp_path / "tok")])
+        err = capsys.readouterr().err
+        if want is None:  # not UTF-8: read with U+FFFD and a warning naming file and line
+            assert rc == 0 and f"{f}:1 is not valid UTF-8" in err
+            assert _decoded(tmp_path / "tok") == ["caf\ufffd"]
+        else:
+            assert rc == 2 and f"{f}{want}" in err, err
+            assert not err.startswith('error: "')  # a KeyError's quotes
+        assert _hidden(tmp_path) == []  # no half-written .tok.tmp-* folder
+
+
+def test_prepare_reads_globs_several_patterns_and_refuses_structured_files(
+    tmp_path, capsys
+) -> None:
+    from fot.data.prepare import main
+
+    corpus = tmp_path / "corpus"
+    (corpus / "sub").mkdir(parents=True)
+    texts = {"a.txt": "plain text one\n", "sub/b.md": "# Title\nmarkdown\n", "sub/c.txt": "two"}
+    for name, t in texts.items():
+        (corpus / name).write_text(t)
+    (corpus / "latin.txt").write_bytes(b"na\xefve caf\xe9")
+    out = str(tmp_path / "tok")
+    # a quoted glob pattern as input (the shell did not expand it)
+    assert main([str(corpus / "**" / "*.txt"), "--out", out]) == 0
+    assert _decoded(out) == [texts["a.txt"], "na\ufffdve caf\ufffd", texts["sub/c.txt"]]
+    assert "latin.txt is not valid UTF-8" in capsys.readouterr().err
+    # several --glob patterns inside a folder, each file once
+    assert (
+        main([str(corpus), "--glob", "*.txt", "--glob", "*.md", "--glob", "b.*", "--out", out]) == 0
+    )
+    assert sorted(_decoded(out)) == sorted([*texts.values(), "na\ufffdve caf\ufffd"])
+    assert main([str(tmp_path / "nope" / "*.txt"), "--out", out]) == 2
+    assert "matches no file" in capsys.readouterr().err
+    # a .csv given as a text file would become one document of raw CSV: refused with the fix
+    csv = tmp_path / "d.csv"
+    csv.write_text('text\n"csv doc, one"\ncsv doc two\n')
+    assert main([str(csv), "--out", out]) == 2
+    assert f"--hf csv --data-files {csv}" in capsys.readouterr().err
+    assert main(["--hf", "csv", "--data-files", str(csv), "--out", out]) == 0
+    assert _decoded(out) == ["csv doc, one", "csv doc two"]
+
+
+def test_prepare_hf_row_without_text_is_named(tmp_path, capsys) -> None:
+    from fot.data.prepare import main
+
+    f = tmp_path / "rows.jsonl"
+    f.write_text('{"text": "a"}\n{"text": "b"}\n{"body": "c"}\n')
+    assert main(["--hf", "json", "--data-files", str(f), "--out", str(tmp_path / "tok")]) == 2
+    assert "row 2 (counting from 0) of dataset json has text=None" in capsys.readouterr().err
+    assert _hidden(tmp_path) == []
+
+
+def test_prepare_without_documents_replaces_nothing(tmp_path, capsys) -> None:
+    from fot.data.prepare import main
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(3):
+        (corpus / f"{i}.txt").write_text(f"document {i}")
+    (tmp_path / "empty.txt").write_text("")
+    tok, held = str(tmp_path / "tok"), str(tmp_path / "held")
+    assert main([str(corpus), "--out", tok, "--heldout-every", "3", "--heldout-out", held]) == 0
+    before = (_decoded(tok), _decoded(held))
+    assert before == (["document 0", "document 1"], ["document 2"])
+    # an empty input: an empty token folder would only fail later in train.py
+    assert main([str(tmp_path / "empty.txt"), "--out", tok]) == 2
+    assert "no training documents" in capsys.readouterr().err
+    # --heldout-every larger than the number of documents: an empty held-out folder
+    args = [str(corpus), "--out", tok, "--heldout-every", "4", "--heldout-out", held]
+    assert main(args) == 2
+    assert "holds out no document" in capsys.readouterr().err
+    assert (_decoded(tok), _decoded(held)) == before
+    assert _hidden(tmp_path) == []
+
+
+def test_prepare_interrupted_or_failing_keeps_the_old_folders(tmp_path) -> None:
+    from fot.data.prepare import prepare
+
+    tok, held = tmp_path / "tok", tmp_path / "held"
+    old = [np.arange(i + 1, dtype=np.uint16) for i in range(4)]
+    prepare(iter(old), tok, heldout_every=2, heldout_out=held)
+    before = ([d.tolist() for d in open_docs(tok)], [d.tolist() for d in open_docs(held)])
+
+    def interrupted():
+        yield np.array([7, 8], dtype=np.uint16)
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        prepare(interrupted(), tok, heldout_every=2, heldout_out=held)
+    # the held-out folder fails to write after the training documents were all read: the
+    # training folder must not be replaced either (new training docs + old held-out ones)
+    bad_held = [np.array([1]), np.array([70000]), np.array([2]), np.array([3])]
+    with pytest.raises(ValueError, match="65535"):
+        prepare(iter(bad_held), tok, heldout_every=2, heldout_out=held)
+    assert ([d.tolist() for d in open_docs(tok)], [d.tolist() for d in open_docs(held)]) == before
+    assert _hidden(tmp_path) == []
+
+
+def open_docs(path):
+    from fot.data.tokens import TokenDocuments
+
+    return TokenDocuments(path)
+
+
+def test_float_npy_and_missing_val_path_are_explained(tmp_path) -> None:
+    np.save(tmp_path / "f.npy", np.arange(100, dtype=np.float32))
+    with pytest.raises(ValueError, match="float32 values, not integer token ids"):
+        open_token_path(tmp_path / "f.npy", 8, "varlen")
+    with pytest.raises(FileNotFoundError, match=r"data\.val_path="):
+        open_token_path(tmp_path / "nope", 8, "varlen", key="data.val_path")
+
+
+def test_prepare_strips_a_utf8_byte_order_mark(tmp_path) -> None:
+    from fot.data.prepare import main
+
+    (tmp_path / "bom.txt").write_bytes(b"\xef\xbb\xbfHello there")
+    (tmp_path / "bom.jsonl").write_bytes(b'\xef\xbb\xbf{"text": "first"}\r\n{"text": "second"}\r\n')
+    out = str(tmp_path / "tok")
+    assert main([str(tmp_path / "bom.txt"), str(tmp_path / "bom.jsonl"), "--out", out]) == 0
+    assert _decoded(out) == ["Hello there", "first", "second"]
+
+
+def test_short_or_malformed_token_files_name_the_config_key(tmp_path) -> None:
+    write_token_documents(tmp_path / "held", [np.arange(5, dtype=np.uint16)])
+    with pytest.raises(ValueError, match=r"^data\.val_path=.*held: the token stream has 6 tokens"):
+        open_token_path(tmp_path / "held", 64, "varlen", key="data.val_path")
+    (tmp_path / "odd.bin").write_bytes(b"abc")
+    with pytest.raises(ValueError, match=r"odd.bin has 3 bytes, an odd number"):
+        open_token_path(tmp_path / "odd.bin", 8, "varlen")
+    (tmp_path / "empty.bin").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"empty.bin: the token stream has 0 tokens"):
+        open_token_path(tmp_path / "empty.bin", 8, "varlen")
+
+
+def test_prepare_hf_text_loader_warns_that_lines_become_documents(tmp_path, capsys) -> None:
+    from fot.data.prepare import main
+
+    f = tmp_path / "a.md"
+    f.write_text("# Title\nbody line\n")
+    assert main(["--hf", "text", "--data-files", str(f), "--out", str(tmp_path / "hf")]) == 0
+    assert _decoded(tmp_path / "hf") == ["# Title", "body line"]  # datasets' text loader
+    assert "every line of the files a document" in capsys.readouterr().err
+    assert main([str(f), "--out", str(tmp_path / "tok")]) == 0
+    assert _decoded(tmp_path / "tok") == ["# Title\nbody line\n"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,24 +24,27 @@ def _documents_source(docs: Any, seq_len: int, packing: str) -> Any:
     return PackedSource.from_documents(docs, seq_len, varlen=packing == "varlen")
 
 
-def open_token_path(path: str | Path, seq_len: int, packing: str) -> Any:
+def open_token_path(path: str | Path, seq_len: int, packing: str, key: str = "data.path") -> Any:
     """A sequence source for a token folder, a flat ``.npy``/``.bin`` file or a 2-D ``.zarr``.
 
     Args:
         path: the data on disk.
         seq_len: T.
         packing: ``varlen``, ``causal`` or ``padded`` (documents only; flat files cannot pad).
+        key: the config key that named ``path``, for error messages.
     """
     from fot.data.streams import open_zarr_array
     from fot.data.tokens import TokenDocuments
 
     p = Path(path).expanduser()
     if not p.exists():
-        raise FileNotFoundError(f"data path {p} does not exist. {_PREPARE_HINT}")
+        raise FileNotFoundError(f"{key}={p} does not exist. {_PREPARE_HINT}")
     if p.suffix == ".zarr" or (p.is_dir() and (p / "zarr.json").exists()):
-        return ZarrRowsSource(open_zarr_array(p), seq_len)
+        arr = open_zarr_array(p)
+        return _named(key, p, lambda: ZarrRowsSource(arr, seq_len))
     if p.is_dir():
-        return _documents_source(TokenDocuments(p), seq_len, packing)
+        docs = TokenDocuments(p)
+        return _named(key, p, lambda: _documents_source(docs, seq_len, packing))
     if packing == "padded":
         raise ValueError(
             f"data.packing=padded needs document boundaries, but {p} is a flat token file; use "
@@ -48,14 +52,36 @@ def open_token_path(path: str | Path, seq_len: int, packing: str) -> Any:
         )
     if p.suffix == ".npy":
         tokens = np.load(p, mmap_mode="r")
+        if not np.issubdtype(tokens.dtype, np.integer):
+            raise ValueError(
+                f"{p} holds {tokens.dtype} values, not integer token ids; save the ids with an "
+                "integer dtype (np.uint16 for GPT-2), or use `python -m fot.data.prepare`"
+            )
     elif p.suffix == ".bin":
-        tokens = np.memmap(p, dtype=np.uint16, mode="r")
+        size = p.stat().st_size
+        if size % 2:
+            raise ValueError(
+                f"{key}={p} has {size} bytes, an odd number: a .bin token file must hold uint16 "
+                "ids (2 bytes each); write it with `array.astype(np.uint16).tofile(path)`"
+            )
+        tokens = np.memmap(p, dtype=np.uint16, mode="r") if size else np.zeros(0, np.uint16)
     else:
         raise ValueError(
             f"don't know how to read {p}: expected a token folder, a .npy/.bin (uint16) token "
             f"file or a .zarr array. {_PREPARE_HINT}"
         )
-    return PackedSource.from_flat(tokens, seq_len, varlen=packing == "varlen")
+    return _named(
+        key, p, lambda: PackedSource.from_flat(tokens, seq_len, varlen=packing == "varlen")
+    )
+
+
+def _named(key: str, path: Path, build: Callable[[], Any]) -> Any:
+    """``build()``, with a ``ValueError`` (too little data for data.seq_len, no documents)
+    prefixed by the config key and path it concerns (training or held-out data)."""
+    try:
+        return build()
+    except ValueError as err:
+        raise ValueError(f"{key}={path}: {err}") from None
 
 
 def _hf_source(cfg: Any, split: str) -> HFSource:
@@ -163,7 +189,11 @@ def build_sources(cfg: Any) -> tuple[Any, Any | None]:
         if not cfg.path:
             raise ValueError(f"data=tokens needs data.path. {_PREPARE_HINT}")
         train = open_token_path(cfg.path, T, cfg.packing)
-        val = open_token_path(cfg.val_path, T, cfg.packing) if cfg.val_path and want_val else None
+        val = (
+            open_token_path(cfg.val_path, T, cfg.packing, key="data.val_path")
+            if cfg.val_path and want_val
+            else None
+        )
         return train, val
     train = _hf_source(cfg, cfg.hf_split)
     val = _hf_source(cfg, cfg.hf_val_split) if cfg.hf_val_split and want_val else None

@@ -4,9 +4,17 @@ Inputs, one document each:
 
 * a text file (``.txt``, ``.md``, ...): the whole file is one document;
 * a ``.jsonl`` file: every line is a document (its ``--text-field``, default ``text``);
-* a folder: every file under it matching ``--glob`` (recursively, sorted);
+* a folder: every file under it matching ``--glob`` (recursively, sorted; default ``*.txt``,
+  give ``--glob`` several times for several patterns: ``--glob '*.txt' --glob '*.md'``);
+* a quoted glob pattern (``'data/**/*.txt'``): every file or folder it matches;
 * ``--hf NAME_OR_PATH``: a Hugging Face dataset (``--hf-name``, ``--split``, ``--streaming``,
-  ``--data-files`` as for ``datasets.load_dataset``).
+  ``--data-files`` as for ``datasets.load_dataset``); local ``.csv``/``.parquet``/``.json``
+  files are read this way (``--hf csv --data-files a.csv``), never as plain text.
+
+Text that is not valid UTF-8 is read with U+FFFD for the bad bytes and a warning naming the
+file. Empty documents are skipped; a run that would write no training document (or, with
+``--heldout-every``, no held-out one) fails and leaves existing folders as they were, as does
+an error or Ctrl-C part way.
 
 Documents are tokenized with the GPT-2 tokenizer (``fot.tokenizer.get_encoding()``, offline)
 without BOS/EOT (the training readers insert one ``<|endoftext|>`` before each document) and
@@ -23,45 +31,145 @@ Example::
 from __future__ import annotations
 
 import argparse
+import codecs
+import glob as globmod
 import json
+import os
+import shutil
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
-from fot.data.tokens import FORMAT, write_token_documents
+from fot.data.tokens import FORMAT, replace_folder, write_token_documents
+
+STRUCTURED_SUFFIXES = (
+    ".csv",
+    ".tsv",
+    ".parquet",
+    ".arrow",
+    ".json",
+    ".gz",
+    ".bz2",
+    ".xz",
+    ".zst",
+    ".zip",
+)
+"""Suffixes of files that are not plain text: refused as inputs (they would become one
+document of raw bytes or markup); ``--hf csv|parquet|json|arrow --data-files FILE`` reads them."""
+
+_GLOB_CHARS = frozenset("*?[")
+
+
+def _warn(msg: str) -> None:
+    print(f"warning: {msg}", file=sys.stderr)
+
+
+def _decode(data: bytes, where: str) -> str:
+    """UTF-8 text of ``data`` without a leading byte-order mark (Windows editors write one);
+    invalid bytes become U+FFFD, with a warning naming ``where``."""
+    data = data.removeprefix(codecs.BOM_UTF8)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        _warn(
+            f"{where} is not valid UTF-8 (byte {data[err.start]:#04x} at offset {err.start}); "
+            "invalid bytes were replaced by U+FFFD. Convert the file to UTF-8 first "
+            "(e.g. `iconv -f latin1 -t utf-8`) to keep them"
+        )
+        return data.decode("utf-8", errors="replace")
+
+
+def _expand_inputs(inputs: list[str]) -> list[Path]:
+    """Input paths, with quoted glob patterns (``'data/*.txt'``, ``'data/**/*.md'``) expanded."""
+    paths: list[Path] = []
+    for item in inputs:
+        p = Path(item).expanduser()
+        if p.exists() or p.is_symlink():
+            paths.append(p)
+        elif _GLOB_CHARS & set(item):
+            matches = sorted(globmod.glob(str(p), recursive=True))
+            if not matches:
+                raise FileNotFoundError(f"input pattern {item!r} matches no file or folder")
+            paths.extend(Path(m) for m in matches)
+        else:
+            raise FileNotFoundError(f"input {p} does not exist")
+    return paths
+
+
+def _jsonl_texts(f: Path, text_field: str) -> Iterator[str]:
+    with open(f, "rb") as fh:
+        for n, raw in enumerate(fh, 1):
+            line = _decode(raw, f"{f}:{n}")
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError as err:
+                raise ValueError(f"{f}:{n} is not valid JSON ({err}): {line[:80]!r}") from None
+            if not isinstance(row, dict):
+                raise ValueError(
+                    f"{f}:{n} is a JSON {type(row).__name__}, not an object; every line of a "
+                    f'.jsonl file must be an object such as {{"{text_field}": "..."}}'
+                )
+            if text_field not in row:
+                raise ValueError(
+                    f"{f}:{n} has no field {text_field!r} (fields: {sorted(row)}); "
+                    "set --text-field to the field that holds the text"
+                )
+            text = row[text_field]
+            if not isinstance(text, str):
+                raise ValueError(
+                    f"{f}:{n} field {text_field!r} is {text!r} ({type(text).__name__}), not a "
+                    "string; fix or remove that line, or set --text-field"
+                )
+            yield text
 
 
 def iter_texts(
     inputs: list[str],
     *,
-    glob: str = "*.txt",
+    glob: str | list[str] = "*.txt",
     text_field: str = "text",
 ) -> Iterator[str]:
-    """Yield documents from files, ``.jsonl`` files and folders (see the module docstring)."""
-    for item in inputs:
-        p = Path(item).expanduser()
-        if not p.exists():
-            raise FileNotFoundError(f"input {p} does not exist")
-        files = sorted(f for f in p.rglob(glob) if f.is_file()) if p.is_dir() else [p]
-        if p.is_dir() and not files:
-            raise FileNotFoundError(f"no files matching {glob!r} under {p}; change --glob")
+    """Yield documents from files, ``.jsonl`` files and folders (see the module docstring).
+
+    Args:
+        inputs: files, folders, or quoted glob patterns (``'data/**/*.txt'``).
+        glob: pattern(s) of the files to read inside folders (recursively, sorted).
+        text_field: the field of ``.jsonl`` rows that holds the text.
+
+    Raises:
+        FileNotFoundError: an input or pattern that matches nothing.
+        ValueError: a structured file given as text, or a bad ``.jsonl`` line (named by
+            file and line number).
+    """
+    globs = [glob] if isinstance(glob, str) else list(glob)
+    for p in _expand_inputs(inputs):
+        if p.is_dir():
+            files = sorted({f for g in globs for f in p.rglob(g) if f.is_file()})
+            if not files:
+                raise FileNotFoundError(
+                    f"no files matching {' or '.join(map(repr, globs))} under {p}; change "
+                    "--glob (give it several times for several patterns, e.g. --glob '*.txt' "
+                    "--glob '*.md')"
+                )
+        else:
+            files = [p]
         for f in files:
-            if f.suffix == ".jsonl":
-                with open(f, encoding="utf-8") as fh:
-                    for n, line in enumerate(fh, 1):
-                        if not line.strip():
-                            continue
-                        row = json.loads(line)
-                        if text_field not in row:
-                            raise KeyError(
-                                f"{f}:{n} has no field {text_field!r} (fields: {sorted(row)}); "
-                                "set --text-field"
-                            )
-                        yield row[text_field]
+            if f.suffix.lower() == ".jsonl":
+                yield from _jsonl_texts(f, text_field)
+            elif f.suffix.lower() in STRUCTURED_SUFFIXES:
+                loader = {".csv": "csv", ".tsv": "csv", ".parquet": "parquet", ".arrow": "arrow"}
+                hint = loader.get(f.suffix.lower(), "json")
+                raise ValueError(
+                    f"{f} is not a plain text file (suffix {f.suffix}); it would become one "
+                    f"document of raw bytes. Read it as a dataset with `--hf {hint} "
+                    f"--data-files {f}` (and --text-field), or give .txt/.md/.jsonl files"
+                )
             else:
-                yield f.read_text(encoding="utf-8", errors="replace")
+                yield _decode(f.read_bytes(), str(f))
 
 
 def iter_hf_texts(
@@ -76,13 +184,27 @@ def iter_hf_texts(
     """Yield the ``text_field`` of every row of a Hugging Face dataset."""
     import datasets
 
+    if path == "text":
+        _warn(
+            "--hf text makes every line of the files a document (newlines dropped); give the "
+            "text files (or their folder) as inputs instead to keep each file one document"
+        )
     ds = datasets.load_dataset(
         path, name=name, split=split, streaming=streaming, data_files=data_files
     )
-    for row in ds:
+    for n, row in enumerate(ds):
         if text_field not in row:
-            raise KeyError(f"dataset rows have fields {sorted(row)}; set --text-field")
-        yield row[text_field]
+            raise ValueError(
+                f"dataset rows have fields {sorted(row)}, no {text_field!r}; set --text-field "
+                "to the field that holds the text"
+            )
+        text = row[text_field]
+        if not isinstance(text, str):
+            raise ValueError(
+                f"row {n} (counting from 0) of dataset {path} has {text_field}={text!r} ({type(text).__name__}), not a "
+                "string (a row without that field reads as None); fix or drop that row"
+            )
+        yield text
 
 
 def tokenize(
@@ -141,14 +263,17 @@ def prepare(
 ) -> dict[str, int]:
     """Write token documents to ``out`` (and every ``heldout_every``-th one to ``heldout_out``).
 
-    Held-out documents are kept in memory until the end (they are a small fraction).
+    Held-out documents are kept in memory until the end (they are a small fraction). The
+    existing folders are replaced only once both new ones are complete: an error or Ctrl-C
+    part way leaves them (and no half-written folder) behind.
 
     Returns:
         Counts: ``{"train_docs", "train_tokens", "heldout_docs", "heldout_tokens"}``.
 
     Raises:
         ValueError: bad ``heldout_every``/``heldout_out``, or an output path that exists and
-            is not a token folder (checked before any document is read or written).
+            is not a token folder (checked before any document is read or written); no
+            training document, or (with ``heldout_every``) no held-out one.
     """
     if heldout_every and heldout_out is None:
         raise ValueError("--heldout-every needs --heldout-out (where held-out documents go)")
@@ -170,22 +295,49 @@ def prepare(
     held: list[np.ndarray] = []
 
     def train_docs() -> Iterator[np.ndarray]:
+        i = -1
         for i, d in enumerate(docs):
             if heldout_every and i % heldout_every == heldout_every - 1:
                 held.append(d)
             else:
                 yield d
+        # Checked here, before the new folder replaces an old one: an empty token folder
+        # would only fail later, in train.py.
+        if i + 1 - len(held) == 0:
+            raise ValueError(
+                f"no training documents: the inputs hold {i + 1} non-empty document(s)"
+                + (f", all held out by --heldout-every {heldout_every}" if held else "")
+                + "; nothing was written. Check the inputs (empty files are skipped)"
+            )
+        if heldout_every and not held:
+            raise ValueError(
+                f"--heldout-every {heldout_every} holds out no document: the inputs hold only "
+                f"{i + 1}; nothing was written. Use a --heldout-every from 2 to {i + 1}, or "
+                "drop --heldout-every/--heldout-out"
+            )
 
-    tr = write_token_documents(out, train_docs(), source=source)
-    stats = {
-        "train_docs": len(tr),
-        "train_tokens": tr.num_tokens,
-        "heldout_docs": 0,
-        "heldout_tokens": 0,
-    }
-    if heldout_every:
-        hv = write_token_documents(heldout_out, held, source=source, heldout_every=heldout_every)
-        stats.update(heldout_docs=len(hv), heldout_tokens=hv.num_tokens)
+    # The training folder is staged under a hidden name and moved to `out` only after the
+    # held-out folder is written, so an error or Ctrl-C never pairs a new training folder
+    # with an old held-out one (whose documents could overlap it).
+    out_p = Path(out).expanduser()
+    staged = out_p.with_name(f".{out_p.name}.new-{os.getpid()}") if heldout_every else out_p
+    try:
+        tr = write_token_documents(staged, train_docs(), source=source)
+        stats = {
+            "train_docs": len(tr),
+            "train_tokens": tr.num_tokens,
+            "heldout_docs": 0,
+            "heldout_tokens": 0,
+        }
+        if heldout_every:
+            hv = write_token_documents(
+                Path(heldout_out).expanduser(), held, source=source, heldout_every=heldout_every
+            )
+            stats.update(heldout_docs=len(hv), heldout_tokens=hv.num_tokens)
+            replace_folder(staged, out_p)
+    finally:
+        if staged != out_p:
+            shutil.rmtree(staged, ignore_errors=True)
     return stats
 
 
@@ -196,14 +348,24 @@ def main(argv: list[str] | None = None) -> int:
         description="Tokenize text files, folders, .jsonl files or an HF dataset (GPT-2) into a "
         "token folder for `train.py data=tokens data.path=<out>`.",
     )
-    ap.add_argument("inputs", nargs="*", help="text files, .jsonl files or folders")
+    ap.add_argument(
+        "inputs",
+        nargs="*",
+        help="text files (one document each), .jsonl files (one per line), folders, or quoted "
+        "glob patterns such as 'data/**/*.txt'",
+    )
     ap.add_argument(
         "--out",
         required=True,
         help="token folder to write (an existing token folder is replaced; any other "
         "existing path is refused)",
     )
-    ap.add_argument("--glob", default="*.txt", help="file pattern inside folders (default *.txt)")
+    ap.add_argument(
+        "--glob",
+        action="append",
+        help="file pattern inside folders (default *.txt); give it several times for several "
+        "patterns, e.g. --glob '*.txt' --glob '*.md'",
+    )
     ap.add_argument("--text-field", default="text", help="text field of .jsonl / HF rows")
     ap.add_argument("--hf", help="HF dataset name or local path (instead of inputs)")
     ap.add_argument("--hf-name", help="HF dataset configuration name")
@@ -227,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         source = f"hf:{args.hf}"
     else:
-        texts = iter_texts(args.inputs, glob=args.glob, text_field=args.text_field)
+        texts = iter_texts(args.inputs, glob=args.glob or ["*.txt"], text_field=args.text_field)
         source = ",".join(args.inputs)
     try:
         stats = prepare(
@@ -238,8 +400,14 @@ def main(argv: list[str] | None = None) -> int:
             source=source,
         )
     except (FileNotFoundError, KeyError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {err.args[0] if isinstance(err, KeyError) else err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(
+            f"interrupted: {args.out} was not replaced (nothing half-written is left)",
+            file=sys.stderr,
+        )
+        return 130
     print(json.dumps({"out": str(args.out), **stats}))
     return 0
 

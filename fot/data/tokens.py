@@ -88,32 +88,45 @@ def write_token_documents(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     offsets = [0]
-    with open(tmp / "tokens.bin", "wb") as f:
-        for doc in docs:
-            arr = np.asarray(doc)
-            if arr.size and (arr.min() < 0 or arr.max() > np.iinfo(np.uint16).max):
-                raise ValueError(
-                    f"token ids must lie in [0, 65535] to be stored as uint16, got range "
-                    f"[{arr.min()}, {arr.max()}]"
-                )
-            f.write(arr.astype(np.uint16).tobytes())
-            offsets.append(offsets[-1] + arr.size)
-    np.save(tmp / "doc_offsets.npy", np.asarray(offsets, dtype=np.int64))
-    info = {
-        "format": FORMAT,
-        "version": VERSION,
-        "num_documents": len(offsets) - 1,
-        "num_tokens": offsets[-1],
-        "dtype": "uint16",
-        "tokenizer": "gpt2",
-        **meta,
-    }
-    (tmp / "meta.json").write_text(json.dumps(info, indent=2) + "\n")
+    try:
+        with open(tmp / "tokens.bin", "wb") as f:
+            for doc in docs:
+                arr = np.asarray(doc)
+                if arr.size and (arr.min() < 0 or arr.max() > np.iinfo(np.uint16).max):
+                    raise ValueError(
+                        f"token ids must lie in [0, 65535] to be stored as uint16, got range "
+                        f"[{arr.min()}, {arr.max()}]"
+                    )
+                f.write(arr.astype(np.uint16).tobytes())
+                offsets.append(offsets[-1] + arr.size)
+        np.save(tmp / "doc_offsets.npy", np.asarray(offsets, dtype=np.int64))
+        info = {
+            "format": FORMAT,
+            "version": VERSION,
+            "num_documents": len(offsets) - 1,
+            "num_tokens": offsets[-1],
+            "dtype": "uint16",
+            "tokenizer": "gpt2",
+            **meta,
+        }
+        (tmp / "meta.json").write_text(json.dumps(info, indent=2) + "\n")
+    except BaseException:  # an error in `docs`, or Ctrl-C: leave no half-written folder behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    replace_folder(tmp, dest)
+    return TokenDocuments(dest)
+
+
+def replace_folder(src: str | os.PathLike, dest: str | os.PathLike) -> None:
+    """Move folder ``src`` to ``dest``, replacing (and deleting) an existing ``dest``.
+
+    The old ``dest`` is renamed aside first, so ``dest`` is never a half-written folder.
+    """
+    src, dest = Path(src), Path(dest)
     if dest.exists():
         old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
         dest.rename(old)
-        tmp.rename(dest)
+        src.rename(dest)
         shutil.rmtree(old, ignore_errors=True)
     else:
-        tmp.rename(dest)
-    return TokenDocuments(dest)
+        src.rename(dest)

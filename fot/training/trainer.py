@@ -280,13 +280,16 @@ def validation_sequences(data_cfg: Any, source: Any | None, *, unit: int, warn: 
         if fits:
             logger.warning(
                 "validation reads %d sequences (%d tokens), not the %d asked by "
-                "data.val_tokens=%d: the held-out data holds only %d sequences of %d tokens",
+                "data.val_tokens=%d: the held-out data holds only %d sequences of %d tokens, "
+                "and every validation reads a multiple of %d (processes x validation micro "
+                "batch) so that all ranks run the same forward passes",
                 fits,
                 fits * seq_len,
                 num,
                 want,
                 held,
                 seq_len,
+                unit,
             )
         else:
             logger.warning(

@@ -7,23 +7,33 @@ Configs live in ``configs/`` (Hydra); the training loop is :func:`fot.training.t
 
 from __future__ import annotations
 
+import sys
+
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from fot.training.config import register_configs
+from fot.training.config import check_multirun_out_dir, register_configs, unknown_override_key
 
 register_configs()
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")
 def main(cfg: DictConfig) -> None:
+    """Refuse one fixed out_dir for every job of a multirun, then train."""
     from fot.training import train
 
+    hydra_cfg = HydraConfig.get()
+    check_multirun_out_dir(cfg, multirun=hydra_cfg.mode == RunMode.MULTIRUN)
     if cfg.out_dir is None:
-        cfg.out_dir = HydraConfig.get().runtime.output_dir
+        cfg.out_dir = hydra_cfg.runtime.output_dir
     train(cfg)
 
 
 if __name__ == "__main__":
+    # Hydra refuses an unknown key without naming the right one: say which field was meant
+    problems = [m for arg in sys.argv[1:] if (m := unknown_override_key(arg)) is not None]
+    if problems:
+        sys.exit("error: " + "\n".join(problems))
     main()

@@ -281,3 +281,114 @@ def test_mul_resolver_refuses_non_integers() -> None:
     assert mul(8, 2048) == 16384
     with pytest.raises(ValueError, match=r"fot.mul multiplies integers, got 2.5"):
         mul(8, 2.5)
+
+
+# -- check_config: values refused before any run folder is made ---------------------------------
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        (["seed=-1"], "seed=-1 is negative"),
+        (["data.val_tokens=-5"], "data.val_tokens=0 for no validation"),
+        (["schedule.warmup_tokens=-1"], "schedule.warmup_tokens=0 for no warmup"),
+        (["val_micro_batch_size=0"], "val_micro_batch_size=0 must be >= 1"),
+        (["val_micro_batch_size=-2"], "val_micro_batch_size=-2 must be >= 1"),
+        (["resume=/no/such/path"], "resume=/no/such/path is no folder.*resume=never"),
+        (["model=mamba2", "device=cpu"], "model=mamba2 .* need a CUDA GPU"),
+    ],
+)
+def test_check_config_refuses_bad_values_with_the_fix(
+    hydra_ctx, monkeypatch, overrides, match
+) -> None:
+    from fot.training.config import check_config
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # conftest sets it on CPU
+    cfg = compose("train", overrides=overrides)
+    with pytest.raises(ValueError, match=match):
+        check_config(cfg)
+
+
+def test_check_config_accepts_the_defaults_and_a_real_resume_folder(hydra_ctx, tmp_path) -> None:
+    from fot.training.config import check_config
+
+    assert check_config(compose("train")) == []
+    cfg = compose("train", overrides=[f"resume={tmp_path}", "val_micro_batch_size=2", "seed=7"])
+    assert check_config(cfg) == []
+
+
+def test_check_config_warns_when_warmup_outlasts_the_run(hydra_ctx) -> None:
+    from fot.training.config import check_config
+
+    cfg = compose("train", overrides=["total_tokens=4096", "schedule.warmup_tokens=100000"])
+    (warning,) = check_config(cfg)
+    assert "schedule.warmup_tokens=100000" in warning and "never reaches optim.lr" in warning
+
+
+def test_check_config_warns_on_intervals_that_are_not_whole_steps(hydra_ctx) -> None:
+    from fot.training.config import check_config
+
+    cfg = compose("train", overrides=["log_every_tokens=3000"])  # batches of 2048 tokens
+    (warning,) = check_config(cfg)
+    assert "log_every_tokens=3000" in warning and "log_every_tokens=2048" in warning
+
+
+def test_multirun_with_one_fixed_out_dir_is_refused(hydra_ctx) -> None:
+    from fot.training.config import check_multirun_out_dir
+
+    fixed = compose("train", overrides=["out_dir=/runs/sweep"])
+    with pytest.raises(ValueError, match=r"out_dir=/runs/sweep with -m.*hydra\.sweep\.dir"):
+        check_multirun_out_dir(fixed, multirun=True)
+    check_multirun_out_dir(fixed, multirun=False)  # one job: its folder as asked
+    check_multirun_out_dir(compose("train"), multirun=True)  # Hydra's folder per job
+    per_job = compose("train", overrides=["out_dir=/runs/sweep/${hydra:job.num}"])
+    check_multirun_out_dir(per_job, multirun=True)
+
+
+def test_ddp_without_torchrun_is_refused_before_the_run_starts() -> None:
+    import torch
+
+    from fot.training.config import ParallelConfig
+    from fot.training.parallel import DistInfo, resolve_strategy
+
+    info = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    with pytest.raises(RuntimeError, match=r"needs torchrun.*parallel=single"):
+        resolve_strategy(ParallelConfig(strategy="ddp"), info)
+    assert resolve_strategy(ParallelConfig(strategy="fsdp"), info) == "fsdp"  # FSDP2 of one
+
+
+@pytest.mark.parametrize(
+    ("override", "suggestion"),
+    [
+        ("lr=1e-3", "optim.lr"),
+        ("total_token=1000", "total_tokens"),
+        ("optim.lrr=1", "optim.lr"),
+        ("parallel.compil=true", "parallel.compile"),
+        ("model.num_heads=3", "+model.overrides.<field>"),
+    ],
+)
+def test_misspelt_top_level_key_names_the_field_meant(override: str, suggestion: str) -> None:
+    from fot.training.config import unknown_override_key
+
+    message = unknown_override_key(override)
+    assert message is not None and suggestion in message and override in message
+
+
+@pytest.mark.parametrize(
+    "override",
+    ["optim.lr=1e-3,2e-3", "total_tokens=4096", "size=tiny", "experiment=fot_pro_125m_2b",
+     "hydra.run.dir=x", "+model.overrides.num_heads=2", "model.overrides.num_heads=2", "++seed=1", "~wandb.name",
+     "data.seq_len=3", "parallel=fsdp", "-m", "--help"],
+)  # fmt: skip
+def test_known_keys_and_hydra_syntax_are_left_to_hydra(hydra_ctx, override: str) -> None:
+    from fot.training.config import unknown_override_key
+
+    assert unknown_override_key(override) is None
+    if override in (
+        "total_tokens=4096",
+        "size=tiny",
+        "experiment=fot_pro_125m_2b",
+        "data.seq_len=3",
+        "parallel=fsdp",
+    ):
+        compose("train", overrides=[override])  # and Hydra accepts it

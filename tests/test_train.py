@@ -776,3 +776,55 @@ def test_bad_data_or_sizes_leave_no_run_folder(tmp_path) -> None:
     with pytest.raises(ValueError, match=r"cannot be split|multiple"):
         train(_cfg(out, "micro_batch_size=3"))
     assert not out.exists()
+
+
+def test_ddp_without_torchrun_leaves_no_run_folder(tmp_path) -> None:
+    out = tmp_path / "run"
+    with pytest.raises(RuntimeError, match=r"needs torchrun.*parallel=single"):
+        train(_cfg(out, "parallel=ddp"))
+    assert not out.exists()
+
+
+def test_train_py_refuses_a_shared_multirun_out_dir(tmp_path) -> None:
+    """``-m`` with one fixed out_dir would make each later job resume from the previous job's
+    checkpoint and train nothing: refused before any folder is made."""
+    out = tmp_path / "sweep"
+    script = [sys.executable, str(ROOT / "train.py")]
+    res = _run_script([*script, "-m", *SMALL, "optim.lr=0.01,0.02", f"out_dir={out}"], cwd=tmp_path)
+    assert res.returncode != 0
+    assert f"out_dir={out} with -m" in res.stderr and "hydra.sweep.dir=" in res.stderr
+    assert not out.exists()
+
+
+def test_train_py_refuses_a_missing_resume_folder_before_training(tmp_path) -> None:
+    run = tmp_path / "run"
+    res = _run_script(
+        [sys.executable, str(ROOT / "train.py"), *SMALL, "resume=/no/such/ckpt",
+         f"out_dir={run}", f"hydra.run.dir={run}"],
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert res.returncode != 0 and "resume=/no/such/ckpt is no folder" in res.stderr
+    assert not (run / "checkpoints").exists() and not (run / "metrics.jsonl").exists()
+
+
+def test_token_ids_outside_the_vocabulary_are_named_before_the_model_sees_them(tmp_path) -> None:
+    ids = np.arange(64 * 40 + 1, dtype=np.int64) % 1000
+    good = tmp_path / "good.npy"
+    np.save(good, ids.astype(np.uint16))
+    bad = ids.copy()
+    bad[64 * 5 + 7] = 60000  # inside step 2's global batch (4 sequences of 64 per step)
+    np.save(tmp_path / "bad.npy", bad.astype(np.uint16))
+    flat = ["data=tokens", "data.packing=causal"]
+    with pytest.raises(ValueError, match=r"training data holds token id 60000.*50257") as err:
+        train(_cfg(tmp_path / "a", *flat, f"data.path={tmp_path / 'bad.npy'}", "data.val_tokens=0"))
+    assert "vocab_size:60001" in str(err.value)
+    with pytest.raises(ValueError, match=r"held-out data holds token id 60000"):
+        train(
+            _cfg(
+                tmp_path / "b",
+                *flat,
+                f"data.path={good}",
+                f"data.val_path={tmp_path / 'bad.npy'}",
+                "data.val_tokens=1024",
+            )
+        )

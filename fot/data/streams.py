@@ -512,6 +512,38 @@ def make_batch(inputs: np.ndarray, labels: np.ndarray, *, varlen: bool) -> Batch
     )
 
 
+def check_token_ids(batches: Sequence[Batch], vocab_size: int, *, what: str) -> None:
+    """Refuse token ids outside ``[0, vocab_size)`` before they reach the embedding.
+
+    There they would fail as an index error deep inside the model (on CUDA, as a device-side
+    assert that kills the process). Token files written by another tokenizer are the usual
+    cause. The check reads the CPU batches (``[B, T]`` int64): microseconds per step.
+
+    Args:
+        batches: micro batches of one step (on the CPU), labels ``-100`` where ignored.
+        vocab_size: the model's vocabulary size.
+        what: the data they come from, for the message (``training data`` / ``held-out data``).
+
+    Raises:
+        ValueError: naming the bad id, the vocabulary size and the fixes.
+    """
+    for b in batches:
+        lo = int(b.input_ids.min())  # labels are the same tokens (or -100)
+        hi = max(int(b.input_ids.max()), int(b.labels.max()))
+        if lo < 0 or hi >= vocab_size:
+            bad = lo if lo < 0 else hi
+            larger = (
+                f", or give the model a larger vocabulary (++model.overrides={{vocab_size:{bad + 1}}})"
+                if bad > 0
+                else ""
+            )
+            raise ValueError(
+                f"the {what} holds token id {bad}, outside the model's vocabulary [0, "
+                f"{vocab_size}): it was tokenized with another tokenizer, or is not a token "
+                f"file. Re-tokenize it with `python -m fot.data.prepare` (GPT-2 BPE){larger}"
+            )
+
+
 class SequenceStream:
     """Per-rank batches of a :class:`SequenceSource`, with an exact, resumable position.
 

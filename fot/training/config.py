@@ -235,3 +235,156 @@ def register_configs() -> None:
 def to_container(cfg: DictConfig) -> dict[str, Any]:
     """The resolved config as plain Python objects (for logging and checkpoints)."""
     return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+
+
+def check_config(cfg: DictConfig) -> list[str]:
+    """Refuse values that no part of training would reject before it has run (or would
+    silently reinterpret), and return warnings for values that run but likely not as meant.
+
+    Called first by :func:`fot.training.train`, so a refused run leaves no run folder behind. Sizes that depend on the world size are checked later, by
+    ``fot.training.trainer.check_sizes``.
+
+    Args:
+        cfg: the composed root config (:class:`TrainConfig`).
+
+    Returns:
+        Warnings (one sentence each, with the value and the fix) for the caller to log.
+
+    Raises:
+        ValueError: a bad value, named with the fix.
+    """
+    import os
+    from pathlib import Path
+
+    if int(cfg.seed) < 0:
+        raise ValueError(
+            f"seed={cfg.seed} is negative; use a seed >= 0 (there is no 'random seed' value: "
+            "pick a different number for a different run)"
+        )
+    if int(cfg.data.val_tokens) < 0:
+        raise ValueError(
+            f"data.val_tokens={cfg.data.val_tokens} is negative; use data.val_tokens=0 for no "
+            "validation, or a positive number of held-out tokens"
+        )
+    if int(cfg.schedule.warmup_tokens) < 0:
+        raise ValueError(
+            f"schedule.warmup_tokens={cfg.schedule.warmup_tokens} is negative; use "
+            "schedule.warmup_tokens=0 for no warmup"
+        )
+    if cfg.val_micro_batch_size is not None and int(cfg.val_micro_batch_size) < 1:
+        raise ValueError(
+            f"val_micro_batch_size={cfg.val_micro_batch_size} must be >= 1 (or null: the "
+            f"training micro_batch_size={cfg.micro_batch_size})"
+        )
+    resume = cfg.resume
+    if resume not in ("auto", "never", "", None) and not Path(resume).is_dir():
+        raise ValueError(
+            f"resume={resume} is no folder; pass a checkpoint folder like "
+            "<run>/checkpoints/step_00001000, resume=auto (the latest checkpoint in out_dir, if "
+            "any) or resume=never (start from scratch)"
+        )
+    from fot.models.fla_baselines import FLA_MODELS
+
+    if cfg.model.name in FLA_MODELS and os.environ.get("TRITON_INTERPRET") != "1":
+        import torch
+
+        device = str(cfg.device)
+        if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
+            raise ValueError(
+                f"model={cfg.model.name} runs FLA's Triton kernels, which need a CUDA GPU (this "
+                f"run is on the CPU with device={device}): run it on a GPU (or under "
+                "TRITON_INTERPRET=1, very slowly); fot's own models (fot_pro, fot_llama, "
+                "transformer_*) train on the CPU"
+            )
+
+    warnings = []
+    total, warmup = int(cfg.total_tokens), int(cfg.schedule.warmup_tokens)
+    if warmup > total:
+        warnings.append(
+            f"schedule.warmup_tokens={warmup} is more than total_tokens={total}: the learning "
+            f"rate never reaches optim.lr={cfg.optim.lr} (it ends at "
+            f"{cfg.optim.lr * total / warmup:.3g}); lower schedule.warmup_tokens or raise "
+            "total_tokens"
+        )
+    gbt = int(cfg.global_batch_tokens)
+    for key in ("log_every_tokens", "val_every_tokens", "ckpt_every_tokens"):
+        every = int(cfg[key])
+        if gbt > 0 and every > 0 and every % gbt:
+            warnings.append(
+                f"{key}={every} is not a multiple of global_batch_tokens={gbt}: it acts at the "
+                f"first step that crosses each multiple of {every}, so the intervals are uneven; "
+                f"use a multiple such as {key}={max(1, round(every / gbt)) * gbt}"
+            )
+    return warnings
+
+
+def check_multirun_out_dir(cfg: DictConfig, *, multirun: bool) -> None:
+    """Refuse one fixed ``out_dir`` for every job of a Hydra multirun (``-m``).
+
+    All jobs would share the run folder: the second job would resume (``resume=auto``) from
+    the first job's last checkpoint, train nothing more and report the first job's metrics.
+
+    Args:
+        cfg: the composed root config.
+        multirun: whether Hydra runs this job as part of a sweep.
+
+    Raises:
+        ValueError: ``multirun`` with an ``out_dir`` that is no interpolation (an
+            interpolation such as ``out_dir=/runs/${hydra:job.num}`` can differ per job).
+    """
+    if not multirun or OmegaConf.is_interpolation(cfg, "out_dir") or cfg.out_dir is None:
+        return
+    raise ValueError(
+        f"out_dir={cfg.out_dir} with -m (multirun): every job would share that folder, and each "
+        "job after the first would resume from the previous job's checkpoint instead of "
+        "training; drop out_dir (jobs go to hydra.sweep.dir/<job number>), set "
+        f"hydra.sweep.dir={cfg.out_dir}, or give each job its own folder with "
+        "'out_dir=<folder>/${hydra:job.num}'"
+    )
+
+
+def _config_keys(node: Any, prefix: str = "") -> list[str]:
+    keys = []
+    for key in node:
+        path = f"{prefix}{key}"
+        child = node._get_node(key)
+        if isinstance(child, DictConfig) and OmegaConf.get_type(child) is not dict:
+            keys.extend(_config_keys(child, f"{path}."))  # a group: its fields, not itself
+        else:
+            keys.append(path)
+    return keys
+
+
+def unknown_override_key(override: str) -> str | None:
+    """A message for a command-line ``key=value`` whose key is no field of :class:`TrainConfig`
+    (``lr=1e-3``, ``total_token=1000``), naming the closest fields; ``None`` for a known key.
+
+    Overrides that Hydra handles itself are never flagged: ``+``/``++``/``~`` prefixes,
+    ``hydra.*``, ``experiment=`` and keys under a free-form dict such as ``model.overrides``.
+    """
+    import difflib
+    import re
+
+    match = re.match(r"^([A-Za-z_][\w.]*)=", override)
+    if match is None:
+        return None
+    key = match.group(1)
+    if key.split(".")[0] in ("hydra", "experiment"):
+        return None
+    node: Any = OmegaConf.structured(TrainConfig)
+    for part in key.split("."):
+        if not isinstance(node, DictConfig) or OmegaConf.get_type(node) is dict:
+            return None  # a free-form dict (model.overrides) or a leaf: Hydra decides
+        if part not in set(node.keys()):  # (`in` is false for a MISSING field)
+            break
+        node = node._get_node(part)
+    else:
+        return None
+    keys = _config_keys(OmegaConf.structured(TrainConfig))
+    leaf = key.rsplit(".", 1)[-1]
+    close = difflib.get_close_matches(key, keys, n=3, cutoff=0.6)
+    close += [k for k in keys if k.rsplit(".", 1)[-1] == leaf and k not in close]
+    hint = f"did you mean {' or '.join(close)}?" if close else "see `python train.py --help`"
+    if key.startswith("model."):
+        hint += " (a model field goes in +model.overrides.<field>=<value>)"
+    return f"unknown config key {key!r} in {override!r}: {hint}"

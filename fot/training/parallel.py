@@ -95,6 +95,12 @@ def resolve_strategy(cfg: ParallelConfig, info: DistInfo) -> str:
             f"parallel.strategy=single but torchrun started {info.world_size} processes; use "
             "parallel=ddp or parallel=fsdp, or run without torchrun"
         )
+    if cfg.strategy == "ddp" and not dist.is_initialized() and not info.distributed:
+        # refused here, before the trainer makes the run folder and builds the model
+        raise RuntimeError(
+            "parallel.strategy=ddp needs torchrun (e.g. `torchrun --nproc_per_node=2 "
+            "train.py ...`); for one process use parallel=single"
+        )
     return cfg.strategy
 
 

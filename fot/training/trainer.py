@@ -25,9 +25,9 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from fot.data.streams import Batch, SequenceStream, iterate_eval_batches
+from fot.data.streams import Batch, SequenceStream, check_token_ids, iterate_eval_batches
 from fot.training import checkpoint as ckpt
-from fot.training.config import to_container
+from fot.training.config import check_config, to_container
 from fot.training.cuda_graph import GraphedStep, check_cuda_graphs
 from fot.training.metrics import (
     MetricsLogger,
@@ -199,6 +199,7 @@ def evaluate(
         rank=info.rank,
         world_size=info.world_size,
     ):
+        check_token_ids([batch], int(inner.config.vocab_size), what="held-out data")
         b = batch.to(info.device)
         with amp:
             losses = inner.per_token_loss(b.input_ids, b.labels, cu_seqlens=b.cu_seqlens)
@@ -337,6 +338,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             step (number, tokens, LR) and the step where it was found. No checkpoint is written.
         ValueError / FileNotFoundError: bad sizes, options or missing data (with the fix).
     """
+    for warning in check_config(cfg):
+        if int(os.environ.get("RANK", "0")) == 0:
+            logger.warning(warning)
     every = int(cfg.gc_every_steps)
     if every < 0:
         raise ValueError(f"gc_every_steps must be >= 0 (0: automatic collection), got {every}")
@@ -383,6 +387,7 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
     from fot import presets
 
     hf_config = model_config_from_train_config(cfg)
+    vocab_size = int(hf_config.vocab_size)
     torch.manual_seed(int(cfg.seed))
     with torch.device(info.device):
         model = presets.build_model(hf_config)
@@ -623,6 +628,7 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
             gc.collect(1)  # the young generations only: milliseconds
         profiler.step_begin()
         batches = stream.next_step()
+        check_token_ids(batches, vocab_size, what="training data")
         n_micro = [b.num_label_tokens() for b in batches]  # host ints: batches are on the CPU
         n_local = sum(n_micro)
         n_global: int | torch.Tensor = n_local

@@ -374,7 +374,7 @@ def test_prepare_bad_jsonl_lines_are_named_and_leave_nothing_behind(tmp_path, ca
     cases = {
         "broken.jsonl": (good + '{"text": "no brace"\n', ":4 is not valid JSON"),
         "list.jsonl": (good + '["a", "b"]\n', ":4 is a JSON list, not an object"),
-        "null.jsonl": (good + '{"text": null}\n', ":4 field 'text' is None"),
+        "null.jsonl": (good + '{"text": null}\n', ":4: field 'text' is None"),
         "other.jsonl": (good + '{"body": "x"}\n', ":4 has no field 'text'"),
         "latin.jsonl": (b'{"text": "caf\xe9"}\n', None),
     }
@@ -430,7 +430,7 @@ def test_prepare_hf_row_without_text_is_named(tmp_path, capsys) -> None:
     f = tmp_path / "rows.jsonl"
     f.write_text('{"text": "a"}\n{"text": "b"}\n{"body": "c"}\n')
     assert main(["--hf", "json", "--data-files", str(f), "--out", str(tmp_path / "tok")]) == 2
-    assert "row 2 (counting from 0) of dataset json has text=None" in capsys.readouterr().err
+    assert "row 2 (counting from 0) of dataset json: field 'text' is None" in capsys.readouterr().err
     assert _hidden(tmp_path) == []
 
 

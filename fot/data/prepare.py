@@ -98,6 +98,23 @@ def _expand_inputs(inputs: list[str]) -> list[Path]:
     return paths
 
 
+def _row_text(row: dict, text_field: str, where: str) -> str:
+    """The ``text_field`` string of a JSON line or dataset row; ``where`` names the row in
+    errors (a missing field, or a value that is no string: null, a number, a list)."""
+    if text_field not in row:
+        raise ValueError(
+            f"{where} has no field {text_field!r} (fields: {sorted(row)}); set --text-field "
+            "to the field that holds the text"
+        )
+    text = row[text_field]
+    if not isinstance(text, str):
+        raise ValueError(
+            f"{where}: field {text_field!r} is {text!r} ({type(text).__name__}), not a string; "
+            "fix or remove that row, or set --text-field"
+        )
+    return text
+
+
 def _jsonl_texts(f: Path, text_field: str) -> Iterator[str]:
     with open(f, "rb") as fh:
         for n, raw in enumerate(fh, 1):
@@ -113,18 +130,7 @@ def _jsonl_texts(f: Path, text_field: str) -> Iterator[str]:
                     f"{f}:{n} is a JSON {type(row).__name__}, not an object; every line of a "
                     f'.jsonl file must be an object such as {{"{text_field}": "..."}}'
                 )
-            if text_field not in row:
-                raise ValueError(
-                    f"{f}:{n} has no field {text_field!r} (fields: {sorted(row)}); "
-                    "set --text-field to the field that holds the text"
-                )
-            text = row[text_field]
-            if not isinstance(text, str):
-                raise ValueError(
-                    f"{f}:{n} field {text_field!r} is {text!r} ({type(text).__name__}), not a "
-                    "string; fix or remove that line, or set --text-field"
-                )
-            yield text
+            yield _row_text(row, text_field, f"{f}:{n}")
 
 
 def iter_texts(
@@ -193,18 +199,8 @@ def iter_hf_texts(
         path, name=name, split=split, streaming=streaming, data_files=data_files
     )
     for n, row in enumerate(ds):
-        if text_field not in row:
-            raise ValueError(
-                f"dataset rows have fields {sorted(row)}, no {text_field!r}; set --text-field "
-                "to the field that holds the text"
-            )
-        text = row[text_field]
-        if not isinstance(text, str):
-            raise ValueError(
-                f"row {n} (counting from 0) of dataset {path} has {text_field}={text!r} ({type(text).__name__}), not a "
-                "string (a row without that field reads as None); fix or drop that row"
-            )
-        yield text
+        # (datasets fills a field missing from some rows with None)
+        yield _row_text(row, text_field, f"row {n} (counting from 0) of dataset {path}")
 
 
 def tokenize(

@@ -828,3 +828,26 @@ def test_token_ids_outside_the_vocabulary_are_named_before_the_model_sees_them(t
                 "data.val_tokens=1024",
             )
         )
+
+
+@pytest.mark.parametrize(("mode", "offers_offline"), [("online", True), ("offline", False)])
+def test_wandb_that_cannot_start_warns_with_the_ways_out(
+    tmp_path, monkeypatch, mode, offers_offline
+):
+    import wandb
+
+    from fot.training.metrics import MetricsLogger
+
+    def no_server(**kwargs):
+        raise ConnectionError("no route to the wandb server")
+
+    monkeypatch.setattr(wandb, "init", no_server)
+    monkeypatch.delenv("WANDB_MODE", raising=False)  # the suite disables wandb
+    cfg = OmegaConf.create({"mode": mode, "project": "p", "entity": None, "name": None})
+    with pytest.warns(UserWarning, match=r"no route.*wandb\.mode=disabled") as record:
+        logger = MetricsLogger(tmp_path, enabled=True, wandb_cfg=cfg, config={})
+    assert logger.wandb_run is None
+    assert ("wandb.mode=offline" in str(record[0].message)) == offers_offline
+    logger.log({"step": 1, "tokens": 8, "loss": 1.5})
+    logger.close()
+    assert json.loads((tmp_path / "metrics.jsonl").read_text())["loss"] == 1.5

@@ -218,9 +218,14 @@ class MetricsLogger:
             )
             self.wandb_id = self.wandb_run.id
         except Exception as err:  # wandb must never stop training
+            offline = (
+                "wandb.mode=offline to keep a local wandb run (`wandb sync` uploads it later), or "
+                if mode == "online"
+                else ""
+            )
             warnings.warn(
                 f"wandb ({mode}) did not start ({type(err).__name__}: {err}); logging to "
-                f"{self.path} only. Set wandb.mode=disabled to silence this.",
+                f"{self.path} only. Set {offline}wandb.mode=disabled to silence this.",
                 stacklevel=2,
             )
             self.wandb_run = None

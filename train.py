@@ -7,6 +7,7 @@ Configs live in ``configs/`` (Hydra); the training loop is :func:`fot.training.t
 
 from __future__ import annotations
 
+import os
 import sys
 
 import hydra
@@ -14,21 +15,40 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from fot.training import TrainingDivergedError, train
 from fot.training.config import check_multirun_out_dir, register_configs, unknown_override_key
 
 register_configs()
 
+# Errors raised for bad configs, data, files and a diverged run; anything else keeps its traceback.
+USER_ERRORS = (
+    ValueError,
+    FileNotFoundError,
+    FileExistsError,
+    NotADirectoryError,
+    TrainingDivergedError,
+)
+
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")
 def main(cfg: DictConfig) -> None:
-    """Refuse one fixed out_dir for every job of a multirun, then train."""
-    from fot.training import train
-
+    """Refuse one fixed out_dir for every job of a multirun, then train; errors that name the
+    bad input and the fix print as one line (exit status 2), without a traceback."""
     hydra_cfg = HydraConfig.get()
-    check_multirun_out_dir(cfg, multirun=hydra_cfg.mode == RunMode.MULTIRUN)
-    if cfg.out_dir is None:
-        cfg.out_dir = hydra_cfg.runtime.output_dir
-    train(cfg)
+    try:
+        check_multirun_out_dir(cfg, multirun=hydra_cfg.mode == RunMode.MULTIRUN)
+        if cfg.out_dir is None:
+            cfg.out_dir = hydra_cfg.runtime.output_dir
+        train(cfg)
+    except USER_ERRORS as err:
+        # These name the bad value and the fix: the message is what the user needs, and a
+        # traceback above it only hides it (HYDRA_FULL_ERROR=1 shows it, as for Hydra's own).
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        print(
+            f"train.py: error: {err}\n(set HYDRA_FULL_ERROR=1 for the traceback)", file=sys.stderr
+        )
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -352,7 +352,7 @@ def test_ddp_without_torchrun_is_refused_before_the_run_starts() -> None:
     from fot.training.parallel import DistInfo, resolve_strategy
 
     info = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
-    with pytest.raises(RuntimeError, match=r"needs torchrun.*parallel=single"):
+    with pytest.raises(ValueError, match=r"needs torchrun.*parallel=single"):
         resolve_strategy(ParallelConfig(strategy="ddp"), info)
     assert resolve_strategy(ParallelConfig(strategy="fsdp"), info) == "fsdp"  # FSDP2 of one
 

@@ -780,7 +780,7 @@ def test_bad_data_or_sizes_leave_no_run_folder(tmp_path) -> None:
 
 def test_ddp_without_torchrun_leaves_no_run_folder(tmp_path) -> None:
     out = tmp_path / "run"
-    with pytest.raises(RuntimeError, match=r"needs torchrun.*parallel=single"):
+    with pytest.raises(ValueError, match=r"needs torchrun.*parallel=single"):
         train(_cfg(out, "parallel=ddp"))
     assert not out.exists()
 
@@ -798,13 +798,15 @@ def test_train_py_refuses_a_shared_multirun_out_dir(tmp_path) -> None:
 
 def test_train_py_refuses_a_missing_resume_folder_before_training(tmp_path) -> None:
     run = tmp_path / "run"
-    res = _run_script(
-        [sys.executable, str(ROOT / "train.py"), *SMALL, "resume=/no/such/ckpt",
-         f"out_dir={run}", f"hydra.run.dir={run}"],
-        cwd=tmp_path,
-    )  # fmt: skip
-    assert res.returncode != 0 and "resume=/no/such/ckpt is no folder" in res.stderr
+    cmd = [sys.executable, str(ROOT / "train.py"), *SMALL, "resume=/no/such/ckpt",
+           f"out_dir={run}", f"hydra.run.dir={run}"]  # fmt: skip
+    res = _run_script(cmd, cwd=tmp_path, env_extra={"HYDRA_FULL_ERROR": "0"})
+    assert res.returncode == 2 and "resume=/no/such/ckpt is no folder" in res.stderr
+    assert "Traceback" not in res.stderr and "HYDRA_FULL_ERROR=1" in res.stderr  # one message
     assert not (run / "checkpoints").exists() and not (run / "metrics.jsonl").exists()
+    full = _run_script(cmd, cwd=tmp_path, env_extra={"HYDRA_FULL_ERROR": "1"})
+    assert full.returncode != 0 and "Traceback" in full.stderr
+    assert "resume=/no/such/ckpt is no folder" in full.stderr
 
 
 def test_token_ids_outside_the_vocabulary_are_named_before_the_model_sees_them(tmp_path) -> None:

@@ -51,14 +51,14 @@ def init_distributed(device: str = "auto", backend: str = "auto") -> DistInfo:
     if device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"device={device!r} is not one of ['auto', 'cpu', 'cuda']")
     if device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("device=cuda but no CUDA device is visible; use device=cpu or auto")
+        raise ValueError("device=cuda but no CUDA device is visible; use device=cpu or auto")
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if use_cuda:
         if local_rank >= torch.cuda.device_count():
-            raise RuntimeError(
+            raise ValueError(
                 f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} CUDA devices are "
                 "visible; use --nproc_per_node <= the number of GPUs"
             )
@@ -97,7 +97,7 @@ def resolve_strategy(cfg: ParallelConfig, info: DistInfo) -> str:
         )
     if cfg.strategy == "ddp" and not dist.is_initialized() and not info.distributed:
         # refused here, before the trainer makes the run folder and builds the model
-        raise RuntimeError(
+        raise ValueError(
             "parallel.strategy=ddp needs torchrun (e.g. `torchrun --nproc_per_node=2 "
             "train.py ...`); for one process use parallel=single"
         )
@@ -174,7 +174,7 @@ def parallelize(
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         atexit.register(_destroy)
     if not dist.is_initialized():
-        raise RuntimeError(
+        raise ValueError(
             f"parallel.strategy={strategy} needs torchrun (e.g. `torchrun "
             "--nproc_per_node=2 train.py ...`); for one process use parallel=single"
         )

@@ -331,6 +331,8 @@ def test_check_config_warns_on_intervals_that_are_not_whole_steps(hydra_ctx) -> 
     cfg = compose("train", overrides=["log_every_tokens=3000"])  # batches of 2048 tokens
     (warning,) = check_config(cfg)
     assert "log_every_tokens=3000" in warning and "log_every_tokens=2048" in warning
+    # an interval below one step acts at every step: even, nothing to warn about
+    assert check_config(compose("train", overrides=["data=tokens"])) == []  # 16Ki-token steps
 
 
 def test_multirun_with_one_fixed_out_dir_is_refused(hydra_ctx) -> None:

@@ -430,7 +430,9 @@ def test_prepare_hf_row_without_text_is_named(tmp_path, capsys) -> None:
     f = tmp_path / "rows.jsonl"
     f.write_text('{"text": "a"}\n{"text": "b"}\n{"body": "c"}\n')
     assert main(["--hf", "json", "--data-files", str(f), "--out", str(tmp_path / "tok")]) == 2
-    assert "row 2 (counting from 0) of dataset json: field 'text' is None" in capsys.readouterr().err
+    assert (
+        "row 2 (counting from 0) of dataset json: field 'text' is None" in capsys.readouterr().err
+    )
     assert _hidden(tmp_path) == []
 
 

@@ -309,7 +309,7 @@ def check_config(cfg: DictConfig) -> list[str]:
     gbt = int(cfg.global_batch_tokens)
     for key in ("log_every_tokens", "val_every_tokens", "ckpt_every_tokens"):
         every = int(cfg[key])
-        if gbt > 0 and every > 0 and every % gbt:
+        if gbt > 0 and every > gbt and every % gbt:  # (every <= gbt: at every step)
             warnings.append(
                 f"{key}={every} is not a multiple of global_batch_tokens={gbt}: it acts at the "
                 f"first step that crosses each multiple of {every}, so the intervals are uneven; "

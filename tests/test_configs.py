@@ -10,7 +10,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException, MissingConfigException
 
 from fot import presets
-from fot.training.config import register_configs
+from fot.training.config import check_config, register_configs
 from fot.training.trainer import check_sizes, model_config_from_train_config
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -70,6 +70,7 @@ def test_experiment_composes_with_paper_defaults(hydra_ctx, name: str) -> None:
     for world in (1, 2, 4, 8):
         check_sizes(cfg, world)
     model_config_from_train_config(cfg)  # the preset exists
+    assert check_config(cfg) == []  # refused values or warnings would greet every user
 
 
 def test_peak_learning_rates_from_the_paper(hydra_ctx) -> None:
@@ -301,8 +302,6 @@ def test_mul_resolver_refuses_non_integers() -> None:
 def test_check_config_refuses_bad_values_with_the_fix(
     hydra_ctx, monkeypatch, overrides, match
 ) -> None:
-    from fot.training.config import check_config
-
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # conftest sets it on CPU
     cfg = compose("train", overrides=overrides)
     with pytest.raises(ValueError, match=match):
@@ -310,29 +309,24 @@ def test_check_config_refuses_bad_values_with_the_fix(
 
 
 def test_check_config_accepts_the_defaults_and_a_real_resume_folder(hydra_ctx, tmp_path) -> None:
-    from fot.training.config import check_config
-
     assert check_config(compose("train")) == []
     cfg = compose("train", overrides=[f"resume={tmp_path}", "val_micro_batch_size=2", "seed=7"])
     assert check_config(cfg) == []
 
 
 def test_check_config_warns_when_warmup_outlasts_the_run(hydra_ctx) -> None:
-    from fot.training.config import check_config
-
     cfg = compose("train", overrides=["total_tokens=4096", "schedule.warmup_tokens=100000"])
     (warning,) = check_config(cfg)
     assert "schedule.warmup_tokens=100000" in warning and "never reaches optim.lr" in warning
 
 
 def test_check_config_warns_on_intervals_that_are_not_whole_steps(hydra_ctx) -> None:
-    from fot.training.config import check_config
-
     cfg = compose("train", overrides=["log_every_tokens=3000"])  # batches of 2048 tokens
     (warning,) = check_config(cfg)
     assert "log_every_tokens=3000" in warning and "log_every_tokens=2048" in warning
     # an interval below one step acts at every step: even, nothing to warn about
-    assert check_config(compose("train", overrides=["data=tokens"])) == []  # 16Ki-token steps
+    for data in ("sample", "tokens", "hf"):  # the defaults, also with 16Ki-token steps
+        assert check_config(compose("train", overrides=[f"data={data}"])) == []
 
 
 def test_multirun_with_one_fixed_out_dir_is_refused(hydra_ctx) -> None:

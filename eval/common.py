@@ -573,7 +573,9 @@ def claim_results(
     """Tie the resumable results ``name`` in ``out_dir`` to the checkpoint and settings of this run.
 
     Every resumable command calls this before it reads saved results, so that reusing a results
-    folder never mixes the results of one checkpoint (or setting) into those of another. The
+    folder never mixes the results of one checkpoint (or setting) into those of another. It
+    makes ``out_dir``: commands call it once their arguments and checkpoint have checked out,
+    so that bad ones leave no folder behind. The
     record ``out_dir/<name>.resume.json`` holds the checkpoint (path and
     :func:`checkpoint_fingerprint`) and ``settings`` (the result-changing arguments, resolved):
 
@@ -604,6 +606,7 @@ def claim_results(
         ResumeMismatchError: saved results do not match and ``restart`` is off.
     """
     out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)  # only now, after the checks and the model load
     record_path = out / f"{name}.resume.json"
     record = {
         "command": name,

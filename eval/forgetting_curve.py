@@ -308,7 +308,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model, tokenizer = load_checkpoint(
         args.checkpoint, device=pick_device(args.device), dtype=args.dtype
     )
-    out.mkdir(parents=True, exist_ok=True)  # only now: bad arguments leave no folder
     # (length, repeat) cells extend the saved grid, of the same checkpoint and data only.
     claim_results(
         out,

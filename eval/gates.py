@@ -260,7 +260,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model, tokenizer = load_checkpoint(
         args.checkpoint, device=pick_device(args.device), dtype=args.dtype
     )
-    out.mkdir(parents=True, exist_ok=True)  # only now: bad arguments leave no folder
     write_run_config(out, "gates", vars(args), args.checkpoint)
     ids = [eot_id(tokenizer), *tokenizer.encode(text, add_special_tokens=False)]
     ids = ids[: args.max_tokens]

@@ -575,7 +575,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model, tokenizer = load_checkpoint(
         args.checkpoint, device=pick_device(args.device), dtype=args.dtype
     )
-    out.mkdir(parents=True, exist_ok=True)  # only now: bad arguments leave no folder
     lm = make_fot_lm(
         model,
         tokenizer,

@@ -306,7 +306,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model, tokenizer = load_checkpoint(
         args.checkpoint, device=pick_device(args.device), dtype=args.dtype
     )
-    out.mkdir(parents=True, exist_ok=True)  # only now: bad arguments leave no folder
     # Predictions are keyed by example id: they resume a run of the same checkpoint and
     # prompts only (other tasks or a larger --limit extend it).
     claim_results(

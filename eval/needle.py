@@ -509,7 +509,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model, tokenizer = load_checkpoint(
         args.checkpoint, device=pick_device(args.device), dtype=args.dtype
     )
-    out.mkdir(parents=True, exist_ok=True)  # only now: bad arguments leave no folder
     max_new_tokens = args.max_new_tokens or (8 if args.mode == "passkey" else 32)
     # Cells are keyed by (length, depth, repeat): a larger grid extends the saved one, but
     # saved cells resume only a run of the same checkpoint, haystack, needle and generation.

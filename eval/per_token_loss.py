@@ -499,7 +499,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     docs, kind = open_documents(args.data)  # missing data: said before the model loads
     device = pick_device(args.device)
     model, tokenizer = load_checkpoint(args.checkpoint, device=device, dtype=args.dtype)
-    out.mkdir(parents=True, exist_ok=True)  # only now: bad arguments leave no folder
     length = asked or model_max_length(model)
     if not length:
         raise ValueError(

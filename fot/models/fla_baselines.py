@@ -144,8 +144,6 @@ class _FoTContractMixin:
     """``shift_labels`` / ``cu_seqlens`` / ``per_token_loss`` on top of an FLA causal LM."""
 
     _supports_varlen = False
-    # FLA's Triton kernels have no CPU path (only Triton's interpreter, TRITON_INTERPRET=1).
-    requires_cuda = True
 
     def save_pretrained(self, save_directory: str | os.PathLike, *args: Any, **kwargs: Any) -> None:
         """``PreTrainedModel.save_pretrained``, keeping a folder exported by

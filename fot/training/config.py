@@ -283,7 +283,7 @@ def check_config(cfg: DictConfig) -> list[str]:
             "<run>/checkpoints/step_00001000, resume=auto (the latest checkpoint in out_dir, if "
             "any) or resume=never (start from scratch)"
         )
-    from fot.models.fla_baselines import FLA_MODELS
+    from fot.models.fla_baselines import FLA_MODELS  # no CPU path (only TRITON_INTERPRET=1)
 
     if cfg.model.name in FLA_MODELS and os.environ.get("TRITON_INTERPRET") != "1":
         import torch

@@ -391,13 +391,6 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
     torch.manual_seed(int(cfg.seed))
     with torch.device(info.device):
         model = presets.build_model(hf_config)
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    if getattr(model, "requires_cuda", False) and info.device.type != "cuda" and not interpreted:
-        raise ValueError(
-            f"model={cfg.model.name} runs FLA's Triton kernels, which need a CUDA GPU (this run "
-            f"is on {info.device}): run it on a GPU (or under TRITON_INTERPRET=1, very slowly); "
-            "fot's own models (fot_pro, fot_llama, transformer_*) train on the CPU"
-        )
     model.train()
     n_params = presets.count_params(model)
     fpt = flops_per_token(model, hf_config, T)

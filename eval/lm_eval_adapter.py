@@ -33,6 +33,8 @@ import argparse
 import csv
 import json
 import shlex
+import sqlite3
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -499,6 +501,37 @@ def evaluate(
     return {r["key"]: r["metrics"] for r in log if r["key"] in tasks}
 
 
+def drop_empty_request_caches(out: Path) -> list[Path]:
+    """Delete lm-eval request caches in ``out`` that hold no finished request.
+
+    lm-eval creates its cache (``lm_cache_rank<r>.db``, sqlite) before it loads a task's
+    dataset, so a run that failed there (offline, a wrong ``--dataset-root``) leaves an empty
+    one; as saved state it would tie the next run to the failed run's settings. An empty cache
+    holds nothing to resume, so deleting it loses nothing. Files that are not readable sqlite
+    databases are left alone.
+
+    Returns:
+        The deleted files.
+    """
+    dropped = []
+    for db in sorted(out.glob("lm_cache_rank*.db")):
+        try:
+            with closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as con:
+                tables = [
+                    name
+                    for (name,) in con.execute("SELECT name FROM sqlite_master WHERE type='table'")
+                ]
+                rows = sum(
+                    con.execute(f'SELECT COUNT(*) FROM "{name}"').fetchone()[0] for name in tables
+                )
+        except sqlite3.Error:
+            continue
+        if rows == 0:
+            db.unlink(missing_ok=True)
+            dropped.append(db)
+    return dropped
+
+
 def _task_manager(include_path: str | None) -> Any:
     from lm_eval.tasks import TaskManager
 
@@ -582,6 +615,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         batch_size=args.batch_size,
         bos=not args.no_bos,
     )
+    if out.is_dir():
+        drop_empty_request_caches(out)
     # Finished tasks and lm-eval's request cache (keyed by request text only, not by model)
     # resume only a run of the same checkpoint and settings; other tasks extend it.
     claim_results(

@@ -157,6 +157,25 @@ def test_lm_eval_offline_dataset_error_says_what_to_do(tmp_path, monkeypatch):
         evaluate(object(), ["piqa"], out=tmp_path, task_manager=object())
 
 
+def test_only_empty_lm_eval_request_caches_are_dropped(tmp_path):
+    """A failed run's empty request cache is deleted; one holding a finished request (resume
+    state) and a file that is no sqlite database are kept."""
+    pytest.importorskip("lm_eval")
+    from sqlitedict import SqliteDict
+
+    from fot.eval.lm_eval_adapter import drop_empty_request_caches
+
+    with SqliteDict(str(tmp_path / "lm_cache_rank0.db"), autocommit=True):
+        pass  # what lm-eval leaves when the dataset load fails
+    with SqliteDict(str(tmp_path / "lm_cache_rank1.db"), autocommit=True) as db:
+        db["request"] = (-1.5, True)
+    (tmp_path / "lm_cache_rank2.db").write_bytes(b"not sqlite")
+    assert drop_empty_request_caches(tmp_path) == [tmp_path / "lm_cache_rank0.db"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["lm_cache_rank1.db", "lm_cache_rank2.db"]
+    with SqliteDict(str(tmp_path / "lm_cache_rank1.db")) as db:
+        assert db["request"] == (-1.5, True)
+
+
 def test_trainer_export_is_labelled_by_its_run_and_overlay_labels_are_unique(llama, tmp_path):
     from fot.eval.common import checkpoint_label
 

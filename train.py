@@ -15,19 +15,11 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from fot.training import TrainingDivergedError, train
+from fot.errors import USER_ERRORS, error_line
+from fot.training import train
 from fot.training.config import check_multirun_out_dir, register_configs, unknown_override_key
 
 register_configs()
-
-# Errors raised for bad configs, data, files and a diverged run; anything else keeps its traceback.
-USER_ERRORS = (
-    ValueError,
-    FileNotFoundError,
-    FileExistsError,
-    NotADirectoryError,
-    TrainingDivergedError,
-)
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")
@@ -41,13 +33,11 @@ def main(cfg: DictConfig) -> None:
             cfg.out_dir = hydra_cfg.runtime.output_dir
         train(cfg)
     except USER_ERRORS as err:
-        # These name the bad value and the fix: the message is what the user needs, and a
-        # traceback above it only hides it (HYDRA_FULL_ERROR=1 shows it, as for Hydra's own).
+        # These name the bad value and the fix (fot.errors): the message is what the user needs,
+        # and a traceback above it only hides it (HYDRA_FULL_ERROR=1 shows it, as for Hydra's).
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
-        print(
-            f"train.py: error: {err}\n(set HYDRA_FULL_ERROR=1 for the traceback)", file=sys.stderr
-        )
+        print(error_line("train.py", err, traceback_variable="HYDRA_FULL_ERROR"), file=sys.stderr)
         sys.exit(2)
 
 

@@ -14,6 +14,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from fot.errors import USER_ERRORS, error_line
+
 COMMANDS = {
     "per-token-loss": ("per_token_loss", "L(i) per position, P(l) and horizon averages"),
     "needle": ("needle", "needle in a haystack (easy/standard) and passkey retrieval grid"),
@@ -81,17 +83,12 @@ def main(argv: Sequence[str] | None = None) -> Any:
     return mod.run(args)
 
 
-# Errors that name a bad argument, file or setting and the fix: the message is what a user
-# needs, the traceback only hides it (FOT_EVAL_TRACEBACK=1 shows it).
-USER_ERRORS = (FileNotFoundError, FileExistsError, NotADirectoryError, ValueError, ConnectionError)
-
-
 def cli(argv: Sequence[str]) -> int:
     """Run :func:`main` for the command line; returns the process exit status.
 
-    Errors that name the problem (:data:`USER_ERRORS`) print as one ``error:`` message (status
-    2) and Ctrl-C prints how to resume (status 130), without a traceback unless the
-    environment variable ``FOT_EVAL_TRACEBACK`` is ``1``.
+    Errors that name the problem (:data:`fot.errors.USER_ERRORS`) print as one ``error:``
+    message (status 2) and Ctrl-C prints how to resume (status 130), without a traceback
+    unless the environment variable ``FOT_EVAL_TRACEBACK`` is ``1``.
     """
     show_traceback = os.environ.get("FOT_EVAL_TRACEBACK") == "1"
     command = next((a for a in argv if a in COMMANDS), "")
@@ -110,9 +107,7 @@ def cli(argv: Sequence[str]) -> int:
     except USER_ERRORS as err:
         if show_traceback:
             raise
-        print(
-            f"{prog}: error: {err}\n(set FOT_EVAL_TRACEBACK=1 for the traceback)", file=sys.stderr
-        )
+        print(error_line(prog, err, traceback_variable="FOT_EVAL_TRACEBACK"), file=sys.stderr)
         return 2
     return 0
 

@@ -24,6 +24,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from fot.errors import FotError
+
 _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -551,7 +553,7 @@ def model_dtype(model: torch.nn.Module) -> str:
     return str(next(model.parameters()).dtype).removeprefix("torch.")
 
 
-class ResumeMismatchError(ValueError):
+class ResumeMismatchError(FotError, ValueError):
     """``--out`` holds saved results of another checkpoint or other settings than this run."""
 
 

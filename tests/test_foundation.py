@@ -133,3 +133,43 @@ def test_sample_corpus_fallback_says_so(tmp_path, monkeypatch):
 
 def test_version_is_exposed():
     assert fot.__version__
+
+
+def test_error_line_says_where_a_library_raised_and_not_where_fot_did(tmp_path):
+    """Command lines print user errors as one line; one raised inside another library (maybe
+    a bug) also says where, one fot raised (also ``raise ... from`` a library error) does not."""
+    import inspect
+    import json
+
+    import torch
+
+    from fot.data.streams import Batch, check_token_ids
+    from fot.errors import USER_ERRORS, error_line
+    from fot.training.checkpoint import CorruptCheckpointError, load_checkpoint
+
+    with pytest.raises(ValueError) as lib:
+        json.loads("{")
+    line = error_line("train.py", lib.value, traceback_variable="HYDRA_FULL_ERROR")
+    assert line.startswith("train.py: error: Expecting property name")
+    where = line.split("raised by JSONDecodeError in ")[1].split(";")[0]
+    path, lineno = where.rsplit(":", 1)
+    # json's C scanner raises from inside JSONDecoder.raw_decode: that is the line named
+    source, first = inspect.getsourcelines(json.decoder.JSONDecoder.raw_decode)
+    assert Path(path).resolve() == Path(json.decoder.__file__).resolve()
+    assert first <= int(lineno) < first + len(source)
+    assert line.endswith("set HYDRA_FULL_ERROR=1 for the traceback)")
+
+    ids = torch.tensor([[1, 70000]])
+    with pytest.raises(ValueError) as ours:
+        check_token_ids([Batch(ids, ids, None, 2)], 50257, what="training data")
+    line = error_line("prog", ours.value, traceback_variable="V")
+    assert "token id 70000" in line and "raised by" not in line
+
+    ckpt = tmp_path / "step_00000002"
+    ckpt.mkdir()
+    (ckpt / "trainer.json").write_text("{}")
+    (ckpt / "model.pt").write_bytes(b"not a torch file")
+    with pytest.raises(CorruptCheckpointError) as wrapped:  # raised from torch's load error
+        load_checkpoint(ckpt, model=torch.nn.Linear(1, 1), optimizer=None, rank=0)
+    assert isinstance(wrapped.value, USER_ERRORS)  # a RuntimeError, but fot's own
+    assert "raised by" not in error_line("prog", wrapped.value, traceback_variable="V")

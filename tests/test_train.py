@@ -853,3 +853,122 @@ def test_wandb_that_cannot_start_warns_with_the_ways_out(
     logger.log({"step": 1, "tokens": 8, "loss": 1.5})
     logger.close()
     assert json.loads((tmp_path / "metrics.jsonl").read_text())["loss"] == 1.5
+
+
+def _fail_with_oom(monkeypatch, method: str, *, after_calls: int) -> None:
+    """Make ``FoTForCausalLM.<method>`` raise torch's out-of-memory error from its
+    ``after_calls + 1``-th call on (the error a too-large batch raises on a GPU)."""
+    from fot.models.modeling_fot import FoTForCausalLM
+
+    original = getattr(FoTForCausalLM, method)
+    calls = {"n": 0}
+
+    def patched(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] > after_calls:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB")
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(FoTForCausalLM, method, patched)
+
+
+def test_out_of_memory_in_a_step_names_the_settings_and_keeps_checkpoints(
+    tmp_path, monkeypatch
+) -> None:
+    from fot.training import TrainingOutOfMemoryError
+    from fot.training.checkpoint import load_checkpoint
+
+    out = tmp_path / "run"
+    # 2 micro batches per step: the 5th forward is step 3's first; step 2 wrote a checkpoint
+    _fail_with_oom(monkeypatch, "forward", after_calls=4)
+    with pytest.raises(TrainingOutOfMemoryError) as err:
+        train(_cfg(out))
+    msg = str(err.value)
+    assert "training step 3: micro batches of 2 × 64 tokens (single)" in msg
+    assert "CUDA out of memory. Tried to allocate 9.00 GiB" in msg
+    assert "lower micro_batch_size (now 2;" in msg
+    assert "parallel.activation_checkpointing=true" in msg and "parallel=fsdp" in msg
+    assert isinstance(err.value.__cause__, torch.OutOfMemoryError)
+    (step2,) = list_checkpoints(out / "checkpoints")
+    assert step2.name == "step_00000002"
+    monkeypatch.undo()
+    from fot import presets
+    from fot.training.optim import build_optimizer
+    from fot.training.trainer import model_config_from_train_config
+
+    cfg = _cfg(out)
+    model = presets.build_model(model_config_from_train_config(cfg))
+    state = load_checkpoint(
+        step2,
+        model=model,
+        optimizer=build_optimizer(model, cfg.optim, device=torch.device("cpu")),
+        rank=0,
+    )
+    assert state["step"] == 2  # the checkpoint before the failed step is intact
+    # settings already in use are not offered again
+    _fail_with_oom(monkeypatch, "forward", after_calls=0)
+    with pytest.raises(TrainingOutOfMemoryError) as err:
+        train(
+            _cfg(
+                tmp_path / "b",
+                "micro_batch_size=1",
+                "parallel.activation_checkpointing=true",
+            )
+        )
+    msg = str(err.value)
+    assert "training step 1" in msg and "micro_batch_size" not in msg
+    assert "activation_checkpointing" not in msg and "shorten data.seq_len" in msg
+
+
+def test_out_of_memory_in_validation_points_at_the_validation_batch(tmp_path, monkeypatch) -> None:
+    from fot.training import TrainingOutOfMemoryError
+
+    _fail_with_oom(monkeypatch, "per_token_loss", after_calls=0)
+    with pytest.raises(TrainingOutOfMemoryError) as err:
+        train(_cfg(tmp_path / "run", "val_micro_batch_size=2", "val_every_tokens=512"))
+    msg = str(err.value)
+    assert "validation after step 2: 2 × 64-token sequences" in msg
+    assert "lower val_micro_batch_size (now 2;" in msg and "data.val_tokens=0" in msg
+    assert "activation_checkpointing" not in msg  # a training setting would not help
+
+
+def test_train_py_prints_fot_errors_as_one_line(tmp_path) -> None:
+    """A corrupt checkpoint (fot's own CorruptCheckpointError, a RuntimeError) is a user error:
+    one line with the fix, exit status 2, no traceback."""
+    ckpt = tmp_path / "checkpoints" / "step_00000002"
+    ckpt.mkdir(parents=True)
+    (ckpt / "trainer.json").write_text("{}")
+    (ckpt / "model.pt").write_bytes(b"not a torch file")
+    run = tmp_path / "run"
+    cmd = [sys.executable, str(ROOT / "train.py"), *SMALL, f"resume={ckpt}",
+           f"out_dir={run}", f"hydra.run.dir={run}"]  # fmt: skip
+    res = _run_script(cmd, cwd=tmp_path, env_extra={"HYDRA_FULL_ERROR": "0"})
+    assert res.returncode == 2, res.stderr
+    assert "Traceback" not in res.stderr
+    assert f"train.py: error: checkpoint {ckpt} is corrupt or incomplete" in res.stderr
+    assert "raised by" not in res.stderr  # fot raised it: no library location
+
+
+def test_resume_refuses_another_model_or_batch_shape_before_loading(tmp_path) -> None:
+    """resume=auto in a folder of another model's run used to fail inside load_state_dict (a
+    size-mismatch traceback) or, for same-shaped changes, to resume silently."""
+    out = tmp_path / "run"
+    train(_cfg(out, "total_tokens=1024"))
+    before = [p.name for p in list_checkpoints(out / "checkpoints")]
+    metrics = (out / "metrics.jsonl").read_text()
+    cases = {
+        "model=fot_llama": "model.name=fot_pro (checkpoint) vs fot_llama (this run)",
+        "++model.overrides={hidden_size:64,num_hidden_layers:1,num_heads:2}": (
+            "model.overrides={'hidden_size': 32, 'num_hidden_layers': 1, 'num_heads': 2} "
+            "(checkpoint) vs {'hidden_size': 64, 'num_hidden_layers': 1, 'num_heads': 2}"
+        ),
+        "+model.overrides.fgate_bias_init=5": "'fgate_bias_init': 5}",  # same shapes
+        "global_batch_tokens=512": "global_batch_tokens=256 (checkpoint) vs 512 (this run)",
+        "data.seq_len=32": "data.seq_len=64 (checkpoint) vs 32 (this run)",
+    }
+    for override, expected in cases.items():
+        with pytest.raises(ValueError, match="cannot resume from checkpoint") as err:
+            train(_cfg(out, "total_tokens=2048", override))
+        assert expected in str(err.value) and "resume=never" in str(err.value), str(err.value)
+        assert [p.name for p in list_checkpoints(out / "checkpoints")] == before
+        assert (out / "metrics.jsonl").read_text() == metrics

@@ -2,6 +2,12 @@
 checkpoints and metrics. Entry point: ``train.py`` (or :func:`train` with a composed config)."""
 
 from fot.training.config import TrainConfig, register_configs
-from fot.training.trainer import TrainingDivergedError, train
+from fot.training.trainer import TrainingDivergedError, TrainingOutOfMemoryError, train
 
-__all__ = ["TrainConfig", "TrainingDivergedError", "register_configs", "train"]
+__all__ = [
+    "TrainConfig",
+    "TrainingDivergedError",
+    "TrainingOutOfMemoryError",
+    "register_configs",
+    "train",
+]

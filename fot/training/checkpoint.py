@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fot.errors import FotError
+
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 ABANDONED_PREFIX = ".abandoned-"
 FAULT_ENV = "FOT_FAULT"
@@ -263,11 +265,7 @@ def load_checkpoint(
     its own (possibly sharded) model.
     """
     p = Path(path)
-    if not (p / "trainer.json").is_file():
-        raise FileNotFoundError(
-            f"{p} is not a complete checkpoint (no trainer.json); pass a folder like "
-            "<run>/checkpoints/step_00001000, or resume=auto to pick the latest"
-        )
+    state = read_trainer_state(p)
     model_state = _load_file(p, "model.pt", weights_only=True)
     optim_state = _load_file(p, "optim.pt", weights_only=False)
     if _dist():
@@ -287,10 +285,22 @@ def load_checkpoint(
         set_optimizer_state_dict(model, optimizer, optim_state, options=_state_dict_options())
     rngs = _load_file(p, "rng.pt", weights_only=False)
     set_rng_state(rngs[rank] if rank < len(rngs) else rngs[0])
+    return state
+
+
+def read_trainer_state(path: str | os.PathLike) -> dict[str, Any]:
+    """The trainer state saved with a checkpoint (``trainer.json``: step, tokens, data
+    position, sizes and the run's resolved config), without loading any tensor."""
+    p = Path(path)
+    if not (p / "trainer.json").is_file():
+        raise FileNotFoundError(
+            f"{p} is not a complete checkpoint (no trainer.json); pass a folder like "
+            "<run>/checkpoints/step_00001000, or resume=auto to pick the latest"
+        )
     return _load_file(p, "trainer.json")
 
 
-class CorruptCheckpointError(RuntimeError):
+class CorruptCheckpointError(FotError, RuntimeError):
     """A file of a checkpoint cannot be read (truncated, corrupt or missing)."""
 
 

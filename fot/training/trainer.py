@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from fot.data.streams import Batch, SequenceStream, check_token_ids, iterate_eval_batches
+from fot.errors import FotError
 from fot.training import checkpoint as ckpt
 from fot.training.config import check_config, to_container
 from fot.training.cuda_graph import GraphedStep, check_cuda_graphs
@@ -55,8 +56,79 @@ from fot.training.profiling import StepProfiler
 logger = logging.getLogger("fot.train")
 
 
-class TrainingDivergedError(FloatingPointError):
+class TrainingDivergedError(FotError, FloatingPointError):
     """The loss or gradient norm became NaN/inf; the last checkpoint was left untouched."""
+
+
+class TrainingOutOfMemoryError(FotError, RuntimeError):
+    """The GPU ran out of memory in a training step or in validation; the message says which
+    settings to change. Checkpoints already written are untouched."""
+
+
+def _out_of_memory_error(
+    err: BaseException,
+    cfg: Any,
+    *,
+    phase: str,
+    step: int,
+    strategy: str,
+    device: torch.device,
+) -> TrainingOutOfMemoryError:
+    """Turn torch's out-of-memory error into one that names the settings that use less memory.
+
+    Args:
+        err: the ``torch.OutOfMemoryError``.
+        cfg: the training config.
+        phase: ``"training"`` (a forward/backward/optimizer step) or ``"validation"``.
+        step: the step that ran out (1-based; for validation, the step after which it ran).
+        strategy: the resolved parallel strategy (``single``, ``ddp``, ``fsdp``).
+        device: this rank's device.
+    """
+    T = int(cfg.data.seq_len)
+    first_line = str(err).strip().splitlines()[0] if str(err).strip() else "out of memory"
+    usage = ""
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory / 2**30
+        usage = f"; {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB of {total:.1f} GiB"
+        usage += " allocated at the peak"
+    if phase == "validation":
+        micro = int(cfg.val_micro_batch_size or cfg.micro_batch_size)
+        fixes = []
+        if micro > 1:
+            fixes.append(
+                f"lower val_micro_batch_size (now {micro}; it changes validation only, not the "
+                "training)"
+            )
+        fixes.append("set data.val_tokens=0 to train without validation")
+        what = f"validation after step {step}: {micro} × {T}-token sequences per forward pass"
+    else:
+        micro = int(cfg.micro_batch_size)
+        fixes = []
+        if micro > 1:
+            fixes.append(
+                f"lower micro_batch_size (now {micro}; global_batch_tokens stays, so each step "
+                "runs more micro batches and trains the same)"
+            )
+        if not cfg.parallel.activation_checkpointing:
+            fixes.append(
+                "set parallel.activation_checkpointing=true (each block's activations are "
+                "recomputed in the backward: less memory, more compute)"
+            )
+        if strategy != "fsdp":
+            fixes.append(
+                "shard the parameters, gradients and optimizer state over several GPUs with "
+                "parallel=fsdp (torchrun --nproc_per_node=N)"
+            )
+        else:
+            fixes.append("run parallel=fsdp on more GPUs")
+        if micro == 1:
+            fixes.append("shorten data.seq_len or use a smaller model")
+        what = f"training step {step}: micro batches of {micro} × {T} tokens ({strategy})"
+    return TrainingOutOfMemoryError(
+        f"{device} ran out of memory in {what}{usage} ({first_line}). To fit: "
+        + "; or ".join(fixes)
+        + ". Checkpoints already written are untouched (resume=auto continues from the latest)"
+    )
 
 
 def check_sizes(cfg: Any, world_size: int) -> tuple[int, int]:
@@ -305,6 +377,45 @@ def validation_sequences(data_cfg: Any, source: Any | None, *, unit: int, warn: 
     return fits or unit
 
 
+def check_resume(saved: dict[str, Any], cfg: Any, path: Path) -> None:
+    """Refuse to resume a checkpoint of another model or batch shape, before any tensor loads.
+
+    Args:
+        saved: the checkpoint's trainer state (:func:`fot.training.checkpoint.read_trainer_state`).
+        cfg: this run's config.
+        path: the checkpoint folder (for the message).
+
+    Raises:
+        ValueError: the checkpoint's model (``model.name``, ``size.name``, ``model.overrides``),
+            ``global_batch_tokens`` or ``data.seq_len`` differ from this run's; the message
+            names each difference and the ways out.
+    """
+    differences = []
+    for key, value in (
+        ("global_batch_tokens", int(cfg.global_batch_tokens)),
+        ("data.seq_len", int(cfg.data.seq_len)),
+    ):
+        was = saved.get("sizes", {}).get(key.removeprefix("data."))
+        if was is not None and was != value:
+            differences.append(f"{key}={was} (checkpoint) vs {value} (this run)")
+    config = saved.get("config")  # absent in checkpoints of older versions
+    if isinstance(config, dict):
+        now = to_container(cfg)
+        for group, key in (("model", "name"), ("size", "name"), ("model", "overrides")):
+            was, value = config.get(group, {}).get(key), now[group][key]
+            if key == "overrides":
+                was, value = was or {}, value or {}
+            if was != value:
+                differences.append(f"{group}.{key}={was} (checkpoint) vs {value} (this run)")
+    if differences:
+        raise ValueError(
+            f"cannot resume from checkpoint {path}: it was trained with other settings: "
+            + "; ".join(differences)
+            + ". Exact resume needs the checkpoint's values: rerun with them, or start a new "
+            "run (another out_dir, or resume=never to train from scratch in this folder)"
+        )
+
+
 def _write_run_info(out_dir: Path, info: dict[str, Any]) -> None:
     path = out_dir / "run_info.json"
     runs = json.loads(path.read_text()) if path.is_file() else []
@@ -336,6 +447,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     Raises:
         TrainingDivergedError: NaN/inf loss or gradient norm; the message names the first bad
             step (number, tokens, LR) and the step where it was found. No checkpoint is written.
+        TrainingOutOfMemoryError: the GPU ran out of memory in a step or in validation; the
+            message names the settings that need less memory.
         ValueError / FileNotFoundError: bad sizes, options or missing data (with the fix).
     """
     for warning in check_config(cfg):
@@ -409,15 +522,8 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
         resume_from = Path(cfg.resume)
     resume_from = _from_rank0(resume_from)  # every rank resumes from the same checkpoint
     if resume_from is not None:
+        check_resume(ckpt.read_trainer_state(resume_from), cfg, resume_from)
         state = ckpt.load_checkpoint(resume_from, model=model, optimizer=optimizer, rank=info.rank)
-        sizes = {"global_batch_tokens": gbt, "seq_len": T}
-        for key, value in sizes.items():
-            if state["sizes"][key] != value:
-                raise ValueError(
-                    f"checkpoint {resume_from} was trained with {key}={state['sizes'][key]}, "
-                    f"this run has {key}={value}; exact resume needs the same value (or use "
-                    "resume=never / a new run folder)"
-                )
         step, tokens, wandb_id = state["step"], state["tokens"], state.get("wandb_id")
         stream.load_state_dict(state["data"])
     if info.is_main:
@@ -516,14 +622,19 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
     def validate() -> dict[str, float]:
         if val_source is None:
             return {}
-        return evaluate(
-            model,
-            val_source,
-            num_sequences=num_val,
-            micro_batch_size=val_micro,
-            info=info,
-            amp_dtype=amp_dtype,
-        )
+        try:
+            return evaluate(
+                model,
+                val_source,
+                num_sequences=num_val,
+                micro_batch_size=val_micro,
+                info=info,
+                amp_dtype=amp_dtype,
+            )
+        except torch.OutOfMemoryError as err:
+            raise _out_of_memory_error(
+                err, cfg, phase="validation", step=step, strategy=strategy, device=info.device
+            ) from err
 
     # ---- loop ----------------------------------------------------------------------------
     # No host sync in a step that does not log, validate or checkpoint: the loss, token count,
@@ -638,10 +749,15 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
             scales = [(n_b * info.world_size / n_global.clamp(min=1)).float() for n_b in n_micro]
         else:
             scales = [n_b * info.world_size / max(n_global, 1) for n_b in n_micro]
-        if graphed is not None:
-            loss_sum, norm = graphed(batches, n_micro, scales)
-        else:
-            loss_sum, norm = run_step([b.to(info.device) for b in batches], n_micro, scales)
+        try:
+            if graphed is not None:
+                loss_sum, norm = graphed(batches, n_micro, scales)
+            else:
+                loss_sum, norm = run_step([b.to(info.device) for b in batches], n_micro, scales)
+        except torch.OutOfMemoryError as err:
+            raise _out_of_memory_error(
+                err, cfg, phase="training", step=step + 1, strategy=strategy, device=info.device
+            ) from err
         grad_norm = norm.detach().double()
         # remember the first non-finite step on the device; `fetch` raises on it
         first = torch.stack(
@@ -746,6 +862,7 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
 
 __all__ = [
     "TrainingDivergedError",
+    "TrainingOutOfMemoryError",
     "check_sizes",
     "evaluate",
     "export_hf_folder",

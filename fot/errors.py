@@ -1,0 +1,91 @@
+"""Errors that name a bad input and the fix, and how the command lines print them.
+
+``train.py`` and ``python -m fot.eval`` print these as one ``error:`` line (exit status 2)
+instead of a traceback: the message says what to change, and a traceback above it only hides
+it. Only errors raised by fot's own code count as such: a ``ValueError`` raised inside
+another library (torch, transformers, datasets) may be a bug, so its one line also says
+where it was raised, and the environment variable the command names brings the traceback back.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import traceback
+from functools import cache
+from pathlib import Path
+
+
+class FotError(Exception):
+    """Base of fot's own error classes: each names the bad input (config, data, file) and the fix.
+
+    Subclasses also derive from the built-in error they refine (``ValueError``,
+    ``RuntimeError``, ...), so ``except ValueError`` keeps working for them.
+    """
+
+
+# Built-in errors that fot raises for a bad config, bad data, a missing or existing file or an
+# unreachable hub; with :class:`FotError` these are what the command lines print as one line.
+USER_ERRORS: tuple[type[BaseException], ...] = (
+    FotError,
+    ValueError,
+    FileNotFoundError,
+    FileExistsError,
+    NotADirectoryError,
+    IsADirectoryError,
+    PermissionError,
+    ConnectionError,
+)
+
+
+@cache
+def _project_dirs() -> tuple[str, ...]:
+    """Folders of fot's own code: the ``fot`` package, ``fot.kernels`` and ``fot.eval``.
+
+    ``fot.kernels`` and ``fot.eval`` live in the checkout's top-level ``kernels/`` and ``eval/``
+    folders (see :mod:`fot._source_layout`), so their folders are looked up, not assumed.
+    """
+    import fot  # noqa: F401 - installs the finder for fot.kernels / fot.eval in a checkout
+
+    dirs = []
+    for name in ("fot", "fot.kernels", "fot.eval"):
+        spec = importlib.util.find_spec(name)
+        for location in (spec.submodule_search_locations or []) if spec else []:
+            dirs.append(str(Path(location).resolve()))
+    return tuple(dirs)
+
+
+def raised_outside_fot(err: BaseException) -> str | None:
+    """Where ``err`` was raised when that is not fot's own code, else ``None``.
+
+    Returns ``"<file>:<line>"`` of the innermost frame of the traceback when that frame is in
+    another package (a library's own check, or a bug), ``None`` when fot raised it (also
+    ``raise ... from`` a library error) or there is no traceback.
+    """
+    frames = traceback.extract_tb(err.__traceback__)
+    if not frames:
+        return None
+    path = Path(frames[-1].filename)
+    resolved = str(path.resolve())
+    if any(resolved == d or resolved.startswith(d + "/") for d in _project_dirs()):
+        return None
+    if path.name == "train.py" and (path.parent / "fot").is_dir():  # the repository's script
+        return None
+    return f"{frames[-1].filename}:{frames[-1].lineno}"
+
+
+def error_line(prog: str, err: BaseException, *, traceback_variable: str) -> str:
+    """The message a command line prints for a user error, without a traceback.
+
+    Args:
+        prog: the command, e.g. ``"train.py"`` or ``"python -m fot.eval needle"``.
+        err: the error (one of :data:`USER_ERRORS`).
+        traceback_variable: the environment variable that makes the command show tracebacks.
+
+    Returns:
+        ``"<prog>: error: <message>"`` plus, on the next line, where it was raised when that
+        was outside fot, and how to get the traceback.
+    """
+    message = str(err) or type(err).__name__
+    where = raised_outside_fot(err)
+    origin = f"raised by {type(err).__name__} in {where}; " if where else ""
+    return f"{prog}: error: {message}\n({origin}set {traceback_variable}=1 for the traceback)"

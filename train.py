@@ -17,6 +17,7 @@ from omegaconf import DictConfig
 
 from fot.errors import USER_ERRORS, error_line
 from fot.training import train
+from fot.training.checkpoint import interrupted_message
 from fot.training.config import check_multirun_out_dir, register_configs, unknown_override_key
 
 register_configs()
@@ -25,13 +26,21 @@ register_configs()
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")
 def main(cfg: DictConfig) -> None:
     """Refuse one fixed out_dir for every job of a multirun, then train; errors that name the
-    bad input and the fix print as one line (exit status 2), without a traceback."""
+    bad input and the fix print as one line (exit status 2), without a traceback, and Ctrl-C
+    says how to resume (exit status 130)."""
     hydra_cfg = HydraConfig.get()
     try:
         check_multirun_out_dir(cfg, multirun=hydra_cfg.mode == RunMode.MULTIRUN)
         if cfg.out_dir is None:
             cfg.out_dir = hydra_cfg.runtime.output_dir
         train(cfg)
+    except KeyboardInterrupt:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        if int(os.environ.get("RANK", "0")) == 0:  # torchrun interrupts every rank
+            out_dir = cfg.out_dir or hydra_cfg.runtime.output_dir
+            print(f"\ntrain.py: {interrupted_message(out_dir)}", file=sys.stderr)
+        sys.exit(130)
     except USER_ERRORS as err:
         # These name the bad value and the fix (fot.errors): the message is what the user needs,
         # and a traceback above it only hides it (HYDRA_FULL_ERROR=1 shows it, as for Hydra's).

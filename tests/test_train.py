@@ -972,3 +972,29 @@ def test_resume_refuses_another_model_or_batch_shape_before_loading(tmp_path) ->
         assert expected in str(err.value) and "resume=never" in str(err.value), str(err.value)
         assert [p.name for p in list_checkpoints(out / "checkpoints")] == before
         assert (out / "metrics.jsonl").read_text() == metrics
+
+
+def test_ctrl_c_says_which_checkpoint_is_kept_and_how_to_resume(tmp_path) -> None:
+    import signal
+    import time
+
+    run = tmp_path / "run"
+    cmd = [sys.executable, str(ROOT / "train.py"), *SMALL, "total_tokens=1048576",
+           f"out_dir={run}", f"hydra.run.dir={run}"]  # fmt: skip
+    env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while not list_checkpoints(run / "checkpoints") and time.time() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr[-3000:]
+    assert "Traceback" not in stderr
+    latest = list_checkpoints(run / "checkpoints")[-1]
+    assert f"train.py: interrupted; the latest checkpoint is {latest}" in stderr
+    assert f"add out_dir={run} to the same command" in stderr
+    # the advice works: the same command with that out_dir resumes from that checkpoint
+    resumed = _run_script([*cmd[:-2], "total_tokens=4096", f"out_dir={run}",
+                           f"hydra.run.dir={run}"], cwd=tmp_path)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert json.loads((run / "run_info.json").read_text())[-1]["resumed_from"] == str(latest)

@@ -142,6 +142,25 @@ def latest_checkpoint(ckpt_dir: str | os.PathLike) -> Path | None:
     return found[-1] if found else None
 
 
+def interrupted_message(out_dir: str | os.PathLike) -> str:
+    """What a run stopped by Ctrl-C (or SIGINT) has kept, and the command line that resumes it.
+
+    The folder must be named on the command line (``out_dir=...``): without it ``train.py``
+    starts a new timestamped folder instead of resuming.
+    """
+    out = Path(out_dir)
+    latest = latest_checkpoint(out / "checkpoints")
+    if latest is None:
+        return (
+            f"interrupted before the first checkpoint of {out}: nothing to resume from, a rerun "
+            "starts over (ckpt_every_tokens sets how often checkpoints are written)"
+        )
+    return (
+        f"interrupted; the latest checkpoint is {latest} (later steps are lost): add "
+        f"out_dir={out} to the same command to continue from it (resume=auto)"
+    )
+
+
 def save_checkpoint(
     ckpt_dir: str | os.PathLike,
     *,

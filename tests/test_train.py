@@ -866,7 +866,11 @@ def _fail_with_oom(monkeypatch, method: str, *, after_calls: int) -> None:
     def patched(self, *args, **kwargs):
         calls["n"] += 1
         if calls["n"] > after_calls:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB")
+            raise torch.OutOfMemoryError(
+                "CUDA out of memory. Tried to allocate 9.00 GiB. GPU 0 has a total capacity of "
+                "79.19 GiB of which 1.20 GiB is free. If reserved but unallocated memory is large "
+                "try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+            )
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(FoTForCausalLM, method, patched)
@@ -885,7 +889,8 @@ def test_out_of_memory_in_a_step_names_the_settings_and_keeps_checkpoints(
         train(_cfg(out))
     msg = str(err.value)
     assert "training step 3: micro batches of 2 × 64 tokens (single)" in msg
-    assert "CUDA out of memory. Tried to allocate 9.00 GiB" in msg
+    assert "(CUDA out of memory. Tried to allocate 9.00 GiB)" in msg  # torch's tips left out
+    assert "total capacity" not in msg
     assert "lower micro_batch_size (now 2;" in msg
     assert "parallel.activation_checkpointing=true" in msg and "parallel=fsdp" in msg
     assert isinstance(err.value.__cause__, torch.OutOfMemoryError)

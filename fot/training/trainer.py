@@ -85,7 +85,9 @@ def _out_of_memory_error(
         device: this rank's device.
     """
     T = int(cfg.data.seq_len)
+    # torch's message: its first two sentences say how much was asked for (the rest is tips)
     first_line = str(err).strip().splitlines()[0] if str(err).strip() else "out of memory"
+    first_line = ". ".join(first_line.split(". ")[:2]).rstrip(".")
     usage = ""
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory / 2**30

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -18,7 +19,12 @@ from omegaconf import DictConfig
 from fot.errors import USER_ERRORS, error_line
 from fot.training import train
 from fot.training.checkpoint import interrupted_message
-from fot.training.config import check_multirun_out_dir, register_configs, unknown_override_key
+from fot.training.config import (
+    check_multirun_out_dir,
+    register_configs,
+    unknown_group_option,
+    unknown_override_key,
+)
 
 register_configs()
 
@@ -51,8 +57,20 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    # Hydra refuses an unknown key without naming the right one: say which field was meant
-    problems = [m for arg in sys.argv[1:] if (m := unknown_override_key(arg)) is not None]
-    if problems:
-        sys.exit("error: " + "\n".join(problems))
+    # Hydra refuses an unknown key or group option without naming the right one: say which
+    # field or option was meant, in the one-line form of the other errors (exit status 2)
+    configs = Path(__file__).resolve().parent / "configs"
+    # options may also come from config folders added on the command line: Hydra checks those
+    more_configs = any(
+        a.split("=")[0] in ("--config-dir", "-cd", "--config-path", "-cp", "hydra.searchpath")
+        or a in ("--config-dir", "-cd", "--config-path", "-cp")
+        for a in sys.argv[1:]
+    )
+    for arg in sys.argv[1:]:
+        problem = unknown_override_key(arg)
+        if problem is None and not more_configs:
+            problem = unknown_group_option(arg, configs)
+        if problem is not None:
+            print(f"train.py: error: {problem}", file=sys.stderr)
+            sys.exit(2)
     main()

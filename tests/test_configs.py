@@ -388,3 +388,59 @@ def test_known_keys_and_hydra_syntax_are_left_to_hydra(hydra_ctx, override: str)
         "parallel=fsdp",
     ):
         compose("train", overrides=[override])  # and Hydra accepts it
+
+
+@pytest.mark.parametrize(
+    ("override", "bad", "suggestion"),
+    [
+        ("size=huge", "'huge'", "125m, 360m, 760m, tiny"),
+        ("model=fot-pro", "'fot-pro'", "did you mean fot_pro"),
+        ("model=fot_pro,transformr_pro", "'transformr_pro'", "did you mean transformer_pro"),
+        ("experiment=fot_pro_125m", "'fot_pro_125m'", "did you mean fot_pro_125m_2b"),
+    ],
+)
+def test_unknown_group_option_lists_the_options(
+    hydra_ctx, override: str, bad: str, suggestion: str
+) -> None:
+    from fot.training.config import unknown_group_option
+
+    message = unknown_group_option(override, CONFIGS)
+    assert message is not None and bad in message and suggestion in message
+    with pytest.raises((MissingConfigException, ConfigCompositionException)):
+        compose("train", overrides=[override])  # Hydra refuses it too (without the options)
+
+
+@pytest.mark.parametrize(
+    "override",
+    ["size=tiny", "model=fot_pro,transformer_pro", "experiment=null", "parallel=fsdp",
+     "model=glob(fot_*)", "total_tokens=4096", "seed=3", "+model.overrides.num_heads=2"],
+)  # fmt: skip
+def test_known_group_options_and_sweeps_pass(override: str) -> None:
+    from fot.training.config import unknown_group_option
+
+    assert unknown_group_option(override, CONFIGS) is None
+
+
+def test_train_py_names_a_bad_key_or_option_in_one_line_with_status_2(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    for arg, expected in (
+        ("total_token=5", "train.py: error: unknown config key 'total_token'"),
+        ("size=huge", "train.py: error: unknown size option 'huge'"),
+    ):
+        res = subprocess.run(
+            [sys.executable, str(CONFIGS.parent / "train.py"), arg, f"hydra.run.dir={tmp_path}"],
+            capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        )  # fmt: skip
+        assert res.returncode == 2 and res.stderr.startswith(expected), res.stderr
+    assert not any(tmp_path.iterdir())  # refused before Hydra made a run folder
+
+
+def test_hydra_run_dir_follows_out_dir(hydra_ctx, tmp_path) -> None:
+    """With out_dir=..., Hydra's own files (.hydra/, train.log) go into the run folder, not into
+    a second timestamped folder under the current directory."""
+    cfg = compose("train", overrides=[f"out_dir={tmp_path}"], return_hydra_config=True)
+    assert cfg.hydra.run.dir == str(tmp_path)
+    cfg = compose("train", return_hydra_config=True)
+    assert re.fullmatch(r"outputs/\d{4}-\d\d-\d\d/\d\d-\d\d-\d\d", cfg.hydra.run.dir)

@@ -10,7 +10,9 @@ Everything that counts data is in tokens (``*_tokens``).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -220,15 +222,22 @@ def mul(*factors: int) -> int:
     return product
 
 
+def first_set(value: Any, default: Any) -> Any:
+    """The ``fot.first_set`` resolver: ``value`` unless it is ``None``, else ``default``
+    (``hydra.run.dir: ${fot.first_set:${out_dir},outputs/...}``)."""
+    return default if value is None else value
+
+
 def register_configs() -> None:
     """Register the root schema with Hydra's ConfigStore as ``train_schema`` and the
-    ``fot.mul`` resolver that ``configs/train.yaml`` uses.
+    ``fot.mul`` and ``fot.first_set`` resolvers that ``configs/train.yaml`` uses.
 
     Group YAMLs merge into its typed fields, so they need no schema of their own.
     """
     from hydra.core.config_store import ConfigStore
 
     OmegaConf.register_new_resolver("fot.mul", mul, replace=True)
+    OmegaConf.register_new_resolver("fot.first_set", first_set, replace=True)
     ConfigStore.instance().store(name="train_schema", node=TrainConfig)
 
 
@@ -388,3 +397,33 @@ def unknown_override_key(override: str) -> str | None:
     if key.startswith("model."):
         hint += " (a model field goes in +model.overrides.<field>=<value>)"
     return f"unknown config key {key!r} in {override!r}: {hint}"
+
+
+def unknown_group_option(override: str, config_dir: str | os.PathLike) -> str | None:
+    """A message for a command-line ``group=option`` whose option has no YAML file in
+    ``config_dir/<group>/`` (``size=huge``, ``model=fot-pro``), listing the group's options and
+    the closest; ``None`` when every option exists or ``group`` is no config group.
+
+    Comma-separated options (a ``-m`` sweep) are checked one by one; ``null`` and Hydra's
+    sweep functions and interpolations (``glob(...)``, ``${...}``) are left to Hydra.
+    """
+    import difflib
+    import re
+
+    match = re.match(r"^\+?([A-Za-z_]\w*)=(.+)$", override)
+    if match is None:
+        return None
+    group, value = match.groups()
+    folder = Path(config_dir) / group
+    if not folder.is_dir() or any(c in value for c in "()${}[]"):
+        return None
+    options = sorted(p.stem for p in folder.glob("*.yaml"))
+    bad = [v.strip() for v in value.split(",") if v.strip() not in (*options, "null")]
+    if not bad:
+        return None
+    close = difflib.get_close_matches(bad[0], options, n=3, cutoff=0.5)
+    hint = f"did you mean {' or '.join(close)}? " if close else ""
+    return (
+        f"unknown {group} option {bad[0]!r} in {override!r}: {hint}the {group} options are "
+        f"{', '.join(options)} (files in {folder})"
+    )

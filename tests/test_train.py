@@ -1003,3 +1003,20 @@ def test_ctrl_c_says_which_checkpoint_is_kept_and_how_to_resume(tmp_path) -> Non
                            f"hydra.run.dir={run}"], cwd=tmp_path)  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert json.loads((run / "run_info.json").read_text())[-1]["resumed_from"] == str(latest)
+
+
+def test_rerunning_a_finished_run_changes_nothing(tmp_path, caplog) -> None:
+    """resume=auto on a finished run used to validate and export again and log the final
+    validation twice; now it returns the saved results and says how to train on."""
+    out = tmp_path / "run"
+    first = train(_cfg(out, "total_tokens=1024", "export_hf=true"))
+    files = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
+    caplog.set_level(logging.WARNING, logger="fot.train")
+    again = train(_cfg(out, "total_tokens=1024", "export_hf=true"))
+    assert again == json.loads((out / "final.json").read_text())
+    assert again["val/loss"] == first["val/loss"]
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()} == files
+    assert "already finished" in caplog.text and "raise total_tokens" in caplog.text
+    # raising total_tokens trains on from the last checkpoint
+    more = train(_cfg(out, "total_tokens=1536"))
+    assert more["step"] == 6 and _losses(out).keys() == set(range(1, 7))

@@ -316,7 +316,16 @@ def read_trainer_state(path: str | os.PathLike) -> dict[str, Any]:
             f"{p} is not a complete checkpoint (no trainer.json); pass a folder like "
             "<run>/checkpoints/step_00001000, or resume=auto to pick the latest"
         )
-    return _load_file(p, "trainer.json")
+    state = _load_file(p, "trainer.json")
+    missing = [
+        k
+        for k in ("step", "tokens", "data", "sizes")
+        if not isinstance(state, dict) or k not in state
+    ]
+    if missing:
+        error = KeyError(f"no {', '.join(missing)} in it")
+        raise CorruptCheckpointError(_corrupt_message(p, p / "trainer.json", error))
+    return state
 
 
 class CorruptCheckpointError(FotError, RuntimeError):

@@ -498,6 +498,32 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
         world_size=info.world_size,
     )
 
+    # ---- which checkpoint to resume from (checked before the model is built) -------------
+    resume_from = None
+    if cfg.resume == "auto":
+        resume_from = ckpt.latest_checkpoint(ckpt_dir)
+    elif cfg.resume not in ("never", "", None):
+        resume_from = Path(cfg.resume)
+    resume_from = _from_rank0(resume_from)  # every rank resumes from the same checkpoint
+    if resume_from is not None:
+        saved = ckpt.read_trainer_state(resume_from)
+        check_resume(saved, cfg, resume_from)
+        final = out_dir / "final.json"
+        if saved["step"] >= total_steps and _from_rank0(final.is_file()):
+            # a finished run: validating and exporting again would only log the same twice
+            if info.is_main:
+                logger.warning(
+                    "%s: the run already finished (checkpoint %s is at step %d of %d): nothing "
+                    "to do; its results are in %s. To train on, raise total_tokens; to start "
+                    "over, pass resume=never or another out_dir",
+                    out_dir,
+                    resume_from.name,
+                    saved["step"],
+                    total_steps,
+                    final,
+                )
+            return json.loads(final.read_text())
+
     # ---- model and optimizer -------------------------------------------------------------
     from fot import presets
 
@@ -517,14 +543,7 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
 
     # ---- resume --------------------------------------------------------------------------
     step, tokens, wandb_id = 0, 0, None
-    resume_from = None
-    if cfg.resume == "auto":
-        resume_from = ckpt.latest_checkpoint(ckpt_dir)
-    elif cfg.resume not in ("never", "", None):
-        resume_from = Path(cfg.resume)
-    resume_from = _from_rank0(resume_from)  # every rank resumes from the same checkpoint
     if resume_from is not None:
-        check_resume(ckpt.read_trainer_state(resume_from), cfg, resume_from)
         state = ckpt.load_checkpoint(resume_from, model=model, optimizer=optimizer, rank=info.rank)
         step, tokens, wandb_id = state["step"], state["tokens"], state.get("wandb_id")
         stream.load_state_dict(state["data"])

@@ -20,10 +20,17 @@ import argparse
 import importlib.util
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import triton
+
+_HERE = Path(__file__).resolve().parent
+if str(_HERE) not in sys.path:  # sibling modules when imported from elsewhere
+    sys.path.insert(0, str(_HERE))
+
+from train_throughput import check_out_file  # noqa: E402
 
 SHAPES = [(1, 16384, 12, 128), (4, 4096, 12, 128), (1, 16384, 16, 64), (2, 8192, 16, 128)]
 WEAK, STRONG = 4.0, -2.0
@@ -31,6 +38,43 @@ WEAK, STRONG = 4.0, -2.0
 
 def _flops_fwd(B: int, T: int, H: int, D: int) -> float:
     return 2 * 2 * B * H * T * T * D / 2
+
+
+def parse_shape(text: str) -> tuple[int, int, int, int]:
+    """``"1,16384,12,128"`` -> ``(B, T, H, D)``, four integers >= 1.
+
+    Raises:
+        SystemExit: anything else, with the expected form.
+    """
+    try:
+        shape = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        shape = ()
+    if len(shape) != 4 or min(shape) < 1:
+        raise SystemExit(
+            f"--shapes {text!r}: expected B,T,H,D, four integers >= 1 without spaces, "
+            "e.g. 1,16384,12,128"
+        )
+    return shape
+
+
+def check_fox_path(path: str) -> None:
+    """Refuse a ``--fox-path`` that is not a Python file defining ``forgetting_attention``.
+
+    Raises:
+        SystemExit: the file is missing, not a ``.py`` file, or lacks the function.
+    """
+    file = Path(path)
+    if not file.is_file() or file.suffix != ".py":
+        raise SystemExit(
+            f"--fox-path {path}: no such Python file; point it at a local copy of the paper's "
+            "src/forgetting_transformer/ops/forgetting_attention.py (or leave it out)"
+        )
+    if "def forgetting_attention" not in file.read_text(errors="replace"):
+        raise SystemExit(
+            f"--fox-path {path} defines no forgetting_attention(); point it at the paper's "
+            "src/forgetting_transformer/ops/forgetting_attention.py"
+        )
 
 
 def _load_fox(path: str):
@@ -273,14 +317,17 @@ NO_GPU = (
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--fox-path", help="local copy of the paper's ops/forgetting_attention.py")
-    ap.add_argument("--out", help="write the markdown table to this file")
+    ap.add_argument("--out", help="write the markdown table to this (new) file")
     ap.add_argument("--sweep", action="store_true", help="also sweep our tile configs")
     ap.add_argument("--no-table", action="store_true")
     ap.add_argument("--shapes", nargs="*", help="B,T,H,D ... (default: the four bar shapes)")
     args = ap.parse_args(argv)
+    shapes = [parse_shape(s) for s in args.shapes] if args.shapes else SHAPES
+    if args.fox_path:
+        check_fox_path(args.fox_path)
+    check_out_file(args.out)
     if not torch.cuda.is_available():
         raise SystemExit(NO_GPU)
-    shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes] if args.shapes else SHAPES
     props = torch.cuda.get_device_properties(0)
     rows = [
         f"device: {props.name}, torch {torch.__version__}, triton {triton.__version__}",
@@ -296,8 +343,8 @@ def main(argv: list[str] | None = None) -> None:
         run_table(args.fox_path, shapes, rows)
     text = "\n".join(rows) + "\n"
     if args.out:
-        with open(args.out, "w") as fh:
-            fh.write(text)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text)
     print(text)
 
 

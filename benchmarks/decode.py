@@ -48,7 +48,9 @@ if str(_HERE) not in sys.path:  # sibling modules when imported from elsewhere
 from train_throughput import (  # noqa: E402
     OUR_MODELS,
     build,
+    check_out_file,
     fmt,
+    interrupted_note,
     log,
     parse_models,
     resolve_device,
@@ -219,7 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
         "what generate() uses on CUDA), eager (growing cache, steps launched op by op)",
     )
     p.add_argument("--hf-llama-heads", type=int, default=None, help="default: as FoT (hd 64)")
-    p.add_argument("--out", default=None, help="JSON file (rewritten after every measurement)")
+    p.add_argument("--out", default=None, help="JSON file, new (rewritten after every measurement)")
     return p
 
 
@@ -242,6 +244,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     fot_caches = [c.strip() for c in args.fot_cache.split(",") if c.strip()]
     if not fot_caches or any(c not in ("graphs", "eager") for c in fot_caches):
         raise SystemExit(f"--fot-cache takes graphs and/or eager, got {args.fot_cache!r}")
+    check_out_file(args.out)
     device = resolve_device(args.device)
     if (
         device.type != "cuda"
@@ -269,69 +272,81 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         if args.out:
             write_json(args.out, payload)
 
-    for name in models:
-        model = None
-        try:
-            torch.manual_seed(0)
-            model, config, _ = build(
-                name,
-                args.size,
-                device=device,
-                seq_len=args.context + args.new_tokens,
-                fot_backend=args.fot_backend,
-                hf_llama_heads=args.hf_llama_heads,
-            )
-            model.to(dtype).eval()
-        except Exception as err:
-            traceback.print_exc(limit=-8)
-            for b in args.batch_sizes:
-                record(
-                    {
-                        "model": name,
-                        "status": "OOM" if isinstance(err, torch.OutOfMemoryError) else "error",
-                        "error": f"{type(err).__name__}: {err}"[:500],
-                        "batch_size": b,
-                        "context": args.context,
-                    }
-                )
-            continue
-        modes = fot_caches if name in OUR_MODELS else [None]
-        for b, mode in itertools.product(args.batch_sizes, modes):
-            label = f"{name} ({mode} cache)" if mode else name
-            log(f"## {label}: size {args.size}, B={b}, context {args.context}, {dtype_name} ...")
+    label = models[0]  # what runs when Ctrl-C comes
+    try:
+        for name in models:
+            model, label = None, name
             try:
-                row = measure(
-                    model,
+                torch.manual_seed(0)
+                model, config, _ = build(
                     name,
-                    batch_size=b,
-                    context=args.context,
-                    new_tokens=args.new_tokens,
-                    vocab_size=int(config.vocab_size),
+                    args.size,
                     device=device,
-                    fot_cache=mode,
+                    seq_len=args.context + args.new_tokens,
+                    fot_backend=args.fot_backend,
+                    hf_llama_heads=args.hf_llama_heads,
                 )
-            except torch.OutOfMemoryError as err:
-                msg = str(err).strip().splitlines()[0] if str(err).strip() else ""
-                row = {"model": name, "status": "OOM", "error": msg[:300]}
+                model.to(dtype).eval()
             except Exception as err:
                 traceback.print_exc(limit=-8)
-                row = {"model": name, "status": "error", "error": f"{type(err).__name__}: {err}"}
-                row["error"] = row["error"][:500]
-            row.update(
-                cache=mode or "default",
-                batch_size=b,
-                context=args.context,
-                dtype=dtype_name,
-                size=args.size,
-            )
+                for b in args.batch_sizes:
+                    record(
+                        {
+                            "model": name,
+                            "status": "OOM" if isinstance(err, torch.OutOfMemoryError) else "error",
+                            "error": f"{type(err).__name__}: {err}"[:500],
+                            "batch_size": b,
+                            "context": args.context,
+                        }
+                    )
+                continue
+            modes = fot_caches if name in OUR_MODELS else [None]
+            for b, mode in itertools.product(args.batch_sizes, modes):
+                label = f"{name} ({mode} cache)" if mode else name
+                log(
+                    f"## {label}: size {args.size}, B={b}, context {args.context}, {dtype_name} ..."
+                )
+                try:
+                    row = measure(
+                        model,
+                        name,
+                        batch_size=b,
+                        context=args.context,
+                        new_tokens=args.new_tokens,
+                        vocab_size=int(config.vocab_size),
+                        device=device,
+                        fot_cache=mode,
+                    )
+                except torch.OutOfMemoryError as err:
+                    msg = str(err).strip().splitlines()[0] if str(err).strip() else ""
+                    row = {"model": name, "status": "OOM", "error": msg[:300]}
+                except Exception as err:
+                    traceback.print_exc(limit=-8)
+                    row = {
+                        "model": name,
+                        "status": "error",
+                        "error": f"{type(err).__name__}: {err}",
+                    }
+                    row["error"] = row["error"][:500]
+                row.update(
+                    cache=mode or "default",
+                    batch_size=b,
+                    context=args.context,
+                    dtype=dtype_name,
+                    size=args.size,
+                )
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                record(row)
+            del model
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-            record(row)
-        del model
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+    except KeyboardInterrupt:
+        log(interrupted_note(label, len(payload["results"]), args.out))
+        log(markdown_table(payload["results"]))
+        raise SystemExit(130) from None
     log("")
     log(f"Device: {meta['device_name']}; command: {meta['command']}")
     log(markdown_table(payload["results"]))

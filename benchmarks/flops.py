@@ -17,13 +17,22 @@ benchmark is counted the same way:
 
 Example (760M, T = 16384): N = 757.7M (FoT LLaMA) gives 6N = 4.55 GFLOP and the attention term
 12 * 24 * 1536 * 8192.5 = 3.62 GFLOP, 8.17 GFLOP per token in all.
+
+As a script it prints that split for the benchmarked models (built on the meta device, no
+weights allocated):
+
+    python benchmarks/flops.py --size 760m --seq-len 16384 --models fot_llama,hf_llama
 """
 
 from __future__ import annotations
 
+import argparse
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import torch
 from torch import nn
 
 from fot.training.metrics import flops_per_token
@@ -90,4 +99,38 @@ def flops_breakdown(model: nn.Module, config: Any, seq_len: int) -> dict[str, fl
     }
 
 
-__all__ = ["attention_spec", "flops_breakdown", "train_flops_per_token"]
+def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
+    """Print FLOPs per token (GFLOP) of each ``--models`` entry; returns ``{model: breakdown}``."""
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:  # train_throughput.py, a sibling script
+        sys.path.insert(0, here)
+    from train_throughput import ALL_MODELS, build, parse_models
+
+    from fot import presets
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="fot_llama,hf_llama", help=f"of {','.join(ALL_MODELS)}")
+    p.add_argument("--size", default="760m", choices=presets.SIZES)
+    p.add_argument("--seq-len", type=int, default=16384, help="training sequence length T")
+    args = p.parse_args(argv)
+    models = parse_models(args.models, ALL_MODELS)
+    if args.seq_len < 1:
+        p.error(f"--seq-len must be >= 1, got {args.seq_len}")
+    print(f"Training GFLOP per token, size {args.size}, T = {args.seq_len}:\n")
+    print(
+        "| model | N (no emb.) | 6N blocks | 6N LM head | attention | total |\n" + "|---" * 6 + "|"
+    )
+    out = {}
+    for name in models:
+        model, config, _ = build(name, args.size, device=torch.device("meta"), seq_len=args.seq_len)
+        parts = out[name] = flops_breakdown(model, config, args.seq_len)
+        n = (parts["blocks"] + parts["lm_head"]) / 6
+        cols = [f"{parts[k] / 1e9:.3f}" for k in ("blocks", "lm_head", "attention", "total")]
+        print(f"| {name} | {n / 1e6:.1f}M | " + " | ".join(cols) + " |")
+    return out
+
+
+__all__ = ["attention_spec", "flops_breakdown", "main", "train_flops_per_token"]
+
+if __name__ == "__main__":
+    main()

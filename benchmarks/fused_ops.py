@@ -24,10 +24,17 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import triton
+
+_HERE = Path(__file__).resolve().parent
+if str(_HERE) not in sys.path:  # sibling modules when imported from elsewhere
+    sys.path.insert(0, str(_HERE))
+
+from train_throughput import check_out_file  # noqa: E402
 
 
 def _norm_case(tokens: int, hidden: int, dev: str = "cuda"):
@@ -194,13 +201,21 @@ def sweep(tokens: int, preset: str, rows_out: list[str]) -> None:
     norm_ops._CONFIG_OVERRIDE.clear()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """CLI entry point (see the module docstring)."""
+    from fot import presets
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=16384, help="rows (batch x sequence length)")
-    ap.add_argument("--preset", default="760m", help="FoT (Pro) size preset for the widths")
+    ap.add_argument(
+        "--preset", default="760m", choices=presets.SIZES, help="FoT (Pro) size for the widths"
+    )
     ap.add_argument("--sweep", action="store_true", help="also sweep add_rms_norm launches")
-    ap.add_argument("--out", help="write the markdown table to this file")
-    args = ap.parse_args()
+    ap.add_argument("--out", help="write the markdown table to this (new) file")
+    args = ap.parse_args(argv)
+    if args.tokens < 1:
+        ap.error(f"--tokens must be >= 1, got {args.tokens}")
+    check_out_file(args.out)
     if not torch.cuda.is_available():
         sys.exit("benchmarks/fused_ops.py needs a CUDA GPU (the kernels are timed compiled)")
     rows: list[str] = [f"device: {torch.cuda.get_device_name()}", ""]
@@ -208,8 +223,8 @@ def main() -> None:
     if args.sweep:
         sweep(args.tokens, args.preset, rows)
     if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n".join(rows) + "\n")
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text("\n".join(rows) + "\n")
 
 
 if __name__ == "__main__":

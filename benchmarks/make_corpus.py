@@ -141,6 +141,10 @@ def build_corpus(
     Returns:
         The summary written to ``corpus.json`` (per-source counts, totals, bytes, whether the
         training documents were subsampled).
+
+    Raises:
+        ValueError: ``heldout_every < 2``, or the held-out documents alone exceed
+            ``max_tokens`` (no training document would be left).
     """
     from fot.data.prepare import tokenize
     from fot.data.tokens import write_token_documents
@@ -162,7 +166,14 @@ def build_corpus(
     total = sum(d.size for *_, d in held) + sum(d.size for *_, d in train)
     subsampled = total > max_tokens
     if subsampled:
-        budget = max_tokens - sum(d.size for *_, d in held)
+        held_tokens = sum(d.size for *_, d in held)
+        budget = max_tokens - held_tokens
+        if budget <= 0:
+            raise ValueError(
+                f"--max-tokens {max_tokens} leaves no room for training documents: the held-out "
+                f"documents alone have {held_tokens} tokens; raise --max-tokens (default "
+                f"{DEFAULT_MAX_TOKENS}) or --heldout-every"
+            )
         keep, used = set(), 0
         for source, name, ids in sorted(train, key=lambda r: _name_hash(r[0], r[1])):
             if used + ids.size <= budget:
@@ -227,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heldout-every", type=int, default=20)
     ap.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
     args = ap.parse_args(argv)
+    if args.max_tokens < 1:
+        ap.error(f"--max-tokens must be >= 1 (default {DEFAULT_MAX_TOKENS}), got {args.max_tokens}")
     roots = [Path(p) for p in args.source_dir]
     tmp = None
     try:

@@ -199,21 +199,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"),
                    help="auto = cuda if available, else cpu (cpu: tile counts only, the kernels "
                    "in Triton's interpreter, which the script turns on: TRITON_INTERPRET=1)")  # fmt: skip
-    p.add_argument("--out", default=None, help="JSON file for the results")
+    p.add_argument("--out", default=None, help="JSON file for the results (a new one)")
     args = p.parse_args(argv)
     if args.length < 1 or args.docs < 1:
         p.error(f"--length and --docs must be >= 1, got {args.length} and {args.docs}")
     if args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available()):
         use_triton_interpreter()  # before anything imports Triton
-    from train_throughput import fmt, log, resolve_device, run_meta, write_json
+    from train_throughput import check_out_file, fmt, log, resolve_device, run_meta, write_json
 
+    check_out_file(args.out)
     device = resolve_device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
 
     from fot.eval.common import load_checkpoint
 
-    model, _ = load_checkpoint(args.checkpoint, device=device, dtype=dtype)
-    ids = heldout_windows(args.data, args.length, args.docs).to(device)
+    try:  # a mistyped path: the loaders' messages name the fix, no traceback needed
+        ids = heldout_windows(args.data, args.length, args.docs).to(device)
+        model, _ = load_checkpoint(args.checkpoint, device=device, dtype=dtype)
+    except FileNotFoundError as err:
+        raise SystemExit(f"error: {err}") from None
     records = capture(model, ids)
     if not records:
         raise SystemExit(f"{args.checkpoint}: no attention call was recorded")

@@ -799,6 +799,11 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [m for m in (args.models or []) if m not in MODELS and m not in RECURRENT]
     if unknown:
         ap.error(f"unknown --models {unknown}; choose from {list(MODELS)} (or mamba2)")
+    if args.report_only and not (out / "settings.json").exists():
+        ap.error(
+            f"--report-only: --out {out} holds no earlier run (no settings.json), so the report "
+            f"would list every model as missing and overwrite {report}; check the --out path"
+        )
     s = settings_for(args)
     out.mkdir(parents=True, exist_ok=True)
     meta_path = out / "meta.json"

@@ -41,7 +41,7 @@ if str(_HERE) not in sys.path:  # sibling modules when imported from elsewhere
     sys.path.insert(0, str(_HERE))
 
 import torch  # noqa: E402
-from train_throughput import fmt, log, run_meta, write_json  # noqa: E402
+from train_throughput import check_out_file, fmt, log, run_meta, write_json  # noqa: E402
 
 STRATEGIES = ("ddp", "fsdp")
 
@@ -232,7 +232,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default="auto", choices=("auto", "cpu"))
     p.add_argument("--work-dir", default="/tmp/fot_scaling", help="run folders")
     p.add_argument("--keep-runs", action="store_true", help="keep checkpoints")
-    p.add_argument("--out", default=None, help="folder for scaling.json and scaling.md")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="folder for scaling.json and scaling.md (not those of an earlier run)",
+    )
     args = p.parse_args(argv)
     try:
         args.nprocs = sorted({int(x) for x in args.nprocs.split(",") if x})
@@ -244,6 +248,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--strategies {bad or args.strategies}: choose from {','.join(STRATEGIES)}")
     if not args.nprocs or args.nprocs[0] < 1:
         p.error(f"--nprocs must be positive, got {args.nprocs}")
+    for group, name in (("model", args.model), ("size", args.size)):
+        known = sorted(f.stem for f in (ROOT / "configs" / group).glob("*.yaml"))
+        if name not in known:
+            p.error(f"--{group} {name!r} is not in configs/{group}/; choose from {known}")
+    for flag in ("seq_len", "per_gpu_batch", "steps", "global_sequences"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            p.error(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    if args.warmup < 0:
+        p.error(f"--warmup must be >= 0, got {args.warmup}")
     if any(max(args.nprocs) % n for n in args.nprocs):
         p.error(
             f"--nprocs {args.nprocs}: every count must divide the largest, so that one global "
@@ -271,8 +285,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"--nprocs {args.nprocs} needs {max(args.nprocs)} GPUs, "
             f"{torch.cuda.device_count()} visible; lower --nprocs"
         )
-    meta = run_meta(device, args)
     out = Path(args.out) if args.out else None
+    if out is not None:
+        check_out_file(out / "scaling.json")
+    meta = run_meta(device, args)
     plan = [(1, "single")] if 1 in args.nprocs else []
     # largest world size first: a run cut short by a time limit keeps the most telling rows;
     # FSDP2 also on one process (under torchrun), the loss reference for its other rows

@@ -26,7 +26,8 @@ Models:
 * ``hf_llama``: ``transformers.LlamaForCausalLM`` with SDPA, the width, depth, heads (head dim 64
   at 760m), MLP width and vocabulary of the ``fot_llama`` preset, RoPE theta 500000.
 * ``fla_fot``: FLA's ``ForgettingTransformerForCausalLM`` of the same size (FLA's defaults:
-  fused norm, SwiGLU and cross-entropy on CUDA).
+  fused norm, SwiGLU and cross-entropy on CUDA). Its Triton kernels need a GPU: on CPU the
+  default ``--models`` leaves it out.
 
 MFU = FLOPs/token * tokens/s / peak, with FLOPs/token from ``benchmarks/flops.py`` (one formula
 for all models, attention included: ``6 N + 12 L d_attn (T + 1) / 2``) and the peak dense bf16
@@ -38,7 +39,8 @@ FLOP/s from ``--peak-tflops`` (default by device name: 989 TFLOP/s for H100/H200
 
 Each model runs inside its own ``try``: an out-of-memory error or any other failure is reported
 in its row and the next model runs. The JSON file (``--out``) is rewritten after every model;
-the markdown table is printed last.
+the markdown table is printed last. An existing ``--out`` file is refused (it holds an earlier
+run's results).
 """
 
 from __future__ import annotations
@@ -596,7 +598,10 @@ def run_one(name: str, s: Settings) -> dict[str, Any]:
         traceback.print_exc(limit=-8)
         msg = f"{type(err).__name__}: {err}"
         if name == "fla_fot" and s.device.type != "cuda":
-            msg += " (FLA's Triton kernels need CUDA, or TRITON_INTERPRET=1 on CPU)"
+            msg += (
+                " (FLA's Triton kernels need a CUDA GPU; Triton's interpreter runs them only "
+                "with the autotuner's GPU timing off, as tests/conftest.py does)"
+            )
         row = {"model": name, "status": "error", "error": msg[:500]}
     if s.device.type == "cuda" and row["status"] != "ok":
         row["peak_mem_gib"] = torch.cuda.max_memory_allocated(s.device) / 2**30
@@ -690,6 +695,34 @@ def write_json(path: str | os.PathLike, payload: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+def check_out_file(path: str | os.PathLike | None, flag: str = "--out") -> None:
+    """Refuse, before anything is measured, an output file that would lose data or fail late.
+
+    An existing file holds an earlier run's results (the scripts rewrite ``--out`` as they go,
+    so the first rewrite would erase them); a folder cannot be written as a file. A missing
+    parent folder is fine (it is created).
+
+    Raises:
+        SystemExit: ``path`` is an existing file or a folder.
+    """
+    if path is None:
+        return
+    path = Path(path)
+    if path.is_dir():
+        raise SystemExit(f"{flag} {path} is a folder; give the path of a file (in it, say)")
+    if path.exists():
+        raise SystemExit(
+            f"{flag} {path} exists (an earlier run's results, which this run would overwrite): "
+            "give a new path, or move or delete the file first"
+        )
+
+
+def interrupted_note(what: str, done: int, out: str | None) -> str:
+    """What a Ctrl-C during ``what`` keeps: ``done`` finished rows, in ``out`` if given."""
+    kept = f"in {out}" if out and done else "printed below" if done else "none"
+    return f"# interrupted (Ctrl-C) during {what}: {done} finished result(s) kept ({kept})"
+
+
 def run_meta(device: torch.device, args: argparse.Namespace | None = None) -> dict[str, Any]:
     """Device, library versions, git SHA and arguments of this run."""
     from fot.training.metrics import git_sha, versions
@@ -753,7 +786,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--models", default=",".join(ALL_MODELS), help="comma-separated names")
+    p.add_argument(
+        "--models",
+        default=None,
+        help=f"comma-separated names (default: {','.join(ALL_MODELS)}; on CPU without Triton's "
+        "interpreter, all but fla_fot)",
+    )
     p.add_argument("--size", default="760m", choices=presets.SIZES)
     p.add_argument("--seq-len", type=int, default=16384)
     p.add_argument("--batch-size", type=int, default=1)
@@ -812,7 +850,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="after timing, profile N more steps: kernel time per step by category",
     )
-    p.add_argument("--out", default=None, help="JSON file (rewritten after every model)")
+    p.add_argument("--out", default=None, help="JSON file, new (rewritten after every model)")
     return p
 
 
@@ -829,7 +867,26 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ``precision``, ``compile``, ``act_ckpt``, ``cuda_graphs``).
     """
     args = build_parser().parse_args(argv)
-    models = parse_models(args.models, ALL_MODELS)
+    device = resolve_device(args.device)
+    # FLA's and our Triton kernels cannot read CPU tensors unless Triton's interpreter is on
+    kernels_run = device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    if args.models is None:
+        models = [m for m in ALL_MODELS if kernels_run or m != "fla_fot"]
+        if not kernels_run:
+            log(f"# {device}: fla_fot left out (FLA's Triton kernels need a CUDA GPU)")
+    else:
+        models = parse_models(args.models, ALL_MODELS)
+    if not kernels_run and "fla_fot" in models:
+        raise SystemExit(
+            f"--models fla_fot runs FLA's Triton kernels, which need a CUDA GPU, and the device "
+            f"is {device}: drop fla_fot from --models, or run on a GPU"
+        )
+    if not kernels_run and args.fot_backend == "triton":
+        raise SystemExit(
+            f"--fot-backend triton runs fot's Triton kernels, which need a CUDA GPU, and the "
+            f"device is {device}: on CPU use --fot-backend auto or reference (the PyTorch "
+            "reference attention), or run on a GPU"
+        )
     for flag in ("seq_len", "batch_size", "steps"):
         if getattr(args, flag) < 1:
             raise SystemExit(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
@@ -837,8 +894,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         raise SystemExit(f"--warmup must be >= 0, got {args.warmup}")
     if not (math.isfinite(args.lr) and args.lr >= 0):
         raise SystemExit(f"--lr must be a finite number >= 0, got {args.lr}")
+    if args.peak_tflops is not None and not (
+        math.isfinite(args.peak_tflops) and args.peak_tflops > 0
+    ):
+        raise SystemExit(f"--peak-tflops must be a number > 0, got {args.peak_tflops}")
+    if args.hf_llama_heads is not None and args.hf_llama_heads < 1:
+        raise SystemExit(f"--hf-llama-heads must be >= 1, got {args.hf_llama_heads}")
+    if args.profile < 0:
+        raise SystemExit(f"--profile must be >= 0 (steps to profile), got {args.profile}")
     overrides = parse_overrides(args.fot_override)
-    device = resolve_device(args.device)
+    check_out_file(args.out)
     if args.cuda_graphs:
         if device.type != "cuda":
             raise SystemExit(f"--cuda-graphs needs a CUDA device, got {device}")
@@ -891,7 +956,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     payload: dict[str, Any] = {"meta": meta, "results": []}
     for name in models:
         log(f"## {name}: size {s.size}, B={s.batch_size}, T={s.seq_len}, {s.precision} ...")
-        row = run_one(name, s)
+        try:
+            row = run_one(name, s)
+        except KeyboardInterrupt:
+            log(interrupted_note(name, len(payload["results"]), args.out))
+            log(markdown_table(payload["results"]))
+            raise SystemExit(130) from None
         row.update(
             batch_size=s.batch_size,
             seq_len=s.seq_len,

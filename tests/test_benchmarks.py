@@ -17,6 +17,7 @@ import importlib.metadata
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -30,7 +31,7 @@ BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 @pytest.fixture(scope="module")
 def bench():
     """The benchmark modules (``benchmarks/`` is a folder of scripts, not a package)."""
-    names = ("flops", "train_throughput", "decode", "scaling", "pruning", "fused_ops")
+    names = ("flops", "train_throughput", "decode", "scaling", "pruning", "fused_ops", "attention")
     sys.path.insert(0, str(BENCH))
     try:
         yield {name: importlib.import_module(name) for name in names}
@@ -105,6 +106,21 @@ def test_flops_hand_count_hf_llama_and_fla_spec(bench):
     fla_cfg = bench["train_throughput"].fla_fot_config("tiny", on_cuda=False)
     assert bench["flops"].attention_spec(fla_cfg) == (2, 128, None)
     assert (fla_cfg.hidden_size, fla_cfg.num_heads, fla_cfg.intermediate_size) == (128, 4, 512)
+
+
+def test_flops_script_prints_the_hand_count(bench, capsys):
+    """``python benchmarks/flops.py`` printed nothing (a module with no entry point); it now
+    prints the split of the hand count of the tiny FoT LLaMA (the test above)."""
+    d, L, H, mlp, T, v_padded = 128, 2, 4, 512, 64, 50304
+    blocks = 6 * L * (4 * d * d + d * H + H + 3 * d * mlp + 2 * d) + 6 * d  # + final norm
+    attn = 3 * 2 * 2 * d * L * _causal_pairs(T) / T
+    parts = bench["flops"].main(["--size", "tiny", "--seq-len", str(T), "--models", "fot_llama"])
+    want = {"blocks": blocks, "lm_head": 6 * v_padded * d, "attention": attn}
+    assert parts["fot_llama"] == pytest.approx({**want, "total": sum(want.values())}, rel=1e-12)
+    row = f"| fot_llama | {(blocks / 6 + v_padded * d) / 1e6:.1f}M | {blocks / 1e9:.3f} |"
+    assert row in capsys.readouterr().out
+    res = _run_script([str(BENCH / "flops.py"), "--help"])
+    assert res.returncode == 0 and "--seq-len" in res.stdout, res.stderr[-2000:]
 
 
 def test_hf_llama_matches_fot_llama_size(bench):
@@ -229,6 +245,99 @@ def test_train_throughput_bad_args(bench):
         bench["train_throughput"].main([*TOY, "--cuda-graphs"])
 
 
+def _stub_row(name: str, *args, **kwargs) -> dict:
+    return {"model": name, "status": "error", "error": "stub"}
+
+
+def test_train_throughput_fla_fot_on_cpu_without_interpreter(bench, monkeypatch):
+    """FLA's (and our) Triton kernels cannot read CPU tensors without Triton's interpreter: the
+    default model list leaves fla_fot out on CPU (the docstring's CPU example printed a Triton
+    traceback for it), and asking for it, or for --fot-backend triton, stops with the fix
+    before anything is built. Under the interpreter (conftest) the default keeps it."""
+    tt = bench["train_throughput"]
+    monkeypatch.setattr(tt, "run_one", _stub_row)
+    with_interp = [r["model"] for r in tt.main([*TOY])["results"]]
+    assert with_interp == list(tt.ALL_MODELS)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    rows = [r["model"] for r in tt.main([*TOY])["results"]]
+    assert rows == [m for m in tt.ALL_MODELS if m != "fla_fot"]
+    with pytest.raises(SystemExit, match="drop fla_fot from --models"):
+        tt.main([*TOY, "--models", "hf_llama,fla_fot"])
+    with pytest.raises(SystemExit, match="use --fot-backend auto or reference"):
+        tt.main([*TOY, "--models", "fot_pro", "--fot-backend", "triton"])
+
+
+def test_train_throughput_more_bad_args(bench, monkeypatch):
+    """Counts that were accepted and then ignored or turned into nonsense (MFU of a peak of
+    0 TFLOP/s, a negative profile length, 0 heads read as "the default")."""
+    tt = bench["train_throughput"]
+    monkeypatch.setattr(tt, "run_one", _stub_row)
+    for flag, value, msg in (
+        ("--peak-tflops", "0", "--peak-tflops must be a number > 0, got 0.0"),
+        ("--peak-tflops", "-5", "--peak-tflops must be a number > 0, got -5.0"),
+        ("--profile", "-1", "--profile must be >= 0"),
+        ("--hf-llama-heads", "0", "--hf-llama-heads must be >= 1, got 0"),
+    ):
+        with pytest.raises(SystemExit, match=msg):
+            tt.main([*TOY, "--models", "hf_llama", flag, value])
+
+
+DECODE_TOY = ["--device", "cpu", "--size", "tiny", "--models", "hf_llama", "--context", "8",
+              "--new-tokens", "1"]  # fmt: skip
+
+
+def test_out_file_of_an_earlier_run_is_kept(bench, tmp_path, monkeypatch):
+    """``--out`` naming an existing file (an earlier run's results) or a folder is refused
+    before anything is measured or loaded; the file is untouched. Before, train_throughput and
+    decode overwrote it after the first model, pruning after the run, and a folder failed
+    after the first measurement."""
+    old = tmp_path / "old.json"
+    old.write_text('{"results": ["measured on a GPU"]}')
+    tt = bench["train_throughput"]
+    monkeypatch.setattr(tt, "run_one", _stub_row)
+    calls = {
+        "train_throughput": lambda out: tt.main([*TOY, "--models", "hf_llama", "--out", out]),
+        "decode": lambda out: bench["decode"].main([*DECODE_TOY, "--out", out]),
+        "pruning": lambda out: bench["pruning"].main(
+            ["no-such-checkpoint", "--data", "no-such-data", "--device", "cpu", "--out", out]
+        ),
+        "attention": lambda out: bench["attention"].main(["--out", out]),
+        "fused_ops": lambda out: bench["fused_ops"].main(["--out", out]),
+    }
+    for script, call in calls.items():
+        with pytest.raises(SystemExit, match=f"--out {old} exists"):
+            call(str(old))
+        with pytest.raises(SystemExit, match=f"--out {tmp_path} is a folder"):
+            call(str(tmp_path))
+        assert old.read_text() == '{"results": ["measured on a GPU"]}', script
+
+
+def test_train_throughput_ctrl_c_keeps_finished_rows(bench, tmp_path, monkeypatch, capsys):
+    """Ctrl-C during a model: the rows finished before it stay in ``--out``, the table of them
+    is printed, and the exit status is 130 (before: a traceback from inside the model)."""
+    tt = bench["train_throughput"]
+
+    def run_one(name, s):
+        if name == "fot_llama":
+            raise KeyboardInterrupt
+        return _stub_row(name)
+
+    monkeypatch.setattr(tt, "run_one", run_one)
+    out = tmp_path / "res.json"
+    try:
+        tt.main([*TOY, "--models", "hf_llama,fot_llama,fot_pro", "--out", str(out)])
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C escaped main()")
+    except SystemExit as exc:
+        assert exc.code == 130
+    else:
+        pytest.fail("main() went on after Ctrl-C")
+    assert [r["model"] for r in json.loads(out.read_text())["results"]] == ["hf_llama"]
+    text = capsys.readouterr().out
+    assert f"interrupted (Ctrl-C) during fot_llama: 1 finished result(s) kept (in {out})" in text
+    assert "| hf_llama | error: stub |" in text and "| fot_pro |" not in text
+
+
 # ---------------------------------------------------------------------------------------
 # Decode
 # ---------------------------------------------------------------------------------------
@@ -305,6 +414,35 @@ def test_decode_triton_backend_on_cpu_says_the_fix(bench, monkeypatch):
                               "--context", "8", "--new-tokens", "1", "--batch-sizes", "1"])  # fmt: skip
 
 
+def test_decode_ctrl_c_keeps_finished_rows(bench, tmp_path, monkeypatch, capsys):
+    """As for train_throughput: Ctrl-C in the second measurement keeps the first in ``--out``
+    and exits with 130."""
+    decode = bench["decode"]
+    calls = []
+
+    def measure(model, name, **kwargs):
+        calls.append(name)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return _stub_row(name)
+
+    monkeypatch.setattr(decode, "measure", measure)
+    out = tmp_path / "d.json"
+    try:
+        decode.main([*DECODE_TOY, "--batch-sizes", "1", "2", "--out", str(out)])
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C escaped main()")
+    except SystemExit as exc:
+        assert exc.code == 130
+    else:
+        pytest.fail("main() went on after Ctrl-C")
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["model"], r["batch_size"]) for r in rows] == [("hf_llama", 1)]
+    assert (
+        "interrupted (Ctrl-C) during hf_llama: 1 finished result(s) kept" in capsys.readouterr().out
+    )
+
+
 # ---------------------------------------------------------------------------------------
 # Attention kernels (a GPU benchmark)
 # ---------------------------------------------------------------------------------------
@@ -319,6 +457,55 @@ def test_attention_benchmark_without_gpu_says_what_it_needs():
     assert "on a CUDA GPU" in res.stderr and "torch.cuda.is_available() is False" in res.stderr
     assert "python -m pytest tests/test_kernels.py" in res.stderr
     assert "benchmarks/pruning.py CKPT --data DATA --device cpu" in res.stderr
+
+
+def test_attention_bad_args_are_named_before_the_gpu_check(bench, tmp_path):
+    """Shapes and ``--fox-path`` are checked first, so a mistake is named on any machine
+    (before: ``ValueError: not enough values to unpack`` or ``FileNotFoundError`` from inside
+    the run, after the GPU was set up; on CPU only the no-GPU message)."""
+    attention = bench["attention"]
+    assert attention.parse_shape("2,8192,16,128") == (2, 8192, 16, 128)
+    for bad in ("1,2,3", "1,16384,12,128,5", "1, 16384", "0,16384,12,128", "a,b,c,d"):
+        with pytest.raises(SystemExit, match="expected B,T,H,D, four integers >= 1"):
+            attention.main(["--shapes", "1,16384,12,128", bad])
+    with pytest.raises(SystemExit, match="no such Python file"):
+        attention.main(["--fox-path", str(tmp_path / "forgetting_attention.py")])
+    wrong = tmp_path / "ops.py"
+    wrong.write_text("def parallel_attention(q, k, v):\n    return q\n")
+    with pytest.raises(SystemExit, match="defines no forgetting_attention"):
+        attention.main(["--fox-path", str(wrong)])
+
+
+def test_attention_and_fused_ops_write_out_into_a_new_folder(bench, tmp_path, monkeypatch):
+    """``--out`` in a folder that does not exist yet is created (before: ``FileNotFoundError``
+    after the whole GPU run). The GPU is faked and nothing is timed."""
+    attention = bench["attention"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda i: type("P", (), {"name": "FakeGPU"})
+    )
+    out = tmp_path / "results" / "new" / "attention.md"
+    attention.main(["--no-table", "--out", str(out)])
+    assert out.read_text().startswith("device: FakeGPU, torch ")
+    fused_ops = bench["fused_ops"]
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "FakeGPU")
+    monkeypatch.setattr(fused_ops, "run_table", lambda tokens, preset, rows: rows.append("| r |"))
+    out = tmp_path / "results" / "other" / "ops.md"
+    fused_ops.main(["--out", str(out)])
+    assert out.read_text() == "device: FakeGPU\n\n| r |\n"
+
+
+def test_fused_ops_bad_args(bench, tmp_path, capsys):
+    """``--tokens`` and ``--preset`` are checked before the GPU check (before: the no-GPU
+    message on CPU, a ``ValueError`` traceback of ``presets.config`` on a GPU)."""
+    fused_ops = bench["fused_ops"]
+    for args, msg in (
+        (["--tokens", "0"], "--tokens must be >= 1, got 0"),
+        (["--preset", "76m"], "invalid choice: '76m'"),
+    ):
+        with pytest.raises(SystemExit) as exc:
+            fused_ops.main(args)
+        assert exc.value.code == 2 and msg in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------
@@ -379,6 +566,22 @@ def test_pruning_cpu_tile_counts(tmp_path, decay_time, expect_skips):
     assert f"exact: skipped {frac:6.1%}" in run.stdout
 
 
+def test_pruning_missing_paths_are_named_without_traceback(bench, tmp_path):
+    """A mistyped ``--data`` or checkpoint path ends with the loader's message (which names the
+    fix) instead of a ``FileNotFoundError`` traceback; the data is read before the model."""
+    from fot.data.tokens import write_token_documents
+
+    pruning = bench["pruning"]
+    write_token_documents(tmp_path / "data", [list(range(100))])
+    base = ["--device", "cpu", "--length", "64"]
+    nodata = re.escape(f"error: {tmp_path / 'nodata'} is not a token folder")
+    with pytest.raises(SystemExit, match=nodata):
+        pruning.main([str(tmp_path / "no-ckpt"), "--data", str(tmp_path / "nodata"), *base])
+    nockpt = re.escape(f"error: checkpoint '{tmp_path / 'no-ckpt'}' is not a folder")
+    with pytest.raises(SystemExit, match=nockpt):
+        pruning.main([str(tmp_path / "no-ckpt"), "--data", str(tmp_path / "data"), *base])
+
+
 def test_pruning_cpu_after_triton_was_imported_without_interpreter_says_the_fix():
     """``pruning.main(--device cpu)`` in a process that imported Triton without the interpreter
     (its kernels compiled, for a GPU) cannot turn it on any more: it stops with the command to
@@ -419,6 +622,42 @@ def test_scaling_cpu_two_processes_match_one(tmp_path, bench):
     assert "| ddp | 2 |" in (tmp_path / "scaling.md").read_text()
     with pytest.raises(SystemExit):
         scaling.parse_args(["--nprocs", "2,3"])  # 3 does not divide into one global batch
+
+
+@pytest.mark.parametrize(
+    ("args", "msg"),
+    [
+        (["--per-gpu-batch", "0"], "--per-gpu-batch must be >= 1, got 0"),  # ZeroDivisionError
+        (["--per-gpu-batch", "-1"], "--per-gpu-batch must be >= 1, got -1"),
+        (["--seq-len", "0"], "--seq-len must be >= 1, got 0"),
+        (["--global-sequences", "0"], "--global-sequences must be >= 1, got 0"),
+        (["--warmup", "-1"], "--warmup must be >= 0, got -1"),  # silently timed the last step
+        (["--model", "fot_prO"], "--model 'fot_prO' is not in configs/model/"),
+        (["--size", "1b"], "--size '1b' is not in configs/size/"),
+    ],
+)
+def test_scaling_bad_args_are_named(bench, capsys, args, msg):
+    """Counts and names that train.py would reject only in each run (as a useless last log
+    line, "Set the environment variable HYDRA_FULL_ERROR=1 ...") or never, refused first."""
+    with pytest.raises(SystemExit) as exc:
+        bench["scaling"].parse_args(args)
+    assert exc.value.code == 2 and msg in capsys.readouterr().err
+
+
+def test_scaling_keeps_an_earlier_runs_results(bench, tmp_path, monkeypatch):
+    """An ``--out`` folder that holds ``scaling.json`` is refused before any run (the first run
+    rewrote it)."""
+    scaling = bench["scaling"]
+    (tmp_path / "scaling.json").write_text("{}")
+
+    def run_one(*args):
+        raise AssertionError("a run started")
+
+    monkeypatch.setattr(scaling, "run_one", run_one)
+    with pytest.raises(SystemExit, match=f"--out {tmp_path / 'scaling.json'} exists"):
+        scaling.main(["--size", "tiny", "--nprocs", "1", "--strategies", "ddp", "--steps", "3",
+                      "--device", "cpu", "--out", str(tmp_path)])  # fmt: skip
+    assert (tmp_path / "scaling.json").read_text() == "{}"
 
 
 def test_scaling_all_steps_rate_and_efficiency_hand_count(bench):

@@ -111,6 +111,21 @@ def test_corpus_cap_subsamples_training_documents_only(tmp_path, few_plays):
     assert again["sources"] == s["sources"]  # deterministic
 
 
+def test_corpus_cap_below_heldout_is_refused(tmp_path, few_plays, capsys):
+    """A cap that the held-out documents alone fill would leave an empty training set (it was
+    written with exit status 0): refused with the numbers, before anything is written."""
+    src = _debian_tree(tmp_path / "deb")
+    full = make_corpus.build_corpus(tmp_path / "full", [src], heldout_every=2)
+    held = full["heldout_tokens"]
+    with pytest.raises(ValueError, match=f"held-out documents alone have {held} tokens"):
+        make_corpus.build_corpus(tmp_path / "cap", [src], heldout_every=2, max_tokens=held)
+    assert not (tmp_path / "cap").exists()
+    with pytest.raises(SystemExit) as exc:
+        make_corpus.main(["--out", str(tmp_path / "zero"), "--max-tokens", "0"])
+    assert exc.value.code == 2 and "--max-tokens must be >= 1" in capsys.readouterr().err
+    assert not (tmp_path / "zero").exists()
+
+
 def test_corpus_bad_source_dir_is_named(tmp_path, few_plays):
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match=r"no \*\.rst\.txt"):
@@ -258,6 +273,23 @@ def test_bad_data_folder_is_named(tmp_path, capsys):
     with pytest.raises(SystemExit):
         repro.main(["--data", str(tmp_path / "nope"), "--out", str(tmp_path / "o")])
     assert "make_corpus.py" in capsys.readouterr().err
+
+
+def test_report_only_without_an_earlier_run_is_refused(tmp_path, capsys):
+    """``--report-only`` with a mistyped ``--out`` wrote a report of nothing (every model
+    "missing") over the real one (docs/results.md by default) and exited 0."""
+    from fot.data.tokens import write_token_documents
+
+    data = tmp_path / "data"
+    for sub in ("train", "heldout"):
+        write_token_documents(data / sub, [np.arange(50, dtype=np.uint16)], source="test")
+    report = tmp_path / "results.md"
+    report.write_text("the real report")
+    with pytest.raises(SystemExit) as exc:
+        repro.main(["--data", str(data), "--out", str(tmp_path / "typo"), "--report-only",
+                    "--report", str(report)])  # fmt: skip
+    assert exc.value.code == 2 and "holds no earlier run" in capsys.readouterr().err
+    assert report.read_text() == "the real report" and not (tmp_path / "typo").exists()
 
 
 def test_budget_scales_tokens():

@@ -256,6 +256,7 @@ def test_train_throughput_fla_fot_on_cpu_without_interpreter(bench, monkeypatch)
     before anything is built. Under the interpreter (conftest) the default keeps it."""
     tt = bench["train_throughput"]
     monkeypatch.setattr(tt, "run_one", _stub_row)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # as conftest sets it on a machine without GPU
     with_interp = [r["model"] for r in tt.main([*TOY])["results"]]
     assert with_interp == list(tt.ALL_MODELS)
     monkeypatch.delenv("TRITON_INTERPRET")
@@ -286,6 +287,14 @@ DECODE_TOY = ["--device", "cpu", "--size", "tiny", "--models", "hf_llama", "--co
               "--new-tokens", "1"]  # fmt: skip
 
 
+# pruning.py runs in-process here: on CPU only under the interpreter conftest turns on without
+# a GPU; on a GPU machine this process compiled Triton for the GPU, so the GPU it is
+PRUNING_DEVICE = [
+    "--device",
+    "cpu" if os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available() else "cuda",
+]
+
+
 def test_out_file_of_an_earlier_run_is_kept(bench, tmp_path, monkeypatch):
     """``--out`` naming an existing file (an earlier run's results) or a folder is refused
     before anything is measured or loaded; the file is untouched. Before, train_throughput and
@@ -299,7 +308,7 @@ def test_out_file_of_an_earlier_run_is_kept(bench, tmp_path, monkeypatch):
         "train_throughput": lambda out: tt.main([*TOY, "--models", "hf_llama", "--out", out]),
         "decode": lambda out: bench["decode"].main([*DECODE_TOY, "--out", out]),
         "pruning": lambda out: bench["pruning"].main(
-            ["no-such-checkpoint", "--data", "no-such-data", "--device", "cpu", "--out", out]
+            ["no-such-checkpoint", "--data", "no-such-data", *PRUNING_DEVICE, "--out", out]
         ),
         "attention": lambda out: bench["attention"].main(["--out", out]),
         "fused_ops": lambda out: bench["fused_ops"].main(["--out", out]),
@@ -573,7 +582,7 @@ def test_pruning_missing_paths_are_named_without_traceback(bench, tmp_path):
 
     pruning = bench["pruning"]
     write_token_documents(tmp_path / "data", [list(range(100))])
-    base = ["--device", "cpu", "--length", "64"]
+    base = [*PRUNING_DEVICE, "--length", "64"]
     nodata = re.escape(f"error: {tmp_path / 'nodata'} is not a token folder")
     with pytest.raises(SystemExit, match=nodata):
         pruning.main([str(tmp_path / "no-ckpt"), "--data", str(tmp_path / "nodata"), *base])

@@ -62,8 +62,8 @@ if __name__ == "__main__":
     configs = Path(__file__).resolve().parent / "configs"
     # options may also come from config folders added on the command line: Hydra checks those
     more_configs = any(
-        a.split("=")[0] in ("--config-dir", "-cd", "--config-path", "-cp", "hydra.searchpath")
-        or a in ("--config-dir", "-cd", "--config-path", "-cp")
+        a.lstrip("+").split("=")[0]
+        in ("--config-dir", "-cd", "--config-path", "-cp", "hydra.searchpath")
         for a in sys.argv[1:]
     )
     for arg in sys.argv[1:]:

@@ -113,10 +113,40 @@ def test_batch_and_custom_scale():
     assert_matches_reference(q, k, v, log_f, TOL[torch.float32], scale=0.3)
 
 
-@pytest.mark.parametrize(("window", "gate_mean"), [(1, WEAK), (40, WEAK), (33, STRONG)])
+@pytest.mark.parametrize(("window", "gate_mean"), [(40, WEAK), (33, STRONG)])
 def test_sliding_window(window, gate_mean):
     q, k, v, log_f = make_inputs(1, 150, 2, 1, 32, torch.float32, gate_mean)
     assert_matches_reference(q, k, v, log_f, TOL[torch.float32], window_size=window)
+
+
+def test_window_of_one_attends_to_itself_only():
+    """window_size=1: o = v, and dq = dk = dlogf = 0 in exact arithmetic. In float32 the
+    kernel's dS_jj = p_jj (do_j·v_j - do_j·o_j) is the difference of two dot products summed
+    in different orders, so dq, dk and dlogf (the reverse cumsum of dS) are compared with the
+    rounding bound of that difference, |dS_jj| <= 2 D eps sum_d |do_jd v_jd|, instead of by
+    relative error (the reference is exactly 0, and the noise grows with T)."""
+    T, HQ, H, D = 150, 2, 1, 32
+    group, scale = HQ // H, D**-0.5
+    q, k, v, log_f = make_inputs(1, T, HQ, H, D, torch.float32, WEAK)
+    do = torch.randn(q.shape)
+    o, (dq, dk, dv, dlogf) = kernel_and_grads(q, k, v, log_f, do, window_size=1)
+    o_ref, (_, _, dv_ref, dlogf_ref) = reference_and_grads(q, k, v, log_f, do, window_size=1)
+    v_q = v.repeat_interleave(group, dim=2)  # (B, T, HQ, D): each query head's value
+    assert rel_err(o, o_ref) <= TOL[torch.float32] and rel_err(o, v_q) <= TOL[torch.float32]
+    assert rel_err(dv, dv_ref) <= TOL[torch.float32]
+    assert not dlogf_ref.any()
+    eps = torch.finfo(torch.float32).eps
+    ds = 2 * D * eps * (do.abs() * v_q.abs()).sum(-1)  # (B, T, HQ): bound on |dS_jj|
+    slack = 1.01  # the rounding of the products below
+    dq_bound = slack * scale * ds[..., None] * k.repeat_interleave(group, dim=2).abs()
+    dk_bound = slack * scale * (ds[..., None] * q.abs()).unflatten(2, (H, group)).sum(3)
+    dlogf_bound = slack * ds.flip(1).cumsum(1).flip(1)  # dlogf_i sums dS_jj over j >= i
+    for name, g, bound in (
+        ("dq", dq, dq_bound),
+        ("dk", dk, dk_bound),
+        ("dlogf", dlogf, dlogf_bound),
+    ):
+        assert torch.isfinite(g).all() and (g.abs() <= bound).all(), name
 
 
 def test_varlen_matches_loop_over_documents():

@@ -766,7 +766,10 @@ def test_adapters_on_every_linear_equal_merged_weights(backend: str) -> None:
     torch.manual_seed(5)
     pairs = attach_adapters(wrapped, merged)
     x, y = ids(2, 21), ids(2, 21, seed=4)
-    assert max_err(wrapped(x).logits, merged(x).logits) < TOL
+    logits = wrapped(x).logits
+    # W x + B (A x) and (W + B A) x round differently: float32 error relative to the logits'
+    # scale (|logits| reaches ~4 here), as TOL is for logits of order 1
+    assert max_err(logits, merged(x).logits) < TOL * max(1.0, logits.abs().max().item())
     loss = wrapped.train()(x, shift_labels=y).loss
     want = merged.train()(x, shift_labels=y).loss
     assert abs(loss.item() - want.item()) < 1e-5

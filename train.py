@@ -21,6 +21,7 @@ from fot.training import train
 from fot.training.checkpoint import interrupted_message
 from fot.training.config import (
     check_multirun_out_dir,
+    multirun_out_dir_problem,
     register_configs,
     unknown_group_option,
     unknown_override_key,
@@ -52,7 +53,12 @@ def main(cfg: DictConfig) -> None:
         # and a traceback above it only hides it (HYDRA_FULL_ERROR=1 shows it, as for Hydra's).
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
-        print(error_line("train.py", err, traceback_variable="HYDRA_FULL_ERROR"), file=sys.stderr)
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        # under torchrun each rank prints its own error (another rank's may differ): say whose
+        prog = (
+            f"train.py (rank {os.environ.get('RANK', '0')} of {world})" if world > 1 else "train.py"
+        )
+        print(error_line(prog, err, traceback_variable="HYDRA_FULL_ERROR"), file=sys.stderr)
         sys.exit(2)
 
 
@@ -66,10 +72,11 @@ if __name__ == "__main__":
         in ("--config-dir", "-cd", "--config-path", "-cp", "hydra.searchpath")
         for a in sys.argv[1:]
     )
-    for arg in sys.argv[1:]:
-        problem = unknown_override_key(arg)
-        if problem is None and not more_configs:
-            problem = unknown_group_option(arg, configs)
+    problems = [unknown_override_key(arg) for arg in sys.argv[1:]]
+    if not more_configs:
+        problems += [unknown_group_option(arg, configs) for arg in sys.argv[1:]]
+    problems.append(multirun_out_dir_problem(sys.argv[1:]))  # before Hydra makes the sweep folder
+    for problem in problems:
         if problem is not None:
             print(f"train.py: error: {problem}", file=sys.stderr)
             sys.exit(2)

@@ -41,7 +41,16 @@ if str(_HERE) not in sys.path:  # sibling modules when imported from elsewhere
     sys.path.insert(0, str(_HERE))
 
 import torch  # noqa: E402
-from train_throughput import check_out_file, fmt, log, run_meta, write_json  # noqa: E402
+from train_throughput import (  # noqa: E402
+    check_out_file,
+    fmt,
+    interrupted_note,
+    log,
+    run_meta,
+    write_json,
+)
+
+from fot.training.config import unknown_group_option, unknown_override_key  # noqa: E402
 
 STRATEGIES = ("ddp", "fsdp")
 
@@ -127,7 +136,10 @@ def run_one(nproc: int, strategy: str, args: argparse.Namespace) -> dict[str, An
     }
     if proc.returncode != 0 or not recs:
         lines = (run_dir / "train.out").read_text(errors="replace").splitlines()
-        errs = [ln for ln in lines if re.search(r"(Error|Exception)\b", ln)]
+        # train.py's own one-line message first, else the last line naming an exception
+        errs = [
+            ln for ln in lines if re.match(r"train\.py( \(rank \d+ of \d+\))?: error:", ln)
+        ] or [ln for ln in lines if re.search(r"(Error|Exception)\b", ln)]
         row["error"] = (errs[-1] if errs else (lines[-1] if lines else "no output"))[:300]
         log(f"[{name}] FAILED (exit {proc.returncode}): {row['error']}")
     timed = recs[args.warmup :] or recs[-1:]
@@ -248,10 +260,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--strategies {bad or args.strategies}: choose from {','.join(STRATEGIES)}")
     if not args.nprocs or args.nprocs[0] < 1:
         p.error(f"--nprocs must be positive, got {args.nprocs}")
-    for group, name in (("model", args.model), ("size", args.size)):
-        known = sorted(f.stem for f in (ROOT / "configs" / group).glob("*.yaml"))
-        if name not in known:
-            p.error(f"--{group} {name!r} is not in configs/{group}/; choose from {known}")
+    for flag, override in (
+        ("--model", f"model={args.model}"),
+        ("--size", f"size={args.size}"),
+        *(("--override", o) for o in args.override),
+    ):
+        problem = unknown_override_key(override) or unknown_group_option(override, ROOT / "configs")
+        if problem:  # else every run fails in turn, each after starting torchrun
+            p.error(f"{flag}: {problem}")
     for flag in ("seq_len", "per_gpu_batch", "steps", "global_sequences"):
         value = getattr(args, flag)
         if value is not None and value < 1:
@@ -300,7 +316,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ]
     rows: list[dict[str, Any]] = []
     for n, strategy in plan:
-        rows.append(run_one(n, strategy, args))
+        try:
+            rows.append(run_one(n, strategy, args))
+        except KeyboardInterrupt:  # the runs' processes got the same SIGINT and stop too
+            log(interrupted_note(f"{strategy} x{n}", len(rows), str(out) if out else None))
+            if rows:
+                log(markdown(rows, meta))
+            raise SystemExit(130) from None
         compare(rows)
         if out is not None:  # after every run, so that partial results survive
             write_json(out / "scaling.json", {"meta": meta, "rows": rows})

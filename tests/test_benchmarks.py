@@ -631,8 +631,15 @@ def test_scaling_cpu_two_processes_match_one(tmp_path, bench):
         (["--seq-len", "0"], "--seq-len must be >= 1, got 0"),
         (["--global-sequences", "0"], "--global-sequences must be >= 1, got 0"),
         (["--warmup", "-1"], "--warmup must be >= 0, got -1"),  # silently timed the last step
-        (["--model", "fot_prO"], "--model 'fot_prO' is not in configs/model/"),
-        (["--size", "1b"], "--size '1b' is not in configs/size/"),
+        (
+            ["--model", "fot_prO"],
+            "--model: unknown model option 'fot_prO' in 'model=fot_prO': did you mean fot_pro",
+        ),
+        (
+            ["--size", "1b"],
+            "--size: unknown size option '1b' in 'size=1b': the size options "
+            "are 125m, 360m, 760m, tiny",
+        ),
     ],
 )
 def test_scaling_bad_args_are_named(bench, capsys, args, msg):
@@ -657,6 +664,46 @@ def test_scaling_keeps_an_earlier_runs_results(bench, tmp_path, monkeypatch):
         scaling.main(["--size", "tiny", "--nprocs", "1", "--strategies", "ddp", "--steps", "3",
                       "--device", "cpu", "--out", str(tmp_path)])  # fmt: skip
     assert (tmp_path / "scaling.json").read_text() == "{}"
+
+
+def test_scaling_interrupted_keeps_finished_rows(bench, tmp_path, monkeypatch, capsys):
+    """Ctrl-C during the second run: the first run's row stays in ``--out``, the table of it
+    is printed and the exit status is 130 (before: a traceback, and the runs' table lost)."""
+    scaling = bench["scaling"]
+    row = {"name": "single_x1", "strategy": "single", "nproc": 1, "losses": [2.0],
+           "error": None, "tokens_per_s": 100.0, "tokens_per_s_per_gpu": 100.0}  # fmt: skip
+
+    def run_one(nproc, strategy, args):
+        if strategy != "single":
+            raise KeyboardInterrupt
+        return dict(row)
+
+    monkeypatch.setattr(scaling, "run_one", run_one)
+    with pytest.raises(SystemExit) as exit_:  # a KeyboardInterrupt escaping main() fails too
+        scaling.main(["--size", "tiny", "--nprocs", "1,2", "--strategies", "ddp", "--steps",
+                      "3", "--device", "cpu", "--out", str(tmp_path)])  # fmt: skip
+    assert exit_.value.code == 130
+    saved = json.loads((tmp_path / "scaling.json").read_text())
+    assert [r["name"] for r in saved["rows"]] == ["single_x1"]
+    out = capsys.readouterr().out
+    assert f"interrupted (Ctrl-C) during ddp x2: 1 finished result(s) kept (in {tmp_path})" in out
+    assert "| single | 1 | 100 |" in out
+
+
+@pytest.mark.parametrize(
+    ("override", "msg"),
+    [
+        ("data=smaple", "--override: unknown data option 'smaple' in 'data=smaple': did you "
+         "mean sample?"),
+        ("optim.lrr=1e-3", "--override: unknown config key 'optim.lrr' in 'optim.lrr=1e-3': "
+         "did you mean optim.lr"),
+    ],
+)  # fmt: skip
+def test_scaling_refuses_a_bad_override_before_any_run(bench, capsys, override, msg):
+    """A misspelt ``--override`` made every run fail in turn, each after starting torchrun."""
+    with pytest.raises(SystemExit) as exc:
+        bench["scaling"].parse_args(["--override", override])
+    assert exc.value.code == 2 and msg in capsys.readouterr().err
 
 
 def test_scaling_all_steps_rate_and_efficiency_hand_count(bench):

@@ -341,6 +341,28 @@ def test_multirun_with_one_fixed_out_dir_is_refused(hydra_ctx) -> None:
     check_multirun_out_dir(per_job, multirun=True)
 
 
+@pytest.mark.parametrize(
+    ("argv", "refused"),
+    [
+        (["-m", "optim.lr=1,2", "out_dir=/runs/sweep"], True),
+        (["--multirun", "+out_dir=/runs/sweep"], True),
+        (["optim.lr=1", "out_dir=/runs/sweep"], False),  # one job
+        (["-m", "out_dir=/runs/sweep/${hydra:job.num}"], False),  # one folder per job
+        (["-m", "out_dir=null", "optim.lr=1,2"], False),  # Hydra's folder per job
+        (["-m", "optim.lr=1,2"], False),
+    ],
+)
+def test_multirun_out_dir_is_checked_on_the_command_line(argv, refused) -> None:
+    """The command-line check agrees with the config check above, before Hydra makes its
+    sweep folder."""
+    from fot.training.config import multirun_out_dir_problem
+
+    problem = multirun_out_dir_problem(argv)
+    assert (problem is not None) == refused
+    if refused:
+        assert problem.startswith("out_dir=/runs/sweep with -m") and "hydra.sweep.dir" in problem
+
+
 def test_ddp_without_torchrun_is_refused_before_the_run_starts() -> None:
     import torch
 

@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -785,15 +786,38 @@ def test_ddp_without_torchrun_leaves_no_run_folder(tmp_path) -> None:
     assert not out.exists()
 
 
+def test_torchrun_user_error_names_each_rank(tmp_path) -> None:
+    """Under torchrun every rank prints its own one-line error; each says which rank it is
+    (two identical unlabelled lines read as one error printed twice)."""
+    run = tmp_path / "run"
+    res = _run_script(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         str(ROOT / "train.py"), *SMALL, "parallel=ddp", "resume=/no/such/ckpt",
+         f"out_dir={run}", f"hydra.run.dir={run}"],
+        cwd=tmp_path,
+        env_extra={"OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "0"},
+    )  # fmt: skip
+    assert res.returncode != 0
+    # the first rank to fail makes torchrun stop the other, which may not get to print
+    errors = [ln for ln in res.stderr.splitlines() if ": error: " in ln]
+    assert errors, res.stderr[-3000:]
+    for line in errors:
+        assert re.fullmatch(
+            r"train\.py \(rank [01] of 2\): error: resume=/no/such/ckpt is no folder; .*", line
+        ), line
+    for source in (ROOT / "train.py", ROOT / "fot"):  # no traceback from the ranks
+        assert f'File "{source}' not in res.stderr  # (torchrun prints one of its own)
+
+
 def test_train_py_refuses_a_shared_multirun_out_dir(tmp_path) -> None:
     """``-m`` with one fixed out_dir would make each later job resume from the previous job's
     checkpoint and train nothing: refused before any folder is made."""
     out = tmp_path / "sweep"
     script = [sys.executable, str(ROOT / "train.py")]
     res = _run_script([*script, "-m", *SMALL, "optim.lr=0.01,0.02", f"out_dir={out}"], cwd=tmp_path)
-    assert res.returncode != 0
-    assert f"out_dir={out} with -m" in res.stderr and "hydra.sweep.dir=" in res.stderr
-    assert not out.exists()
+    assert res.returncode == 2 and res.stderr.startswith(f"train.py: error: out_dir={out} with -m")
+    assert "hydra.sweep.dir=" in res.stderr
+    assert not out.exists() and not (tmp_path / "multirun").exists()  # nor Hydra's sweep folder
 
 
 def test_train_py_refuses_a_missing_resume_folder_before_training(tmp_path) -> None:

@@ -343,11 +343,32 @@ def check_multirun_out_dir(cfg: DictConfig, *, multirun: bool) -> None:
     """
     if not multirun or OmegaConf.is_interpolation(cfg, "out_dir") or cfg.out_dir is None:
         return
-    raise ValueError(
-        f"out_dir={cfg.out_dir} with -m (multirun): every job would share that folder, and each "
+    raise ValueError(_shared_out_dir_message(cfg.out_dir))
+
+
+def multirun_out_dir_problem(argv: list[str]) -> str | None:
+    """The refusal of :func:`check_multirun_out_dir` for a command line, before Hydra starts
+    (which would first make the sweep folder and its ``multirun.yaml``); ``None`` when
+    ``argv`` has no ``-m``/``--multirun`` or no fixed ``out_dir=`` override.
+
+    Args:
+        argv: the command-line arguments after the script name.
+    """
+    if not any(a in ("-m", "--multirun") for a in argv):
+        return None
+    for arg in argv:
+        key, _, value = arg.lstrip("+").partition("=")
+        if key == "out_dir" and value not in ("", "null") and "${" not in value:
+            return _shared_out_dir_message(value)
+    return None
+
+
+def _shared_out_dir_message(out_dir: object) -> str:
+    return (
+        f"out_dir={out_dir} with -m (multirun): every job would share that folder, and each "
         "job after the first would resume from the previous job's checkpoint instead of "
         "training; drop out_dir (jobs go to hydra.sweep.dir/<job number>), set "
-        f"hydra.sweep.dir={cfg.out_dir}, or give each job its own folder with "
+        f"hydra.sweep.dir={out_dir}, or give each job its own folder with "
         "'out_dir=<folder>/${hydra:job.num}'"
     )
 

@@ -12,8 +12,9 @@ benchmark is counted the same way:
   embedding lookup costs no matmul FLOPs).
 * ``12 * L_attn * d_attn * T_eff``: ``q k^T`` and ``p v`` are ``2 * 2 * d_attn`` FLOPs per
   (query, key) pair in the forward, times 3 with the backward, over the average causal context
-  ``T_eff = (T + 1) / 2`` (``min(window, T_eff)`` with a sliding window). ``d_attn`` is
-  ``num_heads * head_dim`` and ``L_attn`` the number of softmax-attention layers.
+  ``T_eff = (T + 1) / 2`` (with a sliding window of ``W`` keys, the pairs
+  ``W (W + 1) / 2 + (T - W) W`` over ``T``). ``d_attn`` is ``num_heads * head_dim`` and
+  ``L_attn`` the number of softmax-attention layers.
 
 Example (760M, T = 16384): N = 757.7M (FoT LLaMA) gives 6N = 4.55 GFLOP and the attention term
 12 * 24 * 1536 * 8192.5 = 3.62 GFLOP, 8.17 GFLOP per token in all.

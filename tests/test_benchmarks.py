@@ -63,6 +63,35 @@ def _causal_pairs(T: int) -> int:
 # ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("length", [1, 5, 64, 100])
+@pytest.mark.parametrize("window", [None, 1, 7, 64, 200])
+def test_attention_pairs_count_the_mask(length, window):
+    """Pairs the trainer's FLOP count uses, against the mask itself: causal, and a sliding
+    window of ``window`` keys (``i - window < j <= i``)."""
+    from fot.training.metrics import attention_pairs
+
+    i = torch.arange(length)[:, None]
+    j = torch.arange(length)[None, :]
+    mask = j <= i
+    if window is not None:
+        mask &= j > i - window
+    assert attention_pairs(length, window) == int(mask.sum())
+
+
+def test_flop_counter_of_a_varlen_batch_sums_its_documents():
+    """A varlen micro batch counts each document's causal pairs; a [B, T] batch B full rows."""
+    from fot.data.streams import Batch
+    from fot.training.metrics import FlopCounter
+
+    counter = FlopCounter(params=1000, attn_layers=2, d_attn=8, window=None)
+    ids = torch.zeros(1, 20, dtype=torch.long)
+    docs = Batch(ids, ids, torch.tensor([0, 3, 10, 20], dtype=torch.int32), seq_len=10)
+    pairs = 3 * 4 / 2 + 7 * 8 / 2 + 10 * 11 / 2
+    assert counter.of_batch(docs) == 6 * 1000 * 20 + 12 * 2 * 8 * pairs
+    rows = Batch(ids.reshape(2, 10), ids.reshape(2, 10), None, seq_len=10)
+    assert counter.of_batch(rows) == 6 * 1000 * 20 + 12 * 2 * 8 * (2 * 55)
+
+
 def test_flops_hand_count_fot_llama_tiny(bench):
     from fot import presets
 

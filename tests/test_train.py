@@ -856,6 +856,58 @@ def test_token_ids_outside_the_vocabulary_are_named_before_the_model_sees_them(t
         )
 
 
+def test_mfu_counts_the_attention_each_step_computes(tmp_path) -> None:
+    """MFU counts the FLOPs of what was computed: with varlen packing attention stops at
+    every document, so a step of short documents does less attention work than full causal
+    sequences (the nominal ``flops_per_token``); with causal packing the two agree.
+    Oracle: ``6 N`` per token plus ``12 L d`` per (query, key) pair, the pairs counted here
+    from each row's EOT positions of the same data."""
+    from fot.data.loaders import build_sources
+    from fot.data.streams import EOT_ID, SequenceStream
+
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 1000, 64 * 40 + 1)
+    ids[np.cumsum(rng.integers(3, 30, 200))[:150]] = EOT_ID  # documents of 3-29 tokens
+    np.save(tmp_path / "docs.npy", ids.astype(np.uint16))
+    peak, L, d, T = 1e12, 1, 32, 64
+    flat = ["data=tokens", f"data.path={tmp_path / 'docs.npy'}", "data.val_tokens=0"]
+    records = {}
+    for packing in ("varlen", "causal"):
+        cfg = _cfg(tmp_path / packing, *flat, f"data.packing={packing}", f"peak_flops={peak}")
+        train(cfg)
+        out = tmp_path / packing
+        records[packing] = [
+            json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
+        ]
+        info = json.loads((out / "run_info.json").read_text())[0]
+        n = info["params_without_embedding"]
+        assert info["flops_per_token"] == pytest.approx(6 * n + 12 * L * d * (T + 1) / 2)
+        # the same data again, each logged step's FLOPs counted by hand
+        train_source, _ = build_sources(cfg.data)
+        stream = SequenceStream(train_source, global_batch_size=4, micro_batch_size=2)
+        for rec in records[packing]:
+            if "mfu" not in rec:
+                continue
+            flops = 0.0
+            for b in stream.next_step():  # one step per record (log_every_tokens = one step)
+                rows = b.input_ids.reshape(-1, T).numpy()
+                for row in rows:
+                    if packing == "causal":
+                        lengths = [T]
+                    else:
+                        cuts = [0, *(i for i in np.flatnonzero(row == EOT_ID) if i > 0), T]
+                        lengths = np.diff(cuts).tolist()
+                    flops += 6 * n * T + 12 * L * d * sum(m * (m + 1) / 2 for m in lengths)
+            dt = 256 / rec["tokens_per_s"]  # one step of 256 tokens per record
+            assert rec["mfu"] == pytest.approx(flops / dt / peak, rel=1e-9), (packing, rec)
+            nominal = info["flops_per_token"] * rec["tokens_per_s"] / peak
+            if packing == "causal":
+                assert rec["mfu"] == pytest.approx(nominal, rel=1e-9)
+            else:
+                assert rec["mfu"] < nominal  # documents of < 30 tokens in rows of 64
+    assert len([r for r in records["varlen"] if "mfu" in r]) == 8
+
+
 @pytest.mark.parametrize(("mode", "offers_offline"), [("online", True), ("offline", False)])
 def test_wandb_that_cannot_start_warns_with_the_ways_out(
     tmp_path, monkeypatch, mode, offers_offline

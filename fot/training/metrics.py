@@ -10,11 +10,16 @@ import platform
 import subprocess
 import sys
 import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from fot.data.streams import Batch
 
 logger = logging.getLogger("fot.train")
 
@@ -46,30 +51,81 @@ def peak_flops_per_device(device: torch.device) -> float | None:
     return None
 
 
-def flops_per_token(model: nn.Module, config: Any, seq_len: int) -> float:
-    """Training FLOPs per token: ``6 N + 6 L d_attn T_eff`` (forward + backward).
+def attention_pairs(length: int, window: int | None = None) -> int:
+    """The (query, key) pairs causal attention scores in one document of ``length`` tokens.
+
+    ``length (length + 1) / 2``; with a sliding window of ``window`` keys (``i - window < j
+    <= i``) each query from the ``window``-th on sees ``window`` keys.
+    """
+    if window is None or window >= length:
+        return length * (length + 1) // 2
+    return window * (window + 1) // 2 + (length - window) * window
+
+
+@dataclass(frozen=True)
+class FlopCounter:
+    """Training FLOPs (forward + backward) of a model: ``6 N`` per token plus ``12 d_attn``
+    per (query, key) pair in each softmax-attention layer.
 
     ``N`` counts every parameter except the input embedding (the LM head included; the
-    embedding lookup costs no matmul FLOPs). The attention term counts ``q k^T`` and ``p v``
-    (``2 * 2 * d_attn`` FLOPs per key, times 3 for backward) over the average causal context
-    ``T_eff = (T + 1) / 2``, or the window for sliding-window attention. Models without
-    softmax attention (Mamba-2, DeltaNet, HGRN-2) get no attention term; Samba counts its
-    attention layers only if the config says which.
+    embedding lookup costs no matmul FLOPs). ``q k^T`` and ``p v`` are ``2 * 2 * d_attn``
+    FLOPs per pair, times 3 with the backward. Models without softmax attention (Mamba-2,
+    DeltaNet, HGRN-2) get no attention term; Samba counts its attention layers only if the
+    config says which.
+
+    Attributes:
+        params: ``N``.
+        attn_layers: softmax-attention layers.
+        d_attn: attention width (``hidden_size``).
+        window: sliding window in keys, ``None`` for full causal attention.
+    """
+
+    params: int
+    attn_layers: int
+    d_attn: int
+    window: int | None = None
+
+    @classmethod
+    def of(cls, model: nn.Module, config: Any) -> FlopCounter:
+        """The counter of ``model`` (unwrapped) with HF config ``config``."""
+        emb = model.get_input_embeddings().weight.numel()
+        n = sum(p.numel() for p in model.parameters()) - emb
+        attn_layers = (
+            config.num_hidden_layers if getattr(config, "model_type", None) == "fot" else 0
+        )
+        return cls(
+            params=n,
+            attn_layers=int(attn_layers),
+            d_attn=int(getattr(config, "hidden_size", 0)),
+            window=getattr(config, "window_size", None),
+        )
+
+    def of_documents(self, lengths: Sequence[int]) -> float:
+        """Training FLOPs of documents of these lengths (attention restarts in each)."""
+        pairs = sum(attention_pairs(int(n), self.window) for n in lengths)
+        return 6.0 * self.params * sum(lengths) + 12.0 * self.attn_layers * self.d_attn * pairs
+
+    def of_batch(self, batch: Batch) -> float:
+        """Training FLOPs of one micro batch: its documents (``cu_seqlens``, varlen packing)
+        or else its ``B`` rows of ``T`` tokens. Host arithmetic when ``cu_seqlens`` is on the
+        CPU (as the data streams make it)."""
+        if batch.cu_seqlens is None:
+            rows, t = batch.input_ids.shape
+            return self.of_documents([t] * rows)
+        return self.of_documents(batch.cu_seqlens.diff().tolist())
+
+
+def flops_per_token(model: nn.Module, config: Any, seq_len: int) -> float:
+    """Training FLOPs per token of one full causal sequence of ``seq_len`` tokens:
+    ``6 N + 6 L d_attn (T + 1)``, i.e. ``12 L d_attn`` per (query, key) pair over the average
+    causal context ``(T + 1) / 2`` (less with a sliding window). See :class:`FlopCounter`.
 
     Args:
         model: the unwrapped model.
         config: its HF config.
         seq_len: training sequence length T.
     """
-    emb = model.get_input_embeddings().weight.numel()
-    n = sum(p.numel() for p in model.parameters()) - emb
-    attn_layers = 0
-    if getattr(config, "model_type", None) == "fot":
-        attn_layers = config.num_hidden_layers
-    d_attn = getattr(config, "hidden_size", 0)
-    window = getattr(config, "window_size", None)
-    t_eff = (seq_len + 1) / 2 if not window else min(window, (seq_len + 1) / 2)
-    return 6.0 * n + 12.0 * attn_layers * d_attn * t_eff
+    return FlopCounter.of(model, config).of_documents([seq_len]) / seq_len
 
 
 def git_sha(repo: str | os.PathLike | None = None) -> str | None:

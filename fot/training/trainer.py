@@ -31,9 +31,9 @@ from fot.training import checkpoint as ckpt
 from fot.training.config import check_config, to_container
 from fot.training.cuda_graph import GraphedStep, check_cuda_graphs
 from fot.training.metrics import (
+    FlopCounter,
     MetricsLogger,
     abandon_newer_records,
-    flops_per_token,
     git_sha,
     peak_flops_per_device,
     peak_memory_gib,
@@ -534,7 +534,8 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
         model = presets.build_model(hf_config)
     model.train()
     n_params = presets.count_params(model)
-    fpt = flops_per_token(model, hf_config, T)
+    flop_counter = FlopCounter.of(model, hf_config)
+    fpt = flop_counter.of_documents([T]) / T  # one full causal sequence: the nominal rate
     model = parallelize(model, cfg.parallel, info, strategy=strategy)
     optimizer = build_optimizer(
         model, cfg.optim, device=info.device, capturable=bool(cfg.parallel.cuda_graphs)
@@ -680,22 +681,27 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
     f64 = {"dtype": torch.float64, "device": info.device}
     window_loss = torch.zeros((), **f64)  # sum of the global loss sums of the window's steps
     window_tokens: int | torch.Tensor = 0  # global label tokens (a device tensor if > 1 rank)
+    window_flops: float | torch.Tensor = 0.0  # global training FLOPs, as window_tokens
     window_steps = 0
     grad_norm = torch.zeros((), **f64)  # of the last step
     diverged = torch.zeros(3, **f64)  # first non-finite step: (step, loss, grad_norm); 0 = none
     t_window = time.time()
     clip = float(cfg.optim.grad_clip) if cfg.optim.grad_clip > 0 else float("inf")
 
-    def fetch() -> tuple[float, float, float]:
-        """One device->host transfer: ``(window loss, window tokens, grad norm)``.
+    def fetch() -> tuple[float, float, float, float]:
+        """One device->host transfer: ``(window loss, window tokens, grad norm, window FLOPs)``.
 
         Raises :class:`TrainingDivergedError` if a step since the last fetch was non-finite.
         """
         parts = [window_loss.reshape(1), grad_norm.reshape(1).double(), diverged]
         if isinstance(window_tokens, torch.Tensor):
-            parts.append(window_tokens.reshape(1).double())
+            parts += [window_tokens.reshape(1).double(), window_flops.reshape(1).double()]
         host = torch.cat(parts).tolist()
-        n_tokens = host[5] if isinstance(window_tokens, torch.Tensor) else float(window_tokens)
+        n_tokens, flops = (
+            (host[5], host[6])
+            if isinstance(window_tokens, torch.Tensor)
+            else (float(window_tokens), float(window_flops))
+        )
         bad_step, bad_loss, bad_norm = int(host[2]), host[3], host[4]
         if bad_step:
             bar.close()
@@ -716,7 +722,7 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
                     last_ckpt=last_ckpt,
                 )
             )
-        return host[0], n_tokens, host[1]
+        return host[0], n_tokens, host[1], flops
 
     def run_step(
         batches: Sequence[Batch],
@@ -756,10 +762,16 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
         check_token_ids(batches, vocab_size, what="training data")
         n_micro = [b.num_label_tokens() for b in batches]  # host ints: batches are on the CPU
         n_local = sum(n_micro)
+        # what the step computes: with varlen packing attention stops at document boundaries
+        flops_local = sum(flop_counter.of_batch(b) for b in batches)
         n_global: int | torch.Tensor = n_local
+        flops_global: float | torch.Tensor = flops_local
         if info.world_size > 1:
-            # all-reduced on the device and left there; `torch.full` needs no host copy
-            n_global = all_reduce_sum(torch.full((1,), n_local, **f64)).reshape(())
+            # all-reduced on the device and left there; filling needs no host copy (a copy
+            # from the host would wait for the GPU)
+            both = torch.full((2,), n_local, **f64)
+            both[1:].fill_(flops_local)
+            n_global, flops_global = all_reduce_sum(both).unbind()
         lr = lr_at(
             tokens + gbt, peak_lr=cfg.optim.lr, total_tokens=total_steps * gbt, cfg=cfg.schedule
         )
@@ -792,6 +804,7 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
         tokens += gbt
         window_loss += loss_sum
         window_tokens = window_tokens + n_global
+        window_flops = window_flops + flops_global
         window_steps += 1
 
         do_log = _crossed(prev_tokens, tokens, int(cfg.log_every_tokens)) or step == total_steps
@@ -803,7 +816,7 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
         do_ckpt = _crossed(prev_tokens, tokens, int(cfg.ckpt_every_tokens)) and step < total_steps
         if do_log or do_val or do_ckpt:
             # the only sync; it also makes sure no checkpoint or validation sees NaN weights
-            loss_total, n_tokens, last_norm = fetch()
+            loss_total, n_tokens, last_norm, flops_total = fetch()
         if gc_every and (do_val or do_ckpt):
             gc.collect()  # a full collection where every rank stops anyway: no straggler
         if do_log:
@@ -817,14 +830,14 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
                 "grad_norm": last_norm,
                 "tokens_per_s": tps,
                 "tokens_per_s_per_device": tps / info.world_size,
-                "mfu": fpt * tps / (peak * info.world_size) if peak else None,
+                "mfu": flops_total / dt / (peak * info.world_size) if peak else None,
                 "peak_mem_gib": peak_memory_gib(info.device),
                 "elapsed_s": time.time() - t_start,
             }
             metrics.log(last_record)
             bar.set_postfix(loss=f"{last_record['loss']:.4f}", tok_s=f"{tps:,.0f}", refresh=False)
             window_loss = torch.zeros((), **f64)
-            window_tokens, window_steps = 0, 0
+            window_tokens, window_flops, window_steps = 0, 0.0, 0
             t_window = time.time()
         bar.update(1)
         done = profiler.step_end()

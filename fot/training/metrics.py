@@ -51,15 +51,21 @@ def peak_flops_per_device(device: torch.device) -> float | None:
     return None
 
 
-def attention_pairs(length: int, window: int | None = None) -> int:
-    """The (query, key) pairs causal attention scores in one document of ``length`` tokens.
+def attention_pairs(lengths: int | Sequence[int] | torch.Tensor, window: int | None = None) -> int:
+    """The (query, key) pairs causal attention scores in documents of these lengths, summed.
 
-    ``length (length + 1) / 2``; with a sliding window of ``window`` keys (``i - window < j
-    <= i``) each query from the ``window``-th on sees ``window`` keys.
+    ``n (n + 1) / 2`` per document of ``n`` tokens; with a sliding window of ``window`` keys
+    (``i - window < j <= i``) each query from the ``window``-th on sees ``window`` keys.
+
+    Args:
+        lengths: one length, or the lengths of several documents (a list or an integer tensor).
+        window: sliding window in keys, ``None`` for full causal attention.
     """
-    if window is None or window >= length:
-        return length * (length + 1) // 2
-    return window * (window + 1) // 2 + (length - window) * window
+    n = torch.as_tensor(lengths, dtype=torch.int64)
+    pairs = n * (n + 1) // 2
+    if window is not None:
+        pairs = torch.where(n > window, window * (window + 1) // 2 + (n - window) * window, pairs)
+    return int(pairs.sum())
 
 
 @dataclass(frozen=True)
@@ -100,10 +106,11 @@ class FlopCounter:
             window=getattr(config, "window_size", None),
         )
 
-    def of_documents(self, lengths: Sequence[int]) -> float:
+    def of_documents(self, lengths: Sequence[int] | torch.Tensor) -> float:
         """Training FLOPs of documents of these lengths (attention restarts in each)."""
-        pairs = sum(attention_pairs(int(n), self.window) for n in lengths)
-        return 6.0 * self.params * sum(lengths) + 12.0 * self.attn_layers * self.d_attn * pairs
+        tokens = int(torch.as_tensor(lengths, dtype=torch.int64).sum())
+        pairs = attention_pairs(lengths, self.window)
+        return 6.0 * self.params * tokens + 12.0 * self.attn_layers * self.d_attn * pairs
 
     def of_batch(self, batch: Batch) -> float:
         """Training FLOPs of one micro batch: its documents (``cu_seqlens``, varlen packing)
@@ -112,7 +119,7 @@ class FlopCounter:
         if batch.cu_seqlens is None:
             rows, t = batch.input_ids.shape
             return self.of_documents([t] * rows)
-        return self.of_documents(batch.cu_seqlens.diff().tolist())
+        return self.of_documents(batch.cu_seqlens.diff())
 
 
 def flops_per_token(model: nn.Module, config: Any, seq_len: int) -> float:

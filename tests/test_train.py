@@ -1063,7 +1063,15 @@ def test_ctrl_c_says_which_checkpoint_is_kept_and_how_to_resume(tmp_path) -> Non
     cmd = [sys.executable, str(ROOT / "train.py"), *SMALL, "total_tokens=1048576",
            f"out_dir={run}", f"hydra.run.dir={run}"]  # fmt: skip
     env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True)
+    # a shell's background job (`bash .ci/run &`) ignores SIGINT, and so would train.py
+    proc = subprocess.Popen(
+        cmd,
+        cwd=tmp_path,
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     deadline = time.time() + 240
     while not list_checkpoints(run / "checkpoints") and time.time() < deadline:
         time.sleep(0.2)

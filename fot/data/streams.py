@@ -90,6 +90,15 @@ class Batch:
         """Number of positions whose label counts (not ``-100``)."""
         return int((self.labels != IGNORE_INDEX).sum())
 
+    def document_lengths(self) -> np.ndarray:
+        """Lengths of the spans attention sees separately, int64 on the host: the documents
+        of ``cu_seqlens`` (varlen packing), else the ``B`` rows of ``T`` tokens. Read from a
+        batch still on the CPU (as the streams make them)."""
+        if self.cu_seqlens is None:
+            rows, t = self.input_ids.shape
+            return np.full(rows, t, dtype=np.int64)
+        return np.diff(self.cu_seqlens.numpy()).astype(np.int64)
+
 
 class SequenceSource(Protocol):
     """Numbers a corpus' training sequences; see the module docstring."""

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -51,20 +52,20 @@ def peak_flops_per_device(device: torch.device) -> float | None:
     return None
 
 
-def attention_pairs(lengths: int | Sequence[int] | torch.Tensor, window: int | None = None) -> int:
+def attention_pairs(lengths: int | Sequence[int] | np.ndarray, window: int | None = None) -> int:
     """The (query, key) pairs causal attention scores in documents of these lengths, summed.
 
     ``n (n + 1) / 2`` per document of ``n`` tokens; with a sliding window of ``window`` keys
     (``i - window < j <= i``) each query from the ``window``-th on sees ``window`` keys.
 
     Args:
-        lengths: one length, or the lengths of several documents (a list or an integer tensor).
+        lengths: one length, or the lengths of several documents.
         window: sliding window in keys, ``None`` for full causal attention.
     """
-    n = torch.as_tensor(lengths, dtype=torch.int64)
+    n = np.asarray(lengths, dtype=np.int64)
     pairs = n * (n + 1) // 2
     if window is not None:
-        pairs = torch.where(n > window, window * (window + 1) // 2 + (n - window) * window, pairs)
+        pairs = np.where(n > window, window * (window + 1) // 2 + (n - window) * window, pairs)
     return int(pairs.sum())
 
 
@@ -106,20 +107,16 @@ class FlopCounter:
             window=getattr(config, "window_size", None),
         )
 
-    def of_documents(self, lengths: Sequence[int] | torch.Tensor) -> float:
+    def of_documents(self, lengths: Sequence[int] | np.ndarray) -> float:
         """Training FLOPs of documents of these lengths (attention restarts in each)."""
-        tokens = int(torch.as_tensor(lengths, dtype=torch.int64).sum())
+        tokens = int(np.sum(lengths, dtype=np.int64))
         pairs = attention_pairs(lengths, self.window)
         return 6.0 * self.params * tokens + 12.0 * self.attn_layers * self.d_attn * pairs
 
     def of_batch(self, batch: Batch) -> float:
-        """Training FLOPs of one micro batch: its documents (``cu_seqlens``, varlen packing)
-        or else its ``B`` rows of ``T`` tokens. Host arithmetic when ``cu_seqlens`` is on the
-        CPU (as the data streams make it)."""
-        if batch.cu_seqlens is None:
-            rows, t = batch.input_ids.shape
-            return self.of_documents([t] * rows)
-        return self.of_documents(batch.cu_seqlens.diff())
+        """Training FLOPs of one micro batch (on the CPU): its documents (``cu_seqlens``,
+        varlen packing) or else its ``B`` rows of ``T`` tokens. Host arithmetic only."""
+        return self.of_documents(batch.document_lengths())
 
 
 def flops_per_token(model: nn.Module, config: Any, seq_len: int) -> float:

@@ -1055,6 +1055,26 @@ def test_resume_refuses_another_model_or_batch_shape_before_loading(tmp_path) ->
         assert (out / "metrics.jsonl").read_text() == metrics
 
 
+def test_resume_takes_another_implementation_setting(tmp_path, reference_run, caplog) -> None:
+    """Kernel backend, loss implementation and chunk size choose how the same model is computed:
+    a resumed run may change them (e.g. a smaller loss chunk after running out of memory) and
+    trains on as the uninterrupted run, to rounding. Any other model field is still refused."""
+    out = tmp_path / "run"
+    train(_cfg(out))
+    with pytest.raises(ValueError, match="cannot resume from checkpoint") as err:
+        train(_cfg(out, "+model.overrides.loss_chunk_size=16", "+model.overrides.qk_norm=false"))
+    assert "'qk_norm': False}" in str(err.value) and "loss_chunk_size" not in str(err.value)
+    caplog.set_level(logging.WARNING, logger="fot.train")
+    start = out / "checkpoints" / "step_00000006"
+    train(_cfg(out, f"resume={start}", "+model.overrides.loss_chunk_size=16"))
+    assert "model.overrides.loss_chunk_size=unset (checkpoint) vs 16 (this run)" in caplog.text
+    losses = _losses(out)
+    assert sorted(losses) == list(range(1, 9))
+    assert losses == pytest.approx(reference_run, rel=1e-5, abs=0)
+    runs = json.loads((out / "run_info.json").read_text())
+    assert runs[-1]["config"]["model"]["overrides"]["loss_chunk_size"] == 16
+
+
 def test_ctrl_c_says_which_checkpoint_is_kept_and_how_to_resume(tmp_path) -> None:
     import signal
     import time

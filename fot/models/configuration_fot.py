@@ -17,6 +17,15 @@ from transformers import PretrainedConfig
 FGATE_TYPES = ("full", "bias_only", "fixed", "none")
 ATTN_BACKENDS = ("auto", "triton", "reference", "sdpa")
 LOSS_IMPLS = ("auto", "fused", "chunked", "fla")
+# Fields that choose how the same model is computed (kernels, loss, memory/speed trade-offs),
+# not what it is: a run may resume with other values (``fot.training.trainer.check_resume``).
+IMPLEMENTATION_FIELDS = (
+    "attn_backend",
+    "recompute_pro",
+    "loss_impl",
+    "loss_chunk_size",
+    "decode_cuda_graphs",
+)
 
 
 class FoTConfig(PretrainedConfig):

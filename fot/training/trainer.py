@@ -379,7 +379,7 @@ def validation_sequences(data_cfg: Any, source: Any | None, *, unit: int, warn: 
     return fits or unit
 
 
-def check_resume(saved: dict[str, Any], cfg: Any, path: Path) -> None:
+def check_resume(saved: dict[str, Any], cfg: Any, path: Path) -> list[str]:
     """Refuse to resume a checkpoint of another model or batch shape, before any tensor loads.
 
     Args:
@@ -387,12 +387,21 @@ def check_resume(saved: dict[str, Any], cfg: Any, path: Path) -> None:
         cfg: this run's config.
         path: the checkpoint folder (for the message).
 
+    Returns:
+        One line per ``model.overrides`` field of
+        :data:`fot.models.configuration_fot.IMPLEMENTATION_FIELDS` (kernel backend, loss
+        implementation, chunk size, recomputation) whose value differs from the checkpoint's:
+        these choose how the same model is computed, so the run resumes with the new value
+        (the caller logs the lines).
+
     Raises:
-        ValueError: the checkpoint's model (``model.name``, ``size.name``, ``model.overrides``),
-            ``global_batch_tokens`` or ``data.seq_len`` differ from this run's; the message
-            names each difference and the ways out.
+        ValueError: the checkpoint's model (``model.name``, ``size.name``, any other
+            ``model.overrides`` field), ``global_batch_tokens`` or ``data.seq_len`` differ from
+            this run's; the message names each difference and the ways out.
     """
-    differences = []
+    from fot.models.configuration_fot import IMPLEMENTATION_FIELDS
+
+    differences, changed = [], []
     for key, value in (
         ("global_batch_tokens", int(cfg.global_batch_tokens)),
         ("data.seq_len", int(cfg.data.seq_len)),
@@ -406,7 +415,11 @@ def check_resume(saved: dict[str, Any], cfg: Any, path: Path) -> None:
         for group, key in (("model", "name"), ("size", "name"), ("model", "overrides")):
             was, value = config.get(group, {}).get(key), now[group][key]
             if key == "overrides":
-                was, value = was or {}, value or {}
+                was, value = dict(was or {}), dict(value or {})
+                for field in IMPLEMENTATION_FIELDS:
+                    before, after = was.pop(field, "unset"), value.pop(field, "unset")
+                    if before != after:
+                        changed.append(f"model.overrides.{field}={before} (checkpoint) vs {after}")
             if was != value:
                 differences.append(f"{group}.{key}={was} (checkpoint) vs {value} (this run)")
     if differences:
@@ -416,6 +429,12 @@ def check_resume(saved: dict[str, Any], cfg: Any, path: Path) -> None:
             + ". Exact resume needs the checkpoint's values: rerun with them, or start a new "
             "run (another out_dir, or resume=never to train from scratch in this folder)"
         )
+    return [
+        f"resuming from {path} with another implementation setting: {line} (this run); the "
+        "model and training state are the checkpoint's, but losses may differ from an "
+        "uninterrupted run in rounding"
+        for line in changed
+    ]
 
 
 def _write_run_info(out_dir: Path, info: dict[str, Any]) -> None:
@@ -507,7 +526,9 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
     resume_from = _from_rank0(resume_from)  # every rank resumes from the same checkpoint
     if resume_from is not None:
         saved = ckpt.read_trainer_state(resume_from)
-        check_resume(saved, cfg, resume_from)
+        for note in check_resume(saved, cfg, resume_from):
+            if info.is_main:
+                logger.warning(note)
         final = out_dir / "final.json"
         if saved["step"] >= total_steps and _from_rank0(final.is_file()):
             # a finished run: validating and exporting again would only log the same twice

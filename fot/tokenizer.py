@@ -112,7 +112,8 @@ def save_hf_tokenizer(path: str | os.PathLike, *, model_max_length: int | None =
     """Write GPT-2 as a Hugging Face tokenizer folder that ``AutoTokenizer`` reads.
 
     Writes ``vocab.json``, ``merges.txt``, ``tokenizer_config.json`` and
-    ``special_tokens_map.json`` (``<|endoftext|>`` as bos, eos and unk; pad unset, as GPT-2).
+    ``special_tokens_map.json`` (``<|endoftext|>`` as bos, eos, unk and pad; padding on the
+    left, as batched ``generate`` needs: ``tok(prompts, padding=True)`` works as it is).
 
     Args:
         path: folder to write into (created if missing).
@@ -132,12 +133,19 @@ def save_hf_tokenizer(path: str | os.PathLike, *, model_max_length: int | None =
         "bos_token": EOT_TOKEN,
         "eos_token": EOT_TOKEN,
         "unk_token": EOT_TOKEN,
+        "pad_token": EOT_TOKEN,
+        "padding_side": "left",
         "add_prefix_space": False,
         "add_bos_token": False,
         "model_max_length": model_max_length or 1_000_000_000,
         "clean_up_tokenization_spaces": False,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    special = {"bos_token": EOT_TOKEN, "eos_token": EOT_TOKEN, "unk_token": EOT_TOKEN}
+    special = {
+        "bos_token": EOT_TOKEN,
+        "eos_token": EOT_TOKEN,
+        "unk_token": EOT_TOKEN,
+        "pad_token": EOT_TOKEN,
+    }
     (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
     return out

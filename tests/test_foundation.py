@@ -63,6 +63,10 @@ def test_hf_tokenizer_folder_matches_tiktoken(tmp_path):
     assert hf(MIXED).input_ids == enc.encode(MIXED, allowed_special="all")
     assert hf.eos_token_id == hf.bos_token_id == 50256
     assert len(hf) == 50257
+    # padding works as it is, on the left (batched generate): ids and mask by hand
+    batch = hf(["Hello world", "Hello"], padding=True)
+    assert batch.input_ids == [[15496, 995], [50256, 15496]]
+    assert batch.attention_mask == [[1, 1], [0, 1]]
 
 
 def test_tokenizer_files_missing_gives_clear_error(tmp_path, monkeypatch):

@@ -236,3 +236,28 @@ def test_hf_attention_names_are_refused_with_attn_backend(exported) -> None:
     x = torch.arange(9)[None] * 5 % VOCAB
     eager = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
     assert torch.equal(eager(x).logits, model(x).logits)  # HF's default name still loads
+
+
+def test_batched_generate_with_the_exported_tokenizer_as_it_is(tmp_path) -> None:
+    # The exported tokenizer had no pad token: tok(prompts, padding=True) and
+    # generate(token_healing=True) failed until the user set one. Oracle: each prompt alone.
+    from transformers import AutoTokenizer
+
+    torch.manual_seed(0)
+    cfg = presets.config("fot_pro", "tiny", attn_backend="reference")
+    model = presets.build_model(cfg).eval()
+    with torch.no_grad():  # varied greedy tokens instead of an untrained model's few
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    tok = AutoTokenizer.from_pretrained(export_hf(model, tmp_path / "m"))
+    prompts = ["The quick brown fox jumps over", "Hello"]
+    kw = {"max_new_tokens": 5, "do_sample": False}
+    batch = tok(prompts, padding=True, return_tensors="pt")
+    got = model.generate(**batch, **kw)[:, batch.input_ids.shape[1] :]
+    for row, prompt in zip(got, prompts, strict=True):
+        alone = tok(prompt, return_tensors="pt")
+        want = model.generate(**alone, **kw)[0, alone.input_ids.shape[1] :]
+        assert torch.equal(row, want), (prompt, row, want)
+    healed = model.generate(**tok(["Hello wor"], return_tensors="pt"), token_healing=True,
+                            tokenizer=tok, **kw)  # fmt: skip
+    assert tok.decode(healed[0]).startswith("Hello wor"), tok.decode(healed[0])

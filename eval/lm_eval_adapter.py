@@ -292,7 +292,14 @@ class FoTLM(TemplateLM):
             until = kwargs.get("until") or []
             until = [until] if isinstance(until, str) else list(until)
             max_gen = int(kwargs.get("max_gen_toks", 256))
-            ids = self.tok_encode(context, left_truncate_len=max(1, self.max_length - max_gen))
+            if max_gen >= self.max_length:  # no room left for the prompt
+                raise ValueError(
+                    f"a generation request asks for max_gen_toks={max_gen} new tokens, which "
+                    f"leaves no room for its prompt in max_length={self.max_length} (--max-length)"
+                    "; pass a larger --max-length or lower the task's "
+                    "generation_kwargs.max_gen_toks"
+                )
+            ids = self.tok_encode(context, left_truncate_len=self.max_length - max_gen)
             gen = greedy_generate(
                 self.model,
                 torch.tensor([ids], device=self.device),
@@ -309,15 +316,47 @@ class FoTLM(TemplateLM):
 
 
 def _task_config(task_manager: Any, task: str, *, resolve_func: bool) -> dict[str, Any] | None:
-    """A task's full YAML config (``include:`` resolved), or None for non-YAML tasks."""
+    """A task's full YAML config (``include:`` resolved), or None for non-YAML tasks.
+
+    ``task`` is a registered task name or the path of a task YAML file.
+    """
     from lm_eval.tasks._yaml_loader import load_yaml
 
+    if Path(task).is_file():
+        return dict(load_yaml(task, resolve_func=resolve_func))
     entry = task_manager.task_index.get(task)
     if entry is None:
         raise KeyError(f"lm-eval knows no task {task!r}; check --tasks and --include-path")
     if not getattr(entry, "yaml_path", None):
         return None
     return dict(load_yaml(entry.yaml_path, resolve_func=resolve_func))
+
+
+def task_name(task: str) -> str:
+    """The name lm-eval reports a task's results under.
+
+    A registered task is its own name; a task YAML file (``--tasks path/to/task.yaml``) is
+    the file's ``task:`` (or, for a group file, ``group:``) entry.
+
+    Raises:
+        ValueError: the file names no task, or several (a list), so results could not be found.
+    """
+    if not Path(task).is_file():
+        return task
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    try:
+        cfg = load_yaml(task, resolve_func=False)
+    except Exception as err:  # YAML syntax, a broken include: named in the message
+        raise ValueError(f"--tasks {task!r}: cannot read the task YAML ({err})") from err
+    name = cfg.get("task", cfg.get("group")) if isinstance(cfg, dict) else None
+    if not isinstance(name, str) or not name:
+        raise ValueError(
+            f"--tasks {task!r}: the YAML file needs a `task: NAME` entry (or `group: NAME` "
+            f"for a group) naming the task, got {name!r}; a file listing several tasks belongs "
+            "in a folder passed with --include-path, its tasks named in --tasks"
+        )
+    return name
 
 
 def _task_dataset_paths(task_manager: Any, tasks: list[str]) -> dict[str, str | None]:
@@ -341,6 +380,37 @@ def _is_hub_dataset(dataset_path: str) -> bool:
     except ImportError:
         builders = _LOCAL_BUILDERS
     return dataset_path not in builders and not Path(dataset_path).is_absolute()
+
+
+def check_local_data_files(task_manager: Any, tasks: list[str]) -> None:
+    """Refuse tasks whose local data files (``dataset_kwargs.data_files``) are empty.
+
+    ``datasets`` fails on an empty JSON file with a bare ``StopIteration`` from deep inside;
+    this names the task and the file instead, before the model is loaded. Missing files are
+    left to ``datasets``, whose error names them.
+
+    Raises:
+        ValueError: some task's data file exists but holds nothing.
+    """
+    for task in tasks:
+        cfg = _task_config(task_manager, task, resolve_func=False) or {}
+        files = (cfg.get("dataset_kwargs") or {}).get("data_files")
+        if isinstance(files, dict):
+            files = list(files.values())
+        stack, paths = [files], []
+        while stack:
+            item = stack.pop()
+            if isinstance(item, (list, tuple)):
+                stack.extend(item)
+            elif isinstance(item, str):
+                paths.append(Path(item))
+        for path in paths:
+            if path.is_file() and not path.read_bytes().strip():
+                raise ValueError(
+                    f"lm-eval task {task!r}: its data file {str(path)!r} is empty; fill it "
+                    "(one JSON record per line for `dataset_path: json`) or point the task's "
+                    "dataset_kwargs.data_files at the right file"
+                )
 
 
 def local_dataset_dirs(task_manager: Any, tasks: list[str], dataset_root: str) -> dict[str, Path]:
@@ -419,6 +489,24 @@ def table1(results: dict[str, dict[str, Any]]) -> str:
     )
 
 
+def other_tasks_table(results: dict[str, dict[str, Any]]) -> str:
+    """Markdown table (task, metric, value) of the tasks that are not Table 1 columns.
+
+    Returns an empty string when every task is one of Table 1's.
+    """
+    paper = {task for _, task, _, _ in TABLE1_COLUMNS}
+    rows = [
+        f"| {task} | {key} | {value:.4f} |"
+        for task, metrics in results.items()
+        if task not in paper
+        for key, value in metrics.items()
+        if key != "sample_len"
+    ]
+    if not rows:
+        return ""
+    return "\n".join(["| task | metric | value |", "|---|---|---|", *rows])
+
+
 def evaluate(
     lm: Any,
     tasks: list[str],
@@ -439,7 +527,8 @@ def evaluate(
 
     Args:
         lm: an lm-eval ``LM`` (e.g. :func:`make_fot_lm`).
-        tasks: lm-eval task names.
+        tasks: lm-eval task names, or paths of task YAML files (reported under the file's
+            ``task:`` name, :func:`task_name`).
         out: results folder (``results.jsonl`` per finished task, ``samples_<task>.jsonl``).
         include_path: extra folder of task YAMLs (local copies).
         dataset_root: folder of downloaded dataset repositories, ``ROOT/<dataset_path>``;
@@ -450,7 +539,7 @@ def evaluate(
             ``include_path``).
 
     Returns:
-        ``{task: {metric: value}}`` for every requested task.
+        ``{task name: {metric: value}}`` for every requested task.
     """
     import lm_eval
     from tqdm.auto import tqdm
@@ -458,8 +547,10 @@ def evaluate(
     tm = task_manager or _task_manager(include_path)
     local_dirs = local_dataset_dirs(tm, tasks, dataset_root) if dataset_root else {}
     log = JsonlLog(out / "results.jsonl")
+    names = {task: task_name(task) for task in tasks}
     for task in tqdm(tasks, desc="lm-eval tasks", unit="task"):
-        if log.done(task):
+        name = names[task]
+        if log.done(name):
             continue
         spec: str | dict[str, Any] = task
         if task in local_dirs:
@@ -486,19 +577,26 @@ def evaluate(
                 "pass --dataset-root ROOT (--list-datasets prints what to download), or "
                 "--include-path with local task YAMLs (eval/README.md, section Data)"
             ) from err
+        if name not in res["results"]:  # recorded as done, it would be skipped forever
+            raise ValueError(
+                f"lm-eval task {task!r}: lm-eval reported no results under {name!r} but under "
+                f"{sorted(res['results'])}; nothing was recorded for this task. A group YAML "
+                "without aggregate metrics reports only its subtasks: name those in --tasks"
+            )
         metrics = {
             k: v
-            for k, v in res["results"].get(task, {}).items()
+            for k, v in res["results"][name].items()
             if isinstance(v, (int, float)) and not isinstance(v, bool)
         }
         if log_samples and "samples" in res:
-            with (out / f"samples_{task}.jsonl").open("w") as f:
-                for s in res["samples"].get(task, []):
+            with (out / f"samples_{name}.jsonl").open("w") as f:
+                for s in res["samples"].get(name, []):
                     f.write(json.dumps(s, default=str) + "\n")
         log.append(
-            {"key": task, "metrics": metrics, "n_samples": res.get("n-samples", {}).get(task)}
+            {"key": name, "metrics": metrics, "n_samples": res.get("n-samples", {}).get(name)}
         )
-    return {r["key"]: r["metrics"] for r in log if r["key"] in tasks}
+    wanted = set(names.values())
+    return {r["key"]: r["metrics"] for r in log if r["key"] in wanted}
 
 
 def drop_empty_request_caches(out: Path) -> list[Path]:
@@ -544,7 +642,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--tasks",
         default=",".join(PAPER_TASKS),
-        help="comma-separated lm-eval tasks (default: the paper's zero-shot suite: %(default)s)",
+        help="comma-separated lm-eval task names or task YAML files (default: the paper's "
+        "zero-shot suite: %(default)s)",
     )
     p.add_argument(
         "--max-length",
@@ -598,6 +697,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "the spelling (`lm_eval ls tasks` lists them) or pass the folder of your task YAMLs "
             "with --include-path"
         )
+    for t in tasks:  # a YAML file without a usable task name: before the model is loaded
+        task_name(t)
+    check_local_data_files(tm, tasks)
     if args.list_datasets:  # what to download: works before --dataset-root exists
         paths = _task_dataset_paths(tm, tasks)
         print(json.dumps(paths, indent=2))
@@ -654,6 +756,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for key, value in metrics.items():
                 rows.writerow([task, key, value])
     table = table1(results)
+    others = other_tasks_table(results)
+    if others:  # tasks outside the paper's suite: their own table under Table 1's columns
+        table += "\n\n" + others
     (out / "table1.md").write_text(table + "\n")
     print(table)
     return results

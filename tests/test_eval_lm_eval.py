@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -118,3 +119,75 @@ def test_rolling_loglikelihood_has_one_bos_and_respects_max_length(setup):
         got = s["filtered_resps"][0]
         got = float(got[0] if isinstance(got, list) else got)
         assert got == pytest.approx(direct, rel=1e-4)
+
+
+def test_task_yaml_file_is_reported_under_its_task_name(setup):
+    """`--tasks path/to/task.yaml`: results under the YAML's `task:` name, as by name."""
+    from fot.eval.lm_eval_adapter import evaluate, make_fot_lm, other_tasks_table, task_name
+
+    root, model, tok = setup
+    lm = make_fot_lm(model, tok, max_length=64, batch_size=3)
+    by_name = evaluate(
+        lm, ["fot_toy_mc"], out=root / "out_by_name", include_path=str(root / "tasks")
+    )
+    yaml_file = str(root / "tasks" / "fot_toy_mc.yaml")
+    by_file = evaluate(lm, [yaml_file], out=root / "out_by_file")
+    assert by_file == by_name and set(by_file) == {"fot_toy_mc"}
+    assert by_file["fot_toy_mc"]["acc,none"] in (0.0, 0.5, 1.0)
+    keys = [r["key"] for r in _samples(root / "out_by_file" / "results.jsonl")]
+    assert keys == ["fot_toy_mc"]
+    acc = by_file["fot_toy_mc"]["acc,none"]
+    assert f"| fot_toy_mc | acc,none | {acc:.4f} |" in other_tasks_table(by_file).splitlines()
+    assert other_tasks_table({"piqa": {"acc,none": 0.5}}) == ""
+    nameless = root / "nameless.yaml"
+    nameless.write_text("dataset_path: json\n")
+    with pytest.raises(ValueError, match="needs a `task: NAME` entry"):
+        task_name(str(nameless))
+
+
+def test_generation_keeps_room_for_the_prompt(setup):
+    """generate_until left-truncates the prompt to max_length - max_gen_toks tokens (greedy
+    decoding by hand as the oracle) and refuses a max_gen_toks that leaves no room."""
+    from types import SimpleNamespace
+
+    from fot.eval.lm_eval_adapter import make_fot_lm
+
+    _, model, tok = setup
+    lm = make_fot_lm(model, tok, max_length=12, batch_size=1)
+    context = "It was a bright cold day in April, and the clocks were striking"
+    request = SimpleNamespace(args=(context, {"max_gen_toks": 4, "until": []}))
+    (text,) = lm.generate_until([request], disable_tqdm=True)
+    ids = [50256, *tok.encode(context, add_special_tokens=False)][-(12 - 4) :]
+    new = []
+    with torch.no_grad():
+        for _ in range(4):
+            logits = model(torch.tensor([ids + new])).logits[0, -1]
+            new.append(int(logits.argmax()))
+    assert text == tok.decode([t for t in new if t != 50256], skip_special_tokens=True)
+    request = SimpleNamespace(args=(context, {"max_gen_toks": 12}))
+    with pytest.raises(ValueError, match=r"max_gen_toks=12 .* no room for its prompt"):
+        lm.generate_until([request], disable_tqdm=True)
+
+
+def test_empty_task_data_file_is_named_before_the_model_loads(setup, tmp_path):
+    from fot.eval.__main__ import main
+
+    root, _, _ = setup
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    task = tmp_path / "fot_empty.yaml"
+    cfg = (root / "tasks" / "fot_toy_mc.yaml").read_text().replace("fot_toy_mc", "fot_empty")
+    task.write_text(cfg.replace(str(root / "tasks" / "mc.jsonl"), str(empty)))
+    # The checkpoint does not exist: the data file is checked before the model is loaded.
+    with pytest.raises(ValueError, match=re.escape(f"data file '{empty}' is empty")):
+        main(
+            [
+                "lm-eval",
+                str(tmp_path / "no_ckpt"),
+                "--tasks",
+                str(task),
+                "--out",
+                str(tmp_path / "o"),
+            ]
+        )
+    assert not (tmp_path / "o").exists()

@@ -218,6 +218,39 @@ def model_max_length(model: torch.nn.Module, default: int | None = None) -> int 
     return default
 
 
+def position_table(model: torch.nn.Module) -> tuple[int, str] | None:
+    """The longest input a model with a learned position table takes, and the table's name.
+
+    Models with absolute learned positions (GPT-2's ``wpe``, OPT's ``embed_positions``, BERT-
+    style ``position_embeddings``) fail with an index error past their table; rotary models
+    (FoT, Llama) have no such table and return ``None``.
+    """
+    for name, module in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if isinstance(module, torch.nn.Embedding) and (leaf == "wpe" or "position" in leaf):
+            return module.num_embeddings - int(getattr(module, "offset", 0)), name
+    return None
+
+
+def check_positions(model: torch.nn.Module, positions: int, what: str) -> None:
+    """Refuse inputs longer than the model's learned position table (before any work starts).
+
+    Args:
+        positions: the longest input (prompt and generated tokens) the command will feed.
+        what: the options that set it, for the message (e.g. ``"--length 4096"``).
+
+    Raises:
+        ValueError: ``positions`` exceeds the table; the message names its size.
+    """
+    table = position_table(model)
+    if table is not None and positions > table[0]:
+        raise ValueError(
+            f"{what} needs inputs of {positions} tokens, but this model has a learned position "
+            f"table ({table[1]}) of {table[0]} positions and cannot read past it; choose values "
+            f"that keep inputs within {table[0]} tokens"
+        )
+
+
 def eot_id(tokenizer: Any) -> int:
     """The end-of-text id used as BOS/separator (GPT-2: 50256)."""
     for attr in ("bos_token_id", "eos_token_id"):
@@ -759,6 +792,28 @@ def parse_int_list(text: str | Iterable[int]) -> list[int]:
                 f"cannot parse {part!r} in {text!r}: expected integers like '1024,2k,16k'"
             ) from None
     return values
+
+
+def check_grid(values: Sequence[float], option: str, *, minimum: float) -> None:
+    """Refuse an empty grid, repeated values or values below ``minimum`` (e.g. ``--lengths``).
+
+    Raises:
+        ValueError: naming the option and the bad values.
+    """
+    if not values:
+        raise ValueError(f"{option} must list at least one value")
+    repeated = sorted({v for v in values if list(values).count(v) > 1})
+    if repeated:
+        raise ValueError(
+            f"{option} lists {', '.join(f'{v:g}' for v in repeated)} more than once (note "
+            "1k = 1024); list each value once"
+        )
+    small = [v for v in values if v < minimum]
+    if small:
+        raise ValueError(
+            f"{option}: {', '.join(f'{v:g}' for v in small)} below the smallest allowed value "
+            f"{minimum:g}"
+        )
 
 
 def positive_int(text: str) -> int:

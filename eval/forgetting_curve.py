@@ -31,7 +31,9 @@ from .common import (
     CONTEXT_LENGTH_HELP,
     JsonlLog,
     add_run_arguments,
+    check_grid,
     check_out_shared,
+    check_positions,
     checkpoint_label,
     claim_results,
     eot_id,
@@ -303,11 +305,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out = Path(args.out)
     lengths = parse_int_list(args.lengths)
     check_out_shared(out, "forgetting-curve")
-    if not lengths or args.repeats < 1:
-        raise ValueError("--lengths must list at least one length and --repeats must be >= 1")
+    # Everything that can be checked without the model is checked before it loads.
+    check_grid(lengths, "--lengths", minimum=6)  # n = (L - 2) // 2 >= 2 tokens
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+    stream = _token_stream(args.data, max(20 * max(lengths), 200_000))
     model, tokenizer = load_checkpoint(
         args.checkpoint, device=pick_device(args.device), dtype=args.dtype
     )
+    check_positions(model, max(lengths), f"--lengths up to {max(lengths)}")
     # (length, repeat) cells extend the saved grid, of the same checkpoint and data only.
     claim_results(
         out,
@@ -323,7 +329,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         restart=args.restart,
     )
     write_run_config(out, "forgetting-curve", vars(args), args.checkpoint)
-    stream = _token_stream(args.data, max(20 * max(lengths), 200_000))
     log = JsonlLog(out / "forgetting_curve.jsonl")
     records = run_curve(
         model,

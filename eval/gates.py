@@ -31,12 +31,47 @@ from .common import (
     checkpoint_label,
     eot_id,
     load_checkpoint,
-    parse_int_list,
     pick_device,
     positive_int,
     use_agg_backend,
     write_run_config,
 )
+
+
+def require_fot(model: torch.nn.Module) -> int:
+    """The number of FoT attention layers of ``model``.
+
+    Raises:
+        ValueError: the model has none (not a FoT checkpoint).
+    """
+    from fot.models import modeling_fot
+
+    n = sum(isinstance(m, modeling_fot.FoTAttention) for m in model.modules())
+    if not n:
+        raise ValueError(
+            f"{type(model).__name__} has no FoTAttention layers: the gates command needs a FoT "
+            "checkpoint (model_type 'fot')"
+        )
+    return n
+
+
+def chosen_maps(
+    layers: Sequence[int], heads: Sequence[int], n_layers: int, n_heads: int
+) -> list[tuple[int, int]]:
+    """The (layer, query head) pairs to draw, negative indices resolved.
+
+    Raises:
+        ValueError: a layer or head out of range (the message names the valid range).
+    """
+    bad_layers = [li for li in layers if not -n_layers <= li < n_layers]
+    bad_heads = [h for h in heads if not -n_heads <= h < n_heads]
+    if bad_layers or bad_heads:
+        raise ValueError(
+            f"--layers {bad_layers} / --heads {bad_heads} out of range: this model has "
+            f"{n_layers} layers (-{n_layers}..{n_layers - 1}) and {n_heads} query heads "
+            f"(-{n_heads}..{n_heads - 1})"
+        )
+    return [(li % n_layers, h % n_heads) for li in layers for h in heads]
 
 
 @contextlib.contextmanager
@@ -49,11 +84,7 @@ def capture_attention_inputs(model: torch.nn.Module) -> Iterator[list[dict[str, 
     """
     from fot.models import modeling_fot
 
-    if not any(isinstance(m, modeling_fot.FoTAttention) for m in model.modules()):
-        raise ValueError(
-            f"{type(model).__name__} has no FoTAttention layers: the gates command needs a FoT "
-            "checkpoint (model_type 'fot')"
-        )
+    require_fot(model)
     records: list[dict[str, Any]] = []
     original = modeling_fot.get_attention_functions
 
@@ -113,19 +144,8 @@ def gate_data(
     """
     with capture_attention_inputs(model) as rec:
         model(input_ids=input_ids)
-    n_layers = len(rec)
-    hq = rec[0]["log_fgate"].shape[-1]
-    chosen = []
-    for layer in layers:
-        li = layer % n_layers if -n_layers <= layer < n_layers else None
-        if li is None:
-            raise ValueError(f"layer {layer} out of range for {n_layers} layers")
-        for h in heads:
-            if not -hq <= h < hq:
-                raise ValueError(f"head {h} out of range for {hq} heads")
-            chosen.append((li, h % hq))
     F_maps, A_maps = {}, {}
-    for li, h in chosen:
+    for li, h in chosen_maps(layers, heads, len(rec), rec[0]["log_fgate"].shape[-1]):
         r = rec[li]
         n_rep = r["q"].shape[2] // r["k"].shape[2]
         q, k, lf = r["q"][0, :, h], r["k"][0, :, h // n_rep], r["log_fgate"][0, :, h]
@@ -236,11 +256,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", help=DTYPE_HELP)
 
 
-def _int_list(text: str) -> list[int]:
+def _int_list(text: str, option: str) -> list[int]:
     try:
-        return [int(x) for x in text.split(",") if x.strip()]
+        values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        return parse_int_list(text)
+        raise ValueError(
+            f"{option} {text!r}: expected comma-separated integers like '0,-1'"
+        ) from None
+    if not values:
+        raise ValueError(f"{option} must list at least one index")
+    return values
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -249,8 +274,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     check_out_shared(out, "gates")
     if args.text and args.text_file:
         raise ValueError("give --text or --text-file, not both")
+    layers, heads = _int_list(args.layers, "--layers"), _int_list(args.heads, "--heads")
     if args.text_file:
-        text = Path(args.text_file).read_text(encoding="utf-8", errors="replace")
+        path = Path(args.text_file)
+        if not path.is_file():
+            what = "is a folder" if path.is_dir() else "does not exist"
+            raise FileNotFoundError(f"--text-file {str(path)!r} {what}; pass a text file")
+        text = path.read_text(encoding="utf-8", errors="replace")
     elif args.text:
         text = args.text
     else:
@@ -260,11 +290,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model, tokenizer = load_checkpoint(
         args.checkpoint, device=pick_device(args.device), dtype=args.dtype
     )
+    chosen_maps(layers, heads, require_fot(model), model.config.num_attention_heads)
     write_run_config(out, "gates", vars(args), args.checkpoint)
     ids = [eot_id(tokenizer), *tokenizer.encode(text, add_special_tokens=False)]
     ids = ids[: args.max_tokens]
     x = torch.tensor([ids], device=next(model.parameters()).device)
-    data = gate_data(model, x, _int_list(args.layers), _int_list(args.heads))
+    data = gate_data(model, x, layers, heads)
     tokens = [tokenizer.decode([t]) for t in ids]
     np.savez(
         out / "gates.npz",

@@ -30,6 +30,7 @@ from .common import (
     CONTEXT_LENGTH_KEYS,
     JsonlLog,
     add_run_arguments,
+    check_positions,
     claim_results,
     eot_id,
     greedy_generate,
@@ -226,33 +227,49 @@ def score_example(task: str, prediction: str, example: dict[str, Any]) -> float:
 
 
 def read_jsonl(path: Path, limit: int | None = None) -> list[dict[str, Any]]:
-    """Examples of one task file (first ``limit`` only if given)."""
+    """Examples of one task file (first ``limit`` only if given).
+
+    Raises:
+        ValueError: a line is not a JSON object (the message names the file and line), or the
+            file holds no example.
+    """
     rows = []
     with path.open() as f:
-        for line in f:
-            if line.strip():
-                rows.append(json.loads(line))
-                if limit and len(rows) >= limit:
-                    break
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(
+                    f"{path}:{number} is not valid JSON ({err.msg}); LongBench files hold one "
+                    "JSON object per line"
+                ) from None
+            if not isinstance(row, dict):
+                raise ValueError(
+                    f"{path}:{number} is a JSON {type(row).__name__}, not an object with "
+                    "input, context and answers"
+                )
+            rows.append(row)
+            if limit and len(rows) >= limit:
+                break
+    if not rows:
+        raise ValueError(f"{path} holds no examples; fill it or leave its task out of --tasks")
     return rows
 
 
 def summary_table(scores: dict[str, float]) -> str:
-    """Markdown table in the paper's Table 2 layout (groups, task columns, average)."""
+    """Markdown table in the paper's Table 2 order: task columns, their group, the average."""
     tasks = [t for t in TASKS if t in scores]
-    groups: list[tuple[str, int]] = []
-    for t in tasks:
-        g = TASKS[t].group
-        if groups and groups[-1][0] == g:
-            groups[-1] = (g, groups[-1][1] + 1)
-        else:
-            groups.append((g, 1))
-    head = "| " + " | ".join(f"{g} ({n})" for g, n in groups) + " | |"
-    names = "| " + " | ".join(TASKS[t].name for t in tasks) + " | Avg |"
-    sep = "|" + "---|" * (len(tasks) + 1)
     avg = float(np.mean([scores[t] for t in tasks])) if tasks else float("nan")
-    vals = "| " + " | ".join(f"{scores[t]:.2f}" for t in tasks) + f" | {avg:.2f} |"
-    return "\n".join([head, names, sep, vals])
+    rows = [
+        ["Task", *(TASKS[t].name for t in tasks), "Avg"],
+        ["Group", *(TASKS[t].group for t in tasks), ""],
+        ["Score", *(f"{scores[t]:.2f}" for t in tasks), f"{avg:.2f}"],
+    ]
+    lines = ["| " + " | ".join(cells) + " |" for cells in rows]
+    lines.insert(1, "|" + "---|" * len(rows[0]))
+    return "\n".join(lines)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -287,6 +304,37 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_run_arguments(p)
 
 
+def prompt_budgets(
+    tasks: list[str], model: torch.nn.Module, *, max_length: int | None, bos_tokens: int
+) -> dict[str, int]:
+    """Each task's prompt budget in tokens (BOS excluded), checked before any task runs.
+
+    ``max_length`` when given, else the model's context length minus the task's generation
+    length and the BOS tokens.
+
+    Raises:
+        ValueError: the model names no context length and ``max_length`` is None; a budget
+            below 2 tokens; or prompt + generation past a learned position table.
+    """
+    model_len = model_max_length(model)
+    if max_length is None and model_len is None:
+        raise ValueError(
+            f"the model config has none of {', '.join(CONTEXT_LENGTH_KEYS)}: pass "
+            "--max-length (prompt tokens)"
+        )
+    budgets = {t: max_length or model_len - TASKS[t].max_new_tokens - bos_tokens for t in tasks}
+    short = {t: b for t, b in budgets.items() if b < 2}
+    if short:
+        raise ValueError(
+            f"the model's context length {model_len} leaves no room for the prompts of "
+            + ", ".join(f"{t} ({TASKS[t].max_new_tokens} generated tokens)" for t in short)
+            + "; pass --max-length (prompt tokens) or leave these tasks out of --tasks"
+        )
+    longest = max(budgets[t] + TASKS[t].max_new_tokens for t in tasks) + bos_tokens
+    check_positions(model, longest, "--max-length with the tasks' generation lengths")
+    return budgets
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run ``longbench``; returns ``{task: score}`` (0--100)."""
     from tqdm.auto import tqdm
@@ -294,8 +342,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out = Path(args.out)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     unknown = [t for t in tasks if t not in TASKS]
-    if unknown:
-        raise ValueError(f"unknown LongBench tasks {unknown}; choose from {list(TASKS)}")
+    if unknown or not tasks:
+        raise ValueError(
+            f"--tasks {args.tasks!r}: unknown LongBench tasks {unknown or '(empty list)'}; "
+            f"choose from {list(TASKS)}"
+        )
     data_dir = Path(args.data_dir)
     missing = [t for t in tasks if not (data_dir / f"{t}.jsonl").is_file()]
     if missing:
@@ -303,9 +354,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             f"{data_dir} lacks {[f'{t}.jsonl' for t in missing]}; see "
             "`python -m fot.eval longbench --help` for how to get them"
         )
+    # Every task's examples are read (and checked) before the model loads.
+    examples = {t: read_jsonl(data_dir / f"{t}.jsonl", args.limit) for t in tasks}
     model, tokenizer = load_checkpoint(
         args.checkpoint, device=pick_device(args.device), dtype=args.dtype
     )
+    bos = [] if args.no_bos else [eot_id(tokenizer)]
+    budgets = prompt_budgets(tasks, model, max_length=args.max_length, bos_tokens=len(bos))
     # Predictions are keyed by example id: they resume a run of the same checkpoint and
     # prompts only (other tasks or a larger --limit extend it).
     claim_results(
@@ -324,23 +379,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     write_run_config(out, "longbench", vars(args), args.checkpoint)
     device = next(model.parameters()).device
-    model_len = model_max_length(model)
     eos = tokenizer.eos_token_id
-    bos = [] if args.no_bos else [eot_id(tokenizer)]
     scores: dict[str, float] = {}
     for task in tasks:
-        spec = TASKS[task]
-        budget = args.max_length or (
-            (model_len - spec.max_new_tokens - len(bos)) if model_len else None
-        )
-        if budget is None:
-            raise ValueError(
-                f"the model config has none of {', '.join(CONTEXT_LENGTH_KEYS)}: pass "
-                "--max-length (prompt tokens)"
-            )
-        examples = read_jsonl(data_dir / f"{task}.jsonl", args.limit)
+        spec, budget = TASKS[task], budgets[task]
         log = JsonlLog(out / f"pred_{task}.jsonl")
-        for i, ex in enumerate(tqdm(examples, desc=f"longbench {task}", unit="ex")):
+        for i, ex in enumerate(tqdm(examples[task], desc=f"longbench {task}", unit="ex")):
             key = ex.get("_id", i)
             if log.done(key):
                 continue
@@ -363,9 +407,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     "score": score_example(task, pred, ex),
                 }
             )
-        keys = {str(ex.get("_id", i)) for i, ex in enumerate(examples)}
-        task_scores = [r["score"] for r in log if str(r["key"]) in keys]
-        scores[task] = 100.0 * float(np.mean(task_scores)) if task_scores else float("nan")
+        keys = {str(ex.get("_id", i)) for i, ex in enumerate(examples[task])}
+        scores[task] = 100.0 * float(np.mean([r["score"] for r in log if str(r["key"]) in keys]))
     table = summary_table(scores)
     (out / "scores.json").write_text(json.dumps(scores, indent=2) + "\n")
     (out / "table2.md").write_text(table + "\n")

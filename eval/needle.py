@@ -27,6 +27,7 @@ import argparse
 import contextlib
 import json
 import random
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +40,8 @@ from .common import (
     CONTEXT_LENGTH_HELP,
     JsonlLog,
     add_run_arguments,
+    check_grid,
+    check_positions,
     checkpoint_label,
     claim_results,
     eot_id,
@@ -58,6 +61,10 @@ from .common import (
 MODES = ("easy", "standard", "passkey")
 
 
+def _normalize(text: str) -> str:
+    return " ".join(text.lower().split())
+
+
 @dataclass(frozen=True)
 class Needle:
     """A fact to hide and how to ask for it.
@@ -71,6 +78,21 @@ class Needle:
     answer: str
     question: str
     key_phrases: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        # Without key phrases no answer could score 10 or count as correct; a phrase that is
+        # not in the answer could never be recalled from the needle.
+        if not self.key_phrases:
+            raise ValueError(
+                f"needle {self.answer!r} has no key phrases: name the words a correct answer "
+                "must contain (--key-phrases 'phrase one,phrase two')"
+            )
+        absent = [k for k in self.key_phrases if _normalize(k) not in _normalize(self.answer)]
+        if absent:
+            raise ValueError(
+                f"key phrases {absent} do not appear in the needle {self.answer!r}; take them "
+                "from the needle's own words"
+            )
 
 
 DEFAULT_NEEDLE = Needle(
@@ -231,10 +253,6 @@ def build_prompt(
     )
 
 
-def _normalize(text: str) -> str:
-    return " ".join(text.lower().split())
-
-
 def score_response(
     response: str, reference: str, key_phrases: Sequence[str], *, mode: str = "easy"
 ) -> dict[str, float]:
@@ -255,17 +273,23 @@ def score_response(
     answer = lines[0] if lines else ""
     norm = _normalize(answer)
     if mode == "passkey":
-        found = float(bool(key_phrases) and all(k in answer for k in key_phrases))
+        # the key as a whole number: 12345678 does not contain the key 45678
+        found = float(
+            bool(key_phrases)
+            and all(re.search(rf"(?<!\d){re.escape(k)}(?!\d)", answer) for k in key_phrases)
+        )
         return {
             "score": 1.0 + 9.0 * found,
             "keyphrase_recall": found,
             "rouge_l_recall": found,
             "correct": found,
         }
-    kp = sum(_normalize(k) in norm for k in key_phrases) / len(key_phrases) if key_phrases else 0.0
+    if not key_phrases:
+        raise ValueError("scoring a needle answer needs at least one key phrase")
+    kp = sum(_normalize(k) in norm for k in key_phrases) / len(key_phrases)
     scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=False)
     rouge = scorer.score(reference, answer)["rougeL"].recall if answer else 0.0
-    good = 1.0 if key_phrases and kp == 1.0 else 0.5 * kp + 0.5 * rouge
+    good = 1.0 if kp == 1.0 else 0.5 * kp + 0.5 * rouge
     return {
         "score": round(1.0 + 9.0 * good, 3),
         "keyphrase_recall": kp,
@@ -464,7 +488,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--needle",
         default=None,
-        help="custom needle sentence, with --question (default: the San Francisco needle: "
+        help="custom needle sentence, with --question and --key-phrases (default: the San "
+        "Francisco needle: "
         f"{DEFAULT_NEEDLE.answer!r})",
     )
     p.add_argument(
@@ -475,8 +500,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--key-phrases",
         default=None,
-        help="comma-separated key phrases of a custom needle (default: "
-        f"{','.join(DEFAULT_NEEDLE.key_phrases)} for the default needle, none for a custom one)",
+        help="comma-separated phrases of the needle that a correct answer must contain; "
+        "required with --needle (default needle: "
+        f"{','.join(DEFAULT_NEEDLE.key_phrases)})",
     )
     p.add_argument("--no-bos", action="store_true", help="do not start prompts with BOS")
     p.add_argument(
@@ -495,21 +521,58 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run ``needle``; returns the summary (mean score and accuracy, per length)."""
     out = Path(args.out)
     lengths, depths = parse_int_list(args.lengths), parse_float_list(args.depths)
-    if not lengths or not depths:
-        raise ValueError("--lengths and --depths must each list at least one value")
-    bad = [d for d in depths if not 0.0 <= d <= 100.0]
-    if bad:  # checked before anything is loaded or written
+    # Everything that can be checked without the model is checked before it loads.
+    check_grid(lengths, "--lengths", minimum=2)
+    check_grid(depths, "--depths", minimum=0.0)
+    bad = [d for d in depths if d > 100.0]
+    if bad:
         raise ValueError(f"--depths {args.depths!r}: {bad} outside [0, 100] (percent of haystack)")
     needle = DEFAULT_NEEDLE
-    if args.needle or args.question:
-        if not (args.needle and args.question):
-            raise ValueError("--needle and --question must be given together")
-        keys = tuple(k.strip() for k in (args.key_phrases or "").split(",") if k.strip())
+    if args.needle or args.question or args.key_phrases:
+        if args.mode == "passkey":
+            raise ValueError(
+                "--needle, --question and --key-phrases are for the easy and standard modes; "
+                "passkey mode hides a random key"
+            )
+        if not (args.needle and args.question and args.key_phrases):
+            raise ValueError(
+                "a custom needle takes --needle, --question and --key-phrases together (the "
+                "key phrases are what a correct answer must contain, e.g. --key-phrases "
+                "'sandwich,Dolores Park' for the default needle)"
+            )
+        keys = tuple(k.strip() for k in args.key_phrases.split(",") if k.strip())
         needle = Needle(args.needle, args.question, keys)
+    max_chars = 8 * max(lengths) + 10_000
+    text = (
+        (_PASSKEY_FILLER * (max_chars // len(_PASSKEY_FILLER) + 1))[:max_chars]
+        if (args.mode == "passkey" and not args.haystack)
+        else load_haystack_text(args.haystack, max_chars)
+    )
     model, tokenizer = load_checkpoint(
         args.checkpoint, device=pick_device(args.device), dtype=args.dtype
     )
     max_new_tokens = args.max_new_tokens or (8 if args.mode == "passkey" else 32)
+    check_positions(
+        model,
+        max(lengths) + max_new_tokens - 1,
+        f"--lengths up to {max(lengths)} with --max-new-tokens {max_new_tokens}",
+    )
+    haystack_ids = _encode(tokenizer, text)
+    if not haystack_ids:
+        raise ValueError(f"--haystack {args.haystack} holds no text")
+    bos_id = None if args.no_bos else eot_id(tokenizer)
+    # The shortest length must leave room for a haystack: said before --out is written.
+    build_prompt(
+        tokenizer,
+        haystack_ids,
+        context_length=min(lengths),
+        depth=0.0,
+        mode=args.mode,
+        needle=needle,
+        passkey="00000" if args.mode == "passkey" else None,
+        bos_id=bos_id,
+        snap_tokens=0,
+    )
     # Cells are keyed by (length, depth, repeat): a larger grid extends the saved one, but
     # saved cells resume only a run of the same checkpoint, haystack, needle and generation.
     claim_results(
@@ -531,13 +594,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         restart=args.restart,
     )
     write_run_config(out, "needle", vars(args), args.checkpoint)
-    max_chars = 8 * max(lengths) + 10_000
-    text = (
-        (_PASSKEY_FILLER * (max_chars // len(_PASSKEY_FILLER) + 1))[:max_chars]
-        if (args.mode == "passkey" and not args.haystack)
-        else load_haystack_text(args.haystack, max_chars)
-    )
-    haystack_ids = _encode(tokenizer, text)
     log = JsonlLog(out / f"needle_{args.mode}.jsonl")
     records = run_grid(
         model,
@@ -550,7 +606,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         repeats=args.repeats,
         max_new_tokens=max_new_tokens,
         needle=needle,
-        bos_id=None if args.no_bos else eot_id(tokenizer),
+        bos_id=bos_id,
         seed=args.seed,
     )
     train_length = (

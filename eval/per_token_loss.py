@@ -35,6 +35,7 @@ from .common import (
     CONTEXT_LENGTH_HELP,
     add_run_arguments,
     check_out_shared,
+    check_positions,
     checkpoint_label,
     claim_results,
     eot_id,
@@ -505,6 +506,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             f"{args.checkpoint}'s config names no context length (train_length or "
             "max_position_embeddings): pass --length"
         )
+    check_positions(model, length, f"--length {length}")
     train_length = (
         parse_int_list(args.train_length)[0] if args.train_length else model_max_length(model)
     )

@@ -41,6 +41,19 @@ def make_llama_checkpoint(path: Path, *, max_len: int = 512, seed: int = 0) -> P
     return path
 
 
+def make_gpt2_checkpoint(path: Path, *, n_positions: int = 128) -> Path:
+    """A tiny randomly initialised GPT2LMHeadModel: a learned table of ``n_positions``."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from fot.tokenizer import save_hf_tokenizer
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=VOCAB, n_positions=n_positions, n_embd=16, n_layer=1, n_head=2)
+    GPT2LMHeadModel(cfg).save_pretrained(path)
+    save_hf_tokenizer(path)
+    return path
+
+
 def make_fot_checkpoint(path: Path, *, seed: int = 0, **overrides) -> Path:
     """A tiny randomly initialised FoT (Pro) checkpoint exported for AutoModelForCausalLM."""
     import fot.presets as presets

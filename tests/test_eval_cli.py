@@ -283,6 +283,20 @@ def test_gates_cli(ckpts, tmp_path):
     assert np.all(np.triu(F, 1) == 0) and np.all(np.triu(A, 1) == 0)
     np.testing.assert_allclose(A.sum(-1), 1.0, rtol=1e-5)
     assert (out / "gates.png").stat().st_size > 1000
+    # Bad choices are named before anything is written.
+    for argv, error, message in (
+        (["--layers", "2"], ValueError, r"--layers \[2\] / --heads \[\] out of range: .* 2 layers"),
+        (["--heads", "0,x"], ValueError, "--heads '0,x': expected comma-separated integers"),
+        (
+            ["--text-file", str(tmp_path / "none.txt")],
+            FileNotFoundError,
+            "--text-file .* not exist",
+        ),
+    ):
+        bad = tmp_path / "bad"
+        with pytest.raises(error, match=message):
+            main(["gates", str(ckpts["fot"]), *argv, "--out", str(bad), "--device", "cpu"])
+        assert not bad.exists()
     with pytest.raises(ValueError, match="FoTAttention"):
         main(
             [

@@ -79,6 +79,25 @@ def test_scorer_rates_known_answers():
     assert score_response("\n\nno idea\nsandwich Dolores Park", ref, keys)["score"] < 10.0
     assert score_response(" 48213. Done", "48213", ("48213",), mode="passkey")["score"] == 10.0
     assert score_response(" 48231", "48213", ("48213",), mode="passkey")["score"] == 1.0
+    # the key as a whole number, not a substring of a longer one
+    assert score_response(" 12345678", "45678", ("45678",), mode="passkey")["score"] == 1.0
+    assert score_response(" key 45678.", "45678", ("45678",), mode="passkey")["score"] == 10.0
+
+
+def test_custom_needle_scores_by_its_key_phrases():
+    from fot.eval.needle import Needle
+
+    needle = Needle(
+        "The vault code is kept under the blue lamp.", "Where is the code?", ("blue lamp",)
+    )
+    perfect = score_response(" Under the blue lamp.", needle.answer, needle.key_phrases)
+    assert perfect["score"] == 10.0 and perfect["correct"] == 1.0
+    with pytest.raises(ValueError, match="no key phrases"):
+        Needle("The vault code is kept under the blue lamp.", "Where is the code?")
+    with pytest.raises(ValueError, match=r"\['red lamp'\] do not appear"):
+        Needle("The vault code is kept under the blue lamp.", "Where?", ("red lamp",))
+    with pytest.raises(ValueError, match="at least one key phrase"):
+        score_response(" Under the blue lamp.", needle.answer, ())
 
 
 def test_heatmap_is_written(tmp_path):

@@ -5,6 +5,7 @@ status. Each error must name the problem and the fix, and lose no results."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -227,3 +228,106 @@ def test_lm_eval_unknown_task_is_named_before_the_model_loads(tmp_path, monkeypa
     with pytest.raises(ValueError, match=r"knows no task \['nosuchtask'\]"):
         main(["lm-eval", str(tmp_path / "missing"), "--tasks", "nosuchtask", "--list-datasets",
               "--out", str(tmp_path / "o")])  # fmt: skip
+
+
+def test_a_learned_position_table_is_a_limit_named_before_the_evaluation(tmp_path):
+    """GPT-2-style models index a table of n_positions: past it they crash with an IndexError
+    deep inside (the oracle below). Every command that feeds long inputs says so up front."""
+    from eval_helpers import make_gpt2_checkpoint
+
+    from fot.eval.common import check_positions, load_checkpoint, position_table
+
+    ckpt = make_gpt2_checkpoint(tmp_path / "gpt2", n_positions=128)
+    model, _ = load_checkpoint(ckpt, device="cpu", dtype="float32")
+    model(torch.zeros(1, 128, dtype=torch.long))  # the whole table is usable
+    with pytest.raises(IndexError):
+        model(torch.zeros(1, 129, dtype=torch.long))
+    assert position_table(model) == (128, "transformer.wpe")
+    check_positions(model, 128, "--length 128")
+    llama, _ = load_checkpoint(make_llama_checkpoint(tmp_path / "llama", max_len=64), device="cpu")
+    assert position_table(llama) is None  # rotary: no table, longer inputs run
+    data = tmp_path / "lb"
+    data.mkdir()
+    (data / "trec.jsonl").write_text(
+        json.dumps({"_id": "t", "input": "q", "context": "c", "answers": ["a"]}) + "\n"
+    )
+    for argv in (
+        ["per-token-loss", "--length", "256"],
+        ["needle", "--lengths", "64,120", "--max-new-tokens", "16"],  # 120 + 16 - 1 > 128
+        ["forgetting-curve", "--lengths", "64,256", "--repeats", "1"],
+        ["longbench", "--data-dir", str(data), "--tasks", "trec", "--max-length", "100"],
+    ):
+        out = tmp_path / argv[0]
+        with pytest.raises(ValueError, match=r"learned position table \(transformer\.wpe\) of 128"):
+            main([argv[0], str(ckpt), *argv[1:], "--device", "cpu", "--out", str(out)])
+        assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "error", "message"),
+    [
+        (["--needle", "The cat sat.", "--question", "Who sat?"], ValueError, "--key-phrases"),
+        (["--key-phrases", "sandwich"], ValueError, "--needle, --question and --key-phrases"),
+        (["--needle", "The cat sat.", "--question", "Who?", "--key-phrases", "dog"], ValueError,
+         r"\['dog'\] do not appear in the needle"),
+        (["--mode", "passkey", "--needle", "x", "--question", "y", "--key-phrases", "x"],
+         ValueError, "passkey mode hides a random key"),
+        (["--lengths", "1k,1024"], ValueError, "--lengths lists 1024 more than once"),
+        (["--lengths", "0,64"], ValueError, "--lengths: 0 below"),
+        (["--depths", "50,50"], ValueError, "--depths lists 50 more than once"),
+        (["--haystack", "/no/such/books"], FileNotFoundError, "--haystack '/no/such/books'"),
+    ],
+    ids=["no-key-phrases", "key-phrases-alone", "phrase-not-in-needle", "passkey-needle",
+         "repeated-length", "zero-length", "repeated-depth", "missing-haystack"],
+)  # fmt: skip
+def test_needle_inputs_are_checked_before_the_model_loads(tmp_path, argv, error, message):
+    out = tmp_path / "o"
+    with pytest.raises(error, match=message):
+        main(["needle", str(tmp_path / "missing"), *argv, "--out", str(out)])
+    assert not out.exists()
+
+
+def test_inputs_known_only_with_the_model_leave_no_out_folder(llama, tmp_path):
+    out = tmp_path / "o"
+    with pytest.raises(ValueError, match="no room for a haystack"):
+        main(["needle", str(llama), "--lengths", "8", "--device", "cpu", "--out", str(out)])
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "error", "message"),
+    [
+        (["--lengths", "4,64"], ValueError, "--lengths: 4 below the smallest allowed value 6"),
+        (["--lengths", "64,64"], ValueError, "--lengths lists 64 more than once"),
+        (["--data", "/no/such/data"], FileNotFoundError, "/no/such/data"),
+    ],
+    ids=["too-short", "repeated", "missing-data"],
+)
+def test_forgetting_curve_inputs_are_checked_before_the_model_loads(tmp_path, argv, error, message):
+    out = tmp_path / "o"
+    with pytest.raises(error, match=message):
+        main(["forgetting-curve", str(tmp_path / "missing"), *argv, "--out", str(out)])
+    assert not out.exists()
+
+
+def test_longbench_bad_task_files_and_budgets_are_named_before_any_task_runs(tmp_path):
+    data = tmp_path / "lb"
+    data.mkdir()
+    example = {"_id": "q0", "input": "Q?", "context": "ctx", "answers": ["a"]}
+    (data / "hotpotqa.jsonl").write_text(json.dumps(example) + "\n")
+    (data / "trec.jsonl").write_text(json.dumps(example) + "\n" + '{"_id": "q1", "input"\n')
+    (data / "samsum.jsonl").write_text("\n")
+    out = tmp_path / "o"
+    missing = str(tmp_path / "missing")
+    base = ["longbench", missing, "--data-dir", str(data), "--out", str(out), "--tasks"]
+    with pytest.raises(ValueError, match=re.escape(f"{data / 'trec.jsonl'}:2 is not valid JSON")):
+        main([*base, "hotpotqa,trec"])
+    with pytest.raises(ValueError, match=re.escape(f"{data / 'samsum.jsonl'} holds no examples")):
+        main([*base, "hotpotqa,samsum"])
+    # A 64-token model: hotpotqa (32 generated tokens) fits, narrativeqa (128) does not; the
+    # second task is refused before the first one runs.
+    (data / "narrativeqa.jsonl").write_text(json.dumps(example) + "\n")
+    short = make_llama_checkpoint(tmp_path / "short", max_len=64)
+    with pytest.raises(ValueError, match=r"context length 64 leaves no room .* narrativeqa \(128"):
+        main(["longbench", str(short), *base[2:], "hotpotqa,narrativeqa", "--device", "cpu"])
+    assert not out.exists()

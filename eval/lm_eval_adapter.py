@@ -697,8 +697,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "the spelling (`lm_eval ls tasks` lists them) or pass the folder of your task YAMLs "
             "with --include-path"
         )
-    for t in tasks:  # a YAML file without a usable task name: before the model is loaded
-        task_name(t)
+    names = [task_name(t) for t in tasks]  # a YAML file without a usable name: said now
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:  # one would be skipped as already done
+        raise ValueError(
+            f"--tasks {args.tasks!r} names the task(s) {repeated} more than once (a YAML file "
+            "counts under its `task:` name); list each task once"
+        )
     check_local_data_files(tm, tasks)
     if args.list_datasets:  # what to download: works before --dataset-root exists
         paths = _task_dataset_paths(tm, tasks)

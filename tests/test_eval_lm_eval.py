@@ -191,3 +191,8 @@ def test_empty_task_data_file_is_named_before_the_model_loads(setup, tmp_path):
             ]
         )
     assert not (tmp_path / "o").exists()
+    twice = f"fot_toy_mc,{root / 'tasks' / 'fot_toy_mc.yaml'}"
+    with pytest.raises(ValueError, match=r"names the task\(s\) \['fot_toy_mc'\] more than once"):
+        main(["lm-eval", str(tmp_path / "no_ckpt"), "--tasks", twice, "--include-path",
+              str(root / "tasks"), "--out", str(tmp_path / "o")])  # fmt: skip
+    assert not (tmp_path / "o").exists()

@@ -528,3 +528,20 @@ def test_prepare_hf_text_loader_warns_that_lines_become_documents(tmp_path, caps
     assert "every line of the files a document" in capsys.readouterr().err
     assert main([str(f), "--out", str(tmp_path / "tok")]) == 0
     assert _decoded(tmp_path / "tok") == ["# Title\nbody line\n"]
+
+
+def test_prepare_max_docs_counts_written_documents_and_reads_no_further(tmp_path, capsys) -> None:
+    """--max-docs N writes the first N non-empty documents and never reads row N+1 (a bad row
+    there is not an error); 0 is a usage error, not 'the inputs hold 0 documents'."""
+    from fot.data.prepare import main
+
+    f = tmp_path / "docs.jsonl"
+    rows = [{"text": ""}, {"text": "one"}, {"text": "two"}, {"body": "not reached"}]
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main([str(f), "--out", str(tmp_path / "tok"), "--max-docs", "2"]) == 0
+    assert _decoded(tmp_path / "tok") == ["one", "two"]
+    with pytest.raises(SystemExit) as exit_:
+        main([str(f), "--out", str(tmp_path / "tok0"), "--max-docs", "0"])
+    assert exit_.value.code == 2
+    assert "argument --max-docs: expected an integer >= 1, got '0'" in capsys.readouterr().err
+    assert not (tmp_path / "tok0").exists()

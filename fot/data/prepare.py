@@ -206,9 +206,15 @@ def iter_hf_texts(
 def tokenize(
     texts: Iterator[str], *, batch: int = 256, max_docs: int | None = None
 ) -> Iterator[np.ndarray]:
-    """GPT-2 token ids (uint16) of each text, without BOS/EOT; empty texts are skipped."""
+    """GPT-2 token ids (uint16) of each text, without BOS/EOT; empty texts are skipped.
+
+    ``max_docs`` counts the documents yielded (empty texts do not count); no text past the
+    last one is read.
+    """
     from fot.tokenizer import get_encoding
 
+    if max_docs is not None and max_docs < 1:
+        raise ValueError(f"--max-docs must be >= 1 (or left out for all), got {max_docs}")
     enc = get_encoding()
     buf: list[str] = []
 
@@ -218,12 +224,16 @@ def tokenize(
                 yield np.asarray(ids, dtype=np.uint16)
         buf.clear()
 
-    for done, text in enumerate(texts):
-        if max_docs is not None and done >= max_docs:
-            break
+    kept = 0
+    for text in texts:
+        if not text:  # tokenizes to nothing; any other text has at least one token
+            continue
         buf.append(text)
+        kept += 1
         if len(buf) >= batch:
             yield from flush()
+        if max_docs is not None and kept >= max_docs:
+            break
     yield from flush()
 
 
@@ -337,6 +347,17 @@ def prepare(
     return stats
 
 
+def _positive_int(text: str) -> int:
+    """An ``argparse`` type: an integer >= 1 (argparse names the option in its error)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point."""
     ap = argparse.ArgumentParser(
@@ -368,7 +389,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--split", default="train", help="HF split (default train)")
     ap.add_argument("--streaming", action="store_true", help="stream the HF dataset")
     ap.add_argument("--data-files", nargs="*", help="data_files for the HF loader")
-    ap.add_argument("--max-docs", type=int, help="stop after this many documents")
+    ap.add_argument(
+        "--max-docs", type=_positive_int, help="stop after this many non-empty documents"
+    )
     ap.add_argument("--heldout-every", type=int, default=0, help="hold out every K-th document")
     ap.add_argument("--heldout-out", help="token folder for the held-out documents")
     args = ap.parse_args(argv)

@@ -22,6 +22,7 @@ from fot.training.checkpoint import interrupted_message
 from fot.training.config import (
     check_multirun_out_dir,
     multirun_out_dir_problem,
+    out_dir_file_problem,
     register_configs,
     unknown_group_option,
     unknown_override_key,
@@ -76,6 +77,7 @@ if __name__ == "__main__":
     if not more_configs:
         problems += [unknown_group_option(arg, configs) for arg in sys.argv[1:]]
     problems.append(multirun_out_dir_problem(sys.argv[1:]))  # before Hydra makes the sweep folder
+    problems.append(out_dir_file_problem(sys.argv[1:]))  # before Hydra makes the run folder
     for problem in problems:
         if problem is not None:
             print(f"train.py: error: {problem}", file=sys.stderr)

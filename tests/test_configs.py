@@ -297,6 +297,13 @@ def test_mul_resolver_refuses_non_integers() -> None:
         (["val_micro_batch_size=-2"], "val_micro_batch_size=-2 must be >= 1"),
         (["resume=/no/such/path"], "resume=/no/such/path is no folder.*resume=never"),
         (["model=mamba2", "device=cpu"], "model=mamba2 .* need a CUDA GPU"),
+        (["optim.lr=-1"], r"optim.lr must be > 0, got -1"),
+        (["optim.betas=[0.9]"], r"optim.betas must be two numbers in \[0, 1\)"),
+        (["optim.eps=0"], "optim.eps must be > 0"),
+        (["optim.weight_decay=-0.1"], "optim.weight_decay must be >= 0"),
+        (["optim.grad_clip=-1"], "optim.grad_clip=0 for no clipping"),
+        (["schedule.min_lr_ratio=2"], r"schedule.min_lr_ratio=2.0 must be in \[0, 1\]"),
+        (["schedule.name=cosine"], "schedule.name='cosine' is not one of"),
     ],
 )
 def test_check_config_refuses_bad_values_with_the_fix(
@@ -361,6 +368,18 @@ def test_multirun_out_dir_is_checked_on_the_command_line(argv, refused) -> None:
     assert (problem is not None) == refused
     if refused:
         assert problem.startswith("out_dir=/runs/sweep with -m") and "hydra.sweep.dir" in problem
+
+
+def test_out_dir_that_is_or_lies_under_a_file_is_refused_on_the_command_line(tmp_path) -> None:
+    from fot.training.config import out_dir_file_problem
+
+    f = tmp_path / "notes.txt"
+    f.write_text("keep me")
+    assert out_dir_file_problem([f"out_dir={f}"]).startswith(f"out_dir={f} is a file")
+    problem = out_dir_file_problem(["optim.lr=1", f"hydra.run.dir={f}/run"])
+    assert problem.startswith(f"hydra.run.dir={f}/run lies under the file {f}")
+    for ok in ([f"out_dir={tmp_path}"], [f"out_dir={tmp_path}/new/run"], ["out_dir=null"], []):
+        assert out_dir_file_problem(ok) is None
 
 
 def test_ddp_without_torchrun_is_refused_before_the_run_starts() -> None:

@@ -135,6 +135,18 @@ def test_resume_after_sigkill_is_bit_identical(tmp_path, reference_run) -> None:
     assert _losses(out) == reference_run  # exact float equality, every step
 
 
+def test_out_dir_that_is_a_file_is_a_one_line_error_and_the_file_is_kept(tmp_path) -> None:
+    f = tmp_path / "notes.txt"
+    f.write_text("keep me")
+    proc = _run_script([sys.executable, str(ROOT / "train.py"), f"out_dir={f}"], cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip() == (
+        f"train.py: error: out_dir={f} is a file, not a folder; choose a new folder for the run "
+        "(or an earlier run's folder, to resume it)"
+    )
+    assert f.read_text() == "keep me"
+
+
 def test_kill_during_checkpoint_write_resumes_from_previous(tmp_path, reference_run) -> None:
     out = tmp_path / "run"
     proc = _run_script(

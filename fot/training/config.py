@@ -265,6 +265,9 @@ def check_config(cfg: DictConfig) -> list[str]:
     import os
     from pathlib import Path
 
+    from fot.training.optim import check_optim
+
+    check_optim(cfg.optim, cfg.schedule)
     if int(cfg.seed) < 0:
         raise ValueError(
             f"seed={cfg.seed} is negative; use a seed >= 0 (there is no 'random seed' value: "
@@ -360,6 +363,31 @@ def multirun_out_dir_problem(argv: list[str]) -> str | None:
         key, _, value = arg.lstrip("+").partition("=")
         if key == "out_dir" and value not in ("", "null") and "${" not in value:
             return _shared_out_dir_message(value)
+    return None
+
+
+def out_dir_file_problem(argv: list[str]) -> str | None:
+    """The refusal of an ``out_dir=`` (or ``hydra.run.dir=``) that is, or lies under, a file,
+    before Hydra tries to make it its run folder (a ``FileExistsError`` traceback otherwise);
+    ``None`` when there is no such override or it can be a folder.
+
+    Args:
+        argv: the command-line arguments after the script name.
+    """
+    from pathlib import Path
+
+    for arg in argv:
+        key, _, value = arg.lstrip("+").partition("=")
+        if key not in ("out_dir", "hydra.run.dir") or value in ("", "null") or "${" in value:
+            continue
+        path = Path(value).expanduser()
+        blocker = next((p for p in (path, *path.parents) if p.exists()), None)
+        if blocker is not None and not blocker.is_dir():
+            where = "is a file" if blocker == path else f"lies under the file {blocker}"
+            return (
+                f"{key}={value} {where}, not a folder; choose a new folder for the run (or an "
+                "earlier run's folder, to resume it)"
+            )
     return None
 
 

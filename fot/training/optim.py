@@ -41,6 +41,43 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
+def check_optim(cfg: OptimConfig, schedule: ScheduleConfig | None = None) -> None:
+    """Refuse optimizer and schedule values that AdamW or the schedule would misuse.
+
+    Called by :func:`fot.training.config.check_config` before anything is built, and by
+    :func:`build_optimizer`.
+
+    Raises:
+        ValueError: naming the bad value and the valid range.
+    """
+    if cfg.name != "adamw":
+        raise ValueError(f"optim.name={cfg.name!r} is not supported; valid: ['adamw']")
+    if len(cfg.betas) != 2 or not all(0.0 <= b < 1.0 for b in cfg.betas):
+        raise ValueError(f"optim.betas must be two numbers in [0, 1), got {list(cfg.betas)}")
+    if cfg.lr <= 0:
+        raise ValueError(f"optim.lr must be > 0, got {cfg.lr}")
+    if cfg.eps <= 0:
+        raise ValueError(f"optim.eps must be > 0 (e.g. 1e-8), got {cfg.eps}")
+    if cfg.weight_decay < 0:
+        raise ValueError(f"optim.weight_decay must be >= 0 (0: none), got {cfg.weight_decay}")
+    if cfg.grad_clip < 0:
+        raise ValueError(
+            f"optim.grad_clip={cfg.grad_clip} is negative; use optim.grad_clip=0 for no "
+            "clipping, or the largest global gradient norm to allow"
+        )
+    if schedule is not None:
+        if schedule.name not in SCHEDULES:
+            raise ValueError(
+                f"schedule.name={schedule.name!r} is not one of {list(SCHEDULES)} (or pick "
+                "the group: schedule=warmup_linear)"
+            )
+        if not 0.0 <= schedule.min_lr_ratio <= 1.0:
+            raise ValueError(
+                f"schedule.min_lr_ratio={schedule.min_lr_ratio} must be in [0, 1]: the final "
+                "learning rate as a fraction of optim.lr"
+            )
+
+
 def build_optimizer(
     model: nn.Module, cfg: OptimConfig, *, device: torch.device, capturable: bool = False
 ) -> torch.optim.Optimizer:
@@ -52,12 +89,7 @@ def build_optimizer(
         device: where the parameters live (the fused kernel is used on CUDA by default).
         capturable: whether a CUDA graph may capture ``step()`` (for ``parallel.cuda_graphs``).
     """
-    if cfg.name != "adamw":
-        raise ValueError(f"optim.name={cfg.name!r} is not supported; valid: ['adamw']")
-    if len(cfg.betas) != 2 or not all(0.0 <= b < 1.0 for b in cfg.betas):
-        raise ValueError(f"optim.betas must be two numbers in [0, 1), got {list(cfg.betas)}")
-    if cfg.lr <= 0:
-        raise ValueError(f"optim.lr must be > 0, got {cfg.lr}")
+    check_optim(cfg)
     fused = cfg.fused if cfg.fused is not None else device.type == "cuda"
     return torch.optim.AdamW(
         param_groups(model, cfg.weight_decay),

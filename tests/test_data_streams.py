@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -545,3 +546,79 @@ def test_prepare_max_docs_counts_written_documents_and_reads_no_further(tmp_path
     assert exit_.value.code == 2
     assert "argument --max-docs: expected an integer >= 1, got '0'" in capsys.readouterr().err
     assert not (tmp_path / "tok0").exists()
+
+
+def test_prepare_refuses_output_folders_that_would_delete_each_other(tmp_path, capsys) -> None:
+    """One output inside the other (or inside any token folder, or under a file) is refused
+    before anything is written: replacing the outer folder would delete the inner one."""
+    from fot.data.prepare import main, prepare
+
+    tok, held = tmp_path / "tok", tmp_path / "held"
+    prepare(iter([np.arange(3, dtype=np.uint16)] * 4), tok, heldout_every=2, heldout_out=held)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    (tmp_path / "notes.txt").write_text("not a folder")
+    src = tmp_path / "a.txt"
+    src.write_text("one document")
+    cases = [
+        (["--out", str(tmp_path / "new"), "--heldout-every", "2", "--heldout-out",
+          str(tmp_path / "new" / "h")], "lie one inside the other"),
+        (["--out", str(held / "train"), "--heldout-every", "2", "--heldout-out", str(held)],
+         f"lies inside the token folder {held}"),
+        (["--out", str(tok / "nested")], f"lies inside the token folder {tok}"),
+        (["--out", str(tmp_path / "notes.txt" / "x")], "lies under the file"),
+    ]  # fmt: skip
+    for args, want in cases:
+        assert main([str(src), *args]) == 2
+        assert want in capsys.readouterr().err
+    src.unlink()
+    after = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    assert after == sorted([*before, Path("notes.txt")])
+    assert _decoded(tok) == [_decoded(held)[0]] * 2  # both folders intact
+
+
+def test_prepare_reads_a_file_named_twice_once(tmp_path, capsys) -> None:
+    """A folder, a pattern over it and a symbolic link to one of its files: each file is one
+    document, once (a copy would also leak between training and held-out documents)."""
+    from fot.data.prepare import main
+
+    corpus = tmp_path / "corpus"
+    (corpus / "sub").mkdir(parents=True)
+    texts = {"a.txt": "alpha", "b.txt": "beta", "sub/c.txt": "gamma"}
+    for name, text in texts.items():
+        (corpus / name).write_text(text)
+    (corpus / "link.txt").symlink_to(corpus / "a.txt")
+    (corpus / "dangling.txt").symlink_to(tmp_path / "missing.txt")
+    args = [str(corpus), f"{corpus}/*.txt", str(corpus / "b.txt"), "--out", str(tmp_path / "tok")]
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert sorted(_decoded(tmp_path / "tok")) == sorted(texts.values())
+    assert "were named more than once" in err and "broken symbolic link(s)" in err
+    with pytest.raises(SystemExit):
+        main([str(corpus), "--out", str(tmp_path / "t2"), "--data-files", "x.csv"])
+    assert "--data-files: for --hf datasets only" in capsys.readouterr().err
+    assert not (tmp_path / "t2").exists()
+
+
+def test_prepare_stopped_by_sigterm_leaves_no_temporary_folder(tmp_path) -> None:
+    """`timeout`, Slurm and Docker stop a job with SIGTERM: handled like Ctrl-C."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    line = json.dumps({"text": "The quick brown fox jumps over the lazy dog. " * 200}) + "\n"
+    (tmp_path / "big.jsonl").write_text(line * 10_000)  # ~90 MB of text: ~10 s to tokenize
+    out = tmp_path / "tok"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fot.data.prepare", str(tmp_path / "big.jsonl"), "--out", str(out)],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 120
+    while not _hidden(tmp_path) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)  # until the temporary folder exists: the run is writing
+    assert _hidden(tmp_path), "the run never started writing"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "was not replaced" in err, err[-2000:]
+    assert _hidden(tmp_path) == [] and not out.exists()

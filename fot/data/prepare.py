@@ -12,9 +12,11 @@ Inputs, one document each:
   files are read this way (``--hf csv --data-files a.csv``), never as plain text.
 
 Text that is not valid UTF-8 is read with U+FFFD for the bad bytes and a warning naming the
-file. Empty documents are skipped; a run that would write no training document (or, with
-``--heldout-every``, no held-out one) fails and leaves existing folders as they were, as does
-an error or Ctrl-C part way.
+file. A file named more than once (by a folder and a pattern, or through a symbolic link) is
+read once, with a warning. Empty documents are skipped; a run that would write no training
+document (or, with ``--heldout-every``, no held-out one) fails and leaves existing folders as
+they were, as does an error, Ctrl-C or SIGTERM part way. Output folders may not lie inside
+each other or inside another token folder.
 
 Documents are tokenized with the GPT-2 tokenizer (``fot.tokenizer.get_encoding()``, offline)
 without BOS/EOT (the training readers insert one ``<|endoftext|>`` before each document) and
@@ -36,6 +38,7 @@ import glob as globmod
 import json
 import os
 import shutil
+import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -86,13 +89,21 @@ def _expand_inputs(inputs: list[str]) -> list[Path]:
     paths: list[Path] = []
     for item in inputs:
         p = Path(item).expanduser()
-        if p.exists() or p.is_symlink():
+        if p.is_symlink() and not p.exists():
+            raise FileNotFoundError(
+                f"input {p} is a broken symbolic link (to {os.readlink(p)}); point it at an "
+                "existing file or leave it out"
+            )
+        if p.exists():
             paths.append(p)
         elif _GLOB_CHARS & set(item):
             matches = sorted(globmod.glob(str(p), recursive=True))
             if not matches:
                 raise FileNotFoundError(f"input pattern {item!r} matches no file or folder")
-            paths.extend(Path(m) for m in matches)
+            broken = [m for m in matches if not os.path.exists(m)]  # broken symbolic links
+            if broken:
+                _warn(f"{len(broken)} broken symbolic link(s) matching {item!r} skipped")
+            paths.extend(Path(m) for m in matches if m not in broken)
         else:
             raise FileNotFoundError(f"input {p} does not exist")
     return paths
@@ -152,9 +163,15 @@ def iter_texts(
             file and line number).
     """
     globs = [glob] if isinstance(glob, str) else list(glob)
+    seen: set[Path] = set()  # a file named twice (folder + pattern, symlink) is read once
+    repeated = 0
     for p in _expand_inputs(inputs):
         if p.is_dir():
-            files = sorted({f for g in globs for f in p.rglob(g) if f.is_file()})
+            matched = {f for g in globs for f in p.rglob(g)}
+            broken = sorted(f for f in matched if f.is_symlink() and not f.exists())
+            if broken:
+                _warn(f"{len(broken)} broken symbolic link(s) under {p} skipped (e.g. {broken[0]})")
+            files = sorted(f for f in matched if f.is_file())
             if not files:
                 raise FileNotFoundError(
                     f"no files matching {' or '.join(map(repr, globs))} under {p}; change "
@@ -164,6 +181,11 @@ def iter_texts(
         else:
             files = [p]
         for f in files:
+            real = f.resolve()
+            if real in seen:
+                repeated += 1
+                continue
+            seen.add(real)
             if f.suffix.lower() == ".jsonl":
                 yield from _jsonl_texts(f, text_field)
             elif f.suffix.lower() in STRUCTURED_SUFFIXES:
@@ -176,6 +198,11 @@ def iter_texts(
                 )
             else:
                 yield _decode(f.read_bytes(), str(f))
+    if repeated:
+        _warn(
+            f"{repeated} input file(s) were named more than once (by a folder and a pattern, "
+            "overlapping patterns or a symbolic link) and were read once"
+        )
 
 
 def iter_hf_texts(
@@ -237,21 +264,38 @@ def tokenize(
     yield from flush()
 
 
+def _absolute(path: str | Path) -> Path:
+    """``path`` made absolute, ``~`` expanded and ``.``/``..`` collapsed (symlinks kept)."""
+    return Path(os.path.abspath(Path(path).expanduser()))
+
+
+def _token_folder_format(p: Path) -> object:
+    """The ``format`` in ``p/meta.json`` (``FORMAT`` for a token folder), else None."""
+    try:
+        return json.loads((p / "meta.json").read_text()).get("format") if p.is_dir() else None
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def _check_replaceable(path: str | Path, flag: str) -> None:
     """Refuse an output path that exists and is not a token folder (it would be deleted).
 
     Raises:
         ValueError: ``path`` is a file, or a folder without a ``fot-tokens`` ``meta.json``.
     """
-    p = Path(path).expanduser()
+    p = _absolute(path)
+    blocker = next((a for a in p.parents if a.exists() and not a.is_dir()), None)
+    if blocker is not None:
+        raise ValueError(f"{flag} {p} lies under the file {blocker}; choose a folder path")
+    inside = next((a for a in p.parents if _token_folder_format(a) == FORMAT), None)
+    if inside is not None:
+        raise ValueError(
+            f"{flag} {p} lies inside the token folder {inside}, which is deleted whenever that "
+            "folder is replaced; choose a folder outside it"
+        )
     if not p.exists() and not p.is_symlink():
         return
-    meta = p / "meta.json"
-    try:
-        fmt = json.loads(meta.read_text()).get("format") if p.is_dir() else None
-    except (OSError, ValueError, AttributeError):
-        fmt = None
-    if fmt != FORMAT:
+    if _token_folder_format(p) != FORMAT:
         raise ValueError(
             f"{flag} {p} exists and is not a token folder; it would be replaced, and everything "
             f"in it deleted. Choose a new folder for {flag} (an existing token folder is "
@@ -293,10 +337,17 @@ def prepare(
     _check_replaceable(out, "--out")
     if heldout_out is not None:
         _check_replaceable(heldout_out, "--heldout-out")
-        if Path(heldout_out).expanduser().resolve() == Path(out).expanduser().resolve():
+        out_r, held_r = Path(out).expanduser().resolve(), Path(heldout_out).expanduser().resolve()
+        if out_r == held_r:
             raise ValueError(
                 f"--heldout-out and --out are the same folder ({out}): the held-out documents "
                 "would replace the training ones; give --heldout-out a folder of its own"
+            )
+        if out_r in held_r.parents or held_r in out_r.parents:
+            raise ValueError(
+                f"--out {out} and --heldout-out {heldout_out} lie one inside the other: "
+                "replacing the outer folder deletes the inner one; give them separate folders "
+                "(e.g. data/corpus and data/corpus_heldout)"
             )
     held: list[np.ndarray] = []
 
@@ -325,7 +376,7 @@ def prepare(
     # The training folder is staged under a hidden name and moved to `out` only after the
     # held-out folder is written, so an error or Ctrl-C never pairs a new training folder
     # with an old held-out one (whose documents could overlap it).
-    out_p = Path(out).expanduser()
+    out_p = _absolute(out)  # `--out .` gets a name to stage the new folder beside
     staged = out_p.with_name(f".{out_p.name}.new-{os.getpid()}") if heldout_every else out_p
     try:
         tr = write_token_documents(staged, train_docs(), source=source)
@@ -337,7 +388,7 @@ def prepare(
         }
         if heldout_every:
             hv = write_token_documents(
-                Path(heldout_out).expanduser(), held, source=source, heldout_every=heldout_every
+                _absolute(heldout_out), held, source=source, heldout_every=heldout_every
             )
             stats.update(heldout_docs=len(hv), heldout_tokens=hv.num_tokens)
             replace_folder(staged, out_p)
@@ -345,6 +396,10 @@ def prepare(
         if staged != out_p:
             shutil.rmtree(staged, ignore_errors=True)
     return stats
+
+
+def _raise_keyboard_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def _positive_int(text: str) -> int:
@@ -397,6 +452,17 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if bool(args.inputs) == bool(args.hf):
         ap.error("give either input files/folders or --hf (not both, not neither)")
+    hf_only = {
+        "--hf-name": args.hf_name is not None,
+        "--split": args.split != "train",
+        "--streaming": args.streaming,
+        "--data-files": args.data_files is not None,
+    }
+    if args.inputs and any(hf_only.values()):
+        ap.error(
+            f"{', '.join(k for k, v in hf_only.items() if v)}: for --hf datasets only, not for "
+            "input files (for local .csv/.parquet/.json: --hf csv --data-files FILE)"
+        )
     if args.hf:
         texts = iter_hf_texts(
             args.hf,
@@ -410,6 +476,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         texts = iter_texts(args.inputs, glob=args.glob or ["*.txt"], text_field=args.text_field)
         source = ",".join(args.inputs)
+    # `timeout`, Slurm and Docker stop with SIGTERM: clean up as for Ctrl-C (no temp folders).
+    previous = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     try:
         stats = prepare(
             tokenize(texts, max_docs=args.max_docs),
@@ -427,6 +495,8 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print(json.dumps({"out": str(args.out), **stats}))
     return 0
 

@@ -342,18 +342,21 @@ def test_hf_loader_tokenizes_with_gpt2(tmp_path) -> None:
 
     texts = [f"Row {i}: the quick brown fox jumps over the lazy dog." for i in range(12)]
     files = _jsonl(tmp_path / "d.jsonl", texts)
-    cfg = OmegaConf.structured(
-        DataConfig(kind="hf", path="json", hf_data_files=[files], seq_len=16, val_tokens=0)
-    )
-    train_src, val_src = build_sources(cfg)
-    assert val_src is None
     enc = get_encoding()
     oracle = PackedSource.from_documents(
         [np.array(enc.encode_ordinary(t), np.uint16) for t in texts], 16
     )
-    got, want = train_src.read(0, 10), oracle.read(0, 10)
-    np.testing.assert_array_equal(got[0], want[0])
-    np.testing.assert_array_equal(got[1], want[1])
+    want = oracle.read(0, 10)
+    # one file as a string (the natural command line, data.hf_data_files=/data/d.jsonl), a
+    # list, or a split mapping: the same documents
+    for data_files in (files, [files], {"train": files}):
+        cfg = OmegaConf.structured(DataConfig(kind="hf", path="json", seq_len=16, val_tokens=0))
+        cfg.hf_data_files = data_files
+        train_src, val_src = build_sources(cfg)
+        assert val_src is None
+        got = train_src.read(0, 10)
+        np.testing.assert_array_equal(got[0], want[0])
+        np.testing.assert_array_equal(got[1], want[1])
 
 
 def _decoded(path) -> list[str]:

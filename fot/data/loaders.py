@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from omegaconf import OmegaConf
 
 from fot.data.streams import PACKINGS, HFSource, PackedSource, PaddedSource, ZarrRowsSource
 
@@ -94,13 +95,22 @@ def _hf_source(cfg: Any, split: str) -> HFSource:
             "data.hf_data_files=[/data/*.jsonl])"
         )
 
+    files = cfg.hf_data_files
+    if OmegaConf.is_config(files):
+        files = OmegaConf.to_container(files)
+    if not (files is None or isinstance(files, (str, list, dict))):
+        raise ValueError(
+            f"data.hf_data_files={files!r}: give a file or pattern, a list of them, or a "
+            "split mapping such as {train: a.jsonl}"
+        )
+
     def make() -> Any:
         import datasets
 
         return datasets.load_dataset(
             cfg.path,
             name=cfg.hf_name,
-            data_files=list(cfg.hf_data_files) if cfg.hf_data_files else None,
+            data_files=files or None,
             split=split,
             streaming=bool(cfg.streaming),
         )

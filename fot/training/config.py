@@ -56,7 +56,10 @@ class DataConfig:
     """Held-out tokens per validation (0: no validation)."""
     hf_name: str | None = None
     """hf: dataset configuration name (``load_dataset(path, name)``)."""
-    hf_data_files: list[str] | None = None
+    hf_data_files: Any = None
+    """hf: ``data_files`` of ``load_dataset``: one file or pattern (``data.hf_data_files=
+    /data/a.jsonl``), a list (``[/data/a.jsonl,/data/b.jsonl]``) or a split mapping
+    (``{train: a.jsonl}``)."""
     hf_split: str = "train"
     hf_val_split: str | None = None
     streaming: bool = False

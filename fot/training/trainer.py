@@ -534,12 +534,14 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
             # a finished run: validating and exporting again would only log the same twice
             if info.is_main:
                 logger.warning(
-                    "%s: the run already finished (checkpoint %s is at step %d of %d): nothing "
-                    "to do; its results are in %s. To train on, raise total_tokens; to start "
-                    "over, pass resume=never or another out_dir",
+                    "%s: the run already finished (its checkpoint %s is at step %d; "
+                    "total_tokens=%d makes %d steps): nothing to do; its results are in %s. To "
+                    "train on, raise total_tokens; to start over, pass resume=never or another "
+                    "out_dir",
                     out_dir,
                     resume_from.name,
                     saved["step"],
+                    int(cfg.total_tokens),
                     total_steps,
                     final,
                 )

@@ -93,6 +93,7 @@ def export_hf(
     model.config.auto_map = remote_code_auto_map(type(model.config), type(model))
     try:
         model.save_pretrained(out, max_shard_size=max_shard_size)
+        make_weights_readable(out)
         # after save_pretrained: it may copy module files of registered classes over these
         write_remote_code(out, type(model.config), type(model))
     finally:
@@ -106,6 +107,31 @@ def export_hf(
         max_len = getattr(model.config, "max_position_embeddings", None)
         save_hf_tokenizer(out, model_max_length=max_len)
     return out
+
+
+def make_weights_readable(folder: str | os.PathLike) -> list[Path]:
+    """Give the ``*.safetensors`` files in ``folder`` the mode a new file gets under the umask.
+
+    safetensors >= 0.8 writes through a temporary file created with mode 0600 and renames it
+    into place, so weights saved by ``save_pretrained`` are readable by their owner only (the
+    other files of the folder are not): another user, a container running as non-root or a
+    shared cluster folder then cannot load the checkpoint. Only files at exactly 0600 (the
+    temporary file's mode) are changed; with a umask of 077 nothing changes.
+
+    Returns:
+        The files whose mode was changed.
+    """
+    mask = os.umask(0)
+    os.umask(mask)
+    mode = 0o666 & ~mask
+    changed = []
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        if f.is_symlink() or not f.is_file():
+            continue
+        if (f.stat().st_mode & 0o777) == 0o600 and mode != 0o600:
+            f.chmod(mode)
+            changed.append(f)
+    return changed
 
 
 def remote_code_auto_map(config_cls: type, model_cls: type) -> dict[str, str]:

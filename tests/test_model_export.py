@@ -261,3 +261,22 @@ def test_batched_generate_with_the_exported_tokenizer_as_it_is(tmp_path) -> None
     healed = model.generate(**tok(["Hello wor"], return_tensors="pt"), token_healing=True,
                             tokenizer=tok, **kw)  # fmt: skip
     assert tok.decode(healed[0]).startswith("Hello wor"), tok.decode(healed[0])
+
+
+@pytest.mark.skipif(os.name != "posix", reason="file mode bits are POSIX")
+@pytest.mark.parametrize("umask", [0o022, 0o027, 0o077])
+def test_saved_weights_get_the_umask_mode(tmp_path, umask) -> None:
+    # safetensors >= 0.8 writes weights 0600 whatever the umask; the oracle is the mode of
+    # config.json, written by a plain open() in the same save.
+    cfg = presets.config("fot_pro", "tiny", vocab_size=VOCAB, attn_backend="reference")
+    model = presets.build_model(cfg)
+    old = os.umask(umask)
+    try:
+        exported = export_hf(model, tmp_path / "export", tokenizer=False)
+        model.save_pretrained(tmp_path / "saved")
+    finally:
+        os.umask(old)
+    for folder in (exported, tmp_path / "saved"):
+        want = (folder / "config.json").stat().st_mode & 0o777
+        assert want == 0o666 & ~umask
+        assert (folder / "model.safetensors").stat().st_mode & 0o777 == want, folder

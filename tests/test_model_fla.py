@@ -130,6 +130,12 @@ def test_fla_export_loads_fot_wrapper_with_trust_remote_code(tmp_path) -> None:
     load(out, save_to=resaved)
     # the re-saved folder loads the same way (its remote code is fot's again, not FLA's)
     load(resaved)
+    # the weights are as readable as the config (safetensors alone would leave them 0600)
+    for folder in (out, resaved):
+        modes = {
+            f: (folder / f).stat().st_mode & 0o777 for f in ("config.json", "model.safetensors")
+        }
+        assert len(set(modes.values())) == 1, modes
     assert (
         json.loads((resaved / "config.json").read_text())["auto_map"]
         == json.loads((out / "config.json").read_text())["auto_map"]

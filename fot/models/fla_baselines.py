@@ -152,12 +152,15 @@ class _FoTContractMixin:
         A model loaded from such a folder keeps its ``auto_map`` (fot's remote-code shims);
         transformers' save would copy FLA's config module instead and point ``auto_map`` at it,
         without the model shim. The shims and ``auto_map`` are written again after the save.
+        The weight files get the mode the umask allows (``fot.export.make_weights_readable``).
         """
         super().save_pretrained(save_directory, *args, **kwargs)
+        from fot.export import make_weights_readable, remote_code_auto_map, write_remote_code
+
+        make_weights_readable(save_directory)
         ref = (getattr(self.config, "auto_map", None) or {}).get("AutoModelForCausalLM")
         if not (isinstance(ref, str) and ref.startswith("modeling_fot.")):
             return  # not a folder of fot's remote code: transformers' save as it is
-        from fot.export import remote_code_auto_map, write_remote_code
 
         write_remote_code(save_directory, type(self.config), type(self))
         path = Path(save_directory) / "config.json"

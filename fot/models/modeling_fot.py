@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -890,6 +891,14 @@ class FoTPreTrainedModel(PreTrainedModel):
     # The forget gate is computed in float32 (its logits feed a cumsum over the whole
     # sequence): from_pretrained(dtype=bf16 / fp16) keeps its projection's weights in float32.
     _keep_in_fp32_modules_strict: ClassVar[list[str]] = ["fgate_proj"]
+
+    def save_pretrained(self, save_directory: str | os.PathLike, *args: Any, **kwargs: Any) -> None:
+        """``PreTrainedModel.save_pretrained``, with the weight files readable as the umask allows
+        (safetensors >= 0.8 leaves them at mode 0600; ``fot.export.make_weights_readable``)."""
+        super().save_pretrained(save_directory, *args, **kwargs)
+        from fot.export import make_weights_readable
+
+        make_weights_readable(save_directory)
 
     def _check_and_adjust_attn_implementation(
         self, attn_implementation: str | None, *args, **kwargs

@@ -510,6 +510,21 @@ def test_prepare_strips_a_utf8_byte_order_mark(tmp_path) -> None:
     assert _decoded(out) == ["Hello there", "first", "second"]
 
 
+def test_prepare_refuses_binary_and_utf16_files(tmp_path, capsys) -> None:
+    from fot.data.prepare import main
+
+    (tmp_path / "ok.txt").write_text("fine text")
+    (tmp_path / "wide.txt").write_bytes("Hello".encode("utf-16"))  # BOM, then H\0e\0...
+    (tmp_path / "blob.txt").write_bytes(b"GIF89a\x01\x00\x00")
+    out = tmp_path / "tok"
+    for name, offset in (("wide.txt", 3), ("blob.txt", 7)):
+        assert main([str(tmp_path / "ok.txt"), str(tmp_path / name), "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert f"{name} holds NUL bytes (first at offset {offset})" in err, err
+        assert not out.exists()  # nothing half-written
+    assert main([str(tmp_path / "ok.txt"), "--out", str(out)]) == 0
+
+
 def test_short_or_malformed_token_files_name_the_config_key(tmp_path) -> None:
     write_token_documents(tmp_path / "held", [np.arange(5, dtype=np.uint16)])
     with pytest.raises(ValueError, match=r"^data\.val_path=.*held: the token stream has 6 tokens"):

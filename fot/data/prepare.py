@@ -12,7 +12,7 @@ Inputs, one document each:
   files are read this way (``--hf csv --data-files a.csv``), never as plain text.
 
 Text that is not valid UTF-8 is read with U+FFFD for the bad bytes and a warning naming the
-file. A file named more than once (by a folder and a pattern, or through a symbolic link) is
+file; a text file with NUL bytes (binary, or UTF-16/UTF-32 text) is refused. A file named more than once (by a folder and a pattern, or through a symbolic link) is
 read once, with a warning. Empty documents are skipped; a run that would write no training
 document (or, with ``--heldout-every``, no held-out one) fails and leaves existing folders as
 they were, as does an error, Ctrl-C or SIGTERM part way. Output folders may not lie inside
@@ -197,7 +197,14 @@ def iter_texts(
                     f"--data-files {f}` (and --text-field), or give .txt/.md/.jsonl files"
                 )
             else:
-                yield _decode(f.read_bytes(), str(f))
+                data = f.read_bytes()
+                if b"\0" in data:
+                    raise ValueError(
+                        f"{f} holds NUL bytes (first at offset {data.index(0)}): it is binary, or "
+                        "text in UTF-16/UTF-32, not UTF-8 text. Leave it out (narrow --glob or "
+                        "the pattern), or convert it (e.g. `iconv -f utf-16 -t utf-8`)"
+                    )
+                yield _decode(data, str(f))
     if repeated:
         _warn(
             f"{repeated} input file(s) were named more than once (by a folder and a pattern, "

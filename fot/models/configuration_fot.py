@@ -187,6 +187,9 @@ class FoTConfig(PretrainedConfig):
                 "tie_word_embeddings=True is not supported: FoT models use untied input and "
                 "output embeddings (paper App. E); set tie_word_embeddings=False"
             )
+        # before transformers' own validators, which would trip over a bad type with a
+        # traceback (num_heads="four": "unsupported operand type(s) for //")
+        self.validate_fot()
         super().__init__(
             bos_token_id=bos_token_id,
             eos_token_id=eos_token_id,
@@ -194,7 +197,6 @@ class FoTConfig(PretrainedConfig):
             tie_word_embeddings=False,
             **kwargs,
         )
-        self.validate_fot()
 
     # -- loading and saving ----------------------------------------------------------------
     @classmethod
@@ -289,13 +291,23 @@ class FoTConfig(PretrainedConfig):
 
     # -- validation ----------------------------------------------------------------------
     def validate_fot(self) -> None:
-        """Raise ``ValueError`` naming the bad field and what to change."""
+        """Raise ``ValueError`` naming the bad field and what to change.
 
-        def _positive_int(name: str) -> None:
+        Types are checked as well as ranges: a switch given as a word (``qk_norm="no"``, e.g.
+        from a YAML or command-line override) would otherwise count as true.
+        """
+
+        def _is_number(value: object) -> bool:
+            return (
+                isinstance(value, (int, float))
+                and not isinstance(value, bool)
+                and math.isfinite(value)
+            )
+
+        for name in BOOL_FIELDS:
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be true or false, got {value!r}")
         for name in (
             "vocab_size",
             "pad_vocab_multiple",
@@ -303,8 +315,30 @@ class FoTConfig(PretrainedConfig):
             "num_hidden_layers",
             "num_heads",
             "loss_chunk_size",
+            "max_position_embeddings",
         ):
-            _positive_int(name)
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        for name in ("num_kv_heads", "intermediate_size", "window_size"):
+            value = getattr(self, name)
+            if value is not None and (
+                not isinstance(value, int) or isinstance(value, bool) or value < 1
+            ):
+                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+        for name in ("rope_theta", "norm_eps", "hidden_ratio", "decay_time_min", "decay_time_max"):
+            value = getattr(self, name)
+            if not (_is_number(value) and value > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        if not (_is_number(self.initializer_range) and self.initializer_range >= 0):
+            raise ValueError(
+                "initializer_range (the std of the weights' normal init) must be a finite "
+                f"number >= 0, got {self.initializer_range!r}"
+            )
+        if not _is_number(self.fgate_bias_init):
+            raise ValueError(
+                f"fgate_bias_init must be a finite number, got {self.fgate_bias_init!r}"
+            )
         if self.hidden_size % self.num_heads != 0:
             raise ValueError(
                 f"hidden_size ({self.hidden_size}) must be divisible by num_heads "
@@ -313,16 +347,10 @@ class FoTConfig(PretrainedConfig):
             )
         if self.head_dim % 2 != 0 and self.use_rope:
             raise ValueError(f"RoPE needs an even head dim, got {self.head_dim}; change num_heads")
-        if self.num_kv_heads is not None:
-            _positive_int("num_kv_heads")
-            if self.num_heads % self.num_kv_heads != 0:
-                raise ValueError(
-                    f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
-                    f"({self.num_kv_heads}) for grouped-query attention"
-                )
-        if not isinstance(self.decode_cuda_graphs, bool):
+        if self.num_kv_heads is not None and self.num_heads % self.num_kv_heads != 0:
             raise ValueError(
-                f"decode_cuda_graphs must be true or false, got {self.decode_cuda_graphs!r}"
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                f"({self.num_kv_heads}) for grouped-query attention"
             )
         if self.fgate_type not in FGATE_TYPES:
             raise ValueError(f"unknown fgate_type {self.fgate_type!r}; valid: {list(FGATE_TYPES)}")
@@ -332,27 +360,25 @@ class FoTConfig(PretrainedConfig):
             )
         if self.loss_impl not in LOSS_IMPLS:
             raise ValueError(f"unknown loss_impl {self.loss_impl!r}; valid: {list(LOSS_IMPLS)}")
-        if not (
-            isinstance(self.fgate_bias_init, (int, float))
-            and not isinstance(self.fgate_bias_init, bool)
-            and math.isfinite(self.fgate_bias_init)
-        ):
+        if self.decay_time_min > self.decay_time_max:
             raise ValueError(
-                f"fgate_bias_init must be a finite number, got {self.fgate_bias_init!r}"
-            )
-        if not (0 < self.decay_time_min <= self.decay_time_max):
-            raise ValueError(
-                f"need 0 < decay_time_min <= decay_time_max, got {self.decay_time_min} and "
+                f"need decay_time_min <= decay_time_max, got {self.decay_time_min} and "
                 f"{self.decay_time_max}"
             )
-        if self.window_size is not None and (
-            not isinstance(self.window_size, int) or self.window_size < 1
-        ):
-            raise ValueError(
-                f"window_size must be a positive int or None, got {self.window_size!r}"
-            )
-        if self.intermediate_size is None and not self.hidden_ratio > 0:
-            raise ValueError(f"hidden_ratio must be > 0, got {self.hidden_ratio!r}")
+
+
+# Switches stored as booleans (checked as such by FoTConfig.validate_fot).
+BOOL_FIELDS = (
+    "use_rope",
+    "qk_norm",
+    "use_k_shift",
+    "use_v_shift",
+    "use_output_norm",
+    "use_output_gate",
+    "recompute_pro",
+    "decode_cuda_graphs",
+    "use_cache",
+)
 
 
 # Dropout fields of other architectures' configs: FoT models have no dropout layers.

@@ -8,6 +8,7 @@ import logging
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -1065,6 +1066,35 @@ def test_resume_refuses_another_model_or_batch_shape_before_loading(tmp_path) ->
         assert expected in str(err.value) and "resume=never" in str(err.value), str(err.value)
         assert [p.name for p in list_checkpoints(out / "checkpoints")] == before
         assert (out / "metrics.jsonl").read_text() == metrics
+
+
+def test_resume_refuses_another_data_kind_and_warns_for_another_source(tmp_path, caplog) -> None:
+    """Resuming on other data used to go on silently from the old run's stream position (or
+    fail with KeyError 'position' inside the stream). Another kind or packing is refused; another
+    path (a moved folder, or other data on purpose) resumes with a warning naming it."""
+    from fot.data.tokens import write_token_documents
+
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(0, 50000, n, dtype=np.uint16) for n in (300, 200, 500, 400) * 4]
+    write_token_documents(tmp_path / "a", docs)
+    shutil.copytree(tmp_path / "a", tmp_path / "moved")
+    tokens = ["data=tokens", f"data.path={tmp_path / 'a'}", "data.val_tokens=0"]
+    out = tmp_path / "run"
+    train(_cfg(out, "total_tokens=512", *tokens))
+    before = [p.name for p in list_checkpoints(out / "checkpoints")]
+    for overrides, expected in (
+        (["data.val_tokens=0"], "data.kind=tokens (checkpoint) vs sample"),
+        ([*tokens, "data.packing=padded"], "data.packing=varlen (checkpoint) vs padded"),
+    ):
+        with pytest.raises(ValueError, match="cannot resume from checkpoint") as err:
+            train(_cfg(out, "total_tokens=1024", *overrides))
+        assert expected in str(err.value), str(err.value)
+        assert [p.name for p in list_checkpoints(out / "checkpoints")] == before
+    caplog.set_level(logging.WARNING, logger="fot.train")
+    moved = ["data=tokens", f"data.path={tmp_path / 'moved'}", "data.val_tokens=0"]
+    assert train(_cfg(out, "total_tokens=1024", *moved))["step"] == 4
+    assert f"data.path={tmp_path / 'a'} (checkpoint) vs {tmp_path / 'moved'}" in caplog.text
+    assert "checkpoint's position in the data stream" in caplog.text
 
 
 def test_resume_takes_another_implementation_setting(tmp_path, reference_run, caplog) -> None:

@@ -379,8 +379,14 @@ def validation_sequences(data_cfg: Any, source: Any | None, *, unit: int, warn: 
     return fits or unit
 
 
+# The training data's source besides its kind and packing: a run resumes with other values
+# (a moved folder, a renamed file) with a warning; validation data may change freely.
+DATA_SOURCE_FIELDS = ("path", "hf_name", "hf_data_files", "hf_split", "streaming", "text_field")
+
+
 def check_resume(saved: dict[str, Any], cfg: Any, path: Path) -> list[str]:
-    """Refuse to resume a checkpoint of another model or batch shape, before any tensor loads.
+    """Refuse to resume a checkpoint of another model, batch shape or data kind, before any
+    tensor loads.
 
     Args:
         saved: the checkpoint's trainer state (:func:`fot.training.checkpoint.read_trainer_state`).
@@ -388,16 +394,18 @@ def check_resume(saved: dict[str, Any], cfg: Any, path: Path) -> list[str]:
         path: the checkpoint folder (for the message).
 
     Returns:
-        One line per ``model.overrides`` field of
+        Warnings for the caller to log, one per setting the run resumes with although it
+        differs from the checkpoint's: a ``model.overrides`` field of
         :data:`fot.models.configuration_fot.IMPLEMENTATION_FIELDS` (kernel backend, loss
-        implementation, chunk size, recomputation) whose value differs from the checkpoint's:
-        these choose how the same model is computed, so the run resumes with the new value
-        (the caller logs the lines).
+        implementation, chunk size, recomputation: how the same model is computed), or a
+        field of :data:`DATA_SOURCE_FIELDS` (where the training data is read from; the data
+        position is the checkpoint's).
 
     Raises:
         ValueError: the checkpoint's model (``model.name``, ``size.name``, any other
-            ``model.overrides`` field), ``global_batch_tokens`` or ``data.seq_len`` differ from
-            this run's; the message names each difference and the ways out.
+            ``model.overrides`` field), ``global_batch_tokens``, ``data.seq_len``,
+            ``data.kind`` or ``data.packing`` differ from this run's; the message names each
+            difference and the ways out.
     """
     from fot.models.configuration_fot import IMPLEMENTATION_FIELDS
 
@@ -422,6 +430,14 @@ def check_resume(saved: dict[str, Any], cfg: Any, path: Path) -> list[str]:
                         changed.append(f"model.overrides.{field}={before} (checkpoint) vs {after}")
             if was != value:
                 differences.append(f"{group}.{key}={was} (checkpoint) vs {value} (this run)")
+        was_data, data = config.get("data") or {}, now["data"]
+        for key in ("kind", "packing"):  # the saved stream position means nothing in another
+            if key in was_data and was_data[key] != data[key]:
+                differences.append(f"data.{key}={was_data[key]} (checkpoint) vs {data[key]}")
+        if not differences:
+            for key in DATA_SOURCE_FIELDS:
+                if key in was_data and was_data[key] != data[key]:
+                    changed.append(f"data.{key}={was_data[key]} (checkpoint) vs {data[key]}")
     if differences:
         raise ValueError(
             f"cannot resume from checkpoint {path}: it was trained with other settings: "
@@ -430,7 +446,12 @@ def check_resume(saved: dict[str, Any], cfg: Any, path: Path) -> list[str]:
             "run (another out_dir, or resume=never to train from scratch in this folder)"
         )
     return [
-        f"resuming from {path} with another implementation setting: {line} (this run); the "
+        f"resuming from {path} with another training data source: {line} (this run); the run "
+        "goes on at the checkpoint's position in the data stream (if the data only moved, "
+        "nothing changes; if it is other data, it is read from that position, not from its "
+        "start)"
+        if line.startswith("data.")
+        else f"resuming from {path} with another implementation setting: {line} (this run); the "
         "model and training state are the checkpoint's, but losses may differ from an "
         "uninterrupted run in rounding"
         for line in changed

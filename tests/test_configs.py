@@ -304,6 +304,15 @@ def test_mul_resolver_refuses_non_integers() -> None:
         (["optim.grad_clip=-1"], "optim.grad_clip=0 for no clipping"),
         (["schedule.min_lr_ratio=2"], r"schedule.min_lr_ratio=2.0 must be in \[0, 1\]"),
         (["schedule.name=cosine"], "schedule.name='cosine' is not one of"),
+        (["+model.overrides.qk_norm=no"], "qk_norm must be true or false, got 'no'"),
+        (["+model.overrides.intermediate_size=-5"], "intermediate_size must be a positive int"),
+        (["+model.overrides.attn_backend=triton", "device=cpu"], "attn_backend=auto"),
+        (
+            ["+model.overrides.max_position_embeddings=128", "data.seq_len=256"],
+            "raise model.overrides.max_position_embeddings to at least 256",
+        ),
+        (["peak_flops=-5"], "peak_flops=-5.0 must be > 0"),
+        (["parallel.reduce_precision=bf8"], "parallel.reduce_precision='bf8' is not one of"),
     ],
 )
 def test_check_config_refuses_bad_values_with_the_fix(

@@ -140,6 +140,7 @@ class FoTConfig(PretrainedConfig):
         tie_word_embeddings: bool = False,
         **kwargs,
     ) -> None:
+        num_kv_heads = _take_alias(kwargs, "kv_heads", "num_kv_heads", num_kv_heads, None)
         num_kv_heads = _take_alias(
             kwargs, "num_key_value_heads", "num_kv_heads", num_kv_heads, None
         )

@@ -300,17 +300,50 @@ def check_config(cfg: DictConfig) -> list[str]:
         )
     from fot.models.fla_baselines import FLA_MODELS  # no CPU path (only TRITON_INTERPRET=1)
 
-    if cfg.model.name in FLA_MODELS and os.environ.get("TRITON_INTERPRET") != "1":
+    device = str(cfg.device)
+    if os.environ.get("TRITON_INTERPRET") != "1" and device in ("cpu", "auto"):
         import torch
 
-        device = str(cfg.device)
-        if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
-            raise ValueError(
-                f"model={cfg.model.name} runs FLA's Triton kernels, which need a CUDA GPU (this "
-                f"run is on the CPU with device={device}): run it on a GPU (or under "
-                "TRITON_INTERPRET=1, very slowly); fot's own models (fot_pro, fot_llama, "
-                "transformer_*) train on the CPU"
-            )
+        on_cpu = device == "cpu" or not torch.cuda.is_available()
+    else:
+        on_cpu = False
+    if on_cpu and cfg.model.name in FLA_MODELS:
+        raise ValueError(
+            f"model={cfg.model.name} runs FLA's Triton kernels, which need a CUDA GPU (this "
+            f"run is on the CPU with device={device}): run it on a GPU (or under "
+            "TRITON_INTERPRET=1, very slowly); fot's own models (fot_pro, fot_llama, "
+            "transformer_*) train on the CPU"
+        )
+    model_config = _model_config(cfg)
+    if on_cpu and getattr(model_config, "attn_backend", None) == "triton":
+        raise ValueError(
+            f"model.overrides.attn_backend=triton runs the Triton kernels, which need a CUDA GPU "
+            f"(this run is on the CPU with device={device}): use attn_backend=auto (Triton on "
+            "a GPU, the PyTorch reference on the CPU) or reference"
+        )
+    from fot.models import FoTConfig
+
+    # (FLA's configs carry a max_position_embeddings of 2048 that their models do not use)
+    max_len = model_config.max_position_embeddings if isinstance(model_config, FoTConfig) else None
+    if max_len is not None and max_len < int(cfg.data.seq_len):
+        raise ValueError(
+            f"data.seq_len={cfg.data.seq_len} is longer than the model's "
+            f"max_position_embeddings={max_len}; raise "
+            f"model.overrides.max_position_embeddings to at least {cfg.data.seq_len} (or "
+            "shorten data.seq_len)"
+        )
+    if cfg.peak_flops is not None and not float(cfg.peak_flops) > 0:
+        raise ValueError(
+            f"peak_flops={cfg.peak_flops} must be > 0 (the device's peak FLOP/s for MFU, e.g. "
+            "989e12 for an H100/H200 in bf16), or null to look it up"
+        )
+    from fot.training.parallel import REDUCE_PRECISIONS
+
+    if cfg.parallel.reduce_precision not in REDUCE_PRECISIONS:
+        raise ValueError(
+            f"parallel.reduce_precision={cfg.parallel.reduce_precision!r} is not one of "
+            f"{list(REDUCE_PRECISIONS)}"
+        )
 
     warnings = []
     total, warmup = int(cfg.total_tokens), int(cfg.schedule.warmup_tokens)
@@ -331,6 +364,22 @@ def check_config(cfg: DictConfig) -> list[str]:
                 f"use a multiple such as {key}={max(1, round(every / gbt)) * gbt}"
             )
     return warnings
+
+
+def _model_config(cfg: DictConfig) -> Any:
+    """The model's HF config (``fot.presets.config``); a refused field is named as the
+    ``model.overrides`` key that sets it."""
+    from fot import presets
+
+    overrides = cfg.model.overrides or {}
+    if isinstance(overrides, DictConfig):
+        overrides = OmegaConf.to_container(overrides, resolve=True)
+    try:
+        return presets.config(cfg.model.name, cfg.size.name, **overrides)
+    except ValueError as err:
+        raise ValueError(
+            f"model={cfg.model.name} size={cfg.size.name}, model.overrides={overrides}: {err}"
+        ) from None
 
 
 def check_multirun_out_dir(cfg: DictConfig, *, multirun: bool) -> None:

@@ -359,6 +359,40 @@ def test_hf_loader_tokenizes_with_gpt2(tmp_path) -> None:
         np.testing.assert_array_equal(got[1], want[1])
 
 
+def test_hf_loader_checks_the_text_column_before_training(tmp_path) -> None:
+    """A wrong data.text_field (or a number in the text column) used to fail at the first
+    training step with a KeyError/TypeError traceback; a local file as data.path got
+    datasets' "Couldn't find any data file" although the file is there."""
+    from omegaconf import OmegaConf
+
+    from fot.training.config import DataConfig
+
+    def cfg(**kw):
+        return OmegaConf.structured(DataConfig(kind="hf", seq_len=16, val_tokens=0, **kw))
+
+    content = tmp_path / "content.jsonl"
+    content.write_text(json.dumps({"content": "some text"}) + "\n")
+    with pytest.raises(ValueError, match=r"row 0 has columns \['content'\], no 'text'.*text_field"):
+        build_sources(cfg(path="json", hf_data_files=str(content)))
+    numbers = tmp_path / "numbers.jsonl"
+    numbers.write_text(json.dumps({"text": 5}) + "\n")
+    with pytest.raises(ValueError, match=r"row 0: column 'text' holds 5 \(int\), not text"):
+        build_sources(cfg(path="json", hf_data_files=str(numbers)))
+    with pytest.raises(ValueError, match=r"is a file.*data.path=json data.hf_data_files="):
+        build_sources(cfg(path=str(content)))
+    # rows of token ids are read as they are; other values in input_ids are refused
+    ids = tmp_path / "ids.jsonl"
+    ids.write_text(
+        "".join(json.dumps({"input_ids": list(range(i, i + 9))}) + "\n" for i in range(9))
+    )
+    train_src, _ = build_sources(cfg(path="json", hf_data_files=str(ids)))
+    inputs, _ = train_src.read(0, 1)
+    np.testing.assert_array_equal(inputs[0], [EOT_ID, *range(9), EOT_ID, *range(1, 6)])
+    ids.write_text(json.dumps({"input_ids": ["a", "b"]}) + "\n")
+    with pytest.raises(ValueError, match="column 'input_ids' is not a list of token ids"):
+        build_sources(cfg(path="json", hf_data_files=str(ids)))
+
+
 def _decoded(path) -> list[str]:
     from fot.data.tokens import TokenDocuments
     from fot.tokenizer import get_encoding

@@ -95,6 +95,15 @@ def _hf_source(cfg: Any, split: str) -> HFSource:
             "data.hf_data_files=[/data/*.jsonl])"
         )
 
+    local = Path(str(cfg.path)).expanduser()
+    if local.is_file():
+        loader = {".csv": "csv", ".tsv": "csv", ".parquet": "parquet", ".arrow": "arrow"}
+        loader.update({".txt": "text", ".md": "text"})
+        name = loader.get(local.suffix.lower(), "json")
+        raise ValueError(
+            f"data.path={cfg.path} is a file; data=hf takes a dataset name, a dataset folder or "
+            f"a loader: for a local file use data.path={name} data.hf_data_files={cfg.path}"
+        )
     files = cfg.hf_data_files
     if OmegaConf.is_config(files):
         files = OmegaConf.to_container(files)
@@ -116,9 +125,14 @@ def _hf_source(cfg: Any, split: str) -> HFSource:
         )
 
     enc = get_encoding()
-    return HFSource(
+    source = HFSource(
         make, enc.encode_ordinary, cfg.seq_len, packing=cfg.packing, text_field=cfg.text_field
     )
+    try:
+        source.check()
+    except ValueError as err:
+        raise ValueError(f"data.path={cfg.path} split {split!r}: {err}") from None
+    return source
 
 
 def _refuse_unused_paths(cfg: Any) -> None:

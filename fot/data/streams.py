@@ -435,15 +435,47 @@ class HFSource:
                 self.docs_per_epoch = self.docs_per_epoch or self.docs_consumed
                 self._it = iter(self.make_dataset())  # next epoch from the start
         self.docs_consumed += 1
+        return self._tokens(row, self.docs_consumed - 1)
+
+    def _tokens(self, row: dict[str, Any], index: int) -> np.ndarray:
+        """Token ids of one dataset row (its ``text_field``, else its ``input_ids``); a row
+        without either, or with a value of the wrong type, is a ``ValueError`` naming it."""
         if self.text_field in row:
-            toks = self.encode(row[self.text_field])
-        elif "input_ids" in row:
-            toks = row["input_ids"]
-        else:
-            raise KeyError(
-                f"dataset rows have columns {sorted(row)}; set data.text_field to the text column"
-            )
-        return np.asarray(toks, dtype=np.int64)
+            text = row[self.text_field]
+            if not isinstance(text, str):
+                raise ValueError(
+                    f"dataset row {index}: column {self.text_field!r} holds {text!r} "
+                    f"({type(text).__name__}), not text; set data.text_field to the text "
+                    "column, or fix that row"
+                )
+            return np.asarray(self.encode(text), dtype=np.int64)
+        if "input_ids" in row:
+            try:
+                ids = np.asarray(row["input_ids"])
+            except ValueError:  # ragged nested lists
+                ids = np.asarray([0.5])
+            if ids.size and not (ids.ndim == 1 and np.issubdtype(ids.dtype, np.integer)):
+                raise ValueError(
+                    f"dataset row {index}: column 'input_ids' is not a list of token ids; give "
+                    "integer ids, or a text column with data.text_field"
+                )
+            return ids.astype(np.int64)
+        raise ValueError(
+            f"dataset row {index} has columns {sorted(row)}, no {self.text_field!r} (or "
+            "'input_ids'); set data.text_field to the text column"
+        )
+
+    def check(self) -> None:
+        """Read the dataset's first row and check it as training will (text column, type), so
+        that a wrong ``data.text_field`` is reported before a run starts, not at its first step.
+
+        Raises:
+            ValueError: the dataset has no rows, or its first row has no usable text.
+        """
+        row = next(iter(self.make_dataset()), None)
+        if row is None:
+            raise ValueError("the HF dataset has no documents")
+        self._tokens(row, 0)
 
     def read(self, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
         if start != self.position:

@@ -1043,6 +1043,23 @@ def test_train_py_prints_fot_errors_as_one_line(tmp_path) -> None:
     assert "raised by" not in res.stderr  # fot raised it: no library location
 
 
+def test_resume_with_tensors_of_another_model_names_the_file(tmp_path) -> None:
+    """A model.pt copied from another run's checkpoint (trainer.json still this run's) used to
+    end in load_state_dict's 'Missing key(s)' traceback."""
+    from fot.training.checkpoint import CorruptCheckpointError
+
+    train(_cfg(tmp_path / "pro", "total_tokens=512"))
+    train(_cfg(tmp_path / "llama", "total_tokens=512", "model=fot_llama"))
+    (ckpt,) = list_checkpoints(tmp_path / "pro" / "checkpoints")
+    (other,) = list_checkpoints(tmp_path / "llama" / "checkpoints")
+    shutil.copy(other / "model.pt", ckpt / "model.pt")
+    with pytest.raises(CorruptCheckpointError) as err:
+        train(_cfg(tmp_path / "pro", "total_tokens=1024"))
+    msg = str(err.value)
+    assert f"checkpoint {ckpt} is corrupt or incomplete: cannot read model.pt" in msg, msg
+    assert "resume=never" in msg and len(msg) < 1200
+
+
 def test_resume_refuses_another_model_or_batch_shape_before_loading(tmp_path) -> None:
     """resume=auto in a folder of another model's run used to fail inside load_state_dict (a
     size-mismatch traceback) or, for same-shaped changes, to resume silently."""

@@ -287,21 +287,27 @@ def load_checkpoint(
     state = read_trainer_state(p)
     model_state = _load_file(p, "model.pt", weights_only=True)
     optim_state = _load_file(p, "optim.pt", weights_only=False)
-    if _dist():
-        from torch.distributed.checkpoint.state_dict import (
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
+    from torch.distributed.checkpoint.state_dict import (
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
 
-        set_model_state_dict(model, model_state, options=_state_dict_options())
+    from fot.training.parallel import unwrap
+
+    # trainer.json's config matched this run (check_resume), so tensors that do not fit the
+    # model mean that files of another run were copied into the folder: not a traceback
+    name = "model.pt"
+    try:
+        if _dist():
+            set_model_state_dict(model, model_state, options=_state_dict_options())
+        else:
+            unwrap(model).load_state_dict(model_state)
+        name = "optim.pt"
         set_optimizer_state_dict(model, optimizer, optim_state, options=_state_dict_options())
-    else:
-        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-
-        from fot.training.parallel import unwrap
-
-        unwrap(model).load_state_dict(model_state)
-        set_optimizer_state_dict(model, optimizer, optim_state, options=_state_dict_options())
+    except torch.OutOfMemoryError:
+        raise
+    except (RuntimeError, KeyError, ValueError, TypeError) as e:
+        raise CorruptCheckpointError(_corrupt_message(p, p / name, e)) from e
     rngs = _load_file(p, "rng.pt", weights_only=False)
     set_rng_state(rngs[rank] if rank < len(rngs) else rngs[0])
     return state
@@ -359,8 +365,9 @@ def _corrupt_message(ckpt: Path, path: Path, error: Exception) -> str:
         )
     else:
         options = "start over with resume=never (no earlier checkpoint in that folder)"
+    detail = str(error) if len(str(error)) <= 400 else f"{str(error)[:400]}..."
     return (
         f"checkpoint {ckpt} is corrupt or incomplete: cannot read {path.name} "
-        f"({path}): {type(error).__name__}: {error}. Either {options}, or delete or move "
+        f"({path}): {type(error).__name__}: {detail}. Either {options}, or delete or move "
         f"{ckpt} away and rerun with resume=auto to use the newest remaining one"
     )

@@ -571,6 +571,44 @@ def test_short_or_malformed_token_files_name_the_config_key(tmp_path) -> None:
         open_token_path(tmp_path / "empty.bin", 8, "varlen")
 
 
+def test_damaged_token_data_is_named_with_the_fix(tmp_path) -> None:
+    """A damaged token folder, zarr or .npy used to give a bare library message without the
+    path ('mmap length is greater than file size', 'No group found in store', JSON errors)."""
+    docs = [np.arange(50, dtype=np.uint16), np.arange(70, dtype=np.uint16)]
+
+    def damaged(name: str, change) -> Path:
+        folder = tmp_path / name
+        write_token_documents(folder, docs)
+        change(folder)
+        return folder
+
+    cases = {
+        "meta": (lambda f: (f / "meta.json").write_text("{bad"), r"meta.json is not readable JSON"),
+        "short": (
+            lambda f: (f / "tokens.bin").write_bytes((f / "tokens.bin").read_bytes()[:100]),
+            r"tokens.bin has 100 bytes, but doc_offsets.npy counts 120 tokens \(240 bytes",
+        ),
+        "offsets": (
+            lambda f: np.save(f / "doc_offsets.npy", np.array([0, 70, 50])),
+            r"doc_offsets.npy does not hold document offsets",
+        ),
+        "no_offsets": (lambda f: (f / "doc_offsets.npy").unlink(), r"doc_offsets.npy is missing"),
+    }
+    for name, (change, match) in cases.items():
+        folder = damaged(name, change)
+        with pytest.raises((ValueError, FileNotFoundError), match=match) as err:
+            open_token_path(folder, 16, "varlen")
+        assert "copy it again, or write it again" in str(err.value)
+    (tmp_path / "empty.zarr").mkdir()
+    (tmp_path / "file.zarr").write_text("not zarr")
+    for name in ("empty.zarr", "file.zarr"):
+        with pytest.raises(ValueError, match=rf"{name} is not a readable zarr array"):
+            open_token_path(tmp_path / name, 16, "varlen")
+    (tmp_path / "text.npy").write_text("1 2 3 4")
+    with pytest.raises(ValueError, match=r"^data.path=.*text.npy is not a readable .npy array"):
+        open_token_path(tmp_path / "text.npy", 16, "varlen")
+
+
 def test_prepare_hf_text_loader_warns_that_lines_become_documents(tmp_path, capsys) -> None:
     from fot.data.prepare import main
 

@@ -52,7 +52,13 @@ def open_token_path(path: str | Path, seq_len: int, packing: str, key: str = "da
             "a token folder (`python -m fot.data.prepare`) or data.packing=varlen/causal"
         )
     if p.suffix == ".npy":
-        tokens = np.load(p, mmap_mode="r")
+        try:
+            tokens = np.load(p, mmap_mode="r")
+        except (ValueError, OSError, EOFError) as err:
+            raise ValueError(
+                f"{key}={p} is not a readable .npy array ({err}); save the token ids with "
+                f"`np.save(path, ids.astype(np.uint16))`. {_PREPARE_HINT}"
+            ) from None
         if not np.issubdtype(tokens.dtype, np.integer):
             raise ValueError(
                 f"{p} holds {tokens.dtype} values, not integer token ids; save the ids with an "

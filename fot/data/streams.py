@@ -192,7 +192,14 @@ def open_zarr_array(path: str | os.PathLike) -> Any:
             "into one folder and set data.path=<that folder>), or turn your own text into "
             "tokens with `python -m fot.data.prepare --help`."
         )
-    arr = zarr.open(str(p), mode="r")
+    try:
+        arr = zarr.open(str(p), mode="r")
+    except Exception as err:  # zarr's errors differ by version and store; all mean "not zarr"
+        raise ValueError(
+            f"{p} is not a readable zarr array ({type(err).__name__}: {err}); point to a 2-D "
+            "zarr token array (such as LongCrawl64's train.zarr), or to a token folder made by "
+            "`python -m fot.data.prepare`"
+        ) from None
     if not hasattr(arr, "shape"):
         raise ValueError(f"{p} is a zarr group, not an array; point to the array itself")
     return arr

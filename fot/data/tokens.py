@@ -37,13 +37,44 @@ class TokenDocuments(Sequence):
                 f"{self.path} is not a token folder (no meta.json). Create one with "
                 "`python -m fot.data.prepare --help`."
             )
-        self.meta = json.loads(meta_file.read_text())
-        if self.meta.get("format") != FORMAT:
+        damaged = (
+            "the token folder is damaged or incomplete (an interrupted copy?): copy it again, or "
+            "write it again with `python -m fot.data.prepare`"
+        )
+        try:
+            self.meta = json.loads(meta_file.read_text())
+        except (ValueError, OSError) as err:
+            raise ValueError(f"{meta_file} is not readable JSON ({err}); {damaged}") from None
+        if not isinstance(self.meta, dict) or self.meta.get("format") != FORMAT:
+            found = self.meta.get("format") if isinstance(self.meta, dict) else self.meta
+            raise ValueError(f"{meta_file} has format {found!r}, expected {FORMAT!r}")
+        offsets_file = self.path / "doc_offsets.npy"
+        try:
+            self.offsets = np.load(offsets_file)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{offsets_file} is missing; {damaged}") from None
+        except (ValueError, OSError, EOFError) as err:
+            raise ValueError(f"{offsets_file} is not a readable array ({err}); {damaged}") from None
+        if not (
+            self.offsets.ndim == 1
+            and len(self.offsets) >= 1
+            and np.issubdtype(self.offsets.dtype, np.integer)
+            and self.offsets[0] == 0
+            and np.all(np.diff(self.offsets) >= 0)
+        ):
             raise ValueError(
-                f"{meta_file} has format {self.meta.get('format')!r}, expected {FORMAT!r}"
+                f"{offsets_file} does not hold document offsets (1-D integers from 0, never "
+                f"decreasing); {damaged}"
             )
-        self.offsets = np.load(self.path / "doc_offsets.npy")
         n_tokens = int(self.offsets[-1])
+        tokens_file = self.path / "tokens.bin"
+        size = tokens_file.stat().st_size if tokens_file.is_file() else None
+        if size != 2 * n_tokens and (n_tokens or size is not None):
+            have = "is missing" if size is None else f"has {size} bytes"
+            raise ValueError(
+                f"{tokens_file} {have}, but doc_offsets.npy counts {n_tokens} tokens "
+                f"({2 * n_tokens} bytes of uint16); {damaged}"
+            )
         self.tokens = (
             np.memmap(self.path / "tokens.bin", dtype=np.uint16, mode="r", shape=(n_tokens,))
             if n_tokens

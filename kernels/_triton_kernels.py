@@ -76,7 +76,9 @@ def _c_rel(C_row, offs, T, a_hi, a_lo, MASKED: tl.constexpr):
 def _first_needed_key(C_row, g, a_hi, a_lo, t_lo, t_hi, T, BN: tl.constexpr):
     """First key tile in [t_lo, t_hi] whose last key has c - anchor <= g (c non-increasing).
 
-    Tiles before it have every key's bias below the pruning bound. Returns t_hi at most.
+    Tiles before it have every key's bias below the pruning bound. Returns t_hi at most, also
+    when ``g`` is NaN or -inf (a NaN or inf in q or k): the diagonal tile is always computed,
+    so such rows come out NaN as without pruning, not zero.
     """
     last = tl.minimum(t_lo * BN + BN, T) - 1
     c_last = (tl.load(C_row + last) - a_hi) + (tl.load(C_row + T + last) - a_lo)
@@ -93,7 +95,7 @@ def _first_needed_key(C_row, g, a_hi, a_lo, t_lo, t_hi, T, BN: tl.constexpr):
                 lo = mid + 1
             else:
                 hi = mid
-    return lo
+    return tl.minimum(lo, t_hi)
 
 
 @triton.jit

@@ -103,7 +103,9 @@ def forgetting_attention_decode(
     if key_mask is not None:
         allowed = allowed & key_mask.view(B, 1, 1, 1, Tk)
     scores = scores.masked_fill(~allowed, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # (B, H, R, Tq, Tk)
+    # A query with no visible key gives 0 (not NaN); a NaN in the inputs stays NaN.
+    empty = ~allowed.any(-1, keepdim=True)
+    probs = torch.softmax(scores, dim=-1).masked_fill(empty, 0.0)  # (B, H, R, Tq, Tk)
     if low and compute == torch.float32:
         # probabilities rounded to the cache dtype, as FlashAttention does before P @ V
         out = _bmm_fp32(probs.to(v_cache.dtype).view(B * H, R * Tq, Tk), vc)  # (B*H, R*Tq, D)

@@ -65,8 +65,9 @@ def _attend_chunk(
     if key_mask is not None:
         allowed = allowed & key_mask[:, None, None, :]
     scores = scores.masked_fill(~allowed, float("-inf"))
-    # A query with nothing to attend to (fully masked row) gives 0, not NaN.
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    # A query with nothing to attend to (fully masked row) gives 0, not NaN; a NaN or inf in
+    # the inputs still comes out as NaN, as from the kernel.
+    probs = torch.softmax(scores, dim=-1).masked_fill(~allowed.any(-1, keepdim=True), 0.0)
     out = torch.einsum("bhij,bjhd->bihd", probs, v.to(compute))  # (B, Tq, HQ, D)
     return out.to(q.dtype)
 
@@ -110,7 +111,7 @@ def _single_sequence(
             outs.append(checkpoint(_attend_chunk, *args, use_reentrant=False))
         else:
             outs.append(_attend_chunk(*args))
-    return torch.cat(outs, dim=1)
+    return torch.cat(outs, dim=1) if outs else q[:, :0].clone()  # T = 0: an empty output
 
 
 def forgetting_attention_reference(
@@ -157,7 +158,7 @@ def forgetting_attention_reference(
         for s, e in itertools.pairwise(bounds)
         if e > s
     ]
-    return torch.cat(outs, dim=1)
+    return torch.cat(outs, dim=1) if outs else q[:, :0].clone()
 
 
 def forgetting_attention_decode_reference(

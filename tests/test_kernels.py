@@ -329,6 +329,72 @@ def test_cpu_without_interpreter_points_to_reference(monkeypatch):
         forgetting_attention(q, k, v, log_f)
 
 
+def _poison(q, k, log_f, bad):
+    """Inputs with a NaN or inf where ``bad`` says (q, k and log_f are copied)."""
+    q, k, log_f = q.clone(), k.clone(), log_f.clone()
+    if bad == "nan_q_all":
+        q.fill_(float("nan"))
+    elif bad == "nan_q_row":
+        q[0, 3, 1, 0] = float("nan")
+    elif bad == "inf_k":
+        k[0, 5, 0, :] = float("inf")
+    elif bad == "nan_gate":
+        log_f[0, 6, 1] = float("nan")
+    return q, k, log_f
+
+
+@pytest.mark.parametrize("T", [16, 40])
+@pytest.mark.parametrize("bad", ["nan_q_all", "nan_q_row", "inf_k", "nan_gate"])
+def test_nan_and_inf_inputs_come_out_nan_where_the_math_says(T, bad):
+    """A NaN or inf in q, k or the gates must reach the output (a diverging run must not be
+    hidden), in the same places in the kernel with and without pruning and in the reference.
+    The oracle for where: the float64 dense formula, in which any NaN score or bias poisons
+    its whole row (inf k: +inf and -inf scores, inf - inf)."""
+    q, k, v, log_f = make_inputs(1, T, 2, 1, 16, torch.float32, STRONG, seed=5)
+    q, k, log_f = _poison(q, k, log_f, bad)
+    c = log_f.double().cumsum(1)
+    scores = torch.einsum("bihd,bjd->bhij", q.double(), k[:, :, 0].double()) * 16**-0.5
+    scores = scores + c.permute(0, 2, 1)[..., :, None] - c.permute(0, 2, 1)[..., None, :]
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), -1)
+    expect = torch.einsum("bhij,bjd->bihd", probs, v[:, :, 0].double())
+    nan_rows = expect.isnan()
+    assert (nan_rows.any() and not nan_rows.all()) or bad == "nan_q_all"
+    for name, out in [
+        ("pruned", run_kernel(q, k, v, log_f, prune=True)),
+        ("unpruned", run_kernel(q, k, v, log_f, prune=False)),
+        ("reference", forgetting_attention_reference(q, k, v, log_f)),
+    ]:
+        assert torch.equal(out.isnan(), nan_rows), f"{name}: NaN in other places than the math"
+        ok = ~nan_rows
+        assert not ok.any() or rel_err(out[ok], expect[ok]) < TOL[torch.float32], name
+
+
+def test_decode_gives_zero_for_a_query_with_no_key_and_nan_for_nan_input():
+    """Prefill over a left-padded row: queries at padding positions see no key and give 0
+    (not NaN); a NaN query still gives NaN, in the kernel path and in the reference."""
+    B, T, HQ, H, D = 2, 12, 2, 1, 16
+    q, kc, vc = torch.randn(B, T, HQ, D), torch.randn(B, T, H, D), torch.randn(B, T, H, D)
+    c = torch.cumsum(F.logsigmoid(torch.randn(B, T, HQ) + 2.0), dim=1)
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[1, :4] = False
+    q[0, 7, 1, 2] = float("nan")
+    for fn in (forgetting_attention_decode, forgetting_attention_decode_reference):
+        out = fn(q, kc, vc, c, c, key_mask=mask)
+        assert torch.equal(out[1, :4], torch.zeros(4, HQ, D)), fn.__name__
+        nan = out.isnan()
+        assert nan[0, 7, 1].all() and nan.sum() == D, fn.__name__
+        alone = fn(q[1:, 4:], kc[1:, 4:], vc[1:, 4:], c[1:, 4:], c[1:, 4:])
+        torch.testing.assert_close(out[1:, 4:], alone)
+
+
+def test_reference_of_an_empty_sequence_is_empty():
+    q, k, v, log_f = make_inputs(1, 0, 2, 1, 16)
+    for kw in ({}, {"cu_seqlens": torch.tensor([0, 0])}):
+        out = forgetting_attention_reference(q, k, v, log_f, **kw)
+        assert out.shape == (1, 0, 2, 16) and out.dtype == q.dtype
+
+
 # --- decode -------------------------------------------------------------------------------
 
 

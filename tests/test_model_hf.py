@@ -460,3 +460,24 @@ def test_prompt_cache_reused_for_beam_search() -> None:
     assert torch.equal(
         m.generate(x, past_key_values=cache, **kw), m.generate(x, use_cache=False, **kw)
     )
+
+
+@pytest.mark.parametrize("model", ["fot_pro", "fot_llama", "transformer_pro"])
+def test_empty_input_is_refused_with_the_fix(model: str) -> None:
+    # An empty prompt used to fail deep inside (the KV-shift cache's last token, or
+    # torch.cat of no chunks); every entry point now names it.
+    m = tiny(model)
+    empty = torch.zeros(2, 0, dtype=torch.long)
+    kw = {"max_new_tokens": 3, "do_sample": False, "pad_token_id": 0}
+    fix = r"the input has no tokens \(shape \(2, 0\)\): pass at least one token per row"
+    with pytest.raises(ValueError, match=fix):
+        m(empty)
+    with pytest.raises(ValueError, match=fix):
+        m(empty, labels=empty)
+    with pytest.raises(ValueError, match=fix):
+        m(empty, use_cache=True)
+    with pytest.raises(ValueError, match=fix):
+        # without pad_token_id: with it, transformers' own right-padding check fails first
+        m.generate(empty, max_new_tokens=3, do_sample=False)
+    one = torch.zeros(2, 1, dtype=torch.long)  # what the message suggests: one start token
+    assert m.generate(one, **kw).shape == (2, 4)

@@ -1157,6 +1157,11 @@ class FoTModel(FoTPreTrainedModel):
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)  # (B, T, hidden)
         B, T, _ = inputs_embeds.shape
+        if T == 0:
+            raise ValueError(
+                f"the input has no tokens (shape {tuple(inputs_embeds.shape[:2])}): pass at "
+                "least one token per row, e.g. the tokenizer's bos_token_id for an empty prompt"
+            )
         if use_cache and past_key_values is None:
             past_key_values = FoTCache(self.config.num_hidden_layers)
         if past_key_values is not None and not isinstance(past_key_values, FoTCache):

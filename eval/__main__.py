@@ -78,6 +78,10 @@ def main(argv: Sequence[str] | None = None) -> Any:
             f"`{command}` needs the package {missing!r}, which is not installed: "
             "pip install 'fot[eval]' (or pip install lm-eval)"
         )
+    if getattr(args, "out", None) is not None and getattr(args, "checkpoint", None):
+        from fot.eval.common import check_out_dir
+
+        check_out_dir(args.out, args.checkpoint)
     mod = importlib.import_module(f"fot.eval.{args._module}")
     del args._module
     return mod.run(args)

@@ -95,6 +95,14 @@ def pick_device(name: str | None = None) -> torch.device:
             raise ValueError(
                 f"--device {name!r} is not a torch device; use e.g. cuda, cuda:1 or cpu"
             ) from None
+        backend = getattr(torch, device.type, None) if device.type != "cpu" else None
+        if device.type not in ("cpu", "cuda") and not (
+            backend is not None and hasattr(backend, "is_available") and backend.is_available()
+        ):
+            raise ValueError(
+                f"--device {name!r}: models cannot be evaluated on {device.type!r} here; use "
+                "cuda, cuda:N or cpu (or leave --device out)"
+            )
         if device.type == "cuda":
             if not torch.cuda.is_available():
                 raise ValueError(
@@ -162,6 +170,9 @@ def _not_exported_message(p: Path) -> str:
     )
 
 
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+
 def checkpoint_label(path: str | os.PathLike) -> str:
     """A short name of a checkpoint for legends and titles: the folder name, or for fot's
     trainer export ``<run>/hf`` the run folder's name (every such export is called ``hf``)."""
@@ -192,7 +203,20 @@ def load_checkpoint(
     import fot  # noqa: F401 - registers the FoT model types with the Auto classes
 
     p = check_checkpoint_dir(path)
-    if json.loads((p / "config.json").read_text()).get("model_type") != "fot":
+    try:
+        config = json.loads((p / "config.json").read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(
+            f"{str(p / 'config.json')!r} is not valid JSON ({err}); the export is damaged: "
+            "export the checkpoint again (fot.export.export_hf or save_pretrained)"
+        ) from None
+    weights = [f.name for f in p.iterdir() if f.suffix in _WEIGHT_SUFFIXES and f.is_file()]
+    if not weights:
+        raise FileNotFoundError(
+            f"checkpoint {str(p)!r} holds no weights (no *.safetensors or *.bin file); copy "
+            "the whole exported folder, or export it again"
+        )
+    if config.get("model_type") != "fot":
         # Exported FLA baselines (mamba2, deltanet, ...) load through fot's wrappers, which
         # are registered on demand (importing fla is slow and needs triton).
         from fot.models.fla_baselines import register_auto_classes
@@ -201,9 +225,32 @@ def load_checkpoint(
             register_auto_classes()
     dev = torch.device(device) if device is not None else pick_device()
     dt = dtype if isinstance(dtype, torch.dtype) else parse_dtype(dtype, dev)
-    model = AutoModelForCausalLM.from_pretrained(str(p), dtype=dt)
-    model.to(dev).eval()
     tokenizer = AutoTokenizer.from_pretrained(str(p))
+    vocab = config.get("vocab_size")
+    if len(tokenizer) < 2 or (isinstance(vocab, int) and len(tokenizer) < vocab // 2):
+        # e.g. a GPT-2 tokenizer without vocab.json / merges.txt loads with one token and
+        # encodes every text to nothing
+        files = sorted(f.name for f in p.iterdir() if "token" in f.name or f.suffix == ".txt")
+        raise ValueError(
+            f"the tokenizer in {str(p)!r} has {len(tokenizer)} token(s) for a model of "
+            f"{vocab} (tokenizer files there: {files}): its vocabulary files are missing or "
+            "damaged; copy them from the export (vocab.json and merges.txt, or tokenizer.json) "
+            "or export the checkpoint again"
+        )
+    from safetensors import SafetensorError
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(p), dtype=dt)
+    except torch.OutOfMemoryError:
+        raise
+    except (OSError, RuntimeError, SafetensorError) as err:
+        # a truncated or damaged weight file, a missing shard, tensors of another shape
+        raise ValueError(
+            f"the weights in {str(p)!r} ({', '.join(sorted(weights))}) cannot be loaded "
+            f"({str(err)[:300]}): the copy is incomplete or damaged; copy or export the "
+            "checkpoint again"
+        ) from err
+    model.to(dev).eval()
     return model, tokenizer
 
 
@@ -510,6 +557,35 @@ _SUMMARY_WRITERS = {
 }
 
 
+def check_out_dir(out_dir: str, checkpoint: str) -> None:
+    """Refuse an ``--out`` that is empty, an existing file, or the checkpoint folder or a folder
+    inside it.
+
+    Results written into the checkpoint folder would change its content fingerprint (every other
+    results folder of that checkpoint would then refuse to resume, naming a changed checkpoint)
+    and mix with the files ``from_pretrained`` reads.
+
+    Raises:
+        ValueError: naming ``--out`` and a folder to use instead.
+    """
+    if not str(out_dir).strip():
+        raise ValueError("--out is empty; name the folder for the results, e.g. --out out/eval")
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(
+            f"--out {str(out_dir)!r} is a file, not a folder; name a new or existing folder"
+        )
+    ckpt = Path(checkpoint).resolve()
+    resolved = out.resolve()
+    if resolved == ckpt or ckpt in resolved.parents:
+        raise ValueError(
+            f"--out {str(out_dir)!r} is inside the checkpoint folder {str(ckpt)!r}: results "
+            "written there would change the checkpoint (its fingerprint, which every results "
+            "folder checks before resuming); choose a folder outside it, e.g. "
+            f"{str(ckpt.parent / (ckpt.name + '_eval'))!r}"
+        )
+
+
 def check_out_shared(out_dir: str | os.PathLike, command: str) -> None:
     """Refuse an ``--out`` that holds another command's results which ``command`` would overwrite.
 
@@ -570,6 +646,49 @@ def checkpoint_fingerprint(path: str | os.PathLike) -> str:
                 fh.seek(last * i // (_FINGERPRINT_BLOCKS - 1))
                 digest.update(fh.read(_FINGERPRINT_BLOCK))
     return digest.hexdigest()
+
+
+_DATA_SAMPLED_FILES = 256  # files whose bytes are sampled by data_fingerprint
+_DATA_BLOCK = 16 << 10  # bytes read at each of ...
+_DATA_BLOCKS = 4  # ... this many evenly spaced offsets of a sampled file
+
+
+def data_fingerprint(path: str | os.PathLike) -> str:
+    """A cheap content fingerprint of a data file or folder (a zarr array, a token folder, a
+    haystack or dataset folder), for telling resumed results of other data apart.
+
+    SHA-256 over the relative name and size of every file, and 4 evenly spaced 16 KiB blocks
+    of up to 256 files spread over the sorted list (at most 16 MiB read, whatever the size):
+    rewritten data almost always changes a size or a sampled block. Copies and moves keep it.
+    """
+    root = Path(path)
+    files = [root] if root.is_file() else sorted(f for f in root.rglob("*") if f.is_file())
+    digest = hashlib.sha256()
+    sizes = []
+    for f in files:
+        size = f.stat().st_size
+        sizes.append(size)
+        digest.update(f"{f.relative_to(root) if f != root else f.name}\0{size}\0".encode())
+    step = max(1, len(files) // _DATA_SAMPLED_FILES)
+    for f, size in list(zip(files, sizes))[::step]:
+        with f.open("rb") as fh:
+            last = max(size - _DATA_BLOCK, 0)
+            for i in range(_DATA_BLOCKS):
+                fh.seek(last * i // (_DATA_BLOCKS - 1))
+                digest.update(fh.read(_DATA_BLOCK))
+    return digest.hexdigest()
+
+
+def _data_paths(settings: dict[str, Any]) -> dict[str, list[str]]:
+    """The settings that name existing files or folders (as :func:`path_setting` records them:
+    absolute), option -> paths."""
+    found = {}
+    for key, value in settings.items():
+        values = value if isinstance(value, list) else [value]
+        paths = [v for v in values if isinstance(v, str) and os.path.isabs(v) and os.path.exists(v)]
+        if paths:
+            found[key] = paths
+    return found
 
 
 def path_setting(value: str | os.PathLike | None) -> str | None:
@@ -649,6 +768,10 @@ def claim_results(
         "checkpoint_fingerprint": checkpoint_fingerprint(checkpoint),
         "settings": json.loads(json.dumps(_jsonable(settings))),
     }
+    record["data_fingerprints"] = {
+        key: [data_fingerprint(v) for v in paths]
+        for key, paths in _data_paths(record["settings"]).items()
+    }
     saved_files = sorted({f for pattern in state for f in out.glob(pattern) if f.is_file()})
     if not saved_files:
         if write:
@@ -670,17 +793,27 @@ def claim_results(
             print(f"--restart: moved the earlier {name} results to {moved}", file=sys.stderr)
             _write_json_atomic(record_path, record)
         return record
-    saved = None
+    saved = damaged = None
     if record_path.is_file():
-        with contextlib.suppress(json.JSONDecodeError):
+        try:
             saved = json.loads(record_path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            damaged = err
+        if saved is not None and not isinstance(saved, dict):
+            saved, damaged = None, "not a JSON object"
     problems = _record_differences(saved, record) if saved is not None else []
     if saved is not None and not problems:
         if write and saved != record:
             _write_json_atomic(record_path, record)  # the checkpoint moved: note where it is
         return record
     names = ", ".join(f.name for f in saved_files)
-    if saved is None:
+    if damaged is not None:
+        why = (
+            f"--out {str(out)!r} holds {name} results ({names}) but their record of the "
+            f"checkpoint and settings, {record_path.name}, is damaged ({damaged}), so they "
+            "cannot be resumed safely."
+        )
+    elif saved is None:
         why = (
             f"--out {str(out)!r} holds {name} results ({names}) without a record of the "
             f"checkpoint and settings that made them ({record_path.name}, written since fot "
@@ -719,6 +852,14 @@ def _record_differences(saved: dict[str, Any], new: dict[str, Any]) -> list[str]
         old, now = old_settings.get(key, "(not recorded)"), new_settings.get(key, "(not set)")
         if old != now:
             problems.append(f"{key}: saved {_show(old)}, this run {_show(now)}")
+        elif key in (saved.get("data_fingerprints") or {}) and saved["data_fingerprints"][
+            key
+        ] != new["data_fingerprints"].get(key):
+            # same path, other content (records written before fot fingerprinted data: skipped)
+            problems.append(
+                f"{key}: the content of {_show(now)} has changed since (other files, sizes or "
+                "bytes)"
+            )
     return problems
 
 

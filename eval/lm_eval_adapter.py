@@ -689,6 +689,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run ``lm-eval``; returns ``{task: {metric: value}}`` (``--list-datasets``: the paths)."""
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if args.include_path is not None and not Path(args.include_path).is_dir():
+        raise FileNotFoundError(
+            f"--include-path {args.include_path!r} is not a folder; pass the folder that holds "
+            "your task YAML files"
+        )
     tm = _task_manager(args.include_path)
     unknown = [t for t in tasks if t not in tm.task_index and not Path(t).is_file()]
     if unknown or not tasks:  # before the model is loaded

@@ -618,3 +618,93 @@ def test_per_token_loss_default_length_is_the_one_help_names(ckpts, tmp_path):
     s = main(["per-token-loss", str(ckpts["fot"]), "--max-docs", "1", "--out",
               str(tmp_path / "o"), "--device", "cpu"])  # fmt: skip
     assert s["length"] == config[named.group(1)]
+
+
+def test_out_inside_the_checkpoint_an_empty_out_and_a_file_are_refused(ckpts, tmp_path):
+    from fot.eval.common import checkpoint_fingerprint
+
+    ck = ckpts["llama"]
+    before = checkpoint_fingerprint(ck)
+    (tmp_path / "afile").write_text("x")
+    for out, message in (
+        (str(ck), "is inside the checkpoint folder"),
+        (str(ck / "results"), "is inside the checkpoint folder"),
+        ("", "--out is empty"),
+        (str(tmp_path / "afile"), "is a file, not a folder"),
+    ):
+        for command in ("per-token-loss", "gates"):
+            with pytest.raises(ValueError, match=message):
+                main([command, str(ck), "--out", out, "--device", "cpu"])
+    assert not (ck / "results").exists()
+    assert checkpoint_fingerprint(ck) == before  # nothing written into the checkpoint
+
+
+def test_damaged_checkpoint_files_and_devices_are_named(ckpts, tmp_path):
+    def damaged(name, change):
+        folder = tmp_path / name
+        shutil.copytree(ckpts["llama"], folder)
+        change(folder)
+        return folder
+
+    def truncate(folder):
+        weights = folder / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:1000])
+
+    def drop_vocabulary(folder):
+        (folder / "vocab.json").unlink()
+        (folder / "merges.txt").unlink()
+
+    cases = [
+        (damaged("trunc", truncate), r"weights in .* cannot be loaded .* copy or export"),
+        (
+            damaged("noweights", lambda f: (f / "model.safetensors").unlink()),
+            r"holds no weights \(no \*\.safetensors",
+        ),
+        (
+            damaged("badcfg", lambda f: (f / "config.json").write_text('{"model_type": "lla')),
+            r"config\.json' is not valid JSON",
+        ),
+        (damaged("notok", drop_vocabulary), r"has 1 token\(s\) for a model of 50257"),
+    ]
+    for folder, message in cases:
+        with pytest.raises((ValueError, FileNotFoundError), match=message):
+            main(["per-token-loss", str(folder), "--length", "16", "--max-docs", "1",
+                  "--out", str(tmp_path / "o"), "--device", "cpu"])  # fmt: skip
+    with pytest.raises(ValueError, match="--device 'meta': models cannot be evaluated on 'meta'"):
+        main(["per-token-loss", str(ckpts["llama"]), "--out", str(tmp_path / "o"),
+              "--device", "meta"])  # fmt: skip
+
+
+def test_resume_refuses_other_data_under_the_same_path_and_a_damaged_record(ckpts, tmp_path):
+    import zarr
+
+    def write_rows(seed):
+        rows = np.random.default_rng(seed).integers(0, 50000, size=(3, 40)).astype(np.uint16)
+        shutil.rmtree(tmp_path / "heldout.zarr", ignore_errors=True)
+        arr = zarr.create_array(store=str(tmp_path / "heldout.zarr"), shape=rows.shape,
+                                dtype="uint16", chunks=(1, 40))  # fmt: skip
+        arr[:] = rows
+
+    out = tmp_path / "o"
+    argv = ["per-token-loss", str(ckpts["llama"]), "--data", str(tmp_path / "heldout.zarr"),
+            "--length", "32", "--max-docs", "2", "--out", str(out), "--device", "cpu"]  # fmt: skip
+    write_rows(0)
+    first = main(argv)
+    assert main(argv)["mean_loss"] == first["mean_loss"]  # same data: resumed
+    write_rows(1)  # other tokens, same path, shape and chunking
+    with pytest.raises(ResumeMismatchError, match=r"--data: the content of .* has changed since"):
+        main(argv)
+    write_rows(0)
+    assert main(argv)["mean_loss"] == first["mean_loss"]
+    (out / "per_token_loss.resume.json").write_text('{"command": "per_tok')
+    with pytest.raises(ResumeMismatchError, match=r"per_token_loss\.resume\.json, is damaged"):
+        main(argv)
+
+
+def test_lm_eval_include_path_must_be_a_folder(ckpts, tmp_path):
+    pytest.importorskip("lm_eval")
+    missing = tmp_path / "no_such_tasks"
+    with pytest.raises(FileNotFoundError, match=r"--include-path .*no_such_tasks' is not a folder"):
+        main(["lm-eval", str(ckpts["llama"]), "--tasks", "hellaswag", "--include-path",
+              str(missing), "--out", str(tmp_path / "o"), "--device", "cpu"])  # fmt: skip
+    assert not (tmp_path / "o").exists()

@@ -17,10 +17,12 @@ import os
 import platform
 import subprocess
 import sys
+import zipfile
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -914,6 +916,122 @@ class JsonlLog:
 
     def __len__(self) -> int:
         return len(self.records)
+
+
+def vocab_size(model: torch.nn.Module) -> int | None:
+    """Number of token ids the model reads: ``config.vocab_size``, else its embedding's rows."""
+    value = getattr(getattr(model, "config", None), "vocab_size", None)
+    if isinstance(value, int) and value > 0:
+        return value
+    get = getattr(model, "get_input_embeddings", None)
+    emb = get() if get is not None else None
+    return int(emb.num_embeddings) if isinstance(emb, torch.nn.Embedding) else None
+
+
+def check_token_ids(tokens: np.ndarray, vocab: int | None, what: str) -> None:
+    """Refuse token ids outside ``[0, vocab)`` before they reach the model's embedding.
+
+    Args:
+        tokens: the ids read from the data (any shape).
+        vocab: the model's vocabulary size (:func:`vocab_size`); None checks the sign only.
+        what: where they come from, for the message (e.g. ``"--data 'x.zarr' document 3"``).
+
+    Raises:
+        ValueError: naming ``what``, the bad id and the vocabulary size.
+    """
+    if tokens.size == 0:
+        return
+    low, high = int(tokens.min()), int(tokens.max())
+    if low < 0 or (vocab is not None and high >= vocab):
+        bad = low if low < 0 else high
+        raise ValueError(
+            f"{what} holds token id {bad}, outside this model's vocabulary of {vocab} ids "
+            f"(0..{vocab - 1 if vocab else '?'}): the data was tokenized with another "
+            "tokenizer or is not token ids; pass data tokenized for this checkpoint"
+        )
+
+
+def check_fits_memory(model: torch.nn.Module, tokens: int, what: str) -> None:
+    """Refuse inputs whose hidden states alone cannot fit in the device's memory.
+
+    One layer's hidden states of a ``tokens``-long input take ``tokens * hidden_size`` values
+    of the model's dtype: the least a forward pass holds at once. An input past that would be
+    killed for memory (or fail deep inside torch) after minutes of preparation.
+
+    Raises:
+        ValueError: naming ``what``, the estimate and the device's memory.
+    """
+    param = next(model.parameters())
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    width = getattr(emb, "embedding_dim", None) or getattr(model.config, "hidden_size", None)
+    if not isinstance(width, int):
+        return
+    if param.device.type == "cuda":
+        memory = torch.cuda.get_device_properties(param.device).total_memory
+    else:
+        try:
+            memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            return
+    need = tokens * width * param.element_size()
+    if need > memory:
+        raise ValueError(
+            f"{what} needs inputs of {tokens} tokens: one layer's hidden states alone take "
+            f"{need / 2**30:.1f} GiB, more than the {memory / 2**30:.1f} GiB of {param.device}; "
+            "choose shorter lengths"
+        )
+
+
+def length_option(text: str, option: str, *, minimum: int = 1) -> int:
+    """Parse a one-value length option such as ``--train-length 16k``.
+
+    Raises:
+        ValueError: not exactly one integer, or one below ``minimum`` (naming the option).
+    """
+    values = parse_int_list(text)
+    if len(values) != 1:
+        raise ValueError(f"{option} {text!r}: expected one length in tokens, e.g. 16k or 16384")
+    if values[0] < minimum:
+        raise ValueError(f"{option} must be >= {minimum} tokens, got {values[0]}")
+    return values[0]
+
+
+def list_option(text: str, option: str) -> str:
+    """``text`` unchanged when no item of the comma-separated list is empty.
+
+    (:func:`fot.eval.common.parse_int_list` skips empty items: ``256,,512`` is a typo.)
+
+    Raises:
+        ValueError: naming the option and the list.
+    """
+    if any(not part.strip() for part in text.split(",")):
+        raise ValueError(
+            f"{option} {text!r} has an empty item; separate values by single commas, e.g. "
+            "'1k,2k,4k'"
+        )
+    return text
+
+
+def load_npz(path: Path, keys: Sequence[str], fix: str) -> dict[str, np.ndarray]:
+    """Arrays ``keys`` of the ``.npz`` file ``path``, or an error naming the file and ``fix``.
+
+    Raises:
+        ValueError: the file is damaged (cut short by a crash or a full disk, not an npz) or
+            lacks one of ``keys``.
+    """
+    try:
+        data = np.load(path)
+        if not isinstance(data, np.lib.npyio.NpzFile):
+            why = "is not an .npz archive"
+        else:
+            with data:
+                missing = [k for k in keys if k not in data.files]
+                if not missing:
+                    return {k: data[k] for k in keys}
+            why = f"lacks the arrays {missing}"
+    except (zipfile.BadZipFile, EOFError, OSError, ValueError) as err:
+        why = f"is damaged ({type(err).__name__}: {err})"
+    raise ValueError(f"{str(path)!r} {why}; {fix}")
 
 
 def parse_int_list(text: str | Iterable[int]) -> list[int]:

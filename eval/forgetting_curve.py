@@ -31,12 +31,16 @@ from .common import (
     CONTEXT_LENGTH_HELP,
     JsonlLog,
     add_run_arguments,
+    check_fits_memory,
     check_grid,
     check_out_shared,
     check_positions,
+    check_token_ids,
     checkpoint_label,
     claim_results,
     eot_id,
+    length_option,
+    list_option,
     load_checkpoint,
     model_dtype,
     model_max_length,
@@ -45,6 +49,7 @@ from .common import (
     path_setting,
     pick_device,
     use_agg_backend,
+    vocab_size,
     write_run_config,
 )
 
@@ -112,9 +117,20 @@ def memory_lengths(
 def sample_pair(
     stream: np.ndarray, n: int, rng: np.random.Generator
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Two non-overlapping random ``n``-token spans (S, I) of ``stream`` (tiled if short)."""
+    """Two non-overlapping random ``n``-token spans (S, I) of ``stream``.
+
+    Raises:
+        ValueError: ``stream`` has fewer than ``2 n`` tokens (S and I would share text).
+    """
+    if len(stream) < 2 * n:
+        raise ValueError(
+            f"S and I of {n} tokens each need {2 * n} tokens of text, the data holds {len(stream)}"
+        )
     if len(stream) < 4 * n:
-        stream = np.tile(stream, -(-4 * n // max(len(stream), 1)))
+        # Short stream: the slack (tokens outside S and I) is split at random, in either order.
+        lo, hi = sorted(int(x) for x in rng.integers(0, len(stream) - 2 * n + 1, size=2))
+        first, second = stream[lo : lo + n], stream[hi + n : hi + 2 * n]
+        return (first, second) if rng.integers(2) else (second, first)
     a = int(rng.integers(0, len(stream) - n + 1))
     while True:  # at least half the stream is outside [a - n, a + n): terminates fast
         b = int(rng.integers(0, len(stream) - n + 1))
@@ -285,13 +301,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _token_stream(source: str, max_tokens: int) -> np.ndarray:
+    """Documents of ``--data`` end to end, until at least ``max_tokens`` (or all of them)."""
     from .per_token_loss import num_documents, open_documents
 
     docs, _ = open_documents(source)
     parts, total = [], 0
     for i in range(num_documents(docs)):
-        d = np.asarray(docs[i], dtype=np.int64)
-        parts.append(d)
+        d = np.asarray(docs[i])
+        if not np.issubdtype(d.dtype, np.integer):
+            raise ValueError(
+                f"--data {source!r} document {i} holds {d.dtype} values, not token ids"
+            )
+        parts.append(d.astype(np.int64))
         total += len(d)
         if total >= max_tokens:
             break
@@ -303,17 +324,29 @@ def _token_stream(source: str, max_tokens: int) -> np.ndarray:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run ``forgetting-curve``; returns the summary (per-length accuracies, memory lengths)."""
     out = Path(args.out)
-    lengths = parse_int_list(args.lengths)
+    lengths = parse_int_list(list_option(args.lengths, "--lengths"))
     check_out_shared(out, "forgetting-curve")
     # Everything that can be checked without the model is checked before it loads.
     check_grid(lengths, "--lengths", minimum=6)  # n = (L - 2) // 2 >= 2 tokens
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+    if args.seed < 0:
+        raise ValueError(f"--seed must be >= 0, got {args.seed}")
+    train_length = length_option(args.train_length, "--train-length") if args.train_length else None
     stream = _token_stream(args.data, max(20 * max(lengths), 200_000))
+    n = (max(lengths) - 2) // 2
+    if len(stream) < 2 * n:  # S and I are disjoint: the text is never repeated
+        raise ValueError(
+            f"--lengths up to {max(lengths)} needs two separate spans S and I of {n} tokens, "
+            f"{2 * n} tokens in all, but --data {args.data!r} holds {len(stream)} tokens; pass "
+            "more data or lower --lengths"
+        )
     model, tokenizer = load_checkpoint(
         args.checkpoint, device=pick_device(args.device), dtype=args.dtype
     )
     check_positions(model, max(lengths), f"--lengths up to {max(lengths)}")
+    check_fits_memory(model, max(lengths), f"--lengths up to {max(lengths)}")
+    check_token_ids(stream, vocab_size(model), f"--data {args.data!r}")
     # (length, repeat) cells extend the saved grid, of the same checkpoint and data only.
     claim_results(
         out,
@@ -346,13 +379,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for r in summary["per_length"]:
             f.write(",".join(str(r[c]) for c in cols) + "\n")
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    train_length = (
-        parse_int_list(args.train_length)[0] if args.train_length else model_max_length(model)
-    )
     plot_curve(
         summary,
         out / "forgetting_curve.png",
-        train_length=train_length,
+        train_length=train_length or model_max_length(model),
         title=checkpoint_label(args.checkpoint),
     )
     print(json.dumps({k: summary[k] for k in ("fine_grained_length", "coarse_grained_length")}))

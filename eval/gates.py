@@ -257,8 +257,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _int_list(text: str, option: str) -> list[int]:
+    parts = text.split(",")
+    if len(parts) > 1 and any(not x.strip() for x in parts):
+        raise ValueError(f"{option} {text!r} has an empty item; separate indices by single commas")
     try:
-        values = [int(x) for x in text.split(",") if x.strip()]
+        values = [int(x) for x in parts if x.strip()]
     except ValueError:
         raise ValueError(
             f"{option} {text!r}: expected comma-separated integers like '0,-1'"
@@ -272,16 +275,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run ``gates``; returns the summary (tokens, mean gate per layer and head, maps)."""
     out = Path(args.out)
     check_out_shared(out, "gates")
-    if args.text and args.text_file:
+    if args.text is not None and args.text_file is not None:
         raise ValueError("give --text or --text-file, not both")
     layers, heads = _int_list(args.layers, "--layers"), _int_list(args.heads, "--heads")
-    if args.text_file:
+    if args.text_file is not None:
         path = Path(args.text_file)
         if not path.is_file():
             what = "is a folder" if path.is_dir() else "does not exist"
             raise FileNotFoundError(f"--text-file {str(path)!r} {what}; pass a text file")
         text = path.read_text(encoding="utf-8", errors="replace")
-    elif args.text:
+        if not text.strip():
+            raise ValueError(f"--text-file {str(path)!r} holds no text; pass a file with text")
+    elif args.text is not None:
+        if not args.text.strip():
+            raise ValueError(
+                f"--text {args.text!r} holds no text; pass some text, or leave --text out to "
+                "analyse the sample corpus"
+            )
         text = args.text
     else:
         from fot.data.sample import sample_texts

@@ -230,8 +230,8 @@ def read_jsonl(path: Path, limit: int | None = None) -> list[dict[str, Any]]:
     """Examples of one task file (first ``limit`` only if given).
 
     Raises:
-        ValueError: a line is not a JSON object (the message names the file and line), or the
-            file holds no example.
+        ValueError: a line is not a JSON object or has no ``answers`` (the message names the
+            file and line), or the file holds no example.
     """
     rows = []
     with path.open() as f:
@@ -249,6 +249,17 @@ def read_jsonl(path: Path, limit: int | None = None) -> list[dict[str, Any]]:
                 raise ValueError(
                     f"{path}:{number} is a JSON {type(row).__name__}, not an object with "
                     "input, context and answers"
+                )
+            answers = row.get("answers")
+            if isinstance(answers, str):
+                answers = [answers]
+            if not (
+                isinstance(answers, list) and answers and all(isinstance(a, str) for a in answers)
+            ):
+                raise ValueError(
+                    f"{path}:{number} has no answers to score against (answers: "
+                    f"{json.dumps(row.get('answers'))}); LongBench rows hold a list of reference "
+                    "answer strings"
                 )
             rows.append(row)
             if limit and len(rows) >= limit:

@@ -40,12 +40,15 @@ from .common import (
     CONTEXT_LENGTH_HELP,
     JsonlLog,
     add_run_arguments,
+    check_fits_memory,
     check_grid,
     check_positions,
     checkpoint_label,
     claim_results,
     eot_id,
     greedy_generate,
+    length_option,
+    list_option,
     load_checkpoint,
     model_dtype,
     model_max_length,
@@ -313,7 +316,7 @@ def load_haystack_text(paths: Sequence[str] | None, max_chars: int) -> str:
                 raise FileNotFoundError(f"--haystack {str(p)!r} is neither a file nor a folder")
         if not files:
             raise ValueError(f"--haystack {list(paths)} holds no .txt files")
-        texts = (f.read_text(encoding="utf-8", errors="replace") for f in files)
+        texts = (_read_text_file(f) for f in files)
     else:
         from fot.data.sample import sample_texts
 
@@ -323,7 +326,27 @@ def load_haystack_text(paths: Sequence[str] | None, max_chars: int) -> str:
         total += len(t)
         if total >= max_chars:
             break
-    return "\n\n".join(pieces)[:max_chars]
+    text = "\n\n".join(pieces)[:max_chars]
+    if paths and not text.strip():
+        raise ValueError(f"--haystack {list(paths)} holds no text (only whitespace)")
+    return text
+
+
+def _read_text_file(path: Path) -> str:
+    """A haystack file's text; binary or non-UTF-8 files are refused, not read as garbage."""
+    data = path.read_bytes()
+    if b"\0" in data:
+        raise ValueError(
+            f"--haystack file {str(path)!r} holds NUL bytes: it is binary, not text; pass "
+            "UTF-8 text files"
+        )
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(
+            f"--haystack file {str(path)!r} is not UTF-8 text (byte {err.start}); convert it "
+            "(e.g. iconv -f latin1 -t utf-8) or leave it out"
+        ) from None
 
 
 def plot_heatmap(
@@ -520,7 +543,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run ``needle``; returns the summary (mean score and accuracy, per length)."""
     out = Path(args.out)
-    lengths, depths = parse_int_list(args.lengths), parse_float_list(args.depths)
+    lengths = parse_int_list(list_option(args.lengths, "--lengths"))
+    depths = parse_float_list(list_option(args.depths, "--depths"))
     # Everything that can be checked without the model is checked before it loads.
     check_grid(lengths, "--lengths", minimum=2)
     check_grid(depths, "--depths", minimum=0.0)
@@ -542,27 +566,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             )
         keys = tuple(k.strip() for k in args.key_phrases.split(",") if k.strip())
         needle = Needle(args.needle, args.question, keys)
+    train_length = length_option(args.train_length, "--train-length") if args.train_length else None
     max_chars = 8 * max(lengths) + 10_000
-    text = (
-        (_PASSKEY_FILLER * (max_chars // len(_PASSKEY_FILLER) + 1))[:max_chars]
-        if (args.mode == "passkey" and not args.haystack)
-        else load_haystack_text(args.haystack, max_chars)
-    )
+    filler = args.mode == "passkey" and not args.haystack  # repeated by design
+    text = "" if filler else load_haystack_text(args.haystack, max_chars)
     model, tokenizer = load_checkpoint(
         args.checkpoint, device=pick_device(args.device), dtype=args.dtype
     )
     max_new_tokens = args.max_new_tokens or (8 if args.mode == "passkey" else 32)
-    check_positions(
-        model,
-        max(lengths) + max_new_tokens - 1,
-        f"--lengths up to {max(lengths)} with --max-new-tokens {max_new_tokens}",
-    )
+    what = f"--lengths up to {max(lengths)} with --max-new-tokens {max_new_tokens}"
+    check_positions(model, max(lengths) + max_new_tokens - 1, what)
+    check_fits_memory(model, max(lengths) + max_new_tokens - 1, what)
+    if filler:
+        text = (_PASSKEY_FILLER * (max_chars // len(_PASSKEY_FILLER) + 1))[:max_chars]
     haystack_ids = _encode(tokenizer, text)
     if not haystack_ids:
         raise ValueError(f"--haystack {args.haystack} holds no text")
     bos_id = None if args.no_bos else eot_id(tokenizer)
     # The shortest length must leave room for a haystack: said before --out is written.
-    build_prompt(
+    shortest = build_prompt(
         tokenizer,
         haystack_ids,
         context_length=min(lengths),
@@ -573,6 +595,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         bos_id=bos_id,
         snap_tokens=0,
     )
+    # A haystack of real text is cut to fit, never repeated (the model could copy the repeat).
+    need = max(lengths) - (min(lengths) - shortest.haystack_len)
+    if not filler and len(haystack_ids) < need:
+        source = f"--haystack {args.haystack}" if args.haystack else "the sample corpus"
+        raise ValueError(
+            f"--lengths up to {max(lengths)} needs {need} haystack tokens, but {source} holds "
+            f"{len(haystack_ids)} tokens (of {len(text)} characters read); pass more text "
+            "with --haystack (e.g. a folder of PG19 books) or lower --lengths"
+        )
     # Cells are keyed by (length, depth, repeat): a larger grid extends the saved one, but
     # saved cells resume only a run of the same checkpoint, haystack, needle and generation.
     claim_results(
@@ -609,9 +640,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         bos_id=bos_id,
         seed=args.seed,
     )
-    train_length = (
-        parse_int_list(args.train_length)[0] if args.train_length else model_max_length(model)
-    )
+    train_length = train_length or model_max_length(model)
     with (out / f"needle_{args.mode}.csv").open("w") as f:
         f.write("context_length,depth,repeat,score,correct\n")
         for r in records:

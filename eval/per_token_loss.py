@@ -36,18 +36,21 @@ from .common import (
     add_run_arguments,
     check_out_shared,
     check_positions,
+    check_token_ids,
     checkpoint_label,
     claim_results,
     eot_id,
+    length_option,
     load_checkpoint,
+    load_npz,
     model_dtype,
     model_max_length,
-    parse_int_list,
     path_setting,
     pick_device,
     positive_int,
     token_losses,
     use_agg_backend,
+    vocab_size,
     write_run_config,
 )
 
@@ -170,11 +173,19 @@ def open_documents(source: str) -> tuple[Sequence[np.ndarray], str]:
 
         return TokenDocuments(path), "tokens"
     if path.suffix == ".zarr" or (path / "zarr.json").is_file() or (path / ".zarray").is_file():
-        import zarr
+        from fot.data.streams import open_zarr_array
 
-        arr = zarr.open(str(path), mode="r")
-        if not hasattr(arr, "shape") or len(arr.shape) != 2:
+        try:
+            arr = open_zarr_array(path)
+        except ValueError as err:  # unreadable metadata, a group: named with the fix
+            raise ValueError(f"--data {source!r}: {err}") from None
+        if len(arr.shape) != 2:
             raise ValueError(f"zarr at {source!r} must be a 2-D array (documents x tokens)")
+        if not np.issubdtype(np.dtype(arr.dtype), np.integer):
+            raise ValueError(
+                f"--data {source!r} holds {arr.dtype} values, not token ids: pass a zarr array "
+                "of integer token ids (LongCrawl64 heldout.zarr is uint16)"
+            )
         return arr, "zarr"
     raise ValueError(f"--data {source!r} is neither a token folder (meta.json) nor a zarr array")
 
@@ -227,6 +238,7 @@ def evaluate_per_token_loss(
     state_path: Path | None = None,
     save_every: int = 8,
     progress: bool = True,
+    source: str = "the data",
 ) -> tuple[PerTokenLossAccumulator, list[int]]:
     """Accumulate L(i) over documents (this rank's share; call ``all_reduce`` afterwards).
 
@@ -239,6 +251,7 @@ def evaluate_per_token_loss(
         bos_id: if given, this token is put in front of every document.
         state_path: ``.npz`` file for resuming (sums and finished ids), or None.
         save_every: documents between two state saves.
+        source: where ``docs`` come from, for errors (e.g. ``"--data 'heldout.zarr'"``).
 
     Returns:
         ``(accumulator, finished_doc_ids)``; the accumulator has ``length`` positions with BOS,
@@ -247,12 +260,18 @@ def evaluate_per_token_loss(
     from tqdm.auto import tqdm
 
     device = device or next(model.parameters()).device
+    vocab = vocab_size(model)
     n = length if bos_id is not None else length - 1
     acc = PerTokenLossAccumulator(n)
     done: list[int] = []
     if state_path is not None and state_path.is_file():
-        saved = np.load(state_path)
-        acc.load_state({"loss_sum": saved["loss_sum"], "count": saved["count"]})
+        saved = load_npz(
+            state_path,
+            ("loss_sum", "count", "done"),
+            "it holds the sums of an interrupted run: pass --restart (moves the earlier results "
+            "to --out/superseded/ and starts over) or choose another --out",
+        )
+        acc.load_state(saved)
         done = saved["done"].astype(np.int64).tolist()
     finished = set(done)
     todo = [i for i in doc_ids if i not in finished]
@@ -274,7 +293,12 @@ def evaluate_per_token_loss(
     )
     for s in range(0, len(todo), batch_size):
         ids = todo[s : s + batch_size]
-        rows = np.stack([np.asarray(docs[i][:length], dtype=np.int64) for i in ids])
+        rows = np.stack([np.asarray(docs[i][:length]) for i in ids])
+        what = f"{source} (document{'s' if len(ids) > 1 else ''} {', '.join(map(str, ids))})"
+        if not np.issubdtype(rows.dtype, np.integer):
+            raise ValueError(f"{what} holds {rows.dtype} values, not token ids")
+        check_token_ids(rows, vocab, what)
+        rows = rows.astype(np.int64)
         tokens = torch.from_numpy(rows).to(device)  # (B, length)
         if bos_id is not None:
             bos = torch.full((tokens.shape[0], 1), bos_id, dtype=torch.long, device=device)
@@ -394,15 +418,27 @@ def parse_overlays(items: Sequence[str]) -> dict[str, Path]:
         FileNotFoundError: a folder holds no ``per_token_loss.npz`` (named, with the fix).
     """
     runs: dict[str, Path] = {}
+    fix = (
+        "pass LABEL=DIR with DIR the --out folder of a finished per-token-loss run (holding "
+        "per_token_loss.npz)"
+    )
     for item in items:
         label, _, path = item.rpartition("=")
         p = Path(path)
         npz = p / "per_token_loss.npz" if p.is_dir() else p
-        if not (npz.is_file() and npz.suffix == ".npz"):
+        if p.is_file() and p.suffix != ".npz":
+            raise NotADirectoryError(f"--overlay {item!r}: {path!r} is a file, not a folder; {fix}")
+        if not npz.is_file():
+            what = "holds no per_token_loss.npz" if p.is_dir() else "does not exist"
             raise FileNotFoundError(
-                f"--overlay {item!r}: {str(npz)!r} does not exist; pass LABEL=DIR with DIR the "
-                "--out folder of a finished per-token-loss run (holding per_token_loss.npz)"
+                f"--overlay {item!r}: {str(p if p.is_dir() else npz)!r} {what}; {fix}"
             )
+        load_npz(
+            npz,
+            ("position", "loss", "p_length", "perplexity"),
+            f"--overlay {item!r} cannot be drawn: re-run that per-token-loss evaluation (with "
+            "--restart) or leave it out",
+        )
         label = label or p.name
         if label in runs:
             raise ValueError(
@@ -456,7 +492,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--smooth",
-        type=int,
+        type=positive_int,
         default=101,
         help="moving-average window of the plot in tokens (default: %(default)s)",
     )
@@ -494,9 +530,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             f"--overlay label {label!r} is also this run's label (one curve would hide the "
             "other); rename the overlay (LABEL=DIR) or pass --label"
         )
-    asked = parse_int_list(args.length)[0] if args.length else None
-    if asked is not None and asked < 2:  # checked before the model is loaded
-        raise ValueError(f"--length must be >= 2 tokens, got {asked}")
+    # checked before the model is loaded
+    asked = length_option(args.length, "--length", minimum=2) if args.length else None
+    asked_train = length_option(args.train_length, "--train-length") if args.train_length else None
     docs, kind = open_documents(args.data)  # missing data: said before the model loads
     device = pick_device(args.device)
     model, tokenizer = load_checkpoint(args.checkpoint, device=device, dtype=args.dtype)
@@ -507,9 +543,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "max_position_embeddings): pass --length"
         )
     check_positions(model, length, f"--length {length}")
-    train_length = (
-        parse_int_list(args.train_length)[0] if args.train_length else model_max_length(model)
-    )
+    train_length = asked_train or model_max_length(model)
     bos = args.prepend_bos == "yes" or (args.prepend_bos == "auto" and kind != "zarr")
     ids = eligible_documents(docs, kind, length, args.max_docs)
     if not ids:
@@ -550,6 +584,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         state_path=out / f"state_rank{rank}.npz" if world > 1 else out / "state.npz",
         save_every=args.save_every,
         progress=rank == 0,
+        source=f"--data {args.data!r}",
     )
     acc.all_reduce()
     if world > 1:

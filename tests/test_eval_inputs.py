@@ -1,0 +1,207 @@
+"""Bad data, damaged result files and meaningless values given to ``python -m fot.eval``.
+
+Each must stop with one error naming the bad value and the fix: not a traceback from inside
+zarr, numpy or torch (a KeyError, a BadZipFile, an IndexError in the embedding), not a process
+killed for memory, and not a silently wrong result (float data read as token 0, an overlap of
+S and I in the forgetting curve, an empty --text replaced by the sample corpus).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+from eval_helpers import VOCAB, make_llama_checkpoint
+
+from fot.eval.__main__ import main
+from fot.eval.forgetting_curve import sample_pair
+
+PTL = ["--length", "64", "--max-docs", "1", "--device", "cpu"]
+FC = ["--lengths", "64", "--repeats", "1", "--device", "cpu"]
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return make_llama_checkpoint(tmp_path_factory.mktemp("ckpt") / "llama")
+
+
+def _zarr(path, values):
+    """A 2-D zarr array of ``values`` (documents x tokens), as LongCrawl64's heldout.zarr."""
+    zarr = pytest.importorskip("zarr")
+    values = np.asarray(values)
+    arr = zarr.create_array(store=str(path), shape=values.shape, dtype=values.dtype)
+    arr[:] = values
+    return path
+
+
+@pytest.mark.parametrize("command", ["per-token-loss", "forgetting-curve"])
+def test_a_folder_zarr_cannot_read_is_named(tmp_path, command):
+    fake = tmp_path / "fake"
+    fake.mkdir()
+    (fake / ".zarray").write_text("{}")  # was: KeyError 'zarr_format' from inside zarr
+    args = PTL if command == "per-token-loss" else FC
+    with pytest.raises(ValueError, match=rf"--data '{re.escape(str(fake))}'.*not a readable zarr"):
+        main([command, str(tmp_path / "missing"), *args, "--data", str(fake),
+              "--out", str(tmp_path / "o")])  # fmt: skip
+
+
+@pytest.mark.parametrize("bad", [99_999, -1])
+@pytest.mark.parametrize("command", ["per-token-loss", "forgetting-curve"])
+def test_token_ids_outside_the_vocabulary_are_named(llama, tmp_path, command, bad):
+    rows = np.random.default_rng(0).integers(0, 1000, size=(2, 100))
+    rows[0, 10] = bad  # was: IndexError inside torch.embedding
+    data = _zarr(tmp_path / "z.zarr", rows)
+    args = PTL if command == "per-token-loss" else FC
+    with pytest.raises(ValueError, match=rf"--data .*z\.zarr.* token id {bad}, .*of {VOCAB} ids"):
+        main([command, str(llama), *args, "--data", str(data), "--out", str(tmp_path / "o")])
+
+
+@pytest.mark.parametrize("command", ["per-token-loss", "forgetting-curve"])
+def test_float_data_is_refused_not_read_as_token_ids(tmp_path, command):
+    data = _zarr(tmp_path / "f.zarr", np.full((2, 100), 0.5, dtype=np.float32))
+    args = PTL if command == "per-token-loss" else FC
+    with pytest.raises(ValueError, match=r"f\.zarr' holds float32 values, not token ids"):
+        main([command, str(tmp_path / "missing"), *args, "--data", str(data),
+              "--out", str(tmp_path / "o")])  # fmt: skip
+
+
+def test_a_damaged_resume_state_is_named_with_the_fix(llama, tmp_path):
+    out = tmp_path / "o"
+    main(["per-token-loss", str(llama), *PTL, "--out", str(out)])
+    state = out / "state.npz"
+    state.write_bytes(state.read_bytes()[:100])  # cut short, e.g. by a full disk
+    with pytest.raises(ValueError, match=r"state\.npz' is damaged .*--restart.*another --out"):
+        main(["per-token-loss", str(llama), *PTL, "--out", str(out)])  # was: BadZipFile
+    main(["per-token-loss", str(llama), *PTL, "--out", str(out), "--restart"])  # the way out
+    assert (out / "summary.json").is_file()
+
+
+def test_a_damaged_overlay_is_named_before_the_evaluation(llama, tmp_path):
+    old = tmp_path / "old"
+    main(["per-token-loss", str(llama), *PTL, "--out", str(old)])
+    npz = old / "per_token_loss.npz"
+    npz.write_bytes(npz.read_bytes()[:200])
+    out = tmp_path / "o"
+    with pytest.raises(ValueError, match=r"per_token_loss\.npz' is damaged.*re-run that"):
+        main(["per-token-loss", str(llama), *PTL, "--overlay", f"a={old}", "--out", str(out)])
+    assert not (out / "state.npz").exists()  # refused before, not after, the evaluation
+
+
+def test_an_overlay_that_is_a_file_is_called_a_file(tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("x\n")
+    with pytest.raises(NotADirectoryError, match=r"'a=.*afile'.*is a file, not a folder"):
+        main(["per-token-loss", str(tmp_path / "missing"), *PTL, "--overlay", f"a={afile}",
+              "--out", str(tmp_path / "o")])  # fmt: skip
+
+
+def test_forgetting_curve_lengths_beyond_the_data_are_refused(tmp_path):
+    out = tmp_path / "o"  # was: killed for memory, tiling the corpus to 4e9 tokens
+    with pytest.raises(
+        ValueError, match=r"--lengths up to 1000000000 .* --data 'sample' holds \d+"
+    ):
+        main(["forgetting-curve", str(tmp_path / "missing"), "--lengths", "1000000000",
+              "--out", str(out)])  # fmt: skip
+    assert not out.exists()
+
+
+def test_forgetting_curve_spans_of_a_short_stream_never_overlap():
+    n = 50
+    stream = np.arange(2 * n + 7)  # every token distinct: shared text shows as shared ids
+    for seed in range(200):
+        s, i = sample_pair(stream, n, np.random.default_rng(seed))
+        assert len(s) == len(i) == n and not set(s.tolist()) & set(i.tolist())
+    with pytest.raises(ValueError, match=r"need 100 tokens of text, the data holds 99"):
+        sample_pair(stream[:99], n, np.random.default_rng(0))
+
+
+def test_needle_lengths_beyond_the_haystack_are_refused(llama, tmp_path):
+    hay = tmp_path / "hay.txt"
+    hay.write_text("The river runs past the old mill. " * 20)  # ~160 tokens: was repeated
+    out = tmp_path / "o"
+    with pytest.raises(ValueError, match=r"needs \d+ haystack tokens, but --haystack .* holds \d+"):
+        main(["needle", str(llama), "--lengths", "128,1k", "--haystack", str(hay),
+              "--device", "cpu", "--out", str(out)])  # fmt: skip
+    assert not out.exists()
+
+
+def test_needle_lengths_no_memory_can_hold_are_refused(llama, tmp_path):
+    out = tmp_path / "o"  # was: killed for memory building the prompt
+    with pytest.raises(ValueError, match=r"1000000000007 tokens: .* GiB, more than the .* GiB"):
+        main(["needle", str(llama), "--mode", "passkey", "--lengths", "1000000000000",
+              "--device", "cpu", "--out", str(out)])  # fmt: skip
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["gates", "--text", ""], "--text '' holds no text"),  # was: the sample corpus
+        (["gates", "--text", "  \n"], r"--text '  \\n' holds no text"),
+        (["gates", "--layers", "0,,1"], "--layers '0,,1' has an empty item"),
+        (["per-token-loss", "--train-length", "0"], "--train-length must be >= 1 tokens, got 0"),
+        (["per-token-loss", "--train-length=-4"], "--train-length must be >= 1 tokens, got -4"),
+        (["per-token-loss", "--length", "64,128"], "--length '64,128': expected one length"),
+        (["needle", "--train-length", "0"], "--train-length must be >= 1 tokens, got 0"),
+        (["forgetting-curve", "--train-length=-4"], "--train-length must be >= 1 tokens, got -4"),
+        (["needle", "--lengths", "256,,512"], "--lengths '256,,512' has an empty item"),
+        (["needle", "--depths", "0,,50"], "--depths '0,,50' has an empty item"),
+        (["forgetting-curve", "--lengths", "256,,512"], "--lengths '256,,512' has an empty item"),
+        (["forgetting-curve", "--seed", "-1"], "--seed must be >= 0, got -1"),
+    ],
+    ids=lambda v: " ".join(v) if isinstance(v, list) else None,
+)
+def test_meaningless_values_are_refused_before_the_model_loads(tmp_path, argv, message):
+    out = tmp_path / "o"
+    with pytest.raises(ValueError, match=message):
+        main([argv[0], str(tmp_path / "missing"), *argv[1:], "--out", str(out)])
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("content", ["", " \n\t\n"], ids=["empty", "whitespace"])
+def test_gates_text_file_without_text_is_refused(tmp_path, content):
+    text = tmp_path / "story.txt"
+    text.write_text(content)
+    with pytest.raises(ValueError, match=r"--text-file '.*story\.txt' holds no text"):
+        main(["gates", str(tmp_path / "missing"), "--text-file", str(text),
+              "--out", str(tmp_path / "o")])  # fmt: skip
+
+
+def test_smooth_below_one_is_a_usage_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["per-token-loss", str(tmp_path / "missing"), "--smooth", "-3", "--out", "o"])
+    assert exit_.value.code == 2
+    assert "argument --smooth: expected an integer >= 1, got '-3'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"  \n\n \t\n", r"holds no text \(only whitespace\)"),
+        (b"text\x00\x01\x02 more", r"hay\.txt' holds NUL bytes: it is binary"),
+        (b"caf\xe9 au lait\n", r"hay\.txt' is not UTF-8 text \(byte 3\)"),
+    ],
+    ids=["whitespace", "nul-bytes", "not-utf8"],
+)
+def test_needle_haystack_that_is_not_text_is_refused(tmp_path, content, message):
+    hay = tmp_path / "hay.txt"
+    hay.write_bytes(content)
+    out = tmp_path / "o"
+    with pytest.raises(ValueError, match=message):
+        main(["needle", str(tmp_path / "missing"), "--haystack", str(hay), "--out", str(out)])
+    assert not out.exists()
+
+
+def test_longbench_row_without_answers_names_file_and_line(tmp_path):
+    data = tmp_path / "lb"
+    data.mkdir()
+    good = {"_id": "t0", "input": "q", "context": "c", "answers": ["a"]}
+    bad = {"_id": "t1", "input": "q", "context": "c"}
+    (data / "trec.jsonl").write_text(json.dumps(good) + "\n" + json.dumps(bad) + "\n")
+    out = tmp_path / "o"  # was: "trec example None has no answers" after the generation
+    with pytest.raises(ValueError, match=re.escape(f"{data / 'trec.jsonl'}:2 has no answers")):
+        main(["longbench", str(tmp_path / "missing"), "--data-dir", str(data), "--tasks", "trec",
+              "--out", str(out)])  # fmt: skip
+    assert not out.exists()

@@ -41,6 +41,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from fot.models.modeling_fot import CACHE_FIELD
+
 _HERE = Path(__file__).resolve().parent
 if str(_HERE) not in sys.path:  # sibling modules when imported from elsewhere
     sys.path.insert(0, str(_HERE))
@@ -73,8 +75,9 @@ def greedy_decode(
     """Prefill ``prompt`` with a cache, then ``new_tokens`` greedy one-token steps.
 
     Args:
-        model: a causal LM whose forward takes ``input_ids``, ``past_key_values``,
-            ``use_cache`` and ``logits_to_keep`` and returns ``logits``/``past_key_values``.
+        model: a causal LM whose forward takes ``input_ids``, the cache (``past_key_values``,
+            or ``cache`` from transformers 5.24 on: :data:`~fot.models.modeling_fot.CACHE_FIELD`),
+            ``use_cache`` and ``logits_to_keep`` and returns ``logits`` and the cache.
         prompt: ``[B, T]`` int64 on the model's device.
         new_tokens: decode steps (forwards of one token per sequence) after the prefill.
         cache: an empty cache to fill (e.g. a fixed-capacity ``FoTCache``); None = the model's
@@ -87,15 +90,15 @@ def greedy_decode(
     device = prompt.device
     _sync(device)
     t0 = time.perf_counter()
-    out = model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
-    cache = out.past_key_values
+    out = model(input_ids=prompt, use_cache=True, logits_to_keep=1, **{CACHE_FIELD: cache})
+    cache = getattr(out, CACHE_FIELD)
     nxt = out.logits[:, -1].argmax(-1)  # (B,)
     _sync(device)
     t1 = time.perf_counter()
     tokens = [nxt]
     for _ in range(new_tokens):
-        out = model(input_ids=nxt[:, None], past_key_values=cache, use_cache=True)
-        cache = out.past_key_values
+        out = model(input_ids=nxt[:, None], use_cache=True, **{CACHE_FIELD: cache})
+        cache = getattr(out, CACHE_FIELD)
         nxt = out.logits[:, -1].argmax(-1)  # (B,)
         tokens.append(nxt)
     _sync(device)

@@ -9,6 +9,9 @@ _source_layout.install(_Path(__file__).resolve().parent)
 from transformers import AutoConfig as _AutoConfig  # noqa: E402
 from transformers import AutoModel as _AutoModel  # noqa: E402
 from transformers import AutoModelForCausalLM as _AutoModelForCausalLM  # noqa: E402
+from transformers.models.auto.modeling_auto import (  # noqa: E402
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as _MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+)
 
 from fot import export, presets, tokenizer  # noqa: E402
 from fot.models import FoTConfig, FoTForCausalLM, FoTModel  # noqa: E402
@@ -17,6 +20,10 @@ from fot.models import FoTConfig, FoTForCausalLM, FoTModel  # noqa: E402
 _AutoConfig.register(FoTConfig.model_type, FoTConfig, exist_ok=True)
 _AutoModel.register(FoTConfig, FoTModel, exist_ok=True)
 _AutoModelForCausalLM.register(FoTConfig, FoTForCausalLM, exist_ok=True)
+# transformers decides by this table of names whether a model is a causal LM: HF's Trainer
+# shifts the labels for its label-smoothing loss only then, text-generation pipelines and
+# lm-eval check it too. Registering the class above does not add the name.
+_MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.setdefault(FoTConfig.model_type, FoTForCausalLM.__name__)
 
 __version__ = "0.1.0"
 

@@ -481,3 +481,129 @@ def test_empty_input_is_refused_with_the_fix(model: str) -> None:
         m.generate(empty, max_new_tokens=3, do_sample=False)
     one = torch.zeros(2, 1, dtype=torch.long)  # what the message suggests: one start token
     assert m.generate(one, **kw).shape == (2, 4)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "match"),
+    [
+        ("fgate_type", "bias-only", "unknown fgate_type 'bias-only'"),
+        ("num_heads", 3, r"hidden_size \(\d+\) must be divisible by num_heads \(3\)"),
+        ("qk_norm", "no", "qk_norm must be true or false"),
+    ],
+)
+def test_config_edited_after_construction_is_checked_when_the_model_is_built(
+    field: str, value: object, match: str
+) -> None:
+    cfg = presets.config("fot_pro", "tiny", vocab_size=VOCAB, attn_backend="reference")
+    setattr(cfg, field, value)
+    with pytest.raises(ValueError, match=match):
+        presets.build_model(cfg)
+    with pytest.raises(ValueError, match=match):
+        fot.FoTForCausalLM(cfg)
+
+
+def test_a_foreign_config_is_refused_by_type() -> None:
+    from transformers import LlamaConfig
+
+    with pytest.raises(TypeError, match="needs a FoTConfig, got LlamaConfig"):
+        fot.FoTForCausalLM(LlamaConfig())
+
+
+def test_trainer_label_smoothing_scores_next_tokens(tmp_path) -> None:
+    """HF's Trainer shifts labels for label smoothing only for models it knows as causal LMs."""
+    from transformers import Trainer, TrainingArguments
+
+    m = tiny("fot_pro")
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        label_smoothing_factor=0.1,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        disable_tqdm=True,
+    )
+    trainer = Trainer(model=m, args=args)
+    batch = {k: torch.stack([s[k] for s in _lm_samples()]) for k in ("input_ids", "labels")}
+    with torch.no_grad():
+        got = trainer.compute_loss(m, dict(batch))
+        logp = torch.log_softmax(m(batch["input_ids"]).logits[:, :-1].double(), -1)
+    target = batch["labels"][:, 1:]
+    keep = target != -100
+    nll = -logp.gather(-1, target.clamp(min=0).unsqueeze(-1)).squeeze(-1)[keep].mean()
+    uniform = -logp.mean(-1)[keep].mean()
+    expected = 0.9 * nll + 0.1 * uniform
+    assert abs(got.item() - expected.item()) < 1e-4
+
+
+def test_triton_backend_on_cpu_names_the_model_level_fix(monkeypatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    m = tiny("fot_pro", attn_backend="triton")
+    with pytest.raises(RuntimeError, match=r"attn_backend='triton'.*on cpu.*attn_backend='auto'"):
+        m(ids(1, 8))
+    m.config.attn_backend = "auto"  # the fix the message names
+    assert m(ids(1, 8)).logits.shape == (1, 8, VOCAB)
+
+
+def test_cache_is_taken_under_either_name() -> None:
+    """transformers 5.24 passes the cache as ``cache=``; earlier releases as ``past_key_values=``."""
+    from fot.models import FoTCache
+    from fot.models.modeling_fot import CACHE_FIELD
+
+    m = tiny("fot_pro")
+    x = ids(2, 10)
+    full = m(x).logits
+    for name in ("past_key_values", "cache"):
+        cache = getattr(m(x[:, :6], use_cache=True), CACHE_FIELD)
+        assert isinstance(cache, FoTCache) and cache.get_seq_length() == 6
+        rest = m(x[:, 6:], use_cache=True, **{name: cache})
+        assert max_err(rest.logits, full[:, 6:]) < TOL
+        assert getattr(rest, CACHE_FIELD).get_seq_length() == 10
+    layers = m.config.num_hidden_layers
+    with pytest.raises(ValueError, match="passed twice"):
+        m(x, past_key_values=FoTCache(layers), cache=FoTCache(layers))
+
+
+def test_inputs_of_the_wrong_shape_are_named() -> None:
+    m = tiny("fot_pro")
+    width = m.config.hidden_size
+    with pytest.raises(ValueError, match=r"input_ids must be \[batch, time\], got shape \(8,\)"):
+        m(ids(1, 8)[0])
+    with pytest.raises(
+        ValueError, match=rf"hidden_size={width}\], got shape \(1, 8, {width + 1}\)"
+    ):
+        m(inputs_embeds=torch.randn(1, 8, width + 1))
+    with pytest.raises(ValueError, match="exactly one of input_ids and inputs_embeds"):
+        m.model()
+    embeds = m.get_input_embeddings()(ids(1, 8))  # the fix the message names
+    assert torch.equal(m(inputs_embeds=embeds).logits, m(ids(1, 8)).logits)
+
+
+def test_trainer_compute_metrics_gets_the_logits(tmp_path) -> None:
+    """HF's evaluate / predict hand the logits of a ``labels`` forward to compute_metrics."""
+    from transformers import Trainer, TrainingArguments
+
+    m = tiny("fot_pro")
+    seen = {}
+
+    def metrics(pred) -> dict:
+        seen["logits"], seen["labels"] = pred.predictions, pred.label_ids
+        return {"n": float(len(pred.label_ids))}
+
+    args = TrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True, report_to=[], save_strategy="no",
+        disable_tqdm=True, per_device_eval_batch_size=4,
+    )  # fmt: skip
+    trainer = Trainer(model=m, args=args, compute_metrics=metrics)
+    result = trainer.evaluate(eval_dataset=_lm_samples())
+    batch = {k: torch.stack([s[k] for s in _lm_samples()]) for k in ("input_ids", "labels")}
+    want = m(batch["input_ids"]).logits
+    assert result["eval_n"] == 4.0
+    assert torch.allclose(torch.as_tensor(seen["logits"]), want, atol=1e-5)
+    assert torch.equal(torch.as_tensor(seen["labels"]), batch["labels"])
+    assert abs(result["eval_loss"] - m(**batch).loss.item()) < 1e-5
+    # the memory contract stays: training mode and shift_labels never form the logits
+    assert m.train()(**batch).logits is None
+    shifted = torch.nn.functional.pad(batch["labels"][:, 1:], (0, 1), value=-100)
+    assert m.eval()(batch["input_ids"], shift_labels=shifted).logits is None
+    loss, logits = m(**batch, return_dict=False)
+    assert torch.allclose(logits, want) and torch.equal(loss, m(**batch).loss)

@@ -259,7 +259,8 @@ class FoTLayerCache:
 
 
 class FoTCache:
-    """Per-layer :class:`FoTLayerCache` list, usable as ``past_key_values`` in ``generate()``.
+    """Per-layer :class:`FoTLayerCache` list, the cache of ``generate()`` and ``forward``
+    (``past_key_values=`` or, from transformers 5.24 on, ``cache=``).
 
     Args:
         num_layers: number of attention layers of the model.
@@ -292,6 +293,13 @@ class FoTCache:
 
     def __len__(self) -> int:
         return len(self.layers)
+
+    @property
+    def is_linear(self) -> list[bool]:
+        """Per layer, whether it holds a fixed-size recurrent state (transformers >= 5.24 asks):
+        never here, every layer keeps K, V and the gate cumsum of each position, so ``generate``
+        feeds only the tokens past :meth:`get_seq_length`."""
+        return [False] * len(self.layers)
 
     def __getitem__(self, layer_idx: int) -> FoTLayerCache:
         return self.layers[layer_idx]

@@ -101,7 +101,7 @@ class FoTConfig(PretrainedConfig):
         "num_key_value_heads": "kv_heads",
         "rms_norm_eps": "norm_eps",
     }
-    keys_to_ignore_at_inference: ClassVar[list[str]] = ["past_key_values"]
+    keys_to_ignore_at_inference: ClassVar[list[str]] = ["past_key_values", "cache"]
 
     def __init__(
         self,

@@ -32,11 +32,31 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.utils import logging
 
 from .cache import FoTCache, FoTLayerCache, StaticStep
-from .configuration_fot import ATTN_BACKENDS, FoTConfig
+from .configuration_fot import ATTN_BACKENDS, FGATE_TYPES, FoTConfig
+
+logger = logging.get_logger(__name__)
 
 IGNORE_INDEX = -100
+# transformers 5.24 renamed the cache argument and output field ``past_key_values`` to
+# ``cache`` (the old name still works there, with a deprecation warning). FoT models take
+# either name and return the cache under the installed release's field.
+CACHE_FIELD = (
+    "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+)
+
+
+def _one_cache(past_key_values: FoTCache | None, cache: FoTCache | None) -> FoTCache | None:
+    """The cache passed as ``past_key_values`` (transformers < 5.24) or ``cache`` (>= 5.24)."""
+    if past_key_values is not None and cache is not None:
+        raise ValueError(
+            "the cache was passed twice, as past_key_values and as cache: pass it once (cache= "
+            "is transformers' name from 5.24 on, past_key_values= before)"
+        )
+    return cache if cache is not None else past_key_values
+
 
 # ---------------------------------------------------------------------------------------
 # Attention backends: chosen by name, one signature each for full attention and decode.
@@ -67,6 +87,15 @@ def get_attention_functions(backend: str, device: torch.device) -> tuple[Callabl
     if backend not in ("auto", "triton", "sdpa"):
         raise ValueError(
             f"unknown attn_backend {backend!r}; valid: ['auto', 'triton', 'reference', 'sdpa']"
+        )
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        raise RuntimeError(
+            f"attn_backend='triton' runs the Triton kernels, which need CUDA tensors, but the "
+            f"model's inputs are on {device}; move the model to a GPU, or set "
+            "config.attn_backend='auto' (Triton on CUDA, PyTorch elsewhere) or 'reference', "
+            "e.g. FoTForCausalLM.from_pretrained(path, attn_backend='auto') or `model."
+            "config.attn_backend = 'auto'` (TRITON_INTERPRET=1 runs the kernels in Triton's "
+            "slow interpreter)"
         )
     try:  # lazily: Triton is only needed on this path
         from fot.kernels import forgetting_attention, forgetting_attention_decode
@@ -607,6 +636,8 @@ class FoTAttention(nn.Module):
             self.register_buffer(
                 "fgate_bias", long_init_bias(hq, config.decay_time_min, config.decay_time_max)
             )
+        elif self.fgate_type != "none":
+            raise ValueError(f"unknown fgate_type {self.fgate_type!r}; valid: {list(FGATE_TYPES)}")
 
         if config.use_k_shift:
             self.k_shift_proj = nn.Linear(hidden, hkv, bias=False)
@@ -887,10 +918,27 @@ class FoTPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules: ClassVar[list[str]] = ["FoTDecoderLayer"]
-    _skip_keys_device_placement: ClassVar[list[str]] = ["past_key_values"]
+    _skip_keys_device_placement: ClassVar[list[str]] = ["past_key_values", "cache"]
     # The forget gate is computed in float32 (its logits feed a cumsum over the whole
     # sequence): from_pretrained(dtype=bf16 / fp16) keeps its projection's weights in float32.
     _keep_in_fp32_modules_strict: ClassVar[list[str]] = ["fgate_proj"]
+
+    def __init__(self, config: FoTConfig, *inputs: Any, **kwargs: Any) -> None:
+        """Check ``config`` again before building: a field set after the config was made
+        (``config.num_heads = 3``, ``config.fgate_type = "bias-only"``) skipped the
+        constructor's checks and would otherwise build a different model than it names.
+
+        Raises:
+            TypeError: ``config`` is not a :class:`FoTConfig`.
+            ValueError: a field of ``config`` is invalid (named, with what to change).
+        """
+        if not isinstance(config, FoTConfig):
+            raise TypeError(
+                f"{type(self).__name__} needs a FoTConfig, got {type(config).__name__}; build "
+                "one with fot.presets.config(...) or FoTConfig(...)"
+            )
+        config.validate_fot()
+        super().__init__(config, *inputs, **kwargs)
 
     def save_pretrained(self, save_directory: str | os.PathLike, *args: Any, **kwargs: Any) -> None:
         """``PreTrainedModel.save_pretrained``, with the weight files readable as the umask allows
@@ -1123,6 +1171,7 @@ class FoTModel(FoTPreTrainedModel):
         output_hidden_states: bool | None = None,
         output_attentions: bool | None = None,
         return_dict: bool | None = None,
+        cache: FoTCache | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPast | tuple:
         """Hidden states of the last layer (after the final norm).
@@ -1142,17 +1191,19 @@ class FoTModel(FoTPreTrainedModel):
             output_attentions: must be false: the attention kernels never form the attention
                 matrix (a ``ValueError`` otherwise).
             return_dict: False returns ``output.to_tuple()``. Default ``config.return_dict``.
+            cache: the same as ``past_key_values`` (transformers' name from 5.24 on).
             **kwargs: Hugging Face's packing keys, see :func:`hf_packing_kwargs`
                 (``cu_seq_lens_q`` / ``cu_seq_lens_k`` / ``max_length_q`` / ``max_length_k`` /
                 ``position_ids``) and ``cache_position`` (ignored: the cache knows its length).
                 Any other key with a value other than None raises ``TypeError``.
 
         Returns:
-            ``BaseModelOutputWithPast`` with ``last_hidden_state`` ``[B, T, hidden]`` (and
-            ``hidden_states`` when asked), or its tuple.
+            ``BaseModelOutputWithPast`` with ``last_hidden_state`` ``[B, T, hidden]``, the cache
+            (field :data:`CACHE_FIELD`) when caching and ``hidden_states`` when asked, or its
+            tuple.
         """
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        past_key_values = _one_cache(past_key_values, cache)
+        _check_input_shapes(self.config, input_ids, inputs_embeds)
         hidden_states = _output_flags(self.config, output_hidden_states, output_attentions)
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)  # (B, T, hidden)
@@ -1201,8 +1252,8 @@ class FoTModel(FoTPreTrainedModel):
         )
         out = BaseModelOutputWithPast(
             last_hidden_state=h,
-            past_key_values=past_key_values,
             hidden_states=(*states, h) if states is not None else None,
+            **{CACHE_FIELD: past_key_values},
         )
         return out if _return_dict(self.config, return_dict) else out.to_tuple()
 
@@ -1211,6 +1262,27 @@ class FoTModel(FoTPreTrainedModel):
 _HARMLESS_KWARGS = frozenset({"cache_position", "max_length_q", "max_length_k"})
 # generate() keyword arguments that HF leaves among the model inputs but no forward reads
 _GENERATE_ONLY_KWARGS = ("tokenizer", "assistant_tokenizer")
+
+
+def _check_input_shapes(
+    config: FoTConfig, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None
+) -> None:
+    """Exactly one of ``input_ids`` ``[B, T]`` and ``inputs_embeds`` ``[B, T, hidden]``, else a
+    ``ValueError`` naming the shape (not an unpacking error from deep inside)."""
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError("pass exactly one of input_ids and inputs_embeds")
+    if input_ids is not None and input_ids.dim() != 2:
+        raise ValueError(
+            f"input_ids must be [batch, time], got shape {tuple(input_ids.shape)}; for one "
+            "sequence add the batch dimension: input_ids[None]"
+        )
+    if inputs_embeds is not None and (
+        inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != config.hidden_size
+    ):
+        raise ValueError(
+            f"inputs_embeds must be [batch, time, hidden_size={config.hidden_size}], got shape "
+            f"{tuple(inputs_embeds.shape)}; make them with model.get_input_embeddings()(ids)"
+        )
 
 
 def _output_flags(
@@ -1409,7 +1481,8 @@ class FoTForCausalLM(FoTPreTrainedModel, GenerationMixin):
     ``forward`` returns ``CausalLMOutputWithPast``. When a loss is requested (``labels`` or
     ``shift_labels``) the ``[T, V]`` logits are never materialised as a whole (our fused linear
     cross-entropy on CUDA, ``fot.kernels.linear_cross_entropy``; chunked cross-entropy
-    elsewhere; see ``FoTConfig.loss_impl``) and ``.logits`` is ``None``.
+    elsewhere; see ``FoTConfig.loss_impl``) and ``.logits`` is ``None``, except with HF-style
+    ``labels`` in eval mode, which return the logits too, as HF models do.
     """
 
     def __init__(self, config: FoTConfig) -> None:
@@ -1559,6 +1632,7 @@ class FoTForCausalLM(FoTPreTrainedModel, GenerationMixin):
         return_dict: bool | None = None,
         output_hidden_states: bool | None = None,
         output_attentions: bool | None = None,
+        cache: FoTCache | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast | tuple:
         """Language-model forward.
@@ -1574,6 +1648,7 @@ class FoTForCausalLM(FoTPreTrainedModel, GenerationMixin):
             return_dict: False returns ``output.to_tuple()``. Default ``config.return_dict``.
             output_hidden_states: also return ``hidden_states`` (see :meth:`FoTModel.forward`).
             output_attentions: must be false (``ValueError``: no attention matrix is formed).
+            cache: the same as ``past_key_values`` (transformers' name from 5.24 on).
             **kwargs: ``shift_labels`` ``[B, T]``: next-token labels (-100 = ignore), taking
                 precedence over ``labels`` (a keyword argument, not a named parameter, as in HF
                 models: HF's ``Trainer`` then requires only ``labels`` in its batches).
@@ -1585,13 +1660,18 @@ class FoTForCausalLM(FoTPreTrainedModel, GenerationMixin):
 
         Returns:
             ``CausalLMOutputWithPast`` (or its tuple): ``loss`` (mean over non-ignored positions,
-            or the sum over ``num_items_in_batch``) when labels are given, else ``logits``
-            ``[B, T, vocab_size]`` float32 (``None`` with a loss), and ``past_key_values`` when
-            caching.
+            or the sum over ``num_items_in_batch``) when labels are given; ``logits``
+            ``[B, T, vocab_size]`` float32 without labels and, as in HF models, with ``labels``
+            in eval mode (HF ``Trainer.evaluate`` / ``predict`` pass them to
+            ``compute_metrics``), but ``None`` with ``shift_labels`` or in training mode (the
+            loss never forms them); and the cache when caching
+            (field :data:`CACHE_FIELD`: ``past_key_values``, or ``cache`` from transformers 5.24
+            on).
         """
         shift_labels = kwargs.pop("shift_labels", None)
         num_items = kwargs.pop("num_items_in_batch", None)
-        cache = past_key_values
+        cache = past_key_values = _one_cache(past_key_values, cache)
+        _check_input_shapes(self.config, input_ids, inputs_embeds)
         if (
             isinstance(cache, FoTCache)
             and cache.capacity is not None
@@ -1614,7 +1694,7 @@ class FoTForCausalLM(FoTPreTrainedModel, GenerationMixin):
                 return self._logits(out.last_hidden_state)  # (B, 1, V)
 
             logits = cache.static_step(run, input_ids, attention_mask)
-            result = CausalLMOutputWithPast(logits=logits, past_key_values=cache)
+            result = CausalLMOutputWithPast(logits=logits, **{CACHE_FIELD: cache})
             return result if _return_dict(self.config, return_dict) else result.to_tuple()
         out = self.model(
             input_ids=input_ids,
@@ -1629,20 +1709,23 @@ class FoTForCausalLM(FoTPreTrainedModel, GenerationMixin):
             **kwargs,
         )
         hidden = out.last_hidden_state  # (B, T, hidden)
+        # HF-style `labels` outside training (HF Trainer's evaluate / predict, which hand the
+        # logits to compute_metrics) return the logits with the loss, as HF models do.
+        want_logits = shift_labels is None and (labels is None or not self.training)
         if shift_labels is None and labels is not None:
             shift_labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
         loss = logits = None
         if shift_labels is not None:
             loss = self._mean_loss(hidden, shift_labels, num_items)
-        else:
+        if want_logits:
             if logits_to_keep:
                 hidden = hidden[:, -logits_to_keep:]
             logits = self._logits(hidden)  # (B, T, V)
         result = CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
-            past_key_values=out.past_key_values,
             hidden_states=out.hidden_states,
+            **{CACHE_FIELD: getattr(out, CACHE_FIELD)},
         )
         return result if _return_dict(self.config, return_dict) else result.to_tuple()
 
@@ -1655,7 +1738,7 @@ class FoTForCausalLM(FoTPreTrainedModel, GenerationMixin):
         On CUDA (with ``config.decode_cuda_graphs``) the cache gets a fixed capacity of
         ``generate``'s maximum length and replays its decode steps as CUDA graphs.
         """
-        if model_kwargs.get("past_key_values") is None and generation_config.use_cache is not False:
+        if model_kwargs.get(CACHE_FIELD) is None and generation_config.use_cache is not False:
             # transformers passes (generation_mode, batch_size, max_cache_length) after these
             max_len = kwargs.get("max_cache_length", args[2] if len(args) > 2 else None)
             graphs = bool(
@@ -1664,7 +1747,15 @@ class FoTForCausalLM(FoTPreTrainedModel, GenerationMixin):
                 and isinstance(max_len, int)
                 and max_len > 0
             )
-            model_kwargs["past_key_values"] = FoTCache(
+            if generation_config.cache_implementation is not None:
+                logger.warning(
+                    "cache_implementation=%r is not used by FoT models: generate() runs with a "
+                    "FoTCache (it holds the forget-gate cumsum and the KV-shift state besides K "
+                    "and V); on CUDA its decode steps are replayed as CUDA graphs when "
+                    "config.decode_cuda_graphs is true",
+                    generation_config.cache_implementation,
+                )
+            model_kwargs[CACHE_FIELD] = FoTCache(
                 self.config.num_hidden_layers,
                 capacity=max_len + 1 if graphs else None,
                 cuda_graphs=graphs,
@@ -1692,7 +1783,7 @@ class FoTForCausalLM(FoTPreTrainedModel, GenerationMixin):
             input_ids: ``[B, T]`` all tokens so far.
             *args: passed on.
             inputs_embeds: ``[B, T, hidden]`` prompt embeddings (prefill only), or None.
-            **kwargs: passed on (``past_key_values``, ``attention_mask``, ...).
+            **kwargs: passed on (the cache, ``attention_mask``, ...).
 
         Returns:
             The keyword arguments of the next forward call.

@@ -29,18 +29,10 @@ if not HAS_CUDA:
 
 import pytest  # noqa: E402
 
-
-def _disable_autotune_benchmarks() -> None:
-    from triton.runtime import autotuner
-
-    def _no_bench(self, *args, config, **meta):
-        return [0.0, 0.0, 0.0]
-
-    autotuner.Autotuner._bench = _no_bench
-
-
 if not HAS_CUDA:
-    _disable_autotune_benchmarks()
+    from fot.models.fla_baselines import untimed_autotune_in_interpreter
+
+    untimed_autotune_in_interpreter()
 
 
 @pytest.fixture

@@ -197,3 +197,64 @@ def test_fla_baseline_on_cpu_is_refused_with_the_fix(tmp_path, monkeypatch) -> N
         ValueError, match="model=mamba2 runs FLA's Triton kernels, which need a CUDA"
     ):
         train(cfg)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU interpreter path; GPU tests above")
+def test_fla_baseline_runs_under_the_interpreter_outside_the_test_suite(tmp_path) -> None:
+    """A user's ``TRITON_INTERPRET=1`` run (which the trainer's CPU message offers) without the
+    test suite's autotuner patch: Triton's autotuner found no GPU driver to time on."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import torch\n"
+        "from fot import presets\n"
+        f"m = presets.build_model(presets.config('deltanet', 'tiny', vocab_size={VOCAB}))\n"
+        f"x = torch.randint(0, {VOCAB}, (1, 16))\n"
+        "loss = m(x, labels=x).loss\n"
+        "loss.backward()\n"
+        "print('loss', float(loss))\n"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, cwd=tmp_path, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    loss = float(done.stdout.split("loss")[-1])
+    assert abs(loss - torch.log(torch.tensor(float(VOCAB))).item()) < 1.0  # near-uniform init
+
+
+def test_trainer_label_smoothing_shifts_labels_for_fla_baselines(tmp_path, device) -> None:
+    """HF's Trainer shifts labels for label smoothing only for class names it knows as causal
+    LMs; the wrappers are added without displacing transformers' own Mamba2ForCausalLM."""
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    m = tiny("deltanet").to(device)
+    names = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    assert {"FoTDeltaNetForCausalLM", "FoTMamba2ForCausalLM", "Mamba2ForCausalLM"} <= names
+    from transformers import Mamba2Config
+
+    hf_mamba2 = AutoModelForCausalLM.from_config(
+        Mamba2Config(
+            vocab_size=VOCAB, hidden_size=64, num_hidden_layers=1, num_heads=2, head_dim=64
+        )
+    )
+    assert type(hf_mamba2).__name__ == "Mamba2ForCausalLM"
+    args = TrainingArguments(
+        output_dir=str(tmp_path), label_smoothing_factor=0.1, use_cpu=device == "cpu",
+        report_to=[], save_strategy="no", disable_tqdm=True,
+    )  # fmt: skip
+    trainer = Trainer(model=m, args=args)
+    x = torch.randint(0, VOCAB, (2, 12)).to(device)
+    labels = x.clone()
+    labels[0, :4] = -100
+    with torch.no_grad():
+        got = trainer.compute_loss(m, {"input_ids": x, "labels": labels.clone()})
+        logp = torch.log_softmax(m(x).logits[:, :-1].double(), -1)
+    target = labels[:, 1:]
+    keep = target != -100
+    nll = -logp.gather(-1, target.clamp(min=0).unsqueeze(-1)).squeeze(-1)[keep].mean()
+    expected = 0.9 * nll + 0.1 * (-logp.mean(-1))[keep].mean()
+    assert abs(got.item() - expected.item()) < 1e-4

@@ -295,8 +295,27 @@ class _FoTContractMixin:
 _WRAPPED: dict[str, type] = {}
 
 
+def untimed_autotune_in_interpreter() -> None:
+    """Under ``TRITON_INTERPRET=1`` without a CUDA GPU, make Triton's autotuner skip timing.
+
+    The autotuner times every config on the GPU driver, and there is none ("0 active drivers
+    ... There should only be one"): FLA's autotuned kernels could not run on the CPU at all.
+    With every config scored alike, the first one runs; the interpreter's results do not
+    depend on the config. Does nothing when a GPU is present or the interpreter is off.
+    """
+    if os.environ.get("TRITON_INTERPRET", "0") != "1" or torch.cuda.is_available():
+        return
+    from triton.runtime import autotuner
+
+    def untimed(self: Any, *args: Any, config: Any, **meta: Any) -> list[float]:
+        return [0.0, 0.0, 0.0]
+
+    autotuner.Autotuner._bench = untimed
+
+
 def fla_model_class(name: str) -> type:
     """The fot-contract subclass of FLA's model class for baseline ``name`` (cached)."""
+    untimed_autotune_in_interpreter()
     if name not in _WRAPPED:
         _, model_cls_name, varlen = _FLA_CLASSES[name]
         base = getattr(_fla_models_module(), model_cls_name)
@@ -316,10 +335,19 @@ def register_auto_classes() -> None:
     """Make ``AutoModelForCausalLM`` build the fot-contract wrappers for FLA's config classes
     (instead of FLA's own classes, which ``import fla`` registers)."""
     from transformers import AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     for name, (config_cls_name, _, _) in _FLA_CLASSES.items():
         config_cls = getattr(_fla_models_module(), config_cls_name)
-        AutoModelForCausalLM.register(config_cls, fla_model_class(name), exist_ok=True)
+        model_cls = fla_model_class(name)
+        AutoModelForCausalLM.register(config_cls, model_cls, exist_ok=True)
+        # The class names transformers knows as causal LMs (HF Trainer's label smoothing
+        # shifts the labels only for those); FLA's own are not there either. Under a key of
+        # its own where transformers has a model of the same type name (mamba2).
+        key = config_cls.model_type
+        if MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(key, model_cls.__name__) != model_cls.__name__:
+            key = f"{key}-fot"
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[key] = model_cls.__name__
 
 
 def build_fla_model(config: PretrainedConfig) -> torch.nn.Module:

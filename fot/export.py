@@ -91,12 +91,28 @@ def export_hf(
     out.mkdir(parents=True, exist_ok=True)
     previous = getattr(model.config, "auto_map", None)
     model.config.auto_map = remote_code_auto_map(type(model.config), type(model))
+    # The tokenizer pads with <|endoftext|>: generate() pads finished rows with it too, instead
+    # of warning on every call that it picked eos_token_id for want of a pad_token_id.
+    from fot.tokenizer import EOT_ID
+
+    gen = getattr(model, "generation_config", None)
+    set_pad = (
+        tokenizer
+        and gen is not None
+        and gen.pad_token_id is None
+        and gen.eos_token_id == EOT_ID
+        and getattr(model.config, "vocab_size", 0) > EOT_ID
+    )
+    if set_pad:
+        gen.pad_token_id = EOT_ID
     try:
         model.save_pretrained(out, max_shard_size=max_shard_size)
         make_weights_readable(out)
         # after save_pretrained: it may copy module files of registered classes over these
         write_remote_code(out, type(model.config), type(model))
     finally:
+        if set_pad:
+            gen.pad_token_id = None
         if previous is None:
             del model.config.auto_map
         else:

@@ -114,6 +114,8 @@ def save_hf_tokenizer(path: str | os.PathLike, *, model_max_length: int | None =
     Writes ``vocab.json``, ``merges.txt``, ``tokenizer_config.json`` and
     ``special_tokens_map.json`` (``<|endoftext|>`` as bos, eos, unk and pad; padding on the
     left, as batched ``generate`` needs: ``tok(prompts, padding=True)`` works as it is).
+    ``tok(text)`` puts ``<|endoftext|>`` in front, as fot's data pipeline does before every
+    training document (``add_bos_token``); ``add_special_tokens=False`` leaves it out.
 
     Args:
         path: folder to write into (created if missing).
@@ -136,7 +138,7 @@ def save_hf_tokenizer(path: str | os.PathLike, *, model_max_length: int | None =
         "pad_token": EOT_TOKEN,
         "padding_side": "left",
         "add_prefix_space": False,
-        "add_bos_token": False,
+        "add_bos_token": True,
         "model_max_length": model_max_length or 1_000_000_000,
         "clean_up_tokenization_spaces": False,
     }

@@ -59,14 +59,17 @@ def test_hf_tokenizer_folder_matches_tiktoken(tmp_path):
     tokenizer.save_hf_tokenizer(tmp_path)
     hf = AutoTokenizer.from_pretrained(tmp_path)
     enc = tokenizer.get_encoding()
-    assert hf("Hello world").input_ids == [15496, 995]
-    assert hf(MIXED).input_ids == enc.encode(MIXED, allowed_special="all")
+    # a BOS (<|endoftext|>) in front, as the data pipeline puts before every training document
+    assert hf("Hello world").input_ids == [50256, 15496, 995]
+    assert hf.encode("Hello world", add_special_tokens=False) == [15496, 995]
+    assert hf(MIXED).input_ids == [50256, *enc.encode(MIXED, allowed_special="all")]
+    assert hf.decode(hf(MIXED).input_ids[1:]) == MIXED
     assert hf.eos_token_id == hf.bos_token_id == 50256
     assert len(hf) == 50257
     # padding works as it is, on the left (batched generate): ids and mask by hand
     batch = hf(["Hello world", "Hello"], padding=True)
-    assert batch.input_ids == [[15496, 995], [50256, 15496]]
-    assert batch.attention_mask == [[1, 1], [0, 1]]
+    assert batch.input_ids == [[50256, 15496, 995], [50256, 50256, 15496]]
+    assert batch.attention_mask == [[1, 1, 1], [0, 1, 1]]
 
 
 def test_tokenizer_files_missing_gives_clear_error(tmp_path, monkeypatch):

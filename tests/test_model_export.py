@@ -59,7 +59,7 @@ def test_export_round_trip_auto_classes(exported) -> None:
         assert isinstance(loaded, fot.FoTForCausalLM)
         assert torch.equal(loaded(x).logits, want)
     tok = AutoTokenizer.from_pretrained(out)
-    assert tok.eos_token_id == 50256 and tok("Hello world")["input_ids"] == [15496, 995]
+    assert tok.eos_token_id == 50256 and tok("Hello world")["input_ids"] == [50256, 15496, 995]
 
 
 def test_trust_remote_code_in_fresh_process_without_importing_fot(exported) -> None:
@@ -280,3 +280,24 @@ def test_saved_weights_get_the_umask_mode(tmp_path, umask) -> None:
         want = (folder / "config.json").stat().st_mode & 0o777
         assert want == 0o666 & ~umask
         assert (folder / "model.safetensors").stat().st_mode & 0o777 == want, folder
+
+
+def test_exported_generation_config_pads_with_the_tokenizers_pad(tmp_path) -> None:
+    # generate() warned on every call that it set pad_token_id to eos_token_id: the exported
+    # generation config had none while the tokenizer pads with <|endoftext|>.
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cfg = presets.config("fot_pro", "tiny", attn_backend="reference")
+    model = presets.build_model(cfg).eval()
+    assert model.generation_config.pad_token_id is None
+    out = export_hf(model, tmp_path / "m")
+    assert model.generation_config.pad_token_id is None  # the model itself is left as it was
+    saved = json.loads((out / "generation_config.json").read_text())
+    tok = AutoTokenizer.from_pretrained(out)
+    assert saved["pad_token_id"] == tok.pad_token_id == 50256
+    loaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    batch = tok(["Hello there", "Hi"], padding=True, return_tensors="pt")
+    kw = {"max_new_tokens": 3, "do_sample": False}
+    assert torch.equal(
+        loaded.generate(**batch, **kw), model.generate(**batch, pad_token_id=50256, **kw)
+    )

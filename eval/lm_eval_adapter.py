@@ -10,8 +10,9 @@ prompts, metrics and aggregation are lm-eval's own), with fot's tokenisation rul
 * an explicit ``max_length`` (default: the model's configured length) for truncation and
   rolling windows.
 
-It is registered with lm-eval as model type ``fot`` (``lm_eval --model fot --model_args
-pretrained=DIR``) once :mod:`fot.eval.lm_eval_adapter` is imported.
+It is registered with lm-eval as model type ``fot`` once :mod:`fot.eval.lm_eval_adapter` is
+imported: ``lm_eval.simple_evaluate(model="fot", model_args="pretrained=DIR", tasks=[...])``
+in the same process (the ``lm_eval`` shell command does not import it).
 
 Offline use. Every standard lm-eval task loads its data from the Hugging Face hub. Either
 

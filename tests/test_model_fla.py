@@ -152,7 +152,7 @@ def test_fla_export_loads_through_fot_eval_without_remote_code(tmp_path) -> None
     assert type(loaded).__name__ == "FoTHGRN2ForCausalLM"
     for (name, a), b in zip(m.state_dict().items(), loaded.state_dict().values()):
         assert torch.equal(a, b), name
-    assert tok("Hello world").input_ids == [15496, 995]
+    assert tok("Hello world").input_ids == [50256, 15496, 995]  # BOS first, as in training
 
 
 def test_mamba2_blocks_are_found_for_activation_checkpointing(device) -> None:

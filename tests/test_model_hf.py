@@ -109,6 +109,16 @@ def _lm_samples() -> list[dict[str, torch.Tensor]]:
     return samples
 
 
+def _eval_trainer(model, tmp_path, compute_metrics=None, **args):
+    """HF ``Trainer`` on the CPU for evaluation and loss checks (``args``: more
+    ``TrainingArguments``)."""
+    from transformers import Trainer, TrainingArguments
+
+    settings = {"use_cpu": True, "report_to": [], "save_strategy": "no", "disable_tqdm": True}
+    training_args = TrainingArguments(output_dir=str(tmp_path), **settings, **args)
+    return Trainer(model=model, args=training_args, compute_metrics=compute_metrics)
+
+
 def _train_one_step(tmp_path, batch_size: int, accumulation: int):
     from transformers import Trainer, TrainingArguments
 
@@ -168,18 +178,8 @@ def test_num_items_in_batch_divides_the_summed_loss() -> None:
 
 
 def test_trainer_evaluate_reports_the_mean_loss(tmp_path) -> None:
-    from transformers import Trainer, TrainingArguments
-
     m = tiny("fot_pro")
-    args = TrainingArguments(
-        output_dir=str(tmp_path),
-        per_device_eval_batch_size=4,
-        use_cpu=True,
-        report_to=[],
-        save_strategy="no",
-        disable_tqdm=True,
-    )
-    trainer = Trainer(model=m, args=args)
+    trainer = _eval_trainer(m, tmp_path, per_device_eval_batch_size=4)
     assert trainer.label_names == ["labels"]
     metrics = trainer.evaluate(eval_dataset=_lm_samples())
     batch = {k: torch.stack([s[k] for s in _lm_samples()]) for k in ("input_ids", "labels")}
@@ -511,18 +511,8 @@ def test_a_foreign_config_is_refused_by_type() -> None:
 
 def test_trainer_label_smoothing_scores_next_tokens(tmp_path) -> None:
     """HF's Trainer shifts labels for label smoothing only for models it knows as causal LMs."""
-    from transformers import Trainer, TrainingArguments
-
     m = tiny("fot_pro")
-    args = TrainingArguments(
-        output_dir=str(tmp_path),
-        label_smoothing_factor=0.1,
-        use_cpu=True,
-        report_to=[],
-        save_strategy="no",
-        disable_tqdm=True,
-    )
-    trainer = Trainer(model=m, args=args)
+    trainer = _eval_trainer(m, tmp_path, label_smoothing_factor=0.1)
     batch = {k: torch.stack([s[k] for s in _lm_samples()]) for k in ("input_ids", "labels")}
     with torch.no_grad():
         got = trainer.compute_loss(m, dict(batch))
@@ -580,8 +570,6 @@ def test_inputs_of_the_wrong_shape_are_named() -> None:
 
 def test_trainer_compute_metrics_gets_the_logits(tmp_path) -> None:
     """HF's evaluate / predict hand the logits of a ``labels`` forward to compute_metrics."""
-    from transformers import Trainer, TrainingArguments
-
     m = tiny("fot_pro")
     seen = {}
 
@@ -589,11 +577,7 @@ def test_trainer_compute_metrics_gets_the_logits(tmp_path) -> None:
         seen["logits"], seen["labels"] = pred.predictions, pred.label_ids
         return {"n": float(len(pred.label_ids))}
 
-    args = TrainingArguments(
-        output_dir=str(tmp_path), use_cpu=True, report_to=[], save_strategy="no",
-        disable_tqdm=True, per_device_eval_batch_size=4,
-    )  # fmt: skip
-    trainer = Trainer(model=m, args=args, compute_metrics=metrics)
+    trainer = _eval_trainer(m, tmp_path, metrics, per_device_eval_batch_size=4)
     result = trainer.evaluate(eval_dataset=_lm_samples())
     batch = {k: torch.stack([s[k] for s in _lm_samples()]) for k in ("input_ids", "labels")}
     want = m(batch["input_ids"]).logits

@@ -93,7 +93,7 @@ def export_hf(
     model.config.auto_map = remote_code_auto_map(type(model.config), type(model))
     # The tokenizer pads with <|endoftext|>: generate() pads finished rows with it too, instead
     # of warning on every call that it picked eos_token_id for want of a pad_token_id.
-    from fot.tokenizer import EOT_ID
+    from fot.tokenizer import EOT_ID, save_hf_tokenizer
 
     gen = getattr(model, "generation_config", None)
     set_pad = (
@@ -118,8 +118,6 @@ def export_hf(
         else:
             model.config.auto_map = previous
     if tokenizer:
-        from fot.tokenizer import save_hf_tokenizer
-
         max_len = getattr(model.config, "max_position_embeddings", None)
         save_hf_tokenizer(out, model_max_length=max_len)
     return out

@@ -558,6 +558,10 @@ def test_inputs_of_the_wrong_shape_are_named() -> None:
     width = m.config.hidden_size
     with pytest.raises(ValueError, match=r"input_ids must be \[batch, time\], got shape \(8,\)"):
         m(ids(1, 8)[0])
+    fixed = fot.models.FoTCache(m.config.num_hidden_layers, capacity=16)
+    m(ids(1, 4), past_key_values=fixed, use_cache=True)  # filled: one-token steps go static
+    with pytest.raises(ValueError, match=r"input_ids must be \[batch, time\], got shape \(1,\)"):
+        m(ids(1, 1)[0], past_key_values=fixed)
     with pytest.raises(
         ValueError, match=rf"hidden_size={width}\], got shape \(1, 8, {width + 1}\)"
     ):

@@ -1671,11 +1671,11 @@ class FoTForCausalLM(FoTPreTrainedModel, GenerationMixin):
         shift_labels = kwargs.pop("shift_labels", None)
         num_items = kwargs.pop("num_items_in_batch", None)
         cache = past_key_values = _one_cache(past_key_values, cache)
-        _check_input_shapes(self.config, input_ids, inputs_embeds)
         if (
             isinstance(cache, FoTCache)
             and cache.capacity is not None
             and input_ids is not None
+            and input_ids.dim() == 2  # others: FoTModel names the shape
             and input_ids.shape[1] == 1
             and cache.get_seq_length() > 0
             and inputs_embeds is None

@@ -11,6 +11,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -1183,3 +1184,65 @@ def test_rerunning_a_finished_run_changes_nothing(tmp_path, caplog) -> None:
     # raising total_tokens trains on from the last checkpoint
     more = train(_cfg(out, "total_tokens=1536"))
     assert more["step"] == 6 and _losses(out).keys() == set(range(1, 7))
+
+
+def test_run_stopped_before_final_json_finishes_without_validating_again(tmp_path) -> None:
+    """A run that stopped after its final checkpoint but before final.json (e.g. during the HF
+    export) used to validate again on resume: a second final validation record in
+    metrics.jsonl and a final.json with only the validation values. Now it finishes from the
+    records it logged: the same final.json as an uninterrupted run, each record once."""
+    out = tmp_path / "run"
+    first = train(_cfg(out, "total_tokens=1024"))
+    records = (out / "metrics.jsonl").read_text()
+    (out / "final.json").unlink()
+    again = train(_cfg(out, "total_tokens=1024"))
+    assert again == first
+    assert json.loads((out / "final.json").read_text()) == first
+    assert (out / "metrics.jsonl").read_text() == records  # nothing logged twice
+    assert first["step"] == 4 and "loss" in first and "val/loss" in first
+
+
+def test_resume_inside_a_logging_window_logs_the_uninterrupted_loss(tmp_path) -> None:
+    """Checkpoints every 3 steps, logs every 2: resuming from the step-3 checkpoint used to log
+    step 4's loss alone instead of the mean over steps 3 and 4 (the window's loss was not
+    saved). Every logged loss now equals the uninterrupted run's, bit for bit."""
+    sizes = ("log_every_tokens=512", "ckpt_every_tokens=768", "keep_last=10")
+    ref = tmp_path / "ref"
+    train(_cfg(ref, *sizes))
+    expected = _losses(ref)
+    assert sorted(expected) == [2, 4, 6, 8]
+    resumed = tmp_path / "resumed"
+    shutil.copytree(ref, resumed)
+    train(_cfg(resumed, *sizes, f"resume={resumed}/checkpoints/step_00000003"))
+    assert _losses(resumed) == expected
+    assert json.loads((resumed / "metrics.jsonl").read_text().splitlines()[1])["step"] == 4
+
+
+def test_tokens_per_s_leaves_out_validation_but_not_the_steps_before_it(
+    tmp_path, monkeypatch
+) -> None:
+    """A validation inside a logging window (here after step 7 of the window of steps 5-8)
+    used to restart the window's clock while keeping its steps, so the window's tokens/s
+    counted 4 steps over the time of one. It now leaves only the validation's own time out:
+    4 steps' tokens over the window's wall time (from the records' elapsed_s) less the
+    validation's."""
+    import fot.training.trainer as trainer_mod
+
+    spent: list[float] = []
+    real = trainer_mod.evaluate
+
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        out = real(*args, **kwargs)
+        spent.append(time.perf_counter() - t0)
+        return out
+
+    monkeypatch.setattr(trainer_mod, "evaluate", timed)
+    out = tmp_path / "run"
+    train(_cfg(out, "total_tokens=2048", "log_every_tokens=1024", "val_every_tokens=1792",
+               "ckpt_every_tokens=0"))  # fmt: skip
+    recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs if "val/loss" in r] == [7, 8]
+    by_step = {r["step"]: r for r in recs if "loss" in r}
+    wall = by_step[8]["elapsed_s"] - by_step[4]["elapsed_s"] - spent[0]
+    assert by_step[8]["tokens_per_s"] == pytest.approx(4 * 256 / wall, rel=0.1)

@@ -319,6 +319,25 @@ def _from_rank0(obj: Any) -> Any:
     return box[0]
 
 
+def _records_at(path: Path, step: int) -> dict[str, dict[str, Any]]:
+    """The records a run logged at ``step`` in its ``metrics.jsonl``: ``{"train": the training
+    record (empty if none), "val": the validation values (``val/*`` keys; empty if none)}``."""
+    found: dict[str, dict[str, Any]] = {"train": {}, "val": {}}
+    if not path.is_file():
+        return found
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(rec, dict) or rec.get("step") != step:
+            continue
+        if "loss" in rec:
+            found["train"] = rec
+        found["val"].update({k: v for k, v in rec.items() if k.startswith("val/")})
+    return found
+
+
 def validation_sequences(data_cfg: Any, source: Any | None, *, unit: int, warn: bool) -> int:
     """How many held-out sequences each validation reads (a multiple of ``unit``).
 
@@ -588,10 +607,14 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
 
     # ---- resume --------------------------------------------------------------------------
     step, tokens, wandb_id = 0, 0, None
+    # the open logging window's loss sum and label tokens, when a checkpoint fell inside one
+    saved_window: dict[str, Any] = {}
     if resume_from is not None:
         state = ckpt.load_checkpoint(resume_from, model=model, optimizer=optimizer, rank=info.rank)
         step, tokens, wandb_id = state["step"], state["tokens"], state.get("wandb_id")
         stream.load_state_dict(state["data"])
+        saved_window = state.get("log_window") or {}
+    start_step = step
     if info.is_main:
         # checkpoints after the starting step are from an abandoned run: move them aside so
         # keep_last does not delete this run's instead and resume=auto does not pick them
@@ -662,7 +685,9 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
             f"this run has {total_steps - step} steps left: lower them or raise total_tokens"
         )
 
-    def save(at_step: int) -> Path:
+    def save(at_step: int, window: tuple[float, float] = (0.0, 0.0)) -> Path:
+        """Checkpoint at ``at_step``; ``window``: the (loss sum, label tokens) of the logging
+        window still open there, so that a resumed run logs the same loss at its end."""
         return ckpt.save_checkpoint(
             ckpt_dir,
             step=at_step,
@@ -674,6 +699,7 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
                 "data": stream.state_dict(),
                 "sizes": {"global_batch_tokens": gbt, "seq_len": T},
                 "wandb_id": metrics.wandb_id,
+                "log_window": {"loss_sum": float(window[0]), "label_tokens": int(window[1])},
                 "config": resolved,
             },
             keep_last=int(cfg.keep_last),
@@ -723,9 +749,14 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
     last_record: dict[str, Any] = {}
     last_ckpt: Path | None = resume_from
     f64 = {"dtype": torch.float64, "device": info.device}
-    window_loss = torch.zeros((), **f64)  # sum of the global loss sums of the window's steps
-    window_tokens: int | torch.Tensor = 0  # global label tokens (a device tensor if > 1 rank)
-    window_flops: float | torch.Tensor = 0.0  # global training FLOPs, as window_tokens
+    # sum of the global loss sums of the window's steps (restored from the checkpoint when it
+    # fell inside a window: the resumed run logs the uninterrupted run's loss bit for bit)
+    window_loss = torch.tensor(float(saved_window.get("loss_sum", 0.0)), **f64)
+    # global label tokens (a device tensor if > 1 rank)
+    window_tokens: int | torch.Tensor = int(saved_window.get("label_tokens", 0))
+    # global training FLOPs and steps since the window's clock started (this process only:
+    # they make the rates, which a resume restarts)
+    window_flops: float | torch.Tensor = 0.0
     window_steps = 0
     grad_norm = torch.zeros((), **f64)  # of the last step
     diverged = torch.zeros(3, **f64)  # first non-finite step: (step, loss, grad_norm); 0 = none
@@ -900,27 +931,38 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
                 ),
             )
 
+        # validation and checkpoint time is left out of the window's clock (its steps stay in)
+        t_pause = time.time()
         if do_val:
             val = validate()
             if val:
                 metrics.log({"step": step, "tokens": tokens, **val})
                 bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in val.items()))
-            t_window = time.time()
         if do_ckpt:
-            last_ckpt = save(step)
-            t_window = time.time()
+            # a window that did not log at this step stays open across a resume
+            last_ckpt = save(step, (0.0, 0.0) if do_log else (loss_total, n_tokens))
+        t_window += time.time() - t_pause
         if info.is_main:
             ckpt._fault("kill_after_step", step)
     bar.close()
 
     # ---- end: validation, checkpoint, export ---------------------------------------------
     result: dict[str, Any] = dict(last_record)
-    val = validate()
-    if val:
-        metrics.log({"step": step, "tokens": tokens, **val})
+    val: dict[str, float] = {}
+    if step == start_step and resume_from is not None:
+        # Resumed at the final step: the run stopped after its final checkpoint but before
+        # final.json (e.g. during the HF export). Its last records are in metrics.jsonl already.
+        logged = _from_rank0(_records_at(out_dir / "metrics.jsonl", step) if info.is_main else None)
+        result.update(logged["train"])
+        val = logged["val"]
         result.update(val)
-        if info.is_main:
-            logger.info("final validation: %s", val)
+    if not val:
+        val = validate()
+        if val:
+            metrics.log({"step": step, "tokens": tokens, **val})
+            result.update(val)
+            if info.is_main:
+                logger.info("final validation: %s", val)
     if last_ckpt is None or not str(last_ckpt).endswith(f"step_{step:08d}"):
         last_ckpt = save(step)
     result["checkpoint"] = str(last_ckpt)

@@ -858,16 +858,17 @@ def test_token_ids_outside_the_vocabulary_are_named_before_the_model_sees_them(t
     with pytest.raises(ValueError, match=r"training data holds token id 60000.*50257") as err:
         train(_cfg(tmp_path / "a", *flat, f"data.path={tmp_path / 'bad.npy'}", "data.val_tokens=0"))
     assert "vocab_size:60001" in str(err.value)
+    val_on = [*flat, f"data.path={good}", "data.val_tokens=1024", "val_every_tokens=0"]
     with pytest.raises(ValueError, match=r"held-out data holds token id 60000"):
-        train(
-            _cfg(
-                tmp_path / "b",
-                *flat,
-                f"data.path={good}",
-                f"data.val_path={tmp_path / 'bad.npy'}",
-                "data.val_tokens=1024",
-            )
-        )
+        train(_cfg(tmp_path / "b", *val_on, f"data.val_path={tmp_path / 'bad.npy'}"))
+    # the final checkpoint was saved before the final validation failed: no training is lost,
+    # and with good held-out data the run finishes from it, validating once
+    assert [p.name for p in list_checkpoints(tmp_path / "b" / "checkpoints")][-1] == "step_00000008"
+    result = train(_cfg(tmp_path / "b", *val_on, f"data.val_path={good}"))
+    assert result["step"] == 8 and math.isfinite(result["val/loss"])
+    recs = [json.loads(x) for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs if "val/loss" in r] == [8]
+    assert sorted(_losses(tmp_path / "b")) == list(range(1, 9))
 
 
 def test_mfu_counts_the_attention_each_step_computes(tmp_path) -> None:
@@ -1206,7 +1207,12 @@ def test_resume_inside_a_logging_window_logs_the_uninterrupted_loss(tmp_path) ->
     """Checkpoints every 3 steps, logs every 2: resuming from the step-3 checkpoint used to log
     step 4's loss alone instead of the mean over steps 3 and 4 (the window's loss was not
     saved). Every logged loss now equals the uninterrupted run's, bit for bit."""
-    sizes = ("log_every_tokens=512", "ckpt_every_tokens=768", "keep_last=10")
+    sizes = (
+        "log_every_tokens=512",
+        "ckpt_every_tokens=768",
+        "val_every_tokens=768",
+        "keep_last=10",
+    )
     ref = tmp_path / "ref"
     train(_cfg(ref, *sizes))
     expected = _losses(ref)
@@ -1215,7 +1221,13 @@ def test_resume_inside_a_logging_window_logs_the_uninterrupted_loss(tmp_path) ->
     shutil.copytree(ref, resumed)
     train(_cfg(resumed, *sizes, f"resume={resumed}/checkpoints/step_00000003"))
     assert _losses(resumed) == expected
-    assert json.loads((resumed / "metrics.jsonl").read_text().splitlines()[1])["step"] == 4
+
+    def val_losses(out: Path) -> dict[int, float]:
+        recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: r["val/loss"] for r in recs if "val/loss" in r}
+
+    assert sorted(val_losses(ref)) == [3, 6, 8]
+    assert val_losses(resumed) == val_losses(ref)
 
 
 def test_tokens_per_s_leaves_out_validation_but_not_the_steps_before_it(

@@ -931,27 +931,33 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
                 ),
             )
 
-        # validation and checkpoint time is left out of the window's clock (its steps stay in)
+        # checkpoint and validation time is left out of the window's clock (its steps stay in)
         t_pause = time.time()
+        if do_ckpt:
+            # before validating: a validation that fails (bad held-out data, out of memory)
+            # loses no training; a window that did not log at this step stays open across a
+            # resume
+            last_ckpt = save(step, (0.0, 0.0) if do_log else (loss_total, n_tokens))
         if do_val:
             val = validate()
             if val:
                 metrics.log({"step": step, "tokens": tokens, **val})
                 bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in val.items()))
-        if do_ckpt:
-            # a window that did not log at this step stays open across a resume
-            last_ckpt = save(step, (0.0, 0.0) if do_log else (loss_total, n_tokens))
         t_window += time.time() - t_pause
         if info.is_main:
             ckpt._fault("kill_after_step", step)
     bar.close()
 
     # ---- end: validation, checkpoint, export ---------------------------------------------
+    # the final checkpoint first: a final validation that fails loses no training
+    if last_ckpt is None or not str(last_ckpt).endswith(f"step_{step:08d}"):
+        last_ckpt = save(step)
     result: dict[str, Any] = dict(last_record)
     val: dict[str, float] = {}
     if step == start_step and resume_from is not None:
         # Resumed at the final step: the run stopped after its final checkpoint but before
-        # final.json (e.g. during the HF export). Its last records are in metrics.jsonl already.
+        # final.json (in the final validation or the HF export). Its last training record is
+        # in metrics.jsonl, and its validation record if that finished.
         logged = _from_rank0(_records_at(out_dir / "metrics.jsonl", step) if info.is_main else None)
         result.update(logged["train"])
         val = logged["val"]
@@ -963,8 +969,6 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
             result.update(val)
             if info.is_main:
                 logger.info("final validation: %s", val)
-    if last_ckpt is None or not str(last_ckpt).endswith(f"step_{step:08d}"):
-        last_ckpt = save(step)
     result["checkpoint"] = str(last_ckpt)
     if cfg.export_hf:
         # Recorded in config.json: fot.eval marks it on plots and uses it as a default length.

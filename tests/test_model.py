@@ -147,8 +147,8 @@ def _oracle_attention(attn: FoTAttention, x: torch.Tensor) -> torch.Tensor:
     p = {n: t.double() for n, t in attn.state_dict().items()}
     x = x.double()
 
-    def rms(y, w):  # y (..., D), w (D,)
-        return y / torch.sqrt((y * y).mean(-1, keepdim=True) + cfg.norm_eps) * w
+    def rms(y, w, eps=cfg.norm_eps):  # y (..., D), w (D,)
+        return y / torch.sqrt((y * y).mean(-1, keepdim=True) + eps) * w
 
     q = (x @ p["q_proj.weight"].T).view(B, T, HQ, D)
     k = (x @ p["k_proj.weight"].T).view(B, T, H, D)
@@ -166,9 +166,9 @@ def _oracle_attention(attn: FoTAttention, x: torch.Tensor) -> torch.Tensor:
             k = shifted
         else:
             v = shifted
-    if cfg.qk_norm:
-        q = torch.stack([rms(q[:, :, h], p["q_norm.weight"][h]) for h in range(HQ)], dim=2)
-        k = torch.stack([rms(k[:, :, h], p["k_norm.weight"][h]) for h in range(H)], dim=2)
+    if cfg.qk_norm:  # eps 1e-5: the paper's code builds its q/k norms with their default
+        q = torch.stack([rms(q[:, :, h], p["q_norm.weight"][h], 1e-5) for h in range(HQ)], dim=2)
+        k = torch.stack([rms(k[:, :, h], p["k_norm.weight"][h], 1e-5) for h in range(H)], dim=2)
     if cfg.fgate_type == "full":
         log_f = F.logsigmoid(x @ p["fgate_proj.weight"].T + p["fgate_proj.bias"])
     elif cfg.fgate_type in ("bias_only", "fixed"):
@@ -219,6 +219,26 @@ def test_attention_layer_matches_handwritten_oracle(model: str, extra: dict) -> 
     got = attn(x, ctx).double()
     want = _oracle_attention(attn, x)
     assert max_err(got, want) < 1e-5
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_qk_norm_eps_is_the_papers(backend: str) -> None:
+    """The paper's q/k norms use eps 1e-5 (their class's default), not ``norm_eps`` (1e-6):
+    with q and k so small that eps dominates their norm, the layer matches the oracle only
+    with the paper's eps."""
+    m = tiny("fot_pro", attn_backend=backend)
+    attn = m.model.layers[0].self_attn
+    assert m.config.qk_norm_eps == 1e-5 and attn.q_norm.eps == attn.k_norm.eps == 1e-5
+    with torch.no_grad():
+        attn.q_proj.weight.mul_(1e-3)
+        attn.k_proj.weight.mul_(1e-3)
+        attn.q_norm.weight.normal_(1.0, 0.5)
+        attn.k_norm.weight.normal_(1.0, 0.5)
+    x = torch.randn(2, 9, m.config.hidden_size)
+    from fot.models.modeling_fot import _Context
+
+    got = attn(x, _Context(None, None, None, None, None)).double()
+    assert max_err(got, _oracle_attention(attn, x)) < 1e-5
 
 
 def llama_config_like(c):

@@ -54,6 +54,8 @@ class FoTConfig(PretrainedConfig):
         use_rope: rotary position embedding on q and k (Transformer baselines).
         rope_theta: RoPE base.
         qk_norm: per-head RMSNorm (per-head weights) on q and k.
+        qk_norm_eps: epsilon of the QK-norm: 1e-5, as in the paper's code (its q/k norms take
+            their class's default, while its other norms take ``norm_eps``).
         use_k_shift, use_v_shift: data-dependent token shift of k / v (KV-shift).
         use_output_norm: per-head RMSNorm of the attention output.
         use_output_gate: sigmoid output gate ``o * sigmoid(W_g x)``.
@@ -120,6 +122,7 @@ class FoTConfig(PretrainedConfig):
         use_rope: bool = False,
         rope_theta: float = 500000.0,
         qk_norm: bool = False,
+        qk_norm_eps: float = 1e-5,
         use_k_shift: bool = False,
         use_v_shift: bool = False,
         use_output_norm: bool = False,
@@ -169,6 +172,7 @@ class FoTConfig(PretrainedConfig):
         self.use_rope = use_rope
         self.rope_theta = rope_theta
         self.qk_norm = qk_norm
+        self.qk_norm_eps = qk_norm_eps
         self.use_k_shift = use_k_shift
         self.use_v_shift = use_v_shift
         self.use_output_norm = use_output_norm
@@ -327,7 +331,14 @@ class FoTConfig(PretrainedConfig):
                 not isinstance(value, int) or isinstance(value, bool) or value < 1
             ):
                 raise ValueError(f"{name} must be a positive int or None, got {value!r}")
-        for name in ("rope_theta", "norm_eps", "hidden_ratio", "decay_time_min", "decay_time_max"):
+        for name in (
+            "rope_theta",
+            "norm_eps",
+            "qk_norm_eps",
+            "hidden_ratio",
+            "decay_time_min",
+            "decay_time_max",
+        ):
             value = getattr(self, name)
             if not (_is_number(value) and value > 0):
                 raise ValueError(f"{name} must be a finite number > 0, got {value!r}")

@@ -644,8 +644,8 @@ class FoTAttention(nn.Module):
         if config.use_v_shift:
             self.v_shift_proj = nn.Linear(hidden, hkv, bias=False)
         if config.qk_norm:
-            self.q_norm = FoTHeadRMSNorm(hq, d, config.norm_eps)
-            self.k_norm = FoTHeadRMSNorm(hkv, d, config.norm_eps)
+            self.q_norm = FoTHeadRMSNorm(hq, d, config.qk_norm_eps)
+            self.k_norm = FoTHeadRMSNorm(hkv, d, config.qk_norm_eps)
         if config.use_output_norm:
             self.o_norm = FoTHeadRMSNorm(hq, d, config.norm_eps)
         if config.use_output_gate:

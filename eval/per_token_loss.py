@@ -479,10 +479,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--prepend-bos",
-        choices=["auto", "yes", "no"],
-        default="auto",
-        help="put <|endoftext|> before each document (default: %(default)s: yes for token "
-        "folders and sample, no for zarr rows as in LongCrawl64 training)",
+        choices=["yes", "no"],
+        default="yes",
+        help="put <|endoftext|> before each document (default: %(default)s, as fot's trainer "
+        "does for every sequence, zarr rows included)",
     )
     p.add_argument(
         "--train-length",
@@ -544,7 +544,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
     check_positions(model, length, f"--length {length}")
     train_length = asked_train or model_max_length(model)
-    bos = args.prepend_bos == "yes" or (args.prepend_bos == "auto" and kind != "zarr")
+    bos = args.prepend_bos == "yes"
     ids = eligible_documents(docs, kind, length, args.max_docs)
     if not ids:
         raise ValueError(

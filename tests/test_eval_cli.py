@@ -104,7 +104,8 @@ def test_per_token_loss_sources_and_resume(ckpts, tmp_path, which):
     assert s2["mean_loss"] == pytest.approx(s["mean_loss"])
     if which == "fot":
         return
-    # zarr rows (LongCrawl64 format): no BOS, length - 1 positions; short arrays rejected.
+    # zarr rows (LongCrawl64 format): a BOS in front, as the trainer reads them; short arrays
+    # rejected.
     rows = np.random.default_rng(0).integers(0, 50000, size=(3, 40)).astype(np.uint16)
     arr = zarr.create_array(
         store=str(tmp_path / "heldout.zarr"), shape=rows.shape, dtype="uint16", chunks=(1, 40)
@@ -126,7 +127,22 @@ def test_per_token_loss_sources_and_resume(ckpts, tmp_path, which):
             f"sample={out}",
         ]
     )
-    assert z["num_documents"] == 3 and z["positions"] == 39
+    assert z["num_documents"] == 3 and z["positions"] == 40
+    # the oracle: the trainer's own zarr reader (BOS, then the row) and a plain cross-entropy
+    import torch
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+
+    from fot.data.streams import ZarrRowsSource
+
+    inputs, labels = ZarrRowsSource(rows, seq_len=40).read(0, 3)
+    model = AutoModelForCausalLM.from_pretrained(ck).float().eval()
+    with torch.no_grad():
+        logits = model(input_ids=torch.from_numpy(inputs)).logits.float()
+    want = F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), torch.from_numpy(labels).reshape(-1)
+    )
+    assert z["mean_loss"] == pytest.approx(want.item(), abs=1e-5)
     with pytest.raises(ValueError, match="at least 41 tokens"):
         main(
             [

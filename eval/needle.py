@@ -434,9 +434,12 @@ def run_grid(
     ):
         rng = random.Random(f"{seed}:{L}:{d}:{r}")
         passkey = str(rng.randint(10000, 99999)) if mode == "passkey" else None
-        # different repeats read the haystack from a different offset
-        off = rng.randrange(len(haystack_ids)) if r else 0
-        hay = list(haystack_ids[off:]) + list(haystack_ids[:off])
+        # Different repeats read the haystack from a different offset, within its first L
+        # tokens (more than a prompt of L tokens holds): a cell's prompt does not depend on
+        # the grid's other lengths, which set how much haystack text is read.
+        pool = list(haystack_ids[:L])
+        off = rng.randrange(len(pool)) if r else 0
+        hay = pool[off:] + pool[:off]
         prompt = build_prompt(
             tokenizer,
             hay,

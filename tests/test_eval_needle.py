@@ -63,6 +63,33 @@ def test_needle_at_requested_depth_and_length(tokenizer, haystack, mode, length)
         build_prompt(tokenizer, haystack, context_length=500, depth=150, mode=mode, passkey="1")
 
 
+def test_a_cell_prompt_does_not_depend_on_the_other_lengths(
+    tokenizer, haystack, monkeypatch, tmp_path
+):
+    """More --lengths read more haystack text; a repeated cell's haystack offset used to be
+    drawn over all of it, so cell (256, 50%, repeat 1) got another prompt when 2k was added."""
+    import fot.eval.needle as needle_mod
+
+    prompts: dict[tuple[int, int], list[int]] = {}
+    real = needle_mod.build_prompt
+
+    def recording(tok, hay, *, context_length, **kw):
+        p = real(tok, hay, context_length=context_length, **kw)
+        prompts[(len(grid), context_length)] = p.input_ids
+        return p
+
+    monkeypatch.setattr(needle_mod, "build_prompt", recording)
+    monkeypatch.setattr(needle_mod, "greedy_generate", lambda *a, **k: [])
+    model = torch.nn.Linear(1, 1)
+    for grid, n_hay in (([256], 2_000), ([256, 2048], len(haystack))):
+        log = JsonlLog(tmp_path / f"{len(grid)}.jsonl")
+        needle_mod.run_grid(model, tokenizer, lengths=grid, depths=[50.0], mode="standard",
+                            log=log, haystack_ids=haystack[:n_hay], repeats=2, progress=False)  # fmt: skip
+    assert len(haystack) > 5_000
+    assert prompts[(1, 256)] == prompts[(2, 256)]
+    assert len(prompts[(1, 256)]) == 256
+
+
 def test_scorer_rates_known_answers():
     ref, keys = DEFAULT_NEEDLE.answer, DEFAULT_NEEDLE.key_phrases
     perfect = score_response(" " + ref + "\nmore text", ref, keys)

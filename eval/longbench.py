@@ -226,14 +226,24 @@ def score_example(task: str, prediction: str, example: dict[str, Any]) -> float:
     )
 
 
-def read_jsonl(path: Path, limit: int | None = None) -> list[dict[str, Any]]:
+def read_jsonl(
+    path: Path, limit: int | None = None, *, needs_classes: bool = False
+) -> list[dict[str, Any]]:
     """Examples of one task file (first ``limit`` only if given).
 
+    Args:
+        path: the task's ``<task>.jsonl``.
+        limit: read only the first ``limit`` examples.
+        needs_classes: the task is scored by classification (TREC): every row must list its
+            class names in ``all_classes``.
+
     Raises:
-        ValueError: a line is not a JSON object or has no ``answers`` (the message names the
-            file and line), or the file holds no example.
+        ValueError: a line is not a JSON object, has no ``answers``, lacks ``all_classes``
+            where ``needs_classes``, or repeats another line's ``_id`` (results are keyed by
+            it); the message names the file and line. Also when the file holds no example.
     """
     rows = []
+    seen_ids: dict[str, int] = {}
     with path.open() as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
@@ -261,6 +271,23 @@ def read_jsonl(path: Path, limit: int | None = None) -> list[dict[str, Any]]:
                     f"{json.dumps(row.get('answers'))}); LongBench rows hold a list of reference "
                     "answer strings"
                 )
+            classes = row.get("all_classes")
+            if needs_classes and not (
+                isinstance(classes, list) and classes and all(isinstance(c, str) for c in classes)
+            ):
+                raise ValueError(
+                    f"{path}:{number} has no class names to score against (all_classes: "
+                    f"{json.dumps(classes)}); this task is scored by classification, so every "
+                    "row lists its classes as LongBench's files do"
+                )
+            if "_id" in row:
+                key = str(row["_id"])
+                if key in seen_ids:
+                    raise ValueError(
+                        f"{path}:{number} repeats the _id {key!r} of line {seen_ids[key]}; "
+                        "predictions are kept per _id, so give every example its own"
+                    )
+                seen_ids[key] = number
             rows.append(row)
             if limit and len(rows) >= limit:
                 break
@@ -366,7 +393,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "`python -m fot.eval longbench --help` for how to get them"
         )
     # Every task's examples are read (and checked) before the model loads.
-    examples = {t: read_jsonl(data_dir / f"{t}.jsonl", args.limit) for t in tasks}
+    examples = {
+        t: read_jsonl(
+            data_dir / f"{t}.jsonl",
+            args.limit,
+            needs_classes=TASKS[t].metric == "classification",
+        )
+        for t in tasks
+    }
     model, tokenizer = load_checkpoint(
         args.checkpoint, device=pick_device(args.device), dtype=args.dtype
     )

@@ -315,13 +315,25 @@ def test_longbench_bad_task_files_and_budgets_are_named_before_any_task_runs(tmp
     data.mkdir()
     example = {"_id": "q0", "input": "Q?", "context": "ctx", "answers": ["a"]}
     (data / "hotpotqa.jsonl").write_text(json.dumps(example) + "\n")
-    (data / "trec.jsonl").write_text(json.dumps(example) + "\n" + '{"_id": "q1", "input"\n')
+    trec = {**example, "all_classes": ["Abbreviation", "Entity"]}
+    (data / "trec.jsonl").write_text(json.dumps(trec) + "\n" + '{"_id": "q1", "input"\n')
     (data / "samsum.jsonl").write_text("\n")
     out = tmp_path / "o"
     missing = str(tmp_path / "missing")
     base = ["longbench", missing, "--data-dir", str(data), "--out", str(out), "--tasks"]
     with pytest.raises(ValueError, match=re.escape(f"{data / 'trec.jsonl'}:2 is not valid JSON")):
         main([*base, "hotpotqa,trec"])
+    # TREC is scored by classification: a row without its class names used to fail only after
+    # generating, without naming the file
+    (data / "trec.jsonl").write_text(json.dumps(trec) + "\n" + json.dumps(example) + "\n")
+    with pytest.raises(ValueError, match=re.escape(f"{data / 'trec.jsonl'}:2 has no class names")):
+        main([*base, "trec"])
+    # results are keyed by _id: a repeated one used to drop an example from the score silently
+    (data / "trec.jsonl").write_text(json.dumps(trec) + "\n" + json.dumps(trec) + "\n")
+    with pytest.raises(
+        ValueError, match=re.escape(f"{data / 'trec.jsonl'}:2 repeats the _id 'q0' of line 1")
+    ):
+        main([*base, "trec"])
     with pytest.raises(ValueError, match=re.escape(f"{data / 'samsum.jsonl'} holds no examples")):
         main([*base, "hotpotqa,samsum"])
     # A 64-token model: hotpotqa (32 generated tokens) fits, narrativeqa (128) does not; the

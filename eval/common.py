@@ -551,10 +551,12 @@ def write_run_config(
     return path
 
 
-# Commands that write the same file name into --out, and the files that show their results.
+# Commands that write the same file name into --out, and the files (glob patterns) that show
+# their results: finished or saved partial results, not the record a run writes when it starts
+# (a run that failed before its first result leaves no results to protect).
 _SUMMARY_WRITERS = {
-    "per-token-loss": ("per_token_loss.resume.json", "per_token_loss.npz"),
-    "forgetting-curve": ("forgetting_curve.resume.json", "forgetting_curve.jsonl"),
+    "per-token-loss": ("per_token_loss.npz", "state*.npz"),
+    "forgetting-curve": ("forgetting_curve.jsonl",),
     "gates": ("gates.npz",),
 }
 
@@ -603,7 +605,9 @@ def check_out_shared(out_dir: str | os.PathLike, command: str) -> None:
     """
     out = Path(out_dir)
     for other, markers in _SUMMARY_WRITERS.items():
-        found = [m for m in markers if other != command and (out / m).is_file()]
+        found = sorted(
+            f.name for m in markers if other != command for f in out.glob(m) if f.is_file()
+        )
         if found:
             raise FileExistsError(
                 f"--out {str(out)!r} holds {other} results ({', '.join(found)}); {command} "

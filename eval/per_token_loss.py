@@ -291,29 +291,37 @@ def evaluate_per_token_loss(
         desc=f"per-token loss @ {length}",
         unit="doc",
     )
-    for s in range(0, len(todo), batch_size):
-        ids = todo[s : s + batch_size]
-        rows = np.stack([np.asarray(docs[i][:length]) for i in ids])
-        what = f"{source} (document{'s' if len(ids) > 1 else ''} {', '.join(map(str, ids))})"
-        if not np.issubdtype(rows.dtype, np.integer):
-            raise ValueError(f"{what} holds {rows.dtype} values, not token ids")
-        check_token_ids(rows, vocab, what)
-        rows = rows.astype(np.int64)
-        tokens = torch.from_numpy(rows).to(device)  # (B, length)
-        if bos_id is not None:
-            bos = torch.full((tokens.shape[0], 1), bos_id, dtype=torch.long, device=device)
-            inputs, labels = torch.cat([bos, tokens[:, :-1]], 1), tokens  # (B, length)
-        else:
-            inputs, labels = tokens[:, :-1], tokens[:, 1:]  # (B, length - 1)
-        acc.update(token_losses(model, inputs, labels))
-        done.extend(ids)
-        since_save += len(ids)
-        bar.update(len(ids))
-        if since_save >= save_every:
+    consistent = True  # acc and done hold the same documents (False only while updating both)
+    try:
+        for s in range(0, len(todo), batch_size):
+            ids = todo[s : s + batch_size]
+            rows = np.stack([np.asarray(docs[i][:length]) for i in ids])
+            what = f"{source} (document{'s' if len(ids) > 1 else ''} {', '.join(map(str, ids))})"
+            if not np.issubdtype(rows.dtype, np.integer):
+                raise ValueError(f"{what} holds {rows.dtype} values, not token ids")
+            check_token_ids(rows, vocab, what)
+            rows = rows.astype(np.int64)
+            tokens = torch.from_numpy(rows).to(device)  # (B, length)
+            if bos_id is not None:
+                bos = torch.full((tokens.shape[0], 1), bos_id, dtype=torch.long, device=device)
+                inputs, labels = torch.cat([bos, tokens[:, :-1]], 1), tokens  # (B, length)
+            else:
+                inputs, labels = tokens[:, :-1], tokens[:, 1:]  # (B, length - 1)
+            losses = token_losses(model, inputs, labels)
+            consistent = False
+            acc.update(losses)
+            done.extend(ids)
+            consistent = True
+            since_save += len(ids)
+            bar.update(len(ids))
+            if since_save >= save_every:
+                save()
+                since_save = 0
+    finally:
+        # also on Ctrl-C or an error: the documents finished since the last save are kept
+        bar.close()
+        if since_save and consistent:
             save()
-            since_save = 0
-    bar.close()
-    save()
     return acc, done
 
 

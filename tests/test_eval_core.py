@@ -71,7 +71,7 @@ def test_next_token_argmax_matches_logits(which, request):
         next_token_argmax(model, ids, 5, 5)
 
 
-def test_accumulator_equals_direct_mean_and_resumes(llama, tmp_path):
+def test_accumulator_equals_direct_mean_and_resumes(llama, tmp_path, monkeypatch):
     model, _ = llama
     rng = np.random.default_rng(0)
     docs = [rng.integers(0, 50257, size=n) for n in (40, 33, 50, 32, 64)]
@@ -98,6 +98,33 @@ def test_accumulator_equals_direct_mean_and_resumes(llama, tmp_path):
     assert sorted(done2) == [0, 1, 2, 3, 4]
     np.testing.assert_allclose(acc2.mean(), acc.mean(), rtol=1e-6)
     np.testing.assert_array_equal(acc2.count, np.full(length - 1, 5))
+
+    # Ctrl-C after three documents with save_every=8: the three finished ones are saved (they
+    # used to be lost until the next multiple of save_every), then the rest resumes from them.
+    import fot.eval.per_token_loss as ptl
+
+    calls = {"n": 0}
+    real_losses = ptl.token_losses
+
+    def interrupted(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise KeyboardInterrupt
+        return real_losses(*args, **kwargs)
+
+    state = tmp_path / "state_ctrl_c.npz"
+    monkeypatch.setattr(ptl, "token_losses", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        evaluate_per_token_loss(
+            model, docs, [0, 1, 2, 3, 4], length=length, state_path=state, progress=False
+        )
+    monkeypatch.setattr(ptl, "token_losses", real_losses)
+    assert sorted(np.load(state)["done"].tolist()) == [0, 1, 2]
+    acc4, done4 = evaluate_per_token_loss(
+        model, docs, [0, 1, 2, 3, 4], length=length, state_path=state, progress=False
+    )
+    assert sorted(done4) == [0, 1, 2, 3, 4]
+    np.testing.assert_allclose(acc4.mean(), acc.mean(), rtol=1e-6)
 
     # With BOS: `length` positions, position 0 predicts the first token from BOS alone.
     acc3, _ = evaluate_per_token_loss(model, docs, [0], length=8, bos_id=50256, progress=False)

@@ -56,6 +56,11 @@ def test_token_ids_outside_the_vocabulary_are_named(llama, tmp_path, command, ba
     args = PTL if command == "per-token-loss" else FC
     with pytest.raises(ValueError, match=rf"--data .*z\.zarr.* token id {bad}, .*of {VOCAB} ids"):
         main([command, str(llama), *args, "--data", str(data), "--out", str(tmp_path / "o")])
+    # the failed run left no results, so it does not keep the other command out of its --out
+    # (a failed per-token-loss used to make forgetting-curve refuse the folder)
+    other = "forgetting-curve" if command == "per-token-loss" else "per-token-loss"
+    assert main([other, str(llama), *(FC if other == "forgetting-curve" else PTL),
+                 "--out", str(tmp_path / "o")])  # fmt: skip
 
 
 @pytest.mark.parametrize("command", ["per-token-loss", "forgetting-curve"])

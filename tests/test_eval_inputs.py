@@ -202,8 +202,9 @@ def test_needle_haystack_that_is_not_text_is_refused(tmp_path, content, message)
 def test_longbench_row_without_answers_names_file_and_line(tmp_path):
     data = tmp_path / "lb"
     data.mkdir()
-    good = {"_id": "t0", "input": "q", "context": "c", "answers": ["a"]}
-    bad = {"_id": "t1", "input": "q", "context": "c"}
+    classes = ["Abbreviation", "Entity"]
+    good = {"_id": "t0", "input": "q", "context": "c", "answers": ["a"], "all_classes": classes}
+    bad = {"_id": "t1", "input": "q", "context": "c", "all_classes": classes}
     (data / "trec.jsonl").write_text(json.dumps(good) + "\n" + json.dumps(bad) + "\n")
     out = tmp_path / "o"  # was: "trec example None has no answers" after the generation
     with pytest.raises(ValueError, match=re.escape(f"{data / 'trec.jsonl'}:2 has no answers")):

@@ -249,7 +249,10 @@ def test_a_learned_position_table_is_a_limit_named_before_the_evaluation(tmp_pat
     data = tmp_path / "lb"
     data.mkdir()
     (data / "trec.jsonl").write_text(
-        json.dumps({"_id": "t", "input": "q", "context": "c", "answers": ["a"]}) + "\n"
+        json.dumps(
+            {"_id": "t", "input": "q", "context": "c", "answers": ["a"], "all_classes": ["Entity"]}
+        )
+        + "\n"
     )
     for argv in (
         ["per-token-loss", "--length", "256"],

@@ -412,7 +412,7 @@ def test_prepare_bad_jsonl_lines_are_named_and_leave_nothing_behind(tmp_path, ca
     cases = {
         "broken.jsonl": (good + '{"text": "no brace"\n', ":4 is not valid JSON"),
         "list.jsonl": (good + '["a", "b"]\n', ":4 is a JSON list, not an object"),
-        "null.jsonl": (good + '{"text": null}\n', ":4: field 'text' is None"),
+        "number.jsonl": (good + '{"text": 5}\n', ":4: field 'text' is 5 (int)"),
         "other.jsonl": (good + '{"body": "x"}\n', ":4 has no field 'text'"),
         "latin.jsonl": (b'{"text": "caf\xe9"}\n', None),
     }
@@ -462,15 +462,33 @@ def test_prepare_reads_globs_several_patterns_and_refuses_structured_files(
     assert _decoded(out) == ["csv doc, one", "csv doc two"]
 
 
-def test_prepare_hf_row_without_text_is_named(tmp_path, capsys) -> None:
+def test_prepare_skips_rows_whose_text_is_none_as_empty_documents(tmp_path, capsys) -> None:
+    """datasets reads an empty CSV cell (and a field missing from a JSON row) as None: an empty
+    document, skipped with a warning counting it (it used to stop prepare with an error)."""
+    import pandas as pd
+
     from fot.data.prepare import main
 
     f = tmp_path / "rows.jsonl"
-    f.write_text('{"text": "a"}\n{"text": "b"}\n{"body": "c"}\n')
+    f.write_text('{"text": "a"}\n{"text": "b"}\n{"body": "c"}\n{"text": null}\n')
+    assert main(["--hf", "json", "--data-files", str(f), "--out", str(tmp_path / "tok")]) == 0
+    assert _decoded(tmp_path / "tok") == ["a", "b"]
+    assert "2 row(s) of dataset json had no text" in capsys.readouterr().err
+    csv = tmp_path / "d.csv"
+    pd.DataFrame({"text": ["one", "", "three", ""], "id": [1, 2, 3, 4]}).to_csv(csv, index=False)
+    assert main(["--hf", "csv", "--data-files", str(csv), "--out", str(tmp_path / "c")]) == 0
+    assert _decoded(tmp_path / "c") == ["one", "three"]
+    assert "2 row(s) of dataset csv had no text (None: an empty CSV cell" in capsys.readouterr().err
+    # a null in a plain .jsonl input is an empty document too; a missing field stays an error
+    j = tmp_path / "in.jsonl"
+    j.write_text('{"text": "kept"}\n{"text": null}\n')
+    assert main([str(j), "--out", str(tmp_path / "j")]) == 0
+    assert _decoded(tmp_path / "j") == ["kept"]
+    assert f"1 row(s) of {j} had no text (null)" in capsys.readouterr().err
+    # no row holds the field: a wrong --text-field, named
+    f.write_text('{"body": "c"}\n')
     assert main(["--hf", "json", "--data-files", str(f), "--out", str(tmp_path / "tok")]) == 2
-    assert (
-        "row 2 (counting from 0) of dataset json: field 'text' is None" in capsys.readouterr().err
-    )
+    assert "row 0 (counting from 0) of dataset json has no field 'text'" in capsys.readouterr().err
     assert _hidden(tmp_path) == []
 
 
@@ -609,16 +627,28 @@ def test_damaged_token_data_is_named_with_the_fix(tmp_path) -> None:
         open_token_path(tmp_path / "text.npy", 16, "varlen")
 
 
-def test_prepare_hf_text_loader_warns_that_lines_become_documents(tmp_path, capsys) -> None:
+def test_prepare_hf_text_files_are_one_document_each(tmp_path, capsys) -> None:
+    """datasets' text loader makes every line a document (newlines dropped, a blank line an
+    empty document); `--hf text` and `--hf <folder of .txt>` now read one document per file,
+    as `prepare <folder>` does, and skip an empty file."""
     from fot.data.prepare import main
 
-    f = tmp_path / "a.md"
-    f.write_text("# Title\nbody line\n")
-    assert main(["--hf", "text", "--data-files", str(f), "--out", str(tmp_path / "hf")]) == 0
-    assert _decoded(tmp_path / "hf") == ["# Title", "body line"]  # datasets' text loader
-    assert "every line of the files a document" in capsys.readouterr().err
-    assert main([str(f), "--out", str(tmp_path / "tok")]) == 0
-    assert _decoded(tmp_path / "tok") == ["# Title\nbody line\n"]
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    a = "Line one of file A.\n\nLine three of file A.\n"
+    b = "File B first line.\nFile B second line.\n"
+    (folder / "a.txt").write_text(a)
+    (folder / "b.txt").write_text(b)
+    (folder / "c.txt").write_text("")
+    pattern = str(folder / "*.txt")
+    for hf, more in (("text", ["--data-files", pattern]), (str(folder), [])):
+        for streaming in ([], ["--streaming"]):
+            out = tmp_path / "hf"
+            assert main(["--hf", hf, *more, *streaming, "--out", str(out)]) == 0
+            assert _decoded(out) == [a, b], (hf, streaming)
+    assert "every line" not in capsys.readouterr().err
+    assert main([str(folder), "--out", str(tmp_path / "tok")]) == 0
+    assert _decoded(tmp_path / "tok") == [a, b]
 
 
 def test_prepare_max_docs_counts_written_documents_and_reads_no_further(tmp_path, capsys) -> None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import math
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -11,12 +14,58 @@ from omegaconf import OmegaConf
 
 from fot.data.streams import PACKINGS, HFSource, PackedSource, PaddedSource, ZarrRowsSource
 
+logger = logging.getLogger("fot.data")
+
 KINDS = ("sample", "longcrawl64", "tokens", "hf")
 
 _PREPARE_HINT = (
     "Turn text files, folders or HF datasets into a token folder with "
     "`python -m fot.data.prepare --help`, then set data.path=<folder>."
 )
+
+
+def _warn(msg: str, *args: Any) -> None:
+    """Log a warning once per run: on rank 0 only (every rank builds the sources)."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        logger.warning(msg, *args)
+
+
+def is_zarr(p: Path) -> bool:
+    """A zarr array or group: a ``.zarr`` path, or a folder with zarr v3 (``zarr.json``) or
+    v2 (``.zarray``/``.zgroup``) metadata."""
+    return p.suffix == ".zarr" or (
+        p.is_dir() and any((p / m).exists() for m in ("zarr.json", ".zarray", ".zgroup"))
+    )
+
+
+def _zarr_source(key: str, p: Path, seq_len: int, packing: str) -> ZarrRowsSource:
+    """The rows of the 2-D zarr token array ``p`` as sequences (LongCrawl64's layout).
+
+    Its rows hold no document boundaries to pack by: ``packing=padded`` is refused and
+    ``varlen`` packs as ``causal`` (every chunk starts with BOS either way), with a warning.
+    """
+    from fot.data.streams import open_zarr_array
+
+    if packing == "padded":
+        raise ValueError(
+            f"data.packing=padded needs document boundaries, but {key}={p} is a zarr array of "
+            "token rows, read in chunks of data.seq_len (no padding); use data.packing=causal"
+        )
+    arr = open_zarr_array(p)
+    if not np.issubdtype(np.dtype(arr.dtype), np.integer):
+        raise ValueError(
+            f"{p} holds {arr.dtype} values, not integer token ids; write the zarr array with an "
+            "integer dtype (uint16 for GPT-2), or use `python -m fot.data.prepare`"
+        )
+    source = _named(key, p, lambda: ZarrRowsSource(arr, seq_len))
+    if packing == "varlen" and key == "data.path":
+        _warn(
+            "data.packing=varlen has no effect on the zarr array %s: its rows hold no document "
+            "boundaries, so every chunk (starting with <|endoftext|>) is packed as with "
+            "data.packing=causal; set data.packing=causal to silence this warning",
+            p,
+        )
+    return source
 
 
 def _documents_source(docs: Any, seq_len: int, packing: str) -> Any:
@@ -31,18 +80,17 @@ def open_token_path(path: str | Path, seq_len: int, packing: str, key: str = "da
     Args:
         path: the data on disk.
         seq_len: T.
-        packing: ``varlen``, ``causal`` or ``padded`` (documents only; flat files cannot pad).
+        packing: ``varlen``, ``causal`` or ``padded`` (documents only; flat files cannot pad,
+            and a zarr array, having no document boundaries, packs ``varlen`` as ``causal``).
         key: the config key that named ``path``, for error messages.
     """
-    from fot.data.streams import open_zarr_array
     from fot.data.tokens import TokenDocuments
 
     p = Path(path).expanduser()
     if not p.exists():
         raise FileNotFoundError(f"{key}={p} does not exist. {_PREPARE_HINT}")
-    if p.suffix == ".zarr" or (p.is_dir() and (p / "zarr.json").exists()):
-        arr = open_zarr_array(p)
-        return _named(key, p, lambda: ZarrRowsSource(arr, seq_len))
+    if is_zarr(p):
+        return _zarr_source(key, p, seq_len, packing)
     if p.is_dir():
         docs = TokenDocuments(p)
         return _named(key, p, lambda: _documents_source(docs, seq_len, packing))
@@ -91,8 +139,10 @@ def _named(key: str, path: Path, build: Callable[[], Any]) -> Any:
         raise ValueError(f"{key}={path}: {err}") from None
 
 
-def _hf_source(cfg: Any, split: str) -> HFSource:
-    from fot.tokenizer import get_encoding
+def _hf_dataset(cfg: Any) -> Any:
+    """The :class:`fot.data.hf.HFDataset` that ``data.path``, ``data.hf_name``,
+    ``data.hf_data_files`` and ``data.streaming`` name."""
+    from fot.data.hf import HFDataset
 
     if not cfg.path:
         raise ValueError(
@@ -118,27 +168,87 @@ def _hf_source(cfg: Any, split: str) -> HFSource:
             f"data.hf_data_files={files!r}: give a file or pattern, a list of them, or a "
             "split mapping such as {train: a.jsonl}"
         )
+    return HFDataset(
+        cfg.path,
+        name=cfg.hf_name,
+        data_files=files,
+        streaming=bool(cfg.streaming),
+        where=f"data.path={cfg.path}",
+    )
 
-    def make() -> Any:
-        import datasets
 
-        return datasets.load_dataset(
-            cfg.path,
-            name=cfg.hf_name,
-            data_files=files or None,
-            split=split,
-            streaming=bool(cfg.streaming),
-        )
+def _hf_source(cfg: Any, dataset: Any, split: str, *, count: int | None = None) -> HFSource:
+    """An :class:`HFSource` of one split, checked up to its first document.
+
+    Args:
+        count: for held-out data: count the sequences of the split (reading it once, up to
+            ``count`` sequences), so that validation never reads past its end.
+    """
+    from fot.data.hf import HFDataError
+    from fot.tokenizer import get_encoding
 
     enc = get_encoding()
     source = HFSource(
-        make, enc.encode_ordinary, cfg.seq_len, packing=cfg.packing, text_field=cfg.text_field
+        lambda: dataset.load(split),
+        enc.encode_ordinary,
+        cfg.seq_len,
+        packing=cfg.packing,
+        text_field=cfg.text_field,
+        explain_error=lambda err: dataset.explain(err, split),
     )
     try:
         source.check()
+        if count is not None and source.count_sequences(count) == 0:
+            raise ValueError(
+                f"the split holds {source.num_tokens} tokens (with a BOS per document), fewer "
+                f"than data.seq_len + 1 = {cfg.seq_len + 1}; use more held-out data or a "
+                "shorter data.seq_len"
+            )
+    except HFDataError:  # names the dataset and split already
+        raise
     except ValueError as err:
         raise ValueError(f"data.path={cfg.path} split {split!r}: {err}") from None
     return source
+
+
+def _val_count_limit(cfg: Any) -> int:
+    """The most held-out sequences worth counting: those ``data.val_tokens`` asks for, plus
+    room for the trainer's rounding up to a multiple of processes x validation micro batch."""
+    need = math.ceil(int(cfg.val_tokens) / int(cfg.seq_len))
+    return need + 64 * max(1, int(os.environ.get("WORLD_SIZE", "1")))
+
+
+def _warn_if_validating_on_training_data(cfg: Any, dataset: Any = None) -> None:
+    """Warn when the held-out data is the training data: the validation loss would then
+    measure memorisation, not generalisation."""
+    if cfg.kind == "hf":
+        split, val_split = str(cfg.hf_split), str(cfg.hf_val_split)
+        files = sorted(dataset.files(split))
+        sliced = "[" in split + val_split  # train[:1%] vs train[1%:]: other rows of one file
+        same_files = bool(files) and not sliced and files == sorted(dataset.files(val_split))
+        if split != val_split and not same_files:
+            return
+        _warn(
+            "data.hf_val_split=%s reads the same data as data.hf_split=%s%s: validation measures "
+            "the training data. Hold out a part instead (e.g. data.hf_split='train[1%%:]' "
+            "data.hf_val_split='train[:1%%]'), or map a split to other files in "
+            "data.hf_data_files",
+            val_split,
+            split,
+            "" if split == val_split else f" (the same files: {', '.join(files[:3])})",
+        )
+        return
+    train = Path(str(cfg.path)).expanduser().resolve()
+    if Path(str(cfg.val_path)).expanduser().resolve() == train:
+        _warn(
+            "data.val_path=%s is the training data (data.path=%s resolves to the same %s): "
+            "validation measures the training data. Hold out documents with `python -m "
+            "fot.data.prepare ... --heldout-every N --heldout-out <folder>` and set "
+            "data.val_path=<folder>",
+            cfg.val_path,
+            cfg.path,
+            train,
+        )
 
 
 def _refuse_unused_paths(cfg: Any) -> None:
@@ -188,8 +298,6 @@ def build_sources(cfg: Any) -> tuple[Any, Any | None]:
         val = _documents_source(sample_token_documents("heldout"), T, cfg.packing)
         return train, val if want_val else None
     if cfg.kind == "longcrawl64":
-        from fot.data.streams import open_zarr_array
-
         if not cfg.path:
             raise ValueError(
                 "data=longcrawl64 needs data.path=<folder with train.zarr and heldout.zarr>. "
@@ -199,12 +307,12 @@ def build_sources(cfg: Any) -> tuple[Any, Any | None]:
             )
         root = Path(cfg.path).expanduser()
         train_path = root / "train.zarr" if (root / "train.zarr").exists() else root
-        if not train_path.exists() or (train_path == root and root.suffix != ".zarr"):
+        if not train_path.exists() or (train_path == root and not is_zarr(root)):
             raise FileNotFoundError(
                 f"no LongCrawl64 train.zarr under {root}. Download train.zarr and heldout.zarr "
                 "from https://manifestai.com/articles/longcrawl64 into that folder."
             )
-        train = ZarrRowsSource(open_zarr_array(train_path), T)
+        train = _zarr_source("data.path", train_path, T, cfg.packing)
         val = None
         if want_val:
             val_path = Path(cfg.val_path).expanduser() if cfg.val_path else root / "heldout.zarr"
@@ -213,18 +321,29 @@ def build_sources(cfg: Any) -> tuple[Any, Any | None]:
                     f"held-out data {val_path} not found; download heldout.zarr next to "
                     "train.zarr, set data.val_path, or data.val_tokens=0 to skip validation"
                 )
-            val = ZarrRowsSource(open_zarr_array(val_path), T)
+            if val_path.resolve() == train_path.resolve():
+                _warn(
+                    "data.val_path=%s is the training array %s: validation measures the "
+                    "training data; point data.val_path to held-out rows (heldout.zarr)",
+                    cfg.val_path,
+                    train_path,
+                )
+            val = _zarr_source("data.val_path", val_path, T, cfg.packing)
         return train, val
     if cfg.kind == "tokens":
         if not cfg.path:
             raise ValueError(f"data=tokens needs data.path. {_PREPARE_HINT}")
         train = open_token_path(cfg.path, T, cfg.packing)
-        val = (
-            open_token_path(cfg.val_path, T, cfg.packing, key="data.val_path")
-            if cfg.val_path and want_val
-            else None
-        )
+        val = None
+        if cfg.val_path and want_val:
+            val = open_token_path(cfg.val_path, T, cfg.packing, key="data.val_path")
+            _warn_if_validating_on_training_data(cfg)
         return train, val
-    train = _hf_source(cfg, cfg.hf_split)
-    val = _hf_source(cfg, cfg.hf_val_split) if cfg.hf_val_split and want_val else None
+    dataset = _hf_dataset(cfg)
+    train = _hf_source(cfg, dataset, cfg.hf_split)
+    val = None
+    if cfg.hf_val_split and want_val:
+        # counted once here: validation reads the split at most once, never wrapping around
+        val = _hf_source(cfg, dataset, cfg.hf_val_split, count=_val_count_limit(cfg))
+        _warn_if_validating_on_training_data(cfg, dataset)
     return train, val

@@ -8,12 +8,15 @@ Inputs, one document each:
   give ``--glob`` several times for several patterns: ``--glob '*.txt' --glob '*.md'``);
 * a quoted glob pattern (``'data/**/*.txt'``): every file or folder it matches;
 * ``--hf NAME_OR_PATH``: a Hugging Face dataset (``--hf-name``, ``--split``, ``--streaming``,
-  ``--data-files`` as for ``datasets.load_dataset``); local ``.csv``/``.parquet``/``.json``
-  files are read this way (``--hf csv --data-files a.csv``), never as plain text.
+  ``--data-files`` as for ``datasets.load_dataset``), one document per row; local
+  ``.csv``/``.parquet``/``.json`` files are read this way (``--hf csv --data-files a.csv``),
+  never as plain text. Where datasets reads plain text files (``--hf text``, or a folder of
+  ``.txt`` files), every file is one document, as for a folder given as input.
 
 Text that is not valid UTF-8 is read with U+FFFD for the bad bytes and a warning naming the
 file; a text file with NUL bytes (binary, or UTF-16/UTF-32 text) is refused. A file named more than once (by a folder and a pattern, or through a symbolic link) is
-read once, with a warning. Empty documents are skipped; a run that would write no training
+read once, with a warning. Empty documents are skipped (an empty text, or a ``null``/empty
+CSV cell, which datasets reads as None: counted in a warning); a run that would write no training
 document (or, with ``--heldout-every``, no held-out one) fails and leaves existing folders as
 they were, as does an error, Ctrl-C or SIGTERM part way. Output folders may not lie inside
 each other or inside another token folder.
@@ -35,6 +38,7 @@ from __future__ import annotations
 import argparse
 import codecs
 import glob as globmod
+import itertools
 import json
 import os
 import shutil
@@ -109,15 +113,18 @@ def _expand_inputs(inputs: list[str]) -> list[Path]:
     return paths
 
 
-def _row_text(row: dict, text_field: str, where: str) -> str:
-    """The ``text_field`` string of a JSON line or dataset row; ``where`` names the row in
-    errors (a missing field, or a value that is no string: null, a number, a list)."""
+def _row_text(row: dict, text_field: str, where: str) -> str | None:
+    """The ``text_field`` string of a JSON line or dataset row, ``None`` for a null (an empty
+    document, skipped); ``where`` names the row in errors (a missing field, or a value that is
+    no string: a number, a list)."""
     if text_field not in row:
         raise ValueError(
             f"{where} has no field {text_field!r} (fields: {sorted(row)}); set --text-field "
             "to the field that holds the text"
         )
     text = row[text_field]
+    if text is None:
+        return None
     if not isinstance(text, str):
         raise ValueError(
             f"{where}: field {text_field!r} is {text!r} ({type(text).__name__}), not a string; "
@@ -126,7 +133,13 @@ def _row_text(row: dict, text_field: str, where: str) -> str:
     return text
 
 
+def _warn_nulls(nulls: int, where: str, what: str) -> None:
+    if nulls:
+        _warn(f"{nulls} row(s) of {where} had no text ({what}) and were skipped as empty documents")
+
+
 def _jsonl_texts(f: Path, text_field: str) -> Iterator[str]:
+    nulls = 0
     with open(f, "rb") as fh:
         for n, raw in enumerate(fh, 1):
             line = _decode(raw, f"{f}:{n}")
@@ -141,7 +154,12 @@ def _jsonl_texts(f: Path, text_field: str) -> Iterator[str]:
                     f"{f}:{n} is a JSON {type(row).__name__}, not an object; every line of a "
                     f'.jsonl file must be an object such as {{"{text_field}": "..."}}'
                 )
-            yield _row_text(row, text_field, f"{f}:{n}")
+            text = _row_text(row, text_field, f"{f}:{n}")
+            if text is None:
+                nulls += 1
+            else:
+                yield text
+    _warn_nulls(nulls, str(f), "null")
 
 
 def iter_texts(
@@ -221,20 +239,34 @@ def iter_hf_texts(
     data_files: list[str] | None = None,
     text_field: str = "text",
 ) -> Iterator[str]:
-    """Yield the ``text_field`` of every row of a Hugging Face dataset."""
-    import datasets
+    """Yield the ``text_field`` of every row of a Hugging Face dataset (rows whose text is
+    None are skipped, with a warning counting them); a text loader gives one row per file."""
+    from fot.data.hf import HFDataset
 
-    if path == "text":
-        _warn(
-            "--hf text makes every line of the files a document (newlines dropped); give the "
-            "text files (or their folder) as inputs instead to keep each file one document"
-        )
-    ds = datasets.load_dataset(
-        path, name=name, split=split, streaming=streaming, data_files=data_files
+    dataset = HFDataset(
+        path, name=name, data_files=data_files, streaming=streaming, where=f"dataset {path}"
     )
-    for n, row in enumerate(ds):
+    rows = dataset.guard(lambda: iter(dataset.load(split)), split)
+    nulls = 0
+    for n in itertools.count():
+        try:
+            row = next(rows)
+        except StopIteration:
+            break
+        except Exception as err:  # a bad file met while streaming
+            new = dataset.explain(err, split)
+            if new is None:
+                raise
+            raise new from err
         # (datasets fills a field missing from some rows with None)
-        yield _row_text(row, text_field, f"row {n} (counting from 0) of dataset {path}")
+        text = _row_text(row, text_field, f"row {n} (counting from 0) of dataset {path}")
+        if text is None:
+            nulls += 1
+        else:
+            yield text
+    _warn_nulls(
+        nulls, f"dataset {path}", "None: an empty CSV cell, a null, or a field missing from the row"
+    )
 
 
 def tokenize(

@@ -383,6 +383,8 @@ class HFSource:
 
     The state is the number of documents consumed plus the tokens carried over to the next
     sequence; resuming skips that many documents (``IterableDataset.skip`` or indexing).
+    Rows whose text is empty or ``None`` (an empty CSV cell) are skipped, as
+    ``python -m fot.data.prepare`` skips empty documents.
 
     Args:
         make_dataset: returns a fresh dataset (``datasets.Dataset`` or ``IterableDataset``).
@@ -391,6 +393,8 @@ class HFSource:
         packing: ``"varlen"``, ``"causal"`` or ``"padded"``.
         text_field: column holding the text; if the rows instead hold ``input_ids``, they are
             used as tokens directly.
+        explain_error: turns an error raised while iterating the dataset (a bad file met by a
+            streaming dataset) into a clearer one, or returns ``None`` to keep it.
     """
 
     sequential = True
@@ -403,6 +407,7 @@ class HFSource:
         *,
         packing: str = "varlen",
         text_field: str = "text",
+        explain_error: Callable[[Exception], Exception | None] | None = None,
     ) -> None:
         _check_seq_len(seq_len)
         if packing not in PACKINGS:
@@ -413,6 +418,12 @@ class HFSource:
         self.packing = packing
         self.varlen = packing == "varlen"
         self.text_field = text_field
+        self.explain_error = explain_error
+        self.num_sequences: int | None = None
+        """Sequences the dataset holds without wrapping around, where counted
+        (:meth:`count_sequences`; held-out data); ``None``: a stream of unknown length."""
+        self.num_tokens: int | None = None
+        """Tokens of the packed stream (documents with their BOS) that counting read."""
         self.position = 0  # next sequence index
         self.docs_consumed = 0  # over all epochs
         self.docs_per_epoch: int | None = None
@@ -429,26 +440,48 @@ class HFSource:
             return (ds[i] for i in range(skip, len(ds)))
         return iter(ds.skip(skip) if skip else ds)
 
+    def _next_row(self, it: Iterator[Any]) -> Any:
+        """``next(it)``; ``StopIteration`` passes, other errors go through ``explain_error``."""
+        try:
+            return next(it)
+        except StopIteration:
+            raise
+        except Exception as err:
+            new = self.explain_error(err) if self.explain_error is not None else None
+            if new is None:
+                raise
+            raise new from err
+
     def _next_doc(self) -> np.ndarray:
+        """Tokens of the next non-empty document (into the next epoch at the end)."""
         if self._it is None:
             self._it = self._open()
-        for attempt in range(2):
+        restarted = False
+        while True:
             try:
-                row = next(self._it)
-                break
+                row = self._next_row(self._it)
             except StopIteration:
-                if attempt == 1 or self.docs_consumed == 0:
-                    raise ValueError("the HF dataset has no documents") from None
+                # the end of the dataset twice in one call: a whole epoch without a document
+                if restarted or self.docs_consumed == 0:
+                    raise ValueError(
+                        _no_documents(self.docs_per_epoch or self.docs_consumed)
+                    ) from None
                 self.docs_per_epoch = self.docs_per_epoch or self.docs_consumed
                 self._it = iter(self.make_dataset())  # next epoch from the start
-        self.docs_consumed += 1
-        return self._tokens(row, self.docs_consumed - 1)
+                restarted = True
+                continue
+            self.docs_consumed += 1  # rows, empty ones included: resuming skips this many
+            ids = self._tokens(row, self.docs_consumed - 1)
+            if len(ids):
+                return ids
 
     def _tokens(self, row: dict[str, Any], index: int) -> np.ndarray:
         """Token ids of one dataset row (its ``text_field``, else its ``input_ids``); a row
         without either, or with a value of the wrong type, is a ``ValueError`` naming it."""
         if self.text_field in row:
             text = row[self.text_field]
+            if text is None:  # an empty CSV cell, a null: an empty document, skipped
+                return np.zeros(0, dtype=np.int64)
             if not isinstance(text, str):
                 raise ValueError(
                     f"dataset row {index}: column {self.text_field!r} holds {text!r} "
@@ -472,17 +505,59 @@ class HFSource:
             "'input_ids'); set data.text_field to the text column"
         )
 
+    def _rows(self) -> Iterator[Any]:
+        """One pass over a fresh copy of the dataset (the stream's position is untouched)."""
+        it = iter(self.make_dataset())
+        while True:
+            try:
+                yield self._next_row(it)
+            except StopIteration:
+                return
+
     def check(self) -> None:
-        """Read the dataset's first row and check it as training will (text column, type), so
-        that a wrong ``data.text_field`` is reported before a run starts, not at its first step.
+        """Read the dataset up to its first document and check it as training will (text
+        column, type), so that a wrong ``data.text_field`` is reported before a run starts,
+        not at its first step.
 
         Raises:
-            ValueError: the dataset has no rows, or its first row has no usable text.
+            ValueError: the dataset has no rows, only empty texts, or its first row has no
+                usable text.
         """
-        row = next(iter(self.make_dataset()), None)
-        if row is None:
-            raise ValueError("the HF dataset has no documents")
-        self._tokens(row, 0)
+        rows = 0
+        for row in self._rows():
+            rows += 1
+            if len(self._tokens(row, rows - 1)):
+                return
+        raise ValueError(_no_documents(rows))
+
+    def count_sequences(self, limit: int) -> int:
+        """Count the sequences one pass over the dataset gives without wrapping around, and
+        keep the count in :attr:`num_sequences` (validation then reads no further).
+
+        Reading stops once ``limit`` sequences are found: a larger dataset counts as ``limit``.
+
+        Args:
+            limit: the most sequences to count (>= 1).
+
+        Returns:
+            ``min(sequences, limit)``: with packing, ``(L - 1) // seq_len`` for a stream of
+            ``L`` tokens (every document with its BOS; the last label must exist); padded,
+            the number of documents.
+        """
+        docs = length = count = 0
+        for i, row in enumerate(self._rows()):
+            n = len(self._tokens(row, i))
+            if not n:
+                continue
+            docs += 1
+            length += n + 1
+            count = docs if self.packing == "padded" else (length - 1) // self.seq_len
+            if count >= limit:
+                count = limit
+                break
+        self.num_sequences = count
+        self.num_tokens = length
+        return count
 
     def read(self, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
         if start != self.position:
@@ -532,6 +607,15 @@ class HFSource:
         self.docs_per_epoch = state["docs_per_epoch"]
         self.buffer = np.asarray(state["buffer"], dtype=np.int64)
         self._it = None
+
+
+def _no_documents(rows: int) -> str:
+    if rows == 0:
+        return "the HF dataset has no documents (no rows)"
+    return (
+        f"the HF dataset has no documents: all {rows} rows have empty text (or none); check "
+        "the files, or set data.text_field to the column that holds the text"
+    )
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,0 +1,159 @@
+"""Hugging Face datasets for ``data=hf`` and ``python -m fot.data.prepare --hf``.
+
+Two things differ from a plain ``datasets.load_dataset`` call:
+
+* Where the dataset resolves to datasets' ``text`` loader (``text`` with data files, or a local
+  folder of ``.txt`` files that datasets reads as text), every file is one document
+  (``sample_by="document"``), as with ``python -m fot.data.prepare <folder>``; datasets'
+  default would make every line a document and drop the newlines.
+* datasets' failures on bad input files (a bare ``StopIteration`` for empty files, a
+  ``DatasetGenerationError`` around a ``UnicodeDecodeError``) become one :class:`HFDataError` that
+  names the file and the fix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from fot.errors import FotError
+
+_T = TypeVar("_T")
+
+
+class HFDataError(FotError, ValueError):
+    """datasets failed on an input file; the message names the dataset, split, file and fix."""
+
+
+_COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".zip", ".lz4", ".tar")
+
+
+class HFDataset:
+    """One HF dataset (hub name, local folder or loader with data files), resolved once.
+
+    Args:
+        path: dataset name, local folder, or loader (``json``, ``csv``, ``text``, ...).
+        name: dataset configuration name.
+        data_files: ``data_files`` for the loader (file, pattern, list, or split mapping).
+        streaming: load as an ``IterableDataset``.
+        where: how messages name the dataset (``"data.path=json"``, ``"dataset json"``).
+
+    Raises:
+        HFDataError: datasets failed on an input file, named with the fix (:meth:`explain`).
+    """
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        name: str | None = None,
+        data_files: Any = None,
+        streaming: bool = False,
+        where: str,
+    ) -> None:
+        import datasets
+
+        self.path = path
+        self.name = name
+        self.data_files = data_files or None
+        self.streaming = streaming
+        self.where = where
+        self._data_files: Any = None
+        builder = self.guard(
+            lambda: datasets.load_dataset_builder(path, name=name, data_files=self.data_files),
+            None,
+        )
+        self.text_files = builder.name == "text"
+        """True when datasets reads the files as plain text: loaded one document per file."""
+        self._data_files = getattr(builder.config, "data_files", None)
+
+    def files(self, split: str) -> list[str]:
+        """The data files behind a split expression (``train``, ``train[:1%]``,
+        ``train+test``), as datasets resolved them; ``[]`` where it did not list them."""
+        if not self._data_files:
+            return []
+        out: list[str] = []
+        for part in str(split).split("+"):
+            out += [str(f) for f in self._data_files.get(part.split("[")[0].strip(), [])]
+        return out
+
+    def load(self, split: str) -> Any:
+        """``datasets.load_dataset`` of one split (a text loader reads one document per file)."""
+        import datasets
+
+        extra = {"sample_by": "document"} if self.text_files else {}
+        return self.guard(
+            lambda: datasets.load_dataset(
+                self.path,
+                name=self.name,
+                data_files=self.data_files,
+                split=split,
+                streaming=self.streaming,
+                **extra,
+            ),
+            split,
+        )
+
+    def guard(self, call: Callable[[], _T], split: str | None) -> _T:
+        """``call()``, with datasets' failures on input files raised as :meth:`explain` says."""
+        try:
+            return call()
+        except Exception as err:  # StopIteration included: datasets' error for empty files
+            new = self.explain(err, split)
+            if new is None:
+                raise
+            raise new from err
+
+    def explain(self, err: BaseException, split: str | None) -> HFDataError | None:
+        """One clear error for a datasets failure caused by the input files, else ``None``.
+
+        Args:
+            err: what datasets raised while loading or iterating ``split``.
+            split: the split being read (``None``: while resolving the dataset).
+        """
+        from datasets.exceptions import DatasetGenerationError
+
+        files = self.files(split) if split is not None else []
+        what = self.where + (f" split {split!r}" if split is not None else "")
+        shown = ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+        if isinstance(err, StopIteration):  # the json/csv loaders, when no file holds a row
+            return HFDataError(
+                f"{what}: the data files hold no rows ({shown or 'none found'}): they are "
+                "empty. Give files that hold data, or leave the empty ones out"
+            )
+        cause: BaseException = err
+        if isinstance(err, DatasetGenerationError):
+            cause = err.__cause__ or err.__context__ or err
+        if isinstance(cause, UnicodeDecodeError):
+            bad = _first_non_utf8(files)
+            named = (
+                f"{bad[0]} is not valid UTF-8 (byte {bad[1]:#04x} at offset {bad[2]})"
+                if bad
+                else f"a data file is not valid UTF-8 ({cause})"
+            )
+            return HFDataError(
+                f"{what}: {named}; datasets reads text files as UTF-8. Convert it (e.g. `iconv "
+                "-f latin1 -t utf-8`) or remove it from the data files (`python -m "
+                "fot.data.prepare <folder>` reads it with U+FFFD for the bad bytes)"
+            )
+        if isinstance(err, DatasetGenerationError):
+            return HFDataError(
+                f"{what}: datasets could not read the data files ({shown or 'unknown'}): "
+                f"{type(cause).__name__}: {cause}; fix or remove the file it names"
+            )
+        return None
+
+
+def _first_non_utf8(files: list[str]) -> tuple[str, int, int] | None:
+    """``(file, bad byte, offset)`` of the first local, uncompressed file that is not UTF-8."""
+    for f in files:
+        p = Path(f.removeprefix("file://"))
+        if p.suffix.lower() in _COMPRESSED or not p.is_file():
+            continue
+        data = p.read_bytes()
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError as err:
+            return str(p), data[err.start], err.start
+    return None

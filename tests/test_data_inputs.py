@@ -1,0 +1,300 @@
+"""Data inputs the readers must not misread: HF held-out splits, text files, empty, null and
+undecodable rows, held-out data that is the training data, and zarr arrays of every kind."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import numpy as np
+import pytest
+from omegaconf import OmegaConf
+
+from fot.data.loaders import build_sources, open_token_path
+from fot.data.streams import EOT_ID, HFSource, PackedSource, ZarrRowsSource, iterate_eval_batches
+from fot.errors import error_line
+from fot.tokenizer import get_encoding
+from fot.training.config import DataConfig
+
+
+def _cfg(**kw):
+    return OmegaConf.structured(DataConfig(**kw))
+
+
+def _jsonl(path, rows: list) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def _packed(texts: list[str], seq_len: int) -> PackedSource:
+    """The oracle: the non-empty texts, GPT-2 tokenized, packed with a BOS each."""
+    enc = get_encoding()
+    docs = [np.array(enc.encode_ordinary(t), np.uint16) for t in texts if t]
+    return PackedSource.from_documents(docs, seq_len)
+
+
+def _data_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "fot.data"]
+
+
+# ------------------------------------------------------------------ data=hf held-out split
+
+
+def test_hf_validation_split_is_read_once_never_wrapped(tmp_path, caplog) -> None:
+    """A held-out split smaller than data.val_tokens used to be read again and again (about
+    97 times for the reviewer's 21-token split): its sequences are now counted when the
+    sources are built, and validation reads each at most once, with the same warning as a
+    small held-out token folder."""
+    from fot.training.trainer import validation_sequences
+
+    T = 8
+    val_texts = [f"held-out document {i}: " + "more words " * i for i in range(5)]
+    files = {
+        "train": _jsonl(
+            tmp_path / "train.jsonl", [{"text": f"training doc {i}"} for i in range(9)]
+        ),
+        "validation": _jsonl(tmp_path / "val.jsonl", [{"text": t} for t in val_texts]),
+    }
+    oracle = _packed(val_texts, T)
+    held = (oracle.length - 1) // T  # sequences with every label inside the split
+    cfg = _cfg(kind="hf", path="json", seq_len=T, val_tokens=T * (held + 50))
+    cfg.hf_data_files = files
+    cfg.hf_val_split = "validation"
+    _, val = build_sources(cfg)
+    assert val.num_sequences == held
+    with caplog.at_level(logging.WARNING):
+        num = validation_sequences(cfg, val, unit=1, warn=True)
+    assert num == held
+    assert any(f"holds only {held} sequences" in r.getMessage() for r in caplog.records)
+    for _ in range(2):  # every validation reads the same sequences, from the start
+        batches = list(iterate_eval_batches(val, num_sequences=num, micro_batch_size=3))
+        got = np.concatenate([b.input_ids.numpy().reshape(-1, T) for b in batches])
+        labels = np.concatenate([b.labels.numpy().reshape(-1, T) for b in batches])
+        want = oracle.read(0, held)
+        np.testing.assert_array_equal(got, want[0])
+        np.testing.assert_array_equal(labels, want[1])
+        assert val.docs_per_epoch is None  # the end of the split was never passed
+    # a split shorter than one sequence is refused, as a short held-out token folder is
+    cfg.seq_len = oracle.length
+    with pytest.raises(ValueError, match=r"split 'validation': the split holds \d+ tokens"):
+        build_sources(cfg)
+
+
+def test_hf_counting_stops_at_its_limit() -> None:
+    """Counting a large held-out split reads only as far as validation could need."""
+    seen = []
+
+    def rows():
+        for i in range(1000):
+            seen.append(i)
+            yield {"text": "abcd"}  # 4 tokens + BOS = 5 stream tokens per row
+
+    src = HFSource(rows, lambda s: [ord(c) for c in s], 4)
+    assert src.count_sequences(10) == 10
+    assert len(seen) == 9  # 9 rows: 45 stream tokens, (45 - 1) // 4 = 11 >= 10
+    seen.clear()
+    assert src.count_sequences(10_000) == (5 * 1000 - 1) // 4
+    assert len(seen) == 1000
+
+
+# ------------------------------------------------------------------ data=hf documents
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_hf_text_files_are_one_document_each(tmp_path, streaming: bool) -> None:
+    """A folder of .txt files (or data.path=text) used to make every line a document, newlines
+    dropped and a blank line an empty BOS-only document."""
+    folder = tmp_path / "ml"
+    folder.mkdir()
+    a = "Line one of file A.\n\nLine three of file A.\n"
+    b = "File B first line.\nFile B second line.\n"
+    (folder / "a.txt").write_text(a)
+    (folder / "b.txt").write_text(b)
+    (folder / "c.txt").write_text("")  # an empty document: skipped
+    T = 8
+    oracle = _packed([a, b], T)
+    n = oracle.num_sequences + 2  # into the second epoch
+    want = oracle.read(0, n)
+    for kw in ({"path": str(folder)}, {"path": "text", "hf_data_files": str(folder / "*.txt")}):
+        cfg = _cfg(kind="hf", seq_len=T, val_tokens=0, streaming=streaming, **kw)
+        train, _ = build_sources(cfg)
+        inputs, labels = train.read(0, n)
+        np.testing.assert_array_equal(inputs, want[0])
+        np.testing.assert_array_equal(labels, want[1])
+        text = get_encoding().decode([int(t) for t in inputs.reshape(-1)])
+        assert text.startswith(f"<|endoftext|>{a}<|endoftext|>{b}<|endoftext|>")
+
+
+def test_hf_empty_and_none_texts_are_skipped(tmp_path) -> None:
+    """Empty texts and None cells (an empty CSV cell) are empty documents, skipped as prepare
+    skips them; they used to become BOS-only documents, or stop the run (None)."""
+    import pandas as pd
+
+    texts = ["first document", "", "second one", None, "third and last", ""]
+    csv = tmp_path / "d.csv"
+    pd.DataFrame({"text": texts, "id": range(len(texts))}).to_csv(csv, index=False)
+    jsonl = _jsonl(tmp_path / "d.jsonl", [{"text": t} for t in texts])
+    T = 4
+    oracle = _packed([t for t in texts if t], T)
+    n = oracle.num_sequences + 3  # into a second epoch
+    for loader, files in (("csv", str(csv)), ("json", jsonl)):
+        train, _ = build_sources(_cfg(kind="hf", path=loader, hf_data_files=files, seq_len=T))
+        got, want = train.read(0, n), oracle.read(0, n)
+        np.testing.assert_array_equal(got[0], want[0])
+        np.testing.assert_array_equal(got[1], want[1])
+    # a dataset of nothing but empty texts is refused before training
+    empty = _jsonl(tmp_path / "e.jsonl", [{"text": ""}, {"text": None}])
+    with pytest.raises(ValueError, match="no documents: all 2 rows have empty text"):
+        build_sources(_cfg(kind="hf", path="json", hf_data_files=empty, seq_len=T))
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_hf_empty_or_undecodable_files_get_one_clear_error(tmp_path, streaming: bool) -> None:
+    """An empty data file gave a bare StopIteration from inside datasets; a latin-1 text file
+    a DatasetGenerationError whose cause (file, byte) only a full traceback showed."""
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    corpus = tmp_path / "corpus"
+    (corpus / "sub").mkdir(parents=True)
+    (corpus / "a.txt").write_text("Hello world.\n")
+    (corpus / "sub" / "d.txt").write_bytes("café latin1\n".encode("latin-1"))
+    bad = corpus / "sub" / "d.txt"
+    cases = [
+        (dict(path="json", hf_data_files=str(empty)), rf"split 'train': the data files hold no rows \({empty}\)"),
+        (dict(path=str(corpus)), rf"split 'train': {bad} is not valid UTF-8 \(byte 0xe9 at offset 3\).*iconv"),
+    ]  # fmt: skip
+    for kw, want in cases:
+        with pytest.raises(ValueError, match=want) as info:
+            train, _ = build_sources(
+                _cfg(kind="hf", seq_len=8, val_tokens=0, streaming=streaming, **kw)
+            )
+            train.read(0, 4)  # streaming meets a bad file only when it reads that far
+        assert str(info.value).startswith(f"data.path={kw['path']} split 'train': ")
+        line = error_line("train.py", info.value, traceback_variable="HYDRA_FULL_ERROR")
+        assert "raised by" not in line and line.count("\n") == 1  # fot's own one-line error
+
+
+def test_prepare_hf_empty_or_undecodable_files_get_one_clear_error(tmp_path, capsys) -> None:
+    from fot.data.prepare import main
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("Hello world.\n")
+    (corpus / "d.txt").write_bytes("café\n".encode("latin-1"))
+    out = str(tmp_path / "tok")
+    assert main(["--hf", "json", "--data-files", str(empty), "--out", out]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(
+        f"error: dataset json split 'train': the data files hold no rows ({empty})"
+    )
+    assert "Traceback" not in err
+    for streaming in ([], ["--streaming"]):
+        assert main(["--hf", str(corpus), *streaming, "--out", out]) == 2
+        err = capsys.readouterr().err
+        assert (
+            f"error: dataset {corpus} split 'train': {corpus / 'd.txt'} is not valid UTF-8" in err
+        )
+        assert "Traceback" not in err
+    assert not (tmp_path / "tok").exists()
+
+
+# ------------------------------------------------------------------ validating on training data
+
+
+def test_validating_on_the_training_data_warns(tmp_path, caplog) -> None:
+    from fot.data.tokens import write_token_documents
+
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(0, 50000, size=30).astype(np.uint16) for _ in range(6)]
+    write_token_documents(tmp_path / "tok", docs)
+    write_token_documents(tmp_path / "held", docs[:2])
+    (tmp_path / "link").symlink_to(tmp_path / "tok")
+    train_jsonl = _jsonl(tmp_path / "t.jsonl", [{"text": f"doc {i} " * 5} for i in range(9)])
+    val_jsonl = _jsonl(tmp_path / "v.jsonl", [{"text": f"held {i} " * 5} for i in range(9)])
+    same = [
+        _cfg(kind="tokens", path=str(tmp_path / "tok"), val_path=str(tmp_path / "link")),
+        _cfg(kind="tokens", path=str(tmp_path / "tok"), val_path=f"{tmp_path}/./tok/"),
+        _cfg(kind="hf", path="json", hf_data_files=train_jsonl, hf_val_split="train"),
+        _cfg(kind="hf", path="json", hf_val_split="validation",
+             hf_data_files={"train": train_jsonl, "validation": train_jsonl}),
+    ]  # fmt: skip
+    other = [
+        _cfg(kind="tokens", path=str(tmp_path / "tok"), val_path=str(tmp_path / "held")),
+        _cfg(kind="hf", path="json", hf_val_split="validation",
+             hf_data_files={"train": train_jsonl, "validation": val_jsonl}),
+        _cfg(kind="hf", path="json", hf_data_files=train_jsonl, hf_split="train[2:]",
+             hf_val_split="train[:2]"),
+    ]  # fmt: skip
+    for cfg in same + other:
+        cfg.seq_len, cfg.val_tokens = 8, 16
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            build_sources(cfg)
+        warned = [w for w in _data_warnings(caplog) if "validation measures the training data" in w]
+        assert len(warned) == (1 if cfg in same else 0), (cfg.kind, cfg.get("val_path"), warned)
+
+
+# ------------------------------------------------------------------ zarr arrays
+
+
+def _zarr(path, values: np.ndarray, zarr_format: int = 3) -> np.ndarray:
+    import zarr
+
+    arr = zarr.create_array(
+        store=str(path), shape=values.shape, dtype=values.dtype, zarr_format=zarr_format
+    )
+    arr[:] = values
+    return values
+
+
+def test_float_zarr_is_refused_like_a_float_npy(tmp_path) -> None:
+    """A float zarr array was read with its values truncated to token ids (1.5 -> 1)."""
+    _zarr(tmp_path / "f.zarr", np.full((4, 64), 1.5, dtype=np.float32))
+    with pytest.raises(ValueError, match=r"f\.zarr holds float32 values, not integer token ids"):
+        open_token_path(tmp_path / "f.zarr", 8, "causal")
+    (tmp_path / "lc").mkdir()
+    _zarr(tmp_path / "lc" / "train.zarr", np.full((4, 64), 1.5, dtype=np.float32))
+    with pytest.raises(ValueError, match=r"train\.zarr holds float32 values, not integer"):
+        build_sources(_cfg(kind="longcrawl64", path=str(tmp_path / "lc"), seq_len=8, val_tokens=0))
+    np.save(tmp_path / "f.npy", np.full(64, 1.5, dtype=np.float32))  # the message it mirrors
+    with pytest.raises(ValueError, match=r"f\.npy holds float32 values, not integer token ids"):
+        open_token_path(tmp_path / "f.npy", 8, "causal")
+
+
+@pytest.mark.parametrize("zarr_format", [2, 3])
+def test_zarr_array_folder_without_suffix_is_read_as_zarr(tmp_path, zarr_format: int) -> None:
+    """A zarr v2 array folder (.zarray) without the .zarr suffix was called "not a token
+    folder (no meta.json)"; a v3 one (zarr.json) was already detected."""
+    rows = (np.arange(4 * 64) % 50000).astype(np.uint16).reshape(4, 64)
+    _zarr(tmp_path / "arr", rows, zarr_format)
+    src = open_token_path(tmp_path / "arr", 8, "causal")
+    assert isinstance(src, ZarrRowsSource)
+    inputs, labels = src.read(0, 5)  # column-major: chunk 0 of rows 0..3, then chunk 1 of row 0
+    np.testing.assert_array_equal(labels[:4], rows[:, :8])
+    np.testing.assert_array_equal(labels[4], rows[0, 8:16])
+    np.testing.assert_array_equal(inputs[:, 0], [EOT_ID] * 5)
+
+
+def test_zarr_packing_padded_is_refused_and_varlen_warns(tmp_path, caplog) -> None:
+    """data.packing was ignored for zarr sources: padded read unpadded chunks, silently."""
+    rows = (np.arange(4 * 64) % 50000).astype(np.uint16).reshape(4, 64)
+    (tmp_path / "lc").mkdir()
+    _zarr(tmp_path / "lc" / "train.zarr", rows)
+    _zarr(tmp_path / "lc" / "heldout.zarr", rows[:2])
+    tokens = dict(kind="tokens", path=str(tmp_path / "lc" / "train.zarr"))
+    lc = dict(kind="longcrawl64", path=str(tmp_path / "lc"))
+    for kw in (tokens, lc):
+        with pytest.raises(ValueError, match=r"packing=padded needs document boundaries.*causal"):
+            build_sources(_cfg(seq_len=8, val_tokens=16, packing="padded", **kw))
+        for packing, warnings in (("varlen", 1), ("causal", 0)):
+            caplog.clear()
+            with caplog.at_level(logging.WARNING):
+                train, _ = build_sources(_cfg(seq_len=8, val_tokens=0, packing=packing, **kw))
+            warned = [
+                w for w in _data_warnings(caplog) if "packed as with data.packing=causal" in w
+            ]
+            assert len(warned) == warnings, (kw, packing)
+            assert not getattr(train, "varlen", False)  # no cu_seqlens: causal packing
+            np.testing.assert_array_equal(train.read(0, 1)[1][0], rows[0, :8])

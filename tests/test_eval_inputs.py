@@ -211,3 +211,14 @@ def test_longbench_row_without_answers_names_file_and_line(tmp_path):
         main(["longbench", str(tmp_path / "missing"), "--data-dir", str(data), "--tasks", "trec",
               "--out", str(out)])  # fmt: skip
     assert not out.exists()
+
+
+def test_a_default_length_too_long_for_the_data_says_where_it_came_from(tmp_path):
+    """Without --length the run takes the checkpoint's context length; data shorter than that
+    used to be told to "lower --length", which the user never gave."""
+    short = make_llama_checkpoint(tmp_path / "short", max_len=96)
+    data = _zarr(tmp_path / "z.zarr", np.random.default_rng(0).integers(0, 1000, size=(2, 50)))
+    with pytest.raises(ValueError, match=r"at least 96 tokens \(--length was not given: 96 is "
+                                         r"the checkpoint's max_position_embeddings\)"):  # fmt: skip
+        main(["per-token-loss", str(short), "--data", str(data), "--device", "cpu",
+              "--out", str(tmp_path / "o")])  # fmt: skip

@@ -256,15 +256,22 @@ def load_checkpoint(
     return model, tokenizer
 
 
-def model_max_length(model: torch.nn.Module, default: int | None = None) -> int | None:
-    """The model's context length: the first positive int of :data:`CONTEXT_LENGTH_KEYS` in
-    its config (``train_length`` before ``max_position_embeddings``), else ``default``."""
+def context_length_key(model: torch.nn.Module) -> str | None:
+    """The first key of :data:`CONTEXT_LENGTH_KEYS` whose value in the model's config is a
+    positive int (``train_length`` before ``max_position_embeddings``), else ``None``."""
     cfg = getattr(model, "config", None)
     for key in CONTEXT_LENGTH_KEYS:
         value = getattr(cfg, key, None)
         if isinstance(value, int) and value > 0:
-            return value
-    return default
+            return key
+    return None
+
+
+def model_max_length(model: torch.nn.Module, default: int | None = None) -> int | None:
+    """The model's context length: the config value :func:`context_length_key` names, else
+    ``default``."""
+    key = context_length_key(model)
+    return getattr(model.config, key) if key else default
 
 
 def position_table(model: torch.nn.Module) -> tuple[int, str] | None:

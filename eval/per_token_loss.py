@@ -33,13 +33,13 @@ import torch
 
 from .common import (
     CONTEXT_LENGTH_HELP,
-    CONTEXT_LENGTH_KEYS,
     add_run_arguments,
     check_out_shared,
     check_positions,
     check_token_ids,
     checkpoint_label,
     claim_results,
+    context_length_key,
     eot_id,
     length_option,
     load_checkpoint,
@@ -527,16 +527,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_run_arguments(p)
 
 
-def _length_key(model: torch.nn.Module) -> str:
-    """The config field :func:`model_max_length` read the context length from."""
-    cfg = getattr(model, "config", None)
-    for key in CONTEXT_LENGTH_KEYS:
-        value = getattr(cfg, key, None)
-        if isinstance(value, int) and value > 0:
-            return key
-    return "config"
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run ``per-token-loss``; returns the summary (``{}`` on torchrun ranks other than 0)."""
     rank, world = _dist_info()
@@ -569,7 +559,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         source = (
             ""
             if asked
-            else f" (--length was not given: {length} is the checkpoint's {_length_key(model)})"
+            else f" (--length was not given: {length} is the checkpoint's {context_length_key(model)})"
         )
         raise ValueError(
             f"no document in {args.data!r} has at least {length} tokens{source}; lower "

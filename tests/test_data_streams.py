@@ -742,3 +742,28 @@ def test_prepare_stopped_by_sigterm_leaves_no_temporary_folder(tmp_path) -> None
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130 and "was not replaced" in err, err[-2000:]
     assert _hidden(tmp_path) == [] and not out.exists()
+
+
+def test_signal_whose_raise_python_swallows_still_stops_prepare(tmp_path) -> None:
+    """A SIGTERM handled inside a ``__del__`` only prints its KeyboardInterrupt; the run stops
+    at the next document all the same, and nothing is written (CI saw such a run finish)."""
+    import os
+    import signal
+
+    from fot.data.prepare import _StopOnSignal, prepare
+
+    class SignalsInDel:
+        def __del__(self) -> None:
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler's raise is swallowed here
+
+    def docs():
+        for i in range(50):
+            if i == 3:
+                SignalsInDel()  # made and dropped at once: __del__ runs now
+            yield np.arange(1, 20, dtype=np.uint16)
+
+    out = tmp_path / "tok"
+    with pytest.raises(KeyboardInterrupt), _StopOnSignal() as stop:
+        prepare(stop.checked(docs()), out)
+    assert not out.exists() and _hidden(tmp_path) == []
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handlers are put back

@@ -437,8 +437,39 @@ def prepare(
     return stats
 
 
-def _raise_keyboard_interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
+class _StopOnSignal:
+    """SIGTERM and SIGINT stop the run as Ctrl-C does, even where Python swallows the raise.
+
+    The handler raises ``KeyboardInterrupt``; a raise that lands inside a ``__del__`` (the
+    tokenizer's regex objects have one) is only printed by Python and the run goes on, so
+    :meth:`checked` raises it again at the next document once a signal has come.
+    """
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> _StopOnSignal:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        self.signum = signum
+        raise KeyboardInterrupt
+
+    def checked(self, docs: Iterator[np.ndarray]) -> Iterator[np.ndarray]:
+        """``docs``, raising ``KeyboardInterrupt`` before each item once a signal has come."""
+        for d in docs:
+            if self.signum is not None:
+                raise KeyboardInterrupt
+            yield d
+        if self.signum is not None:
+            raise KeyboardInterrupt
 
 
 def _positive_int(text: str) -> int:
@@ -516,15 +547,16 @@ def main(argv: list[str] | None = None) -> int:
         texts = iter_texts(args.inputs, glob=args.glob or ["*.txt"], text_field=args.text_field)
         source = ",".join(args.inputs)
     # `timeout`, Slurm and Docker stop with SIGTERM: clean up as for Ctrl-C (no temp folders).
-    previous = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    stop = _StopOnSignal()
     try:
-        stats = prepare(
-            tokenize(texts, max_docs=args.max_docs),
-            args.out,
-            heldout_every=args.heldout_every,
-            heldout_out=args.heldout_out,
-            source=source,
-        )
+        with stop:
+            stats = prepare(
+                stop.checked(tokenize(texts, max_docs=args.max_docs)),
+                args.out,
+                heldout_every=args.heldout_every,
+                heldout_out=args.heldout_out,
+                source=source,
+            )
     except (FileNotFoundError, KeyError, ValueError) as err:
         print(f"error: {err.args[0] if isinstance(err, KeyError) else err}", file=sys.stderr)
         return 2
@@ -534,8 +566,6 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 130
-    finally:
-        signal.signal(signal.SIGTERM, previous)
     print(json.dumps({"out": str(args.out), **stats}))
     return 0
 

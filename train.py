@@ -27,6 +27,8 @@ from fot.training.config import (
     unknown_group_option,
     unknown_override_key,
 )
+from fot.training.signals import EXIT_STATUS as SIGTERM_EXIT_STATUS
+from fot.training.signals import TrainingStopped
 
 register_configs()
 
@@ -34,14 +36,19 @@ register_configs()
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")
 def main(cfg: DictConfig) -> None:
     """Refuse one fixed out_dir for every job of a multirun, then train; errors that name the
-    bad input and the fix print as one line (exit status 2), without a traceback, and Ctrl-C
-    says how to resume (exit status 130)."""
+    bad input and the fix print as one line (exit status 2), without a traceback, Ctrl-C
+    says how to resume (exit status 130), and so does a stop on SIGTERM after its checkpoint
+    (exit status 143)."""
     hydra_cfg = HydraConfig.get()
     try:
         check_multirun_out_dir(cfg, multirun=hydra_cfg.mode == RunMode.MULTIRUN)
         if cfg.out_dir is None:
             cfg.out_dir = hydra_cfg.runtime.output_dir
         train(cfg)
+    except TrainingStopped as stopped:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"\ntrain.py: {stopped}", file=sys.stderr)
+        sys.exit(SIGTERM_EXIT_STATUS)
     except KeyboardInterrupt:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise

@@ -1258,3 +1258,91 @@ def test_tokens_per_s_leaves_out_validation_but_not_the_steps_before_it(
     by_step = {r["step"]: r for r in recs if "loss" in r}
     wall = by_step[8]["elapsed_s"] - by_step[4]["elapsed_s"] - spent[0]
     assert by_step[8]["tokens_per_s"] == pytest.approx(4 * 256 / wall, rel=0.1)
+
+
+def test_sigterm_checkpoints_the_step_and_resume_is_bit_identical(tmp_path, reference_run) -> None:
+    """Slurm, `timeout`, Docker and torchrun stop with SIGTERM: train.py finishes the step it is
+    in, checkpoints it, says how to resume and exits with status 143; nothing is lost."""
+    import signal
+
+    out = tmp_path / "run"
+    proc = _run_script(
+        [sys.executable, str(ROOT / "train.py"), *SMALL, f"out_dir={out}", f"hydra.run.dir={out}"],
+        env_extra={FAULT_ENV: "sigterm_after_step:4"},  # SIGTERM while in step 5
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr[-3000:]
+    ckpt = out / "checkpoints" / "step_00000005"  # not a step of ckpt_every_tokens (2, 4, 6)
+    assert list_checkpoints(out / "checkpoints")[-1] == ckpt
+    assert "Traceback" not in proc.stderr
+    assert (
+        f"train.py: stopped by SIGTERM after step 5; its checkpoint is {ckpt}: add out_dir={out} "
+        "to the same command to continue from it (resume=auto)" in proc.stderr
+    )
+    assert max(_losses(out)) == 5 and not (out / "final.json").exists()
+    train(_cfg(out))  # resume=auto picks step 5
+    assert _losses(out) == reference_run  # exact float equality, every step
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # put back after the loop
+
+
+def test_sigterm_off_dies_at_once_and_in_the_last_step_the_run_finishes_on_resume(
+    tmp_path, reference_run
+) -> None:
+    import signal
+
+    out = tmp_path / "off"
+    args = [
+        sys.executable,
+        str(ROOT / "train.py"),
+        *SMALL,
+        f"out_dir={out}",
+        f"hydra.run.dir={out}",
+    ]
+    proc = _run_script(
+        [*args, "checkpoint_on_sigterm=false"],
+        env_extra={FAULT_ENV: "sigterm_after_step:5"},
+        cwd=tmp_path,
+    )
+    assert proc.returncode == -signal.SIGTERM, proc.stderr[-3000:]
+    assert list_checkpoints(out / "checkpoints")[-1].name == "step_00000004"
+    # stopped in its last step: the final checkpoint is that step's, and resuming finishes
+    out = tmp_path / "last"
+    args = [
+        sys.executable,
+        str(ROOT / "train.py"),
+        *SMALL,
+        f"out_dir={out}",
+        f"hydra.run.dir={out}",
+    ]
+    proc = _run_script(args, env_extra={FAULT_ENV: "sigterm_after_step:7"}, cwd=tmp_path)
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr[-3000:]
+    assert list_checkpoints(out / "checkpoints")[-1].name == "step_00000008"
+    assert not (out / "final.json").exists()
+    result = train(_cfg(out))
+    assert result["step"] == 8 and "val/loss" in result and (out / "final.json").exists()
+    assert _losses(out) == reference_run
+
+
+def test_sigterm_on_one_rank_stops_every_rank_after_the_same_step(
+    tmp_path, one_process_run
+) -> None:
+    """DDP over gloo, SIGTERM to rank 1 only (during step 2): the ranks agree, both checkpoint
+    step 2, and the resumed run ends with the losses of the uninterrupted one-process run."""
+    single, _ = one_process_run
+    multi = tmp_path / "ddp"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "train.py"), *SMALL, *_COMMON, "parallel=ddp", f"out_dir={multi}",
+           f"hydra.run.dir={multi}"]  # fmt: skip
+    env = {"OMP_NUM_THREADS": "1"}
+    proc = _run_script(cmd, env_extra={**env, FAULT_ENV: "sigterm_after_step:1:1"}, cwd=tmp_path)
+    assert proc.returncode != 0, proc.stderr[-3000:]
+    ckpt = multi / "checkpoints" / "step_00000002"
+    assert list_checkpoints(multi / "checkpoints") == [ckpt], proc.stderr[-3000:]
+    assert f"stopped by SIGTERM after step 2; its checkpoint is {ckpt}" in proc.stderr
+    assert "exitcode  : 143" in proc.stderr  # torchrun's report of the ranks' exit status
+    resumed = _run_script(cmd, env_extra=env, cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    l1, l2 = _losses(single), _losses(multi)
+    assert sorted(l2) == [1, 2, 3, 4]
+    assert l2 == pytest.approx(l1, rel=1e-5, abs=1e-5)
+    assert json.loads((multi / "run_info.json").read_text())[-1]["resumed_from"] == str(ckpt)

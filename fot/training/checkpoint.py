@@ -36,19 +36,24 @@ from fot.errors import FotError
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 ABANDONED_PREFIX = ".abandoned-"
 FAULT_ENV = "FOT_FAULT"
-"""Test hook: ``kill_after_step:N`` or ``kill_in_checkpoint:N`` SIGKILLs the process (rank 0)
-after optimizer step N, or halfway through writing the checkpoint of step N."""
+"""Test hook ``POINT:N`` (or ``POINT:N:RANK``, one rank only): ``kill_after_step:N`` or
+``kill_in_checkpoint:N`` SIGKILLs the process (rank 0) after optimizer step N, or halfway
+through writing the checkpoint of step N; ``sigterm_after_step:N`` sends it SIGTERM after
+step N (every rank, or RANK only)."""
 
 
 def _fault(point: str, step: int) -> None:
     spec = os.environ.get(FAULT_ENV)
     if not spec:
         return
-    name, _, n = spec.partition(":")
-    if name == point and int(n) == step:
-        import signal
+    name, n, *rank = spec.split(":")
+    if name != point or int(n) != step:
+        return
+    if rank and int(rank[0]) != int(os.environ.get("RANK", "0")):
+        return
+    import signal
 
-        os.kill(os.getpid(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGTERM if point.startswith("sigterm") else signal.SIGKILL)
 
 
 def _dist() -> bool:

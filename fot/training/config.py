@@ -191,6 +191,11 @@ class TrainConfig:
     """Write an HF folder (weights, config, tokenizer) to ``<out_dir>/hf`` at the end."""
     progress: bool = True
     """tqdm progress bar on rank 0."""
+    checkpoint_on_sigterm: bool = True
+    """On SIGTERM (Slurm's time limit or ``--signal=TERM@<seconds>``, ``timeout``, Docker,
+    Kubernetes, torchrun passing its own on), finish the current step, checkpoint it on every
+    rank and exit with status 143 (see :mod:`fot.training.signals`); false: die at once, as
+    Python does by default, losing the steps since the last checkpoint."""
     gc_every_steps: int = 50
     """Python's automatic garbage collection is off during training: a quick collection of
     the young generations runs every this many steps, and a full one at each validation and

@@ -52,6 +52,7 @@ from fot.training.parallel import (
     unwrap,
 )
 from fot.training.profiling import StepProfiler
+from fot.training.signals import StopOnSigterm, TrainingStopped
 
 logger = logging.getLogger("fot.train")
 
@@ -510,6 +511,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             step (number, tokens, LR) and the step where it was found. No checkpoint is written.
         TrainingOutOfMemoryError: the GPU ran out of memory in a step or in validation; the
             message names the settings that need less memory.
+        TrainingStopped: SIGTERM came during the training steps (``checkpoint_on_sigterm``):
+            every rank finished the step it was in and checkpointed it (a validation due at that
+            step is skipped); ``resume=auto`` goes on from it as if uninterrupted.
         ValueError / FileNotFoundError: bad sizes, options or missing data (with the fix).
     """
     for warning in check_config(cfg):
@@ -829,123 +833,141 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
         graphed = GraphedStep(run_step, optimizer, device=info.device)
 
     gc_every = int(cfg.gc_every_steps)  # train() turned automatic GC off when this is > 0
-    while step < total_steps:
-        if gc_every and step % gc_every == 0:
-            gc.collect(1)  # the young generations only: milliseconds
-        profiler.step_begin()
-        batches = stream.next_step()
-        check_token_ids(batches, vocab_size, what="training data")
-        n_micro = [b.num_label_tokens() for b in batches]  # host ints: batches are on the CPU
-        n_local = sum(n_micro)
-        # what the step computes: with varlen packing attention stops at document boundaries
-        flops_local = sum(flop_counter.of_batch(b) for b in batches)
-        n_global: int | torch.Tensor = n_local
-        flops_global: float | torch.Tensor = flops_local
-        if info.world_size > 1:
-            # all-reduced on the device and left there; filling needs no host copy (a copy
-            # from the host would wait for the GPU)
-            both = torch.full((2,), n_local, **f64)
-            both[1:].fill_(flops_local)
-            n_global, flops_global = all_reduce_sum(both).unbind()
-        lr = lr_at(
-            tokens + gbt, peak_lr=cfg.optim.lr, total_tokens=total_steps * gbt, cfg=cfg.schedule
-        )
-        set_lr(optimizer, lr)
-        # weight each micro batch by its share of the global label tokens; DDP/FSDP average
-        # gradients over ranks, hence the world size
-        if isinstance(n_global, torch.Tensor):
-            scales = [(n_b * info.world_size / n_global.clamp(min=1)).float() for n_b in n_micro]
-        else:
-            scales = [n_b * info.world_size / max(n_global, 1) for n_b in n_micro]
-        try:
-            if graphed is not None:
-                loss_sum, norm = graphed(batches, n_micro, scales)
-            else:
-                loss_sum, norm = run_step([b.to(info.device) for b in batches], n_micro, scales)
-        except torch.OutOfMemoryError as err:
-            raise _out_of_memory_error(
-                err, cfg, phase="training", step=step + 1, strategy=strategy, device=info.device
-            ) from err
-        grad_norm = norm.detach().double()
-        # remember the first non-finite step on the device; `fetch` raises on it
-        first = torch.stack(
-            [torch.full((), step + 1, **f64), loss_sum / _clamp1(n_global), grad_norm]
-        )
-        bad = ~(torch.isfinite(loss_sum) & torch.isfinite(grad_norm)) & (diverged[0] == 0)
-        diverged = torch.where(bad, first, diverged)
-        optimizer.zero_grad(set_to_none=True)
-        prev_tokens = tokens
-        step += 1
-        tokens += gbt
-        window_loss += loss_sum
-        window_tokens = window_tokens + n_global
-        window_flops = window_flops + flops_global
-        window_steps += 1
-
-        do_log = _crossed(prev_tokens, tokens, int(cfg.log_every_tokens)) or step == total_steps
-        do_val = (
-            val_source is not None
-            and _crossed(prev_tokens, tokens, int(cfg.val_every_tokens))
-            and step < total_steps
-        )
-        do_ckpt = _crossed(prev_tokens, tokens, int(cfg.ckpt_every_tokens)) and step < total_steps
-        if do_log or do_val or do_ckpt:
-            # the only sync; it also makes sure no checkpoint or validation sees NaN weights
-            loss_total, n_tokens, last_norm, flops_total = fetch()
-        if gc_every and (do_val or do_ckpt):
-            gc.collect()  # a full collection where every rank stops anyway: no straggler
-        if do_log:
-            dt = max(time.time() - t_window, 1e-9)
-            tps = window_steps * gbt / dt
-            last_record = {
-                "step": step,
-                "tokens": tokens,
-                "loss": loss_total / max(n_tokens, 1),
-                "lr": lr,
-                "grad_norm": last_norm,
-                "tokens_per_s": tps,
-                "tokens_per_s_per_device": tps / info.world_size,
-                "mfu": flops_total / dt / (peak * info.world_size) if peak else None,
-                "peak_mem_gib": peak_memory_gib(info.device),
-                "elapsed_s": time.time() - t_start,
-            }
-            metrics.log(last_record)
-            bar.set_postfix(loss=f"{last_record['loss']:.4f}", tok_s=f"{tps:,.0f}", refresh=False)
-            window_loss = torch.zeros((), **f64)
-            window_tokens, window_flops, window_steps = 0, 0.0, 0
-            t_window = time.time()
-        bar.update(1)
-        done = profiler.step_end()
-        if done is not None and info.is_main:
-            logger.info(
-                "profile of steps %d-%d written to %s: %.1f ms per step%s",
-                done["first_step"] + 1,
-                done["first_step"] + done["steps"],
-                out_dir / "profile",
-                done["wall_ms_per_step"],
-                (
-                    f", GPU idle {done['timeline']['idle_ms_per_step']:.1f} ms, exposed "
-                    f"communication {done['comm']['exposed_comm_ms']:.1f} ms"
-                    if "comm" in done
-                    else ""
-                ),
+    # SIGTERM only sets a flag; after each step the ranks agree on it and stop with a checkpoint
+    sigterm = StopOnSigterm(info.world_size) if cfg.checkpoint_on_sigterm else None
+    with sigterm or contextlib.nullcontext():
+        while step < total_steps:
+            if gc_every and step % gc_every == 0:
+                gc.collect(1)  # the young generations only: milliseconds
+            profiler.step_begin()
+            batches = stream.next_step()
+            check_token_ids(batches, vocab_size, what="training data")
+            n_micro = [b.num_label_tokens() for b in batches]  # host ints: batches are on the CPU
+            n_local = sum(n_micro)
+            # what the step computes: with varlen packing attention stops at document boundaries
+            flops_local = sum(flop_counter.of_batch(b) for b in batches)
+            n_global: int | torch.Tensor = n_local
+            flops_global: float | torch.Tensor = flops_local
+            if info.world_size > 1:
+                # all-reduced on the device and left there; filling needs no host copy (a copy
+                # from the host would wait for the GPU)
+                both = torch.full((2,), n_local, **f64)
+                both[1:].fill_(flops_local)
+                n_global, flops_global = all_reduce_sum(both).unbind()
+            lr = lr_at(
+                tokens + gbt, peak_lr=cfg.optim.lr, total_tokens=total_steps * gbt, cfg=cfg.schedule
             )
+            set_lr(optimizer, lr)
+            # weight each micro batch by its share of the global label tokens; DDP/FSDP average
+            # gradients over ranks, hence the world size
+            if isinstance(n_global, torch.Tensor):
+                scales = [
+                    (n_b * info.world_size / n_global.clamp(min=1)).float() for n_b in n_micro
+                ]
+            else:
+                scales = [n_b * info.world_size / max(n_global, 1) for n_b in n_micro]
+            try:
+                if graphed is not None:
+                    loss_sum, norm = graphed(batches, n_micro, scales)
+                else:
+                    loss_sum, norm = run_step([b.to(info.device) for b in batches], n_micro, scales)
+            except torch.OutOfMemoryError as err:
+                raise _out_of_memory_error(
+                    err, cfg, phase="training", step=step + 1, strategy=strategy, device=info.device
+                ) from err
+            grad_norm = norm.detach().double()
+            # remember the first non-finite step on the device; `fetch` raises on it
+            first = torch.stack(
+                [torch.full((), step + 1, **f64), loss_sum / _clamp1(n_global), grad_norm]
+            )
+            bad = ~(torch.isfinite(loss_sum) & torch.isfinite(grad_norm)) & (diverged[0] == 0)
+            diverged = torch.where(bad, first, diverged)
+            optimizer.zero_grad(set_to_none=True)
+            prev_tokens = tokens
+            step += 1
+            tokens += gbt
+            window_loss += loss_sum
+            window_tokens = window_tokens + n_global
+            window_flops = window_flops + flops_global
+            window_steps += 1
 
-        # checkpoint and validation time is left out of the window's clock (its steps stay in)
-        t_pause = time.time()
-        if do_ckpt:
-            # before validating: a validation that fails (bad held-out data, out of memory)
-            # loses no training; a window that did not log at this step stays open across a
-            # resume
-            last_ckpt = save(step, (0.0, 0.0) if do_log else (loss_total, n_tokens))
-        if do_val:
-            val = validate()
-            if val:
-                metrics.log({"step": step, "tokens": tokens, **val})
-                bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in val.items()))
-        t_window += time.time() - t_pause
-        if info.is_main:
-            ckpt._fault("kill_after_step", step)
+            do_log = _crossed(prev_tokens, tokens, int(cfg.log_every_tokens)) or step == total_steps
+            do_val = (
+                val_source is not None
+                and _crossed(prev_tokens, tokens, int(cfg.val_every_tokens))
+                and step < total_steps
+            )
+            do_ckpt = (
+                _crossed(prev_tokens, tokens, int(cfg.ckpt_every_tokens)) and step < total_steps
+            )
+            stop = sigterm is not None and sigterm.agreed()  # every rank, after every step
+            if stop:
+                do_val, do_ckpt = False, True  # checkpoint this step and end; no validation
+            if do_log or do_val or do_ckpt:
+                # the only sync; it also makes sure no checkpoint or validation sees NaN weights
+                loss_total, n_tokens, last_norm, flops_total = fetch()
+            if gc_every and (do_val or do_ckpt):
+                gc.collect()  # a full collection where every rank stops anyway: no straggler
+            if do_log:
+                dt = max(time.time() - t_window, 1e-9)
+                tps = window_steps * gbt / dt
+                last_record = {
+                    "step": step,
+                    "tokens": tokens,
+                    "loss": loss_total / max(n_tokens, 1),
+                    "lr": lr,
+                    "grad_norm": last_norm,
+                    "tokens_per_s": tps,
+                    "tokens_per_s_per_device": tps / info.world_size,
+                    "mfu": flops_total / dt / (peak * info.world_size) if peak else None,
+                    "peak_mem_gib": peak_memory_gib(info.device),
+                    "elapsed_s": time.time() - t_start,
+                }
+                metrics.log(last_record)
+                bar.set_postfix(
+                    loss=f"{last_record['loss']:.4f}", tok_s=f"{tps:,.0f}", refresh=False
+                )
+                window_loss = torch.zeros((), **f64)
+                window_tokens, window_flops, window_steps = 0, 0.0, 0
+                t_window = time.time()
+            bar.update(1)
+            done = profiler.step_end()
+            if done is not None and info.is_main:
+                logger.info(
+                    "profile of steps %d-%d written to %s: %.1f ms per step%s",
+                    done["first_step"] + 1,
+                    done["first_step"] + done["steps"],
+                    out_dir / "profile",
+                    done["wall_ms_per_step"],
+                    (
+                        f", GPU idle {done['timeline']['idle_ms_per_step']:.1f} ms, exposed "
+                        f"communication {done['comm']['exposed_comm_ms']:.1f} ms"
+                        if "comm" in done
+                        else ""
+                    ),
+                )
+
+            # checkpoint and validation time is left out of the window's clock (its steps stay in)
+            t_pause = time.time()
+            if do_ckpt:
+                # before validating: a validation that fails (bad held-out data, out of memory)
+                # loses no training; a window that did not log at this step stays open across a
+                # resume
+                last_ckpt = save(step, (0.0, 0.0) if do_log else (loss_total, n_tokens))
+            if do_val:
+                val = validate()
+                if val:
+                    metrics.log({"step": step, "tokens": tokens, **val})
+                    bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in val.items()))
+            t_window += time.time() - t_pause
+            if stop:
+                bar.close()
+                metrics.close()
+                assert last_ckpt is not None  # saved above (do_ckpt)
+                raise TrainingStopped(step, last_ckpt, out_dir)
+            if info.is_main:
+                ckpt._fault("kill_after_step", step)
+            ckpt._fault("sigterm_after_step", step)
     bar.close()
 
     # ---- end: validation, checkpoint, export ---------------------------------------------

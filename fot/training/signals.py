@@ -1,0 +1,91 @@
+"""Stop a training run on SIGTERM with a checkpoint of the step it was in.
+
+Slurm (at the time limit, or earlier with ``#SBATCH --signal=TERM@120``), Kubernetes,
+Docker, ``timeout`` and torchrun (which passes its own SIGTERM on to every worker) ask a
+process to stop with SIGTERM and kill it some seconds later. By default Python dies at once
+and the steps since the last checkpoint are lost. With :class:`StopOnSigterm` installed the
+signal only sets a flag; the trainer asks :meth:`StopOnSigterm.agreed` after every step, and
+once it says yes every rank writes a checkpoint of that same step and the run ends with
+:class:`TrainingStopped` (``train.py`` then exits with status 143, as a process killed by
+SIGTERM does, and says how to resume). A second SIGTERM kills the process at once.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from pathlib import Path
+from types import FrameType
+
+import torch
+import torch.distributed as dist
+
+EXIT_STATUS = 128 + signal.SIGTERM
+"""``train.py``'s exit status after a stop on SIGTERM (that of a process SIGTERM killed)."""
+
+
+class TrainingStopped(Exception):
+    """The run stopped on SIGTERM after writing a checkpoint of its last step.
+
+    Attributes:
+        step: optimizer steps done.
+        checkpoint: the checkpoint folder of that step.
+    """
+
+    def __init__(self, step: int, checkpoint: Path, out_dir: Path) -> None:
+        self.step = step
+        self.checkpoint = checkpoint
+        self.out_dir = out_dir
+        super().__init__(
+            f"stopped by SIGTERM after step {step}; its checkpoint is {checkpoint}: add "
+            f"out_dir={out_dir} to the same command to continue from it (resume=auto)"
+        )
+
+
+class StopOnSigterm:
+    """A SIGTERM handler that asks the training loop to stop at the next step boundary.
+
+    Use as a context manager around the loop (the previous handler is put back on exit); call
+    :meth:`agreed` on every rank after every step. Outside the main thread (where Python cannot
+    install signal handlers), or where SIGTERM is ignored (``SIG_IGN``), it installs nothing
+    and this process's flag stays false.
+
+    Args:
+        world_size: processes in the run. With more than one, :meth:`agreed` takes the
+            maximum of every rank's flag over a gloo group (host memory, no GPU sync), so all
+            ranks stop after the same step even if the signal reached only some of them.
+    """
+
+    def __init__(self, world_size: int) -> None:
+        self.signalled = False
+        self._previous: signal.Handlers | object | None = None
+        self._installed = False
+        self._group: dist.ProcessGroup | None = None
+        self._collective = world_size > 1 and dist.is_initialized()
+        if self._collective and dist.get_backend() != "gloo":
+            self._group = dist.new_group(backend="gloo")  # collective: every rank makes it
+
+    def __enter__(self) -> StopOnSigterm:
+        main = threading.current_thread() is threading.main_thread()
+        if main and signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN:
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+            self._installed = True
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._installed:
+            signal.signal(signal.SIGTERM, self._previous)  # type: ignore[arg-type]
+            self._installed = False
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self.signalled = True
+        # a second SIGTERM is handled as without this class: the process ends at once
+        signal.signal(signal.SIGTERM, self._previous)  # type: ignore[arg-type]
+
+    def agreed(self) -> bool:
+        """Whether any rank has had SIGTERM; every rank must call this after the same step."""
+        if not self._collective:
+            return self.signalled
+        flag = torch.tensor([int(self.signalled)], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+        return bool(flag.item())

@@ -1114,6 +1114,32 @@ def test_resume_refuses_another_data_kind_and_warns_for_another_source(tmp_path,
     assert train(_cfg(out, "total_tokens=1024", *moved))["step"] == 4
     assert f"data.path={tmp_path / 'a'} (checkpoint) vs {tmp_path / 'moved'}" in caplog.text
     assert "checkpoint's position in the data stream" in caplog.text
+    assert "the training data changed" not in caplog.text  # moved, not changed
+
+
+def test_resume_on_rewritten_training_data_says_the_data_changed(tmp_path, caplog) -> None:
+    """A token folder rewritten under the same path (e.g. `fot.data.prepare` run again with more
+    documents) used to be read from the old run's position without a word: the checkpoint now
+    holds a digest of its last step's sequences, and resuming compares it with the data."""
+    from fot.data.tokens import write_token_documents
+
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(0, 50000, n, dtype=np.uint16) for n in (300, 200, 500, 400) * 4]
+    data = tmp_path / "tok"
+    write_token_documents(data, docs)
+    tokens = ["data=tokens", f"data.path={data}", "data.val_tokens=0"]
+    out = tmp_path / "run"
+    train(_cfg(out, "total_tokens=512", *tokens))
+    caplog.set_level(logging.WARNING, logger="fot.train")
+    train(_cfg(out, "total_tokens=768", *tokens))  # unchanged data: no warning
+    assert "the training data changed" not in caplog.text
+    write_token_documents(data, [docs[1], *docs])  # one document more, in front
+    assert train(_cfg(out, "total_tokens=1024", *tokens))["step"] == 4
+    ckpt = out / "checkpoints" / "step_00000003"
+    assert (
+        f"the training data changed since {ckpt} was written: the sequences of its last step "
+        f"(step 3) read now from data.kind=tokens, data.path={data} differ" in caplog.text
+    )
 
 
 def test_resume_takes_another_implementation_setting(tmp_path, reference_run, caplog) -> None:

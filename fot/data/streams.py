@@ -31,6 +31,7 @@ Conventions (GPT-2 ids; ``EOT_ID = 50256`` is ``<|endoftext|>``):
 from __future__ import annotations
 
 import bisect
+import hashlib
 import math
 import os
 from collections.abc import Callable, Iterator, Sequence
@@ -737,6 +738,19 @@ class SequenceStream:
             make_batch(inputs[a : a + m], labels[a : a + m], varlen=self.varlen)
             for a in range(0, local, m)
         ]
+
+    def last_step_digest(self) -> str | None:
+        """SHA-256 (hex) of the token ids of the last global batch, re-read from the source.
+
+        The same for any world size and micro-batch size. Recorded in checkpoints so that a
+        resumed run can tell whether the data at its position changed (e.g. a token folder
+        rewritten by ``fot.data.prepare``). ``None`` before the first step and for a sequential
+        source (HF datasets), which reads only onwards from where it is.
+        """
+        if self.source.sequential or self.position < self.global_batch_size:
+            return None
+        inputs, _ = self.source.read(self.position - self.global_batch_size, self.global_batch_size)
+        return hashlib.sha256(np.ascontiguousarray(inputs, dtype=np.int64).tobytes()).hexdigest()
 
     def state_dict(self) -> dict[str, Any]:
         """Position (sequences consumed) and the source's own state; the same on every rank."""

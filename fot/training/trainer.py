@@ -618,6 +618,21 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
         step, tokens, wandb_id = state["step"], state["tokens"], state.get("wandb_id")
         stream.load_state_dict(state["data"])
         saved_window = state.get("log_window") or {}
+        digest = state.get("data_digest")  # absent in checkpoints of older versions
+        if info.is_main and digest and stream.last_step_digest() not in (None, digest):
+            where = ", ".join(
+                f"data.{k}={cfg.data[k]}" for k in ("kind", "path") if cfg.data.get(k) is not None
+            )
+            logger.warning(
+                "the training data changed since %s was written: the sequences of its last step "
+                "(step %d) read now from %s differ from those it trained on. The run goes on at "
+                "the checkpoint's position in the data as it is now, so documents may be read "
+                "twice or skipped; to resume exactly, put back the data the run started with (or "
+                "start a new run: resume=never or another out_dir)",
+                resume_from,
+                step,
+                where,
+            )
     start_step = step
     if info.is_main:
         # checkpoints after the starting step are from an abandoned run: move them aside so
@@ -704,6 +719,8 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
                 "sizes": {"global_batch_tokens": gbt, "seq_len": T},
                 "wandb_id": metrics.wandb_id,
                 "log_window": {"loss_sum": float(window[0]), "label_tokens": int(window[1])},
+                # what the last step read, for a resumed run to check (rank 0 writes the state)
+                "data_digest": stream.last_step_digest() if info.is_main else None,
                 "config": resolved,
             },
             keep_last=int(cfg.keep_last),

@@ -196,3 +196,24 @@ def test_empty_task_data_file_is_named_before_the_model_loads(setup, tmp_path):
         main(["lm-eval", str(tmp_path / "no_ckpt"), "--tasks", twice, "--include-path",
               str(root / "tasks"), "--out", str(tmp_path / "o")])  # fmt: skip
     assert not (tmp_path / "o").exists()
+
+
+def test_tasks_all_in_the_include_path_skip_indexing_lm_evals_own(setup, tmp_path):
+    """Indexing lm-eval's ~15k built-in task files took ~14 s on every `lm-eval` run; tasks all
+    defined under --include-path now index that folder only. A task of the folder overrides a
+    built-in one of the same name (lm-eval's rule), so both indexes resolve it to that file."""
+    from fot.eval.lm_eval_adapter import _task_manager
+
+    root, _, _ = setup
+    own = _task_manager(str(root / "tasks"), ["fot_toy_mc", "fot_toy_rolling"])
+    assert set(own.all_tasks) == {"fot_toy_mc", "fot_toy_rolling"}
+    # a built-in task among them: the full index, with the folder's tasks on top
+    (tmp_path / "arc_easy.yaml").write_text(
+        (root / "tasks" / "fot_toy_mc.yaml").read_text().replace("fot_toy_mc", "arc_easy")
+    )
+    full = _task_manager(str(tmp_path), ["arc_easy", "hellaswag"])
+    assert "hellaswag" in full.all_tasks and len(full.all_tasks) > 1000
+    mine = _task_manager(str(tmp_path), ["arc_easy"])
+    assert mine.all_tasks == ["arc_easy"]
+    assert str(mine.task_index["arc_easy"].yaml_path) == str(full.task_index["arc_easy"].yaml_path)
+    assert str(full.task_index["arc_easy"].yaml_path) == str(tmp_path / "arc_easy.yaml")

@@ -221,7 +221,9 @@ def test_lm_eval_unknown_task_is_named_before_the_model_loads(tmp_path, monkeypa
     import fot.eval.lm_eval_adapter as adapter
 
     # lm-eval's own task index takes seconds to build: a stand-in that knows piqa only.
-    monkeypatch.setattr(adapter, "_task_manager", lambda _: SimpleNamespace(task_index={"piqa": 0}))
+    monkeypatch.setattr(
+        adapter, "_task_manager", lambda *_: SimpleNamespace(task_index={"piqa": 0})
+    )
     with pytest.raises(ValueError, match=r"knows no task \['nosuchtask'\].*--include-path"):
         main(["lm-eval", str(tmp_path / "missing"), "--tasks", "piqa,nosuchtask", "--out",
               str(tmp_path / "o")])  # fmt: skip

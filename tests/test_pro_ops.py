@@ -313,7 +313,8 @@ def test_equals_model_pytorch_composition(dtype) -> None:
 
 
 def tiny_pro(**overrides) -> torch.nn.Module:
-    """A tiny FoT (Pro) on the Triton attention backend, on DEVICE (vocabulary of 300)."""
+    """A one-layer tiny FoT (Pro) on the Triton attention backend, on DEVICE (vocabulary of
+    300); the embedding's gradient passes back through every fused op's input gradient."""
     from fot import presets
 
     cfg = presets.config(
@@ -323,6 +324,7 @@ def tiny_pro(**overrides) -> torch.nn.Module:
         bos_token_id=None,
         eos_token_id=None,
         attn_backend="triton",
+        num_hidden_layers=1,
         **overrides,
     )
     return presets.build_model(cfg).to(DEVICE)

@@ -391,7 +391,8 @@ def test_fla_baseline_num_items_and_packing_keys(device) -> None:
     """FLA's Triton kernels: on ``device`` (conftest: CUDA if there is one, else CPU under the
     interpreter); every tensor goes there, compiled kernels cannot read CPU tensors."""
     torch.manual_seed(0)
-    m = presets.build_model(presets.config("deltanet", "tiny", vocab_size=VOCAB)).to(device)
+    cfg = presets.config("deltanet", "tiny", vocab_size=VOCAB, num_hidden_layers=1)
+    m = presets.build_model(cfg).to(device)
     x, y = ids(1, 16).to(device), ids(1, 16, seed=3).to(device)
     y[0, :5] = -100
     mean = m(x, shift_labels=y).loss

@@ -10,7 +10,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -87,32 +89,50 @@ def main(argv: Sequence[str] | None = None) -> Any:
     return mod.run(args)
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the process is, so that it stops as on Ctrl-C."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise _Terminated
+
+
 def cli(argv: Sequence[str]) -> int:
     """Run :func:`main` for the command line; returns the process exit status.
 
     Errors that name the problem (:data:`fot.errors.USER_ERRORS`) print as one ``error:``
     message (status 2) and Ctrl-C prints how to resume (status 130), without a traceback
-    unless the environment variable ``FOT_EVAL_TRACEBACK`` is ``1``.
+    unless the environment variable ``FOT_EVAL_TRACEBACK`` is ``1``. SIGTERM (Slurm's time
+    limit, ``timeout``, torchrun passing its own on) stops as Ctrl-C does, so that what each
+    command saves on an interruption is saved (status 143).
     """
     show_traceback = os.environ.get("FOT_EVAL_TRACEBACK") == "1"
     command = next((a for a in argv if a in COMMANDS), "")
     prog = f"python -m fot.eval {command}".rstrip()
+    previous = None
+    main_thread = threading.current_thread() is threading.main_thread()
+    if main_thread and signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN:
+        previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         main(argv)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as err:
         if show_traceback:
             raise
+        terminated = isinstance(err, _Terminated)
         print(
-            f"\n{prog}: interrupted; finished items are saved in --out: rerun the same command "
-            "to resume",
+            f"\n{prog}: {'stopped by SIGTERM' if terminated else 'interrupted'}; finished items "
+            "are saved in --out: rerun the same command to resume",
             file=sys.stderr,
         )
-        return 130
+        return 128 + signal.SIGTERM if terminated else 130
     except USER_ERRORS as err:
         if show_traceback:
             raise
         print(error_line(prog, err, traceback_variable="FOT_EVAL_TRACEBACK"), file=sys.stderr)
         return 2
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     return 0
 
 

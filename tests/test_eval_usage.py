@@ -5,10 +5,13 @@ status. Each error must name the problem and the fix, and lose no results."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -88,6 +91,24 @@ def test_cli_user_errors_and_ctrl_c_print_a_message_not_a_traceback(tmp_path, mo
     monkeypatch.setattr(eval_main, "main", interrupted)
     assert cli(["needle", "x", "--out", "o"]) == 130
     assert "rerun the same command to resume" in capsys.readouterr().err
+
+    # SIGTERM (Slurm's time limit, `timeout`) stops as Ctrl-C does: the commands' own saving
+    # on KeyboardInterrupt runs (by default Python would die at once, skipping it)
+    saved = []
+
+    def terminated(argv):
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(10)
+        finally:
+            saved.append(True)
+
+    monkeypatch.setattr(eval_main, "main", terminated)
+    assert cli(["needle", "x", "--out", "o"]) == 128 + signal.SIGTERM
+    assert saved == [True]
+    err = capsys.readouterr().err
+    assert "needle: stopped by SIGTERM; finished items are saved in --out" in err
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # put back
 
 
 def test_missing_overlay_is_refused_before_the_evaluation(llama, tmp_path):

@@ -382,6 +382,36 @@ def test_bf16_load_keeps_forget_gate_projection_fp32(tmp_path) -> None:
     assert torch.isfinite(b(x, labels=x).loss)
 
 
+@pytest.mark.parametrize("model", ["fot_pro", "fot_llama_bias_only"])
+def test_offloaded_device_map_computes_what_the_plain_load_does(model: str, tmp_path) -> None:
+    # from_pretrained(device_map=...) with offloaded modules keeps their weights on the meta
+    # device except inside accelerate's hooks, which replace module.forward: the LM head read
+    # directly gave garbage logits, the final norm's and forget gate's fused paths raised.
+    # Oracle: the same checkpoint loaded without a device map.
+    pytest.importorskip("accelerate")
+    from transformers import AutoModelForCausalLM
+
+    tiny(model).save_pretrained(tmp_path / "ckpt")
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt").eval()
+    device_map = {
+        "model.embed_tokens": "cpu",
+        "model.layers.0": "cpu",
+        "model.layers.1": "disk",
+        "model.norm": "disk",
+        "lm_head": "disk",
+    }
+    offloaded = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "ckpt", device_map=device_map, offload_folder=tmp_path / "offload"
+    ).eval()
+    assert offloaded.lm_head.weight.device.type == "meta"  # really offloaded
+    x = ids(2, 11)
+    with torch.no_grad():
+        assert max_err(offloaded(x).logits, plain(x).logits) < TOL
+        assert abs(offloaded(x, labels=x).loss.item() - plain(x, labels=x).loss.item()) < 1e-5
+    kw = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0}
+    assert torch.equal(offloaded.generate(x, **kw), plain.generate(x, **kw))
+
+
 # ---------------------------------------------------------------------------------------
 # FLA baselines: the same contract (shift_labels keyword, num_items_in_batch, packing keys)
 # ---------------------------------------------------------------------------------------

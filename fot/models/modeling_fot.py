@@ -187,12 +187,18 @@ def _run_kernel(fn: Callable, *args, **kwargs) -> torch.Tensor:
 
 def hooked(module: nn.Module) -> bool:
     """Whether ``module`` carries forward or backward hooks of its own (which only calling
-    it runs: the fused paths that read its weights skip them)."""
+    it runs: the fused paths that read its weights skip them).
+
+    accelerate's hooks (``from_pretrained(device_map=...)``) count too: they replace
+    ``module.forward`` instead of registering a hook, and with offloading (``"cpu"`` /
+    ``"disk"`` entries in the device map) the module's weights are on the meta device except
+    while the module is called."""
     return bool(
         module._forward_hooks
         or module._forward_pre_hooks
         or module._backward_hooks
         or module._backward_pre_hooks
+        or getattr(module, "_hf_hook", None) is not None
     )
 
 

@@ -8,6 +8,12 @@ both of these work (with fot installed)::
     AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)  # without importing fot
     lm_eval --model hf --model_args pretrained=dir,trust_remote_code=True ...
 
+The first works for FoT and Transformer models; FLA baselines (``mamba2``, ``deltanet``, ...) are
+registered only by :func:`fot.models.fla_baselines.register_auto_classes` (``import fot`` does
+not import FLA), so load their folders with ``trust_remote_code=True`` or call it first:
+otherwise transformers asks to run the folder's code, or for ``mamba2`` loads its own,
+different ``Mamba2ForCausalLM``.
+
 Without ``import fot``, pass ``trust_remote_code=True`` to ``AutoTokenizer.from_pretrained(dir)``
 as well: transformers reads ``config.json`` (whose ``auto_map`` names the shims) before the
 tokenizer files, and otherwise stops to ask "Do you wish to run the custom code? [y/N]".

@@ -20,7 +20,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from fot.training import TrainingDivergedError, register_configs, train
+from fot.training import TrainingDivergedError, TrainingStopped, register_configs, train
 from fot.training.checkpoint import FAULT_ENV, list_checkpoints
 from fot.training.config import ScheduleConfig
 from fot.training.optim import lr_at, param_groups
@@ -1306,14 +1306,20 @@ def test_sigterm_checkpoints_the_step_and_resume_is_bit_identical(tmp_path, refe
         "to the same command to continue from it (resume=auto)" in proc.stderr
     )
     assert max(_losses(out)) == 5 and not (out / "final.json").exists()
-    train(_cfg(out))  # resume=auto picks step 5
-    assert _losses(out) == reference_run  # exact float equality, every step
+    # resumed (here in this process), and stopped again in its last step: the final checkpoint
+    # is that step's, and resuming once more finishes the run from the records it logged
+    with pytest.raises(TrainingStopped) as stopped, pytest.MonkeyPatch.context() as mp:
+        mp.setenv(FAULT_ENV, "sigterm_after_step:7")
+        train(_cfg(out))  # resume=auto picks step 5
+    assert stopped.value.step == 8 and stopped.value.checkpoint.name == "step_00000008"
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # put back after the loop
+    assert not (out / "final.json").exists()
+    result = train(_cfg(out))
+    assert result["step"] == 8 and "val/loss" in result and (out / "final.json").exists()
+    assert _losses(out) == reference_run  # exact float equality, every step
 
 
-def test_sigterm_off_dies_at_once_and_in_the_last_step_the_run_finishes_on_resume(
-    tmp_path, reference_run
-) -> None:
+def test_sigterm_off_dies_at_once(tmp_path) -> None:
     import signal
 
     out = tmp_path / "off"
@@ -1331,22 +1337,6 @@ def test_sigterm_off_dies_at_once_and_in_the_last_step_the_run_finishes_on_resum
     )
     assert proc.returncode == -signal.SIGTERM, proc.stderr[-3000:]
     assert list_checkpoints(out / "checkpoints")[-1].name == "step_00000004"
-    # stopped in its last step: the final checkpoint is that step's, and resuming finishes
-    out = tmp_path / "last"
-    args = [
-        sys.executable,
-        str(ROOT / "train.py"),
-        *SMALL,
-        f"out_dir={out}",
-        f"hydra.run.dir={out}",
-    ]
-    proc = _run_script(args, env_extra={FAULT_ENV: "sigterm_after_step:7"}, cwd=tmp_path)
-    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr[-3000:]
-    assert list_checkpoints(out / "checkpoints")[-1].name == "step_00000008"
-    assert not (out / "final.json").exists()
-    result = train(_cfg(out))
-    assert result["step"] == 8 and "val/loss" in result and (out / "final.json").exists()
-    assert _losses(out) == reference_run
 
 
 def test_sigterm_on_one_rank_stops_every_rank_after_the_same_step(

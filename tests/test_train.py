@@ -1362,3 +1362,18 @@ def test_sigterm_on_one_rank_stops_every_rank_after_the_same_step(
     assert sorted(l2) == [1, 2, 3, 4]
     assert l2 == pytest.approx(l1, rel=1e-5, abs=1e-5)
     assert json.loads((multi / "run_info.json").read_text())[-1]["resumed_from"] == str(ckpt)
+
+
+def test_a_second_sigterm_changes_nothing() -> None:
+    """A rank may get SIGTERM twice (the scheduler's and torchrun's): the second must not kill
+    it before the checkpoint (were it to, this test's own process would die)."""
+    import signal
+
+    from fot.training.signals import StopOnSigterm
+
+    with StopOnSigterm(world_size=1) as stop:
+        assert not stop.agreed()
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.agreed()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL

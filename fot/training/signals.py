@@ -7,7 +7,8 @@ and the steps since the last checkpoint are lost. With :class:`StopOnSigterm` in
 signal only sets a flag; the trainer asks :meth:`StopOnSigterm.agreed` after every step, and
 once it says yes every rank writes a checkpoint of that same step and the run ends with
 :class:`TrainingStopped` (``train.py`` then exits with status 143, as a process killed by
-SIGTERM does, and says how to resume). A second SIGTERM kills the process at once.
+SIGTERM does, and says how to resume). Further SIGTERMs change nothing: a rank may get two
+(e.g. the scheduler's and torchrun's). Ctrl-C (SIGINT) and SIGKILL still stop at once.
 """
 
 from __future__ import annotations
@@ -79,8 +80,6 @@ class StopOnSigterm:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         self.signalled = True
-        # a second SIGTERM is handled as without this class: the process ends at once
-        signal.signal(signal.SIGTERM, self._previous)  # type: ignore[arg-type]
 
     def agreed(self) -> bool:
         """Whether any rank has had SIGTERM; every rank must call this after the same step."""

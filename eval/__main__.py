@@ -94,6 +94,9 @@ class _Terminated(KeyboardInterrupt):
 
 
 def _raise_terminated(signum: int, frame: object) -> None:
+    # a second SIGTERM (a rank may get the scheduler's and torchrun's) must not cut into the
+    # saving that the first one starts
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise _Terminated
 
 

@@ -101,6 +101,7 @@ def test_cli_user_errors_and_ctrl_c_print_a_message_not_a_traceback(tmp_path, mo
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(10)
         finally:
+            os.kill(os.getpid(), signal.SIGTERM)  # a second one does not cut the saving short
             saved.append(True)
 
     monkeypatch.setattr(eval_main, "main", terminated)

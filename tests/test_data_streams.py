@@ -763,8 +763,14 @@ def test_signal_whose_raise_python_swallows_still_stops_prepare(tmp_path) -> Non
             yield np.arange(1, 20, dtype=np.uint16)
 
     out = tmp_path / "tok"
+    cleaned = []
     with pytest.raises(KeyboardInterrupt), _StopOnSignal() as stop:
-        prepare(stop.checked(docs()), out)
+        try:
+            prepare(stop.checked(docs()), out)
+        finally:  # a second signal does not cut into the clean-up
+            os.kill(os.getpid(), signal.SIGTERM)
+            cleaned.append(True)
+    assert cleaned == [True]
     assert not out.exists() and _hidden(tmp_path) == []
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handlers are put back
 

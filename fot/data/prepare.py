@@ -459,6 +459,8 @@ class _StopOnSignal:
             signal.signal(sig, handler)
 
     def _handle(self, signum: int, frame: object) -> None:
+        if self.signum is not None:
+            return  # a second signal must not cut into the clean-up that the first started
         self.signum = signum
         raise KeyboardInterrupt
 

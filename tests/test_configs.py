@@ -313,6 +313,7 @@ def test_mul_resolver_refuses_non_integers() -> None:
         ),
         (["peak_flops=-5"], "peak_flops=-5.0 must be > 0"),
         (["parallel.reduce_precision=bf8"], "parallel.reduce_precision='bf8' is not one of"),
+        (["wandb.mode=onlin"], r"wandb.mode='onlin' is not one of \['auto', 'online'"),
     ],
 )
 def test_check_config_refuses_bad_values_with_the_fix(

@@ -791,6 +791,9 @@ def test_bad_data_or_sizes_leave_no_run_folder(tmp_path) -> None:
     with pytest.raises(ValueError, match=r"cannot be split|multiple"):
         train(_cfg(out, "micro_batch_size=3"))
     assert not out.exists()
+    with pytest.raises(ValueError, match=r"wandb\.mode='onlin' is not one of"):
+        train(_cfg(out, "wandb.mode=onlin"))
+    assert not out.exists()
 
 
 def test_ddp_without_torchrun_leaves_no_run_folder(tmp_path) -> None:

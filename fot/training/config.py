@@ -342,7 +342,11 @@ def check_config(cfg: DictConfig) -> list[str]:
             f"peak_flops={cfg.peak_flops} must be > 0 (the device's peak FLOP/s for MFU, e.g. "
             "989e12 for an H100/H200 in bf16), or null to look it up"
         )
+    from fot.training.metrics import WANDB_MODES
     from fot.training.parallel import REDUCE_PRECISIONS
+
+    if cfg.wandb.mode not in WANDB_MODES:
+        raise ValueError(f"wandb.mode={cfg.wandb.mode!r} is not one of {list(WANDB_MODES)}")
 
     if cfg.parallel.reduce_precision not in REDUCE_PRECISIONS:
         raise ValueError(

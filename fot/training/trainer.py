@@ -591,6 +591,23 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
                 )
             return json.loads(final.read_text())
 
+    # before the model, the run's records and wandb: a refused profile leaves none of them
+    steps_left = total_steps - (saved["step"] if resume_from is not None else 0)
+    prof_cfg = cfg.profile
+    profiler = StepProfiler(  # checks that both counts are >= 0
+        steps=int(prof_cfg.steps),
+        start_step=int(prof_cfg.start_step),
+        out_dir=out_dir,
+        rank=info.rank,
+        device=info.device,
+        trace=bool(prof_cfg.trace),
+    )
+    if prof_cfg.steps and prof_cfg.start_step + prof_cfg.steps > steps_left:
+        raise ValueError(
+            f"profile.start_step + profile.steps = {prof_cfg.start_step + prof_cfg.steps} but "
+            f"this run has {steps_left} steps left: lower them or raise total_tokens"
+        )
+
     # ---- model and optimizer -------------------------------------------------------------
     from fot import presets
 
@@ -689,20 +706,6 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
         )
     if info.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(info.device)
-    prof_cfg = cfg.profile
-    profiler = StepProfiler(  # checks that both counts are >= 0
-        steps=int(prof_cfg.steps),
-        start_step=int(prof_cfg.start_step),
-        out_dir=out_dir,
-        rank=info.rank,
-        device=info.device,
-        trace=bool(prof_cfg.trace),
-    )
-    if prof_cfg.steps and prof_cfg.start_step + prof_cfg.steps > total_steps - step:
-        raise ValueError(
-            f"profile.start_step + profile.steps = {prof_cfg.start_step + prof_cfg.steps} but "
-            f"this run has {total_steps - step} steps left: lower them or raise total_tokens"
-        )
 
     def save(at_step: int, window: tuple[float, float] = (0.0, 0.0)) -> Path:
         """Checkpoint at ``at_step``; ``window``: the (loss sum, label tokens) of the logging

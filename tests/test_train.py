@@ -933,6 +933,25 @@ def test_mfu_counts_the_attention_each_step_computes(tmp_path) -> None:
     assert len([r for r in records["varlen"] if "mfu" in r]) == 8
 
 
+@pytest.mark.parametrize(
+    ("name", "peak"),
+    [
+        # NVIDIA's datasheets give bf16 tensor-core FLOP/s with sparsity; dense is half
+        ("NVIDIA H100 80GB HBM3", 1979e12 / 2),
+        ("NVIDIA H100 PCIe", 1513e12 / 2),
+        ("NVIDIA H100 NVL", 1671e12 / 2),
+        ("NVIDIA H800 PCIe", 1513e12 / 2),
+        ("NVIDIA A100-SXM4-80GB", 624e12 / 2),
+    ],
+)
+def test_peak_flops_of_the_card_the_name_says(monkeypatch, name: str, peak: float) -> None:
+    """MFU's peak is the card's own: an H100 PCIe or NVL is no H100 SXM."""
+    from fot.training.metrics import peak_flops_per_device
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    assert peak_flops_per_device(torch.device("cuda", 0)) == pytest.approx(peak, rel=2e-3)
+
+
 @pytest.mark.parametrize(("mode", "offers_offline"), [("online", True), ("offline", False)])
 def test_wandb_that_cannot_start_warns_with_the_ways_out(
     tmp_path, monkeypatch, mode, offers_offline

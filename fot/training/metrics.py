@@ -26,8 +26,12 @@ logger = logging.getLogger("fot.train")
 
 WANDB_MODES = ("auto", "online", "offline", "disabled")
 
-# Dense bf16 peak FLOP/s per device (no sparsity), by substring of the device name.
+# Dense bf16 peak FLOP/s per device (no sparsity), by substring of the device name; the first
+# match counts, so the PCIe and NVL cards come before the SXM ones whose names they contain.
 _PEAK_FLOPS = {
+    "H100 PCIe": 756e12,
+    "H100 NVL": 835e12,
+    "H800 PCIe": 756e12,
     "H200": 989e12,
     "H100": 989e12,
     "H800": 989e12,

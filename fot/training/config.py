@@ -345,6 +345,10 @@ def check_config(cfg: DictConfig) -> list[str]:
     from fot.training.metrics import WANDB_MODES
     from fot.training.parallel import REDUCE_PRECISIONS
 
+    if cfg.parallel.backend not in ("auto", "nccl", "gloo"):  # (else checked under torchrun only)
+        raise ValueError(
+            f"parallel.backend={cfg.parallel.backend!r} is not one of ['auto', 'nccl', 'gloo']"
+        )
     if cfg.wandb.mode not in WANDB_MODES:
         raise ValueError(f"wandb.mode={cfg.wandb.mode!r} is not one of {list(WANDB_MODES)}")
 

@@ -314,6 +314,7 @@ def test_mul_resolver_refuses_non_integers() -> None:
         (["peak_flops=-5"], "peak_flops=-5.0 must be > 0"),
         (["parallel.reduce_precision=bf8"], "parallel.reduce_precision='bf8' is not one of"),
         (["parallel.backend=ncl"], r"parallel.backend='ncl' is not one of \['auto', 'nccl'"),
+        (["parallel.backend=nccl", "device=cpu"], r"nccl needs CUDA GPUs.*parallel.backend=gloo"),
         (["wandb.mode=onlin"], r"wandb.mode='onlin' is not one of \['auto', 'online'"),
     ],
 )

@@ -349,6 +349,15 @@ def check_config(cfg: DictConfig) -> list[str]:
         raise ValueError(
             f"parallel.backend={cfg.parallel.backend!r} is not one of ['auto', 'nccl', 'gloo']"
         )
+    if cfg.parallel.backend == "nccl":
+        import torch
+
+        if device == "cpu" or not torch.cuda.is_available():  # else a RuntimeError from c10d
+            raise ValueError(
+                f"parallel.backend=nccl needs CUDA GPUs, but this run is on the CPU "
+                f"(device={device}): use parallel.backend=gloo (or auto: nccl on CUDA, gloo on "
+                "the CPU)"
+            )
     if cfg.wandb.mode not in WANDB_MODES:
         raise ValueError(f"wandb.mode={cfg.wandb.mode!r} is not one of {list(WANDB_MODES)}")
 

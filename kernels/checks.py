@@ -40,6 +40,12 @@ def check_inputs(
             raise TypeError(f"{name} must be a floating tensor, got dtype {t.dtype}")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not isinstance(log_fgate, torch.Tensor) or log_fgate.dtype != torch.float32:
+        got = log_fgate.dtype if isinstance(log_fgate, torch.Tensor) else type(log_fgate).__name__
+        raise TypeError(
+            f"log_fgate must be a float32 tensor, got {got}; compute the log-gate in fp32, "
+            "e.g. F.logsigmoid(gate_logits.float())"
+        )
     if not (q.device == k.device == v.device == log_fgate.device):
         raise ValueError(
             f"q, k, v, log_fgate must be on one device, got {q.device}, {k.device}, "
@@ -56,16 +62,15 @@ def check_inputs(
             "and head_dim must agree (only the number of heads may differ, for GQA)"
         )
     H = k.shape[2]
+    if H == 0 or D == 0:
+        raise ValueError(
+            f"q/k/v need at least one key/value head and head_dim >= 1 ([B, T, heads, "
+            f"head_dim]), got k of shape {tuple(k.shape)}"
+        )
     if HQ % H != 0:
         raise ValueError(
             f"query heads ({HQ}) must be a multiple of key/value heads ({H}) for grouped-query "
             "attention"
-        )
-    if not isinstance(log_fgate, torch.Tensor) or log_fgate.dtype != torch.float32:
-        got = log_fgate.dtype if isinstance(log_fgate, torch.Tensor) else type(log_fgate).__name__
-        raise TypeError(
-            f"log_fgate must be a float32 tensor, got {got}; compute the log-gate in fp32, "
-            "e.g. F.logsigmoid(gate_logits.float())"
         )
     if tuple(log_fgate.shape) != (B, T, HQ):
         raise ValueError(
@@ -79,6 +84,11 @@ def check_inputs(
             raise ValueError(
                 f"cu_seqlens (packed documents) needs batch size 1, got B={B}; pack the "
                 "documents along the time axis"
+            )
+        if not isinstance(cu_seqlens, torch.Tensor):
+            raise TypeError(
+                f"cu_seqlens must be a 1-D int32/int64 tensor, got {type(cu_seqlens).__name__}; "
+                "pass torch.tensor(boundaries, dtype=torch.int32)"
             )
         if cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
             raise ValueError(

@@ -316,6 +316,38 @@ def test_bad_inputs_raise_clear_errors(over, kw, exc, match):
         run_kernel(args["q"], args["k"], args["v"], args["log_fgate"], **kw)
 
 
+@pytest.mark.parametrize("fn", [forgetting_attention, forgetting_attention_reference])
+@pytest.mark.parametrize(
+    ("over", "kw", "exc", "match"),
+    [
+        (
+            {"k": torch.randn(1, 8, 0, 32), "v": torch.randn(1, 8, 0, 32)},
+            {},
+            ValueError,
+            "one key/value head",
+        ),
+        (
+            {
+                "q": torch.randn(1, 8, 2, 0),
+                "k": torch.randn(1, 8, 1, 0),
+                "v": torch.randn(1, 8, 1, 0),
+            },
+            {},
+            ValueError,
+            r"head_dim >= 1",
+        ),
+        ({"log_fgate": [0.0] * 8}, {}, TypeError, "log_fgate must be a float32 tensor"),
+        ({}, {"cu_seqlens": [0, 8]}, TypeError, "cu_seqlens must be a 1-D int32/int64 tensor"),
+    ],
+)
+def test_degenerate_shapes_and_non_tensors_raise_clear_errors(fn, over, kw, exc, match):
+    """Zero kv heads or a zero head_dim, and a list where a tensor goes, get a one-line error
+    from the kernel and the reference (they raised ZeroDivisionError / AttributeError)."""
+    args = _ok(**over)
+    with pytest.raises(exc, match=match):
+        fn(args["q"], args["k"], args["v"], args["log_fgate"], **kw)
+
+
 def test_varlen_needs_batch_one():
     q, k, v, log_f = make_inputs(2, 8, 2, 1, 32)
     with pytest.raises(ValueError, match="batch size 1"):

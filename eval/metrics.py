@@ -2,8 +2,9 @@
 
 * :func:`qa_f1` -- token-level F1 after SQuAD-style normalisation (lower case, no punctuation,
   no articles, single spaces).
-* :func:`rouge_l` -- ROUGE-L F-measure (``rouge-score`` package; LongBench uses the ``rouge``
-  package, whose tokenisation differs slightly: scores agree to within about a point).
+* :func:`rouge_l` -- ROUGE-L F-measure as LongBench computes it (through the ``rouge``
+  package): summary-level ROUGE-L over sentences split at ".", words split at spaces with
+  case and other punctuation kept, and distinct words counted (see :func:`rouge_l`).
 * :func:`classification_score` -- which class names appear in the prediction; a class that is
   a strict substring of the true class does not count; score ``1 / #matches`` if the true
   class is among the matches.
@@ -47,14 +48,59 @@ def qa_f1(prediction: str, reference: str, **_: object) -> float:
     return token_f1(normalize_answer(prediction).split(), normalize_answer(reference).split())
 
 
-def rouge_l(prediction: str, reference: str, **_: object) -> float:
-    """ROUGE-L F-measure in [0, 1] (0 for an empty prediction or reference)."""
-    from rouge_score import rouge_scorer
+def _rouge_sentences(text: str) -> list[list[str]]:
+    """Sentences of ``text`` as word lists, split the way LongBench's ROUGE splits them.
 
-    if not prediction.strip() or not reference.strip():
+    Pieces between "." that are not empty, whitespace runs collapsed to one space, words split
+    at single spaces (a blank piece is thus one empty word). No lower-casing.
+    """
+    return [" ".join(piece.split()).split(" ") for piece in text.split(".") if piece]
+
+
+def _lcs_words(ref: list[str], hyp: list[str]) -> set[str]:
+    """The words of one longest common subsequence of ``ref`` and ``hyp``.
+
+    Which LCS (when there are several) matters, since the words of several are united: walking
+    back from the ends, a match is taken, else the step that keeps the longer LCS, and on a tie
+    the step back in ``hyp`` (the choice of the ``rouge`` package that LongBench uses).
+    """
+    table = [[0] * (len(hyp) + 1) for _ in range(len(ref) + 1)]
+    for i, r in enumerate(ref, 1):
+        row, prev = table[i], table[i - 1]
+        for j, h in enumerate(hyp, 1):
+            row[j] = prev[j - 1] + 1 if r == h else max(prev[j], row[j - 1])
+    words = set()
+    i, j = len(ref), len(hyp)
+    while i and j:
+        if ref[i - 1] == hyp[j - 1]:
+            words.add(ref[i - 1])
+            i, j = i - 1, j - 1
+        elif table[i - 1][j] > table[i][j - 1]:
+            i -= 1
+        else:
+            j -= 1
+    return words
+
+
+def rouge_l(prediction: str, reference: str, **_: object) -> float:
+    """LongBench's ROUGE-L F-measure in [0, 1]: summary-level ROUGE-L of the ``rouge`` package.
+
+    Both texts are split into sentences at "." (:func:`_rouge_sentences`). The overlap is the
+    number of distinct words in the union of the LCSs of every (reference sentence, prediction
+    sentence) pair; precision and recall divide it by the number of distinct words of the
+    prediction and of the reference; ``F = 2 P R / (P + R + 1e-8)``. A text without a sentence
+    (empty, or only dots) scores 0, as LongBench scores the ``rouge`` package's error there.
+    """
+    hyp, ref = _rouge_sentences(prediction), _rouge_sentences(reference)
+    if not hyp or not ref:
         return 0.0
-    scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=False)
-    return float(scorer.score(reference, prediction)["rougeL"].fmeasure)
+    overlap: set[str] = set()
+    for r in ref:
+        for h in hyp:
+            overlap |= _lcs_words(r, h)
+    precision = len(overlap) / len({w for s in hyp for w in s})
+    recall = len(overlap) / len({w for s in ref for w in s})
+    return 2.0 * (precision * recall / (precision + recall + 1e-8))
 
 
 def classification_score(

@@ -36,11 +36,31 @@ def test_qa_f1_hand_computed():
 
 
 def test_rouge_l_hand_computed():
-    # LCS(the cat sat on the mat, the cat is on the mat) = 5 of 6 tokens each: F = 5/6
-    assert rouge_l("the cat sat on the mat", "the cat is on the mat") == pytest.approx(5 / 6)
-    # LCS(a b c d, b d) = 2: P = 2/4, R = 2/2, F = 2/3
-    assert rouge_l("a b c d", "b d") == pytest.approx(2 / 3)
+    """LongBench's ROUGE-L (the ``rouge`` package's summary-level ROUGE-L): sentences split at
+    ".", words at spaces, case kept; P and R count the distinct words of the union of the
+    LCSs of every (reference sentence, prediction sentence) pair over the distinct words of
+    each side; F = 2PR / (P + R + 1e-8)."""
+
+    def f(p, r):
+        return 2 * p * r / (p + r + 1e-8)
+
+    # LCS words {the, cat, on, mat} = 4; distinct words: pred 5, ref 5 -> P = R = 4/5
+    assert rouge_l("the cat sat on the mat", "the cat is on the mat") == pytest.approx(f(0.8, 0.8))
+    # case kept: "The" != "the"; pred has 6 distinct words (The, the), LCS "cat on the mat"
+    assert rouge_l("The cat sat on the mat.", "the cat is on the mat.") == pytest.approx(
+        f(4 / 6, 4 / 5)
+    )
+    # LCS(a b c d, b d) = 2: P = 2/4, R = 2/2
+    assert rouge_l("a b c d", "b d") == pytest.approx(f(0.5, 1.0))
+    # sentences in another order: each reference sentence is matched by one prediction sentence
+    assert rouge_l("Paris is nice. Paris is big.", "Paris is big. Paris is nice.") == (
+        pytest.approx(f(1.0, 1.0))
+    )
+    # punctuation other than "." stays on the word: "mat," != "mat"
+    assert rouge_l("cat, mat", "cat mat") == pytest.approx(f(1 / 2, 1 / 2))
     assert rouge_l("", "b d") == 0.0
+    assert rouge_l("...", "b d") == 0.0  # no sentence left: LongBench scores 0
+    assert rouge_l("b d", "") == 0.0
 
 
 def test_classification_hand_computed():

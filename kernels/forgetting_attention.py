@@ -431,6 +431,20 @@ class _ForgettingAttentionFn(torch.autograd.Function):
         return dq.to(dt), dk.to(dt), dv.to(dt), dlogf, None, None, None, None
 
 
+class _EmptyFn(torch.autograd.Function):
+    """An empty output that autograd goes through like any other (with empty gradients), so
+    that a loss over it can still call ``backward``; no kernel is launched."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, log_fgate):
+        ctx.save_for_backward(q, k, v, log_fgate)  # for the gradients' shapes and dtypes
+        return q.new_empty(q.shape)
+
+    @staticmethod
+    def backward(ctx, do):
+        return tuple(torch.zeros_like(t) for t in ctx.saved_tensors)
+
+
 def forgetting_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -525,8 +539,8 @@ def forgetting_attention(
                 "log_fgate must be finite and <= 0 (log of a gate in (0, 1]); got "
                 f"{int(bad.sum())} bad entries; use F.logsigmoid(gate_logits)"
             )
-    if T == 0 or B == 0:
-        return q.new_empty(q.shape)
+    if q.numel() == 0:  # B, T or HQ of 0 (head_dim >= 1 is checked above)
+        return _EmptyFn.apply(q, k, v, log_fgate)
     if scale is None:
         scale = 1.0 / math.sqrt(D)
     compute_dtype = None

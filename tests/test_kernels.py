@@ -420,6 +420,18 @@ def test_decode_gives_zero_for_a_query_with_no_key_and_nan_for_nan_input():
         torch.testing.assert_close(out[1:, 4:], alone)
 
 
+@pytest.mark.parametrize(("B", "T", "HQ"), [(1, 0, 2), (0, 5, 2), (1, 5, 0)])
+def test_kernel_of_an_empty_input_is_empty_and_differentiable(B, T, HQ):
+    """B, T or HQ of 0: an empty output that backward goes through like any other output,
+    with empty gradients for all four inputs (it had no grad_fn: backward raised)."""
+    q, k, v, log_f = make_inputs(B, T, HQ, 1, 16)
+    do = torch.randn(q.shape)
+    o, grads = kernel_and_grads(q, k, v, log_f, do)
+    assert o.shape == q.shape and o.dtype == q.dtype
+    for g, t in zip(grads, (q, k, v, log_f)):
+        assert g.shape == t.shape and g.dtype == t.dtype
+
+
 def test_reference_of_an_empty_sequence_is_empty():
     q, k, v, log_f = make_inputs(1, 0, 2, 1, 16)
     for kw in ({}, {"cu_seqlens": torch.tensor([0, 0])}):

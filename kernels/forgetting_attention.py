@@ -486,7 +486,8 @@ def forgetting_attention(
             function).
         stats: a :class:`PruneStats` to accumulate tile counts into (costs a host sync;
             leave ``None`` in training).
-        debug: validate ``cu_seqlens`` contents and ``log_fgate <= 0`` (host syncs).
+        debug: validate ``log_fgate <= 0`` and the contents of a ``cu_seqlens`` on the GPU
+            (host syncs; a ``cu_seqlens`` on the CPU is always checked).
 
     Returns:
         ``[B, T, HQ, D]`` in q's dtype. Differentiable in q, k, v and log_fgate. Saved for

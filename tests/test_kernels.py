@@ -348,6 +348,15 @@ def test_degenerate_shapes_and_non_tensors_raise_clear_errors(fn, over, kw, exc,
         fn(args["q"], args["k"], args["v"], args["log_fgate"], **kw)
 
 
+@pytest.mark.parametrize("cu", [[0, 5], [1, 8], [0, 5, 3, 8], [0, 9]])
+def test_malformed_cu_seqlens_on_the_cpu_is_refused_without_debug(cu):
+    """Boundaries on the CPU are checked without ``debug`` (no device sync is needed); they
+    gave a silently wrong result (the kernel attended across or past the bad boundaries)."""
+    q, k, v, log_f = on_device(*make_inputs(1, 8, 2, 1, 32))
+    with pytest.raises(ValueError, match="cu_seqlens must start at 0"):
+        forgetting_attention(q, k, v, log_f, cu_seqlens=torch.tensor(cu, dtype=torch.int32))
+
+
 def test_varlen_needs_batch_one():
     q, k, v, log_f = make_inputs(2, 8, 2, 1, 32)
     with pytest.raises(ValueError, match="batch size 1"):

@@ -197,6 +197,11 @@ def format_prompt(task: str, example: dict[str, Any]) -> str:
     )
 
 
+def prompt_fields(task: str) -> tuple[str, ...]:
+    """The example fields the task's prompt template reads (``context`` and/or ``input``)."""
+    return tuple(f for f in ("context", "input") if f"{{{f}}}" in TASKS[task].template)
+
+
 def truncate_middle(ids: list[int], max_length: int) -> list[int]:
     """Keep the first ``max_length // 2`` and last ``max_length - max_length // 2`` tokens."""
     if max_length < 2:
@@ -227,7 +232,11 @@ def score_example(task: str, prediction: str, example: dict[str, Any]) -> float:
 
 
 def read_jsonl(
-    path: Path, limit: int | None = None, *, needs_classes: bool = False
+    path: Path,
+    limit: int | None = None,
+    *,
+    needs_classes: bool = False,
+    text_fields: tuple[str, ...] = (),
 ) -> list[dict[str, Any]]:
     """Examples of one task file (first ``limit`` only if given).
 
@@ -236,10 +245,12 @@ def read_jsonl(
         limit: read only the first ``limit`` examples.
         needs_classes: the task is scored by classification (TREC): every row must list its
             class names in ``all_classes``.
+        text_fields: the fields the task's prompt is built from (``context``, ``input``):
+            every row must hold each as a string (it may be empty).
 
     Raises:
         ValueError: a line is not a JSON object, has no ``answers``, lacks ``all_classes``
-            where ``needs_classes``, or repeats another line's ``_id`` (results are keyed by
+            where ``needs_classes`` or a string in one of ``text_fields``, or repeats another line's ``_id`` (results are keyed by
             it); the message names the file and line. Also when the file holds no example.
     """
     rows = []
@@ -271,6 +282,13 @@ def read_jsonl(
                     f"{json.dumps(row.get('answers'))}); LongBench rows hold a list of reference "
                     "answer strings"
                 )
+            for name in text_fields:
+                if not isinstance(row.get(name), str):
+                    raise ValueError(
+                        f"{path}:{number} has no {name} text for the prompt ({name}: "
+                        f"{json.dumps(row.get(name))[:80]}); LongBench rows hold the strings "
+                        f"{' and '.join(text_fields)} (fields of this row: {sorted(row)})"
+                    )
             classes = row.get("all_classes")
             if needs_classes and not (
                 isinstance(classes, list) and classes and all(isinstance(c, str) for c in classes)
@@ -398,6 +416,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             data_dir / f"{t}.jsonl",
             args.limit,
             needs_classes=TASKS[t].metric == "classification",
+            text_fields=prompt_fields(t),
         )
         for t in tasks
     }

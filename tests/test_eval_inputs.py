@@ -213,6 +213,32 @@ def test_longbench_row_without_answers_names_file_and_line(tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.parametrize(
+    ("task", "row", "field"),
+    [
+        ("hotpotqa", {"question": "q", "context": "c"}, "input"),  # renamed field
+        ("gov_report", {"input": "", "contexts": ["c"]}, "context"),
+        ("qasper", {"input": "q", "context": ["c1", "c2"]}, "context"),  # not a string
+    ],
+)
+def test_longbench_row_without_its_prompt_text_names_file_line_and_field(
+    tmp_path, task, row, field
+):
+    """A row without the text its prompt is built from was read as an empty string: the
+    model was asked the question without the document (or the reverse) and scored."""
+    data = tmp_path / "lb"
+    data.mkdir()
+    good = {"_id": "t0", "input": "q", "context": "c", "answers": ["a"]}
+    (data / f"{task}.jsonl").write_text(
+        json.dumps(good) + "\n" + json.dumps({"_id": "t1", "answers": ["a"], **row}) + "\n"
+    )
+    out = tmp_path / "o"
+    with pytest.raises(ValueError, match=re.escape(f"{data / f'{task}.jsonl'}:2 has no {field}")):
+        main(["longbench", str(tmp_path / "missing"), "--data-dir", str(data), "--tasks", task,
+              "--out", str(out)])  # fmt: skip
+    assert not out.exists()
+
+
 def test_a_default_length_too_long_for_the_data_says_where_it_came_from(tmp_path):
     """Without --length the run takes the checkpoint's context length; data shorter than that
     used to be told to "lower --length", which the user never gave."""

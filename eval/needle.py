@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import random
 import re
 from collections.abc import Sequence
@@ -233,7 +234,9 @@ def build_prompt(
         raise ValueError("haystack is empty")
     reps = -(-budget // len(haystack_ids))
     hay = (list(haystack_ids) * reps)[:budget]
-    point = int(depth / 100.0 * budget)  # floor: the needle never lands past the depth
+    # floor: the needle never lands past the depth (depth * budget first: 29 / 100 * 100 is
+    # 28.999... in floats, 29 * 100 / 100 is exactly 29)
+    point = math.floor(depth * budget / 100.0)
     snap = snap_tokens if snap_tokens is not None else max(16, budget // 100)
     if 0 < point < budget:
         bounds = _boundary_ids(tokenizer)

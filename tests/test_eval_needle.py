@@ -63,6 +63,21 @@ def test_needle_at_requested_depth_and_length(tokenizer, haystack, mode, length)
         build_prompt(tokenizer, haystack, context_length=500, depth=150, mode=mode, passkey="1")
 
 
+def test_needle_lands_at_the_exact_depth_token(tokenizer, haystack):
+    """The insertion point is floor(depth% of the haystack); depth / 100 * budget in floats
+    put it one token early where the product is an integer (29 / 100 * 100 = 28.999...)."""
+    probe = build_prompt(tokenizer, haystack, context_length=300, depth=0.0, snap_tokens=0)
+    overhead = 300 - probe.haystack_len
+    for budget, depth, point in [(100, 29.0, 29), (100, 57.0, 57), (100, 58.0, 58),
+                                 (1000, 70.0, 700), (200, 12.5, 25), (7, 50.0, 3)]:  # fmt: skip
+        p = build_prompt(
+            tokenizer, haystack, context_length=overhead + budget, depth=depth, snap_tokens=0
+        )
+        assert p.haystack_len == budget
+        assert p.needle_start - p.haystack_start == point
+        assert p.actual_depth == pytest.approx(100.0 * point / budget)
+
+
 def test_a_cell_prompt_does_not_depend_on_the_other_lengths(
     tokenizer, haystack, monkeypatch, tmp_path
 ):

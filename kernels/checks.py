@@ -114,9 +114,15 @@ def check_decode_inputs(
     k_cumsum: torch.Tensor,
     *,
     key_mask: torch.Tensor | None = None,
+    window_size: int | None = None,
 ) -> None:
-    """Validate decode inputs: q ``[B, Tq, HQ, D]``, caches ``[B, Tk, H, D]``, cumsums
-    ``[B, Tq, HQ]`` / ``[B, Tk, HQ]`` float32/64, key_mask ``[B, Tk]`` bool."""
+    """Validate decode inputs: q ``[B, Tq, HQ, D]``, caches ``[B, Tk, H, D]`` (floating, any
+    mix of float dtypes), cumsums ``[B, Tq, HQ]`` / ``[B, Tk, HQ]`` float32/64, key_mask
+    ``[B, Tk]`` bool, all on one device; window_size a positive int or None."""
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(t, torch.Tensor) or t.dtype not in _FLOAT_DTYPES:
+            got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+            raise TypeError(f"{name} must be a floating tensor, got {got}")
     if q.dim() != 4 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(
             f"decode expects q [B, Tq, HQ, D] and k/v caches [B, Tk, H, D] of equal shape, got "
@@ -124,6 +130,11 @@ def check_decode_inputs(
         )
     B, Tq, HQ, D = q.shape
     Bk, Tk, H, Dk = k_cache.shape
+    if H == 0 or D == 0:
+        raise ValueError(
+            f"decode needs at least one key/value head and head_dim >= 1, got q "
+            f"{tuple(q.shape)} and caches {tuple(k_cache.shape)}"
+        )
     if Bk != B or Dk != D or HQ % H != 0:
         raise ValueError(
             f"cache shape {tuple(k_cache.shape)} does not fit queries {tuple(q.shape)} (batch and "
@@ -135,11 +146,28 @@ def check_decode_inputs(
             "the cache before attending"
         )
     for name, t, want in (("q_cumsum", q_cumsum, (B, Tq, HQ)), ("k_cumsum", k_cumsum, (B, Tk, HQ))):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a float32/float64 tensor, got {type(t).__name__}")
         if t.dtype not in (torch.float32, torch.float64) or tuple(t.shape) != want:
             raise ValueError(
                 f"{name} must be float32/float64 of shape {want}, got {t.dtype} {tuple(t.shape)}"
             )
-    if key_mask is not None and (key_mask.dtype != torch.bool or tuple(key_mask.shape) != (B, Tk)):
+    if not (q.device == k_cache.device == v_cache.device == q_cumsum.device == k_cumsum.device):
         raise ValueError(
-            f"key_mask must be bool of shape {(B, Tk)}, got {key_mask.dtype} {tuple(key_mask.shape)}"
+            f"q, k_cache, v_cache, q_cumsum, k_cumsum must be on one device, got {q.device}, "
+            f"{k_cache.device}, {v_cache.device}, {q_cumsum.device}, {k_cumsum.device}"
         )
+    if key_mask is not None:
+        if not isinstance(key_mask, torch.Tensor):
+            raise TypeError(
+                f"key_mask must be a bool tensor or None, got {type(key_mask).__name__}"
+            )
+        if key_mask.dtype != torch.bool or tuple(key_mask.shape) != (B, Tk):
+            raise ValueError(
+                f"key_mask must be bool of shape {(B, Tk)}, got {key_mask.dtype} "
+                f"{tuple(key_mask.shape)}"
+            )
+        if key_mask.device != q.device:
+            raise ValueError(f"key_mask is on {key_mask.device} but q is on {q.device}; move it")
+    if window_size is not None and (not isinstance(window_size, int) or window_size < 1):
+        raise ValueError(f"window_size must be a positive int or None, got {window_size!r}")

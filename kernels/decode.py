@@ -65,9 +65,9 @@ def forgetting_attention_decode(
         ``[B, Tq, HQ, D]`` in q's dtype (float32 softmax inside; float64 for float64 input).
         A query with no visible key gets zeros.
     """
-    check_decode_inputs(q, k_cache, v_cache, q_cumsum, k_cumsum, key_mask=key_mask)
-    if window_size is not None and (not isinstance(window_size, int) or window_size < 1):
-        raise ValueError(f"window_size must be a positive int or None, got {window_size!r}")
+    check_decode_inputs(
+        q, k_cache, v_cache, q_cumsum, k_cumsum, key_mask=key_mask, window_size=window_size
+    )
     B, Tq, HQ, D = q.shape
     Tk, H = k_cache.shape[1], k_cache.shape[2]
     R = HQ // H

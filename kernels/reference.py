@@ -192,7 +192,9 @@ def forgetting_attention_decode_reference(
     Returns:
         ``[B, Tq, HQ, D]`` in q's dtype.
     """
-    check_decode_inputs(q, k_cache, v_cache, q_cumsum, k_cumsum, key_mask=key_mask)
+    check_decode_inputs(
+        q, k_cache, v_cache, q_cumsum, k_cumsum, key_mask=key_mask, window_size=window_size
+    )
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     Tq, Tk = q.shape[1], k_cache.shape[1]

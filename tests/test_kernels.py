@@ -469,6 +469,59 @@ def test_decode_matches_reference(Tq, window, use_mask):
     assert rel_err(out, ref) < TOL[torch.float32]
 
 
+def _decode_args(**over):
+    B, Tq, Tk, HQ, H, D = 2, 2, 9, 4, 2, 16
+    c = torch.cumsum(F.logsigmoid(torch.randn(B, Tk, HQ)), dim=1)
+    args = {
+        "q": torch.randn(B, Tq, HQ, D),
+        "k_cache": torch.randn(B, Tk, H, D),
+        "v_cache": torch.randn(B, Tk, H, D),
+        "q_cumsum": c[:, -Tq:],
+        "k_cumsum": c,
+    }
+    kw = {k: over.pop(k) for k in ("window_size", "key_mask") if k in over}
+    return {**args, **over}, kw
+
+
+@pytest.mark.parametrize("fn", [forgetting_attention_decode, forgetting_attention_decode_reference])
+@pytest.mark.parametrize(
+    ("over", "exc", "match"),
+    [
+        ({"window_size": 0}, ValueError, "window_size must be a positive int"),
+        (
+            {"k_cache": torch.randn(2, 9, 0, 16), "v_cache": torch.randn(2, 9, 0, 16)},
+            ValueError,
+            "one key/value head",
+        ),
+        (
+            {
+                "q": torch.randn(2, 2, 4, 0),
+                "k_cache": torch.randn(2, 9, 2, 0),
+                "v_cache": torch.randn(2, 9, 2, 0),
+            },
+            ValueError,
+            "head_dim >= 1",
+        ),
+        ({"q": torch.ones(2, 2, 4, 16, dtype=torch.long)}, TypeError, "q must be a floating"),
+        ({"v_cache": torch.ones(2, 9, 2, 16, dtype=torch.int32)}, TypeError, "v_cache must be"),
+        ({"q": [0.0]}, TypeError, "q must be a floating tensor"),
+        ({"k_cumsum": torch.zeros(2, 9, 4, device="meta")}, ValueError, "one device"),
+        (
+            {"key_mask": torch.ones(2, 9, dtype=torch.bool, device="meta")},
+            ValueError,
+            "key_mask is on meta",
+        ),
+    ],
+)
+def test_decode_bad_inputs_raise_clear_errors(fn, over, exc, match):
+    """The decode function and its reference refuse the same inputs with a one-line error
+    (they raised ZeroDivisionError or torch's device errors from inside, returned an integer
+    tensor for integer queries, and the reference gave zeros for window_size=0)."""
+    args, kw = _decode_args(**over)
+    with pytest.raises(exc, match=match):
+        fn(*args.values(), **kw)
+
+
 def test_decode_agrees_with_full_attention():
     q, k, v, log_f = make_inputs(1, 60, 4, 2, 32)
     full = forgetting_attention_reference(q, k, v, log_f)

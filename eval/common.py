@@ -13,6 +13,7 @@ import contextlib
 import datetime as _dt
 import hashlib
 import json
+import math
 import os
 import platform
 import subprocess
@@ -1057,7 +1058,7 @@ def parse_int_list(text: str | Iterable[int]) -> list[int]:
         mult = 1024 if part.endswith("k") else 1
         try:
             values.append(int(float(part.rstrip("k")) * mult))
-        except ValueError:
+        except (ValueError, OverflowError):  # not a number, nan, inf
             raise ValueError(
                 f"cannot parse {part!r} in {text!r}: expected integers like '1024,2k,16k'"
             ) from None
@@ -1105,10 +1106,18 @@ def parse_float_list(text: str | Iterable[float]) -> list[float]:
     """Parse ``"0,25,50"`` into floats."""
     if not isinstance(text, str):
         return [float(x) for x in text]
-    try:
-        return [float(p) for p in text.split(",") if p.strip()]
-    except ValueError:
-        raise ValueError(f"cannot parse {text!r}: expected numbers like '0,25,50,75,100'") from None
+    values = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        try:
+            value = float(part)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value):  # nan would pass every range check
+            raise ValueError(
+                f"cannot parse {part!r} in {text!r}: expected numbers like '0,25,50,75,100'"
+            )
+        values.append(value)
+    return values
 
 
 def use_agg_backend() -> None:

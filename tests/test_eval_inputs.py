@@ -248,3 +248,19 @@ def test_a_default_length_too_long_for_the_data_says_where_it_came_from(tmp_path
                                          r"the checkpoint's max_position_embeddings\)"):  # fmt: skip
         main(["per-token-loss", str(short), "--data", str(data), "--device", "cpu",
               "--out", str(tmp_path / "o")])  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("argv", "bad"),
+    [
+        (["needle", "--lengths", "1k,inf"], "inf"),  # was an OverflowError traceback
+        (["forgetting-curve", "--lengths", "1e400"], "1e400"),
+        (["needle", "--depths", "0,nan"], "nan"),  # passed every check before the model
+        (["needle", "--depths=-inf,50"], "-inf"),
+    ],
+)
+def test_non_finite_numbers_in_a_list_option_are_named(tmp_path, argv, bad):
+    out = tmp_path / "o"
+    with pytest.raises(ValueError, match=re.escape(repr(bad))):
+        main([argv[0], str(tmp_path / "missing"), *argv[1:], "--out", str(out)])
+    assert not out.exists()

@@ -12,10 +12,11 @@ A prompt of exactly ``context_length`` tokens is built in token space: prefix, h
 fit, needle inserted at ``depth`` percent of the haystack (moved back to the closest sentence or
 line end nearby), then the question. Generation is greedy.
 
-Scoring (no judge model): key-phrase recall (case-insensitive substring match of the needle's
-key phrases) and ROUGE-L recall of the reference answer, mapped to 1--10 like the paper's
-GPT-4o rubric: 10 when every key phrase is present, else ``1 + 9 * (kp + rouge) / 2``. Passkey:
-10 if the key appears in the answer, else 1.
+Scoring (no judge model), of the first non-empty line of the answer: key-phrase recall
+(case-insensitive substring match of the needle's key phrases) and ROUGE-L recall of the
+reference answer, mapped to 1--10 like the paper's GPT-4o rubric: 10 when every key phrase is
+present, else ``1 + 9 * (kp + rouge) / 2``. Passkey: 10 if the key appears there as a whole
+number, else 1.
 
 Haystack text: the offline sample corpus by default; ``--haystack`` takes text files or folders
 of ``.txt`` files (e.g. PG19 books: point it at a folder of PG19 ``.txt`` files).

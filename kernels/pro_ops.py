@@ -407,10 +407,8 @@ def shift_norm(
             raise ValueError(f"reset is on {reset.device} but x is on {x.device}; move it")
         if shift_logits is None:
             reset = None  # only the shift reads it
-    if not _use_triton(x):
+    if not _use_triton(x) or x.numel() == 0:  # an empty x: PyTorch keeps it differentiable
         return _shift_norm_torch(x, shift_logits, weight, reset, eps)
-    if B * T * H == 0:
-        return x.new_empty(x.shape)
     if x.stride(-1) != 1:
         x = x.contiguous()
     w = weight.contiguous() if weight is not None else None
@@ -562,10 +560,8 @@ def norm_gate(
         _check_float("gate_logits", gate_logits, tuple(o.shape), o)
     _check_weight(weight, o)
     _check_eps(eps)
-    if not _use_triton(o):
+    if not _use_triton(o) or o.numel() == 0:  # an empty o: PyTorch keeps it differentiable
         return _norm_gate_torch(o, gate_logits, weight, eps)
-    if o.numel() == 0:
-        return o.new_empty(o.shape)
     if o.stride(-1) != 1:
         o = o.contiguous()
     if gate_logits is not None and gate_logits.stride(-1) != 1:

@@ -477,6 +477,22 @@ def test_bad_inputs_raise_clear_errors() -> None:
         norm_gate(x, torch.ones(1, 4, 2, 8, dtype=torch.int32, device=DEVICE))
 
 
+@pytest.mark.parametrize("shape", [(1, 0, 2, 8), (0, 4, 2, 8), (1, 4, 0, 8), (1, 4, 2, 0)])
+def test_empty_inputs_give_empty_differentiable_outputs(shape) -> None:
+    """A zero B, T, H or D: an empty output that backward goes through, with empty gradients
+    for every input (it had no grad_fn, and D=0 raised ZeroDivisionError in shift_norm)."""
+    B, T, H, D = shape
+    x = torch.randn(shape, device=DEVICE, requires_grad=True)
+    s = torch.randn(B, T, H, device=DEVICE, requires_grad=True)
+    g = torch.randn(shape, device=DEVICE, requires_grad=True)
+    w = torch.ones(H, D, device=DEVICE, requires_grad=True)
+    for y, inputs in ((shift_norm(x, s, w), (x, s, w)), (norm_gate(x, g, w), (x, g, w))):
+        assert y.shape == shape
+        grads = torch.autograd.grad(y.sum(), inputs)
+        for grad, t in zip(grads, inputs, strict=True):
+            assert grad.shape == t.shape and not grad.any()
+
+
 # ---------------------------------------------------------------------------------------
 # split_columns / ColumnGrads: the consumers' gradients written into one buffer
 # ---------------------------------------------------------------------------------------

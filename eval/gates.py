@@ -2,7 +2,8 @@
 
 For layer l and head h with forget gates f_t (per token), ``F_ij = prod_{j < t <= i} f_t =
 exp(c_i - c_j)`` for ``j <= i`` (0 above the diagonal), ``c`` the cumulative sum of log f. The
-attention map is ``A_ij = softmax_j(q_i . k_j * scale + c_i - c_j)``.
+attention map is ``A_ij = softmax_j(q_i . k_j * scale + c_i - c_j)`` over the keys the layer
+attends to (``i - window_size < j <= i`` with a sliding window).
 
 How the values are obtained: during one forward pass the attention function that every
 ``FoTAttention`` layer calls (looked up through ``fot.models.modeling_fot.get_attention_functions``)
@@ -78,15 +79,20 @@ def chosen_maps(
 def capture_attention_inputs(model: torch.nn.Module) -> Iterator[list[dict[str, torch.Tensor]]]:
     """Record ``q, k, log_fgate, scale`` of every attention call, in layer order.
 
+    Layers without a forget gate (Transformer baselines) would run PyTorch SDPA instead of the
+    attention function where SDPA is chosen (``attn_backend`` ``sdpa``, or ``auto`` on CUDA);
+    while recording they run the attention function too, so that every layer is recorded.
+
     Yields:
         A list that fills with one dict per attention call: ``q`` ``[B, T, HQ, D]``, ``k``
-        ``[B, T, H, D]``, ``log_fgate`` ``[B, T, HQ]`` float32 and ``scale``.
+        ``[B, T, H, D]``, ``log_fgate`` ``[B, T, HQ]`` float32, ``scale`` and ``window_size``.
     """
     from fot.models import modeling_fot
 
     require_fot(model)
     records: list[dict[str, Any]] = []
     original = modeling_fot.get_attention_functions
+    original_use_sdpa = modeling_fot.FoTAttention._use_sdpa
 
     def patched(backend: str, device: torch.device):
         attn, decode = original(backend, device)
@@ -98,17 +104,23 @@ def capture_attention_inputs(model: torch.nn.Module) -> Iterator[list[dict[str, 
                     "k": k.detach().float().cpu(),
                     "log_fgate": log_fgate.detach().float().cpu(),
                     "scale": scale if scale is not None else q.shape[-1] ** -0.5,
+                    "window_size": kwargs.get("window_size"),
                 }
             )
             return attn(q, k, v, log_fgate, scale=scale, **kwargs)
 
         return recording_attn, decode
 
+    def never_sdpa(self: Any, *args: Any, **kwargs: Any) -> bool:
+        return False
+
     modeling_fot.get_attention_functions = patched
+    modeling_fot.FoTAttention._use_sdpa = never_sdpa
     try:
         yield records
     finally:
         modeling_fot.get_attention_functions = original
+        modeling_fot.FoTAttention._use_sdpa = original_use_sdpa
 
 
 def gate_matrix(log_fgate: torch.Tensor) -> torch.Tensor:
@@ -120,12 +132,22 @@ def gate_matrix(log_fgate: torch.Tensor) -> torch.Tensor:
 
 
 def attention_map(
-    q: torch.Tensor, k: torch.Tensor, log_fgate: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    log_fgate: torch.Tensor,
+    scale: float,
+    window_size: int | None = None,
 ) -> torch.Tensor:
-    """Attention probabilities ``[T, T]`` of one head: q ``[T, D]``, k ``[T, D]``, log f ``[T]``."""
+    """Attention probabilities ``[T, T]`` of one head: q ``[T, D]``, k ``[T, D]``, log f ``[T]``.
+
+    With ``window_size`` only keys ``i - window_size < j <= i`` are attended to.
+    """
     c = torch.cumsum(log_fgate.double(), 0)
     s = (q.double() @ k.double().T) * scale + c[:, None] - c[None, :]
-    s = s.masked_fill(~torch.ones_like(s, dtype=torch.bool).tril(), float("-inf"))
+    keep = torch.ones_like(s, dtype=torch.bool).tril()
+    if window_size is not None:
+        keep = keep.triu(-(window_size - 1))
+    s = s.masked_fill(~keep, float("-inf"))
     return torch.softmax(s, dim=-1)
 
 
@@ -150,7 +172,7 @@ def gate_data(
         n_rep = r["q"].shape[2] // r["k"].shape[2]
         q, k, lf = r["q"][0, :, h], r["k"][0, :, h // n_rep], r["log_fgate"][0, :, h]
         F_maps[(li, h)] = gate_matrix(lf).float()
-        A_maps[(li, h)] = attention_map(q, k, lf, r["scale"]).float()
+        A_maps[(li, h)] = attention_map(q, k, lf, r["scale"], r["window_size"]).float()
     return {
         "log_fgate": torch.stack([r["log_fgate"][0] for r in rec]),
         "F": F_maps,

@@ -12,6 +12,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 from eval_helpers import QUESTIONS, make_llama_checkpoint, make_trained_fot_checkpoint
 
 from fot.eval.__main__ import build_parser, main
@@ -326,6 +327,37 @@ def test_gates_cli(ckpts, tmp_path):
                 "cpu",
             ]
         )
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        # a Transformer baseline: attention through SDPA (also the default on CUDA) bypassed the
+        # recorded attention function, and gate_data failed with an IndexError
+        {"fgate_type": "none", "use_rope": True, "attn_backend": "sdpa"},
+        # sliding window: the maps showed attention to keys outside the window
+        {"window_size": 4},
+    ],
+    ids=["transformer-sdpa", "window"],
+)
+def test_gate_maps_of_transformer_and_windowed_models(overrides):
+    import fot.presets as presets
+    from fot.eval.gates import gate_data
+
+    torch.manual_seed(0)
+    model = presets.build_model(presets.config("fot_pro", "tiny", **overrides)).eval()
+    ids = torch.randint(0, 1000, (1, 12), generator=torch.Generator().manual_seed(0))
+    data = gate_data(model, ids, [0, -1], [0])
+    assert data["log_fgate"].shape[:2] == (model.config.num_hidden_layers, 12)
+    for key, A in data["attention"].items():
+        A = A.double()
+        torch.testing.assert_close(A.sum(-1), torch.ones(12, dtype=torch.float64))
+        i, j = torch.meshgrid(torch.arange(12), torch.arange(12), indexing="ij")
+        window = overrides.get("window_size") or 12
+        outside = (j > i) | (i - j >= window)  # keys the layer does not attend to
+        assert torch.all(A[outside] == 0) and torch.all(A[~outside] > 0), key
+        if overrides.get("fgate_type") == "none":
+            assert torch.all(data["F"][key][~(j > i)] == 1)
 
 
 def test_longbench_cli(ckpts, tmp_path):

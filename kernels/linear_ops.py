@@ -73,6 +73,14 @@ def mixed_precision_linear(
     """
     if dtype not in _HALF:
         raise TypeError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() == 0:
+        got = (x.dtype, tuple(x.shape)) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise TypeError(f"x must be a floating tensor [..., K], got {got}")
+    if not isinstance(weights, Sequence):
+        raise TypeError(
+            f"weights must be a list or tuple of [N, K] weights, got {type(weights).__name__}; "
+            "wrap a single weight as [w]"
+        )
     if not weights:
         raise ValueError("weights is empty; pass at least one [N, K] weight")
     k = x.shape[-1]

@@ -73,6 +73,23 @@ def test_mixed_precision_linear_without_weight_grads_and_errors() -> None:
         mixed_precision_linear(x, [w.bfloat16()], torch.bfloat16)
 
 
+@pytest.mark.parametrize(
+    ("x", "weights", "match"),
+    [
+        (torch.randn(3, 5), torch.randn(6, 5), "weights must be a list or tuple"),
+        ([0.0] * 5, [torch.randn(6, 5)], "x must be a floating tensor"),
+        (torch.tensor(1.0), [torch.randn(6, 1)], "x must be a floating tensor"),
+        (torch.ones(3, 5, dtype=torch.long), [torch.randn(6, 5)], "x must be a floating"),
+    ],
+)
+def test_mixed_precision_linear_refuses_a_bare_weight_and_a_bad_x(x, weights, match) -> None:
+    """One weight passed without a list, a non-tensor, 0-d or integer x: a TypeError that says
+    what to pass (they raised torch's "Boolean value of Tensor ... is ambiguous", an
+    AttributeError or an IndexError, or cast integers silently)."""
+    with pytest.raises(TypeError, match=match):
+        mixed_precision_linear(x, weights, torch.bfloat16)
+
+
 def test_fused_linear_mixed_falls_back_outside_autocast_and_for_other_layers() -> None:
     """No autocast, or a layer that is not a plain nn.Linear (a subclass may change forward):
     the ordinary path, in the layers' own dtype."""

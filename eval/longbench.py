@@ -249,14 +249,22 @@ def read_jsonl(
             every row must hold each as a string (it may be empty).
 
     Raises:
-        ValueError: a line is not a JSON object, has no ``answers``, lacks ``all_classes``
+        ValueError: a line is not UTF-8 text or not a JSON object, has no ``answers``, lacks ``all_classes``
             where ``needs_classes`` or a string in one of ``text_fields``, or repeats another line's ``_id`` (results are keyed by
             it); the message names the file and line. Also when the file holds no example.
     """
     rows = []
     seen_ids: dict[str, int] = {}
-    with path.open() as f:
-        for number, line in enumerate(f, 1):
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ValueError(
+                    f"{path}:{number} is not UTF-8 text (byte {err.start} of the line); "
+                    "LongBench files are UTF-8: convert it (e.g. iconv -f latin1 -t utf-8) or "
+                    "fetch it again"
+                ) from None
             if not line.strip():
                 continue
             try:

@@ -264,3 +264,19 @@ def test_non_finite_numbers_in_a_list_option_are_named(tmp_path, argv, bad):
     with pytest.raises(ValueError, match=re.escape(repr(bad))):
         main([argv[0], str(tmp_path / "missing"), *argv[1:], "--out", str(out)])
     assert not out.exists()
+
+
+def test_longbench_file_that_is_not_utf8_names_the_file(tmp_path):
+    """LongBench files are UTF-8; another encoding failed with a bare codec error naming no
+    file (or, under a non-UTF-8 locale, was read as other characters)."""
+    data = tmp_path / "lb"
+    data.mkdir()
+    row = {"_id": "t0", "input": "Où?", "context": "café", "answers": ["café"]}
+    (data / "hotpotqa.jsonl").write_bytes(
+        (json.dumps(row, ensure_ascii=False) + "\n").encode("latin-1")
+    )
+    out = tmp_path / "o"
+    with pytest.raises(ValueError, match=re.escape(f"{data / 'hotpotqa.jsonl'}:1 is not UTF-8")):
+        main(["longbench", str(tmp_path / "missing"), "--data-dir", str(data), "--tasks",
+              "hotpotqa", "--out", str(out)])  # fmt: skip
+    assert not out.exists()

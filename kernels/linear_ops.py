@@ -11,6 +11,7 @@ and weight gradients that were never rounded to 16 bits.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -42,8 +43,9 @@ class _MixedLinearFn(torch.autograd.Function):
         dx = (dy @ w16).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
         if not any(ctx.needs_input_grad[2:]):
             return dx, None, *([None] * len(ctx.sizes))
-        dy2 = dy.reshape(-1, dy.shape[-1])  # (M, N)
-        x2 = x16.reshape(-1, x16.shape[-1])  # (M, K)
+        m = math.prod(dy.shape[:-1])  # not reshape(-1, ...): N or K may be 0
+        dy2 = dy.reshape(m, dy.shape[-1])  # (M, N)
+        x2 = x16.reshape(m, x16.shape[-1])  # (M, K)
         dw = _bmm_fp32(dy2.t()[None], x2[None])[0]  # (N, K) float32, never rounded to 16 bits
         return dx, None, *dw.split(ctx.sizes)
 

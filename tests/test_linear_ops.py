@@ -90,6 +90,20 @@ def test_mixed_precision_linear_refuses_a_bare_weight_and_a_bad_x(x, weights, ma
         mixed_precision_linear(x, weights, torch.bfloat16)
 
 
+@pytest.mark.parametrize(("K", "widths"), [(0, [6, 2]), (5, [0]), (5, [0, 0])])
+def test_mixed_precision_linear_backward_with_zero_features_or_outputs(K, widths) -> None:
+    """K = 0 input features or no output columns: zero (empty) gradients of the right shapes
+    (backward's reshape(-1, 0) raised "cannot reshape tensor of 0 elements")."""
+    x = torch.randn(3, 4, K, requires_grad=True)
+    ws = [torch.randn(n, K, requires_grad=True) for n in widths]
+    y = mixed_precision_linear(x, ws, torch.bfloat16)
+    assert y.shape == (3, 4, sum(widths))
+    grads = torch.autograd.grad(y.float().sum(), [x, *ws])
+    for g, t in zip(grads, [x, *ws], strict=True):
+        assert g.shape == t.shape and not g.any()
+    assert all(g.dtype == torch.float32 for g in grads)
+
+
 def test_fused_linear_mixed_falls_back_outside_autocast_and_for_other_layers() -> None:
     """No autocast, or a layer that is not a plain nn.Linear (a subclass may change forward):
     the ordinary path, in the layers' own dtype."""

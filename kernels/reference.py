@@ -146,6 +146,10 @@ def forgetting_attention_reference(
         the gate cumsum in float64. Differentiable in q, k, v and log_fgate.
     """
     check_inputs(q, k, v, log_fgate, cu_seqlens=cu_seqlens, window_size=window_size, debug=True)
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(
+            f"chunk_size must be a positive int (queries per chunk), got {chunk_size!r}"
+        )
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     if cu_seqlens is None:

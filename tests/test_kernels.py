@@ -441,6 +441,15 @@ def test_kernel_of_an_empty_input_is_empty_and_differentiable(B, T, HQ):
         assert g.shape == t.shape and g.dtype == t.dtype
 
 
+@pytest.mark.parametrize("chunk_size", [-1, 0, 2.5])
+def test_reference_refuses_a_chunk_size_that_is_not_a_positive_int(chunk_size):
+    """chunk_size=-1 returned an empty [B, 0, HQ, D] output for a non-empty input; 0 and
+    2.5 raised range()'s errors."""
+    q, k, v, log_f = make_inputs(1, 8, 2, 1, 16)
+    with pytest.raises(ValueError, match="chunk_size must be a positive int"):
+        forgetting_attention_reference(q, k, v, log_f, chunk_size=chunk_size)
+
+
 def test_reference_of_an_empty_sequence_is_empty():
     q, k, v, log_f = make_inputs(1, 0, 2, 1, 16)
     for kw in ({}, {"cu_seqlens": torch.tensor([0, 0])}):

@@ -332,3 +332,79 @@ def test_fused_loss_gradients_match_fp32_oracle(impl: str) -> None:
     for fused, chunked, want in ((head_fb, head_cb, head_o), (emb_fb, emb_cb, emb_o)):
         fused, chunked, want = fused[:VOCAB], chunked[:VOCAB], want[:VOCAB]
         assert rel_err(fused, want) <= 1.25 * rel_err(chunked, want) + 1e-3
+
+
+@pytest.mark.parametrize("split", ["two_gpus", "cpu_offload"])
+def test_device_map_matches_one_device(split: str, tmp_path) -> None:
+    """``from_pretrained(device_map=...)`` with the second layer, the norm and the head on
+    another GPU (or the second layer offloaded to the CPU) computes what the same blocks on one
+    GPU compute: logits, loss and greedy ``generate`` (which then decodes without CUDA graphs),
+    also through a fixed-capacity cache's static steps.
+
+    The oracle is the same device map with every entry on GPU 0, hooks forced: accelerate
+    hooks every submodule (so the fused kernels are skipped), and only the placement differs."""
+    pytest.importorskip("accelerate")
+    from accelerate import dispatch_model
+    from transformers import AutoModelForCausalLM
+
+    if split == "two_gpus" and torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    build("fot_pro", "triton").save_pretrained(tmp_path)
+    names = ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm", "lm_head"]
+    where = {"two_gpus": [0, 0, 1, 1, 1], "cpu_offload": [0, 0, "cpu", 0, 0]}[split]
+    split_m = AutoModelForCausalLM.from_pretrained(
+        tmp_path, device_map=dict(zip(names, where)), dtype=torch.bfloat16
+    ).eval()
+    if split == "two_gpus":
+        assert split_m.model.layers[1].mlp.up_proj.weight.device == torch.device("cuda", 1)
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).cuda().eval()
+    m = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
+    m = dispatch_model(m, device_map=dict.fromkeys(names, 0), force_hooks=True)
+
+    def hooked_names(model: torch.nn.Module) -> set[str]:
+        return {n for n, mod in model.named_modules() if hasattr(mod, "_hf_hook")}
+
+    assert hooked_names(m) == hooked_names(split_m)
+    L = m.config.num_hidden_layers
+    x = torch.randint(0, VOCAB, (2, 300), device="cuda")
+    mask = torch.ones_like(x)
+    mask[1, :40] = 0
+    with torch.no_grad():
+        logits = split_m(x, attention_mask=mask).logits
+        assert torch.equal(logits, m(x, attention_mask=mask).logits)
+        assert rel_err(logits, plain(x, attention_mask=mask).logits) <= REL_TOL
+        assert torch.equal(split_m(x, labels=x).loss, m(x, labels=x).loss)
+    kw = {"max_new_tokens": 24, "do_sample": False, "pad_token_id": 0, "attention_mask": mask}
+    out = split_m.generate(x, return_dict_in_generate=True, **kw)
+    assert not out.past_key_values.cuda_graphs  # eager decode on a split model
+    assert torch.equal(out.sequences, m.generate(x, past_key_values=FoTCache(L), **kw))
+    # a fixed-capacity cache given by the user: its static steps run eagerly across devices
+    graphs = split == "two_gpus"  # asked for, but a split model cannot capture
+    got = split_m.generate(x, past_key_values=FoTCache(L, capacity=330, cuda_graphs=graphs), **kw)
+    want = m.generate(x, past_key_values=FoTCache(L, capacity=330), **kw)
+    assert torch.equal(got, want)
+
+
+def test_model_on_the_second_gpu_while_the_first_is_current() -> None:
+    """Triton launches on the current device: a model on ``cuda:1`` used while ``cuda:0`` is
+    current (no ``torch.cuda.set_device``) must still run its kernels on ``cuda:1``. Oracle: the
+    same model and inputs on ``cuda:0``."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    import copy
+
+    m = build("fot_pro", "triton")
+    m1 = copy.deepcopy(m).to("cuda:1")
+    x = torch.randint(0, VOCAB, (2, 700), device="cuda:0")
+    x1 = x.to("cuda:1")
+    assert torch.cuda.current_device() == 0
+    out, out1 = m(x, labels=x), m1(x1, labels=x1)
+    out.loss.backward()
+    out1.loss.backward()
+    assert torch.equal(out1.logits.cpu(), out.logits.cpu())
+    for (name, p), p1 in zip(m.named_parameters(), m1.parameters()):
+        assert torch.equal(p1.grad.cpu(), p.grad.cpu()), name
+    kw = {"max_new_tokens": 20, "do_sample": False, "pad_token_id": 0}
+    with torch.no_grad():
+        assert torch.equal(m1.generate(x1[:, :300], **kw).cpu(), m.generate(x[:, :300], **kw).cpu())
+    assert torch.cuda.current_device() == 0  # left as it was

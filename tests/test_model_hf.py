@@ -412,6 +412,58 @@ def test_offloaded_device_map_computes_what_the_plain_load_does(model: str, tmp_
     assert torch.equal(offloaded.generate(x, **kw), plain.generate(x, **kw))
 
 
+def test_layer_context_moves_with_accelerate_hooks() -> None:
+    # A device_map over several GPUs: accelerate's hook on each layer moves the layer's
+    # arguments to its device with send_to_device, which moves what has a .to(). The per-forward
+    # context (RoPE tables, masks, document starts) had none, so a layer on the second GPU got
+    # tensors on the first. Oracle: the same fields, moved one by one ("meta" stands in for a
+    # second device on this machine).
+    pytest.importorskip("accelerate")
+    from accelerate.utils import send_to_device
+
+    m = tiny("transformer_llama")  # with RoPE
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[1, :3] = 0  # padding: key and query masks are set
+    ctx = m.model._context(2, 8, torch.device("cpu"), mask, None, 0)
+    moved = send_to_device((ctx, None), "meta")[0]
+    fields = ("cu_seqlens", "doc_starts", "key_mask", "query_mask")
+    for name in fields:
+        before, after = getattr(ctx, name), getattr(moved, name)
+        assert (before is None) == (after is None)
+        if after is not None:
+            assert after.device.type == "meta" and after.shape == before.shape
+            assert before.device.type == "cpu"  # the original is left alone
+    assert ctx.key_mask is not None and ctx.rope is not None
+    assert all(t.device.type == "meta" for t in moved.rope)
+    packed = m.model._context(1, 8, torch.device("cpu"), None, torch.tensor([0, 3, 8]), 0)
+    moved = send_to_device(packed, "meta")
+    assert moved.cu_seqlens.device.type == moved.doc_starts.device.type == "meta"
+
+
+@pytest.mark.parametrize(
+    "device_map,one_device",
+    [
+        (None, True),
+        ({"": 0}, True),
+        ({"model": 0, "lm_head": "cuda:0"}, True),
+        ({"model": "cuda", "lm_head": 0}, True),
+        ({"model": 0, "lm_head": 1}, False),
+        ({"model": 0, "lm_head": "cpu"}, False),
+        ({"model": 0, "lm_head": "disk"}, False),
+        ({"": "cpu"}, False),
+    ],
+)
+def test_decode_cuda_graphs_only_on_one_device(device_map, one_device: bool) -> None:
+    # A CUDA graph records one device's stream and cannot copy offloaded weights in: generate()
+    # captures only when the device map keeps every module on one GPU.
+    from fot.models.modeling_fot import _on_one_device
+
+    m = tiny("fot_pro")
+    if device_map is not None:
+        m.hf_device_map = device_map
+    assert _on_one_device(m) is one_device
+
+
 # ---------------------------------------------------------------------------------------
 # FLA baselines: the same contract (shift_labels keyword, num_items_in_batch, packing keys)
 # ---------------------------------------------------------------------------------------

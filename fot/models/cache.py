@@ -217,7 +217,7 @@ class FoTLayerCache:
     ) -> torch.Tensor:
         """:meth:`append` of one token at the device position ``step.pos`` (no host value is
         read or changed: :class:`FoTCache` advances the length after the step)."""
-        pos = self.step.pos
+        pos = self.step.pos.to(self._c.device)  # the layer's device (a device_map over GPUs)
         prev = self._c.index_select(1, pos - 1)  # (B, 1, HQ) cumsum of the last cached token
         c = (log_fgate.double() + prev.double()).float()  # as append: float64 sum, then float32
         self._k.index_copy_(2, pos, k.transpose(1, 2).to(self._k.dtype))  # (B, H, 1, D)
@@ -381,6 +381,9 @@ class FoTCache:
             if (
                 self.cuda_graphs
                 and input_ids.is_cuda
+                # a model split over GPUs (device_map) runs eagerly: a capture records one
+                # device's stream only
+                and all(layer._c.device == input_ids.device for layer in self.layers)
                 and not torch.is_grad_enabled()
                 # autocast's cache of cast weights is freed when its region ends: a graph
                 # captured inside one would read freed memory afterwards
@@ -397,6 +400,12 @@ class FoTCache:
         return logits
 
     def _graph_step(
+        self, run: Callable[[torch.Tensor], torch.Tensor], ids: torch.Tensor, bucket: int
+    ) -> torch.Tensor:
+        with torch.cuda.device(ids.device):  # capture and replay on the model's GPU
+            return self._graph_step_here(run, ids, bucket)
+
+    def _graph_step_here(
         self, run: Callable[[torch.Tensor], torch.Tensor], ids: torch.Tensor, bucket: int
     ) -> torch.Tensor:
         key = (ids.shape[0], bucket)
@@ -420,7 +429,9 @@ class FoTCache:
             del self._graphs[old]
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph):
+            # on a stream of this GPU: torch.cuda.graph's default capture stream belongs to
+            # the GPU that was current when the first graph of the process was made
+            with torch.cuda.graph(graph, stream=side):
                 out = run(ids)
         except Exception as err:
             raise RuntimeError(

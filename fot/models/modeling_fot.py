@@ -21,7 +21,7 @@ import contextlib
 import math
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import torch
@@ -200,6 +200,23 @@ def hooked(module: nn.Module) -> bool:
         or module._backward_pre_hooks
         or getattr(module, "_hf_hook", None) is not None
     )
+
+
+def on_its_gpu(t: torch.Tensor) -> contextlib.AbstractContextManager:
+    """Make ``t``'s GPU the current device while the block runs (a no-op when it already is,
+    off the GPU and inside ``torch.compile``, whose kernels carry their own device guard).
+
+    Triton launches a kernel on the *current* device's stream, not on its arguments' device: a
+    model moved to ``cuda:1`` (or a layer placed there by ``device_map``) while ``cuda:0`` is
+    current would read its tensors from another device's stream, racing with their writes.
+    """
+    if (
+        t.device.type != "cuda"
+        or torch.compiler.is_compiling()
+        or t.device.index == torch.cuda.current_device()
+    ):
+        return contextlib.nullcontext()
+    return torch.cuda.device(t.device)
 
 
 def plain_linear(layer: nn.Module) -> bool:
@@ -600,6 +617,27 @@ class _Context:
     # whose length is the step's bucket, not the number of cached keys.
     window_in_key_mask: bool = False
 
+    def to(self, device: torch.device | str | int, non_blocking: bool = False) -> _Context:
+        """A copy with every tensor on ``device``.
+
+        accelerate's hooks call this (through ``send_to_device``) when
+        ``from_pretrained(device_map=...)`` puts layers on different GPUs: each layer then gets
+        the RoPE tables, masks and document boundaries on its own device.
+        """
+
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device, non_blocking=non_blocking)
+
+        rope = None if self.rope is None else (move(self.rope[0]), move(self.rope[1]))
+        return replace(
+            self,
+            rope=rope,
+            cu_seqlens=move(self.cu_seqlens),
+            doc_starts=move(self.doc_starts),
+            key_mask=move(self.key_mask),
+            query_mask=move(self.query_mask),
+        )
+
 
 # ---------------------------------------------------------------------------------------
 # Attention
@@ -888,6 +926,16 @@ class FoTDecoderLayer(GradientCheckpointingLayer):
         Returns:
             ``(mlp_out, residual)``: the stream after this block is their sum.
         """
+        with on_its_gpu(hidden_states):
+            return self._block(hidden_states, residual, ctx, past_key_values)
+
+    def _block(
+        self,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+        ctx: _Context,
+        past_key_values: FoTCache | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         cache = past_key_values[self.self_attn.layer_idx] if past_key_values is not None else None
         fused = _use_fused_eager(self.config.attn_backend, hidden_states)
         gemm_dtype = _autocast_dtype(hidden_states)
@@ -914,6 +962,24 @@ class FoTDecoderLayer(GradientCheckpointingLayer):
 # ---------------------------------------------------------------------------------------
 # HF model classes
 # ---------------------------------------------------------------------------------------
+
+
+def _on_one_device(model: nn.Module) -> bool:
+    """Whether every module runs on one device with its own weights: False for a
+    ``from_pretrained(device_map=...)`` that spreads the layers over GPUs or offloads some to
+    ``"cpu"``/``"disk"`` (their weights are copied in during each call), which a CUDA graph
+    cannot capture."""
+    device_map = getattr(model, "hf_device_map", None)
+    if not device_map:
+        return True
+    places = set()
+    for d in device_map.values():  # an int is an accelerator index, as in accelerate
+        if d == "disk":
+            places.add(("disk", 0))
+            continue
+        dev = torch.device("cuda", d) if isinstance(d, int) else torch.device(d)
+        places.add((dev.type, dev.index or 0))
+    return len(places) == 1 and next(iter(places))[0] not in ("cpu", "disk", "meta")
 
 
 class FoTPreTrainedModel(PreTrainedModel):
@@ -1253,9 +1319,10 @@ class FoTModel(FoTPreTrainedModel):
             branch, residual = layer(branch, residual, ctx, past_key_values=past_key_values)
             if states is not None and i < len(self.layers) - 1:
                 states.append(residual + branch)  # the stream after block i
-        h, _ = self.norm.add_norm(
-            branch, residual, _use_fused_eager(self.config.attn_backend, branch)
-        )
+        with on_its_gpu(branch):
+            h, _ = self.norm.add_norm(
+                branch, residual, _use_fused_eager(self.config.attn_backend, branch)
+            )
         out = BaseModelOutputWithPast(
             last_hidden_state=h,
             hidden_states=(*states, h) if states is not None else None,
@@ -1722,7 +1789,8 @@ class FoTForCausalLM(FoTPreTrainedModel, GenerationMixin):
             shift_labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
         loss = logits = None
         if shift_labels is not None:
-            loss = self._mean_loss(hidden, shift_labels, num_items)
+            with on_its_gpu(hidden):  # the fused losses are Triton kernels
+                loss = self._mean_loss(hidden, shift_labels, num_items)
         if want_logits:
             if logits_to_keep:
                 hidden = hidden[:, -logits_to_keep:]
@@ -1750,6 +1818,7 @@ class FoTForCausalLM(FoTPreTrainedModel, GenerationMixin):
             graphs = bool(
                 self.config.decode_cuda_graphs
                 and self.device.type == "cuda"
+                and _on_one_device(self)
                 and isinstance(max_len, int)
                 and max_len > 0
             )

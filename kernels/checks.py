@@ -6,11 +6,41 @@ device-to-host sync (the contents of cu_seqlens on a GPU) run only with ``debug=
 
 from __future__ import annotations
 
+import functools
 import itertools
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
+_F = TypeVar("_F", bound=Callable)
+
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def on_input_gpu(fn: _F) -> _F:
+    """Run ``fn`` with its first tensor argument's GPU as the current device.
+
+    Triton launches a kernel on the *current* device's stream, not on its arguments' device:
+    called with tensors on ``cuda:1`` while ``cuda:0`` is current (no ``torch.cuda.set_device``),
+    a kernel would run on ``cuda:0`` and read ``cuda:1``'s memory while its stream may still be
+    writing it. The backward needs nothing: autograd runs it with the device of its tensors set.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        t = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        if (
+            t is None
+            or not t.is_cuda
+            or torch.compiler.is_compiling()
+            or t.device.index == torch.cuda.current_device()
+        ):
+            return fn(*args, **kwargs)
+        with torch.cuda.device(t.device):
+            return fn(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
 
 
 def check_inputs(

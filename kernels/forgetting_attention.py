@@ -14,7 +14,7 @@ import torch
 import triton
 
 from . import _triton_kernels as kern
-from .checks import check_inputs
+from .checks import check_inputs, on_input_gpu
 
 _SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 # Exact pruning margin in log2 units: exp2(x) underflows to exactly 0 in float32 for
@@ -445,6 +445,7 @@ class _EmptyFn(torch.autograd.Function):
         return tuple(torch.zeros_like(t) for t in ctx.saved_tensors)
 
 
+@on_input_gpu
 def forgetting_attention(
     q: torch.Tensor,
     k: torch.Tensor,

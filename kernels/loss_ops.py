@@ -21,6 +21,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .checks import on_input_gpu
 from .forgetting_attention import _interpreting
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -164,6 +165,7 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None, None
 
 
+@on_input_gpu
 def linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,

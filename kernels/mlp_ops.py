@@ -18,6 +18,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .checks import on_input_gpu
 from .forgetting_attention import _interpreting
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -103,6 +104,7 @@ class _SwiGLUFn(torch.autograd.Function):
         return _bwd(x, dy)
 
 
+@on_input_gpu
 def swiglu(x: torch.Tensor) -> torch.Tensor:
     """``silu(x[..., :I]) * x[..., I:]`` for ``x`` of last dim ``2 * I`` (gate then up).
 

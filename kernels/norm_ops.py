@@ -32,6 +32,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .checks import on_input_gpu
 from .forgetting_attention import _interpreting
 
 MAX_WIDTH = 8192
@@ -278,6 +279,7 @@ def _add_rms_norm_torch(x, residual, weight, eps, out_dtype, proj_weight=None, p
     return y.to(out_dtype), h, z
 
 
+@on_input_gpu
 def add_rms_norm(
     x: torch.Tensor,
     residual: torch.Tensor | None,

@@ -17,6 +17,7 @@ import torch
 import triton
 
 from . import _pro_kernels as kern
+from .checks import on_input_gpu
 from .forgetting_attention import _interpreting
 
 MAX_HEAD_DIM = 256
@@ -347,6 +348,7 @@ def _shift_norm_torch(x, s, w, reset, eps):
     return z.to(x.dtype)
 
 
+@on_input_gpu
 def shift_norm(
     x: torch.Tensor,
     shift_logits: torch.Tensor | None,
@@ -519,6 +521,7 @@ def _norm_gate_torch(o, g, w, eps):
     return y.to(o.dtype)
 
 
+@on_input_gpu
 def norm_gate(
     o: torch.Tensor,
     gate_logits: torch.Tensor | None = None,

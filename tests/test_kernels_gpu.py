@@ -106,3 +106,54 @@ def test_decode_on_gpu():
         q.double(), kc.double(), vc.double(), c[:, -1:], c, key_mask=mask
     )
     assert rel_err(out, ref) < TOL_BF16
+
+
+def test_kernels_run_on_their_inputs_gpu_while_another_is_current() -> None:
+    """Triton launches on the current device: every public kernel given ``cuda:1`` tensors while
+    ``cuda:0`` is current must compute on ``cuda:1`` what it computes on ``cuda:0`` (outputs and
+    gradients; the same kernels, so bit-equal), and leave ``cuda:0`` current. Launched on the
+    wrong GPU, a kernel does not wait for its inputs on their GPU's stream."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    from fot.kernels import add_rms_norm, linear_cross_entropy, norm_gate, shift_norm, swiglu
+
+    torch.manual_seed(0)
+    B, T, H, D, N, V = 2, 1500, 4, 64, 256, 1000
+    q, k, v, log_f = _inputs(B, T, H, H, D, WEAK)
+    x = torch.randn(B, T, N, device="cuda", dtype=torch.bfloat16)
+    w = 1 + 0.1 * torch.randn(N, device="cuda")
+    head = 0.05 * torch.randn(V, N, device="cuda", dtype=torch.bfloat16)
+    labels = torch.randint(0, V, (B * T,), device="cuda")
+    hw = 1 + 0.1 * torch.randn(H, D, device="cuda")
+    gate = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16)
+    shift = torch.randn(B, T, H, device="cuda", dtype=torch.bfloat16)
+    ops = {
+        "forgetting_attention": lambda q, k, v, f: forgetting_attention(q, k, v, f),
+        "add_rms_norm": lambda x, w: add_rms_norm(x, x, w)[0],
+        "swiglu": lambda x: swiglu(x),
+        "linear_cross_entropy": lambda x, h, y: linear_cross_entropy(x.reshape(-1, N), h, y),
+        "shift_norm": lambda q, s, w: shift_norm(q, s, w),
+        "norm_gate": lambda q, g, w: norm_gate(q, g, w),
+    }
+    args = {
+        "forgetting_attention": (q, k, v, log_f),
+        "add_rms_norm": (x, w),
+        "swiglu": (x,),
+        "linear_cross_entropy": (x, head, labels),
+        "shift_norm": (q, shift, hw),
+        "norm_gate": (q, gate, hw),
+    }
+    for name, op in ops.items():
+        on = {}
+        for dev in ("cuda:0", "cuda:1"):
+            moved = [a.detach().to(dev) for a in args[name]]
+            with torch.cuda.device(dev):  # the inputs are written after ~30 ms on dev's stream:
+                torch.cuda._sleep(60_000_000)  # a kernel on another stream would read too early
+                inp = [a * 1 for a in moved]
+            for a in inp:
+                a.requires_grad_(a.is_floating_point())
+            out = op(*inp)
+            out.float().square().sum().backward()
+            on[dev] = [out.detach().cpu()] + [a.grad.cpu() for a in inp if a.grad is not None]
+        assert torch.cuda.current_device() == 0, name
+        assert all(map(torch.equal, on["cuda:1"], on["cuda:0"])), name

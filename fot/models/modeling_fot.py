@@ -202,23 +202,6 @@ def hooked(module: nn.Module) -> bool:
     )
 
 
-def on_its_gpu(t: torch.Tensor) -> contextlib.AbstractContextManager:
-    """Make ``t``'s GPU the current device while the block runs (a no-op when it already is,
-    off the GPU and inside ``torch.compile``, whose kernels carry their own device guard).
-
-    Triton launches a kernel on the *current* device's stream, not on its arguments' device: a
-    model moved to ``cuda:1`` (or a layer placed there by ``device_map``) while ``cuda:0`` is
-    current would read its tensors from another device's stream, racing with their writes.
-    """
-    if (
-        t.device.type != "cuda"
-        or torch.compiler.is_compiling()
-        or t.device.index == torch.cuda.current_device()
-    ):
-        return contextlib.nullcontext()
-    return torch.cuda.device(t.device)
-
-
 def plain_linear(layer: nn.Module) -> bool:
     """Whether a fused path may read ``layer.weight`` instead of calling ``layer``.
 
@@ -926,16 +909,6 @@ class FoTDecoderLayer(GradientCheckpointingLayer):
         Returns:
             ``(mlp_out, residual)``: the stream after this block is their sum.
         """
-        with on_its_gpu(hidden_states):
-            return self._block(hidden_states, residual, ctx, past_key_values)
-
-    def _block(
-        self,
-        hidden_states: torch.Tensor,
-        residual: torch.Tensor | None,
-        ctx: _Context,
-        past_key_values: FoTCache | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
         cache = past_key_values[self.self_attn.layer_idx] if past_key_values is not None else None
         fused = _use_fused_eager(self.config.attn_backend, hidden_states)
         gemm_dtype = _autocast_dtype(hidden_states)
@@ -1319,10 +1292,9 @@ class FoTModel(FoTPreTrainedModel):
             branch, residual = layer(branch, residual, ctx, past_key_values=past_key_values)
             if states is not None and i < len(self.layers) - 1:
                 states.append(residual + branch)  # the stream after block i
-        with on_its_gpu(branch):
-            h, _ = self.norm.add_norm(
-                branch, residual, _use_fused_eager(self.config.attn_backend, branch)
-            )
+        h, _ = self.norm.add_norm(
+            branch, residual, _use_fused_eager(self.config.attn_backend, branch)
+        )
         out = BaseModelOutputWithPast(
             last_hidden_state=h,
             hidden_states=(*states, h) if states is not None else None,
@@ -1789,8 +1761,7 @@ class FoTForCausalLM(FoTPreTrainedModel, GenerationMixin):
             shift_labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
         loss = logits = None
         if shift_labels is not None:
-            with on_its_gpu(hidden):  # the fused losses are Triton kernels
-                loss = self._mean_loss(hidden, shift_labels, num_items)
+            loss = self._mean_loss(hidden, shift_labels, num_items)
         if want_logits:
             if logits_to_keep:
                 hidden = hidden[:, -logits_to_keep:]

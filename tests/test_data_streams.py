@@ -796,3 +796,21 @@ def test_last_step_digest_is_the_global_batch_for_any_world_and_micro_batch() ->
                         global_batch_size=2, micro_batch_size=2)  # fmt: skip
     hf.next_step()
     assert hf.last_step_digest() is None  # sequential: it cannot read backwards
+
+
+def test_packed_num_sequences_never_counts_a_sequence_whose_last_label_wraps(tmp_path) -> None:
+    """Validation reads ``num_sequences`` held-out sequences "never wrapped around"; for a
+    stream of a multiple of T tokens the last one's final label used to be the stream's first
+    token (for a flat file: a wrong next token)."""
+    T = 8
+    flat = np.arange(1, 4 * T + 1, dtype=np.uint16)  # 32 tokens: 3 sequences have all labels
+    np.save(tmp_path / "held.npy", flat)
+    src = open_token_path(tmp_path / "held.npy", T, "causal", key="data.val_path")
+    assert src.num_sequences == (len(flat) - 1) // T == 3
+    got = np.concatenate(
+        [b.labels.numpy() for b in iterate_eval_batches(src, num_sequences=3, micro_batch_size=2)]
+    )
+    np.testing.assert_array_equal(got.reshape(-1), flat[1 : 3 * T + 1])
+    docs = [np.arange(1, T, dtype=np.uint16)] * 2  # 2 x (BOS + 7) = 16 tokens: 1 sequence
+    assert PackedSource.from_documents(docs, T).num_sequences == 1
+    assert PackedSource.from_flat(flat[: T + 1], T).num_sequences == 1

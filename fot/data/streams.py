@@ -268,8 +268,10 @@ class PackedSource:
         self.length = length
         self.seq_len = seq_len
         self.varlen = varlen
-        self.num_sequences = length // seq_len
-        """Sequences per pass over the stream (approximately one epoch)."""
+        self.num_sequences = (length - 1) // seq_len
+        """Sequences whose tokens and labels all lie in one pass over the stream (the last
+        label needs the token after the last input): what validation may read without
+        wrapping around."""
 
     @classmethod
     def from_documents(

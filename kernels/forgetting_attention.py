@@ -20,6 +20,8 @@ _SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 # Exact pruning margin in log2 units: exp2(x) underflows to exactly 0 in float32 for
 # x < -150; 10 more units cover rounding in the bound.
 _EXACT_PRUNE_LOG2 = 160.0
+# CUDA caps a launch grid's second dimension at 65535; the kernels put B * heads there.
+MAX_GRID_Y = 65535
 
 
 def _interpreting() -> bool:
@@ -543,6 +545,20 @@ def forgetting_attention(
             )
     if q.numel() == 0:  # B, T or HQ of 0 (head_dim >= 1 is checked above)
         return _EmptyFn.apply(q, k, v, log_fgate)
+    if B * HQ > MAX_GRID_Y:
+        # e.g. a large evaluation batch of short sequences: rows are independent, so run the
+        # batch in parts that fit the grid (no cu_seqlens here: that needs B == 1)
+        if HQ > MAX_GRID_Y:
+            raise ValueError(f"{HQ} query heads exceed the kernels' grid limit of {MAX_GRID_Y}")
+        rows = MAX_GRID_Y // HQ
+        kw = {"scale": scale, "window_size": window_size, "prune": prune}
+        kw.update(prune_threshold=prune_threshold, stats=stats)
+        parts = [
+            forgetting_attention(q[i : i + rows], k[i : i + rows], v[i : i + rows],
+                                 log_fgate[i : i + rows], **kw)
+            for i in range(0, B, rows)
+        ]  # fmt: skip
+        return torch.cat(parts)
     if scale is None:
         scale = 1.0 / math.sqrt(D)
     compute_dtype = None

@@ -18,7 +18,7 @@ import triton
 
 from . import _pro_kernels as kern
 from .checks import on_input_gpu
-from .forgetting_attention import _interpreting
+from .forgetting_attention import MAX_GRID_Y, _interpreting
 
 MAX_HEAD_DIM = 256
 """Largest head_dim the kernels take (a ``[rows, head_dim]`` tile lives in registers)."""
@@ -409,7 +409,8 @@ def shift_norm(
             raise ValueError(f"reset is on {reset.device} but x is on {x.device}; move it")
         if shift_logits is None:
             reset = None  # only the shift reads it
-    if not _use_triton(x) or x.numel() == 0:  # an empty x: PyTorch keeps it differentiable
+    # an empty x: PyTorch keeps it differentiable; B * H beyond the grid's limit: PyTorch too
+    if not _use_triton(x) or x.numel() == 0 or B * H > MAX_GRID_Y:
         return _shift_norm_torch(x, shift_logits, weight, reset, eps)
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -563,7 +564,8 @@ def norm_gate(
         _check_float("gate_logits", gate_logits, tuple(o.shape), o)
     _check_weight(weight, o)
     _check_eps(eps)
-    if not _use_triton(o) or o.numel() == 0:  # an empty o: PyTorch keeps it differentiable
+    # an empty o: PyTorch keeps it differentiable; B * H beyond the grid's limit: PyTorch too
+    if not _use_triton(o) or o.numel() == 0 or o.shape[0] * o.shape[2] > MAX_GRID_Y:
         return _norm_gate_torch(o, gate_logits, weight, eps)
     if o.stride(-1) != 1:
         o = o.contiguous()

@@ -620,3 +620,26 @@ def test_d64_backward_launch_caps_registers_for_three_programs_per_sm(tmp_path, 
         regs = int(re.search(r"REG:(\d+)", line).group(1))
         assert regs <= 168, f"{name}: {line}"
         assert 3 * 4 * 32 * regs <= 65536
+
+
+def test_batches_beyond_the_grid_limit_run_in_parts(monkeypatch) -> None:
+    # CUDA caps a grid's second dimension (B * heads) at 65535: a large evaluation batch of
+    # short sequences failed to launch. Rows are independent, so the batch runs in parts.
+    # Oracle: the same call in one part (the limit lowered to 8 = two rows of 4 heads).
+    fa = importlib.import_module("fot.kernels.forgetting_attention")
+    q, k, v, log_f = make_inputs(5, 16, 4, 2, 16, seed=3)
+    do = torch.randn_like(q)
+    want, want_grads = kernel_and_grads(q, k, v, log_f, do, window_size=6)
+    launches = []
+    apply = fa._ForgettingAttentionFn.apply
+    monkeypatch.setattr(fa, "MAX_GRID_Y", 8)
+    monkeypatch.setattr(
+        fa._ForgettingAttentionFn, "apply", lambda *a: launches.append(a[0].shape[0]) or apply(*a)
+    )
+    got, got_grads = kernel_and_grads(q, k, v, log_f, do, window_size=6)
+    assert launches == [2, 2, 1]
+    assert torch.equal(got, want)
+    assert all(map(torch.equal, got_grads, want_grads))
+    monkeypatch.setattr(fa, "MAX_GRID_Y", 3)
+    with pytest.raises(ValueError, match="4 query heads exceed the kernels' grid limit of 3"):
+        run_kernel(q, k, v, log_f)

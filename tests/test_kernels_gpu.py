@@ -157,3 +157,27 @@ def test_kernels_run_on_their_inputs_gpu_while_another_is_current() -> None:
             on[dev] = [out.detach().cpu()] + [a.grad.cpu() for a in inp if a.grad is not None]
         assert torch.cuda.current_device() == 0, name
         assert all(map(torch.equal, on["cuda:1"], on["cuda:0"])), name
+
+
+def test_batch_times_heads_beyond_the_grid_limit() -> None:
+    """B * heads above CUDA's 65535 limit on a grid's second dimension (a large batch of short
+    sequences) runs: attention in parts, the Pro components in PyTorch. Oracle: the first rows
+    computed alone (attention: the same kernels, so bit-equal)."""
+    from fot.kernels import shift_norm
+
+    torch.manual_seed(0)
+    q, k, v, log_f = _inputs(16385, 8, 4, 2, 16, WEAK)  # B * HQ = 65540
+    for t in (q, k, v, log_f):
+        t.requires_grad_(True)
+    o = forgetting_attention(q, k, v, log_f)
+    o.float().square().sum().backward()
+    part = [t.detach()[:100].clone().requires_grad_(True) for t in (q, k, v, log_f)]
+    o_part = forgetting_attention(*part)
+    o_part.float().square().sum().backward()
+    assert torch.equal(o[:100], o_part)
+    for t, p in zip((q, k, v, log_f), part):
+        assert torch.equal(t.grad[:100], p.grad)
+    x = torch.randn(32769, 4, 2, 16, device="cuda", dtype=torch.bfloat16)  # B * H = 65538
+    s = torch.randn(32769, 4, 2, device="cuda")
+    w = torch.ones(2, 16, device="cuda")
+    assert rel_err(shift_norm(x, s, w)[:50], shift_norm(x[:50], s[:50], w)) <= TOL_BF16

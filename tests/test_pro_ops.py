@@ -581,3 +581,19 @@ def test_split_columns_retain_graph_and_errors() -> None:
         pro_ops.split_columns(y, [3, 4])
     with pytest.raises(ValueError, match="contiguous"):
         pro_ops.split_columns(y[:, ::2], [y.shape[-1]])
+
+
+def test_batch_times_heads_beyond_the_grid_limit_takes_the_pytorch_path(monkeypatch) -> None:
+    # The kernels' grid has B * H in its second dimension, which CUDA caps at 65535: beyond it
+    # the same math runs in PyTorch. Oracle: float64 formulas (the limit lowered to 5 < 3 * 2).
+    monkeypatch.setattr(pro_ops, "MAX_GRID_Y", 5)
+    called = []
+    monkeypatch.setattr(pro_ops._ShiftNormFn, "apply", lambda *a: called.append(a))
+    monkeypatch.setattr(pro_ops._NormGateFn, "apply", lambda *a: called.append(a))
+    x, s, w = make_shift_inputs(3, 9, 2, 16, "shift+norm", torch.float32, seed=1)
+    reset = random_reset(9, torch.Generator().manual_seed(2))
+    y = shift_norm(x, s, w, reset=reset)
+    assert_close(y, shift_norm_oracle(x, s, w, reset, 1e-6), TOL[torch.float32], "shift_norm")
+    gl = torch.randn_like(x)
+    assert_close(norm_gate(x, gl, w), norm_gate_oracle(x, gl, w, 1e-6), TOL[torch.float32], "ng")
+    assert not called

@@ -26,13 +26,32 @@ gets the same shims (``FoTConfig.save_pretrained``), so the new folder loads the
 
 from __future__ import annotations
 
+import json
 import os
+import re
 from pathlib import Path
 
 from transformers import PretrainedConfig, PreTrainedModel
 
 _CONFIG_MODULE = "configuration_fot"
 _MODEL_MODULE = "modeling_fot"
+
+# Weight files of a saved HF model (single file, shards, their index; safetensors or pickle).
+# from_pretrained prefers model.safetensors to shards: one left by an earlier export would be
+# loaded instead of the new weights.
+_WEIGHT_FILE = re.compile(
+    r"^(model|pytorch_model)(-\d{5}-of-\d{5})?\.(safetensors|bin)$"
+    r"|^(model\.safetensors|pytorch_model\.bin)\.index\.json$"
+)
+# The other files export_hf writes (the tokenizer's only with tokenizer=True).
+_WRITTEN = ("config.json", "generation_config.json", f"{_CONFIG_MODULE}.py", f"{_MODEL_MODULE}.py")
+_TOKENIZER_FILES = (
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+)
 
 # Where the remote-code modules tell users to get fot: it is installed from its source tree
 # (README), not from a package index.
@@ -87,6 +106,13 @@ def export_hf(
 
     Returns:
         The folder path.
+
+    Raises:
+        NotADirectoryError: ``path`` is a file.
+        FileExistsError: ``path`` holds files that the export would overwrite (config,
+            weights, tokenizer) and is not a folder of an earlier export of a fot model; nothing
+            is written. An earlier export is replaced (its weight files are deleted first, so
+            none of them is loaded instead of the new ones); other files are kept.
     """
     if not isinstance(model, PreTrainedModel):
         raise TypeError(
@@ -94,6 +120,29 @@ def export_hf(
             "DDP/FSDP/compile wrappers first (e.g. model.module)"
         )
     out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise NotADirectoryError(
+            f"export_hf: {out} is a file, not a folder; pass the path of a new or empty folder "
+            "(created if missing)"
+        )
+    if out.is_dir():
+        stale = sorted(
+            p.name
+            for p in out.iterdir()
+            if _WEIGHT_FILE.match(p.name)
+            or p.name in _WRITTEN
+            or (tokenizer and p.name in _TOKENIZER_FILES)
+        )
+        if stale and not _is_fot_export(out):
+            raise FileExistsError(
+                f"export_hf: {out} already holds {', '.join(stale)}, which the export would "
+                "overwrite, and is not a folder exported from a fot model (its config.json has "
+                "no fot model_type or auto_map); nothing was written. Pass an empty or new "
+                "folder, or move those files away"
+            )
+        for name in stale:
+            if _WEIGHT_FILE.match(name):
+                (out / name).unlink()
     out.mkdir(parents=True, exist_ok=True)
     previous = getattr(model.config, "auto_map", None)
     model.config.auto_map = remote_code_auto_map(type(model.config), type(model))
@@ -127,6 +176,22 @@ def export_hf(
         max_len = getattr(model.config, "max_position_embeddings", None)
         save_hf_tokenizer(out, model_max_length=max_len)
     return out
+
+
+def _is_fot_export(folder: Path) -> bool:
+    """Whether ``folder`` holds a model saved from fot (its ``config.json`` names the fot model
+    type or the remote-code shims of :func:`remote_code_auto_map`)."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    if not isinstance(config, dict):
+        return False
+    auto_map = config.get("auto_map")
+    shim = isinstance(auto_map, dict) and str(auto_map.get("AutoConfig", "")).startswith(
+        f"{_CONFIG_MODULE}."
+    )
+    return shim or config.get("model_type") == "fot"
 
 
 def make_weights_readable(folder: str | os.PathLike) -> list[Path]:

@@ -302,3 +302,42 @@ def test_exported_generation_config_pads_with_the_tokenizers_pad(tmp_path) -> No
     assert torch.equal(
         loaded.generate(**batch, **kw), model.generate(**batch, pad_token_id=50256, **kw)
     )
+
+
+def _tiny(seed: int) -> fot.FoTForCausalLM:
+    torch.manual_seed(seed)
+    cfg = presets.config("fot_pro", "tiny", vocab_size=VOCAB, attn_backend="reference",
+                         hidden_size=32, num_heads=2)  # fmt: skip
+    return presets.build_model(cfg).eval()
+
+
+@pytest.mark.parametrize("shards", [("5GB", "20KB"), ("20KB", "5GB")])
+def test_export_over_a_previous_export_loads_the_new_weights(tmp_path, shards) -> None:
+    # A single-file export left model.safetensors behind a sharded re-export (and the reverse
+    # left the shards' index): from_pretrained then loaded the previous model's weights.
+    from transformers import AutoModelForCausalLM
+
+    old, new = _tiny(0), _tiny(1)
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "NOTES.md").write_text("mine")
+    export_hf(old, tmp_path / "m", max_shard_size=shards[0])
+    out = export_hf(new, tmp_path / "m", max_shard_size=shards[1])
+    x = torch.randint(0, VOCAB, (1, 9))
+    with torch.no_grad():
+        got = AutoModelForCausalLM.from_pretrained(out).eval()(x).logits
+        assert torch.equal(got, new(x).logits)
+    assert (out / "NOTES.md").read_text() == "mine"  # files of the user's stay
+
+
+def test_export_refuses_to_overwrite_files_it_did_not_write(tmp_path) -> None:
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"my": "settings"}')
+    (folder / "vocab.json").write_text("{}")
+    with pytest.raises(FileExistsError, match=r"config\.json, vocab\.json.*empty or new folder"):
+        export_hf(_tiny(0), folder)
+    assert (folder / "config.json").read_text() == '{"my": "settings"}'
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "vocab.json"]
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(NotADirectoryError, match="is a file"):
+        export_hf(_tiny(0), tmp_path / "file")

@@ -750,7 +750,8 @@ def test_signal_whose_raise_python_swallows_still_stops_prepare(tmp_path) -> Non
     import os
     import signal
 
-    from fot.data.prepare import _StopOnSignal, prepare
+    from fot.data.prepare import prepare
+    from fot.interrupt import StopOnSignal
 
     class SignalsInDel:
         def __del__(self) -> None:
@@ -764,7 +765,8 @@ def test_signal_whose_raise_python_swallows_still_stops_prepare(tmp_path) -> Non
 
     out = tmp_path / "tok"
     cleaned = []
-    with pytest.raises(KeyboardInterrupt), _StopOnSignal() as stop:
+    stop = StopOnSignal((signal.SIGTERM, signal.SIGINT))
+    with pytest.raises(KeyboardInterrupt), stop:
         try:
             prepare(stop.checked(docs()), out)
         finally:  # a second signal does not cut into the clean-up
@@ -814,3 +816,30 @@ def test_packed_num_sequences_never_counts_a_sequence_whose_last_label_wraps(tmp
     docs = [np.arange(1, T, dtype=np.uint16)] * 2  # 2 x (BOS + 7) = 16 tokens: 1 sequence
     assert PackedSource.from_documents(docs, T).num_sequences == 1
     assert PackedSource.from_flat(flat[: T + 1], T).num_sequences == 1
+
+
+def test_prepare_unreachable_hub_or_unreadable_input_is_one_error_line(
+    tmp_path, capsys, monkeypatch
+) -> None:
+    """Errors of the kinds train.py prints as one line (an unreachable hub, a file it may not
+    read) used to end `prepare` with a traceback."""
+    import datasets
+
+    from fot.data.prepare import main
+
+    def offline(path, **kw):
+        raise ConnectionError(f"Couldn't reach '{path}' on the Hub (LocalEntryNotFoundError)")
+
+    monkeypatch.setattr(datasets, "load_dataset_builder", offline)
+    out = tmp_path / "tok"
+    assert main(["--hf", "someone/corpus", "--out", str(out)]) == 2
+    assert "error: Couldn't reach 'someone/corpus' on the Hub" in capsys.readouterr().err
+    (tmp_path / "a.txt").write_text("hello")
+
+    def denied(self):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "read_bytes", denied)
+    assert main([str(tmp_path / "a.txt"), "--out", str(out)]) == 2
+    assert "Permission denied" in capsys.readouterr().err
+    assert not out.exists() and _hidden(tmp_path) == []

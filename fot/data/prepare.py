@@ -50,6 +50,8 @@ from pathlib import Path
 import numpy as np
 
 from fot.data.tokens import FORMAT, replace_folder, write_token_documents
+from fot.errors import USER_ERRORS
+from fot.interrupt import StopOnSignal
 
 STRUCTURED_SUFFIXES = (
     ".csv",
@@ -437,43 +439,6 @@ def prepare(
     return stats
 
 
-class _StopOnSignal:
-    """SIGTERM and SIGINT stop the run as Ctrl-C does, even where Python swallows the raise.
-
-    The handler raises ``KeyboardInterrupt``; a raise that lands inside a ``__del__`` (the
-    tokenizer's regex objects have one) is only printed by Python and the run goes on, so
-    :meth:`checked` raises it again at the next document once a signal has come.
-    """
-
-    def __init__(self) -> None:
-        self.signum: int | None = None
-        self._previous: dict[int, object] = {}
-
-    def __enter__(self) -> _StopOnSignal:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-    def _handle(self, signum: int, frame: object) -> None:
-        if self.signum is not None:
-            return  # a second signal must not cut into the clean-up that the first started
-        self.signum = signum
-        raise KeyboardInterrupt
-
-    def checked(self, docs: Iterator[np.ndarray]) -> Iterator[np.ndarray]:
-        """``docs``, raising ``KeyboardInterrupt`` before each item once a signal has come."""
-        for d in docs:
-            if self.signum is not None:
-                raise KeyboardInterrupt
-            yield d
-        if self.signum is not None:
-            raise KeyboardInterrupt
-
-
 def _positive_int(text: str) -> int:
     """An ``argparse`` type: an integer >= 1 (argparse names the option in its error)."""
     try:
@@ -549,7 +514,7 @@ def main(argv: list[str] | None = None) -> int:
         texts = iter_texts(args.inputs, glob=args.glob or ["*.txt"], text_field=args.text_field)
         source = ",".join(args.inputs)
     # `timeout`, Slurm and Docker stop with SIGTERM: clean up as for Ctrl-C (no temp folders).
-    stop = _StopOnSignal()
+    stop = StopOnSignal((signal.SIGTERM, signal.SIGINT))
     try:
         with stop:
             stats = prepare(
@@ -559,7 +524,7 @@ def main(argv: list[str] | None = None) -> int:
                 heldout_out=args.heldout_out,
                 source=source,
             )
-    except (FileNotFoundError, KeyError, ValueError) as err:
+    except (*USER_ERRORS, KeyError) as err:  # as train.py: one line (an unreachable hub too)
         print(f"error: {err.args[0] if isinstance(err, KeyError) else err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

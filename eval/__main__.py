@@ -12,11 +12,11 @@ import importlib
 import os
 import signal
 import sys
-import threading
 from collections.abc import Sequence
 from typing import Any
 
 from fot.errors import USER_ERRORS, error_line
+from fot.interrupt import StopOnSignal
 
 COMMANDS = {
     "per-token-loss": ("per_token_loss", "L(i) per position, P(l) and horizon averages"),
@@ -93,13 +93,6 @@ class _Terminated(KeyboardInterrupt):
     """SIGTERM, raised where the process is, so that it stops as on Ctrl-C."""
 
 
-def _raise_terminated(signum: int, frame: object) -> None:
-    # a second SIGTERM (a rank may get the scheduler's and torchrun's) must not cut into the
-    # saving that the first one starts
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    raise _Terminated
-
-
 def cli(argv: Sequence[str]) -> int:
     """Run :func:`main` for the command line; returns the process exit status.
 
@@ -112,12 +105,11 @@ def cli(argv: Sequence[str]) -> int:
     show_traceback = os.environ.get("FOT_EVAL_TRACEBACK") == "1"
     command = next((a for a in argv if a in COMMANDS), "")
     prog = f"python -m fot.eval {command}".rstrip()
-    previous = None
-    main_thread = threading.current_thread() is threading.main_thread()
-    if main_thread and signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN:
-        previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
-        main(argv)
+        # a second SIGTERM (a rank may get the scheduler's and torchrun's) is ignored, so that
+        # it does not cut into the saving that the first one starts
+        with StopOnSignal((signal.SIGTERM,), _Terminated):
+            main(argv)
     except KeyboardInterrupt as err:
         if show_traceback:
             raise
@@ -133,9 +125,6 @@ def cli(argv: Sequence[str]) -> int:
             raise
         print(error_line(prog, err, traceback_variable="FOT_EVAL_TRACEBACK"), file=sys.stderr)
         return 2
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
     return 0
 
 

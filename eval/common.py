@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from fot.errors import FotError
+from fot.interrupt import check_stop
 
 _DTYPES = {
     "float32": torch.float32,
@@ -922,6 +923,7 @@ class JsonlLog:
             os.fsync(f.fileno())
         self.records.append(record)
         self._done.add(str(record[self.key]))
+        check_stop()  # a SIGTERM whose first raise was lost (inside a __del__) stops here
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         return iter(self.records)

@@ -31,6 +31,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from fot.interrupt import check_stop
+
 from .common import (
     CONTEXT_LENGTH_HELP,
     add_run_arguments,
@@ -308,6 +310,7 @@ def evaluate_per_token_loss(
                 inputs, labels = torch.cat([bos, tokens[:, :-1]], 1), tokens  # (B, length)
             else:
                 inputs, labels = tokens[:, :-1], tokens[:, 1:]  # (B, length - 1)
+            check_stop()  # a SIGTERM whose first raise was lost (inside a __del__) stops here
             losses = token_losses(model, inputs, labels)
             consistent = False
             acc.update(losses)

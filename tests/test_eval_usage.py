@@ -111,6 +111,25 @@ def test_cli_user_errors_and_ctrl_c_print_a_message_not_a_traceback(tmp_path, mo
     assert "needle: stopped by SIGTERM; finished items are saved in --out" in err
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # put back
 
+    # A SIGTERM handled inside a __del__ (a tokenizer's regex objects have one) only prints its
+    # exception; the command still stops after the item it is in (at the next saved result)
+    from fot.eval.common import JsonlLog
+
+    class SignalsInDel:
+        def __del__(self) -> None:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def items_with_a_lost_raise(argv):
+        log = JsonlLog(tmp_path / "items.jsonl")
+        for i in range(5):
+            if i == 1:
+                SignalsInDel()  # made and dropped at once: __del__ runs now
+            log.append({"key": i})
+
+    monkeypatch.setattr(eval_main, "main", items_with_a_lost_raise)
+    assert cli(["needle", "x", "--out", "o"]) == 128 + signal.SIGTERM
+    assert len(JsonlLog(tmp_path / "items.jsonl")) == 2  # items 0 and 1, not all five
+
 
 def test_missing_overlay_is_refused_before_the_evaluation(llama, tmp_path):
     out = tmp_path / "o"

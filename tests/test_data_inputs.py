@@ -51,7 +51,8 @@ def test_hf_validation_split_is_read_once_never_wrapped(tmp_path, caplog) -> Non
     val_texts = [f"held-out document {i}: " + "more words " * i for i in range(5)]
     files = {
         "train": _jsonl(
-            tmp_path / "train.jsonl", [{"text": f"training doc {i}"} for i in range(9)]
+            tmp_path / "train.jsonl",
+            [{"text": f"training doc {i}" + " word" * 9} for i in range(9)],
         ),
         "validation": _jsonl(tmp_path / "val.jsonl", [{"text": t} for t in val_texts]),
     }
@@ -123,6 +124,23 @@ def test_hf_text_files_are_one_document_each(tmp_path, streaming: bool) -> None:
         np.testing.assert_array_equal(labels, want[1])
         text = get_encoding().decode([int(t) for t in inputs.reshape(-1)])
         assert text.startswith(f"<|endoftext|>{a}<|endoftext|>{b}<|endoftext|>")
+
+
+def test_hf_training_data_shorter_than_one_sequence_is_refused(tmp_path) -> None:
+    """A training split of fewer than data.seq_len + 1 tokens used to train on sequences of
+    its documents repeated over and over (a token folder that short is refused)."""
+    texts = ["one short document", "", "and another"]
+    files = _jsonl(tmp_path / "train.jsonl", [{"text": t} for t in texts])
+    length = _packed(texts, 2).length  # every document with its BOS
+    cfg = _cfg(kind="hf", path="json", seq_len=length, val_tokens=0, hf_data_files=files)
+    with pytest.raises(ValueError, match=rf"split 'train': the split holds {length} tokens"):
+        build_sources(cfg)
+    cfg.seq_len = length - 1  # exactly seq_len + 1 tokens: one sequence, every label inside
+    train, _ = build_sources(cfg)
+    np.testing.assert_array_equal(train.read(0, 1)[1], _packed(texts, length - 1).read(0, 1)[1])
+    cfg.packing = "padded"  # one document per sequence, padded: any length will do
+    cfg.seq_len = 4 * length
+    assert build_sources(cfg)[0].read(0, 1)[0].shape == (1, 4 * length)
 
 
 def test_hf_empty_and_none_texts_are_skipped(tmp_path) -> None:

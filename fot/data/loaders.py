@@ -178,7 +178,7 @@ def _hf_dataset(cfg: Any) -> Any:
 
 
 def _hf_source(cfg: Any, dataset: Any, split: str, *, count: int | None = None) -> HFSource:
-    """An :class:`HFSource` of one split, checked up to its first document.
+    """An :class:`HFSource` of one split, checked up to its first sequence (:meth:`HFSource.check`).
 
     Args:
         count: for held-out data: count the sequences of the split (reading it once, up to

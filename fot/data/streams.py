@@ -520,18 +520,27 @@ class HFSource:
     def check(self) -> None:
         """Read the dataset up to its first document and check it as training will (text
         column, type), so that a wrong ``data.text_field`` is reported before a run starts,
-        not at its first step.
+        not at its first step; with packing, read on until the documents fill one sequence
+        (``seq_len + 1`` tokens with their BOS), as a token folder must.
 
         Raises:
-            ValueError: the dataset has no rows, only empty texts, or its first row has no
-                usable text.
+            ValueError: the dataset has no rows, only empty texts, its first row has no
+                usable text, or (packed) it holds fewer than ``seq_len + 1`` tokens.
         """
-        rows = 0
+        rows = length = 0
         for row in self._rows():
             rows += 1
-            if len(self._tokens(row, rows - 1)):
+            n = len(self._tokens(row, rows - 1))
+            length += n + 1 if n else 0
+            if n and (self.packing == "padded" or length >= self.seq_len + 1):
                 return
-        raise ValueError(_no_documents(rows))
+        if not length:
+            raise ValueError(_no_documents(rows))
+        # the stream would repeat these documents within every sequence
+        raise ValueError(
+            f"the split holds {length} tokens (with a BOS per document), fewer than "
+            f"data.seq_len + 1 = {self.seq_len + 1}; use more data or a shorter data.seq_len"
+        )
 
     def count_sequences(self, limit: int) -> int:
         """Count the sequences one pass over the dataset gives without wrapping around, and

@@ -1049,7 +1049,11 @@ def load_npz(path: Path, keys: Sequence[str], fix: str) -> dict[str, np.ndarray]
 
 
 def parse_int_list(text: str | Iterable[int]) -> list[int]:
-    """Parse ``"1024,2048,4k,16k"`` (``k`` = 1024) into ints."""
+    """Parse ``"1024,2048,4k,16k"`` (``k`` = 1024; ``0.5k`` = 512) into ints.
+
+    Raises:
+        ValueError: a value that is not a whole number (``100.7``, ``1.1k``, ``nan``).
+    """
     if not isinstance(text, str):
         return [int(x) for x in text]
     values = []
@@ -1059,10 +1063,14 @@ def parse_int_list(text: str | Iterable[int]) -> list[int]:
             continue
         mult = 1024 if part.endswith("k") else 1
         try:
-            values.append(int(float(part.rstrip("k")) * mult))
-        except (ValueError, OverflowError):  # not a number, nan, inf
+            value = float(part.rstrip("k")) * mult
+            if value != int(value):  # e.g. 100.7: not silently cut to 100
+                raise ValueError
+            values.append(int(value))
+        except (ValueError, OverflowError):  # not a whole number, nan, inf
             raise ValueError(
-                f"cannot parse {part!r} in {text!r}: expected integers like '1024,2k,16k'"
+                f"cannot parse {part!r} in {text!r}: expected whole numbers of tokens like "
+                "'1024,2k,16k'"
             ) from None
     return values
 

@@ -328,6 +328,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     check_out_shared(out, "forgetting-curve")
     # Everything that can be checked without the model is checked before it loads.
     check_grid(lengths, "--lengths", minimum=6)  # n = (L - 2) // 2 >= 2 tokens
+    odd = [L for L in lengths if L % 2]
+    if odd:  # [bos] S [bos] S is 2n + 2 tokens: an odd L would be scored as L - 1
+        raise ValueError(
+            f"--lengths must be even (the inputs are [bos] S [bos] S, two spans of "
+            f"(L - 2) / 2 tokens), got {', '.join(map(str, odd))}; use e.g. {odd[0] + 1}"
+        )
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     if args.seed < 0:

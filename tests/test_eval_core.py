@@ -159,7 +159,7 @@ def test_accumulator_mask_and_bad_input():
 def test_moving_average_and_parsers():
     x = np.array([1.0, 2.0, 3.0, 4.0])
     np.testing.assert_allclose(moving_average(x, 2), [1.0, 1.5, 2.5, 3.5])
-    assert parse_int_list("1k, 2048,16k") == [1024, 2048, 16384]
+    assert parse_int_list("1k, 2048,16k,0.5k") == [1024, 2048, 16384, 512]
     with pytest.raises(ValueError, match="'abc'"):
         parse_int_list("1k,abc")
 

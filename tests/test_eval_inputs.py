@@ -257,12 +257,24 @@ def test_a_default_length_too_long_for_the_data_says_where_it_came_from(tmp_path
         (["forgetting-curve", "--lengths", "1e400"], "1e400"),
         (["needle", "--depths", "0,nan"], "nan"),  # passed every check before the model
         (["needle", "--depths=-inf,50"], "-inf"),
+        (["needle", "--lengths", "1k,100.7"], "100.7"),  # was cut to 100 silently
+        (["forgetting-curve", "--lengths", "1.1k"], "1.1k"),  # 1126.4 tokens
     ],
 )
 def test_non_finite_numbers_in_a_list_option_are_named(tmp_path, argv, bad):
     out = tmp_path / "o"
     with pytest.raises(ValueError, match=re.escape(repr(bad))):
         main([argv[0], str(tmp_path / "missing"), *argv[1:], "--out", str(out)])
+    assert not out.exists()
+
+
+def test_forgetting_curve_odd_lengths_are_refused(tmp_path):
+    # [bos] S [bos] S has 2n + 2 tokens with n = (L - 2) // 2: an odd L was scored at L - 1
+    # tokens and recorded as L
+    out = tmp_path / "o"
+    with pytest.raises(ValueError, match=r"--lengths must be even .* got 65, 129; use e.g. 66"):
+        main(["forgetting-curve", str(tmp_path / "missing"), "--lengths", "64,65,129",
+              "--out", str(out)])  # fmt: skip
     assert not out.exists()
 
 

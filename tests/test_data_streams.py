@@ -843,3 +843,41 @@ def test_prepare_unreachable_hub_or_unreadable_input_is_one_error_line(
     assert main([str(tmp_path / "a.txt"), "--out", str(out)]) == 2
     assert "Permission denied" in capsys.readouterr().err
     assert not out.exists() and _hidden(tmp_path) == []
+
+
+def test_sample_cache_written_by_another_rank_meanwhile_is_kept(tmp_path, monkeypatch) -> None:
+    """Every rank of a first torchrun tokenizes the sample corpus; a rank that finished second
+    used to replace (and delete) the cache the first one had written and opened: on a shared
+    file system its memmap goes stale, and ranks racing through the two renames crashed with
+    'no meta.json' or 'Directory not empty'. The first complete cache now wins."""
+    import os
+
+    from fot.data import sample
+    from fot.tokenizer import get_encoding
+
+    monkeypatch.setenv("FOT_CACHE_DIR", str(tmp_path))
+    texts = [("a", "First play text."), ("b", "Second play, another text.")]
+    folder = tmp_path / f"sample-{sample.sample_source()}-v1"
+    held_open = []
+
+    def texts_while_another_rank_finishes():
+        # the other rank writes the whole cache and reads it while this one tokenizes
+        enc = get_encoding()
+        docs = [np.asarray(enc.encode_ordinary(t), np.uint16) for _, t in texts]
+        write_token_documents(folder, docs, source="test", names=["a", "b"])
+        held_open.append(os.open(folder / "tokens.bin", os.O_RDONLY))
+        return texts
+
+    monkeypatch.setattr(sample, "sample_named_texts", texts_while_another_rank_finishes)
+    docs = sample.sample_token_documents()
+    try:
+        assert os.fstat(held_open[0]).st_nlink == 1  # the other rank's files were not deleted
+        assert docs.meta["source"] == "test"  # its cache is the one used
+    finally:
+        os.close(held_open[0])
+    assert [p.name for p in tmp_path.iterdir()] == [folder.name]  # nothing else left behind
+    # a damaged cache (an interrupted copy) is still replaced
+    (folder / "meta.json").write_text("{bad")
+    monkeypatch.setattr(sample, "sample_named_texts", lambda: texts)
+    assert sample.sample_token_documents().meta["names"] == ["a", "b"]
+    assert [p.name for p in tmp_path.iterdir()] == [folder.name]

@@ -20,13 +20,14 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import shutil
 import warnings
 from pathlib import Path
 from typing import Literal
 
 import numpy as np
 
-from fot.data.tokens import TokenDocuments, write_token_documents
+from fot.data.tokens import TokenDocuments, replace_folder, write_token_documents
 
 logger = logging.getLogger(__name__)
 
@@ -110,12 +111,27 @@ def sample_token_documents(split: Split = "all") -> TokenDocuments | list[np.nda
         enc = get_encoding()
         texts = sample_named_texts()
         logger.info("tokenizing the %s sample corpus into %s (once)", source, folder)
-        docs = write_token_documents(
-            folder,
-            (np.asarray(enc.encode_ordinary(text), dtype=np.uint16) for _, text in texts),
-            source=source,
-            names=[name for name, _ in texts],
-        )
+        # written under this process' own name, then renamed into place unless another
+        # process (another rank of the same run) got there first: its complete folder is
+        # kept, never replaced under the feet of a process that reads it
+        mine = folder.with_name(f".{folder.name}.{os.getpid()}")
+        try:
+            write_token_documents(
+                mine,
+                (np.asarray(enc.encode_ordinary(text), dtype=np.uint16) for _, text in texts),
+                source=source,
+                names=[name for name, _ in texts],
+            )
+            try:
+                mine.rename(folder)  # atomic; fails where a folder with files exists
+            except OSError:
+                try:
+                    TokenDocuments(folder)  # another process' complete cache: use it
+                except (FileNotFoundError, ValueError):  # a damaged cache
+                    replace_folder(mine, folder)
+        finally:  # left only where another cache won, or by an error or Ctrl-C
+            shutil.rmtree(mine, ignore_errors=True)
+        docs = TokenDocuments(folder)
     if split == "all":
         return docs
     held = _heldout_mask(len(docs))

@@ -1171,6 +1171,60 @@ def test_resume_on_rewritten_training_data_says_the_data_changed(tmp_path, caplo
     )
 
 
+def test_resume_keeps_this_runs_optimizer_settings_and_the_checkpoints_moments(tmp_path) -> None:
+    """Loading the optimizer state replaced every hyperparameter with the checkpoint's: a resumed
+    run with another optim.weight_decay/betas/eps trained on with the old ones without a word,
+    and the implementation flags (fused; capturable, which parallel.cuda_graphs needs) were the
+    saving run's, not this run's."""
+    from fot.training.checkpoint import load_checkpoint, save_checkpoint
+    from fot.training.config import OptimConfig
+    from fot.training.optim import build_optimizer
+
+    def make(cfg: OptimConfig):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+        return model, build_optimizer(model, cfg, device=torch.device("cpu"))
+
+    model, opt = make(OptimConfig(weight_decay=0.1, fused=False))
+    model(torch.randn(2, 4)).square().sum().backward()
+    opt.step()
+    state = {"step": 1, "tokens": 1, "data": {}, "sizes": {}}
+    path = save_checkpoint(tmp_path, step=1, model=model, optimizer=opt, trainer_state=state,
+                           keep_last=1, is_main=True)  # fmt: skip
+    model2, opt2 = make(OptimConfig(weight_decay=0.05, betas=[0.8, 0.9], eps=1e-6, fused=True))
+
+    def settings():  # (torch's loading turns betas into a list)
+        return [{**g, "params": None, "betas": tuple(g["betas"])} for g in opt2.param_groups]
+
+    want = settings()
+    load_checkpoint(path, model=model2, optimizer=opt2, rank=0)
+    assert settings() == want
+    for p, p2 in zip(model.parameters(), model2.parameters(), strict=True):
+        assert torch.equal(opt.state[p]["exp_avg_sq"], opt2.state[p2]["exp_avg_sq"])
+        assert torch.equal(p, p2)
+
+
+def test_resume_warns_where_the_optimizer_or_lr_schedule_differ(tmp_path) -> None:
+    from fot.training.config import to_container
+    from fot.training.trainer import check_resume
+
+    was = _cfg(tmp_path)  # 8 steps of 256 tokens, warmup 512, cosine to 0.1 x 0.01
+    saved = {"step": 4, "tokens": 1024, "sizes": {}, "config": to_container(was)}
+    path = tmp_path / "checkpoints" / "step_00000004"
+    assert check_resume(saved, _cfg(tmp_path), path) == []
+    assert check_resume(saved, _cfg(tmp_path, "log_every_tokens=512"), path) == []
+    notes = check_resume(saved, _cfg(tmp_path, "optim.weight_decay=0.05"), path)
+    assert len(notes) == 1 and "optim.weight_decay=0.1 (checkpoint) vs 0.05 (this run)" in notes[0]
+    notes = check_resume(saved, _cfg(tmp_path, "schedule.min_lr_ratio=0", "optim.lr=0.02"), path)
+    assert len(notes) == 1, notes
+    # step 5 ends at 1280 tokens: cosine at (1280 - 512) / 1536 = 1/2 of the way
+    assert (
+        "the next step's learning rate is 0.01 (it was 0.0055 in the checkpoint's run)" in notes[0]
+    )
+    assert "optim.lr=0.01 (checkpoint) vs 0.02" in notes[0]
+    assert "schedule.min_lr_ratio=0.1 (checkpoint) vs 0.0" in notes[0]
+
+
 def test_resume_takes_another_implementation_setting(tmp_path, reference_run, caplog) -> None:
     """Kernel backend, loss implementation and chunk size choose how the same model is computed:
     a resumed run may change them (e.g. a smaller loss chunk after running out of memory) and

@@ -308,6 +308,12 @@ def load_checkpoint(
         else:
             unwrap(model).load_state_dict(model_state)
         name = "optim.pt"
+        # The checkpoint gives the moments and step counts; the hyperparameters (betas, eps,
+        # weight decay) and implementation flags (fused, capturable for CUDA graphs) are this
+        # run's config's: loading would otherwise replace them with the saving run's, and the
+        # flags also decide where the step counts are put while loading.
+        for saved, own in zip(optim_state["param_groups"], optimizer.param_groups, strict=True):
+            saved.update({k: v for k, v in own.items() if k != "params"})
         set_optimizer_state_dict(model, optimizer, optim_state, options=_state_dict_options())
     except torch.OutOfMemoryError:
         raise

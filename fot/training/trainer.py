@@ -28,7 +28,7 @@ from torch import nn
 from fot.data.streams import Batch, SequenceStream, check_token_ids, iterate_eval_batches
 from fot.errors import FotError
 from fot.training import checkpoint as ckpt
-from fot.training.config import check_config, to_container
+from fot.training.config import ScheduleConfig, check_config, to_container
 from fot.training.cuda_graph import GraphedStep, check_cuda_graphs
 from fot.training.metrics import (
     FlopCounter,
@@ -402,6 +402,7 @@ def validation_sequences(data_cfg: Any, source: Any | None, *, unit: int, warn: 
 # The training data's source besides its kind and packing: a run resumes with other values
 # (a moved folder, a renamed file) with a warning; validation data may change freely.
 DATA_SOURCE_FIELDS = ("path", "hf_name", "hf_data_files", "hf_split", "streaming", "text_field")
+_SCHEDULE_FIELDS = ("name", "warmup_tokens", "min_lr_ratio")
 
 
 def check_resume(saved: dict[str, Any], cfg: Any, path: Path) -> list[str]:
@@ -419,7 +420,9 @@ def check_resume(saved: dict[str, Any], cfg: Any, path: Path) -> list[str]:
         :data:`fot.models.configuration_fot.IMPLEMENTATION_FIELDS` (kernel backend, loss
         implementation, chunk size, recomputation: how the same model is computed), or a
         field of :data:`DATA_SOURCE_FIELDS` (where the training data is read from; the data
-        position is the checkpoint's).
+        position is the checkpoint's), other AdamW settings (betas, eps, weight decay, clip),
+        or a learning rate at the next step that differs from the checkpoint run's (``optim.lr``,
+        ``schedule``, ``total_tokens``); the run goes on with this run's values.
 
     Raises:
         ValueError: the checkpoint's model (``model.name``, ``size.name``, any other
@@ -458,6 +461,7 @@ def check_resume(saved: dict[str, Any], cfg: Any, path: Path) -> list[str]:
             for key in DATA_SOURCE_FIELDS:
                 if key in was_data and was_data[key] != data[key]:
                     changed.append(f"data.{key}={was_data[key]} (checkpoint) vs {data[key]}")
+            changed += _optim_changes(config, now, saved, cfg)
     if differences:
         raise ValueError(
             f"cannot resume from checkpoint {path}: it was trained with other settings: "
@@ -466,7 +470,9 @@ def check_resume(saved: dict[str, Any], cfg: Any, path: Path) -> list[str]:
             "run (another out_dir, or resume=never to train from scratch in this folder)"
         )
     return [
-        f"resuming from {path} with another training data source: {line} (this run); the run "
+        f"resuming from {path} with {line}"
+        if line.startswith(("other optimizer", "another learning"))
+        else f"resuming from {path} with another training data source: {line} (this run); the run "
         "goes on at the checkpoint's position in the data stream (if the data only moved, "
         "nothing changes; if it is other data, it is read from that position, not from its "
         "start)"
@@ -476,6 +482,62 @@ def check_resume(saved: dict[str, Any], cfg: Any, path: Path) -> list[str]:
         "uninterrupted run in rounding"
         for line in changed
     ]
+
+
+def _optim_changes(
+    was: dict[str, Any], now: dict[str, Any], saved: dict[str, Any], cfg: Any
+) -> list[str]:
+    """What a resumed run changes of the optimizer and the learning rate, for a warning each:
+    the run goes on with this config's values (the checkpoint gives only the AdamW moments)."""
+    out = []
+    was_optim, optim = was.get("optim") or {}, now["optim"]
+    diffs = [
+        f"optim.{key}={was_optim[key]} (checkpoint) vs {optim[key]} (this run)"
+        for key in ("betas", "eps", "weight_decay", "grad_clip")
+        if key in was_optim and was_optim[key] != optim[key]
+    ]
+    if diffs:
+        out.append(
+            "other optimizer settings: " + "; ".join(diffs) + ". The run goes on with this "
+            "run's values and the checkpoint's AdamW moments, so it differs from an "
+            "uninterrupted run"
+        )
+    was_schedule = was.get("schedule")
+    if not isinstance(was_schedule, dict) or "lr" not in was_optim or "total_tokens" not in was:
+        return out  # a checkpoint of an older version
+    gbt = int(cfg.global_batch_tokens)
+    tokens = int(saved.get("tokens", 0)) + gbt  # the next step's, as the loop computes it
+    lrs = [
+        lr_at(
+            tokens,
+            peak_lr=float(lr),
+            total_tokens=int(total) // gbt * gbt,
+            cfg=ScheduleConfig(**{k: v for k, v in sched.items() if k in _SCHEDULE_FIELDS}),
+        )
+        for lr, total, sched in (
+            (was_optim["lr"], was["total_tokens"], was_schedule),
+            (optim["lr"], now["total_tokens"], now["schedule"]),
+        )
+    ]
+    if not math.isclose(lrs[0], lrs[1], rel_tol=1e-9, abs_tol=0.0):
+        keys = [("optim", "lr"), *(("schedule", k) for k in _SCHEDULE_FIELDS)]
+        keys.append(("", "total_tokens"))
+        diffs = [
+            f"{group + '.' if group else ''}{key}={before} (checkpoint) vs {after} (this run)"
+            for group, key in keys
+            for before, after in [
+                ((was.get(group) or {}).get(key), now[group][key])
+                if group
+                else (was.get(key), now[key])
+            ]
+            if before != after
+        ]
+        out.append(
+            f"another learning-rate schedule: the next step's learning rate is {lrs[1]:.3g} (it "
+            f"was {lrs[0]:.3g} in the checkpoint's run) as {'; '.join(diffs)}. The run goes on "
+            "with this run's schedule"
+        )
+    return out
 
 
 def _write_run_info(out_dir: Path, info: dict[str, Any]) -> None:

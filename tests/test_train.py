@@ -64,6 +64,10 @@ def _losses(out_dir: Path) -> dict[int, float]:
     return out
 
 
+def _metrics_lines(result: dict) -> list[str]:
+    return (Path(result["checkpoint"]).parents[1] / "metrics.jsonl").read_text().splitlines()
+
+
 def _run_script(args: list[str], *, env_extra: dict[str, str] | None = None, cwd: Path):
     env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": str(ROOT), **(env_extra or {})}
     return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
@@ -1223,6 +1227,33 @@ def test_resume_warns_where_the_optimizer_or_lr_schedule_differ(tmp_path) -> Non
     )
     assert "optim.lr=0.01 (checkpoint) vs 0.02" in notes[0]
     assert "schedule.min_lr_ratio=0.1 (checkpoint) vs 0.0" in notes[0]
+
+
+def test_validation_lost_at_the_checkpoint_step_runs_on_resume(tmp_path, monkeypatch) -> None:
+    """A run stopped in the validation after its checkpoint (a crash, or SIGTERM, which skips
+    it) resumed after that step: metrics.jsonl never got that step's validation record."""
+    from fot.training import trainer
+
+    args = ("total_tokens=1024", "val_every_tokens=512")  # validations at steps 2 and 4
+    out = tmp_path / "run"
+    evaluate, lost = trainer.evaluate, []
+
+    def fail(*a, **k):  # validates (the value the run would have logged), then stops
+        lost.append(evaluate(*a, **k)["val/loss"])
+        raise RuntimeError("stopped in validation")
+
+    monkeypatch.setattr(trainer, "evaluate", fail)
+    with pytest.raises(RuntimeError, match="stopped in validation"):
+        train(_cfg(out, *args))
+    assert [p.name for p in list_checkpoints(out / "checkpoints")] == ["step_00000002"]
+    monkeypatch.setattr(trainer, "evaluate", evaluate)
+    got = [json.loads(x) for x in _metrics_lines(train(_cfg(out, *args)))]
+    assert [r["step"] for r in got if "val/loss" in r] == [2, 4]
+    assert next(r["val/loss"] for r in got if "val/loss" in r) == lost[0]
+    assert [r["step"] for r in got if "loss" in r] == [1, 2, 3, 4]
+    train(_cfg(out, *args, "total_tokens=1536"))  # logged this time: not validated again
+    got = [json.loads(x) for x in _metrics_lines({"checkpoint": str(out / "checkpoints/x")})]
+    assert [r["step"] for r in got if "val/loss" in r] == [2, 4, 6]
 
 
 def test_resume_takes_another_implementation_setting(tmp_path, reference_run, caplog) -> None:

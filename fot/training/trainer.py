@@ -575,7 +575,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             message names the settings that need less memory.
         TrainingStopped: SIGTERM came during the training steps (``checkpoint_on_sigterm``):
             every rank finished the step it was in and checkpointed it (a validation due at that
-            step is skipped); ``resume=auto`` goes on from it as if uninterrupted.
+            step is skipped; the resumed run runs it first); ``resume=auto`` goes on from it as
+            if uninterrupted.
         ValueError / FileNotFoundError: bad sizes, options or missing data (with the fix).
     """
     for warning in check_config(cfg):
@@ -813,6 +814,21 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
             raise _out_of_memory_error(
                 err, cfg, phase="validation", step=step, strategy=strategy, device=info.device
             ) from err
+
+    if resume_from is not None and val_source is not None and 0 < step < total_steps:
+        # A validation due at the checkpoint's step runs after the save: a run stopped in it
+        # (a crash, or SIGTERM, which skips it) never logged it. Run it now, as the
+        # uninterrupted run did at this step (the weights are the same), unless it was logged.
+        due = _crossed(tokens - gbt, tokens, int(cfg.val_every_tokens))
+        logged = due and _from_rank0(
+            bool(_records_at(out_dir / "metrics.jsonl", step)["val"]) if info.is_main else None
+        )
+        if due and not logged:
+            val = validate()
+            if val:
+                metrics.log({"step": step, "tokens": tokens, **val})
+                if info.is_main:
+                    logger.info("validation of step %d, lost before the resume: %s", step, val)
 
     # ---- loop ----------------------------------------------------------------------------
     # No host sync in a step that does not log, validate or checkpoint: the loss, token count,

@@ -881,3 +881,20 @@ def test_sample_cache_written_by_another_rank_meanwhile_is_kept(tmp_path, monkey
     monkeypatch.setattr(sample, "sample_named_texts", lambda: texts)
     assert sample.sample_token_documents().meta["names"] == ["a", "b"]
     assert [p.name for p in tmp_path.iterdir()] == [folder.name]
+
+
+def test_negative_token_id_seen_only_as_a_label_is_refused() -> None:
+    """The last token of a zarr chunk (and of a rank's last packed sequence) is a label only;
+    a negative id there (e.g. -1 padding in an int32 array) passed the check and failed in the
+    loss (on CUDA: a device-side assert)."""
+    from fot.data.streams import check_token_ids
+
+    rows = np.arange(4 * 16, dtype=np.int32).reshape(4, 16)
+    rows[2, 7] = -1  # the last token of chunk 0 of row 2 (seq_len 8)
+    stream = SequenceStream(ZarrRowsSource(rows, 8), global_batch_size=8, micro_batch_size=4)
+    batches = stream.next_step()
+    assert -1 not in batches[0].input_ids  # the id reaches the labels only
+    with pytest.raises(ValueError, match=r"the training data holds token id -1, outside"):
+        check_token_ids(batches, 50257, what="training data")
+    padded = PaddedSource([np.array([5, 6], np.uint16)], 8).read(0, 1)  # -100: ignored labels
+    check_token_ids([make_batch(*padded, varlen=False)], 50257, what="training data")

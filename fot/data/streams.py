@@ -672,8 +672,11 @@ def check_token_ids(batches: Sequence[Batch], vocab_size: int, *, what: str) -> 
         ValueError: naming the bad id, the vocabulary size and the fixes.
     """
     for b in batches:
-        lo = int(b.input_ids.min())  # labels are the same tokens (or -100)
-        hi = max(int(b.input_ids.max()), int(b.labels.max()))
+        # labels hold the inputs' tokens plus one more per row (-100 where ignored), which
+        # no input holds in a zarr chunk or in the last sequence of a rank's share
+        labels = b.labels.masked_fill(b.labels == IGNORE_INDEX, 0)
+        lo = min(int(b.input_ids.min()), int(labels.min()))
+        hi = max(int(b.input_ids.max()), int(labels.max()))
         if lo < 0 or hi >= vocab_size:
             bad = lo if lo < 0 else hi
             larger = (

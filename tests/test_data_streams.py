@@ -898,3 +898,20 @@ def test_negative_token_id_seen_only_as_a_label_is_refused() -> None:
         check_token_ids(batches, 50257, what="training data")
     padded = PaddedSource([np.array([5, 6], np.uint16)], 8).read(0, 1)  # -100: ignored labels
     check_token_ids([make_batch(*padded, varlen=False)], 50257, what="training data")
+
+
+def test_prepare_reads_ndjson_files_as_json_lines(tmp_path, capsys) -> None:
+    """.ndjson and .jsonlines are JSON Lines files under other names; they used to be read as
+    plain text: one document of JSON markup per file."""
+    from fot.data.prepare import main
+
+    rows = [{"text": "first document"}, {"text": "second document"}]
+    names = ("a.ndjson", "b.jsonlines", "c.NDJSON")
+    for name in names:
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "tok"
+    assert main([*(str(tmp_path / n) for n in names), "--out", str(out)]) == 0
+    assert _decoded(out) == ["first document", "second document"] * 3
+    (tmp_path / "d.ndjson").write_text('{"body": "x"}\n')
+    assert main([str(tmp_path / "d.ndjson"), "--out", str(out)]) == 2
+    assert "d.ndjson:1 has no field 'text'" in capsys.readouterr().err

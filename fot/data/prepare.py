@@ -3,7 +3,8 @@
 Inputs, one document each:
 
 * a text file (``.txt``, ``.md``, ...): the whole file is one document;
-* a ``.jsonl`` file: every line is a document (its ``--text-field``, default ``text``);
+* a ``.jsonl`` file (or ``.ndjson``, ``.jsonlines``): every line is a document (its
+  ``--text-field``, default ``text``);
 * a folder: every file under it matching ``--glob`` (recursively, sorted; default ``*.txt``,
   give ``--glob`` several times for several patterns: ``--glob '*.txt' --glob '*.md'``);
 * a quoted glob pattern (``'data/**/*.txt'``): every file or folder it matches;
@@ -67,6 +68,9 @@ STRUCTURED_SUFFIXES = (
 )
 """Suffixes of files that are not plain text: refused as inputs (they would become one
 document of raw bytes or markup); ``--hf csv|parquet|json|arrow --data-files FILE`` reads them."""
+
+JSONL_SUFFIXES = (".jsonl", ".ndjson", ".jsonlines")
+"""Suffixes of JSON Lines files: one document per line (its ``--text-field``)."""
 
 _GLOB_CHARS = frozenset("*?[")
 
@@ -206,7 +210,7 @@ def iter_texts(
                 repeated += 1
                 continue
             seen.add(real)
-            if f.suffix.lower() == ".jsonl":
+            if f.suffix.lower() in JSONL_SUFFIXES:
                 yield from _jsonl_texts(f, text_field)
             elif f.suffix.lower() in STRUCTURED_SUFFIXES:
                 loader = {".csv": "csv", ".tsv": "csv", ".parquet": "parquet", ".arrow": "arrow"}

@@ -727,6 +727,42 @@ def test_abandon_newer_records_moves_later_steps_and_cut_lines_aside(tmp_path) -
     assert path.read_text() == "" and len(aside.read_text().splitlines()) == 5
 
 
+def test_a_delete_cut_short_by_keep_last_leaves_no_checkpoint_that_looks_complete(
+    tmp_path, monkeypatch
+) -> None:
+    """keep_last deleted old checkpoints in place: a kill during the delete left a step_N folder
+    with trainer.json but no model.pt, which counted as a complete checkpoint (for keep_last, and
+    as the earlier one to resume from in the corrupt-checkpoint error)."""
+    from fot.training import checkpoint
+
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    state = {"step": 0, "tokens": 0, "data": {}, "sizes": {}}
+
+    def save(step: int):
+        return checkpoint.save_checkpoint(tmp_path, step=step, model=model, optimizer=opt,
+                                          trainer_state=state, keep_last=1, is_main=True)  # fmt: skip
+
+    save(1)
+    rmtree = shutil.rmtree
+
+    def killed(path, *args, **kwargs):  # deletes one file of the old checkpoint, then dies
+        if not (Path(path) / "model.pt").is_file():
+            return rmtree(path, *args, **kwargs)
+        (Path(path) / "model.pt").unlink()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", killed)
+    with pytest.raises(KeyboardInterrupt):
+        save(2)
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", rmtree)
+    assert list_checkpoints(tmp_path) == [tmp_path / "step_00000002"]
+    checkpoint.clean_stale(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000002"]
+    save(2)  # saving a step again (the final save) replaces it
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000002"]
+
+
 def test_abandon_newer_moves_only_newer_checkpoints_aside(tmp_path) -> None:
     from fot.training.checkpoint import abandon_newer, clean_stale, latest_checkpoint
 

@@ -9,7 +9,9 @@ A checkpoint is a folder ``<run>/checkpoints/step_<step:08d>/`` holding
 
 It is written into ``.tmp-step_<step>`` and renamed into place only when complete, so a crash
 mid-save leaves the previous checkpoint the latest usable one (a stale temp folder is ignored
-and cleaned up). Older checkpoints beyond ``keep_last`` are deleted after the rename.
+and cleaned up). Older checkpoints beyond ``keep_last`` are deleted after the rename (renamed
+to ``.tmp-step_<step>.deleting`` first, so a delete cut short leaves nothing that looks
+complete).
 Checkpoints newer than the one a run resumes from belong to an abandoned run: they are renamed
 to ``.abandoned-step_<step>`` (kept, but no longer picked by ``resume=auto`` nor counted by
 ``keep_last``).
@@ -128,6 +130,16 @@ def _save(obj: Any, path: Path) -> None:
         os.fsync(f.fileno())
 
 
+def _set_aside(ckpt: Path) -> Path:
+    """Rename a checkpoint that is to be deleted to ``.tmp-step_N.deleting``: a delete cut short
+    (a crash, an error) then leaves no ``step_N`` folder missing files that would count as
+    complete; :func:`clean_stale` removes what is left."""
+    trash = ckpt.with_name(f".tmp-{ckpt.name}.deleting")
+    shutil.rmtree(trash, ignore_errors=True)
+    os.rename(ckpt, trash)
+    return trash
+
+
 def list_checkpoints(ckpt_dir: str | os.PathLike) -> list[Path]:
     """Complete checkpoints under ``ckpt_dir``, oldest first."""
     root = Path(ckpt_dir)
@@ -214,12 +226,15 @@ def save_checkpoint(
             f.flush()
             os.fsync(f.fileno())
         _fsync_dir(tmp)
+        replaced = None
         if final.exists():  # re-saving the same step (e.g. final save after a periodic one)
-            shutil.rmtree(final)
+            replaced = _set_aside(final)
         os.rename(tmp, final)
         _fsync_dir(root)
+        if replaced is not None:
+            shutil.rmtree(replaced, ignore_errors=True)
         for old in list_checkpoints(root)[: -max(keep_last, 1)]:
-            shutil.rmtree(old, ignore_errors=True)
+            shutil.rmtree(_set_aside(old), ignore_errors=True)
     if _dist():
         dist.barrier()
     return final

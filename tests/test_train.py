@@ -1292,6 +1292,21 @@ def test_validation_lost_at_the_checkpoint_step_runs_on_resume(tmp_path, monkeyp
     assert [r["step"] for r in got if "val/loss" in r] == [2, 4, 6]
 
 
+def test_run_info_cut_short_by_a_crash_does_not_block_the_resume(tmp_path, caplog) -> None:
+    """run_info.json was rewritten in place: a kill while writing it left a truncated file, and
+    every later start in that folder failed with a JSONDecodeError traceback."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "run_info.json").write_text('[\n  {\n    "started": "2026-')
+    caplog.set_level(logging.WARNING, logger="fot.train")
+    train(_cfg(out, "total_tokens=256"))
+    runs = json.loads((out / "run_info.json").read_text())
+    assert len(runs) == 1 and runs[0]["total_steps"] == 1
+    kept = out / "run_info.unreadable.json"
+    assert kept.read_text() == '[\n  {\n    "started": "2026-'
+    assert str(kept) in caplog.text
+
+
 def test_resume_takes_another_implementation_setting(tmp_path, reference_run, caplog) -> None:
     """Kernel backend, loss implementation and chunk size choose how the same model is computed:
     a resumed run may change them (e.g. a smaller loss chunk after running out of memory) and

@@ -541,10 +541,25 @@ def _optim_changes(
 
 
 def _write_run_info(out_dir: Path, info: dict[str, Any]) -> None:
+    """Append this run's record to ``run_info.json`` (one per start in the folder), atomically:
+    a kill while writing leaves the previous file. One that cannot be read (cut short by an
+    older version) is moved to ``run_info.unreadable.json`` with a warning, not a traceback."""
     path = out_dir / "run_info.json"
-    runs = json.loads(path.read_text()) if path.is_file() else []
+    runs: list[Any] = []
+    if path.is_file():
+        try:
+            runs = json.loads(path.read_text())
+            if not isinstance(runs, list):
+                raise ValueError("not a list of run records")
+        except ValueError as err:
+            kept = path.with_name("run_info.unreadable.json")
+            os.replace(path, kept)
+            logger.warning("%s could not be read (%s): moved to %s", path, err, kept)
+            runs = []
     runs.append(info)
-    path.write_text(json.dumps(runs, indent=2, default=str) + "\n")
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(runs, indent=2, default=str) + "\n")
+    os.replace(tmp, path)
 
 
 def train(cfg: DictConfig) -> dict[str, Any]:

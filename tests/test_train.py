@@ -1307,6 +1307,17 @@ def test_run_info_cut_short_by_a_crash_does_not_block_the_resume(tmp_path, caplo
     assert str(kept) in caplog.text
 
 
+def test_final_json_cut_short_by_a_crash_finishes_the_run_again(tmp_path) -> None:
+    """final.json was written in place: a kill while writing it left a truncated file, and
+    rerunning the finished run failed with a JSONDecodeError traceback."""
+    out = tmp_path / "run"
+    want = train(_cfg(out, "total_tokens=256"))
+    (out / "final.json").write_text('{\n  "step": 1,\n  "tok')
+    got = train(_cfg(out, "total_tokens=256"))
+    assert json.loads((out / "final.json").read_text()) == got
+    assert got["step"] == want["step"] == 1 and got["loss"] == want["loss"]
+
+
 def test_resume_takes_another_implementation_setting(tmp_path, reference_run, caplog) -> None:
     """Kernel backend, loss implementation and chunk size choose how the same model is computed:
     a resumed run may change them (e.g. a smaller loss chunk after running out of memory) and

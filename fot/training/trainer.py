@@ -540,6 +540,16 @@ def _optim_changes(
     return out
 
 
+def _read_final(path: Path) -> dict[str, Any] | None:
+    """A finished run's ``final.json``, or ``None`` where there is none or it cannot be read
+    (cut short by a crash while an older version wrote it: the run then finishes again)."""
+    try:
+        result = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return result if isinstance(result, dict) else None
+
+
 def _write_run_info(out_dir: Path, info: dict[str, Any]) -> None:
     """Append this run's record to ``run_info.json`` (one per start in the folder), atomically:
     a kill while writing leaves the previous file. One that cannot be read (cut short by an
@@ -652,7 +662,10 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
             if info.is_main:
                 logger.warning(note)
         final = out_dir / "final.json"
-        if saved["step"] >= total_steps and _from_rank0(final.is_file()):
+        if (
+            saved["step"] >= total_steps
+            and (done := _from_rank0(_read_final(final) if info.is_main else None)) is not None
+        ):
             # a finished run: validating and exporting again would only log the same twice
             if info.is_main:
                 logger.warning(
@@ -667,7 +680,7 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
                     total_steps,
                     final,
                 )
-            return json.loads(final.read_text())
+            return done
 
     # before the model, the run's records and wandb: a refused profile leaves none of them
     steps_left = total_steps - (saved["step"] if resume_from is not None else 0)
@@ -1115,7 +1128,9 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
     metrics.close()
     barrier()
     if info.is_main:
-        (out_dir / "final.json").write_text(json.dumps(result, indent=2) + "\n")
+        tmp = out_dir / ".final.json.tmp"  # a kill while writing leaves no cut-short file
+        tmp.write_text(json.dumps(result, indent=2) + "\n")
+        os.replace(tmp, out_dir / "final.json")
     return result
 
 

@@ -11,8 +11,9 @@ both of these work (with fot installed)::
 The first works for FoT and Transformer models; FLA baselines (``mamba2``, ``deltanet``, ...) are
 registered only by :func:`fot.models.fla_baselines.register_auto_classes` (``import fot`` does
 not import FLA), so load their folders with ``trust_remote_code=True`` or call it first:
-otherwise transformers asks to run the folder's code, or for ``mamba2`` loads its own,
-different ``Mamba2ForCausalLM``.
+otherwise transformers asks to run the folder's code. Their ``model_type`` is fot's
+(``fot_mamba2``, ...; :func:`fot.models.fla_baselines.fla_config_class`), so transformers never
+takes one for its own model of FLA's type name.
 
 Without ``import fot``, pass ``trust_remote_code=True`` to ``AutoTokenizer.from_pretrained(dir)``
 as well: transformers reads ``config.json`` (whose ``auto_map`` names the shims) before the

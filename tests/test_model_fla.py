@@ -80,7 +80,10 @@ def test_fla_presets_are_fla_classes_at_paper_sizes() -> None:
         ("samba", "SambaConfig"),
     ]:
         c = presets.config(name, "760m")
-        assert type(c).__name__ == cls and c.vocab_size == 50257 and not c.tie_word_embeddings
+        base = type(c).__mro__[1]  # FLA's class, under fot's model type (fla_config_class)
+        assert type(c).__name__ == f"FoT{cls}" and base.__name__ == cls
+        assert base.__module__.startswith("fla.") and c.model_type == f"fot_{base.model_type}"
+        assert c.vocab_size == 50257 and not c.tie_word_embeddings
     assert presets.config("deltanet", "760m").num_heads == 12
     assert presets.config("samba", "760m").attn["window_size"] == 2048
     for name in ("mamba2", "deltanet", "hgrn2"):
@@ -153,6 +156,46 @@ def test_fla_export_loads_through_fot_eval_without_remote_code(tmp_path) -> None
     for (name, a), b in zip(m.state_dict().items(), loaded.state_dict().values()):
         assert torch.equal(a, b), name
     assert tok("Hello world").input_ids == [50256, 15496, 995]  # BOS first, as in training
+
+
+def test_exported_mamba2_never_loads_as_transformers_own_mamba2(tmp_path) -> None:
+    """Under FLA's model type "mamba2" a folder loaded after ``import fot`` alone (or by
+    ``lm_eval --model hf`` without trust_remote_code) silently became transformers' own
+    Mamba2ForCausalLM, which computes other logits from the same weights (max |diff| 0.6 on
+    logits of size ~1 measured here). Exported under "fot_mamba2", it is refused with the fix
+    instead; folders exported before still load through fot.eval as fot's wrapper."""
+    import os
+    import subprocess
+    import sys
+
+    from fot.eval.common import load_checkpoint
+    from fot.export import export_hf
+
+    m = tiny("mamba2").eval()
+    out = export_hf(m, tmp_path / "mamba2")
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "fot_mamba2"
+    code = (
+        "import fot\n"
+        "from transformers import AutoModelForCausalLM\n"
+        f"m = AutoModelForCausalLM.from_pretrained({str(out)!r})\n"
+        "print(type(m).__name__)\n"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1", "HF_MODULES_CACHE": str(tmp_path / "mods")}
+    res = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300,
+        stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert res.returncode != 0 and "Mamba2ForCausalLM" not in res.stdout
+    assert "trust_remote_code=True" in res.stderr
+    # a folder of the earlier exports: FLA's model type, remote code naming FLA's config class
+    config["model_type"] = "mamba2"
+    config["auto_map"]["AutoConfig"] = "configuration_fot.Mamba2Config"
+    (out / "config.json").write_text(json.dumps(config))
+    loaded, _ = load_checkpoint(out, device="cpu", dtype="float32")
+    assert type(loaded).__name__ == "FoTMamba2ForCausalLM"
+    for (name, a), b in zip(m.state_dict().items(), loaded.state_dict().values()):
+        assert torch.equal(a, b), name
 
 
 def test_mamba2_blocks_are_found_for_activation_checkpointing(device) -> None:

@@ -97,13 +97,13 @@ def fla_config(model: str, size: str, **overrides: Any) -> PretrainedConfig:
         **overrides: FLA config fields.
 
     Returns:
-        An instance of FLA's config class for that model.
+        An instance of :func:`fla_config_class` (a subclass of FLA's config class).
     """
     if model not in _FLA_CLASSES:
         raise ValueError(f"unknown FLA baseline {model!r}; valid: {list(FLA_MODELS)}")
     if size not in _HIDDEN:
         raise ValueError(f"unknown size {size!r}; valid sizes: {list(_HIDDEN)}")
-    config_cls = getattr(_fla_models_module(), _FLA_CLASSES[model][0])
+    config_cls = fla_config_class(model)
     fields: dict[str, Any] = {
         "vocab_size": 50257,
         "bos_token_id": 50256,
@@ -119,9 +119,44 @@ def fla_config(model: str, size: str, **overrides: Any) -> PretrainedConfig:
     return config_cls(**fields)
 
 
+_CONFIGS: dict[str, type] = {}
+
+
+def fla_config_class(name: str) -> type:
+    """fot's subclass of FLA's config class for baseline ``name`` (cached).
+
+    It only renames the model type to ``fot_<FLA's model type>`` (``fot_mamba2``, ...), the
+    ``model_type`` that exported folders carry. Under FLA's own type name transformers would
+    load a folder as its own model of that name where it has one: for ``mamba2`` its
+    ``Mamba2ForCausalLM``, which computes different logits from the same weights, silently.
+    Under fot's name a folder loads through fot's wrapper (``trust_remote_code=True`` or
+    :func:`register_auto_classes`), or not at all.
+    """
+    if name not in _CONFIGS:
+        config_cls_name = _FLA_CLASSES[name][0]
+        base = getattr(_fla_models_module(), config_cls_name)
+
+        def __init__(self: Any, *args: Any, __base: type = base, **kwargs: Any) -> None:
+            # FLA's own __init__: without one here, transformers' dataclass processing of the
+            # subclass would replace it with a generated one that skips FLA's fields
+            __base.__init__(self, *args, **kwargs)
+
+        _CONFIGS[name] = type(
+            f"FoT{config_cls_name}",
+            (base,),
+            {
+                "__init__": __init__,
+                "model_type": f"fot_{base.model_type}",
+                "__module__": __name__,
+                "__doc__": f"FLA's {config_cls_name} under fot's model type for {name}.",
+            },
+        )
+    return _CONFIGS[name]
+
+
 def _fla_name(config: PretrainedConfig) -> str:
     for name, (config_cls, _, _) in _FLA_CLASSES.items():
-        if type(config).__name__ == config_cls:
+        if type(config).__name__ in (config_cls, f"FoT{config_cls}"):
             return name
     raise ValueError(
         f"no FLA baseline for config class {type(config).__name__}; valid: "
@@ -324,6 +359,7 @@ def fla_model_class(name: str) -> type:
             (_FoTContractMixin, base),
             {
                 "_supports_varlen": varlen,
+                "config_class": fla_config_class(name),
                 "__module__": __name__,
                 "__doc__": f"FLA's {model_cls_name} with the fot model contract.",
             },
@@ -332,22 +368,23 @@ def fla_model_class(name: str) -> type:
 
 
 def register_auto_classes() -> None:
-    """Make ``AutoModelForCausalLM`` build the fot-contract wrappers for FLA's config classes
-    (instead of FLA's own classes, which ``import fla`` registers)."""
-    from transformers import AutoModelForCausalLM
+    """Make ``AutoConfig`` / ``AutoModelForCausalLM`` load the baselines' folders through the
+    fot-contract wrappers: fot's model types (``fot_mamba2``, ...) and, for folders exported
+    before those types, FLA's config classes (instead of FLA's own model classes, which
+    ``import fla`` registers)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     for name, (config_cls_name, _, _) in _FLA_CLASSES.items():
-        config_cls = getattr(_fla_models_module(), config_cls_name)
-        model_cls = fla_model_class(name)
+        config_cls, model_cls = fla_config_class(name), fla_model_class(name)
+        AutoConfig.register(config_cls.model_type, config_cls, exist_ok=True)
         AutoModelForCausalLM.register(config_cls, model_cls, exist_ok=True)
+        # register() insists on the model's own config class; FLA's is its base
+        base = getattr(_fla_models_module(), config_cls_name)
+        AutoModelForCausalLM._model_mapping.register(base, model_cls, exist_ok=True)
         # The class names transformers knows as causal LMs (HF Trainer's label smoothing
-        # shifts the labels only for those); FLA's own are not there either. Under a key of
-        # its own where transformers has a model of the same type name (mamba2).
-        key = config_cls.model_type
-        if MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(key, model_cls.__name__) != model_cls.__name__:
-            key = f"{key}-fot"
-        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[key] = model_cls.__name__
+        # shifts the labels only for those); FLA's own are not there either.
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config_cls.model_type] = model_cls.__name__
 
 
 def build_fla_model(config: PretrainedConfig) -> torch.nn.Module:
@@ -367,10 +404,13 @@ def build_fla_model(config: PretrainedConfig) -> torch.nn.Module:
 
 
 def __getattr__(name: str) -> type:
-    # Lazy module attributes FoTMamba2ForCausalLM etc., so exported auto_map shims can import them.
-    for key, (_, model_cls_name, _) in _FLA_CLASSES.items():
+    # Lazy module attributes FoTMamba2ForCausalLM, FoTMamba2Config etc., so that exported
+    # auto_map shims can import them.
+    for key, (config_cls_name, model_cls_name, _) in _FLA_CLASSES.items():
         if name == f"FoT{model_cls_name}":
             return fla_model_class(key)
+        if name == f"FoT{config_cls_name}":
+            return fla_config_class(key)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -378,6 +418,7 @@ __all__ = [
     "FLA_MODELS",
     "build_fla_model",
     "fla_config",
+    "fla_config_class",
     "fla_model_class",
     "register_auto_classes",
 ]

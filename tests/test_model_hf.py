@@ -382,6 +382,30 @@ def test_bf16_load_keeps_forget_gate_projection_fp32(tmp_path) -> None:
     assert torch.isfinite(b(x, labels=x).loss)
 
 
+def test_cast_to_16_bits_keeps_forget_gate_projection_fp32(tmp_path) -> None:
+    # model.to(torch.bfloat16) rounded the gate's weights and bias (6.3 -> 6.3125: 0.36 nats
+    # of decay over 16k tokens); from_pretrained(dtype=bf16) keeps them fp32. Oracle: that load.
+    m = tiny("fot_pro").eval()
+    with torch.no_grad():
+        for layer in m.model.layers:
+            layer.self_attn.fgate_proj.bias.fill_(6.3)
+    m.save_pretrained(tmp_path)
+    loaded = fot.FoTForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
+    m.to(torch.bfloat16)
+    for layer, ref in zip(m.model.layers, loaded.model.layers):
+        got, want = layer.self_attn.fgate_proj, ref.self_attn.fgate_proj
+        assert got.weight.dtype == got.bias.dtype == torch.float32
+        assert torch.equal(got.weight, want.weight) and torch.equal(got.bias, want.bias)
+        assert layer.self_attn.q_proj.weight.dtype == torch.bfloat16
+    x = ids(2, 12)
+    assert torch.equal(m(x).logits, loaded(x).logits)
+    gate = m.model.layers[0].self_attn.fgate_proj
+    m.half()
+    assert gate.weight.dtype == torch.float32 and m.lm_head.weight.dtype == torch.float16
+    m.double()  # other casts apply as usual
+    assert gate.weight.dtype == torch.float64 == m.lm_head.weight.dtype
+
+
 @pytest.mark.parametrize("model", ["fot_pro", "fot_llama_bias_only"])
 def test_offloaded_device_map_computes_what_the_plain_load_does(model: str, tmp_path) -> None:
     # from_pretrained(device_map=...) with offloaded modules keeps their weights on the meta

@@ -982,6 +982,8 @@ def test_mfu_counts_the_attention_each_step_computes(tmp_path) -> None:
         ("NVIDIA H100 NVL", 1671e12 / 2),
         ("NVIDIA H800 PCIe", 1513e12 / 2),
         ("NVIDIA A100-SXM4-80GB", 624e12 / 2),
+        ("NVIDIA H200", 1979e12 / 2),
+        ("NVIDIA H200 NVL", 1671e12 / 2),
     ],
 )
 def test_peak_flops_of_the_card_the_name_says(monkeypatch, name: str, peak: float) -> None:

@@ -81,6 +81,52 @@ def test_peak_learning_rates_from_the_paper(hydra_ctx) -> None:
     assert lr["transformer_llama_760m_48b"] == 5e-4
 
 
+# The paper's released configs (zhixuan-lin/forgetting-transformer,
+# configs/experiment/longcrawl64/{forgetting_transformer,transformer}/<variant>_<scale>.yaml):
+# optimizer.lr and model.config.{hidden_size, num_hidden_layers, num_heads}. Pro variants set
+# hidden_ratio 3.5, LLaMA variants keep the default 4; Transformers use RoPE and no forget gate.
+PAPER_RUNS = {
+    # scale: (hidden, layers, FoX heads, Transformer heads)
+    "dims": {
+        "125m_2b": (768, 12, 12, 12),
+        "360m_7b": (1024, 24, 16, 16),
+        "760m_16b": (1536, 24, 24, 12),
+        "760m_48b": (1536, 24, 24, 12),
+    },
+    # model: peak LR at 125m_2b, 360m_7b, 760m_16b, 760m_48b
+    "lr": {
+        "fot_llama": (2e-3, 2e-3, 1e-3, 1e-3),
+        "fot_pro": (2e-3, 2e-3, 1e-3, 2e-3),
+        "transformer_llama": (2e-3, 2e-3, 1e-3, 5e-4),
+        "transformer_pro": (2e-3, 2e-3, 1e-3, 1e-3),
+    },
+}
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_experiment_model_and_lr_match_the_paper_configs(hydra_ctx, name: str) -> None:
+    model, scale = name.rsplit("_", 2)[0], "_".join(name.rsplit("_", 2)[1:])
+    cfg = compose("train", overrides=[f"experiment={name}"])
+    scales = list(PAPER_RUNS["dims"])
+    assert cfg.optim.lr == PAPER_RUNS["lr"][model][scales.index(scale)]
+    hidden, layers, fox_heads, tf_heads = PAPER_RUNS["dims"][scale]
+    built = model_config_from_train_config(cfg)
+    transformer = model.startswith("transformer")
+    assert (built.hidden_size, built.num_hidden_layers) == (hidden, layers)
+    assert built.num_heads == (tf_heads if transformer else fox_heads)
+    assert built.hidden_ratio == (3.5 if model.endswith("pro") else 4)
+    assert built.use_rope == transformer and built.rope_theta == 500000
+    assert built.fgate_type == ("none" if transformer else "full") and built.fgate_bias_init == 0
+    pro = model.endswith("pro")
+    assert (built.qk_norm, built.use_k_shift, built.use_v_shift) == (pro, pro, pro)
+    assert (built.use_output_norm, built.use_output_gate) == (pro, pro)
+    # paper model config defaults (configs/model/forgetting_transformer.py, transformer.py);
+    # QK-norm eps: its q/k norms take their class default 1e-5 (model/.../layernorm.py)
+    assert (built.vocab_size, built.norm_eps, built.qk_norm_eps) == (50257, 1e-6, 1e-5)
+    assert built.initializer_range == 0.02 and not built.tie_word_embeddings
+    assert cfg.optim.eps == 1e-8  # torch.optim.AdamW default; the paper's config sets none
+
+
 def test_default_is_tiny_fot_pro_on_sample(hydra_ctx) -> None:
     cfg = compose("train")
     assert (cfg.model.name, cfg.size.name, cfg.data.kind) == ("fot_pro", "tiny", "sample")

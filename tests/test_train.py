@@ -994,6 +994,29 @@ def test_peak_flops_of_the_card_the_name_says(monkeypatch, name: str, peak: floa
     assert peak_flops_per_device(torch.device("cuda", 0)) == pytest.approx(peak, rel=2e-3)
 
 
+def test_flop_counter_counts_sambas_sliding_window_attention_layers() -> None:
+    """Samba's config names its softmax-attention layers (``attn.layers``, a sliding window of
+    ``attn.window_size`` keys): each counts ``12 d`` FLOPs per (query, key) pair, the Mamba
+    layers none. Recurrent models without such layers (DeltaNet) count no attention. The
+    model is a stand-in (FLA's Samba needs flash-attn to build): only its parameter count
+    matters here."""
+    from fot import presets
+    from fot.training.metrics import FlopCounter
+
+    model = torch.nn.Module()
+    model.emb = torch.nn.Embedding(10, 4)  # not in N
+    model.head = torch.nn.Linear(4, 7, bias=False)  # N = 28
+    model.get_input_embeddings = lambda: model.emb
+    samba = presets.config("samba", "tiny")  # hidden 128, attention in layer 1 of 2, window 64
+    counter = FlopCounter.of(model, samba)
+    assert (counter.params, counter.attn_layers, counter.d_attn, counter.window) == (28, 1, 128, 64)
+    T = 256
+    pairs = 64 * 65 // 2 + (T - 64) * 64  # the first 64 queries see 1..64 keys, the rest 64
+    assert counter.of_documents([T]) == 6 * 28 * T + 12 * 1 * 128 * pairs
+    deltanet = FlopCounter.of(model, presets.config("deltanet", "tiny"))
+    assert deltanet.attn_layers == 0 and deltanet.of_documents([T]) == 6 * 28 * T
+
+
 @pytest.mark.parametrize(("mode", "offers_offline"), [("online", True), ("offline", False)])
 def test_wandb_that_cannot_start_warns_with_the_ways_out(
     tmp_path, monkeypatch, mode, offers_offline

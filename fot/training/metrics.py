@@ -102,15 +102,25 @@ class FlopCounter:
         """The counter of ``model`` (unwrapped) with HF config ``config``."""
         emb = model.get_input_embeddings().weight.numel()
         n = sum(p.numel() for p in model.parameters()) - emb
-        attn_layers = (
-            config.num_hidden_layers if getattr(config, "model_type", None) == "fot" else 0
-        )
-        return cls(
-            params=n,
-            attn_layers=int(attn_layers),
-            d_attn=int(getattr(config, "hidden_size", 0)),
-            window=getattr(config, "window_size", None),
-        )
+        if getattr(config, "model_type", None) == "fot":
+            return cls(
+                params=n,
+                attn_layers=int(config.num_hidden_layers),
+                d_attn=int(config.hidden_size),
+                window=getattr(config, "window_size", None),
+            )
+        # FLA hybrids (Samba) name their softmax-attention layers in ``config.attn``; heads
+        # of ``hidden_size // num_heads``, sliding window of ``window_size`` keys
+        attn = getattr(config, "attn", None)
+        if isinstance(attn, dict) and attn.get("layers"):
+            heads = int(attn["num_heads"])
+            return cls(
+                params=n,
+                attn_layers=len(attn["layers"]),
+                d_attn=heads * (int(config.hidden_size) // heads),
+                window=attn.get("window_size"),
+            )
+        return cls(params=n, attn_layers=0, d_attn=int(getattr(config, "hidden_size", 0)))
 
     def of_documents(self, lengths: Sequence[int] | np.ndarray) -> float:
         """Training FLOPs of documents of these lengths (attention restarts in each)."""

@@ -1487,6 +1487,32 @@ def test_tokens_per_s_leaves_out_validation_but_not_the_steps_before_it(
     assert by_step[8]["tokens_per_s"] == pytest.approx(4 * 256 / wall, rel=0.1)
 
 
+def test_tokens_per_s_leaves_out_the_full_gc_of_checkpoints(tmp_path, monkeypatch) -> None:
+    """The full garbage collection that runs at every checkpoint and validation (where every
+    rank stops anyway) is part of that pause, not of the training steps. With a collection
+    made to take 1.5 s at the checkpoint after step 1, step 2's time (tokens over tokens/s)
+    stays at least 1 s below the wall time between the two records (which also holds that
+    checkpoint and its collection); with the collection inside the window the two differed
+    by the checkpoint's own time only."""
+    import gc
+
+    real_collect = gc.collect
+
+    def slow_full_collect(*args):
+        if not args:
+            time.sleep(1.5)
+        return real_collect(*args)
+
+    monkeypatch.setattr(gc, "collect", slow_full_collect)
+    out = tmp_path / "run"
+    train(_cfg(out, "total_tokens=512", "log_every_tokens=256", "ckpt_every_tokens=256",
+               "data.val_tokens=0", "gc_every_steps=1"))  # fmt: skip
+    first, second = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert (first["step"], second["step"]) == (1, 2)
+    step_s = 256 / second["tokens_per_s"]
+    assert second["elapsed_s"] - first["elapsed_s"] - step_s > 1.0, (first, second)
+
+
 def test_sigterm_checkpoints_the_step_and_resume_is_bit_identical(tmp_path, reference_run) -> None:
     """Slurm, `timeout`, Docker and torchrun stop with SIGTERM: train.py finishes the step it is
     in, checkpoints it, says how to resume and exits with status 143; nothing is lost."""

@@ -1032,8 +1032,6 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
             if do_log or do_val or do_ckpt:
                 # the only sync; it also makes sure no checkpoint or validation sees NaN weights
                 loss_total, n_tokens, last_norm, flops_total = fetch()
-            if gc_every and (do_val or do_ckpt):
-                gc.collect()  # a full collection where every rank stops anyway: no straggler
             if do_log:
                 dt = max(time.time() - t_window, 1e-9)
                 tps = window_steps * gbt / dt
@@ -1073,8 +1071,11 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
                     ),
                 )
 
-            # checkpoint and validation time is left out of the window's clock (its steps stay in)
+            # checkpoint and validation time is left out of the window's clock (its steps stay
+            # in), and so is the full collection that comes with them
             t_pause = time.time()
+            if gc_every and (do_val or do_ckpt):
+                gc.collect()  # a full collection where every rank stops anyway: no straggler
             if do_ckpt:
                 # before validating: a validation that fails (bad held-out data, out of memory)
                 # loses no training; a window that did not log at this step stays open across a

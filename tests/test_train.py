@@ -1513,6 +1513,31 @@ def test_tokens_per_s_leaves_out_the_full_gc_of_checkpoints(tmp_path, monkeypatc
     assert second["elapsed_s"] - first["elapsed_s"] - step_s > 1.0, (first, second)
 
 
+def test_tokens_per_s_leaves_out_writing_the_profile(tmp_path, monkeypatch) -> None:
+    """Stopping the profiler and writing its summary and trace after the last profiled step
+    is no training time: with the writing made to take 1.5 s after step 1 (profiled), step
+    2's time (tokens over tokens/s) stays at least 1 s below the wall time between the two
+    records; it used to be timed as part of step 2's window."""
+    from fot.training.profiling import StepProfiler
+
+    real_write = StepProfiler._write
+
+    def slow_write(self, *args):
+        time.sleep(1.5)
+        return real_write(self, *args)
+
+    monkeypatch.setattr(StepProfiler, "_write", slow_write)
+    out = tmp_path / "run"
+    train(_cfg(out, "total_tokens=512", "log_every_tokens=256", "ckpt_every_tokens=0",
+               "data.val_tokens=0", "profile.steps=1", "profile.start_step=0",
+               "profile.trace=false"))  # fmt: skip
+    assert (out / "profile" / "rank0.json").is_file()
+    first, second = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert (first["step"], second["step"]) == (1, 2)
+    step_s = 256 / second["tokens_per_s"]
+    assert second["elapsed_s"] - first["elapsed_s"] - step_s > 1.0, (first, second)
+
+
 def test_sigterm_checkpoints_the_step_and_resume_is_bit_identical(tmp_path, reference_run) -> None:
     """Slurm, `timeout`, Docker and torchrun stop with SIGTERM: train.py finishes the step it is
     in, checkpoints it, says how to resume and exits with status 143; nothing is lost."""

@@ -129,6 +129,10 @@ class StepProfiler:
         self._done = 0  # steps of this run finished so far
         self._prof: Any = None
         self._t0 = 0.0
+        self.stop_s = 0.0
+        """Seconds the last :meth:`step_end` that finished the profile took to stop the
+        profiler and write its files, after the profiled steps' GPU work was done (no
+        training time: the trainer leaves it out of tokens/s)."""
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -159,7 +163,9 @@ class StepProfiler:
         wall = time.perf_counter() - self._t0
         prof, self._prof = self._prof, None
         prof.__exit__(None, None, None)
-        return self._write(prof, wall)
+        summary = self._write(prof, wall)
+        self.stop_s = time.perf_counter() - self._t0 - wall
+        return summary
 
     def _write(self, prof: Any, wall_s: float) -> dict[str, Any]:
         n = self.steps

@@ -1056,6 +1056,8 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
                 t_window = time.time()
             bar.update(1)
             done = profiler.step_end()
+            if done is not None:
+                t_window += profiler.stop_s  # stopping the profiler and writing it: no training
             if done is not None and info.is_main:
                 logger.info(
                     "profile of steps %d-%d written to %s: %.1f ms per step%s",

@@ -61,13 +61,22 @@ def test_triton_backend_matches_reference_bf16(model: str) -> None:
     with torch.no_grad():
         want, got = ref(x[:1], cu_seqlens=cu).logits, tri(x[:1], cu_seqlens=cu).logits
     assert rel_err(got, want) <= REL_TOL
-    # gradients of the training loss agree too
+    # gradients of the training loss agree too; where the two bf16 backends differ by more than
+    # 5% (the forget gate's float32 bias: a sum over 2000 tokens with much cancellation), the
+    # Triton one must be as close as the bf16 reference to the same model in float32
+    import copy
+
+    ref32 = copy.deepcopy(ref).float()  # the same weights (bf16 values) in float32
     y = torch.randint(0, VOCAB, (2, 1000), device="cuda")
-    ref.train()(x, shift_labels=y).loss.backward()
-    tri.train()(x, shift_labels=y).loss.backward()
-    for (name, p_ref), p_tri in zip(ref.named_parameters(), tri.parameters()):
+    for m in (ref, tri, ref32):
+        m.train()(x, shift_labels=y).loss.backward()
+    named = zip(ref.named_parameters(), tri.parameters(), ref32.parameters())
+    for (name, p_ref), p_tri, p_32 in named:
         if p_ref.grad is not None and p_ref.grad.norm() > 0:
-            assert rel_err(p_tri.grad, p_ref.grad) <= 5e-2, name
+            err = rel_err(p_tri.grad, p_ref.grad)
+            assert err <= 5e-2 or rel_err(p_tri.grad, p_32.grad) <= 1.5 * rel_err(
+                p_ref.grad, p_32.grad
+            ), (name, err)
 
 
 def float32_and_autocast_steps(

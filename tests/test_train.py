@@ -177,7 +177,7 @@ def test_activation_checkpointing_gives_the_same_losses(tmp_path, reference_run)
     assert _losses(out) == {1: reference_run[1], 2: reference_run[2]}
 
 
-def test_profiled_run_writes_summary_and_trains_the_same(tmp_path, reference_run) -> None:
+def test_profiled_run_writes_summary_and_trains_the_same(tmp_path, reference_run, caplog) -> None:
     """``profile.steps=1`` profiles the second step; the losses equal the unprofiled run's."""
     out = tmp_path / "run"
     train(_cfg(out, "total_tokens=512", "data.val_tokens=0", "profile.steps=1",
@@ -200,6 +200,15 @@ def test_profiled_run_writes_summary_and_trains_the_same(tmp_path, reference_run
         train(
             _cfg(tmp_path / "neg", "total_tokens=512", "profile.steps=-1", "profile.start_step=9")
         )
+    # the log line names global step numbers, also in a resumed run (steps 3-4 here: the
+    # profile is of its second step, step 4; it said "steps 2-2", counted from the resume)
+    with caplog.at_level(logging.INFO):
+        train(_cfg(out, "total_tokens=1024", "data.val_tokens=0", "profile.steps=1",
+                   "profile.start_step=1", "profile.trace=false"))  # fmt: skip
+    assert any(
+        r.getMessage().startswith(f"profile of steps 4-4 written to {out / 'profile'}")
+        for r in caplog.records
+    ), [r.getMessage() for r in caplog.records]
 
 
 def test_gc_is_manual_while_training(tmp_path, reference_run, monkeypatch) -> None:

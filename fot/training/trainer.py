@@ -1061,8 +1061,8 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
             if done is not None and info.is_main:
                 logger.info(
                     "profile of steps %d-%d written to %s: %.1f ms per step%s",
-                    done["first_step"] + 1,
-                    done["first_step"] + done["steps"],
+                    step - done["steps"] + 1,  # global step numbers, also after a resume
+                    step,
                     out_dir / "profile",
                     done["wall_ms_per_step"],
                     (

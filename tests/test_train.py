@@ -1421,6 +1421,14 @@ def test_rerunning_a_finished_run_changes_nothing(tmp_path, caplog) -> None:
     # raising total_tokens trains on from the last checkpoint
     more = train(_cfg(out, "total_tokens=1536"))
     assert more["step"] == 6 and _losses(out).keys() == set(range(1, 7))
+    # a checkpoint past a lowered total_tokens (final.json lost, e.g. a crash after the last
+    # save) is refused before anything is written; it "finished" at step 6 of 2 without a word
+    (out / "final.json").unlink()
+    files = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
+    with pytest.raises(ValueError, match=r"step_00000006: it is at step 6 \(1536 tokens\), past "
+                                         r"total_tokens=512 \(2 steps\)"):  # fmt: skip
+        train(_cfg(out, "total_tokens=512"))
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()} == files
 
 
 def test_run_stopped_before_final_json_finishes_without_validating_again(tmp_path) -> None:

@@ -681,6 +681,16 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
                     final,
                 )
             return done
+        if saved["step"] > total_steps:
+            # it would "finish" at the checkpoint's step, past the asked total, without a word
+            raise ValueError(
+                f"cannot resume from {resume_from}: it is at step {saved['step']} "
+                f"({saved['step'] * int(cfg.global_batch_tokens)} tokens), past "
+                f"total_tokens={int(cfg.total_tokens)} ({total_steps} steps). Raise "
+                "total_tokens to train on from it, resume from an earlier checkpoint "
+                f"(resume={resume_from.parent}/step_...), or start over (resume=never or "
+                "another out_dir)"
+            )
 
     # before the model, the run's records and wandb: a refused profile leaves none of them
     steps_left = total_steps - (saved["step"] if resume_from is not None else 0)

@@ -81,6 +81,26 @@ def test_hf_validation_split_is_read_once_never_wrapped(tmp_path, caplog) -> Non
         build_sources(cfg)
 
 
+def test_hf_validation_split_counted_far_enough_for_a_large_micro_batch(tmp_path, caplog) -> None:
+    """A held-out split was counted only 64 sequences per process past data.val_tokens: with a
+    validation micro batch of 100 the trainer saw "holds only 65 sequences" for a split of
+    300 and warned that validation counts some twice. Counted to the validation unit now."""
+    from fot.training.trainer import validation_sequences
+
+    T = 4
+    texts = ["abc def ghi jkl mno"] * 300  # > 300 sequences of 4 tokens
+    cfg = _cfg(kind="hf", path="json", seq_len=T, val_tokens=T)
+    cfg.hf_data_files = {
+        "train": _jsonl(tmp_path / "train.jsonl", [{"text": "training text " * 4}] * 4),
+        "validation": _jsonl(tmp_path / "val.jsonl", [{"text": t} for t in texts]),
+    }
+    cfg.hf_val_split = "validation"
+    _, val = build_sources(cfg, val_unit=100)
+    with caplog.at_level(logging.WARNING):
+        assert validation_sequences(cfg, val, unit=100, warn=True) == 100
+    assert not [r.getMessage() for r in caplog.records if "held-out" in r.getMessage()]
+
+
 def test_hf_counting_stops_at_its_limit() -> None:
     """Counting a large held-out split reads only as far as validation could need."""
     seen = []

@@ -211,11 +211,14 @@ def _hf_source(cfg: Any, dataset: Any, split: str, *, count: int | None = None) 
     return source
 
 
-def _val_count_limit(cfg: Any) -> int:
+def _val_count_limit(cfg: Any, unit: int | None = None) -> int:
     """The most held-out sequences worth counting: those ``data.val_tokens`` asks for, plus
-    room for the trainer's rounding up to a multiple of processes x validation micro batch."""
+    room for the trainer's rounding up to a multiple of ``unit`` (processes x validation micro
+    batch; without it, 64 per process)."""
     need = math.ceil(int(cfg.val_tokens) / int(cfg.seq_len))
-    return need + 64 * max(1, int(os.environ.get("WORLD_SIZE", "1")))
+    if unit is None:
+        unit = 64 * max(1, int(os.environ.get("WORLD_SIZE", "1")))
+    return need + unit
 
 
 def _warn_if_validating_on_training_data(cfg: Any, dataset: Any = None) -> None:
@@ -274,11 +277,14 @@ def _refuse_unused_paths(cfg: Any) -> None:
         )
 
 
-def build_sources(cfg: Any) -> tuple[Any, Any | None]:
+def build_sources(cfg: Any, *, val_unit: int | None = None) -> tuple[Any, Any | None]:
     """Training and held-out sources for a ``data`` config.
 
     Args:
         cfg: :class:`fot.training.config.DataConfig` (or DictConfig of it).
+        val_unit: what validation reads a multiple of (processes x validation micro batch);
+            an HF held-out split is counted that far past ``data.val_tokens``. Default:
+            ``64 * WORLD_SIZE``.
 
     Returns:
         ``(train_source, val_source)``; ``val_source`` is ``None`` when the config has no
@@ -344,6 +350,6 @@ def build_sources(cfg: Any) -> tuple[Any, Any | None]:
     val = None
     if cfg.hf_val_split and want_val:
         # counted once here: validation reads the split at most once, never wrapping around
-        val = _hf_source(cfg, dataset, cfg.hf_val_split, count=_val_count_limit(cfg))
+        val = _hf_source(cfg, dataset, cfg.hf_val_split, count=_val_count_limit(cfg, val_unit))
         _warn_if_validating_on_training_data(cfg, dataset)
     return train, val

@@ -636,7 +636,9 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
     # ---- data ----------------------------------------------------------------------------
     from fot.data.loaders import build_sources
 
-    train_source, val_source = build_sources(cfg.data)  # first: missing data explains itself
+    val_micro = int(cfg.val_micro_batch_size or cfg.micro_batch_size)
+    # first: missing data explains itself
+    train_source, val_source = build_sources(cfg.data, val_unit=info.world_size * val_micro)
     global_seqs, total_steps = check_sizes(cfg, info.world_size)
     if info.is_main:  # only now: bad data or sizes leave no run folder behind
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -831,7 +833,6 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
             is_main=info.is_main,
         )
 
-    val_micro = int(cfg.val_micro_batch_size or cfg.micro_batch_size)
     num_val = validation_sequences(
         cfg.data, val_source, unit=info.world_size * val_micro, warn=info.is_main
     )

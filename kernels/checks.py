@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import numbers
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -16,6 +17,20 @@ import torch
 _F = TypeVar("_F", bound=Callable)
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_positive_int(name: str, value: object, *, none_ok: bool = False) -> None:
+    """Refuse anything but an integer >= 1 (Python or NumPy; not a bool, which Python counts
+    as an int: ``window_size=True`` would mean a window of 1), or None where ``none_ok``.
+
+    Raises:
+        ValueError: naming ``name`` and the value.
+    """
+    if value is None and none_ok:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        what = "a positive int or None" if none_ok else "a positive int"
+        raise ValueError(f"{name} must be {what}, got {value!r}")
 
 
 def on_input_gpu(fn: _F) -> _F:
@@ -107,8 +122,7 @@ def check_inputs(
             f"log_fgate must have shape [B, T, HQ] = {(B, T, HQ)} (one gate per query head), "
             f"got {tuple(log_fgate.shape)}"
         )
-    if window_size is not None and (not isinstance(window_size, int) or window_size < 1):
-        raise ValueError(f"window_size must be a positive int or None, got {window_size!r}")
+    check_positive_int("window_size", window_size, none_ok=True)
     if cu_seqlens is not None:
         if B != 1:
             raise ValueError(
@@ -199,5 +213,4 @@ def check_decode_inputs(
             )
         if key_mask.device != q.device:
             raise ValueError(f"key_mask is on {key_mask.device} but q is on {q.device}; move it")
-    if window_size is not None and (not isinstance(window_size, int) or window_size < 1):
-        raise ValueError(f"window_size must be a positive int or None, got {window_size!r}")
+    check_positive_int("window_size", window_size, none_ok=True)

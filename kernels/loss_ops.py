@@ -16,12 +16,14 @@ keeps the GEMMs aligned): the kernel leaves them out of the softmax and gives th
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .checks import on_input_gpu
+from .checks import check_positive_int, on_input_gpu
 from .forgetting_attention import _interpreting
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -220,11 +222,17 @@ def linear_cross_entropy(
     for name, t in (("weight", weight), ("labels", labels)):
         if t.device != hidden.device:
             raise ValueError(f"{name} is on {t.device} but hidden is on {hidden.device}; move it")
+    if n_classes is not None:
+        check_positive_int("n_classes", n_classes)  # 2.5 was cut to 2
     n_classes = V if n_classes is None else int(n_classes)
-    if not 0 < n_classes <= V:
+    if n_classes > V:
         raise ValueError(f"n_classes must be in [1, {V}] (weight's rows), got {n_classes}")
-    if not isinstance(chunk_rows, int) or chunk_rows < 1:
-        raise ValueError(f"chunk_rows must be a positive int, got {chunk_rows!r}")
+    check_positive_int("chunk_rows", chunk_rows)
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
+        raise ValueError(f"ignore_index must be an int (labels are integers), got {ignore_index!r}")
+    if labels.dtype == torch.bool:
+        raise TypeError(f"labels must be an integer tensor [N] = [{N}], got {labels.dtype}")
+    chunk_rows, ignore_index = int(chunk_rows), int(ignore_index)
     device = hidden.device.type
     compute_dtype = (
         torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype

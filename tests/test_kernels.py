@@ -497,6 +497,7 @@ def _decode_args(**over):
     ("over", "exc", "match"),
     [
         ({"window_size": 0}, ValueError, "window_size must be a positive int"),
+        ({"window_size": True}, ValueError, "window_size must be a positive int or None, got True"),
         (
             {"k_cache": torch.randn(2, 9, 0, 16), "v_cache": torch.randn(2, 9, 0, 16)},
             ValueError,

@@ -129,6 +129,22 @@ def test_bad_inputs_raise_clear_errors() -> None:
         linear_cross_entropy(hidden, weight, labels, n_classes=33)
     with pytest.raises(ValueError, match="chunk_rows must be a positive int"):
         linear_cross_entropy(hidden, weight, labels, chunk_rows=0)
+    # no silent truncation or bool-as-int: n_classes=2.5 was cut to 2, chunk_rows=True was 1
+    with pytest.raises(ValueError, match=r"n_classes must be a positive int, got 2\.5"):
+        linear_cross_entropy(hidden, weight, labels, n_classes=2.5)
+    with pytest.raises(ValueError, match="chunk_rows must be a positive int, got True"):
+        linear_cross_entropy(hidden, weight, labels, chunk_rows=True)
+    with pytest.raises(ValueError, match=r"ignore_index must be an int .* got -100.0"):
+        linear_cross_entropy(hidden, weight, labels, ignore_index=-100.0)
+    with pytest.raises(TypeError, match=r"labels must be an integer tensor .* got torch\.bool"):
+        linear_cross_entropy(hidden, weight, labels > 3)
+    import numpy as np  # NumPy integers are integers
+
+    want = linear_cross_entropy(hidden, weight, labels, n_classes=32, chunk_rows=4)
+    got = linear_cross_entropy(
+        hidden, weight, labels, n_classes=np.int64(32), chunk_rows=np.int64(4)
+    )
+    assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])

@@ -617,6 +617,11 @@ def test_damaged_token_data_is_named_with_the_fix(tmp_path) -> None:
         with pytest.raises((ValueError, FileNotFoundError), match=match) as err:
             open_token_path(folder, 16, "varlen")
         assert "copy it again, or write it again" in str(err.value)
+    # a folder of another writer says its dtype: named as such, not as a damaged copy
+    other = damaged("uint32", lambda f: (f / "meta.json").write_text(
+        json.dumps({**json.loads((f / "meta.json").read_text()), "dtype": "uint32"})))  # fmt: skip
+    with pytest.raises(ValueError, match=r"meta.json says dtype 'uint32', but token folders hold"):
+        open_token_path(other, 16, "varlen")
     (tmp_path / "empty.zarr").mkdir()
     (tmp_path / "file.zarr").write_text("not zarr")
     for name in ("empty.zarr", "file.zarr"):

@@ -48,6 +48,12 @@ class TokenDocuments(Sequence):
         if not isinstance(self.meta, dict) or self.meta.get("format") != FORMAT:
             found = self.meta.get("format") if isinstance(self.meta, dict) else self.meta
             raise ValueError(f"{meta_file} has format {found!r}, expected {FORMAT!r}")
+        if self.meta.get("dtype", "uint16") != "uint16":
+            # not "damaged": a folder of another writer, whose tokens.bin would be misread
+            raise ValueError(
+                f"{meta_file} says dtype {self.meta['dtype']!r}, but token folders hold uint16 "
+                "ids (GPT-2's vocabulary); write the folder with `python -m fot.data.prepare`"
+            )
         offsets_file = self.path / "doc_offsets.npy"
         try:
             self.offsets = np.load(offsets_file)

@@ -365,39 +365,28 @@ def test_assisted_and_prompt_lookup_decoding_are_refused_clearly() -> None:
 # ---------------------------------------------------------------------------------------
 
 
-def test_bf16_load_keeps_forget_gate_projection_fp32(tmp_path) -> None:
-    m = tiny("fot_pro")
-    with torch.no_grad():  # biases that bf16 cannot hold exactly (6.3 -> 6.3125)
-        for layer in m.model.layers:
-            layer.self_attn.fgate_proj.bias.fill_(6.3)
-    m.save_pretrained(tmp_path)
-    b = fot.FoTForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
-    for layer, ref in zip(b.model.layers, m.model.layers):
-        got, want = layer.self_attn.fgate_proj, ref.self_attn.fgate_proj
-        assert got.weight.dtype == got.bias.dtype == torch.float32
-        assert torch.equal(got.weight, want.weight) and torch.equal(got.bias, want.bias)
-        assert layer.self_attn.q_proj.weight.dtype == torch.bfloat16
-    x = ids(2, 12)
-    assert max_err(b(x).logits, m(x).logits) < 0.1  # a bf16 model, close to fp32
-    assert torch.isfinite(b(x, labels=x).loss)
-
-
-def test_cast_to_16_bits_keeps_forget_gate_projection_fp32(tmp_path) -> None:
-    # model.to(torch.bfloat16) rounded the gate's weights and bias (6.3 -> 6.3125: 0.36 nats
-    # of decay over 16k tokens); from_pretrained(dtype=bf16) keeps them fp32. Oracle: that load.
+def test_16_bit_models_keep_forget_gate_projection_fp32(tmp_path) -> None:
+    # from_pretrained(dtype=bf16) and a cast (model.to(torch.bfloat16), .half()) keep the
+    # gate's projection fp32: the cast used to round it (6.3 -> 6.3125: 0.36 nats of decay
+    # over 16k tokens). Oracle: the fp32 model's gate weights, and the bf16 load's logits.
     m = tiny("fot_pro").eval()
-    with torch.no_grad():
+    with torch.no_grad():  # biases that bf16 cannot hold exactly
         for layer in m.model.layers:
             layer.self_attn.fgate_proj.bias.fill_(6.3)
     m.save_pretrained(tmp_path)
     loaded = fot.FoTForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
-    m.to(torch.bfloat16)
-    for layer, ref in zip(m.model.layers, loaded.model.layers):
-        got, want = layer.self_attn.fgate_proj, ref.self_attn.fgate_proj
-        assert got.weight.dtype == got.bias.dtype == torch.float32
-        assert torch.equal(got.weight, want.weight) and torch.equal(got.bias, want.bias)
-        assert layer.self_attn.q_proj.weight.dtype == torch.bfloat16
     x = ids(2, 12)
+    assert max_err(loaded(x).logits, m(x).logits) < 0.1  # a bf16 model, close to fp32
+    assert torch.isfinite(loaded(x, labels=x).loss)
+    fp32 = [layer.self_attn.fgate_proj for layer in m.model.layers]
+    fp32 = [(g.weight.clone(), g.bias.clone()) for g in fp32]
+    m.to(torch.bfloat16)
+    for model in (loaded, m):
+        for layer, (weight, bias) in zip(model.model.layers, fp32):
+            gate = layer.self_attn.fgate_proj
+            assert gate.weight.dtype == gate.bias.dtype == torch.float32
+            assert torch.equal(gate.weight, weight) and torch.equal(gate.bias, bias)
+            assert layer.self_attn.q_proj.weight.dtype == torch.bfloat16
     assert torch.equal(m(x).logits, loaded(x).logits)
     gate = m.model.layers[0].self_attn.fgate_proj
     m.half()

@@ -1488,26 +1488,36 @@ def test_tokens_per_s_leaves_out_validation_but_not_the_steps_before_it(
     used to restart the window's clock while keeping its steps, so the window's tokens/s
     counted 4 steps over the time of one. It now leaves only the validation's own time out:
     4 steps' tokens over the window's wall time (from the records' elapsed_s) less the
-    validation's."""
+    validation's and the full garbage collection's that comes with it (4fb6d76)."""
+    import gc
+
     import fot.training.trainer as trainer_mod
 
-    spent: list[float] = []
-    real = trainer_mod.evaluate
+    events: list[tuple[str, float]] = []  # ("gc" | "eval", seconds) in order
+    real, real_collect = trainer_mod.evaluate, gc.collect
 
-    def timed(*args, **kwargs):
-        t0 = time.perf_counter()
-        out = real(*args, **kwargs)
-        spent.append(time.perf_counter() - t0)
-        return out
+    def timed(fn, kind):
+        def call(*args, **kwargs):
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            if kind == "eval" or not args:  # full collections only
+                events.append((kind, time.perf_counter() - t0))
+            return out
 
-    monkeypatch.setattr(trainer_mod, "evaluate", timed)
+        return call
+
+    monkeypatch.setattr(trainer_mod, "evaluate", timed(real, "eval"))
+    monkeypatch.setattr(gc, "collect", timed(real_collect, "gc"))
     out = tmp_path / "run"
     train(_cfg(out, "total_tokens=2048", "log_every_tokens=1024", "val_every_tokens=1792",
                "ckpt_every_tokens=0"))  # fmt: skip
     recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs if "val/loss" in r] == [7, 8]
     by_step = {r["step"]: r for r in recs if "loss" in r}
-    wall = by_step[8]["elapsed_s"] - by_step[4]["elapsed_s"] - spent[0]
+    first_eval = [kind for kind, _ in events].index("eval")
+    assert events[first_eval - 1][0] == "gc"  # the collection of the validation's pause
+    pause = events[first_eval - 1][1] + events[first_eval][1]
+    wall = by_step[8]["elapsed_s"] - by_step[4]["elapsed_s"] - pause
     assert by_step[8]["tokens_per_s"] == pytest.approx(4 * 256 / wall, rel=0.1)
 
 

@@ -879,10 +879,10 @@ def _record_differences(saved: dict[str, Any], new: dict[str, Any]) -> list[str]
 
 
 def _write_json_atomic(path: Path, value: Any) -> None:
+    from fot.training.checkpoint import write_text_atomic
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(value, indent=2) + "\n")
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(value, indent=2) + "\n")
 
 
 class JsonlLog:

@@ -130,6 +130,16 @@ def _save(obj: Any, path: Path) -> None:
         os.fsync(f.fileno())
 
 
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file beside it and a rename: a kill while
+    writing leaves the previous file (or none), never a cut-short one. The temporary name holds
+    the process id, so ranks writing the same file do not write into each other's."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def _set_aside(ckpt: Path) -> Path:
     """Rename a checkpoint that is to be deleted to ``.tmp-step_N.deleting``: a delete cut short
     (a crash, an error) then leaves no ``step_N`` folder missing files that would count as

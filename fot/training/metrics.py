@@ -19,6 +19,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from fot.training.checkpoint import write_text_atomic
+
 if TYPE_CHECKING:
     from fot.data.streams import Batch
 
@@ -236,9 +238,7 @@ def abandon_newer_records(path: str | os.PathLike, step: int) -> int:
         return 0
     with open(p.with_name(f"{p.stem}.abandoned.jsonl"), "a") as f:  # first: nothing is lost
         f.writelines(moved)
-    tmp = p.with_name(f".{p.name}.tmp")
-    tmp.write_text("".join(keep))
-    os.replace(tmp, p)
+    write_text_atomic(p, "".join(keep))
     return len(moved)
 
 

@@ -567,9 +567,7 @@ def _write_run_info(out_dir: Path, info: dict[str, Any]) -> None:
             logger.warning("%s could not be read (%s): moved to %s", path, err, kept)
             runs = []
     runs.append(info)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(runs, indent=2, default=str) + "\n")
-    os.replace(tmp, path)
+    ckpt.write_text_atomic(path, json.dumps(runs, indent=2, default=str) + "\n")
 
 
 def train(cfg: DictConfig) -> dict[str, Any]:
@@ -1142,9 +1140,8 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
     metrics.close()
     barrier()
     if info.is_main:
-        tmp = out_dir / ".final.json.tmp"  # a kill while writing leaves no cut-short file
-        tmp.write_text(json.dumps(result, indent=2) + "\n")
-        os.replace(tmp, out_dir / "final.json")
+        # a kill while writing leaves no cut-short file
+        ckpt.write_text_atomic(out_dir / "final.json", json.dumps(result, indent=2) + "\n")
     return result
 
 

@@ -249,9 +249,10 @@ def read_jsonl(
             every row must hold each as a string (it may be empty).
 
     Raises:
-        ValueError: a line is not UTF-8 text or not a JSON object, has no ``answers``, lacks ``all_classes``
-            where ``needs_classes`` or a string in one of ``text_fields``, or repeats another line's ``_id`` (results are keyed by
-            it); the message names the file and line. Also when the file holds no example.
+        ValueError: a line is not UTF-8 text or not a JSON object, has no ``answers``, lacks
+            ``all_classes`` where ``needs_classes`` or a string in one of ``text_fields``, or
+            repeats another line's ``_id`` (results are keyed by it); the message names the
+            file and line. Also when the file holds no example.
     """
     rows = []
     seen_ids: dict[str, int] = {}

@@ -1056,6 +1056,60 @@ def test_wandb_that_cannot_start_warns_with_the_ways_out(
     assert json.loads((tmp_path / "metrics.jsonl").read_text())["loss"] == 1.5
 
 
+def _wandb_history(run_dir: Path) -> list[dict]:
+    """The history rows of an offline wandb run, read from its ``.wandb`` transaction log:
+    LevelDB log format (32 KiB blocks of records with a 7-byte header: CRC, length, type;
+    a record cut at a block's end continues in the next), after wandb's own 7-byte header."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    (log,) = run_dir.glob("*.wandb")
+    data, block = log.read_bytes(), 32768
+    assert data[:4] == b":W&B"
+    pos, parts, rows = 7, b"", []
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # too little room left for a header: zero padding
+            pos += block - pos % block
+            continue
+        length, kind = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
+        if kind == 0:  # nothing more was written
+            break
+        parts += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # a full record, or the last piece of one
+            rec = pb.Record()
+            rec.ParseFromString(parts)
+            parts = b""
+            if rec.WhichOneof("record_type") == "history":
+                rows.append(
+                    {
+                        "/".join(i.nested_key) or i.key: json.loads(i.value_json)
+                        for i in rec.history.item
+                    }
+                )
+    return rows
+
+
+def test_wandb_keeps_the_steps_a_resumed_run_logs_again(tmp_path, monkeypatch):
+    # After a resume, the steps after the checkpoint are logged a second time. Given as
+    # wandb's step counter they were dropped ("steps must be monotonically increasing"); one
+    # offline wandb run stands for the resumed online run, whose counter goes on likewise.
+    from fot.training.metrics import MetricsLogger
+
+    monkeypatch.delenv("WANDB_MODE", raising=False)  # the suite disables wandb
+    cfg = OmegaConf.create({"mode": "offline", "project": "p", "entity": None, "name": None})
+    logger = MetricsLogger(tmp_path, enabled=True, wandb_cfg=cfg, config={})
+    assert logger.wandb_run is not None
+    logged = [(s, float(s)) for s in (1, 2, 3, 4)] + [(s, 10.0 + s) for s in (3, 4, 5)]
+    for step, loss in logged:
+        logger.log({"step": step, "tokens": 8 * step, "loss": loss})
+    logger.close()
+    (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")
+    rows = _wandb_history(run_dir)
+    assert [r["loss"] for r in rows] == [loss for _, loss in logged]  # none dropped
+    assert [(r["step"], r["loss"]) for r in rows] == logged
+    assert [r["tokens"] for r in rows] == [8 * s for s, _ in logged]
+
+
 def _fail_with_oom(monkeypatch, method: str, *, after_calls: int) -> None:
     """Make ``FoTForCausalLM.<method>`` raise torch's out-of-memory error from its
     ``after_calls + 1``-th call on (the error a too-large batch raises on a GPU)."""

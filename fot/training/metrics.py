@@ -245,8 +245,10 @@ def abandon_newer_records(path: str | os.PathLike, step: int) -> int:
 class MetricsLogger:
     """Rank-0 sink for metrics: a JSONL file and, if it starts, a wandb run.
 
-    Every record gets ``step`` and ``tokens``. wandb failures (no key, no network, no package)
-    become a warning and the run continues with JSONL only.
+    Every record gets ``step`` and ``tokens``. In wandb, ``step`` is a logged value and the
+    x-axis of every chart, so the steps a resumed run logs again (those after its checkpoint)
+    are kept, beside the first try's. wandb failures (no key, no network, no package) become a
+    warning and the run continues with JSONL only.
 
     Args:
         out_dir: the run folder (``metrics.jsonl`` is appended to).
@@ -292,6 +294,11 @@ class MetricsLogger:
                 resume="allow" if resume_id else None,
             )
             self.wandb_id = self.wandb_run.id
+            # Charts plot against the logged "step", not wandb's own counter: a resumed run
+            # logs again the steps after its checkpoint, which wandb drops when they are
+            # given as its counter ("steps must be monotonically increasing").
+            self.wandb_run.define_metric("step")
+            self.wandb_run.define_metric("*", step_metric="step")
         except Exception as err:  # wandb must never stop training
             offline = (
                 "wandb.mode=offline to keep a local wandb run (`wandb sync` uploads it later), or "
@@ -313,8 +320,7 @@ class MetricsLogger:
         self._file.flush()
         if self.wandb_run is not None:
             try:
-                data = {k: v for k, v in record.items() if k != "step"}
-                self.wandb_run.log(data, step=int(record["step"]))
+                self.wandb_run.log(record)
             except Exception as err:
                 warnings.warn(f"wandb.log failed ({err}); continuing", stacklevel=2)
 

@@ -383,6 +383,21 @@ def test_check_config_warns_when_warmup_outlasts_the_run(hydra_ctx) -> None:
     cfg = compose("train", overrides=["total_tokens=4096", "schedule.warmup_tokens=100000"])
     (warning,) = check_config(cfg)
     assert "schedule.warmup_tokens=100000" in warning and "never reaches optim.lr" in warning
+    # 3e-3 * 4096 / 100000, by hand
+    assert f"optim.lr={cfg.optim.lr}" in warning and "last step's is 0.000123)" in warning
+
+
+def test_check_config_warns_when_the_run_is_not_whole_steps(hydra_ctx) -> None:
+    # batches of 2048 tokens: 2 steps (4096 tokens) of the 5000 asked
+    cfg = compose("train", overrides=["total_tokens=5000", "schedule.warmup_tokens=4500"])
+    assert int(cfg.global_batch_tokens) == 2048 and cfg.optim.lr == 3e-3
+    steps, warmup = check_config(cfg)
+    assert "total_tokens=5000 is not a multiple of global_batch_tokens=2048" in steps
+    assert "stops after 2 steps (4096 tokens)" in steps and "use total_tokens=4096" in steps
+    # the warm-up outlasts the 4096 tokens trained, though not the 5000 asked;
+    # its last step's rate: 3e-3 * 4096 / 4500 = 0.0027306...
+    assert "more than the 4096 tokens the run trains" in warmup
+    assert "last step's is 0.00273)" in warmup
 
 
 def test_check_config_warns_on_intervals_that_are_not_whole_steps(hydra_ctx) -> None:

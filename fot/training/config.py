@@ -369,14 +369,23 @@ def check_config(cfg: DictConfig) -> list[str]:
 
     warnings = []
     total, warmup = int(cfg.total_tokens), int(cfg.schedule.warmup_tokens)
-    if warmup > total:
-        warnings.append(
-            f"schedule.warmup_tokens={warmup} is more than total_tokens={total}: the learning "
-            f"rate never reaches optim.lr={cfg.optim.lr} (it ends at "
-            f"{cfg.optim.lr * total / warmup:.3g}); lower schedule.warmup_tokens or raise "
-            "total_tokens"
-        )
     gbt = int(cfg.global_batch_tokens)
+    # the last step's tokens: the run trains whole global batches only
+    trained = total // gbt * gbt if 0 < gbt <= total else total
+    if trained != total:
+        warnings.append(
+            f"total_tokens={total} is not a multiple of global_batch_tokens={gbt}: the run "
+            f"stops after {total // gbt} steps ({trained} tokens), before the end of its "
+            f"learning-rate schedule, which is laid out over total_tokens; use total_tokens="
+            f"{max(1, round(total / gbt)) * gbt}"
+        )
+    if warmup > trained:
+        warnings.append(
+            f"schedule.warmup_tokens={warmup} is more than the {trained} tokens the run trains "
+            f"(total_tokens={total}): the learning rate never reaches optim.lr={cfg.optim.lr} "
+            f"(its last step's is {cfg.optim.lr * trained / warmup:.3g}); lower "
+            "schedule.warmup_tokens or raise total_tokens"
+        )
     for key in ("log_every_tokens", "val_every_tokens", "ckpt_every_tokens"):
         every = int(cfg[key])
         if gbt > 0 and every > gbt and every % gbt:  # (every <= gbt: at every step)

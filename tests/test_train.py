@@ -1492,6 +1492,33 @@ def test_rerunning_a_finished_run_changes_nothing(tmp_path, caplog) -> None:
     assert {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()} == files
 
 
+def test_resuming_another_runs_last_checkpoint_says_nothing_is_trained(
+    tmp_path, caplog
+) -> None:
+    """resume=<another folder's last checkpoint> with that run's total_tokens trains nothing:
+    it validates and exports into the new folder. It said nothing, as if training had run."""
+    first = train(_cfg(tmp_path / "a", "total_tokens=1024"))
+    last = Path(first["checkpoint"])
+    caplog.set_level(logging.WARNING, logger="fot.train")
+    out = tmp_path / "b"
+    again = train(_cfg(out, "total_tokens=1024", f"resume={last}"))
+    # final.json has the checkpoint's training record (from its run's metrics.jsonl) and a
+    # validation of its own; it had neither step nor loss
+    assert {k: again[k] for k in ("step", "tokens", "loss")} == {
+        k: first[k] for k in ("step", "tokens", "loss")
+    }
+    assert again["val/loss"] == first["val/loss"] and again["checkpoint"] == str(last)
+    assert (out / "metrics.jsonl").read_text().count('"val/loss":') == 1
+    assert not list(out.glob("checkpoints/step_*"))  # nothing trained, nothing saved
+    warning = caplog.text
+    assert f"resume={last} is its run's last step (step 4;" in warning
+    assert "nothing to train" in warning and "raise total_tokens" in warning
+    # its own run's last checkpoint (a finished run again): the message of that case only
+    caplog.clear()
+    train(_cfg(tmp_path / "a", "total_tokens=1024", f"resume={last}"))
+    assert "already finished" in caplog.text and "nothing to train" not in caplog.text
+
+
 def test_run_stopped_before_final_json_finishes_without_validating_again(tmp_path) -> None:
     """A run that stopped after its final checkpoint but before final.json (e.g. during the HF
     export) used to validate again on resume: a second final validation record in

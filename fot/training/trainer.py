@@ -656,6 +656,8 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
     elif cfg.resume not in ("never", "", None):
         resume_from = Path(cfg.resume)
     resume_from = _from_rank0(resume_from)  # every rank resumes from the same checkpoint
+    # a checkpoint of another run folder (resume=<its path>): its records are in that folder
+    elsewhere = resume_from is not None and resume_from.resolve().parent != ckpt_dir.resolve()
     if resume_from is not None:
         saved = ckpt.read_trainer_state(resume_from)
         for note in check_resume(saved, cfg, resume_from):
@@ -681,6 +683,18 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
                     final,
                 )
             return done
+        if saved["step"] == total_steps and elsewhere and info.is_main:
+            # another run's last checkpoint: validated and exported here, but not trained on
+            logger.warning(
+                "resume=%s is its run's last step (step %d; total_tokens=%d makes %d steps): "
+                "nothing to train. This run only validates it and exports it into %s, with no "
+                "checkpoint of its own there. To train on from it, raise total_tokens",
+                resume_from,
+                saved["step"],
+                int(cfg.total_tokens),
+                total_steps,
+                out_dir,
+            )
         if saved["step"] > total_steps:
             # it would "finish" at the checkpoint's step, past the asked total, without a word
             raise ValueError(
@@ -1117,11 +1131,15 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
     if step == start_step and resume_from is not None:
         # Resumed at the final step: the run stopped after its final checkpoint but before
         # final.json (in the final validation or the HF export). Its last training record is
-        # in metrics.jsonl, and its validation record if that finished.
-        logged = _from_rank0(_records_at(out_dir / "metrics.jsonl", step) if info.is_main else None)
+        # in metrics.jsonl, and its validation record if that finished. Another folder's run
+        # is validated again here (this run's held-out data may differ).
+        records = (resume_from.parent.parent if elsewhere else out_dir) / "metrics.jsonl"
+        logged = _from_rank0(_records_at(records, step) if info.is_main else None)
         result.update(logged["train"])
-        val = logged["val"]
-        result.update(val)
+        if not elsewhere:
+            val = logged["val"]
+            result.update(val)
+    result.update(step=step, tokens=tokens)  # also where no training record was found
     if not val:
         val = validate()
         if val:

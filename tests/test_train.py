@@ -1492,9 +1492,7 @@ def test_rerunning_a_finished_run_changes_nothing(tmp_path, caplog) -> None:
     assert {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()} == files
 
 
-def test_resuming_another_runs_last_checkpoint_says_nothing_is_trained(
-    tmp_path, caplog
-) -> None:
+def test_resuming_another_runs_last_checkpoint_says_nothing_is_trained(tmp_path, caplog) -> None:
     """resume=<another folder's last checkpoint> with that run's total_tokens trains nothing:
     it validates and exports into the new folder. It said nothing, as if training had run."""
     first = train(_cfg(tmp_path / "a", "total_tokens=1024"))

@@ -1,10 +1,16 @@
-"""LongBench: the FoX paper's 14 English tasks (paper Table 2), from local jsonl files.
+"""LongBench: the FoX paper's 14 English tasks (paper Table 2), the two English synthetic tasks
+and LongBench-E, from local jsonl files.
 
 Input: a folder with one ``<task>.jsonl`` per task in LongBench's own format (the files of
 LongBench's ``data.zip``; each line has ``input``, ``context``, ``answers`` (list),
-``all_classes`` and ``_id``). Fetch them once on a machine with internet, e.g.
+``all_classes``, ``length`` and ``_id``). Fetch them once on a machine with internet, e.g.
 ``datasets.load_dataset("THUDM/LongBench", task, split="test").to_json(f"{task}.jsonl")``
 or unzip LongBench's ``data.zip``, then copy the folder.
+
+LongBench-E (task ``<task>_e``, file ``<task>_e.jsonl``) is LongBench's subset of 13 English
+tasks with examples spread evenly over lengths; it is run like its task and also scored per
+length range of the examples' ``length`` field (words): under 4k, 4k to 8k, 8k and more. The
+same ranges are reported for every task whose rows all carry ``length``.
 
 Per example: the task's prompt template is filled, the tokenized prompt is truncated in the
 middle (first and last halves kept) to ``--max-length`` tokens, the model decodes greedily for
@@ -17,13 +23,15 @@ prediction, as in LongBench. Prompt templates are written for fot from each task
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+from fot.training.checkpoint import write_text_atomic
 
 from .common import (
     CONTEXT_LENGTH_HELP,
@@ -45,7 +53,7 @@ from .common import (
 from .metrics import best_score
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Task:
     """One LongBench task: display name, group, prompt template, generation length, metric."""
 
@@ -184,22 +192,136 @@ TASKS: dict[str, Task] = {
         64,
         "code_sim",
     ),
+    "passage_count": Task(
+        "PassageCount",
+        "Synthetic Task",
+        "Below are numbered paragraphs from Wikipedia; some paragraphs appear more than once. "
+        "Count how many different paragraphs there are.\n\n{context}\n\nHow many different "
+        "paragraphs are there above, counting each repeated paragraph once? Reply with the "
+        "number only.\n\nThe number of different paragraphs is:",
+        32,
+        "count",
+    ),
+    "passage_retrieval_en": Task(
+        "PassageRetrieval-en",
+        "Synthetic Task",
+        "Below are numbered paragraphs from Wikipedia, then the summary of one of them. Find "
+        "the paragraph the summary is of.\n\n{context}\n\nSummary:\n{input}\n\nWhich "
+        'paragraph above is this the summary of? Reply in the form "Paragraph 1", '
+        '"Paragraph 2", and so on.\n\nThe summary is of',
+        32,
+        "retrieval",
+    ),
 }
-"""The paper's 14 English tasks, in Table 2 order."""
+"""Every task: the paper's 14 English tasks in Table 2 order, then the two English synthetic
+tasks."""
+
+PAPER_TASKS: tuple[str, ...] = tuple(TASKS)[:14]
+"""The FoX paper's 14 English tasks (its Table 2); the default ``--tasks``."""
+
+LONGBENCH_E: tuple[str, ...] = (
+    "qasper",
+    "multifieldqa_en",
+    "hotpotqa",
+    "2wikimqa",
+    "gov_report",
+    "multi_news",
+    "trec",
+    "triviaqa",
+    "samsum",
+    "passage_count",
+    "passage_retrieval_en",
+    "lcc",
+    "repobench-p",
+)
+"""The English tasks LongBench-E has (run as ``<task>_e``)."""
+
+TASK_SETS: dict[str, tuple[str, ...]] = {
+    "paper": PAPER_TASKS,
+    "all": tuple(TASKS),
+    "e": tuple(f"{t}_e" for t in LONGBENCH_E),
+}
+"""Names ``--tasks`` accepts for a set of tasks."""
+
+LENGTH_RANGES: tuple[tuple[str, int, float], ...] = (
+    ("0-4k", 0, 4000),
+    ("4-8k", 4000, 8000),
+    ("8k+", 8000, float("inf")),
+)
+"""LongBench-E's length ranges of an example's ``length`` (words): name, low (in), high (out)."""
+
+
+def known_tasks() -> list[str]:
+    """Every task name ``--tasks`` accepts one by one: the tasks and their LongBench-E runs."""
+    return [*TASKS, *TASK_SETS["e"]]
+
+
+def task_spec(task: str) -> Task:
+    """The :class:`Task` of a task name; ``<task>_e`` (LongBench-E) is run as ``<task>``."""
+    base = task[: -len("_e")] if task.endswith("_e") and task[: -len("_e")] in LONGBENCH_E else task
+    if base not in TASKS:
+        raise ValueError(
+            f"unknown LongBench task {task!r}; choose from {known_tasks()} or a set: "
+            f"{', '.join(TASK_SETS)}"
+        )
+    spec = TASKS[base]
+    if base != task:
+        return dataclasses.replace(spec, name=f"{spec.name} (E)")
+    return spec
+
+
+def parse_tasks(text: str) -> list[str]:
+    """``--tasks``: comma-separated task names and sets (``paper``, ``all``, ``e``), in
+    order, each task once.
+
+    Raises:
+        ValueError: an unknown name (the known ones are listed), or no task at all.
+    """
+    tasks: list[str] = []
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    unknown = [t for t in names if t not in TASK_SETS and t not in known_tasks()]
+    if unknown or not names:
+        raise ValueError(
+            f"--tasks {text!r}: unknown LongBench tasks {unknown or '(empty list)'}; choose "
+            f"from {known_tasks()} or a set: "
+            + ", ".join(f"{k} ({len(v)} tasks)" for k, v in TASK_SETS.items())
+        )
+    for name in names:
+        for t in TASK_SETS.get(name, (name,)):
+            if t not in tasks:
+                tasks.append(t)
+    return tasks
+
+
+def length_range(length: int) -> str:
+    """The LongBench-E range (``0-4k``, ``4-8k``, ``8k+``) of an example's ``length``."""
+    return next(name for name, lo, hi in LENGTH_RANGES if lo <= length < hi)
+
+
+def scores_by_length(scores: list[float], lengths: list[int]) -> dict[str, float | None]:
+    """Mean score (0--100) per length range; ``None`` for a range without examples.
+
+    Args:
+        scores: each example's score in [0, 1].
+        lengths: each example's ``length`` field, in the same order.
+    """
+    out: dict[str, float | None] = {}
+    for name, lo, hi in LENGTH_RANGES:
+        inside = [s for s, n in zip(scores, lengths, strict=True) if lo <= n < hi]
+        out[name] = 100.0 * float(np.mean(inside)) if inside else None
+    return out
 
 
 def format_prompt(task: str, example: dict[str, Any]) -> str:
     """Fill the task's template with an example's ``context`` and ``input``."""
-    if task not in TASKS:
-        raise ValueError(f"unknown LongBench task {task!r}; choose from {list(TASKS)}")
-    return TASKS[task].template.format(
+    return task_spec(task).template.format(
         context=example.get("context", ""), input=example.get("input", "")
     )
 
 
 def prompt_fields(task: str) -> tuple[str, ...]:
     """The example fields the task's prompt template reads (``context`` and/or ``input``)."""
-    return tuple(f for f in ("context", "input") if f"{{{f}}}" in TASKS[task].template)
+    return tuple(f for f in ("context", "input") if f"{{{f}}}" in task_spec(task).template)
 
 
 def truncate_middle(ids: list[int], max_length: int) -> list[int]:
@@ -214,7 +336,7 @@ def truncate_middle(ids: list[int], max_length: int) -> list[int]:
 
 def postprocess(task: str, prediction: str) -> str:
     """First line for few-shot tasks (LongBench), the text unchanged otherwise."""
-    if TASKS[task].first_line:
+    if task_spec(task).first_line:
         return prediction.lstrip("\n").split("\n")[0]
     return prediction
 
@@ -227,7 +349,10 @@ def score_example(task: str, prediction: str, example: dict[str, Any]) -> float:
     if not answers:
         raise ValueError(f"{task} example {example.get('_id')} has no answers")
     return best_score(
-        TASKS[task].metric, postprocess(task, prediction), answers, example.get("all_classes") or ()
+        task_spec(task).metric,
+        postprocess(task, prediction),
+        answers,
+        example.get("all_classes") or (),
     )
 
 
@@ -237,6 +362,7 @@ def read_jsonl(
     *,
     needs_classes: bool = False,
     text_fields: tuple[str, ...] = (),
+    needs_length: bool = False,
 ) -> list[dict[str, Any]]:
     """Examples of one task file (first ``limit`` only if given).
 
@@ -247,11 +373,13 @@ def read_jsonl(
             class names in ``all_classes``.
         text_fields: the fields the task's prompt is built from (``context``, ``input``):
             every row must hold each as a string (it may be empty).
+        needs_length: the task is scored per length range (LongBench-E): every row must hold
+            its ``length`` (words) as an integer >= 0.
 
     Raises:
         ValueError: a line is not UTF-8 text or not a JSON object, has no ``answers``, lacks
-            ``all_classes`` where ``needs_classes`` or a string in one of ``text_fields``, or
-            repeats another line's ``_id`` (results are keyed by it); the message names the
+            ``all_classes`` where ``needs_classes``, a string in one of ``text_fields`` or a
+            ``length`` where ``needs_length``, or repeats another line's ``_id`` (results are keyed by it); the message names the
             file and line. Also when the file holds no example.
     """
     rows = []
@@ -307,6 +435,15 @@ def read_jsonl(
                     f"{json.dumps(classes)}); this task is scored by classification, so every "
                     "row lists its classes as LongBench's files do"
                 )
+            length = row.get("length")
+            if needs_length and not (
+                isinstance(length, int) and not isinstance(length, bool) and length >= 0
+            ):
+                raise ValueError(
+                    f"{path}:{number} has no length (length: {json.dumps(length)}); "
+                    "LongBench-E scores each example in the range of its length, so every row "
+                    "holds its length in words as LongBench's files do"
+                )
             if "_id" in row:
                 key = str(row["_id"])
                 if key in seen_ids:
@@ -324,16 +461,39 @@ def read_jsonl(
 
 
 def summary_table(scores: dict[str, float]) -> str:
-    """Markdown table in the paper's Table 2 order: task columns, their group, the average."""
-    tasks = [t for t in TASKS if t in scores]
+    """Markdown table in the paper's Table 2 order (then the synthetic tasks, then the
+    LongBench-E runs): task columns, their group, the average."""
+    tasks = [t for t in known_tasks() if t in scores]
     avg = float(np.mean([scores[t] for t in tasks])) if tasks else float("nan")
     rows = [
-        ["Task", *(TASKS[t].name for t in tasks), "Avg"],
-        ["Group", *(TASKS[t].group for t in tasks), ""],
+        ["Task", *(task_spec(t).name for t in tasks), "Avg"],
+        ["Group", *(task_spec(t).group for t in tasks), ""],
         ["Score", *(f"{scores[t]:.2f}" for t in tasks), f"{avg:.2f}"],
     ]
     lines = ["| " + " | ".join(cells) + " |" for cells in rows]
     lines.insert(1, "|" + "---|" * len(rows[0]))
+    return "\n".join(lines)
+
+
+def length_table(by_length: dict[str, dict[str, float | None]]) -> str:
+    """Markdown table of the scores per length range: a row per task, a column per range
+    (``-`` where a task has no example in the range), then their average over the tasks that
+    have one."""
+    names = [name for name, _, _ in LENGTH_RANGES]
+    tasks = [t for t in known_tasks() if t in by_length]
+
+    def cell(x: float | None) -> str:
+        return "-" if x is None else f"{x:.2f}"
+
+    lines = ["| Task | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for t in tasks:
+        cells = " | ".join(cell(by_length[t][n]) for n in names)
+        lines.append(f"| {task_spec(t).name} | {cells} |")
+    means = []
+    for n in names:
+        have = [by_length[t][n] for t in tasks if by_length[t][n] is not None]
+        means.append(float(np.mean(have)) if have else None)
+    lines.append("| Avg | " + " | ".join(cell(m) for m in means) + " |")
     return "\n".join(lines)
 
 
@@ -349,8 +509,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--tasks",
-        default=",".join(TASKS),
-        help="comma-separated tasks (default: the 14 of the paper: %(default)s)",
+        default="paper",
+        help="comma-separated tasks and sets of tasks (default: %(default)s). Sets: paper (the "
+        f"14 of the paper: {', '.join(PAPER_TASKS)}), all (those and "
+        f"{', '.join(t for t in TASKS if t not in PAPER_TASKS)}), e (LongBench-E: "
+        f"{', '.join(TASK_SETS['e'])}, read from <task>_e.jsonl and also scored per length "
+        "range)",
     )
     p.add_argument(
         "--max-length",
@@ -387,15 +551,15 @@ def prompt_budgets(
             f"the model config has none of {', '.join(CONTEXT_LENGTH_KEYS)}: pass "
             "--max-length (prompt tokens)"
         )
-    budgets = {t: max_length or model_len - TASKS[t].max_new_tokens - bos_tokens for t in tasks}
+    budgets = {t: max_length or model_len - task_spec(t).max_new_tokens - bos_tokens for t in tasks}
     short = {t: b for t, b in budgets.items() if b < 2}
     if short:
         raise ValueError(
             f"the model's context length {model_len} leaves no room for the prompts of "
-            + ", ".join(f"{t} ({TASKS[t].max_new_tokens} generated tokens)" for t in short)
+            + ", ".join(f"{t} ({task_spec(t).max_new_tokens} generated tokens)" for t in short)
             + "; pass --max-length (prompt tokens) or leave these tasks out of --tasks"
         )
-    longest = max(budgets[t] + TASKS[t].max_new_tokens for t in tasks) + bos_tokens
+    longest = max(budgets[t] + task_spec(t).max_new_tokens for t in tasks) + bos_tokens
     check_positions(model, longest, "--max-length with the tasks' generation lengths")
     return budgets
 
@@ -405,13 +569,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from tqdm.auto import tqdm
 
     out = Path(args.out)
-    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    unknown = [t for t in tasks if t not in TASKS]
-    if unknown or not tasks:
-        raise ValueError(
-            f"--tasks {args.tasks!r}: unknown LongBench tasks {unknown or '(empty list)'}; "
-            f"choose from {list(TASKS)}"
-        )
+    tasks = parse_tasks(args.tasks)
     data_dir = Path(args.data_dir)
     missing = [t for t in tasks if not (data_dir / f"{t}.jsonl").is_file()]
     if missing:
@@ -424,8 +582,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         t: read_jsonl(
             data_dir / f"{t}.jsonl",
             args.limit,
-            needs_classes=TASKS[t].metric == "classification",
+            needs_classes=task_spec(t).metric == "classification",
             text_fields=prompt_fields(t),
+            needs_length=t.endswith("_e"),
         )
         for t in tasks
     }
@@ -447,15 +606,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "--dtype": model_dtype(model),
         },
         state=["pred_*.jsonl"],
-        outputs=["scores.json", "scores.csv", "table2.md"],
+        outputs=[
+            "scores.json",
+            "scores.csv",
+            "table2.md",
+            "scores_by_length.json",
+            "by_length.md",
+        ],
         restart=args.restart,
     )
     write_run_config(out, "longbench", vars(args), args.checkpoint)
     device = next(model.parameters()).device
     eos = tokenizer.eos_token_id
     scores: dict[str, float] = {}
+    by_length: dict[str, dict[str, float | None]] = {}
     for task in tasks:
-        spec, budget = TASKS[task], budgets[task]
+        spec, budget = task_spec(task), budgets[task]
         log = JsonlLog(out / f"pred_{task}.jsonl")
         for i, ex in enumerate(tqdm(examples[task], desc=f"longbench {task}", unit="ex")):
             key = ex.get("_id", i)
@@ -480,14 +646,28 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     "score": score_example(task, pred, ex),
                 }
             )
-        keys = {str(ex.get("_id", i)) for i, ex in enumerate(examples[task])}
-        scores[task] = 100.0 * float(np.mean([r["score"] for r in log if str(r["key"]) in keys]))
+        # the score of each example asked for, in file order (a log may hold more: --limit)
+        scored = {str(r["key"]): r["score"] for r in log}
+        keys = [str(ex.get("_id", i)) for i, ex in enumerate(examples[task])]
+        scores[task] = 100.0 * float(np.mean([scored[k] for k in keys]))
+        lengths = [ex.get("length") for ex in examples[task]]
+        if all(isinstance(n, int) and not isinstance(n, bool) for n in lengths):
+            by_length[task] = scores_by_length([scored[k] for k in keys], lengths)
     table = summary_table(scores)
-    (out / "scores.json").write_text(json.dumps(scores, indent=2) + "\n")
-    (out / "table2.md").write_text(table + "\n")
-    with (out / "scores.csv").open("w") as f:
-        f.write("task,name,group,metric,score\n")
-        for t, s in scores.items():
-            f.write(f"{t},{TASKS[t].name},{TASKS[t].group},{TASKS[t].metric},{s:.4f}\n")
+    write_text_atomic(out / "scores.json", json.dumps(scores, indent=2) + "\n")
+    write_text_atomic(out / "table2.md", table + "\n")
+    write_text_atomic(
+        out / "scores.csv",
+        "task,name,group,metric,score\n"
+        + "".join(
+            f"{t},{task_spec(t).name},{task_spec(t).group},{task_spec(t).metric},{s:.4f}\n"
+            for t, s in scores.items()
+        ),
+    )
     print(table)
+    if by_length:
+        write_text_atomic(out / "scores_by_length.json", json.dumps(by_length, indent=2) + "\n")
+        write_text_atomic(out / "by_length.md", length_table(by_length) + "\n")
+        print("\nScore per length range of the examples' length field (words):")
+        print(length_table(by_length))
     return scores

@@ -12,6 +12,8 @@
   to the reference with :func:`fuzzy_ratio`.
 * :func:`fuzzy_ratio` -- ``round(100 * 2 * LCS / (len(a) + len(b)))`` with LCS the longest common
   character subsequence: the normalised Indel similarity that ``fuzz.ratio`` computes.
+* :func:`count_score` / :func:`retrieval_score` (the synthetic tasks) -- of the numbers written
+  in the prediction, the share that equals the answer (the count, or the paragraph number).
 """
 
 from __future__ import annotations
@@ -154,11 +156,39 @@ def code_similarity(prediction: str, reference: str, **_: object) -> float:
     return fuzzy_ratio(line, reference) / 100.0
 
 
+_NUMBER = re.compile(r"\d+")
+
+
+def _share_equal_to(prediction: str, answer: str) -> float:
+    numbers = _NUMBER.findall(prediction)
+    return sum(n == answer for n in numbers) / len(numbers) if numbers else 0.0
+
+
+def count_score(prediction: str, reference: str, **_: object) -> float:
+    """LongBench ``count_score`` (PassageCount): the share of the numbers (digit runs) in the
+    prediction that equal the reference count; 0 when the prediction holds none."""
+    return _share_equal_to(prediction, reference)
+
+
+def retrieval_score(prediction: str, reference: str, **_: object) -> float:
+    """LongBench ``retrieval_score`` (PassageRetrieval): the reference names a paragraph
+    (``"Paragraph 12"``); the share of the numbers in the prediction that equal its number."""
+    named = re.search(r"Paragraph (\d+)", reference)
+    if named is None:
+        raise ValueError(
+            f"retrieval answer {reference!r} names no paragraph; LongBench's passage "
+            "retrieval answers read 'Paragraph <number>'"
+        )
+    return _share_equal_to(prediction, named.group(1))
+
+
 METRICS = {
     "qa_f1": qa_f1,
     "rouge_l": rouge_l,
     "classification": classification_score,
     "code_sim": code_similarity,
+    "count": count_score,
+    "retrieval": retrieval_score,
 }
 
 

@@ -428,6 +428,79 @@ def test_longbench_cli(ckpts, tmp_path):
         )
 
 
+def test_longbench_e_cli_scores_each_length_range(ckpts, tmp_path, monkeypatch):
+    """LongBench-E: ``<task>_e`` reads ``<task>_e.jsonl`` and is also scored per length range
+    of the rows' ``length``. The model "answers" with the topic its prompt names, so each
+    row's score is known: 1 where the reference is that topic, 0 where it is not."""
+    import fot.eval.longbench as longbench
+
+    def answer_the_topic(model, ids, *, max_new_tokens, eos_token_id):
+        prompt = tokenizer.decode(ids[0].tolist())
+        return tokenizer.encode(" " + re.search(r"Topic: (\w+)", prompt).group(1))
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(ckpts["llama"])
+    monkeypatch.setattr(longbench, "greedy_generate", answer_the_topic)
+    data = tmp_path / "lb"
+    data.mkdir()
+    # (length, reference): the topic is always "rivers"
+    rows = [(120, "rivers"), (3999, "lakes"), (4000, "rivers"), (7000, "rivers"),
+            (7999, "lakes"), (12000, "lakes")]  # fmt: skip
+    (data / "hotpotqa_e.jsonl").write_text(
+        "".join(
+            json.dumps(
+                {
+                    "_id": f"e{i}",
+                    "input": "Which topic?",
+                    "context": "Topic: rivers.",
+                    "answers": [ref],
+                    "all_classes": None,
+                    "length": n,
+                }
+            )
+            + "\n"
+            for i, (n, ref) in enumerate(rows)
+        )
+    )
+    (data / "hotpotqa.jsonl").write_text(  # the standard file: no length field
+        json.dumps(
+            {
+                "_id": "h0",
+                "input": "Which topic?",
+                "context": "Topic: rivers.",
+                "answers": ["rivers"],
+                "all_classes": None,
+            }
+        )
+        + "\n"
+    )
+    out = tmp_path / "out"
+    args = ["longbench", str(ckpts["llama"]), "--data-dir", str(data), "--tasks",
+            "hotpotqa,hotpotqa_e", "--out", str(out), "--device", "cpu"]  # fmt: skip
+    scores = main(args)
+    preds = [json.loads(x) for x in _lines(out / "pred_hotpotqa_e.jsonl")]
+    assert [p["score"] for p in preds] == [1.0, 0.0, 1.0, 1.0, 0.0, 0.0]
+    assert scores == {"hotpotqa": 100.0, "hotpotqa_e": 50.0}
+    # by hand: [0, 4000): 1, 0 -> 50; [4000, 8000): 1, 1, 0 -> 66.67; 8000 and more: 0
+    by_length = json.loads((out / "scores_by_length.json").read_text())
+    assert set(by_length) == {"hotpotqa_e"}  # the standard rows carry no length
+    assert by_length["hotpotqa_e"] == pytest.approx({"0-4k": 50.0, "4-8k": 200 / 3, "8k+": 0.0})
+    table = (out / "by_length.md").read_text()
+    assert "| HotpotQA (E) | 50.00 | 66.67 | 0.00 |" in table
+    assert "HotpotQA (E)" in (out / "table2.md").read_text()
+    # a LongBench-E row without its length is refused before the model runs
+    (data / "trec_e.jsonl").write_text(
+        json.dumps(
+            {"_id": "t", "input": "q", "context": "c", "answers": ["x"], "all_classes": ["x"]}
+        )
+        + "\n"
+    )
+    with pytest.raises(ValueError, match=r"trec_e\.jsonl:1 has no length"):
+        main([*args[:4], "--tasks", "trec_e", "--out", str(tmp_path / "o2"), "--device", "cpu"])
+    assert not (tmp_path / "o2").exists()
+
+
 def test_lm_eval_cli_with_local_dataset_root(ckpts, tmp_path):
     """A task whose dataset_path is a hub repo, read offline from --dataset-root."""
     pytest.importorskip("lm_eval")

@@ -2,23 +2,33 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from fot.eval.longbench import (
+    PAPER_TASKS,
     TASKS,
     format_prompt,
+    length_table,
+    parse_tasks,
     postprocess,
+    read_jsonl,
     score_example,
+    scores_by_length,
     summary_table,
+    task_spec,
     truncate_middle,
 )
 from fot.eval.metrics import (
     best_score,
     classification_score,
     code_similarity,
+    count_score,
     fuzzy_ratio,
     normalize_answer,
     qa_f1,
+    retrieval_score,
     rouge_l,
 )
 
@@ -90,8 +100,13 @@ def test_fuzzy_ratio_and_code_similarity_hand_computed():
 
 
 def test_prompts_truncation_and_postprocessing():
-    assert len(TASKS) == 14
-    assert {t.metric for t in TASKS.values()} == {"qa_f1", "rouge_l", "classification", "code_sim"}
+    assert len(TASKS) == 16 and len(PAPER_TASKS) == 14 and PAPER_TASKS[-1] == "repobench-p"
+    assert {TASKS[t].metric for t in PAPER_TASKS} == {
+        "qa_f1",
+        "rouge_l",
+        "classification",
+        "code_sim",
+    }
     assert TASKS["gov_report"].max_new_tokens == 512 and TASKS["hotpotqa"].max_new_tokens == 32
     ex = {"context": "CTX-TEXT", "input": "QUESTION?", "answers": ["yes"], "_id": "1"}
     for name in TASKS:
@@ -119,7 +134,7 @@ def test_prompts_truncation_and_postprocessing():
 
 
 def test_table2_layout():
-    scores = {t: float(i) for i, t in enumerate(TASKS)}
+    scores = {t: float(i) for i, t in enumerate(PAPER_TASKS)}
     lines = summary_table(scores).splitlines()
     rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in lines]
     # Valid Markdown: a header, the separator, rows of as many cells as the header.
@@ -127,3 +142,68 @@ def test_table2_layout():
     assert rows[0][:2] == ["Task", "NarrativeQA"] and rows[0][-1] == "Avg"
     assert rows[2][1:4] == ["Single-Document QA"] * 3 and rows[2][-2] == "Code Completion"
     assert rows[3][1:3] == ["0.00", "1.00"] and rows[3][-1] == f"{sum(range(14)) / 14:.2f}"
+
+
+def test_synthetic_task_scores_hand_computed():
+    # the share of the numbers written that equal the answer
+    assert count_score("There are 17 different paragraphs.", "17") == 1.0
+    assert count_score("12 or 17, maybe 170", "17") == pytest.approx(1 / 3)
+    assert count_score("I cannot tell.", "17") == 0.0
+    assert retrieval_score("Paragraph 12", "Paragraph 12") == 1.0
+    assert retrieval_score("Paragraph 3, or Paragraph 12", "Paragraph 12") == 0.5
+    assert retrieval_score("the first one", "Paragraph 12") == 0.0
+    with pytest.raises(ValueError, match="names no paragraph"):
+        retrieval_score("Paragraph 1", "12")
+    assert score_example("passage_count", "7", {"answers": ["7"]}) == 1.0
+    assert score_example("passage_retrieval_en_e", " Paragraph 4.", {"answers": ["Paragraph 4"]})
+    assert "{input}" in TASKS["passage_retrieval_en"].template
+
+
+def test_task_sets_and_longbench_e_names():
+    assert parse_tasks("paper") == list(PAPER_TASKS)
+    assert parse_tasks("all") == [*PAPER_TASKS, "passage_count", "passage_retrieval_en"]
+    e = parse_tasks("e")
+    assert len(e) == 13 and e[0] == "qasper_e" and "narrativeqa_e" not in e
+    # in the order given, each task once
+    assert parse_tasks("trec_e, trec,paper,trec")[:3] == ["trec_e", "trec", "narrativeqa"]
+    assert len(parse_tasks("trec_e,trec,paper,trec")) == 15
+    for bad in ("narrativeqa_e", "hotpot", ",", "e_e"):
+        with pytest.raises(ValueError, match=r"choose from .*or a set: paper \(14 tasks\)"):
+            parse_tasks(bad)
+    spec = task_spec("hotpotqa_e")
+    assert spec.name == "HotpotQA (E)" and spec.template == TASKS["hotpotqa"].template
+    assert spec.max_new_tokens == 32 and spec.metric == "qa_f1"
+    assert format_prompt("hotpotqa_e", {"context": "C", "input": "Q"}) == format_prompt(
+        "hotpotqa", {"context": "C", "input": "Q"}
+    )
+
+
+def test_scores_by_length_ranges_hand_computed():
+    # ranges [0, 4000), [4000, 8000), [8000, inf) of the length field
+    lengths = [0, 3999, 4000, 7999, 8000, 20000]
+    scores = [1.0, 0.5, 0.0, 0.25, 1.0, 1.0]
+    assert scores_by_length(scores, lengths) == {"0-4k": 75.0, "4-8k": 12.5, "8k+": 100.0}
+    assert scores_by_length([0.5], [9000]) == {"0-4k": None, "4-8k": None, "8k+": 50.0}
+    rows = [
+        [c.strip() for c in line.strip("|").split("|")]
+        for line in length_table(
+            {
+                "qasper_e": {"0-4k": 10.0, "4-8k": None, "8k+": 30.0},
+                "trec_e": {"0-4k": 20.0, "4-8k": 40.0, "8k+": None},
+            }
+        ).splitlines()
+    ]
+    assert rows[0] == ["Task", "0-4k", "4-8k", "8k+"]
+    assert rows[2] == ["Qasper (E)", "10.00", "-", "30.00"]
+    assert rows[4] == ["Avg", "15.00", "40.00", "30.00"]  # over the tasks with examples there
+
+
+def test_longbench_e_row_without_length_names_file_and_line(tmp_path):
+    path = tmp_path / "trec_e.jsonl"
+    row = {"_id": "a", "input": "q", "context": "c", "answers": ["x"], "length": 5}
+    path.write_text(
+        json.dumps(row) + "\n" + json.dumps({**row, "_id": "b", "length": "long"}) + "\n"
+    )
+    assert len(read_jsonl(path)) == 2  # not asked for: read as it is
+    with pytest.raises(ValueError, match=r"trec_e\.jsonl:2 has no length \(length: \"long\"\)"):
+        read_jsonl(path, needs_length=True)

@@ -1517,6 +1517,31 @@ def test_resuming_another_runs_last_checkpoint_says_nothing_is_trained(tmp_path,
     assert "already finished" in caplog.text and "nothing to train" not in caplog.text
 
 
+def test_a_branch_from_another_runs_checkpoint_gets_its_own_wandb_run(
+    tmp_path, monkeypatch
+) -> None:
+    """resume=<another folder's checkpoint> (an ablation branched from a shared checkpoint)
+    used to resume that run's wandb run, so the branch's records went into the other run's
+    charts. A resume in its own folder still goes on in its own wandb run."""
+    monkeypatch.delenv("WANDB_MODE", raising=False)  # the suite disables wandb
+    offline = ("wandb.mode=offline", "ckpt_every_tokens=512", "keep_last=4")
+
+    def wandb_ids(out: Path) -> set[str]:
+        return {d.name.rsplit("-", 1)[1] for d in (out / "wandb").glob("offline-run-*")}
+
+    a = tmp_path / "a"
+    train(_cfg(a, *offline, "total_tokens=1024"))
+    (a_id,) = wandb_ids(a)
+    step2 = a / "checkpoints" / "step_00000002"
+    b = tmp_path / "b"
+    train(_cfg(b, *offline, "total_tokens=1024", f"resume={step2}"))
+    (b_id,) = wandb_ids(b)
+    assert b_id != a_id
+    # the same folder resumed from its own earlier checkpoint: the same wandb run
+    train(_cfg(a, *offline, "total_tokens=1024", f"resume={step2}"))
+    assert wandb_ids(a) == {a_id}
+
+
 def test_run_stopped_before_final_json_finishes_without_validating_again(tmp_path) -> None:
     """A run that stopped after its final checkpoint but before final.json (e.g. during the HF
     export) used to validate again on resume: a second final validation record in

@@ -747,7 +747,10 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
     saved_window: dict[str, Any] = {}
     if resume_from is not None:
         state = ckpt.load_checkpoint(resume_from, model=model, optimizer=optimizer, rank=info.rank)
-        step, tokens, wandb_id = state["step"], state["tokens"], state.get("wandb_id")
+        step, tokens = state["step"], state["tokens"]
+        # the wandb run of this folder's run goes on; another folder's run (a branch from its
+        # checkpoint) is not written into: this run gets a wandb run of its own
+        wandb_id = None if elsewhere else state.get("wandb_id")
         stream.load_state_dict(state["data"])
         saved_window = state.get("log_window") or {}
         digest = state.get("data_digest")  # absent in checkpoints of older versions

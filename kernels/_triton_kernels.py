@@ -25,7 +25,7 @@ Conventions shared by every kernel here:
   of every tile size).
 * Exact pruning (c is non-increasing, so the bias only falls with distance): a key tile whose
   scores are all ``< row max - PRUNE_LOG2`` (2^-160: exp2 underflows to exactly 0 in float32)
-  contributes nothing and is skipped. The bound is ``scale*|q_i|*max_j|k_j| + c_i - c_j``
+  contributes nothing and is skipped. The bound is ``|scale|*|q_i|*max_j|k_j| + c_i - c_j``
   against the diagonal score ``s_ii`` (a lower bound of the row max), so the first key tile
   to visit is found before the loop by a binary search over c.
 """
@@ -225,7 +225,8 @@ def _fwd_kernel(
         s_diag = tl.sum(qf * k_diag.to(tl.float32), 1) * qk_scale
         q_norm = tl.sqrt(tl.sum(qf * qf, 1))
         kmax = tl.load(KMAX + b * H + hk)
-        bound = q_norm * kmax * qk_scale + cq - s_diag  # log2 units, relative to the anchor
+        # |scale|: with a negative scale, q.k * scale is still at most |q| |k| |scale|
+        bound = q_norm * kmax * tl.abs(qk_scale) + cq - s_diag  # log2 units, rel. to the anchor
         g = tl.max(tl.where(row_ok, bound, float("-inf"))) + prune_log2
         t_first = _first_needed_key(C_row, g, a_hi, a_lo, t_lo, t_hi, T, BN)
     else:
@@ -417,7 +418,7 @@ def _bwd_dq_kernel(
         qf = q.to(tl.float32)
         q_norm = tl.sqrt(tl.sum(qf * qf, 1))
         kmax = tl.load(KMAX + b * H + hk)
-        bound = q_norm * kmax * qk_scale + cq - lse
+        bound = q_norm * kmax * tl.abs(qk_scale) + cq - lse
         g = tl.max(tl.where(row_ok, bound, float("-inf"))) + prune_log2
         t_first = _first_needed_key(C_row, g, a_hi, a_lo, t_lo, t_hi, T, BN)
         # The dK/dV kernel reads where each query tile starts.

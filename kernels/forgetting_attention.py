@@ -481,7 +481,7 @@ def forgetting_attention(
         window_size: query ``i`` sees keys ``i - window_size < j <= i`` only.
         prune: skip key tiles whose every weight underflows to zero, in the forward and the
             backward (exact: results are bitwise the same as with ``prune=False``; the bound
-            uses ``|q_i| * max_j |k_j|`` and the monotone gate cumsum). On by default.
+            uses ``|scale| * |q_i| * max_j |k_j|`` and the monotone gate cumsum). On by default.
         prune_threshold: approximate pruning (natural-log units, e.g. ``-20.0``): also skip
             tiles whose bound on every weight is below ``e**prune_threshold`` times the
             row's diagonal weight. Off (``None``) by default; only the forward pass is

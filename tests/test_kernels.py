@@ -228,6 +228,19 @@ def test_pruning_is_exact_and_skips_tiles():
     assert weak.tiles_skipped == 0
 
 
+def test_pruning_is_exact_with_a_negative_scale():
+    """With scale < 0 a score q.k * scale reaches up to |scale| |q| max|k|; the pruning bound
+    took scale |q| max|k| (a large negative number) and skipped the key tiles that carry
+    almost all the weight: output and gradients were silently wrong (prune is on by
+    default). Here the first 32 keys score +200 |scale| against the queries from 32 on."""
+    T, D = 300, 16
+    q, k, v, log_f = make_inputs(1, T, 2, 1, D, torch.float32, WEAK, seed=3)
+    u = F.normalize(torch.randn(D, generator=torch.Generator().manual_seed(4)), dim=0)
+    k[:, :32] += 10 * u
+    q[:, 32:] -= 20 * u
+    assert_matches_reference(q, k, v, log_f, TOL[torch.float32], scale=-1.0)
+
+
 def test_approximate_pruning_skips_more_and_stays_close():
     q, k, v, log_f = make_inputs(1, 300, 2, 1, 32, torch.float32, -0.5)
     exact, approx = PruneStats(), PruneStats()

@@ -575,7 +575,9 @@ def forgetting_attention(
         H=H,
         D=D,
         scale=float(scale),
-        window=int(window_size) if window_size is not None else 0,
+        # A window of T or more changes nothing (i - j < T): capped at T, so that the kernels'
+        # int32 index math (key + window in the dK/dV kernel) cannot overflow.
+        window=min(int(window_size), T) if window_size is not None else 0,
         has_doc=has_doc,
         has_window=window_size is not None,
         doc_start=doc_start,

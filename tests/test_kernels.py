@@ -119,6 +119,16 @@ def test_sliding_window(window, gate_mean):
     assert_matches_reference(q, k, v, log_f, TOL[torch.float32], window_size=window)
 
 
+@pytest.mark.parametrize("prune", [False, True])
+def test_window_near_the_int32_limit_is_no_window(prune):
+    """A window of 2**31 - 1 (e.g. ``torch.iinfo(torch.int32).max`` as "no window") is the
+    plain causal attention. The dK/dV kernel's last key + window overflowed int32: dk, dv and
+    dlogf came out wrong without pruning, and with pruning its search read out of bounds
+    (a segmentation fault under the interpreter)."""
+    q, k, v, log_f = make_inputs(1, 100, 2, 1, 16, torch.float32, WEAK, seed=6)
+    assert_matches_reference(q, k, v, log_f, TOL[torch.float32], window_size=2**31 - 1, prune=prune)
+
+
 def test_window_of_one_attends_to_itself_only():
     """window_size=1: o = v, and dq = dk = dlogf = 0 in exact arithmetic. In float32 the
     kernel's dS_jj = p_jj (do_j·v_j - do_j·o_j) is the difference of two dot products summed

@@ -473,8 +473,11 @@ def forgetting_attention(
         k: ``[B, T, H, D]``, same dtype; ``HQ % H == 0`` (grouped-query attention: query head
             ``h`` reads key/value head ``h // (HQ // H)``).
         v: ``[B, T, H, D]``.
-        log_fgate: ``[B, T, HQ]`` float32, log of the forget gate, ``<= 0`` (e.g.
-            ``F.logsigmoid``). Pruning relies on the sign (c is then non-increasing).
+        log_fgate: ``[B, T, HQ]`` float32, log of the forget gate, finite and ``<= 0`` (e.g.
+            ``F.logsigmoid``). Pruning relies on the sign (c is then non-increasing). With
+            ``cu_seqlens`` one float64 cumsum runs over the whole packed row (only differences
+            within a document are used), so a NaN or -inf gate makes every later document NaN
+            too, and a sum beyond ~1e12 costs the later documents their precision.
         scale: logit scale; default ``D ** -0.5``.
         cu_seqlens: ``[N + 1]`` int32/int64 document boundaries of packed sequences
             (``B == 1``); no attention and no gate cumsum across documents.

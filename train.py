@@ -13,6 +13,8 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import OverrideParseException
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
@@ -31,6 +33,42 @@ from fot.training.signals import EXIT_STATUS as SIGTERM_EXIT_STATUS
 from fot.training.signals import TrainingStopped
 
 register_configs()
+
+# Hydra's flags whose value is the next argument (a path or name, not an override)
+_FLAGS_WITH_VALUE = ("--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd")
+
+
+def unparsable_override(args: list[str]) -> str | None:
+    """A message for the first command-line override that Hydra's grammar cannot read, naming
+    it and the quoted form that it reads; ``None`` when every override parses.
+
+    Hydra itself stops on such an override with only the parser's complaint (``mismatched
+    input '[' expecting <EOF>``), not which argument it was nor how to write it: a value that
+    holds brackets, ``=``, spaces or other special characters (``data.hf_split=train[1%:]``)
+    must be quoted for Hydra, inside the shell's quotes: ``'data.hf_split="train[1%:]"'``.
+
+    Args:
+        args: the command line after ``train.py`` (flags such as ``-m`` and the values of
+            ``--config-dir`` and friends are skipped).
+    """
+    parser = OverridesParser.create()
+    after_flag = False
+    for arg in args:
+        if after_flag or arg.startswith("-") or "=" not in arg:
+            after_flag = arg in _FLAGS_WITH_VALUE
+            continue
+        try:
+            parser.parse_overrides([arg])
+        except OverrideParseException as err:
+            reason = str(err.message).splitlines()[0]
+            key, value = arg.split("=", 1)
+            quoted = f"'{key}=\"{value}\"'" if '"' not in value else f"{key}='...'"
+            return (
+                f"cannot read the override {arg!r} ({reason}): a value that holds brackets, '=', "
+                f"spaces or other special characters needs quotes for Hydra, e.g. {quoted} "
+                "(https://hydra.cc/docs/advanced/override_grammar/basic/)"
+            )
+    return None
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")
@@ -80,7 +118,9 @@ if __name__ == "__main__":
         in ("--config-dir", "-cd", "--config-path", "-cp", "hydra.searchpath")
         for a in sys.argv[1:]
     )
-    problems = [unknown_override_key(arg) for arg in sys.argv[1:]]
+    # an override Hydra cannot parse first: the checks below would misread it
+    problems = [unparsable_override(sys.argv[1:])]
+    problems += [unknown_override_key(arg) for arg in sys.argv[1:]]
     if not more_configs:
         problems += [unknown_group_option(arg, configs) for arg in sys.argv[1:]]
     problems.append(multirun_out_dir_problem(sys.argv[1:]))  # before Hydra makes the sweep folder

@@ -551,6 +551,30 @@ def test_train_py_names_a_bad_key_or_option_in_one_line_with_status_2(tmp_path) 
     assert not any(tmp_path.iterdir())  # refused before Hydra made a run folder
 
 
+def test_train_py_names_an_unparsable_override_and_its_quoted_form(hydra_ctx, tmp_path) -> None:
+    """A split slice as the trainer's no-validation warning suggests it (``train[:1%]``) is no
+    valid Hydra override unquoted: Hydra alone says only ``mismatched input '['``."""
+    import subprocess
+    import sys
+
+    res = subprocess.run(
+        [sys.executable, str(CONFIGS.parent / "train.py"), "data=hf", "data.hf_val_split=train[:1%]",
+         f"hydra.run.dir={tmp_path}"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.startswith(
+        "train.py: error: cannot read the override 'data.hf_val_split=train[:1%]'"
+    ), res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1, res.stderr  # no traceback
+    suggested = re.search(r"e\.g\. '([^']+)'", res.stderr).group(1)
+    assert suggested == 'data.hf_val_split="train[:1%]"'
+    # the suggested form is what Hydra reads as the intended value
+    cfg = compose("train", overrides=["data=hf", suggested])
+    assert cfg.data.hf_val_split == "train[:1%]"
+    assert not any(tmp_path.iterdir())  # refused before Hydra made a run folder
+
+
 def test_hydra_run_dir_follows_out_dir(hydra_ctx, tmp_path) -> None:
     """With out_dir=..., Hydra's own files (.hydra/, train.log) go into the run folder, not into
     a second timestamped folder under the current directory."""

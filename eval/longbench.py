@@ -571,6 +571,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out = Path(args.out)
     tasks = parse_tasks(args.tasks)
     data_dir = Path(args.data_dir)
+    if not data_dir.is_dir():  # a mistyped folder: not "lacks <every task>.jsonl"
+        raise FileNotFoundError(
+            f"--data-dir {args.data_dir!r} "
+            f"{'is a file, not a folder' if data_dir.exists() else 'does not exist'}; pass the "
+            "folder that holds the <task>.jsonl files (`python -m fot.eval longbench --help` "
+            "says how to get them)"
+        )
     missing = [t for t in tasks if not (data_dir / f"{t}.jsonl").is_file()]
     if missing:
         raise FileNotFoundError(

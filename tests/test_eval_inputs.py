@@ -292,3 +292,18 @@ def test_longbench_file_that_is_not_utf8_names_the_file(tmp_path):
         main(["longbench", str(tmp_path / "missing"), "--data-dir", str(data), "--tasks",
               "hotpotqa", "--out", str(out)])  # fmt: skip
     assert not out.exists()
+
+
+@pytest.mark.parametrize("kind", ["missing", "file"])
+def test_longbench_data_dir_that_is_no_folder_is_named(tmp_path, kind):
+    data = tmp_path / "lbx"  # a mistyped --data-dir: was "lbx lacks ['trec.jsonl']"
+    if kind == "file":
+        data.write_text("not a folder")
+    out = tmp_path / "o"
+    what = "is a file, not a folder" if kind == "file" else "does not exist"
+    with pytest.raises(FileNotFoundError, match=re.escape(f"--data-dir '{data}' {what}")):
+        main(["longbench", str(tmp_path / "missing"), "--data-dir", str(data), "--tasks", "trec",
+              "--out", str(out)])  # fmt: skip
+    assert not out.exists()
+    if kind == "file":
+        assert data.read_text() == "not a folder"

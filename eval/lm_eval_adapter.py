@@ -33,10 +33,12 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import shlex
 import sqlite3
-from collections.abc import Sequence
-from contextlib import closing
+import subprocess
+from collections.abc import Iterator, Sequence
+from contextlib import closing, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -509,6 +511,44 @@ def other_tasks_table(results: dict[str, dict[str, Any]]) -> str:
     return "\n".join(["| task | metric | value |", "|---|---|---|", *rows])
 
 
+@contextmanager
+def quiet_git_hash() -> Iterator[None]:
+    """While active, lm-eval looks up the working directory's git commit without printing git's
+    complaint outside a repository.
+
+    ``lm_eval.simple_evaluate`` records ``git describe --always`` of the current directory with
+    git's stderr on the terminal, so every task run outside a git repository (where users
+    evaluate) printed ``fatal: not a git repository`` into a successful run's output. The
+    same lookup runs here with git's stderr captured, with lm-eval's own fallback (reading
+    ``.git`` in the working directory), so the recorded hash is unchanged.
+    """
+    import lm_eval.evaluator as evaluator
+    import lm_eval.loggers.utils as lm_eval_utils
+
+    original = getattr(evaluator, "get_git_commit_hash", None)
+    if original is None:  # another lm-eval version: nothing to quiet
+        yield
+        return
+    fallback = getattr(lm_eval_utils, "get_commit_from_path", lambda path: None)
+
+    def git_hash() -> str | None:
+        try:
+            res = subprocess.run(
+                ["git", "describe", "--always"], capture_output=True, text=True, check=False
+            )
+        except OSError:  # git is not installed
+            return fallback(os.getcwd())
+        if res.returncode != 0:  # no repository here
+            return fallback(os.getcwd())
+        return res.stdout.strip()
+
+    evaluator.get_git_commit_hash = git_hash
+    try:
+        yield
+    finally:
+        evaluator.get_git_commit_hash = original
+
+
 def evaluate(
     lm: Any,
     tasks: list[str],
@@ -561,17 +601,19 @@ def evaluate(
             spec = _task_config(tm, task, resolve_func=True) or {"task": task}
             spec["dataset_path"] = str(local_dirs[task])
         try:
-            res = lm_eval.simple_evaluate(
-                model=lm,
-                tasks=[spec],
-                num_fewshot=0,
-                limit=limit,
-                task_manager=tm,
-                log_samples=log_samples,
-                bootstrap_iters=0,
-                # Request-level resume inside a task: lm-eval's sqlite cache of finished requests.
-                use_cache=str(out / "lm_cache"),
-            )
+            with quiet_git_hash():
+                res = lm_eval.simple_evaluate(
+                    model=lm,
+                    tasks=[spec],
+                    num_fewshot=0,
+                    limit=limit,
+                    task_manager=tm,
+                    log_samples=log_samples,
+                    bootstrap_iters=0,
+                    # Request-level resume inside a task: lm-eval's sqlite cache of finished
+                    # requests.
+                    use_cache=str(out / "lm_cache"),
+                )
         except ConnectionError as err:  # datasets could not reach the hub (offline machine)
             raise ConnectionError(
                 f"lm-eval task {task!r}: its dataset is neither in the Hugging Face datasets "

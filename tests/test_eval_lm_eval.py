@@ -145,6 +145,44 @@ def test_task_yaml_file_is_reported_under_its_task_name(setup):
         task_name(str(nameless))
 
 
+def test_no_git_complaint_outside_a_repository_and_the_hash_still_recorded(
+    setup, tmp_path, monkeypatch, capfd
+):
+    """lm-eval runs `git describe` in the working directory with git's stderr on the terminal:
+    evaluating outside a git repository printed `fatal: not a git repository` per task."""
+    import subprocess
+
+    import lm_eval.evaluator
+
+    from fot.eval.lm_eval_adapter import evaluate, make_fot_lm, quiet_git_hash
+
+    root, model, tok = setup
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    monkeypatch.chdir(outside)
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path))  # no repository above either
+    lm = make_fot_lm(model, tok, max_length=64, batch_size=3)
+    capfd.readouterr()
+    res = evaluate(lm, ["fot_toy_mc"], out=tmp_path / "out", include_path=str(root / "tasks"))
+    assert set(res) == {"fot_toy_mc"}
+    assert "not a git repository" not in capfd.readouterr().err
+    with quiet_git_hash():
+        assert lm_eval.evaluator.get_git_commit_hash() is None
+    # inside a repository the hash is recorded as before: git's own abbreviated commit
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    monkeypatch.chdir(repo)
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "commit", "-q", "--allow-empty", "-m", "x"], check=True)
+    head = subprocess.run(
+        ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    with quiet_git_hash():
+        got = lm_eval.evaluator.get_git_commit_hash()
+    assert got and head.startswith(got)
+
+
 def test_generation_keeps_room_for_the_prompt(setup):
     """generate_until left-truncates the prompt to max_length - max_gen_toks tokens (greedy
     decoding by hand as the oracle) and refuses a max_gen_toks that leaves no room."""

@@ -343,32 +343,51 @@ def test_fused_loss_gradients_match_fp32_oracle(impl: str) -> None:
         assert rel_err(fused, want) <= 1.25 * rel_err(chunked, want) + 1e-3
 
 
-@pytest.mark.parametrize("split", ["two_gpus", "cpu_offload"])
-def test_device_map_matches_one_device(split: str, tmp_path) -> None:
+@pytest.mark.parametrize("split", ["two_gpus", "cpu_offload", "head_apart"])
+def test_device_map_matches_one_device(split: str, tmp_path, monkeypatch) -> None:
     """``from_pretrained(device_map=...)`` with the second layer, the norm and the head on
     another GPU (or the second layer offloaded to the CPU) computes what the same blocks on one
     GPU compute: logits, loss and greedy ``generate`` (which then decodes without CUDA graphs),
-    also through a fixed-capacity cache's static steps.
+    also through a fixed-capacity cache's static steps. ``head_apart`` puts the LM head on
+    another GPU than the final norm, so the fused loss must not read its weight.
 
-    The oracle is the same device map with every entry on GPU 0, hooks forced: accelerate
-    hooks every submodule (so the fused kernels are skipped), and only the placement differs."""
+    The oracle is the same device map with every entry on GPU 0, hooks forced; the offloaded
+    layer runs as modules (no fused kernel reads its weights), so the oracle's does too. Layers
+    that are not offloaded keep the fused kernels (counted: the fused add + norm)."""
     pytest.importorskip("accelerate")
     from accelerate import dispatch_model
     from transformers import AutoModelForCausalLM
 
-    if split == "two_gpus" and torch.cuda.device_count() < 2:
+    import fot.kernels.norm_ops as norm_ops
+
+    if split != "cpu_offload" and torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs")
+    calls = []
+    fused_add_norm = norm_ops.add_rms_norm
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].device)
+        return fused_add_norm(*args, **kwargs)
+
+    monkeypatch.setattr(norm_ops, "add_rms_norm", counted)
     build("fot_pro", "triton").save_pretrained(tmp_path)
     names = ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm", "lm_head"]
-    where = {"two_gpus": [0, 0, 1, 1, 1], "cpu_offload": [0, 0, "cpu", 0, 0]}[split]
+    where = {
+        "two_gpus": [0, 0, 1, 1, 1],
+        "cpu_offload": [0, 0, "cpu", 0, 0],
+        "head_apart": [0, 1, 1, 0, 1],
+    }[split]
     split_m = AutoModelForCausalLM.from_pretrained(
         tmp_path, device_map=dict(zip(names, where)), dtype=torch.bfloat16
     ).eval()
-    if split == "two_gpus":
+    if split != "cpu_offload":
         assert split_m.model.layers[1].mlp.up_proj.weight.device == torch.device("cuda", 1)
     plain = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).cuda().eval()
     m = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
     m = dispatch_model(m, device_map=dict.fromkeys(names, 0), force_hooks=True)
+    if split == "cpu_offload":
+        for module in m.model.layers[1].modules():
+            module.register_forward_pre_hook(lambda *_: None)
 
     def hooked_names(model: torch.nn.Module) -> set[str]:
         return {n for n, mod in model.named_modules() if hasattr(mod, "_hf_hook")}
@@ -379,10 +398,25 @@ def test_device_map_matches_one_device(split: str, tmp_path) -> None:
     mask = torch.ones_like(x)
     mask[1, :40] = 0
     with torch.no_grad():
+        calls.clear()
+        plain(x, attention_mask=mask)
+        per_forward = len(calls)
+        calls.clear()
         logits = split_m(x, attention_mask=mask).logits
-        assert torch.equal(logits, m(x, attention_mask=mask).logits)
+        fused_calls = len(calls)
         assert rel_err(logits, plain(x, attention_mask=mask).logits) <= REL_TOL
-        assert torch.equal(split_m(x, labels=x).loss, m(x, labels=x).loss)
+        loss = split_m(x, labels=x).loss
+        if split == "head_apart":  # the head runs as a module: other GEMMs than the oracle's
+            # the final norm's input comes from the other GPU: the norm runs as its module
+            assert fused_calls == per_forward - 1
+            assert rel_err(logits, m(x, attention_mask=mask).logits) <= REL_TOL
+            assert abs(loss.item() - m(x, labels=x).loss.item()) <= 1e-3 * loss.item()
+            out = split_m.generate(x, max_new_tokens=8, do_sample=False, pad_token_id=0)
+            assert out.shape == (2, 308)
+            return
+        assert fused_calls == per_forward - (2 if split == "cpu_offload" else 0)
+        assert torch.equal(logits, m(x, attention_mask=mask).logits)
+        assert torch.equal(loss, m(x, labels=x).loss)
     kw = {"max_new_tokens": 24, "do_sample": False, "pad_token_id": 0, "attention_mask": mask}
     out = split_m.generate(x, return_dict_in_generate=True, **kw)
     assert not out.past_key_values.cuda_graphs  # eager decode on a split model

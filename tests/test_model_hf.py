@@ -425,6 +425,59 @@ def test_offloaded_device_map_computes_what_the_plain_load_does(model: str, tmp_
     assert torch.equal(offloaded.generate(x, **kw), plain.generate(x, **kw))
 
 
+def test_device_map_without_offloading_keeps_the_fused_kernels(tmp_path, monkeypatch) -> None:
+    """accelerate hooks every submodule of a dispatched model. Without offloading its hooks
+    only move inputs, so the fused paths that read weights may run; they were skipped for
+    every hooked module, so a model split over GPUs ran unfused (slower). Offloaded modules
+    (weights on the meta device outside the call) must still run as modules.
+
+    Oracles: the fused add + norm's calls counted in the plain model, and logits bit-equal to
+    the plain model whose offloaded layer is made to run unfused by a no-op hook."""
+    pytest.importorskip("accelerate")
+    import copy
+
+    from accelerate import dispatch_model
+
+    import fot.kernels.norm_ops as norm_ops
+
+    calls = []
+    fused_add_norm = norm_ops.add_rms_norm
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].device)
+        return fused_add_norm(*args, **kwargs)
+
+    monkeypatch.setattr(norm_ops, "add_rms_norm", counted)
+    plain = tiny("fot_pro", attn_backend="triton")  # the fused paths, also on the CPU
+    x = ids(2, 12)
+    with torch.no_grad():
+        plain(x)
+    per_forward = len(calls)
+    assert per_forward == 2 * plain.config.num_hidden_layers + 1  # two per layer, final norm
+    device_map = {
+        "model.embed_tokens": "cpu",
+        "model.layers.0": "cpu",
+        "model.layers.1": "disk",  # offloaded: weights on the meta device outside the call
+        "model.norm": "cpu",
+        "lm_head": "cpu",
+    }
+    split = dispatch_model(
+        copy.deepcopy(plain), device_map=device_map, offload_dir=tmp_path, force_hooks=True
+    )
+    assert split.model.layers[0].self_attn.q_proj._hf_hook is not None  # hooked, not offloaded
+    assert split.model.layers[1].self_attn.q_proj.weight.device.type == "meta"
+    oracle = copy.deepcopy(plain)
+    for module in oracle.model.layers[1].modules():  # runs as modules, like the offloaded layer
+        module.register_forward_pre_hook(lambda *_: None)
+    calls.clear()
+    with torch.no_grad():
+        got = split(x).logits
+    assert len(calls) == per_forward - 2  # all but the offloaded layer's two
+    with torch.no_grad():
+        assert torch.equal(got, oracle(x).logits)
+        assert torch.equal(split(x, labels=x).loss, oracle(x, labels=x).loss)
+
+
 def test_layer_context_moves_with_accelerate_hooks() -> None:
     # A device_map over several GPUs: accelerate's hook on each layer moves the layer's
     # arguments to its device with send_to_device, which moves what has a .to(). The per-forward

@@ -171,7 +171,7 @@ def _chunked_ce(
     2048 rows of logits at a time; a wrapped or hooked head is called as a module."""
     from fot.models.modeling_fot import _chunked_cross_entropy, _fusable
 
-    weight = head.weight if _fusable(head) else head
+    weight = head.weight if _fusable(head, hidden.device) else head
     return _chunked_cross_entropy(hidden, weight, labels, 2048, fp32_logits=fp32_logits)
 
 
@@ -303,7 +303,7 @@ class _FoTContractMixin:
             count = num_items.to(hidden.device, non_blocking=True).clamp(min=1)
         else:
             count = max(int(num_items), 1)
-        if hidden.is_cuda and _fusable(self.lm_head):  # the fused loss reads the weight
+        if hidden.is_cuda and _fusable(self.lm_head, hidden.device):  # reads the weight
             from fla.modules import FusedLinearCrossEntropyLoss
 
             B, T, H = hidden.shape

@@ -18,6 +18,7 @@ Attention is chosen by name (``config.attn_backend``) among functions with one s
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import os
 from collections.abc import Callable
@@ -185,38 +186,60 @@ def _run_kernel(fn: Callable, *args, **kwargs) -> torch.Tensor:
     return fn(*args, **kwargs)
 
 
-def hooked(module: nn.Module) -> bool:
+def hooked(module: nn.Module, device: torch.device | None = None) -> bool:
     """Whether ``module`` carries forward or backward hooks of its own (which only calling
     it runs: the fused paths that read its weights skip them).
 
-    accelerate's hooks (``from_pretrained(device_map=...)``) count too: they replace
-    ``module.forward`` instead of registering a hook, and with offloading (``"cpu"`` /
-    ``"disk"`` entries in the device map) the module's weights are on the meta device except
-    while the module is called."""
-    return bool(
+    accelerate's hooks (``from_pretrained(device_map=...)``) replace ``module.forward``
+    instead of registering a hook. With offloading (``"cpu"`` / ``"disk"`` entries in a device
+    map that has a GPU) the module's weights are on the meta device except while the module
+    is called: hooked. Without offloading, a hook only moves the module's inputs to its
+    device, so it does not count where the caller's input is on ``device`` and so are all of
+    the module's parameters (a model split over GPUs by layers keeps its fused kernels).
+
+    Args:
+        module: the module whose weights a fused path would read.
+        device: where the caller's input is (None: every accelerate hook counts).
+    """
+    if (
         module._forward_hooks
         or module._forward_pre_hooks
         or module._backward_hooks
         or module._backward_pre_hooks
-        or getattr(module, "_hf_hook", None) is not None
+    ):
+        return True
+    hook = getattr(module, "_hf_hook", None)
+    if hook is None:
+        return False
+    # accelerate.hooks.AlignDevicesHook without offloading (accelerate is not imported here)
+    moves_inputs_only = (
+        type(hook).__name__ == "AlignDevicesHook"
+        and not hook.offload
+        and getattr(hook, "weights_map", None) is None
+    )
+    return not (
+        moves_inputs_only
+        and device is not None
+        and all(t.device == device for t in itertools.chain(module.parameters(), module.buffers()))
     )
 
 
-def plain_linear(layer: nn.Module) -> bool:
+def plain_linear(layer: nn.Module, device: torch.device | None = None) -> bool:
     """Whether a fused path may read ``layer.weight`` instead of calling ``layer``.
 
-    True for an ``nn.Linear`` (or the forget gate's subclass) without module hooks. A wrapper
-    (PEFT/LoRA adapters, a quantised or otherwise subclassed linear) or a hook changes what
-    calling the module computes, so those layers always run as modules: the fused GEMMs, the
-    forget gate's logits in the fused norm and the fused loss are skipped for them (slower,
-    never wrong). Norms with hooks likewise leave their fused kernels.
+    True for an ``nn.Linear`` (or the forget gate's subclass) without module hooks (see
+    :func:`hooked`; ``device`` is where the caller's input is). A wrapper (PEFT/LoRA adapters,
+    a quantised or otherwise subclassed linear) or a hook changes what calling the module
+    computes, so those layers always run as modules: the fused GEMMs, the forget gate's logits
+    in the fused norm and the fused loss are skipped for them (slower, never wrong). Norms
+    with hooks likewise leave their fused kernels.
     """
-    return type(layer) in (nn.Linear, FoTForgetGateProj) and not hooked(layer)
+    return type(layer) in (nn.Linear, FoTForgetGateProj) and not hooked(layer, device)
 
 
-def _fusable(layer: nn.Module) -> bool:
+def _fusable(layer: nn.Module, device: torch.device | None = None) -> bool:
     """A :func:`plain_linear` without bias: its weight can join a concatenated GEMM."""
-    return plain_linear(layer) and layer.bias is None
+    return plain_linear(layer, device) and layer.bias is None
 
 
 def fused_linear(x: torch.Tensor, layers: list[nn.Module], *, mixed: bool = False) -> torch.Tensor:
@@ -240,7 +263,7 @@ def fused_linear(x: torch.Tensor, layers: list[nn.Module], *, mixed: bool = Fals
     Returns:
         ``[..., sum of out_features]``, the layers' outputs side by side in ``layers`` order.
     """
-    if not all(_fusable(layer) for layer in layers):
+    if not all(_fusable(layer, x.device) for layer in layers):
         return torch.cat([layer(x) for layer in layers], -1) if len(layers) > 1 else layers[0](x)
     dtype = _autocast_dtype(x)
     if (
@@ -272,7 +295,7 @@ def fused_projections(
     Returns:
         One ``[..., out_features]`` tensor per layer: column slices (views) of one output.
     """
-    if not all(_fusable(layer) for layer in layers):
+    if not all(_fusable(layer, x.device) for layer in layers):
         return [layer(x) for layer in layers]
     y = fused_linear(x, layers, mixed=mixed)
     return [y] if len(layers) == 1 else list(y.split([lay.out_features for lay in layers], -1))
@@ -334,13 +357,13 @@ class FoTRMSNorm(nn.Module):
             ``(norm(h) [B, T, hidden] in out_dtype, h [B, T, hidden])``, and with ``proj``
             also ``proj(norm(h))`` ``[B, T, out_features]`` float32.
         """
-        if proj is not None and not plain_linear(proj):
+        if proj is not None and not plain_linear(proj, x.device):
             y, h = self.add_norm(x, residual, fused)  # (B, T, hidden) float32
             with torch.autocast(h.device.type, enabled=False):
                 z = proj(y).float()  # (B, T, out_features)
             return (y if out_dtype is None else y.to(out_dtype)), h, z
         pw, pb = (proj.weight, proj.bias) if proj is not None else (None, None)
-        if fused and not hooked(self):
+        if fused and not hooked(self, x.device):
             from fot.kernels.norm_ops import add_rms_norm
 
             return add_rms_norm(
@@ -702,7 +725,7 @@ class FoTAttention(nn.Module):
             # under autocast (which would otherwise run this matmul in bf16).
             proj = self.fgate_proj
             with torch.autocast(x.device.type, enabled=False):
-                if plain_linear(proj):
+                if plain_linear(proj, x.device):
                     logits = F.linear(x.float(), proj.weight.float(), proj.bias.float())
                 else:  # an adapter or hooks: the module, in its weights' dtype
                     logits = proj(x.to(proj.weight.dtype)).float()  # (B, T, HQ)
@@ -756,10 +779,10 @@ class FoTAttention(nn.Module):
         fused = (
             cache is None
             and _use_fused_pro(cfg.attn_backend, x, d)
-            and not any(hooked(n) for n in norms if n is not None)
+            and not any(hooked(n, x.device) for n in norms if n is not None)
         )
         grads = None  # with the fused kernels: their input gradients go into one buffer
-        if fused and mixed and len(layers) > 1 and all(_fusable(lay) for lay in layers):
+        if fused and mixed and len(layers) > 1 and all(_fusable(lay, x.device) for lay in layers):
             from fot.kernels.pro_ops import split_columns
 
             y = fused_linear(x, layers, mixed=True)  # (B, T, sum of widths)
@@ -1505,7 +1528,9 @@ def _chunked_cross_entropy(
         if not isinstance(weight, torch.Tensor):
             off = torch.autocast(h.device.type, enabled=False)
             with off if fp32_logits else contextlib.nullcontext():
-                logits = weight(h).float()  # (n, V)
+                # on the labels' device: a head that a device map put on another GPU returns
+                # its logits there
+                logits = weight(h).float().to(y.device)  # (n, V)
         elif fp32_logits:  # evaluation: exact logits even under a bf16 autocast
             with torch.autocast(h.device.type, enabled=False):
                 logits = F.linear(h.float(), weight.float())  # (n, V)
@@ -1569,17 +1594,17 @@ class FoTForCausalLM(FoTPreTrainedModel, GenerationMixin):
         """``[vocab_size, hidden]``: the LM head without its padding rows (never predicted)."""
         return self.lm_head.weight[: self.config.vocab_size]
 
-    def _head(self) -> torch.Tensor | Callable[[torch.Tensor], torch.Tensor]:
-        """What the loss multiplies by: :attr:`_head_weight`; for an LM head that is not
-        :func:`plain_linear` (wrapped, hooked) or has a bias, the module itself, its logits
-        cut to ``vocab_size``."""
-        if _fusable(self.lm_head):
+    def _head(self, device: torch.device) -> torch.Tensor | Callable[[torch.Tensor], torch.Tensor]:
+        """What the loss multiplies hidden states on ``device`` by: :attr:`_head_weight`; for
+        an LM head that is not :func:`plain_linear` (wrapped, hooked) or has a bias, the module
+        itself, its logits cut to ``vocab_size``."""
+        if _fusable(self.lm_head, device):
             return self._head_weight
         return lambda h: self.lm_head(h)[..., : self.config.vocab_size]
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[B, T, vocab_size]`` float32 logits of the hidden states ``[B, T, hidden]``."""
-        head = self._head()
+        head = self._head(hidden.device)
         logits = F.linear(hidden, head) if isinstance(head, torch.Tensor) else head(hidden)
         return logits.float()
 
@@ -1613,7 +1638,7 @@ class FoTForCausalLM(FoTPreTrainedModel, GenerationMixin):
         labels = shift_labels.to(hidden.device).reshape(-1).long()
         losses = _chunked_cross_entropy(
             hidden.reshape(B * T, H),
-            self._head(),
+            self._head(hidden.device),
             labels,
             self.config.loss_chunk_size,
             fp32_logits=fp32_logits,
@@ -1632,7 +1657,7 @@ class FoTForCausalLM(FoTPreTrainedModel, GenerationMixin):
         impl = self.config.loss_impl
         if impl == "auto":
             impl = "fused" if hidden.is_cuda else "chunked"
-        if not _fusable(self.lm_head):  # the fused losses read the weight: call the module
+        if not _fusable(self.lm_head, hidden.device):  # the fused losses read the weight
             impl = "chunked"
         B, T, H = hidden.shape
         labels = shift_labels.to(hidden.device).reshape(-1).long()

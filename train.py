@@ -10,18 +10,29 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import OverrideParseException
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import (
+    BooleanNode,
+    DictConfig,
+    FloatNode,
+    IntegerNode,
+    ListConfig,
+    OmegaConf,
+    StringNode,
+)
+from omegaconf.errors import OmegaConfBaseException
 
 from fot.errors import USER_ERRORS, error_line
 from fot.training import train
 from fot.training.checkpoint import interrupted_message
 from fot.training.config import (
+    TrainConfig,
     check_multirun_out_dir,
     multirun_out_dir_problem,
     out_dir_file_problem,
@@ -69,6 +80,67 @@ def unparsable_override(args: list[str]) -> str | None:
                 "(https://hydra.cc/docs/advanced/override_grammar/basic/)"
             )
     return None
+
+
+def mistyped_override(args: list[str]) -> str | None:
+    """A message for the first command-line ``key=value`` whose value the field's type refuses
+    (``total_tokens=1k``, ``parallel.compile=maybe``), naming the type the field takes;
+    ``None`` when every value fits.
+
+    Hydra refuses these too, but in its own four-line form with exit status 1. Only plain
+    overrides of leaf fields of :class:`~fot.training.config.TrainConfig` are checked: group
+    options (``model=fot_pro``), ``+``/``++``/``~`` overrides, sweeps, interpolations, unknown
+    keys and unparsable overrides are left to the other checks and to Hydra.
+
+    Args:
+        args: the command line after ``train.py``.
+    """
+    parser = OverridesParser.create()
+    leaves = _leaf_nodes(OmegaConf.structured(TrainConfig))
+    for arg in args:
+        if arg.startswith(("-", "+", "~")) or "=" not in arg:
+            continue
+        try:
+            override = parser.parse_overrides([arg])[0]
+        except OverrideParseException:
+            continue  # unparsable_override names it
+        key = override.key_or_group
+        if override.package is not None or override.is_sweep_override() or key not in leaves:
+            continue  # Hydra's; or a group, a free-form dict, an unknown key (checked apart)
+        value = override.value()
+        if isinstance(value, str) and "${" in value:
+            continue
+        try:
+            OmegaConf.update(OmegaConf.structured(TrainConfig), key, value, merge=True)
+        except OmegaConfBaseException as err:
+            reason = str(err).splitlines()[0].rstrip(".")
+            return f"{arg!r}: {reason}; {key} takes {_kind(leaves[key])}"
+    return None
+
+
+def _leaf_nodes(cfg: DictConfig, prefix: str = "") -> dict[str, Any]:
+    """The node of every leaf field of ``cfg`` by dotted key (lists are leaves)."""
+    leaves: dict[str, Any] = {}
+    for name in cfg:
+        node = cfg._get_node(name)
+        if isinstance(node, DictConfig):
+            leaves |= _leaf_nodes(node, f"{prefix}{name}.")
+        else:
+            leaves[f"{prefix}{name}"] = node
+    return leaves
+
+
+def _kind(node: Any) -> str:
+    """What a leaf field takes, in words, for the message of :func:`mistyped_override`."""
+    kinds = {
+        IntegerNode: "a whole number",
+        FloatNode: "a number",
+        BooleanNode: "true or false",
+        StringNode: "a string",
+        ListConfig: "a list such as [0.9,0.95]",
+    }
+    kind = next((words for cls, words in kinds.items() if isinstance(node, cls)), "another value")
+    return kind if node._is_optional() else f"{kind} (not null)"
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")
@@ -121,6 +193,7 @@ if __name__ == "__main__":
     # an override Hydra cannot parse first: the checks below would misread it
     problems = [unparsable_override(sys.argv[1:])]
     problems += [unknown_override_key(arg) for arg in sys.argv[1:]]
+    problems.append(mistyped_override(sys.argv[1:]))  # a known key with a value of another type
     if not more_configs:
         problems += [unknown_group_option(arg, configs) for arg in sys.argv[1:]]
     problems.append(multirun_out_dir_problem(sys.argv[1:]))  # before Hydra makes the sweep folder

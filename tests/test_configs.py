@@ -575,6 +575,60 @@ def test_train_py_names_an_unparsable_override_and_its_quoted_form(hydra_ctx, tm
     assert not any(tmp_path.iterdir())  # refused before Hydra made a run folder
 
 
+def _train_py_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fot_train_py", CONFIGS.parent / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    ("override", "kind"),
+    [("total_tokens=1k", "a whole number"), ("parallel.compile=maybe", "true or false"),
+     ("micro_batch_size=2.5", "a whole number"), ("optim.betas=0.9", "a list"),
+     ("data.seq_len=null", "a whole number (not null)"), ("peak_flops=fast", "a number")],
+)  # fmt: skip
+def test_mistyped_value_is_named_with_the_type_it_needs(hydra_ctx, override, kind) -> None:
+    message = _train_py_module().mistyped_override([override])
+    assert message is not None and message.startswith(f"{override!r}: "), message
+    key = override.split("=")[0]
+    assert f"; {key} takes {kind}" in message
+    with pytest.raises(ConfigCompositionException):  # Hydra refuses it too (exit status 1)
+        compose("train", overrides=[override])
+
+
+@pytest.mark.parametrize(
+    "override",
+    ["total_tokens=4096", "optim.betas=[0.9,0.99]", "peak_flops=1e15", "data.path=123",
+     "model=fot_pro", "data=tokens", "++model.overrides={hidden_size:32}", "seed=1,2",
+     "+model.overrides.fgate_bias_init=5", "global_batch_tokens=${data.seq_len}",
+     "out_dir=null", "data.hf_split=\"train[1%:]\""],
+)  # fmt: skip
+def test_well_typed_values_pass_the_type_check(hydra_ctx, override) -> None:
+    assert _train_py_module().mistyped_override([override]) is None
+    if override != "seed=1,2":  # a sweep needs -m
+        compose("train", overrides=[override])  # and Hydra accepts it
+
+
+def test_train_py_names_a_mistyped_value_in_one_line_with_status_2(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    res = subprocess.run(
+        [sys.executable, str(CONFIGS.parent / "train.py"), "total_tokens=1k",
+         f"hydra.run.dir={tmp_path}"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.strip().splitlines() == [
+        "train.py: error: 'total_tokens=1k': Value '1k' of type 'str' could not be converted "
+        "to Integer; total_tokens takes a whole number (not null)"
+    ]
+    assert not any(tmp_path.iterdir())
+
+
 def test_hydra_run_dir_follows_out_dir(hydra_ctx, tmp_path) -> None:
     """With out_dir=..., Hydra's own files (.hydra/, train.log) go into the run folder, not into
     a second timestamped folder under the current directory."""

@@ -241,6 +241,28 @@ def test_prepare_hf_empty_or_undecodable_files_get_one_clear_error(tmp_path, cap
 # ------------------------------------------------------------------ validating on training data
 
 
+def test_a_missing_held_out_path_names_data_val_path(tmp_path) -> None:
+    # the hint said "then set data.path=<folder>" for a missing data.val_path too
+    from fot.data.tokens import write_token_documents
+
+    write_token_documents(tmp_path / "tok", [np.arange(30, dtype=np.uint16)] * 3)
+    cfg = _cfg(
+        kind="tokens",
+        path=str(tmp_path / "tok"),
+        val_path=str(tmp_path / "nope"),
+        seq_len=8,
+        val_tokens=16,
+    )
+    with pytest.raises(FileNotFoundError) as err:
+        build_sources(cfg)
+    msg = str(err.value)
+    assert msg.startswith(f"data.val_path={tmp_path / 'nope'} does not exist")
+    assert msg.endswith("then set data.val_path=<folder>.") and "data.path" not in msg
+    cfg = _cfg(kind="tokens", path=str(tmp_path / "gone"))
+    with pytest.raises(FileNotFoundError, match=r"then set data\.path=<folder>\.$"):
+        build_sources(cfg)
+
+
 def test_validating_on_the_training_data_warns(tmp_path, caplog) -> None:
     from fot.data.tokens import write_token_documents
 

@@ -18,10 +18,13 @@ logger = logging.getLogger("fot.data")
 
 KINDS = ("sample", "longcrawl64", "tokens", "hf")
 
-_PREPARE_HINT = (
-    "Turn text files, folders or HF datasets into a token folder with "
-    "`python -m fot.data.prepare --help`, then set data.path=<folder>."
-)
+
+def _prepare_hint(key: str = "data.path") -> str:
+    """How to make token data, for the config key that names it."""
+    return (
+        "Turn text files, folders or HF datasets into a token folder with "
+        f"`python -m fot.data.prepare --help`, then set {key}=<folder>."
+    )
 
 
 def _warn(msg: str, *args: Any) -> None:
@@ -88,7 +91,7 @@ def open_token_path(path: str | Path, seq_len: int, packing: str, key: str = "da
 
     p = Path(path).expanduser()
     if not p.exists():
-        raise FileNotFoundError(f"{key}={p} does not exist. {_PREPARE_HINT}")
+        raise FileNotFoundError(f"{key}={p} does not exist. {_prepare_hint(key)}")
     if is_zarr(p):
         return _zarr_source(key, p, seq_len, packing)
     if p.is_dir():
@@ -105,7 +108,7 @@ def open_token_path(path: str | Path, seq_len: int, packing: str, key: str = "da
         except (ValueError, OSError, EOFError) as err:
             raise ValueError(
                 f"{key}={p} is not a readable .npy array ({err}); save the token ids with "
-                f"`np.save(path, ids.astype(np.uint16))`. {_PREPARE_HINT}"
+                f"`np.save(path, ids.astype(np.uint16))`. {_prepare_hint(key)}"
             ) from None
         if not np.issubdtype(tokens.dtype, np.integer):
             raise ValueError(
@@ -123,7 +126,7 @@ def open_token_path(path: str | Path, seq_len: int, packing: str, key: str = "da
     else:
         raise ValueError(
             f"don't know how to read {p}: expected a token folder, a .npy/.bin (uint16) token "
-            f"file or a .zarr array. {_PREPARE_HINT}"
+            f"file or a .zarr array. {_prepare_hint(key)}"
         )
     return _named(
         key, p, lambda: PackedSource.from_flat(tokens, seq_len, varlen=packing == "varlen")
@@ -338,7 +341,7 @@ def build_sources(cfg: Any, *, val_unit: int | None = None) -> tuple[Any, Any | 
         return train, val
     if cfg.kind == "tokens":
         if not cfg.path:
-            raise ValueError(f"data=tokens needs data.path. {_PREPARE_HINT}")
+            raise ValueError(f"data=tokens needs data.path. {_prepare_hint()}")
         train = open_token_path(cfg.path, T, cfg.packing)
         val = None
         if cfg.val_path and want_val:

@@ -81,7 +81,8 @@ def test_step_profiler_profiles_the_asked_steps_on_cpu(tmp_path) -> None:
     assert written[0] is None and written[1] is None and written[3] is None
     summary = written[2]
     on_disk = json.loads((tmp_path / "profile" / "rank3.json").read_text())
-    assert on_disk["steps"] == 2 and on_disk["first_step"] == 1 and on_disk["rank"] == 3
+    # the run's step numbers (1-based), as the trainer's log: steps 2-3
+    assert on_disk["steps"] == 2 and on_disk["first_step"] == 2 and on_disk["rank"] == 3
     assert on_disk["wall_ms_per_step"] == pytest.approx(summary["wall_ms_per_step"])
     assert summary["wall_ms_per_step"] > 0
     names = [name for name, _ in summary["top_cpu_ops"]]

@@ -178,13 +178,15 @@ def test_activation_checkpointing_gives_the_same_losses(tmp_path, reference_run)
 
 
 def test_profiled_run_writes_summary_and_trains_the_same(tmp_path, reference_run, caplog) -> None:
-    """``profile.steps=1`` profiles the second step; the losses equal the unprofiled run's."""
+    """``profile.steps=1`` profiles the second step; the losses equal the unprofiled run's.
+    The summary's ``first_step`` is the run's step number, as in the log, also after a resume
+    (it counted from 0 in this process)."""
     out = tmp_path / "run"
     train(_cfg(out, "total_tokens=512", "data.val_tokens=0", "profile.steps=1",
                "profile.start_step=1", "profile.trace=false"))  # fmt: skip
     assert _losses(out) == {1: reference_run[1], 2: reference_run[2]}
     summary = json.loads((out / "profile" / "rank0.json").read_text())
-    assert summary["steps"] == 1 and summary["first_step"] == 1
+    assert summary["steps"] == 1 and summary["first_step"] == 2  # the run's step number
     assert any(name == "aten::mm" for name, _ in summary["top_cpu_ops"])
     assert not (out / "profile" / "rank0.trace.json").exists()
     with pytest.raises(ValueError, match=r"profile\.start_step \+ profile\.steps = 4 but this run"):
@@ -209,6 +211,8 @@ def test_profiled_run_writes_summary_and_trains_the_same(tmp_path, reference_run
         r.getMessage().startswith(f"profile of steps 4-4 written to {out / 'profile'}")
         for r in caplog.records
     ), [r.getMessage() for r in caplog.records]
+    # and so does the summary (it said 1: the second step of this process, counted from 0)
+    assert json.loads((out / "profile" / "rank0.json").read_text())["first_step"] == 4
 
 
 def test_gc_is_manual_while_training(tmp_path, reference_run, monkeypatch) -> None:
@@ -843,6 +847,16 @@ def test_missing_held_out_data_is_said_with_the_fix(caplog, kind: str, fix: str)
     assert validation_sequences(_data_cfg(kind, 4096), None, unit=1, warn=True) == 0
     assert "no validation" in caplog.text and fix in caplog.text
     assert "data.val_tokens=0" in caplog.text
+    if kind == "hf":
+        # the split slices it suggests, as written, are overrides that Hydra reads (unquoted,
+        # train[:1%] is a syntax error)
+        import re
+
+        quoted = re.findall(r"'(data\.hf_(?:val_)?split=[^']+)'", caplog.text)
+        assert len(quoted) == 2, caplog.text
+        with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+            cfg = compose("train", overrides=["data=hf", *quoted])
+        assert (cfg.data.hf_val_split, cfg.data.hf_split) == ("train[:1%]", "train[1%:]")
 
 
 def test_bad_data_or_sizes_leave_no_run_folder(tmp_path) -> None:

@@ -105,6 +105,8 @@ def top_kernels(kernels: list[Interval], steps: int, n: int = 15) -> list[tuple[
 class StepProfiler:
     """Profiles training steps ``[start_step, start_step + steps)`` of one run (counted from
     the first step this process runs, so warm-up steps are skipped) and writes the summary.
+    Its ``first_step`` is the run's number of the first profiled step: ``first_run_step`` (the
+    number of the first step this process runs: 1, or the resumed step + 1) + ``start_step``.
 
     Call :meth:`step_begin` before each step and :meth:`step_end` after it. With ``steps=0``
     both do nothing.
@@ -119,12 +121,14 @@ class StepProfiler:
         rank: int,
         device: torch.device,
         trace: bool,
+        first_run_step: int = 1,
     ) -> None:
         if steps < 0 or start_step < 0:
             raise ValueError(
                 f"profile.steps and profile.start_step must be >= 0, got {steps} and {start_step}"
             )
         self.steps, self.start_step, self.rank = steps, start_step, rank
+        self.first_run_step = first_run_step
         self.out_dir, self.device, self.trace = Path(out_dir) / "profile", device, trace
         self._done = 0  # steps of this run finished so far
         self._prof: Any = None
@@ -173,7 +177,7 @@ class StepProfiler:
             "rank": self.rank,
             "device": str(self.device),
             "steps": n,
-            "first_step": self.start_step,
+            "first_step": self.first_run_step + self.start_step,
             "wall_ms_per_step": wall_s * 1e3 / n,
         }
         if self.device.type == "cuda":

@@ -354,8 +354,9 @@ def validation_sequences(data_cfg: Any, source: Any | None, *, unit: int, warn: 
             fix = {
                 "tokens": "set data.val_path=<held-out token folder or file> (`python -m "
                 "fot.data.prepare ... --heldout-out <folder> --heldout-every N` writes one)",
-                "hf": "set data.hf_val_split=<split> (e.g. validation, or train[:1%] with "
-                "data.hf_split=train[1%:])",
+                "hf": "set data.hf_val_split=<split> (e.g. validation, or a slice of the "
+                "training split, quoted for Hydra: 'data.hf_val_split=\"train[:1%]\"' with "
+                "'data.hf_split=\"train[1%:]\"')",
             }.get(str(data_cfg.kind), "configure held-out data")
             logger.warning(
                 "no validation: data.val_tokens=%d but data=%s has no held-out data; %s, or set "
@@ -716,6 +717,7 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
         rank=info.rank,
         device=info.device,
         trace=bool(prof_cfg.trace),
+        first_run_step=total_steps - steps_left + 1,
     )
     if prof_cfg.steps and prof_cfg.start_step + prof_cfg.steps > steps_left:
         raise ValueError(
@@ -1087,7 +1089,7 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
             if done is not None and info.is_main:
                 logger.info(
                     "profile of steps %d-%d written to %s: %.1f ms per step%s",
-                    step - done["steps"] + 1,  # global step numbers, also after a resume
+                    done["first_step"],  # the run's step numbers, also after a resume
                     step,
                     out_dir / "profile",
                     done["wall_ms_per_step"],

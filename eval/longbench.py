@@ -50,7 +50,7 @@ from .common import (
     positive_int,
     write_run_config,
 )
-from .metrics import best_score
+from .metrics import PARAGRAPH, best_score
 
 
 @dataclasses.dataclass(frozen=True)
@@ -363,6 +363,7 @@ def read_jsonl(
     needs_classes: bool = False,
     text_fields: tuple[str, ...] = (),
     needs_length: bool = False,
+    needs_paragraph: bool = False,
 ) -> list[dict[str, Any]]:
     """Examples of one task file (first ``limit`` only if given).
 
@@ -375,12 +376,15 @@ def read_jsonl(
             every row must hold each as a string (it may be empty).
         needs_length: the task is scored per length range (LongBench-E): every row must hold
             its ``length`` (words) as an integer >= 0.
+        needs_paragraph: the task is scored by retrieval (PassageRetrieval): every answer
+            must name its paragraph (``Paragraph 12``).
 
     Raises:
         ValueError: a line is not UTF-8 text or not a JSON object, has no ``answers``, lacks
-            ``all_classes`` where ``needs_classes``, a string in one of ``text_fields`` or a
-            ``length`` where ``needs_length``, or repeats another line's ``_id`` (results are keyed by it); the message names the
-            file and line. Also when the file holds no example.
+            ``all_classes`` where ``needs_classes``, a string in one of ``text_fields``, a
+            ``length`` where ``needs_length`` or a paragraph in an answer where
+            ``needs_paragraph``, or repeats another line's ``_id`` (results are keyed by it);
+            the message names the file and line. Also when the file holds no example.
     """
     rows = []
     seen_ids: dict[str, int] = {}
@@ -418,6 +422,13 @@ def read_jsonl(
                     f"{path}:{number} has no answers to score against (answers: "
                     f"{json.dumps(row.get('answers'))}); LongBench rows hold a list of reference "
                     "answer strings"
+                )
+            unnamed = [a for a in answers if not PARAGRAPH.search(a)]
+            if needs_paragraph and unnamed:
+                raise ValueError(
+                    f"{path}:{number} has an answer that names no paragraph ({unnamed[0]!r}); "
+                    "this task is scored by retrieval, so every answer reads 'Paragraph "
+                    "<number>' as in LongBench's passage_retrieval_en files"
                 )
             for name in text_fields:
                 if not isinstance(row.get(name), str):
@@ -592,6 +603,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             needs_classes=task_spec(t).metric == "classification",
             text_fields=prompt_fields(t),
             needs_length=t.endswith("_e"),
+            needs_paragraph=task_spec(t).metric == "retrieval",
         )
         for t in tasks
     }

@@ -157,6 +157,8 @@ def code_similarity(prediction: str, reference: str, **_: object) -> float:
 
 
 _NUMBER = re.compile(r"\d+")
+PARAGRAPH = re.compile(r"Paragraph (\d+)")
+"""How a PassageRetrieval answer names its paragraph (``Paragraph 12``)."""
 
 
 def _share_equal_to(prediction: str, answer: str) -> float:
@@ -173,7 +175,7 @@ def count_score(prediction: str, reference: str, **_: object) -> float:
 def retrieval_score(prediction: str, reference: str, **_: object) -> float:
     """LongBench ``retrieval_score`` (PassageRetrieval): the reference names a paragraph
     (``"Paragraph 12"``); the share of the numbers in the prediction that equal its number."""
-    named = re.search(r"Paragraph (\d+)", reference)
+    named = PARAGRAPH.search(reference)
     if named is None:
         raise ValueError(
             f"retrieval answer {reference!r} names no paragraph; LongBench's passage "

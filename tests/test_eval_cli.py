@@ -501,6 +501,31 @@ def test_longbench_e_cli_scores_each_length_range(ckpts, tmp_path, monkeypatch):
     assert not (tmp_path / "o2").exists()
 
 
+def test_longbench_retrieval_answer_without_paragraph_refused_before_the_model(ckpts, tmp_path):
+    """PassageRetrieval is scored by the paragraph its answer names: an answer that names none
+    (here the bare number) is refused with its file and line before the model loads, leaving
+    no --out folder, as every other bad row is; it was found only when the first example had
+    been generated and scored, after the results folder was claimed."""
+    data = tmp_path / "lb"
+    data.mkdir()
+    row = {"_id": "r0", "input": "A summary.", "context": "Paragraph 1: a.", "length": 9}
+    (data / "passage_retrieval_en.jsonl").write_text(
+        json.dumps({**row, "answers": ["Paragraph 1"]})
+        + "\n"
+        + json.dumps({**row, "_id": "r1", "answers": ["1"]})
+        + "\n"
+    )
+    out = tmp_path / "out"
+    args = ["longbench", str(ckpts["llama"]), "--data-dir", str(data), "--tasks",
+            "passage_retrieval_en", "--max-length", "64", "--out", str(out), "--device", "cpu"]  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"passage_retrieval_en\.jsonl:2 has an answer that names no paragraph \('1'\)",
+    ):
+        main(args)
+    assert not out.exists()
+
+
 def test_lm_eval_cli_with_local_dataset_root(ckpts, tmp_path):
     """A task whose dataset_path is a hub repo, read offline from --dataset-root."""
     pytest.importorskip("lm_eval")

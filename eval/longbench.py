@@ -689,4 +689,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         write_text_atomic(out / "by_length.md", length_table(by_length) + "\n")
         print("\nScore per length range of the examples' length field (words):")
         print(length_table(by_length))
+    else:  # an earlier run's in this folder would read as this run's
+        for name in ("scores_by_length.json", "by_length.md"):
+            (out / name).unlink(missing_ok=True)
     return scores

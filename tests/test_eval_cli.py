@@ -501,6 +501,26 @@ def test_longbench_e_cli_scores_each_length_range(ckpts, tmp_path, monkeypatch):
     assert not (tmp_path / "o2").exists()
 
 
+def test_longbench_rerun_without_lengths_leaves_no_earlier_length_scores(ckpts, tmp_path):
+    """A results folder resumed with tasks whose rows carry no length keeps no per length
+    scores of an earlier run's tasks: scores.json and table2.md hold this run's tasks only, so
+    scores_by_length.json and by_length.md beside them would read as this run's."""
+    data = tmp_path / "lb"
+    data.mkdir()
+    row = {"_id": "h0", "input": "Which river?", "context": "The Nile.", "answers": ["Nile"]}
+    (data / "hotpotqa.jsonl").write_text(json.dumps(row) + "\n")  # no length
+    (data / "hotpotqa_e.jsonl").write_text(json.dumps({**row, "length": 5}) + "\n")
+    out = tmp_path / "out"
+    base = ["longbench", str(ckpts["llama"]), "--data-dir", str(data), "--max-length", "64",
+            "--out", str(out), "--device", "cpu", "--tasks"]  # fmt: skip
+    main([*base, "hotpotqa_e"])
+    assert set(json.loads((out / "scores_by_length.json").read_text())) == {"hotpotqa_e"}
+    assert set(main([*base, "hotpotqa"])) == {"hotpotqa"}  # the same folder, resumed
+    assert set(json.loads((out / "scores.json").read_text())) == {"hotpotqa"}
+    assert not (out / "scores_by_length.json").exists()
+    assert not (out / "by_length.md").exists()
+
+
 def test_longbench_retrieval_answer_without_paragraph_refused_before_the_model(ckpts, tmp_path):
     """PassageRetrieval is scored by the paragraph its answer names: an answer that names none
     (here the bare number) is refused with its file and line before the model loads, leaving

@@ -15,6 +15,7 @@ from typing import Any
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import ChoiceSweep
 from hydra.errors import OverrideParseException
 from hydra.types import RunMode
 from omegaconf import (
@@ -87,10 +88,12 @@ def mistyped_override(args: list[str]) -> str | None:
     (``total_tokens=1k``, ``parallel.compile=maybe``), naming the type the field takes;
     ``None`` when every value fits.
 
-    Hydra refuses these too, but in its own four-line form with exit status 1. Only plain
-    overrides of leaf fields of :class:`~fot.training.config.TrainConfig` are checked: group
-    options (``model=fot_pro``), ``+``/``++``/``~`` overrides, sweeps, interpolations, unknown
-    keys and unparsable overrides are left to the other checks and to Hydra.
+    Hydra refuses these too, but in its own four-line form with exit status 1. Overrides of
+    leaf fields of :class:`~fot.training.config.TrainConfig` are checked, plain or forced
+    (``++total_tokens=1k``), and so is every value of a choice sweep (``-m
+    total_tokens=4096,1k``); group options (``model=fot_pro``), ``+``/``~`` overrides, range
+    and interval sweeps, interpolations, unknown keys and unparsable overrides are left to the
+    other checks and to Hydra.
 
     Args:
         args: the command line after ``train.py``.
@@ -98,23 +101,32 @@ def mistyped_override(args: list[str]) -> str | None:
     parser = OverridesParser.create()
     leaves = _leaf_nodes(OmegaConf.structured(TrainConfig))
     for arg in args:
-        if arg.startswith(("-", "+", "~")) or "=" not in arg:
+        # ++ sets an existing field as = does; + (a new key) and ~ (deletion) are Hydra's
+        if arg.startswith(("-", "~")) or arg.startswith("+") != arg.startswith("++"):
+            continue
+        if "=" not in arg:
             continue
         try:
             override = parser.parse_overrides([arg])[0]
         except OverrideParseException:
             continue  # unparsable_override names it
         key = override.key_or_group
-        if override.package is not None or override.is_sweep_override() or key not in leaves:
+        if override.package is not None or key not in leaves:
             continue  # Hydra's; or a group, a free-form dict, an unknown key (checked apart)
-        value = override.value()
-        if isinstance(value, str) and "${" in value:
-            continue
-        try:
-            OmegaConf.update(OmegaConf.structured(TrainConfig), key, value, merge=True)
-        except OmegaConfBaseException as err:
-            reason = str(err).splitlines()[0].rstrip(".")
-            return f"{arg!r}: {reason}; {key} takes {_kind(leaves[key])}"
+        if not override.is_sweep_override():
+            values = [override.value()]
+        elif isinstance(override.value(), ChoiceSweep):  # -m key=a,b or choice(a,b)
+            values = list(override.value().list)
+        else:
+            continue  # range() and interval(): numbers, for the sweeper to pick
+        for value in values:
+            if isinstance(value, str) and "${" in value:
+                continue
+            try:
+                OmegaConf.update(OmegaConf.structured(TrainConfig), key, value, merge=True)
+            except OmegaConfBaseException as err:
+                reason = str(err).splitlines()[0].rstrip(".")
+                return f"{arg!r}: {reason}; {key} takes {_kind(leaves[key])}"
     return None
 
 

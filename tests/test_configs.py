@@ -612,6 +612,34 @@ def test_well_typed_values_pass_the_type_check(hydra_ctx, override) -> None:
         compose("train", overrides=[override])  # and Hydra accepts it
 
 
+@pytest.mark.parametrize(
+    ("override", "bad"),
+    [("++total_tokens=1k", "total_tokens=1k"), ("total_tokens=4096,1k", "total_tokens=1k"),
+     ("parallel.compile=choice(true,maybe)", "parallel.compile=maybe")],
+)  # fmt: skip
+def test_mistyped_value_of_a_forced_override_or_a_sweep_is_named(hydra_ctx, override, bad):
+    """``++key=value`` sets an existing field as ``key=value`` does, and each value of a
+    choice sweep (``-m``) becomes one job's: a value of the wrong type there is named too
+    (it was Hydra's four-line error, for a sweep only once its job started)."""
+    message = _train_py_module().mistyped_override([override])
+    key = bad.split("=")[0]
+    assert message is not None and message.startswith(f"{override!r}: "), message
+    assert f"; {key} takes " in message
+    with pytest.raises(ConfigCompositionException):  # Hydra refuses it (or that job's value)
+        compose("train", overrides=[override if override.startswith("++") else bad])
+
+
+@pytest.mark.parametrize(
+    "override",
+    ["++total_tokens=4096", "total_tokens=4096,8192", "optim.lr=choice(1e-3,${optim.eps})",
+     "total_tokens=range(4096,16384,4096)", "optim.betas=[0.9,0.95],[0.8,0.9]"],
+)  # fmt: skip
+def test_well_typed_forced_overrides_and_sweeps_pass_the_type_check(hydra_ctx, override):
+    assert _train_py_module().mistyped_override([override]) is None
+    if override.startswith("++"):
+        compose("train", overrides=[override])  # Hydra accepts it
+
+
 def test_train_py_names_a_mistyped_value_in_one_line_with_status_2(tmp_path) -> None:
     import subprocess
     import sys

@@ -8,6 +8,7 @@ Configs live in ``configs/`` (Hydra); the training loop is :func:`fot.training.t
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -74,13 +75,31 @@ def unparsable_override(args: list[str]) -> str | None:
         except OverrideParseException as err:
             reason = str(err.message).splitlines()[0]
             key, value = arg.split("=", 1)
-            quoted = f"'{key}=\"{value}\"'" if '"' not in value else f"{key}='...'"
+            quoted = _quoted_override(parser, key, value)
+            example = f", e.g. {quoted}" if quoted else ""
             return (
                 f"cannot read the override {arg!r} ({reason}): a value that holds brackets, '=', "
-                f"spaces or other special characters needs quotes for Hydra, e.g. {quoted} "
+                f"spaces or other special characters needs quotes for Hydra{example} "
                 "(https://hydra.cc/docs/advanced/override_grammar/basic/)"
             )
     return None
+
+
+def _quoted_override(parser: OverridesParser, key: str, value: str) -> str | None:
+    """``key=value`` with the value quoted for Hydra (in quotes it does not hold, else with
+    its double quotes escaped), then for the shell: what to type so that Hydra reads
+    ``value``; ``None`` where even that does not parse."""
+    if '"' not in value:
+        text = f'"{value}"'
+    elif "'" not in value:
+        text = f"'{value}'"
+    else:
+        text = '"' + value.replace('"', '\\"') + '"'
+    try:
+        parser.parse_overrides([f"{key}={text}"])
+    except OverrideParseException:
+        return None
+    return shlex.quote(f"{key}={text}")
 
 
 def mistyped_override(args: list[str]) -> str | None:

@@ -585,6 +585,24 @@ def _train_py_module():
 
 
 @pytest.mark.parametrize(
+    "value", ["train[1%:]", "it's", "bob's[run]", 'a"b[', """it's "x"[""", "a b=(c)"]
+)
+def test_unparsable_override_suggests_what_the_shell_and_hydra_read_as_the_value(value) -> None:
+    """The suggested form, typed at a shell, reaches Hydra as one argument that it reads as the
+    value meant: quotes in the value (an apostrophe) no longer break the suggestion's shell
+    quoting or stand in for it with '...'."""
+    import shlex
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    message = _train_py_module().unparsable_override([f"wandb.name={value}"])
+    assert message is not None
+    typed = re.search(r"e\.g\. (.+) \(https://hydra", message).group(1)
+    (arg,) = shlex.split(typed)  # one argument, as the shell passes it
+    assert OverridesParser.create().parse_overrides([arg])[0].value() == value
+
+
+@pytest.mark.parametrize(
     ("override", "kind"),
     [("total_tokens=1k", "a whole number"), ("parallel.compile=maybe", "true or false"),
      ("micro_batch_size=2.5", "a whole number"), ("optim.betas=0.9", "a list"),

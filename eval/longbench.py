@@ -293,9 +293,9 @@ def parse_tasks(text: str) -> list[str]:
     return tasks
 
 
-def length_range(length: int) -> str:
-    """The LongBench-E range (``0-4k``, ``4-8k``, ``8k+``) of an example's ``length``."""
-    return next(name for name, lo, hi in LENGTH_RANGES if lo <= length < hi)
+def valid_length(value: Any) -> bool:
+    """Whether a row's ``length`` can be scored in a length range: an integer >= 0."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def scores_by_length(scores: list[float], lengths: list[int]) -> dict[str, float | None]:
@@ -447,13 +447,11 @@ def read_jsonl(
                     "row lists its classes as LongBench's files do"
                 )
             length = row.get("length")
-            if needs_length and not (
-                isinstance(length, int) and not isinstance(length, bool) and length >= 0
-            ):
+            if needs_length and not valid_length(length):
                 raise ValueError(
-                    f"{path}:{number} has no length (length: {json.dumps(length)}); "
+                    f"{path}:{number} has no valid length (length: {json.dumps(length)}); "
                     "LongBench-E scores each example in the range of its length, so every row "
-                    "holds its length in words as LongBench's files do"
+                    "holds its length in words, an integer >= 0, as LongBench's files do"
                 )
             if "_id" in row:
                 key = str(row["_id"])
@@ -472,18 +470,26 @@ def read_jsonl(
 
 
 def summary_table(scores: dict[str, float]) -> str:
-    """Markdown table in the paper's Table 2 order (then the synthetic tasks, then the
-    LongBench-E runs): task columns, their group, the average."""
-    tasks = [t for t in known_tasks() if t in scores]
-    avg = float(np.mean([scores[t] for t in tasks])) if tasks else float("nan")
-    rows = [
-        ["Task", *(task_spec(t).name for t in tasks), "Avg"],
-        ["Group", *(task_spec(t).group for t in tasks), ""],
-        ["Score", *(f"{scores[t]:.2f}" for t in tasks), f"{avg:.2f}"],
-    ]
-    lines = ["| " + " | ".join(cells) + " |" for cells in rows]
-    lines.insert(1, "|" + "---|" * len(rows[0]))
-    return "\n".join(lines)
+    """Markdown table in the paper's Table 2 order (then the synthetic tasks): task columns,
+    their group, the average. LongBench-E runs get a table and an average of their own
+    below it (averaged together, the tasks both sets have would count twice)."""
+    tables = []
+    for tasks in (
+        [t for t in TASKS if t in scores],
+        [t for t in TASK_SETS["e"] if t in scores],
+    ):
+        if not tasks:
+            continue
+        avg = float(np.mean([scores[t] for t in tasks]))
+        rows = [
+            ["Task", *(task_spec(t).name for t in tasks), "Avg"],
+            ["Group", *(task_spec(t).group for t in tasks), ""],
+            ["Score", *(f"{scores[t]:.2f}" for t in tasks), f"{avg:.2f}"],
+        ]
+        lines = ["| " + " | ".join(cells) + " |" for cells in rows]
+        lines.insert(1, "|" + "---|" * len(rows[0]))
+        tables.append("\n".join(lines))
+    return "\n\n".join(tables)
 
 
 def length_table(by_length: dict[str, dict[str, float | None]]) -> str:
@@ -670,7 +676,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         keys = [str(ex.get("_id", i)) for i, ex in enumerate(examples[task])]
         scores[task] = 100.0 * float(np.mean([scored[k] for k in keys]))
         lengths = [ex.get("length") for ex in examples[task]]
-        if all(isinstance(n, int) and not isinstance(n, bool) for n in lengths):
+        if all(valid_length(n) for n in lengths):
             by_length[task] = scores_by_length([scored[k] for k in keys], lengths)
     table = summary_table(scores)
     write_text_atomic(out / "scores.json", json.dumps(scores, indent=2) + "\n")

@@ -496,7 +496,7 @@ def test_longbench_e_cli_scores_each_length_range(ckpts, tmp_path, monkeypatch):
         )
         + "\n"
     )
-    with pytest.raises(ValueError, match=r"trec_e\.jsonl:1 has no length"):
+    with pytest.raises(ValueError, match=r"trec_e\.jsonl:1 has no valid length"):
         main([*args[:4], "--tasks", "trec_e", "--out", str(tmp_path / "o2"), "--device", "cpu"])
     assert not (tmp_path / "o2").exists()
 

@@ -205,5 +205,26 @@ def test_longbench_e_row_without_length_names_file_and_line(tmp_path):
         json.dumps(row) + "\n" + json.dumps({**row, "_id": "b", "length": "long"}) + "\n"
     )
     assert len(read_jsonl(path)) == 2  # not asked for: read as it is
-    with pytest.raises(ValueError, match=r"trec_e\.jsonl:2 has no length \(length: \"long\"\)"):
+    for bad in (-1, 4000.0, True, None):  # an integer >= 0 only
+        path.write_text(json.dumps({**row, "length": bad}) + "\n")
+        with pytest.raises(ValueError, match=r"trec_e\.jsonl:1 has no valid length"):
+            read_jsonl(path, needs_length=True)
+    path.write_text(
+        json.dumps(row) + "\n" + json.dumps({**row, "_id": "b", "length": "long"}) + "\n"
+    )
+    with pytest.raises(
+        ValueError, match=r"trec_e\.jsonl:2 has no valid length \(length: \"long\"\)"
+    ):
         read_jsonl(path, needs_length=True)
+
+
+def test_longbench_and_longbench_e_are_averaged_apart():
+    # with --tasks paper,e the tasks both sets have would count twice in one average
+    scores = {"hotpotqa": 10.0, "trec": 30.0, "hotpotqa_e": 50.0, "passage_count_e": 0.0}
+    first, second = summary_table(scores).split("\n\n")
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in first.splitlines()]
+    assert rows[0] == ["Task", "HotpotQA", "TREC", "Avg"] and rows[3][-1] == "20.00"
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in second.splitlines()]
+    assert rows[0] == ["Task", "HotpotQA (E)", "PassageCount (E)", "Avg"]
+    assert rows[3] == ["Score", "50.00", "0.00", "25.00"]
+    assert "\n\n" not in summary_table({"trec_e": 1.0})  # one set: one table

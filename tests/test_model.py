@@ -37,6 +37,22 @@ def tiny(model: str = "fot_pro", **overrides) -> fot.FoTForCausalLM:
     return m
 
 
+def count_fused_add_norm(monkeypatch: pytest.MonkeyPatch) -> list[torch.device]:
+    """Count the calls of the fused residual add + RMSNorm (``norm_ops.add_rms_norm``) from
+    here on: the returned list gets each call's input device."""
+    import fot.kernels.norm_ops as norm_ops
+
+    calls: list[torch.device] = []
+    fused_add_norm = norm_ops.add_rms_norm
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].device)
+        return fused_add_norm(*args, **kwargs)
+
+    monkeypatch.setattr(norm_ops, "add_rms_norm", counted)
+    return calls
+
+
 def _randomize_norms(model: torch.nn.Module) -> None:
     """Norm weights start at 1: perturb them so that tests see their per-head layout."""
     with torch.no_grad():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_model import count_fused_add_norm
 
 from fot import presets
 from fot.models import FoTCache
@@ -358,18 +359,9 @@ def test_device_map_matches_one_device(split: str, tmp_path, monkeypatch) -> Non
     from accelerate import dispatch_model
     from transformers import AutoModelForCausalLM
 
-    import fot.kernels.norm_ops as norm_ops
-
     if split != "cpu_offload" and torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs")
-    calls = []
-    fused_add_norm = norm_ops.add_rms_norm
-
-    def counted(*args, **kwargs):
-        calls.append(args[0].device)
-        return fused_add_norm(*args, **kwargs)
-
-    monkeypatch.setattr(norm_ops, "add_rms_norm", counted)
+    calls = count_fused_add_norm(monkeypatch)
     build("fot_pro", "triton").save_pretrained(tmp_path)
     names = ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm", "lm_head"]
     where = {

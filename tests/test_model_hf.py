@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_model import TOL, VOCAB, ids, llama_config_like, max_err, tiny
+from test_model import TOL, VOCAB, count_fused_add_norm, ids, llama_config_like, max_err, tiny
 
 import fot
 from fot import presets
@@ -438,16 +438,7 @@ def test_device_map_without_offloading_keeps_the_fused_kernels(tmp_path, monkeyp
 
     from accelerate import dispatch_model
 
-    import fot.kernels.norm_ops as norm_ops
-
-    calls = []
-    fused_add_norm = norm_ops.add_rms_norm
-
-    def counted(*args, **kwargs):
-        calls.append(args[0].device)
-        return fused_add_norm(*args, **kwargs)
-
-    monkeypatch.setattr(norm_ops, "add_rms_norm", counted)
+    calls = count_fused_add_norm(monkeypatch)
     plain = tiny("fot_pro", attn_backend="triton")  # the fused paths, also on the CPU
     x = ids(2, 12)
     with torch.no_grad():

@@ -8,170 +8,31 @@ Configs live in ``configs/`` (Hydra); the training loop is :func:`fot.training.t
 from __future__ import annotations
 
 import os
-import shlex
 import sys
 from pathlib import Path
-from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.core.override_parser.types import ChoiceSweep
-from hydra.errors import OverrideParseException
 from hydra.types import RunMode
-from omegaconf import (
-    BooleanNode,
-    DictConfig,
-    FloatNode,
-    IntegerNode,
-    ListConfig,
-    OmegaConf,
-    StringNode,
-)
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf import DictConfig
 
 from fot.errors import USER_ERRORS, error_line
 from fot.training import train
 from fot.training.checkpoint import interrupted_message
 from fot.training.config import (
-    TrainConfig,
     check_multirun_out_dir,
+    mistyped_override,
     multirun_out_dir_problem,
     out_dir_file_problem,
     register_configs,
     unknown_group_option,
     unknown_override_key,
+    unparsable_override,
 )
 from fot.training.signals import EXIT_STATUS as SIGTERM_EXIT_STATUS
 from fot.training.signals import TrainingStopped
 
 register_configs()
-
-# Hydra's flags whose value is the next argument (a path or name, not an override)
-_FLAGS_WITH_VALUE = ("--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd")
-
-
-def unparsable_override(args: list[str]) -> str | None:
-    """A message for the first command-line override that Hydra's grammar cannot read, naming
-    it and the quoted form that it reads; ``None`` when every override parses.
-
-    Hydra itself stops on such an override with only the parser's complaint (``mismatched
-    input '[' expecting <EOF>``), not which argument it was nor how to write it: a value that
-    holds brackets, ``=``, spaces or other special characters (``data.hf_split=train[1%:]``)
-    must be quoted for Hydra, inside the shell's quotes: ``'data.hf_split="train[1%:]"'``.
-
-    Args:
-        args: the command line after ``train.py`` (flags such as ``-m`` and the values of
-            ``--config-dir`` and friends are skipped).
-    """
-    parser = OverridesParser.create()
-    after_flag = False
-    for arg in args:
-        if after_flag or arg.startswith("-") or "=" not in arg:
-            after_flag = arg in _FLAGS_WITH_VALUE
-            continue
-        try:
-            parser.parse_overrides([arg])
-        except OverrideParseException as err:
-            reason = str(err.message).splitlines()[0]
-            key, value = arg.split("=", 1)
-            quoted = _quoted_override(parser, key, value)
-            example = f", e.g. {quoted}" if quoted else ""
-            return (
-                f"cannot read the override {arg!r} ({reason}): a value that holds brackets, '=', "
-                f"spaces or other special characters needs quotes for Hydra{example} "
-                "(https://hydra.cc/docs/advanced/override_grammar/basic/)"
-            )
-    return None
-
-
-def _quoted_override(parser: OverridesParser, key: str, value: str) -> str | None:
-    """``key=value`` with the value quoted for Hydra (in quotes it does not hold, else with
-    its double quotes escaped), then for the shell: what to type so that Hydra reads
-    ``value``; ``None`` where even that does not parse."""
-    if '"' not in value:
-        text = f'"{value}"'
-    elif "'" not in value:
-        text = f"'{value}'"
-    else:
-        text = '"' + value.replace('"', '\\"') + '"'
-    try:
-        parser.parse_overrides([f"{key}={text}"])
-    except OverrideParseException:
-        return None
-    return shlex.quote(f"{key}={text}")
-
-
-def mistyped_override(args: list[str]) -> str | None:
-    """A message for the first command-line ``key=value`` whose value the field's type refuses
-    (``total_tokens=1k``, ``parallel.compile=maybe``), naming the type the field takes;
-    ``None`` when every value fits.
-
-    Hydra refuses these too, but in its own four-line form with exit status 1. Overrides of
-    leaf fields of :class:`~fot.training.config.TrainConfig` are checked, plain or forced
-    (``++total_tokens=1k``), and so is every value of a choice sweep (``-m
-    total_tokens=4096,1k``); group options (``model=fot_pro``), ``+``/``~`` overrides, range
-    and interval sweeps, interpolations, unknown keys and unparsable overrides are left to the
-    other checks and to Hydra.
-
-    Args:
-        args: the command line after ``train.py``.
-    """
-    parser = OverridesParser.create()
-    leaves = _leaf_nodes(OmegaConf.structured(TrainConfig))
-    for arg in args:
-        # ++ sets an existing field as = does; + (a new key) and ~ (deletion) are Hydra's
-        if arg.startswith(("-", "~")) or arg.startswith("+") != arg.startswith("++"):
-            continue
-        if "=" not in arg:
-            continue
-        try:
-            override = parser.parse_overrides([arg])[0]
-        except OverrideParseException:
-            continue  # unparsable_override names it
-        key = override.key_or_group
-        if override.package is not None or key not in leaves:
-            continue  # Hydra's; or a group, a free-form dict, an unknown key (checked apart)
-        if not override.is_sweep_override():
-            values = [override.value()]
-        elif isinstance(override.value(), ChoiceSweep):  # -m key=a,b or choice(a,b)
-            values = list(override.value().list)
-        else:
-            continue  # range() and interval(): numbers, for the sweeper to pick
-        for value in values:
-            if isinstance(value, str) and "${" in value:
-                continue
-            try:
-                OmegaConf.update(OmegaConf.structured(TrainConfig), key, value, merge=True)
-            except OmegaConfBaseException as err:
-                reason = str(err).splitlines()[0].rstrip(".")
-                return f"{arg!r}: {reason}; {key} takes {_kind(leaves[key])}"
-    return None
-
-
-def _leaf_nodes(cfg: DictConfig, prefix: str = "") -> dict[str, Any]:
-    """The node of every leaf field of ``cfg`` by dotted key (lists are leaves)."""
-    leaves: dict[str, Any] = {}
-    for name in cfg:
-        node = cfg._get_node(name)
-        if isinstance(node, DictConfig):
-            leaves |= _leaf_nodes(node, f"{prefix}{name}.")
-        else:
-            leaves[f"{prefix}{name}"] = node
-    return leaves
-
-
-def _kind(node: Any) -> str:
-    """What a leaf field takes, in words, for the message of :func:`mistyped_override`."""
-    kinds = {
-        IntegerNode: "a whole number",
-        FloatNode: "a number",
-        BooleanNode: "true or false",
-        StringNode: "a string",
-        ListConfig: "a list such as [0.9,0.95]",
-    }
-    kind = next((words for cls, words in kinds.items() if isinstance(node, cls)), "another value")
-    return kind if node._is_optional() else f"{kind} (not null)"
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")

@@ -10,7 +10,12 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException, MissingConfigException
 
 from fot import presets
-from fot.training.config import check_config, register_configs
+from fot.training.config import (
+    check_config,
+    mistyped_override,
+    register_configs,
+    unparsable_override,
+)
 from fot.training.trainer import check_sizes, model_config_from_train_config
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -575,15 +580,6 @@ def test_train_py_names_an_unparsable_override_and_its_quoted_form(hydra_ctx, tm
     assert not any(tmp_path.iterdir())  # refused before Hydra made a run folder
 
 
-def _train_py_module():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("fot_train_py", CONFIGS.parent / "train.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize(
     "value", ["train[1%:]", "it's", "bob's[run]", 'a"b[', """it's "x"[""", "a b=(c)"]
 )
@@ -595,7 +591,7 @@ def test_unparsable_override_suggests_what_the_shell_and_hydra_read_as_the_value
 
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    message = _train_py_module().unparsable_override([f"wandb.name={value}"])
+    message = unparsable_override([f"wandb.name={value}"])
     assert message is not None
     typed = re.search(r"e\.g\. (.+) \(https://hydra", message).group(1)
     (arg,) = shlex.split(typed)  # one argument, as the shell passes it
@@ -609,7 +605,7 @@ def test_unparsable_override_suggests_what_the_shell_and_hydra_read_as_the_value
      ("data.seq_len=null", "a whole number (not null)"), ("peak_flops=fast", "a number")],
 )  # fmt: skip
 def test_mistyped_value_is_named_with_the_type_it_needs(hydra_ctx, override, kind) -> None:
-    message = _train_py_module().mistyped_override([override])
+    message = mistyped_override([override])
     assert message is not None and message.startswith(f"{override!r}: "), message
     key = override.split("=")[0]
     assert f"; {key} takes {kind}" in message
@@ -625,7 +621,7 @@ def test_mistyped_value_is_named_with_the_type_it_needs(hydra_ctx, override, kin
      "out_dir=null", "data.hf_split=\"train[1%:]\""],
 )  # fmt: skip
 def test_well_typed_values_pass_the_type_check(hydra_ctx, override) -> None:
-    assert _train_py_module().mistyped_override([override]) is None
+    assert mistyped_override([override]) is None
     if override != "seed=1,2":  # a sweep needs -m
         compose("train", overrides=[override])  # and Hydra accepts it
 
@@ -639,7 +635,7 @@ def test_mistyped_value_of_a_forced_override_or_a_sweep_is_named(hydra_ctx, over
     """``++key=value`` sets an existing field as ``key=value`` does, and each value of a
     choice sweep (``-m``) becomes one job's: a value of the wrong type there is named too
     (it was Hydra's four-line error, for a sweep only once its job started)."""
-    message = _train_py_module().mistyped_override([override])
+    message = mistyped_override([override])
     key = bad.split("=")[0]
     assert message is not None and message.startswith(f"{override!r}: "), message
     assert f"; {key} takes " in message
@@ -653,7 +649,7 @@ def test_mistyped_value_of_a_forced_override_or_a_sweep_is_named(hydra_ctx, over
      "total_tokens=range(4096,16384,4096)", "optim.betas=[0.9,0.95],[0.8,0.9]"],
 )  # fmt: skip
 def test_well_typed_forced_overrides_and_sweeps_pass_the_type_check(hydra_ctx, override):
-    assert _train_py_module().mistyped_override([override]) is None
+    assert mistyped_override([override]) is None
     if override.startswith("++"):
         compose("train", overrides=[override])  # Hydra accepts it
 

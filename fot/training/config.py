@@ -484,16 +484,18 @@ def _shared_out_dir_message(out_dir: object) -> str:
     )
 
 
-def _config_keys(node: Any, prefix: str = "") -> list[str]:
-    keys = []
+def _config_nodes(node: Any, prefix: str = "") -> dict[str, Any]:
+    """The node of every field by dotted key: a group's fields, not the group; a free-form
+    dict (``model.overrides``) and a list are one field each."""
+    nodes: dict[str, Any] = {}
     for key in node:
         path = f"{prefix}{key}"
         child = node._get_node(key)
         if isinstance(child, DictConfig) and OmegaConf.get_type(child) is not dict:
-            keys.extend(_config_keys(child, f"{path}."))  # a group: its fields, not itself
+            nodes |= _config_nodes(child, f"{path}.")
         else:
-            keys.append(path)
-    return keys
+            nodes[path] = child
+    return nodes
 
 
 def unknown_override_key(override: str) -> str | None:
@@ -521,7 +523,7 @@ def unknown_override_key(override: str) -> str | None:
         node = node._get_node(part)
     else:
         return None
-    keys = _config_keys(OmegaConf.structured(TrainConfig))
+    keys = list(_config_nodes(OmegaConf.structured(TrainConfig)))
     leaf = key.rsplit(".", 1)[-1]
     close = difflib.get_close_matches(key, keys, n=3, cutoff=0.6)
     close += [k for k in keys if k.rsplit(".", 1)[-1] == leaf and k not in close]
@@ -529,6 +531,136 @@ def unknown_override_key(override: str) -> str | None:
     if key.startswith("model."):
         hint += " (a model field goes in +model.overrides.<field>=<value>)"
     return f"unknown config key {key!r} in {override!r}: {hint}"
+
+
+# Hydra's flags whose value is the next argument (a path or name, not an override)
+_FLAGS_WITH_VALUE = ("--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd")
+
+
+def unparsable_override(args: list[str]) -> str | None:
+    """A message for the first command-line override that Hydra's grammar cannot read, naming
+    it and the quoted form that it reads; ``None`` when every override parses.
+
+    Hydra itself stops on such an override with only the parser's complaint (``mismatched
+    input '[' expecting <EOF>``), not which argument it was nor how to write it: a value that
+    holds brackets, ``=``, spaces or other special characters (``data.hf_split=train[1%:]``)
+    must be quoted for Hydra, inside the shell's quotes: ``'data.hf_split="train[1%:]"'``.
+
+    Args:
+        args: the command line after ``train.py`` (flags such as ``-m`` and the values of
+            ``--config-dir`` and friends are skipped).
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    parser = OverridesParser.create()
+    after_flag = False
+    for arg in args:
+        if after_flag or arg.startswith("-") or "=" not in arg:
+            after_flag = arg in _FLAGS_WITH_VALUE
+            continue
+        try:
+            parser.parse_overrides([arg])
+        except OverrideParseException as err:
+            reason = str(err.message).splitlines()[0]
+            key, value = arg.split("=", 1)
+            quoted = _quoted_override(parser, key, value)
+            example = f", e.g. {quoted}" if quoted else ""
+            return (
+                f"cannot read the override {arg!r} ({reason}): a value that holds brackets, '=', "
+                f"spaces or other special characters needs quotes for Hydra{example} "
+                "(https://hydra.cc/docs/advanced/override_grammar/basic/)"
+            )
+    return None
+
+
+def _quoted_override(parser: Any, key: str, value: str) -> str | None:
+    """``key=value`` with the value quoted for Hydra (in quotes it does not hold, else with
+    its double quotes escaped), then for the shell: what to type so that Hydra reads
+    ``value``; ``None`` where even that does not parse."""
+    import shlex
+
+    from hydra.errors import OverrideParseException
+
+    if '"' not in value:
+        text = f'"{value}"'
+    elif "'" not in value:
+        text = f"'{value}'"
+    else:
+        text = '"' + value.replace('"', '\\"') + '"'
+    try:
+        parser.parse_overrides([f"{key}={text}"])
+    except OverrideParseException:
+        return None
+    return shlex.quote(f"{key}={text}")
+
+
+def mistyped_override(args: list[str]) -> str | None:
+    """A message for the first command-line ``key=value`` whose value the field's type refuses
+    (``total_tokens=1k``, ``parallel.compile=maybe``), naming the type the field takes;
+    ``None`` when every value fits.
+
+    Hydra refuses these too, but in its own four-line form with exit status 1. Overrides of
+    leaf fields of :class:`~fot.training.config.TrainConfig` are checked, plain or forced
+    (``++total_tokens=1k``), and so is every value of a choice sweep (``-m
+    total_tokens=4096,1k``); group options (``model=fot_pro``), ``+``/``~`` overrides, range
+    and interval sweeps, interpolations, unknown keys and unparsable overrides are left to the
+    other checks and to Hydra.
+
+    Args:
+        args: the command line after ``train.py``.
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import ChoiceSweep
+    from hydra.errors import OverrideParseException
+    from omegaconf.errors import OmegaConfBaseException
+
+    parser = OverridesParser.create()
+    leaves = _config_nodes(OmegaConf.structured(TrainConfig))
+    for arg in args:
+        # ++ sets an existing field as = does; + (a new key) and ~ (deletion) are Hydra's
+        if arg.startswith(("-", "~")) or arg.startswith("+") != arg.startswith("++"):
+            continue
+        if "=" not in arg:
+            continue
+        try:
+            override = parser.parse_overrides([arg])[0]
+        except OverrideParseException:
+            continue  # unparsable_override names it
+        key = override.key_or_group
+        node = leaves.get(key)
+        if override.package is not None or node is None or isinstance(node, DictConfig):
+            continue  # Hydra's; or a group, a free-form dict, an unknown key (checked apart)
+        if not override.is_sweep_override():
+            values = [override.value()]
+        elif isinstance(override.value(), ChoiceSweep):  # -m key=a,b or choice(a,b)
+            values = list(override.value().list)
+        else:
+            continue  # range() and interval(): numbers, for the sweeper to pick
+        for value in values:
+            if isinstance(value, str) and "${" in value:
+                continue
+            try:
+                OmegaConf.update(OmegaConf.structured(TrainConfig), key, value, merge=True)
+            except OmegaConfBaseException as err:
+                reason = str(err).splitlines()[0].rstrip(".")
+                return f"{arg!r}: {reason}; {key} takes {_kind(node)}"
+    return None
+
+
+def _kind(node: Any) -> str:
+    """What a leaf field takes, in words, for the message of :func:`mistyped_override`."""
+    from omegaconf import BooleanNode, FloatNode, IntegerNode, ListConfig, StringNode
+
+    kinds = {
+        IntegerNode: "a whole number",
+        FloatNode: "a number",
+        BooleanNode: "true or false",
+        StringNode: "a string",
+        ListConfig: "a list such as [0.9,0.95]",
+    }
+    kind = next((words for cls, words in kinds.items() if isinstance(node, cls)), "another value")
+    return kind if node._is_optional() else f"{kind} (not null)"
 
 
 def unknown_group_option(override: str, config_dir: str | os.PathLike) -> str | None:

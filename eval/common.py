@@ -19,7 +19,7 @@ import platform
 import subprocess
 import sys
 import zipfile
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -668,16 +668,24 @@ _DATA_BLOCK = 16 << 10  # bytes read at each of ...
 _DATA_BLOCKS = 4  # ... this many evenly spaced offsets of a sampled file
 
 
-def data_fingerprint(path: str | os.PathLike) -> str:
+def data_fingerprint(path: str | os.PathLike, files: Iterable[str] | None = None) -> str:
     """A cheap content fingerprint of a data file or folder (a zarr array, a token folder, a
     haystack or dataset folder), for telling resumed results of other data apart.
 
     SHA-256 over the relative name and size of every file, and 4 evenly spaced 16 KiB blocks
     of up to 256 files spread over the sorted list (at most 16 MiB read, whatever the size):
     rewritten data almost always changes a size or a sampled block. Copies and moves keep it.
+
+    Args:
+        path: a data file or folder.
+        files: only these files of the folder ``path`` (names relative to it); the same
+            fingerprint as the whole folder's when they are all of its files.
     """
     root = Path(path)
-    files = [root] if root.is_file() else sorted(f for f in root.rglob("*") if f.is_file())
+    if files is not None:
+        files = sorted(root / name for name in files)
+    else:
+        files = [root] if root.is_file() else sorted(f for f in root.rglob("*") if f.is_file())
     digest = hashlib.sha256()
     sizes = []
     for f in files:
@@ -738,6 +746,7 @@ def claim_results(
     outputs: Sequence[str] = (),
     restart: bool = False,
     write: bool = True,
+    data_files: Mapping[str, Sequence[str]] | None = None,
 ) -> dict[str, Any]:
     """Tie the resumable results ``name`` in ``out_dir`` to the checkpoint and settings of this run.
 
@@ -767,6 +776,14 @@ def claim_results(
         restart: start over: move saved results away instead of resuming or refusing them.
         write: whether this process may write (False on torchrun ranks other than 0: they only
             check, and with ``restart`` they leave everything to rank 0).
+        data_files: option -> the files this run reads from the folder that option names
+            (names relative to it). Only they are fingerprinted, each by itself, instead of the
+            whole folder: files added to the folder later, or read by other runs only, do not
+            refuse a resume; one of them that changed does. The record keeps the fingerprints
+            saved of the folder's other files (results of other runs may come from them). A
+            record of an older fot, with one fingerprint of the whole folder, is resumed when
+            that folder is unchanged, or unchanged but for files written after the record; else
+            the difference says so (it cannot tell which files changed).
 
     Returns:
         The record of this run.
@@ -783,8 +800,13 @@ def claim_results(
         "checkpoint_fingerprint": checkpoint_fingerprint(checkpoint),
         "settings": json.loads(json.dumps(_jsonable(settings))),
     }
+    data_files = data_files or {}
     record["data_fingerprints"] = {
-        key: [data_fingerprint(v) for v in paths]
+        key: (
+            {name: data_fingerprint(paths[0], [name]) for name in data_files[key]}
+            if key in data_files and len(paths) == 1 and os.path.isdir(paths[0])
+            else [data_fingerprint(v) for v in paths]
+        )
         for key, paths in _data_paths(record["settings"]).items()
     }
     saved_files = sorted({f for pattern in state for f in out.glob(pattern) if f.is_file()})
@@ -816,10 +838,18 @@ def claim_results(
             damaged = err
         if saved is not None and not isinstance(saved, dict):
             saved, damaged = None, "not a JSON object"
+    if saved is not None:
+        written = saved
+        saved = _per_file_fingerprints(saved, record, record_path.stat().st_mtime_ns)
     problems = _record_differences(saved, record) if saved is not None else []
     if saved is not None and not problems:
-        if write and saved != record:
-            _write_json_atomic(record_path, record)  # the checkpoint moved: note where it is
+        for key, fingerprints in record["data_fingerprints"].items():
+            earlier = (saved.get("data_fingerprints") or {}).get(key)
+            if isinstance(fingerprints, dict) and isinstance(earlier, dict):
+                record["data_fingerprints"][key] = {**earlier, **fingerprints}
+        if write and written != record:
+            # the checkpoint moved (note where it is), or files of a data folder were noted
+            _write_json_atomic(record_path, record)
         return record
     names = ", ".join(f.name for f in saved_files)
     if damaged is not None:
@@ -867,15 +897,74 @@ def _record_differences(saved: dict[str, Any], new: dict[str, Any]) -> list[str]
         old, now = old_settings.get(key, "(not recorded)"), new_settings.get(key, "(not set)")
         if old != now:
             problems.append(f"{key}: saved {_show(old)}, this run {_show(now)}")
-        elif key in (saved.get("data_fingerprints") or {}) and saved["data_fingerprints"][
-            key
-        ] != new["data_fingerprints"].get(key):
+        elif key in (saved.get("data_fingerprints") or {}):
             # same path, other content (records written before fot fingerprinted data: skipped)
-            problems.append(
-                f"{key}: the content of {_show(now)} has changed since (other files, sizes or "
-                "bytes)"
+            problem = _data_difference(
+                key, now, saved["data_fingerprints"][key], new["data_fingerprints"].get(key)
             )
+            if problem:
+                problems.append(problem)
     return problems
+
+
+def _data_difference(key: str, path: Any, saved: Any, new: Any) -> str | None:
+    """How the data that option ``key`` names (``path``) differs from the saved fingerprints,
+    or None: per file (a dict, ``data_files`` of :func:`claim_results`) the files this run
+    reads that changed, else the whole file or folder."""
+    if not isinstance(new, dict):
+        if saved == new:
+            return None
+        return (
+            f"{key}: the content of {_show(path)} has changed since (other files, sizes or bytes)"
+        )
+    if isinstance(saved, dict):
+        changed = [
+            name for name, fingerprint in new.items() if saved.get(name, fingerprint) != fingerprint
+        ]
+        if not changed:
+            return None
+        return f"{key}: {', '.join(changed)} in {_show(path)} changed since (other size or bytes)"
+    # one fingerprint of the whole folder (an older fot), which has changed since
+    return (
+        f"{key}: the saved record (of an older fot) has one fingerprint of the whole folder "
+        f"{_show(path)}, which has changed since (files added, removed or rewritten), so it "
+        f"cannot tell whether the files this run reads ({', '.join(new)}) changed. If only "
+        "files were added, move them out of the folder for one run: the record then notes "
+        "each file this run reads by itself, and later runs are not refused for other files"
+    )
+
+
+def _per_file_fingerprints(
+    saved: dict[str, Any], new: dict[str, Any], since: int
+) -> dict[str, Any]:
+    """``saved``, where it holds one fingerprint of a whole folder (fot before ``data_files``)
+    that ``new`` fingerprints per file: per-file fingerprints of the folder's files when the
+    folder is unchanged, or unchanged but for files modified after ``since`` (the record's
+    time, ns) that this run does not read. Else ``saved`` as it is: the difference is named.
+    """
+    upgraded = dict(saved.get("data_fingerprints") or {})
+    for key, fingerprints in new["data_fingerprints"].items():
+        old = upgraded.get(key)
+        folder = new["settings"].get(key)
+        if not (
+            isinstance(fingerprints, dict)
+            and isinstance(old, list)
+            and len(old) == 1
+            and (saved.get("settings") or {}).get(key) == folder
+        ):
+            continue
+        root = Path(folder)
+        everything = sorted(str(f.relative_to(root)) for f in root.rglob("*") if f.is_file())
+        unchanged = [
+            name
+            for name in everything
+            if name in fingerprints or (root / name).stat().st_mtime_ns <= since
+        ]
+        for files in (everything, unchanged):
+            if set(fingerprints) <= set(files) and data_fingerprint(root, files) == old[0]:
+                upgraded[key] = {name: data_fingerprint(root, [name]) for name in files}
+                break
+    return {**saved, "data_fingerprints": upgraded}
 
 
 def _write_json_atomic(path: Path, value: Any) -> None:

@@ -619,7 +619,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     bos = [] if args.no_bos else [eot_id(tokenizer)]
     budgets = prompt_budgets(tasks, model, max_length=args.max_length, bos_tokens=len(bos))
     # Predictions are keyed by example id: they resume a run of the same checkpoint and
-    # prompts only (other tasks or a larger --limit extend it).
+    # prompts only (other tasks or a larger --limit extend it). Only the task files are
+    # fingerprinted: other files of --data-dir (e.g. LongBench-E's, added later) do not matter.
     claim_results(
         out,
         "longbench",
@@ -639,6 +640,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "by_length.md",
         ],
         restart=args.restart,
+        data_files={"--data-dir": [f"{t}.jsonl" for t in tasks]},
     )
     write_run_config(out, "longbench", vars(args), args.checkpoint)
     device = next(model.parameters()).device

@@ -428,6 +428,31 @@ def test_longbench_cli(ckpts, tmp_path):
         )
 
 
+def test_longbench_resume_ignores_files_of_the_data_dir_its_tasks_do_not_read(ckpts, tmp_path):
+    """--data-dir is fingerprinted by the files the tasks read: LongBench-E's files added to
+    the folder later (or any other file) do not refuse a resume of the standard tasks, a
+    changed task file does."""
+    data = tmp_path / "lb"
+    data.mkdir()
+    row = {"_id": "h0", "input": "Which river?", "context": "The Nile. " * 5, "answers": ["Nile"]}
+    (data / "hotpotqa.jsonl").write_text(json.dumps(row) + "\n")
+    out = tmp_path / "out"
+    args = ["longbench", str(ckpts["llama"]), "--data-dir", str(data), "--tasks", "hotpotqa",
+            "--max-length", "32", "--out", str(out), "--device", "cpu"]  # fmt: skip
+    first = main(args)
+    saved = (out / "pred_hotpotqa.jsonl").read_text()
+    (data / "hotpotqa_e.jsonl").write_text(json.dumps({**row, "length": 3}) + "\n")
+    (data / "README.txt").write_text("LongBench-E files added\n")
+    assert main(args) == first  # resumed
+    assert (out / "pred_hotpotqa.jsonl").read_text() == saved  # nothing computed again
+    (data / "hotpotqa.jsonl").write_text(json.dumps({**row, "answers": ["Amazon"]}) + "\n")
+    with pytest.raises(
+        ResumeMismatchError, match=r"--data-dir: hotpotqa\.jsonl in '.*lb' changed since"
+    ):
+        main(args)
+    assert (out / "pred_hotpotqa.jsonl").read_text() == saved
+
+
 def test_longbench_e_cli_scores_each_length_range(ckpts, tmp_path, monkeypatch):
     """LongBench-E: ``<task>_e`` reads ``<task>_e.jsonl`` and is also scored per length range
     of the rows' ``length``. The model "answers" with the topic its prompt names, so each

@@ -251,3 +251,96 @@ def test_claim_results_resumes_refuses_and_restarts(tmp_path):
     assert json.loads((moved[1] / "toy.resume.json").read_text())["checkpoint"] == str(b.resolve())
     assert not (out / "toy.jsonl").exists()
     assert json.loads((out / "toy.resume.json").read_text())["checkpoint"] == str(a.resolve())
+
+
+def _claim_data(out, ckpt, data, files=None):
+    """claim_results of a run reading ``files`` of the folder ``data`` (None: the whole folder,
+    as fot recorded data folders before ``data_files``)."""
+    return claim_results(
+        out,
+        "toy",
+        checkpoint=ckpt,
+        settings={"--data-dir": str(data.resolve())},
+        state=["toy.jsonl"],
+        data_files=None if files is None else {"--data-dir": files},
+    )
+
+
+def test_claim_results_fingerprints_only_the_data_files_the_run_reads(tmp_path):
+    ckpt = _fake_checkpoint(tmp_path / "c", b"w" * 100)
+    data, out = tmp_path / "data", tmp_path / "out"
+    data.mkdir()
+    (data / "a.jsonl").write_text("a1\n")
+    (data / "b.jsonl").write_text("b1\n")
+    _claim_data(out, ckpt, data, ["a.jsonl"])
+    (out / "toy.jsonl").write_text('{"key": 1}\n')
+    (data / "a_e.jsonl").write_text("added later\n")  # a file no run of this --out reads
+    (data / "b.jsonl").write_text("b2, rewritten\n")
+    _claim_data(out, ckpt, data, ["a.jsonl"])  # resumed
+    (data / "a.jsonl").write_text("a2, rewritten\n")  # the file this run reads
+    with pytest.raises(ResumeMismatchError, match=r"--data-dir: a\.jsonl in '.*data' changed"):
+        _claim_data(out, ckpt, data, ["a.jsonl"])
+    (data / "a.jsonl").write_text("a1\n")
+    _claim_data(out, ckpt, data, ["a.jsonl"])
+    # a run of another file adds its fingerprint and keeps a's (toy.jsonl may hold a's results)
+    _claim_data(out, ckpt, data, ["b.jsonl"])
+    saved = json.loads((out / "toy.resume.json").read_text())["data_fingerprints"]["--data-dir"]
+    assert sorted(saved) == ["a.jsonl", "b.jsonl"]
+    (data / "a.jsonl").write_text("a3\n")
+    _claim_data(out, ckpt, data, ["b.jsonl"])  # a is not read by this run
+    with pytest.raises(ResumeMismatchError, match=r"a\.jsonl in '.*data' changed"):
+        _claim_data(out, ckpt, data, ["a.jsonl", "b.jsonl"])
+
+
+def test_claim_results_resumes_a_whole_folder_record_when_the_files_read_are_unchanged(tmp_path):
+    """A record written before data_files holds one fingerprint of the whole folder: it is
+    resumed (and noted per file from then on) when the folder is unchanged, or changed only by
+    files written after the record; else the difference says that it cannot be told."""
+    import os
+
+    ckpt = _fake_checkpoint(tmp_path / "c", b"w" * 100)
+    data, out = tmp_path / "data", tmp_path / "out"
+    data.mkdir()
+    (data / "a.jsonl").write_text("a1\n")
+    (data / "b.jsonl").write_text("b1\n")
+    _claim_data(out, ckpt, data)  # the record of an older fot: one fingerprint of the folder
+    assert isinstance(json.loads((out / "toy.resume.json").read_text())["data_fingerprints"]["--data-dir"], list)  # fmt: skip
+    (out / "toy.jsonl").write_text('{"key": 1}\n')
+    record_time = (out / "toy.resume.json").stat().st_mtime_ns
+    old = (record_time - 10**9, record_time - 10**9)  # ns: a second before the record
+
+    # a file written before the record (e.g. unzipped with its archive time): cannot be told
+    (data / "c_e.jsonl").write_text("c\n")
+    os.utime(data / "c_e.jsonl", ns=old)
+    with pytest.raises(ResumeMismatchError, match=r"one fingerprint of the whole folder") as err:
+        _claim_data(out, ckpt, data, ["a.jsonl"])
+    assert "(a.jsonl)" in str(err.value) and "move them out of the folder" in str(err.value)
+    # moved out for one run, as the message says: resumed, noted per file
+    os.replace(data / "c_e.jsonl", tmp_path / "c_e.jsonl")
+    _claim_data(out, ckpt, data, ["a.jsonl"])
+    saved = json.loads((out / "toy.resume.json").read_text())["data_fingerprints"]["--data-dir"]
+    assert sorted(saved) == ["a.jsonl", "b.jsonl"]  # every file of the old folder
+    os.replace(tmp_path / "c_e.jsonl", data / "c_e.jsonl")
+    _claim_data(out, ckpt, data, ["a.jsonl"])  # back in: files this run does not read
+
+    # an older record again, and a file added after it (a new mtime): resumed at once
+    (out / "toy.resume.json").unlink()
+    (out / "toy.jsonl").unlink()
+    (data / "c_e.jsonl").unlink()
+    _claim_data(out, ckpt, data)
+    (out / "toy.jsonl").write_text('{"key": 1}\n')
+    record_time = (out / "toy.resume.json").stat().st_mtime_ns
+    (data / "c_e.jsonl").write_text("c\n")
+    os.utime(data / "c_e.jsonl", ns=(record_time + 10**9, record_time + 10**9))
+    _claim_data(out, ckpt, data, ["a.jsonl"])
+    saved = json.loads((out / "toy.resume.json").read_text())["data_fingerprints"]["--data-dir"]
+    assert sorted(saved) == ["a.jsonl", "b.jsonl"]
+    # a file this run reads changed after an older record: refused, never resumed
+    (out / "toy.resume.json").unlink()
+    (data / "c_e.jsonl").unlink()
+    (out / "toy.jsonl").unlink()
+    _claim_data(out, ckpt, data)
+    (out / "toy.jsonl").write_text('{"key": 1}\n')
+    (data / "a.jsonl").write_text("a2, rewritten\n")
+    with pytest.raises(ResumeMismatchError, match=r"one fingerprint of the whole folder"):
+        _claim_data(out, ckpt, data, ["a.jsonl"])

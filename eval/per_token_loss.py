@@ -176,7 +176,7 @@ def open_documents(source: str) -> tuple[Sequence[np.ndarray], str]:
 
         return TokenDocuments(path), "tokens"
     if path.suffix == ".zarr" or (path / "zarr.json").is_file() or (path / ".zarray").is_file():
-        from fot.data.streams import open_zarr_array
+        from fot.data.zarr_store import open_zarr_array
 
         try:
             arr = open_zarr_array(path)

@@ -13,10 +13,13 @@ import numpy as np
 from omegaconf import OmegaConf
 
 from fot.data.streams import PACKINGS, HFSource, PackedSource, PaddedSource, ZarrRowsSource
+from fot.data.zarr_store import is_url, join, open_zarr_array, zarr_exists
 
 logger = logging.getLogger("fot.data")
 
 KINDS = ("sample", "longcrawl64", "tokens", "hf")
+URL_READ_RETRIES = 6
+"""Extra attempts of a failed read from a URL: waits of 1, 2, 4, ... 32 s (about a minute)."""
 
 
 def _prepare_hint(key: str = "data.path") -> str:
@@ -41,26 +44,33 @@ def is_zarr(p: Path) -> bool:
     )
 
 
-def _zarr_source(key: str, p: Path, seq_len: int, packing: str) -> ZarrRowsSource:
-    """The rows of the 2-D zarr token array ``p`` as sequences (LongCrawl64's layout).
+def _zarr_source(
+    key: str,
+    p: str | Path,
+    seq_len: int,
+    packing: str,
+    storage_options: dict[str, Any] | None = None,
+) -> ZarrRowsSource:
+    """The rows of the 2-D zarr token array ``p`` (a path or a URL) as sequences (LongCrawl64's
+    layout).
 
     Its rows hold no document boundaries to pack by: ``packing=padded`` is refused and
     ``varlen`` packs as ``causal`` (every chunk starts with BOS either way), with a warning.
+    An array behind a URL is read with retries (:data:`URL_READ_RETRIES`).
     """
-    from fot.data.streams import open_zarr_array
-
     if packing == "padded":
         raise ValueError(
             f"data.packing=padded needs document boundaries, but {key}={p} is a zarr array of "
             "token rows, read in chunks of data.seq_len (no padding); use data.packing=causal"
         )
-    arr = open_zarr_array(p)
+    arr = open_zarr_array(p, storage_options=storage_options)
     if not np.issubdtype(np.dtype(arr.dtype), np.integer):
         raise ValueError(
             f"{p} holds {arr.dtype} values, not integer token ids; write the zarr array with an "
             "integer dtype (uint16 for GPT-2), or use `python -m fot.data.prepare`"
         )
-    source = _named(key, p, lambda: ZarrRowsSource(arr, seq_len))
+    retries = URL_READ_RETRIES if is_url(p) else 0
+    source = _named(key, p, lambda: ZarrRowsSource(arr, seq_len, retries=retries, name=str(p)))
     if packing == "varlen" and key == "data.path":
         _warn(
             "data.packing=varlen has no effect on the zarr array %s: its rows hold no document "
@@ -77,18 +87,33 @@ def _documents_source(docs: Any, seq_len: int, packing: str) -> Any:
     return PackedSource.from_documents(docs, seq_len, varlen=packing == "varlen")
 
 
-def open_token_path(path: str | Path, seq_len: int, packing: str, key: str = "data.path") -> Any:
+def open_token_path(
+    path: str | Path,
+    seq_len: int,
+    packing: str,
+    key: str = "data.path",
+    storage_options: dict[str, Any] | None = None,
+) -> Any:
     """A sequence source for a token folder, a flat ``.npy``/``.bin`` file or a 2-D ``.zarr``.
 
     Args:
-        path: the data on disk.
+        path: the data on disk, or the URL of a zarr array (``gs://``, ``s3://``, ``https://``).
         seq_len: T.
         packing: ``varlen``, ``causal`` or ``padded`` (documents only; flat files cannot pad,
             and a zarr array, having no document boundaries, packs ``varlen`` as ``causal``).
         key: the config key that named ``path``, for error messages.
+        storage_options: options of a URL's filesystem (``data.storage_options``).
     """
     from fot.data.tokens import TokenDocuments
 
+    if is_url(path):
+        if not zarr_exists(path, storage_options):
+            raise FileNotFoundError(
+                f"{key}={path} holds no zarr array (no zarr.json or .zarray there): only zarr "
+                "arrays are read from a URL; copy a token folder or .npy/.bin file to a local "
+                "disk and give its path"
+            )
+        return _zarr_source(key, str(path), seq_len, packing, storage_options)
     p = Path(path).expanduser()
     if not p.exists():
         raise FileNotFoundError(f"{key}={p} does not exist. {_prepare_hint(key)}")
@@ -133,7 +158,7 @@ def open_token_path(path: str | Path, seq_len: int, packing: str, key: str = "da
     )
 
 
-def _named(key: str, path: Path, build: Callable[[], Any]) -> Any:
+def _named(key: str, path: str | Path, build: Callable[[], Any]) -> Any:
     """``build()``, with a ``ValueError`` (too little data for data.seq_len, no documents)
     prefixed by the config key and path it concerns (training or held-out data)."""
     try:
@@ -307,45 +332,17 @@ def build_sources(cfg: Any, *, val_unit: int | None = None) -> tuple[Any, Any | 
         val = _documents_source(sample_token_documents("heldout"), T, cfg.packing)
         return train, val if want_val else None
     if cfg.kind == "longcrawl64":
-        if not cfg.path:
-            raise ValueError(
-                "data=longcrawl64 needs data.path=<folder with train.zarr and heldout.zarr>. "
-                "Get LongCrawl64 from https://manifestai.com/articles/longcrawl64 (e.g. "
-                "`gsutil -m cp -r gs://longcrawl64/train.zarr gs://longcrawl64/heldout.zarr "
-                "<folder>`)."
-            )
-        root = Path(cfg.path).expanduser()
-        train_path = root / "train.zarr" if (root / "train.zarr").exists() else root
-        if not train_path.exists() or (train_path == root and not is_zarr(root)):
-            raise FileNotFoundError(
-                f"no LongCrawl64 train.zarr under {root}. Download train.zarr and heldout.zarr "
-                "from https://manifestai.com/articles/longcrawl64 into that folder."
-            )
-        train = _zarr_source("data.path", train_path, T, cfg.packing)
-        val = None
-        if want_val:
-            val_path = Path(cfg.val_path).expanduser() if cfg.val_path else root / "heldout.zarr"
-            if not val_path.exists():
-                raise FileNotFoundError(
-                    f"held-out data {val_path} not found; download heldout.zarr next to "
-                    "train.zarr, set data.val_path, or data.val_tokens=0 to skip validation"
-                )
-            if val_path.resolve() == train_path.resolve():
-                _warn(
-                    "data.val_path=%s is the training array %s: validation measures the "
-                    "training data; point data.val_path to held-out rows (heldout.zarr)",
-                    cfg.val_path,
-                    train_path,
-                )
-            val = _zarr_source("data.val_path", val_path, T, cfg.packing)
-        return train, val
+        return _longcrawl64_sources(cfg, T, want_val)
     if cfg.kind == "tokens":
         if not cfg.path:
             raise ValueError(f"data=tokens needs data.path. {_prepare_hint()}")
-        train = open_token_path(cfg.path, T, cfg.packing)
+        options = _storage_options(cfg)
+        train = open_token_path(cfg.path, T, cfg.packing, storage_options=options)
         val = None
         if cfg.val_path and want_val:
-            val = open_token_path(cfg.val_path, T, cfg.packing, key="data.val_path")
+            val = open_token_path(
+                cfg.val_path, T, cfg.packing, key="data.val_path", storage_options=options
+            )
             _warn_if_validating_on_training_data(cfg)
         return train, val
     dataset = _hf_dataset(cfg)
@@ -356,3 +353,79 @@ def build_sources(cfg: Any, *, val_unit: int | None = None) -> tuple[Any, Any | 
         val = _hf_source(cfg, dataset, cfg.hf_val_split, count=_val_count_limit(cfg, val_unit))
         _warn_if_validating_on_training_data(cfg, dataset)
     return train, val
+
+
+def _storage_options(cfg: Any) -> dict[str, Any] | None:
+    """``data.storage_options`` as a plain dict (``None`` when unset)."""
+    options = getattr(cfg, "storage_options", None)
+    if not options:
+        return None
+    if OmegaConf.is_config(options):
+        options = OmegaConf.to_container(options, resolve=True)
+    if not isinstance(options, dict):
+        raise ValueError(
+            f"data.storage_options={options!r} must be a mapping of the URL filesystem's "
+            "options, e.g. ++data.storage_options={token:anon}"
+        )
+    return options
+
+
+def _longcrawl64_sources(cfg: Any, T: int, want_val: bool) -> tuple[Any, Any | None]:
+    """LongCrawl64's ``train.zarr`` (and ``heldout.zarr``) under ``data.path``: a folder, a URL
+    (``gs://longcrawl64`` streams its Google Cloud bucket), or the arrays themselves."""
+    if not cfg.path:
+        raise ValueError(
+            "data=longcrawl64 needs data.path: gs://longcrawl64 streams it from its Google "
+            "Cloud bucket (`pip install gcsfs`), or a folder with train.zarr and heldout.zarr "
+            "downloaded from https://manifestai.com/articles/longcrawl64 (e.g. `gsutil -m cp -r "
+            "gs://longcrawl64/train.zarr gs://longcrawl64/heldout.zarr <folder>`)."
+        )
+    options = _storage_options(cfg)
+    url = is_url(cfg.path)
+    if url:
+        root: str | Path = str(cfg.path).rstrip("/")
+        train_path: str | Path = join(root, "train.zarr")
+        if not zarr_exists(train_path, options):
+            train_path = root
+            if not zarr_exists(root, options):
+                raise FileNotFoundError(
+                    f"no LongCrawl64 train.zarr at {root}: neither {join(root, 'train.zarr')} "
+                    "nor the URL itself holds a zarr array. LongCrawl64 is data.path="
+                    "gs://longcrawl64; check the URL and data.storage_options (credentials)."
+                )
+    else:
+        root = Path(cfg.path).expanduser()
+        train_path = root / "train.zarr" if (root / "train.zarr").exists() else root
+        if not train_path.exists() or (train_path == root and not is_zarr(root)):
+            raise FileNotFoundError(
+                f"no LongCrawl64 train.zarr under {root}. Download train.zarr and heldout.zarr "
+                "from https://manifestai.com/articles/longcrawl64 into that folder, or stream "
+                "them with data.path=gs://longcrawl64 (`pip install gcsfs`)."
+            )
+    train = _zarr_source("data.path", train_path, T, cfg.packing, options)
+    if not want_val:
+        return train, None
+    val_path: str | Path = cfg.val_path or join(root, "heldout.zarr")
+    if is_url(val_path):
+        found = zarr_exists(val_path, options)
+    else:
+        val_path = Path(val_path).expanduser()
+        found = val_path.exists()
+    if not found:
+        raise FileNotFoundError(
+            f"held-out data {val_path} not found; put heldout.zarr next to train.zarr, set "
+            "data.val_path, or data.val_tokens=0 to skip validation"
+        )
+    same = (
+        str(val_path).rstrip("/") == str(train_path).rstrip("/")
+        if url or is_url(val_path)
+        else Path(val_path).resolve() == Path(train_path).resolve()
+    )
+    if same:
+        _warn(
+            "data.val_path=%s is the training array %s: validation measures the training "
+            "data; point data.val_path to held-out rows (heldout.zarr)",
+            cfg.val_path,
+            train_path,
+        )
+    return train, _zarr_source("data.val_path", val_path, T, cfg.packing, options)

@@ -33,14 +33,14 @@ from __future__ import annotations
 import bisect
 import hashlib
 import math
-import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 import torch
+
+from fot.data.zarr_store import ChunkReader
 
 EOT_ID = 50256
 """``<|endoftext|>`` in GPT-2: used as BOS before every document and as padding."""
@@ -131,22 +131,28 @@ def _check_seq_len(seq_len: int) -> None:
 class ZarrRowsSource:
     """Rows of a 2-D token array (LongCrawl64 ``train.zarr``/``heldout.zarr``), cut into chunks.
 
+    Reads go through a :class:`fot.data.zarr_store.ChunkReader`: whole zarr chunks, cached,
+    fetched ahead by :meth:`prefetch`, retried when the array is behind a URL.
+
     Args:
         array: ``[R, L]`` array-like of token ids supporting 2-D slicing (zarr array, numpy).
         seq_len: T; must be at most L. ``L // T`` chunks per row are used (a remainder at the
             end of each row is skipped).
-        max_rows: use only the first rows (e.g. to hold out nothing but read faster).
+        retries: extra attempts of a failed read (data behind a URL); 0 for local data.
+        name: the array's path or URL, for messages.
     """
 
     sequential = False
 
-    def __init__(self, array: Any, seq_len: int, *, max_rows: int | None = None) -> None:
+    def __init__(
+        self, array: Any, seq_len: int, *, retries: int = 0, name: str = "the zarr array"
+    ) -> None:
         _check_seq_len(seq_len)
         if len(array.shape) != 2:
             raise ValueError(f"expected a 2-D [rows, row_len] token array, got shape {array.shape}")
-        self.array = array
+        self.reader = ChunkReader(array, retries=retries, name=name)
         self.seq_len = seq_len
-        self.rows = int(array.shape[0]) if max_rows is None else min(max_rows, int(array.shape[0]))
+        self.rows = int(array.shape[0])
         self.row_len = int(array.shape[1])
         if self.rows < 1:
             raise ValueError("the token array has no rows")
@@ -159,51 +165,39 @@ class ZarrRowsSource:
         self.num_sequences = self.rows * self.chunks_per_row
         """Sequences in one epoch."""
 
-    def read(self, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
-        T = self.seq_len
-        labels = np.empty((count, T), dtype=np.int64)
+    def _spans(self, start: int, count: int) -> Iterator[tuple[int, int, int, int]]:
+        """``(done, row, n, column)``: runs of rows at one column that sequences
+        ``start .. start+count-1`` come from, ``done`` sequences before each."""
         done = 0
         while done < count:
             g = (start + done) % self.num_sequences
             col, row = divmod(g, self.rows)
-            n = min(count - done, self.rows - row)  # a run of rows at one column
-            labels[done : done + n] = self.array[row : row + n, col * T : col * T + T]
+            n = min(count - done, self.rows - row)
+            yield done, row, n, col
             done += n
+
+    def read(self, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+        T = self.seq_len
+        labels = np.empty((count, T), dtype=np.int64)
+        for done, row, n, col in self._spans(start, count):
+            labels[done : done + n] = self.reader.read(row, row + n, col * T, col * T + T)
         inputs = np.empty_like(labels)
         inputs[:, 0] = EOT_ID
         inputs[:, 1:] = labels[:, :-1]
         return inputs, labels
+
+    def prefetch(self, start: int, count: int) -> None:
+        """Start reading sequences ``start .. start+count-1`` in the background (the next
+        step's), so that :meth:`read` finds them fetched."""
+        T = self.seq_len
+        for _, row, n, col in self._spans(start, count):
+            self.reader.prefetch(row, row + n, col * T, col * T + T)
 
     def state_dict(self) -> dict[str, Any]:
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
-
-
-def open_zarr_array(path: str | os.PathLike) -> Any:
-    """Open a 2-D zarr token array read-only, with a clear error if it is missing."""
-    import zarr
-
-    p = Path(path)
-    if not p.exists():
-        raise FileNotFoundError(
-            f"zarr array {p} does not exist. LongCrawl64 is at "
-            "https://manifestai.com/articles/longcrawl64 (download train.zarr and heldout.zarr "
-            "into one folder and set data.path=<that folder>), or turn your own text into "
-            "tokens with `python -m fot.data.prepare --help`."
-        )
-    try:
-        arr = zarr.open(str(p), mode="r")
-    except Exception as err:  # zarr's errors differ by version and store; all mean "not zarr"
-        raise ValueError(
-            f"{p} is not a readable zarr array ({type(err).__name__}: {err}); point to a 2-D "
-            "zarr token array (such as LongCrawl64's train.zarr), or to a token folder made by "
-            "`python -m fot.data.prepare`"
-        ) from None
-    if not hasattr(arr, "shape"):
-        raise ValueError(f"{p} is a zarr group, not an array; point to the array itself")
-    return arr
 
 
 # --------------------------------------------------------------------------------------------
@@ -747,6 +741,9 @@ class SequenceStream:
             inputs, labels = inputs[lo : lo + local], labels[lo : lo + local]
         else:
             inputs, labels = self.source.read(self.position + self.rank * local, local)
+            prefetch = getattr(self.source, "prefetch", None)
+            if prefetch is not None:  # the next step's sequences, read while this one runs
+                prefetch(self.position + S + self.rank * local, local)
         self.position += S
         return [
             make_batch(inputs[a : a + m], labels[a : a + m], varlen=self.varlen)
@@ -799,8 +796,12 @@ def iterate_eval_batches(
             b = min(a + micro_batch_size, hi)
             yield make_batch(inputs[a:b], labels[a:b], varlen=varlen)
         return
+    prefetch = getattr(source, "prefetch", None)
     for a in range(lo, hi, micro_batch_size):
         inputs, labels = source.read(a, min(micro_batch_size, hi - a))
+        b = a + micro_batch_size
+        if prefetch is not None and b < hi:
+            prefetch(b, min(micro_batch_size, hi - b))
         yield make_batch(inputs, labels, varlen=varlen)
 
 

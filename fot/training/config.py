@@ -48,10 +48,15 @@ class DataConfig:
     """``varlen`` (pack, no attention across documents), ``causal`` (pack, plain causal) or
     ``padded`` (one document per sequence). LongCrawl64 rows are always chunked."""
     path: str | None = None
-    """longcrawl64: folder with ``train.zarr``/``heldout.zarr``; tokens: a token folder, a flat
-    ``.npy``/``.bin`` (uint16) file or a 2-D ``.zarr``; hf: dataset name or local path."""
+    """longcrawl64: folder or URL (``gs://longcrawl64``) with ``train.zarr``/``heldout.zarr``;
+    tokens: a token folder, a flat ``.npy``/``.bin`` (uint16) file or a 2-D ``.zarr`` (also a
+    URL); hf: dataset name or local path."""
     val_path: str | None = None
     """Held-out data of the same kind (longcrawl64 default: ``<path>/heldout.zarr``)."""
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    """Options of the filesystem of a URL ``path``/``val_path`` (a zarr array at ``gs://``,
+    ``s3://``, ``https://``), passed to fsspec: credentials (gcsfs ``{token: anon}``, a key
+    file), HTTP ``{headers: {...}}``. Set with ``++data.storage_options={token:anon}``."""
     val_tokens: int = 0
     """Held-out tokens per validation (0: no validation)."""
     hf_name: str | None = None

@@ -1,0 +1,348 @@
+"""2-D zarr token arrays (LongCrawl64) on a local disk or behind a URL, read in whole chunks.
+
+``data.path`` may be a folder or a URL that fsspec knows: ``gs://longcrawl64`` streams
+LongCrawl64 from its Google Cloud bucket (``pip install gcsfs``), ``s3://...`` needs ``s3fs``,
+``https://...`` works as is. ``data.storage_options`` goes to the filesystem (credentials,
+``{token: anon}`` for gcsfs, HTTP headers).
+
+zarr reads whole chunks, so a step that reads 32 rows of one column would fetch (and decode)
+every chunk it touches again at the next step, however few of its rows it used. A
+:class:`ChunkReader` keeps the chunks it read (a bounded LRU cache), fetches the chunks of the
+next step in a background thread while the GPU runs the current one (:meth:`prefetch`), and,
+for data behind a URL, retries a failed read with a growing wait before giving up with a
+message that says how to resume.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future
+from pathlib import Path
+from queue import SimpleQueue
+from typing import Any
+
+import numpy as np
+
+logger = logging.getLogger("fot.data")
+
+ZARR_METADATA = ("zarr.json", ".zarray", ".zgroup")
+"""Files that mark a zarr v3 node, a v2 array and a v2 group."""
+
+_FILESYSTEM_PACKAGES = {"gs": "gcsfs", "gcs": "gcsfs", "s3": "s3fs", "az": "adlfs", "abfs": "adlfs"}
+
+
+def is_url(path: str | Path) -> bool:
+    """``True`` for an fsspec URL (``gs://bucket/x``, ``https://host/x``), ``False`` for a path."""
+    return "://" in str(path)
+
+
+def join(root: str | Path, name: str) -> str:
+    """``root/name`` for a local folder or a URL."""
+    if is_url(root):
+        return str(root).rstrip("/") + "/" + name
+    return str(Path(root).expanduser() / name)
+
+
+def _filesystem(url: str, storage_options: dict[str, Any] | None) -> tuple[Any, str]:
+    """``(fsspec filesystem, path)`` of ``url``, with the package to install named if missing."""
+    import fsspec
+
+    try:
+        return fsspec.core.url_to_fs(url, **(storage_options or {}))
+    except ImportError as err:
+        protocol = url.split("://", 1)[0]
+        package = _FILESYSTEM_PACKAGES.get(protocol, f"the fsspec filesystem for {protocol}://")
+        raise ImportError(
+            f"reading {url} needs {package}: `pip install {package}` ({err})"
+        ) from None
+    except ValueError as err:  # unknown protocol
+        raise ValueError(
+            f"{url} is not a URL fsspec can read ({err}); use a local path, gs://, s3:// or "
+            "https://"
+        ) from None
+
+
+def zarr_exists(path: str | Path, storage_options: dict[str, Any] | None = None) -> bool:
+    """Whether ``path`` (folder or URL) holds zarr metadata (an array or a group)."""
+    if not is_url(path):
+        p = Path(path).expanduser()
+        return p.is_dir() and any((p / m).exists() for m in ZARR_METADATA)
+    fs, root = _filesystem(str(path), storage_options)
+    root = root.rstrip("/")
+    try:
+        return any(fs.exists(f"{root}/{m}") for m in ZARR_METADATA)
+    except (OSError, ValueError) as err:
+        raise OSError(
+            f"could not reach {path} ({type(err).__name__}: {err}); check the URL, the network "
+            "and the credentials (data.storage_options)"
+        ) from None
+
+
+def open_zarr_array(path: str | Path, *, storage_options: dict[str, Any] | None = None) -> Any:
+    """Open a 2-D zarr token array read-only, from a local path or a URL.
+
+    Args:
+        path: a folder (``.../train.zarr``) or an fsspec URL (``gs://longcrawl64/train.zarr``).
+        storage_options: options of the URL's filesystem (credentials, headers).
+
+    Returns:
+        The zarr array (``[rows, row_len]`` of integer token ids, not checked here).
+
+    Raises:
+        FileNotFoundError: nothing at ``path``, with where LongCrawl64 is found.
+        ValueError: not a zarr array (a group, or unreadable metadata).
+        ImportError: a URL whose filesystem package (gcsfs, s3fs) is not installed.
+    """
+    import zarr
+
+    url = is_url(path)
+    if url:
+        _filesystem(str(path), storage_options)  # the package to install, named
+        found = zarr_exists(path, storage_options)
+    else:
+        path = Path(path).expanduser()
+        found = path.exists()
+    if not found:
+        raise FileNotFoundError(
+            f"zarr array {path} does not exist. LongCrawl64 is at "
+            "https://manifestai.com/articles/longcrawl64: stream it with "
+            "data.path=gs://longcrawl64 (`pip install gcsfs`), or download train.zarr and "
+            "heldout.zarr into one folder and set data.path=<that folder>; or turn your own "
+            "text into tokens with `python -m fot.data.prepare --help`."
+        )
+    try:
+        if url:
+            arr = zarr.open(str(path), mode="r", storage_options=storage_options or {})
+        else:
+            arr = zarr.open(str(path), mode="r")
+    except Exception as err:  # zarr's errors differ by version and store; all mean "not zarr"
+        raise ValueError(
+            f"{path} is not a readable zarr array ({type(err).__name__}: {err}); point to a 2-D "
+            "zarr token array (such as LongCrawl64's train.zarr), or to a token folder made by "
+            "`python -m fot.data.prepare`"
+        ) from None
+    if not hasattr(arr, "shape"):
+        raise ValueError(f"{path} is a zarr group, not an array; point to the array itself")
+    return arr
+
+
+class _Worker:
+    """One daemon thread that runs queued jobs in order (a stuck network read cannot hold up
+    the interpreter's exit, as a ``ThreadPoolExecutor`` worker would)."""
+
+    def __init__(self) -> None:
+        self._jobs: SimpleQueue[tuple[Future, Callable[[], Any]]] = SimpleQueue()
+        threading.Thread(target=self._run, name="fot-zarr-prefetch", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            future, job = self._jobs.get()
+            try:
+                future.set_result(job())
+            except BaseException as err:  # handed to whoever waits on the future
+                future.set_exception(err)
+
+    def submit(self, future: Future, job: Callable[[], Any]) -> None:
+        """Run ``job`` after the jobs before it; its result or error goes to ``future``."""
+        self._jobs.put((future, job))
+
+
+Key = tuple[int, int, int]
+"""A cached piece: (chunk row index, first column, end column) of the column window."""
+
+
+class ChunkReader:
+    """Reads ``array[r0:r1, c0:c1]`` in whole chunks, keeping them in a bounded LRU cache.
+
+    A *piece* is one row of chunks across the chunk columns that cover the columns asked for.
+    Reads that touch missing pieces fetch each run of consecutive missing pieces in one call
+    (zarr fetches its chunks concurrently). Arrays without ``chunks`` (numpy) are sliced
+    directly.
+
+    Args:
+        array: ``[R, L]`` zarr array (or numpy array).
+        cache_bytes: most bytes of pieces kept (pieces that one read needs are always kept).
+            A piece larger than a quarter of it is not cached: such reads go to the array.
+        retries: extra attempts of a failed read (for data behind a URL), waiting
+            ``retry_wait_s * 2**attempt`` seconds between them; 0 lets errors through as they are.
+        retry_wait_s: the first wait.
+        name: the array's path or URL, for messages.
+    """
+
+    def __init__(
+        self,
+        array: Any,
+        *,
+        cache_bytes: int = 256 << 20,
+        retries: int = 0,
+        retry_wait_s: float = 1.0,
+        name: str = "the zarr array",
+    ) -> None:
+        self.array = array
+        self.rows, self.cols = (int(s) for s in array.shape)
+        chunks = getattr(array, "chunks", None)
+        self.chunk_rows = int(chunks[0]) if chunks else 0
+        self.chunk_cols = int(chunks[1]) if chunks else 0
+        self.itemsize = np.dtype(array.dtype).itemsize
+        self.cache_bytes = int(cache_bytes)
+        self.retries = int(retries)
+        self.retry_wait_s = float(retry_wait_s)
+        self.name = name
+        self.fetches = 0
+        """Reads sent to the array (for tests and benchmarks)."""
+        self._pieces: OrderedDict[Key, np.ndarray] = OrderedDict()
+        self._bytes = 0
+        self._pending: dict[Key, Future] = {}
+        self._lock = threading.Lock()
+        self._worker: _Worker | None = None
+
+    # ---- reading -----------------------------------------------------------------------
+
+    def _get(self, r0: int, r1: int, c0: int, c1: int, *, retries: int | None = None) -> np.ndarray:
+        """``array[r0:r1, c0:c1]`` as numpy, retried ``retries`` times (default: the reader's)."""
+        n = self.retries if retries is None else retries
+        attempt = 0
+        while True:
+            self.fetches += 1
+            if n == 0:
+                return np.asarray(self.array[r0:r1, c0:c1])
+            try:
+                return np.asarray(self.array[r0:r1, c0:c1])
+            except Exception as err:  # network errors come in many types (aiohttp, gcsfs, OSError)
+                if attempt == n:
+                    raise OSError(
+                        f"could not read rows {r0}..{r1 - 1}, columns {c0}..{c1 - 1} of "
+                        f"{self.name} after {n + 1} attempts ({type(err).__name__}: {err}). "
+                        "Check the network and the credentials (data.storage_options); the "
+                        "run's checkpoints are kept: restart the same command (resume=auto) to "
+                        "go on from the last one"
+                    ) from err
+                wait = self.retry_wait_s * 2**attempt
+                logger.warning(
+                    "reading rows %d..%d of %s failed (%s: %s); attempt %d of %d in %.1f s",
+                    r0,
+                    r1 - 1,
+                    self.name,
+                    type(err).__name__,
+                    err,
+                    attempt + 2,
+                    n + 1,
+                    wait,
+                )
+                time.sleep(wait)
+                attempt += 1
+
+    def _window(self, c0: int, c1: int) -> tuple[int, int] | None:
+        """The chunk-aligned column window of ``[c0, c1)``, or ``None`` when not cached."""
+        if not self.chunk_rows:
+            return None
+        cc = self.chunk_cols
+        a, b = c0 // cc * cc, min(self.cols, -(-c1 // cc) * cc)
+        if self.chunk_rows * (b - a) * self.itemsize * 4 > self.cache_bytes:
+            return None
+        return a, b
+
+    def _fetch_pieces(self, k0: int, k1: int, a: int, b: int, *, retries: int | None) -> None:
+        """Read chunk rows ``k0 .. k1-1`` of window ``[a, b)`` in one call and cache them."""
+        cr = self.chunk_rows
+        block = self._get(k0 * cr, min(self.rows, k1 * cr), a, b, retries=retries)
+        with self._lock:
+            for k in range(k0, k1):
+                key = (k, a, b)
+                if key not in self._pieces:
+                    piece = block[(k - k0) * cr : (k - k0 + 1) * cr]
+                    self._pieces[key] = piece
+                    self._bytes += piece.nbytes
+
+    def _evict(self, keep: set[Key]) -> None:
+        with self._lock:
+            for key in list(self._pieces):
+                if self._bytes <= self.cache_bytes:
+                    break
+                if key in keep or key in self._pending:
+                    continue
+                self._bytes -= self._pieces.pop(key).nbytes
+
+    def read(self, r0: int, r1: int, c0: int, c1: int) -> np.ndarray:
+        """``array[r0:r1, c0:c1]`` (``r0 < r1``, ``c0 < c1``) as a numpy array.
+
+        Waits for a prefetch of the same chunks; where that failed, reads them itself (with
+        the retries).
+        """
+        window = self._window(c0, c1)
+        if window is None:
+            return self._get(r0, r1, c0, c1)
+        a, b = window
+        cr = self.chunk_rows
+        k0, k1 = r0 // cr, (r1 - 1) // cr + 1
+        keys = [(k, a, b) for k in range(k0, k1)]
+        for key in keys:
+            future = self._pending.get(key)
+            if future is not None:
+                future.exception()  # waits; a failed prefetch is read again below
+        missing = [k for k, key in zip(range(k0, k1), keys) if key not in self._pieces]
+        for lo, hi in _runs(missing):
+            self._fetch_pieces(lo, hi, a, b, retries=None)
+        with self._lock:
+            pieces = []
+            for key in keys:
+                self._pieces.move_to_end(key)
+                pieces.append(self._pieces[key])
+        self._evict(set(keys))
+        block = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+        return block[r0 - k0 * cr : r1 - k0 * cr, c0 - a : c1 - a]
+
+    def prefetch(self, r0: int, r1: int, c0: int, c1: int) -> None:
+        """Start fetching the chunks of ``array[r0:r1, c0:c1]`` in the background.
+
+        One attempt each: a failed prefetch is left to :meth:`read`, which retries.
+        """
+        window = self._window(c0, c1)
+        if window is None:
+            return
+        a, b = window
+        cr = self.chunk_rows
+        with self._lock:
+            missing = [
+                k
+                for k in range(r0 // cr, (r1 - 1) // cr + 1)
+                if (k, a, b) not in self._pieces and (k, a, b) not in self._pending
+            ]
+        if not missing:
+            return
+        if self._worker is None:
+            self._worker = _Worker()
+        for lo, hi in _runs(missing):
+            keys = [(k, a, b) for k in range(lo, hi)]
+            future: Future = Future()
+            with self._lock:  # registered first: a read of these chunks waits for the fetch
+                for key in keys:
+                    self._pending[key] = future
+
+            def job(
+                lo: int = lo, hi: int = hi, keys: list[Key] = keys, future: Future = future
+            ) -> None:
+                try:
+                    self._fetch_pieces(lo, hi, a, b, retries=0)
+                finally:
+                    with self._lock:
+                        for key in keys:
+                            if self._pending.get(key) is future:
+                                del self._pending[key]
+
+            self._worker.submit(future, job)
+
+
+def _runs(ks: list[int]) -> list[tuple[int, int]]:
+    """Consecutive runs of sorted integers as ``[lo, hi)`` pairs: ``[1, 2, 5]`` -> ``[(1, 3), (5, 6)]``."""
+    out: list[tuple[int, int]] = []
+    for k in ks:
+        if out and out[-1][1] == k:
+            out[-1] = (out[-1][0], k + 1)
+        else:
+            out.append((k, k + 1))
+    return out

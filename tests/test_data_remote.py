@@ -1,0 +1,257 @@
+"""2-D zarr token arrays read in whole chunks (cached, fetched ahead), and from a URL: LongCrawl64
+streamed over HTTP from a local server equals the same folder read from disk."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from http_files import serve
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from fot.data.loaders import URL_READ_RETRIES, build_sources
+from fot.data.streams import SequenceStream, ZarrRowsSource
+from fot.data.zarr_store import ChunkReader, open_zarr_array
+from fot.training import register_configs, train
+from fot.training.config import DataConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+register_configs()
+
+
+def _zarr(
+    path: Path, rows: int, row_len: int, chunks: tuple[int, int], seed: int = 0, fmt: int = 2
+):
+    import zarr
+
+    data = np.random.default_rng(seed).integers(0, 50000, (rows, row_len)).astype(np.uint16)
+    arr = zarr.create_array(
+        str(path), shape=data.shape, chunks=chunks, dtype="uint16", zarr_format=fmt
+    )
+    arr[:] = data
+    return data
+
+
+class Counting:
+    """An array that records every slice read from it, and the thread that read it."""
+
+    def __init__(self, array) -> None:
+        self.array = array
+        self.shape, self.dtype = array.shape, array.dtype
+        self.chunks = getattr(array, "chunks", None)
+        self.reads: list[tuple[str, tuple]] = []
+
+    def __getitem__(self, index):
+        self.reads.append((threading.current_thread().name, index))
+        return self.array[index]
+
+
+def _lc_cfg(path: str, **kw) -> OmegaConf:
+    cfg = OmegaConf.structured(DataConfig(kind="longcrawl64", seq_len=16, packing="causal", **kw))
+    cfg.path = path
+    return cfg
+
+
+# ------------------------------------------------------------------ the chunk cache
+
+
+def test_chunk_reader_reads_what_numpy_slices_and_each_chunk_once(tmp_path) -> None:
+    """Oracle: numpy slicing of the same data. A sweep down one column of the rows in steps of
+    4 rows fetches each 8-row chunk row once (5 reads for 36 rows), not once per step (9), and
+    the cache stays within its bound."""
+    import zarr
+
+    data = _zarr(tmp_path / "a.zarr", rows=37, row_len=100, chunks=(8, 32))
+    arr = zarr.open(str(tmp_path / "a.zarr"), mode="r")
+    rng = np.random.default_rng(1)
+    small = ChunkReader(arr, cache_bytes=4 * 8 * 64 * 2)  # two pieces of 8 rows x 64 columns
+    big = ChunkReader(arr)
+    for _ in range(200):
+        r0, r1 = sorted(rng.choice(38, 2, replace=False))
+        c0, c1 = sorted(rng.choice(101, 2, replace=False))
+        for reader in (small, big):
+            np.testing.assert_array_equal(reader.read(r0, r1, c0, c1), data[r0:r1, c0:c1])
+        # beyond what one read needs (at most 5 pieces of 8 x 64), the small cache keeps nothing
+        assert small._bytes <= max(small.cache_bytes, 5 * 8 * 64 * 2)
+
+    counting = Counting(arr)
+    src = ZarrRowsSource(counting, seq_len=16)
+    for step in range(9):  # rows 0..35 of the first 16 columns
+        _, labels = src.read(4 * step, 4)
+        np.testing.assert_array_equal(labels, data[4 * step : 4 * step + 4, :16])
+    assert len(counting.reads) == 5
+    assert counting.reads[0][1] == (slice(0, 8), slice(0, 32))  # whole chunks
+
+
+def test_the_stream_fetches_the_next_step_in_the_background(tmp_path) -> None:
+    """After a step, the next step's chunks are read by the prefetch thread: the step itself
+    then reads nothing, and gets the same tokens (oracle: numpy)."""
+    import zarr
+
+    data = _zarr(tmp_path / "a.zarr", rows=64, row_len=32, chunks=(8, 32))
+    counting = Counting(zarr.open(str(tmp_path / "a.zarr"), mode="r"))
+    src = ZarrRowsSource(counting, seq_len=32)
+    stream = SequenceStream(src, global_batch_size=8, micro_batch_size=2, rank=1, world_size=2)
+    main = threading.current_thread().name
+    for step in range(6):
+        reads_before = [r for r in counting.reads if r[0] == main]
+        labels = torch.cat([b.labels for b in stream.next_step()]).numpy()
+        np.testing.assert_array_equal(labels, data[8 * step + 4 : 8 * step + 8])
+        if step:  # fetched ahead during the step before
+            assert [r for r in counting.reads if r[0] == main] == reads_before
+        deadline = time.monotonic() + 10
+        while src.reader._pending and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert {name for name, _ in counting.reads} == {main, "fot-zarr-prefetch"}
+
+
+def test_a_failed_prefetch_is_read_again_by_the_step(tmp_path) -> None:
+    """A prefetch gets one attempt; when it fails, the read that needs the chunks reads them
+    itself (here: the second attempt succeeds)."""
+    import zarr
+
+    data = _zarr(tmp_path / "a.zarr", rows=16, row_len=16, chunks=(4, 16))
+
+    class FailsInBackground(Counting):
+        def __getitem__(self, index):
+            if threading.current_thread().name == "fot-zarr-prefetch":
+                raise OSError("connection reset")
+            return super().__getitem__(index)
+
+    src = ZarrRowsSource(FailsInBackground(zarr.open(str(tmp_path / "a.zarr"), mode="r")), 16)
+    src.prefetch(4, 4)
+    _, labels = src.read(4, 4)
+    np.testing.assert_array_equal(labels, data[4:8])
+
+
+# ------------------------------------------------------------------ data behind a URL
+
+
+@pytest.mark.parametrize("fmt", [2, 3])
+def test_longcrawl64_over_http_reads_what_the_folder_holds(tmp_path, fmt) -> None:
+    """data.path=<URL> (the folder served over HTTP) gives the same training and held-out
+    sequences as data.path=<folder>, in zarr v2 (LongCrawl64's format) and v3."""
+    train_data = _zarr(tmp_path / "lc" / "train.zarr", 20, 64, (8, 32), seed=1, fmt=fmt)
+    _zarr(tmp_path / "lc" / "heldout.zarr", 6, 64, (4, 64), seed=2, fmt=fmt)
+    with serve(tmp_path) as server:
+        url_train, url_val = build_sources(_lc_cfg(f"{server.url}/lc", val_tokens=64))
+        disk_train, disk_val = build_sources(_lc_cfg(str(tmp_path / "lc"), val_tokens=64))
+        n = disk_train.num_sequences
+        for a, b in zip(url_train.read(0, 2 * n), disk_train.read(0, 2 * n)):
+            np.testing.assert_array_equal(a, b)
+        for a, b in zip(url_val.read(0, 4), disk_val.read(0, 4)):
+            np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(url_train.read(21, 1)[1][0], train_data[1, 16:32])
+        assert url_train.reader.retries == URL_READ_RETRIES
+        assert disk_train.reader.retries == 0
+
+
+def test_url_reads_retry_then_say_how_to_resume(tmp_path, caplog) -> None:
+    """A chunk request that fails once (HTTP 503) is retried with a warning; one that keeps
+    failing ends in an error naming the rows, the attempts and resume=auto."""
+    data = _zarr(tmp_path / "a.zarr", 16, 32, (8, 32))
+    failed: set[str] = set()
+
+    def once(method: str, path: str) -> int | None:
+        if method == "GET" and path in ("/a.zarr/0.0", "/a.zarr/1.0") and path not in failed:
+            failed.add(path)
+            return 503
+        return None
+
+    caplog.set_level(logging.WARNING, logger="fot.data")
+    with serve(tmp_path, status=once) as server:
+        arr = open_zarr_array(f"{server.url}/a.zarr")
+        reader = ChunkReader(arr, retries=2, retry_wait_s=0.0, name=f"{server.url}/a.zarr")
+        np.testing.assert_array_equal(reader.read(2, 10, 0, 32), data[2:10])
+    assert failed == {"/a.zarr/0.0", "/a.zarr/1.0"}
+    assert "attempt 2 of 3" in caplog.text
+
+    def always(method: str, path: str) -> int | None:
+        return 503 if method == "GET" and path.startswith("/a.zarr/1") else None
+
+    with serve(tmp_path, status=always) as server:
+        arr = open_zarr_array(f"{server.url}/a.zarr")
+        reader = ChunkReader(arr, retries=2, retry_wait_s=0.0, name=f"{server.url}/a.zarr")
+        np.testing.assert_array_equal(reader.read(0, 8, 0, 32), data[0:8])
+        with pytest.raises(
+            OSError, match=r"rows 8\.\.15, columns 0\.\.31 .* after 3 attempts"
+        ) as err:
+            reader.read(8, 12, 0, 32)
+    assert "resume=auto" in str(err.value)
+
+
+def test_storage_options_reach_the_url_filesystem(tmp_path) -> None:
+    """data.storage_options goes to fsspec: a server that wants a header answers only with it."""
+    data = _zarr(tmp_path / "lc" / "train.zarr", 8, 32, (4, 32))
+    with serve(tmp_path, header=("X-Token", "s3cret")) as server:
+        with pytest.raises(FileNotFoundError, match="storage_options"):
+            build_sources(_lc_cfg(f"{server.url}/lc", val_tokens=0))
+        cfg = _lc_cfg(f"{server.url}/lc", val_tokens=0)
+        cfg.storage_options = {"headers": {"X-Token": "s3cret"}}
+        train_source, _ = build_sources(cfg)
+        np.testing.assert_array_equal(train_source.read(0, 8)[1], data[:, :16])
+
+
+def test_missing_remote_data_and_filesystem_packages_are_explained(tmp_path, monkeypatch) -> None:
+    _zarr(tmp_path / "lc" / "train.zarr", 8, 32, (4, 32))
+    with serve(tmp_path) as server:
+        with pytest.raises(FileNotFoundError, match=r"held-out data .*/lc/heldout.zarr not found"):
+            build_sources(_lc_cfg(f"{server.url}/lc", val_tokens=64))
+        with pytest.raises(FileNotFoundError, match=r"no LongCrawl64 train\.zarr at"):
+            build_sources(_lc_cfg(f"{server.url}/elsewhere", val_tokens=0))
+        tokens = OmegaConf.structured(
+            DataConfig(kind="tokens", seq_len=16, path=f"{server.url}/lc")
+        )
+        with pytest.raises(FileNotFoundError, match="only zarr arrays are read from a URL"):
+            build_sources(tokens)
+        tokens.path = f"{server.url}/lc/train.zarr"  # an array at a URL works for data=tokens
+        assert build_sources(tokens)[0].num_sequences == 16
+    monkeypatch.setitem(sys.modules, "gcsfs", None)  # not installed
+    with pytest.raises(ImportError, match=r"needs gcsfs: `pip install gcsfs`"):
+        build_sources(_lc_cfg("gs://longcrawl64", val_tokens=0))
+
+
+def test_training_on_longcrawl64_over_http_equals_training_on_the_folder(tmp_path) -> None:
+    """The trainer end to end: the same run on the served folder and on the folder itself logs
+    the same losses (training and validation)."""
+    _zarr(tmp_path / "lc" / "train.zarr", 24, 128, (8, 64), seed=3)
+    _zarr(tmp_path / "lc" / "heldout.zarr", 4, 128, (4, 128), seed=4)
+    base = [
+        "++model.overrides={hidden_size:32,num_hidden_layers:1,num_heads:2}",
+        "data=longcrawl64",
+        "data.seq_len=64",
+        "data.val_tokens=128",
+        "global_batch_tokens=256",
+        "micro_batch_size=2",
+        "total_tokens=1536",
+        "log_every_tokens=256",
+        "val_every_tokens=768",
+        "ckpt_every_tokens=768",
+        "schedule.warmup_tokens=256",
+        "export_hf=false",
+    ]
+
+    def run(path: str, out: Path) -> list[dict]:
+        with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+            cfg = compose("train", overrides=[*base, f"data.path={path}", f"out_dir={out}"])
+        train(cfg)
+        lines = (out / "metrics.jsonl").read_text().splitlines()
+        return [
+            {k: v for k, v in json.loads(x).items() if k in ("step", "loss", "val/loss")}
+            for x in lines
+        ]
+
+    disk = run(str(tmp_path / "lc"), tmp_path / "disk")
+    with serve(tmp_path) as server:
+        url = run(f"{server.url}/lc", tmp_path / "url")
+        assert any(path.startswith("/lc/train.zarr/") for _, path in server.requests)
+    assert [r for r in disk if "loss" in r] and [r for r in disk if "val/loss" in r]
+    assert url == disk

@@ -14,7 +14,23 @@ Submodules are imported lazily so that ``import fot.eval`` stays cheap.
 
 from __future__ import annotations
 
+import os
+import sys
+
+SCRIPT = "fot-eval"
+"""The console script's name (``[project.scripts]`` of ``pyproject.toml``)."""
+
+
+def program_name() -> str:
+    """The command the user ran, as messages name it: ``fot-eval`` when the process is the
+    console script (its ``sys.argv[0]`` is the script), else ``python -m fot.eval`` (run as a
+    module, or called from Python)."""
+    started_as = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    return SCRIPT if started_as == SCRIPT else "python -m fot.eval"
+
+
 __all__ = [
+    "SCRIPT",
     "common",
     "forgetting_curve",
     "gates",
@@ -22,4 +38,5 @@ __all__ = [
     "metrics",
     "needle",
     "per_token_loss",
+    "program_name",
 ]

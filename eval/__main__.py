@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from fot.errors import USER_ERRORS, error_line
+from fot.eval import program_name
 from fot.interrupt import StopOnSignal
 
 COMMANDS = {
@@ -32,9 +33,12 @@ OPTIONAL_PACKAGES = ("lm_eval", "sqlitedict")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The CLI parser; each command's options come from its module's ``add_arguments``."""
+    """The CLI parser; each command's options come from its module's ``add_arguments``.
+
+    Its program name (in usage lines and errors) is what the user ran:
+    :func:`fot.eval.program_name`."""
     parser = argparse.ArgumentParser(
-        prog="python -m fot.eval",
+        prog=program_name(),
         description="Evaluate an exported FoT (or any Hugging Face causal LM) checkpoint.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -104,7 +108,7 @@ def cli(argv: Sequence[str]) -> int:
     """
     show_traceback = os.environ.get("FOT_EVAL_TRACEBACK") == "1"
     command = next((a for a in argv if a in COMMANDS), "")
-    prog = f"python -m fot.eval {command}".rstrip()
+    prog = f"{program_name()} {command}".rstrip()
     try:
         # a second SIGTERM (a rank may get the scheduler's and torchrun's) is ignored, so that
         # it does not cut into the saving that the first one starts

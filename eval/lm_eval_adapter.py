@@ -46,6 +46,7 @@ import torch
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
+from . import program_name
 from .common import (
     CONTEXT_LENGTH_HELP,
     JsonlLog,
@@ -449,7 +450,7 @@ def local_dataset_dirs(task_manager: Any, tasks: list[str], dataset_root: str) -
         raise FileNotFoundError(
             f"--dataset-root {str(root)!r} lacks the dataset folders of "
             f"{len(missing)} task(s):\n" + "\n".join(lines) + "\nDownload them on a machine with "
-            "internet and copy them there (`python -m fot.eval lm-eval CKPT --tasks ... "
+            f"internet and copy them there (`{program_name()} lm-eval CKPT --tasks ... "
             "--list-datasets --out x` prints every task's dataset), or leave these tasks out of "
             "--tasks and run them without --dataset-root (Hugging Face datasets cache)."
         )
@@ -460,7 +461,7 @@ def _missing_root_message(root: Path) -> str:
     what = "is a file, not a folder" if root.exists() else "does not exist"
     return (
         f"--dataset-root {str(root)!r} {what}; pass the folder holding the downloaded dataset "
-        "repositories as ROOT/<dataset_path> (`python -m fot.eval lm-eval CKPT --list-datasets "
+        f"repositories as ROOT/<dataset_path> (`{program_name()} lm-eval CKPT --list-datasets "
         "--out x` prints what to download: huggingface-cli download --repo-type dataset "
         "ORG/NAME --local-dir ROOT/ORG/NAME), or leave --dataset-root out to read the Hugging "
         "Face datasets cache"

@@ -33,6 +33,7 @@ import torch
 
 from fot.training.checkpoint import write_text_atomic
 
+from . import program_name
 from .common import (
     CONTEXT_LENGTH_HELP,
     CONTEXT_LENGTH_KEYS,
@@ -592,14 +593,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise FileNotFoundError(
             f"--data-dir {args.data_dir!r} "
             f"{'is a file, not a folder' if data_dir.exists() else 'does not exist'}; pass the "
-            "folder that holds the <task>.jsonl files (`python -m fot.eval longbench --help` "
+            f"folder that holds the <task>.jsonl files (`{program_name()} longbench --help` "
             "says how to get them)"
         )
     missing = [t for t in tasks if not (data_dir / f"{t}.jsonl").is_file()]
     if missing:
         raise FileNotFoundError(
             f"{data_dir} lacks {[f'{t}.jsonl' for t in missing]}; see "
-            "`python -m fot.eval longbench --help` for how to get them"
+            f"`{program_name()} longbench --help` for how to get them"
         )
     # Every task's examples are read (and checked) before the model loads.
     examples = {

@@ -74,6 +74,49 @@ def test_console_script_exits_with_status_0(llama, tmp_path):
     assert (tmp_path / "o" / "summary.json").is_file()
 
 
+def _console_script() -> list[str]:
+    """The command that runs the ``fot-eval`` console script: the one ``pip install`` wrote
+    beside this Python, else (fot not installed here) the call it makes of the entry point that
+    pyproject.toml declares, with the script's name as ``sys.argv[0]``."""
+    from pathlib import Path
+
+    SCRIPT = "fot-eval"
+    for bindir in (Path(sys.executable).parent, Path(sys.prefix) / "bin"):
+        script = shutil.which(SCRIPT, path=str(bindir))
+        if script:
+            return [script]
+    pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    entry = re.search(rf'^{SCRIPT} = "([\w.]+):(\w+)"$', pyproject, re.MULTILINE)
+    assert entry, f"pyproject.toml declares no {SCRIPT} script"
+    module, function = entry.groups()
+    code = (
+        f"import sys; from {module} import {function}; sys.argv[0] = {SCRIPT!r}; "
+        f"sys.exit({function}())"
+    )
+    return [sys.executable, "-c", code]
+
+
+@pytest.mark.parametrize("ran", ["module", "script"])
+def test_messages_name_the_program_the_user_ran(ran, tmp_path):
+    """Usage lines and errors start with ``fot-eval`` when the console script ran, with
+    ``python -m fot.eval`` when the module did; so do the hints inside messages."""
+    program = "python -m fot.eval" if ran == "module" else "fot-eval"
+    command = [sys.executable, "-m", "fot.eval"] if ran == "module" else _console_script()
+
+    def run(*args):
+        return subprocess.run([*command, *args], capture_output=True, text=True, cwd=tmp_path)
+
+    usage = run("needle")  # argparse: no checkpoint, no --out
+    assert usage.returncode == 2
+    assert usage.stderr.startswith(f"usage: {program} needle ")
+    assert f"\n{program} needle: error: the following arguments are required" in usage.stderr
+    missing = run("longbench", "ckpt", "--data-dir", "nowhere", "--out", "o")
+    assert missing.returncode == 2
+    assert missing.stderr.startswith(f"{program} longbench: error: --data-dir 'nowhere' does not")
+    assert f"(`{program} longbench --help` says how to get them)" in missing.stderr
+    assert run("--help").stdout.startswith(f"usage: {program} [-h] COMMAND")
+
+
 def test_cli_user_errors_and_ctrl_c_print_a_message_not_a_traceback(tmp_path, monkeypatch, capsys):
     res = subprocess.run(
         [sys.executable, "-m", "fot.eval", "needle", str(tmp_path / "missing"), "--out", "o"],

@@ -8,10 +8,12 @@ from ``--out`` after an interruption.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import signal
 import sys
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -73,7 +75,7 @@ def main(argv: Sequence[str] | None = None) -> Any:
         of a dict would print it to stderr and exit with status 1).
     """
     if argv is None:
-        return cli(sys.argv[1:])
+        return cli(sys.argv[1:], exiting=True)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import fot  # noqa: F401 - installs fot.eval for source checkouts, registers FoT models
 
@@ -97,32 +99,80 @@ class _Terminated(KeyboardInterrupt):
     """SIGTERM, raised where the process is, so that it stops as on Ctrl-C."""
 
 
-def cli(argv: Sequence[str]) -> int:
+def _out_folder(argv: Sequence[str]) -> str | None:
+    """The ``--out`` that ``argv`` names, read as the command's parser reads it, or None."""
+    parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    parser.add_argument("--out")
+    try:
+        return parser.parse_known_args(list(argv))[0].out
+    except argparse.ArgumentError:
+        return None
+
+
+def _stopped_line(prog: str, argv: Sequence[str], *, signal_name: str, finished: bool) -> str:
+    """The line printed when the command is stopped: by what, what is saved where, and how
+    to resume."""
+    out = _out_folder(argv)
+    where = repr(out) if out else "--out"
+    if finished:
+        return (
+            f"{prog}: {signal_name} after it had finished: every result is saved in {where} "
+            "(rerunning the same command resumes from them)"
+        )
+    return f"{prog}: {signal_name}; finished items are saved in {where}: rerun the same command to resume"
+
+
+def cli(argv: Sequence[str], *, exiting: bool = False) -> int:
     """Run :func:`main` for the command line; returns the process exit status.
 
     Errors that name the problem (:data:`fot.errors.USER_ERRORS`) print as one ``error:``
-    message (status 2) and Ctrl-C prints how to resume (status 130), without a traceback
-    unless the environment variable ``FOT_EVAL_TRACEBACK`` is ``1``. SIGTERM (Slurm's time
-    limit, ``timeout``, torchrun passing its own on) stops as Ctrl-C does, so that what each
-    command saves on an interruption is saved (status 143).
+    message (status 2) and Ctrl-C prints what is saved in ``--out`` and how to resume (status
+    130), without a traceback unless the environment variable ``FOT_EVAL_TRACEBACK`` is
+    ``1``. SIGTERM (Slurm's time limit, ``timeout``, torchrun passing its own on) stops as
+    Ctrl-C does, so that what each command saves on an interruption is saved (status 143);
+    one that came while the command finished (its raise lost in a ``__del__``) says that
+    every result is saved (status 143).
+
+    Args:
+        argv: the arguments after the program name.
+        exiting: the process exits when this returns (the ``python -m fot.eval`` and
+            ``fot-eval`` entry points): SIGTERM stays handled, so that one that comes after
+            the command has finished (while Python shuts down) prints the same line and exits
+            with status 143 instead of killing the process without a word. Left ``False``
+            (calls from Python), the previous SIGTERM handler is back when this returns.
     """
     show_traceback = os.environ.get("FOT_EVAL_TRACEBACK") == "1"
     command = next((a for a in argv if a in COMMANDS), "")
     prog = f"{program_name()} {command}".rstrip()
+    finished = False
+
+    def after_the_command(signum: int, frame: object) -> None:
+        # SIGTERM outside the command (cli's StopOnSignal): nothing is left to save
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            line = _stopped_line(prog, argv, signal_name="stopped by SIGTERM", finished=finished)
+            print(f"\n{line}", file=sys.stderr, flush=True)
+        os._exit(128 + signal.SIGTERM)
+
+    if (
+        exiting
+        and threading.current_thread() is threading.main_thread()
+        and signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN
+    ):
+        signal.signal(signal.SIGTERM, after_the_command)  # StopOnSignal puts it back
     try:
         # a second SIGTERM (a rank may get the scheduler's and torchrun's) is ignored, so that
         # it does not cut into the saving that the first one starts
-        with StopOnSignal((signal.SIGTERM,), _Terminated):
+        with StopOnSignal((signal.SIGTERM,), _Terminated) as stop:
             main(argv)
+            finished = True
+            stop.check()  # a SIGTERM whose raise was lost (in a __del__) after the last check
     except KeyboardInterrupt as err:
         if show_traceback:
             raise
         terminated = isinstance(err, _Terminated)
-        print(
-            f"\n{prog}: {'stopped by SIGTERM' if terminated else 'interrupted'}; finished items "
-            "are saved in --out: rerun the same command to resume",
-            file=sys.stderr,
-        )
+        how = "stopped by SIGTERM" if terminated else "interrupted"
+        print("\n" + _stopped_line(prog, argv, signal_name=how, finished=finished), file=sys.stderr)
         return 128 + signal.SIGTERM if terminated else 130
     except USER_ERRORS as err:
         if show_traceback:
@@ -133,4 +183,4 @@ def cli(argv: Sequence[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(cli(sys.argv[1:]))
+    sys.exit(cli(sys.argv[1:], exiting=True))

@@ -20,7 +20,7 @@ from eval_helpers import make_llama_checkpoint
 
 import fot.eval.__main__ as eval_main
 from fot.eval.__main__ import cli, main
-from fot.eval.common import check_checkpoint_dir, pick_device, write_run_config
+from fot.eval.common import JsonlLog, check_checkpoint_dir, pick_device, write_run_config
 
 PTL = ["--length", "64", "--max-docs", "1", "--device", "cpu"]
 
@@ -151,27 +151,94 @@ def test_cli_user_errors_and_ctrl_c_print_a_message_not_a_traceback(tmp_path, mo
     assert cli(["needle", "x", "--out", "o"]) == 128 + signal.SIGTERM
     assert saved == [True]
     err = capsys.readouterr().err
-    assert "needle: stopped by SIGTERM; finished items are saved in --out" in err
+    assert "needle: stopped by SIGTERM; finished items are saved in 'o': rerun the same" in err
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # put back
 
     # A SIGTERM handled inside a __del__ (a tokenizer's regex objects have one) only prints its
     # exception; the command still stops after the item it is in (at the next saved result)
-    from fot.eval.common import JsonlLog
-
-    class SignalsInDel:
-        def __del__(self) -> None:
-            os.kill(os.getpid(), signal.SIGTERM)
-
     def items_with_a_lost_raise(argv):
         log = JsonlLog(tmp_path / "items.jsonl")
         for i in range(5):
             if i == 1:
-                SignalsInDel()  # made and dropped at once: __del__ runs now
+                _SignalsInDel()  # made and dropped at once: __del__ runs now
             log.append({"key": i})
 
     monkeypatch.setattr(eval_main, "main", items_with_a_lost_raise)
     assert cli(["needle", "x", "--out", "o"]) == 128 + signal.SIGTERM
     assert len(JsonlLog(tmp_path / "items.jsonl")) == 2  # items 0 and 1, not all five
+
+
+class _SignalsInDel:
+    """Sends SIGTERM from its ``__del__``, where the raise of the handler is only printed (as
+    in a tokenizer's regex objects)."""
+
+    def __del__(self) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_a_sigterm_lost_while_the_command_finishes_says_every_result_is_saved(
+    tmp_path, monkeypatch, capsys
+):
+    """A SIGTERM whose raise was lost after the last saved result (no check_stop follows)
+    still stops with status 143 and says so; the command had finished (it returned 0)."""
+    out = tmp_path / "o"
+
+    def finishes_after_a_lost_raise(argv):
+        log = JsonlLog(out / "items.jsonl")
+        log.append({"key": 0})
+        _SignalsInDel()  # the last result is saved: no check_stop follows
+        return {"done": 1}
+
+    monkeypatch.setattr(eval_main, "main", finishes_after_a_lost_raise)
+    assert cli(["needle", "x", "--out", str(out)]) == 128 + signal.SIGTERM
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line == (
+        f"python -m fot.eval needle: stopped by SIGTERM after it had finished: every result is "
+        f"saved in {str(out)!r} (rerunning the same command resumes from them)"
+    )
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # put back
+
+
+# Code run before the command that sends the process SIGTERM at one moment once the command
+# has saved its last result.
+_SIGTERM_AT = {
+    # right after the command: cli's StopOnSignal has put the previous handler back
+    "after_the_command": (
+        "import os, signal, fot.interrupt as fi; leave = fi.StopOnSignal.__exit__; "
+        "fi.StopOnSignal.__exit__ = lambda self, *exc: "
+        "(leave(self, *exc), os.kill(os.getpid(), signal.SIGTERM))[0]"
+    ),
+    # while Python shuts down after the command returned its exit status
+    "at_exit": "import atexit, os, signal; atexit.register(os.kill, os.getpid(), signal.SIGTERM)",
+}
+
+
+@pytest.mark.parametrize("moment", list(_SIGTERM_AT))
+@pytest.mark.parametrize("ran", ["module", "script"])
+def test_sigterm_after_the_command_finished_says_so_with_status_143(llama, tmp_path, moment, ran):
+    """SIGTERM after the last result is saved (Slurm's time limit, ``timeout``) exits with
+    status 143 and one line saying what is saved where; it killed the process without a word.
+    Both entry points: ``python -m fot.eval`` (its ``__main__``) and the ``fot-eval`` script
+    (``sys.exit(main())`` with the script as ``sys.argv[0]``)."""
+    out = tmp_path / "o"
+    args = ["per-token-loss", str(llama), *PTL, "--out", str(out)]
+    if ran == "module":
+        program = "python -m fot.eval"
+        run = (f"import runpy, sys; sys.argv = ['fot.eval', *{args!r}]; "
+               "runpy.run_module('fot.eval', run_name='__main__', alter_sys=True)")  # fmt: skip
+    else:
+        program = "fot-eval"
+        run = (f"import sys; from fot.eval.__main__ import main; sys.argv = ['fot-eval', "
+               f"*{args!r}]; sys.exit(main())")  # fmt: skip
+    res = subprocess.run(
+        [sys.executable, "-c", f"{_SIGTERM_AT[moment]}\n{run}"], capture_output=True, text=True
+    )
+    assert res.returncode == 128 + signal.SIGTERM, res.stderr[-2000:]
+    assert res.stderr.strip().splitlines()[-1] == (
+        f"{program} per-token-loss: stopped by SIGTERM after it had finished: every result is "
+        f"saved in {str(out)!r} (rerunning the same command resumes from them)"
+    )
+    assert (out / "summary.json").is_file()
 
 
 def test_missing_overlay_is_refused_before_the_evaluation(llama, tmp_path):

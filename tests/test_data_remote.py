@@ -132,6 +132,25 @@ def test_a_failed_prefetch_is_read_again_by_the_step(tmp_path) -> None:
     np.testing.assert_array_equal(labels, data[4:8])
 
 
+def test_an_incomplete_local_array_is_reported(tmp_path, caplog) -> None:
+    """Chunks missing from a local array (an interrupted download) read as the fill value
+    without an error from zarr: opening it says how many are there (2 of 10 written here)."""
+    import zarr
+
+    arr = zarr.create_array(str(tmp_path / "train.zarr"), shape=(40, 64), chunks=(8, 32),
+                            dtype="uint16", zarr_format=2)  # fmt: skip
+    arr[:8] = 7
+    caplog.set_level(logging.WARNING, logger="fot.data")
+    opened = open_zarr_array(tmp_path / "train.zarr")
+    assert f"{tmp_path / 'train.zarr'} holds 2 of its 10 chunks" in caplog.text
+    assert "gsutil -m rsync -r gs://longcrawl64/train.zarr" in caplog.text
+    assert int(opened[20, 0]) == 0  # what a missing chunk reads as
+    caplog.clear()
+    arr[8:] = 7
+    open_zarr_array(tmp_path / "train.zarr")
+    assert "chunks" not in caplog.text
+
+
 # ------------------------------------------------------------------ data behind a URL
 
 

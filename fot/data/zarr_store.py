@@ -16,6 +16,7 @@ message that says how to resume.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -127,7 +128,29 @@ def open_zarr_array(path: str | Path, *, storage_options: dict[str, Any] | None 
         ) from None
     if not hasattr(arr, "shape"):
         raise ValueError(f"{path} is a zarr group, not an array; point to the array itself")
+    if not url:
+        _warn_if_chunks_are_missing(arr, path)
     return arr
+
+
+def _warn_if_chunks_are_missing(arr: Any, path: str | Path) -> None:
+    """Warn when chunks of a local array are absent: zarr reads them as the fill value
+    (token 0) without an error, and an interrupted download leaves them out. (Not checked
+    behind a URL, where counting the chunks means listing the whole bucket.)"""
+    stored, total = int(arr.nchunks_initialized), int(arr.nchunks)
+    if stored < total and int(os.environ.get("RANK", "0")) == 0:  # every rank opens it
+        logger.warning(
+            "%s holds %d of its %d chunks: the missing ones read as token id %s in every row "
+            "they cover. An interrupted download leaves chunks out; finish it (for LongCrawl64: "
+            "`gsutil -m rsync -r gs://longcrawl64/%s %s`) or stream the data "
+            "(data.path=gs://longcrawl64)",
+            path,
+            stored,
+            total,
+            arr.fill_value,
+            Path(path).name,
+            path,
+        )
 
 
 class _Worker:

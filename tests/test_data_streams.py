@@ -783,14 +783,16 @@ def test_signal_whose_raise_python_swallows_still_stops_prepare(tmp_path) -> Non
 
 
 def test_last_step_digest_is_the_global_batch_for_any_world_and_micro_batch() -> None:
-    """The checkpoint's data digest: SHA-256 of the last global batch's token ids, the same
-    for every rank layout, recomputed here from the source's own read (the oracle)."""
+    """The checkpoint's data digest: SHA-256 of the last global batch's token ids (inputs, then
+    labels), the same for every rank layout, recomputed here from the source's own read (the
+    oracle)."""
     import hashlib
 
     rng = np.random.default_rng(3)
     docs = [rng.integers(0, 50000, n, dtype=np.uint16) for n in (40, 70, 25, 90) * 5]
     src = PackedSource.from_documents(docs, 16)
-    want = hashlib.sha256(src.read(8, 8)[0].astype(np.int64).tobytes()).hexdigest()
+    inputs, labels = (a.astype(np.int64).tobytes() for a in src.read(8, 8))
+    want = hashlib.sha256(inputs + labels).hexdigest()
     for world, rank, micro in ((1, 0, 8), (2, 1, 2), (4, 3, 1)):
         stream = SequenceStream(
             src, global_batch_size=8, micro_batch_size=micro, rank=rank, world_size=world

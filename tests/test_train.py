@@ -1320,6 +1320,45 @@ def test_resume_on_rewritten_training_data_says_the_data_changed(tmp_path, caplo
     )
 
 
+def test_resume_digest_covers_every_token_and_reads_older_checkpoints(tmp_path, caplog) -> None:
+    """The digest hashed the step's inputs only, so a LongCrawl64 chunk whose last token (a
+    label, never an input) changed resumed without a word; it now hashes the labels too. A
+    checkpoint written before (``data_digest``: the inputs alone, here computed by hand from
+    the array) is still compared its own way: no warning for unchanged data."""
+    import hashlib
+
+    import zarr
+
+    from fot.data.streams import EOT_ID
+
+    rng = np.random.default_rng(0)
+    data = rng.integers(0, 50000, (8, 128)).astype(np.uint16)
+    arr = zarr.create_array(str(tmp_path / "lc" / "train.zarr"), shape=data.shape,
+                            chunks=(4, 128), dtype="uint16")  # fmt: skip
+    arr[:] = data
+    lc = ["data=longcrawl64", f"data.path={tmp_path / 'lc'}", "data.val_tokens=0"]
+    out = tmp_path / "run"
+    train(_cfg(out, "total_tokens=512", *lc))  # steps 1-2: sequences 0..7 (column 0)
+    ckpt = out / "checkpoints" / "step_00000002"
+    state = json.loads((ckpt / "trainer.json").read_text())
+    labels = data[4:8, :64].astype(np.int64)  # step 2: rows 4..7 of the first chunk column
+    inputs = np.concatenate([np.full((4, 1), EOT_ID), labels[:, :-1]], axis=1)
+    del state["data_sha256"]
+    caplog.set_level(logging.WARNING, logger="fot.train")
+    for changed in (True, False):  # the old digest of other inputs, then of these
+        other = inputs.copy()
+        other[0, 5] += changed
+        state["data_digest"] = hashlib.sha256(other.tobytes()).hexdigest()
+        (ckpt / "trainer.json").write_text(json.dumps(state))
+        caplog.clear()
+        assert train(_cfg(out, "total_tokens=768", f"resume={ckpt}", *lc))["step"] == 3
+        assert ("the training data changed" in caplog.text) == changed
+
+    arr[1, 127] = (int(data[1, 127]) + 1) % 50000  # step 3's last label of row 1 (column 1)
+    assert train(_cfg(out, "total_tokens=1024", *lc))["step"] == 4
+    assert "the training data changed since" in caplog.text
+
+
 def test_resume_keeps_this_runs_optimizer_settings_and_the_checkpoints_moments(tmp_path) -> None:
     """Loading the optimizer state replaced every hyperparameter with the checkpoint's: a resumed
     run with another optim.weight_decay/betas/eps trained on with the old ones without a word,

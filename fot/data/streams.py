@@ -750,18 +750,28 @@ class SequenceStream:
             for a in range(0, local, m)
         ]
 
-    def last_step_digest(self) -> str | None:
+    def last_step_digest(self, *, with_labels: bool = True) -> str | None:
         """SHA-256 (hex) of the token ids of the last global batch, re-read from the source.
 
         The same for any world size and micro-batch size. Recorded in checkpoints so that a
         resumed run can tell whether the data at its position changed (e.g. a token folder
         rewritten by ``fot.data.prepare``). ``None`` before the first step and for a sequential
         source (HF datasets), which reads only onwards from where it is.
+
+        Args:
+            with_labels: hash the labels after the inputs (every token the step read: a zarr
+                chunk's last token is only a label). ``False`` hashes the inputs alone, as
+                checkpoints' ``data_digest`` did before (compared on resume from those).
         """
         if self.source.sequential or self.position < self.global_batch_size:
             return None
-        inputs, _ = self.source.read(self.position - self.global_batch_size, self.global_batch_size)
-        return hashlib.sha256(np.ascontiguousarray(inputs, dtype=np.int64).tobytes()).hexdigest()
+        inputs, labels = self.source.read(
+            self.position - self.global_batch_size, self.global_batch_size
+        )
+        digest = hashlib.sha256(np.ascontiguousarray(inputs, dtype=np.int64).tobytes())
+        if with_labels:
+            digest.update(np.ascontiguousarray(labels, dtype=np.int64).tobytes())
+        return digest.hexdigest()
 
     def state_dict(self) -> dict[str, Any]:
         """Position (sequences consumed) and the source's own state; the same on every rank."""

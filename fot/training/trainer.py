@@ -755,8 +755,17 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
         wandb_id = None if elsewhere else state.get("wandb_id")
         stream.load_state_dict(state["data"])
         saved_window = state.get("log_window") or {}
-        digest = state.get("data_digest")  # absent in checkpoints of older versions
-        if info.is_main and digest and stream.last_step_digest() not in (None, digest):
+        # the last step's tokens; checkpoints of older versions hashed the inputs alone
+        # ("data_digest"), or nothing
+        digest = state.get("data_sha256")
+        with_labels = digest is not None
+        if not with_labels:
+            digest = state.get("data_digest")
+        if (
+            info.is_main
+            and digest
+            and stream.last_step_digest(with_labels=with_labels) not in (None, digest)
+        ):
             where = ", ".join(
                 f"data.{k}={cfg.data[k]}" for k in ("kind", "path") if cfg.data.get(k) is not None
             )
@@ -843,7 +852,7 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
                 "wandb_id": metrics.wandb_id,
                 "log_window": {"loss_sum": float(window[0]), "label_tokens": int(window[1])},
                 # what the last step read, for a resumed run to check (rank 0 writes the state)
-                "data_digest": stream.last_step_digest() if info.is_main else None,
+                "data_sha256": stream.last_step_digest() if info.is_main else None,
                 "config": resolved,
             },
             keep_last=int(cfg.keep_last),

@@ -555,10 +555,11 @@ def test_fsdp_in_one_process_equals_single(tmp_path, one_process_run) -> None:
     assert abs(res1["loss"] - res2["loss"]) < 1e-5
 
 
-def test_fsdp_bf16_gradient_reduction() -> None:
+def test_fsdp_bf16_gradient_reduction(caplog) -> None:
     """``parallel.reduce_precision=bf16`` makes FSDP2 reduce gradients in bf16: every reduced
     gradient is a bf16 value, while an fp32 reduction leaves them off the bf16 grid (process
-    group of one, fp32 model); an unknown value, or bf16 with DDP, is named."""
+    group of one, fp32 model); an unknown value, or bf16 with DDP, is named; in a single
+    process it has no effect, and says so."""
     import torch.distributed as dist
 
     from fot import presets
@@ -587,6 +588,13 @@ def test_fsdp_bf16_gradient_reduction() -> None:
             parallelize(presets.build_model(config), ddp, info, strategy="ddp")
     finally:
         dist.destroy_process_group()
+    # one process reduces nothing: bf16 was ignored without a word (and fp16 not refused)
+    single = ParallelConfig(strategy="single", reduce_precision="bf16")
+    with caplog.at_level(logging.WARNING, logger="fot.train"):
+        parallelize(presets.build_model(config), single, info, strategy="single")
+    assert "parallel.reduce_precision=bf16 has no effect in a single process" in caplog.text
+    with pytest.raises(ValueError, match="reduce_precision='fp16' is not one of"):
+        parallelize(presets.build_model(config), bad, info, strategy="single")
 
 
 @pytest.mark.parametrize("reshard_after_backward", [False, True])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
+import logging
 import os
 from dataclasses import dataclass
 
@@ -14,6 +15,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from fot.training.config import ParallelConfig
+
+logger = logging.getLogger("fot.train")
 
 STRATEGIES = ("auto", "single", "ddp", "fsdp")
 PRECISIONS = ("auto", "bf16", "fp32")
@@ -155,13 +158,19 @@ def parallelize(
     if cfg.compile:
         for block in blocks:
             block.compile()
-    if strategy == "single":
-        return model
     if cfg.reduce_precision not in REDUCE_PRECISIONS:
         raise ValueError(
             f"parallel.reduce_precision={cfg.reduce_precision!r} is not one of "
             f"{list(REDUCE_PRECISIONS)}"
         )
+    if strategy == "single":
+        if cfg.reduce_precision != "fp32":
+            logger.warning(
+                "parallel.reduce_precision=%s has no effect in a single process (no gradients "
+                "are reduced); it sets FSDP2's gradient reduction (parallel=fsdp)",
+                cfg.reduce_precision,
+            )
+        return model
     if strategy == "ddp" and cfg.reduce_precision != "fp32":
         raise ValueError(
             f"parallel.reduce_precision={cfg.reduce_precision} needs parallel=fsdp; DDP reduces "

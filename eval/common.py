@@ -27,6 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from fot.data.zarr_store import is_url
 from fot.errors import FotError
 from fot.interrupt import check_stop
 
@@ -76,6 +77,37 @@ OUT_HELP = (
     "results folder; rerunning with the same checkpoint and settings resumes from it, other "
     "checkpoints or settings are refused (see --restart)"
 )
+
+
+STORAGE_OPTIONS_HELP = (
+    "options of the filesystem of a URL --data, as a JSON object: credentials, e.g. "
+    '{"token": "anon"} or {"token": "/path/key.json"} for gs://, {"key": ..., "secret": ...} '
+    'for s3://, {"headers": {...}} for https:// (default: none; gcsfs then signs in as gcloud '
+    "does). run_config.json records their names, not their values"
+)
+
+
+class MissingPackageError(FotError, ImportError):
+    """A package that reading an input needs (a URL's filesystem, such as gcsfs) is missing."""
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """An ``argparse`` type for a JSON object (``--storage-options``).
+
+    Raises:
+        argparse.ArgumentTypeError: not JSON, or JSON that is not an object.
+    """
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(
+            f'expected a JSON object such as \'{{"token": "anon"}}\', got {text!r} ({err})'
+        ) from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(
+            f'expected a JSON object such as \'{{"token": "anon"}}\', got {text!r}'
+        )
+    return value
 
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
@@ -523,6 +555,32 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
+_SECRET_ARGUMENTS = ("storage_options",)
+"""Arguments that may hold credentials: run_config.json records their names, not their values."""
+
+
+def _hide_secrets(args: dict[str, Any], argv: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
+    """``args`` and ``argv`` with the values of :data:`_SECRET_ARGUMENTS` (JSON objects)
+    replaced by ``"(hidden)"``."""
+    secrets = [args[k] for k in _SECRET_ARGUMENTS if isinstance(args.get(k), dict)]
+    if not secrets:
+        return args, list(argv)
+    args = {
+        k: {name: "(hidden)" for name in v} if k in _SECRET_ARGUMENTS and isinstance(v, dict) else v
+        for k, v in args.items()
+    }
+    hidden = []
+    for item in argv:
+        # the value alone (``--storage-options JSON``) or after the option (``--opt=JSON``)
+        head, eq, text = item.partition("=") if item.startswith("--") else ("", "", item)
+        try:
+            value = json.loads(text)
+        except ValueError:
+            value = None
+        hidden.append(f"{head}{eq}(hidden)" if value in secrets else item)
+    return args, hidden
+
+
 def write_run_config(
     out_dir: str | os.PathLike,
     command: str,
@@ -535,9 +593,10 @@ def write_run_config(
     ckpt_cfg = None
     if checkpoint is not None and (Path(checkpoint) / "config.json").is_file():
         ckpt_cfg = json.loads((Path(checkpoint) / "config.json").read_text())
+    args, argv = _hide_secrets(args, sys.argv)
     record = {
         "command": command,
-        "argv": sys.argv,
+        "argv": argv,
         "arguments": _jsonable(args),
         "checkpoint": str(Path(checkpoint).resolve()) if checkpoint is not None else None,
         "checkpoint_config": ckpt_cfg,
@@ -702,6 +761,78 @@ def data_fingerprint(path: str | os.PathLike, files: Iterable[str] | None = None
     return digest.hexdigest()
 
 
+_URL_CHECKSUMS = ("md5Hash", "crc32c", "ContentMD5", "Content-MD5", "ETag", "etag", "Digest")
+"""Fields of an fsspec ``info`` that name a stored object's content, in the order preferred:
+GCS's md5 and crc32c, S3's and HTTP's ETag (not times nor generations: a copy of the same
+bytes keeps them)."""
+
+
+def zarr_url_fingerprint(
+    url: str, array: Any, storage_options: Mapping[str, Any] | None = None
+) -> str:
+    """A cheap fingerprint of the zarr array at ``url``, for telling resumed results of other
+    data apart (hashing the files, as :func:`data_fingerprint` does on a disk, would read the
+    whole array over the network).
+
+    SHA-256 over the array's shape, chunk shape and dtype, its metadata file as stored
+    (``.zarray`` or ``zarr.json``: also the compressor and fill value), and the size and
+    content checksum, where the store gives one (``info``: GCS md5/crc32c, S3 or HTTP ETag), of
+    three chunk files: the first, the middle and the last (a missing one counts as missing).
+    Five small requests. The URL itself is compared as a setting.
+
+    It detects another array at the URL (other shape, chunks, dtype or encoding) and a sampled
+    chunk that was rewritten, gone or added; it does not detect rows rewritten only in other
+    chunks (an array rewritten in place with the same metadata), nor, on a server that gives
+    no checksum (a plain HTTP server without ETag), a sampled chunk rewritten at the same
+    compressed size.
+
+    Args:
+        url: the array's fsspec URL (``gs://longcrawl64/heldout.zarr``).
+        array: the zarr array opened from it.
+        storage_options: the options it was opened with.
+    """
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    root = root.rstrip("/")
+    metadata = getattr(array, "metadata", None)
+    v3 = getattr(metadata, "zarr_format", 2) == 3
+    digest = hashlib.sha256()
+    digest.update(
+        json.dumps(
+            [list(map(int, array.shape)), list(map(int, array.chunks)), str(array.dtype)]
+        ).encode()
+    )
+    name = "zarr.json" if v3 else ".zarray"
+    try:
+        digest.update(f"{name}\0".encode() + fs.cat_file(f"{root}/{name}"))
+        # the grid of stored chunk files (of shards, in a sharded zarr v3 array)
+        grid_chunk = getattr(getattr(metadata, "chunk_grid", None), "chunk_shape", None)
+        stored = grid_chunk or metadata.chunks
+        grid = [-(-int(n) // int(c)) for n, c in zip(array.shape, stored)]
+        coords = (
+            {tuple(0 for _ in grid), tuple(g // 2 for g in grid), tuple(g - 1 for g in grid)}
+            if min(grid, default=0) > 0
+            else set()
+        )
+        for coord in sorted(coords):
+            key = metadata.encode_chunk_key(coord)
+            try:
+                info = fs.info(f"{root}/{key}")
+            except FileNotFoundError:
+                digest.update(f"{key}\0missing\0".encode())
+                continue
+            checksum = next((str(info[f]) for f in _URL_CHECKSUMS if info.get(f)), "")
+            digest.update(f"{key}\0{info.get('size')}\0{checksum}\0".encode())
+    except (OSError, ValueError) as err:
+        raise ConnectionError(
+            f"could not read the metadata of {url} for the resume record ({type(err).__name__}: "
+            f"{err}); check the network and the credentials (--storage-options), then rerun "
+            "the same command"
+        ) from None
+    return digest.hexdigest()
+
+
 def _data_paths(settings: dict[str, Any]) -> dict[str, list[str]]:
     """The settings that name existing files or folders (as :func:`path_setting` records them:
     absolute), option -> paths."""
@@ -716,9 +847,12 @@ def _data_paths(settings: dict[str, Any]) -> dict[str, list[str]]:
 
 def path_setting(value: str | os.PathLike | None) -> str | None:
     """A data/folder argument as recorded for resuming: absolute if it names an existing path
-    (so that ``data`` and ``./data`` compare equal), else unchanged (e.g. ``sample``)."""
+    (so that ``data`` and ``./data`` compare equal), a URL without a trailing ``/``, else
+    unchanged (e.g. ``sample``)."""
     if value is None:
         return None
+    if is_url(value):  # gs://bucket/x.zarr/ is gs://bucket/x.zarr
+        return str(value).rstrip("/")
     p = Path(value)
     return str(p.resolve()) if p.exists() else str(value)
 
@@ -747,6 +881,7 @@ def claim_results(
     restart: bool = False,
     write: bool = True,
     data_files: Mapping[str, Sequence[str]] | None = None,
+    url_fingerprints: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """Tie the resumable results ``name`` in ``out_dir`` to the checkpoint and settings of this run.
 
@@ -784,6 +919,9 @@ def claim_results(
             record of an older fot, with one fingerprint of the whole folder, is resumed when
             that folder is unchanged, or unchanged but for files written after the record; else
             the difference says so (it cannot tell which files changed).
+        url_fingerprints: option -> fingerprint of the data behind the URL that option names
+            (:func:`zarr_url_fingerprint`), which this function cannot fingerprint itself:
+            compared as the fingerprints of local data are.
 
     Returns:
         The record of this run.
@@ -809,6 +947,8 @@ def claim_results(
         )
         for key, paths in _data_paths(record["settings"]).items()
     }
+    for key, fingerprint in (url_fingerprints or {}).items():
+        record["data_fingerprints"][key] = [fingerprint]
     saved_files = sorted({f for pattern in state for f in out.glob(pattern) if f.is_file()})
     if not saved_files:
         if write:
@@ -914,6 +1054,11 @@ def _data_difference(key: str, path: Any, saved: Any, new: Any) -> str | None:
     if not isinstance(new, dict):
         if saved == new:
             return None
+        if isinstance(path, str) and is_url(path):
+            return (
+                f"{key}: the zarr array at {_show(path)} has changed since (other shape, chunks, "
+                "dtype or encoding, or other sizes or checksums of the chunks sampled)"
+            )
         return (
             f"{key}: the content of {_show(path)} has changed since (other files, sizes or bytes)"
         )

@@ -29,6 +29,7 @@ import torch
 
 from .common import (
     CONTEXT_LENGTH_HELP,
+    STORAGE_OPTIONS_HELP,
     JsonlLog,
     add_run_arguments,
     check_fits_memory,
@@ -39,6 +40,7 @@ from .common import (
     checkpoint_label,
     claim_results,
     eot_id,
+    json_object,
     length_option,
     list_option,
     load_checkpoint,
@@ -285,8 +287,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--data",
         default="sample",
-        help="'sample', a token folder or a zarr array: the source of S and I "
+        help="'sample', a token folder, or a zarr array or its URL "
+        "(gs://longcrawl64/heldout.zarr; any fsspec URL): the source of S and I "
         "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--storage-options",
+        type=json_object,
+        default=None,
+        metavar="JSON",
+        help=STORAGE_OPTIONS_HELP,
     )
     p.add_argument(
         "--train-length",
@@ -300,11 +310,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_run_arguments(p)
 
 
-def _token_stream(source: str, max_tokens: int) -> np.ndarray:
-    """Documents of ``--data`` end to end, until at least ``max_tokens`` (or all of them)."""
-    from .per_token_loss import num_documents, open_documents
+def _token_stream(docs: Sequence[np.ndarray], source: str, max_tokens: int) -> np.ndarray:
+    """Documents of ``--data`` (``docs``, opened from ``source``) end to end, until at least
+    ``max_tokens`` (or all of them)."""
+    from .per_token_loss import num_documents
 
-    docs, _ = open_documents(source)
     parts, total = [], 0
     for i in range(num_documents(docs)):
         d = np.asarray(docs[i])
@@ -339,7 +349,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.seed < 0:
         raise ValueError(f"--seed must be >= 0, got {args.seed}")
     train_length = length_option(args.train_length, "--train-length") if args.train_length else None
-    stream = _token_stream(args.data, max(20 * max(lengths), 200_000))
+    from .per_token_loss import open_documents, url_fingerprints
+
+    docs, _ = open_documents(args.data, args.storage_options)  # missing data, gcsfs: said now
+    stream = _token_stream(docs, args.data, max(20 * max(lengths), 200_000))
     n = (max(lengths) - 2) // 2
     if len(stream) < 2 * n:  # S and I are disjoint: the text is never repeated
         raise ValueError(
@@ -366,6 +379,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         state=["forgetting_curve.jsonl"],
         outputs=["forgetting_curve.csv", "summary.json", "forgetting_curve.png"],
         restart=args.restart,
+        url_fingerprints=url_fingerprints("--data", docs),
     )
     write_run_config(out, "forgetting-curve", vars(args), args.checkpoint)
     log = JsonlLog(out / "forgetting_curve.jsonl")

@@ -9,8 +9,10 @@ in front and ``L[j]`` predicts token ``j`` from BOS plus the ``j`` tokens before
 * ``P(l) = exp(A(l))``: perplexity of a sequence of length l (for a causal model, evaluating at
   length l is the same as truncating the length-``length`` evaluation at l).
 
-Data sources: a LongCrawl64-style zarr array (one document per row), a token folder
-(:class:`fot.data.tokens.TokenDocuments`) or ``sample`` (the offline held-out sample corpus).
+Data sources: a LongCrawl64-style zarr array (one document per row) on a disk or behind a URL
+(``gs://longcrawl64/heldout.zarr``; :class:`ZarrDocuments` reads it in whole chunks), a token
+folder (:class:`fot.data.tokens.TokenDocuments`) or ``sample`` (the offline held-out sample
+corpus).
 
 Under ``torchrun`` every rank reads every ``world_size``-th document and the sums are
 all-reduced. Resume: each rank saves its running sums and finished document ids to
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import operator
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -35,6 +38,8 @@ from fot.interrupt import check_stop
 
 from .common import (
     CONTEXT_LENGTH_HELP,
+    STORAGE_OPTIONS_HELP,
+    MissingPackageError,
     add_run_arguments,
     check_out_shared,
     check_positions,
@@ -43,6 +48,7 @@ from .common import (
     claim_results,
     context_length_key,
     eot_id,
+    json_object,
     length_option,
     load_checkpoint,
     load_npz,
@@ -55,6 +61,7 @@ from .common import (
     use_agg_backend,
     vocab_size,
     write_run_config,
+    zarr_url_fingerprint,
 )
 
 
@@ -150,47 +157,204 @@ def default_horizons(n: int) -> list[int]:
 # data
 
 
-def open_documents(source: str) -> tuple[Sequence[np.ndarray], str]:
+class ZarrDocuments:
+    """The rows of a 2-D zarr token array (LongCrawl64 ``heldout.zarr``) as documents, read
+    in whole chunks through a :class:`fot.data.zarr_store.ChunkReader`.
+
+    zarr reads whole chunks, and a chunk holds many rows: reading the rows one after another
+    from the array itself would fetch and decode each chunk once per row it holds (over a URL,
+    that many downloads). The reader keeps the chunks it read in a bounded cache, so a pass
+    over the rows fetches each chunk once; :meth:`prefetch` fetches the next rows' chunks in
+    the background. Reads from a URL are retried (:data:`fot.data.loaders.URL_READ_RETRIES`).
+
+    Args:
+        array: the ``[documents, tokens]`` zarr array.
+        name: its path or URL, for messages.
+        url: whether it is behind a URL.
+        storage_options: the options of the URL's filesystem it was opened with.
+    """
+
+    def __init__(
+        self,
+        array: Any,
+        *,
+        name: str,
+        url: bool = False,
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
+        from fot.data.loaders import URL_READ_RETRIES
+        from fot.data.zarr_store import ChunkReader
+
+        self.array = array
+        self.shape = tuple(int(n) for n in array.shape)
+        self.dtype = np.dtype(array.dtype)
+        self.name, self.url, self.storage_options = name, url, storage_options
+        rows, cols = (int(c) for c in array.chunks)
+        # A chunk row across the whole row is cached when 4 of them fit (ChunkReader's rule):
+        # room for that, within 4 GiB; chunks larger still are read as zarr reads them.
+        piece = rows * -(-self.shape[1] // cols) * cols * self.dtype.itemsize
+        self.reader = ChunkReader(
+            array,
+            cache_bytes=min(max(256 << 20, 4 * piece), 4 << 30),
+            retries=URL_READ_RETRIES if url else 0,
+            name=name,
+        )
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def _row(self, i: int) -> int:
+        i = operator.index(i)
+        if not -self.shape[0] <= i < self.shape[0]:
+            raise IndexError(f"document {i} of {self.shape[0]} in {self.name}")
+        return i % self.shape[0]
+
+    def head(self, i: int, n: int) -> np.ndarray:
+        """The first ``n`` tokens of document ``i`` (all of them if it has fewer)."""
+        i, n = self._row(i), min(n, self.shape[1])
+        if n <= 0:
+            return np.zeros(0, self.dtype)
+        try:
+            return np.array(self.reader.read(i, i + 1, 0, n)[0])  # a copy, not the cache's
+        except OSError as err:
+            if not self.url:
+                raise
+            cause = err.__cause__ or err
+            raise ConnectionError(
+                f"could not read document {i} of {self.name} after "
+                f"{self.reader.retries + 1} attempts ({type(cause).__name__}: {cause}); check "
+                "the network and the credentials (--storage-options), then rerun the same "
+                "command: it resumes from the results saved in --out"
+            ) from err
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        """Document ``i``: a whole row, as a 1-D integer array."""
+        return self.head(i, self.shape[1])
+
+    def prefetch(self, ids: Sequence[int], n: int) -> None:
+        """Start fetching the chunks of the first ``n`` tokens of documents ``ids`` in the
+        background (the next batch's, while the model runs this one)."""
+        n = min(n, self.shape[1])
+        for lo, hi in _runs(sorted({self._row(i) for i in ids})):
+            if n > 0:
+                self.reader.prefetch(lo, hi, 0, n)
+
+    def fingerprint(self) -> str | None:
+        """A fingerprint of the array behind a URL for resume records
+        (:func:`fot.eval.common.zarr_url_fingerprint`); ``None`` for a local array, which
+        :func:`fot.eval.common.claim_results` fingerprints by its files."""
+        if not self.url:
+            return None
+        return zarr_url_fingerprint(self.name, self.array, self.storage_options)
+
+
+def url_fingerprints(option: str, docs: Any) -> dict[str, str]:
+    """``{option: fingerprint}`` of documents read from a URL, for
+    :func:`fot.eval.common.claim_results`; empty for other sources."""
+    fingerprint = docs.fingerprint() if isinstance(docs, ZarrDocuments) else None
+    return {option: fingerprint} if fingerprint else {}
+
+
+def open_documents(
+    source: str, storage_options: dict[str, Any] | None = None
+) -> tuple[Sequence[np.ndarray], str]:
     """Open a held-out document source.
 
     Args:
         source: ``"sample"`` (held-out split of the offline sample corpus), a zarr array folder
-            (LongCrawl64 ``heldout.zarr``: rows of token ids) or a token folder.
+            (LongCrawl64 ``heldout.zarr``: rows of token ids), a token folder, or the fsspec
+            URL of a zarr array (``gs://longcrawl64/heldout.zarr``, ``s3://...``, ``https://...``).
+        storage_options: options of a URL's filesystem (credentials); only with a URL.
 
     Returns:
         ``(documents, kind)`` with ``kind`` in ``{"sample", "zarr", "tokens"}``; documents
-        support ``len()`` and ``[i]`` giving 1-D integer arrays.
+        support ``len()`` and ``[i]`` giving 1-D integer arrays; a zarr array's are a
+        :class:`ZarrDocuments` (also ``.shape``, ``head``, ``prefetch``).
+
+    Raises:
+        FileNotFoundError: nothing at ``source`` (for a URL: no zarr array there).
+        ValueError: not a source of token ids (unreadable, a group, not 2-D, not integers).
+        MissingPackageError: a URL whose filesystem package (gcsfs, s3fs) is not installed.
+        ConnectionError: a URL whose server or bucket cannot be reached.
     """
+    from fot.data.zarr_store import is_url, join, open_zarr_array, zarr_exists
+
+    url = is_url(source)
+    if storage_options is not None and not url:
+        raise ValueError(
+            f"--storage-options goes to the filesystem of a URL --data, but --data {source!r} "
+            "is not a URL; leave --storage-options out"
+        )
     if source == "sample":
         from fot.data.sample import sample_documents
 
         return sample_documents("heldout"), "sample"
-    path = Path(source)
-    if not path.exists():
-        raise FileNotFoundError(
-            f"--data {source!r} does not exist; pass 'sample', a zarr array "
-            "(e.g. LongCrawl64 heldout.zarr) or a token folder"
-        )
-    if (path / "meta.json").is_file():
-        from fot.data.tokens import TokenDocuments
-
-        return TokenDocuments(path), "tokens"
-    if path.suffix == ".zarr" or (path / "zarr.json").is_file() or (path / ".zarray").is_file():
-        from fot.data.zarr_store import open_zarr_array
-
+    if url:
+        source = source.rstrip("/")
         try:
-            arr = open_zarr_array(path)
-        except ValueError as err:  # unreadable metadata, a group: named with the fix
+            found = zarr_exists(source, storage_options)
+            elsewhere = not found and zarr_exists(join(source, "heldout.zarr"), storage_options)
+        except ImportError as err:  # gs:// without gcsfs: the package is named
+            raise MissingPackageError(f"--data {source!r}: {err}") from None
+        except OSError as err:  # unreachable: zarr_exists names the URL and what to check
+            raise ConnectionError(f"--data {source!r}: {err}") from None
+        except ValueError as err:  # a protocol fsspec does not know
             raise ValueError(f"--data {source!r}: {err}") from None
-        if len(arr.shape) != 2:
-            raise ValueError(f"zarr at {source!r} must be a 2-D array (documents x tokens)")
-        if not np.issubdtype(np.dtype(arr.dtype), np.integer):
-            raise ValueError(
-                f"--data {source!r} holds {arr.dtype} values, not token ids: pass a zarr array "
-                "of integer token ids (LongCrawl64 heldout.zarr is uint16)"
+        if not found:
+            hint = (
+                f"{join(source, 'heldout.zarr')} does: pass --data {join(source, 'heldout.zarr')}"
+                if elsewhere
+                else "check the URL (LongCrawl64's held-out rows are "
+                "gs://longcrawl64/heldout.zarr), that the server or bucket can be reached, and "
+                "the credentials (--storage-options); only zarr arrays are read from a URL (copy "
+                "a token folder to a local disk and pass its path)"
             )
-        return arr, "zarr"
-    raise ValueError(f"--data {source!r} is neither a token folder (meta.json) nor a zarr array")
+            raise FileNotFoundError(
+                f"--data {source!r} holds no zarr array (no zarr.json or .zarray there): {hint}"
+            )
+    else:
+        path = Path(source)
+        if not path.exists():
+            raise FileNotFoundError(
+                f"--data {source!r} does not exist; pass 'sample', a zarr array "
+                "(e.g. LongCrawl64 heldout.zarr, or its URL gs://longcrawl64/heldout.zarr) or a "
+                "token folder"
+            )
+        if (path / "meta.json").is_file():
+            from fot.data.tokens import TokenDocuments
+
+            return TokenDocuments(path), "tokens"
+        if not (
+            path.suffix == ".zarr" or (path / "zarr.json").is_file() or (path / ".zarray").is_file()
+        ):
+            raise ValueError(
+                f"--data {source!r} is neither a token folder (meta.json) nor a zarr array"
+            )
+    try:
+        arr = open_zarr_array(source, storage_options=storage_options)
+    except ValueError as err:  # unreadable metadata, a group: named with the fix
+        raise ValueError(f"--data {source!r}: {err}") from None
+    except OSError as err:  # the metadata could not be read from the URL
+        raise ConnectionError(f"--data {source!r}: {err}") from None
+    if len(arr.shape) != 2:
+        raise ValueError(f"zarr at {source!r} must be a 2-D array (documents x tokens)")
+    if not np.issubdtype(np.dtype(arr.dtype), np.integer):
+        raise ValueError(
+            f"--data {source!r} holds {arr.dtype} values, not token ids: pass a zarr array "
+            "of integer token ids (LongCrawl64 heldout.zarr is uint16)"
+        )
+    return ZarrDocuments(arr, name=source, url=url, storage_options=storage_options), "zarr"
+
+
+def _runs(ks: Sequence[int]) -> list[tuple[int, int]]:
+    """Consecutive runs of sorted integers as ``[lo, hi)`` pairs: ``[1, 2, 5]`` -> ``[(1, 3), (5, 6)]``."""
+    out: list[tuple[int, int]] = []
+    for k in ks:
+        if out and out[-1][1] == k:
+            out[-1] = (out[-1][0], k + 1)
+        else:
+            out.append((k, k + 1))
+    return out
 
 
 def num_documents(docs: Sequence[np.ndarray]) -> int:
@@ -295,10 +459,17 @@ def evaluate_per_token_loss(
         unit="doc",
     )
     consistent = True  # acc and done hold the same documents (False only while updating both)
+    head = getattr(docs, "head", None)  # ZarrDocuments: only the columns read, chunk-cached
+    prefetch = getattr(docs, "prefetch", None)
     try:
         for s in range(0, len(todo), batch_size):
             ids = todo[s : s + batch_size]
-            rows = np.stack([np.asarray(docs[i][:length]) for i in ids])
+            if head is not None:
+                rows = np.stack([head(i, length) for i in ids])
+            else:
+                rows = np.stack([np.asarray(docs[i][:length]) for i in ids])
+            if prefetch is not None and s + batch_size < len(todo):
+                prefetch(todo[s + batch_size : s + 2 * batch_size], length)  # while this runs
             what = f"{source} (document{'s' if len(ids) > 1 else ''} {', '.join(map(str, ids))})"
             if not np.issubdtype(rows.dtype, np.integer):
                 raise ValueError(f"{what} holds {rows.dtype} values, not token ids")
@@ -468,7 +639,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--data",
         default="sample",
         help="'sample' (offline held-out corpus), a zarr array such as LongCrawl64 "
-        "heldout.zarr, or a token folder (default: %(default)s)",
+        "heldout.zarr or its URL (gs://longcrawl64/heldout.zarr; any fsspec URL: s3://, "
+        "https://), or a token folder (default: %(default)s)",
+    )
+    p.add_argument(
+        "--storage-options",
+        type=json_object,
+        default=None,
+        metavar="JSON",
+        help=STORAGE_OPTIONS_HELP,
     )
     p.add_argument(
         "--length",
@@ -545,7 +724,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # checked before the model is loaded
     asked = length_option(args.length, "--length", minimum=2) if args.length else None
     asked_train = length_option(args.train_length, "--train-length") if args.train_length else None
-    docs, kind = open_documents(args.data)  # missing data: said before the model loads
+    # missing data (or gcsfs): said before the model loads
+    docs, kind = open_documents(args.data, args.storage_options)
     device = pick_device(args.device)
     model, tokenizer = load_checkpoint(args.checkpoint, device=device, dtype=args.dtype)
     length = asked or model_max_length(model)
@@ -585,6 +765,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         outputs=["per_token_loss.npz", "horizons.csv", "summary.json", "per_token_loss.png"],
         restart=args.restart,
         write=rank == 0,
+        url_fingerprints=url_fingerprints("--data", docs),
     )
     if world > 1:
         torch.distributed.barrier()  # rank 0 has moved away results (--restart) before reads

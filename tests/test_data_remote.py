@@ -132,6 +132,39 @@ def test_a_failed_prefetch_is_read_again_by_the_step(tmp_path) -> None:
     np.testing.assert_array_equal(labels, data[4:8])
 
 
+def test_a_reader_and_its_cache_are_freed_with_its_source(tmp_path) -> None:
+    """A source that is done with (a finished run: a sweep runs several in one process) takes
+    its chunk cache and its prefetch thread with it; the thread held the reader (and up to
+    cache_bytes of chunks) through its last job for as long as the process lived."""
+    import gc
+    import weakref
+
+    import zarr
+
+    _zarr(tmp_path / "a.zarr", rows=64, row_len=32, chunks=(8, 32))
+
+    def threads() -> int:
+        return sum(t.name == "fot-zarr-prefetch" for t in threading.enumerate())
+
+    gc.collect()
+    before = threads()  # others' may end meanwhile: at most as many as before, at the end
+    readers = []
+    for _ in range(3):
+        src = ZarrRowsSource(zarr.open(str(tmp_path / "a.zarr"), mode="r"), seq_len=32)
+        stream = SequenceStream(src, global_batch_size=8, micro_batch_size=8)
+        for _ in range(3):
+            stream.next_step()
+        readers.append(weakref.ref(src.reader))
+        assert threads() > before
+        del src, stream
+    deadline = time.monotonic() + 10
+    while (any(r() for r in readers) or threads() > before) and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.01)
+    assert [r() for r in readers] == [None] * 3
+    assert threads() <= before
+
+
 def test_an_incomplete_local_array_is_reported(tmp_path, caplog) -> None:
     """Chunks missing from a local array (an interrupted download) read as the fill value
     without an error from zarr: opening it says how many are there (2 of 10 written here)."""

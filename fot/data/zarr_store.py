@@ -19,6 +19,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -158,16 +159,22 @@ class _Worker:
     the interpreter's exit, as a ``ThreadPoolExecutor`` worker would)."""
 
     def __init__(self) -> None:
-        self._jobs: SimpleQueue[tuple[Future, Callable[[], Any]]] = SimpleQueue()
+        self._jobs: SimpleQueue[tuple[Future, Callable[[], Any]] | None] = SimpleQueue()
         threading.Thread(target=self._run, name="fot-zarr-prefetch", daemon=True).start()
 
     def _run(self) -> None:
-        while True:
-            future, job = self._jobs.get()
+        while (item := self._jobs.get()) is not None:
+            future, job = item
             try:
                 future.set_result(job())
             except BaseException as err:  # handed to whoever waits on the future
                 future.set_exception(err)
+            # a job holds its reader (and the reader its cache): not kept while waiting
+            del item, future, job
+
+    def stop(self) -> None:
+        """End the thread after the jobs queued before."""
+        self._jobs.put(None)
 
     def submit(self, future: Future, job: Callable[[], Any]) -> None:
         """Run ``job`` after the jobs before it; its result or error goes to ``future``."""
@@ -339,6 +346,7 @@ class ChunkReader:
             return
         if self._worker is None:
             self._worker = _Worker()
+            weakref.finalize(self, self._worker.stop)  # the thread ends with the reader
         for lo, hi in _runs(missing):
             keys = [(k, a, b) for k in range(lo, hi)]
             future: Future = Future()

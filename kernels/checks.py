@@ -71,7 +71,7 @@ def check_inputs(
     """Validate forgetting-attention inputs; raise ``ValueError``/``TypeError`` on misuse.
 
     Shapes: q ``[B, T, HQ, D]``, k/v ``[B, T, H, D]`` with ``HQ % H == 0``, log_fgate
-    ``[B, T, HQ]`` float32, cu_seqlens ``[N + 1]`` integer with ``B == 1``.
+    ``[B, T, HQ]`` float32 (or float64 with float64 q/k/v), cu_seqlens ``[N + 1]`` integer with ``B == 1``.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -85,11 +85,13 @@ def check_inputs(
             raise TypeError(f"{name} must be a floating tensor, got dtype {t.dtype}")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not isinstance(log_fgate, torch.Tensor) or log_fgate.dtype != torch.float32:
+    # float32; float64 goes with float64 q/k/v (the reference path of a float64 model)
+    gate_dtypes = (torch.float32, torch.float64) if q.dtype == torch.float64 else (torch.float32,)
+    if not isinstance(log_fgate, torch.Tensor) or log_fgate.dtype not in gate_dtypes:
         got = log_fgate.dtype if isinstance(log_fgate, torch.Tensor) else type(log_fgate).__name__
         raise TypeError(
-            f"log_fgate must be a float32 tensor, got {got}; compute the log-gate in fp32, "
-            "e.g. F.logsigmoid(gate_logits.float())"
+            f"log_fgate must be a float32 tensor (or float64, with float64 q/k/v), got {got}; "
+            "compute the log-gate in fp32, e.g. F.logsigmoid(gate_logits.float())"
         )
     if not (q.device == k.device == v.device == log_fgate.device):
         raise ValueError(

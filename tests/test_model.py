@@ -237,6 +237,38 @@ def test_attention_layer_matches_handwritten_oracle(model: str, extra: dict) -> 
     assert max_err(got, want) < 1e-5
 
 
+@pytest.mark.parametrize("model", ["fot_pro", "fot_llama_fixed", "fot_pro_bias_only"])
+def test_a_float64_model_computes_in_float64(model: str) -> None:
+    """``model.double()`` keeps float64 throughout: the attention layer matches the float64
+    oracle to 1e-12 (the forget gate and the token shift's mix ran in float32: 2e-8 off), and
+    the logits, loss and per-token losses are float64 and equal ``hidden @ W.T`` and its
+    log-softmax computed here (they came back float32)."""
+    from fot.models.modeling_fot import _Context
+
+    m = tiny(model).double()
+    attn = m.model.layers[0].self_attn
+    with torch.no_grad():
+        if hasattr(attn, "fgate_proj"):
+            attn.fgate_proj.bias.normal_(1.0, 1.0)
+            attn.fgate_proj.weight.mul_(20)
+    x = torch.randn(2, 9, m.config.hidden_size, dtype=torch.float64)
+    got = attn(x, _Context(None, None, None, None, None))
+    assert got.dtype == torch.float64 and max_err(got, _oracle_attention(attn, x)) < 1e-12
+    ids = torch.randint(0, VOCAB, (2, 12))
+    with torch.no_grad():
+        logits = m(input_ids=ids).logits
+        loss = m(input_ids=ids, labels=ids).loss
+        per_token = m.per_token_loss(ids, ids.roll(-1, 1))
+        hidden = m.model(input_ids=ids).last_hidden_state
+    want = hidden @ m.lm_head.weight[: m.config.vocab_size].T
+    log_p = torch.log_softmax(want, -1)
+    nll = -log_p.gather(-1, ids.roll(-1, 1)[..., None])[..., 0]  # (B, T)
+    assert logits.dtype == loss.dtype == per_token.dtype == torch.float64
+    assert max_err(logits, want) < 1e-12
+    assert abs(loss.item() - nll[:, :-1].mean().item()) < 1e-12
+    assert max_err(per_token, nll) < 1e-12
+
+
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_qk_norm_eps_is_the_papers(backend: str) -> None:
     """The paper's q/k norms use eps 1e-5 (their class's default), not ``norm_eps`` (1e-6):

@@ -306,6 +306,11 @@ def fused_projections(
 # ---------------------------------------------------------------------------------------
 
 
+def at_least_fp32(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in float32, or as it is when it is float64 (a float64 model keeps its precision)."""
+    return t if t.dtype == torch.float64 else t.float()
+
+
 def _rms_normalize(x: torch.Tensor, eps: float, weight: torch.Tensor | None = None) -> torch.Tensor:
     """``x / rms(x) [* weight]`` over the last dim, fp32 math inside, ``x``'s dtype out.
 
@@ -516,7 +521,7 @@ def token_shift(
         x_prev = x_prev.masked_fill(reset[None, :, None, None], 0.0)
     # One fused op in x's dtype (lerp computes in fp32 internally for bf16): x + a (x_prev - x).
     # Only x, x_prev and a are saved for backward, not fp32 copies of [B, T, H, D] tensors.
-    a = torch.sigmoid(shift_logits.float()).to(x.dtype)[..., None]  # (B, T, H, 1)
+    a = torch.sigmoid(at_least_fp32(shift_logits)).to(x.dtype)[..., None]  # (B, T, H, 1)
     return torch.lerp(x, x_prev, a)
 
 
@@ -723,16 +728,19 @@ class FoTAttention(nn.Module):
         if self.fgate_type == "full":
             # The gate logits are computed in fp32 (tiny: HQ outputs), never in bf16, also
             # under autocast (which would otherwise run this matmul in bf16).
+            # (float64 in a float64 model)
             proj = self.fgate_proj
+            dtype = torch.promote_types(x.dtype, torch.float32)
             with torch.autocast(x.device.type, enabled=False):
                 if plain_linear(proj, x.device):
-                    logits = F.linear(x.float(), proj.weight.float(), proj.bias.float())
+                    logits = F.linear(x.to(dtype), proj.weight.to(dtype), proj.bias.to(dtype))
                 else:  # an adapter or hooks: the module, in its weights' dtype
-                    logits = proj(x.to(proj.weight.dtype)).float()  # (B, T, HQ)
+                    logits = at_least_fp32(proj(x.to(proj.weight.dtype)))  # (B, T, HQ)
             return F.logsigmoid(logits)
         if self.fgate_type in ("bias_only", "fixed"):
-            return F.logsigmoid(self.fgate_bias.float()).expand(B, T, self.num_heads)
-        return x.new_zeros(B, T, self.num_heads, dtype=torch.float32)  # "none": f = 1
+            return F.logsigmoid(at_least_fp32(self.fgate_bias)).expand(B, T, self.num_heads)
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        return x.new_zeros(B, T, self.num_heads, dtype=dtype)  # "none": f = 1
 
     def _use_sdpa(
         self,
@@ -885,7 +893,7 @@ class FoTAttention(nn.Module):
             # Cached keys or padding: the decode function takes the running gate cumsum c of
             # the queries and of all keys, and a key mask.
             if cache is None:
-                c_q = torch.cumsum(log_f.double(), dim=1).float()
+                c_q = torch.cumsum(log_f.double(), dim=1).to(log_f.dtype)
                 keys, values, c_k = k, v, c_q
             else:
                 keys, values, c_k = cache.keys, cache.values, cache.cumsum
@@ -1521,7 +1529,7 @@ def _chunked_cross_entropy(
             upcast for the softmax (training).
 
     Returns:
-        ``[N]`` float32 losses, 0 at ignored rows.
+        ``[N]`` float32 losses (float64 for a float64 model), 0 at ignored rows.
     """
 
     def _rows(h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -1530,12 +1538,13 @@ def _chunked_cross_entropy(
             with off if fp32_logits else contextlib.nullcontext():
                 # on the labels' device: a head that a device map put on another GPU returns
                 # its logits there
-                logits = weight(h).float().to(y.device)  # (n, V)
+                logits = at_least_fp32(weight(h)).to(y.device)  # (n, V)
         elif fp32_logits:  # evaluation: exact logits even under a bf16 autocast
+            dtype = torch.promote_types(h.dtype, torch.float32)
             with torch.autocast(h.device.type, enabled=False):
-                logits = F.linear(h.float(), weight.float())  # (n, V)
+                logits = F.linear(h.to(dtype), weight.to(dtype))  # (n, V)
         else:
-            logits = F.linear(h, weight).float()  # (n, V)
+            logits = at_least_fp32(F.linear(h, weight))  # (n, V)
         return F.cross_entropy(logits, y, ignore_index=IGNORE_INDEX, reduction="none")
 
     trainable = not isinstance(weight, torch.Tensor) or weight.requires_grad
@@ -1603,10 +1612,11 @@ class FoTForCausalLM(FoTPreTrainedModel, GenerationMixin):
         return lambda h: self.lm_head(h)[..., : self.config.vocab_size]
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[B, T, vocab_size]`` float32 logits of the hidden states ``[B, T, hidden]``."""
+        """``[B, T, vocab_size]`` float32 logits of the hidden states ``[B, T, hidden]``
+        (float64 for a float64 model)."""
         head = self._head(hidden.device)
         logits = F.linear(hidden, head) if isinstance(head, torch.Tensor) else head(hidden)
-        return logits.float()
+        return at_least_fp32(logits)
 
     def _padded_head(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The whole LM head ``[padded_vocab, hidden]`` and a bias ``[padded_vocab]`` (weight's
@@ -1657,8 +1667,8 @@ class FoTForCausalLM(FoTPreTrainedModel, GenerationMixin):
         impl = self.config.loss_impl
         if impl == "auto":
             impl = "fused" if hidden.is_cuda else "chunked"
-        if not _fusable(self.lm_head, hidden.device):  # the fused losses read the weight
-            impl = "chunked"
+        if not _fusable(self.lm_head, hidden.device) or hidden.dtype == torch.float64:
+            impl = "chunked"  # the fused losses read the weight, and compute in float32
         B, T, H = hidden.shape
         labels = shift_labels.to(hidden.device).reshape(-1).long()
         # Sum, then divide on device: no host sync, and an all-ignored batch gives 0.

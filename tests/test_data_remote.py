@@ -306,6 +306,37 @@ def test_missing_remote_data_and_filesystem_packages_are_explained(tmp_path, mon
         build_sources(_lc_cfg("gs://longcrawl64", val_tokens=0))
 
 
+def test_a_url_that_does_not_answer_is_not_said_to_hold_no_array(tmp_path, caplog) -> None:
+    """An array behind a URL that refuses the request (credentials) or a host that does not
+    answer: the error says to check the URL, the network and data.storage_options, not that
+    only zarr arrays are read from a URL (copy the data to a local disk). And a local array
+    without a fill_value is not said to read as token id None."""
+    import socket
+
+    import zarr
+
+    _zarr(tmp_path / "a.zarr", 8, 32, (4, 32))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    with serve(tmp_path, header=("X-Token", "s3cret")) as server:
+        for url in (f"{server.url}/a.zarr", f"http://127.0.0.1:{closed}/a.zarr"):
+            tokens = OmegaConf.structured(DataConfig(kind="tokens", seq_len=16, path=url))
+            with pytest.raises(FileNotFoundError, match=r"the network and data\.storage_options"):
+                build_sources(tokens)
+        with pytest.raises(FileNotFoundError, match=r"the network and data\.storage_options"):
+            build_sources(_lc_cfg(f"http://127.0.0.1:{closed}/lc", val_tokens=0))
+
+    arr = zarr.create_array(str(tmp_path / "b.zarr"), shape=(8, 4), chunks=(4, 4),
+                            dtype="uint16", zarr_format=2, fill_value=None)  # fmt: skip
+    arr[:4] = 7
+    caplog.set_level(logging.WARNING, logger="fot.data")
+    opened = open_zarr_array(tmp_path / "b.zarr")
+    assert "holds 1 of its 2 chunks" in caplog.text
+    assert "None" not in caplog.text and "no fill_value" in caplog.text
+    assert int(opened[6, 0]) == 0  # zarr 3's reading of no fill_value
+
+
 def test_training_on_longcrawl64_over_http_equals_training_on_the_folder(tmp_path) -> None:
     """The trainer end to end: the same run on the served folder and on the folder itself logs
     the same losses (training and validation)."""

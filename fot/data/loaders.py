@@ -109,9 +109,10 @@ def open_token_path(
     if is_url(path):
         if not zarr_exists(path, storage_options):
             raise FileNotFoundError(
-                f"{key}={path} holds no zarr array (no zarr.json or .zarray there): only zarr "
-                "arrays are read from a URL; copy a token folder or .npy/.bin file to a local "
-                "disk and give its path"
+                f"{key}={path} holds no zarr array that could be read (no zarr.json or .zarray "
+                "answered there): check the URL, the network and data.storage_options "
+                "(credentials); only zarr arrays are read from a URL: copy a token folder or "
+                ".npy/.bin file to a local disk and give its path"
             )
         return _zarr_source(key, str(path), seq_len, packing, storage_options)
     p = Path(path).expanduser()
@@ -391,7 +392,8 @@ def _longcrawl64_sources(cfg: Any, T: int, want_val: bool) -> tuple[Any, Any | N
                 raise FileNotFoundError(
                     f"no LongCrawl64 train.zarr at {root}: neither {join(root, 'train.zarr')} "
                     "nor the URL itself holds a zarr array. LongCrawl64 is data.path="
-                    "gs://longcrawl64; check the URL and data.storage_options (credentials)."
+                    "gs://longcrawl64; check the URL, the network and data.storage_options "
+                    "(credentials)."
                 )
     else:
         root = Path(cfg.path).expanduser()

@@ -147,14 +147,16 @@ def _warn_if_chunks_are_missing(arr: Any, path: str | Path) -> None:
     stored = _stored_chunks(Path(path), len(arr.shape))
     if stored < total:
         logger.warning(
-            "%s holds %d of its %d chunks: the missing ones read as token id %s in every row "
+            "%s holds %d of its %d chunks: the missing ones read as %s in every row "
             "they cover. An interrupted download leaves chunks out; finish it (for LongCrawl64: "
             "`gsutil -m rsync -r gs://longcrawl64/%s %s`) or stream the data "
             "(data.path=gs://longcrawl64)",
             path,
             stored,
             total,
-            arr.fill_value,
+            f"token id {arr.fill_value}"
+            if arr.fill_value is not None
+            else "what zarr reads where an array has no fill_value (0 in zarr 3)",
             Path(path).name,
             path,
         )

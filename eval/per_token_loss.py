@@ -10,7 +10,7 @@ in front and ``L[j]`` predicts token ``j`` from BOS plus the ``j`` tokens before
   length l is the same as truncating the length-``length`` evaluation at l).
 
 Data sources: a LongCrawl64-style zarr array (one document per row) on a disk or behind a URL
-(``gs://longcrawl64/heldout.zarr``; :class:`ZarrDocuments` reads it in whole chunks), a token
+(``gs://<bucket>/heldout.zarr``; :class:`ZarrDocuments` reads it in whole chunks), a token
 folder (:class:`fot.data.tokens.TokenDocuments`) or ``sample`` (the offline held-out sample
 corpus).
 
@@ -183,7 +183,7 @@ class ZarrDocuments:
         storage_options: dict[str, Any] | None = None,
     ) -> None:
         from fot.data.loaders import URL_READ_RETRIES
-        from fot.data.zarr_store import ChunkReader
+        from fot.data.zarr_store import ChunkReader, chunk_checker
 
         self.array = array
         self.shape = tuple(int(n) for n in array.shape)
@@ -198,6 +198,7 @@ class ZarrDocuments:
             cache_bytes=min(max(256 << 20, 4 * piece), 4 << 30),
             retries=URL_READ_RETRIES if url else 0,
             name=name,
+            chunk_exists=chunk_checker(array, name, storage_options) if url else None,
         )
 
     def __len__(self) -> int:
@@ -263,7 +264,7 @@ def open_documents(
     Args:
         source: ``"sample"`` (held-out split of the offline sample corpus), a zarr array folder
             (LongCrawl64 ``heldout.zarr``: rows of token ids), a token folder, or the fsspec
-            URL of a zarr array (``gs://longcrawl64/heldout.zarr``, ``s3://...``, ``https://...``).
+            URL of a zarr array (``gs://<bucket>/heldout.zarr``, ``s3://...``, ``https://...``).
         storage_options: options of a URL's filesystem (credentials); only with a URL.
 
     Returns:
@@ -304,8 +305,8 @@ def open_documents(
             hint = (
                 f"{join(source, 'heldout.zarr')} does: pass --data {join(source, 'heldout.zarr')}"
                 if elsewhere
-                else "check the URL (LongCrawl64's held-out rows are "
-                "gs://longcrawl64/heldout.zarr), that the server or bucket can be reached, and "
+                else "check the URL (LongCrawl64's held-out rows are <its folder's "
+                "URL>/heldout.zarr), that the server or bucket can be reached, and "
                 "the credentials (--storage-options); only zarr arrays are read from a URL (copy "
                 "a token folder to a local disk and pass its path)"
             )
@@ -317,7 +318,7 @@ def open_documents(
         if not path.exists():
             raise FileNotFoundError(
                 f"--data {source!r} does not exist; pass 'sample', a zarr array "
-                "(e.g. LongCrawl64 heldout.zarr, or its URL gs://longcrawl64/heldout.zarr) or a "
+                "(e.g. LongCrawl64 heldout.zarr, or its URL gs://<bucket>/heldout.zarr) or a "
                 "token folder"
             )
         if (path / "meta.json").is_file():
@@ -639,7 +640,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--data",
         default="sample",
         help="'sample' (offline held-out corpus), a zarr array such as LongCrawl64 "
-        "heldout.zarr or its URL (gs://longcrawl64/heldout.zarr; any fsspec URL: s3://, "
+        "heldout.zarr or its URL (gs://<bucket>/heldout.zarr; any fsspec URL: s3://, "
         "https://), or a token folder (default: %(default)s)",
     )
     p.add_argument(

@@ -152,7 +152,7 @@ def test_a_wrong_url_and_a_missing_filesystem_package_are_one_line_errors(
         assert cli([*argv, "--data", f"{served.url}/held-out.zarr"]) == 2
         err = capsys.readouterr().err
         assert f"error: --data '{served.url}/held-out.zarr' holds no zarr array" in err
-        assert "gs://longcrawl64/heldout.zarr" in err and "--storage-options" in err
+        assert "URL>/heldout.zarr" in err and "--storage-options" in err
         assert cli([*argv, "--data", served.url]) == 2  # the folder that holds it
         assert f"pass --data {served.url}/heldout.zarr" in capsys.readouterr().err
     monkeypatch.setitem(sys.modules, "gcsfs", None)  # not installed
@@ -207,3 +207,23 @@ def test_the_url_fingerprint_samples_stored_chunk_files_of_a_sharded_array(tmp_p
         assert zarr_url_fingerprint(url, zarr.open(url, mode="r")) != before
         arr[16:, 32:] = np.random.default_rng(0).integers(0, 50000, (24, 64))[16:, 32:]
         assert zarr_url_fingerprint(url, zarr.open(url, mode="r")) == before
+
+
+def test_a_document_in_a_chunk_missing_behind_the_url_is_an_error(tmp_path) -> None:
+    """Held-out rows in a chunk that the URL does not hold read as token 0 in zarr: the
+    documents refuse them instead of scoring zeros."""
+    import zarr
+
+    from fot.eval.per_token_loss import open_documents
+
+    data = np.random.default_rng(0).integers(1, 50000, (8, 64)).astype(np.uint16)
+    arr = zarr.create_array(str(tmp_path / "h.zarr"), shape=data.shape, chunks=(4, 64),
+                            dtype="uint16", zarr_format=2)  # fmt: skip
+    arr[:] = data
+    (tmp_path / "h.zarr" / "1.0").unlink()  # rows 4..7
+    with serve(tmp_path) as server:
+        docs, kind = open_documents(f"{server.url}/h.zarr")
+        assert kind == "zarr"
+        np.testing.assert_array_equal(docs[1], data[1])
+        with pytest.raises(OSError, match=r"chunk \(1, 0\) of .* is not there"):
+            docs[5]

@@ -13,7 +13,7 @@ import numpy as np
 from omegaconf import OmegaConf
 
 from fot.data.streams import PACKINGS, HFSource, PackedSource, PaddedSource, ZarrRowsSource
-from fot.data.zarr_store import is_url, join, open_zarr_array, zarr_exists
+from fot.data.zarr_store import chunk_checker, is_url, join, open_zarr_array, zarr_exists
 
 logger = logging.getLogger("fot.data")
 
@@ -69,8 +69,18 @@ def _zarr_source(
             f"{p} holds {arr.dtype} values, not integer token ids; write the zarr array with an "
             "integer dtype (uint16 for GPT-2), or use `python -m fot.data.prepare`"
         )
-    retries = URL_READ_RETRIES if is_url(p) else 0
-    source = _named(key, p, lambda: ZarrRowsSource(arr, seq_len, retries=retries, name=str(p)))
+    url = is_url(p)
+    source = _named(
+        key,
+        p,
+        lambda: ZarrRowsSource(
+            arr,
+            seq_len,
+            retries=URL_READ_RETRIES if url else 0,
+            name=str(p),
+            chunk_exists=chunk_checker(arr, str(p), storage_options) if url else None,
+        ),
+    )
     if packing == "varlen" and key == "data.path":
         _warn(
             "data.packing=varlen has no effect on the zarr array %s: its rows hold no document "
@@ -373,13 +383,13 @@ def _storage_options(cfg: Any) -> dict[str, Any] | None:
 
 def _longcrawl64_sources(cfg: Any, T: int, want_val: bool) -> tuple[Any, Any | None]:
     """LongCrawl64's ``train.zarr`` (and ``heldout.zarr``) under ``data.path``: a folder, a URL
-    (``gs://longcrawl64`` streams its Google Cloud bucket), or the arrays themselves."""
+    (``gs://<bucket>/longcrawl64``, streamed), or the arrays themselves."""
     if not cfg.path:
         raise ValueError(
-            "data=longcrawl64 needs data.path: gs://longcrawl64 streams it from its Google "
-            "Cloud bucket (`pip install gcsfs`), or a folder with train.zarr and heldout.zarr "
-            "downloaded from https://manifestai.com/articles/longcrawl64 (e.g. `gsutil -m cp -r "
-            "gs://longcrawl64/train.zarr gs://longcrawl64/heldout.zarr <folder>`)."
+            "data=longcrawl64 needs data.path: the folder with LongCrawl64's train.zarr and "
+            "heldout.zarr (https://manifestai.com/articles/longcrawl64), on a disk or behind a "
+            "URL that is streamed (gs://<bucket>/longcrawl64 with `pip install gcsfs`, s3://, "
+            "https://)."
         )
     options = _storage_options(cfg)
     url = is_url(cfg.path)
@@ -391,9 +401,8 @@ def _longcrawl64_sources(cfg: Any, T: int, want_val: bool) -> tuple[Any, Any | N
             if not zarr_exists(root, options):
                 raise FileNotFoundError(
                     f"no LongCrawl64 train.zarr at {root}: neither {join(root, 'train.zarr')} "
-                    "nor the URL itself holds a zarr array. LongCrawl64 is data.path="
-                    "gs://longcrawl64; check the URL, the network and data.storage_options "
-                    "(credentials)."
+                    "nor the URL itself holds a zarr array; check the URL, the network and "
+                    "data.storage_options (credentials)."
                 )
     else:
         root = Path(cfg.path).expanduser()
@@ -402,7 +411,7 @@ def _longcrawl64_sources(cfg: Any, T: int, want_val: bool) -> tuple[Any, Any | N
             raise FileNotFoundError(
                 f"no LongCrawl64 train.zarr under {root}. Download train.zarr and heldout.zarr "
                 "from https://manifestai.com/articles/longcrawl64 into that folder, or stream "
-                "them with data.path=gs://longcrawl64 (`pip install gcsfs`)."
+                "them from a URL (data.path=gs://<bucket>/longcrawl64, s3://, https://)."
             )
     train = _zarr_source("data.path", train_path, T, cfg.packing, options)
     if not want_val:

@@ -140,17 +140,25 @@ class ZarrRowsSource:
             end of each row is skipped).
         retries: extra attempts of a failed read (data behind a URL); 0 for local data.
         name: the array's path or URL, for messages.
+        chunk_exists: whether a chunk is stored (data behind a URL): a chunk that is not stops
+            the read with an error instead of reading as the fill value.
     """
 
     sequential = False
 
     def __init__(
-        self, array: Any, seq_len: int, *, retries: int = 0, name: str = "the zarr array"
+        self,
+        array: Any,
+        seq_len: int,
+        *,
+        retries: int = 0,
+        name: str = "the zarr array",
+        chunk_exists: Callable[[tuple[int, int]], bool] | None = None,
     ) -> None:
         _check_seq_len(seq_len)
         if len(array.shape) != 2:
             raise ValueError(f"expected a 2-D [rows, row_len] token array, got shape {array.shape}")
-        self.reader = ChunkReader(array, retries=retries, name=name)
+        self.reader = ChunkReader(array, retries=retries, name=name, chunk_exists=chunk_exists)
         self.seq_len = seq_len
         self.rows = int(array.shape[0])
         self.row_len = int(array.shape[1])

@@ -1,8 +1,9 @@
 """2-D zarr token arrays (LongCrawl64) on a local disk or behind a URL, read in whole chunks.
 
-``data.path`` may be a folder or a URL that fsspec knows: ``gs://longcrawl64`` streams
-LongCrawl64 from its Google Cloud bucket (``pip install gcsfs``), ``s3://...`` needs ``s3fs``,
-``https://...`` works as is. ``data.storage_options`` goes to the filesystem (credentials,
+``data.path`` may be a folder or a URL that fsspec knows: ``gs://<bucket>/longcrawl64``
+streams a copy of LongCrawl64 from a Google Cloud bucket (``pip install gcsfs``; its own bucket,
+``gs://longcrawl64``, is reported gone), ``s3://...`` needs ``s3fs``, ``https://...`` and
+``hf://datasets/<repo>`` work as they are. ``data.storage_options`` goes to the filesystem (credentials,
 ``{token: anon}`` for gcsfs, HTTP headers).
 
 zarr reads whole chunks, so a step that reads 32 rows of one column would fetch (and decode)
@@ -86,11 +87,26 @@ def zarr_exists(path: str | Path, storage_options: dict[str, Any] | None = None)
         ) from None
 
 
+def chunk_checker(
+    arr: Any, url: str, storage_options: dict[str, Any] | None = None
+) -> Callable[[tuple[int, int]], bool] | None:
+    """``(chunk row, chunk column) -> bool``: whether the chunk's file is stored at ``url``,
+    for :class:`ChunkReader` (``None`` for a sharded array, whose chunks live inside shards)."""
+    if getattr(arr, "shards", None) is not None:
+        return None
+    encode = getattr(getattr(arr, "metadata", None), "encode_chunk_key", None)
+    if encode is None:  # not zarr 3's array
+        return None
+    fs, root = _filesystem(url, storage_options)
+    root = root.rstrip("/")
+    return lambda coords: bool(fs.exists(f"{root}/{encode(coords)}"))
+
+
 def open_zarr_array(path: str | Path, *, storage_options: dict[str, Any] | None = None) -> Any:
     """Open a 2-D zarr token array read-only, from a local path or a URL.
 
     Args:
-        path: a folder (``.../train.zarr``) or an fsspec URL (``gs://longcrawl64/train.zarr``).
+        path: a folder (``.../train.zarr``) or an fsspec URL (``gs://<bucket>/train.zarr``).
         storage_options: options of the URL's filesystem (credentials, headers).
 
     Returns:
@@ -112,11 +128,11 @@ def open_zarr_array(path: str | Path, *, storage_options: dict[str, Any] | None 
         found = path.exists()
     if not found:
         raise FileNotFoundError(
-            f"zarr array {path} does not exist. LongCrawl64 is at "
-            "https://manifestai.com/articles/longcrawl64: stream it with "
-            "data.path=gs://longcrawl64 (`pip install gcsfs`), or download train.zarr and "
-            "heldout.zarr into one folder and set data.path=<that folder>; or turn your own "
-            "text into tokens with `python -m fot.data.prepare --help`."
+            f"zarr array {path} does not exist. LongCrawl64 "
+            "(https://manifestai.com/articles/longcrawl64): put train.zarr and heldout.zarr "
+            "into one folder, on a disk or behind a URL (gs://, s3://, https://), and set "
+            "data.path=<that folder>; or turn your own text into tokens with "
+            "`python -m fot.data.prepare --help`."
         )
     try:
         if url:
@@ -148,9 +164,8 @@ def _warn_if_chunks_are_missing(arr: Any, path: str | Path) -> None:
     if stored < total:
         logger.warning(
             "%s holds %d of its %d chunks: the missing ones read as %s in every row "
-            "they cover. An interrupted download leaves chunks out; finish it (for LongCrawl64: "
-            "`gsutil -m rsync -r gs://longcrawl64/%s %s`) or stream the data "
-            "(data.path=gs://longcrawl64)",
+            "they cover. An interrupted download leaves chunks out: finish it (e.g. `gsutil -m "
+            "rsync -r gs://<bucket>/%s %s`), or stream a complete copy (data.path=<its URL>)",
             path,
             stored,
             total,
@@ -225,6 +240,9 @@ class ChunkReader:
             ``retry_wait_s * 2**attempt`` seconds between them; 0 lets errors through as they are.
         retry_wait_s: the first wait.
         name: the array's path or URL, for messages.
+        chunk_exists: ``(chunk row, chunk column) -> bool``, asked about a chunk that reads as
+            nothing but the fill value: ``False`` (not stored) stops the read with an error,
+            where zarr gives the fill value without a word (:func:`chunk_checker`).
     """
 
     def __init__(
@@ -235,6 +253,7 @@ class ChunkReader:
         retries: int = 0,
         retry_wait_s: float = 1.0,
         name: str = "the zarr array",
+        chunk_exists: Callable[[tuple[int, int]], bool] | None = None,
     ) -> None:
         self.array = array
         self.rows, self.cols = (int(s) for s in array.shape)
@@ -246,6 +265,8 @@ class ChunkReader:
         self.retries = int(retries)
         self.retry_wait_s = float(retry_wait_s)
         self.name = name
+        self.chunk_exists = chunk_exists if self.chunk_rows else None
+        self.fill_value = getattr(array, "fill_value", None)
         self.fetches = 0
         """Reads sent to the array (for tests and benchmarks)."""
         self._pieces: OrderedDict[Key, np.ndarray] = OrderedDict()
@@ -258,6 +279,30 @@ class ChunkReader:
 
     def _get(self, r0: int, r1: int, c0: int, c1: int, *, retries: int | None = None) -> np.ndarray:
         """``array[r0:r1, c0:c1]`` as numpy, retried ``retries`` times (default: the reader's)."""
+        block = self._read_retried(r0, r1, c0, c1, retries)
+        if self.chunk_exists is not None:
+            self._refuse_missing_chunks(block, r0, c0)
+        return block
+
+    def _refuse_missing_chunks(self, block: np.ndarray, r0: int, c0: int) -> None:
+        """Raise where a chunk of ``block`` (at ``r0, c0``) is all fill value and not stored."""
+        cr, cc, fill = self.chunk_rows, self.chunk_cols, self.fill_value
+        rows, cols = block.shape
+        for i in range(r0 // cr, (r0 + rows - 1) // cr + 1):
+            rs = slice(max(i * cr, r0) - r0, min((i + 1) * cr, r0 + rows) - r0)
+            for j in range(c0 // cc, (c0 + cols - 1) // cc + 1):
+                cell = block[rs, max(j * cc, c0) - c0 : min((j + 1) * cc, c0 + cols) - c0]
+                if cell.flat[0] != fill or not (cell == fill).all():
+                    continue
+                if not self.chunk_exists((i, j)):
+                    raise OSError(
+                        f"chunk ({i}, {j}) of {self.name} (rows {i * cr}..{(i + 1) * cr - 1}, "
+                        f"columns {j * cc}..{(j + 1) * cc - 1}) is not there: zarr would read "
+                        f"it as token id {fill}. The copy at this URL is incomplete; train on a "
+                        "complete copy (check the chunk count of the original)"
+                    )
+
+    def _read_retried(self, r0: int, r1: int, c0: int, c1: int, retries: int | None) -> np.ndarray:
         n = self.retries if retries is None else retries
         attempt = 0
         while True:

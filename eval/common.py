@@ -787,7 +787,7 @@ def zarr_url_fingerprint(
     compressed size.
 
     Args:
-        url: the array's fsspec URL (``gs://longcrawl64/heldout.zarr``).
+        url: the array's fsspec URL (``gs://<bucket>/heldout.zarr``).
         array: the zarr array opened from it.
         storage_options: the options it was opened with.
     """

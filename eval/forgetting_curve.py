@@ -288,7 +288,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--data",
         default="sample",
         help="'sample', a token folder, or a zarr array or its URL "
-        "(gs://longcrawl64/heldout.zarr; any fsspec URL): the source of S and I "
+        "(gs://<bucket>/heldout.zarr; any fsspec URL): the source of S and I "
         "(default: %(default)s)",
     )
     p.add_argument(

@@ -48,7 +48,7 @@ class DataConfig:
     """``varlen`` (pack, no attention across documents), ``causal`` (pack, plain causal) or
     ``padded`` (one document per sequence). LongCrawl64 rows are always chunked."""
     path: str | None = None
-    """longcrawl64: folder or URL (``gs://longcrawl64``) with ``train.zarr``/``heldout.zarr``;
+    """longcrawl64: folder or URL (``gs://<bucket>/longcrawl64``) with ``train.zarr``/``heldout.zarr``;
     tokens: a token folder, a flat ``.npy``/``.bin`` (uint16) file or a 2-D ``.zarr`` (also a
     URL); hf: dataset name or local path."""
     val_path: str | None = None

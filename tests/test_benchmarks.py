@@ -31,7 +31,8 @@ BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 @pytest.fixture(scope="module")
 def bench():
     """The benchmark modules (``benchmarks/`` is a folder of scripts, not a package)."""
-    names = ("flops", "train_throughput", "decode", "scaling", "pruning", "fused_ops", "attention")
+    names = ("flops", "train_throughput", "decode", "scaling", "pruning", "fused_ops", "attention",
+             "data_read")  # fmt: skip
     sys.path.insert(0, str(BENCH))
     try:
         yield {name: importlib.import_module(name) for name in names}
@@ -824,3 +825,18 @@ def test_fused_ops_benchmark_times_equal_functions(bench) -> None:
             n = min(got.shape[0], ref.shape[0])  # the chunked loss's head gradient: real rows
             err = (got[:n].float() - ref[:n].float()).norm() / ref[:n].float().norm()
             assert err < 2e-2
+
+
+def test_data_read_benchmark_reads_the_same_tokens_every_way(bench, capsys) -> None:
+    """benchmarks/data_read.py on small arrays: one table row per chunk shape, and the three
+    ways of reading (uncached, cached, fetched ahead) give the same tokens (it checks); a bad
+    chunk shape is named."""
+    data_read = bench["data_read"]
+    data_read.main(["--array-rows", "64", "--row-len", "256", "--seq-len", "64", "--rows", "4",
+                    "--chunks", "8x64", "1x256", "--gpu-ms", "0", "--steps", "6"])  # fmt: skip
+    rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| (64, 256)")]
+    assert [r.split("|")[2].strip() for r in rows] == ["(8, 64)", "(1, 256)"]
+    assert all(float(x) > 0 for r in rows for x in r.split("|")[3:6])
+    with pytest.raises(SystemExit):
+        data_read.main(["--chunks", "3y"])
+    assert "'3y' is not ROWSxCOLUMNS" in capsys.readouterr().err

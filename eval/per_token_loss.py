@@ -217,7 +217,7 @@ class ZarrDocuments:
             return np.zeros(0, self.dtype)
         try:
             return np.array(self.reader.read(i, i + 1, 0, n)[0])  # a copy, not the cache's
-        except OSError as err:
+        except ConnectionError as err:  # the reader gave up after its retries
             if not self.url:
                 raise
             cause = err.__cause__ or err
@@ -236,7 +236,9 @@ class ZarrDocuments:
         """Start fetching the chunks of the first ``n`` tokens of documents ``ids`` in the
         background (the next batch's, while the model runs this one)."""
         n = min(n, self.shape[1])
-        for lo, hi in _runs(sorted({self._row(i) for i in ids})):
+        from fot.data.zarr_store import consecutive_runs
+
+        for lo, hi in consecutive_runs(sorted({self._row(i) for i in ids})):
             if n > 0:
                 self.reader.prefetch(lo, hi, 0, n)
 
@@ -345,17 +347,6 @@ def open_documents(
             "of integer token ids (LongCrawl64 heldout.zarr is uint16)"
         )
     return ZarrDocuments(arr, name=source, url=url, storage_options=storage_options), "zarr"
-
-
-def _runs(ks: Sequence[int]) -> list[tuple[int, int]]:
-    """Consecutive runs of sorted integers as ``[lo, hi)`` pairs: ``[1, 2, 5]`` -> ``[(1, 3), (5, 6)]``."""
-    out: list[tuple[int, int]] = []
-    for k in ks:
-        if out and out[-1][1] == k:
-            out[-1] = (out[-1][0], k + 1)
-        else:
-            out.append((k, k + 1))
-    return out
 
 
 def num_documents(docs: Sequence[np.ndarray]) -> int:

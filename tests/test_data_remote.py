@@ -269,7 +269,7 @@ def test_url_reads_retry_then_say_how_to_resume(tmp_path, caplog) -> None:
         reader = ChunkReader(arr, retries=2, retry_wait_s=0.0, name=f"{server.url}/a.zarr")
         np.testing.assert_array_equal(reader.read(0, 8, 0, 32), data[0:8])
         with pytest.raises(
-            OSError, match=r"rows 8\.\.15, columns 0\.\.31 .* after 3 attempts"
+            ConnectionError, match=r"rows 8\.\.15, columns 0\.\.31 .* after 3 attempts"
         ) as err:
             reader.read(8, 12, 0, 32)
     assert "resume=auto" in str(err.value)
@@ -394,6 +394,7 @@ def test_a_chunk_missing_behind_a_url_stops_the_read(tmp_path, fmt) -> None:
         np.testing.assert_array_equal(source.read(0, 8)[1], data[:8, :16])  # rows 0..7
         np.testing.assert_array_equal(source.read(32, 4)[1], np.zeros((4, 16)))  # stored zeros
         with pytest.raises(
-            OSError, match=r"chunk \(2, 0\) of .* \(rows 8\.\.11, columns 0\.\.31\) is not there"
+            FileNotFoundError,
+            match=r"chunk \(2, 0\) of .* \(rows 8\.\.11, columns 0\.\.31\) is not there",
         ):
             source.read(8, 4)

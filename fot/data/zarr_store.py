@@ -24,7 +24,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from queue import SimpleQueue
@@ -294,8 +294,8 @@ class ChunkReader:
                 cell = block[rs, max(j * cc, c0) - c0 : min((j + 1) * cc, c0 + cols) - c0]
                 if cell.flat[0] != fill or not (cell == fill).all():
                     continue
-                if not self.chunk_exists((i, j)):
-                    raise OSError(
+                if not self.chunk_exists((i, j)):  # one line from train.py and fot.eval
+                    raise FileNotFoundError(
                         f"chunk ({i}, {j}) of {self.name} (rows {i * cr}..{(i + 1) * cr - 1}, "
                         f"columns {j * cc}..{(j + 1) * cc - 1}) is not there: zarr would read "
                         f"it as token id {fill}. The copy at this URL is incomplete; train on a "
@@ -312,8 +312,8 @@ class ChunkReader:
             try:
                 return np.asarray(self.array[r0:r1, c0:c1])
             except Exception as err:  # network errors come in many types (aiohttp, gcsfs, OSError)
-                if attempt == n:
-                    raise OSError(
+                if attempt == n:  # a ConnectionError prints as one line (fot.errors)
+                    raise ConnectionError(
                         f"could not read rows {r0}..{r1 - 1}, columns {c0}..{c1 - 1} of "
                         f"{self.name} after {n + 1} attempts ({type(err).__name__}: {err}). "
                         "Check the network and the credentials (data.storage_options); the "
@@ -384,7 +384,7 @@ class ChunkReader:
             if future is not None:
                 future.exception()  # waits; a failed prefetch is read again below
         missing = [k for k, key in zip(range(k0, k1), keys) if key not in self._pieces]
-        for lo, hi in _runs(missing):
+        for lo, hi in consecutive_runs(missing):
             self._fetch_pieces(lo, hi, a, b, retries=None)
         with self._lock:
             pieces = []
@@ -416,7 +416,7 @@ class ChunkReader:
         if self._worker is None:
             self._worker = _Worker()
             weakref.finalize(self, self._worker.stop)  # the thread ends with the reader
-        for lo, hi in _runs(missing):
+        for lo, hi in consecutive_runs(missing):
             keys = [(k, a, b) for k in range(lo, hi)]
             future: Future = Future()
             with self._lock:  # registered first: a read of these chunks waits for the fetch
@@ -437,7 +437,7 @@ class ChunkReader:
             self._worker.submit(future, job)
 
 
-def _runs(ks: list[int]) -> list[tuple[int, int]]:
+def consecutive_runs(ks: Sequence[int]) -> list[tuple[int, int]]:
     """Consecutive runs of sorted integers as ``[lo, hi)`` pairs: ``[1, 2, 5]`` -> ``[(1, 3), (5, 6)]``."""
     out: list[tuple[int, int]] = []
     for k in ks:

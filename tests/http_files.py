@@ -38,7 +38,7 @@ def serve(
 
     class Handler(http.server.SimpleHTTPRequestHandler):
         def log_message(self, *args: object) -> None:
-            pass
+            """No line on stderr per request."""
 
         def _answer(self, method: str) -> bool:
             served.requests.append((method, self.path))

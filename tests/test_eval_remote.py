@@ -225,5 +225,5 @@ def test_a_document_in_a_chunk_missing_behind_the_url_is_an_error(tmp_path) -> N
         docs, kind = open_documents(f"{server.url}/h.zarr")
         assert kind == "zarr"
         np.testing.assert_array_equal(docs[1], data[1])
-        with pytest.raises(OSError, match=r"chunk \(1, 0\) of .* is not there"):
+        with pytest.raises(FileNotFoundError, match=r"chunk \(1, 0\) of .* is not there"):
             docs[5]

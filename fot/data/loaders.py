@@ -39,9 +39,7 @@ def _warn(msg: str, *args: Any) -> None:
 def is_zarr(p: Path) -> bool:
     """A zarr array or group: a ``.zarr`` path, or a folder with zarr v3 (``zarr.json``) or
     v2 (``.zarray``/``.zgroup``) metadata."""
-    return p.suffix == ".zarr" or (
-        p.is_dir() and any((p / m).exists() for m in ("zarr.json", ".zarray", ".zgroup"))
-    )
+    return p.suffix == ".zarr" or zarr_exists(p)
 
 
 def _zarr_source(

@@ -183,23 +183,20 @@ class ZarrDocuments:
         storage_options: dict[str, Any] | None = None,
     ) -> None:
         from fot.data.loaders import URL_READ_RETRIES
-        from fot.data.zarr_store import ChunkReader, chunk_checker
+        from fot.data.zarr_store import ChunkReader, cache_bytes_for, chunk_checker
 
         self.array = array
         self.shape = tuple(int(n) for n in array.shape)
         self.dtype = np.dtype(array.dtype)
         self.name, self.url, self.storage_options = name, url, storage_options
-        rows, cols = (int(c) for c in array.chunks)
-        # A chunk row across the whole row is cached when 4 of them fit (ChunkReader's rule):
-        # room for that, within 4 GiB; chunks larger still are read as zarr reads them.
-        piece = rows * -(-self.shape[1] // cols) * cols * self.dtype.itemsize
         self.reader = ChunkReader(
             array,
-            cache_bytes=min(max(256 << 20, 4 * piece), 4 << 30),
             retries=URL_READ_RETRIES if url else 0,
             name=name,
             chunk_exists=chunk_checker(array, name, storage_options) if url else None,
         )
+        # room for four chunk rows across whole rows (within 4 GiB; larger are read uncached)
+        self.reader.cache_bytes = cache_bytes_for(self.reader, [(0, self.shape[1])])
 
     def __len__(self) -> int:
         return self.shape[0]

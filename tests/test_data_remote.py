@@ -91,6 +91,73 @@ def test_chunk_reader_reads_what_numpy_slices_and_each_chunk_once(tmp_path) -> N
     assert counting.reads[0][1] == (slice(0, 8), slice(0, 32))  # whole chunks
 
 
+def _lc_shaped(chunks: tuple[int, int] = (2048, 2048), dtype: str = "uint16", cols: int = 65536):
+    """A LongCrawl64-shaped array with no chunk stored (reads give the fill value)."""
+    import zarr
+
+    return zarr.create_array(
+        zarr.storage.MemoryStore(), shape=(4096, cols), chunks=chunks, dtype=dtype, zarr_format=2
+    )
+
+
+def test_the_chunk_cache_is_sized_for_the_sequence_length() -> None:
+    """Four chunk rows across a sequence's columns, computed by hand: at seq_len 32768 a
+    LongCrawl64 chunk row is 2048 x 32768 uint16 = 128 MiB, and the fixed 256 MiB cache
+    (which caches pieces up to a quarter of itself) read every step's chunks again."""
+    for T, mib in [(4096, 256), (16384, 256), (32768, 512), (65536, 1024)]:
+        assert ZarrRowsSource(_lc_shaped(), T).reader.cache_bytes == mib << 20, T
+    # chunk columns that do not divide the sequences: the widest span is columns
+    # 30000..51000 (sequence 2 of a row at T=16384 touches chunk columns 10..16)
+    assert (
+        ZarrRowsSource(_lc_shaped((2048, 3000)), 16384).reader.cache_bytes == 4 * 2048 * 21000 * 2
+    )
+    # at most 4 GiB: pieces of 2048 x 262144 uint32 (2 GiB) are read uncached
+    huge = ZarrRowsSource(_lc_shaped(dtype="uint32", cols=262144), 262144).reader
+    assert huge.cache_bytes == 4 << 30 and huge._window(0, 262144) is None
+    assert ZarrRowsSource(_lc_shaped(), 32768, cache_bytes=0).reader.cache_bytes == 0
+
+
+def test_long_sequences_fetch_each_chunk_row_once() -> None:
+    """Steps of 32 rows at seq_len 32768 go down one chunk row of 2048: one fetch for four
+    steps (it was one per step). A cache set too small reads every step again."""
+    counting = Counting(_lc_shaped())
+    src = ZarrRowsSource(counting, 32768)
+    for step in range(4):
+        src.read(32 * step, 32)
+    assert [index for _, index in counting.reads] == [(slice(0, 2048), slice(0, 32768))]
+    counting.reads.clear()
+    small = ZarrRowsSource(counting, 32768, cache_bytes=256 << 20)
+    for step in range(4):
+        small.read(32 * step, 32)
+    assert len(counting.reads) == 4
+
+
+def test_data_cache_mib_reaches_the_reader_and_a_small_one_warns(tmp_path, caplog) -> None:
+    import zarr
+
+    data = _zarr(tmp_path / "lc" / "train.zarr", rows=8, row_len=64, chunks=(4, 32))
+    zarr.create_array(str(tmp_path / "lc" / "heldout.zarr"), shape=(8, 64), dtype="uint16")
+    train, val = build_sources(_lc_cfg(str(tmp_path / "lc"), val_tokens=16, cache_mib=3))
+    assert train.reader.cache_bytes == val.reader.cache_bytes == 3 << 20
+    np.testing.assert_array_equal(train.read(0, 8)[1], data[:, :16])
+    assert not [r for r in caplog.records if "data.cache_mib" in r.getMessage()]
+    train, _ = build_sources(_lc_cfg(str(tmp_path / "lc"), val_tokens=0))
+    assert train.reader.cache_bytes == 256 << 20
+    with pytest.raises(ValueError, match=r"data\.cache_mib=-1 must be a whole number of MiB"):
+        build_sources(_lc_cfg(str(tmp_path / "lc"), val_tokens=0, cache_mib=-1))
+    # a LongCrawl64-shaped array at seq_len 32768 with data.cache_mib=256: told what to set
+    zarr.create_array(
+        str(tmp_path / "big.zarr"), shape=(2048, 65536), chunks=(2048, 2048), dtype="uint16"
+    )
+    cfg = OmegaConf.structured(
+        DataConfig(kind="tokens", seq_len=32768, packing="causal", cache_mib=256)
+    )
+    cfg.path = str(tmp_path / "big.zarr")
+    with caplog.at_level(logging.WARNING, logger="fot.data"):
+        build_sources(cfg)
+    assert "takes 128 MiB" in caplog.text and "set data.cache_mib=512" in caplog.text
+
+
 def test_the_stream_fetches_the_next_step_in_the_background(tmp_path) -> None:
     """After a step, the next step's chunks are read by the prefetch thread: the step itself
     then reads nothing, and gets the same tokens (oracle: numpy)."""

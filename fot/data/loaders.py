@@ -48,13 +48,15 @@ def _zarr_source(
     seq_len: int,
     packing: str,
     storage_options: dict[str, Any] | None = None,
+    cache_bytes: int | None = None,
 ) -> ZarrRowsSource:
     """The rows of the 2-D zarr token array ``p`` (a path or a URL) as sequences (LongCrawl64's
     layout).
 
     Its rows hold no document boundaries to pack by: ``packing=padded`` is refused and
     ``varlen`` packs as ``causal`` (every chunk starts with BOS either way), with a warning.
-    An array behind a URL is read with retries (:data:`URL_READ_RETRIES`).
+    An array behind a URL is read with retries (:data:`URL_READ_RETRIES`). ``cache_bytes``:
+    see :class:`ZarrRowsSource` (``None``: sized for ``seq_len``).
     """
     if packing == "padded":
         raise ValueError(
@@ -68,7 +70,7 @@ def _zarr_source(
             "integer dtype (uint16 for GPT-2), or use `python -m fot.data.prepare`"
         )
     url = is_url(p)
-    source = _named(
+    source: ZarrRowsSource = _named(
         key,
         p,
         lambda: ZarrRowsSource(
@@ -77,8 +79,10 @@ def _zarr_source(
             retries=URL_READ_RETRIES if url else 0,
             name=str(p),
             chunk_exists=chunk_checker(arr, str(p), storage_options) if url else None,
+            cache_bytes=cache_bytes,
         ),
     )
+    _warn_if_cache_is_small(source, key)
     if packing == "varlen" and key == "data.path":
         _warn(
             "data.packing=varlen has no effect on the zarr array %s: its rows hold no document "
@@ -87,6 +91,29 @@ def _zarr_source(
             p,
         )
     return source
+
+
+def _warn_if_cache_is_small(source: ZarrRowsSource, key: str) -> None:
+    """Warn when the chunk cache cannot hold the four chunk rows that cached reads need."""
+    reader = source.reader
+    if reader.cache_bytes == 0:  # data.cache_mib=0: turned off on purpose
+        return
+    piece = max(reader.piece_bytes(c0, c1) for c0, c1 in source.spans)
+    if 4 * piece <= reader.cache_bytes:
+        return
+    need = -(-4 * piece // (1 << 20))
+    _warn(
+        "%s=%s: a chunk row across a sequence's %d columns takes %d MiB, and the chunk cache "
+        "(%d MiB) holds fewer than four, so every read fetches and decodes whole chunks again "
+        "for the few rows it uses; set data.cache_mib=%d (per process, for training and "
+        "validation each) if the host has the memory",
+        key,
+        reader.name,
+        source.seq_len,
+        -(-piece // (1 << 20)),
+        reader.cache_bytes >> 20,
+        need,
+    )
 
 
 def _documents_source(docs: Any, seq_len: int, packing: str) -> Any:
@@ -101,6 +128,7 @@ def open_token_path(
     packing: str,
     key: str = "data.path",
     storage_options: dict[str, Any] | None = None,
+    cache_bytes: int | None = None,
 ) -> Any:
     """A sequence source for a token folder, a flat ``.npy``/``.bin`` file or a 2-D ``.zarr``.
 
@@ -111,6 +139,8 @@ def open_token_path(
             and a zarr array, having no document boundaries, packs ``varlen`` as ``causal``).
         key: the config key that named ``path``, for error messages.
         storage_options: options of a URL's filesystem (``data.storage_options``).
+        cache_bytes: a zarr array's chunk cache (``data.cache_mib``; ``None``: sized for
+            ``seq_len``).
     """
     from fot.data.tokens import TokenDocuments
 
@@ -122,12 +152,12 @@ def open_token_path(
                 "(credentials); only zarr arrays are read from a URL: copy a token folder or "
                 ".npy/.bin file to a local disk and give its path"
             )
-        return _zarr_source(key, str(path), seq_len, packing, storage_options)
+        return _zarr_source(key, str(path), seq_len, packing, storage_options, cache_bytes)
     p = Path(path).expanduser()
     if not p.exists():
         raise FileNotFoundError(f"{key}={p} does not exist. {_prepare_hint(key)}")
     if is_zarr(p):
-        return _zarr_source(key, p, seq_len, packing)
+        return _zarr_source(key, p, seq_len, packing, cache_bytes=cache_bytes)
     if p.is_dir():
         docs = TokenDocuments(p)
         return _named(key, p, lambda: _documents_source(docs, seq_len, packing))
@@ -345,12 +375,19 @@ def build_sources(cfg: Any, *, val_unit: int | None = None) -> tuple[Any, Any | 
     if cfg.kind == "tokens":
         if not cfg.path:
             raise ValueError(f"data=tokens needs data.path. {_prepare_hint()}")
-        options = _storage_options(cfg)
-        train = open_token_path(cfg.path, T, cfg.packing, storage_options=options)
+        options, cache = _storage_options(cfg), _cache_bytes(cfg)
+        train = open_token_path(
+            cfg.path, T, cfg.packing, storage_options=options, cache_bytes=cache
+        )
         val = None
         if cfg.val_path and want_val:
             val = open_token_path(
-                cfg.val_path, T, cfg.packing, key="data.val_path", storage_options=options
+                cfg.val_path,
+                T,
+                cfg.packing,
+                key="data.val_path",
+                storage_options=options,
+                cache_bytes=cache,
             )
             _warn_if_validating_on_training_data(cfg)
         return train, val
@@ -377,6 +414,19 @@ def _storage_options(cfg: Any) -> dict[str, Any] | None:
             "options, e.g. ++data.storage_options={token:anon}"
         )
     return options
+
+
+def _cache_bytes(cfg: Any) -> int | None:
+    """``data.cache_mib`` in bytes (``None``: sized by the reader)."""
+    mib = getattr(cfg, "cache_mib", None)
+    if mib is None:
+        return None
+    if isinstance(mib, bool) or not isinstance(mib, int) or mib < 0:
+        raise ValueError(
+            f"data.cache_mib={mib!r} must be a whole number of MiB >= 0 (0: no chunk cache), "
+            "or null to size the cache for data.seq_len"
+        )
+    return mib << 20
 
 
 def _longcrawl64_sources(cfg: Any, T: int, want_val: bool) -> tuple[Any, Any | None]:
@@ -411,7 +461,8 @@ def _longcrawl64_sources(cfg: Any, T: int, want_val: bool) -> tuple[Any, Any | N
                 "from https://manifestai.com/articles/longcrawl64 into that folder, or stream "
                 "them from a URL (data.path=gs://<bucket>/longcrawl64, s3://, https://)."
             )
-    train = _zarr_source("data.path", train_path, T, cfg.packing, options)
+    cache = _cache_bytes(cfg)
+    train = _zarr_source("data.path", train_path, T, cfg.packing, options, cache)
     if not want_val:
         return train, None
     val_path: str | Path = cfg.val_path or join(root, "heldout.zarr")
@@ -437,4 +488,4 @@ def _longcrawl64_sources(cfg: Any, T: int, want_val: bool) -> tuple[Any, Any | N
             cfg.val_path,
             train_path,
         )
-    return train, _zarr_source("data.val_path", val_path, T, cfg.packing, options)
+    return train, _zarr_source("data.val_path", val_path, T, cfg.packing, options, cache)

@@ -40,7 +40,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from fot.data.zarr_store import ChunkReader
+from fot.data.zarr_store import ChunkReader, cache_bytes_for
 
 EOT_ID = 50256
 """``<|endoftext|>`` in GPT-2: used as BOS before every document and as padding."""
@@ -142,6 +142,8 @@ class ZarrRowsSource:
         name: the array's path or URL, for messages.
         chunk_exists: whether a chunk is stored (data behind a URL): a chunk that is not stops
             the read with an error instead of reading as the fill value.
+        cache_bytes: host memory for whole chunks (``data.cache_mib``); ``None``: room for four
+            chunk rows across a sequence's columns (:func:`fot.data.zarr_store.cache_bytes_for`).
     """
 
     sequential = False
@@ -154,6 +156,7 @@ class ZarrRowsSource:
         retries: int = 0,
         name: str = "the zarr array",
         chunk_exists: Callable[[tuple[int, int]], bool] | None = None,
+        cache_bytes: int | None = None,
     ) -> None:
         _check_seq_len(seq_len)
         if len(array.shape) != 2:
@@ -172,6 +175,11 @@ class ZarrRowsSource:
         self.chunks_per_row = self.row_len // seq_len
         self.num_sequences = self.rows * self.chunks_per_row
         """Sequences in one epoch."""
+        self.spans = [(c * seq_len, c * seq_len + seq_len) for c in range(self.chunks_per_row)]
+        """The column spans ``(c0, c1)`` that sequences are read from."""
+        self.reader.cache_bytes = (
+            cache_bytes_for(self.reader, self.spans) if cache_bytes is None else int(cache_bytes)
+        )
 
     def _spans(self, start: int, count: int) -> Iterator[tuple[int, int, int, int]]:
         """``(done, row, n, column)``: runs of rows at one column that sequences

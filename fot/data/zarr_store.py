@@ -37,6 +37,11 @@ logger = logging.getLogger("fot.data")
 ZARR_METADATA = ("zarr.json", ".zarray", ".zgroup")
 """Files that mark a zarr v3 node, a v2 array and a v2 group."""
 
+CACHE_BYTES = 256 << 20
+"""Default size of a :class:`ChunkReader`'s cache, and the least :func:`cache_bytes_for` gives."""
+MAX_AUTO_CACHE_BYTES = 4 << 30
+"""The most :func:`cache_bytes_for` gives (a larger cache is asked for explicitly)."""
+
 _FILESYSTEM_PACKAGES = {"gs": "gcsfs", "gcs": "gcsfs", "s3": "s3fs", "az": "adlfs", "abfs": "adlfs"}
 
 
@@ -249,7 +254,7 @@ class ChunkReader:
         self,
         array: Any,
         *,
-        cache_bytes: int = 256 << 20,
+        cache_bytes: int = CACHE_BYTES,
         retries: int = 0,
         retry_wait_s: float = 1.0,
         name: str = "the zarr array",
@@ -335,15 +340,19 @@ class ChunkReader:
                 time.sleep(wait)
                 attempt += 1
 
+    def piece_bytes(self, c0: int, c1: int) -> int:
+        """Bytes of one piece of the columns ``[c0, c1)`` (0 for an array without chunks)."""
+        if not self.chunk_rows:
+            return 0
+        cc = self.chunk_cols
+        return self.chunk_rows * (min(self.cols, -(-c1 // cc) * cc) - c0 // cc * cc) * self.itemsize
+
     def _window(self, c0: int, c1: int) -> tuple[int, int] | None:
         """The chunk-aligned column window of ``[c0, c1)``, or ``None`` when not cached."""
-        if not self.chunk_rows:
+        if not self.chunk_rows or self.piece_bytes(c0, c1) * 4 > self.cache_bytes:
             return None
         cc = self.chunk_cols
-        a, b = c0 // cc * cc, min(self.cols, -(-c1 // cc) * cc)
-        if self.chunk_rows * (b - a) * self.itemsize * 4 > self.cache_bytes:
-            return None
-        return a, b
+        return c0 // cc * cc, min(self.cols, -(-c1 // cc) * cc)
 
     def _fetch_pieces(self, k0: int, k1: int, a: int, b: int, *, retries: int | None) -> None:
         """Read chunk rows ``k0 .. k1-1`` of window ``[a, b)`` in one call and cache them."""
@@ -435,6 +444,14 @@ class ChunkReader:
                                 del self._pending[key]
 
             self._worker.submit(future, job)
+
+
+def cache_bytes_for(reader: ChunkReader, spans: Sequence[tuple[int, int]]) -> int:
+    """A cache size that keeps four pieces of the widest column span ``(c0, c1)`` read, so that
+    reads are cached (:meth:`ChunkReader.read`): at least :data:`CACHE_BYTES`, at most
+    :data:`MAX_AUTO_CACHE_BYTES`."""
+    widest = max((reader.piece_bytes(c0, c1) for c0, c1 in spans), default=0)
+    return min(max(CACHE_BYTES, 4 * widest), MAX_AUTO_CACHE_BYTES)
 
 
 def consecutive_runs(ks: Sequence[int]) -> list[tuple[int, int]]:

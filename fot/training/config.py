@@ -57,6 +57,12 @@ class DataConfig:
     """Options of the filesystem of a URL ``path``/``val_path`` (a zarr array at ``gs://``,
     ``s3://``, ``https://``), passed to fsspec: credentials (gcsfs ``{token: anon}``, a key
     file), HTTP ``{headers: {...}}``. Set with ``++data.storage_options={token:anon}``."""
+    cache_mib: int | None = None
+    """Host memory (MiB) for whole chunks of a 2-D zarr array (LongCrawl64), per process and
+    for training and validation each. ``null``: room for four chunk rows across a sequence's
+    columns, at least 256 and at most 4096 MiB (LongCrawl64 at ``seq_len=65536``: 1024 MiB).
+    A smaller cache than four chunk rows reads every step's chunks again (a warning says so);
+    0 turns the cache off."""
     val_tokens: int = 0
     """Held-out tokens per validation (0: no validation)."""
     hf_name: str | None = None

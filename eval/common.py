@@ -110,6 +110,17 @@ def json_object(text: str) -> dict[str, Any]:
     return value
 
 
+def add_storage_options_argument(p: argparse.ArgumentParser) -> None:
+    """``--storage-options JSON``: the filesystem options of a URL ``--data``."""
+    p.add_argument(
+        "--storage-options",
+        type=json_object,
+        default=None,
+        metavar="JSON",
+        help=STORAGE_OPTIONS_HELP,
+    )
+
+
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
     """The options every resumable command shares: ``--out``, ``--restart``, ``--device`` and
     ``--dtype``."""

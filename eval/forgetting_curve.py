@@ -29,9 +29,9 @@ import torch
 
 from .common import (
     CONTEXT_LENGTH_HELP,
-    STORAGE_OPTIONS_HELP,
     JsonlLog,
     add_run_arguments,
+    add_storage_options_argument,
     check_fits_memory,
     check_grid,
     check_out_shared,
@@ -40,7 +40,6 @@ from .common import (
     checkpoint_label,
     claim_results,
     eot_id,
-    json_object,
     length_option,
     list_option,
     load_checkpoint,
@@ -291,13 +290,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(gs://<bucket>/heldout.zarr; any fsspec URL): the source of S and I "
         "(default: %(default)s)",
     )
-    p.add_argument(
-        "--storage-options",
-        type=json_object,
-        default=None,
-        metavar="JSON",
-        help=STORAGE_OPTIONS_HELP,
-    )
+    add_storage_options_argument(p)
     p.add_argument(
         "--train-length",
         type=str,

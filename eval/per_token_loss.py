@@ -38,9 +38,9 @@ from fot.interrupt import check_stop
 
 from .common import (
     CONTEXT_LENGTH_HELP,
-    STORAGE_OPTIONS_HELP,
     MissingPackageError,
     add_run_arguments,
+    add_storage_options_argument,
     check_out_shared,
     check_positions,
     check_token_ids,
@@ -48,7 +48,6 @@ from .common import (
     claim_results,
     context_length_key,
     eot_id,
-    json_object,
     length_option,
     load_checkpoint,
     load_npz,
@@ -631,13 +630,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "heldout.zarr or its URL (gs://<bucket>/heldout.zarr; any fsspec URL: s3://, "
         "https://), or a token folder (default: %(default)s)",
     )
-    p.add_argument(
-        "--storage-options",
-        type=json_object,
-        default=None,
-        metavar="JSON",
-        help=STORAGE_OPTIONS_HELP,
-    )
+    add_storage_options_argument(p)
     p.add_argument(
         "--length",
         type=str,

@@ -96,12 +96,19 @@ def chunk_checker(
     arr: Any, url: str, storage_options: dict[str, Any] | None = None
 ) -> Callable[[tuple[int, int]], bool] | None:
     """``(chunk row, chunk column) -> bool``: whether the chunk's file is stored at ``url``,
-    for :class:`ChunkReader` (``None`` for a sharded array, whose chunks live inside shards)."""
+    for :class:`ChunkReader` (``None`` for a sharded array, whose chunks live inside shards).
+
+    zarr 3 names a chunk's file by the array's metadata; zarr 2 (Python 3.10) by its
+    ``_chunk_key`` in its ``chunk_store`` (an fsspec store that asks the filesystem).
+    """
     if getattr(arr, "shards", None) is not None:
         return None
     encode = getattr(getattr(arr, "metadata", None), "encode_chunk_key", None)
-    if encode is None:  # not zarr 3's array
-        return None
+    if encode is None:  # zarr 2
+        key, store = getattr(arr, "_chunk_key", None), getattr(arr, "chunk_store", None)
+        if key is None or store is None:
+            return None
+        return lambda coords: key(coords) in store
     fs, root = _filesystem(url, storage_options)
     root = root.rstrip("/")
     return lambda coords: bool(fs.exists(f"{root}/{encode(coords)}"))

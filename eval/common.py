@@ -804,10 +804,13 @@ def zarr_url_fingerprint(
     """
     import fsspec
 
+    from fot.data.zarr_store import chunk_key_encoder
+
     fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
     root = root.rstrip("/")
-    metadata = getattr(array, "metadata", None)
+    metadata = getattr(array, "metadata", None)  # zarr 3's (zarr 2's arrays have none)
     v3 = getattr(metadata, "zarr_format", 2) == 3
+    encode = chunk_key_encoder(array)
     digest = hashlib.sha256()
     digest.update(
         json.dumps(
@@ -819,7 +822,7 @@ def zarr_url_fingerprint(
         digest.update(f"{name}\0".encode() + fs.cat_file(f"{root}/{name}"))
         # the grid of stored chunk files (of shards, in a sharded zarr v3 array)
         grid_chunk = getattr(getattr(metadata, "chunk_grid", None), "chunk_shape", None)
-        stored = grid_chunk or metadata.chunks
+        stored = grid_chunk or array.chunks
         grid = [-(-int(n) // int(c)) for n, c in zip(array.shape, stored)]
         coords = (
             {tuple(0 for _ in grid), tuple(g // 2 for g in grid), tuple(g - 1 for g in grid)}
@@ -827,7 +830,7 @@ def zarr_url_fingerprint(
             else set()
         )
         for coord in sorted(coords):
-            key = metadata.encode_chunk_key(coord)
+            key = encode(coord)
             try:
                 info = fs.info(f"{root}/{key}")
             except FileNotFoundError:

@@ -467,14 +467,15 @@ def test_a_chunk_missing_behind_a_url_stops_the_read(tmp_path, fmt) -> None:
             source.read(8, 4)
 
 
-def test_a_zarr_2_array_is_checked_through_its_chunk_store(tmp_path) -> None:
-    """zarr 2 (what Python 3.10 installs) has no ``metadata.encode_chunk_key``, so the check
-    was off and missing chunks read as zeros. Its arrays name a chunk by ``_chunk_key`` in
-    their ``chunk_store`` (checked by hand with zarr 2.18.7 over HTTP); this stand-in has
-    zarr 2's interface over a zarr 3 array's stored files."""
+def test_a_zarr_2_array_is_checked_and_fingerprinted_by_its_chunk_keys(tmp_path) -> None:
+    """zarr 2 (what Python 3.10 installs) has no ``metadata.encode_chunk_key``: the missing-chunk
+    check was off (missing chunks read as zeros) and fot.eval's fingerprint of a URL array
+    raised AttributeError. zarr 2 names a chunk by the array's ``_chunk_key`` (checked by hand
+    with zarr 2.18.7 over HTTP); this stand-in has zarr 2's interface over the same files."""
     import zarr
 
     from fot.data.zarr_store import chunk_checker
+    from fot.eval.common import zarr_url_fingerprint
 
     data = _zarr(tmp_path / "a.zarr", rows=8, row_len=64, chunks=(4, 32))
     (tmp_path / "a.zarr" / "1.1").unlink()
@@ -482,17 +483,19 @@ def test_a_zarr_2_array_is_checked_through_its_chunk_store(tmp_path) -> None:
     class Zarr2Array(Counting):
         fill_value = 0
 
-        def __init__(self, array) -> None:
-            super().__init__(array)
-            self.chunk_store = {p.name for p in (tmp_path / "a.zarr").iterdir()}
-
-        def _chunk_key(self, coords: tuple[int, int]) -> str:
+        def _chunk_key(self, coords: tuple[int, ...]) -> str:
             return ".".join(map(str, coords))
 
-    arr = Zarr2Array(zarr.open(str(tmp_path / "a.zarr"), mode="r"))
-    check = chunk_checker(arr, "https://example.invalid/a.zarr")
-    assert check is not None and check((0, 1)) and not check((1, 1))
-    reader = ChunkReader(arr, name="a.zarr", chunk_exists=check)
-    np.testing.assert_array_equal(reader.read(0, 8, 0, 32), data[:, :32])
-    with pytest.raises(FileNotFoundError, match=r"chunk \(1, 1\) of a\.zarr"):
-        reader.read(4, 8, 32, 64)
+    with serve(tmp_path) as server:
+        url = f"{server.url}/a.zarr"
+        zarr3 = zarr.open(url, mode="r")
+        arr = Zarr2Array(zarr3)
+        assert not hasattr(arr, "metadata")
+        check = chunk_checker(arr, url)
+        assert check is not None and check((0, 1)) and not check((1, 1))
+        reader = ChunkReader(arr, name="a.zarr", chunk_exists=check)
+        np.testing.assert_array_equal(reader.read(0, 8, 0, 32), data[:, :32])
+        with pytest.raises(FileNotFoundError, match=r"chunk \(1, 1\) of a\.zarr"):
+            reader.read(4, 8, 32, 64)
+        # the same files, the same fingerprint as zarr 3 gives the array
+        assert zarr_url_fingerprint(url, arr) == zarr_url_fingerprint(url, zarr3)

@@ -92,23 +92,27 @@ def zarr_exists(path: str | Path, storage_options: dict[str, Any] | None = None)
         ) from None
 
 
+def chunk_key_encoder(arr: Any) -> Callable[[tuple[int, ...]], str] | None:
+    """``chunk coordinates -> the chunk's file name`` relative to the array's folder (``"0.1"``,
+    ``"c/0/1"``), or ``None`` for an array that is not zarr's (numpy).
+
+    zarr 3 names a chunk by its array's metadata; zarr 2 (what Python 3.10 installs) by the
+    array's ``_chunk_key``.
+    """
+    encode = getattr(getattr(arr, "metadata", None), "encode_chunk_key", None)
+    return encode if encode is not None else getattr(arr, "_chunk_key", None)
+
+
 def chunk_checker(
     arr: Any, url: str, storage_options: dict[str, Any] | None = None
 ) -> Callable[[tuple[int, int]], bool] | None:
     """``(chunk row, chunk column) -> bool``: whether the chunk's file is stored at ``url``,
-    for :class:`ChunkReader` (``None`` for a sharded array, whose chunks live inside shards).
-
-    zarr 3 names a chunk's file by the array's metadata; zarr 2 (Python 3.10) by its
-    ``_chunk_key`` in its ``chunk_store`` (an fsspec store that asks the filesystem).
-    """
+    for :class:`ChunkReader` (``None`` for a sharded array, whose chunks live inside shards)."""
     if getattr(arr, "shards", None) is not None:
         return None
-    encode = getattr(getattr(arr, "metadata", None), "encode_chunk_key", None)
-    if encode is None:  # zarr 2
-        key, store = getattr(arr, "_chunk_key", None), getattr(arr, "chunk_store", None)
-        if key is None or store is None:
-            return None
-        return lambda coords: key(coords) in store
+    encode = chunk_key_encoder(arr)
+    if encode is None:
+        return None
     fs, root = _filesystem(url, storage_options)
     root = root.rstrip("/")
     return lambda coords: bool(fs.exists(f"{root}/{encode(coords)}"))

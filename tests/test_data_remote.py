@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 import threading
 import time
@@ -465,6 +466,35 @@ def test_a_chunk_missing_behind_a_url_stops_the_read(tmp_path, fmt) -> None:
             match=r"chunk \(2, 0\) of .* \(rows 8\.\.11, columns 0\.\.31\) is not there",
         ):
             source.read(8, 4)
+
+
+def test_zarr_2_names_a_zarr_format_3_array_and_the_fix(tmp_path, monkeypatch) -> None:
+    """zarr 2 (what Python 3.10 installs) cannot read zarr format 3 (zarr 3's default): opening
+    one said "not a readable zarr array (PathNotFoundError: nothing found at path '')", on a
+    disk and behind a URL (checked by hand with zarr 2.18.7). The error now names the format and
+    the fix; this stand-in raises what zarr 2.18.7 raised there."""
+    import zarr
+
+    class PathNotFoundError(Exception):
+        pass
+
+    def zarr_2_open(store, mode="r", **kwargs):
+        raise PathNotFoundError("nothing found at path ''")
+
+    _zarr(tmp_path / "v3.zarr", 8, 32, (4, 32), fmt=3)
+    _zarr(tmp_path / "v2.zarr", 8, 32, (4, 32), fmt=2)
+    monkeypatch.setattr(zarr, "__version__", "2.18.7")
+    monkeypatch.setattr(zarr, "open", zarr_2_open)
+    with serve(tmp_path) as server:
+        for path in (str(tmp_path / "v3.zarr"), f"{server.url}/v3.zarr"):
+            with pytest.raises(
+                ValueError,
+                match=rf"^{re.escape(path)} is a zarr format 3 array \(zarr\.json\), which zarr "
+                r"2\.18\.7 cannot read: install zarr>=3 .* zarr_format=2",
+            ):
+                open_zarr_array(path)
+        with pytest.raises(ValueError, match=r"v2\.zarr is not a readable zarr array"):
+            open_zarr_array(f"{server.url}/v2.zarr")  # other errors are named as they were
 
 
 def test_a_zarr_2_array_is_checked_and_fingerprinted_by_its_chunk_keys(tmp_path) -> None:

@@ -92,6 +92,14 @@ def zarr_exists(path: str | Path, storage_options: dict[str, Any] | None = None)
         ) from None
 
 
+def _holds(path: str | Path, name: str, storage_options: dict[str, Any] | None) -> bool:
+    """Whether the folder or URL ``path`` holds the file ``name``."""
+    if not is_url(path):
+        return (Path(path).expanduser() / name).exists()
+    fs, root = _filesystem(str(path), storage_options)
+    return bool(fs.exists(f"{root.rstrip('/')}/{name}"))
+
+
 def chunk_key_encoder(arr: Any) -> Callable[[tuple[int, ...]], str] | None:
     """``chunk coordinates -> the chunk's file name`` relative to the array's folder (``"0.1"``,
     ``"c/0/1"``), or ``None`` for an array that is not zarr's (numpy).
@@ -156,6 +164,13 @@ def open_zarr_array(path: str | Path, *, storage_options: dict[str, Any] | None 
         else:
             arr = zarr.open(str(path), mode="r")
     except Exception as err:  # zarr's errors differ by version and store; all mean "not zarr"
+        if int(zarr.__version__.split(".")[0]) < 3 and _holds(path, "zarr.json", storage_options):
+            raise ValueError(
+                f"{path} is a zarr format 3 array (zarr.json), which zarr {zarr.__version__} "
+                "cannot read: install zarr>=3 (`pip install 'zarr>=3'`, on Python >= 3.11), or "
+                "write the array again in zarr format 2 with zarr 3 "
+                "(zarr.create_array(..., zarr_format=2))"
+            ) from None
         raise ValueError(
             f"{path} is not a readable zarr array ({type(err).__name__}: {err}); point to a 2-D "
             "zarr token array (such as LongCrawl64's train.zarr), or to a token folder made by "

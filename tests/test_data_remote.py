@@ -373,6 +373,18 @@ def test_missing_remote_data_and_filesystem_packages_are_explained(tmp_path, mon
     with pytest.raises(ImportError, match=r"needs gcsfs: `pip install gcsfs`"):
         build_sources(_lc_cfg("gs://longcrawl64", val_tokens=0))
 
+    def without_aiohttp(url, **kwargs):  # what fsspec raises where aiohttp is not installed
+        raise ImportError('HTTPFileSystem requires "requests" and "aiohttp" to be installed')
+
+    # `pip install -e .` installs no aiohttp: the error said `pip install the fsspec
+    # filesystem for http://`
+    monkeypatch.setattr("fsspec.core.url_to_fs", without_aiohttp)
+    for url in ("http://127.0.0.1:8000/lc", "https://example.org/lc"):
+        with pytest.raises(
+            ImportError, match=r"lc/train\.zarr needs aiohttp: `pip install aiohttp`"
+        ):
+            build_sources(_lc_cfg(url, val_tokens=0))
+
 
 def test_a_url_that_does_not_answer_is_not_said_to_hold_no_array(tmp_path, caplog) -> None:
     """An array behind a URL that refuses the request (credentials) or a host that does not

@@ -2,9 +2,9 @@
 
 ``data.path`` may be a folder or a URL that fsspec knows: ``gs://<bucket>/longcrawl64``
 streams a copy of LongCrawl64 from a Google Cloud bucket (``pip install gcsfs``; its own bucket,
-``gs://longcrawl64``, is reported gone), ``s3://...`` needs ``s3fs``, ``https://...`` and
-``hf://datasets/<repo>`` work as they are. ``data.storage_options`` goes to the filesystem (credentials,
-``{token: anon}`` for gcsfs, HTTP headers).
+``gs://longcrawl64``, is reported gone), ``s3://...`` needs ``s3fs``, ``https://...`` needs
+``aiohttp``, ``hf://datasets/<repo>`` works as it is. ``data.storage_options`` goes to the
+filesystem (credentials, ``{token: anon}`` for gcsfs, HTTP headers).
 
 zarr reads whole chunks, so a step that reads 32 rows of one column would fetch (and decode)
 every chunk it touches again at the next step, however few of its rows it used. A
@@ -42,7 +42,15 @@ CACHE_BYTES = 256 << 20
 MAX_AUTO_CACHE_BYTES = 4 << 30
 """The most :func:`cache_bytes_for` gives (a larger cache is asked for explicitly)."""
 
-_FILESYSTEM_PACKAGES = {"gs": "gcsfs", "gcs": "gcsfs", "s3": "s3fs", "az": "adlfs", "abfs": "adlfs"}
+_FILESYSTEM_PACKAGES = {
+    "gs": "gcsfs",
+    "gcs": "gcsfs",
+    "s3": "s3fs",
+    "az": "adlfs",
+    "abfs": "adlfs",
+    "http": "aiohttp",
+    "https": "aiohttp",
+}
 
 
 def is_url(path: str | Path) -> bool:

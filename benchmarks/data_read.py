@@ -31,8 +31,8 @@ from fot.data.zarr_store import ChunkReader, open_zarr_array
 def _write(path: Path, rows: int, row_len: int, chunk_rows: int, chunk_cols: int) -> None:
     import zarr
 
-    arr = zarr.create_array(
-        str(path), shape=(rows, row_len), chunks=(chunk_rows, chunk_cols), dtype="uint16"
+    arr = zarr.open_array(  # zarr.create_array is zarr 3's alone (Python 3.10 installs zarr 2)
+        str(path), mode="w", shape=(rows, row_len), chunks=(chunk_rows, chunk_cols), dtype="uint16"
     )
     rng = np.random.default_rng(0)
     for r in range(0, rows, 256):  # Zipf-distributed ids: they compress about as text's do

@@ -87,10 +87,6 @@ STORAGE_OPTIONS_HELP = (
 )
 
 
-class MissingPackageError(FotError, ImportError):
-    """A package that reading an input needs (a URL's filesystem, such as gcsfs) is missing."""
-
-
 def json_object(text: str) -> dict[str, Any]:
     """An ``argparse`` type for a JSON object (``--storage-options``).
 

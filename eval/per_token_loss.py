@@ -34,11 +34,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from fot.errors import MissingPackageError
 from fot.interrupt import check_stop
 
 from .common import (
     CONTEXT_LENGTH_HELP,
-    MissingPackageError,
     add_run_arguments,
     add_storage_options_argument,
     check_out_shared,

@@ -23,6 +23,10 @@ class FotError(Exception):
     """
 
 
+class MissingPackageError(FotError, ImportError):
+    """A package that reading an input needs (a URL's filesystem, such as gcsfs) is missing."""
+
+
 # Built-in errors that fot raises for a bad config, bad data, a missing or existing file or an
 # unreachable hub; with :class:`FotError` these are what the command lines print as one line.
 USER_ERRORS: tuple[type[BaseException], ...] = (

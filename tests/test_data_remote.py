@@ -21,6 +21,7 @@ from omegaconf import OmegaConf
 from fot.data.loaders import URL_READ_RETRIES, build_sources
 from fot.data.streams import SequenceStream, ZarrRowsSource
 from fot.data.zarr_store import ChunkReader, open_zarr_array
+from fot.errors import USER_ERRORS
 from fot.training import register_configs, train
 from fot.training.config import DataConfig
 
@@ -370,8 +371,10 @@ def test_missing_remote_data_and_filesystem_packages_are_explained(tmp_path, mon
         tokens.path = f"{server.url}/lc/train.zarr"  # an array at a URL works for data=tokens
         assert build_sources(tokens)[0].num_sequences == 16
     monkeypatch.setitem(sys.modules, "gcsfs", None)  # not installed
-    with pytest.raises(ImportError, match=r"needs gcsfs: `pip install gcsfs`"):
+    with pytest.raises(ImportError, match=r"needs gcsfs: `pip install gcsfs`") as err:
         build_sources(_lc_cfg("gs://longcrawl64", val_tokens=0))
+    # train.py prints it as one line (a plain ImportError printed a traceback)
+    assert isinstance(err.value, USER_ERRORS)
 
     def without_aiohttp(url, **kwargs):  # what fsspec raises where aiohttp is not installed
         raise ImportError('HTTPFileSystem requires "requests" and "aiohttp" to be installed')

@@ -32,6 +32,8 @@ from typing import Any
 
 import numpy as np
 
+from fot.errors import MissingPackageError
+
 logger = logging.getLogger("fot.data")
 
 ZARR_METADATA = ("zarr.json", ".zarray", ".zgroup")
@@ -74,7 +76,7 @@ def _filesystem(url: str, storage_options: dict[str, Any] | None) -> tuple[Any, 
     except ImportError as err:
         protocol = url.split("://", 1)[0]
         package = _FILESYSTEM_PACKAGES.get(protocol, f"the fsspec filesystem for {protocol}://")
-        raise ImportError(
+        raise MissingPackageError(
             f"reading {url} needs {package}: `pip install {package}` ({err})"
         ) from None
     except ValueError as err:  # unknown protocol
@@ -147,7 +149,7 @@ def open_zarr_array(path: str | Path, *, storage_options: dict[str, Any] | None 
     Raises:
         FileNotFoundError: nothing at ``path``, with where LongCrawl64 is found.
         ValueError: not a zarr array (a group, or unreadable metadata).
-        ImportError: a URL whose filesystem package (gcsfs, s3fs) is not installed.
+        MissingPackageError: a URL whose filesystem package (gcsfs, s3fs) is not installed.
     """
     import zarr
 

@@ -512,6 +512,37 @@ def test_zarr_2_names_a_zarr_format_3_array_and_the_fix(tmp_path, monkeypatch) -
             open_zarr_array(f"{server.url}/v2.zarr")  # other errors are named as they were
 
 
+def test_a_chunk_missing_behind_a_url_stops_the_read_without_a_fill_value(tmp_path) -> None:
+    """An array with ``fill_value: null`` read its missing chunks as zeros (zarr 3) or
+    arbitrary ids (zarr 2) without an error: nothing told them from real tokens. Each chunk is
+    now looked up once, the first time it is read."""
+    import zarr
+
+    from fot.data.zarr_store import chunk_checker
+
+    data = np.random.default_rng(0).integers(1, 50000, (8, 64)).astype(np.uint16)
+    arr = zarr.create_array(str(tmp_path / "a.zarr"), shape=data.shape, chunks=(4, 32),
+                            dtype="uint16", zarr_format=2, fill_value=None)  # fmt: skip
+    arr[:] = data
+    (tmp_path / "a.zarr" / "1.1").unlink()
+    with serve(tmp_path) as server:
+        url = f"{server.url}/a.zarr"
+        arr = open_zarr_array(url)
+        assert arr.fill_value is None
+        check, asked = chunk_checker(arr, url), []
+
+        def exists(coords: tuple[int, int]) -> bool:
+            asked.append(coords)
+            return check(coords)
+
+        reader = ChunkReader(arr, name="a.zarr", chunk_exists=exists, cache_bytes=0)
+        for _ in range(2):
+            np.testing.assert_array_equal(reader.read(0, 8, 0, 32), data[:, :32])
+        assert sorted(asked) == [(0, 0), (1, 0)]  # once each
+        with pytest.raises(FileNotFoundError, match=r"chunk \(1, 1\) of a\.zarr .* zeros or"):
+            reader.read(2, 6, 20, 40)
+
+
 def test_a_zarr_2_array_is_checked_and_fingerprinted_by_its_chunk_keys(tmp_path) -> None:
     """zarr 2 (what Python 3.10 installs) has no ``metadata.encode_chunk_key``: the missing-chunk
     check was off (missing chunks read as zeros) and fot.eval's fingerprint of a URL array

@@ -212,7 +212,8 @@ def _warn_if_chunks_are_missing(arr: Any, path: str | Path) -> None:
             total,
             f"token id {arr.fill_value}"
             if arr.fill_value is not None
-            else "what zarr reads where an array has no fill_value (0 in zarr 3)",
+            else "what zarr reads where an array has no fill_value (0 in zarr 3, whatever "
+            "memory held in zarr 2)",
             Path(path).name,
             path,
         )
@@ -315,6 +316,7 @@ class ChunkReader:
         self._pending: dict[Key, Future] = {}
         self._lock = threading.Lock()
         self._worker: _Worker | None = None
+        self._stored: set[tuple[int, int]] = set()  # chunks looked up (no fill value)
 
     # ---- reading -----------------------------------------------------------------------
 
@@ -326,22 +328,34 @@ class ChunkReader:
         return block
 
     def _refuse_missing_chunks(self, block: np.ndarray, r0: int, c0: int) -> None:
-        """Raise where a chunk of ``block`` (at ``r0, c0``) is all fill value and not stored."""
+        """Raise where a chunk of ``block`` (at ``r0, c0``) is all fill value and not stored.
+
+        An array without a fill value (``fill_value: null``) gives no sign of a missing chunk
+        (zarr 3 reads zeros, zarr 2 whatever memory held): each of its chunks is looked up
+        once, the first time it is read.
+        """
         cr, cc, fill = self.chunk_rows, self.chunk_cols, self.fill_value
         rows, cols = block.shape
         for i in range(r0 // cr, (r0 + rows - 1) // cr + 1):
             rs = slice(max(i * cr, r0) - r0, min((i + 1) * cr, r0 + rows) - r0)
             for j in range(c0 // cc, (c0 + cols - 1) // cc + 1):
-                cell = block[rs, max(j * cc, c0) - c0 : min((j + 1) * cc, c0 + cols) - c0]
-                if cell.flat[0] != fill or not (cell == fill).all():
-                    continue
+                if fill is None:
+                    if (i, j) in self._stored:
+                        continue
+                else:
+                    cell = block[rs, max(j * cc, c0) - c0 : min((j + 1) * cc, c0 + cols) - c0]
+                    if cell.flat[0] != fill or not (cell == fill).all():
+                        continue
                 if not self.chunk_exists((i, j)):  # one line from train.py and fot.eval
+                    reads_as = "zeros or arbitrary ids" if fill is None else f"token id {fill}"
                     raise FileNotFoundError(
                         f"chunk ({i}, {j}) of {self.name} (rows {i * cr}..{(i + 1) * cr - 1}, "
                         f"columns {j * cc}..{(j + 1) * cc - 1}) is not there: zarr would read "
-                        f"it as token id {fill}. The copy at this URL is incomplete; train on a "
+                        f"it as {reads_as}. The copy at this URL is incomplete; train on a "
                         "complete copy (check the chunk count of the original)"
                     )
+                if fill is None:
+                    self._stored.add((i, j))
 
     def _read_retried(self, r0: int, r1: int, c0: int, c1: int, retries: int | None) -> np.ndarray:
         n = self.retries if retries is None else retries

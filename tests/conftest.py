@@ -5,7 +5,9 @@
   before triton is imported. Triton's autotuner would still benchmark every config through the
   GPU driver ("0 active drivers"), so under the interpreter its benchmark is replaced by a
   no-op timing and the first config runs.
-* ``@pytest.mark.gpu`` tests are skipped (and reported as skipped) without CUDA.
+* ``@pytest.mark.gpu`` tests are skipped (and reported as skipped) without CUDA. With CUDA they
+  share one pytest-xdist worker (``--dist loadgroup``), so that up to 4 workers never run the
+  large ones on one GPU at once.
 * The ``device`` fixture is where a test that runs Triton kernels (ours or FLA's) puts its
   models and tensors: CUDA on a GPU machine (there the kernels are compiled and cannot read CPU
   tensors), CPU under the interpreter otherwise. Such a test runs on both kinds of machines.
@@ -55,8 +57,12 @@ def device():
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if HAS_CUDA:
+    if HAS_CUDA:  # under pytest-xdist (`--dist loadgroup`) one worker runs them, one at a time
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(pytest.mark.xdist_group("gpu"))
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:

@@ -543,6 +543,35 @@ def test_a_chunk_missing_behind_a_url_stops_the_read_without_a_fill_value(tmp_pa
             reader.read(2, 6, 20, 40)
 
 
+def test_a_failed_chunk_lookup_is_retried_not_called_a_missing_chunk(tmp_path) -> None:
+    """fsspec's ``exists`` answers ``False`` to a 503: one failed lookup of a stored chunk
+    stopped the run, blaming an incomplete copy. Only "not found" counts as missing now; other
+    failures are retried with the read."""
+    import zarr
+
+    from fot.data.zarr_store import chunk_checker
+
+    data = np.random.default_rng(0).integers(1, 50000, (8, 64)).astype(np.uint16)
+    arr = zarr.create_array(str(tmp_path / "a.zarr"), shape=data.shape, chunks=(4, 32),
+                            dtype="uint16", zarr_format=2, fill_value=None)  # fmt: skip
+    arr[:] = data
+    gets: list[str] = []
+
+    def once_unavailable(method: str, path: str) -> int | None:
+        if method == "GET" and path.endswith("/a.zarr/0.0"):
+            gets.append(path)
+            return 503 if len(gets) == 2 else None  # the lookup after zarr's read
+        return None
+
+    with serve(tmp_path, status=once_unavailable) as server:
+        url = f"{server.url}/a.zarr"
+        arr = open_zarr_array(url)
+        reader = ChunkReader(arr, name="a.zarr", chunk_exists=chunk_checker(arr, url),
+                             retries=2, retry_wait_s=0.01, cache_bytes=0)  # fmt: skip
+        np.testing.assert_array_equal(reader.read(0, 4, 0, 32), data[:4, :32])
+    assert len(gets) >= 3  # the read, the failed lookup, then again
+
+
 def test_a_zarr_2_array_is_checked_and_fingerprinted_by_its_chunk_keys(tmp_path) -> None:
     """zarr 2 (what Python 3.10 installs) has no ``metadata.encode_chunk_key``: the missing-chunk
     check was off (missing chunks read as zeros) and fot.eval's fingerprint of a URL array

@@ -125,7 +125,13 @@ def chunk_checker(
     arr: Any, url: str, storage_options: dict[str, Any] | None = None
 ) -> Callable[[tuple[int, int]], bool] | None:
     """``(chunk row, chunk column) -> bool``: whether the chunk's file is stored at ``url``,
-    for :class:`ChunkReader` (``None`` for a sharded array, whose chunks live inside shards)."""
+    for :class:`ChunkReader` (``None`` for a sharded array, whose chunks live inside shards).
+
+    Only "not found" answers ``False``; any other failure (HTTP 503, a dropped connection)
+    raises, for the reader to retry. fsspec's ``exists`` answers ``False`` to every failure,
+    and its HTTP ``info`` raises ``FileNotFoundError`` for every failure: HTTP asks
+    ``exists(strict=True)``, the other filesystems ``info``.
+    """
     if getattr(arr, "shards", None) is not None:
         return None
     encode = chunk_key_encoder(arr)
@@ -133,7 +139,20 @@ def chunk_checker(
         return None
     fs, root = _filesystem(url, storage_options)
     root = root.rstrip("/")
-    return lambda coords: bool(fs.exists(f"{root}/{encode(coords)}"))
+    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
+    http = bool({"http", "https"} & set(protocols))
+
+    def stored(coords: tuple[int, int]) -> bool:
+        path = f"{root}/{encode(coords)}"
+        if http:
+            return bool(fs.exists(path, strict=True))
+        try:
+            fs.info(path)
+        except FileNotFoundError:
+            return False
+        return True
+
+    return stored
 
 
 def open_zarr_array(path: str | Path, *, storage_options: dict[str, Any] | None = None) -> Any:
@@ -321,11 +340,9 @@ class ChunkReader:
     # ---- reading -----------------------------------------------------------------------
 
     def _get(self, r0: int, r1: int, c0: int, c1: int, *, retries: int | None = None) -> np.ndarray:
-        """``array[r0:r1, c0:c1]`` as numpy, retried ``retries`` times (default: the reader's)."""
-        block = self._read_retried(r0, r1, c0, c1, retries)
-        if self.chunk_exists is not None:
-            self._refuse_missing_chunks(block, r0, c0)
-        return block
+        """``array[r0:r1, c0:c1]`` as numpy, retried ``retries`` times (default: the reader's),
+        with its missing chunks refused (a failed lookup is retried with the read)."""
+        return self._read_retried(r0, r1, c0, c1, retries)
 
     def _refuse_missing_chunks(self, block: np.ndarray, r0: int, c0: int) -> None:
         """Raise where a chunk of ``block`` (at ``r0, c0``) is all fill value and not stored.
@@ -357,15 +374,23 @@ class ChunkReader:
                 if fill is None:
                     self._stored.add((i, j))
 
+    def _read_checked(self, r0: int, r1: int, c0: int, c1: int) -> np.ndarray:
+        block = np.asarray(self.array[r0:r1, c0:c1])
+        if self.chunk_exists is not None:
+            self._refuse_missing_chunks(block, r0, c0)
+        return block
+
     def _read_retried(self, r0: int, r1: int, c0: int, c1: int, retries: int | None) -> np.ndarray:
         n = self.retries if retries is None else retries
         attempt = 0
         while True:
             self.fetches += 1
             if n == 0:
-                return np.asarray(self.array[r0:r1, c0:c1])
+                return self._read_checked(r0, r1, c0, c1)
             try:
-                return np.asarray(self.array[r0:r1, c0:c1])
+                return self._read_checked(r0, r1, c0, c1)
+            except FileNotFoundError:  # a chunk that is not stored: no retry brings it
+                raise
             except Exception as err:  # network errors come in many types (aiohttp, gcsfs, OSError)
                 if attempt == n:  # a ConnectionError prints as one line (fot.errors)
                     raise ConnectionError(

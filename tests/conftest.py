@@ -60,6 +60,8 @@ def device():
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if HAS_CUDA:  # under pytest-xdist (`--dist loadgroup`) one worker runs them, one at a time
+        if not config.pluginmanager.hasplugin("xdist"):  # its marker is unknown without it
+            return
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(pytest.mark.xdist_group("gpu"))

@@ -491,7 +491,7 @@ def test_zarr_2_names_a_zarr_format_3_array_and_the_fix(tmp_path, monkeypatch) -
     import zarr
 
     class PathNotFoundError(Exception):
-        pass
+        """zarr 2's error for a folder without zarr 2 metadata."""
 
     def zarr_2_open(store, mode="r", **kwargs):
         raise PathNotFoundError("nothing found at path ''")

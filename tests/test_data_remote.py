@@ -158,6 +158,16 @@ def test_data_cache_mib_reaches_the_reader_and_a_small_one_warns(tmp_path, caplo
     with caplog.at_level(logging.WARNING, logger="fot.data"):
         build_sources(cfg)
     assert "takes 128 MiB" in caplog.text and "set data.cache_mib=512" in caplog.text
+    # data that is not a zarr array has no chunk cache: said, not ignored
+    np.save(tmp_path / "flat.npy", data.reshape(-1))
+    for kind, path in [("tokens", str(tmp_path / "flat.npy")), ("sample", None)]:
+        caplog.clear()
+        cfg = OmegaConf.structured(
+            DataConfig(kind=kind, seq_len=16, packing="causal", path=path, cache_mib=64)
+        )
+        with caplog.at_level(logging.WARNING, logger="fot.data"):
+            build_sources(cfg)
+        assert "data.cache_mib has no effect with" in caplog.text, kind
 
 
 def test_the_stream_fetches_the_next_step_in_the_background(tmp_path) -> None:

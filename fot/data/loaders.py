@@ -93,6 +93,14 @@ def _zarr_source(
     return source
 
 
+def _warn_cache_unused(what: str) -> None:
+    _warn(
+        "data.cache_mib has no effect with %s: only 2-D zarr arrays (data=longcrawl64, or "
+        "data=tokens with a .zarr) are read through the chunk cache; leave data.cache_mib out",
+        what,
+    )
+
+
 def _warn_if_cache_is_small(source: ZarrRowsSource, key: str) -> None:
     """Warn when the chunk cache cannot hold the four chunk rows that cached reads need."""
     reader = source.reader
@@ -158,6 +166,8 @@ def open_token_path(
         raise FileNotFoundError(f"{key}={p} does not exist. {_prepare_hint(key)}")
     if is_zarr(p):
         return _zarr_source(key, p, seq_len, packing, cache_bytes=cache_bytes)
+    if cache_bytes is not None:
+        _warn_cache_unused(f"{key}={p}, which is not a zarr array")
     if p.is_dir():
         docs = TokenDocuments(p)
         return _named(key, p, lambda: _documents_source(docs, seq_len, packing))
@@ -362,6 +372,8 @@ def build_sources(cfg: Any, *, val_unit: int | None = None) -> tuple[Any, Any | 
     if cfg.packing not in PACKINGS:
         raise ValueError(f"data.packing={cfg.packing!r} is not one of {list(PACKINGS)}")
     _refuse_unused_paths(cfg)
+    if cfg.kind in ("sample", "hf") and getattr(cfg, "cache_mib", None) is not None:
+        _warn_cache_unused(f"data={cfg.kind}")
     T = int(cfg.seq_len)
     want_val = cfg.val_tokens > 0
     if cfg.kind == "sample":

@@ -302,8 +302,9 @@ class ChunkReader:
         retry_wait_s: the first wait.
         name: the array's path or URL, for messages.
         chunk_exists: ``(chunk row, chunk column) -> bool``, asked about a chunk that reads as
-            nothing but the fill value: ``False`` (not stored) stops the read with an error,
-            where zarr gives the fill value without a word (:func:`chunk_checker`).
+            nothing but the fill value (about every chunk, once, where the array has none):
+            ``False`` (not stored) stops the read with an error, where zarr gives the fill
+            value without a word (:func:`chunk_checker`).
     """
 
     def __init__(
@@ -338,11 +339,6 @@ class ChunkReader:
         self._stored: set[tuple[int, int]] = set()  # chunks looked up (no fill value)
 
     # ---- reading -----------------------------------------------------------------------
-
-    def _get(self, r0: int, r1: int, c0: int, c1: int, *, retries: int | None = None) -> np.ndarray:
-        """``array[r0:r1, c0:c1]`` as numpy, retried ``retries`` times (default: the reader's),
-        with its missing chunks refused (a failed lookup is retried with the read)."""
-        return self._read_retried(r0, r1, c0, c1, retries)
 
     def _refuse_missing_chunks(self, block: np.ndarray, r0: int, c0: int) -> None:
         """Raise where a chunk of ``block`` (at ``r0, c0``) is all fill value and not stored.
@@ -380,7 +376,9 @@ class ChunkReader:
             self._refuse_missing_chunks(block, r0, c0)
         return block
 
-    def _read_retried(self, r0: int, r1: int, c0: int, c1: int, retries: int | None) -> np.ndarray:
+    def _get(self, r0: int, r1: int, c0: int, c1: int, *, retries: int | None = None) -> np.ndarray:
+        """``array[r0:r1, c0:c1]`` as numpy, retried ``retries`` times (default: the reader's),
+        with its missing chunks refused (a failed lookup is retried with the read)."""
         n = self.retries if retries is None else retries
         attempt = 0
         while True:

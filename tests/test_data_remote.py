@@ -614,3 +614,21 @@ def test_a_zarr_2_array_is_checked_and_fingerprinted_by_its_chunk_keys(tmp_path)
             reader.read(4, 8, 32, 64)
         # the same files, the same fingerprint as zarr 3 gives the array
         assert zarr_url_fingerprint(url, arr) == zarr_url_fingerprint(url, zarr3)
+
+
+@pytest.mark.parametrize("fmt", [2, 3])
+def test_opening_an_array_behind_a_url_asks_for_no_more_than_zarr_does(tmp_path, fmt) -> None:
+    """open_zarr_array on a URL sends the metadata requests of zarr.open itself and no more (an
+    existence check first sent them twice); a URL with nothing there still says so."""
+    import zarr
+
+    _zarr(tmp_path / "a.zarr", 8, 32, (4, 32), fmt=fmt)
+    with serve(tmp_path) as server:
+        zarr.open(f"{server.url}/a.zarr", mode="r")
+        by_zarr = list(server.requests)
+        server.requests.clear()
+        arr = open_zarr_array(f"{server.url}/a.zarr")
+        assert sorted(server.requests) == sorted(by_zarr)
+        assert arr.shape == (8, 32)
+        with pytest.raises(FileNotFoundError, match=r"zarr array .*/b\.zarr does not exist"):
+            open_zarr_array(f"{server.url}/b.zarr")

@@ -172,27 +172,30 @@ def open_zarr_array(path: str | Path, *, storage_options: dict[str, Any] | None 
     """
     import zarr
 
+    missing = FileNotFoundError(
+        f"zarr array {path} does not exist. LongCrawl64 "
+        "(https://manifestai.com/articles/longcrawl64): put train.zarr and heldout.zarr "
+        "into one folder, on a disk or behind a URL (gs://, s3://, https://), and set "
+        "data.path=<that folder>; or turn your own text into tokens with "
+        "`python -m fot.data.prepare --help`."
+    )
     url = is_url(path)
     if url:
         _filesystem(str(path), storage_options)  # the package to install, named
-        found = zarr_exists(path, storage_options)
     else:
         path = Path(path).expanduser()
-        found = path.exists()
-    if not found:
-        raise FileNotFoundError(
-            f"zarr array {path} does not exist. LongCrawl64 "
-            "(https://manifestai.com/articles/longcrawl64): put train.zarr and heldout.zarr "
-            "into one folder, on a disk or behind a URL (gs://, s3://, https://), and set "
-            "data.path=<that folder>; or turn your own text into tokens with "
-            "`python -m fot.data.prepare --help`."
-        )
+        if not path.exists():
+            raise missing
     try:
         if url:
             arr = zarr.open(str(path), mode="r", storage_options=storage_options or {})
         else:
             arr = zarr.open(str(path), mode="r")
     except Exception as err:  # zarr's errors differ by version and store; all mean "not zarr"
+        # Behind a URL, whether anything is there is asked only when the open fails: asked
+        # first, it would cost a request per metadata file name on every successful open.
+        if url and not zarr_exists(path, storage_options):
+            raise missing from None
         if int(zarr.__version__.split(".")[0]) < 3 and _holds(path, "zarr.json", storage_options):
             raise ValueError(
                 f"{path} is a zarr format 3 array (zarr.json), which zarr {zarr.__version__} "

@@ -758,7 +758,10 @@ def test_log_gate_stays_fp32_under_autocast_and_gradient_checkpointing_works() -
     m.train()(x, shift_labels=y).loss.backward()
     want = [p.grad.clone() for p in m.parameters()]
     m.zero_grad()
-    m.activation_checkpointing_enable({"use_reentrant": False})
+    # activation_checkpointing_enable from transformers 5.23 on; before, its (now deprecated)
+    # alias gradient_checkpointing_enable, the only name in 5.20.2 (Python 3.10's newest)
+    enable = getattr(m, "activation_checkpointing_enable", None) or m.gradient_checkpointing_enable
+    enable({"use_reentrant": False})
     assert all(layer.gradient_checkpointing for layer in m.model.layers)
     m(x, shift_labels=y).loss.backward()
     for w, p in zip(want, m.parameters()):

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -32,33 +35,39 @@ def _documents(path: Path, n_docs: int = 400, seed: int = 0) -> Path:
     return path
 
 
+def _overrides(out_dir: Path, data: Path, *overrides: str) -> list[str]:
+    return [
+        "++model.overrides={hidden_size:64,num_hidden_layers:2,num_heads:2}",
+        "data=tokens",
+        f"data.path={data}",
+        f"data.val_path={data}",
+        "data.seq_len=64",
+        "data.packing=padded",
+        "data.val_tokens=256",
+        "global_batch_tokens=256",
+        "micro_batch_size=2",  # two micro batches per step
+        "total_tokens=2560",
+        "log_every_tokens=256",  # every step
+        "val_every_tokens=1280",
+        "ckpt_every_tokens=1280",  # one checkpoint between replays
+        "schedule.warmup_tokens=1024",  # a new learning rate every step
+        "optim.lr=0.01",
+        "export_hf=false",
+        "progress=false",
+        "wandb.mode=disabled",
+        f"out_dir={out_dir}",
+        *overrides,
+    ]
+
+
 def _cfg(out_dir: Path, data: Path, *overrides: str):
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
-        return compose(
-            "train",
-            overrides=[
-                "++model.overrides={hidden_size:64,num_hidden_layers:2,num_heads:2}",
-                "data=tokens",
-                f"data.path={data}",
-                f"data.val_path={data}",
-                "data.seq_len=64",
-                "data.packing=padded",
-                "data.val_tokens=256",
-                "global_batch_tokens=256",
-                "micro_batch_size=2",  # two micro batches per step
-                "total_tokens=2560",
-                "log_every_tokens=256",  # every step
-                "val_every_tokens=1280",
-                "ckpt_every_tokens=1280",  # one checkpoint between replays
-                "schedule.warmup_tokens=1024",  # a new learning rate every step
-                "optim.lr=0.01",
-                "export_hf=false",
-                "progress=false",
-                "wandb.mode=disabled",
-                f"out_dir={out_dir}",
-                *overrides,
-            ],
-        )
+        return compose("train", overrides=_overrides(out_dir, data, *overrides))
+
+
+def _pythonpath() -> str:
+    """PYTHONPATH for a subprocess: the checkout first, then what this process was given."""
+    return os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 
 
 def _records(out_dir: Path) -> list[dict]:
@@ -78,13 +87,14 @@ def test_config_checks_name_the_fix() -> None:
     cuda = torch.device("cuda", 0)
     with pytest.raises(ValueError, match=r"needs a CUDA device.*cuda_graphs=false"):
         check_cuda_graphs(on, strategy="single", device=torch.device("cpu"))
-    with pytest.raises(ValueError, match=r"parallel=ddp.*use parallel=single"):
-        check_cuda_graphs(on, strategy="ddp", device=cuda)
+    with pytest.raises(ValueError, match=r"parallel=fsdp.*use parallel=ddp or single"):
+        check_cuda_graphs(on, strategy="fsdp", device=cuda)
     with pytest.raises(ValueError, match=r"parallel\.compile=false"):
         check_cuda_graphs(
             ParallelConfig(cuda_graphs=True, compile=True), strategy="single", device=cuda
         )
     check_cuda_graphs(on, strategy="single", device=cuda)  # what it is for
+    check_cuda_graphs(on, strategy="ddp", device=cuda)
     check_cuda_graphs(ParallelConfig(), strategy="ddp", device=torch.device("cpu"))  # off
 
 
@@ -100,6 +110,32 @@ def test_graphed_step_needs_a_capturable_optimizer() -> None:
     opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))])
     with pytest.raises(ValueError, match="capturable=True"):
         GraphedStep(lambda *a: None, opt, device=torch.device("cpu"))
+
+
+def test_all_reduce_gradients_equals_ddp(tmp_path) -> None:
+    """parallel=ddp with CUDA graphs averages gradients itself: on two CPU processes (gloo)
+    its gradients equal DDP's, bit for bit, and differ from each rank's own."""
+    env = {**os.environ, "PYTHONPATH": _pythonpath(), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "tests" / "ddp_gradients.py"), str(tmp_path)]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
+    for res in results:
+        assert len(res["ddp"]) == len(res["ours"]) > 10
+        assert all(torch.equal(a, b) for a, b in zip(res["ddp"], res["ours"], strict=True))
+        assert not all(torch.equal(a, b) for a, b in zip(res["ours"], res["local"], strict=True))
+    pairs = zip(results[0]["ours"], results[1]["ours"], strict=True)
+    assert all(torch.equal(a, b) for a, b in pairs)
+
+
+def test_all_reduce_gradients_names_a_parameter_without_gradient() -> None:
+    from fot.training.parallel import all_reduce_gradients
+
+    params = [torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(3, 4))]
+    params[0].grad = torch.ones(2)
+    with pytest.raises(ValueError, match=r"parameter 1 \(3, 4\) got no gradient"):
+        all_reduce_gradients(params, world_size=2)
 
 
 @pytest.mark.parametrize("backend", ["triton", "reference"])
@@ -158,6 +194,41 @@ def test_graphed_training_equals_eager(tmp_path, caplog, act_ckpt: bool, packing
         p.name for p in list_checkpoints(tmp_path / "graphed" / "checkpoints")
     ]
     assert len(ckpts) == 2  # step 5 (between replays) and the final step 10
+    for p in ckpts:
+        wa = torch.load(p / "model.pt")
+        wb = torch.load(tmp_path / "graphed" / "checkpoints" / p.name / "model.pt")
+        assert wa.keys() == wb.keys()
+        for name in wa:
+            assert torch.equal(wa[name], wb[name]), (p.name, name)
+
+
+@pytest.mark.gpu
+def test_graphed_ddp_training_equals_eager_ddp(tmp_path) -> None:
+    """Two GPUs, parallel=ddp, two micro batches per rank and step: the graphed run (no DDP
+    wrapper; the step all-reduces the gradients inside the graph) logs the same losses,
+    gradient norms and validation as the eager DDP run, and saves the same weights."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA GPUs")
+    data = _documents(tmp_path / "docs")
+    env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": _pythonpath()}
+    for name, extra in (("eager", []), ("graphed", ["parallel.cuda_graphs=true"])):
+        out = tmp_path / name
+        args = _overrides(out, data, "device=cuda", "parallel=ddp", "micro_batch_size=1", *extra)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc_per_node=2", str(ROOT / "train.py"), *args, f"hydra.run.dir={out}"]  # fmt: skip
+        proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "captured as a CUDA graph" in (tmp_path / "graphed" / "train.log").read_text()
+
+    a, b = _records(tmp_path / "eager"), _records(tmp_path / "graphed")
+    steps = [r for r in a if "loss" in r]
+    assert len(steps) == 10 and len({r["loss"] for r in steps}) == 10
+    assert sum("val/loss" in r for r in a) == 2
+    assert _values(a) == _values(b)
+    info = json.loads((tmp_path / "graphed" / "run_info.json").read_text())[0]
+    assert info["world_size"] == 2 and info["strategy"] == "ddp" and info["accum_steps"] == 2
+    ckpts = list_checkpoints(tmp_path / "eager" / "checkpoints")
+    assert len(ckpts) == 2
     for p in ckpts:
         wa = torch.load(p / "model.pt")
         wb = torch.load(tmp_path / "graphed" / "checkpoints" / p.name / "model.pt")

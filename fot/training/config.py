@@ -130,10 +130,11 @@ class ParallelConfig:
     compile: bool = False
     """``torch.compile`` each block."""
     cuda_graphs: bool = False
-    """Replay each training step as one CUDA graph after two eager steps (one GPU,
-    ``parallel=single``; batches of one shape, ``data.packing=varlen`` included; not with
+    """Replay each training step as one CUDA graph after two eager steps (``parallel=single``
+    or ``ddp``, not ``fsdp``; batches of one shape, ``data.packing=varlen`` included; not with
     ``compile``). Removes the host's launch time from the step: worth it where the GPU work
-    per step is short (small models; FoT heads whose pruning skips most attention)."""
+    per step is short (small models; FoT heads whose pruning skips most attention). With
+    ``ddp`` the step averages the gradients itself, inside the graph, instead of DDP."""
     activation_checkpointing: bool = False
     backend: str = "auto"
     """Process group backend: ``auto`` (nccl on CUDA, gloo on CPU), ``nccl`` or ``gloo``."""

@@ -1,4 +1,4 @@
-"""The training step as one CUDA graph (``parallel.cuda_graphs=true``, one GPU).
+"""The training step as one CUDA graph (``parallel.cuda_graphs=true``, one GPU or DDP).
 
 An eager step spends host time on every kernel launch: Python, autograd and Triton's
 launcher. When the GPU work per step is short (small models, or FoT heads whose exact pruning
@@ -15,9 +15,15 @@ entries as its batch has documents, so the graph reads a fixed buffer of ``token
 entries, the step's boundaries followed by copies of the last one (empty documents at the
 end, which the kernels and the model never visit).
 
-What a graph needs, and :func:`check_cuda_graphs` / :class:`GraphedStep` check: one CUDA
-device (``parallel=single``), no ``torch.compile`` (it makes its own graphs), batches of one
-shape, and a model whose step never waits for the host.
+Several GPUs (``parallel=ddp``): the graph holds the step's collectives too. The model is
+not wrapped in DDP, whose gradient hooks a replay would skip: the step averages the gradients
+itself after its last backward (:func:`fot.training.parallel.all_reduce_gradients`, one
+all-reduce as NCCL captures it), and every rank replays its own copy of the same graph.
+
+What a graph needs, and :func:`check_cuda_graphs` / :class:`GraphedStep` check: CUDA devices
+(``parallel=single`` or ``ddp``; FSDP2's own streams and events do not replay), no
+``torch.compile`` (it makes its own graphs), batches of one shape, and a model whose step
+never waits for the host.
 """
 
 from __future__ import annotations
@@ -53,11 +59,11 @@ def check_cuda_graphs(cfg: ParallelConfig, *, strategy: str, device: torch.devic
         raise ValueError(
             f"parallel.cuda_graphs=true needs a CUDA device, this run is on {device} ({off})"
         )
-    if strategy != "single":
+    if strategy == "fsdp":
         raise ValueError(
-            f"parallel.cuda_graphs=true runs one GPU (parallel=single), this run is "
-            f"parallel={strategy}: its gradients are reduced by collectives outside the graph "
-            f"(use parallel=single, {off})"
+            "parallel.cuda_graphs=true runs parallel=single or parallel=ddp, this run is "
+            "parallel=fsdp: FSDP2 gathers and reduces parameters with its own streams and "
+            f"events, which a graph does not replay (use parallel=ddp or single, {off})"
         )
     if cfg.compile:
         raise ValueError(
@@ -108,9 +114,15 @@ class GraphedStep:
         self.graph: torch.cuda.CUDAGraph | None = None
 
     def __call__(
-        self, batches: Sequence[Batch], n_tokens: Sequence[int], scales: Sequence[float]
+        self,
+        batches: Sequence[Batch],
+        n_tokens: Sequence[int],
+        scales: Sequence[float | torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One step on CPU (or device) ``batches``; returns ``(loss_sum, grad_norm)``.
+
+        ``scales`` are Python floats, or (several processes) 0-dim CUDA tensors computed from
+        the all-reduced token count; they are copied into the graph on the GPU.
 
         After the capture the two tensors are the graph's outputs, overwritten by the next
         call: copy them (or add them to something) before calling again.
@@ -126,7 +138,10 @@ class GraphedStep:
         return self.loss_sum, self.grad_norm
 
     def _load(
-        self, batches: Sequence[Batch], n_tokens: Sequence[int], scales: Sequence[float]
+        self,
+        batches: Sequence[Batch],
+        n_tokens: Sequence[int],
+        scales: Sequence[float | torch.Tensor],
     ) -> None:
         """Copy one step's inputs into the graph's buffers (asynchronously, from pinned memory)."""
         if len(batches) != len(self.input_ids):
@@ -157,8 +172,15 @@ class GraphedStep:
                 padded = torch.full((cu.numel(),), ids.numel(), dtype=cu.dtype).pin_memory()
                 padded[:n] = b.cu_seqlens
                 cu.copy_(padded, non_blocking=True)
-        host = torch.tensor([*n_tokens, *scales], dtype=torch.float64).pin_memory()
-        self.numbers.copy_(host, non_blocking=True)
+        k = len(batches)
+        if any(isinstance(x, torch.Tensor) for x in scales):
+            # several processes: the scales come from the all-reduced token count, on the GPU
+            host = torch.tensor(n_tokens, dtype=torch.float64).pin_memory()
+            self.numbers[:k].copy_(host, non_blocking=True)
+            self.numbers[k:].copy_(torch.stack([torch.as_tensor(x) for x in scales]))
+        else:
+            host = torch.tensor([*n_tokens, *scales], dtype=torch.float64).pin_memory()
+            self.numbers.copy_(host, non_blocking=True)
         for lr, group in zip(self.lrs, self.optimizer.param_groups, strict=True):
             lr.fill_(group["lr"])
 

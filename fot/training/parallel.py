@@ -7,11 +7,13 @@ import contextlib
 import functools
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
 from fot.training.config import ParallelConfig
@@ -149,7 +151,9 @@ def parallelize(
         strategy: from :func:`resolve_strategy`.
 
     Returns:
-        The model to train (the same object for ``single``/``fsdp``, a DDP wrapper for ``ddp``).
+        The model to train: a DDP wrapper for ``ddp``, the same object otherwise (``single``,
+        ``fsdp``, and ``ddp`` with ``cfg.cuda_graphs``, whose training step then averages the
+        gradients with :func:`all_reduce_gradients`).
     """
     blocks = _blocks(model)
     if cfg.activation_checkpointing:
@@ -187,9 +191,13 @@ def parallelize(
             f"parallel.strategy={strategy} needs torchrun (e.g. `torchrun "
             "--nproc_per_node=2 train.py ...`); for one process use parallel=single"
         )
+    if strategy == "ddp" and cfg.cuda_graphs:
+        # A CUDA graph replays kernels, not DDP's autograd hooks: the step averages the
+        # gradients itself (all_reduce_gradients); the ranks start from rank 0's weights.
+        for t in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(t.data, src=0)
+        return model
     if strategy == "ddp":
-        from torch.nn.parallel import DistributedDataParallel
-
         ids = [info.device.index] if info.device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=ids)
     if strategy == "fsdp":
@@ -222,7 +230,7 @@ def accumulation(
     the next (``set_reshard_after_backward``), so each block is all-gathered once per step.
     With one micro batch per step (``last`` always true) nothing changes. ``single``: no-op.
     """
-    if strategy == "ddp" and not last:
+    if strategy == "ddp" and not last and isinstance(model, DistributedDataParallel):
         return model.no_sync()
     if strategy == "fsdp":
         model.set_requires_gradient_sync(last)
@@ -234,6 +242,38 @@ def accumulation(
 def unwrap(model: nn.Module) -> nn.Module:
     """The model under a DDP wrapper (the model itself otherwise)."""
     return getattr(model, "module", model)
+
+
+def all_reduce_gradients(params: Sequence[nn.Parameter], world_size: int) -> None:
+    """Average the gradients of ``params`` over the ranks, as DDP does, with one all-reduce per
+    gradient dtype: each gradient divided by ``world_size``, then summed (DDP's order).
+
+    What ``parallel=ddp parallel.cuda_graphs=true`` runs after a step's last backward: a CUDA
+    graph captures this all-reduce, where DDP's reduction hooks would not replay. Costs one
+    flat copy of the gradients.
+
+    Args:
+        params: the model's trainable parameters, in the same order on every rank; each must
+            have a gradient (any shape; gradients of one dtype share an all-reduce).
+        world_size: the number of ranks.
+
+    Raises:
+        ValueError: a parameter has no gradient (every rank must reduce the same tensors).
+    """
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for i, p in enumerate(params):
+        if p.grad is None:
+            raise ValueError(
+                f"parameter {i} {tuple(p.shape)} got no gradient in this step: with "
+                "parallel.cuda_graphs=true every trainable parameter must take part in the loss"
+            )
+        by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+    for grads in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in grads])  # (sum of numels,)
+        flat.div_(world_size)
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        parts = flat.split([g.numel() for g in grads])
+        torch._foreach_copy_(grads, [v.view_as(g) for v, g in zip(parts, grads, strict=True)])
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:

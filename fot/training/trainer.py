@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from fot.data.streams import Batch, SequenceStream, check_token_ids, iterate_eval_batches
 from fot.errors import FotError
@@ -43,6 +44,7 @@ from fot.training.optim import build_optimizer, lr_at, set_lr
 from fot.training.parallel import (
     DistInfo,
     accumulation,
+    all_reduce_gradients,
     all_reduce_sum,
     autocast_dtype,
     barrier,
@@ -966,6 +968,10 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
             )
         return host[0], n_tokens, host[1], flops
 
+    # parallel=ddp with CUDA graphs: no DDP wrapper (parallelize), the step reduces gradients
+    reduce_gradients = strategy == "ddp" and not isinstance(model, DistributedDataParallel)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+
     def run_step(
         batches: Sequence[Batch],
         n_tokens: Sequence[int | torch.Tensor],
@@ -984,6 +990,8 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
                     )
                 (out.loss * scale).backward()
             loss_sum += out.loss.detach().double() * n_b
+        if reduce_gradients:
+            all_reduce_gradients(trainable, info.world_size)
         all_reduce_sum(loss_sum.reshape(1))  # global sum of token losses (in place)
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         if hasattr(norm, "full_tensor"):

@@ -212,6 +212,37 @@ def test_hf_empty_or_undecodable_files_get_one_clear_error(tmp_path, streaming: 
         assert "raised by" not in line and line.count("\n") == 1  # fot's own one-line error
 
 
+def test_hf_loader_without_data_files_is_refused(tmp_path, monkeypatch, capsys) -> None:
+    """`data=hf data.path=text` without data.hf_data_files (and `prepare --hf text` without
+    --data-files) trained on whatever datasets found under the working directory: run from
+    the repository root, fot/training/*.py became the training split (found by running
+    `python train.py data=hf data.path=text`, the README's loader name, without files)."""
+    from fot.data.prepare import main
+
+    (tmp_path / "train").mkdir()
+    (tmp_path / "train" / "code.txt").write_text("not meant to be trained on\n" * 200)
+    monkeypatch.chdir(tmp_path)
+    for loader in ("text", "json"):
+        with pytest.raises(ValueError) as info:
+            build_sources(_cfg(kind="hf", path=loader, seq_len=8, val_tokens=0))
+        assert str(info.value).startswith(
+            f"data.path={loader} is datasets' {loader} loader, which needs "
+            "data.hf_data_files=<file, pattern or list>"
+        )
+        assert str(tmp_path) in str(info.value)
+        out = tmp_path / "tok"
+        assert main(["--hf", loader, "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: dataset {loader} is datasets' {loader} loader, which ")
+        assert "--data-files FILE" in err and not out.exists()
+    # with the files named, the same loader reads them (one document per text file)
+    train, _ = build_sources(
+        _cfg(kind="hf", path="text", hf_data_files="train/*.txt", seq_len=8, val_tokens=0)
+    )
+    want = _packed([(tmp_path / "train" / "code.txt").read_text()], 8)
+    np.testing.assert_array_equal(train.read(0, 2)[0], want.read(0, 2)[0])
+
+
 def test_prepare_hf_empty_or_undecodable_files_get_one_clear_error(tmp_path, capsys) -> None:
     from fot.data.prepare import main
 

@@ -38,9 +38,13 @@ class HFDataset:
         data_files: ``data_files`` for the loader (file, pattern, list, or split mapping).
         streaming: load as an ``IterableDataset``.
         where: how messages name the dataset (``"data.path=json"``, ``"dataset json"``).
+        files_option: how messages name the option that sets ``data_files``
+            (``"data.hf_data_files=<file, pattern or list>"``, ``"--data-files FILE ..."``).
 
     Raises:
-        HFDataError: datasets failed on an input file, named with the fix (:meth:`explain`).
+        HFDataError: datasets failed on an input file, named with the fix (:meth:`explain`),
+            or ``path`` is one of datasets' loaders (``text``, ``json``, ...) and no
+            ``data_files`` were given.
     """
 
     def __init__(
@@ -51,6 +55,7 @@ class HFDataset:
         data_files: Any = None,
         streaming: bool = False,
         where: str,
+        files_option: str,
     ) -> None:
         import datasets
 
@@ -59,6 +64,14 @@ class HFDataset:
         self.data_files = data_files or None
         self.streaming = streaming
         self.where = where
+        if self.data_files is None and path in _loader_names():
+            # datasets then reads the files of the working directory, whatever they hold (a
+            # `tests/` folder becomes the "test" split): the run would train on source code
+            raise HFDataError(
+                f"{where} is datasets' {path} loader, which needs {files_option} (without "
+                f"them datasets reads the files under the working directory, {Path.cwd()}); "
+                f"or name the folder that holds the files instead of {path}"
+            )
         self._data_files: Any = None
         builder = self.guard(
             lambda: datasets.load_dataset_builder(path, name=name, data_files=self.data_files),
@@ -143,6 +156,16 @@ class HFDataset:
                 f"{type(cause).__name__}: {cause}; fix or remove the file it names"
             )
         return None
+
+
+def _loader_names() -> frozenset[str]:
+    """datasets' packaged loaders (``text``, ``json``, ``csv``, ``parquet``, ...): names that
+    load the ``data_files`` given, never a hub dataset or local folder of that name."""
+    try:
+        from datasets.packaged_modules import _PACKAGED_DATASETS_MODULES
+    except ImportError:  # a datasets release that moved it: the common ones
+        return frozenset(("text", "json", "csv", "parquet", "arrow", "pandas"))
+    return frozenset(_PACKAGED_DATASETS_MODULES)
 
 
 def _first_non_utf8(files: list[str]) -> tuple[str, int, int] | None:

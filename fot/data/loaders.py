@@ -251,6 +251,7 @@ def _hf_dataset(cfg: Any) -> Any:
         data_files=files,
         streaming=bool(cfg.streaming),
         where=f"data.path={cfg.path}",
+        files_option="data.hf_data_files=<file, pattern or list>",
     )
 
 

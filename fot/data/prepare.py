@@ -250,7 +250,12 @@ def iter_hf_texts(
     from fot.data.hf import HFDataset
 
     dataset = HFDataset(
-        path, name=name, data_files=data_files, streaming=streaming, where=f"dataset {path}"
+        path,
+        name=name,
+        data_files=data_files,
+        streaming=streaming,
+        where=f"dataset {path}",
+        files_option="--data-files FILE ...",
     )
     rows = dataset.guard(lambda: iter(dataset.load(split)), split)
     nulls = 0

@@ -67,8 +67,14 @@ def chosen_maps(
     bad_layers = [li for li in layers if not -n_layers <= li < n_layers]
     bad_heads = [h for h in heads if not -n_heads <= h < n_heads]
     if bad_layers or bad_heads:
+        # only the options that hold a bad value, as typed (`--heads []` read as "no heads")
+        named = [
+            f"--{option} {','.join(map(str, bad))}"
+            for option, bad in (("layers", bad_layers), ("heads", bad_heads))
+            if bad
+        ]
         raise ValueError(
-            f"--layers {bad_layers} / --heads {bad_heads} out of range: this model has "
+            f"{' and '.join(named)} out of range: this model has "
             f"{n_layers} layers (-{n_layers}..{n_layers - 1}) and {n_heads} query heads "
             f"(-{n_heads}..{n_heads - 1})"
         )

@@ -302,7 +302,7 @@ def test_gates_cli(ckpts, tmp_path):
     assert (out / "gates.png").stat().st_size > 1000
     # Bad choices are named before anything is written.
     for argv, error, message in (
-        (["--layers", "2"], ValueError, r"--layers \[2\] / --heads \[\] out of range: .* 2 layers"),
+        (["--layers", "2"], ValueError, r"^--layers 2 out of range: .* 2 layers"),
         (["--heads", "0,x"], ValueError, "--heads '0,x': expected comma-separated integers"),
         (
             ["--text-file", str(tmp_path / "none.txt")],
@@ -327,6 +327,24 @@ def test_gates_cli(ckpts, tmp_path):
                 "cpu",
             ]
         )
+
+
+def test_gates_out_of_range_choices_name_only_the_bad_option():
+    """`--layers 0,5,-1` on a 2-layer model said `--layers [5] / --heads [] out of range`,
+    which reads as if the heads were empty (found running the eval README's gates example on
+    the tiny demo model)."""
+    from fot.eval.gates import chosen_maps
+
+    ranges = "this model has 2 layers (-2..1) and 4 query heads (-4..3)"
+    for layers, heads, named in (
+        ([0, 5, -1], [0, 3], "--layers 5"),
+        ([0], [9, -5], "--heads 9,-5"),
+        ([-3], [4], "--layers -3 and --heads 4"),
+    ):
+        with pytest.raises(ValueError) as info:
+            chosen_maps(layers, heads, 2, 4)
+        assert str(info.value) == f"{named} out of range: {ranges}"
+    assert chosen_maps([0, -1], [-1], 2, 4) == [(0, 3), (1, 3)]
 
 
 @pytest.mark.parametrize(

@@ -19,8 +19,8 @@ Offline use. Every standard lm-eval task loads its data from the Hugging Face hu
 1. fill the datasets cache once on a machine with internet (``python -m fot.eval lm-eval CKPT
    --out o`` there, or ``datasets.load_dataset`` of each task's ``dataset_path``), copy
    ``~/.cache/huggingface`` over and run with ``HF_DATASETS_OFFLINE=1``; or
-2. download each task's dataset repository (``huggingface-cli download --repo-type dataset
-   ORG/NAME --local-dir ROOT/ORG/NAME``; the repository names are the ``dataset_path`` in
+2. download each task's dataset repository (``hf download ORG/NAME --repo-type dataset
+   --local-dir ROOT/ORG/NAME``; the repository names are the ``dataset_path`` in
    lm-eval's task YAMLs, printed by ``--list-datasets``) and pass ``--dataset-root ROOT``:
    every task with a hub ``dataset_path`` reads it from ``ROOT/<dataset_path>``, and a missing
    folder is an error before anything runs; or
@@ -443,8 +443,8 @@ def local_dataset_dirs(task_manager: Any, tasks: list[str], dataset_root: str) -
             missing[task] = dataset_path
     if missing:
         lines = [
-            f"  {task}: {str(root / path)!r} is missing; download it with: huggingface-cli "
-            f"download --repo-type dataset {path} --local-dir {shlex.quote(str(root / path))}"
+            f"  {task}: {str(root / path)!r} is missing; download it with: hf download "
+            f"{path} --repo-type dataset --local-dir {shlex.quote(str(root / path))}"
             for task, path in missing.items()
         ]
         raise FileNotFoundError(
@@ -462,8 +462,8 @@ def _missing_root_message(root: Path) -> str:
     return (
         f"--dataset-root {str(root)!r} {what}; pass the folder holding the downloaded dataset "
         f"repositories as ROOT/<dataset_path> (`{program_name()} lm-eval CKPT --list-datasets "
-        "--out x` prints what to download: huggingface-cli download --repo-type dataset "
-        "ORG/NAME --local-dir ROOT/ORG/NAME), or leave --dataset-root out to read the Hugging "
+        "--out x` prints what to download: hf download ORG/NAME --repo-type dataset "
+        "--local-dir ROOT/ORG/NAME), or leave --dataset-root out to read the Hugging "
         "Face datasets cache"
     )
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import importlib.metadata
 import json
 import re
 import shutil
@@ -659,7 +660,26 @@ def test_lm_eval_dataset_root_must_hold_every_task_folder(ckpts, tmp_path):
         main([*args, "--dataset-root", str(root)])
     msg = str(err.value)
     assert repr(str(root / "fot-test" / "toyrepo2")) in msg
-    assert "huggingface-cli download --repo-type dataset fot-test/toyrepo2" in msg
+    # the download command named is one the installed huggingface_hub provides, with options
+    # its CLI knows (huggingface_hub 1.0 removed `huggingface-cli`, which the message named)
+    command = re.search(r"download it with: (.*)", msg).group(1).split()
+    assert command[1] == "download" and "fot-test/toyrepo2" in command, command
+    assert command[command.index("--repo-type") + 1] == "dataset", command
+    hub_scripts = {
+        ep.name: ep.value
+        for ep in importlib.metadata.distribution("huggingface_hub").entry_points
+        if ep.group == "console_scripts"
+    }
+    assert command[0] in hub_scripts, (command[0], hub_scripts)
+    module, function = hub_scripts[command[0]].split(":")
+    run_script = f"import sys; from {module} import {function}; sys.exit({function}())"
+    cli_help = subprocess.run(
+        [sys.executable, "-c", run_script, "download", "--help"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert cli_help.returncode == 0, cli_help.stderr
+    for option in (o for o in command if o.startswith("--")):
+        assert option in cli_help.stdout, option
     assert "--list-datasets" in msg
     assert not (tmp_path / "o").exists()  # refused before loading the model or writing
 

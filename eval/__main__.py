@@ -17,7 +17,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from fot.errors import USER_ERRORS, error_line
+from fot.errors import USER_ERRORS, error_line, parse_args_naming_typos
 from fot.eval import program_name
 from fot.interrupt import StopOnSignal
 
@@ -79,7 +79,7 @@ def main(argv: Sequence[str] | None = None) -> Any:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import fot  # noqa: F401 - installs fot.eval for source checkouts, registers FoT models
 
-    args = build_parser().parse_args(argv)
+    args = parse_args_naming_typos(build_parser(), argv)
     if getattr(args, "_missing", None):
         command, missing = args._missing
         raise SystemExit(

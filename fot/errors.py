@@ -9,8 +9,11 @@ where it was raised, and the environment variable the command names brings the t
 
 from __future__ import annotations
 
+import argparse
+import difflib
 import importlib.util
 import traceback
+from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
 
@@ -93,3 +96,38 @@ def error_line(prog: str, err: BaseException, *, traceback_variable: str) -> str
     where = raised_outside_fot(err)
     origin = f"raised by {type(err).__name__} in {where}; " if where else ""
     return f"{prog}: error: {message}\n({origin}set {traceback_variable}=1 for the traceback)"
+
+
+def parse_args_naming_typos(
+    parser: argparse.ArgumentParser, argv: Sequence[str] | None
+) -> argparse.Namespace:
+    """``parser.parse_args(argv)``, with each unknown option named with the closest known ones.
+
+    argparse says only ``unrecognized arguments: --lenght 512`` (and for an option of a
+    subcommand it prints the top-level usage): this adds ``did you mean --length?`` and uses
+    the usage of the subcommand given.
+
+    Args:
+        parser: the command line's parser (with or without subcommands).
+        argv: the arguments (``None``: ``sys.argv[1:]``).
+
+    Raises:
+        SystemExit: status 2 for unknown arguments, after printing the usage and one error line.
+    """
+    args, extras = parser.parse_known_args(argv)
+    if not extras:
+        return args
+    target = parser
+    for action in parser._actions:  # the subcommand's own parser, where one was given
+        if isinstance(action, argparse._SubParsersAction):
+            target = action.choices.get(getattr(args, action.dest, None), parser)
+    known = [o for o in target._option_string_actions if o.startswith("--")]
+    hints = []
+    for extra in extras:
+        if extra.startswith("-"):
+            close = difflib.get_close_matches(extra.split("=", 1)[0], known, n=3, cutoff=0.6)
+            if close:
+                hints.append(f"{extra}: did you mean {' or '.join(close)}?")
+    more = f" ({'; '.join(hints)})" if hints else f" (see {target.prog} --help)"
+    target.error(f"unrecognized arguments: {' '.join(extras)}{more}")
+    raise AssertionError("argparse's error() exits")  # pragma: no cover

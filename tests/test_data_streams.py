@@ -280,6 +280,26 @@ def test_prepare_cli_round_trip(tmp_path) -> None:
     assert main([str(tmp_path / "nope"), "--out", str(tmp_path / "x")]) == 2
 
 
+def test_prepare_names_the_option_a_typo_meant(tmp_path, capsys) -> None:
+    """`--globs '*.md'` said only `unrecognized arguments: --globs *.md`."""
+    from fot.data.prepare import main
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.md").write_text("Hello world, in markdown.\n")
+    out = tmp_path / "tok"
+    with pytest.raises(SystemExit) as exit_:
+        main([str(corpus), "--out", str(out), "--globs", "*.md"])
+    assert exit_.value.code == 2 and not out.exists()
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line == (
+        "python -m fot.data.prepare: error: unrecognized arguments: --globs *.md "
+        "(--globs: did you mean --glob?)"
+    )
+    assert main([str(corpus), "--out", str(out), "--glob", "*.md"]) == 0  # the option meant
+    assert json.loads((out / "meta.json").read_text())["num_documents"] == 1
+
+
 def test_prepare_never_deletes_a_folder_that_is_not_a_token_folder(tmp_path, capsys) -> None:
     from fot.data.prepare import main
     from fot.data.tokens import TokenDocuments

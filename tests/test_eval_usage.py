@@ -367,6 +367,37 @@ def test_counts_below_one_are_usage_errors(argv, tmp_path, capsys):
     assert f"argument {argv[-2]}: expected an integer >= 1, got '0'" in capsys.readouterr().err
 
 
+def test_a_mistyped_option_is_named_with_the_option_meant(tmp_path, capsys):
+    """`per-token-loss CKPT --lenght 512` printed the top-level usage and `python -m fot.eval:
+    error: unrecognized arguments: --lenght 512`, naming neither the command nor the option
+    meant (found trying eval/README.md's commands with typos)."""
+    out = str(tmp_path / "o")
+    with pytest.raises(SystemExit) as exit_:
+        main(["per-token-loss", str(tmp_path), "--lenght", "512", "--out", out])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: python -m fot.eval per-token-loss ")
+    line = err.strip().splitlines()[-1]
+    assert line.startswith(
+        "python -m fot.eval per-token-loss: error: unrecognized arguments: --lenght 512 "
+        "(--lenght: did you mean --length"
+    ), line
+    # the option named is what the command's own parser reads
+    meant = re.search(r"did you mean (--[\w-]+)", line).group(1)
+    args = eval_main.build_parser().parse_args(
+        ["per-token-loss", str(tmp_path), meant, "512", "--out", out]
+    )
+    assert args.length == "512"
+    # an option like no known one points at the command's --help
+    with pytest.raises(SystemExit):
+        main(["gates", str(tmp_path), "--zzz", "--out", out])
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "python -m fot.eval gates: error: unrecognized arguments: --zzz "
+        "(see python -m fot.eval gates --help)"
+    )
+    assert not (tmp_path / "o").exists()
+
+
 def test_lm_eval_unknown_task_is_named_before_the_model_loads(tmp_path, monkeypatch):
     pytest.importorskip("lm_eval")
     import fot.eval.lm_eval_adapter as adapter

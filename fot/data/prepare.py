@@ -51,7 +51,7 @@ from pathlib import Path
 import numpy as np
 
 from fot.data.tokens import FORMAT, replace_folder, write_token_documents
-from fot.errors import USER_ERRORS
+from fot.errors import USER_ERRORS, parse_args_naming_typos
 from fot.interrupt import StopOnSignal
 
 STRUCTURED_SUFFIXES = (
@@ -495,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--heldout-every", type=int, default=0, help="hold out every K-th document")
     ap.add_argument("--heldout-out", help="token folder for the held-out documents")
-    args = ap.parse_args(argv)
+    args = parse_args_naming_typos(ap, argv)
     if bool(args.inputs) == bool(args.hf):
         ap.error("give either input files/folders or --hf (not both, not neither)")
     hf_only = {

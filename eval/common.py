@@ -360,6 +360,16 @@ def eot_id(tokenizer: Any) -> int:
     )
 
 
+def encode_text(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of ``text`` without special tokens, however long.
+
+    The commands cut what they encode to fit (a haystack, a middle-truncated LongBench
+    context, lm-eval's rolling windows): transformers' warning that a text longer than the tokenizer's
+    ``model_max_length`` "will result in indexing errors" would be false, so it is not asked for.
+    """
+    return list(tokenizer.encode(text, add_special_tokens=False, verbose=False))
+
+
 def model_logits(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     """Logits ``[B, T, V]`` of any causal LM (objects returning ``.logits`` or a tensor)."""
     out = model(input_ids=input_ids)

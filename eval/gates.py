@@ -30,6 +30,7 @@ from .common import (
     DTYPE_HELP,
     check_out_shared,
     checkpoint_label,
+    encode_text,
     eot_id,
     load_checkpoint,
     pick_device,
@@ -330,7 +331,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     chosen_maps(layers, heads, require_fot(model), model.config.num_attention_heads)
     write_run_config(out, "gates", vars(args), args.checkpoint)
-    ids = [eot_id(tokenizer), *tokenizer.encode(text, add_special_tokens=False)]
+    ids = [eot_id(tokenizer), *encode_text(tokenizer, text)]
     ids = ids[: args.max_tokens]
     x = torch.tensor([ids], device=next(model.parameters()).device)
     data = gate_data(model, x, layers, heads)

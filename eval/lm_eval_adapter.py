@@ -52,6 +52,7 @@ from .common import (
     JsonlLog,
     add_run_arguments,
     claim_results,
+    encode_text,
     greedy_generate,
     hidden_and_head,
     load_checkpoint,
@@ -200,7 +201,7 @@ class FoTLM(TemplateLM):
         left_truncate_len: int | None = None,
         **kwargs: Any,
     ) -> list[int]:
-        ids = list(self.tokenizer.encode(string, add_special_tokens=False))
+        ids = encode_text(self.tokenizer, string)  # rolling windows cut long texts
         if self.bos and add_special_tokens is not False:
             ids = [self.prefix_token_id, *ids]
         if left_truncate_len:

@@ -41,6 +41,7 @@ from .common import (
     add_run_arguments,
     check_positions,
     claim_results,
+    encode_text,
     eot_id,
     greedy_generate,
     load_checkpoint,
@@ -655,9 +656,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             key = ex.get("_id", i)
             if log.done(key):
                 continue
-            ids = bos + truncate_middle(
-                tokenizer.encode(format_prompt(task, ex), add_special_tokens=False), budget
-            )
+            ids = bos + truncate_middle(encode_text(tokenizer, format_prompt(task, ex)), budget)
             gen = greedy_generate(
                 model,
                 torch.tensor([ids], device=device),

@@ -47,6 +47,7 @@ from .common import (
     check_positions,
     checkpoint_label,
     claim_results,
+    encode_text,
     eot_id,
     greedy_generate,
     length_option,
@@ -137,7 +138,7 @@ class NeedlePrompt:
 
 
 def _encode(tokenizer: Any, text: str) -> list[int]:
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    return encode_text(tokenizer, text)
 
 
 def _boundary_ids(tokenizer: Any) -> set[int]:

@@ -225,3 +225,46 @@ def test_memory_lengths_hand_computed():
     }
     # 0.5 is not > 0.495 + 0.01: the coarse length stops before 1024.
     assert memory_lengths(lengths, copy, [0.3, 0.3, 0.3, 0.495])["coarse_grained_length"] == 512
+
+
+def test_long_texts_encode_without_a_false_length_warning(tmp_path):
+    """The needle command printed transformers' "Token indices sequence length is longer than
+    the specified maximum sequence length for this model (85604 > 65536). Running this
+    sequence through the model will result in indexing errors" for the haystack it then cuts
+    to fit (found running eval/README.md's needle example); LongBench contexts, lm-eval's
+    rolling texts and a long gates text met the same warning."""
+    import logging
+
+    from transformers import AutoTokenizer
+
+    import fot.eval.needle as needle_mod
+    from fot.eval.common import encode_text
+    from fot.tokenizer import save_hf_tokenizer
+
+    class Record(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__(logging.WARNING)
+            self.messages: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.messages.append(record.getMessage())
+
+    folder = save_hf_tokenizer(tmp_path / "tok", model_max_length=16)
+    text = "The quick brown fox jumps over the lazy dog. " * 20
+    logger = logging.getLogger("transformers")  # transformers' loggers do not propagate
+    record, level = Record(), logger.level
+    logger.addHandler(record)
+    logger.setLevel(logging.WARNING)
+    try:
+        want = AutoTokenizer.from_pretrained(folder).encode(text, add_special_tokens=False)
+        # (the check can see the warning: a plain encode of the same text logs it)
+        assert any("Token indices sequence length" in m for m in record.messages)
+        assert len(want) > 16
+        for encode in (needle_mod._encode, encode_text):
+            record.messages.clear()
+            tokenizer = AutoTokenizer.from_pretrained(folder)  # it warns once per tokenizer
+            assert encode(tokenizer, text) == want
+            assert not any("Token indices sequence length" in m for m in record.messages)
+    finally:
+        logger.removeHandler(record)
+        logger.setLevel(level)

@@ -222,11 +222,12 @@ def test_a_reader_and_its_cache_are_freed_with_its_source(tmp_path) -> None:
 
     _zarr(tmp_path / "a.zarr", rows=64, row_len=32, chunks=(8, 32))
 
-    def threads() -> int:
-        return sum(t.name == "fot-zarr-prefetch" for t in threading.enumerate())
+    def prefetch_threads() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name == "fot-zarr-prefetch"}
 
     gc.collect()
-    before = threads()  # others' may end meanwhile: at most as many as before, at the end
+    # earlier tests' threads may still be ending: told apart by identity, not counted
+    before = prefetch_threads()
     readers = []
     for _ in range(3):
         src = ZarrRowsSource(zarr.open(str(tmp_path / "a.zarr"), mode="r"), seq_len=32)
@@ -234,14 +235,16 @@ def test_a_reader_and_its_cache_are_freed_with_its_source(tmp_path) -> None:
         for _ in range(3):
             stream.next_step()
         readers.append(weakref.ref(src.reader))
-        assert threads() > before
+        assert prefetch_threads() - before
         del src, stream
     deadline = time.monotonic() + 10
-    while (any(r() for r in readers) or threads() > before) and time.monotonic() < deadline:
+    while (any(r() for r in readers) or prefetch_threads() - before) and (
+        time.monotonic() < deadline
+    ):
         gc.collect()
         time.sleep(0.01)
     assert [r() for r in readers] == [None] * 3
-    assert threads() <= before
+    assert not prefetch_threads() - before
 
 
 def test_an_incomplete_local_array_is_reported(tmp_path, caplog) -> None:

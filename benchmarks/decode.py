@@ -54,6 +54,7 @@ from train_throughput import (  # noqa: E402
     fmt,
     interrupted_note,
     log,
+    no_gpu_message,
     parse_models,
     resolve_device,
     run_meta,
@@ -214,7 +215,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context", "--seq-len", dest="context", type=int, default=16384)
     p.add_argument("--new-tokens", "--steps", dest="new_tokens", type=int, default=128)
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
-    p.add_argument("--device", default="auto")
+    p.add_argument(
+        "--device",
+        default="auto",
+        help="auto (default): CUDA, stopping where there is none; cpu: run on the CPU (toy sizes)",
+    )
     p.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"))
     p.add_argument("--fot-backend", default="auto", choices=("auto", "triton", "reference"))
     p.add_argument(
@@ -248,7 +253,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if not fot_caches or any(c not in ("graphs", "eager") for c in fot_caches):
         raise SystemExit(f"--fot-cache takes graphs and/or eager, got {args.fot_cache!r}")
     check_out_file(args.out)
-    device = resolve_device(args.device)
+    work = f"decoding at --size {args.size} after a --context {args.context} prefill"
+    toy = "--device cpu --size tiny --context 128 --new-tokens 4"
+    device = resolve_device(args.device, cpu_refused=no_gpu_message("decode.py", work, toy))
     if (
         device.type != "cuda"
         and args.fot_backend == "triton"

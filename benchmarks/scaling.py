@@ -46,6 +46,7 @@ from train_throughput import (  # noqa: E402
     fmt,
     interrupted_note,
     log,
+    no_gpu_message,
     run_meta,
     write_json,
 )
@@ -241,7 +242,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--compile", action="store_true", help="parallel.compile=true")
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--override", action="append", default=[], help="extra train.py override")
-    p.add_argument("--device", default="auto", choices=("auto", "cpu"))
+    p.add_argument(
+        "--device",
+        default="auto",
+        choices=("auto", "cpu"),
+        help="auto (default): CUDA, stopping where there is none; cpu: run on the CPU (toy sizes)",
+    )
     p.add_argument("--work-dir", default="/tmp/fot_scaling", help="run folders")
     p.add_argument("--keep-runs", action="store_true", help="keep checkpoints")
     p.add_argument(
@@ -295,7 +301,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """CLI entry point (see the module docstring)."""
     args = parse_args(argv)
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else "cpu")
+    if args.device == "auto" and not torch.cuda.is_available():
+        work = f"training {args.model} at --size {args.size}, --seq-len {args.seq_len}"
+        toy = "--device cpu --size tiny --seq-len 64 --steps 3 --warmup 1 --nprocs 1,2"
+        raise SystemExit(no_gpu_message("scaling.py", work, toy))
+    device = torch.device("cuda" if args.device == "auto" else "cpu")
     if device.type == "cuda" and torch.cuda.device_count() < max(args.nprocs):
         raise SystemExit(
             f"--nprocs {args.nprocs} needs {max(args.nprocs)} GPUs, "

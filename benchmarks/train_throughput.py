@@ -769,15 +769,27 @@ def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
     return out
 
 
-def resolve_device(name: str) -> torch.device:
-    """``auto`` -> CUDA if available, else CPU."""
+def resolve_device(name: str, *, cpu_refused: str | None = None) -> torch.device:
+    """``auto`` -> CUDA if available, else CPU (or, with ``cpu_refused``, stop with that
+    message: a GPU-sized default run would take hours on a CPU; ``--device cpu`` still runs)."""
     if name not in ("auto", "cpu", "cuda"):
         raise SystemExit(f"--device {name!r} is not one of auto, cpu, cuda")
     if name == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda but no CUDA device is visible; use --device cpu")
     if name == "auto":
+        if not torch.cuda.is_available() and cpu_refused:
+            raise SystemExit(cpu_refused)
         name = "cuda" if torch.cuda.is_available() else "cpu"
     return torch.device(name)
+
+
+def no_gpu_message(script: str, work: str, toy: str) -> str:
+    """Why ``--device auto`` stops on a machine without CUDA, and the ``--device cpu`` run."""
+    return (
+        f"benchmarks/{script} measures {work} on a CUDA GPU, and torch sees none "
+        "(torch.cuda.is_available() is False): run it on a machine with an NVIDIA GPU, or pass "
+        f"--device cpu to run it on the CPU anyway (its toy mode: {toy})"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -803,7 +815,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="AdamW learning rate (default 0: same work, parameters frozen, no drift)",
     )
-    p.add_argument("--device", default="auto")
+    p.add_argument(
+        "--device",
+        default="auto",
+        help="auto (default): CUDA, stopping where there is none; cpu: run on the CPU (toy sizes)",
+    )
     p.add_argument(
         "--precision",
         default="auto",
@@ -867,7 +883,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ``precision``, ``compile``, ``act_ckpt``, ``cuda_graphs``).
     """
     args = build_parser().parse_args(argv)
-    device = resolve_device(args.device)
+    work = f"training at --size {args.size}, --seq-len {args.seq_len}"
+    toy = "--device cpu --size tiny --seq-len 128 --steps 2"
+    device = resolve_device(
+        args.device, cpu_refused=no_gpu_message("train_throughput.py", work, toy)
+    )
     # FLA's and our Triton kernels cannot read CPU tensors unless Triton's interpreter is on
     kernels_run = device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
     if args.models is None:

@@ -488,6 +488,33 @@ def test_attention_benchmark_without_gpu_says_what_it_needs():
     assert "benchmarks/pruning.py CKPT --data DATA --device cpu" in res.stderr
 
 
+def test_gpu_benchmarks_without_gpu_stop_before_any_work(bench, tmp_path, monkeypatch):
+    """`python benchmarks/train_throughput.py --out r.json` (the README's command) on a machine
+    without CUDA went on to build the 760M model and train it at 16k tokens on the CPU (hours,
+    tens of GiB), and so did decode.py and scaling.py, where attention.py and fused_ops.py stop
+    with what they need (found running the README's benchmark commands on a CPU machine).
+    --device auto now stops too, naming --device cpu and the toy mode."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("the benchmark started working on the CPU")
+
+    monkeypatch.setattr(bench["train_throughput"], "build", no_work)
+    monkeypatch.setattr(bench["decode"], "build", no_work)
+    monkeypatch.setattr(bench["scaling"], "run_one", no_work)
+    for name, argv, toy in (
+        ("train_throughput", ["--out", str(tmp_path / "r.json")], "--device cpu --size tiny"),
+        ("decode", ["--out", str(tmp_path / "d.json")], "--device cpu --size tiny"),
+        ("scaling", ["--out", str(tmp_path / "s")], "--device cpu --size tiny"),
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            bench[name].main(argv)
+        message = str(exit_.value.code)
+        assert message.startswith(f"benchmarks/{name}.py measures "), message
+        assert "torch.cuda.is_available() is False" in message and toy in message, message
+        assert not any(tmp_path.iterdir())  # nothing written
+
+
 def test_attention_bad_args_are_named_before_the_gpu_check(bench, tmp_path):
     """Shapes and ``--fox-path`` are checked first, so a mistake is named on any machine
     (before: ``ValueError: not enough values to unpack`` or ``FileNotFoundError`` from inside

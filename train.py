@@ -21,6 +21,7 @@ from fot.training import train
 from fot.training.checkpoint import interrupted_message
 from fot.training.config import (
     check_multirun_out_dir,
+    misprefixed_override,
     mistyped_override,
     multirun_out_dir_problem,
     out_dir_file_problem,
@@ -86,6 +87,8 @@ if __name__ == "__main__":
     problems = [unparsable_override(sys.argv[1:])]
     problems += [unknown_override_key(arg) for arg in sys.argv[1:]]
     problems.append(mistyped_override(sys.argv[1:]))  # a known key with a value of another type
+    # +total_tokens=..., +experiment=..., model.overrides.x=... (Hydra: several lines, status 1)
+    problems.append(misprefixed_override(sys.argv[1:], None if more_configs else configs))
     if not more_configs:
         problems += [unknown_group_option(arg, configs) for arg in sys.argv[1:]]
     problems.append(multirun_out_dir_problem(sys.argv[1:]))  # before Hydra makes the sweep folder

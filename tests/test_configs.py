@@ -556,6 +556,75 @@ def test_train_py_names_a_bad_key_or_option_in_one_line_with_status_2(tmp_path) 
     assert not any(tmp_path.iterdir())  # refused before Hydra made a run folder
 
 
+@pytest.mark.parametrize(
+    ("override", "key", "value"),
+    [
+        ("+total_tokens=4096", "total_tokens", 4096),
+        ("+data.seq_len=128", "data.seq_len", 128),
+        ("model.overrides.hidden_size=256", "model.overrides.hidden_size", 256),
+        ("model.overrides={hidden_size:256}", "model.overrides", {"hidden_size": 256}),
+        ("data.storage_options.token=anon", "data.storage_options.token", "anon"),
+        ("+experiment=fot_pro_125m_2b", "data.kind", "longcrawl64"),
+        ("+model=fot_llama", "model.name", "fot_llama"),
+    ],
+)
+def test_a_misprefixed_override_is_named_with_the_form_hydra_takes(
+    hydra_ctx, override: str, key: str, value: object
+) -> None:
+    """`+total_tokens=...` (a plus on a field the config has) and `model.overrides.<field>=...`
+    (no plus on a key of an empty dict) stopped with Hydra's several-line message and exit
+    status 1 (found writing the README's `+model.overrides.fgate_bias_init=5` without its +).
+    The oracle is Hydra: it refuses the override as given and takes each form named."""
+    from omegaconf import OmegaConf
+
+    from fot.training.config import misprefixed_override
+
+    with pytest.raises(ConfigCompositionException):
+        compose("train", overrides=[override])
+    message = misprefixed_override(["size=tiny", override, "total_tokens=8192"], CONFIGS)
+    assert message is not None and message.startswith(f"{override!r}: ")
+    suggested = re.findall(r"write (\S+)(?: \(or (\S+),)?", message)
+    assert len(suggested) == 1, message
+    for form in filter(None, suggested[0]):
+        cfg = compose("train", overrides=[form])
+        assert OmegaConf.select(cfg, key) == value, form
+        assert misprefixed_override([form], CONFIGS) is None
+
+
+def test_prefixes_that_fit_are_left_alone(hydra_ctx) -> None:
+    from fot.training.config import misprefixed_override
+
+    fitting = ["+model.overrides.fgate_bias_init=5", "++total_tokens=4096", "total_tokens=4096",
+               "+model.overrides={hidden_size:256}",  # Hydra merges it into the empty dict
+               "model.overrides={}", "++data.storage_options={token:anon}",
+               "~wandb.name", "-m", "model=fot_llama", "experiment=fot_pro_125m_2b"]  # fmt: skip
+    assert misprefixed_override(fitting, CONFIGS) is None
+    for override in fitting:
+        if not override.startswith(("-", "~")):  # (~ of a null field: Hydra refuses it)
+            compose("train", overrides=[override])  # and Hydra takes each
+    # a key of model.overrides set by another override of the same command line exists
+    assert misprefixed_override(["++model.overrides={a:1}", "model.overrides.a=2"]) is None
+
+
+def test_train_py_names_a_misprefixed_override_in_one_line(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    res = subprocess.run(
+        [sys.executable, str(CONFIGS.parent / "train.py"), "model.overrides.num_heads=2",
+         f"out_dir={tmp_path / 'run'}"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert res.returncode == 2, res.stderr
+    assert res.stderr == (
+        "train.py: error: 'model.overrides.num_heads=2': model.overrides holds only the keys "
+        "added to it, so model.overrides.num_heads is added with +: write "
+        "+model.overrides.num_heads=2 (or ++model.overrides.num_heads=2, which adds or "
+        "replaces)\n"
+    )
+    assert not any(tmp_path.iterdir())  # refused before Hydra made a run folder
+
+
 def test_train_py_names_an_unparsable_override_and_its_quoted_form(hydra_ctx, tmp_path) -> None:
     """A split slice as the trainer's no-validation warning suggests it (``train[:1%]``) is no
     valid Hydra override unquoted: Hydra alone says only ``mismatched input '['``."""

@@ -545,6 +545,64 @@ def unknown_override_key(override: str) -> str | None:
     return f"unknown config key {key!r} in {override!r}: {hint}"
 
 
+def misprefixed_override(args: list[str], configs: Path | None = None) -> str | None:
+    """A message for the first command-line override whose ``+`` prefix does not fit its key,
+    naming the form that does; ``None`` when every prefix fits.
+
+    Hydra refuses these in its own form (exit status 1), which for a group says to write
+    ``override experiment: ...`` in a defaults list:
+
+    * ``+key=value`` for a field the config has (``+total_tokens=5``): ``+`` only adds a key;
+    * ``+group=option`` for a group that ``train.yaml``'s defaults list already chooses from
+      (``+experiment=fot_pro_125m_2b``, as where ``experiment`` is no default);
+    * ``model.overrides.<field>=value`` or ``model.overrides={...}`` without ``+``: a free-form
+      dict (``model.overrides``, ``data.storage_options``) starts empty, so its keys are added
+      with ``+`` (unless the same command line sets that dict too).
+
+    Args:
+        args: the command line after ``train.py``.
+        configs: the ``configs/`` folder, whose ``train.yaml`` lists the groups (``None``: no
+            group is checked).
+    """
+    groups: set[str] = set()
+    if configs is not None and (configs / "train.yaml").is_file():
+        defaults = OmegaConf.load(configs / "train.yaml").get("defaults", [])
+        groups = {k for d in defaults if isinstance(d, DictConfig) for k in d}
+    leaves = _config_nodes(OmegaConf.structured(TrainConfig))
+    free = [k for k, node in leaves.items() if isinstance(node, DictConfig)]
+    fields = set(leaves) - set(free)  # `+model.overrides={...}`: Hydra merges it into the dict
+    keys = [a.split("=", 1)[0].lstrip("+") for a in args if "=" in a and not a.startswith("-")]
+    for arg in args:
+        if arg.startswith(("-", "~")) or "=" not in arg:
+            continue
+        key, value = arg.split("=", 1)
+        if "@" in key:  # a package override: Hydra's
+            continue
+        if key.startswith("+") and not key.startswith("++") and key[1:] in fields:
+            bare = key[1:]
+            return (
+                f"{arg!r}: {bare} is already in the config and + only adds a key that is not: "
+                f"write {bare}={value} (or ++{bare}={value}, which adds or replaces)"
+            )
+        if key.startswith("+") and not key.startswith("++") and key[1:] in groups:
+            bare = key[1:]
+            return (
+                f"{arg!r}: {bare} is a config group that train.yaml already chooses from, and + "
+                f"would add a second choice: write {bare}={value}"
+            )
+        if key.startswith("+"):
+            continue
+        for name in free:
+            others = [k for k in keys if (k == name or k.startswith(f"{name}.")) and k != key]
+            empty = key == name and value.replace(" ", "") == "{}"
+            if (key == name or key.startswith(f"{name}.")) and not others and not empty:
+                return (
+                    f"{arg!r}: {name} holds only the keys added to it, so {key} is added with "
+                    f"+: write +{arg} (or ++{arg}, which adds or replaces)"
+                )
+    return None
+
+
 # Hydra's flags whose value is the next argument (a path or name, not an override)
 _FLAGS_WITH_VALUE = ("--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd")
 

@@ -596,8 +596,9 @@ def misprefixed_override(args: list[str], configs: Path | None = None) -> str | 
             others = [k for k in keys if (k == name or k.startswith(f"{name}.")) and k != key]
             empty = key == name and value.replace(" ", "") == "{}"
             if (key == name or key.startswith(f"{name}.")) and not others and not empty:
+                what = "its keys are" if key == name else f"{key} is"
                 return (
-                    f"{arg!r}: {name} holds only the keys added to it, so {key} is added with "
+                    f"{arg!r}: {name} holds only the keys added to it, so {what} added with "
                     f"+: write +{arg} (or ++{arg}, which adds or replaces)"
                 )
     return None

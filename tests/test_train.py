@@ -1520,7 +1520,9 @@ def test_ctrl_c_says_which_checkpoint_is_kept_and_how_to_resume(tmp_path) -> Non
     assert "Traceback" not in stderr
     latest = list_checkpoints(run / "checkpoints")[-1]
     assert f"train.py: interrupted; the latest checkpoint is {latest}" in stderr
-    assert f"add out_dir={run} to the same command" in stderr
+    # "run the same command with": right whether or not the command named out_dir (it said
+    # "add out_dir=... to the same command" to a command that had it)
+    assert f"run the same command with out_dir={run} to continue" in stderr
     # the advice works: the same command with that out_dir resumes from that checkpoint
     resumed = _run_script([*cmd[:-2], "total_tokens=4096", f"out_dir={run}",
                            f"hydra.run.dir={run}"], cwd=tmp_path)  # fmt: skip
@@ -1753,8 +1755,8 @@ def test_sigterm_checkpoints_the_step_and_resume_is_bit_identical(tmp_path, refe
     assert list_checkpoints(out / "checkpoints")[-1] == ckpt
     assert "Traceback" not in proc.stderr
     assert (
-        f"train.py: stopped by SIGTERM after step 5; its checkpoint is {ckpt}: add out_dir={out} "
-        "to the same command to continue from it (resume=auto)" in proc.stderr
+        f"train.py: stopped by SIGTERM after step 5; its checkpoint is {ckpt}: run the same "
+        f"command with out_dir={out} to continue from it (resume=auto)" in proc.stderr
     )
     assert max(_losses(out)) == 5 and not (out / "final.json").exists()
     # resumed (here in this process), and stopped again in its last step: the final checkpoint

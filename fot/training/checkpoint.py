@@ -183,8 +183,8 @@ def interrupted_message(out_dir: str | os.PathLike) -> str:
             "starts over (ckpt_every_tokens sets how often checkpoints are written)"
         )
     return (
-        f"interrupted; the latest checkpoint is {latest} (later steps are lost): add "
-        f"out_dir={out} to the same command to continue from it (resume=auto)"
+        f"interrupted; the latest checkpoint is {latest} (later steps are lost): run the "
+        f"same command with out_dir={out} to continue from it (resume=auto)"
     )
 
 

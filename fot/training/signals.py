@@ -38,8 +38,8 @@ class TrainingStopped(Exception):
         self.checkpoint = checkpoint
         self.out_dir = out_dir
         super().__init__(
-            f"stopped by SIGTERM after step {step}; its checkpoint is {checkpoint}: add "
-            f"out_dir={out_dir} to the same command to continue from it (resume=auto)"
+            f"stopped by SIGTERM after step {step}; its checkpoint is {checkpoint}: run the "
+            f"same command with out_dir={out_dir} to continue from it (resume=auto)"
         )
 
 

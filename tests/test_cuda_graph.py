@@ -74,6 +74,20 @@ def _records(out_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def _assert_same_checkpoints(eager: Path, graphed: Path) -> None:
+    """The two runs saved checkpoints at the same steps, two of them (step 5, between replays,
+    and the final step 10), with bit-identical weights."""
+    ckpts = list_checkpoints(eager / "checkpoints")
+    assert [p.name for p in ckpts] == [p.name for p in list_checkpoints(graphed / "checkpoints")]
+    assert len(ckpts) == 2
+    for p in ckpts:
+        wa = torch.load(p / "model.pt")
+        wb = torch.load(graphed / "checkpoints" / p.name / "model.pt")
+        assert wa.keys() == wb.keys()
+        for name in wa:
+            assert torch.equal(wa[name], wb[name]), (p.name, name)
+
+
 TIMING = {"tokens_per_s", "tokens_per_s_per_device", "mfu", "peak_mem_gib", "elapsed_s"}
 
 
@@ -189,17 +203,7 @@ def test_graphed_training_equals_eager(tmp_path, caplog, act_ckpt: bool, packing
     assert sum("val/loss" in r for r in a) == 2  # after step 5 (between replays) and at the end
     assert _values(a) == _values(b)  # losses, gradient norms, learning rates, validation
     assert eager["val/loss"] == graphed["val/loss"]
-    ckpts = list_checkpoints(tmp_path / "eager" / "checkpoints")
-    assert [p.name for p in ckpts] == [
-        p.name for p in list_checkpoints(tmp_path / "graphed" / "checkpoints")
-    ]
-    assert len(ckpts) == 2  # step 5 (between replays) and the final step 10
-    for p in ckpts:
-        wa = torch.load(p / "model.pt")
-        wb = torch.load(tmp_path / "graphed" / "checkpoints" / p.name / "model.pt")
-        assert wa.keys() == wb.keys()
-        for name in wa:
-            assert torch.equal(wa[name], wb[name]), (p.name, name)
+    _assert_same_checkpoints(tmp_path / "eager", tmp_path / "graphed")
 
 
 @pytest.mark.gpu
@@ -227,11 +231,4 @@ def test_graphed_ddp_training_equals_eager_ddp(tmp_path) -> None:
     assert _values(a) == _values(b)
     info = json.loads((tmp_path / "graphed" / "run_info.json").read_text())[0]
     assert info["world_size"] == 2 and info["strategy"] == "ddp" and info["accum_steps"] == 2
-    ckpts = list_checkpoints(tmp_path / "eager" / "checkpoints")
-    assert len(ckpts) == 2
-    for p in ckpts:
-        wa = torch.load(p / "model.pt")
-        wb = torch.load(tmp_path / "graphed" / "checkpoints" / p.name / "model.pt")
-        assert wa.keys() == wb.keys()
-        for name in wa:
-            assert torch.equal(wa[name], wb[name]), (p.name, name)
+    _assert_same_checkpoints(tmp_path / "eager", tmp_path / "graphed")

@@ -599,9 +599,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
     missing = [t for t in tasks if not (data_dir / f"{t}.jsonl").is_file()]
     if missing:
+        present = [t for t in tasks if t not in missing]
+        only = f", or run the tasks it has with --tasks {','.join(present)}" if present else ""
         raise FileNotFoundError(
             f"{data_dir} lacks {[f'{t}.jsonl' for t in missing]}; see "
-            f"`{program_name()} longbench --help` for how to get them"
+            f"`{program_name()} longbench --help` for how to get them{only}"
         )
     # Every task's examples are read (and checked) before the model loads.
     examples = {

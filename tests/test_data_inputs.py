@@ -9,6 +9,7 @@ import logging
 import numpy as np
 import pytest
 from omegaconf import OmegaConf
+from zarr_arrays import new_array
 
 from fot.data.loaders import build_sources, open_token_path
 from fot.data.streams import EOT_ID, HFSource, PackedSource, ZarrRowsSource, iterate_eval_batches
@@ -331,11 +332,8 @@ def test_validating_on_the_training_data_warns(tmp_path, caplog) -> None:
 
 
 def _zarr(path, values: np.ndarray, zarr_format: int = 3) -> np.ndarray:
-    import zarr
 
-    arr = zarr.create_array(
-        store=str(path), shape=values.shape, dtype=values.dtype, zarr_format=zarr_format
-    )
+    arr = new_array(str(path), shape=values.shape, dtype=values.dtype, zarr_format=zarr_format)
     arr[:] = values
     return values
 

@@ -17,6 +17,7 @@ import torch
 from http_files import serve
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
+from zarr_arrays import new_array
 
 from fot.data.loaders import URL_READ_RETRIES, build_sources
 from fot.data.streams import SequenceStream, ZarrRowsSource
@@ -32,12 +33,9 @@ register_configs()
 def _zarr(
     path: Path, rows: int, row_len: int, chunks: tuple[int, int], seed: int = 0, fmt: int = 2
 ):
-    import zarr
 
     data = np.random.default_rng(seed).integers(0, 50000, (rows, row_len)).astype(np.uint16)
-    arr = zarr.create_array(
-        str(path), shape=data.shape, chunks=chunks, dtype="uint16", zarr_format=fmt
-    )
+    arr = new_array(str(path), shape=data.shape, chunks=chunks, dtype="uint16", zarr_format=fmt)
     arr[:] = data
     return data
 
@@ -97,7 +95,7 @@ def _lc_shaped(chunks: tuple[int, int] = (2048, 2048), dtype: str = "uint16", co
     """A LongCrawl64-shaped array with no chunk stored (reads give the fill value)."""
     import zarr
 
-    return zarr.create_array(
+    return new_array(
         zarr.storage.MemoryStore(), shape=(4096, cols), chunks=chunks, dtype=dtype, zarr_format=2
     )
 
@@ -135,10 +133,9 @@ def test_long_sequences_fetch_each_chunk_row_once() -> None:
 
 
 def test_data_cache_mib_reaches_the_reader_and_a_small_one_warns(tmp_path, caplog) -> None:
-    import zarr
 
     data = _zarr(tmp_path / "lc" / "train.zarr", rows=8, row_len=64, chunks=(4, 32))
-    zarr.create_array(str(tmp_path / "lc" / "heldout.zarr"), shape=(8, 64), dtype="uint16")
+    new_array(str(tmp_path / "lc" / "heldout.zarr"), shape=(8, 64), dtype="uint16", zarr_format=2)
     train, val = build_sources(_lc_cfg(str(tmp_path / "lc"), val_tokens=16, cache_mib=3))
     assert train.reader.cache_bytes == val.reader.cache_bytes == 3 << 20
     np.testing.assert_array_equal(train.read(0, 8)[1], data[:, :16])
@@ -148,9 +145,8 @@ def test_data_cache_mib_reaches_the_reader_and_a_small_one_warns(tmp_path, caplo
     with pytest.raises(ValueError, match=r"data\.cache_mib=-1 must be a whole number of MiB"):
         build_sources(_lc_cfg(str(tmp_path / "lc"), val_tokens=0, cache_mib=-1))
     # a LongCrawl64-shaped array at seq_len 32768 with data.cache_mib=256: told what to set
-    zarr.create_array(
-        str(tmp_path / "big.zarr"), shape=(2048, 65536), chunks=(2048, 2048), dtype="uint16"
-    )
+    new_array(str(tmp_path / "big.zarr"), shape=(2048, 65536), chunks=(2048, 2048),
+              dtype="uint16", zarr_format=2)  # fmt: skip
     cfg = OmegaConf.structured(
         DataConfig(kind="tokens", seq_len=32768, packing="causal", cache_mib=256)
     )
@@ -250,10 +246,9 @@ def test_a_reader_and_its_cache_are_freed_with_its_source(tmp_path) -> None:
 def test_an_incomplete_local_array_is_reported(tmp_path, caplog) -> None:
     """Chunks missing from a local array (an interrupted download) read as the fill value
     without an error from zarr: opening it says how many are there (2 of 10 written here)."""
-    import zarr
 
-    arr = zarr.create_array(str(tmp_path / "train.zarr"), shape=(40, 64), chunks=(8, 32),
-                            dtype="uint16", zarr_format=2)  # fmt: skip
+    arr = new_array(str(tmp_path / "train.zarr"), shape=(40, 64), chunks=(8, 32),
+                    dtype="uint16", zarr_format=2)  # fmt: skip
     arr[:8] = 7
     caplog.set_level(logging.WARNING, logger="fot.data")
     opened = open_zarr_array(tmp_path / "train.zarr")
@@ -277,8 +272,8 @@ def test_the_chunks_of_a_large_local_array_are_counted_in_one_pass(tmp_path, cap
 
     path = tmp_path / "train.zarr"
     n = 30000 if fmt == 2 else 3000  # v3: a folder per chunk row, slower to write
-    arr = zarr.create_array(str(path), shape=(n, 1), chunks=(1, 1), dtype="uint16",
-                            zarr_format=fmt, fill_value=0)  # fmt: skip
+    arr = new_array(str(path), shape=(n, 1), chunks=(1, 1), dtype="uint16",
+                    zarr_format=fmt, fill_value=0)  # fmt: skip
     arr[:1] = 7
     first = path / ("0.0" if fmt == 2 else "c/0/0")
     for r in range(1, n - 3):  # the last 3 left out
@@ -409,8 +404,6 @@ def test_a_url_that_does_not_answer_is_not_said_to_hold_no_array(tmp_path, caplo
     without a fill_value is not said to read as token id None."""
     import socket
 
-    import zarr
-
     _zarr(tmp_path / "a.zarr", 8, 32, (4, 32))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -423,8 +416,8 @@ def test_a_url_that_does_not_answer_is_not_said_to_hold_no_array(tmp_path, caplo
         with pytest.raises(FileNotFoundError, match=r"the network and data\.storage_options"):
             build_sources(_lc_cfg(f"http://127.0.0.1:{closed}/lc", val_tokens=0))
 
-    arr = zarr.create_array(str(tmp_path / "b.zarr"), shape=(8, 4), chunks=(4, 4),
-                            dtype="uint16", zarr_format=2, fill_value=None)  # fmt: skip
+    arr = new_array(str(tmp_path / "b.zarr"), shape=(8, 4), chunks=(4, 4),
+                    dtype="uint16", zarr_format=2, fill_value=None)  # fmt: skip
     arr[:4] = 7
     caplog.set_level(logging.WARNING, logger="fot.data")
     opened = open_zarr_array(tmp_path / "b.zarr")
@@ -475,15 +468,13 @@ def test_training_on_longcrawl64_over_http_equals_training_on_the_folder(tmp_pat
 def test_a_chunk_missing_behind_a_url_stops_the_read(tmp_path, fmt) -> None:
     """zarr reads a chunk that is not stored as the fill value (token 0) without a word: over
     a URL (an incomplete mirror) that trained on zeros. A stored chunk of zeros still reads."""
-    import zarr
 
     data = np.random.default_rng(0).integers(1, 50000, (16, 64)).astype(np.uint16)
     data[0:4, 32:64] = 0  # chunk (0, 1): stored, all fill value
-    arr = zarr.create_array(str(tmp_path / "lc" / "train.zarr"), shape=data.shape, chunks=(4, 32),
-                            dtype="uint16", zarr_format=fmt,
-                            config={"write_empty_chunks": True})  # fmt: skip
+    arr = new_array(str(tmp_path / "lc" / "train.zarr"), shape=data.shape, chunks=(4, 32),
+                    dtype="uint16", zarr_format=fmt, write_empty_chunks=True)  # fmt: skip
     arr[:] = data
-    key = arr.metadata.encode_chunk_key((2, 0))  # rows 8..11, columns 0..31
+    key = "2.0" if fmt == 2 else "c/2/0"  # chunk (2, 0): rows 8..11, columns 0..31
     (tmp_path / "lc" / "train.zarr" / key).unlink()
     with serve(tmp_path) as server:
         source, _ = build_sources(_lc_cfg(f"{server.url}/lc", val_tokens=0))
@@ -529,13 +520,12 @@ def test_a_chunk_missing_behind_a_url_stops_the_read_without_a_fill_value(tmp_pa
     """An array with ``fill_value: null`` read its missing chunks as zeros (zarr 3) or
     arbitrary ids (zarr 2) without an error: nothing told them from real tokens. Each chunk is
     now looked up once, the first time it is read."""
-    import zarr
 
     from fot.data.zarr_store import chunk_checker
 
     data = np.random.default_rng(0).integers(1, 50000, (8, 64)).astype(np.uint16)
-    arr = zarr.create_array(str(tmp_path / "a.zarr"), shape=data.shape, chunks=(4, 32),
-                            dtype="uint16", zarr_format=2, fill_value=None)  # fmt: skip
+    arr = new_array(str(tmp_path / "a.zarr"), shape=data.shape, chunks=(4, 32),
+                    dtype="uint16", zarr_format=2, fill_value=None)  # fmt: skip
     arr[:] = data
     (tmp_path / "a.zarr" / "1.1").unlink()
     with serve(tmp_path) as server:
@@ -560,13 +550,12 @@ def test_a_failed_chunk_lookup_is_retried_not_called_a_missing_chunk(tmp_path) -
     """fsspec's ``exists`` answers ``False`` to a 503: one failed lookup of a stored chunk
     stopped the run, blaming an incomplete copy. Only "not found" counts as missing now; other
     failures are retried with the read."""
-    import zarr
 
     from fot.data.zarr_store import chunk_checker
 
     data = np.random.default_rng(0).integers(1, 50000, (8, 64)).astype(np.uint16)
-    arr = zarr.create_array(str(tmp_path / "a.zarr"), shape=data.shape, chunks=(4, 32),
-                            dtype="uint16", zarr_format=2, fill_value=None)  # fmt: skip
+    arr = new_array(str(tmp_path / "a.zarr"), shape=data.shape, chunks=(4, 32),
+                    dtype="uint16", zarr_format=2, fill_value=None)  # fmt: skip
     arr[:] = data
     gets: list[str] = []
 

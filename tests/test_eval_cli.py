@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from eval_helpers import QUESTIONS, make_llama_checkpoint, make_trained_fot_checkpoint
+from zarr_arrays import new_array
 
 from fot.eval.__main__ import build_parser, main
 from fot.eval.common import ResumeMismatchError
@@ -61,7 +62,6 @@ def test_help_lists_all_commands():
 
 @pytest.mark.parametrize("which", ["llama", "fot"])
 def test_per_token_loss_sources_and_resume(ckpts, tmp_path, which):
-    import zarr
 
     from fot.data.tokens import write_token_documents
 
@@ -109,8 +109,8 @@ def test_per_token_loss_sources_and_resume(ckpts, tmp_path, which):
     # zarr rows (LongCrawl64 format): a BOS in front, as the trainer reads them; short arrays
     # rejected.
     rows = np.random.default_rng(0).integers(0, 50000, size=(3, 40)).astype(np.uint16)
-    arr = zarr.create_array(
-        store=str(tmp_path / "heldout.zarr"), shape=rows.shape, dtype="uint16", chunks=(1, 40)
+    arr = new_array(
+        str(tmp_path / "heldout.zarr"), shape=rows.shape, dtype="uint16", chunks=(1, 40)
     )
     arr[:] = rows
     z = main(
@@ -905,13 +905,12 @@ def test_damaged_checkpoint_files_and_devices_are_named(ckpts, tmp_path):
 
 
 def test_resume_refuses_other_data_under_the_same_path_and_a_damaged_record(ckpts, tmp_path):
-    import zarr
 
     def write_rows(seed):
         rows = np.random.default_rng(seed).integers(0, 50000, size=(3, 40)).astype(np.uint16)
         shutil.rmtree(tmp_path / "heldout.zarr", ignore_errors=True)
-        arr = zarr.create_array(store=str(tmp_path / "heldout.zarr"), shape=rows.shape,
-                                dtype="uint16", chunks=(1, 40))  # fmt: skip
+        arr = new_array(str(tmp_path / "heldout.zarr"), shape=rows.shape,
+                        dtype="uint16", chunks=(1, 40))  # fmt: skip
         arr[:] = rows
 
     out = tmp_path / "o"

@@ -14,6 +14,7 @@ import re
 import numpy as np
 import pytest
 from eval_helpers import VOCAB, make_llama_checkpoint
+from zarr_arrays import new_array
 
 from fot.eval.__main__ import main
 from fot.eval.forgetting_curve import sample_pair
@@ -29,9 +30,8 @@ def llama(tmp_path_factory):
 
 def _zarr(path, values):
     """A 2-D zarr array of ``values`` (documents x tokens), as LongCrawl64's heldout.zarr."""
-    zarr = pytest.importorskip("zarr")
     values = np.asarray(values)
-    arr = zarr.create_array(store=str(path), shape=values.shape, dtype=values.dtype)
+    arr = new_array(str(path), shape=values.shape, dtype=values.dtype)
     arr[:] = values
     return path
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from eval_helpers import make_llama_checkpoint
 from http_files import Served, serve
+from zarr_arrays import new_array
 
 from fot.eval.__main__ import cli, main
 from fot.eval.common import ResumeMismatchError
@@ -29,13 +30,12 @@ def llama(tmp_path_factory):
 def _heldout(path, *, fmt=2, seed=0, value=None, row_len=ROW_LEN):
     """A LongCrawl64-like heldout.zarr (uint16 token rows, several rows per chunk): random
     tokens, or ``value`` everywhere."""
-    import zarr
 
     shape = (ROWS, row_len)
     rng = np.random.default_rng(seed)
     data = rng.integers(0, 50000, shape) if value is None else np.full(shape, value)
-    arr = zarr.create_array(str(path), shape=shape, chunks=CHUNKS, dtype="uint16",
-                            zarr_format=fmt, overwrite=True)  # fmt: skip
+    arr = new_array(str(path), shape=shape, chunks=CHUNKS, dtype="uint16",
+                    zarr_format=fmt)  # fmt: skip
     arr[:] = data
     return path
 
@@ -195,8 +195,8 @@ def test_the_url_fingerprint_samples_stored_chunk_files_of_a_sharded_array(tmp_p
 
     from fot.eval.common import zarr_url_fingerprint
 
-    arr = zarr.create_array(str(tmp_path / "s.zarr"), shape=(24, 64), chunks=(2, 16),
-                            shards=(8, 32), dtype="uint16")  # fmt: skip
+    arr = new_array(str(tmp_path / "s.zarr"), shape=(24, 64), chunks=(2, 16),
+                    shards=(8, 32), dtype="uint16", zarr_format=3)  # fmt: skip
     arr[:] = np.random.default_rng(0).integers(0, 50000, (24, 64))
     with serve(tmp_path) as served:
         url = f"{served.url}/s.zarr"
@@ -212,13 +212,12 @@ def test_the_url_fingerprint_samples_stored_chunk_files_of_a_sharded_array(tmp_p
 def test_a_document_in_a_chunk_missing_behind_the_url_is_an_error(tmp_path) -> None:
     """Held-out rows in a chunk that the URL does not hold read as token 0 in zarr: the
     documents refuse them instead of scoring zeros."""
-    import zarr
 
     from fot.eval.per_token_loss import open_documents
 
     data = np.random.default_rng(0).integers(1, 50000, (8, 64)).astype(np.uint16)
-    arr = zarr.create_array(str(tmp_path / "h.zarr"), shape=data.shape, chunks=(4, 64),
-                            dtype="uint16", zarr_format=2)  # fmt: skip
+    arr = new_array(str(tmp_path / "h.zarr"), shape=data.shape, chunks=(4, 64),
+                    dtype="uint16", zarr_format=2)  # fmt: skip
     arr[:] = data
     (tmp_path / "h.zarr" / "1.0").unlink()  # rows 4..7
     with serve(tmp_path) as server:

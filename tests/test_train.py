@@ -19,6 +19,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
+from zarr_arrays import new_array
 
 from fot.training import TrainingDivergedError, TrainingStopped, register_configs, train
 from fot.training.checkpoint import FAULT_ENV, list_checkpoints
@@ -1339,14 +1340,12 @@ def test_resume_digest_covers_every_token_and_reads_older_checkpoints(tmp_path, 
     the array) is still compared its own way: no warning for unchanged data."""
     import hashlib
 
-    import zarr
-
     from fot.data.streams import EOT_ID
 
     rng = np.random.default_rng(0)
     data = rng.integers(0, 50000, (8, 128)).astype(np.uint16)
-    arr = zarr.create_array(str(tmp_path / "lc" / "train.zarr"), shape=data.shape,
-                            chunks=(4, 128), dtype="uint16")  # fmt: skip
+    arr = new_array(str(tmp_path / "lc" / "train.zarr"), shape=data.shape,
+                    chunks=(4, 128), dtype="uint16")  # fmt: skip
     arr[:] = data
     lc = ["data=longcrawl64", f"data.path={tmp_path / 'lc'}", "data.val_tokens=0"]
     out = tmp_path / "run"

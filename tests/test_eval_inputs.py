@@ -307,3 +307,29 @@ def test_longbench_data_dir_that_is_no_folder_is_named(tmp_path, kind):
     assert not out.exists()
     if kind == "file":
         assert data.read_text() == "not a folder"
+
+
+def test_longbench_missing_task_files_suggest_the_tasks_the_folder_has(tmp_path):
+    """With the default --tasks (the paper's 14) and a folder holding only some of the files,
+    the error names the missing files and a --tasks value of the ones there, which parses to
+    exactly the present tasks, in the set's order."""
+    from fot.eval.longbench import PAPER_TASKS, parse_tasks
+
+    data = tmp_path / "lb"
+    data.mkdir()
+    have = [PAPER_TASKS[5], PAPER_TASKS[1]]
+    for t in have:
+        (data / f"{t}.jsonl").write_text("")
+    with pytest.raises(FileNotFoundError, match=r"run the tasks it has with --tasks (\S+)$") as e:
+        main(["longbench", str(tmp_path / "ckpt"), "--data-dir", str(data), "--out",
+              str(tmp_path / "o")])  # fmt: skip
+    suggested = re.search(r"--tasks (\S+)$", str(e.value)).group(1)
+    assert parse_tasks(suggested) == [PAPER_TASKS[1], PAPER_TASKS[5]]
+    lacking = [f"{t}.jsonl" for t in PAPER_TASKS if t not in have]
+    assert f"lacks {lacking}" in str(e.value)
+    (data / f"{have[0]}.jsonl").unlink()
+    (data / f"{have[1]}.jsonl").unlink()
+    with pytest.raises(FileNotFoundError) as e:  # nothing there: nothing to suggest
+        main(["longbench", str(tmp_path / "ckpt"), "--data-dir", str(data), "--out",
+              str(tmp_path / "o")])  # fmt: skip
+    assert "--tasks" not in str(e.value)

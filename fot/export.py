@@ -96,6 +96,7 @@ def export_hf(
     *,
     tokenizer: bool = True,
     max_shard_size: str = "5GB",
+    text_escaping: str = "none",
 ) -> Path:
     """Write ``model`` as an HF checkpoint folder loadable by ``AutoModelForCausalLM``.
 
@@ -104,6 +105,9 @@ def export_hf(
         path: output folder (created if missing).
         tokenizer: also write the GPT-2 tokenizer (``fot.tokenizer.save_hf_tokenizer``).
         max_shard_size: passed to ``save_pretrained``.
+        text_escaping: how the training text was escaped before tokenization
+            (``fot.tokenizer.TEXT_ESCAPINGS``; ``"json"`` for LongCrawl64), recorded with the
+            tokenizer for ``fot.eval``.
 
     Returns:
         The folder path.
@@ -115,6 +119,12 @@ def export_hf(
             is written. An earlier export is replaced (its weight files are deleted first, so
             none of them is loaded instead of the new ones); other files are kept.
     """
+    from fot.tokenizer import TEXT_ESCAPINGS
+
+    if text_escaping not in TEXT_ESCAPINGS:
+        raise ValueError(
+            f"export_hf: text_escaping={text_escaping!r} is not one of {list(TEXT_ESCAPINGS)}"
+        )
     if not isinstance(model, PreTrainedModel):
         raise TypeError(
             f"export_hf needs a transformers PreTrainedModel, got {type(model).__name__}; unwrap "
@@ -175,7 +185,7 @@ def export_hf(
             model.config.auto_map = previous
     if tokenizer:
         max_len = getattr(model.config, "max_position_embeddings", None)
-        save_hf_tokenizer(out, model_max_length=max_len)
+        save_hf_tokenizer(out, model_max_length=max_len, text_escaping=text_escaping)
     return out
 
 

@@ -446,9 +446,9 @@ def test_training_on_longcrawl64_over_http_equals_training_on_the_folder(tmp_pat
         "export_hf=false",
     ]
 
-    def run(path: str, out: Path) -> list[dict]:
+    def run(path: str, out: Path, *more: str) -> list[dict]:
         with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
-            cfg = compose("train", overrides=[*base, f"data.path={path}", f"out_dir={out}"])
+            cfg = compose("train", overrides=[*base, f"data.path={path}", f"out_dir={out}", *more])
         train(cfg)
         lines = (out / "metrics.jsonl").read_text().splitlines()
         return [
@@ -456,7 +456,10 @@ def test_training_on_longcrawl64_over_http_equals_training_on_the_folder(tmp_pat
             for x in lines
         ]
 
-    disk = run(str(tmp_path / "lc"), tmp_path / "disk")
+    disk = run(str(tmp_path / "lc"), tmp_path / "disk", "export_hf=true")
+    # LongCrawl64's ids are of JSON-escaped text: the export says so, for fot.eval
+    tokenizer_config = json.loads((tmp_path / "disk" / "hf" / "tokenizer_config.json").read_text())
+    assert tokenizer_config["fot_text_escaping"] == "json"
     with serve(tmp_path) as server:
         url = run(f"{server.url}/lc", tmp_path / "url")
         assert any(path.startswith("/lc/train.zarr/") for _, path in server.requests)

@@ -201,9 +201,12 @@ def test_model_from_pretrained_overrides_are_checked(exported) -> None:
         fot.FoTForCausalLM.from_pretrained(out, num_attention_heads=3)
 
 
-def test_export_rejects_non_hf_modules(tmp_path) -> None:
+def test_export_rejects_non_hf_modules_and_unknown_text_escapings(tmp_path) -> None:
     with pytest.raises(TypeError, match="PreTrainedModel"):
         export_hf(torch.nn.Linear(2, 2), tmp_path)
+    with pytest.raises(ValueError, match=r"text_escaping='JSON' is not one of \['none', 'json'\]"):
+        export_hf(torch.nn.Linear(2, 2), tmp_path, text_escaping="JSON")
+    assert not any(tmp_path.iterdir())
 
 
 def test_generate_stop_strings_with_the_exported_tokenizer(exported) -> None:

@@ -120,6 +120,8 @@ def test_short_run_learns_and_writes_everything(tmp_path, monkeypatch) -> None:
     model = AutoModelForCausalLM.from_pretrained(hf)
     assert model.config.train_length == 64  # data.seq_len, read by fot.eval as the default
     assert AutoTokenizer.from_pretrained(hf).encode("Hello world")
+    # the sample corpus is plain text: no escaping recorded (LongCrawl64's is JSON)
+    assert "fot_text_escaping" not in json.loads((hf / "tokenizer_config.json").read_text())
     x = torch.tensor([[50256, 15496, 995]])
     with torch.no_grad():
         assert torch.isfinite(model(input_ids=x).logits).all()

@@ -298,8 +298,11 @@ def evaluate(
     return out
 
 
-def export_hf_folder(model: nn.Module, hf_config: Any, out: Path, *, is_main: bool) -> Path | None:
-    """Gather the full weights and write an HF folder (weights, config, tokenizer) on rank 0."""
+def export_hf_folder(
+    model: nn.Module, hf_config: Any, out: Path, *, is_main: bool, text_escaping: str = "none"
+) -> Path | None:
+    """Gather the full weights and write an HF folder (weights, config, tokenizer) on rank 0;
+    ``text_escaping`` (``fot.tokenizer.TEXT_ESCAPINGS``) is recorded with the tokenizer."""
     state = ckpt.gather_model_state(model)
     if not is_main:
         return None
@@ -309,7 +312,7 @@ def export_hf_folder(model: nn.Module, hf_config: Any, out: Path, *, is_main: bo
     with torch.device("cpu"):
         cpu_model = presets.build_model(hf_config)
     cpu_model.load_state_dict(state)
-    export_hf(cpu_model, out)
+    export_hf(cpu_model, out, text_escaping=text_escaping)
     return out
 
 
@@ -1173,7 +1176,11 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
     if cfg.export_hf:
         # Recorded in config.json: fot.eval marks it on plots and uses it as a default length.
         hf_config.train_length = int(cfg.data.seq_len)
-        hf_dir = export_hf_folder(model, hf_config, out_dir / "hf", is_main=info.is_main)
+        # LongCrawl64's token ids are of JSON-escaped text: fot.eval escapes its texts alike
+        escaping = "json" if cfg.data.kind == "longcrawl64" else "none"
+        hf_dir = export_hf_folder(
+            model, hf_config, out_dir / "hf", is_main=info.is_main, text_escaping=escaping
+        )
         result["hf_dir"] = str(hf_dir) if hf_dir else None
         if info.is_main:
             logger.info("HF export: %s", hf_dir)

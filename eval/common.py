@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from fot.data.zarr_store import is_url
 from fot.errors import FotError
 from fot.interrupt import check_stop
+from fot.tokenizer import TEXT_ESCAPING_KEY, escape_text, text_escaping_of, unescape_text
 
 _DTYPES = {
     "float32": torch.float32,
@@ -269,6 +270,7 @@ def load_checkpoint(
     dev = torch.device(device) if device is not None else pick_device()
     dt = dtype if isinstance(dtype, torch.dtype) else parse_dtype(dtype, dev)
     tokenizer = AutoTokenizer.from_pretrained(str(p))
+    text_escaping_of(tokenizer)  # a bad fot_text_escaping is named before the model loads
     vocab = config.get("vocab_size")
     if len(tokenizer) < 2 or (isinstance(vocab, int) and len(tokenizer) < vocab // 2):
         # e.g. a GPT-2 tokenizer without vocab.json / merges.txt loads with one token and
@@ -361,13 +363,23 @@ def eot_id(tokenizer: Any) -> int:
 
 
 def encode_text(tokenizer: Any, text: str) -> list[int]:
-    """Token ids of ``text`` without special tokens, however long.
+    """Token ids of ``text`` without special tokens, however long, escaped as the model's
+    training text was (``fot_text_escaping`` in the checkpoint's ``tokenizer_config.json``:
+    LongCrawl64-trained models read JSON-escaped text; see ``fot.tokenizer.escape_text``).
 
     The commands cut what they encode to fit (a haystack, a middle-truncated LongBench
     context, lm-eval's rolling windows): transformers' warning that a text longer than the tokenizer's
     ``model_max_length`` "will result in indexing errors" would be false, so it is not asked for.
     """
+    text = escape_text(text, text_escaping_of(tokenizer))
     return list(tokenizer.encode(text, add_special_tokens=False, verbose=False))
+
+
+def decode_text(tokenizer: Any, ids: Sequence[int]) -> str:
+    """The plain text of generated token ids: special tokens left out, escapes of the model's
+    training text decoded (the inverse of :func:`encode_text`)."""
+    text = tokenizer.decode(list(ids), skip_special_tokens=True)
+    return unescape_text(text, text_escaping_of(tokenizer))
 
 
 def model_logits(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
@@ -607,9 +619,13 @@ def write_run_config(
     """Write ``run_config.json``: command, arguments, checkpoint, git SHA, versions, time."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    ckpt_cfg = None
+    ckpt_cfg, escaping = None, None
     if checkpoint is not None and (Path(checkpoint) / "config.json").is_file():
         ckpt_cfg = json.loads((Path(checkpoint) / "config.json").read_text())
+    tok_cfg = Path(checkpoint) / "tokenizer_config.json" if checkpoint is not None else None
+    if tok_cfg is not None and tok_cfg.is_file():
+        with contextlib.suppress(ValueError, AttributeError):
+            escaping = json.loads(tok_cfg.read_text()).get(TEXT_ESCAPING_KEY, "none")
     args, argv = _hide_secrets(args, sys.argv)
     record = {
         "command": command,
@@ -617,6 +633,8 @@ def write_run_config(
         "arguments": _jsonable(args),
         "checkpoint": str(Path(checkpoint).resolve()) if checkpoint is not None else None,
         "checkpoint_config": ckpt_cfg,
+        # how texts were escaped before tokenizing (fot.tokenizer.TEXT_ESCAPINGS)
+        "text_escaping": escaping,
         "git_sha": git_sha(),
         "versions": library_versions(),
         "host": platform.node(),

@@ -52,6 +52,7 @@ from .common import (
     JsonlLog,
     add_run_arguments,
     claim_results,
+    decode_text,
     encode_text,
     greedy_generate,
     hidden_and_head,
@@ -209,7 +210,7 @@ class FoTLM(TemplateLM):
         return ids
 
     def tok_decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return decode_text(self.tokenizer, ids)
 
     @torch.no_grad()
     def _score(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:

@@ -41,6 +41,7 @@ from .common import (
     add_run_arguments,
     check_positions,
     claim_results,
+    decode_text,
     encode_text,
     eot_id,
     greedy_generate,
@@ -665,7 +666,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 max_new_tokens=spec.max_new_tokens,
                 eos_token_id=eos,
             )
-            pred = tokenizer.decode([t for t in gen if t != eos], skip_special_tokens=True)
+            pred = decode_text(tokenizer, [t for t in gen if t != eos])
             log.append(
                 {
                     "key": key,

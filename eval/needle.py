@@ -47,6 +47,7 @@ from .common import (
     check_positions,
     checkpoint_label,
     claim_results,
+    decode_text,
     encode_text,
     eot_id,
     greedy_generate,
@@ -457,7 +458,7 @@ def run_grid(
         )
         ids = torch.tensor([prompt.input_ids], dtype=torch.long, device=device)
         gen = greedy_generate(model, ids, max_new_tokens=max_new_tokens, eos_token_id=eos)
-        response = tokenizer.decode([t for t in gen if t != eos], skip_special_tokens=True)
+        response = decode_text(tokenizer, [t for t in gen if t != eos])
         scores = score_response(response, prompt.reference, prompt.key_phrases, mode=mode)
         log.append(
             {

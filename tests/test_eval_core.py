@@ -344,3 +344,33 @@ def test_claim_results_resumes_a_whole_folder_record_when_the_files_read_are_unc
     (data / "a.jsonl").write_text("a2, rewritten\n")
     with pytest.raises(ResumeMismatchError, match=r"one fingerprint of the whole folder"):
         _claim_data(out, ckpt, data, ["a.jsonl"])
+
+
+def test_texts_are_escaped_as_the_checkpoint_was_trained_and_generations_unescaped(tmp_path):
+    """A LongCrawl64-trained model read JSON-escaped text: a newline was the two tokens of
+    ``\\n``, never GPT-2's newline token (198). The eval commands encode their texts (needle
+    haystacks, LongBench contexts, lm-eval requests) the same way and decode generations back.
+    Oracle: tiktoken's GPT-2 encoding of ``json.dumps(text)`` without its quotes."""
+    from transformers import AutoTokenizer
+
+    from fot.eval.common import decode_text, encode_text, write_run_config
+    from fot.tokenizer import get_encoding, save_hf_tokenizer
+
+    enc = get_encoding()
+    text = 'The key is "7".\nÜber 😀\tdone'
+    plain = AutoTokenizer.from_pretrained(save_hf_tokenizer(tmp_path / "plain"))
+    escaped = AutoTokenizer.from_pretrained(
+        save_hf_tokenizer(tmp_path / "json", text_escaping="json")
+    )
+    assert encode_text(plain, text) == enc.encode(text)
+    ids = encode_text(escaped, text)
+    assert ids == enc.encode(json.dumps(text)[1:-1])
+    assert 198 in enc.encode(text) and 198 not in ids  # no raw newline token
+    assert decode_text(escaped, [*ids, 50256]) == text  # <|endoftext|> left out
+    assert decode_text(plain, enc.encode(text)) == text
+    # run_config.json says which escaping the results were made with
+    (tmp_path / "json" / "config.json").write_text("{}")
+    record = json.loads(
+        write_run_config(tmp_path / "out", "needle", {}, tmp_path / "json").read_text()
+    )
+    assert record["text_escaping"] == "json"

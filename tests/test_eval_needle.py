@@ -268,3 +268,21 @@ def test_long_texts_encode_without_a_false_length_warning(tmp_path):
     finally:
         logger.removeHandler(record)
         logger.setLevel(level)
+
+
+def test_a_json_escaped_model_gets_an_escaped_prompt(tmp_path):
+    """A LongCrawl64-trained model never saw a raw newline: the prompt (haystack, needle and
+    question) holds none of GPT-2's newline tokens and decodes back to the plain text."""
+    from transformers import AutoTokenizer
+
+    from fot.eval.common import decode_text, encode_text
+    from fot.tokenizer import save_hf_tokenizer
+
+    tok = AutoTokenizer.from_pretrained(save_hf_tokenizer(tmp_path, text_escaping="json"))
+    lines = "\n".join(f"Line {i} of the story has no full stop" for i in range(200))
+    hay = encode_text(tok, lines)
+    p = build_prompt(tok, hay, context_length=800, depth=50.0, mode="standard", bos_id=50256)
+    assert len(p.input_ids) == 800 and 198 not in p.input_ids
+    assert "Dolores Park" in decode_text(tok, p.input_ids[p.needle_start : p.needle_end])
+    assert "stop\nLine" in decode_text(tok, p.input_ids[p.haystack_start : p.needle_start])
+    assert decode_text(tok, p.input_ids[p.needle_end :]).endswith("Answer:")

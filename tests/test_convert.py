@@ -1,0 +1,119 @@
+"""Checkpoints of the paper's code converted to fot models (fot.convert).
+
+Oracle: the paper's own implementation. tests/paper_checkpoints/ holds tiny FoX models built,
+run and saved by the paper's package on a GPU (tests/paper_checkpoints/make.py says how), with
+the logits it computed (float16 autocast, which its attention kernel needs). Their weights are
+large enough that each component moves the logits: a wrong mapping (the shift gates flipped,
+gate and up projections swapped, a norm weight dropped) gave relative errors of 0.33-0.88 on
+fox_pro, the right one 1.4e-3.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from fot.convert import PaperCheckpointError, from_paper, main
+
+PAPER = Path(__file__).resolve().parent / "paper_checkpoints"
+VARIANTS = ["fox_pro", "fox_pro_shared_qk_norm", "fox_llama"]
+
+
+def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=ids).logits.float()
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_converted_paper_checkpoint_computes_the_papers_logits(variant: str) -> None:
+    ref = np.load(PAPER / variant / "reference.npz")
+    ids, want = torch.from_numpy(ref["input_ids"]), torch.from_numpy(ref["logits"])
+    got = _logits(from_paper(PAPER / variant), ids)
+    assert got.shape == want.shape  # fot's padded vocabulary rows are cut off
+    assert (got - want).norm() / want.norm() < 1e-2  # measured 1.4e-3 to 1.5e-3
+    assert (got - want).abs().max() < 0.05  # measured 0.0091 to 0.0098; logits up to 4.4
+
+
+def test_the_command_writes_a_fot_export_that_loads_and_records_json_escaping(tmp_path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from fot.tokenizer import text_escaping_of
+
+    src = PAPER / "fox_pro"
+    assert main([str(src), str(tmp_path / "fot")]) == 0
+    ids = torch.from_numpy(np.load(src / "reference.npz")["input_ids"])
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "fot")
+    assert loaded.config.model_type == "fot"
+    assert torch.equal(_logits(loaded, ids), _logits(from_paper(src), ids))
+    # the paper's models were trained on LongCrawl64: JSON-escaped text
+    assert text_escaping_of(AutoTokenizer.from_pretrained(tmp_path / "fot")) == "json"
+    assert main([str(src), str(tmp_path / "plain"), "--text-escaping", "none"]) == 0
+    assert text_escaping_of(AutoTokenizer.from_pretrained(tmp_path / "plain")) == "none"
+
+
+def test_tied_embeddings_convert_as_an_untied_copy_does(tmp_path) -> None:
+    """A tied checkpoint stores no LM head (the embedding serves; fot's models are untied):
+    converting it equals converting the same model written untied, with the embedding copied
+    as the head."""
+    src = PAPER / "fox_llama"
+    state = load_file(src / "model.safetensors")
+    cfg = json.loads((src / "config.json").read_text())
+    untied, tied = tmp_path / "untied", tmp_path / "tied"
+    for folder, tie in ((untied, False), (tied, True)):
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": tie}))
+        weights = dict(state, **{"lm_head.weight": state["model.embeddings.weight"].clone()})
+        if tie:
+            del weights["lm_head.weight"]
+        save_file(weights, folder / "model.safetensors")
+    ids = torch.from_numpy(np.load(src / "reference.npz")["input_ids"])
+    assert torch.equal(_logits(from_paper(tied), ids), _logits(from_paper(untied), ids))
+
+
+def _copy(
+    tmp_path: Path, config: dict | None = None, drop: str | None = None, add: str | None = None
+) -> Path:
+    folder = tmp_path / "ckpt"
+    shutil.copytree(PAPER / "fox_pro", folder)
+    if config:
+        cfg = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**cfg, **config}))
+    if drop or add:
+        state = load_file(folder / "model.safetensors")
+        if drop:
+            del state[drop]
+        if add:
+            state[add] = torch.zeros(3)
+        save_file(state, folder / "model.safetensors")
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (dict(config={"model_type": "transformer-project_fox"}),
+         r"model_type 'transformer-project_fox', not the paper's FoX"),
+        (dict(config={"hidden_act": "sigmoid"}), r"hidden_act='sigmoid'; fot's FoT models have"),
+        (dict(config={"num_kv_heads": 1}), r"num_kv_heads=1 with num_heads=2"),
+        (dict(drop="model.layers.1.attn.k_proj.shift_proj.weight"),
+         r"lacks the weight 'model.layers.1.attn.k_proj.shift_proj.weight'"),
+        (dict(add="model.layers.0.attn.extra.weight"),
+         r"does not use: \['model.layers.0.attn.extra.weight'\]"),
+    ],
+)  # fmt: skip
+def test_what_fot_cannot_express_is_refused_by_name(tmp_path, change, message) -> None:
+    with pytest.raises(PaperCheckpointError, match=message):
+        from_paper(_copy(tmp_path, **change))
+
+
+def test_the_command_names_a_bad_folder_in_one_line_with_status_2(tmp_path, capsys) -> None:
+    assert main([str(tmp_path / "missing"), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("python -m fot.convert: error: ") and "has no config.json" in err
+    assert not (tmp_path / "out").exists()

@@ -117,3 +117,19 @@ def test_the_command_names_a_bad_folder_in_one_line_with_status_2(tmp_path, caps
     err = capsys.readouterr().err
     assert err.startswith("python -m fot.convert: error: ") and "has no config.json" in err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_converted_paper_checkpoint_on_the_gpu_computes_the_papers_logits(variant, dtype):
+    """The same oracle through fot's Triton kernels: float32 weights, and bf16 autocast (the
+    paper's evaluation setting; bf16 keeps 3 mantissa bits fewer than the float16 reference).
+    Measured on an H100: float32 1.4e-3 to 1.5e-3 relative, bf16 1.0e-2 to 1.1e-2."""
+    ref = np.load(PAPER / variant / "reference.npz")
+    ids, want = torch.from_numpy(ref["input_ids"]).cuda(), torch.from_numpy(ref["logits"])
+    model = from_paper(PAPER / variant).cuda()
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+        got = _logits(model, ids).cpu()
+    tol = 1e-2 if dtype == torch.float32 else 3e-2
+    assert (got - want).norm() / want.norm() < tol

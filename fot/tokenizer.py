@@ -70,9 +70,10 @@ def escape_text(text: str, escaping: str) -> str:
 
 
 # A JSON escape: a UTF-16 surrogate pair, one \uXXXX, or one of the two-character escapes.
+# Only the hex digits may be upper case: \U, \N, \T, ... are no JSON escapes.
 _JSON_ESCAPE = re.compile(
-    r"\\u(d[89ab][0-9a-f]{2})\\u(d[c-f][0-9a-f]{2})|\\u([0-9a-f]{4})|\\([\"\\/bfnrt])",
-    re.IGNORECASE,
+    r"\\u([dD][89abAB][0-9a-fA-F]{2})\\u([dD][c-fC-F][0-9a-fA-F]{2})"
+    r"|\\u([0-9a-fA-F]{4})|\\([\"\\/bfnrt])"
 )
 _SIMPLE_ESCAPES = {
     '"': '"',

@@ -88,6 +88,10 @@ def test_json_text_escaping_is_json_string_syntax_and_round_trips():
     # what a generation may end with: escapes cut short, a bare quote, a lone surrogate
     assert tokenizer.unescape_text('he said "ok\\n\\u00', "json") == 'he said "ok\n\\u00'
     assert tokenizer.unescape_text("x\\ud83d y\\", "json") == "x\\ud83d y\\"
+    # JSON's escapes are lower case (only the hex digits are not): \N, \T, \U0041 are no
+    # escapes, kept as written (they raised KeyError, or \U0041 became "A")
+    generated = "C:\\New\\Tab \\U0041 \\B \\uD83D\\uDE00"
+    assert tokenizer.unescape_text(generated, "json") == "C:\\New\\Tab \\U0041 \\B 😀"
     with pytest.raises(ValueError, match=r"'JSON' is not one of \['none', 'json'\]"):
         tokenizer.escape_text("a", "JSON")
 

@@ -38,6 +38,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from fot.tokenizer import text_escaping_of
+
 from .common import (
     CONTEXT_LENGTH_HELP,
     JsonlLog,
@@ -158,6 +160,27 @@ def _boundary_ids(tokenizer: Any) -> set[int]:
     return ids
 
 
+# The end of a JSON-escaped line: a backslash and n (``\n``), not preceded by an odd number of
+# backslashes (``\\n`` is an escaped backslash and a letter n), then perhaps spaces.
+_ESCAPED_LINE_END = re.compile(r"(?<!\\)(?:\\\\)*\\n *$")
+
+
+def _ends_sentence_or_line(
+    tokenizer: Any, hay: Sequence[int], j: int, bounds: set[int], escaping: str
+) -> bool:
+    """Whether ``hay[:j]`` ends with a sentence or line end (the needle may go at ``j``).
+
+    JSON-escaped text holds no newline token: a line ends with the two characters ``\\n``,
+    which are tokens of their own (``\\``, then ``n``), so the text of the last tokens is read.
+    """
+    if hay[j - 1] in bounds:
+        return True
+    if escaping != "json":
+        return False
+    tail = tokenizer.decode(list(hay[max(0, j - 8) : j]))
+    return _ESCAPED_LINE_END.search(tail) is not None
+
+
 def needle_texts(
     mode: str, needle: Needle, passkey: str | None = None
 ) -> tuple[str, str, str, str, tuple[str, ...]]:
@@ -242,9 +265,9 @@ def build_prompt(
     point = math.floor(depth * budget / 100.0)
     snap = snap_tokens if snap_tokens is not None else max(16, budget // 100)
     if 0 < point < budget:
-        bounds = _boundary_ids(tokenizer)
+        bounds, escaping = _boundary_ids(tokenizer), text_escaping_of(tokenizer)
         for j in range(point, max(point - snap, 0), -1):
-            if hay[j - 1] in bounds:
+            if _ends_sentence_or_line(tokenizer, hay, j, bounds, escaping):
                 point = j
                 break
     ids = prefix_ids + hay[:point] + needle_ids + hay[point:] + suffix_ids

@@ -286,3 +286,27 @@ def test_a_json_escaped_model_gets_an_escaped_prompt(tmp_path):
     assert "Dolores Park" in decode_text(tok, p.input_ids[p.needle_start : p.needle_end])
     assert "stop\nLine" in decode_text(tok, p.input_ids[p.haystack_start : p.needle_start])
     assert decode_text(tok, p.input_ids[p.needle_end :]).endswith("Answer:")
+
+
+def test_a_json_escaped_needle_snaps_to_line_ends_and_never_splits_an_escape(tmp_path):
+    """In JSON-escaped text a line ends with the two characters ``\\n``, tokens of their own
+    (``\\``, then ``n``): the needle snaps to the end of the line as it does in plain text
+    (before, no line end was found, and at some depths the needle went between the ``\\`` and
+    the ``n``, writing an escape the model never saw)."""
+    from transformers import AutoTokenizer
+
+    from fot.eval.common import encode_text
+    from fot.tokenizer import save_hf_tokenizer
+
+    lines = "\n".join(f"Line {i} of the story has no full stop" for i in range(200))
+    for escaping in ("none", "json"):
+        tok = AutoTokenizer.from_pretrained(
+            save_hf_tokenizer(tmp_path / escaping, text_escaping=escaping)
+        )
+        hay = encode_text(tok, lines)
+        for depth in range(5, 100, 5):
+            p = build_prompt(
+                tok, hay, context_length=800, depth=float(depth), mode="standard", bos_id=50256
+            )
+            before = tok.decode(p.input_ids[p.haystack_start : p.needle_start])
+            assert before.endswith("\\n" if escaping == "json" else "\n"), (escaping, depth)

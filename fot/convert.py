@@ -63,11 +63,11 @@ def fot_config_from_paper(cfg: Mapping[str, Any]) -> Any:
             f"{PAPER_MODEL_TYPE!r}: only the paper's FoX checkpoints convert (its Transformer "
             "and recurrent baselines are other model types)"
         )
+    # attention_bias and elementwise_affine are in the paper's config but no FoX module reads
+    # them (projections without bias, norms with weights): they convert whatever they say.
     unsupported = {
         "hidden_act": (cfg.get("hidden_act", "swish"), "swish"),
         "ogate_act": (cfg.get("ogate_act", "sigmoid"), "sigmoid"),
-        "attention_bias": (bool(cfg.get("attention_bias", False)), False),
-        "elementwise_affine": (cfg.get("elementwise_affine", True), True),
     }
     for key, (got, supported) in unsupported.items():
         if key == "ogate_act" and not cfg.get("use_output_gate"):

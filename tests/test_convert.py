@@ -133,3 +133,14 @@ def test_a_converted_paper_checkpoint_on_the_gpu_computes_the_papers_logits(vari
         got = _logits(model, ids).cpu()
     tol = 1e-2 if dtype == torch.float32 else 3e-2
     assert (got - want).norm() / want.norm() < tol
+
+
+@pytest.mark.parametrize("setting", [{"attention_bias": True}, {"elementwise_affine": False}])
+def test_settings_the_papers_fox_ignores_convert_as_their_defaults_do(tmp_path, setting) -> None:
+    """The paper's FoX builds its projections without bias and its norms with weights whatever
+    attention_bias and elementwise_affine say (they are read by none of its modules): such a
+    checkpoint holds the same weights and computes the same logits (before, it was refused as
+    a setting fot cannot express)."""
+    ids = torch.from_numpy(np.load(PAPER / "fox_pro" / "reference.npz")["input_ids"])
+    got = _logits(from_paper(_copy(tmp_path, config=setting)), ids)
+    assert torch.equal(got, _logits(from_paper(PAPER / "fox_pro"), ids))

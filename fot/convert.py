@@ -132,18 +132,28 @@ def state_dict_from_paper(
     """
     left = dict(paper)
 
-    def take(name: str) -> torch.Tensor:
+    def take(name: str, *shape: int) -> torch.Tensor:
+        """The paper's weight ``name``, of the ``shape`` its config.json implies."""
         if name not in left:
             raise PaperCheckpointError(
                 f"the checkpoint lacks the weight {name!r} that its config.json implies; the "
                 "folder is incomplete or from another version of the paper's code"
             )
-        return left.pop(name)
+        w = left.pop(name)
+        if tuple(w.shape) != shape:
+            raise PaperCheckpointError(
+                f"the checkpoint's weight {name!r} has shape {tuple(w.shape)}, where its "
+                f"config.json implies {shape}; the config.json is not this checkpoint's"
+            )
+        return w
 
     heads, hidden = fot_config.num_heads, fot_config.hidden_size
     head_dim = hidden // heads
     width = paper_intermediate_size(cfg)
+    vocab = fot_config.vocab_size
     out: dict[str, torch.Tensor] = {}
+    # one q/k norm weight of head_dim shared by the heads, or one per head
+    qk_norm_size = head_dim if cfg.get("qk_norm_share_param_across_head") else hidden
 
     def per_head(w: torch.Tensor) -> torch.Tensor:  # a q/k/o norm weight as [H, D]
         return (
@@ -157,43 +167,44 @@ def state_dict_from_paper(
     def pad_rows(w: torch.Tensor) -> torch.Tensor:
         return torch.cat([w, w.new_zeros(padded - w.shape[0], w.shape[1])])
 
-    embed = take("model.embeddings.weight")
+    embed = take("model.embeddings.weight", vocab, hidden)
     out["model.embed_tokens.weight"] = pad_rows(embed)
-    out["model.norm.weight"] = take("model.norm.weight")
+    out["model.norm.weight"] = take("model.norm.weight", hidden)
     if cfg.get("tie_word_embeddings", False):  # fot's models are untied: the head is a copy
         left.pop("lm_head.weight", None)
         out["lm_head.weight"] = out["model.embed_tokens.weight"].clone()
     else:
-        out["lm_head.weight"] = pad_rows(take("lm_head.weight"))
+        out["lm_head.weight"] = pad_rows(take("lm_head.weight", vocab, hidden))
     for i in range(fot_config.num_hidden_layers):
         src, dst = f"model.layers.{i}.", f"model.layers.{i}."
-        out[dst + "input_layernorm.weight"] = take(src + "attn_norm.weight")
-        out[dst + "post_attention_layernorm.weight"] = take(src + "mlp_norm.weight")
-        gate_up = take(src + "mlp.gate_proj.weight")
+        out[dst + "input_layernorm.weight"] = take(src + "attn_norm.weight", hidden)
+        out[dst + "post_attention_layernorm.weight"] = take(src + "mlp_norm.weight", hidden)
+        gate_up = take(src + "mlp.gate_proj.weight", 2 * width, hidden)
         out[dst + "mlp.gate_proj.weight"] = gate_up[:width]
         out[dst + "mlp.up_proj.weight"] = gate_up[width:]
-        out[dst + "mlp.down_proj.weight"] = take(src + "mlp.down_proj.weight")
+        out[dst + "mlp.down_proj.weight"] = take(src + "mlp.down_proj.weight", hidden, width)
         a, b = src + "attn.", dst + "self_attn."
-        out[b + "q_proj.weight"] = take(a + "q_proj.weight")
-        out[b + "o_proj.weight"] = take(a + "o_proj.weight")
+        out[b + "q_proj.weight"] = take(a + "q_proj.weight", hidden, hidden)
+        out[b + "o_proj.weight"] = take(a + "o_proj.weight", hidden, hidden)
         for name, shift in (("k", fot_config.use_k_shift), ("v", fot_config.use_v_shift)):
             if shift:
-                out[b + f"{name}_proj.weight"] = take(a + f"{name}_proj.linear.weight")
-                out[b + f"{name}_shift_proj.weight"] = take(a + f"{name}_proj.shift_proj.weight")
+                linear, shift_proj = a + f"{name}_proj.linear.weight", a + f"{name}_proj.shift_proj"
+                out[b + f"{name}_proj.weight"] = take(linear, hidden, hidden)
+                out[b + f"{name}_shift_proj.weight"] = take(shift_proj + ".weight", heads, hidden)
             else:
-                out[b + f"{name}_proj.weight"] = take(a + f"{name}_proj.weight")
+                out[b + f"{name}_proj.weight"] = take(a + f"{name}_proj.weight", hidden, hidden)
         if fot_config.fgate_type == "full":
-            out[b + "fgate_proj.weight"] = take(a + "fgate_proj.weight")
-            out[b + "fgate_proj.bias"] = take(a + "fgate_proj.bias")
+            out[b + "fgate_proj.weight"] = take(a + "fgate_proj.weight", heads, hidden)
+            out[b + "fgate_proj.bias"] = take(a + "fgate_proj.bias", heads)
         elif fot_config.fgate_type in ("bias_only", "fixed"):
-            out[b + "fgate_bias"] = take(a + "fgate_bias")
+            out[b + "fgate_bias"] = take(a + "fgate_bias", heads)
         if fot_config.qk_norm:
-            out[b + "q_norm.weight"] = per_head(take(a + "q_norm.weight"))
-            out[b + "k_norm.weight"] = per_head(take(a + "k_norm.weight"))
+            out[b + "q_norm.weight"] = per_head(take(a + "q_norm.weight", qk_norm_size))
+            out[b + "k_norm.weight"] = per_head(take(a + "k_norm.weight", qk_norm_size))
         if fot_config.use_output_norm:
-            out[b + "o_norm.weight"] = per_head(take(a + "output_norm.weight"))
+            out[b + "o_norm.weight"] = per_head(take(a + "output_norm.weight", hidden))
         if fot_config.use_output_gate:
-            out[b + "g_proj.weight"] = take(a + "ogate_proj.weight")
+            out[b + "g_proj.weight"] = take(a + "ogate_proj.weight", hidden, hidden)
     # rotary caches and other buffers the paper's code saves are recomputed by fot
     unused = sorted(k for k in left if not k.endswith(("inv_freq", "_cos_cached", "_sin_cached")))
     if unused:

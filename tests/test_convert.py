@@ -105,6 +105,17 @@ def _copy(
          r"lacks the weight 'model.layers.1.attn.k_proj.shift_proj.weight'"),
         (dict(add="model.layers.0.attn.extra.weight"),
          r"does not use: \['model.layers.0.attn.extra.weight'\]"),
+        # a config.json of another size: named, not a size-mismatch traceback of torch's
+        (dict(config={"intermediate_size": 96}),
+         r"'model.layers.0.mlp.gate_proj.weight' has shape \(160, 64\), where its "
+         r"config.json implies \(192, 64\)"),
+        # fewer vocabulary rows than the config says: before, padded with zeros unnoticed
+        (dict(config={"vocab_size": 100}),
+         r"'model.embeddings.weight' has shape \(96, 64\), where its config.json implies "
+         r"\(100, 64\)"),
+        (dict(config={"qk_norm_share_param_across_head": True}),
+         r"'model.layers.0.attn.q_norm.weight' has shape \(64,\), where its config.json "
+         r"implies \(32,\)"),
     ],
 )  # fmt: skip
 def test_what_fot_cannot_express_is_refused_by_name(tmp_path, change, message) -> None:

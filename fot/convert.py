@@ -56,6 +56,11 @@ def fot_config_from_paper(cfg: Mapping[str, Any]) -> Any:
     from fot.models import FoTConfig
     from fot.tokenizer import EOT_ID
 
+    if not isinstance(cfg, Mapping):
+        raise PaperCheckpointError(
+            f"config.json holds a {type(cfg).__name__}, not an object of settings: it is not a "
+            "checkpoint's config.json"
+        )
     model_type = cfg.get("model_type")
     if model_type != PAPER_MODEL_TYPE:
         raise PaperCheckpointError(
@@ -76,7 +81,21 @@ def fot_config_from_paper(cfg: Mapping[str, Any]) -> Any:
             raise PaperCheckpointError(
                 f"config.json sets {key}={got!r}; fot's FoT models have {key}={supported!r} only"
             )
-    heads = int(cfg["num_heads"])
+    sizes = ("vocab_size", "hidden_size", "num_hidden_layers", "num_heads")
+    for key in sizes:  # the paper's save_pretrained writes them all; a hand-edited file may not
+        value = cfg.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            got = "lacks it" if key not in cfg else f"sets {key}={value!r}"
+            raise PaperCheckpointError(
+                f"config.json {got}: {key} must be a positive integer; use the config.json "
+                "that came with the checkpoint's weights"
+            )
+    heads = cfg["num_heads"]
+    if cfg["hidden_size"] % heads:
+        raise PaperCheckpointError(
+            f"config.json sets hidden_size={cfg['hidden_size']} with num_heads={heads}: the "
+            "hidden size must be a multiple of the number of heads"
+        )
     kv_heads = cfg.get("num_kv_heads")
     if kv_heads not in (None, heads):
         raise PaperCheckpointError(

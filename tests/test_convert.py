@@ -77,13 +77,18 @@ def test_tied_embeddings_convert_as_an_untied_copy_does(tmp_path) -> None:
 
 
 def _copy(
-    tmp_path: Path, config: dict | None = None, drop: str | None = None, add: str | None = None
+    tmp_path: Path,
+    config: dict | None = None,
+    drop: str | None = None,
+    add: str | None = None,
+    unset: str | None = None,
 ) -> Path:
     folder = tmp_path / "ckpt"
     shutil.copytree(PAPER / "fox_pro", folder)
-    if config:
-        cfg = json.loads((folder / "config.json").read_text())
-        (folder / "config.json").write_text(json.dumps({**cfg, **config}))
+    if config or unset:
+        cfg = {**json.loads((folder / "config.json").read_text()), **(config or {})}
+        cfg.pop(unset, None)
+        (folder / "config.json").write_text(json.dumps(cfg))
     if drop or add:
         state = load_file(folder / "model.safetensors")
         if drop:
@@ -113,6 +118,12 @@ def _copy(
         (dict(config={"vocab_size": 100}),
          r"'model.embeddings.weight' has shape \(96, 64\), where its config.json implies "
          r"\(100, 64\)"),
+        # a hand-edited config.json: named, not a KeyError or int() traceback
+        (dict(unset="num_heads"), r"config.json lacks it: num_heads must be a positive integer"),
+        (dict(config={"hidden_size": "64"}),
+         r"config.json sets hidden_size='64': hidden_size must be a positive integer"),
+        (dict(config={"num_heads": 3}),
+         r"hidden_size=64 with num_heads=3: the hidden size must be a multiple"),
         (dict(config={"qk_norm_share_param_across_head": True}),
          r"'model.layers.0.attn.q_norm.weight' has shape \(64,\), where its config.json "
          r"implies \(32,\)"),
@@ -155,3 +166,10 @@ def test_settings_the_papers_fox_ignores_convert_as_their_defaults_do(tmp_path, 
     ids = torch.from_numpy(np.load(PAPER / "fox_pro" / "reference.npz")["input_ids"])
     got = _logits(from_paper(_copy(tmp_path, config=setting)), ids)
     assert torch.equal(got, _logits(from_paper(PAPER / "fox_pro"), ids))
+
+
+def test_a_config_json_that_is_not_an_object_is_named(tmp_path) -> None:
+    folder = _copy(tmp_path)
+    (folder / "config.json").write_text("[1, 2]")
+    with pytest.raises(PaperCheckpointError, match=r"config.json holds a list, not an object"):
+        from_paper(folder)

@@ -123,24 +123,6 @@ def fot_config_from_paper(cfg: Mapping[str, Any]) -> Any:
     )
 
 
-def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    files = sorted(folder.glob("*.safetensors")) or sorted(folder.glob("pytorch_model*.bin"))
-    if not files:
-        raise PaperCheckpointError(
-            f"{folder} holds no weights (*.safetensors or pytorch_model*.bin); download the "
-            "whole checkpoint folder"
-        )
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        if f.suffix == ".safetensors":
-            state.update(load_file(f))
-        else:
-            state.update(torch.load(f, map_location="cpu", weights_only=True))
-    return state
-
-
 def state_dict_from_paper(
     paper: Mapping[str, torch.Tensor], cfg: Mapping[str, Any], fot_config: Any
 ) -> dict[str, torch.Tensor]:
@@ -250,6 +232,7 @@ def from_paper(path: str | os.PathLike, *, dtype: torch.dtype | None = None) -> 
     Raises:
         PaperCheckpointError: not such a folder, or a setting fot cannot express.
     """
+    from fot.export import read_weight_files
     from fot.models import FoTForCausalLM
 
     folder = Path(path)
@@ -263,7 +246,7 @@ def from_paper(path: str | os.PathLike, *, dtype: torch.dtype | None = None) -> 
     except json.JSONDecodeError as err:
         raise PaperCheckpointError(f"{folder / 'config.json'} is not valid JSON ({err})") from err
     fot_config = fot_config_from_paper(cfg)
-    state = state_dict_from_paper(_read_weights(folder), cfg, fot_config)
+    state = state_dict_from_paper(read_weight_files(folder), cfg, fot_config)
     model = FoTForCausalLM(fot_config)
     model.load_state_dict(state, strict=True)
     if dtype is not None:

@@ -32,7 +32,10 @@ import os
 import re
 from pathlib import Path
 
+import torch
 from transformers import PretrainedConfig, PreTrainedModel
+
+from fot.errors import FotError
 
 _CONFIG_MODULE = "configuration_fot"
 _MODEL_MODULE = "modeling_fot"
@@ -80,6 +83,49 @@ except ModuleNotFoundError as err:
         {hint!r}
     ) from err
 """
+
+
+class WeightFilesError(FotError, ValueError):
+    """A checkpoint folder's weight files are missing or cannot be read."""
+
+
+def read_weight_files(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The tensors of the weight files of an HF-style folder, as ``from_pretrained`` picks them:
+    ``model.safetensors``, else its shards ``model-*-of-*.safetensors``, else
+    ``pytorch_model*.bin`` (read with ``weights_only=True``). Tensors keep their dtype, on the CPU.
+
+    Raises:
+        WeightFilesError: no weight file, or one that cannot be read (names it).
+    """
+    p = Path(folder)
+    names = sorted(f.name for f in p.iterdir() if f.is_file() and _WEIGHT_FILE.match(f.name))
+    names = [n for n in names if not n.endswith(".index.json")]
+    safetensors = [n for n in names if n.endswith(".safetensors")]
+    if "model.safetensors" in safetensors:
+        names = ["model.safetensors"]
+    elif safetensors:
+        names = safetensors
+    if not names:
+        raise WeightFilesError(
+            f"{p} holds no weights (model.safetensors, its shards or pytorch_model*.bin): copy "
+            "or download the whole checkpoint folder"
+        )
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    state: dict[str, torch.Tensor] = {}
+    for name in names:
+        try:
+            if name.endswith(".safetensors"):
+                state.update(load_file(p / name))
+            else:
+                state.update(torch.load(p / name, map_location="cpu", weights_only=True))
+        except (SafetensorError, RuntimeError, OSError, EOFError, ValueError) as err:
+            raise WeightFilesError(
+                f"{p / name} cannot be read ({type(err).__name__}: {str(err)[:200]}): the copy "
+                "is incomplete or damaged; copy or download the checkpoint folder again"
+            ) from None
+    return state
 
 
 def _class_path(cls: type) -> tuple[str, str]:

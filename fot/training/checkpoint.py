@@ -315,7 +315,7 @@ def load_checkpoint(
     """
     p = Path(path)
     state = read_trainer_state(p)
-    model_state = _load_file(p, "model.pt", weights_only=True)
+    model_state = read_model_state(p)
     optim_state = _load_file(p, "optim.pt", weights_only=False)
     from torch.distributed.checkpoint.state_dict import (
         set_model_state_dict,
@@ -347,6 +347,15 @@ def load_checkpoint(
     rngs = _load_file(p, "rng.pt", weights_only=False)
     set_rng_state(rngs[rank] if rank < len(rngs) else rngs[0])
     return state
+
+
+def read_model_state(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The full float32 model state dict of checkpoint ``path`` (``model.pt``), on the CPU.
+
+    Raises:
+        CorruptCheckpointError: the file cannot be read (names the checkpoint and what to do).
+    """
+    return _load_file(Path(path), "model.pt", weights_only=True)
 
 
 def read_trainer_state(path: str | os.PathLike) -> dict[str, Any]:

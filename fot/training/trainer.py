@@ -644,16 +644,6 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
     # first: missing data explains itself
     train_source, val_source = build_sources(cfg.data, val_unit=info.world_size * val_micro)
     global_seqs, total_steps = check_sizes(cfg, info.world_size)
-    if info.is_main:  # only now: bad data or sizes leave no run folder behind
-        out_dir.mkdir(parents=True, exist_ok=True)
-        ckpt.clean_stale(ckpt_dir)
-    stream = SequenceStream(
-        train_source,
-        global_batch_size=global_seqs,
-        micro_batch_size=int(cfg.micro_batch_size),
-        rank=info.rank,
-        world_size=info.world_size,
-    )
 
     # ---- which checkpoint to resume from (checked before the model is built) -------------
     resume_from = None
@@ -712,6 +702,33 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
                 "another out_dir)"
             )
 
+    # ---- weights to start from (a new run only; checked before the run folder is made) ---
+    init_source = None
+    if cfg.init_from not in (None, ""):
+        if resume_from is not None:
+            if info.is_main:
+                logger.info(
+                    "init_from=%s is not used: the run resumes from %s, with its weights",
+                    cfg.init_from,
+                    resume_from,
+                )
+        else:
+            from fot.training.init_weights import check_init_source, read_init_source
+
+            init_source = read_init_source(cfg.init_from)
+            check_init_source(init_source, model_config_from_train_config(cfg))
+
+    if info.is_main:  # only now: bad data, sizes or checkpoints leave no run folder behind
+        out_dir.mkdir(parents=True, exist_ok=True)
+        ckpt.clean_stale(ckpt_dir)
+    stream = SequenceStream(
+        train_source,
+        global_batch_size=global_seqs,
+        micro_batch_size=int(cfg.micro_batch_size),
+        rank=info.rank,
+        world_size=info.world_size,
+    )
+
     # before the model, the run's records and wandb: a refused profile leaves none of them
     steps_left = total_steps - (saved["step"] if resume_from is not None else 0)
     prof_cfg = cfg.profile
@@ -738,6 +755,10 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
     torch.manual_seed(int(cfg.seed))
     with torch.device(info.device):
         model = presets.build_model(hf_config)
+    if init_source is not None:
+        from fot.training.init_weights import load_init_weights
+
+        load_init_weights(init_source, model)
     model.train()
     n_params = presets.count_params(model)
     flop_counter = FlopCounter.of(model, hf_config)
@@ -823,6 +844,7 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
             "accum_steps": stream.accum_steps,
             "total_steps": total_steps,
             "resumed_from": str(resume_from) if resume_from else None,
+            "initialized_from": str(init_source.path) if init_source else None,
             "config": resolved,
         }
         _write_run_info(out_dir, run_info)
@@ -836,7 +858,11 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
             n_params / 1e6,
             total_steps,
             gbt,
-            f" | resuming from {resume_from} at step {step}" if resume_from else "",
+            f" | resuming from {resume_from} at step {step}"
+            if resume_from
+            else f" | weights from {init_source.path}"
+            if init_source
+            else "",
         )
     if info.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(info.device)

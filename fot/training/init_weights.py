@@ -1,0 +1,336 @@
+"""``init_from=PATH``: start a new training run from trained weights instead of random ones.
+
+``PATH`` is any of
+
+- a training checkpoint of fot (``<run>/checkpoints/step_<n>``): its ``model.pt``, exact;
+- an HF folder of a fot model (a run's ``<run>/hf``, the output of ``python -m fot.convert``,
+  or any ``save_pretrained`` of a model that :mod:`fot.presets` builds);
+- a FoX checkpoint of the paper's code (zhixuan-lin/forgetting-transformer), converted as
+  :func:`fot.convert.from_paper` does.
+
+Only the weights are taken: the step, the optimizer's moments, the learning-rate schedule and
+the data position start from zero. The model the run's config builds (``model``, ``size``,
+``model.overrides``) must compute the same function as the checkpoint's: a field that
+differs is named with the override that matches, before any tensor loads. Fields that choose
+only how the model is computed (:data:`fot.models.configuration_fot.IMPLEMENTATION_FIELDS`) or
+only how it is initialised may differ.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from fot.errors import FotError
+
+
+class InitFromError(FotError, ValueError):
+    """``init_from`` names no usable checkpoint, or one of another model."""
+
+
+# config.json keys that describe the file, not the model
+_META_KEYS = frozenset(
+    {
+        "architectures",
+        "auto_map",
+        "transformers_version",
+        "_name_or_path",
+        "name_or_path",
+        "torch_dtype",
+        "dtype",
+        "model_type",
+        "use_cache",
+        "output_attentions",
+        "output_hidden_states",
+        "return_dict",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "max_position_embeddings",
+        "id2label",
+        "label2id",
+        "problem_type",
+        "train_length",  # the sequence length it was trained at, recorded for fot.eval
+    }
+)
+# fields that only shape the random initialisation: the loaded weights replace it
+_INIT_ONLY_KEYS = frozenset(
+    {"initializer_range", "fgate_bias_init", "decay_time_min", "decay_time_max"}
+)
+
+
+@dataclass(frozen=True)
+class InitSource:
+    """What ``init_from`` points at, read without loading any tensor."""
+
+    path: Path
+    kind: str
+    """``"checkpoint"`` (fot training checkpoint), ``"hf"`` (HF folder) or ``"paper"``."""
+    config: Any
+    """The checkpoint model's config (a ``transformers.PretrainedConfig``)."""
+    paper_config: dict[str, Any] | None = None
+    """The paper checkpoint's config.json (kind ``"paper"``)."""
+    trained_with: str = ""
+    """``model=... size=...`` of a training checkpoint's run ('' for other kinds)."""
+
+
+def read_init_source(path: str | os.PathLike) -> InitSource:
+    """Identify the checkpoint ``path`` and read its model config (no tensors).
+
+    Raises:
+        InitFromError: not a folder, or a folder that is none of the three kinds.
+    """
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        raise InitFromError(
+            f"init_from={path} is no folder; pass a training checkpoint "
+            "(<run>/checkpoints/step_00001000), an exported model (<run>/hf, python -m "
+            "fot.convert's output) or a FoX checkpoint folder of the paper's code"
+        )
+    if (p / "trainer.json").is_file() and (p / "model.pt").is_file():
+        return _checkpoint_source(p)
+    if (p / "config.json").is_file():
+        return _hf_source(p)
+    if (p / "checkpoints").is_dir() or (p / "hf").is_dir():
+        inside = [x for x in (p / "hf", p / "checkpoints") if x.is_dir()]
+        raise InitFromError(
+            f"init_from={path} is a run folder, not a checkpoint: pass "
+            + " or ".join(f"{x}/step_..." if x.name == "checkpoints" else str(x) for x in inside)
+        )
+    raise InitFromError(
+        f"init_from={path} holds neither a training checkpoint (trainer.json and model.pt) "
+        "nor a model's config.json: pass <run>/checkpoints/step_..., <run>/hf, or a "
+        "downloaded checkpoint folder (whole)"
+    )
+
+
+def _checkpoint_source(p: Path) -> InitSource:
+    from omegaconf import OmegaConf
+
+    from fot.training.checkpoint import read_trainer_state
+    from fot.training.trainer import model_config_from_train_config
+
+    state = read_trainer_state(p)
+    saved = state.get("config")
+    if not isinstance(saved, dict) or "model" not in saved or "size" not in saved:
+        raise InitFromError(
+            f"init_from={p}: its trainer.json does not record the model it trained (a "
+            "checkpoint of an older fot): export it to an HF folder and pass that folder"
+        )
+    cfg = OmegaConf.create(saved)
+    trained_with = f"model={cfg.model.name} size={cfg.size.name}"
+    overrides = OmegaConf.to_container(cfg.model.overrides) or {}
+    if overrides:
+        trained_with += " " + " ".join(f"++model.overrides.{k}={v}" for k, v in overrides.items())
+    return InitSource(p, "checkpoint", model_config_from_train_config(cfg), None, trained_with)
+
+
+def _hf_source(p: Path) -> InitSource:
+    from fot.convert import PAPER_MODEL_TYPE, fot_config_from_paper
+
+    try:
+        raw = json.loads((p / "config.json").read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise InitFromError(f"init_from={p}: config.json is not valid JSON ({err})") from None
+    model_type = raw.get("model_type") if isinstance(raw, dict) else None
+    if model_type == PAPER_MODEL_TYPE:
+        return InitSource(p, "paper", fot_config_from_paper(raw), raw)
+    from transformers import AutoConfig
+
+    import fot  # noqa: F401 - registers model_type "fot"
+
+    if model_type != "fot":
+        from fot.models.fla_baselines import register_auto_classes
+
+        # FLA missing or unusable here: the error below names the model type
+        with contextlib.suppress(ImportError):
+            register_auto_classes()
+    try:
+        config = AutoConfig.from_pretrained(str(p))
+    except (ValueError, KeyError, OSError) as err:
+        raise InitFromError(
+            f"init_from={p}: its config.json (model_type {model_type!r}) is not of a model "
+            f"fot trains ({str(err)[:200]}); pass a fot checkpoint or export, or a FoX "
+            "checkpoint of the paper's code"
+        ) from None
+    return InitSource(p, "hf", config)
+
+
+def _comparable(config: Any) -> dict[str, Any]:
+    """The fields of ``config`` that decide what its model computes, by override key."""
+    from transformers import PretrainedConfig
+
+    from fot.models.configuration_fot import IMPLEMENTATION_FIELDS, FoTConfig
+
+    own = set()  # the fields of the model's config classes, not PretrainedConfig's generic ones
+    for cls in type(config).__mro__:
+        if issubclass(cls, PretrainedConfig) and cls is not PretrainedConfig:
+            own.update(inspect.signature(cls.__init__).parameters)
+    fields = {
+        k: v
+        for k, v in config.to_dict().items()
+        if k in own
+        and k not in _META_KEYS
+        and k not in _INIT_ONLY_KEYS
+        and k not in IMPLEMENTATION_FIELDS
+        and not k.startswith(("fuse_", "_"))
+    }
+    if isinstance(config, FoTConfig):
+        # hidden_ratio and intermediate_size both give the MLP width; the vocabulary padding
+        # matters as the rows it makes
+        for k in ("hidden_ratio", "pad_vocab_multiple", "num_kv_heads", "head_dim"):
+            fields.pop(k, None)
+        fields["intermediate_size"] = config.mlp_size
+        fields["num_kv_heads"] = config.kv_heads
+        fields["padded_vocab_size"] = config.padded_vocab_size
+    return fields
+
+
+def _differing(theirs: Any, ours: Any) -> dict[str, tuple[Any, Any]]:
+    """``{field: (theirs, ours)}`` for the fields of :func:`_comparable` that differ."""
+    if type(theirs).__name__ != type(ours).__name__:
+        return {"model class": (type(theirs).__name__, type(ours).__name__)}
+    a, b = _comparable(theirs), _comparable(ours)
+    # a setting of a part neither model has (the RoPE base without RoPE) changes nothing
+    for part, setting in (("use_rope", "rope_theta"), ("qk_norm", "qk_norm_eps")):
+        if part in a and not (a[part] or b.get(part)):
+            a.pop(setting, None)
+            b.pop(setting, None)
+    return {
+        k: (a.get(k, "unset"), b.get(k, "unset"))
+        for k in sorted(set(a) | set(b))
+        if a.get(k) != b.get(k)
+    }
+
+
+def model_differences(source: InitSource, config: Any) -> list[str]:
+    """What differs between the model of ``source`` and the one ``config`` describes.
+
+    Returns:
+        One ``field=<checkpoint's> (init_from) vs <this run's> (this run)`` line per differing
+        field; empty when the checkpoint's weights compute the same function in the run's model.
+    """
+    return [
+        f"{k}={a} (init_from) vs {b} (this run)"
+        for k, (a, b) in _differing(source.config, config).items()
+    ]
+
+
+def _overrides(diff: dict[str, tuple[Any, Any]]) -> list[str]:
+    """The ``model.overrides.<field>=<checkpoint's value>`` that remove the differences
+    ``diff`` (padded_vocab_size follows from vocab_size and pad_vocab_multiple)."""
+    heads = diff.get("num_heads", (None,))[0]
+    out = [
+        f"++model.overrides.{k}={a}"
+        for k, (a, _) in diff.items()
+        # padded_vocab_size is derived; num_kv_heads follows num_heads unless it is set apart
+        if k != "padded_vocab_size" and not (k == "num_kv_heads" and a == heads)
+    ]
+    if list(diff) == ["padded_vocab_size"]:
+        out.append("++model.overrides.pad_vocab_multiple=<a divisor of its padded_vocab_size>")
+    return out
+
+
+def _matching_preset(config: Any) -> str | None:
+    """``model=<name> size=<size>`` (plus a vocab_size override where needed) of the FoT
+    preset that builds the model of ``config``, if one does."""
+    from fot import presets
+    from fot.models.configuration_fot import FoTConfig
+    from fot.models.fla_baselines import FLA_MODELS
+
+    if not isinstance(config, FoTConfig):
+        return None
+    for name in presets.MODELS:
+        if name in FLA_MODELS:
+            continue
+        for size in presets.SIZES:
+            diff = _differing(config, presets.config(name, size))
+            rest = {k: v for k, v in diff.items() if k not in ("vocab_size", "padded_vocab_size")}
+            if not rest:
+                return " ".join([f"model={name}", f"size={size}", *_overrides(diff)])
+    return None
+
+
+def check_init_source(source: InitSource, config: Any) -> None:
+    """Refuse ``source`` when its model is not the one ``config`` builds.
+
+    Raises:
+        InitFromError: names each differing field and the settings that build the
+            checkpoint's model.
+    """
+    diff = _differing(source.config, config)
+    if not diff:
+        return
+    if source.trained_with:
+        fix = f"train with the settings it was trained with: {source.trained_with}"
+    elif "model class" in diff:
+        fix = "pick the model=... it was trained as"
+    elif preset := _matching_preset(source.config):
+        fix = f"train with {preset}"
+    else:
+        fix = "set its values: " + " ".join(_overrides(diff))
+    raise InitFromError(
+        f"init_from={source.path} is a model other than the one this run builds: "
+        + "; ".join(model_differences(source, config))
+        + f". To start from its weights, {fix}"
+    )
+
+
+def load_init_weights(source: InitSource, model: nn.Module) -> None:
+    """Copy the weights of ``source`` into ``model`` (unwrapped, before DDP/FSDP).
+
+    Every rank reads the full weights on the CPU (the folder must be visible to all ranks).
+
+    Raises:
+        InitFromError: a weight is missing, left over or of another shape (the files do not
+            belong to their config), or the files cannot be read.
+    """
+    from fot.export import read_weight_files
+
+    if source.kind == "checkpoint":
+        from fot.training.checkpoint import read_model_state
+
+        state = read_model_state(source.path)
+    elif source.kind == "paper":
+        from fot.convert import state_dict_from_paper
+
+        assert source.paper_config is not None
+        state = state_dict_from_paper(
+            read_weight_files(source.path), source.paper_config, source.config
+        )
+    else:
+        state = read_weight_files(source.path)
+    own = model.state_dict()
+    missing = sorted(set(own) - set(state))
+    extra = sorted(set(state) - set(own))
+    wrong = sorted(
+        f"{k} {tuple(state[k].shape)} vs {tuple(own[k].shape)}"
+        for k in set(own) & set(state)
+        if state[k].shape != own[k].shape
+    )
+    problems = [
+        f"{what}: {names[:4]}{' ...' if len(names) > 4 else ''}"
+        for what, names in (
+            ("missing", missing),
+            ("not in this model", extra),
+            ("of another shape (init_from vs this run)", wrong),
+        )
+        if names
+    ]
+    if problems:
+        raise InitFromError(
+            f"init_from={source.path}: its weights do not fit the model of its own config "
+            f"({'; '.join(problems)}); the folder mixes files of different models: copy or "
+            "export it again"
+        )
+    with torch.no_grad():
+        for key, tensor in own.items():
+            tensor.copy_(state[key])

@@ -342,9 +342,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.seed < 0:
         raise ValueError(f"--seed must be >= 0, got {args.seed}")
     train_length = length_option(args.train_length, "--train-length") if args.train_length else None
-    from .per_token_loss import open_documents, url_fingerprints
+    from .per_token_loss import documents_for, open_documents, url_fingerprints
 
-    docs, _ = open_documents(args.data, args.storage_options)  # missing data, gcsfs: said now
+    docs, kind = open_documents(args.data, args.storage_options)  # missing data, gcsfs: now
     stream = _token_stream(docs, args.data, max(20 * max(lengths), 200_000))
     n = (max(lengths) - 2) // 2
     if len(stream) < 2 * n:  # S and I are disjoint: the text is never repeated
@@ -356,6 +356,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model, tokenizer = load_checkpoint(
         args.checkpoint, device=pick_device(args.device), dtype=args.dtype
     )
+    if (escaped := documents_for(docs, kind, tokenizer)) is not docs:  # the sample, escaped
+        docs = escaped
+        stream = _token_stream(docs, args.data, max(20 * max(lengths), 200_000))
     check_positions(model, max(lengths), f"--lengths up to {max(lengths)}")
     check_fits_memory(model, max(lengths), f"--lengths up to {max(lengths)}")
     check_token_ids(stream, vocab_size(model), f"--data {args.data!r}")

@@ -351,6 +351,21 @@ def num_documents(docs: Sequence[np.ndarray]) -> int:
     return int(shape[0]) if shape is not None and len(shape) == 2 else len(docs)
 
 
+def documents_for(docs: Sequence[np.ndarray], kind: str, tokenizer: Any) -> Sequence[np.ndarray]:
+    """``docs`` as the model of ``tokenizer`` reads them: the sample corpus (``kind``
+    ``"sample"``) is tokenized again from its texts escaped as the model's training texts were
+    (``fot.tokenizer.text_escaping_of``: JSON for LongCrawl64 models). Token data (zarr, token
+    folders) is the model's own tokens already and is returned as it is."""
+    from fot.tokenizer import text_escaping_of
+
+    escaping = text_escaping_of(tokenizer)
+    if kind != "sample" or escaping == "none":
+        return docs
+    from fot.data.sample import sample_documents
+
+    return sample_documents("heldout", escaping)
+
+
 def eligible_documents(
     docs: Sequence[np.ndarray], kind: str, min_tokens: int, max_docs: int | None
 ) -> list[int]:
@@ -710,6 +725,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     docs, kind = open_documents(args.data, args.storage_options)
     device = pick_device(args.device)
     model, tokenizer = load_checkpoint(args.checkpoint, device=device, dtype=args.dtype)
+    docs = documents_for(docs, kind, tokenizer)
     length = asked or model_max_length(model)
     if not length:
         raise ValueError(

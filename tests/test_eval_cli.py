@@ -246,6 +246,40 @@ def test_needle_and_passkey_resume(ckpts, tmp_path):
     _run_config(tmp_path / "f", "needle")
 
 
+def test_the_sample_corpus_is_json_escaped_for_a_model_trained_on_escaped_text(ckpts, tmp_path):
+    """A LongCrawl64 model (its export records JSON escaping) reads the sample corpus escaped
+    as its training texts were. Oracle: the plain checkpoint on a token folder of the held-out
+    texts escaped by json.dumps and tokenized by tiktoken."""
+    from fot.data import sample
+    from fot.data.tokens import write_token_documents
+    from fot.tokenizer import get_encoding
+
+    escaped_ckpt = tmp_path / "json"
+    shutil.copytree(ckpts["fot"], escaped_ckpt)
+    config = json.loads((escaped_ckpt / "tokenizer_config.json").read_text())
+    config["fot_text_escaping"] = "json"
+    (escaped_ckpt / "tokenizer_config.json").write_text(json.dumps(config))
+    texts = [t for i, t in enumerate(sample.sample_texts()) if i % sample.HELDOUT_EVERY == 13]
+    enc = get_encoding()
+    folder = tmp_path / "escaped_tokens"
+    write_token_documents(
+        folder, [np.asarray(enc.encode_ordinary(json.dumps(t)[1:-1]), np.uint16) for t in texts]
+    )
+    common = ["--length", "48", "--max-docs", "2", "--device", "cpu", "--prepend-bos", "yes"]
+    got = main(["per-token-loss", str(escaped_ckpt), "--out", str(tmp_path / "a"), *common])
+    want = main(["per-token-loss", str(ckpts["fot"]), "--data", str(folder),
+                 "--out", str(tmp_path / "b"), *common])  # fmt: skip
+    plain = main(["per-token-loss", str(ckpts["fot"]), "--out", str(tmp_path / "c"), *common])
+    assert got["mean_loss"] == pytest.approx(want["mean_loss"], rel=1e-6)
+    assert got["mean_loss"] != pytest.approx(plain["mean_loss"], rel=1e-3)
+    # forgetting-curve draws S and I from the same escaped stream: each copy is scored on it
+    fc = ["--lengths", "64", "--repeats", "1", "--device", "cpu"]
+    got = main(["forgetting-curve", str(escaped_ckpt), "--out", str(tmp_path / "d"), *fc])
+    want = main(["forgetting-curve", str(ckpts["fot"]), "--data", str(folder),
+                 "--out", str(tmp_path / "e"), *fc])  # fmt: skip
+    assert got["per_length"] == want["per_length"]
+
+
 @pytest.mark.parametrize("which", ["llama", "fot"])
 def test_forgetting_curve_cli(ckpts, tmp_path, which):
     out = tmp_path / "fc"

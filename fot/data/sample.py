@@ -89,20 +89,30 @@ def _heldout_mask(n: int) -> np.ndarray:
     return np.arange(n) % HELDOUT_EVERY == HELDOUT_EVERY - 1
 
 
-def sample_token_documents(split: Split = "all") -> TokenDocuments | list[np.ndarray]:
+def sample_token_documents(
+    split: Split = "all", escaping: str = "none"
+) -> TokenDocuments | list[np.ndarray]:
     """The sample corpus as GPT-2 token documents, tokenized once and cached.
 
     Args:
         split: ``"all"`` (every document, returned as the cached :class:`TokenDocuments`),
             ``"train"`` or ``"heldout"`` (lists of uint16 arrays; see ``HELDOUT_EVERY``).
+        escaping: how each text is escaped before tokenizing (``fot.tokenizer.TEXT_ESCAPINGS``;
+            ``"json"``: as LongCrawl64's texts were, for models trained on it). Each escaping
+            has a cache of its own.
 
     Returns:
         Documents of uint16 token ids, without BOS/EOT tokens.
     """
     if split not in ("all", "train", "heldout"):
         raise ValueError(f"split must be 'all', 'train' or 'heldout', got {split!r}")
+    from fot.tokenizer import TEXT_ESCAPINGS, escape_text
+
+    if escaping not in TEXT_ESCAPINGS:
+        raise ValueError(f"escaping must be one of {list(TEXT_ESCAPINGS)}, got {escaping!r}")
     source = _source()
-    folder = cache_dir() / f"sample-{source}-v{_CACHE_VERSION}"
+    kind = source if escaping == "none" else f"{source}-{escaping}"
+    folder = cache_dir() / f"sample-{kind}-v{_CACHE_VERSION}"
     try:
         docs = TokenDocuments(folder)
     except (FileNotFoundError, ValueError):
@@ -118,7 +128,10 @@ def sample_token_documents(split: Split = "all") -> TokenDocuments | list[np.nda
         try:
             write_token_documents(
                 mine,
-                (np.asarray(enc.encode_ordinary(text), dtype=np.uint16) for _, text in texts),
+                (
+                    np.asarray(enc.encode_ordinary(escape_text(text, escaping)), dtype=np.uint16)
+                    for _, text in texts
+                ),
                 source=source,
                 names=[name for name, _ in texts],
             )
@@ -139,9 +152,9 @@ def sample_token_documents(split: Split = "all") -> TokenDocuments | list[np.nda
     return [docs[i] for i in np.flatnonzero(keep)]
 
 
-def sample_documents(split: Split = "all") -> list[np.ndarray]:
+def sample_documents(split: Split = "all", escaping: str = "none") -> list[np.ndarray]:
     """Like :func:`sample_token_documents` but always a list of uint16 arrays."""
-    docs = sample_token_documents(split)
+    docs = sample_token_documents(split, escaping)
     return list(docs) if isinstance(docs, TokenDocuments) else docs
 
 

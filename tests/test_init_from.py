@@ -216,3 +216,23 @@ def test_a_folder_that_is_no_usable_checkpoint_is_named_with_the_fix(
         source = read_init_source(folder)
         check_init_source(source, config)
         load_init_weights(source, presets.build_model(config))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("parallel", [("parallel.compile=true",), ("parallel=fsdp",)])
+def test_init_from_on_the_gpu_with_compiled_blocks_or_fsdp(tmp_path, parallel) -> None:
+    """The weights are loaded before the model is compiled or sharded: a checkpoint trained
+    on the GPU starts the new run there, under either."""
+    import torch.distributed as dist
+
+    source, out = tmp_path / "source", tmp_path / "run"
+    try:
+        train(_cfg(source, "device=cuda", *parallel, "total_tokens=512", "ckpt_every_tokens=0"))
+        ckpt = source / "checkpoints" / "step_00000002"
+        train(_cfg(out, "device=cuda", *parallel, *ONE_STEP, f"init_from={ckpt}"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    want = _weights(source, 2)
+    for key, value in _weights(out, 1).items():
+        torch.testing.assert_close(value, want[key], rtol=0, atol=1e-9, msg=key)

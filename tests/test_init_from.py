@@ -10,6 +10,7 @@ the logits its own code computed (tests/paper_checkpoints/).
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 from pathlib import Path
 
@@ -121,6 +122,24 @@ def test_the_settings_a_refusal_names_are_train_py_overrides_that_build_its_mode
     want = _weights(source_run, 4)
     for key, value in _weights(out, 1).items():
         torch.testing.assert_close(value, want[key], rtol=0, atol=1e-9, msg=key)
+
+
+def test_a_suggested_value_of_none_is_written_as_hydra_reads_it(tmp_path) -> None:
+    """A transformer_llama (no window) into a transformer_swa run: the message sets
+    window_size=null (Hydra reads window_size=None as the string "None", which the config
+    refuses), and the run so composed starts from the weights."""
+    source = tmp_path / "llama"
+    model = presets.build_model(presets.config("transformer_llama", "tiny", **SMALL_MODEL))
+    model.save_pretrained(source)
+    init = f"init_from={source}"
+    with pytest.raises(InitFromError, match="set its values: ") as err:
+        train(_cfg(tmp_path / "refused", *ONE_STEP, init, "model=transformer_swa"))
+    suggested = shlex.split(str(err.value).split("set its values: ")[1])
+    assert suggested == ["++model.overrides.window_size=null"]
+    out = tmp_path / "run"
+    train(_cfg(out, *ONE_STEP, init, "model=transformer_swa", *suggested))
+    for key, value in _weights(out, 1).items():
+        torch.testing.assert_close(value, model.state_dict()[key], rtol=0, atol=1e-9, msg=key)
 
 
 def test_settings_of_how_the_model_is_computed_or_initialised_may_differ(source_run) -> None:

@@ -129,7 +129,7 @@ def _checkpoint_source(p: Path) -> InitSource:
     trained_with = f"model={cfg.model.name} size={cfg.size.name}"
     overrides = OmegaConf.to_container(cfg.model.overrides) or {}
     if overrides:
-        trained_with += " " + " ".join(f"++model.overrides.{k}={v}" for k, v in overrides.items())
+        trained_with += " " + " ".join(_override_arg(k, v) for k, v in overrides.items())
     return InitSource(p, "checkpoint", model_config_from_train_config(cfg), None, trained_with)
 
 
@@ -224,12 +224,31 @@ def model_differences(source: InitSource, config: Any) -> list[str]:
     ]
 
 
+def _hydra_value(value: Any) -> str:
+    """``value`` as a Hydra override writes it (``None`` is ``null``: Hydra reads ``None`` as
+    the string "None")."""
+    if value is None:
+        return "null"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_hydra_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k}:{_hydra_value(v)}" for k, v in value.items()) + "}"
+    return str(value)
+
+
+def _override_arg(key: str, value: Any) -> str:
+    """The command-line argument ``++model.overrides.<key>=<value>``, in single quotes where
+    the value is a list or mapping (the shell would expand its brackets and braces)."""
+    arg = f"++model.overrides.{key}={_hydra_value(value)}"
+    return f"'{arg}'" if isinstance(value, (list, tuple, dict)) else arg
+
+
 def _overrides(diff: dict[str, tuple[Any, Any]]) -> list[str]:
     """The ``model.overrides.<field>=<checkpoint's value>`` that remove the differences
     ``diff`` (padded_vocab_size follows from vocab_size and pad_vocab_multiple)."""
     heads = diff.get("num_heads", (None,))[0]
     out = [
-        f"++model.overrides.{k}={a}"
+        _override_arg(k, a)
         for k, (a, _) in diff.items()
         # padded_vocab_size is derived; num_kv_heads follows num_heads unless it is set apart
         if k != "padded_vocab_size" and not (k == "num_kv_heads" and a == heads)

@@ -142,6 +142,21 @@ def test_a_suggested_value_of_none_is_written_as_hydra_reads_it(tmp_path) -> Non
         torch.testing.assert_close(value, model.state_dict()[key], rtol=0, atol=1e-9, msg=key)
 
 
+@pytest.mark.parametrize(
+    ("theirs", "ours"),
+    [(("fot_llama", "tiny"), ("mamba2", "tiny")), (("mamba2", "125m"), ("mamba2", "tiny"))],
+)
+def test_a_refusal_names_the_preset_of_another_model_class_or_an_fla_baseline(
+    tmp_path, theirs, ours
+) -> None:
+    """An export of a preset (a FoT into an FLA baseline's run, an FLA baseline of another
+    size) is named by its model= and size=, not by a vague "pick the model" or a list of FLA
+    fields."""
+    presets.config(*theirs).save_pretrained(tmp_path)
+    with pytest.raises(InitFromError, match=rf"train with model={theirs[0]} size={theirs[1]}$"):
+        check_init_source(read_init_source(tmp_path), presets.config(*ours))
+
+
 def test_settings_of_how_the_model_is_computed_or_initialised_may_differ(source_run) -> None:
     source = read_init_source(source_run / "hf")
     for setting in ({"loss_impl": "chunked"}, {"attn_backend": "reference"},

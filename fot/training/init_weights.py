@@ -259,16 +259,15 @@ def _overrides(diff: dict[str, tuple[Any, Any]]) -> list[str]:
 
 
 def _matching_preset(config: Any) -> str | None:
-    """``model=<name> size=<size>`` (plus a vocab_size override where needed) of the FoT
-    preset that builds the model of ``config``, if one does."""
+    """``model=<name> size=<size>`` (plus a vocab_size override where needed) of the preset
+    that builds the model of ``config`` (a FoT or an FLA baseline's), if one does."""
     from fot import presets
     from fot.models.configuration_fot import FoTConfig
     from fot.models.fla_baselines import FLA_MODELS
 
-    if not isinstance(config, FoTConfig):
-        return None
+    fla = not isinstance(config, FoTConfig)
     for name in presets.MODELS:
-        if name in FLA_MODELS:
+        if (name in FLA_MODELS) != fla:
             continue
         for size in presets.SIZES:
             diff = _differing(config, presets.config(name, size))
@@ -290,10 +289,10 @@ def check_init_source(source: InitSource, config: Any) -> None:
         return
     if source.trained_with:
         fix = f"train with the settings it was trained with: {source.trained_with}"
-    elif "model class" in diff:
-        fix = "pick the model=... it was trained as"
     elif preset := _matching_preset(source.config):
         fix = f"train with {preset}"
+    elif "model class" in diff:
+        fix = "pick the model=... it was trained as"
     else:
         fix = "set its values: " + " ".join(_overrides(diff))
     raise InitFromError(

@@ -10,6 +10,7 @@ the logits its own code computed (tests/paper_checkpoints/).
 from __future__ import annotations
 
 import json
+import logging
 import shlex
 import shutil
 from pathlib import Path
@@ -81,6 +82,23 @@ def test_a_run_that_resumes_takes_its_own_checkpoint_not_init_from(tmp_path, sou
     assert info[-1]["initialized_from"] is None
     for key, value in _weights(out, 2).items():
         torch.testing.assert_close(value, step1[key], rtol=0, atol=1e-9, msg=key)
+
+
+def test_resuming_a_run_that_did_not_start_from_init_from_warns(
+    tmp_path, source_run, caplog
+) -> None:
+    """An out_dir reused: resume=auto takes its run's checkpoint, not init_from's weights; a
+    warning says so (the same command resumed only notes it)."""
+    out, again = tmp_path / "run", tmp_path / "again"
+    init = f"init_from={source_run / 'hf'}"
+    train(_cfg(out, *ONE_STEP))  # from random weights
+    train(_cfg(again, *ONE_STEP, init))
+    with caplog.at_level(logging.INFO, logger="fot.train"):
+        train(_cfg(out, "total_tokens=512", "optim.lr=1e-12", init))
+        train(_cfg(again, "total_tokens=512", "optim.lr=1e-12", init))
+    notes = [(r.levelno, r.getMessage()) for r in caplog.records if "is not used" in r.getMessage()]
+    assert [level for level, _ in notes] == [logging.WARNING, logging.INFO], notes
+    assert "did not start from init_from (its init_from=None)" in notes[0][1]
 
 
 @pytest.mark.parametrize(

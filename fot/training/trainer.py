@@ -706,11 +706,21 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
     init_source = None
     if cfg.init_from not in (None, ""):
         if resume_from is not None:
-            if info.is_main:
+            started_from = (saved.get("config") or {}).get("init_from")
+            if info.is_main and started_from == cfg.init_from:  # the same command, resumed
                 logger.info(
                     "init_from=%s is not used: the run resumes from %s, with its weights",
                     cfg.init_from,
                     resume_from,
+                )
+            elif info.is_main:  # e.g. an out_dir reused: the weights are not init_from's
+                logger.warning(
+                    "init_from=%s is not used: the run resumes from %s, with its weights, and "
+                    "that run did not start from init_from (its init_from=%s). To start from "
+                    "init_from's weights, pass another out_dir or resume=never",
+                    cfg.init_from,
+                    resume_from,
+                    started_from,
                 )
         else:
             from fot.training.init_weights import check_init_source, read_init_source

@@ -175,6 +175,29 @@ def test_a_refusal_names_the_preset_of_another_model_class_or_an_fla_baseline(
         check_init_source(read_init_source(tmp_path), presets.config(*ours))
 
 
+def test_a_config_of_no_model_fot_trains_is_refused_without_building_fla_presets(
+    tmp_path, monkeypatch
+) -> None:
+    """A LLaMA folder: no preset of an FLA baseline is tried (FLA may be missing here)."""
+    from transformers import LlamaConfig
+
+    real = presets.config
+    monkeypatch.setattr(
+        presets,
+        "config",
+        lambda name, *a, **k: (
+            (_ for _ in ()).throw(ImportError("no fla"))
+            if name in presets.FLA_MODELS
+            else real(name, *a, **k)
+        ),
+    )
+    LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=2).save_pretrained(
+        tmp_path
+    )
+    with pytest.raises(InitFromError, match=r"model class=LlamaConfig .*pick the model="):
+        check_init_source(read_init_source(tmp_path), real("fot_pro", "tiny"))
+
+
 def test_settings_of_how_the_model_is_computed_or_initialised_may_differ(source_run) -> None:
     source = read_init_source(source_run / "hf")
     for setting in ({"loss_impl": "chunked"}, {"attn_backend": "reference"},

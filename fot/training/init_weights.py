@@ -263,12 +263,16 @@ def _matching_preset(config: Any) -> str | None:
     that builds the model of ``config`` (a FoT or an FLA baseline's), if one does."""
     from fot import presets
     from fot.models.configuration_fot import FoTConfig
-    from fot.models.fla_baselines import FLA_MODELS
+    from fot.models.fla_baselines import FLA_MODELS, _fla_name
 
-    fla = not isinstance(config, FoTConfig)
-    for name in presets.MODELS:
-        if (name in FLA_MODELS) != fla:
-            continue
+    if isinstance(config, FoTConfig):
+        names = [name for name in presets.MODELS if name not in FLA_MODELS]
+    else:  # an FLA baseline's (FLA is imported: its config was read), or no model fot trains
+        try:
+            names = [_fla_name(config)]
+        except ValueError:
+            return None
+    for name in names:
         for size in presets.SIZES:
             diff = _differing(config, presets.config(name, size))
             rest = {k: v for k, v in diff.items() if k not in ("vocab_size", "padded_vocab_size")}

@@ -311,3 +311,43 @@ def test_init_from_on_the_gpu_with_compiled_blocks_or_fsdp(tmp_path, parallel) -
     want = _weights(source, 2)
     for key, value in _weights(out, 1).items():
         torch.testing.assert_close(value, want[key], rtol=0, atol=1e-9, msg=key)
+
+
+def test_the_settings_a_refusal_repeats_leave_out_how_the_model_was_computed(
+    tmp_path, source_run
+) -> None:
+    """A checkpoint trained with a GPU kernel backend: the suggestion names the model, not the
+    backend (attn_backend=triton would stop a CPU run)."""
+    ckpt = tmp_path / "step_00000004"
+    shutil.copytree(source_run / "checkpoints" / "step_00000004", ckpt)
+    state = json.loads((ckpt / "trainer.json").read_text())
+    state["config"]["model"]["overrides"]["attn_backend"] = "triton"
+    (ckpt / "trainer.json").write_text(json.dumps(state))
+    source = read_init_source(ckpt)
+    with pytest.raises(InitFromError, match="trained with: model=fot_pro size=tiny") as err:
+        check_init_source(source, presets.config("fot_llama", "tiny", **SMALL_MODEL))
+    assert "attn_backend" not in str(err.value)
+    check_init_source(source, presets.config("fot_pro", "tiny", **SMALL_MODEL))
+
+
+def test_fixed_gates_are_refused_with_other_decay_times(tmp_path) -> None:
+    """A fixed gate is a buffer of the weights: decay times that differ from those it was made
+    with would be recorded in the new run's export although its gate keeps the loaded ones."""
+    config = presets.config("fot_llama_fixed", "tiny", **SMALL_MODEL)
+    source = read_init_source(_export(tmp_path / "fixed", "fot_llama_fixed"))
+    check_init_source(source, config)
+    other = presets.config("fot_llama_fixed", "tiny", **SMALL_MODEL, decay_time_max=100.0)
+    with pytest.raises(InitFromError, match=r"decay_time_max=16384.0 \(init_from\) vs 100.0"):
+        check_init_source(source, other)
+    # a learned gate's decay times only shape its initialisation: they may differ
+    learned = read_init_source(_export(tmp_path / "learned", "fot_llama"))
+    check_init_source(
+        learned, presets.config("fot_llama", "tiny", **SMALL_MODEL, decay_time_min=4.0)
+    )
+
+
+def _export(folder: Path, model: str) -> Path:
+    from fot.export import export_hf
+
+    model = presets.build_model(presets.config(model, "tiny", **SMALL_MODEL))
+    return export_hf(model, folder, tokenizer=False)

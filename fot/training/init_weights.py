@@ -127,7 +127,11 @@ def _checkpoint_source(p: Path) -> InitSource:
         )
     cfg = OmegaConf.create(saved)
     trained_with = f"model={cfg.model.name} size={cfg.size.name}"
+    from fot.models.configuration_fot import IMPLEMENTATION_FIELDS
+
     overrides = OmegaConf.to_container(cfg.model.overrides) or {}
+    # how it was computed (a GPU kernel backend, ...) is not part of the model: not repeated
+    overrides = {k: v for k, v in overrides.items() if k not in IMPLEMENTATION_FIELDS}
     if overrides:
         trained_with += " " + " ".join(_override_arg(k, v) for k, v in overrides.items())
     return InitSource(p, "checkpoint", model_config_from_train_config(cfg), None, trained_with)
@@ -191,6 +195,9 @@ def _comparable(config: Any) -> dict[str, Any]:
         fields["intermediate_size"] = config.mlp_size
         fields["num_kv_heads"] = config.kv_heads
         fields["padded_vocab_size"] = config.padded_vocab_size
+        if config.fgate_type == "fixed":  # they describe the gate buffer the weights hold
+            fields["decay_time_min"] = config.decay_time_min
+            fields["decay_time_max"] = config.decay_time_max
     return fields
 
 

@@ -853,8 +853,8 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
             "flops_per_token": fpt,
             "accum_steps": stream.accum_steps,
             "total_steps": total_steps,
-            "resumed_from": str(resume_from) if resume_from else None,
-            "initialized_from": str(init_source.path) if init_source else None,
+            "resumed_from": str(resume_from.resolve()) if resume_from else None,
+            "initialized_from": str(init_source.path.resolve()) if init_source else None,
             "config": resolved,
         }
         _write_run_info(out_dir, run_info)

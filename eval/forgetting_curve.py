@@ -342,7 +342,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.seed < 0:
         raise ValueError(f"--seed must be >= 0, got {args.seed}")
     train_length = length_option(args.train_length, "--train-length") if args.train_length else None
-    from .per_token_loss import documents_for, open_documents, url_fingerprints
+    from .per_token_loss import (
+        documents_for,
+        escaping_setting,
+        open_documents,
+        url_fingerprints,
+    )
 
     docs, kind = open_documents(args.data, args.storage_options)  # missing data, gcsfs: now
     stream = _token_stream(docs, args.data, max(20 * max(lengths), 200_000))
@@ -371,6 +376,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "--data": path_setting(args.data),
             "--seed": args.seed,
             "--dtype": model_dtype(model),
+            **escaping_setting(kind, tokenizer),
         },
         state=["forgetting_curve.jsonl"],
         outputs=["forgetting_curve.csv", "summary.json", "forgetting_curve.png"],

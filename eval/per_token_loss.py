@@ -366,6 +366,16 @@ def documents_for(docs: Sequence[np.ndarray], kind: str, tokenizer: Any) -> Sequ
     return sample_documents("heldout", escaping)
 
 
+def escaping_setting(kind: str, tokenizer: Any) -> dict[str, str]:
+    """The resume setting that :func:`documents_for`'s escaping adds (``{}`` when it escapes
+    nothing): results on the sample corpus saved before it was escaped for the model (fot
+    before this setting) do not resume as if they were of the same tokens."""
+    from fot.tokenizer import text_escaping_of
+
+    escaping = text_escaping_of(tokenizer)
+    return {"sample text escaping": escaping} if kind == "sample" and escaping != "none" else {}
+
+
 def eligible_documents(
     docs: Sequence[np.ndarray], kind: str, min_tokens: int, max_docs: int | None
 ) -> list[int]:
@@ -758,6 +768,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "--max-docs": args.max_docs,
             "--dtype": model_dtype(model),
             "torchrun processes": world,  # each process resumes its own share of documents
+            **escaping_setting(kind, tokenizer),
         },
         state=["state*.npz"],
         outputs=["per_token_loss.npz", "horizons.csv", "summary.json", "per_token_loss.png"],

@@ -272,6 +272,17 @@ def test_the_sample_corpus_is_json_escaped_for_a_model_trained_on_escaped_text(c
     plain = main(["per-token-loss", str(ckpts["fot"]), "--out", str(tmp_path / "c"), *common])
     assert got["mean_loss"] == pytest.approx(want["mean_loss"], rel=1e-6)
     assert got["mean_loss"] != pytest.approx(plain["mean_loss"], rel=1e-3)
+    # sums saved before the sample was escaped for such a model (their record has no escaping)
+    # are not resumed as if they were of the same tokens
+    record = tmp_path / "a" / "per_token_loss.resume.json"
+    saved = json.loads(record.read_text())
+    del saved["settings"]["sample text escaping"]
+    record.write_text(json.dumps(saved))
+    with pytest.raises(
+        ResumeMismatchError,
+        match=r"sample text escaping: saved '\(not recorded\)', this run 'json'",
+    ):
+        main(["per-token-loss", str(escaped_ckpt), "--out", str(tmp_path / "a"), *common])
     # forgetting-curve draws S and I from the same escaped stream: each copy is scored on it
     fc = ["--lengths", "64", "--repeats", "1", "--device", "cpu"]
     got = main(["forgetting-curve", str(escaped_ckpt), "--out", str(tmp_path / "d"), *fc])

@@ -198,15 +198,15 @@ def _not_exported_message(p: Path) -> str:
     if (p / "model.pt").is_file() and (p / "trainer.json").is_file():
         # A fot training checkpoint <run>/checkpoints/step_*: resume state, not an HF folder.
         run_hf = p.parent.parent / "hf"
-        hint = (
-            f"pass the run's Hugging Face export {str(run_hf)!r} (the final weights)"
+        final = (
+            f" (the run's final weights are exported in {str(run_hf)!r})"
             if (run_hf / "config.json").is_file()
-            else "pass the run's hf/ folder (written at the end of training, export_hf=true)"
+            else ""
         )
         return (
             f"checkpoint {str(p)!r} is a training checkpoint (model.pt, trainer.json) for "
-            f"resuming training, not an exported checkpoint; {hint}, or load model.pt into "
-            "fot.presets.build_model(config) and write it with fot.export.export_hf(model, dir)"
+            "resuming training, not an exported checkpoint: export it with `python -m "
+            f"fot.export {p} {p.parent.parent / ('hf_' + p.name)}` and pass that folder{final}"
         )
     return (
         f"checkpoint folder {str(p)!r} has no config.json; export the model with "

@@ -27,9 +27,12 @@ gets the same shims (``FoTConfig.save_pretrained``), so the new folder loads the
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
+import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -364,3 +367,35 @@ __all__ = [
     "write_remote_code",
     "write_remote_code_for_config",
 ]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m fot.export CHECKPOINT OUT``: write a training checkpoint as an HF folder."""
+    from fot.errors import USER_ERRORS, error_line, parse_args_naming_typos
+
+    parser = argparse.ArgumentParser(
+        prog="python -m fot.export",
+        description="Write a training checkpoint (<run>/checkpoints/step_<n>) as a Hugging Face "
+        "folder, as a run writes its final weights to <run>/hf: fot.eval, generate and "
+        "AutoModelForCausalLM (after `import fot`) load it.",
+    )
+    parser.add_argument(
+        "checkpoint", help="a training checkpoint folder (<run>/checkpoints/step_<n>)"
+    )
+    parser.add_argument("out", help="the folder to write (new, empty, or an earlier export)")
+    args = parse_args_naming_typos(parser, argv)
+    try:
+        from fot.training.trainer import export_checkpoint
+
+        out = export_checkpoint(args.checkpoint, args.out)
+    except USER_ERRORS as err:
+        if os.environ.get("FOT_TRACEBACK") == "1":
+            raise
+        print(error_line(parser.prog, err, traceback_variable="FOT_TRACEBACK"), file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

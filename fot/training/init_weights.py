@@ -115,20 +115,11 @@ def read_init_source(path: str | os.PathLike) -> InitSource:
 def _checkpoint_source(p: Path) -> InitSource:
     from omegaconf import OmegaConf
 
-    from fot.training.checkpoint import read_trainer_state
-    from fot.training.trainer import model_config_from_train_config
-
-    state = read_trainer_state(p)
-    saved = state.get("config")
-    if not isinstance(saved, dict) or "model" not in saved or "size" not in saved:
-        raise InitFromError(
-            f"init_from={p}: its trainer.json does not record the model it trained (a "
-            "checkpoint of an older fot): export it to an HF folder and pass that folder"
-        )
-    cfg = OmegaConf.create(saved)
-    trained_with = f"model={cfg.model.name} size={cfg.size.name}"
     from fot.models.configuration_fot import IMPLEMENTATION_FIELDS
+    from fot.training.trainer import checkpoint_config, model_config_from_train_config
 
+    cfg = checkpoint_config(p)
+    trained_with = f"model={cfg.model.name} size={cfg.size.name}"
     overrides = OmegaConf.to_container(cfg.model.overrides) or {}
     # how it was computed (a GPU kernel backend, ...) is not part of the model: not repeated
     overrides = {k: v for k, v in overrides.items() if k not in IMPLEMENTATION_FIELDS}

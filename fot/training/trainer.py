@@ -316,6 +316,71 @@ def export_hf_folder(
     return out
 
 
+def export_settings(cfg: Any) -> tuple[int, str]:
+    """``(train_length, text_escaping)`` that an export of a run of config ``cfg`` records:
+    ``data.seq_len`` (fot.eval marks it on plots and takes it as its default length) and
+    ``"json"`` for LongCrawl64 (its token ids are of JSON-escaped text), else ``"none"``."""
+    return int(cfg.data.seq_len), "json" if cfg.data.kind == "longcrawl64" else "none"
+
+
+def checkpoint_config(path: str | os.PathLike) -> DictConfig:
+    """The resolved training config that checkpoint ``path`` records (its ``trainer.json``).
+
+    Raises:
+        FileNotFoundError: ``path`` is no complete checkpoint (no ``trainer.json``).
+        ckpt.CorruptCheckpointError: ``trainer.json`` cannot be read, or records no model.
+    """
+    saved = ckpt.read_trainer_state(path).get("config")
+    if not isinstance(saved, dict) or "model" not in saved or "size" not in saved:
+        raise ckpt.CorruptCheckpointError(
+            f"checkpoint {path}: its trainer.json records no model config (a checkpoint of an "
+            "early fot version): build the model with fot.presets and load its model.pt"
+        )
+    return OmegaConf.create(saved)
+
+
+def export_checkpoint(path: str | os.PathLike, out: str | os.PathLike) -> Path:
+    """Write training checkpoint ``path`` (``<run>/checkpoints/step_<n>``) as an HF folder
+    ``out``, as the run writes its final weights to ``<run>/hf`` (``python -m fot.export``).
+
+    Raises:
+        FileNotFoundError, ckpt.CorruptCheckpointError: ``path`` is no readable checkpoint.
+        FileExistsError, NotADirectoryError: ``out`` holds other files, or is a file
+            (:func:`fot.export.export_hf`).
+    """
+    from fot import presets
+    from fot.export import export_hf
+
+    p, o = Path(path), Path(out)
+    if not (p / "trainer.json").is_file():
+        steps = ckpt.list_checkpoints(p / "checkpoints")
+        where = (
+            f"it is a run folder: pass one of its checkpoints, e.g. {steps[-1]}"
+            if steps
+            else "pass a folder like <run>/checkpoints/step_00001000"
+        )
+        raise FileNotFoundError(f"{p} is not a training checkpoint (no trainer.json); {where}")
+    if (o / "trainer.json").is_file():
+        raise FileExistsError(
+            f"{o} is a training checkpoint: the export goes into a folder of its own (new, "
+            "empty or an earlier export), e.g. <run>/hf_step_<n>"
+        )
+    cfg = checkpoint_config(path)
+    hf_config = model_config_from_train_config(cfg)
+    hf_config.train_length, escaping = export_settings(cfg)
+    with torch.device("cpu"):
+        model = presets.build_model(hf_config)
+    state = ckpt.read_model_state(path)
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as err:  # trainer.json of one run beside model.pt of another
+        raise ckpt.CorruptCheckpointError(
+            f"checkpoint {path}: model.pt does not fit the model its trainer.json describes "
+            f"({str(err)[:300]}); the folder mixes files of different runs"
+        ) from None
+    return export_hf(model, out, text_escaping=escaping)
+
+
 def _from_rank0(obj: Any) -> Any:
     """Rank 0's value of ``obj`` on every rank (``obj`` itself in a single process)."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
@@ -1210,10 +1275,7 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
                 logger.info("final validation: %s", val)
     result["checkpoint"] = str(last_ckpt)
     if cfg.export_hf:
-        # Recorded in config.json: fot.eval marks it on plots and uses it as a default length.
-        hf_config.train_length = int(cfg.data.seq_len)
-        # LongCrawl64's token ids are of JSON-escaped text: fot.eval escapes its texts alike
-        escaping = "json" if cfg.data.kind == "longcrawl64" else "none"
+        hf_config.train_length, escaping = export_settings(cfg)
         hf_dir = export_hf_folder(
             model, hf_config, out_dir / "hf", is_main=info.is_main, text_escaping=escaping
         )
@@ -1232,8 +1294,11 @@ __all__ = [
     "TrainingDivergedError",
     "TrainingOutOfMemoryError",
     "check_sizes",
+    "checkpoint_config",
     "evaluate",
+    "export_checkpoint",
     "export_hf_folder",
+    "export_settings",
     "model_config_from_train_config",
     "train",
 ]

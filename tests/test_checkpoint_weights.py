@@ -1,16 +1,19 @@
-"""``init_from=PATH``: a new run starts from a training checkpoint's, an export's or a paper
-checkpoint's weights (fot.training.init_weights).
+"""Weights outside the run that trained them: ``init_from=PATH`` starts a new run from a
+training checkpoint's, an export's or a paper checkpoint's weights (fot.training.init_weights),
+and ``python -m fot.export`` writes a training checkpoint as an HF folder.
 
 Oracles: the source's own weights (a first step at a learning rate of 1e-12 moves no weight by
 more than ~1e-12, so the new run's first checkpoint must hold them), the same weights reached
 through a checkpoint and through its HF export (equal losses), and for the paper's checkpoints
-the logits its own code computed (tests/paper_checkpoints/).
+the logits its own code computed (tests/paper_checkpoints/). An export of the last checkpoint
+must equal the run's own final export.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 import shlex
 import shutil
 from pathlib import Path
@@ -351,3 +354,63 @@ def _export(folder: Path, model: str) -> Path:
 
     model = presets.build_model(presets.config(model, "tiny", **SMALL_MODEL))
     return export_hf(model, folder, tokenizer=False)
+
+
+def test_a_training_checkpoint_exports_as_the_run_exports_its_final_weights(
+    tmp_path, source_run, capsys
+) -> None:
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from fot.export import main as export_main
+
+    ckpt = source_run / "checkpoints" / "step_00000004"  # the last step: the run's hf/ holds it
+    out = tmp_path / "hf_step_00000004"
+    assert export_main([str(ckpt), str(out)]) == 0
+    assert capsys.readouterr().out.strip() == f"wrote {out}"
+    got, want = (
+        load_file(out / "model.safetensors"),
+        load_file(source_run / "hf" / "model.safetensors"),
+    )
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    for name in ("config.json", "tokenizer_config.json"):  # train_length, text escaping, ...
+        assert json.loads((out / name).read_text()) == json.loads(
+            (source_run / "hf" / name).read_text()
+        )
+    model = AutoModelForCausalLM.from_pretrained(out)  # loads as any export does
+    assert model.config.train_length == 64
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("{run}", "{tmp}/o"), r"is not a training checkpoint \(no trainer.json\); it is a run "
+         r"folder: pass one of its checkpoints, e.g. .*step_00000004"),
+        (("{run}/checkpoints/step_00000004", "{run}/checkpoints/step_00000002"),
+         r"step_00000002 is a training checkpoint: the export goes into a folder of its own"),
+    ],
+)  # fmt: skip
+def test_export_names_a_folder_that_is_no_checkpoint_and_a_checkpoint_as_out(
+    tmp_path, source_run, capsys, args, message
+) -> None:
+    from fot.export import main as export_main
+
+    argv = [a.format(run=source_run, tmp=tmp_path) for a in args]
+    assert export_main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("python -m fot.export: error: ") and re.search(message, err), err
+    assert not (source_run / "checkpoints" / "step_00000002" / "config.json").exists()
+
+
+def test_fot_eval_names_the_export_command_for_a_training_checkpoint(source_run) -> None:
+    from fot.eval.common import load_checkpoint
+
+    ckpt = source_run / "checkpoints" / "step_00000002"
+    with pytest.raises(
+        FileNotFoundError, match=r"export it with `python -m fot.export (\S+) (\S+)`"
+    ) as e:
+        load_checkpoint(ckpt)
+    command = re.search(r"`python -m fot.export (\S+) (\S+)`", str(e.value))
+    assert command.group(1) == str(ckpt)
+    assert command.group(2) == str(source_run / "hf_step_00000002")

@@ -265,6 +265,11 @@ def _bad_folder(tmp_path: Path, kind: str, source_run: Path) -> Path:
         state["model.extra.weight"] = torch.zeros(2)
         del state["model.norm.weight"]
         save_file(state, folder / "model.safetensors")
+    elif kind == "llama":
+        from eval_helpers import make_llama_checkpoint
+
+        shutil.rmtree(folder)
+        make_llama_checkpoint(folder)
     elif kind == "unknown model type":
         cfg = json.loads((folder / "config.json").read_text())
         (folder / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt9"}))
@@ -283,6 +288,7 @@ def _bad_folder(tmp_path: Path, kind: str, source_run: Path) -> Path:
          r"do not fit the model of its own config \(missing: \['model.norm.weight'\]; not in "
          r"this model: \['model.extra.weight'\]\)"),
         ("unknown model type", r"model_type 'gpt9'\) is not of a model fot trains"),
+        ("llama", r"is a LlamaConfig \(model_type 'llama'\), not a model fot trains"),
     ],
 )  # fmt: skip
 def test_a_folder_that_is_no_usable_checkpoint_is_named_with_the_fix(

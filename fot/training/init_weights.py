@@ -156,6 +156,12 @@ def _hf_source(p: Path) -> InitSource:
             f"fot trains ({str(err)[:200]}); pass a fot checkpoint or export, or a FoX "
             "checkpoint of the paper's code"
         ) from None
+    if not str(getattr(config, "model_type", "")).startswith("fot"):  # fot, fot_mamba2, ...
+        raise InitFromError(
+            f"init_from={p} is a {type(config).__name__} (model_type {model_type!r}), not a "
+            "model fot trains: pass a fot checkpoint or export, or a FoX checkpoint of the "
+            "paper's code"
+        )
     return InitSource(p, "hf", config)
 
 

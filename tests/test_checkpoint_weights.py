@@ -181,8 +181,11 @@ def test_a_refusal_names_the_preset_of_another_model_class_or_an_fla_baseline(
 def test_a_config_of_no_model_fot_trains_is_refused_without_building_fla_presets(
     tmp_path, monkeypatch
 ) -> None:
-    """A LLaMA folder: no preset of an FLA baseline is tried (FLA may be missing here)."""
+    """A LLaMA config: no preset of an FLA baseline is tried (FLA may be missing here).
+    (read_init_source refuses a LLaMA folder before this; the check itself stays safe.)"""
     from transformers import LlamaConfig
+
+    from fot.training.init_weights import InitSource
 
     real = presets.config
     monkeypatch.setattr(
@@ -194,11 +197,9 @@ def test_a_config_of_no_model_fot_trains_is_refused_without_building_fla_presets
             else real(name, *a, **k)
         ),
     )
-    LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=2).save_pretrained(
-        tmp_path
-    )
+    llama = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=2)
     with pytest.raises(InitFromError, match=r"model class=LlamaConfig .*pick the model="):
-        check_init_source(read_init_source(tmp_path), real("fot_pro", "tiny"))
+        check_init_source(InitSource(tmp_path, "hf", llama), real("fot_pro", "tiny"))
 
 
 def test_settings_of_how_the_model_is_computed_or_initialised_may_differ(source_run) -> None:

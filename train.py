@@ -7,33 +7,60 @@ Configs live in ``configs/`` (Hydra); the training loop is :func:`fot.training.t
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import hydra
-from hydra.core.hydra_config import HydraConfig
-from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from fot.errors import USER_ERRORS, error_line
-from fot.training import train
-from fot.training.checkpoint import interrupted_message
-from fot.training.config import (
-    check_multirun_out_dir,
-    misprefixed_override,
-    mistyped_override,
-    multirun_out_dir_problem,
-    out_dir_file_problem,
-    register_configs,
-    unknown_group_option,
-    unknown_override_key,
-    unparsable_override,
-)
-from fot.training.signals import EXIT_STATUS as SIGTERM_EXIT_STATUS
-from fot.training.signals import TrainingStopped
+ROOT = Path(__file__).resolve().parent
 
-register_configs()
+
+def argv_checks() -> ModuleType:
+    """``fot/training/config.py`` loaded from its file, without ``import fot``.
+
+    ``import fot`` imports torch and transformers (~7 s on a laptop CPU) to register the model
+    classes; the command-line checks need only the standard library, omegaconf and Hydra, so a
+    typo'd key gets its one-line answer in about half a second. The module is a separate copy
+    (``_fot_argv_checks``) used for these checks only: the run itself uses
+    ``fot.training.config``.
+    """
+    spec = importlib.util.spec_from_file_location(
+        "_fot_argv_checks", ROOT / "fot" / "training" / "config.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses and OmegaConf resolve annotations through it
+    spec.loader.exec_module(module)
+    return module
+
+
+def argv_problem(argv: list[str]) -> str | None:
+    """The first problem the command-line checks find in ``argv`` (train.py's arguments), or
+    None. Hydra refuses an unknown key or group option without naming the right one: these say
+    which field or option was meant, in the one-line form of the other errors."""
+    checks = argv_checks()
+    configs = ROOT / "configs"
+    # options may also come from config folders added on the command line: Hydra checks those
+    more_configs = any(
+        a.lstrip("+").split("=")[0]
+        in ("--config-dir", "-cd", "--config-path", "-cp", "hydra.searchpath")
+        for a in argv
+    )
+    # an override Hydra cannot parse first: the checks below would misread it
+    problems = [checks.unparsable_override(argv)]
+    problems += [checks.unknown_override_key(arg) for arg in argv]
+    problems.append(checks.mistyped_override(argv))  # a known key with a value of another type
+    # +total_tokens=..., +experiment=..., model.overrides.x=... (Hydra: several lines, status 1)
+    problems.append(checks.misprefixed_override(argv, None if more_configs else configs))
+    if not more_configs:
+        problems += [checks.unknown_group_option(arg, configs) for arg in argv]
+    problems.append(checks.multirun_out_dir_problem(argv))  # before Hydra makes the sweep folder
+    problems.append(checks.out_dir_file_problem(argv))  # before Hydra makes the run folder
+    return next((problem for problem in problems if problem is not None), None)
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")
@@ -42,6 +69,16 @@ def main(cfg: DictConfig) -> None:
     bad input and the fix print as one line (exit status 2), without a traceback, Ctrl-C
     says how to resume (exit status 130), and so does a stop on SIGTERM after its checkpoint
     (exit status 143)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    from fot.errors import USER_ERRORS, error_line
+    from fot.training import train
+    from fot.training.checkpoint import interrupted_message
+    from fot.training.config import check_multirun_out_dir
+    from fot.training.signals import EXIT_STATUS as SIGTERM_EXIT_STATUS
+    from fot.training.signals import TrainingStopped
+
     hydra_cfg = HydraConfig.get()
     try:
         check_multirun_out_dir(cfg, multirun=hydra_cfg.mode == RunMode.MULTIRUN)
@@ -74,27 +111,11 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    # Hydra refuses an unknown key or group option without naming the right one: say which
-    # field or option was meant, in the one-line form of the other errors (exit status 2)
-    configs = Path(__file__).resolve().parent / "configs"
-    # options may also come from config folders added on the command line: Hydra checks those
-    more_configs = any(
-        a.lstrip("+").split("=")[0]
-        in ("--config-dir", "-cd", "--config-path", "-cp", "hydra.searchpath")
-        for a in sys.argv[1:]
-    )
-    # an override Hydra cannot parse first: the checks below would misread it
-    problems = [unparsable_override(sys.argv[1:])]
-    problems += [unknown_override_key(arg) for arg in sys.argv[1:]]
-    problems.append(mistyped_override(sys.argv[1:]))  # a known key with a value of another type
-    # +total_tokens=..., +experiment=..., model.overrides.x=... (Hydra: several lines, status 1)
-    problems.append(misprefixed_override(sys.argv[1:], None if more_configs else configs))
-    if not more_configs:
-        problems += [unknown_group_option(arg, configs) for arg in sys.argv[1:]]
-    problems.append(multirun_out_dir_problem(sys.argv[1:]))  # before Hydra makes the sweep folder
-    problems.append(out_dir_file_problem(sys.argv[1:]))  # before Hydra makes the run folder
-    for problem in problems:
-        if problem is not None:
-            print(f"train.py: error: {problem}", file=sys.stderr)
-            sys.exit(2)
+    problem = argv_problem(sys.argv[1:])
+    if problem is not None:
+        print(f"train.py: error: {problem}", file=sys.stderr)
+        sys.exit(2)
+    from fot.training.config import register_configs  # imports torch and transformers
+
+    register_configs()
     main()

@@ -565,6 +565,25 @@ def test_train_py_names_a_bad_key_or_option_in_one_line_with_status_2(tmp_path) 
         assert stderr.startswith(expected), stderr
 
 
+def test_train_py_refuses_a_typo_without_importing_torch_or_the_fot_package(tmp_path) -> None:
+    """The command-line checks run before ``import fot`` (torch and transformers, ~7 s): Python's
+    own import log (``-X importtime``) must name neither, nor the fot package."""
+    res = subprocess.run(
+        [sys.executable, "-X", "importtime", str(CONFIGS.parent / "train.py"), "total_token=5",
+         f"hydra.run.dir={tmp_path}"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert res.returncode == 2, res.stderr
+    assert "train.py: error: unknown config key 'total_token'" in res.stderr
+    imported = {
+        line.rsplit("|", 1)[1].strip()
+        for line in res.stderr.splitlines()
+        if line.startswith("import time:")
+    }
+    assert "omegaconf" in imported  # the log is read right: the checks' own imports are in it
+    assert not imported & {"torch", "transformers", "fot", "fot.training"}
+
+
 @pytest.mark.parametrize(
     ("override", "key", "value"),
     [

@@ -870,6 +870,19 @@ def test_missing_held_out_data_is_said_with_the_fix(caplog, kind: str, fix: str)
         assert (cfg.data.hf_val_split, cfg.data.hf_split) == ("train[:1%]", "train[1%:]")
 
 
+def test_config_warnings_wait_for_the_run_checks(tmp_path, caplog) -> None:
+    """A warning about a value that runs (warmup longer than the run) is not printed above an
+    unrelated error that refuses the run; once the run starts, it is."""
+    long_warmup = "schedule.warmup_tokens=100000"
+    missing = tmp_path / "no_such_tokens"
+    with caplog.at_level(logging.WARNING), pytest.raises(FileNotFoundError):
+        train(_cfg(tmp_path / "refused", long_warmup, "data=tokens", f"data.path={missing}"))
+    assert "never reaches optim.lr" not in caplog.text
+    with caplog.at_level(logging.WARNING):
+        train(_cfg(tmp_path / "run", long_warmup, "total_tokens=256"))
+    assert caplog.text.count("never reaches optim.lr") == 1
+
+
 def test_bad_data_or_sizes_leave_no_run_folder(tmp_path) -> None:
     missing = tmp_path / "no_such_tokens"
     out = tmp_path / "run"

@@ -673,24 +673,23 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             if uninterrupted.
         ValueError / FileNotFoundError: bad sizes, options or missing data (with the fix).
     """
-    for warning in check_config(cfg):
-        if int(os.environ.get("RANK", "0")) == 0:
-            logger.warning(warning)
+    # logged once the run's other checks pass (_train): a refused run shows only its error
+    config_warnings = check_config(cfg)
     every = int(cfg.gc_every_steps)
     if every < 0:
         raise ValueError(f"gc_every_steps must be >= 0 (0: automatic collection), got {every}")
     if every == 0 or not gc.isenabled():
-        return _train(cfg)
+        return _train(cfg, config_warnings)
     # Python's automatic cyclic GC is off while training (see TrainConfig.gc_every_steps).
     gc.collect()
     gc.disable()
     try:
-        return _train(cfg)
+        return _train(cfg, config_warnings)
     finally:
         gc.enable()
 
 
-def _train(cfg: DictConfig) -> dict[str, Any]:
+def _train(cfg: DictConfig, config_warnings: list[str]) -> dict[str, Any]:
     t_start = time.time()
     info = init_distributed(cfg.device, cfg.parallel.backend)
     strategy = resolve_strategy(cfg.parallel, info)
@@ -794,6 +793,8 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
             check_init_source(init_source, model_config_from_train_config(cfg))
 
     if info.is_main:  # only now: bad data, sizes or checkpoints leave no run folder behind
+        for warning in config_warnings:
+            logger.warning(warning)
         out_dir.mkdir(parents=True, exist_ok=True)
         ckpt.clean_stale(ckpt_dir)
     stream = SequenceStream(

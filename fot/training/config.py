@@ -6,6 +6,10 @@ overrides) and the size group names a size: the HF model config itself always co
 :func:`fot.presets.config`, the single source of truth for model fields.
 
 Everything that counts data is in tokens (``*_tokens``).
+
+train.py loads this file without ``import fot`` for its command-line checks (a typo is refused
+in half a second, not after torch and transformers load): at module level it imports only the
+standard library and omegaconf; fot's modules are imported inside the functions that need them.
 """
 
 from __future__ import annotations

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -632,6 +634,61 @@ def test_prefixes_that_fit_are_left_alone(hydra_ctx) -> None:
             compose("train", overrides=[override])  # and Hydra takes each
     # a key of model.overrides set by another override of the same command line exists
     assert misprefixed_override(["++model.overrides={a:1}", "model.overrides.a=2"]) is None
+
+
+@contextlib.contextmanager
+def _hydra_on(configs: Path) -> Iterator[None]:
+    """Hydra's compose on the config folder ``configs``, also inside ``hydra_ctx`` (a module
+    fixture on ``CONFIGS``, which is restored afterwards)."""
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.initialize import get_gh_backup, restore_gh_from_backup
+
+    outer = get_gh_backup()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(configs), version_base="1.3"):
+            yield
+    finally:
+        restore_gh_from_backup(outer)
+
+
+@pytest.mark.parametrize("where", ["experiment", "model"])
+def test_a_key_that_a_chosen_config_file_sets_takes_no_plus(tmp_path, where: str) -> None:
+    """A user's experiment (or model file) that sets ``model.overrides.qk_norm``: a plain
+    ``model.overrides.qk_norm=...`` then replaces it, and Hydra takes it (it refuses ``+``); a
+    key no chosen file sets still needs ``+``. The oracle is Hydra composing each."""
+    import shutil
+
+    from fot.training.config import misprefixed_override
+
+    configs = tmp_path / "configs"
+    shutil.copytree(CONFIGS, configs)
+    if where == "experiment":  # its defaults list chooses the model
+        (configs / "experiment" / "mine.yaml").write_text(
+            "# @package _global_\ndefaults:\n  - override /model: fot_llama\n"
+            "model:\n  overrides:\n    qk_norm: true\n"
+        )
+        choice = "experiment=mine"
+    else:
+        (configs / "model" / "mine.yaml").write_text(
+            "name: fot_llama\noverrides:\n  qk_norm: true\n"
+        )
+        choice = "model=mine"
+    valid = [choice, "model.overrides.qk_norm=false"]
+    invalid = [choice, "model.overrides.num_heads=2"]
+    assert misprefixed_override(valid, configs) is None
+    assert "write +model.overrides.num_heads=2" in misprefixed_override(invalid, configs)
+    # not chosen: the key is not there, and the plain form is refused as before
+    assert misprefixed_override(valid[1:], configs) is not None
+    with _hydra_on(configs):
+        cfg = compose("train", overrides=valid)
+        assert cfg.model.name == "fot_llama" and cfg.model.overrides.qk_norm is False
+        with pytest.raises(ConfigCompositionException):
+            compose("train", overrides=invalid)
+        with pytest.raises(ConfigCompositionException):
+            compose("train", overrides=[choice, "+model.overrides.qk_norm=false"])
+        with pytest.raises(ConfigCompositionException):
+            compose("train", overrides=valid[1:])
 
 
 def test_train_py_names_a_misprefixed_override_in_one_line(tmp_path) -> None:

@@ -568,12 +568,14 @@ def misprefixed_override(args: list[str], configs: Path | None = None) -> str | 
       (``+experiment=fot_pro_125m_2b``, as where ``experiment`` is no default);
     * ``model.overrides.<field>=value`` or ``model.overrides={...}`` without ``+``: a free-form
       dict (``model.overrides``, ``data.storage_options``) starts empty, so its keys are added
-      with ``+`` (unless the same command line sets that dict too).
+      with ``+`` (unless the same command line sets that dict too, or a config file it chooses
+      does: an experiment of the user's that sets ``model.overrides.<field>``).
 
     Args:
         args: the command line after ``train.py``.
-        configs: the ``configs/`` folder, whose ``train.yaml`` lists the groups (``None``: no
-            group is checked).
+        configs: the ``configs/`` folder, whose ``train.yaml`` lists the groups (``None``, as
+            for config folders added on the command line, whose files may set any key: only
+            ``+`` on a field of the schema is checked).
     """
     groups: set[str] = set()
     if configs is not None and (configs / "train.yaml").is_file():
@@ -583,6 +585,7 @@ def misprefixed_override(args: list[str], configs: Path | None = None) -> str | 
     free = [k for k, node in leaves.items() if isinstance(node, DictConfig)]
     fields = set(leaves) - set(free)  # `+model.overrides={...}`: Hydra merges it into the dict
     keys = [a.split("=", 1)[0].lstrip("+") for a in args if "=" in a and not a.startswith("-")]
+    in_files = _keys_set_by_chosen_files(args, configs) if configs is not None else set()
     for arg in args:
         if arg.startswith(("-", "~")) or "=" not in arg:
             continue
@@ -601,10 +604,11 @@ def misprefixed_override(args: list[str], configs: Path | None = None) -> str | 
                 f"{arg!r}: {bare} is a config group that train.yaml already chooses from, and + "
                 f"would add a second choice: write {bare}={value}"
             )
-        if key.startswith("+"):
+        if key.startswith("+") or configs is None or (key in in_files and key not in free):
             continue
         for name in free:
             others = [k for k in keys if (k == name or k.startswith(f"{name}.")) and k != key]
+            others += [k for k in in_files if k.startswith(f"{name}.")] if key == name else []
             empty = key == name and value.replace(" ", "") == "{}"
             if (key == name or key.startswith(f"{name}.")) and not others and not empty:
                 what = "its keys are" if key == name else f"{key} is"
@@ -613,6 +617,72 @@ def misprefixed_override(args: list[str], configs: Path | None = None) -> str | 
                     f"+: write +{arg} (or ++{arg}, which adds or replaces)"
                 )
     return None
+
+
+def _keys_set_by_chosen_files(args: list[str], configs: Path) -> set[str]:
+    """Every dotted key that the config files chosen for ``args`` set: the options of
+    ``train.yaml``'s defaults list, replaced by the command line's ``group=option`` (each option
+    of a sweep), and the files their own defaults lists choose."""
+    chosen: dict[str, list[str]] = {}
+    for entry in _defaults_list(configs / "train.yaml"):
+        chosen.update(entry)
+    for arg in args:
+        if "=" not in arg or arg.startswith(("-", "~")):
+            continue
+        key, value = arg.split("=", 1)
+        if (configs / key.lstrip("+")).is_dir():
+            chosen[key.lstrip("+")] = [v.strip() for v in value.split(",")]
+    found: set[str] = set()
+    seen: set[Path] = set()
+    todo = [(group, option) for group, options in chosen.items() for option in options]
+    while todo:
+        group, option = todo.pop()
+        path = configs / group / f"{option}.yaml"
+        if path in seen or not path.is_file():
+            continue
+        seen.add(path)
+        try:
+            node = OmegaConf.load(path)
+        except Exception:  # Hydra names a broken file when it composes
+            continue
+        if not isinstance(node, DictConfig):
+            continue
+        top = [ln for ln in path.read_text().splitlines() if ln.startswith("#")]
+        prefix = "" if any("@package _global_" in ln for ln in top) else f"{group}."
+        found |= {prefix + k for k in _dotted_keys(node) if k.split(".")[0] != "defaults"}
+        todo += [
+            (g, o) for entry in _defaults_list(path) for g, opts in entry.items() for o in opts
+        ]
+    return found
+
+
+def _defaults_list(path: Path) -> list[dict[str, list[str]]]:
+    """``{group: [option]}`` for each group entry of the defaults list of config file ``path``
+    (``override /model: fot_pro`` gives ``{"model": ["fot_pro"]}``); none if it has none."""
+    try:
+        defaults = OmegaConf.load(path).get("defaults") or []
+    except Exception:  # Hydra names a broken file when it composes
+        return []
+    entries = []
+    for entry in defaults:
+        if isinstance(entry, DictConfig):
+            for group, option in entry.items():
+                name = str(group).removeprefix("override ").strip().lstrip("/")
+                if isinstance(option, str):
+                    entries.append({name: [option]})
+    return entries
+
+
+def _dotted_keys(node: DictConfig, prefix: str = "") -> set[str]:
+    """Every key of ``node`` and of the dicts in it, dotted (``model``, ``model.overrides``,
+    ``model.overrides.qk_norm``)."""
+    keys: set[str] = set()
+    for key in node:
+        keys.add(f"{prefix}{key}")
+        child = node._get_node(key)
+        if isinstance(child, DictConfig) and not child._is_none():
+            keys |= _dotted_keys(child, f"{prefix}{key}.")
+    return keys
 
 
 # Hydra's flags whose value is the next argument (a path or name, not an override)

@@ -128,19 +128,29 @@ def test_graphed_step_needs_a_capturable_optimizer() -> None:
 
 def test_all_reduce_gradients_equals_ddp(tmp_path) -> None:
     """parallel=ddp with CUDA graphs averages gradients itself: on two CPU processes (gloo)
-    its gradients equal DDP's, bit for bit, and differ from each rank's own."""
+    its gradients equal DDP's, bit for bit, and differ from each rank's own, in both of two
+    steps; DDP's gradients are views of its buckets (no second copy), after the step and
+    while micro batches accumulate without syncing, from the second step on (the first
+    backward allocates them; the trainer then zeroes them in place)."""
     env = {**os.environ, "PYTHONPATH": _pythonpath(), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(ROOT / "tests" / "ddp_gradients.py"), str(tmp_path)]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
-    for res in results:
-        assert len(res["ddp"]) == len(res["ours"]) > 10
-        assert all(torch.equal(a, b) for a, b in zip(res["ddp"], res["ours"], strict=True))
-        assert not all(torch.equal(a, b) for a, b in zip(res["ours"], res["local"], strict=True))
-    pairs = zip(results[0]["ours"], results[1]["ours"], strict=True)
-    assert all(torch.equal(a, b) for a, b in pairs)
+    for steps in results:
+        assert len(steps) == 2
+        for res in steps:
+            assert len(res["ddp"]) == len(res["ours"]) > 10
+            assert all(torch.equal(a, b) for a, b in zip(res["ddp"], res["ours"], strict=True))
+            ours, local = res["ours"], res["local"]
+            assert not all(torch.equal(a, b) for a, b in zip(ours, local, strict=True))
+            assert all(res["bucket_views"])
+        assert all(steps[1]["bucket_views_while_accumulating"])
+        assert not torch.equal(steps[0]["ours"][0], steps[1]["ours"][0])
+    for step in (0, 1):
+        pairs = zip(results[0][step]["ours"], results[1][step]["ours"], strict=True)
+        assert all(torch.equal(a, b) for a, b in pairs)
 
 
 def test_all_reduce_gradients_names_a_parameter_without_gradient() -> None:

@@ -198,8 +198,7 @@ def parallelize(
             dist.broadcast(t.data, src=0)
         return model
     if strategy == "ddp":
-        ids = [info.device.index] if info.device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=ids)
+        return wrap_ddp(model, info.device)
     if strategy == "fsdp":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -237,6 +236,17 @@ def accumulation(
         if not cfg.reshard_after_backward:
             model.set_reshard_after_backward(last)
     return contextlib.nullcontext()
+
+
+def wrap_ddp(model: nn.Module, device: torch.device) -> DistributedDataParallel:
+    """``model`` in DDP on ``device`` (its CUDA device or the CPU), with gradients that are
+    views of DDP's all-reduce buckets (``gradient_as_bucket_view``): no second copy of the
+    gradients (3 GiB in float32 at 760M) and no copies into and out of the buckets each step.
+    Zero the gradients with ``zero_grad(set_to_none=False)``: set to None, the micro batches
+    that accumulate without syncing (``no_sync``) allocate new gradients until the syncing
+    one points them at the buckets again, and the copy is back."""
+    ids = [device.index] if device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=True)
 
 
 def unwrap(model: nn.Module) -> nn.Module:

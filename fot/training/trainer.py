@@ -1075,6 +1075,10 @@ def _train(cfg: DictConfig, config_warnings: list[str]) -> dict[str, Any]:
 
     # parallel=ddp with CUDA graphs: no DDP wrapper (parallelize), the step reduces gradients
     reduce_gradients = strategy == "ddp" and not isinstance(model, DistributedDataParallel)
+    # DDP's gradients are views of its buckets (wrap_ddp): zeroed in place, they stay views
+    # through the micro batches that accumulate without syncing; set to None, those would
+    # allocate a second copy of the gradients beside the buckets
+    keep_grads = isinstance(model, DistributedDataParallel)
     trainable = [p for p in model.parameters() if p.requires_grad]
 
     def run_step(
@@ -1158,7 +1162,7 @@ def _train(cfg: DictConfig, config_warnings: list[str]) -> dict[str, Any]:
             )
             bad = ~(torch.isfinite(loss_sum) & torch.isfinite(grad_norm)) & (diverged[0] == 0)
             diverged = torch.where(bad, first, diverged)
-            optimizer.zero_grad(set_to_none=True)
+            optimizer.zero_grad(set_to_none=not keep_grads)
             prev_tokens = tokens
             step += 1
             tokens += gbt

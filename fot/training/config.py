@@ -14,6 +14,7 @@ standard library and omegaconf; fot's modules are imported inside the functions 
 
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -623,53 +624,56 @@ def _keys_set_by_chosen_files(args: list[str], configs: Path) -> set[str]:
     """Every dotted key that the config files chosen for ``args`` set: the options of
     ``train.yaml``'s defaults list, replaced by the command line's ``group=option`` (each option
     of a sweep), and the files their own defaults lists choose."""
-    chosen: dict[str, list[str]] = {}
-    for entry in _defaults_list(configs / "train.yaml"):
-        chosen.update(entry)
+    chosen = dict(_group_choices(_config_file(configs / "train.yaml")[0]))
     for arg in args:
         if "=" not in arg or arg.startswith(("-", "~")):
             continue
         key, value = arg.split("=", 1)
         if (configs / key.lstrip("+")).is_dir():
-            chosen[key.lstrip("+")] = [v.strip() for v in value.split(",")]
+            chosen[key.lstrip("+")] = value
     found: set[str] = set()
     seen: set[Path] = set()
-    todo = [(group, option) for group, options in chosen.items() for option in options]
+    todo = [(g, o.strip()) for g, options in chosen.items() for o in options.split(",")]
     while todo:
         group, option = todo.pop()
         path = configs / group / f"{option}.yaml"
-        if path in seen or not path.is_file():
+        if path in seen:
             continue
         seen.add(path)
-        try:
-            node = OmegaConf.load(path)
-        except Exception:  # Hydra names a broken file when it composes
+        node, text = _config_file(path)
+        if node is None:
             continue
-        if not isinstance(node, DictConfig):
-            continue
-        top = [ln for ln in path.read_text().splitlines() if ln.startswith("#")]
-        prefix = "" if any("@package _global_" in ln for ln in top) else f"{group}."
+        lines = text.splitlines()
+        header = itertools.takewhile(lambda ln: ln.startswith("#") or not ln.strip(), lines)
+        is_global = any("@package _global_" in ln for ln in header)  # Hydra's header comments
+        prefix = "" if is_global else f"{group}."
         found |= {prefix + k for k in _dotted_keys(node) if k.split(".")[0] != "defaults"}
-        todo += [
-            (g, o) for entry in _defaults_list(path) for g, opts in entry.items() for o in opts
-        ]
+        todo += _group_choices(node)
     return found
 
 
-def _defaults_list(path: Path) -> list[dict[str, list[str]]]:
-    """``{group: [option]}`` for each group entry of the defaults list of config file ``path``
-    (``override /model: fot_pro`` gives ``{"model": ["fot_pro"]}``); none if it has none."""
+def _config_file(path: Path) -> tuple[DictConfig | None, str]:
+    """Config file ``path`` as a DictConfig, and its text; ``(None, "")`` if it is missing or
+    holds no mapping (Hydra names a broken file when it composes)."""
     try:
-        defaults = OmegaConf.load(path).get("defaults") or []
-    except Exception:  # Hydra names a broken file when it composes
-        return []
+        text = path.read_text()
+        node = OmegaConf.create(text)
+    except Exception:
+        return None, ""
+    return (node, text) if isinstance(node, DictConfig) else (None, "")
+
+
+def _group_choices(node: DictConfig | None) -> list[tuple[str, str]]:
+    """``(group, option)`` for each group entry of config ``node``'s defaults list
+    (``override /model: fot_pro`` gives ``("model", "fot_pro")``)."""
     entries = []
-    for entry in defaults:
+    for entry in (node.get("defaults") or []) if node is not None else []:
         if isinstance(entry, DictConfig):
             for group, option in entry.items():
-                name = str(group).removeprefix("override ").strip().lstrip("/")
                 if isinstance(option, str):
-                    entries.append({name: [option]})
+                    entries.append(
+                        (str(group).removeprefix("override ").strip().lstrip("/"), option)
+                    )
     return entries
 
 

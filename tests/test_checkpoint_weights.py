@@ -410,6 +410,23 @@ def test_export_names_a_folder_that_is_no_checkpoint_and_a_checkpoint_as_out(
     assert not (source_run / "checkpoints" / "step_00000002" / "config.json").exists()
 
 
+def test_export_names_a_checkpoint_whose_weights_are_of_another_model(
+    tmp_path, source_run, capsys
+) -> None:
+    """trainer.json of one run beside model.pt of a wider model: named, nothing written."""
+    ckpt = tmp_path / "step_00000004"
+    shutil.copytree(source_run / "checkpoints" / "step_00000004", ckpt)
+    wider = presets.build_model(presets.config("fot_pro", "tiny", hidden_size=64, num_heads=2))
+    torch.save(wider.state_dict(), ckpt / "model.pt")
+    from fot.export import main as export_main
+
+    assert export_main([str(ckpt), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "model.pt does not fit the model its trainer.json describes" in err, err
+    assert "the folder mixes files of different runs" in err
+    assert not (tmp_path / "out").exists()
+
+
 def test_fot_eval_names_the_export_command_for_a_training_checkpoint(source_run) -> None:
     from fot.eval.common import load_checkpoint
 

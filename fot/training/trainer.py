@@ -306,14 +306,24 @@ def export_hf_folder(
     state = ckpt.gather_model_state(model)
     if not is_main:
         return None
-    from fot import presets
     from fot.export import export_hf
 
-    with torch.device("cpu"):
-        cpu_model = presets.build_model(hf_config)
-    cpu_model.load_state_dict(state)
-    export_hf(cpu_model, out, text_escaping=text_escaping)
+    export_hf(_cpu_model(hf_config, state), out, text_escaping=text_escaping)
     return out
+
+
+def _cpu_model(hf_config: Any, state: dict[str, torch.Tensor]) -> nn.Module:
+    """The model of ``hf_config`` built on the CPU with the full weights ``state``.
+
+    Raises:
+        RuntimeError: ``state`` does not fit the model (``load_state_dict``).
+    """
+    from fot import presets
+
+    with torch.device("cpu"):
+        model = presets.build_model(hf_config)
+    model.load_state_dict(state)
+    return model
 
 
 def export_settings(cfg: Any) -> tuple[int, str]:
@@ -348,7 +358,6 @@ def export_checkpoint(path: str | os.PathLike, out: str | os.PathLike) -> Path:
         FileExistsError, NotADirectoryError: ``out`` holds other files, or is a file
             (:func:`fot.export.export_hf`).
     """
-    from fot import presets
     from fot.export import export_hf
 
     p, o = Path(path), Path(out)
@@ -368,11 +377,9 @@ def export_checkpoint(path: str | os.PathLike, out: str | os.PathLike) -> Path:
     cfg = checkpoint_config(path)
     hf_config = model_config_from_train_config(cfg)
     hf_config.train_length, escaping = export_settings(cfg)
-    with torch.device("cpu"):
-        model = presets.build_model(hf_config)
     state = ckpt.read_model_state(path)
     try:
-        model.load_state_dict(state)
+        model = _cpu_model(hf_config, state)
     except RuntimeError as err:  # trainer.json of one run beside model.pt of another
         raise ckpt.CorruptCheckpointError(
             f"checkpoint {path}: model.pt does not fit the model its trainer.json describes "

@@ -553,11 +553,9 @@ def _device() -> str:
 
 
 def _git_sha() -> str:
-    try:  # the GPU machine's copy of the tree may have no git
-        r = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    except OSError:
-        return "unknown"
-    return r.stdout.strip() or "unknown"
+    from fot.provenance import git_sha  # the GPU machine's copy of the tree may have no git
+
+    return git_sha() or "unknown"
 
 
 PAPER_SCALE = (760e6, 48e9)  # the paper's main setting: parameters, training tokens

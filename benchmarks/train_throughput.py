@@ -725,7 +725,7 @@ def interrupted_note(what: str, done: int, out: str | None) -> str:
 
 def run_meta(device: torch.device, args: argparse.Namespace | None = None) -> dict[str, Any]:
     """Device, library versions, git SHA and arguments of this run."""
-    from fot.training.metrics import git_sha, versions
+    from fot.provenance import git_sha, library_versions
 
     meta: dict[str, Any] = {
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -733,7 +733,7 @@ def run_meta(device: torch.device, args: argparse.Namespace | None = None) -> di
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "git_sha": git_sha(),
-        "versions": versions(),
+        "versions": library_versions(),
     }
     if args is not None:
         meta["args"] = vars(args)

@@ -16,7 +16,6 @@ import json
 import math
 import os
 import platform
-import subprocess
 import sys
 import zipfile
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -30,6 +29,7 @@ import torch.nn.functional as F
 from fot.data.zarr_store import is_url
 from fot.errors import FotError
 from fot.interrupt import check_stop
+from fot.provenance import git_sha, library_versions
 from fot.tokenizer import TEXT_ESCAPING_KEY, escape_text, text_escaping_of, unescape_text
 
 _DTYPES = {
@@ -535,45 +535,6 @@ def greedy_generate(
     return out[0, input_ids.shape[1] :].tolist()
 
 
-def git_sha() -> str | None:
-    """The git commit of the fot source tree, or ``None`` outside a git checkout."""
-    root = Path(__file__).resolve().parent.parent
-    try:
-        out = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=False,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None if out.returncode == 0 else None
-
-
-def library_versions() -> dict[str, str | None]:
-    """Versions of the libraries results depend on."""
-    from importlib import metadata
-
-    versions: dict[str, str | None] = {"python": platform.python_version()}
-    for name in (
-        "fot",
-        "torch",
-        "transformers",
-        "triton",
-        "flash-linear-attention",
-        "lm_eval",
-        "rouge-score",
-        "numpy",
-    ):
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            versions[name] = None
-    versions["torch_cuda"] = torch.version.cuda
-    return versions
-
-
 def _jsonable(value: Any) -> Any:
     if isinstance(value, dict):
         return {str(k): _jsonable(v) for k, v in value.items()}
@@ -636,7 +597,7 @@ def write_run_config(
         # how texts were escaped before tokenizing (fot.tokenizer.TEXT_ESCAPINGS)
         "text_escaping": escaping,
         "git_sha": git_sha(),
-        "versions": library_versions(),
+        "versions": library_versions(extra=("lm_eval", "rouge-score")),
         "host": platform.node(),
         "cuda_device": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "started_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),

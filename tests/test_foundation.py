@@ -220,3 +220,50 @@ def test_error_line_says_where_a_library_raised_and_not_where_fot_did(tmp_path):
         load_checkpoint(ckpt, model=torch.nn.Linear(1, 1), optimizer=None, rank=0)
     assert isinstance(wrapped.value, USER_ERRORS)  # a RuntimeError, but fot's own
     assert "raised by" not in error_line("prog", wrapped.value, traceback_variable="V")
+
+
+def test_library_versions_name_the_torch_build_and_the_extra_packages(monkeypatch):
+    import importlib.metadata
+
+    import torch
+
+    from fot.provenance import library_versions
+
+    real = importlib.metadata.version
+    # a CUDA wheel from PyPI: its metadata says 2.9.1, torch.__version__ says 2.9.1+cu128
+    monkeypatch.setattr(
+        importlib.metadata,
+        "version",
+        lambda name: "0.0.1" if name == "torch" else real(name),
+    )
+    got = library_versions(extra=("numpy", "no-such-distribution-fot-test"))
+    assert got["torch"] == torch.__version__
+    assert got["numpy"] == np.__version__
+    assert got["no-such-distribution-fot-test"] is None
+    assert got["cuda"] == torch.version.cuda
+    assert got["python"] == ".".join(map(str, sys.version_info[:3]))
+
+
+def test_git_sha_is_the_checkout_and_says_when_tracked_files_differ(tmp_path):
+    from fot.provenance import git_sha
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+
+    assert git_sha(tmp_path) is None  # not a checkout
+    git("init", "-q")
+    (tmp_path / "a.txt").write_text("one\n")
+    git("add", "a.txt")
+    git("commit", "-q", "-m", "first")
+    head = git("rev-parse", "HEAD")
+    assert git_sha(tmp_path) == head
+    (tmp_path / "untracked.txt").write_text("new\n")
+    assert git_sha(tmp_path) == head  # files git does not track change nothing
+    (tmp_path / "a.txt").write_text("two\n")
+    assert git_sha(tmp_path) == head + "+dirty"

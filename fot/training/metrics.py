@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import logging
 import os
-import platform
-import subprocess
 import sys
 import warnings
 from collections.abc import Sequence
@@ -147,45 +144,6 @@ def flops_per_token(model: nn.Module, config: Any, seq_len: int) -> float:
         seq_len: training sequence length T.
     """
     return FlopCounter.of(model, config).of_documents([seq_len]) / seq_len
-
-
-def git_sha(repo: str | os.PathLike | None = None) -> str | None:
-    """The checkout's commit (``+dirty`` if modified), or ``None`` outside git."""
-    cwd = Path(repo) if repo else Path(__file__).resolve().parents[2]
-    try:
-        sha = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10
-        )
-        if sha.returncode != 0:
-            return None
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=cwd,
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-        return sha.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def versions() -> dict[str, str | None]:
-    """Versions of Python and the libraries that shape a run."""
-    out: dict[str, str | None] = {"python": platform.python_version()}
-    for pkg in ("torch", "triton", "transformers", "flash-linear-attention", "hydra-core", "numpy"):
-        try:
-            out[pkg] = importlib.metadata.version(pkg)
-        except importlib.metadata.PackageNotFoundError:
-            out[pkg] = None
-    try:
-        out["fot"] = importlib.metadata.version("fot")
-    except importlib.metadata.PackageNotFoundError:
-        import fot
-
-        out["fot"] = getattr(fot, "__version__", None)
-    out["cuda"] = torch.version.cuda
-    return out
 
 
 def resolve_wandb_mode(mode: str) -> str:

@@ -28,6 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from fot.data.streams import Batch, SequenceStream, check_token_ids, iterate_eval_batches
 from fot.errors import FotError
+from fot.provenance import git_sha, library_versions
 from fot.training import checkpoint as ckpt
 from fot.training.config import ScheduleConfig, check_config, to_container
 from fot.training.cuda_graph import GraphedStep, check_cuda_graphs
@@ -35,10 +36,8 @@ from fot.training.metrics import (
     FlopCounter,
     MetricsLogger,
     abandon_newer_records,
-    git_sha,
     peak_flops_per_device,
     peak_memory_gib,
-    versions,
 )
 from fot.training.optim import build_optimizer, lr_at, set_lr
 from fot.training.parallel import (
@@ -918,7 +917,7 @@ def _train(cfg: DictConfig, config_warnings: list[str]) -> dict[str, Any]:
         run_info = {
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "git_sha": git_sha(),
-            "versions": versions(),
+            "versions": library_versions(),
             "world_size": info.world_size,
             "strategy": strategy,
             "device": str(info.device),

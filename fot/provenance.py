@@ -1,0 +1,66 @@
+"""What a result was made with: the source commit and the library versions.
+
+Training runs (``run_info.json``), evaluations (``run_config.json``) and benchmarks record
+both, so that a number can be traced to the code and the builds that produced it.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+import subprocess
+from collections.abc import Iterable
+from pathlib import Path
+
+# The distributions whose versions shape a training run or an evaluation.
+LIBRARIES = ("torch", "triton", "transformers", "flash-linear-attention", "hydra-core", "numpy")
+
+
+def git_sha(repo: str | os.PathLike | None = None) -> str | None:
+    """The commit checked out in ``repo`` (default: fot's own source tree), with ``+dirty``
+    when tracked files differ from it, or ``None`` outside a git checkout (an installed
+    wheel, a copy of the tree) or without git."""
+    cwd = Path(repo) if repo is not None else Path(__file__).resolve().parents[1]
+    try:
+        sha = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10
+        )
+        if sha.returncode != 0:
+            return None
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return sha.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+
+
+def library_versions(extra: Iterable[str] = ()) -> dict[str, str | None]:
+    """Versions of Python, fot, :data:`LIBRARIES` and the ``extra`` distributions (``None``
+    for one that is not installed), and the CUDA version torch was built with (``cuda``).
+
+    torch's is ``torch.__version__``, which names the build (``2.9.1+cu128``, ``2.13.0+cpu``):
+    the metadata of a wheel from PyPI says only ``2.9.1``.
+    """
+    import torch
+
+    out: dict[str, str | None] = {"python": platform.python_version()}
+    for name in (*LIBRARIES, *extra):
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = None
+    out["torch"] = str(torch.__version__)
+    try:
+        out["fot"] = importlib.metadata.version("fot")
+    except importlib.metadata.PackageNotFoundError:  # a source tree on sys.path
+        import fot
+
+        out["fot"] = getattr(fot, "__version__", None)
+    out["cuda"] = torch.version.cuda
+    return out

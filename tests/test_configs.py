@@ -490,6 +490,37 @@ def test_ddp_without_torchrun_is_refused_before_the_run_starts() -> None:
     assert resolve_strategy(ParallelConfig(strategy="fsdp"), info) == "fsdp"  # FSDP2 of one
 
 
+def test_fsdp_over_gloo_is_refused_with_a_torch_whose_fsdp2_sums_the_gradients(monkeypatch):
+    """torch 2.8's FSDP2 summed the gradients over gloo (a grad_norm twice the one-process
+    run's in test_two_processes_equal_one[fsdp], run under torch 2.8.0 and 2.7.1); 2.9 on
+    averages them."""
+    import torch
+    import torch.distributed as dist
+
+    from fot.training.config import ParallelConfig
+    from fot.training.parallel import DistInfo, check_fsdp_backend, resolve_strategy
+
+    with pytest.raises(ValueError, match=r"torch >= 2\.9.*2\.8\.0\+cu128.*parallel=ddp"):
+        check_fsdp_backend("gloo", "2.8.0+cu128")
+    with pytest.raises(ValueError, match=r"torch 2\.7\.1's FSDP2"):
+        check_fsdp_backend("gloo", "2.7.1")
+    for backend, version in [("gloo", "2.9.1"), ("gloo", "2.10.0a0+git1234"), ("nccl", "2.8.0")]:
+        check_fsdp_backend(backend, version)  # no error
+
+    # through resolve_strategy, with this process as a gloo group
+    info = DistInfo(rank=0, world_size=2, local_rank=0, device=torch.device("cpu"))
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        monkeypatch.setattr(torch, "__version__", "2.9.0")
+        assert resolve_strategy(ParallelConfig(strategy="fsdp"), info) == "fsdp"
+        monkeypatch.setattr(torch, "__version__", "2.8.0")
+        with pytest.raises(ValueError, match=r"parallel=fsdp over gloo needs torch >= 2\.9"):
+            resolve_strategy(ParallelConfig(strategy="fsdp"), info)
+        assert resolve_strategy(ParallelConfig(strategy="ddp"), info) == "ddp"
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.parametrize(
     ("override", "suggestion"),
     [

@@ -23,6 +23,9 @@ logger = logging.getLogger("fot.train")
 STRATEGIES = ("auto", "single", "ddp", "fsdp")
 PRECISIONS = ("auto", "bf16", "fp32")
 REDUCE_PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# FSDP2 in torch < 2.9 sums the gradients over gloo where it should average them
+# (pytorch/pytorch#162338): seen here as a gradient norm twice the one-process run's on 2 ranks.
+FSDP_GLOO_MIN_TORCH = (2, 9)
 
 
 @dataclass
@@ -106,7 +109,33 @@ def resolve_strategy(cfg: ParallelConfig, info: DistInfo) -> str:
             "parallel.strategy=ddp needs torchrun (e.g. `torchrun --nproc_per_node=2 "
             "train.py ...`); for one process use parallel=single"
         )
+    if cfg.strategy == "fsdp" and info.distributed and dist.is_initialized():
+        check_fsdp_backend(dist.get_backend(), torch.__version__)
     return cfg.strategy
+
+
+def check_fsdp_backend(backend: str, torch_version: str) -> None:
+    """Refuse FSDP2 over gloo (the CPU's backend) with a torch older than 2.9, whose FSDP2
+    sums the gradients there instead of averaging them: the gradient norm, its clipping and
+    the logged norm would be ``world_size`` times too large, without any error.
+
+    Args:
+        backend: the process group's backend (``dist.get_backend()``).
+        torch_version: ``torch.__version__``, e.g. ``"2.8.0+cu128"``.
+
+    Raises:
+        ValueError: gloo with a torch older than :data:`FSDP_GLOO_MIN_TORCH`.
+    """
+    release = tuple(int(part) for part in torch_version.split("+")[0].split(".")[:2])
+    if backend == "gloo" and release < FSDP_GLOO_MIN_TORCH:
+        need = ".".join(map(str, FSDP_GLOO_MIN_TORCH))
+        raise ValueError(
+            f"parallel=fsdp over gloo needs torch >= {need}: torch {torch_version}'s FSDP2 sums "
+            "the gradients over gloo instead of averaging them (pytorch/pytorch#162338): they, "
+            "their clipping and the logged grad_norm would be world-size times too large. "
+            f"Upgrade torch (pip install 'torch>={need}'), use parallel=ddp, "
+            "or run FSDP on GPUs (nccl)"
+        )
 
 
 def autocast_dtype(cfg: ParallelConfig, device: torch.device) -> torch.dtype | None:

@@ -25,6 +25,7 @@ from fot.training import TrainingDivergedError, TrainingStopped, register_config
 from fot.training.checkpoint import FAULT_ENV, list_checkpoints
 from fot.training.config import ScheduleConfig
 from fot.training.optim import lr_at, param_groups
+from fot.training.parallel import check_fsdp_backend
 
 ROOT = Path(__file__).resolve().parents[1]
 register_configs()
@@ -262,6 +263,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _fsdp_refused_over_gloo() -> bool:
+    """Whether this torch's FSDP2 is refused over gloo (it sums the gradients there)."""
+    try:
+        check_fsdp_backend("gloo", torch.__version__)
+    except ValueError:
+        return True
+    return False
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_two_processes_equal_one(tmp_path, strategy: str, one_process_run) -> None:
     """Same global batch in one process (2 micro batches) and in two (1 each, gloo).
@@ -296,6 +306,10 @@ def test_two_processes_equal_one(tmp_path, strategy: str, one_process_run) -> No
         for cmd in launchers
     ]
     outputs = [p.communicate(timeout=300)[0] for p in procs]
+    if strategy == "fsdp" and _fsdp_refused_over_gloo():
+        assert procs[0].returncode != 0 and "parallel=fsdp over gloo needs torch" in outputs[0]
+        assert not (multi / "checkpoints").exists()
+        return
     assert all(p.returncode == 0 for p in procs), outputs[0][-3000:] + outputs[-1][-3000:]
     l1, l2 = _losses(single), _losses(multi)
     assert sorted(l1) == sorted(l2) == [1, 2, 3, 4]

@@ -1,11 +1,15 @@
 """Checkpoints of the paper's code (zhixuan-lin/forgetting-transformer) as fot models.
 
-The paper released its 760M LongCrawl64 models (FoX (Pro), FoX (LLaMA), ...) as Hugging Face
-folders of its own model type, ``forgetting_transformer-project_fox``, which load only with
-its package installed. :func:`from_paper` reads such a folder (config and weights, no code of
-the paper's package needed) into a :class:`fot.FoTForCausalLM` that computes the same
-function; ``python -m fot.convert SRC OUT`` writes it as a fot export, which ``fot.eval`` and
-``AutoModelForCausalLM`` (after ``import fot``) load like any other.
+The paper released its 760M LongCrawl64 models (FoX (Pro), FoX (LLaMA), Transformer (Pro),
+Transformer (LLaMA), ...) as Hugging Face folders of its own model types, which load only with
+its package installed: ``forgetting_transformer-project_fox`` (FoX, and Transformer (Pro),
+which is FoX with ``fgate_type="none"``) and ``transformer-project_fox`` (Transformer (LLaMA)
+and the sliding-window Transformer). :func:`from_paper` reads such a folder (config and
+weights, no code of the paper's package needed) into a :class:`fot.FoTForCausalLM` that
+computes the same function; ``python -m fot.convert SRC OUT`` writes it as a fot export, which
+``fot.eval`` and ``AutoModelForCausalLM`` (after ``import fot``) load like any other. The
+paper's recurrent baselines (Mamba-2, HGRN2, DeltaNet, Samba) are other model types and are
+refused.
 
 The weights map one to one, renamed: the paper's fused MLP input projection is split into
 fot's gate and up projections, its shift projections (``k_proj.shift_proj``) become
@@ -29,7 +33,14 @@ import torch
 from fot.errors import FotError, parse_args_naming_typos
 
 PAPER_MODEL_TYPE = "forgetting_transformer-project_fox"
-"""``model_type`` in the config.json of the paper's FoX checkpoints."""
+"""``model_type`` in the config.json of the paper's FoX (and Transformer (Pro)) checkpoints."""
+
+PAPER_TRANSFORMER_MODEL_TYPE = "transformer-project_fox"
+"""``model_type`` in the config.json of the paper's Transformer (LLaMA) and sliding-window
+Transformer checkpoints (its ``TransformerForCausalLM``: RoPE, no forget gate, GQA)."""
+
+PAPER_MODEL_TYPES = (PAPER_MODEL_TYPE, PAPER_TRANSFORMER_MODEL_TYPE)
+"""The paper's model types that convert."""
 
 
 class PaperCheckpointError(FotError, ValueError):
@@ -47,7 +58,12 @@ def paper_intermediate_size(cfg: Mapping[str, Any]) -> int:
 
 
 def fot_config_from_paper(cfg: Mapping[str, Any]) -> Any:
-    """The :class:`fot.FoTConfig` of a paper FoX config (a ``config.json`` dict).
+    """The :class:`fot.FoTConfig` of a paper FoX or Transformer config (a ``config.json`` dict).
+
+    The paper's ``TransformerForCausalLM`` (``transformer-project_fox``) is fot's block without
+    forget gate or Pro components, with RoPE on by default, and the only one of the paper's
+    models with grouped-query attention (``num_kv_heads``) and a sliding window
+    (``window_size``); its FoX reads neither.
 
     Raises:
         PaperCheckpointError: another model type, or a setting fot has no counterpart for
@@ -62,20 +78,23 @@ def fot_config_from_paper(cfg: Mapping[str, Any]) -> Any:
             "checkpoint's config.json"
         )
     model_type = cfg.get("model_type")
-    if model_type != PAPER_MODEL_TYPE:
+    if model_type not in PAPER_MODEL_TYPES:
         raise PaperCheckpointError(
-            f"config.json has model_type {model_type!r}, not the paper's FoX "
-            f"{PAPER_MODEL_TYPE!r}: only the paper's FoX checkpoints convert (its Transformer "
-            "and recurrent baselines are other model types)"
+            f"config.json has model_type {model_type!r}, not one of the paper's attention "
+            f"models {PAPER_MODEL_TYPE!r} (FoX, Transformer (Pro)) or "
+            f"{PAPER_TRANSFORMER_MODEL_TYPE!r} (Transformer (LLaMA), sliding window): only "
+            "those convert (the paper's recurrent baselines are FLA models of other types)"
         )
+    transformer = model_type == PAPER_TRANSFORMER_MODEL_TYPE
     # attention_bias and elementwise_affine are in the paper's config but no FoX module reads
-    # them (projections without bias, norms with weights): they convert whatever they say.
+    # them (projections without bias, norms with weights): they convert whatever they say. Its
+    # Transformer's MLP is SwiGLU whatever hidden_act says, and it has no output gate.
     unsupported = {
         "hidden_act": (cfg.get("hidden_act", "swish"), "swish"),
         "ogate_act": (cfg.get("ogate_act", "sigmoid"), "sigmoid"),
     }
     for key, (got, supported) in unsupported.items():
-        if key == "ogate_act" and not cfg.get("use_output_gate"):
+        if transformer or (key == "ogate_act" and not cfg.get("use_output_gate")):
             continue
         if got != supported:
             raise PaperCheckpointError(
@@ -97,25 +116,47 @@ def fot_config_from_paper(cfg: Mapping[str, Any]) -> Any:
             "hidden size must be a multiple of the number of heads"
         )
     kv_heads = cfg.get("num_kv_heads")
-    if kv_heads not in (None, heads):
+    if not transformer and kv_heads not in (None, heads):
         raise PaperCheckpointError(
-            f"config.json sets num_kv_heads={kv_heads} with num_heads={heads}: the paper's code "
+            f"config.json sets num_kv_heads={kv_heads} with num_heads={heads}: the paper's FoX "
             "has no grouped-query attention, so no such checkpoint can come from it"
         )
+    if kv_heads is not None and (
+        isinstance(kv_heads, bool) or not isinstance(kv_heads, int) or kv_heads < 1
+        or heads % kv_heads
+    ):  # fmt: skip
+        raise PaperCheckpointError(
+            f"config.json sets num_kv_heads={kv_heads!r} with num_heads={heads}: the key/value "
+            "heads must be a positive integer that divides the heads"
+        )
+    window = cfg.get("window_size") if transformer else None  # the paper's FoX ignores it
+    if window is not None and (
+        isinstance(window, bool) or not isinstance(window, int) or window < 1
+    ):
+        raise PaperCheckpointError(
+            f"config.json sets window_size={window!r}: a sliding window is a positive number "
+            "of tokens, or null for none"
+        )
+
+    def pro(key: str) -> bool:  # the paper's Transformer has no Pro component
+        return False if transformer else bool(cfg.get(key, False))
+
     return FoTConfig(
         vocab_size=int(cfg["vocab_size"]),
         hidden_size=int(cfg["hidden_size"]),
         intermediate_size=paper_intermediate_size(cfg),
         num_hidden_layers=int(cfg["num_hidden_layers"]),
         num_heads=heads,
-        fgate_type=cfg.get("fgate_type", "full"),
-        use_rope=bool(cfg.get("use_rope", False)),
+        num_kv_heads=None if kv_heads in (None, heads) else int(kv_heads),
+        window_size=window,
+        fgate_type="none" if transformer else cfg.get("fgate_type", "full"),
+        use_rope=bool(cfg.get("use_rope", transformer)),
         rope_theta=float(cfg.get("rope_base", 500000.0)),
-        qk_norm=bool(cfg.get("qk_norm", False)),
-        use_k_shift=bool(cfg.get("use_k_shift", False)),
-        use_v_shift=bool(cfg.get("use_v_shift", False)),
-        use_output_norm=bool(cfg.get("use_output_norm", False)),
-        use_output_gate=bool(cfg.get("use_output_gate", False)),
+        qk_norm=pro("qk_norm"),
+        use_k_shift=pro("use_k_shift"),
+        use_v_shift=pro("use_v_shift"),
+        use_output_norm=pro("use_output_norm"),
+        use_output_gate=pro("use_output_gate"),
         norm_eps=float(cfg.get("norm_eps", 1e-6)),
         max_position_embeddings=max(int(cfg.get("max_position_embeddings") or 0), 65536),
         bos_token_id=cfg.get("bos_token_id") if cfg.get("bos_token_id") is not None else EOT_ID,
@@ -150,6 +191,7 @@ def state_dict_from_paper(
 
     heads, hidden = fot_config.num_heads, fot_config.hidden_size
     head_dim = hidden // heads
+    kv_dim = fot_config.kv_heads * head_dim
     width = paper_intermediate_size(cfg)
     vocab = fot_config.vocab_size
     out: dict[str, torch.Tensor] = {}
@@ -193,7 +235,7 @@ def state_dict_from_paper(
                 out[b + f"{name}_proj.weight"] = take(linear, hidden, hidden)
                 out[b + f"{name}_shift_proj.weight"] = take(shift_proj + ".weight", heads, hidden)
             else:
-                out[b + f"{name}_proj.weight"] = take(a + f"{name}_proj.weight", hidden, hidden)
+                out[b + f"{name}_proj.weight"] = take(a + f"{name}_proj.weight", kv_dim, hidden)
         if fot_config.fgate_type == "full":
             out[b + "fgate_proj.weight"] = take(a + "fgate_proj.weight", heads, hidden)
             out[b + "fgate_proj.bias"] = take(a + "fgate_proj.bias", heads)
@@ -217,7 +259,8 @@ def state_dict_from_paper(
 
 
 def from_paper(path: str | os.PathLike, *, dtype: torch.dtype | None = None) -> Any:
-    """Load a FoX checkpoint folder of the paper's code as a :class:`fot.FoTForCausalLM`.
+    """Load a FoX or Transformer checkpoint folder of the paper's code as a
+    :class:`fot.FoTForCausalLM`.
 
     Args:
         path: a local folder with the paper's ``config.json`` and weights (download a hub
@@ -255,13 +298,14 @@ def from_paper(path: str | os.PathLike, *, dtype: torch.dtype | None = None) -> 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m fot.convert SRC OUT``: write a paper FoX checkpoint as a fot export."""
+    """``python -m fot.convert SRC OUT``: write a paper FoX or Transformer checkpoint as a fot
+    export."""
     from fot.errors import USER_ERRORS, error_line
     from fot.export import export_hf
 
     parser = argparse.ArgumentParser(
         prog="python -m fot.convert",
-        description="Write a FoX checkpoint folder of the paper's code "
+        description="Write a FoX or Transformer checkpoint folder of the paper's code "
         "(zhixuan-lin/forgetting-transformer) as a fot checkpoint folder.",
     )
     parser.add_argument("src", help="the paper checkpoint's folder (config.json and weights)")

@@ -211,13 +211,16 @@ def test_settings_of_how_the_model_is_computed_or_initialised_may_differ(source_
         check_init_source(source, presets.config("fot_pro", "tiny", **SMALL_MODEL, norm_eps=1e-5))
 
 
-@pytest.mark.parametrize("variant", ["fox_pro", "fox_llama"])
-def test_a_paper_checkpoint_loads_into_the_model_the_run_builds(variant: str) -> None:
+@pytest.mark.parametrize(
+    ("variant", "model_name"),
+    [("fox_pro", "fot_pro"), ("fox_llama", "fot_llama"),
+     ("transformer_pro", "transformer_pro"), ("transformer_llama", "transformer_llama")],
+)  # fmt: skip
+def test_a_paper_checkpoint_loads_into_the_model_the_run_builds(variant, model_name) -> None:
     """The paper's model, built from fot's preset with the overrides the refusal names, computes
     the paper's logits."""
     source = read_init_source(PAPER / variant)
     assert source.kind == "paper"
-    model_name = "fot_pro" if variant == "fox_pro" else "fot_llama"
     run_config = presets.config(model_name, "tiny")
     with pytest.raises(InitFromError, match="To start from its weights, set its values: ") as err:
         check_init_source(source, run_config)

@@ -207,8 +207,8 @@ class TrainConfig:
     init_from: str | None = None
     """Start a new run from these weights instead of a random initialisation: a training
     checkpoint (``<run>/checkpoints/step_<n>``), an exported model (``<run>/hf``, the output of
-    ``python -m fot.convert``) or a FoX checkpoint folder of the paper's code. Only the weights
-    are taken (step, optimizer, schedule and data start from zero), and the config must build
+    ``python -m fot.convert``) or a FoX or Transformer checkpoint folder of the paper's code.
+    Only the weights are taken (step, optimizer, schedule and data start from zero), and the config must build
     the same model (:mod:`fot.training.init_weights`). A run that resumes takes its own
     checkpoint's weights and ignores it."""
     export_hf: bool = True

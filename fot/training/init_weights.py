@@ -5,8 +5,8 @@
 - a training checkpoint of fot (``<run>/checkpoints/step_<n>``): its ``model.pt``, exact;
 - an HF folder of a fot model (a run's ``<run>/hf``, the output of ``python -m fot.convert``,
   or any ``save_pretrained`` of a model that :mod:`fot.presets` builds);
-- a FoX checkpoint of the paper's code (zhixuan-lin/forgetting-transformer), converted as
-  :func:`fot.convert.from_paper` does.
+- a FoX or Transformer checkpoint of the paper's code (zhixuan-lin/forgetting-transformer),
+  converted as :func:`fot.convert.from_paper` does.
 
 Only the weights are taken: the step, the optimizer's moments, the learning-rate schedule and
 the data position start from zero. The model the run's config builds (``model``, ``size``,
@@ -93,7 +93,7 @@ def read_init_source(path: str | os.PathLike) -> InitSource:
         raise InitFromError(
             f"init_from={path} is no folder; pass a training checkpoint "
             "(<run>/checkpoints/step_00001000), an exported model (<run>/hf, python -m "
-            "fot.convert's output) or a FoX checkpoint folder of the paper's code"
+            "fot.convert's output) or a FoX or Transformer checkpoint folder of the paper's code"
         )
     if (p / "trainer.json").is_file() and (p / "model.pt").is_file():
         return _checkpoint_source(p)
@@ -129,14 +129,14 @@ def _checkpoint_source(p: Path) -> InitSource:
 
 
 def _hf_source(p: Path) -> InitSource:
-    from fot.convert import PAPER_MODEL_TYPE, fot_config_from_paper
+    from fot.convert import PAPER_MODEL_TYPES, fot_config_from_paper
 
     try:
         raw = json.loads((p / "config.json").read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise InitFromError(f"init_from={p}: config.json is not valid JSON ({err})") from None
     model_type = raw.get("model_type") if isinstance(raw, dict) else None
-    if model_type == PAPER_MODEL_TYPE:
+    if model_type in PAPER_MODEL_TYPES:
         return InitSource(p, "paper", fot_config_from_paper(raw), raw)
     from transformers import AutoConfig
 
@@ -153,14 +153,14 @@ def _hf_source(p: Path) -> InitSource:
     except (ValueError, KeyError, OSError) as err:
         raise InitFromError(
             f"init_from={p}: its config.json (model_type {model_type!r}) is not of a model "
-            f"fot trains ({str(err)[:200]}); pass a fot checkpoint or export, or a FoX "
-            "checkpoint of the paper's code"
+            f"fot trains ({str(err)[:200]}); pass a fot checkpoint or export, or a FoX or "
+            "Transformer checkpoint of the paper's code"
         ) from None
     if not str(getattr(config, "model_type", "")).startswith("fot"):  # fot, fot_mamba2, ...
         raise InitFromError(
             f"init_from={p} is a {type(config).__name__} (model_type {model_type!r}), not a "
-            "model fot trains: pass a fot checkpoint or export, or a FoX checkpoint of the "
-            "paper's code"
+            "model fot trains: pass a fot checkpoint or export, or a FoX or Transformer "
+            "checkpoint of the paper's code"
         )
     return InitSource(p, "hf", config)
 

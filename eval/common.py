@@ -224,6 +224,14 @@ def checkpoint_label(path: str | os.PathLike) -> str:
     return p.parent.name if p.name == "hf" and p.parent.name else p.name
 
 
+CHECKPOINT_HELP = (
+    "exported HF checkpoint folder (<run>/hf, python -m fot.export or fot.convert output, any "
+    "causal LM AutoModelForCausalLM loads), or a FoX/Transformer checkpoint folder of the "
+    "paper's code (converted on the fly)"
+)
+"""The help of every command's CHECKPOINT argument (what :func:`load_checkpoint` takes)."""
+
+
 def load_checkpoint(
     path: str | os.PathLike,
     *,
@@ -232,10 +240,15 @@ def load_checkpoint(
 ) -> tuple[torch.nn.Module, Any]:
     """Load an exported checkpoint folder with ``AutoModelForCausalLM``/``AutoTokenizer``.
 
-    ``import fot`` runs first so that FoT model types are registered with the Auto classes.
+    ``import fot`` runs first so that FoT model types are registered with the Auto classes. A
+    FoX or Transformer checkpoint folder of the paper's code (zhixuan-lin/forgetting-
+    transformer, which loads only with its package) is converted on the fly, as ``python -m
+    fot.convert`` converts it (GPT-2 tokenizer, JSON text escaping as LongCrawl64's), with a
+    note on stderr.
 
     Args:
-        path: folder with ``config.json``, weights and a tokenizer.
+        path: folder with ``config.json``, weights and a tokenizer (a paper checkpoint: no
+            tokenizer needed).
         device: where to put the model (default: :func:`pick_device`).
         dtype: torch dtype or its name (default: bf16 on CUDA, fp32 on CPU).
 
@@ -260,6 +273,12 @@ def load_checkpoint(
             f"checkpoint {str(p)!r} holds no weights (no *.safetensors or *.bin file); copy "
             "the whole exported folder, or export it again"
         )
+    dev = torch.device(device) if device is not None else pick_device()
+    dt = dtype if isinstance(dtype, torch.dtype) else parse_dtype(dtype, dev)
+    from fot.convert import PAPER_MODEL_TYPES
+
+    if isinstance(config, dict) and config.get("model_type") in PAPER_MODEL_TYPES:
+        return _load_paper_checkpoint(p, config["model_type"], dev, dt)
     if config.get("model_type") != "fot":
         # Exported FLA baselines (mamba2, deltanet, ...) load through fot's wrappers, which
         # are registered on demand (importing fla is slow and needs triton).
@@ -267,8 +286,6 @@ def load_checkpoint(
 
         with contextlib.suppress(ImportError):
             register_auto_classes()
-    dev = torch.device(device) if device is not None else pick_device()
-    dt = dtype if isinstance(dtype, torch.dtype) else parse_dtype(dtype, dev)
     tokenizer = AutoTokenizer.from_pretrained(str(p))
     text_escaping_of(tokenizer)  # a bad fot_text_escaping is named before the model loads
     vocab = config.get("vocab_size")
@@ -297,6 +314,32 @@ def load_checkpoint(
         ) from err
     model.to(dev).eval()
     return model, tokenizer
+
+
+def _load_paper_checkpoint(
+    p: Path, model_type: str, device: torch.device, dtype: torch.dtype
+) -> tuple[torch.nn.Module, Any]:
+    """A checkpoint folder of the paper's code as ``python -m fot.convert`` converts it."""
+    import tempfile
+
+    from transformers import AutoTokenizer
+
+    from fot.convert import from_paper
+    from fot.tokenizer import save_hf_tokenizer
+
+    model = from_paper(p, dtype=dtype)
+    with tempfile.TemporaryDirectory() as tmp:
+        max_len = model.config.max_position_embeddings
+        save_hf_tokenizer(tmp, model_max_length=max_len, text_escaping="json")
+        tokenizer = AutoTokenizer.from_pretrained(tmp)
+    print(
+        f"{p} is a checkpoint of the paper's code (model_type {model_type}): converted on the "
+        "fly as python -m fot.convert converts it, with JSON text escaping as in LongCrawl64; "
+        "for a model trained on unescaped text, run python -m fot.convert SRC OUT "
+        "--text-escaping none and evaluate OUT",
+        file=sys.stderr,
+    )
+    return model.to(device).eval(), tokenizer
 
 
 def context_length_key(model: torch.nn.Module) -> str | None:

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from .common import (
+    CHECKPOINT_HELP,
     CONTEXT_LENGTH_HELP,
     JsonlLog,
     add_run_arguments,
@@ -274,7 +275,7 @@ def plot_curve(
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``forgetting-curve`` command's options."""
-    p.add_argument("checkpoint", help="exported HF checkpoint folder")
+    p.add_argument("checkpoint", help=CHECKPOINT_HELP)
     p.add_argument(
         "--lengths",
         default="256,512,1k,2k,4k,8k,16k,32k",

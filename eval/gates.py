@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from .common import (
+    CHECKPOINT_HELP,
     DEVICE_HELP,
     DTYPE_HELP,
     check_out_shared,
@@ -256,7 +257,7 @@ def plot_gate_values(log_fgate: torch.Tensor, out_file: Path) -> Path:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``gates`` command's options."""
-    p.add_argument("checkpoint", help="exported FoT checkpoint folder")
+    p.add_argument("checkpoint", help=CHECKPOINT_HELP)
     p.add_argument(
         "--text",
         default=None,

@@ -48,6 +48,7 @@ from lm_eval.api.registry import register_model
 
 from . import program_name
 from .common import (
+    CHECKPOINT_HELP,
     CONTEXT_LENGTH_HELP,
     JsonlLog,
     add_run_arguments,
@@ -696,7 +697,7 @@ def _task_manager(include_path: str | None, tasks: Sequence[str] = ()) -> Any:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``lm-eval`` command's options."""
-    p.add_argument("checkpoint", help="exported HF checkpoint folder")
+    p.add_argument("checkpoint", help=CHECKPOINT_HELP)
     p.add_argument(
         "--tasks",
         default=",".join(PAPER_TASKS),

@@ -35,6 +35,7 @@ from fot.training.checkpoint import write_text_atomic
 
 from . import program_name
 from .common import (
+    CHECKPOINT_HELP,
     CONTEXT_LENGTH_HELP,
     CONTEXT_LENGTH_KEYS,
     JsonlLog,
@@ -519,7 +520,7 @@ def length_table(by_length: dict[str, dict[str, float | None]]) -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``longbench`` command's options."""
-    p.add_argument("checkpoint", help="exported HF checkpoint folder")
+    p.add_argument("checkpoint", help=CHECKPOINT_HELP)
     p.add_argument(
         "--data-dir",
         required=True,

@@ -41,6 +41,7 @@ import torch
 from fot.tokenizer import text_escaping_of
 
 from .common import (
+    CHECKPOINT_HELP,
     CONTEXT_LENGTH_HELP,
     JsonlLog,
     add_run_arguments,
@@ -503,7 +504,7 @@ def run_grid(
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``needle`` command's options."""
-    p.add_argument("checkpoint", help="exported HF checkpoint folder")
+    p.add_argument("checkpoint", help=CHECKPOINT_HELP)
     p.add_argument(
         "--mode",
         choices=MODES,

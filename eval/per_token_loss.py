@@ -38,6 +38,7 @@ from fot.errors import MissingPackageError
 from fot.interrupt import check_stop
 
 from .common import (
+    CHECKPOINT_HELP,
     CONTEXT_LENGTH_HELP,
     add_run_arguments,
     add_storage_options_argument,
@@ -647,7 +648,7 @@ def parse_overlays(items: Sequence[str]) -> dict[str, Path]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``per-token-loss`` command's options."""
-    p.add_argument("checkpoint", help="exported HF checkpoint folder")
+    p.add_argument("checkpoint", help=CHECKPOINT_HELP)
     p.add_argument(
         "--data",
         default="sample",

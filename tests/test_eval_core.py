@@ -374,3 +374,24 @@ def test_texts_are_escaped_as_the_checkpoint_was_trained_and_generations_unescap
         write_run_config(tmp_path / "out", "needle", {}, tmp_path / "json").read_text()
     )
     assert record["text_escaping"] == "json"
+
+
+@pytest.mark.parametrize("variant", ["fox_pro", "transformer_llama"])
+def test_a_checkpoint_of_the_papers_code_is_converted_on_the_fly(variant, capsys) -> None:
+    """fot.eval takes the paper's checkpoint folder (no tokenizer fot can read, model types of
+    the paper's package) as it takes fot.convert's output: the paper's logits (oracle: its own
+    code, tests/paper_checkpoints/), GPT-2 with <|endoftext|> in front, JSON text escaping."""
+    from pathlib import Path
+
+    from fot.tokenizer import EOT_ID, get_encoding, text_escaping_of
+
+    folder = Path(__file__).resolve().parent / "paper_checkpoints" / variant
+    model, tokenizer = load_checkpoint(folder, device="cpu", dtype="float32")
+    assert "converted on the fly" in capsys.readouterr().err
+    ref = np.load(folder / "reference.npz")
+    with torch.no_grad():
+        got = model(input_ids=torch.from_numpy(ref["input_ids"])).logits.float()
+    want = torch.from_numpy(ref["logits"])
+    assert (got - want).norm() / want.norm() < 1e-2  # as tests/test_convert.py
+    assert text_escaping_of(tokenizer) == "json"
+    assert tokenizer("fot, eval").input_ids == [EOT_ID, *get_encoding().encode("fot, eval")]

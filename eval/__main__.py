@@ -34,6 +34,16 @@ COMMANDS = {
 OPTIONAL_PACKAGES = ("lm_eval", "sqlitedict")
 
 
+def spell_command(argv: Sequence[str]) -> list[str]:
+    """``argv`` with its command as :data:`COMMANDS` spells it: ``per_token_loss`` (the module's
+    and the Python function's spelling) is taken for ``per-token-loss``."""
+    argv = list(argv)
+    i = next((i for i, a in enumerate(argv) if not a.startswith("-")), None)
+    if i is not None and argv[i] not in COMMANDS and argv[i].replace("_", "-") in COMMANDS:
+        argv[i] = argv[i].replace("_", "-")
+    return argv
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The CLI parser; each command's options come from its module's ``add_arguments``.
 
@@ -79,7 +89,7 @@ def main(argv: Sequence[str] | None = None) -> Any:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import fot  # noqa: F401 - installs fot.eval for source checkouts, registers FoT models
 
-    args = parse_args_naming_typos(build_parser(), argv)
+    args = parse_args_naming_typos(build_parser(), spell_command(argv))
     if getattr(args, "_missing", None):
         command, missing = args._missing
         raise SystemExit(
@@ -142,6 +152,7 @@ def cli(argv: Sequence[str], *, exiting: bool = False) -> int:
             (calls from Python), the previous SIGTERM handler is back when this returns.
     """
     show_traceback = os.environ.get("FOT_EVAL_TRACEBACK") == "1"
+    argv = spell_command(argv)
     command = next((a for a in argv if a in COMMANDS), "")
     prog = f"{program_name()} {command}".rstrip()
     finished = False

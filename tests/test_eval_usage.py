@@ -367,6 +367,20 @@ def test_counts_below_one_are_usage_errors(argv, tmp_path, capsys):
     assert f"argument {argv[-2]}: expected an integer >= 1, got '0'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("spelled", ["per_token_loss", "forgetting_curve", "lm_eval"])
+def test_a_command_spelled_with_underscores_is_the_command(spelled, tmp_path, capsys):
+    """`per_token_loss` (the module's name) was refused as an invalid choice; it is the
+    command `per-token-loss`, with that command's options and messages."""
+    with pytest.raises(SystemExit) as exit_:
+        main([spelled, str(tmp_path / "missing"), "--lenght", "8", "--out", str(tmp_path / "o")])
+    assert exit_.value.code == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    command = spelled.replace("_", "-")
+    assert line.startswith(f"python -m fot.eval {command}: error: unrecognized arguments"), line
+    assert eval_main.spell_command(["--help"]) == ["--help"]
+    assert eval_main.spell_command([spelled, "a_b"]) == [command, "a_b"]
+
+
 def test_a_mistyped_option_is_named_with_the_option_meant(tmp_path, capsys):
     """`per-token-loss CKPT --lenght 512` printed the top-level usage and `python -m fot.eval:
     error: unrecognized arguments: --lenght 512`, naming neither the command nor the option

@@ -9,7 +9,9 @@ weights, no code of the paper's package needed) into a :class:`fot.FoTForCausalL
 computes the same function; ``python -m fot.convert SRC OUT`` writes it as a fot export, which
 ``fot.eval`` and ``AutoModelForCausalLM`` (after ``import fot``) load like any other. The
 paper's recurrent baselines (Mamba-2, HGRN2, DeltaNet, Samba) are other model types and are
-refused.
+refused. :func:`from_fla` does the same for flash-linear-attention's FoX (model type
+``forgetting_transformer``, e.g. trained with FLA's flame), whose export keeps the folder's
+own tokenizer files.
 
 The weights map one to one, renamed: the paper's fused MLP input projection is split into
 fot's gate and up projections, its shift projections (``k_proj.shift_proj``) become
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -43,8 +46,8 @@ PAPER_MODEL_TYPES = (PAPER_MODEL_TYPE, PAPER_TRANSFORMER_MODEL_TYPE)
 """The paper's model types that convert."""
 
 
-class PaperCheckpointError(FotError, ValueError):
-    """A folder that is not a FoX checkpoint of the paper's code, or one fot cannot express."""
+class ConversionError(FotError, ValueError):
+    """A folder that is not a checkpoint fot converts, or one fot cannot express."""
 
 
 def paper_intermediate_size(cfg: Mapping[str, Any]) -> int:
@@ -57,6 +60,48 @@ def paper_intermediate_size(cfg: Mapping[str, Any]) -> int:
     return 256 * ((width + 255) // 256)
 
 
+def _check_config_object(cfg: Any) -> None:
+    if not isinstance(cfg, Mapping):
+        raise ConversionError(
+            f"config.json holds a {type(cfg).__name__}, not an object of settings: it is not a "
+            "checkpoint's config.json"
+        )
+
+
+def _check_sizes(cfg: Mapping[str, Any]) -> int:
+    """Check the sizes every converted config.json states; returns ``num_heads``."""
+    sizes = ("vocab_size", "hidden_size", "num_hidden_layers", "num_heads")
+    for key in sizes:  # save_pretrained writes them all; a hand-edited file may not
+        value = cfg.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            got = "lacks it" if key not in cfg else f"sets {key}={value!r}"
+            raise ConversionError(
+                f"config.json {got}: {key} must be a positive integer; use the config.json "
+                "that came with the checkpoint's weights"
+            )
+    heads = cfg["num_heads"]
+    if cfg["hidden_size"] % heads:
+        raise ConversionError(
+            f"config.json sets hidden_size={cfg['hidden_size']} with num_heads={heads}: the "
+            "hidden size must be a multiple of the number of heads"
+        )
+    return heads
+
+
+def _kv_heads(cfg: Mapping[str, Any], heads: int) -> int | None:
+    """``num_kv_heads`` for :class:`fot.FoTConfig` (``None``: as many as query heads)."""
+    kv_heads = cfg.get("num_kv_heads")
+    if kv_heads is not None and (
+        isinstance(kv_heads, bool) or not isinstance(kv_heads, int) or kv_heads < 1
+        or heads % kv_heads
+    ):  # fmt: skip
+        raise ConversionError(
+            f"config.json sets num_kv_heads={kv_heads!r} with num_heads={heads}: the key/value "
+            "heads must be a positive integer that divides the heads"
+        )
+    return None if kv_heads in (None, heads) else int(kv_heads)
+
+
 def fot_config_from_paper(cfg: Mapping[str, Any]) -> Any:
     """The :class:`fot.FoTConfig` of a paper FoX or Transformer config (a ``config.json`` dict).
 
@@ -66,20 +111,16 @@ def fot_config_from_paper(cfg: Mapping[str, Any]) -> Any:
     (``window_size``); its FoX reads neither.
 
     Raises:
-        PaperCheckpointError: another model type, or a setting fot has no counterpart for
+        ConversionError: another model type, or a setting fot has no counterpart for
             (the message names it).
     """
     from fot.models import FoTConfig
     from fot.tokenizer import EOT_ID
 
-    if not isinstance(cfg, Mapping):
-        raise PaperCheckpointError(
-            f"config.json holds a {type(cfg).__name__}, not an object of settings: it is not a "
-            "checkpoint's config.json"
-        )
+    _check_config_object(cfg)
     model_type = cfg.get("model_type")
     if model_type not in PAPER_MODEL_TYPES:
-        raise PaperCheckpointError(
+        raise ConversionError(
             f"config.json has model_type {model_type!r}, not one of the paper's attention "
             f"models {PAPER_MODEL_TYPE!r} (FoX, Transformer (Pro)) or "
             f"{PAPER_TRANSFORMER_MODEL_TYPE!r} (Transformer (LLaMA), sliding window): only "
@@ -97,43 +138,22 @@ def fot_config_from_paper(cfg: Mapping[str, Any]) -> Any:
         if transformer or (key == "ogate_act" and not cfg.get("use_output_gate")):
             continue
         if got != supported:
-            raise PaperCheckpointError(
+            raise ConversionError(
                 f"config.json sets {key}={got!r}; fot's FoT models have {key}={supported!r} only"
             )
-    sizes = ("vocab_size", "hidden_size", "num_hidden_layers", "num_heads")
-    for key in sizes:  # the paper's save_pretrained writes them all; a hand-edited file may not
-        value = cfg.get(key)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            got = "lacks it" if key not in cfg else f"sets {key}={value!r}"
-            raise PaperCheckpointError(
-                f"config.json {got}: {key} must be a positive integer; use the config.json "
-                "that came with the checkpoint's weights"
-            )
-    heads = cfg["num_heads"]
-    if cfg["hidden_size"] % heads:
-        raise PaperCheckpointError(
-            f"config.json sets hidden_size={cfg['hidden_size']} with num_heads={heads}: the "
-            "hidden size must be a multiple of the number of heads"
-        )
+    heads = _check_sizes(cfg)
     kv_heads = cfg.get("num_kv_heads")
     if not transformer and kv_heads not in (None, heads):
-        raise PaperCheckpointError(
+        raise ConversionError(
             f"config.json sets num_kv_heads={kv_heads} with num_heads={heads}: the paper's FoX "
             "has no grouped-query attention, so no such checkpoint can come from it"
         )
-    if kv_heads is not None and (
-        isinstance(kv_heads, bool) or not isinstance(kv_heads, int) or kv_heads < 1
-        or heads % kv_heads
-    ):  # fmt: skip
-        raise PaperCheckpointError(
-            f"config.json sets num_kv_heads={kv_heads!r} with num_heads={heads}: the key/value "
-            "heads must be a positive integer that divides the heads"
-        )
+    kv_heads = _kv_heads(cfg, heads)
     window = cfg.get("window_size") if transformer else None  # the paper's FoX ignores it
     if window is not None and (
         isinstance(window, bool) or not isinstance(window, int) or window < 1
     ):
-        raise PaperCheckpointError(
+        raise ConversionError(
             f"config.json sets window_size={window!r}: a sliding window is a positive number "
             "of tokens, or null for none"
         )
@@ -147,7 +167,7 @@ def fot_config_from_paper(cfg: Mapping[str, Any]) -> Any:
         intermediate_size=paper_intermediate_size(cfg),
         num_hidden_layers=int(cfg["num_hidden_layers"]),
         num_heads=heads,
-        num_kv_heads=None if kv_heads in (None, heads) else int(kv_heads),
+        num_kv_heads=kv_heads,
         window_size=window,
         fgate_type="none" if transformer else cfg.get("fgate_type", "full"),
         use_rope=bool(cfg.get("use_rope", transformer)),
@@ -164,37 +184,74 @@ def fot_config_from_paper(cfg: Mapping[str, Any]) -> Any:
     )
 
 
+class _Weights:
+    """A checkpoint's weights, taken one by one in the shapes its config.json implies."""
+
+    def __init__(self, weights: Mapping[str, torch.Tensor]) -> None:
+        self.left = dict(weights)
+
+    def take(self, name: str, *shape: int) -> torch.Tensor:
+        """The weight ``name``, of ``shape``."""
+        if name not in self.left:
+            raise ConversionError(
+                f"the checkpoint lacks the weight {name!r} that its config.json implies; the "
+                "folder is incomplete or from another version of the code that wrote it"
+            )
+        w = self.left.pop(name)
+        if tuple(w.shape) != shape:
+            raise ConversionError(
+                f"the checkpoint's weight {name!r} has shape {tuple(w.shape)}, where its "
+                f"config.json implies {shape}; the config.json is not this checkpoint's"
+            )
+        return w
+
+    def embedding_and_head(self, cfg: Mapping[str, Any], fot_config: Any) -> dict[str, Any]:
+        """fot's embedding, final norm and LM head from ``model.embeddings``, ``model.norm``
+        and ``lm_head`` (both source layouts name them so), with fot's padded vocabulary rows
+        (zeros); a tied head becomes a copy of the embedding (fot's models are untied)."""
+        vocab, hidden = fot_config.vocab_size, fot_config.hidden_size
+        padded = fot_config.padded_vocab_size
+
+        def pad_rows(w: torch.Tensor) -> torch.Tensor:
+            return torch.cat([w, w.new_zeros(padded - w.shape[0], w.shape[1])])
+
+        out = {
+            "model.embed_tokens.weight": pad_rows(
+                self.take("model.embeddings.weight", vocab, hidden)
+            )
+        }
+        out["model.norm.weight"] = self.take("model.norm.weight", hidden)
+        if cfg.get("tie_word_embeddings", False):
+            self.left.pop("lm_head.weight", None)
+            out["lm_head.weight"] = out["model.embed_tokens.weight"].clone()
+        else:
+            out["lm_head.weight"] = pad_rows(self.take("lm_head.weight", vocab, hidden))
+        return out
+
+    def check_all_used(self, ignore: tuple[str, ...] = ()) -> None:
+        """Raise if weights are left (but those whose names end with one of ``ignore``)."""
+        unused = sorted(k for k in self.left if not k.endswith(ignore))
+        if unused:
+            raise ConversionError(
+                f"the checkpoint holds weights fot's conversion does not use: {unused[:6]}"
+                f"{' ...' if len(unused) > 6 else ''}; its config.json does not describe them"
+            )
+
+
 def state_dict_from_paper(
     paper: Mapping[str, torch.Tensor], cfg: Mapping[str, Any], fot_config: Any
 ) -> dict[str, torch.Tensor]:
     """fot's state dict for the paper's weights ``paper`` (of config ``cfg``).
 
     Raises:
-        PaperCheckpointError: a weight is missing, has another shape, or is not used.
+        ConversionError: a weight is missing, has another shape, or is not used.
     """
-    left = dict(paper)
-
-    def take(name: str, *shape: int) -> torch.Tensor:
-        """The paper's weight ``name``, of the ``shape`` its config.json implies."""
-        if name not in left:
-            raise PaperCheckpointError(
-                f"the checkpoint lacks the weight {name!r} that its config.json implies; the "
-                "folder is incomplete or from another version of the paper's code"
-            )
-        w = left.pop(name)
-        if tuple(w.shape) != shape:
-            raise PaperCheckpointError(
-                f"the checkpoint's weight {name!r} has shape {tuple(w.shape)}, where its "
-                f"config.json implies {shape}; the config.json is not this checkpoint's"
-            )
-        return w
-
+    weights = _Weights(paper)
+    take = weights.take
     heads, hidden = fot_config.num_heads, fot_config.hidden_size
     head_dim = hidden // heads
     kv_dim = fot_config.kv_heads * head_dim
     width = paper_intermediate_size(cfg)
-    vocab = fot_config.vocab_size
-    out: dict[str, torch.Tensor] = {}
     # one q/k norm weight of head_dim shared by the heads, or one per head
     qk_norm_size = head_dim if cfg.get("qk_norm_share_param_across_head") else hidden
 
@@ -205,19 +262,7 @@ def state_dict_from_paper(
             else w.reshape(heads, head_dim)
         )
 
-    padded = fot_config.padded_vocab_size
-
-    def pad_rows(w: torch.Tensor) -> torch.Tensor:
-        return torch.cat([w, w.new_zeros(padded - w.shape[0], w.shape[1])])
-
-    embed = take("model.embeddings.weight", vocab, hidden)
-    out["model.embed_tokens.weight"] = pad_rows(embed)
-    out["model.norm.weight"] = take("model.norm.weight", hidden)
-    if cfg.get("tie_word_embeddings", False):  # fot's models are untied: the head is a copy
-        left.pop("lm_head.weight", None)
-        out["lm_head.weight"] = out["model.embed_tokens.weight"].clone()
-    else:
-        out["lm_head.weight"] = pad_rows(take("lm_head.weight", vocab, hidden))
+    out = weights.embedding_and_head(cfg, fot_config)
     for i in range(fot_config.num_hidden_layers):
         src, dst = f"model.layers.{i}.", f"model.layers.{i}."
         out[dst + "input_layernorm.weight"] = take(src + "attn_norm.weight", hidden)
@@ -249,12 +294,7 @@ def state_dict_from_paper(
         if fot_config.use_output_gate:
             out[b + "g_proj.weight"] = take(a + "ogate_proj.weight", hidden, hidden)
     # rotary caches and other buffers the paper's code saves are recomputed by fot
-    unused = sorted(k for k in left if not k.endswith(("inv_freq", "_cos_cached", "_sin_cached")))
-    if unused:
-        raise PaperCheckpointError(
-            f"the checkpoint holds weights fot's conversion does not use: {unused[:6]}"
-            f"{' ...' if len(unused) > 6 else ''}; its config.json does not describe them"
-        )
+    weights.check_all_used(ignore=("inv_freq", "_cos_cached", "_sin_cached"))
     return {k: v.contiguous() for k, v in out.items()}
 
 
@@ -273,23 +313,38 @@ def from_paper(path: str | os.PathLike, *, dtype: torch.dtype | None = None) -> 
         inputs (checked against the paper's code in tests/test_convert.py).
 
     Raises:
-        PaperCheckpointError: not such a folder, or a setting fot cannot express.
+        ConversionError: not such a folder, or a setting fot cannot express.
     """
+    return _load(path, fot_config_from_paper, state_dict_from_paper, dtype)
+
+
+def read_config(path: str | os.PathLike) -> Any:
+    """The ``config.json`` of checkpoint folder ``path`` (any JSON value).
+
+    Raises:
+        ConversionError: no such file, or not JSON.
+    """
+    folder = Path(path)
+    if not (folder / "config.json").is_file():
+        raise ConversionError(
+            f"{str(folder)!r} has no config.json: pass the folder of a checkpoint (downloaded "
+            "or copied whole)"
+        )
+    try:
+        return json.loads((folder / "config.json").read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ConversionError(f"{folder / 'config.json'} is not valid JSON ({err})") from err
+
+
+def _load(path: str | os.PathLike, to_config: Any, to_state: Any, dtype: torch.dtype | None) -> Any:
+    """A :class:`fot.FoTForCausalLM` from checkpoint folder ``path``, by a config and a
+    state-dict mapping."""
     from fot.export import read_weight_files
     from fot.models import FoTForCausalLM
 
-    folder = Path(path)
-    if not (folder / "config.json").is_file():
-        raise PaperCheckpointError(
-            f"{str(folder)!r} has no config.json: pass the folder of a checkpoint of the paper's "
-            "code (downloaded whole)"
-        )
-    try:
-        cfg = json.loads((folder / "config.json").read_text())
-    except json.JSONDecodeError as err:
-        raise PaperCheckpointError(f"{folder / 'config.json'} is not valid JSON ({err})") from err
-    fot_config = fot_config_from_paper(cfg)
-    state = state_dict_from_paper(read_weight_files(folder), cfg, fot_config)
+    cfg = read_config(path)
+    fot_config = to_config(cfg)
+    state = to_state(read_weight_files(Path(path)), cfg, fot_config)
     model = FoTForCausalLM(fot_config)
     model.load_state_dict(state, strict=True)
     if dtype is not None:
@@ -297,30 +352,203 @@ def from_paper(path: str | os.PathLike, *, dtype: torch.dtype | None = None) -> 
     return model.eval()
 
 
+FLA_MODEL_TYPE = "forgetting_transformer"
+"""``model_type`` of flash-linear-attention's ``ForgettingTransformerForCausalLM`` (FLA's FoX,
+as its ``save_pretrained`` and the flame trainer write it)."""
+
+
+def fot_config_from_fla(cfg: Mapping[str, Any]) -> Any:
+    """The :class:`fot.FoTConfig` of an FLA FoX config (a ``config.json`` dict).
+
+    FLA's FoX is fot's block with the data-dependent forget gate, no RoPE, optional per-head
+    q/k RMS norms (eps 1e-5) and sigmoid output gate (no output norm), grouped-query attention,
+    and a SwiGLU MLP.
+
+    Raises:
+        ConversionError: another model type, or a setting fot has no counterpart for (the
+            message names it and what to do).
+    """
+    from fot.models import FoTConfig
+
+    _check_config_object(cfg)
+    if cfg.get("model_type") != FLA_MODEL_TYPE:
+        raise ConversionError(
+            f"config.json has model_type {cfg.get('model_type')!r}, not FLA's FoX "
+            f"{FLA_MODEL_TYPE!r}"
+        )
+    if cfg.get("qkv_bias"):
+        raise ConversionError(
+            "config.json sets qkv_bias=true: fot's q/k/v projections have no bias, so this "
+            "checkpoint cannot be expressed"
+        )
+    if cfg.get("window_size") is not None:
+        raise ConversionError(
+            f"config.json sets window_size={cfg['window_size']!r}, which FLA's FoX forward "
+            "ignores (full attention) while its decoding cache keeps only that window: the "
+            "two disagree, so fot does not guess; set it to null in a copy of the folder to "
+            "convert the full-attention model that FLA trained"
+        )
+    if cfg.get("attnres_block_size") is not None:
+        raise ConversionError(
+            f"config.json sets attnres_block_size={cfg['attnres_block_size']!r}: FLA's "
+            "attention residuals have no counterpart in fot"
+        )
+    if cfg.get("hidden_act", "swish") != "swish":
+        raise ConversionError(
+            f"config.json sets hidden_act={cfg['hidden_act']!r}; fot's MLP is SwiGLU "
+            "(hidden_act='swish') only"
+        )
+    heads = _check_sizes(cfg)
+    return FoTConfig(
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=int(cfg["hidden_size"]),
+        intermediate_size=paper_intermediate_size(cfg),  # FLA's GatedMLP rounds alike
+        num_hidden_layers=int(cfg["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=_kv_heads(cfg, heads),
+        fgate_type="full",
+        use_rope=False,
+        qk_norm=bool(cfg.get("qk_norm", False)),
+        qk_norm_eps=1e-5,  # FLA's GroupNorm default, which its q/k norms use
+        use_output_gate=bool(cfg.get("use_output_gate", False)),
+        norm_eps=float(cfg.get("norm_eps", 1e-6)),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_id=cfg.get("eos_token_id"),
+        pad_token_id=cfg.get("pad_token_id"),
+    )
+
+
+def state_dict_from_fla(
+    fla: Mapping[str, torch.Tensor], cfg: Mapping[str, Any], fot_config: Any
+) -> dict[str, torch.Tensor]:
+    """fot's state dict for FLA FoX weights ``fla`` (of config ``cfg``): the same names but
+    for the gate (``f_proj`` becomes ``fgate_proj``) and the norms (``attn_norm``,
+    ``mlp_norm``), with the q/k norm weights as ``[heads, head_dim]``.
+
+    Raises:
+        ConversionError: a weight is missing, has another shape, or is not used.
+    """
+    weights = _Weights(fla)
+    take = weights.take
+    heads, hidden = fot_config.num_heads, fot_config.hidden_size
+    head_dim = hidden // heads
+    kv_heads = fot_config.kv_heads
+    width = fot_config.intermediate_size
+    out = weights.embedding_and_head(cfg, fot_config)
+    for i in range(fot_config.num_hidden_layers):
+        src = dst = f"model.layers.{i}."
+        out[dst + "input_layernorm.weight"] = take(src + "attn_norm.weight", hidden)
+        out[dst + "post_attention_layernorm.weight"] = take(src + "mlp_norm.weight", hidden)
+        for name, shape in (("gate", (width, hidden)), ("up", (width, hidden)),
+                            ("down", (hidden, width))):  # fmt: skip
+            out[dst + f"mlp.{name}_proj.weight"] = take(src + f"mlp.{name}_proj.weight", *shape)
+        a, b = src + "attn.", dst + "self_attn."
+        for name, rows in (("q", hidden), ("k", kv_heads * head_dim), ("v", kv_heads * head_dim),
+                           ("o", hidden)):  # fmt: skip
+            out[b + f"{name}_proj.weight"] = take(a + f"{name}_proj.weight", rows, hidden)
+        out[b + "fgate_proj.weight"] = take(a + "f_proj.weight", heads, hidden)
+        out[b + "fgate_proj.bias"] = take(a + "f_proj.bias", heads)
+        if fot_config.qk_norm:
+            q_norm = take(a + "q_norm.weight", hidden)
+            out[b + "q_norm.weight"] = q_norm.reshape(heads, head_dim)
+            k_norm = take(a + "k_norm.weight", kv_heads * head_dim)
+            out[b + "k_norm.weight"] = k_norm.reshape(kv_heads, head_dim)
+        if fot_config.use_output_gate:
+            out[b + "g_proj.weight"] = take(a + "g_proj.weight", hidden, hidden)
+    weights.check_all_used()
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def from_fla(path: str | os.PathLike, *, dtype: torch.dtype | None = None) -> Any:
+    """Load a checkpoint folder of flash-linear-attention's FoX (``ForgettingTransformer-
+    ForCausalLM``, model type ``forgetting_transformer``) as a :class:`fot.FoTForCausalLM`.
+
+    Args:
+        path: a local folder with FLA's ``config.json`` and weights.
+        dtype: cast the loaded model to this dtype (``None``: the weights' own).
+
+    Returns:
+        The model, in eval mode on the CPU; its logits are FLA's model's for the same inputs
+        (checked against FLA in tests/test_convert.py).
+
+    Raises:
+        ConversionError: not such a folder, or a setting fot cannot express.
+    """
+    return _load(path, fot_config_from_fla, state_dict_from_fla, dtype)
+
+
+def convert_folder(path: str | os.PathLike, *, dtype: torch.dtype | None = None) -> Any:
+    """:func:`from_paper` or :func:`from_fla`, by the folder's ``model_type``.
+
+    Raises:
+        ConversionError: a folder of neither, or a setting fot cannot express.
+    """
+    cfg = read_config(path)
+    _check_config_object(cfg)
+    if cfg.get("model_type") == FLA_MODEL_TYPE:
+        return from_fla(path, dtype=dtype)
+    if cfg.get("model_type") not in PAPER_MODEL_TYPES:
+        raise ConversionError(
+            f"config.json has model_type {cfg.get('model_type')!r}: fot converts the paper's "
+            f"attention models ({', '.join(PAPER_MODEL_TYPES)}) and FLA's FoX "
+            f"({FLA_MODEL_TYPE}); the paper's recurrent baselines are FLA models of other types"
+        )
+    return from_paper(path, dtype=dtype)
+
+
+def copy_tokenizer(src: str | os.PathLike, out: str | os.PathLike, text_escaping: str) -> list[str]:
+    """Copy the tokenizer files of checkpoint folder ``src`` into export ``out``, recording
+    ``text_escaping`` for ``fot.eval`` when it is not ``"none"``; returns the names copied."""
+    from fot.tokenizer import TEXT_ESCAPING_KEY
+
+    names = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+             "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")  # fmt: skip
+    copied = [n for n in names if (Path(src) / n).is_file()]
+    for name in copied:
+        shutil.copyfile(Path(src) / name, Path(out) / name)
+    if text_escaping != "none" and copied:
+        config_file = Path(out) / "tokenizer_config.json"
+        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        config[TEXT_ESCAPING_KEY] = text_escaping
+        config_file.write_text(json.dumps(config, indent=2) + "\n")
+    return copied
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m fot.convert SRC OUT``: write a paper FoX or Transformer checkpoint as a fot
-    export."""
+    """``python -m fot.convert SRC OUT``: write a checkpoint of the paper's code or of FLA's FoX
+    as a fot export."""
     from fot.errors import USER_ERRORS, error_line
     from fot.export import export_hf
 
     parser = argparse.ArgumentParser(
         prog="python -m fot.convert",
         description="Write a FoX or Transformer checkpoint folder of the paper's code "
-        "(zhixuan-lin/forgetting-transformer) as a fot checkpoint folder.",
+        "(zhixuan-lin/forgetting-transformer; with fot's GPT-2 tokenizer) or of "
+        "flash-linear-attention's FoX (model_type forgetting_transformer; with its own "
+        "tokenizer files) as a fot checkpoint folder.",
     )
-    parser.add_argument("src", help="the paper checkpoint's folder (config.json and weights)")
+    parser.add_argument("src", help="the checkpoint's folder (config.json and weights)")
     parser.add_argument("out", help="the folder to write (new or empty)")
     parser.add_argument(
         "--text-escaping",
         choices=["json", "none"],
-        default="json",
-        help="how the training text was escaped before tokenizing: json for LongCrawl64, which "
-        "the paper's released models were trained on (default: %(default)s)",
+        default=None,
+        help="how the training text was escaped before tokenizing: json for LongCrawl64, "
+        "which the paper's released models were trained on (default: json for the paper's "
+        "checkpoints, none for FLA's)",
     )
     args = parse_args_naming_typos(parser, argv)
+    copied: list[str] = []
     try:
-        model = from_paper(args.src)
-        out = export_hf(model, args.out, text_escaping=args.text_escaping)
+        cfg = read_config(args.src)
+        fla = isinstance(cfg, Mapping) and cfg.get("model_type") == FLA_MODEL_TYPE
+        model = convert_folder(args.src)
+        if fla:
+            escaping = args.text_escaping or "none"
+            out = export_hf(model, args.out, tokenizer=False)
+            copied = copy_tokenizer(args.src, out, escaping)
+        else:
+            out = export_hf(model, args.out, text_escaping=args.text_escaping or "json")
     except USER_ERRORS as err:
         if os.environ.get("FOT_TRACEBACK") == "1":
             raise
@@ -328,6 +556,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     n = sum(p.numel() for p in model.parameters())
     print(f"wrote {out} ({n / 1e6:.1f}M parameters, model_type fot)")
+    if fla and not copied:
+        print(
+            f"{args.src} holds no tokenizer files: copy the tokenizer the model was trained "
+            f"with into {out} before evaluating it with fot.eval",
+            file=sys.stderr,
+        )
     return 0
 
 

@@ -6,7 +6,7 @@
 - an HF folder of a fot model (a run's ``<run>/hf``, the output of ``python -m fot.convert``,
   or any ``save_pretrained`` of a model that :mod:`fot.presets` builds);
 - a FoX or Transformer checkpoint of the paper's code (zhixuan-lin/forgetting-transformer),
-  converted as :func:`fot.convert.from_paper` does.
+  converted as :func:`fot.convert.from_paper` does, or of FLA's FoX (:func:`fot.convert.from_fla`).
 
 Only the weights are taken: the step, the optimizer's moments, the learning-rate schedule and
 the data position start from zero. The model the run's config builds (``model``, ``size``,
@@ -73,11 +73,12 @@ class InitSource:
 
     path: Path
     kind: str
-    """``"checkpoint"`` (fot training checkpoint), ``"hf"`` (HF folder) or ``"paper"``."""
+    """``"checkpoint"`` (fot training checkpoint), ``"hf"`` (HF folder), ``"paper"`` (the
+    paper's code) or ``"fla"`` (FLA's FoX)."""
     config: Any
     """The checkpoint model's config (a ``transformers.PretrainedConfig``)."""
     paper_config: dict[str, Any] | None = None
-    """The paper checkpoint's config.json (kind ``"paper"``)."""
+    """The config.json of a checkpoint that is converted (kinds ``"paper"`` and ``"fla"``)."""
     trained_with: str = ""
     """``model=... size=...`` of a training checkpoint's run ('' for other kinds)."""
 
@@ -93,7 +94,8 @@ def read_init_source(path: str | os.PathLike) -> InitSource:
         raise InitFromError(
             f"init_from={path} is no folder; pass a training checkpoint "
             "(<run>/checkpoints/step_00001000), an exported model (<run>/hf, python -m "
-            "fot.convert's output) or a FoX or Transformer checkpoint folder of the paper's code"
+            "fot.convert's output), a FoX or Transformer checkpoint folder of the paper's code "
+            "or an FLA FoX folder"
         )
     if (p / "trainer.json").is_file() and (p / "model.pt").is_file():
         return _checkpoint_source(p)
@@ -129,7 +131,12 @@ def _checkpoint_source(p: Path) -> InitSource:
 
 
 def _hf_source(p: Path) -> InitSource:
-    from fot.convert import PAPER_MODEL_TYPES, fot_config_from_paper
+    from fot.convert import (
+        FLA_MODEL_TYPE,
+        PAPER_MODEL_TYPES,
+        fot_config_from_fla,
+        fot_config_from_paper,
+    )
 
     try:
         raw = json.loads((p / "config.json").read_text())
@@ -138,6 +145,8 @@ def _hf_source(p: Path) -> InitSource:
     model_type = raw.get("model_type") if isinstance(raw, dict) else None
     if model_type in PAPER_MODEL_TYPES:
         return InitSource(p, "paper", fot_config_from_paper(raw), raw)
+    if model_type == FLA_MODEL_TYPE:
+        return InitSource(p, "fla", fot_config_from_fla(raw), raw)
     from transformers import AutoConfig
 
     import fot  # noqa: F401 - registers model_type "fot"
@@ -325,13 +334,12 @@ def load_init_weights(source: InitSource, model: nn.Module) -> None:
         from fot.training.checkpoint import read_model_state
 
         state = read_model_state(source.path)
-    elif source.kind == "paper":
-        from fot.convert import state_dict_from_paper
+    elif source.kind in ("paper", "fla"):
+        from fot.convert import state_dict_from_fla, state_dict_from_paper
 
         assert source.paper_config is not None
-        state = state_dict_from_paper(
-            read_weight_files(source.path), source.paper_config, source.config
-        )
+        to_state = state_dict_from_paper if source.kind == "paper" else state_dict_from_fla
+        state = to_state(read_weight_files(source.path), source.paper_config, source.config)
     else:
         state = read_weight_files(source.path)
     own = model.state_dict()

@@ -255,6 +255,15 @@ def _fla_checkpoint(folder: Path, **settings) -> torch.nn.Module:
     return model.eval()
 
 
+def _fla_tolerance(device: torch.device) -> float:
+    """Relative logits difference allowed against FLA's forward. Float32 both: 6e-7 to 7e-7
+    measured on the CPU (wrong mappings: gate and up projections swapped 0.76-0.94, the q
+    norm's weights left out 0.34-0.38). On a GPU FLA's compiled kernels multiply in TF32:
+    0.89e-3 to 1.28e-3 on an H200, where fot's model on the GPU matched its CPU logits to
+    7e-7."""
+    return 1e-5 if device.type == "cpu" else 5e-3
+
+
 @pytest.mark.parametrize("variant", list(FLA_VARIANTS))
 def test_a_converted_fla_fox_checkpoint_computes_flas_logits(variant, tmp_path, device) -> None:
     from fot.convert import from_fla
@@ -264,11 +273,7 @@ def test_a_converted_fla_fox_checkpoint_computes_flas_logits(variant, tmp_path, 
     want = _logits(fla, ids.to(device)).cpu()
     got = _logits(from_fla(tmp_path / "fla"), ids)
     assert got.shape == want.shape
-    # float32 both: 6e-7 to 7e-7 measured on the CPU (a wrong mapping: gate and up projections
-    # swapped 0.76-0.94, the q norm's weights left out 0.34-0.38); FLA's compiled kernels may
-    # multiply in TF32 on a GPU
-    tol = 1e-5 if device.type == "cpu" else 1e-3
-    assert (got - want).norm() / want.norm() < tol
+    assert (got - want).norm() / want.norm() < _fla_tolerance(device)
 
 
 def test_the_command_converts_an_fla_folder_with_its_own_tokenizer(tmp_path, device) -> None:
@@ -285,7 +290,7 @@ def test_the_command_converts_an_fla_folder_with_its_own_tokenizer(tmp_path, dev
     assert loaded.config.model_type == "fot"
     ids = torch.randint(0, 96, (1, 40), generator=torch.Generator().manual_seed(2))
     want = _logits(fla, ids.to(device)).cpu()
-    assert (_logits(loaded, ids) - want).norm() / want.norm() < 1e-3
+    assert (_logits(loaded, ids) - want).norm() / want.norm() < _fla_tolerance(device)
     assert text_escaping_of(AutoTokenizer.from_pretrained(tmp_path / "fot")) == "none"
     assert main([str(tmp_path / "fla"), str(tmp_path / "json"), "--text-escaping", "json"]) == 0
     assert text_escaping_of(AutoTokenizer.from_pretrained(tmp_path / "json")) == "json"
@@ -334,4 +339,4 @@ def test_train_py_init_from_an_fla_folder_starts_from_flas_model(tmp_path, devic
     load_init_weights(source, model)
     ids = torch.randint(0, 96, (1, 50), generator=torch.Generator().manual_seed(3))
     want = _logits(fla, ids.to(device)).cpu()
-    assert (_logits(model.eval(), ids) - want).norm() / want.norm() < 1e-3
+    assert (_logits(model.eval(), ids) - want).norm() / want.norm() < _fla_tolerance(device)

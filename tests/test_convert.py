@@ -340,3 +340,14 @@ def test_train_py_init_from_an_fla_folder_starts_from_flas_model(tmp_path, devic
     ids = torch.randint(0, 96, (1, 50), generator=torch.Generator().manual_seed(3))
     want = _logits(fla, ids.to(device)).cpu()
     assert (_logits(model.eval(), ids) - want).norm() / want.norm() < _fla_tolerance(device)
+
+
+def test_an_fla_folder_without_tokenizer_files_converts_and_says_what_to_copy(
+    tmp_path, capsys
+) -> None:
+    _fla_checkpoint(tmp_path / "fla")
+    assert main([str(tmp_path / "fla"), str(tmp_path / "fot")]) == 0
+    err = capsys.readouterr().err
+    assert "holds no tokenizer files: copy the tokenizer the model was trained with" in err
+    assert (tmp_path / "fot" / "config.json").is_file()
+    assert not (tmp_path / "fot" / "tokenizer_config.json").exists()

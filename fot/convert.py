@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import sys
 from collections.abc import Mapping, Sequence
@@ -496,6 +497,39 @@ def convert_folder(path: str | os.PathLike, *, dtype: torch.dtype | None = None)
     return from_paper(path, dtype=dtype)
 
 
+HUB_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+"""A hub repository id (``owner/name``), as ``python -m fot.convert`` takes in place of a
+folder."""
+
+# what a conversion reads: config, weights (and their index), tokenizer files
+_HUB_FILES = ["*.json", "*.safetensors", "*.bin", "*.txt", "*.model"]
+
+
+def resolve_source(src: str) -> Path:
+    """``src`` as a local folder: itself when it exists (or is no hub id), else the hub
+    repository ``owner/name`` downloaded into the hub cache (its config, weights and tokenizer
+    files; a second call takes the cached copy).
+
+    Raises:
+        ConversionError: the download failed (offline, no such repository, no access).
+    """
+    path = Path(src).expanduser()
+    if path.exists() or not HUB_REPO_ID.match(src):
+        return path
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(src, allow_patterns=_HUB_FILES))
+    except (OSError, ValueError) as err:  # the hub's errors: not found, offline, no access
+        reason = " ".join(str(err).split())[:300]
+        raise ConversionError(
+            f"{src!r} is no local folder, and downloading it as a hub repository failed "
+            f"({type(err).__name__}: {reason}); check the name, the connection and "
+            "HF_HUB_OFFLINE, or download it elsewhere (hf download OWNER/NAME --local-dir DIR) "
+            "and pass DIR"
+        ) from None
+
+
 def copy_tokenizer(src: str | os.PathLike, out: str | os.PathLike, text_escaping: str) -> list[str]:
     """Copy the tokenizer files of checkpoint folder ``src`` into export ``out``, recording
     ``text_escaping`` for ``fot.eval`` when it is not ``"none"``; returns the names copied."""
@@ -527,7 +561,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "flash-linear-attention's FoX (model_type forgetting_transformer; with its own "
         "tokenizer files) as a fot checkpoint folder.",
     )
-    parser.add_argument("src", help="the checkpoint's folder (config.json and weights)")
+    parser.add_argument(
+        "src",
+        help="the checkpoint's folder (config.json and weights), or a hub repository id "
+        "(owner/name, e.g. zhixuan-lin/fox-pro-760m-longcrawl64-48b) to download",
+    )
     parser.add_argument("out", help="the folder to write (new or empty)")
     parser.add_argument(
         "--text-escaping",
@@ -540,13 +578,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args_naming_typos(parser, argv)
     copied: list[str] = []
     try:
-        cfg = read_config(args.src)
+        src = resolve_source(args.src)
+        cfg = read_config(src)
         fla = isinstance(cfg, Mapping) and cfg.get("model_type") == FLA_MODEL_TYPE
-        model = convert_folder(args.src)
+        model = convert_folder(src)
         if fla:
             escaping = args.text_escaping or "none"
             out = export_hf(model, args.out, tokenizer=False)
-            copied = copy_tokenizer(args.src, out, escaping)
+            copied = copy_tokenizer(src, out, escaping)
         else:
             out = export_hf(model, args.out, text_escaping=args.text_escaping or "json")
     except USER_ERRORS as err:

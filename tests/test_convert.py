@@ -351,3 +351,50 @@ def test_an_fla_folder_without_tokenizer_files_converts_and_says_what_to_copy(
     assert "holds no tokenizer files: copy the tokenizer the model was trained with" in err
     assert (tmp_path / "fot" / "config.json").is_file()
     assert not (tmp_path / "fot" / "tokenizer_config.json").exists()
+
+
+def test_the_command_takes_a_hub_repository_id_and_downloads_it(tmp_path, monkeypatch) -> None:
+    """`python -m fot.convert owner/name OUT` downloads the repository (the hub's own
+    snapshot_download, replaced here by the local folder it would return) and converts it."""
+    import huggingface_hub
+
+    asked = []
+
+    def snapshot_download(repo_id, **kwargs):
+        asked.append((repo_id, kwargs))
+        return str(PAPER / "fox_llama")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    assert main(["zhixuan-lin/fox-llama-760m-longcrawl64-48b", str(tmp_path / "fot")]) == 0
+    assert [repo for repo, _ in asked] == ["zhixuan-lin/fox-llama-760m-longcrawl64-48b"]
+    assert "*.safetensors" in asked[0][1]["allow_patterns"]
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.from_numpy(np.load(PAPER / "fox_llama" / "reference.npz")["input_ids"])
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "fot")
+    assert torch.equal(_logits(loaded, ids), _logits(from_paper(PAPER / "fox_llama"), ids))
+
+
+def test_a_hub_id_that_cannot_be_downloaded_is_one_error_line(tmp_path, capsys) -> None:
+    """Offline (HF_HUB_OFFLINE=1 in the tests): the hub's own error, in one line with status 2,
+    and nothing written."""
+    assert main(["zhixuan-lin/no-such-model", str(tmp_path / "fot")]) == 2
+    line, *rest = capsys.readouterr().err.strip().splitlines()
+    assert rest == ["(set FOT_TRACEBACK=1 for the traceback)"]
+    assert line.startswith(
+        "python -m fot.convert: error: 'zhixuan-lin/no-such-model' is no local folder, and "
+        "downloading it as a hub repository failed (LocalEntryNotFoundError: "
+    ), line
+    assert not (tmp_path / "fot").exists()
+
+
+def test_a_local_folder_named_like_a_hub_id_is_the_folder(tmp_path, monkeypatch) -> None:
+    import huggingface_hub
+
+    from fot.convert import resolve_source
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda *a, **k: 1 / 0)
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(PAPER / "fox_pro", tmp_path / "owner" / "name")
+    assert resolve_source("owner/name") == Path("owner/name")
+    assert main(["owner/name", str(tmp_path / "fot")]) == 0

@@ -501,8 +501,9 @@ HUB_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 """A hub repository id (``owner/name``), as ``python -m fot.convert`` takes in place of a
 folder."""
 
-# what a conversion reads: config, weights (and their index), tokenizer files
-_HUB_FILES = ["*.json", "*.safetensors", "*.bin", "*.txt", "*.model"]
+# what a conversion reads: config, safetensors weights (and their index), tokenizer files;
+# PyTorch .bin weights only where a repository has no safetensors (many hold both)
+_HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model"]
 
 
 def resolve_source(src: str) -> Path:
@@ -519,7 +520,10 @@ def resolve_source(src: str) -> Path:
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(snapshot_download(src, allow_patterns=_HUB_FILES))
+        folder = Path(snapshot_download(src, allow_patterns=_HUB_FILES))
+        if not any(folder.glob("*.safetensors")):
+            folder = Path(snapshot_download(src, allow_patterns=["*.bin"]))
+        return folder
     except (OSError, ValueError) as err:  # the hub's errors: not found, offline, no access
         reason = " ".join(str(err).split())[:300]
         raise ConversionError(

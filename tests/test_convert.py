@@ -367,7 +367,7 @@ def test_the_command_takes_a_hub_repository_id_and_downloads_it(tmp_path, monkey
     monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
     assert main(["zhixuan-lin/fox-llama-760m-longcrawl64-48b", str(tmp_path / "fot")]) == 0
     assert [repo for repo, _ in asked] == ["zhixuan-lin/fox-llama-760m-longcrawl64-48b"]
-    assert "*.safetensors" in asked[0][1]["allow_patterns"]
+    assert "*.safetensors" in asked[0][1]["allow_patterns"]  # one download: it has them
     from transformers import AutoModelForCausalLM
 
     ids = torch.from_numpy(np.load(PAPER / "fox_llama" / "reference.npz")["input_ids"])

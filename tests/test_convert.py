@@ -398,3 +398,22 @@ def test_a_local_folder_named_like_a_hub_id_is_the_folder(tmp_path, monkeypatch)
     shutil.copytree(PAPER / "fox_pro", tmp_path / "owner" / "name")
     assert resolve_source("owner/name") == Path("owner/name")
     assert main(["owner/name", str(tmp_path / "fot")]) == 0
+
+
+def test_a_hub_repository_without_safetensors_downloads_its_bin_weights(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    from fot.convert import resolve_source
+
+    first = tmp_path / "first"
+    first.mkdir()
+    (first / "config.json").write_text("{}")
+    asked = []
+
+    def snapshot_download(repo_id, allow_patterns):
+        asked.append(allow_patterns)
+        return str(first if len(asked) == 1 else PAPER / "fox_pro")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    assert resolve_source("owner/name") == PAPER / "fox_pro"
+    assert "*.bin" not in asked[0] and asked[1] == ["*.bin"]

@@ -1,6 +1,6 @@
 """``python -m fot.eval <command>`` (also the ``fot-eval`` console script).
 
-Every command takes an exported checkpoint folder, writes machine-readable results, a
+Every command takes an exported checkpoint folder (or a hub repository id, downloaded), writes machine-readable results, a
 ``run_config.json`` and (where useful) a plot under ``--out``, shows progress, and resumes
 from ``--out`` after an interruption.
 """
@@ -19,6 +19,7 @@ from typing import Any
 
 from fot.errors import USER_ERRORS, error_line, parse_args_naming_typos
 from fot.eval import program_name
+from fot.hub import is_hub_repo_id, local_folder
 from fot.interrupt import StopOnSignal
 
 COMMANDS = {
@@ -96,6 +97,10 @@ def main(argv: Sequence[str] | None = None) -> Any:
             f"`{command}` needs the package {missing!r}, which is not installed: "
             "pip install 'fot[eval]' (or pip install lm-eval)"
         )
+    if getattr(args, "checkpoint", None) and is_hub_repo_id(args.checkpoint):
+        # the local copy from here on; run_config.json's arguments keep the id
+        args.checkpoint_hub_id = args.checkpoint
+        args.checkpoint = str(local_folder(args.checkpoint))
     if getattr(args, "out", None) is not None and getattr(args, "checkpoint", None):
         from fot.eval.common import check_out_dir
 

@@ -218,16 +218,19 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 
 def checkpoint_label(path: str | os.PathLike) -> str:
-    """A short name of a checkpoint for legends and titles: the folder name, or for fot's
-    trainer export ``<run>/hf`` the run folder's name (every such export is called ``hf``)."""
+    """A short name of a checkpoint for legends and titles: the folder name, for fot's
+    trainer export ``<run>/hf`` the run folder's name (every such export is called ``hf``), and
+    for a hub download (``.../models--OWNER--NAME/snapshots/<commit>``) the repository's name."""
     p = Path(path).resolve()
+    if p.parent.name == "snapshots" and p.parent.parent.name.startswith("models--"):
+        return p.parent.parent.name.split("--", 2)[-1]
     return p.parent.name if p.name == "hf" and p.parent.name else p.name
 
 
 CHECKPOINT_HELP = (
     "exported HF checkpoint folder (<run>/hf, python -m fot.export or fot.convert output, any "
-    "causal LM AutoModelForCausalLM loads), or a FoX/Transformer checkpoint folder of the "
-    "paper's code (converted on the fly)"
+    "causal LM AutoModelForCausalLM loads), a FoX/Transformer checkpoint folder of the "
+    "paper's code (converted on the fly), or a hub repository id (owner/name; downloaded)"
 )
 """The help of every command's CHECKPOINT argument (what :func:`load_checkpoint` takes)."""
 

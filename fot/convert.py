@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import sys
 from collections.abc import Mapping, Sequence
@@ -497,43 +496,6 @@ def convert_folder(path: str | os.PathLike, *, dtype: torch.dtype | None = None)
     return from_paper(path, dtype=dtype)
 
 
-HUB_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-"""A hub repository id (``owner/name``), as ``python -m fot.convert`` takes in place of a
-folder."""
-
-# what a conversion reads: config, safetensors weights (and their index), tokenizer files;
-# PyTorch .bin weights only where a repository has no safetensors (many hold both)
-_HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model"]
-
-
-def resolve_source(src: str) -> Path:
-    """``src`` as a local folder: itself when it exists (or is no hub id), else the hub
-    repository ``owner/name`` downloaded into the hub cache (its config, weights and tokenizer
-    files; a second call takes the cached copy).
-
-    Raises:
-        ConversionError: the download failed (offline, no such repository, no access).
-    """
-    path = Path(src).expanduser()
-    if path.exists() or not HUB_REPO_ID.match(src):
-        return path
-    from huggingface_hub import snapshot_download
-
-    try:
-        folder = Path(snapshot_download(src, allow_patterns=_HUB_FILES))
-        if not any(folder.glob("*.safetensors")):
-            folder = Path(snapshot_download(src, allow_patterns=["*.bin"]))
-        return folder
-    except (OSError, ValueError) as err:  # the hub's errors: not found, offline, no access
-        reason = " ".join(str(err).split())[:300]
-        raise ConversionError(
-            f"{src!r} is no local folder, and downloading it as a hub repository failed "
-            f"({type(err).__name__}: {reason}); check the name, the connection and "
-            "HF_HUB_OFFLINE, or download it elsewhere (hf download OWNER/NAME --local-dir DIR) "
-            "and pass DIR"
-        ) from None
-
-
 def copy_tokenizer(src: str | os.PathLike, out: str | os.PathLike, text_escaping: str) -> list[str]:
     """Copy the tokenizer files of checkpoint folder ``src`` into export ``out``, recording
     ``text_escaping`` for ``fot.eval`` when it is not ``"none"``; returns the names copied."""
@@ -557,6 +519,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     as a fot export."""
     from fot.errors import USER_ERRORS, error_line
     from fot.export import export_hf
+    from fot.hub import local_folder
 
     parser = argparse.ArgumentParser(
         prog="python -m fot.convert",
@@ -582,7 +545,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args_naming_typos(parser, argv)
     copied: list[str] = []
     try:
-        src = resolve_source(args.src)
+        src = local_folder(args.src)
         cfg = read_config(src)
         fla = isinstance(cfg, Mapping) and cfg.get("model_type") == FLA_MODEL_TYPE
         model = convert_folder(src)

@@ -306,6 +306,27 @@ def test_a_folder_that_is_no_usable_checkpoint_is_named_with_the_fix(
         load_init_weights(source, presets.build_model(config))
 
 
+def test_init_from_a_hub_repository_id_reads_the_downloaded_copy(monkeypatch) -> None:
+    """init_from=owner/name downloads it (the hub's snapshot_download, replaced here by the
+    local folder it returns) and reads that copy; offline, one error names the hub's error."""
+    import huggingface_hub
+
+    asked = []
+    monkeypatch.setattr(
+        huggingface_hub, "snapshot_download",
+        lambda repo_id, **kw: asked.append(repo_id) or str(PAPER / "fox_pro"),
+    )  # fmt: skip
+    source = read_init_source("zhixuan-lin/fox-pro-760m-longcrawl64-48b")
+    assert asked == ["zhixuan-lin/fox-pro-760m-longcrawl64-48b"]
+    assert source.kind == "paper" and source.path == PAPER / "fox_pro"
+    monkeypatch.undo()  # the real hub client, offline in the tests
+    with pytest.raises(InitFromError, match=(
+        r"^init_from=owner/missing: 'owner/missing' is no local folder, and downloading it as a "
+        r"hub repository failed \(LocalEntryNotFoundError"
+    )):  # fmt: skip
+        read_init_source("owner/missing")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("parallel", [("parallel.compile=true",), ("parallel=fsdp",)])
 def test_init_from_on_the_gpu_with_compiled_blocks_or_fsdp(tmp_path, parallel) -> None:

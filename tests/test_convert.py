@@ -391,19 +391,19 @@ def test_a_hub_id_that_cannot_be_downloaded_is_one_error_line(tmp_path, capsys) 
 def test_a_local_folder_named_like_a_hub_id_is_the_folder(tmp_path, monkeypatch) -> None:
     import huggingface_hub
 
-    from fot.convert import resolve_source
+    from fot.hub import local_folder
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda *a, **k: 1 / 0)
     monkeypatch.chdir(tmp_path)
     shutil.copytree(PAPER / "fox_pro", tmp_path / "owner" / "name")
-    assert resolve_source("owner/name") == Path("owner/name")
+    assert local_folder("owner/name") == Path("owner/name")
     assert main(["owner/name", str(tmp_path / "fot")]) == 0
 
 
 def test_a_hub_repository_without_safetensors_downloads_its_bin_weights(tmp_path, monkeypatch):
     import huggingface_hub
 
-    from fot.convert import resolve_source
+    from fot.hub import local_folder
 
     first = tmp_path / "first"
     first.mkdir()
@@ -415,5 +415,5 @@ def test_a_hub_repository_without_safetensors_downloads_its_bin_weights(tmp_path
         return str(first if len(asked) == 1 else PAPER / "fox_pro")
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
-    assert resolve_source("owner/name") == PAPER / "fox_pro"
+    assert local_folder("owner/name") == PAPER / "fox_pro"
     assert "*.bin" not in asked[0] and asked[1] == ["*.bin"]

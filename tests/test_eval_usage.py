@@ -343,6 +343,26 @@ def test_only_empty_lm_eval_request_caches_are_dropped(tmp_path):
         assert db["request"] == (-1.5, True)
 
 
+def test_a_hub_repository_id_is_downloaded_and_labelled_by_its_name(llama, tmp_path, monkeypatch):
+    """`per-token-loss owner/name`: the hub's snapshot_download (replaced here by a copy laid
+    out as the hub's cache lays it out) gives the folder; the plot is labelled with the
+    repository's name, not the snapshot's commit, and run_config.json keeps the id."""
+    import huggingface_hub
+
+    from fot.eval.common import checkpoint_label
+
+    snapshot = tmp_path / "hub" / "models--owner--tiny-llama" / "snapshots" / "0123abc"
+    shutil.copytree(llama, snapshot)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo_id, **kw: str(snapshot))
+    assert checkpoint_label(snapshot) == "tiny-llama"
+    out = tmp_path / "o"
+    main(["per-token-loss", "owner/tiny-llama", *PTL, "--out", str(out)])
+    record = json.loads((out / "run_config.json").read_text())
+    assert record["arguments"]["checkpoint_hub_id"] == "owner/tiny-llama"
+    assert record["checkpoint"] == str(snapshot.resolve())
+    assert (out / "summary.json").is_file()
+
+
 def test_trainer_export_is_labelled_by_its_run_and_overlay_labels_are_unique(llama, tmp_path):
     from fot.eval.common import checkpoint_label
 

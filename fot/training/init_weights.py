@@ -86,10 +86,19 @@ class InitSource:
 def read_init_source(path: str | os.PathLike) -> InitSource:
     """Identify the checkpoint ``path`` and read its model config (no tensors).
 
+    ``path`` may be a hub repository id (``owner/name``): it is downloaded into the hub's cache
+    (every rank reads the cached copy; the hub's file locks keep concurrent downloads apart).
+
     Raises:
-        InitFromError: not a folder, or a folder that is none of the three kinds.
+        InitFromError: not a folder (or a hub id that could not be downloaded), or a folder
+            that is none of the kinds above.
     """
-    p = Path(path).expanduser()
+    from fot.hub import HubDownloadError, local_folder
+
+    try:
+        p = local_folder(str(path))
+    except HubDownloadError as err:
+        raise InitFromError(f"init_from={path}: {err}") from None
     if not p.is_dir():
         raise InitFromError(
             f"init_from={path} is no folder; pass a training checkpoint "

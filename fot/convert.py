@@ -1,4 +1,5 @@
-"""Checkpoints of the paper's code (zhixuan-lin/forgetting-transformer) as fot models.
+"""Checkpoints of the paper's code (zhixuan-lin/forgetting-transformer) and of FLA's FoX as
+fot models.
 
 The paper released its 760M LongCrawl64 models (FoX (Pro), FoX (LLaMA), Transformer (Pro),
 Transformer (LLaMA), ...) as Hugging Face folders of its own model types, which load only with
@@ -17,7 +18,9 @@ The weights map one to one, renamed: the paper's fused MLP input projection is s
 fot's gate and up projections, its shift projections (``k_proj.shift_proj``) become
 ``k_shift_proj``, one q/k-norm weight shared by the heads is repeated per head, a tied LM head
 becomes a copy of the embedding, and the embedding and LM head get fot's padded vocabulary
-rows (zeros; their logits are cut off).
+rows (zeros; their logits are cut off). FLA's FoX names its weights as fot does but for the
+gate (``f_proj``: ``fgate_proj``), the norms (``attn_norm``, ``mlp_norm``) and the q/k norm
+weights (one vector over the heads: ``[heads, head_dim]``).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import json
 import os
 import shutil
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +47,10 @@ Transformer checkpoints (its ``TransformerForCausalLM``: RoPE, no forget gate, G
 
 PAPER_MODEL_TYPES = (PAPER_MODEL_TYPE, PAPER_TRANSFORMER_MODEL_TYPE)
 """The paper's model types that convert."""
+
+FLA_MODEL_TYPE = "forgetting_transformer"
+"""``model_type`` of flash-linear-attention's ``ForgettingTransformerForCausalLM`` (FLA's FoX,
+as its ``save_pretrained`` and the flame trainer write it)."""
 
 
 class ConversionError(FotError, ValueError):
@@ -336,7 +343,12 @@ def read_config(path: str | os.PathLike) -> Any:
         raise ConversionError(f"{folder / 'config.json'} is not valid JSON ({err})") from err
 
 
-def _load(path: str | os.PathLike, to_config: Any, to_state: Any, dtype: torch.dtype | None) -> Any:
+def _load(
+    path: str | os.PathLike,
+    to_config: Callable[[Any], Any],
+    to_state: Callable[[Mapping[str, torch.Tensor], Any, Any], dict[str, torch.Tensor]],
+    dtype: torch.dtype | None,
+) -> Any:
     """A :class:`fot.FoTForCausalLM` from checkpoint folder ``path``, by a config and a
     state-dict mapping."""
     from fot.export import read_weight_files
@@ -350,11 +362,6 @@ def _load(path: str | os.PathLike, to_config: Any, to_state: Any, dtype: torch.d
     if dtype is not None:
         model.to(dtype)
     return model.eval()
-
-
-FLA_MODEL_TYPE = "forgetting_transformer"
-"""``model_type`` of flash-linear-attention's ``ForgettingTransformerForCausalLM`` (FLA's FoX,
-as its ``save_pretrained`` and the flame trainer write it)."""
 
 
 def fot_config_from_fla(cfg: Mapping[str, Any]) -> Any:

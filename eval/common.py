@@ -302,6 +302,7 @@ def load_checkpoint(
             "damaged; copy them from the export (vocab.json and merges.txt, or tokenizer.json) "
             "or export the checkpoint again"
         )
+    _check_tokenizer_fits(tokenizer, vocab, p)
     from safetensors import SafetensorError
 
     try:
@@ -317,6 +318,21 @@ def load_checkpoint(
         ) from err
     model.to(dev).eval()
     return model, tokenizer
+
+
+def _check_tokenizer_fits(
+    tokenizer: Any,
+    vocab: Any,
+    p: Path,
+    fix: str = "put the tokenizer the model was trained with in the folder",
+) -> None:
+    """Refuse a tokenizer with more tokens than the model's vocabulary: ids the model cannot
+    embed (an IndexError deep in the embedding, at the first text that holds one)."""
+    if isinstance(vocab, int) and not isinstance(vocab, bool) and len(tokenizer) > vocab:
+        raise ValueError(
+            f"the tokenizer of {str(p)!r} has {len(tokenizer)} tokens, more than the model's "
+            f"vocabulary of {vocab} ids: it is not this model's tokenizer; {fix}"
+        )
 
 
 def _load_paper_checkpoint(
@@ -335,6 +351,8 @@ def _load_paper_checkpoint(
         max_len = model.config.max_position_embeddings
         save_hf_tokenizer(tmp, model_max_length=max_len, text_escaping="json")
         tokenizer = AutoTokenizer.from_pretrained(tmp)
+    fix = "fot converts the paper's checkpoints with GPT-2's tokenizer, as the paper's code has"
+    _check_tokenizer_fits(tokenizer, model.config.vocab_size, p, fix)
     print(
         f"{p} is a checkpoint of the paper's code (model_type {model_type}): converted on the "
         "fly as python -m fot.convert converts it, with JSON text escaping as in LongCrawl64; "

@@ -928,6 +928,10 @@ def test_damaged_checkpoint_files_and_devices_are_named(ckpts, tmp_path):
         (folder / "vocab.json").unlink()
         (folder / "merges.txt").unlink()
 
+    def smaller_vocabulary(folder):
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, "vocab_size": 30000}))
+
     cases = [
         (damaged("trunc", truncate), r"weights in .* cannot be loaded .* copy or export"),
         (
@@ -939,6 +943,13 @@ def test_damaged_checkpoint_files_and_devices_are_named(ckpts, tmp_path):
             r"config\.json' is not valid JSON",
         ),
         (damaged("notok", drop_vocabulary), r"has 1 token\(s\) for a model of 50257"),
+        # a tokenizer with ids the model cannot embed (was an IndexError traceback in gates
+        # and needle, which tokenize their texts with it)
+        (
+            damaged("bigtok", smaller_vocabulary),
+            r"tokenizer of .* has 50257 tokens, more than the model's vocabulary of 30000 ids: "
+            r"it is not this model's tokenizer; put the tokenizer the model was trained with",
+        ),
     ]
     for folder, message in cases:
         with pytest.raises((ValueError, FileNotFoundError), match=message):

@@ -1,8 +1,8 @@
 """``python -m fot.eval <command>`` (also the ``fot-eval`` console script).
 
-Every command takes an exported checkpoint folder (or a hub repository id, downloaded), writes machine-readable results, a
-``run_config.json`` and (where useful) a plot under ``--out``, shows progress, and resumes
-from ``--out`` after an interruption.
+Every command takes an exported checkpoint folder (or a hub repository id, downloaded), writes
+machine-readable results, a ``run_config.json`` and (where useful) a plot under ``--out``,
+shows progress, and resumes from ``--out`` after an interruption.
 """
 
 from __future__ import annotations

@@ -208,9 +208,10 @@ class TrainConfig:
     """Start a new run from these weights instead of a random initialisation: a training
     checkpoint (``<run>/checkpoints/step_<n>``), an exported model (``<run>/hf``, the output of
     ``python -m fot.convert``), a FoX or Transformer checkpoint folder of the paper's code or an
-    FLA FoX folder (converted on the fly), or a hub repository id of one (``owner/name``). Only the weights are taken (step, optimizer, schedule
-    and data start from zero), and the config must build the same model (:mod:`fot.training.init_weights`). A run that resumes takes its own
-    checkpoint's weights and ignores it."""
+    FLA FoX folder (converted on the fly), or a hub repository id of one (``owner/name``). Only
+    the weights are taken (step, optimizer, schedule and data start from zero), and the config
+    must build the same model (:mod:`fot.training.init_weights`). A run that resumes takes its
+    own checkpoint's weights and ignores it."""
     export_hf: bool = True
     """Write an HF folder (weights, config, tokenizer) to ``<out_dir>/hf`` at the end."""
     progress: bool = True

@@ -302,7 +302,7 @@ def load_checkpoint(
             "damaged; copy them from the export (vocab.json and merges.txt, or tokenizer.json) "
             "or export the checkpoint again"
         )
-    _check_tokenizer_fits(tokenizer, vocab, p)
+    _record_model_vocab(tokenizer, vocab)
     from safetensors import SafetensorError
 
     try:
@@ -320,19 +320,16 @@ def load_checkpoint(
     return model, tokenizer
 
 
-def _check_tokenizer_fits(
-    tokenizer: Any,
-    vocab: Any,
-    p: Path,
-    fix: str = "put the tokenizer the model was trained with in the folder",
-) -> None:
-    """Refuse a tokenizer with more tokens than the model's vocabulary: ids the model cannot
-    embed (an IndexError deep in the embedding, at the first text that holds one)."""
+MODEL_VOCAB_ATTR = "fot_model_vocab"
+"""Attribute :func:`load_checkpoint` sets on the tokenizer: the model's vocabulary size, which
+:func:`encode_text` checks its ids against."""
+
+
+def _record_model_vocab(tokenizer: Any, vocab: Any) -> None:
+    """Let :func:`encode_text` refuse ids the model cannot embed (a tokenizer with more tokens
+    than the model: an IndexError deep in the embedding otherwise)."""
     if isinstance(vocab, int) and not isinstance(vocab, bool) and len(tokenizer) > vocab:
-        raise ValueError(
-            f"the tokenizer of {str(p)!r} has {len(tokenizer)} tokens, more than the model's "
-            f"vocabulary of {vocab} ids: it is not this model's tokenizer; {fix}"
-        )
+        setattr(tokenizer, MODEL_VOCAB_ATTR, vocab)
 
 
 def _load_paper_checkpoint(
@@ -351,8 +348,7 @@ def _load_paper_checkpoint(
         max_len = model.config.max_position_embeddings
         save_hf_tokenizer(tmp, model_max_length=max_len, text_escaping="json")
         tokenizer = AutoTokenizer.from_pretrained(tmp)
-    fix = "fot converts the paper's checkpoints with GPT-2's tokenizer, as the paper's code has"
-    _check_tokenizer_fits(tokenizer, model.config.vocab_size, p, fix)
+    _record_model_vocab(tokenizer, model.config.vocab_size)
     print(
         f"{p} is a checkpoint of the paper's code (model_type {model_type}): converted on the "
         "fly as python -m fot.convert converts it, with JSON text escaping as in LongCrawl64; "
@@ -436,7 +432,17 @@ def encode_text(tokenizer: Any, text: str) -> list[int]:
     ``model_max_length`` "will result in indexing errors" would be false, so it is not asked for.
     """
     text = escape_text(text, text_escaping_of(tokenizer))
-    return list(tokenizer.encode(text, add_special_tokens=False, verbose=False))
+    ids = list(tokenizer.encode(text, add_special_tokens=False, verbose=False))
+    vocab = getattr(tokenizer, MODEL_VOCAB_ATTR, None)
+    if vocab is not None and ids and max(ids) >= vocab:
+        bad = max(ids)
+        raise ValueError(
+            f"the checkpoint's tokenizer ({len(tokenizer)} tokens) encodes this text with token "
+            f"id {bad} ({tokenizer.decode([bad])!r}), outside its model's vocabulary of {vocab} "
+            "ids: the tokenizer is not the model's; put the tokenizer the model was trained "
+            "with in the checkpoint folder"
+        )
+    return ids
 
 
 def decode_text(tokenizer: Any, ids: Sequence[int]) -> str:

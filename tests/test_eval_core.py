@@ -15,6 +15,7 @@ from fot.eval.common import (
     ResumeMismatchError,
     checkpoint_fingerprint,
     claim_results,
+    encode_text,
     load_checkpoint,
     next_token_argmax,
     parse_int_list,
@@ -388,10 +389,12 @@ def test_a_checkpoint_of_the_papers_code_is_converted_on_the_fly(variant, tmp_pa
     from fot.tokenizer import EOT_ID, get_encoding, text_escaping_of
 
     tiny = Path(__file__).resolve().parent / "paper_checkpoints" / variant
-    with pytest.raises(
-        ValueError, match=r"has 50257 tokens, more than the model's vocabulary of 96"
-    ):
-        load_checkpoint(tiny, device="cpu", dtype="float32")  # GPT-2 ids it cannot embed
+    _, tokenizer = load_checkpoint(tiny, device="cpu", dtype="float32")
+    with pytest.raises(ValueError, match=(
+        r"tokenizer \(50257 tokens\) encodes this text with token id 1[0-9]{4} \(' needle'\), "
+        r"outside its model's vocabulary of 96 ids: the tokenizer is not the model's"
+    )):  # fmt: skip
+        encode_text(tokenizer, "a needle")  # GPT-2 ids the tiny model cannot embed
     # the tiny model with GPT-2's vocabulary: zero rows appended, whose logits are 0
     folder = tmp_path / variant
     folder.mkdir()

@@ -77,7 +77,7 @@ class InitSource:
     paper's code) or ``"fla"`` (FLA's FoX)."""
     config: Any
     """The checkpoint model's config (a ``transformers.PretrainedConfig``)."""
-    paper_config: dict[str, Any] | None = None
+    raw_config: dict[str, Any] | None = None
     """The config.json of a checkpoint that is converted (kinds ``"paper"`` and ``"fla"``)."""
     trained_with: str = ""
     """``model=... size=...`` of a training checkpoint's run ('' for other kinds)."""
@@ -346,9 +346,9 @@ def load_init_weights(source: InitSource, model: nn.Module) -> None:
     elif source.kind in ("paper", "fla"):
         from fot.convert import state_dict_from_fla, state_dict_from_paper
 
-        assert source.paper_config is not None
+        assert source.raw_config is not None
         to_state = state_dict_from_paper if source.kind == "paper" else state_dict_from_fla
-        state = to_state(read_weight_files(source.path), source.paper_config, source.config)
+        state = to_state(read_weight_files(source.path), source.raw_config, source.config)
     else:
         state = read_weight_files(source.path)
     own = model.state_dict()

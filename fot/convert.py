@@ -484,23 +484,23 @@ def from_fla(path: str | os.PathLike, *, dtype: torch.dtype | None = None) -> An
     return _load(path, fot_config_from_fla, state_dict_from_fla, dtype)
 
 
-def convert_folder(path: str | os.PathLike, *, dtype: torch.dtype | None = None) -> Any:
-    """:func:`from_paper` or :func:`from_fla`, by the folder's ``model_type``.
+def source_kind(cfg: Any) -> str:
+    """``"fla"`` for an FLA FoX config.json, ``"paper"`` for one of the paper's attention
+    models.
 
     Raises:
-        ConversionError: a folder of neither, or a setting fot cannot express.
+        ConversionError: a config.json of neither.
     """
-    cfg = read_config(path)
     _check_config_object(cfg)
     if cfg.get("model_type") == FLA_MODEL_TYPE:
-        return from_fla(path, dtype=dtype)
-    if cfg.get("model_type") not in PAPER_MODEL_TYPES:
-        raise ConversionError(
-            f"config.json has model_type {cfg.get('model_type')!r}: fot converts the paper's "
-            f"attention models ({', '.join(PAPER_MODEL_TYPES)}) and FLA's FoX "
-            f"({FLA_MODEL_TYPE}); the paper's recurrent baselines are FLA models of other types"
-        )
-    return from_paper(path, dtype=dtype)
+        return "fla"
+    if cfg.get("model_type") in PAPER_MODEL_TYPES:
+        return "paper"
+    raise ConversionError(
+        f"config.json has model_type {cfg.get('model_type')!r}: fot converts the paper's "
+        f"attention models ({', '.join(PAPER_MODEL_TYPES)}) and FLA's FoX ({FLA_MODEL_TYPE}); "
+        "the paper's recurrent baselines are FLA models of other types"
+    )
 
 
 def copy_tokenizer(src: str | os.PathLike, out: str | os.PathLike, text_escaping: str) -> list[str]:
@@ -553,9 +553,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     copied: list[str] = []
     try:
         src = local_folder(args.src)
-        cfg = read_config(src)
-        fla = isinstance(cfg, Mapping) and cfg.get("model_type") == FLA_MODEL_TYPE
-        model = convert_folder(src)
+        fla = source_kind(read_config(src)) == "fla"
+        model = from_fla(src) if fla else from_paper(src)
         if fla:
             escaping = args.text_escaping or "none"
             out = export_hf(model, args.out, tokenizer=False)

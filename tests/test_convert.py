@@ -417,3 +417,12 @@ def test_a_hub_repository_without_safetensors_downloads_its_bin_weights(tmp_path
     monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
     assert local_folder("owner/name") == PAPER / "fox_pro"
     assert "*.bin" not in asked[0] and asked[1] == ["*.bin"]
+
+
+def test_the_command_names_a_model_type_it_does_not_convert(tmp_path, capsys) -> None:
+    folder = _copy(tmp_path, config={"model_type": "mamba2-project_fox"})
+    assert main([str(folder), str(tmp_path / "out")]) == 2
+    assert "model_type 'mamba2-project_fox': fot converts the paper's attention models" in (
+        capsys.readouterr().err
+    )
+    assert not (tmp_path / "out").exists()

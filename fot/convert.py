@@ -332,6 +332,11 @@ def read_config(path: str | os.PathLike) -> Any:
         ConversionError: no such file, or not JSON.
     """
     folder = Path(path)
+    if not folder.is_dir():
+        raise ConversionError(
+            f"{str(folder)!r} is no folder: pass the folder of a checkpoint (downloaded or "
+            "copied whole), or a hub repository id (owner/name)"
+        )
     if not (folder / "config.json").is_file():
         raise ConversionError(
             f"{str(folder)!r} has no config.json: pass the folder of a checkpoint (downloaded "

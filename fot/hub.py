@@ -25,8 +25,13 @@ class HubDownloadError(FotError, ValueError):
 
 
 def is_hub_repo_id(src: str) -> bool:
-    """Whether ``src`` names a hub repository: ``owner/name`` and no such local path."""
-    return bool(HUB_REPO_ID.match(src)) and not Path(src).expanduser().exists()
+    """Whether ``src`` names a hub repository: ``owner/name``, no such local path, and no local
+    folder ``owner`` (``runs/hf`` with a folder ``runs`` here is a local path with a typo, whose
+    error the caller names, not a repository to download)."""
+    if not HUB_REPO_ID.match(src):
+        return False
+    path = Path(src).expanduser()
+    return not path.exists() and not path.parent.is_dir()
 
 
 def local_folder(src: str) -> Path:

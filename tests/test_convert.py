@@ -159,6 +159,10 @@ def test_what_fot_cannot_express_is_refused_by_name(tmp_path, change, message) -
 def test_the_command_names_a_bad_folder_in_one_line_with_status_2(tmp_path, capsys) -> None:
     assert main([str(tmp_path / "missing"), str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
+    assert err.startswith("python -m fot.convert: error: ") and "' is no folder: pass" in err
+    (tmp_path / "empty").mkdir()
+    assert main([str(tmp_path / "empty"), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
     assert err.startswith("python -m fot.convert: error: ") and "has no config.json" in err
     assert not (tmp_path / "out").exists()
 
@@ -398,6 +402,26 @@ def test_a_local_folder_named_like_a_hub_id_is_the_folder(tmp_path, monkeypatch)
     shutil.copytree(PAPER / "fox_pro", tmp_path / "owner" / "name")
     assert local_folder("owner/name") == Path("owner/name")
     assert main(["owner/name", str(tmp_path / "fot")]) == 0
+
+
+def test_a_missing_folder_under_a_local_folder_is_no_hub_id(tmp_path, monkeypatch, capsys):
+    """``runs/hf`` with a folder ``runs`` here is a typo'd local path: named as such, never
+    downloaded (which would append the hub's offline error to the message)."""
+    import huggingface_hub
+
+    from fot.hub import is_hub_repo_id
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda *a, **k: 1 / 0)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    assert not is_hub_repo_id("runs/hf")
+    assert is_hub_repo_id("owner/name") and not is_hub_repo_id("runs/hf/x")
+    assert main(["runs/hf", str(tmp_path / "fot")]) == 2
+    line = capsys.readouterr().err.splitlines()[0]
+    assert line == (
+        "python -m fot.convert: error: 'runs/hf' is no folder: pass the folder of a checkpoint "
+        "(downloaded or copied whole), or a hub repository id (owner/name)"
+    ), line
 
 
 def test_a_hub_repository_without_safetensors_downloads_its_bin_weights(tmp_path, monkeypatch):

@@ -115,7 +115,14 @@ if __name__ == "__main__":
     if problem is not None:
         print(f"train.py: error: {problem}", file=sys.stderr)
         sys.exit(2)
+    from fot.errors import USER_ERRORS, error_line
     from fot.training.config import register_configs  # imports torch and transformers
+    from fot.training.parallel import adopt_slurm_tasks
 
+    try:
+        adopt_slurm_tasks("train.py")  # `srun python train.py` with several tasks
+    except USER_ERRORS as err:
+        print(error_line("train.py", err, traceback_variable="HYDRA_FULL_ERROR"), file=sys.stderr)
+        sys.exit(2)
     register_configs()
     main()

@@ -97,6 +97,17 @@ def main(argv: Sequence[str] | None = None) -> Any:
             f"`{command}` needs the package {missing!r}, which is not installed: "
             "pip install 'fot[eval]' (or pip install lm-eval)"
         )
+    from fot.training.parallel import adopt_slurm_tasks
+
+    adopt_slurm_tasks(program_name())  # `srun python -m fot.eval ...` with several tasks
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and args._module != "per_token_loss":
+        command = next(name for name in COMMANDS if COMMANDS[name][0] == args._module)
+        raise ValueError(
+            f"`{command}` runs in one process, but {world} were started (torchrun or srun), "
+            "each of which would run all of it into the same --out: start it as one process "
+            "(per-token-loss is the command that splits its documents over processes)"
+        )
     if getattr(args, "checkpoint", None) and is_hub_repo_id(args.checkpoint):
         # the local copy from here on; run_config.json's arguments keep the id
         args.checkpoint_hub_id = args.checkpoint

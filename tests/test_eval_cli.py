@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from eval_helpers import QUESTIONS, make_llama_checkpoint, make_trained_fot_checkpoint
+from srun_tasks import srun_environments
 from zarr_arrays import new_array
 
 from fot.eval.__main__ import build_parser, main
@@ -180,14 +181,32 @@ def test_per_token_loss_sources_and_resume(ckpts, tmp_path, which):
     assert t["num_documents"] == 2
 
 
-def test_per_token_loss_under_torchrun_equals_single_process(ckpts, tmp_path):
-    """Two CPU ranks (gloo) split the documents; the all-reduced L(i) is the same."""
+@pytest.mark.parametrize("launcher", ["torchrun", "srun"])
+def test_per_token_loss_under_torchrun_equals_single_process(ckpts, tmp_path, launcher):
+    """Two CPU ranks (gloo) split the documents; the all-reduced L(i) is the same. ``srun``:
+    two plain processes with the variables srun gives the two tasks of a job step."""
     ck = str(ckpts["llama"])
     common = ["per-token-loss", ck, "--length", "40", "--max-docs", "3", "--device", "cpu"]
     single = main([*common, "--out", str(tmp_path / "one")])
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-           "2", "-m", "fot.eval", *common, "--out", str(tmp_path / "two")]  # fmt: skip
-    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+    if launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+               "2", "-m", "fot.eval", *common, "--out", str(tmp_path / "two")]  # fmt: skip
+        subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+    else:
+        cmd = [sys.executable, "-m", "fot.eval", *common, "--out", str(tmp_path / "two")]
+        procs = [
+            subprocess.Popen(
+                cmd,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for env in srun_environments(2)
+        ]
+        outputs = [p.communicate(timeout=300)[0] for p in procs]
+        assert [p.returncode for p in procs] == [0, 0], outputs
+        assert "srun started 2 tasks without torchrun" in outputs[0]
     a = np.load(tmp_path / "one" / "per_token_loss.npz")
     b = np.load(tmp_path / "two" / "per_token_loss.npz")
     np.testing.assert_array_equal(b["count"], np.full(40, 3))  # every document counted once
@@ -195,6 +214,15 @@ def test_per_token_loss_under_torchrun_equals_single_process(ckpts, tmp_path):
     assert (tmp_path / "two" / "state_rank1.npz").is_file()
     assert json.loads((tmp_path / "two" / "summary.json").read_text())["num_documents"] == 3
     assert single["num_documents"] == 3
+
+
+def test_a_one_process_command_under_several_processes_is_refused(ckpts, tmp_path, monkeypatch):
+    """Every process of torchrun/srun would run the whole needle grid into the same --out."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    out = tmp_path / "n"
+    with pytest.raises(ValueError, match=r"^`needle` runs in one process, but 2 were started"):
+        main(["needle", str(ckpts["llama"]), "--mode", "passkey", "--out", str(out)])
+    assert not out.exists()
 
 
 def test_needle_and_passkey_resume(ckpts, tmp_path):

@@ -19,6 +19,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
+from srun_tasks import free_port, srun_environments
 from zarr_arrays import new_array
 
 from fot.training import TrainingDivergedError, TrainingStopped, register_configs, train
@@ -255,14 +256,6 @@ def one_process_run(tmp_path_factory) -> tuple[Path, dict]:
     return single, train(_cfg(single, *_COMMON))
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _fsdp_refused_over_gloo() -> bool:
     """Whether this torch's FSDP2 is refused over gloo (it sums the gradients there)."""
     try:
@@ -272,15 +265,18 @@ def _fsdp_refused_over_gloo() -> bool:
     return False
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_two_processes_equal_one(tmp_path, strategy: str, one_process_run) -> None:
+@pytest.mark.parametrize(
+    ("strategy", "launcher"), [("ddp", "torchrun"), ("fsdp", "torchrun"), ("ddp", "srun")]
+)
+def test_two_processes_equal_one(tmp_path, strategy: str, launcher: str, one_process_run) -> None:
     """Same global batch in one process (2 micro batches) and in two (1 each, gloo).
 
     DDP runs as two "nodes" joined by torchrun's c10d rendezvous (the multi-node path, here on
-    one host); FSDP2 as one node with two processes.
+    one host); FSDP2 as one node with two processes. ``srun``: two plain ``python train.py``
+    processes with the variables srun gives the two tasks of a job step (no torchrun).
     """
     single, res1 = one_process_run
-    multi = tmp_path / strategy
+    multi = tmp_path / f"{strategy}-{launcher}"
     script = [
         str(ROOT / "train.py"),
         *SMALL,
@@ -291,21 +287,29 @@ def test_two_processes_equal_one(tmp_path, strategy: str, one_process_run) -> No
     ]
     run = [sys.executable, "-m", "torch.distributed.run"]
     env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    if strategy == "ddp":
-        rdzv = [f"--rdzv_endpoint=127.0.0.1:{_free_port()}", "--rdzv_backend=c10d", "--rdzv_id=t"]
+    envs = [env]
+    if launcher == "srun":
+        launchers = [[sys.executable, *script]] * 2
+        envs = srun_environments(2, **env)
+    elif strategy == "ddp":
+        rdzv = [f"--rdzv_endpoint=127.0.0.1:{free_port()}", "--rdzv_backend=c10d", "--rdzv_id=t"]
         launchers = [
             [*run, "--nnodes=2", "--nproc_per_node=1", f"--node_rank={n}", *rdzv, *script]
             for n in (0, 1)
         ]
+        envs = [env, env]
     else:
         launchers = [[*run, "--standalone", "--nproc_per_node=2", *script]]
     procs = [
         subprocess.Popen(
-            cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            cmd, cwd=tmp_path, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
-        for cmd in launchers
+        for cmd, e in zip(launchers, envs, strict=True)
     ]
     outputs = [p.communicate(timeout=300)[0] for p in procs]
+    if launcher == "srun":  # rank 0 says what it did; the other says nothing of it
+        assert "srun started 2 tasks without torchrun" in outputs[0], outputs[0][-3000:]
+        assert "srun started" not in outputs[1]
     if strategy == "fsdp" and _fsdp_refused_over_gloo():
         assert procs[0].returncode != 0 and "parallel=fsdp over gloo needs torch" in outputs[0]
         assert not (multi / "checkpoints").exists()

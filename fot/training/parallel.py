@@ -7,6 +7,7 @@ import contextlib
 import functools
 import logging
 import os
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -46,11 +47,30 @@ class DistInfo:
         return self.world_size > 1
 
 
+def adopt_slurm_tasks(prog: str) -> dict[str, str]:
+    """Under ``srun`` with several tasks and no torchrun: set torchrun's variables in
+    ``os.environ`` from Slurm's (:func:`fot.slurm.torchrun_variables`), so that the tasks join
+    one process group; rank 0 says so on stderr, naming ``prog``. Returns the variables set
+    (empty when there was nothing to do)."""
+    from fot.slurm import torchrun_variables
+
+    found = torchrun_variables(os.environ, torch.cuda.device_count())
+    os.environ.update(found)
+    if found and int(os.environ["RANK"]) == 0:
+        print(
+            f"{prog}: srun started {os.environ['WORLD_SIZE']} tasks without torchrun; they "
+            f"form one process group (MASTER_ADDR={os.environ['MASTER_ADDR']}, "
+            f"MASTER_PORT={os.environ['MASTER_PORT']})",
+            file=sys.stderr,
+        )
+    return found
+
+
 def init_distributed(device: str = "auto", backend: str = "auto") -> DistInfo:
     """Set up the process group under torchrun (``WORLD_SIZE`` > 1), or a single process.
 
     Several nodes work through torchrun's own rendezvous (``--nnodes``, ``--rdzv_endpoint``);
-    this function only reads the environment torchrun sets.
+    this function only reads the environment torchrun sets (or :func:`adopt_slurm_tasks`).
 
     Args:
         device: ``auto`` (CUDA if available), ``cpu`` or ``cuda``.
@@ -68,7 +88,8 @@ def init_distributed(device: str = "auto", backend: str = "auto") -> DistInfo:
         if local_rank >= torch.cuda.device_count():
             raise ValueError(
                 f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} CUDA devices are "
-                "visible; use --nproc_per_node <= the number of GPUs"
+                "visible; start at most one process per GPU (torchrun --nproc_per_node, srun "
+                "--ntasks-per-node)"
             )
         dev = torch.device("cuda", local_rank)
         torch.cuda.set_device(dev)

@@ -13,7 +13,7 @@ from transformers.models.auto.modeling_auto import (  # noqa: E402
     MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as _MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
 )
 
-from fot import export, presets, tokenizer  # noqa: E402
+from fot import presets, tokenizer  # noqa: E402
 from fot.models import FoTConfig, FoTForCausalLM, FoTModel  # noqa: E402
 
 # `import fot` makes AutoConfig / AutoModelForCausalLM know model_type "fot".
@@ -26,6 +26,17 @@ _AutoModelForCausalLM.register(FoTConfig, FoTForCausalLM, exist_ok=True)
 _MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.setdefault(FoTConfig.model_type, FoTForCausalLM.__name__)
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    """``fot.export`` is imported on first use, not by ``import fot``: ``python -m fot.export``
+    then runs a module that is not imported yet (runpy warns about one that is)."""
+    if name == "export":
+        import importlib
+
+        return importlib.import_module("fot.export")
+    raise AttributeError(f"module 'fot' has no attribute {name!r}")
+
 
 __all__ = [
     "FoTConfig",

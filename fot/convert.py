@@ -530,7 +530,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``python -m fot.convert SRC OUT``: write a checkpoint of the paper's code or of FLA's FoX
     as a fot export."""
     from fot.errors import USER_ERRORS, error_line
-    from fot.export import export_hf
+    from fot.export import check_export_folder, export_hf
     from fot.hub import local_folder
 
     parser = argparse.ArgumentParser(
@@ -545,7 +545,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the checkpoint's folder (config.json and weights), or a hub repository id "
         "(owner/name, e.g. zhixuan-lin/fox-pro-760m-longcrawl64-48b) to download",
     )
-    parser.add_argument("out", help="the folder to write (new or empty)")
+    parser.add_argument("out", help="the folder to write (new, empty, or an earlier export)")
     parser.add_argument(
         "--text-escaping",
         choices=["json", "none"],
@@ -557,6 +557,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args_naming_typos(parser, argv)
     copied: list[str] = []
     try:
+        check_export_folder(args.out, example="checkpoints/fox_pro_760m")
         src = local_folder(args.src)
         fla = source_kind(read_config(src)) == "fla"
         model = from_fla(src) if fla else from_paper(src)

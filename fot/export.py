@@ -238,6 +238,30 @@ def export_hf(
     return out
 
 
+def check_export_folder(path: str | os.PathLike, example: str) -> None:
+    """Refuse ``path`` as the output of an export command unless it is new, empty or an
+    earlier export of a fot model: a run folder or a project's root would get a model's files
+    mixed into its own (``export_hf`` itself keeps other files beside an export).
+
+    Args:
+        path: the folder the command would write.
+        example: a folder to suggest instead, e.g. ``"<run>/hf_step_<n>"``.
+
+    Raises:
+        FileExistsError: ``path`` holds other files; the message names some of them.
+    """
+    out = Path(path)
+    if not out.is_dir() or _is_fot_export(out):
+        return
+    names = sorted(p.name for p in out.iterdir())
+    if names:
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        raise FileExistsError(
+            f"{out} is not empty ({shown}) and holds no earlier export: the export goes into a "
+            f"folder of its own (new, empty or an earlier export), e.g. {example}"
+        )
+
+
 def _is_fot_export(folder: Path) -> bool:
     """Whether ``folder`` holds a model saved from fot (its ``config.json`` names the fot model
     type or the remote-code shims of :func:`remote_code_auto_map`)."""

@@ -16,6 +16,8 @@ import logging
 import re
 import shlex
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -420,6 +422,9 @@ def test_a_training_checkpoint_exports_as_the_run_exports_its_final_weights(
          r"folder: pass one of its checkpoints, e.g. .*step_00000004"),
         (("{run}/checkpoints/step_00000004", "{run}/checkpoints/step_00000002"),
          r"step_00000002 is a training checkpoint: the export goes into a folder of its own"),
+        (("{run}/checkpoints/step_00000004", "{run}"),
+         r"is not empty \(checkpoints, final.json, hf, metrics.jsonl, run_info.json(, \S+)*\) "
+         r"and holds no earlier export: the export goes into a folder of its own"),
     ],
 )  # fmt: skip
 def test_export_names_a_folder_that_is_no_checkpoint_and_a_checkpoint_as_out(
@@ -432,6 +437,19 @@ def test_export_names_a_folder_that_is_no_checkpoint_and_a_checkpoint_as_out(
     err = capsys.readouterr().err
     assert err.startswith("python -m fot.export: error: ") and re.search(message, err), err
     assert not (source_run / "checkpoints" / "step_00000002" / "config.json").exists()
+    assert not (source_run / "config.json").exists()
+
+
+def test_export_replaces_an_earlier_export_and_runs_without_warnings(tmp_path, source_run):
+    """``python -m fot.export`` twice into one folder (the second replaces the first), with
+    warnings as errors: runpy warns when ``import fot`` has imported fot.export already."""
+    out = tmp_path / "hf_step"
+    for step in ("00000002", "00000004"):
+        cmd = [sys.executable, "-W", "error", "-m", "fot.export",
+               str(source_run / "checkpoints" / f"step_{step}"), str(out)]  # fmt: skip
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0 and "Warning" not in res.stderr, res.stderr
+    assert json.loads((out / "config.json").read_text())["model_type"] == "fot"
 
 
 def test_export_names_a_checkpoint_whose_weights_are_of_another_model(

@@ -165,6 +165,12 @@ def test_the_command_names_a_bad_folder_in_one_line_with_status_2(tmp_path, caps
     err = capsys.readouterr().err
     assert err.startswith("python -m fot.convert: error: ") and "has no config.json" in err
     assert not (tmp_path / "out").exists()
+    # a folder with other files (here the source itself) is no place for the export
+    (tmp_path / "empty" / "notes.txt").write_text("mine")
+    assert main([str(PAPER / "fox_pro"), str(tmp_path / "empty")]) == 2
+    err = capsys.readouterr().err
+    assert "/empty is not empty (notes.txt) and holds no earlier export" in err, err
+    assert sorted(p.name for p in (tmp_path / "empty").iterdir()) == ["notes.txt"]
 
 
 @pytest.mark.gpu

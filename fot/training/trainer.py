@@ -354,10 +354,10 @@ def export_checkpoint(path: str | os.PathLike, out: str | os.PathLike) -> Path:
 
     Raises:
         FileNotFoundError, ckpt.CorruptCheckpointError: ``path`` is no readable checkpoint.
-        FileExistsError, NotADirectoryError: ``out`` holds other files, or is a file
-            (:func:`fot.export.export_hf`).
+        FileExistsError, NotADirectoryError: ``out`` holds other files and no earlier
+            export (:func:`fot.export.check_export_folder`), or is a file.
     """
-    from fot.export import export_hf
+    from fot.export import check_export_folder, export_hf
 
     p, o = Path(path), Path(out)
     if not (p / "trainer.json").is_file():
@@ -373,6 +373,7 @@ def export_checkpoint(path: str | os.PathLike, out: str | os.PathLike) -> Path:
             f"{o} is a training checkpoint: the export goes into a folder of its own (new, "
             "empty or an earlier export), e.g. <run>/hf_step_<n>"
         )
+    check_export_folder(o, example="<run>/hf_step_<n>")
     cfg = checkpoint_config(path)
     hf_config = model_config_from_train_config(cfg)
     hf_config.train_length, escaping = export_settings(cfg)

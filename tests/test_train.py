@@ -1455,6 +1455,9 @@ def test_resume_warns_where_the_optimizer_or_lr_schedule_differ(tmp_path) -> Non
     )
     assert "optim.lr=0.01 (checkpoint) vs 0.02" in notes[0]
     assert "schedule.min_lr_ratio=0.1 (checkpoint) vs 0.0" in notes[0]
+    notes = check_resume(saved, _cfg(tmp_path, f"seed={was.seed + 5}"), path)
+    assert len(notes) == 1, notes
+    assert f"with seed={was.seed + 5}, but the checkpoint run's seed={was.seed} stays" in notes[0]
 
 
 def test_validation_lost_at_the_checkpoint_step_runs_on_resume(tmp_path, monkeypatch) -> None:

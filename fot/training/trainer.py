@@ -500,7 +500,8 @@ def check_resume(saved: dict[str, Any], cfg: Any, path: Path) -> list[str]:
         field of :data:`DATA_SOURCE_FIELDS` (where the training data is read from; the data
         position is the checkpoint's), other AdamW settings (betas, eps, weight decay, clip),
         or a learning rate at the next step that differs from the checkpoint run's (``optim.lr``,
-        ``schedule``, ``total_tokens``); the run goes on with this run's values.
+        ``schedule``, ``total_tokens``); the run goes on with this run's values. Another
+        ``seed`` is named too: it changes nothing in a resumed run.
 
     Raises:
         ValueError: the checkpoint's model (``model.name``, ``size.name``, any other
@@ -540,6 +541,14 @@ def check_resume(saved: dict[str, Any], cfg: Any, path: Path) -> list[str]:
                 if key in was_data and was_data[key] != data[key]:
                     changed.append(f"data.{key}={was_data[key]} (checkpoint) vs {data[key]}")
             changed += _optim_changes(config, now, saved, cfg)
+    seed_note = []
+    if isinstance(config, dict) and config.get("seed", cfg.seed) != cfg.seed:
+        seed_note.append(
+            f"resuming from {path} with seed={cfg.seed}, but the checkpoint run's seed={config['seed']}"
+            " stays: the seed only draws the initial weights, and the weights and random state are "
+            "the checkpoint's; to train with another seed, start a new run "
+            "(another out_dir, or resume=never)"
+        )
     if differences:
         raise ValueError(
             f"cannot resume from checkpoint {path}: it was trained with other settings: "
@@ -559,7 +568,7 @@ def check_resume(saved: dict[str, Any], cfg: Any, path: Path) -> list[str]:
         "model and training state are the checkpoint's, but losses may differ from an "
         "uninterrupted run in rounding"
         for line in changed
-    ]
+    ] + seed_note
 
 
 def _optim_changes(

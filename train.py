@@ -80,6 +80,13 @@ def main(cfg: DictConfig) -> None:
     from fot.training.signals import TrainingStopped
 
     hydra_cfg = HydraConfig.get()
+
+    def interrupted() -> None:
+        if int(os.environ.get("RANK", "0")) == 0:  # torchrun interrupts every rank
+            out_dir = cfg.out_dir or hydra_cfg.runtime.output_dir
+            print(f"\ntrain.py: {interrupted_message(out_dir)}", file=sys.stderr)
+        sys.exit(130)
+
     try:
         check_multirun_out_dir(cfg, multirun=hydra_cfg.mode == RunMode.MULTIRUN)
         if cfg.out_dir is None:
@@ -92,10 +99,7 @@ def main(cfg: DictConfig) -> None:
     except KeyboardInterrupt:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
-        if int(os.environ.get("RANK", "0")) == 0:  # torchrun interrupts every rank
-            out_dir = cfg.out_dir or hydra_cfg.runtime.output_dir
-            print(f"\ntrain.py: {interrupted_message(out_dir)}", file=sys.stderr)
-        sys.exit(130)
+        interrupted()
     except USER_ERRORS as err:
         # These name the bad value and the fix (fot.errors): the message is what the user needs,
         # and a traceback above it only hides it (HYDRA_FULL_ERROR=1 shows it, as for Hydra's).
@@ -108,6 +112,14 @@ def main(cfg: DictConfig) -> None:
         )
         print(error_line(prog, err, traceback_variable="HYDRA_FULL_ERROR"), file=sys.stderr)
         sys.exit(2)
+    except RuntimeError as err:
+        # Ctrl-C inside a C++ writer (torch.save, safetensors) ends in the writer's RuntimeError
+        if (
+            not isinstance(err.__context__, KeyboardInterrupt)
+            or os.environ.get("HYDRA_FULL_ERROR") == "1"
+        ):
+            raise
+        interrupted()
 
 
 if __name__ == "__main__":

@@ -1569,6 +1569,47 @@ def test_ctrl_c_says_which_checkpoint_is_kept_and_how_to_resume(tmp_path) -> Non
     assert json.loads((run / "run_info.json").read_text())[-1]["resumed_from"] == str(latest)
 
 
+@pytest.mark.parametrize("presses", [1, 2])
+def test_ctrl_c_while_a_checkpoint_is_written(tmp_path, monkeypatch, capsys, presses) -> None:
+    """Ctrl-C inside torch.save used to leave half a checkpoint and end in torch's zip-writer
+    RuntimeError (a traceback, status 1): now the checkpoint is finished first, then the run
+    stops (KeyboardInterrupt); a second Ctrl-C stops at once, as a KeyboardInterrupt too."""
+    import io
+    import signal
+
+    from fot.training import checkpoint
+
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.AdamW(model.parameters())
+    state = {"step": 1, "tokens": 1, "data": {}, "sizes": {}}
+
+    class Interrupting(io.BytesIO):  # Ctrl-C arrives while torch.save writes the weights
+        def write(self, data) -> int:
+            if presses > len(sent):
+                sent.append(1)
+                os.kill(os.getpid(), signal.SIGINT)  # the handler runs before the next bytecode
+            return super().write(data)
+
+    def interrupted_save(obj, path):
+        buffer = Interrupting() if path.name == "model.pt" else io.BytesIO()
+        torch.save(obj, buffer)
+        path.write_bytes(buffer.getvalue())
+
+    sent: list[int] = []
+    monkeypatch.setattr(checkpoint, "_save", interrupted_save)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save_checkpoint(tmp_path, step=1, model=model, optimizer=opt,
+                                   trainer_state=state, keep_last=1, is_main=True)  # fmt: skip
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
+    assert "Ctrl-C: finishing the checkpoint of step 1 first" in capsys.readouterr().err
+    if presses == 1:  # complete, and loadable
+        assert checkpoint.list_checkpoints(tmp_path) == [tmp_path / "step_00000001"]
+        loaded = torch.load(tmp_path / "step_00000001" / "model.pt")
+        assert torch.equal(loaded["weight"], model.weight)
+    else:  # stopped at once: no checkpoint counts (the .tmp folder is cleaned at the next start)
+        assert checkpoint.list_checkpoints(tmp_path) == []
+
+
 def test_rerunning_a_finished_run_changes_nothing(tmp_path, caplog) -> None:
     """resume=auto on a finished run used to validate and export again and log the final
     validation twice; now it returns the saved results and says how to train on."""

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fot.errors import FotError
+from fot.training.signals import finish_before_ctrl_c
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 ABANDONED_PREFIX = ".abandoned-"
@@ -198,7 +199,8 @@ def save_checkpoint(
     keep_last: int,
     is_main: bool,
 ) -> Path:
-    """Write a checkpoint atomically (all ranks call this; rank 0 writes).
+    """Write a checkpoint atomically (all ranks call this; rank 0 writes). Ctrl-C while it is
+    written stops the run once it is complete (:func:`fot.training.signals.finish_before_ctrl_c`).
 
     Args:
         ckpt_dir: the run's ``checkpoints`` folder.
@@ -212,7 +214,28 @@ def save_checkpoint(
     Returns:
         The checkpoint folder.
     """
-    root = Path(ckpt_dir)
+    with finish_before_ctrl_c(f"the checkpoint of step {step}", announce=is_main):
+        return _save_checkpoint(
+            Path(ckpt_dir),
+            step=step,
+            model=model,
+            optimizer=optimizer,
+            trainer_state=trainer_state,
+            keep_last=keep_last,
+            is_main=is_main,
+        )
+
+
+def _save_checkpoint(
+    root: Path,
+    *,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    trainer_state: dict[str, Any],
+    keep_last: int,
+    is_main: bool,
+) -> Path:
     final = root / f"step_{step:08d}"
     model_state = gather_model_state(model)
     optim_state = gather_optim_state(model, optimizer)

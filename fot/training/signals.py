@@ -8,13 +8,17 @@ signal only sets a flag; the trainer asks :meth:`StopOnSigterm.agreed` after eve
 once it says yes every rank writes a checkpoint of that same step and the run ends with
 :class:`TrainingStopped` (``train.py`` then exits with status 143, as a process killed by
 SIGTERM does, and says how to resume). Further SIGTERMs change nothing: a rank may get two
-(e.g. the scheduler's and torchrun's). Ctrl-C (SIGINT) and SIGKILL still stop at once.
+(e.g. the scheduler's and torchrun's). Ctrl-C (SIGINT) and SIGKILL still stop at once, except
+that Ctrl-C while a checkpoint is written lets it finish first (:func:`finish_before_ctrl_c`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import signal
+import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
 
@@ -88,3 +92,48 @@ class StopOnSigterm:
         flag = torch.tensor([int(self.signalled)], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
         return bool(flag.item())
+
+
+@contextlib.contextmanager
+def finish_before_ctrl_c(what: str, *, announce: bool) -> Iterator[None]:
+    """Ctrl-C (SIGINT) inside the block lets the block finish, then raises
+    :class:`KeyboardInterrupt`; a second Ctrl-C raises it at once.
+
+    Around a checkpoint's write: interrupted inside ``torch.save``, torch ends in a
+    ``RuntimeError`` of its zip writer and leaves half a checkpoint; finished, the run stops
+    with the checkpoint of that step complete. Outside the main thread, or where SIGINT has a
+    handler other than Python's default, nothing changes.
+
+    Args:
+        what: what is being finished, for the line printed on the first Ctrl-C.
+        announce: print that line (rank 0); every rank defers alike.
+    """
+    main = threading.current_thread() is threading.main_thread()
+    if not main or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+    pending: list[bool] = []
+
+    def handle(signum: int, frame: FrameType | None) -> None:
+        if pending:
+            raise KeyboardInterrupt
+        pending.append(True)
+        if announce:
+            print(
+                f"\nCtrl-C: finishing {what} first (Ctrl-C again stops at once, leaving it "
+                "unfinished)",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    signal.signal(signal.SIGINT, handle)
+    try:
+        yield
+    except RuntimeError:
+        if pending:  # torch's writer, stopped by the second Ctrl-C
+            raise KeyboardInterrupt from None
+        raise
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if pending:
+        raise KeyboardInterrupt

@@ -1569,6 +1569,32 @@ def test_ctrl_c_says_which_checkpoint_is_kept_and_how_to_resume(tmp_path) -> Non
     assert json.loads((run / "run_info.json").read_text())[-1]["resumed_from"] == str(latest)
 
 
+def test_a_run_folder_in_use_by_another_run_is_refused(tmp_path) -> None:
+    """Two runs in one folder (one out_dir, or Hydra's outputs/<date>/<time>/ for two runs
+    started in the same second) wrote each other's checkpoints and metrics: the second is
+    refused, naming the first, and changes nothing there; once the first ends, the folder is
+    free again."""
+    import fcntl
+
+    from fot.training.checkpoint import RUN_LOCK, RunFolderInUseError
+
+    out = tmp_path / "run"
+    out.mkdir()
+    with open(out / RUN_LOCK, "a+") as held:  # another run's lock
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held.write("pid 4242 on node7, started 2026-11-28 10:00:00\n")
+        held.flush()
+        with pytest.raises(
+            RunFolderInUseError, match=r"/run is in use by another run \(pid 4242 on node7, started"
+        ):
+            train(_cfg(out))
+        assert [p.name for p in out.iterdir()] == [RUN_LOCK]
+    first = train(_cfg(out, "total_tokens=1024"))
+    assert "pid" in (out / RUN_LOCK).read_text()  # this run's record
+    again = train(_cfg(out, "total_tokens=1024"))  # released when the run ended
+    assert again == first
+
+
 @pytest.mark.parametrize("presses", [1, 2])
 def test_ctrl_c_while_a_checkpoint_is_written(tmp_path, monkeypatch, capsys, presses) -> None:
     """Ctrl-C inside torch.save used to leave half a checkpoint and end in torch's zip-writer

@@ -324,6 +324,74 @@ def clean_stale(ckpt_dir: str | os.PathLike) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
+RUN_LOCK = ".run.lock"
+"""The file in a run folder that :class:`RunFolderLock` locks."""
+
+
+class RunFolderInUseError(FotError, RuntimeError):
+    """Another run is training in the run folder."""
+
+
+class RunFolderLock:
+    """An exclusive lock on a run folder, held by rank 0 while a run trains in it.
+
+    Two runs in one folder (the same ``out_dir``, or two runs that Hydra gave the same
+    ``outputs/<date>/<time>/`` because they started in the same second) would write each other's
+    checkpoints, metrics and ``final.json``. The second one is refused instead, naming the first.
+    The lock is ``flock`` on :data:`RUN_LOCK` (which records the holder's process id, host and
+    start time), so a run that dies releases it; on a file system without ``flock`` (some network
+    mounts) there is no lock. The file stays behind: removing it could let two runs lock it.
+
+    Args:
+        out_dir: the run folder.
+    """
+
+    def __init__(self, out_dir: str | os.PathLike) -> None:
+        self.path = Path(out_dir) / RUN_LOCK
+        self._file: Any = None
+
+    def take(self) -> None:
+        """Take the lock if the folder exists and it is not held yet (a no-op otherwise).
+
+        Raises:
+            RunFolderInUseError: another process holds it; the message names it and the fix.
+        """
+        import fcntl
+        import socket
+        import time
+
+        if self._file is not None or not self.path.parent.is_dir():
+            return
+        f = open(self.path, "a+")  # noqa: SIM115 - held open while the run trains
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "a process that recorded nothing"
+            f.close()
+            raise RunFolderInUseError(
+                f"{self.path.parent} is in use by another run ({holder}): two runs in one folder "
+                "would mix their checkpoints and metrics. Pass another out_dir=..., or wait for "
+                "that run to end (runs started in the same second without out_dir get the same "
+                "outputs/<date>/<time>/ folder: give each its own out_dir)"
+            ) from None
+        except OSError:  # no flock on this file system
+            f.close()
+            return
+        f.seek(0)
+        f.truncate()
+        started = time.strftime("%Y-%m-%d %H:%M:%S")
+        f.write(f"pid {os.getpid()} on {socket.gethostname()}, started {started}\n")
+        f.flush()
+        self._file = f
+
+    def release(self) -> None:
+        """Let the lock go (the run ended, or failed)."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
 def load_checkpoint(
     path: str | os.PathLike,
     *,

@@ -694,18 +694,34 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     every = int(cfg.gc_every_steps)
     if every < 0:
         raise ValueError(f"gc_every_steps must be >= 0 (0: automatic collection), got {every}")
-    if every == 0 or not gc.isenabled():
-        return _train(cfg, config_warnings)
-    # Python's automatic cyclic GC is off while training (see TrainConfig.gc_every_steps).
-    gc.collect()
-    gc.disable()
-    try:
-        return _train(cfg, config_warnings)
-    finally:
-        gc.enable()
+    with contextlib.ExitStack() as cleanup:
+        if every == 0 or not gc.isenabled():
+            return _train(cfg, config_warnings, cleanup)
+        # Python's automatic cyclic GC is off while training (see TrainConfig.gc_every_steps).
+        gc.collect()
+        gc.disable()
+        try:
+            return _train(cfg, config_warnings, cleanup)
+        finally:
+            gc.enable()
 
 
-def _train(cfg: DictConfig, config_warnings: list[str]) -> dict[str, Any]:
+def _take_run_lock(lock: ckpt.RunFolderLock, info: DistInfo) -> None:
+    """Rank 0 takes the run folder's lock; every rank raises if another run holds it."""
+    problem = None
+    if info.is_main:
+        try:
+            lock.take()
+        except ckpt.RunFolderInUseError as err:
+            problem = str(err)
+    problem = _from_rank0(problem)
+    if problem is not None:
+        raise ckpt.RunFolderInUseError(problem)
+
+
+def _train(
+    cfg: DictConfig, config_warnings: list[str], cleanup: contextlib.ExitStack
+) -> dict[str, Any]:
     t_start = time.time()
     info = init_distributed(cfg.device, cfg.parallel.backend)
     strategy = resolve_strategy(cfg.parallel, info)
@@ -713,6 +729,11 @@ def _train(cfg: DictConfig, config_warnings: list[str]) -> dict[str, Any]:
     # rank 0's folder for every rank (Hydra's timestamped folders can differ by a second)
     out_dir = Path(_from_rank0(str(Path(cfg.out_dir or ".").resolve())))
     ckpt_dir = out_dir / "checkpoints"
+    # no other run may train in this folder (before its checkpoints are read); a folder that
+    # does not exist yet is locked once it is made, below
+    run_lock = ckpt.RunFolderLock(out_dir)
+    cleanup.callback(run_lock.release)
+    _take_run_lock(run_lock, info)
     T = int(cfg.data.seq_len)
     gbt = int(cfg.global_batch_tokens)
     amp_dtype = autocast_dtype(cfg.parallel, info.device)
@@ -812,6 +833,8 @@ def _train(cfg: DictConfig, config_warnings: list[str]) -> dict[str, Any]:
         for warning in config_warnings:
             logger.warning(warning)
         out_dir.mkdir(parents=True, exist_ok=True)
+    _take_run_lock(run_lock, info)
+    if info.is_main:
         ckpt.clean_stale(ckpt_dir)
     stream = SequenceStream(
         train_source,

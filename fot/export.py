@@ -253,7 +253,7 @@ def check_export_folder(path: str | os.PathLike, example: str) -> None:
     out = Path(path)
     if not out.is_dir() or _is_fot_export(out):
         return
-    names = sorted(p.name for p in out.iterdir())
+    names = sorted((p.name for p in out.iterdir()), key=lambda n: (n.startswith("."), n))
     if names:
         shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
         raise FileExistsError(

@@ -756,8 +756,27 @@ def test_corrupt_latest_checkpoint_is_named_and_resuming_earlier_abandons_it(
     assert loss_steps == list(range(1, 9))
     aside = [json.loads(x) for x in (out / "metrics.abandoned.jsonl").read_text().splitlines()]
     assert sorted({r["step"] for r in aside}) == [3, 4]
+    # and so was the abandoned run's final.json (it named step 4 while this run trained)
+    assert json.loads((out / "final.abandoned.json").read_text())["step"] == 4
+    assert json.loads((out / "final.json").read_text())["step"] == 8
     clean_stale(ckpts)
     assert abandoned.is_dir()
+
+
+def test_resume_never_moves_the_previous_runs_results_aside(tmp_path) -> None:
+    """A finished run's final.json and hf/ stayed while a run started over in its folder: an
+    interrupted new run showed the old results beside its own metrics."""
+    out = tmp_path / "run"
+    train(_cfg(out, "total_tokens=1024", "export_hf=true"))  # 4 steps
+    old_weights = (out / "hf" / "model.safetensors").read_bytes()
+    train(_cfg(out, "total_tokens=1024", "export_hf=true", "resume=never", "seed=1"))
+    assert json.loads((out / "final.abandoned.json").read_text())["step"] == 4
+    assert (out / "hf.abandoned" / "model.safetensors").read_bytes() == old_weights
+    assert (out / "hf" / "model.safetensors").read_bytes() != old_weights  # this run's
+    # a third start moves the second run's results to the next free names
+    train(_cfg(out, "total_tokens=512", "resume=never"))
+    assert (out / "final.abandoned.json.1").is_file() and (out / "hf.abandoned.1").is_dir()
+    assert json.loads((out / "final.json").read_text())["step"] == 2
 
 
 def test_abandon_newer_records_moves_later_steps_and_cut_lines_aside(tmp_path) -> None:

@@ -301,16 +301,21 @@ def abandon_newer(
         m = _STEP_DIR.match(p.name)
         if not (m and p.is_dir() and int(m.group(1)) > step) or p.resolve() == kept:
             continue
-        dest = root / f"{ABANDONED_PREFIX}{p.name}"
-        n = 0
-        while dest.exists():
-            n += 1
-            dest = root / f"{ABANDONED_PREFIX}{p.name}.{n}"
+        dest = unused_path(root / f"{ABANDONED_PREFIX}{p.name}")
         os.rename(p, dest)
         moved.append(dest)
     if moved:
         _fsync_dir(root)
     return moved
+
+
+def unused_path(path: Path) -> Path:
+    """``path``, or ``path.1``, ``path.2``, ... : the first that does not exist."""
+    dest, n = path, 0
+    while dest.exists():
+        n += 1
+        dest = path.with_name(f"{path.name}.{n}")
+    return dest
 
 
 def clean_stale(ckpt_dir: str | os.PathLike) -> None:

@@ -413,7 +413,10 @@ def check_config(cfg: DictConfig) -> list[str]:
         )
     for key in ("log_every_tokens", "val_every_tokens", "ckpt_every_tokens"):
         every = int(cfg[key])
-        if gbt > 0 and every > gbt and every % gbt:  # (every <= gbt: at every step)
+        if key == "val_every_tokens" and int(cfg.data.val_tokens) == 0:
+            continue  # no validation
+        # (every <= gbt: at every step; 2 * every > trained: once at most, no intervals)
+        if gbt > 0 and every > gbt and every % gbt and 2 * every <= trained:
             warnings.append(
                 f"{key}={every} is not a multiple of global_batch_tokens={gbt}: it acts at the "
                 f"first step that crosses each multiple of {every}, so the intervals are uneven; "

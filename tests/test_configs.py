@@ -15,6 +15,7 @@ from hydra.errors import ConfigCompositionException, MissingConfigException
 
 from fot import presets
 from fot.training.config import (
+    chdir_problem,
     check_config,
     mistyped_override,
     register_configs,
@@ -430,6 +431,18 @@ def test_check_config_warns_on_intervals_that_are_not_whole_steps(hydra_ctx) -> 
     # an interval below one step acts at every step: even, nothing to warn about
     for data in ("sample", "tokens", "hf"):  # the defaults, also with 16Ki-token steps
         assert check_config(compose("train", overrides=[f"data={data}"])) == []
+    # steps of 2000 tokens: 49152 is uneven, but only an interval that acts twice has a
+    # rhythm to break, and validation every 49152 tokens without held-out data never acts
+    uneven = ["data.seq_len=250", "log_every_tokens=2000", "val_every_tokens=49152",
+              "ckpt_every_tokens=49152"]  # fmt: skip
+    long_run = check_config(compose("train", overrides=[*uneven, "total_tokens=200000"]))
+    assert [w.split("=")[0] for w in long_run] == ["val_every_tokens", "ckpt_every_tokens"]
+    short_run = [*uneven, "total_tokens=98000"]  # 49 steps: 98000 < 2 x 49152
+    assert check_config(compose("train", overrides=short_run)) == []
+    no_val = [*uneven, "total_tokens=200000", "data.val_tokens=0"]
+    assert [w.split("=")[0] for w in check_config(compose("train", overrides=no_val))] == [
+        "ckpt_every_tokens"
+    ]
 
 
 def test_multirun_with_one_fixed_out_dir_is_refused(hydra_ctx) -> None:
@@ -476,6 +489,14 @@ def test_out_dir_that_is_or_lies_under_a_file_is_refused_on_the_command_line(tmp
     assert problem.startswith(f"hydra.run.dir={f}/run lies under the file {f}")
     for ok in ([f"out_dir={tmp_path}"], [f"out_dir={tmp_path}/new/run"], ["out_dir=null"], []):
         assert out_dir_file_problem(ok) is None
+
+
+def test_hydra_job_chdir_is_refused_before_the_run_starts(tmp_path) -> None:
+    """With it the run's files went to <out_dir>/<out_dir> and relative data paths were not
+    found (Hydra changes into the run folder before fot reads them)."""
+    stderr = _train_py_refuses(tmp_path, "hydra.job.chdir=true", "out_dir=runs/x")
+    assert stderr.startswith("train.py: error: hydra.job.chdir=true: fot reads out_dir")
+    assert chdir_problem(["hydra.job.chdir=false"]) is None and chdir_problem([]) is None
 
 
 def test_ddp_without_torchrun_is_refused_before_the_run_starts() -> None:

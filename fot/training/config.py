@@ -502,6 +502,27 @@ def out_dir_file_problem(argv: list[str]) -> str | None:
     return None
 
 
+def chdir_problem(argv: list[str]) -> str | None:
+    """The refusal of ``hydra.job.chdir=true``: Hydra would change into the run folder before
+    fot reads ``out_dir``, ``data.path`` and the other paths, which are relative to where the
+    command runs (the run's files would land in ``<out_dir>/<out_dir>``, and a relative data
+    path would not be found); ``None`` without it.
+
+    Args:
+        argv: the command-line arguments after the script name.
+    """
+    for arg in argv:
+        key, _, value = arg.lstrip("+").partition("=")
+        if key == "hydra.job.chdir" and value.strip().lower() in ("true", "yes", "on", "1"):
+            return (
+                f"{arg}: fot reads out_dir, data.path and the other paths relative to the "
+                "folder the command runs in, and Hydra would change into the run folder first "
+                "(the run's files would land in <out_dir>/<out_dir>); leave it out: the run "
+                "folder is out_dir (or Hydra's outputs/<date>/<time>/) either way"
+            )
+    return None
+
+
 def _shared_out_dir_message(out_dir: object) -> str:
     return (
         f"out_dir={out_dir} with -m (multirun): every job would share that folder, and each "

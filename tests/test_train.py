@@ -1655,17 +1655,25 @@ def test_ctrl_c_while_a_checkpoint_is_written(tmp_path, monkeypatch, capsys, pre
         assert checkpoint.list_checkpoints(tmp_path) == []
 
 
+def _results(out: Path) -> dict[Path, int]:
+    """The modification times of a run folder's files, but the lock that every start rewrites
+    with its process id."""
+    from fot.training.checkpoint import RUN_LOCK
+
+    return {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file() and p.name != RUN_LOCK}
+
+
 def test_rerunning_a_finished_run_changes_nothing(tmp_path, caplog) -> None:
     """resume=auto on a finished run used to validate and export again and log the final
     validation twice; now it returns the saved results and says how to train on."""
     out = tmp_path / "run"
     first = train(_cfg(out, "total_tokens=1024", "export_hf=true"))
-    files = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
+    files = _results(out)
     caplog.set_level(logging.WARNING, logger="fot.train")
     again = train(_cfg(out, "total_tokens=1024", "export_hf=true"))
     assert again == json.loads((out / "final.json").read_text())
     assert again["val/loss"] == first["val/loss"]
-    assert {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()} == files
+    assert _results(out) == files
     assert "already finished" in caplog.text and "raise total_tokens" in caplog.text
     # raising total_tokens trains on from the last checkpoint
     more = train(_cfg(out, "total_tokens=1536"))
@@ -1673,11 +1681,11 @@ def test_rerunning_a_finished_run_changes_nothing(tmp_path, caplog) -> None:
     # a checkpoint past a lowered total_tokens (final.json lost, e.g. a crash after the last
     # save) is refused before anything is written; it "finished" at step 6 of 2 without a word
     (out / "final.json").unlink()
-    files = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
+    files = _results(out)
     with pytest.raises(ValueError, match=r"step_00000006: it is at step 6 \(1536 tokens\), past "
                                          r"total_tokens=512 \(2 steps\)"):  # fmt: skip
         train(_cfg(out, "total_tokens=512"))
-    assert {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()} == files
+    assert _results(out) == files
 
 
 def test_resuming_another_runs_last_checkpoint_says_nothing_is_trained(tmp_path, caplog) -> None:

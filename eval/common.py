@@ -445,6 +445,23 @@ def encode_text(tokenizer: Any, text: str) -> list[int]:
     return ids
 
 
+def read_text_file(path: Path, what: str) -> str:
+    """The text of UTF-8 file ``path``; a binary or non-UTF-8 file is refused, not read as
+    replacement characters. ``what`` names the option in the message (``"--text-file"``)."""
+    data = path.read_bytes()
+    if b"\0" in data:
+        raise ValueError(
+            f"{what} {str(path)!r} holds NUL bytes: it is binary, not text; pass UTF-8 text files"
+        )
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(
+            f"{what} {str(path)!r} is not UTF-8 text (byte {err.start}); convert it "
+            "(e.g. iconv -f latin1 -t utf-8) or leave it out"
+        ) from None
+
+
 def decode_text(tokenizer: Any, ids: Sequence[int]) -> str:
     """The plain text of generated token ids: special tokens left out, escapes of the model's
     training text decoded (the inverse of :func:`encode_text`)."""

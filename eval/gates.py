@@ -36,6 +36,7 @@ from .common import (
     load_checkpoint,
     pick_device,
     positive_int,
+    read_text_file,
     use_agg_backend,
     write_run_config,
 )
@@ -313,7 +314,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if not path.is_file():
             what = "is a folder" if path.is_dir() else "does not exist"
             raise FileNotFoundError(f"--text-file {str(path)!r} {what}; pass a text file")
-        text = path.read_text(encoding="utf-8", errors="replace")
+        text = read_text_file(path, "--text-file")
         if not text.strip():
             raise ValueError(f"--text-file {str(path)!r} holds no text; pass a file with text")
     elif args.text is not None:

@@ -64,6 +64,7 @@ from .common import (
     path_setting,
     pick_device,
     positive_int,
+    read_text_file,
     use_agg_backend,
     write_run_config,
 )
@@ -346,7 +347,7 @@ def load_haystack_text(paths: Sequence[str] | None, max_chars: int) -> str:
                 raise FileNotFoundError(f"--haystack {str(p)!r} is neither a file nor a folder")
         if not files:
             raise ValueError(f"--haystack {list(paths)} holds no .txt files")
-        texts = (_read_text_file(f) for f in files)
+        texts = (read_text_file(f, "--haystack file") for f in files)
     else:
         from fot.data.sample import sample_texts
 
@@ -360,23 +361,6 @@ def load_haystack_text(paths: Sequence[str] | None, max_chars: int) -> str:
     if paths and not text.strip():
         raise ValueError(f"--haystack {list(paths)} holds no text (only whitespace)")
     return text
-
-
-def _read_text_file(path: Path) -> str:
-    """A haystack file's text; binary or non-UTF-8 files are refused, not read as garbage."""
-    data = path.read_bytes()
-    if b"\0" in data:
-        raise ValueError(
-            f"--haystack file {str(path)!r} holds NUL bytes: it is binary, not text; pass "
-            "UTF-8 text files"
-        )
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise ValueError(
-            f"--haystack file {str(path)!r} is not UTF-8 text (byte {err.start}); convert it "
-            "(e.g. iconv -f latin1 -t utf-8) or leave it out"
-        ) from None
 
 
 def plot_heatmap(

@@ -165,11 +165,21 @@ def test_meaningless_values_are_refused_before_the_model_loads(tmp_path, argv, m
     assert not out.exists()
 
 
-@pytest.mark.parametrize("content", ["", " \n\t\n"], ids=["empty", "whitespace"])
-def test_gates_text_file_without_text_is_refused(tmp_path, content):
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"", "holds no text"),
+        (b" \n\t\n", "holds no text"),
+        # read with replacement characters before, and analysed without a word
+        ("Le caf\u00e9 \u00e9tait bon.".encode("latin-1"), r"is not UTF-8 text \(byte 6\)"),
+        (b"\x00\x01tokens", "holds NUL bytes: it is binary"),
+    ],
+    ids=["empty", "whitespace", "latin-1", "binary"],
+)
+def test_gates_text_file_without_text_is_refused(tmp_path, content, message):
     text = tmp_path / "story.txt"
-    text.write_text(content)
-    with pytest.raises(ValueError, match=r"--text-file '.*story\.txt' holds no text"):
+    text.write_bytes(content)
+    with pytest.raises(ValueError, match=rf"--text-file '.*story\.txt' {message}"):
         main(["gates", str(tmp_path / "missing"), "--text-file", str(text),
               "--out", str(tmp_path / "o")])  # fmt: skip
 
@@ -245,7 +255,8 @@ def test_a_default_length_too_long_for_the_data_says_where_it_came_from(tmp_path
     short = make_llama_checkpoint(tmp_path / "short", max_len=96)
     data = _zarr(tmp_path / "z.zarr", np.random.default_rng(0).integers(0, 1000, size=(2, 50)))
     with pytest.raises(ValueError, match=r"at least 96 tokens \(--length was not given: 96 is "
-                                         r"the checkpoint's max_position_embeddings\)"):  # fmt: skip
+                                         r"the checkpoint's max_position_embeddings: the most "
+                                         r"positions it takes, not a length it was"):  # fmt: skip
         main(["per-token-loss", str(short), "--data", str(data), "--device", "cpu",
               "--out", str(tmp_path / "o")])  # fmt: skip
 

@@ -301,3 +301,16 @@ def test_trainer_label_smoothing_shifts_labels_for_fla_baselines(tmp_path, devic
     nll = -logp.gather(-1, target.clamp(min=0).unsqueeze(-1)).squeeze(-1)[keep].mean()
     expected = 0.9 * nll + 0.1 * (-logp.mean(-1))[keep].mean()
     assert abs(got.item() - expected.item()) < 1e-4
+
+
+def test_loading_the_baselines_prints_no_fla_platform_note() -> None:
+    """fot.eval on a GPT-2 or Llama folder registers the baselines (``import fla``), which on a
+    machine without a GPU printed FLA's "Triton is not supported on current platform" warning
+    before every command's output."""
+    import subprocess
+    import sys
+
+    code = "from fot.models.fla_baselines import register_auto_classes; register_auto_classes()"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "Triton is not supported" not in res.stderr, res.stderr

@@ -16,6 +16,7 @@ import importlib.util
 import itertools
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -80,7 +81,11 @@ def _size_fields(model: str, size: str) -> dict[str, Any]:
 
 def _fla_models_module():
     try:
-        return importlib.import_module("fla.models")
+        with warnings.catch_warnings():
+            # FLA's note on a machine without a GPU ("Triton is not supported on current
+            # platform, roll back to CPU"): the CPU is what fot runs the baselines on there
+            warnings.filterwarnings("ignore", message="Triton is not supported on current platform")
+            return importlib.import_module("fla.models")
     except ImportError as err:  # pragma: no cover - fla is a hard dependency
         raise ImportError(
             f"the recurrent baselines need flash-linear-attention (pip install "

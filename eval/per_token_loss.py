@@ -748,14 +748,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     bos = args.prepend_bos == "yes"
     ids = eligible_documents(docs, kind, length, args.max_docs)
     if not ids:
+        key = context_length_key(model)
+        bound = (
+            ": the most positions it takes, not a length it was trained at (fot.convert sets "
+            "it to 65536 for the paper's checkpoints)"
+            if key == "max_position_embeddings"
+            else ""
+        )
         source = (
-            ""
-            if asked
-            else f" (--length was not given: {length} is the checkpoint's {context_length_key(model)})"
+            "" if asked else f" (--length was not given: {length} is the checkpoint's {key}{bound})"
         )
         raise ValueError(
-            f"no document in {args.data!r} has at least {length} tokens{source}; lower "
-            "--length or use longer held-out data"
+            f"no document in {args.data!r} has at least {length} tokens{source}; pass a lower "
+            "--length (e.g. the training length) or use longer held-out data"
         )
     # Saved sums resume only a run of the same checkpoint over the same documents and tokens.
     claim_results(

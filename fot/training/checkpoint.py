@@ -214,62 +214,42 @@ def save_checkpoint(
     Returns:
         The checkpoint folder.
     """
-    with finish_before_ctrl_c(f"the checkpoint of step {step}", announce=is_main):
-        return _save_checkpoint(
-            Path(ckpt_dir),
-            step=step,
-            model=model,
-            optimizer=optimizer,
-            trainer_state=trainer_state,
-            keep_last=keep_last,
-            is_main=is_main,
-        )
-
-
-def _save_checkpoint(
-    root: Path,
-    *,
-    step: int,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    trainer_state: dict[str, Any],
-    keep_last: int,
-    is_main: bool,
-) -> Path:
+    root = Path(ckpt_dir)
     final = root / f"step_{step:08d}"
-    model_state = gather_model_state(model)
-    optim_state = gather_optim_state(model, optimizer)
-    rng = rng_state()
-    if _dist():
-        rngs: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(rngs, rng)
-    else:
-        rngs = [rng]
-    if is_main:
-        root.mkdir(parents=True, exist_ok=True)
-        tmp = root / f".tmp-step_{step:08d}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        _save(model_state, tmp / "model.pt")
-        _fault("kill_in_checkpoint", step)
-        _save(optim_state, tmp / "optim.pt")
-        _save(rngs, tmp / "rng.pt")
-        with open(tmp / "trainer.json", "w") as f:
-            json.dump(trainer_state, f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync_dir(tmp)
-        replaced = None
-        if final.exists():  # re-saving the same step (e.g. final save after a periodic one)
-            replaced = _set_aside(final)
-        os.rename(tmp, final)
-        _fsync_dir(root)
-        if replaced is not None:
-            shutil.rmtree(replaced, ignore_errors=True)
-        for old in list_checkpoints(root)[: -max(keep_last, 1)]:
-            shutil.rmtree(_set_aside(old), ignore_errors=True)
-    if _dist():
-        dist.barrier()
+    with finish_before_ctrl_c(f"the checkpoint of step {step}", announce=is_main):
+        model_state = gather_model_state(model)
+        optim_state = gather_optim_state(model, optimizer)
+        rng = rng_state()
+        if _dist():
+            rngs: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(rngs, rng)
+        else:
+            rngs = [rng]
+        if is_main:
+            root.mkdir(parents=True, exist_ok=True)
+            tmp = root / f".tmp-step_{step:08d}"
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+            _save(model_state, tmp / "model.pt")
+            _fault("kill_in_checkpoint", step)
+            _save(optim_state, tmp / "optim.pt")
+            _save(rngs, tmp / "rng.pt")
+            with open(tmp / "trainer.json", "w") as f:
+                json.dump(trainer_state, f, indent=2)
+                f.flush()
+                os.fsync(f.fileno())
+            _fsync_dir(tmp)
+            replaced = None
+            if final.exists():  # re-saving the same step (e.g. final save after a periodic one)
+                replaced = _set_aside(final)
+            os.rename(tmp, final)
+            _fsync_dir(root)
+            if replaced is not None:
+                shutil.rmtree(replaced, ignore_errors=True)
+            for old in list_checkpoints(root)[: -max(keep_last, 1)]:
+                shutil.rmtree(_set_aside(old), ignore_errors=True)
+        if _dist():
+            dist.barrier()
     return final
 
 

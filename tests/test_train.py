@@ -1642,10 +1642,16 @@ def test_ctrl_c_while_a_checkpoint_is_written(tmp_path, monkeypatch, capsys, pre
 
     sent: list[int] = []
     monkeypatch.setattr(checkpoint, "_save", interrupted_save)
-    with pytest.raises(KeyboardInterrupt):
-        checkpoint.save_checkpoint(tmp_path, step=1, model=model, optimizer=opt,
-                                   trainer_state=state, keep_last=1, is_main=True)  # fmt: skip
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
+    # Python's own handler, as in a terminal (a background job, e.g. `bash .ci/run &`, starts
+    # with SIGINT ignored, and so would this test)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            checkpoint.save_checkpoint(tmp_path, step=1, model=model, optimizer=opt,
+                                       trainer_state=state, keep_last=1, is_main=True)  # fmt: skip
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert "Ctrl-C: finishing the checkpoint of step 1 first" in capsys.readouterr().err
     if presses == 1:  # complete, and loadable
         assert checkpoint.list_checkpoints(tmp_path) == [tmp_path / "step_00000001"]

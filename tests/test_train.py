@@ -333,6 +333,52 @@ def test_two_processes_equal_one(tmp_path, strategy: str, launcher: str, one_pro
     assert final["val/loss"] == pytest.approx(res1["val/loss"], rel=1e-5)
 
 
+@pytest.mark.gpu
+def test_srun_tasks_on_two_gpus_train_as_torchrun_does(tmp_path) -> None:
+    """Two srun-like tasks on two GPUs (NCCL), each seeing both GPUs (``LOCAL_RANK`` picks
+    one) or only its own (``--gpus-per-task=1``: device 0 of each), log the same losses as
+    torchrun's two processes."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA GPUs")
+    paths = [str(ROOT), os.environ.get("PYTHONPATH", "")]  # (packages installed there too)
+    env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": os.pathsep.join(paths)}
+    visible = env.get("CUDA_VISIBLE_DEVICES") or ",".join(
+        map(str, range(torch.cuda.device_count()))
+    )
+    args = [*SMALL, *_COMMON, "device=cuda", "parallel=ddp"]
+    runs = {}
+    for launch in ("torchrun", "srun", "srun-one-gpu-each"):
+        out = tmp_path / launch
+        script = [str(ROOT / "train.py"), *args, f"out_dir={out}", f"hydra.run.dir={out}"]
+        if launch == "torchrun":
+            cmds = [[sys.executable, "-m", "torch.distributed.run", "--standalone",
+                     "--nproc_per_node=2", *script]]  # fmt: skip
+            envs = [env]
+        else:
+            cmds = [[sys.executable, *script]] * 2
+            envs = srun_environments(2, **env)
+            if launch == "srun-one-gpu-each":
+                gpus = visible.split(",")
+                envs = [{**e, "CUDA_VISIBLE_DEVICES": gpus[t]} for t, e in enumerate(envs)]
+        procs = [
+            subprocess.Popen(
+                cmd,
+                cwd=tmp_path,
+                env=e,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for cmd, e in zip(cmds, envs, strict=True)
+        ]
+        outputs = [p.communicate(timeout=300)[0] for p in procs]
+        assert all(p.returncode == 0 for p in procs), outputs[0][-3000:] + outputs[-1][-3000:]
+        assert json.loads((out / "run_info.json").read_text())[0]["world_size"] == 2
+        runs[launch] = _losses(out)
+    assert len(runs["torchrun"]) == 4
+    assert runs["srun"] == runs["torchrun"] == runs["srun-one-gpu-each"]
+
+
 def test_multirun_under_torchrun_one_folder_per_job(tmp_path) -> None:
     # two jobs in the same two processes: the process group is created once and reused
     sweep = tmp_path / "sweep"

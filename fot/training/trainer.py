@@ -637,14 +637,14 @@ def _read_final(path: Path) -> dict[str, Any] | None:
     return result if isinstance(result, dict) else None
 
 
-def _abandon_newer_results(out_dir: Path, step: int) -> list[Path]:
+def _abandon_newer_results(out_dir: Path, step: int) -> list[tuple[str, Path]]:
     """Move ``final.json`` and ``hf/`` aside (rank 0, when a run starts at ``step``) if
     ``final.json`` is of a later step: they are the results of an abandoned run (``resume=never``,
     or ``resume=`` an earlier checkpoint), which would read as this run's until it finishes.
     They become ``final.abandoned.json`` and ``hf.abandoned`` (``.1``, ... if taken).
 
     Returns:
-        The new paths.
+        ``(name, new path)`` of each moved.
     """
     final = _read_final(out_dir / "final.json")
     if final is None or not isinstance(final.get("step"), int) or final["step"] <= step:
@@ -652,8 +652,8 @@ def _abandon_newer_results(out_dir: Path, step: int) -> list[Path]:
     moved = []
     for name, aside in (("final.json", "final.abandoned.json"), ("hf", "hf.abandoned")):
         if (out_dir / name).exists():
-            moved.append(ckpt.unused_path(out_dir / aside))
-            os.rename(out_dir / name, moved[-1])
+            moved.append((name, ckpt.unused_path(out_dir / aside)))
+            os.rename(out_dir / name, moved[-1][1])
     return moved
 
 
@@ -960,11 +960,11 @@ def _train(
                 step,
                 out_dir / "metrics.abandoned.jsonl",
             )
-        for moved in _abandon_newer_results(out_dir, step):
+        for name, moved in _abandon_newer_results(out_dir, step):
             logger.warning(
                 "moved %s aside to %s: the result of a run that went past step %d, where this "
                 "run starts (kept; delete it when no longer needed)",
-                moved.name.split(".")[0],
+                name,
                 moved,
                 step,
             )

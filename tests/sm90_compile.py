@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 _SCRIPT = r"""
-import importlib, json, os, subprocess, sys, tempfile
+import importlib, json, os, subprocess, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -35,9 +35,10 @@ for label, fn, ptrs, consts, warps, div16, *extra in jobs:
     src = ASTSource(kernel, sig, constexprs={(names.index(k),): v for k, v in consts.items()},
                     attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+    cubin = os.path.join(os.environ["TRITON_CACHE_DIR"], label.replace("/", "_") + ".cubin")
+    with open(cubin, "wb") as f:
         f.write(compiled.asm["cubin"])
-    usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True,
+    usage = subprocess.run([cuobjdump, "--dump-resource-usage", cubin], capture_output=True,
                            text=True, check=True).stdout
     out[label] = [line.strip() for line in usage.splitlines() if "REG:" in line][0]
 print(json.dumps(out))
@@ -53,7 +54,8 @@ def resource_usage(module: str, jobs: list[tuple], cache_dir: Path) -> dict[str,
             {constexpr arg: value}, num_warps, [integer args to mark divisible by 16, as the
             JIT sees 16-byte aligned strides], optional {compile option: value} such as
             ``num_stages`` or ``maxnreg``)``; other arguments are ``i32`` (``eps`` ``fp32``).
-        cache_dir: Triton's cache for the subprocess (a fresh temporary directory).
+        cache_dir: Triton's cache for the subprocess (a fresh temporary directory); the
+            cubins that cuobjdump reads are written there too.
     """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(cache_dir)

@@ -295,6 +295,22 @@ def test_a_missing_held_out_path_names_data_val_path(tmp_path) -> None:
         build_sources(cfg)
 
 
+def test_a_missing_relative_path_is_shown_with_the_absolute_one(tmp_path, monkeypatch) -> None:
+    # a relative path is resolved against the working folder, easy to mistake for another
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    for kind, want in (
+        ("tokens", f"data.path=data/tok (= {tmp_path / 'data' / 'tok'}) does not exist"),
+        ("longcrawl64", f"no LongCrawl64 train.zarr under data/tok (= {tmp_path / 'data/tok'})"),
+    ):
+        with pytest.raises(FileNotFoundError) as err:
+            build_sources(_cfg(kind=kind, path="data/tok", seq_len=8))
+        assert str(err.value).startswith(want), str(err.value)
+    with pytest.raises(FileNotFoundError) as err:
+        build_sources(_cfg(kind="tokens", path=str(tmp_path / "data" / "tok"), seq_len=8))
+    assert "(=" not in str(err.value)  # an absolute path is shown once
+
+
 def test_validating_on_the_training_data_warns(tmp_path, caplog) -> None:
     from fot.data.tokens import write_token_documents
 

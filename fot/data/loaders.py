@@ -13,7 +13,14 @@ import numpy as np
 from omegaconf import OmegaConf
 
 from fot.data.streams import PACKINGS, HFSource, PackedSource, PaddedSource, ZarrRowsSource
-from fot.data.zarr_store import chunk_checker, is_url, join, open_zarr_array, zarr_exists
+from fot.data.zarr_store import (
+    chunk_checker,
+    is_url,
+    join,
+    open_zarr_array,
+    shown_path,
+    zarr_exists,
+)
 
 logger = logging.getLogger("fot.data")
 
@@ -163,7 +170,7 @@ def open_token_path(
         return _zarr_source(key, str(path), seq_len, packing, storage_options, cache_bytes)
     p = Path(path).expanduser()
     if not p.exists():
-        raise FileNotFoundError(f"{key}={p} does not exist. {_prepare_hint(key)}")
+        raise FileNotFoundError(f"{key}={shown_path(p)} does not exist. {_prepare_hint(key)}")
     if is_zarr(p):
         return _zarr_source(key, p, seq_len, packing, cache_bytes=cache_bytes)
     if cache_bytes is not None:
@@ -470,7 +477,7 @@ def _longcrawl64_sources(cfg: Any, T: int, want_val: bool) -> tuple[Any, Any | N
         train_path = root / "train.zarr" if (root / "train.zarr").exists() else root
         if not train_path.exists() or (train_path == root and not is_zarr(root)):
             raise FileNotFoundError(
-                f"no LongCrawl64 train.zarr under {root}. Download train.zarr and heldout.zarr "
+                f"no LongCrawl64 train.zarr under {shown_path(root)}. Download train.zarr and heldout.zarr "
                 "from https://manifestai.com/articles/longcrawl64 into that folder, or stream "
                 "them from a URL (data.path=gs://<bucket>/longcrawl64, s3://, https://)."
             )
@@ -486,7 +493,7 @@ def _longcrawl64_sources(cfg: Any, T: int, want_val: bool) -> tuple[Any, Any | N
         found = val_path.exists()
     if not found:
         raise FileNotFoundError(
-            f"held-out data {val_path} not found; put heldout.zarr next to train.zarr, set "
+            f"held-out data {shown_path(val_path)} not found; put heldout.zarr next to train.zarr, set "
             "data.val_path, or data.val_tokens=0 to skip validation"
         )
     same = (

@@ -51,6 +51,7 @@ from pathlib import Path
 import numpy as np
 
 from fot.data.tokens import FORMAT, replace_folder, write_token_documents
+from fot.data.zarr_store import shown_path
 from fot.errors import USER_ERRORS, parse_args_naming_typos
 from fot.interrupt import StopOnSignal
 
@@ -115,7 +116,7 @@ def _expand_inputs(inputs: list[str]) -> list[Path]:
                 _warn(f"{len(broken)} broken symbolic link(s) matching {item!r} skipped")
             paths.extend(Path(m) for m in matches if m not in broken)
         else:
-            raise FileNotFoundError(f"input {p} does not exist")
+            raise FileNotFoundError(f"input {shown_path(p)} does not exist")
     return paths
 
 

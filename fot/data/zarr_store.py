@@ -60,6 +60,14 @@ def is_url(path: str | Path) -> bool:
     return "://" in str(path)
 
 
+def shown_path(path: str | Path) -> str:
+    """``path`` for an error message: a relative path also gets the absolute one it named
+    (``data/x (= /home/me/run/data/x)``), since the working folder is easy to mistake."""
+    if is_url(path) or Path(path).expanduser().is_absolute():
+        return str(path)
+    return f"{path} (= {Path(path).expanduser().absolute()})"
+
+
 def join(root: str | Path, name: str) -> str:
     """``root/name`` for a local folder or a URL."""
     if is_url(root):
@@ -173,7 +181,7 @@ def open_zarr_array(path: str | Path, *, storage_options: dict[str, Any] | None 
     import zarr
 
     missing = FileNotFoundError(
-        f"zarr array {path} does not exist. LongCrawl64 "
+        f"zarr array {shown_path(path)} does not exist. LongCrawl64 "
         "(https://manifestai.com/articles/longcrawl64): put train.zarr and heldout.zarr "
         "into one folder, on a disk or behind a URL (gs://, s3://, https://), and set "
         "data.path=<that folder>; or turn your own text into tokens with "

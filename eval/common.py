@@ -1101,6 +1101,11 @@ def claim_results(
     )
 
 
+_RETIRED_SETTINGS = {"torchrun processes"}
+"""Settings that records of an older fot hold and that no longer decide whether results resume
+(per-token-loss resumes with any number of processes)."""
+
+
 def _record_differences(saved: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """Human-readable differences between a saved and a new :func:`claim_results` record."""
     problems = []
@@ -1119,6 +1124,7 @@ def _record_differences(saved: dict[str, Any], new: dict[str, Any]) -> list[str]
                 f"{new['checkpoint']!r} (other content)"
             )
     old_settings, new_settings = saved.get("settings") or {}, new["settings"]
+    old_settings = {k: v for k, v in old_settings.items() if k not in _RETIRED_SETTINGS}
     for key in [*new_settings, *(k for k in old_settings if k not in new_settings)]:
         old, now = old_settings.get(key, "(not recorded)"), new_settings.get(key, "(not set)")
         if old != now:

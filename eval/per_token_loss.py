@@ -15,10 +15,13 @@ folder (:class:`fot.data.tokens.TokenDocuments`) or ``sample`` (the offline held
 corpus).
 
 Under ``torchrun`` every rank reads every ``world_size``-th document and the sums are
-all-reduced. Resume: each rank saves its running sums and finished document ids to
-``state_rank{r}.npz`` every few documents and continues from there after an interruption;
-``per_token_loss.resume.json`` records the checkpoint and settings these sums belong to
-(:func:`fot.eval.common.claim_results`), so other ones are refused instead of mixed in.
+all-reduced. Resume: each process saves its running sums and finished document ids every few
+documents (``state.npz`` in one process, ``state_rank{r}.npz`` under torchrun) and continues
+from there after an interruption, with any number of processes: saved states that this run's
+processes do not continue are first folded into rank 0's (:func:`fold_foreign_states`), and the
+documents no state has finished are shared out again. ``per_token_loss.resume.json`` records the
+checkpoint and settings these sums belong to (:func:`fot.eval.common.claim_results`), so other
+ones are refused instead of mixed in.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ import argparse
 import json
 import operator
 import os
+import sys
+import zipfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -446,12 +451,7 @@ def evaluate_per_token_loss(
     acc = PerTokenLossAccumulator(n)
     done: list[int] = []
     if state_path is not None and state_path.is_file():
-        saved = load_npz(
-            state_path,
-            ("loss_sum", "count", "done"),
-            "it holds the sums of an interrupted run: pass --restart (moves the earlier results "
-            "to --out/superseded/ and starts over) or choose another --out",
-        )
+        saved = load_npz(state_path, ("loss_sum", "count", "done"), _STATE_FIX)
         acc.load_state(saved)
         done = saved["done"].astype(np.int64).tolist()
     finished = set(done)
@@ -512,6 +512,93 @@ def evaluate_per_token_loss(
         if since_save and consistent:
             save()
     return acc, done
+
+
+def state_file(out: Path, rank: int, world: int) -> Path:
+    """The resume file of process ``rank`` of ``world``: ``state.npz`` in one process,
+    ``state_rank{rank}.npz`` under torchrun."""
+    return out / "state.npz" if world == 1 else out / f"state_rank{rank}.npz"
+
+
+def _saved_states(out: Path) -> list[Path]:
+    return sorted(p for p in out.glob("state*.npz") if not p.name.endswith(".tmp.npz"))
+
+
+def _stamp(path: Path) -> str:
+    st = path.stat()
+    return f"{path.name}:{st.st_size}:{st.st_mtime_ns}"
+
+
+_STATE_FIX = (
+    "it holds the sums of an interrupted run: pass --restart (moves the earlier results to "
+    "--out/superseded/ and starts over) or choose another --out"
+)
+
+
+def fold_foreign_states(out: Path, world: int) -> list[str]:
+    """Fold saved states that no process of this run continues into rank 0's (rank 0 only).
+
+    A run resumed with another number of processes finds files of the earlier layout
+    (``state_rank3.npz`` when two processes run now, ``state.npz`` under torchrun): their
+    sums and finished documents are added to rank 0's file, which records the folded files
+    (name, size, modification time) before they are deleted, so that files a crash left
+    behind are recognised and not counted twice.
+
+    Returns:
+        The names of the folded files.
+    """
+    target = state_file(out, 0, world)
+    if target.is_file():  # finish a fold that a crash interrupted
+        try:
+            with np.load(target) as saved:
+                folded = set(saved["folded"].tolist()) if "folded" in saved.files else set()
+        except (zipfile.BadZipFile, EOFError, OSError, ValueError):
+            folded = set()  # damaged: named with the fix where the state is read
+        for p in _saved_states(out):
+            if p != target and _stamp(p) in folded:
+                p.unlink()
+    own = {state_file(out, r, world) for r in range(world)}
+    foreign = [p for p in _saved_states(out) if p not in own]
+    if not foreign:
+        return []
+    parts = [load_npz(p, ("loss_sum", "count", "done"), _STATE_FIX) for p in foreign]
+    if target.is_file():
+        parts.append(load_npz(target, ("loss_sum", "count", "done"), _STATE_FIX))
+    if len({part["loss_sum"].shape for part in parts}) > 1:
+        raise ValueError(
+            f"the saved states in {str(out)!r} ({', '.join(p.name for p in foreign)}) hold "
+            f"different numbers of positions; {_STATE_FIX}"
+        )
+    tmp = target.with_suffix(".tmp.npz")
+    np.savez(
+        tmp,
+        loss_sum=np.sum([part["loss_sum"] for part in parts], axis=0),
+        count=np.sum([part["count"] for part in parts], axis=0),
+        done=np.concatenate([part["done"].astype(np.int64) for part in parts]),
+        folded=np.asarray([_stamp(p) for p in foreign]),
+    )
+    os.replace(tmp, target)
+    for p in foreign:
+        p.unlink()
+    return [p.name for p in foreign]
+
+
+def share_of_documents(out: Path, doc_ids: Sequence[int], rank: int, world: int) -> list[int]:
+    """The documents process ``rank`` of ``world`` reads: those its saved state finished, and
+    every ``world``-th of those that no saved state in ``out`` has finished.
+
+    Call after :func:`fold_foreign_states`, when every saved state is one of this run's.
+    """
+    mine: set[int] = set()
+    finished: set[int] = set()
+    for p in _saved_states(out):
+        done = set(load_npz(p, ("done",), _STATE_FIX)["done"].astype(np.int64).tolist())
+        finished |= done
+        if p == state_file(out, rank, world):
+            mine = done
+    rest = [i for i in doc_ids if i not in finished]
+    share = set(rest[rank::world]) | mine
+    return [i for i in doc_ids if i in share]
 
 
 def moving_average(x: np.ndarray, window: int) -> np.ndarray:
@@ -773,7 +860,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "--prepend-bos": bos,
             "--max-docs": args.max_docs,
             "--dtype": model_dtype(model),
-            "torchrun processes": world,  # each process resumes its own share of documents
             **escaping_setting(kind, tokenizer),
         },
         state=["state*.npz"],
@@ -782,19 +868,32 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         write=rank == 0,
         url_fingerprints=url_fingerprints("--data", docs),
     )
+    if rank == 0:
+        folded = fold_foreign_states(out, world)
+        if folded:
+            print(
+                f"per-token-loss: resuming with {world} process(es): the sums and finished "
+                f"documents of {', '.join(folded)} now continue in "
+                f"{state_file(out, 0, world).name}",
+                file=sys.stderr,
+            )
     if world > 1:
-        torch.distributed.barrier()  # rank 0 has moved away results (--restart) before reads
+        # rank 0 has moved away results (--restart) and folded other layouts' states
+        torch.distributed.barrier()
+    share = share_of_documents(out, ids, rank, world)
+    if world > 1:
+        torch.distributed.barrier()  # every rank has read the saved states before any saves
     if rank == 0:
         write_run_config(out, "per-token-loss", vars(args), args.checkpoint)
     acc, _ = evaluate_per_token_loss(
         model,
         docs,
-        ids[rank::world],
+        share,
         length=length,
         batch_size=args.batch_size,
         bos_id=eot_id(tokenizer) if bos else None,
         device=device,
-        state_path=out / f"state_rank{rank}.npz" if world > 1 else out / "state.npz",
+        state_path=state_file(out, rank, world),
         save_every=args.save_every,
         progress=rank == 0,
         source=f"--data {args.data!r}",

@@ -214,6 +214,13 @@ def test_per_token_loss_under_torchrun_equals_single_process(ckpts, tmp_path, la
     assert (tmp_path / "two" / "state_rank1.npz").is_file()
     assert json.loads((tmp_path / "two" / "summary.json").read_text())["num_documents"] == 3
     assert single["num_documents"] == 3
+    # rerun in one process (here: to overlay another run): the saved sums are reused as they are
+    again = main([*common, "--out", str(tmp_path / "two"), "--overlay", f"one={tmp_path / 'one'}"])
+    assert again["mean_loss"] == pytest.approx(single["mean_loss"], rel=1e-6)
+    assert sorted(p.name for p in (tmp_path / "two").glob("state*")) == ["state.npz"]
+    c = np.load(tmp_path / "two" / "per_token_loss.npz")
+    np.testing.assert_array_equal(c["count"], b["count"])
+    np.testing.assert_array_equal(c["loss"], b["loss"])
 
 
 def test_a_one_process_command_under_several_processes_is_refused(ckpts, tmp_path, monkeypatch):

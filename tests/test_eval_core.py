@@ -72,6 +72,56 @@ def test_next_token_argmax_matches_logits(which, request):
         next_token_argmax(model, ids, 5, 5)
 
 
+def test_states_of_another_process_count_fold_and_resume(llama, tmp_path):
+    """Sums saved by three processes (one interrupted) continue in one process, and then in two:
+    every document is counted once, and a fold that a crash cut short is not counted twice."""
+    import shutil
+
+    from fot.eval.per_token_loss import fold_foreign_states, share_of_documents, state_file
+
+    model, _ = llama
+    rng = np.random.default_rng(1)
+    docs = [rng.integers(0, 50257, size=24) for _ in range(7)]
+    ids, length = list(range(7)), 24
+    whole, _ = evaluate_per_token_loss(model, docs, ids, length=length, progress=False)
+    # three torchrun processes, rank 0 interrupted after one of its three documents
+    for rank, share in ((0, [0]), (1, ids[1::3]), (2, ids[2::3])):
+        evaluate_per_token_loss(
+            model, docs, share, length=length, state_path=state_file(tmp_path, rank, 3),
+            save_every=1, progress=False,
+        )  # fmt: skip
+    # a crash after the fold's write but before it deleted the folded files: they come back
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    shutil.copy2(tmp_path / "state_rank2.npz", kept / "state_rank2.npz")  # same mtime
+    # two processes now: rank 2's file is folded into rank 0's, rank 1 continues its own
+    assert fold_foreign_states(tmp_path, 2) == ["state_rank2.npz"]
+    shutil.copy2(kept / "state_rank2.npz", tmp_path / "state_rank2.npz")
+    assert fold_foreign_states(tmp_path, 2) == []  # recognised as folded and deleted
+    assert sorted(p.name for p in tmp_path.glob("state*.npz")) == [
+        "state_rank0.npz",
+        "state_rank1.npz",
+    ]
+    shares = [share_of_documents(tmp_path, ids, r, 2) for r in range(2)]
+    # each keeps what its state holds (rank 0: 0, and 2, 5 folded; rank 1: 1, 4); 3 and 6,
+    # which no state has, are shared out
+    assert shares == [[0, 2, 3, 5], [1, 4, 6]]
+    # rank 1 finishes its document; rank 0 is stopped before its; one process resumes
+    evaluate_per_token_loss(
+        model, docs, shares[1], length=length, state_path=state_file(tmp_path, 1, 2),
+        progress=False,
+    )  # fmt: skip
+    assert fold_foreign_states(tmp_path, 1) == ["state_rank0.npz", "state_rank1.npz"]
+    share = share_of_documents(tmp_path, ids, 0, 1)
+    assert share == ids
+    acc, done = evaluate_per_token_loss(
+        model, docs, share, length=length, state_path=state_file(tmp_path, 0, 1), progress=False
+    )
+    assert sorted(done) == ids
+    np.testing.assert_array_equal(acc.count, np.full(length - 1, 7))
+    np.testing.assert_allclose(acc.loss_sum, whole.loss_sum, rtol=1e-12)
+
+
 def test_accumulator_equals_direct_mean_and_resumes(llama, tmp_path, monkeypatch):
     model, _ = llama
     rng = np.random.default_rng(0)

@@ -214,7 +214,12 @@ def test_per_token_loss_under_torchrun_equals_single_process(ckpts, tmp_path, la
     assert (tmp_path / "two" / "state_rank1.npz").is_file()
     assert json.loads((tmp_path / "two" / "summary.json").read_text())["num_documents"] == 3
     assert single["num_documents"] == 3
-    # rerun in one process (here: to overlay another run): the saved sums are reused as they are
+    # rerun in one process (here: to overlay another run): the saved sums are reused as they are;
+    # a record of an older fot, which also named the number of processes, is taken as well
+    record = tmp_path / "two" / "per_token_loss.resume.json"
+    saved = json.loads(record.read_text())
+    saved["settings"]["torchrun processes"] = 2
+    record.write_text(json.dumps(saved))
     again = main([*common, "--out", str(tmp_path / "two"), "--overlay", f"one={tmp_path / 'one'}"])
     assert again["mean_loss"] == pytest.approx(single["mean_loss"], rel=1e-6)
     assert sorted(p.name for p in (tmp_path / "two").glob("state*")) == ["state.npz"]

@@ -129,7 +129,10 @@ if __name__ == "__main__":
         print(f"train.py: error: {problem}", file=sys.stderr)
         sys.exit(2)
     from fot.errors import USER_ERRORS, error_line
-    from fot.training.config import register_configs  # imports torch and transformers
+    from fot.training.config import (  # imports torch and transformers
+        claim_default_folder,
+        register_configs,
+    )
     from fot.training.parallel import adopt_slurm_tasks
 
     try:
@@ -138,4 +141,17 @@ if __name__ == "__main__":
         print(error_line("train.py", err, traceback_variable="HYDRA_FULL_ERROR"), file=sys.stderr)
         sys.exit(2)
     register_configs()
-    main()
+    # outputs/<date>/<time> made now, so that runs started in the same second get one each
+    claimed = claim_default_folder(sys.argv[1:])
+    if claimed is not None:
+        sys.argv.append(claimed[0])
+    try:
+        main()
+    finally:
+        # unused: Hydra refused the config, or a config file set out_dir
+        if (
+            claimed is not None
+            and Path(claimed[1]).is_dir()
+            and not any(Path(claimed[1]).iterdir())
+        ):
+            Path(claimed[1]).rmdir()

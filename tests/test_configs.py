@@ -17,6 +17,7 @@ from fot import presets
 from fot.training.config import (
     chdir_problem,
     check_config,
+    claim_default_folder,
     mistyped_override,
     register_configs,
     unparsable_override,
@@ -855,3 +856,38 @@ def test_hydra_run_dir_follows_out_dir(hydra_ctx, tmp_path) -> None:
     assert cfg.hydra.run.dir == str(tmp_path)
     cfg = compose("train", return_hydra_config=True)
     assert re.fullmatch(r"outputs/\d{4}-\d\d-\d\d/\d\d-\d\d-\d\d", cfg.hydra.run.dir)
+
+
+def test_runs_started_in_the_same_second_get_a_folder_each(hydra_ctx, tmp_path, monkeypatch):
+    """Hydra names the default folder to the second: train.py makes it before Hydra starts,
+    and the next run of that second gets ``<time>-1`` (it used to share the folder, write its
+    .hydra/ over the first run's and be refused by the run-folder lock)."""
+    import datetime
+
+    from omegaconf import OmegaConf
+
+    monkeypatch.chdir(tmp_path)
+    now = datetime.datetime(2026, 11, 28, 9, 5, 7)
+    folders = [claim_default_folder(["seed=1"], now, world_size=1) for _ in range(3)]
+    want = ["outputs/2026-11-28/09-05-07", *(f"outputs/2026-11-28/09-05-07-{n}" for n in (1, 2))]
+    assert [f[1] for f in folders] == want and all(Path(w).is_dir() for w in want)
+    # Hydra takes the override; an out_dir (given in a config file, say) still wins
+    for out_dir, run_dir in ((None, want[1]), (str(tmp_path / "mine"), str(tmp_path / "mine"))):
+        extra = [f"out_dir={out_dir}"] if out_dir else []
+        cfg = compose("train", overrides=[folders[1][0], *extra], return_hydra_config=True)
+        assert OmegaConf.to_container(cfg.hydra.run, resolve=True)["dir"] == run_dir
+    override, folder = claim_default_folder(["-m", "seed=1,2"], now, world_size=1)
+    assert (override, folder) == ("hydra.sweep.dir=multirun/2026-11-28/09-05-07", folder)
+    # where the command line or Hydra chooses, or rank 0's folder is taken: nothing is made
+    for argv, world in (
+        (["out_dir=x"], 1),
+        (["hydra.run.dir=x"], 1),
+        (["-m", "hydra.sweep.dir=x"], 1),
+        (["--cfg", "job"], 1),
+        (["--help"], 1),
+        (["--config-dir", "mine"], 1),
+        (["seed=1"], 2),
+    ):
+        assert claim_default_folder(argv, now, world_size=world) is None, argv
+    made = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.glob("*/*/*"))
+    assert made == ["multirun/2026-11-28/09-05-07", *want]

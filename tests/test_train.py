@@ -1635,8 +1635,7 @@ def test_ctrl_c_says_which_checkpoint_is_kept_and_how_to_resume(tmp_path) -> Non
 
 
 def test_a_run_folder_in_use_by_another_run_is_refused(tmp_path) -> None:
-    """Two runs in one folder (one out_dir, or Hydra's outputs/<date>/<time>/ for two runs
-    started in the same second) wrote each other's checkpoints and metrics: the second is
+    """Two runs in one folder (one out_dir) wrote each other's checkpoints and metrics: the second is
     refused, naming the first, and changes nothing there; once the first ends, the folder is
     free again."""
     import fcntl

@@ -320,9 +320,8 @@ class RunFolderInUseError(FotError, RuntimeError):
 class RunFolderLock:
     """An exclusive lock on a run folder, held by rank 0 while a run trains in it.
 
-    Two runs in one folder (the same ``out_dir``, or two runs that Hydra gave the same
-    ``outputs/<date>/<time>/`` because they started in the same second) would write each other's
-    checkpoints, metrics and ``final.json``. The second one is refused instead, naming the first.
+    Two runs in one folder (the same ``out_dir``, or the same ``hydra.run.dir``) would write
+    each other's checkpoints, metrics and ``final.json``. The second one is refused instead, naming the first.
     The lock is ``flock`` on :data:`RUN_LOCK` (which records the holder's process id, host and
     start time), so a run that dies releases it; on a file system without ``flock`` (some network
     mounts) there is no lock. The file stays behind: removing it could let two runs lock it.
@@ -357,8 +356,7 @@ class RunFolderLock:
             raise RunFolderInUseError(
                 f"{self.path.parent} is in use by another run ({holder}): two runs in one folder "
                 "would mix their checkpoints and metrics. Pass another out_dir=..., or wait for "
-                "that run to end (runs started in the same second without out_dir get the same "
-                "outputs/<date>/<time>/ folder: give each its own out_dir)"
+                "that run to end"
             ) from None
         except OSError:  # no flock on this file system
             f.close()

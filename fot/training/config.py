@@ -477,6 +477,64 @@ def multirun_out_dir_problem(argv: list[str]) -> str | None:
     return None
 
 
+_KEEPS_HYDRA_FOLDERS = {
+    # Hydra prints and exits: no run folder
+    "-h", "--help", "--hydra-help", "--version", "-c", "--cfg", "-p", "--package", "-i",
+    "--info", "--resolve", "-sc", "--shell-completion",
+    # another primary config may choose the folders itself
+    "-cp", "--config-path", "-cn", "--config-name", "-cd", "--config-dir",
+}  # fmt: skip
+
+
+def claim_default_folder(
+    argv: list[str], now: Any = None, world_size: int | None = None
+) -> tuple[str, str] | None:
+    """Make the run's default folder now, so that runs started in the same second each get one.
+
+    Hydra names a run ``outputs/<date>/<time>`` (a multirun ``multirun/<date>/<time>``) to the
+    second, so two runs started in the same second (a loop of ``python train.py ... &``) would
+    share it: the second would write its ``.hydra/`` over the first's and then be refused by
+    the run-folder lock. This makes the folder (``mkdir``, atomic: one process wins) and, if
+    another run made it first, ``<time>-1``, ``<time>-2``, ...
+
+    Args:
+        argv: the command-line arguments after the script name.
+        now: the time to name the folder by (``datetime.now()`` if None).
+        world_size: processes of the run (``WORLD_SIZE`` if None).
+
+    Returns:
+        ``(override, folder)``: the Hydra override that names the folder (for a run, an
+        ``out_dir`` set in a config file still wins) and the folder made; None where Hydra
+        or the command line chooses: ``out_dir=``, ``hydra.run.dir=`` (``hydra.sweep.dir=``
+        for ``-m``) given, a flag that prints and exits or chooses another config, or one
+        process of several (the trainer takes rank 0's folder).
+    """
+    import datetime
+
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world_size > 1 or any(a.split("=")[0] in _KEEPS_HYDRA_FOLDERS for a in argv):
+        return None
+    multirun = any(a in ("-m", "--multirun") for a in argv)
+    keys = {a.lstrip("+").split("=")[0] for a in argv if "=" in a}
+    if keys & ({"hydra.sweep.dir"} if multirun else {"out_dir", "hydra.run.dir"}):
+        return None
+    now = now or datetime.datetime.now()
+    base = Path("multirun" if multirun else "outputs") / now.strftime("%Y-%m-%d/%H-%M-%S")
+    base.parent.mkdir(parents=True, exist_ok=True)
+    folder, n = base, 0
+    while True:
+        try:
+            folder.mkdir()
+            break
+        except FileExistsError:
+            n += 1
+            folder = base.with_name(f"{base.name}-{n}")
+    if multirun:
+        return f"hydra.sweep.dir={folder}", str(folder)
+    return f'hydra.run.dir="${{fot.first_set:${{out_dir}},{folder}}}"', str(folder)
+
+
 def out_dir_file_problem(argv: list[str]) -> str | None:
     """The refusal of an ``out_dir=`` (or ``hydra.run.dir=``) that is, or lies under, a file,
     before Hydra tries to make it its run folder (a ``FileExistsError`` traceback otherwise);

@@ -175,9 +175,21 @@ def export_hf(
             f"export_hf: text_escaping={text_escaping!r} is not one of {list(TEXT_ESCAPINGS)}"
         )
     if not isinstance(model, PreTrainedModel):
+        inner = next(
+            (
+                f"model.{name}"
+                for name in ("_orig_mod", "module")  # torch.compile, DDP
+                if isinstance(getattr(model, name, None), PreTrainedModel)
+            ),
+            None,
+        )
+        fix = (
+            f"pass {inner}, the model it wraps"
+            if inner
+            else "unwrap DDP or torch.compile wrappers first (model.module, model._orig_mod)"
+        )
         raise TypeError(
-            f"export_hf needs a transformers PreTrainedModel, got {type(model).__name__}; unwrap "
-            "DDP/FSDP/compile wrappers first (e.g. model.module)"
+            f"export_hf needs a transformers PreTrainedModel, got {type(model).__name__}; {fix}"
         )
     out = Path(path)
     if out.exists() and not out.is_dir():

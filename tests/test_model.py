@@ -709,6 +709,14 @@ def test_bad_inputs_raise_clear_errors() -> None:
         m(ids(1, 5), cu_seqlens=torch.tensor([0, 4]))
     with pytest.raises(ValueError, match="shift_labels must be"):
         m(ids(1, 5), shift_labels=ids(1, 4))
+    # HF-style labels are named as such (they were called shift_labels, a 1-D tensor ended in an
+    # IndexError and float labels were cast to token 0)
+    with pytest.raises(ValueError, match=r"^labels must be \[B, T\] = \(2, 5\) .* got \(2, 3\)"):
+        m(ids(2, 5), labels=ids(2, 3))
+    with pytest.raises(ValueError, match=r"^labels must be .* got \(5,\)"):
+        m(ids(1, 5), labels=ids(1, 5)[0])
+    with pytest.raises(TypeError, match="labels must hold integer token ids"):
+        m(ids(1, 5), labels=torch.full((1, 5), 0.9))
 
 
 def test_registered_with_auto_classes() -> None:
@@ -766,6 +774,31 @@ def test_log_gate_stays_fp32_under_autocast_and_gradient_checkpointing_works() -
     m(x, shift_labels=y).loss.backward()
     for w, p in zip(want, m.parameters()):
         assert torch.allclose(w, p.grad, atol=1e-6)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_gradient_checkpointing_in_training_returns_no_cache(reentrant: bool) -> None:
+    """Recomputing a block in the backward pass wrote its tokens into the cache again (20 cached
+    tokens for 10; or a CheckpointError in backward): as HF's Llama, no cache is made then, and
+    a cache passed in is refused."""
+    m = tiny("fot_pro").train()
+    x, y = ids(1, 10), ids(1, 10, seed=3)
+    m.zero_grad()
+    m(x, shift_labels=y).loss.backward()
+    want = [p.grad.clone() for p in m.parameters()]
+    m.zero_grad()
+    enable = getattr(m, "activation_checkpointing_enable", None) or m.gradient_checkpointing_enable
+    enable({"use_reentrant": reentrant})
+    out = m(x, shift_labels=y, use_cache=True)
+    assert out.past_key_values is None
+    out.loss.backward()
+    for w, p in zip(want, m.parameters()):
+        assert torch.allclose(w, p.grad, atol=1e-6)
+    with pytest.raises(ValueError, match=r"gradient checkpointing.*gradient_checkpointing_disable"):
+        m(x, past_key_values=FoTCache(m.config.num_hidden_layers))
+    with torch.no_grad():  # generation from a model in training mode keeps its cache
+        cache = m(x, use_cache=True).past_key_values
+    assert cache.get_seq_length() == 10
 
 
 @pytest.mark.parametrize("model", ["fot_pro", "fot_llama", "transformer_pro"])

@@ -202,8 +202,11 @@ def test_model_from_pretrained_overrides_are_checked(exported) -> None:
 
 
 def test_export_rejects_non_hf_modules_and_unknown_text_escapings(tmp_path) -> None:
-    with pytest.raises(TypeError, match="PreTrainedModel"):
+    with pytest.raises(TypeError, match="PreTrainedModel, got Linear; unwrap DDP"):
         export_hf(torch.nn.Linear(2, 2), tmp_path)
+    model = fot.presets.build_model(fot.presets.config("fot_pro", "tiny"))
+    with pytest.raises(TypeError, match=r"got OptimizedModule; pass model\._orig_mod"):
+        export_hf(torch.compile(model), tmp_path)  # it said model.module, which it lacks
     with pytest.raises(ValueError, match=r"text_escaping='JSON' is not one of \['none', 'json'\]"):
         export_hf(torch.nn.Linear(2, 2), tmp_path, text_escaping="JSON")
     assert not any(tmp_path.iterdir())

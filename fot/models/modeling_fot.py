@@ -1273,7 +1273,9 @@ class FoTModel(FoTPreTrainedModel):
             attention_mask: ``[B, past + T]`` 1 for tokens, 0 for padding (left padding in
                 generation); ``None`` = no padding.
             past_key_values: a :class:`FoTCache` from a previous call.
-            use_cache: return a (new or updated) :class:`FoTCache`. Default False.
+            use_cache: return a (new or updated) :class:`FoTCache`. Default False. Ignored,
+                with a warning, under gradient checkpointing in training (a ``past_key_values``
+                is refused there).
             cu_seqlens: ``[N + 1]`` cumulative document lengths (packed documents, ``B == 1``):
                 attention, gate cumsum, KV-shift and RoPE positions restart per document.
             output_hidden_states: also return ``hidden_states``, ``num_hidden_layers + 1``
@@ -1305,6 +1307,21 @@ class FoTModel(FoTPreTrainedModel):
                 f"the input has no tokens (shape {tuple(inputs_embeds.shape[:2])}): pass at "
                 "least one token per row, e.g. the tokenizer's bos_token_id for an empty prompt"
             )
+        if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            # the backward pass recomputes each block, which would write its tokens again
+            if past_key_values is not None:
+                raise ValueError(
+                    "past_key_values cannot be used with gradient checkpointing in training: "
+                    "recomputing a block in the backward pass would add its tokens to the "
+                    "cache a second time. Call model.gradient_checkpointing_disable(), or "
+                    "model.eval() / torch.no_grad() for generation"
+                )
+            if use_cache:
+                logger.warning_once(
+                    "use_cache=True is incompatible with gradient checkpointing in training "
+                    "(the backward pass would fill the cache twice): no cache is returned"
+                )
+                use_cache = False
         if use_cache and past_key_values is None:
             past_key_values = FoTCache(self.config.num_hidden_layers)
         if past_key_values is not None and not isinstance(past_key_values, FoTCache):
@@ -1348,6 +1365,23 @@ class FoTModel(FoTPreTrainedModel):
             **{CACHE_FIELD: past_key_values},
         )
         return out if _return_dict(self.config, return_dict) else out.to_tuple()
+
+
+def _check_labels(name: str, labels: torch.Tensor, shape: tuple[int, int]) -> None:
+    """Refuse ``labels`` / ``shift_labels`` that are not integer token ids ``[B, T]`` like the
+    input (a float tensor would be cast to token ids, a wrong shape fail deep in the loss)."""
+    if not torch.is_tensor(labels):
+        raise TypeError(
+            f"{name} must be a tensor of token ids [B, T] = {shape}, got {type(labels).__name__}"
+        )
+    if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
+        raise TypeError(
+            f"{name} must hold integer token ids (-100 to ignore a position), got {labels.dtype}"
+        )
+    if tuple(labels.shape) != shape:
+        raise ValueError(
+            f"{name} must be [B, T] = {shape} like input_ids, got {tuple(labels.shape)}"
+        )
 
 
 # Keys that ``generate()`` and HF collators may pass and that change nothing here.
@@ -1808,6 +1842,9 @@ class FoTForCausalLM(FoTPreTrainedModel, GenerationMixin):
         # HF-style `labels` outside training (HF Trainer's evaluate / predict, which hand the
         # logits to compute_metrics) return the logits with the loss, as HF models do.
         want_logits = shift_labels is None and (labels is None or not self.training)
+        for name, value in (("labels", labels), ("shift_labels", shift_labels)):
+            if value is not None:
+                _check_labels(name, value, tuple(hidden.shape[:2]))
         if shift_labels is None and labels is not None:
             shift_labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
         loss = logits = None

@@ -237,7 +237,7 @@ def linear_cross_entropy(
     compute_dtype = (
         torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
     )
-    labels = labels.contiguous()
+    labels = labels.long().contiguous()  # uint8 / int32 ids: gather takes int64 indices
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         return _LinearCrossEntropyFn.apply(
             hidden, weight, labels, n_classes, ignore_index, chunk_rows, compute_dtype

@@ -328,7 +328,7 @@ def add_rms_norm(
         TypeError / ValueError: on malformed inputs (naming the argument and what to change).
     """
     if not isinstance(x, torch.Tensor) or x.dtype not in _DTYPES or x.dim() == 0:
-        got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+        got = (x.dtype, tuple(x.shape)) if isinstance(x, torch.Tensor) else type(x).__name__
         raise TypeError(f"x must be a float16/bfloat16/float32 tensor [..., N], got {got}")
     N = x.shape[-1]
     if residual is not None:

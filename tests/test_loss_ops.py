@@ -138,6 +138,17 @@ def test_bad_inputs_raise_clear_errors() -> None:
         linear_cross_entropy(hidden, weight, labels, ignore_index=-100.0)
     with pytest.raises(TypeError, match=r"labels must be an integer tensor .* got torch\.bool"):
         linear_cross_entropy(hidden, weight, labels > 3)
+    ids = labels.clamp(min=0)  # no -100: uint8 cannot hold it
+    for interpret in ("1", "0"):  # the Triton kernel, and PyTorch's gather (uint8 failed there)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("TRITON_INTERPRET", interpret)
+            for dtype in (torch.uint8, torch.int32):
+                torch.testing.assert_close(
+                    linear_cross_entropy(hidden, weight, ids.to(dtype)),
+                    linear_cross_entropy(hidden, weight, ids),
+                    rtol=0,
+                    atol=0,
+                )
     import numpy as np  # NumPy integers are integers
 
     want = linear_cross_entropy(hidden, weight, labels, n_classes=32, chunk_rows=4)

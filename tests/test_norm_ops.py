@@ -242,6 +242,8 @@ def test_add_rms_norm_bad_inputs_raise_clear_errors() -> None:
         add_rms_norm(x, None, torch.ones(4, device=DEVICE))
     with pytest.raises(TypeError, match="x must be"):
         add_rms_norm(x.double(), None, w)
+    with pytest.raises(TypeError, match=r"x must be .*\[\.\.\., N\], got \(torch.float32, \(\)\)"):
+        add_rms_norm(x[0, 0, 0], None, w)  # a scalar: its shape is the problem, not its dtype
     with pytest.raises(TypeError, match="residual must be"):
         add_rms_norm(x, x.long(), w)
     with pytest.raises(ValueError, match="eps must be a positive number"):

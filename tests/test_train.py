@@ -1177,6 +1177,36 @@ def test_wandb_that_cannot_start_warns_with_the_ways_out(
     assert json.loads((tmp_path / "metrics.jsonl").read_text())["loss"] == 1.5
 
 
+def test_an_explicit_wandb_mode_wins_over_the_environment(tmp_path, monkeypatch) -> None:
+    """WANDB_MODE (e.g. exported by a cluster profile) beat wandb.mode=offline/disabled given on
+    the command line: a run marked offline could be uploaded, and the warning then advised the
+    setting already given. The environment now decides only for wandb.mode=auto."""
+    import wandb
+
+    from fot.training.metrics import MetricsLogger, resolve_wandb_mode
+
+    for env in ("online", "offline", "disabled"):
+        monkeypatch.setenv("WANDB_MODE", env)
+        for mode in ("online", "offline", "disabled"):
+            assert resolve_wandb_mode(mode) == mode
+        assert resolve_wandb_mode("auto") == env
+    asked = {}
+
+    def init(**kwargs):
+        asked.update(kwargs)
+        raise ConnectionError("the stand-in starts no run")
+
+    monkeypatch.setattr(wandb, "init", init)
+    monkeypatch.setenv("WANDB_MODE", "online")
+    cfg = OmegaConf.create({"mode": "disabled", "project": "p", "entity": None, "name": None})
+    MetricsLogger(tmp_path, enabled=True, wandb_cfg=cfg, config={}).close()
+    assert asked == {}  # no wandb run at all
+    cfg.mode = "offline"
+    with pytest.warns(UserWarning, match=r"wandb \(offline\) did not start"):
+        MetricsLogger(tmp_path, enabled=True, wandb_cfg=cfg, config={}).close()
+    assert asked["mode"] == "offline"
+
+
 def _wandb_history(run_dir: Path) -> list[dict]:
     """The history rows of an offline wandb run, read from its ``.wandb`` transaction log:
     LevelDB log format (32 KiB blocks of records with a 7-byte header: CRC, length, type;

@@ -147,14 +147,17 @@ def flops_per_token(model: nn.Module, config: Any, seq_len: int) -> float:
 
 
 def resolve_wandb_mode(mode: str) -> str:
-    """``auto`` -> ``online`` with an API key (env or netrc), else ``offline``."""
+    """The wandb mode of a run: ``wandb.mode`` when set (``online``/``offline``/``disabled``,
+    also over a ``WANDB_MODE`` in the environment, e.g. a cluster profile's); for ``auto``
+    the environment's ``WANDB_MODE``, else ``online`` with an API key (env or netrc), else
+    ``offline``."""
     if mode not in WANDB_MODES:
         raise ValueError(f"wandb.mode={mode!r} is not one of {list(WANDB_MODES)}")
+    if mode != "auto":
+        return mode
     env = os.environ.get("WANDB_MODE")
     if env in ("online", "offline", "disabled", "dryrun"):
         return "offline" if env == "dryrun" else env
-    if mode != "auto":
-        return mode
     if os.environ.get("WANDB_API_KEY"):
         return "online"
     netrc = Path.home() / ".netrc"

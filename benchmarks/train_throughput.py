@@ -213,8 +213,8 @@ def build(
         if backend == "auto" and device.type != "cuda":
             backend = "reference"
         fields: dict[str, Any] = {"attn_backend": backend, "max_position_embeddings": max_positions}
-        if fgate_bias_init is not None:
-            fields["fgate_bias_init"] = fgate_bias_init
+        if fgate_bias_init is not None and presets.config(name, size).fgate_type == "full":
+            fields["fgate_bias_init"] = fgate_bias_init  # the data-dependent gates only
         config = presets.config(name, size, **{**fields, **(fot_overrides or {})})
         with torch.device(device):
             model = presets.build_model(config)

@@ -376,9 +376,9 @@ def test_fixed_gates_are_refused_with_other_decay_times(tmp_path) -> None:
     with pytest.raises(InitFromError, match=r"decay_time_max=16384.0 \(init_from\) vs 100.0"):
         check_init_source(source, other)
     # a learned gate's decay times only shape its initialisation: they may differ
-    learned = read_init_source(_export(tmp_path / "learned", "fot_llama"))
+    learned = read_init_source(_export(tmp_path / "learned", "fot_llama_bias_only"))
     check_init_source(
-        learned, presets.config("fot_llama", "tiny", **SMALL_MODEL, decay_time_min=4.0)
+        learned, presets.config("fot_llama_bias_only", "tiny", **SMALL_MODEL, decay_time_min=4.0)
     )
 
 

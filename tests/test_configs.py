@@ -891,3 +891,23 @@ def test_runs_started_in_the_same_second_get_a_folder_each(hydra_ctx, tmp_path, 
         assert claim_default_folder(argv, now, world_size=world) is None, argv
     made = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.glob("*/*/*"))
     assert made == ["multirun/2026-11-28/09-05-07", *want]
+
+
+def test_a_gate_initialisation_the_model_does_not_read_is_refused() -> None:
+    """``+model.overrides.fgate_bias_init=5`` on a fixed or bias-only gate (in an ablation sweep
+    over the gate types, say) was stored in config.json and ignored: the gates kept their
+    long-init biases."""
+    for model, field, value in (
+        ("fot_pro_fixed", "fgate_bias_init", 5.0),
+        ("fot_llama_bias_only", "fgate_bias_init", 5.0),
+        ("fot_pro", "decay_time_min", 4.0),
+        ("transformer_llama", "fgate_bias_init", 5.0),
+    ):
+        with pytest.raises(ValueError, match=rf"^model '{model}' has .*{field}: .*leave it out"):
+            presets.config(model, "tiny", **{field: value})
+    # where the gate reads it, the field takes effect
+    assert presets.config("fot_pro", "tiny", fgate_bias_init=5.0).fgate_bias_init == 5.0
+    fixed = presets.config("fot_pro_fixed", "tiny", decay_time_max=100.0)
+    assert fixed.decay_time_max == 100.0
+    # also when the override itself switches the gate type
+    assert presets.config("fot_pro", "tiny", fgate_type="fixed", decay_time_min=4.0).fgate_type

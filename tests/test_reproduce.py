@@ -191,7 +191,7 @@ def _table(md: str, header_start: str) -> dict[str, list[str]]:
     return rows
 
 
-def test_toy_pipeline_report_matches_eval_outputs(tmp_path):
+def test_toy_pipeline_report_matches_eval_outputs(tmp_path, monkeypatch):
     # A real (small) corpus: the plays plus two Debian-style documents.
     data = tmp_path / "data"
     make_corpus.build_corpus(data, [_debian_tree(tmp_path / "deb")], heldout_every=20)
@@ -260,6 +260,15 @@ def test_toy_pipeline_report_matches_eval_outputs(tmp_path):
     label = labels["transformer_llama"]
     assert "FAILED: missing results: needle" in _table(md2, "| model | params")[label][-1]
     assert label in _table(md2, "| model | l=") and label not in _table(md2, "| model | 64 | 128 |")
+    # A call at another commit, on another machine: each call keeps its own (the report named
+    # the last call's commit and device for all models)
+    first = f"# git {repro._git_sha()}, {repro._device()}"
+    monkeypatch.setattr(repro, "_git_sha", lambda: "f" * 40)
+    monkeypatch.setattr(repro, "_device", lambda: "another machine")
+    assert repro.main([*argv, "--models", "fot_llama"]) == 0
+    md3 = report.read_text()
+    assert "at several commits (per call below)" in md3 and "**Device:** several" in md3
+    assert first in md3 and f"# git {'f' * 40}, another machine" in md3
 
 
 def repro_args(argv):

@@ -86,8 +86,9 @@ def reference_run(tmp_path_factory) -> dict[int, float]:
     return losses
 
 
-def test_short_run_learns_and_writes_everything(tmp_path, monkeypatch) -> None:
+def test_short_run_learns_and_writes_everything(tmp_path, monkeypatch, caplog) -> None:
     # no API key and no WANDB_MODE: wandb must fall back to offline, not crash
+    caplog.set_level(logging.INFO, logger="fot.train")
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))
@@ -107,6 +108,9 @@ def test_short_run_learns_and_writes_everything(tmp_path, monkeypatch) -> None:
     assert [v["step"] for v in vals] == [8, 16]  # mid-run and final validation
     assert "val/loss_last_64" in vals[-1] and math.isfinite(vals[-1]["val/loss"])
     assert vals[-1]["val/loss"] < vals[0]["val/loss"]
+    # the mid-run validation is logged (train.log), not only written above the progress bar
+    mid = f"step 8: val/loss {vals[0]['val/loss']:.4f}"
+    assert any(r.getMessage().startswith(mid) for r in caplog.records), caplog.text
     info = json.loads((out / "run_info.json").read_text())[0]
     assert info["versions"]["torch"] == torch.__version__
     assert "git_sha" in info and info["config"]["model"]["name"] == "fot_pro"

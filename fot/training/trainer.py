@@ -1087,6 +1087,11 @@ def _train(
         unit="step",
         dynamic_ncols=True,
     )
+    if not bar.disable:
+        from tqdm.contrib.logging import logging_redirect_tqdm
+
+        # log lines on the console go above the bar; a log file (train.log) still gets them
+        cleanup.enter_context(logging_redirect_tqdm(loggers=[logging.root]))
     last_record: dict[str, Any] = {}
     last_ckpt: Path | None = resume_from
     f64 = {"dtype": torch.float64, "device": info.device}
@@ -1308,7 +1313,9 @@ def _train(
                 val = validate()
                 if val:
                     metrics.log({"step": step, "tokens": tokens, **val})
-                    bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in val.items()))
+                    if info.is_main:  # also into train.log (bar.write reached the console only)
+                        shown = ", ".join(f"{k} {v:.4f}" for k, v in val.items())
+                        logger.info("step %d: %s", step, shown)
             t_window += time.time() - t_pause
             if stop:
                 bar.close()

@@ -208,6 +208,31 @@ def _not_exported_message(p: Path) -> str:
             "resuming training, not an exported checkpoint: export it with `python -m "
             f"fot.export {p} {p.parent.parent / ('hf_' + p.name)}` and pass that folder{final}"
         )
+    steps = sorted(q.name for q in p.glob("step_*") if (q / "model.pt").is_file())
+    if steps:
+        # <run>/checkpoints: the training checkpoints of a run
+        final = p.parent / "hf"
+        pick = (
+            f"pass the run's final export {str(final)!r}, or export"
+            if (final / "config.json").is_file()
+            else "export"
+        )
+        return (
+            f"checkpoint {str(p)!r} is a folder of training checkpoints ({', '.join(steps)}), "
+            f"not an exported checkpoint: {pick} one with `python -m fot.export "
+            f"{p / steps[-1]} {p.parent / ('hf_' + steps[-1])}` and pass that folder"
+        )
+    jobs = sorted(q.parent.parent for q in p.glob("*/hf/config.json"))
+    if jobs:
+        # a multirun sweep folder (multirun/<date>/<time>) or a folder of runs
+        shown = ", ".join(repr(str(j / "hf")) for j in jobs[:4]) + (
+            ", ..." if len(jobs) > 4 else ""
+        )
+        return (
+            f"checkpoint {str(p)!r} holds {len(jobs)} training run{'s' * (len(jobs) > 1)}, "
+            "not an exported "
+            f"checkpoint: pass the export of one of them ({shown})"
+        )
     return (
         f"checkpoint folder {str(p)!r} has no config.json; export the model with "
         "fot.export.export_hf(model, dir) or model.save_pretrained(dir) first"
@@ -224,7 +249,30 @@ def checkpoint_label(path: str | os.PathLike) -> str:
     p = Path(path).resolve()
     if p.parent.name == "snapshots" and p.parent.parent.name.startswith("models--"):
         return p.parent.parent.name.split("--", 2)[-1]
-    return p.parent.name if p.name == "hf" and p.parent.name else p.name
+    if p.name == "hf" and p.parent.name:
+        return _sweep_job_label(p.parent) or p.parent.name
+    return p.name
+
+
+def _sweep_job_label(run: Path) -> str | None:
+    """The swept overrides of a Hydra multirun job ``<sweep>/<n>`` (e.g. ``model=fot_pro``),
+    read from its ``.hydra/overrides.yaml`` and the sweep's ``multirun.yaml``, so that the jobs
+    of a sweep are not labelled 0, 1, 2, ...; None for any other folder."""
+    if not run.name.isdigit() or not (run.parent / "multirun.yaml").is_file():
+        return None
+    from omegaconf import OmegaConf
+
+    def key(override: str) -> str:
+        return override.split("=", 1)[0].lstrip("+~")
+
+    try:
+        task = [str(o) for o in OmegaConf.load(run.parent / "multirun.yaml").hydra.overrides.task]
+        mine = [str(o) for o in OmegaConf.load(run / ".hydra" / "overrides.yaml")]
+    except Exception:  # a label only: the folder name serves as well
+        return None
+    # a swept value: a list (a,b), or range(...) / choice(...) / glob(...)
+    swept = {key(o) for o in task if any(c in o.partition("=")[2] for c in ",(")}
+    return ",".join(o.lstrip("+") for o in mine if key(o) in swept) or None
 
 
 CHECKPOINT_HELP = (

@@ -50,6 +50,12 @@ def test_run_folder_and_training_checkpoint_name_the_hf_export(tmp_path):
     with pytest.raises(FileNotFoundError, match="training checkpoint") as err:
         check_checkpoint_dir(step)
     assert repr(hf) in str(err.value)
+    # <run>/checkpoints: the final export, or a step to export
+    with pytest.raises(
+        FileNotFoundError, match=r"folder of training checkpoints \(step_00000004\)"
+    ) as err:
+        check_checkpoint_dir(tmp_path / "run" / "checkpoints")
+    assert repr(hf) in str(err.value) and f"fot.export {step} " in str(err.value)
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match=r"no config\.json"):
         check_checkpoint_dir(tmp_path / "empty")
@@ -382,6 +388,38 @@ def test_trainer_export_is_labelled_by_its_run_and_overlay_labels_are_unique(lla
         main(["per-token-loss", str(llama), *PTL, "--overlay", f"llama={first}", "--out",
               str(out)])  # fmt: skip
     assert not (out / "state.npz").exists()
+
+
+def test_the_jobs_of_a_sweep_are_labelled_by_their_swept_overrides(tmp_path):
+    """A multirun's exports are <sweep>/0/hf, <sweep>/1/hf, ...: labelled 0, 1, ... in every
+    legend before. The sweep here is a real Hydra multirun (of an app that does nothing)."""
+    from fot.eval.common import checkpoint_label
+
+    app = tmp_path / "app.py"
+    app.write_text(
+        "import hydra\n"
+        "@hydra.main(version_base='1.3', config_path=None, config_name=None)\n"
+        "def main(cfg):\n    pass\n"
+        "main()\n"
+    )
+    args = ["-m", "+model=fot_pro,fot_llama", "+lr=1", "+seed=range(0,2)", "hydra.sweep.dir=s"]
+    subprocess.run([sys.executable, str(app), *args], cwd=tmp_path, check=True,
+                   capture_output=True, timeout=120)  # fmt: skip
+    sweep = tmp_path / "s"
+    labels = []
+    for job in sorted(sweep.glob("[0-9]")):
+        (job / "hf").mkdir()
+        labels.append(checkpoint_label(job / "hf"))
+    assert sorted(labels) == [
+        f"model={m},seed={s}" for m in ("fot_llama", "fot_pro") for s in (0, 1)
+    ]
+    # a run folder named by a number outside a sweep keeps its name
+    (tmp_path / "7" / "hf").mkdir(parents=True)
+    assert checkpoint_label(tmp_path / "7" / "hf") == "7"
+    # the sweep folder passed as a checkpoint names its runs' exports
+    (sweep / "0" / "hf" / "config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match=r"holds 1 training run, .*s/0/hf'\)$"):
+        check_checkpoint_dir(sweep)
 
 
 @pytest.mark.parametrize(

@@ -1674,11 +1674,6 @@ class FoTForCausalLM(FoTPreTrainedModel, GenerationMixin):
     ) -> torch.Tensor:
         """``[B, T]`` float32 next-token losses (0 where ``shift_labels == -100``)."""
         B, T, H = hidden.shape
-        if shift_labels.shape != (B, T):
-            raise ValueError(
-                f"shift_labels must be [B, T] = {(B, T)} like input_ids, got "
-                f"{tuple(shift_labels.shape)}"
-            )
         labels = shift_labels.to(hidden.device).reshape(-1).long()
         losses = _chunked_cross_entropy(
             hidden.reshape(B * T, H),
@@ -1704,6 +1699,7 @@ class FoTForCausalLM(FoTPreTrainedModel, GenerationMixin):
         if not _fusable(self.lm_head, hidden.device) or hidden.dtype == torch.float64:
             impl = "chunked"  # the fused losses read the weight, and compute in float32
         B, T, H = hidden.shape
+        _check_labels("shift_labels", shift_labels, (B, T))  # shape and dtype: no sync
         labels = shift_labels.to(hidden.device).reshape(-1).long()
         # Sum, then divide on device: no host sync, and an all-ignored batch gives 0.
         if num_items is None:
@@ -1842,10 +1838,8 @@ class FoTForCausalLM(FoTPreTrainedModel, GenerationMixin):
         # HF-style `labels` outside training (HF Trainer's evaluate / predict, which hand the
         # logits to compute_metrics) return the logits with the loss, as HF models do.
         want_logits = shift_labels is None and (labels is None or not self.training)
-        for name, value in (("labels", labels), ("shift_labels", shift_labels)):
-            if value is not None:
-                _check_labels(name, value, tuple(hidden.shape[:2]))
-        if shift_labels is None and labels is not None:
+        if shift_labels is None and labels is not None:  # shift_labels: in _loss_per_token
+            _check_labels("labels", labels, tuple(hidden.shape[:2]))
             shift_labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
         loss = logits = None
         if shift_labels is not None:
@@ -1966,6 +1960,7 @@ class FoTForCausalLM(FoTPreTrainedModel, GenerationMixin):
         """
         out = self.model(input_ids=input_ids, cu_seqlens=cu_seqlens, return_dict=True)
         hidden = out.last_hidden_state
+        _check_labels("shift_labels", shift_labels, tuple(hidden.shape[:2]))
         return self._loss_per_token(hidden, shift_labels, fp32_logits=True)
 
 

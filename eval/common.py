@@ -107,6 +107,22 @@ def json_object(text: str) -> dict[str, Any]:
     return value
 
 
+def add_label_argument(p: argparse.ArgumentParser, what: str) -> None:
+    """``--label``: the name of the checkpoint in ``what`` (a plot's title or legend);
+    :func:`plot_label` reads it."""
+    p.add_argument(
+        "--label",
+        default=None,
+        help=f"name of the checkpoint in {what} (default: the checkpoint folder's name; RUN "
+        "for a trainer export RUN/hf, the swept overrides for a sweep job's export)",
+    )
+
+
+def plot_label(args: argparse.Namespace) -> str:
+    """``--label`` if given, else :func:`checkpoint_label` of ``args.checkpoint``."""
+    return args.label or checkpoint_label(args.checkpoint)
+
+
 def add_storage_options_argument(p: argparse.ArgumentParser) -> None:
     """``--storage-options JSON``: the filesystem options of a URL ``--data``."""
     p.add_argument(

@@ -31,6 +31,7 @@ from .common import (
     CHECKPOINT_HELP,
     CONTEXT_LENGTH_HELP,
     JsonlLog,
+    add_label_argument,
     add_run_arguments,
     add_storage_options_argument,
     check_fits_memory,
@@ -38,7 +39,6 @@ from .common import (
     check_out_shared,
     check_positions,
     check_token_ids,
-    checkpoint_label,
     claim_results,
     eot_id,
     length_option,
@@ -50,6 +50,7 @@ from .common import (
     parse_int_list,
     path_setting,
     pick_device,
+    plot_label,
     use_agg_backend,
     vocab_size,
     write_run_config,
@@ -301,6 +302,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--seed", type=int, default=0, help="seed of the S and I spans (default: %(default)s)"
     )
+    add_label_argument(p, "the plot's title")
     add_run_arguments(p)
 
 
@@ -406,7 +408,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         summary,
         out / "forgetting_curve.png",
         train_length=train_length or model_max_length(model),
-        title=checkpoint_label(args.checkpoint),
+        title=plot_label(args),
     )
     print(json.dumps({k: summary[k] for k in ("fine_grained_length", "coarse_grained_length")}))
     return summary

@@ -29,12 +29,13 @@ from .common import (
     CHECKPOINT_HELP,
     DEVICE_HELP,
     DTYPE_HELP,
+    add_label_argument,
     check_out_shared,
-    checkpoint_label,
     encode_text,
     eot_id,
     load_checkpoint,
     pick_device,
+    plot_label,
     positive_int,
     read_text_file,
     use_agg_backend,
@@ -285,6 +286,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="results folder (overwritten, no resume)")
     p.add_argument("--device", default=None, help=DEVICE_HELP)
     p.add_argument("--dtype", default="float32", help=DTYPE_HELP)
+    add_label_argument(p, "the plot's title")
 
 
 def _int_list(text: str, option: str) -> list[int]:
@@ -345,7 +347,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         **{f"F_l{li}_h{h}": m.numpy() for (li, h), m in data["F"].items()},
         **{f"attn_l{li}_h{h}": m.numpy() for (li, h), m in data["attention"].items()},
     )
-    plot_gates(data, tokens, out / "gates.png", title=checkpoint_label(args.checkpoint))
+    plot_gates(data, tokens, out / "gates.png", title=plot_label(args))
     plot_gate_values(data["log_fgate"], out / "gate_values.png")
     summary = {
         "tokens": len(ids),

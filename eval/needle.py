@@ -44,11 +44,11 @@ from .common import (
     CHECKPOINT_HELP,
     CONTEXT_LENGTH_HELP,
     JsonlLog,
+    add_label_argument,
     add_run_arguments,
     check_fits_memory,
     check_grid,
     check_positions,
-    checkpoint_label,
     claim_results,
     decode_text,
     encode_text,
@@ -63,6 +63,7 @@ from .common import (
     parse_int_list,
     path_setting,
     pick_device,
+    plot_label,
     positive_int,
     read_text_file,
     use_agg_backend,
@@ -554,6 +555,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--seed", type=int, default=0, help="seed of passkeys and offsets (default: %(default)s)"
     )
+    add_label_argument(p, "the plot's title")
     add_run_arguments(p)
 
 
@@ -679,7 +681,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         records,
         out / f"needle_{args.mode}.png",
         train_length=train_length,
-        title=f"{checkpoint_label(args.checkpoint)}: needle ({args.mode})",
+        title=f"{plot_label(args)}: needle ({args.mode})",
     )
     print(json.dumps({k: summary[k] for k in ("mode", "cells", "mean_score", "accuracy")}))
     return summary

@@ -45,12 +45,12 @@ from fot.interrupt import check_stop
 from .common import (
     CHECKPOINT_HELP,
     CONTEXT_LENGTH_HELP,
+    add_label_argument,
     add_run_arguments,
     add_storage_options_argument,
     check_out_shared,
     check_positions,
     check_token_ids,
-    checkpoint_label,
     claim_results,
     context_length_key,
     eot_id,
@@ -61,6 +61,7 @@ from .common import (
     model_max_length,
     path_setting,
     pick_device,
+    plot_label,
     positive_int,
     token_losses,
     use_agg_backend,
@@ -789,12 +790,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="LABEL=DIR",
         help="earlier per-token-loss result folders to draw in the same plot (default: none)",
     )
-    p.add_argument(
-        "--label",
-        default=None,
-        help="legend label of this run (default: the checkpoint folder name; RUN for a trainer "
-        "export RUN/hf)",
-    )
+    add_label_argument(p, "the plot's legend")
     p.add_argument(
         "--save-every",
         type=positive_int,
@@ -810,7 +806,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out = Path(args.out)
     check_out_shared(out, "per-token-loss")
     overlays = parse_overlays(args.overlay)  # checked before the evaluation, not after
-    label = args.label or checkpoint_label(args.checkpoint)
+    label = plot_label(args)
     if label in overlays:
         raise ValueError(
             f"--overlay label {label!r} is also this run's label (one curve would hide the "

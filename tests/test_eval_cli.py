@@ -416,6 +416,31 @@ def test_gates_cli(ckpts, tmp_path):
         )
 
 
+PLOT_COMMANDS = {
+    "needle": ("plot_heatmap", ["--mode", "easy", "--lengths", "96", "--depths", "50",
+                                "--max-new-tokens", "1"]),
+    "forgetting-curve": ("plot_curve", ["--lengths", "32", "--repeats", "1"]),
+    "gates": ("plot_gates", ["--text", "a b c d", "--max-tokens", "8"]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("command", sorted(PLOT_COMMANDS))
+def test_label_names_the_checkpoint_in_the_plot_title(ckpts, tmp_path, monkeypatch, command):
+    """`--label` (per-token-loss's legend option) titles the other commands' plots too; without
+    it the title names the checkpoint folder."""
+    import importlib
+
+    function, argv = PLOT_COMMANDS[command]
+    module = importlib.import_module(f"fot.eval.{command.replace('-', '_')}")
+    titles = []
+    monkeypatch.setattr(module, function, lambda *a, title, **kw: titles.append(title))
+    for n, label in enumerate([[], ["--label", "FoT (Pro), seed 1"]]):
+        main([command, str(ckpts["fot"]), *argv, *label, "--out", str(tmp_path / str(n)),
+              "--device", "cpu"])  # fmt: skip
+    assert titles[0].startswith("fot") and titles[1].startswith("FoT (Pro), seed 1")
+    assert titles[0][3:] == titles[1][len("FoT (Pro), seed 1") :]  # e.g. ": needle (easy)"
+
+
 def test_gates_out_of_range_choices_name_only_the_bad_option():
     """`--layers 0,5,-1` on a 2-layer model said `--layers [5] / --heads [] out of range`,
     which reads as if the heads were empty (found running the eval README's gates example on

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from fot.data.zarr_store import is_url
 from fot.errors import FotError
 from fot.interrupt import check_stop
-from fot.provenance import git_sha, library_versions
+from fot.provenance import git_sha, library_versions, sweep_job_label
 from fot.tokenizer import TEXT_ESCAPING_KEY, escape_text, text_escaping_of, unescape_text
 
 _DTYPES = {
@@ -266,29 +266,8 @@ def checkpoint_label(path: str | os.PathLike) -> str:
     if p.parent.name == "snapshots" and p.parent.parent.name.startswith("models--"):
         return p.parent.parent.name.split("--", 2)[-1]
     if p.name == "hf" and p.parent.name:
-        return _sweep_job_label(p.parent) or p.parent.name
+        return sweep_job_label(p.parent) or p.parent.name
     return p.name
-
-
-def _sweep_job_label(run: Path) -> str | None:
-    """The swept overrides of a Hydra multirun job ``<sweep>/<n>`` (e.g. ``model=fot_pro``),
-    read from its ``.hydra/overrides.yaml`` and the sweep's ``multirun.yaml``, so that the jobs
-    of a sweep are not labelled 0, 1, 2, ...; None for any other folder."""
-    if not run.name.isdigit() or not (run.parent / "multirun.yaml").is_file():
-        return None
-    from omegaconf import OmegaConf
-
-    def key(override: str) -> str:
-        return override.split("=", 1)[0].lstrip("+~")
-
-    try:
-        task = [str(o) for o in OmegaConf.load(run.parent / "multirun.yaml").hydra.overrides.task]
-        mine = [str(o) for o in OmegaConf.load(run / ".hydra" / "overrides.yaml")]
-    except Exception:  # a label only: the folder name serves as well
-        return None
-    # a swept value: a list (a,b), or range(...) / choice(...) / glob(...)
-    swept = {key(o) for o in task if any(c in o.partition("=")[2] for c in ",(")}
-    return ",".join(o.lstrip("+") for o in mine if key(o) in swept) or None
 
 
 CHECKPOINT_HELP = (

@@ -64,3 +64,35 @@ def library_versions(extra: Iterable[str] = ()) -> dict[str, str | None]:
         out["fot"] = getattr(fot, "__version__", None)
     out["cuda"] = torch.version.cuda
     return out
+
+
+def sweep_folder(run: str | os.PathLike) -> Path | None:
+    """The folder of the Hydra multirun that ``run`` is a job of (it holds ``multirun.yaml``),
+    or None for a run of its own."""
+    parent = Path(run).resolve().parent
+    return parent if (parent / "multirun.yaml").is_file() else None
+
+
+def sweep_job_label(run: str | os.PathLike) -> str | None:
+    """The swept overrides of a Hydra multirun job ``<sweep>/<n>`` (e.g.
+    ``model=fot_pro,seed=1``), read from its ``.hydra/overrides.yaml`` and the sweep's
+    ``multirun.yaml``, so that the jobs of a sweep are not named 0, 1, 2, ... in plots and
+    wandb; None for any other folder (a job folder named otherwise,
+    ``hydra.sweep.subdir=...``, names itself)."""
+    run = Path(run).resolve()
+    sweep = sweep_folder(run)
+    if sweep is None or not run.name.isdigit():
+        return None
+    from omegaconf import OmegaConf
+
+    def key(override: str) -> str:
+        return override.split("=", 1)[0].lstrip("+~")
+
+    try:
+        task = [str(o) for o in OmegaConf.load(sweep / "multirun.yaml").hydra.overrides.task]
+        mine = [str(o) for o in OmegaConf.load(run / ".hydra" / "overrides.yaml")]
+    except Exception:  # a name only: the folder name serves as well
+        return None
+    # a swept value: a list (a,b), or range(...) / choice(...) / glob(...)
+    swept = {key(o) for o in task if any(c in o.partition("=")[2] for c in ",(")}
+    return ",".join(o.lstrip("+") for o in mine if key(o) in swept) or None

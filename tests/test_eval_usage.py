@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from eval_helpers import make_llama_checkpoint
+from hydra_sweeps import run_empty_sweep
 
 import fot.eval.__main__ as eval_main
 from fot.eval.__main__ import cli, main
@@ -395,17 +396,7 @@ def test_the_jobs_of_a_sweep_are_labelled_by_their_swept_overrides(tmp_path):
     legend before. The sweep here is a real Hydra multirun (of an app that does nothing)."""
     from fot.eval.common import checkpoint_label
 
-    app = tmp_path / "app.py"
-    app.write_text(
-        "import hydra\n"
-        "@hydra.main(version_base='1.3', config_path=None, config_name=None)\n"
-        "def main(cfg):\n    pass\n"
-        "main()\n"
-    )
-    args = ["-m", "+model=fot_pro,fot_llama", "+lr=1", "+seed=range(0,2)", "hydra.sweep.dir=s"]
-    subprocess.run([sys.executable, str(app), *args], cwd=tmp_path, check=True,
-                   capture_output=True, timeout=120)  # fmt: skip
-    sweep = tmp_path / "s"
+    sweep = run_empty_sweep(tmp_path, "+model=fot_pro,fot_llama", "+lr=1", "+seed=range(0,2)")
     labels = []
     for job in sorted(sweep.glob("[0-9]")):
         (job / "hf").mkdir()

@@ -24,7 +24,7 @@ from zarr_arrays import new_array
 
 from fot.training import TrainingDivergedError, TrainingStopped, register_configs, train
 from fot.training.checkpoint import FAULT_ENV, list_checkpoints
-from fot.training.config import ScheduleConfig
+from fot.training.config import ScheduleConfig, WandbConfig
 from fot.training.optim import lr_at, param_groups
 from fot.training.parallel import check_fsdp_backend
 
@@ -1171,7 +1171,7 @@ def test_wandb_that_cannot_start_warns_with_the_ways_out(
 
     monkeypatch.setattr(wandb, "init", no_server)
     monkeypatch.delenv("WANDB_MODE", raising=False)  # the suite disables wandb
-    cfg = OmegaConf.create({"mode": mode, "project": "p", "entity": None, "name": None})
+    cfg = OmegaConf.structured(WandbConfig(mode=mode, project="p"))
     with pytest.warns(UserWarning, match=r"no route.*wandb\.mode=disabled") as record:
         logger = MetricsLogger(tmp_path, enabled=True, wandb_cfg=cfg, config={})
     assert logger.wandb_run is None
@@ -1202,13 +1202,45 @@ def test_an_explicit_wandb_mode_wins_over_the_environment(tmp_path, monkeypatch)
 
     monkeypatch.setattr(wandb, "init", init)
     monkeypatch.setenv("WANDB_MODE", "online")
-    cfg = OmegaConf.create({"mode": "disabled", "project": "p", "entity": None, "name": None})
+    cfg = OmegaConf.structured(WandbConfig(mode="disabled", project="p"))
     MetricsLogger(tmp_path, enabled=True, wandb_cfg=cfg, config={}).close()
     assert asked == {}  # no wandb run at all
     cfg.mode = "offline"
     with pytest.warns(UserWarning, match=r"wandb \(offline\) did not start"):
         MetricsLogger(tmp_path, enabled=True, wandb_cfg=cfg, config={}).close()
     assert asked["mode"] == "offline"
+
+
+def test_the_jobs_of_a_sweep_are_named_and_grouped_in_wandb(tmp_path, monkeypatch) -> None:
+    """The jobs of `train.py -m ...` were wandb runs named 0, 1, 2, ... (their folders), in no
+    group. They are named by their swept overrides and grouped by their sweep; a run of its own
+    keeps its folder's name, and wandb.name / wandb.group win."""
+    import wandb
+    from hydra_sweeps import run_empty_sweep
+
+    from fot.training.metrics import MetricsLogger
+
+    asked = []
+
+    def init(**kwargs):
+        asked.append({k: kwargs[k] for k in ("name", "group")})
+        raise ConnectionError("the stand-in starts no run")
+
+    monkeypatch.setattr(wandb, "init", init)
+    sweep = run_empty_sweep(tmp_path, "+model=fot_pro,fot_llama", "+total_tokens=64")
+    (tmp_path / "own").mkdir()
+    cfg = OmegaConf.structured(WandbConfig(mode="offline"))
+    named = OmegaConf.structured(WandbConfig(mode="offline", name="n", group="g"))
+    for out, wandb_cfg in [(sweep / "0", cfg), (sweep / "1", cfg), (tmp_path / "own", cfg),
+                           (sweep / "1", named)]:  # fmt: skip
+        with pytest.warns(UserWarning, match="did not start"):
+            MetricsLogger(out, enabled=True, wandb_cfg=wandb_cfg, config={}).close()
+    assert asked == [
+        {"name": "model=fot_pro", "group": "s"},
+        {"name": "model=fot_llama", "group": "s"},
+        {"name": "own", "group": None},
+        {"name": "n", "group": "g"},
+    ]
 
 
 def _wandb_history(run_dir: Path) -> list[dict]:
@@ -1251,7 +1283,7 @@ def test_wandb_keeps_the_steps_a_resumed_run_logs_again(tmp_path, monkeypatch):
     from fot.training.metrics import MetricsLogger
 
     monkeypatch.delenv("WANDB_MODE", raising=False)  # the suite disables wandb
-    cfg = OmegaConf.create({"mode": "offline", "project": "p", "entity": None, "name": None})
+    cfg = OmegaConf.structured(WandbConfig(mode="offline", project="p"))
     logger = MetricsLogger(tmp_path, enabled=True, wandb_cfg=cfg, config={})
     assert logger.wandb_run is not None
     logged = [(s, float(s)) for s in (1, 2, 3, 4)] + [(s, 10.0 + s) for s in (3, 4, 5)]

@@ -152,7 +152,10 @@ class WandbConfig:
     project: str = "fot"
     entity: str | None = None
     name: str | None = None
-    """Run name (default: the output folder's name)."""
+    """Run name (default: the output folder's name; for a job of a Hydra multirun its swept
+    overrides, e.g. ``model=fot_pro,seed=1``)."""
+    group: str | None = None
+    """Run group (default: none; for the jobs of a Hydra multirun the sweep folder's name)."""
 
 
 @dataclass

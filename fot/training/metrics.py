@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from fot.provenance import sweep_folder, sweep_job_label
 from fot.training.checkpoint import write_text_atomic
 
 if TYPE_CHECKING:
@@ -247,7 +248,8 @@ class MetricsLogger:
             self.wandb_run = wandb.init(
                 project=wandb_cfg.project,
                 entity=wandb_cfg.entity,
-                name=wandb_cfg.name or Path(out_dir).name,
+                name=wandb_cfg.name or sweep_job_label(out_dir) or Path(out_dir).name,
+                group=wandb_cfg.group or getattr(sweep_folder(out_dir), "name", None),
                 dir=str(out_dir),
                 config=config,
                 mode=mode,

@@ -27,6 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from fot.progress import progress_bar
+
 from .common import (
     CHECKPOINT_HELP,
     CONTEXT_LENGTH_HELP,
@@ -157,11 +159,9 @@ def run_curve(
     Args:
         stream: token ids of a corpus (S and I are disjoint random spans of it).
     """
-    from tqdm.auto import tqdm
-
     cells = [(L, r) for L in lengths for r in range(repeats)]
     todo = [c for c in cells if not log.done(f"{c[0]}:{c[1]}")]
-    for L, r in tqdm(
+    for L, r in progress_bar(
         todo,
         disable=not progress,
         desc="forgetting curve",

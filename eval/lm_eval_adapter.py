@@ -46,6 +46,8 @@ import torch
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
+from fot.progress import progress_bar
+
 from . import program_name
 from .common import (
     CHECKPOINT_HELP,
@@ -247,13 +249,11 @@ class FoTLM(TemplateLM):
         return out
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs: Any):
-        from tqdm.auto import tqdm
-
         order = sorted(
             range(len(requests)), key=lambda i: -len(requests[i][1]) - len(requests[i][2])
         )
         results: list[tuple[float, bool] | None] = [None] * len(requests)
-        bar = tqdm(total=len(requests), disable=disable_tqdm, desc="loglikelihood")
+        bar = progress_bar(total=len(requests), disable=disable_tqdm, desc="loglikelihood")
         for s in range(0, len(order), self.batch_size):
             idx = order[s : s + self.batch_size]
             scored = self._score([(list(requests[i][1]), list(requests[i][2])) for i in idx])
@@ -291,10 +291,8 @@ class FoTLM(TemplateLM):
         return totals
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        from tqdm.auto import tqdm
-
         outs = []
-        for req in tqdm(requests, disable=disable_tqdm, desc="generate"):
+        for req in progress_bar(requests, disable=disable_tqdm, desc="generate"):
             context, kwargs = req.args
             kwargs = dict(kwargs or {})
             until = kwargs.get("until") or []
@@ -588,13 +586,12 @@ def evaluate(
         ``{task name: {metric: value}}`` for every requested task.
     """
     import lm_eval
-    from tqdm.auto import tqdm
 
     tm = task_manager or _task_manager(include_path, tasks)
     local_dirs = local_dataset_dirs(tm, tasks, dataset_root) if dataset_root else {}
     log = JsonlLog(out / "results.jsonl")
     names = {task: task_name(task) for task in tasks}
-    for task in tqdm(tasks, desc="lm-eval tasks", unit="task"):
+    for task in progress_bar(tasks, desc="lm-eval tasks", unit="task"):
         name = names[task]
         if log.done(name):
             continue

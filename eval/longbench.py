@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fot.progress import progress_bar
 from fot.training.checkpoint import write_text_atomic
 
 from . import program_name
@@ -587,8 +588,6 @@ def prompt_budgets(
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run ``longbench``; returns ``{task: score}`` (0--100)."""
-    from tqdm.auto import tqdm
-
     out = Path(args.out)
     tasks = parse_tasks(args.tasks)
     data_dir = Path(args.data_dir)
@@ -656,7 +655,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for task in tasks:
         spec, budget = task_spec(task), budgets[task]
         log = JsonlLog(out / f"pred_{task}.jsonl")
-        for i, ex in enumerate(tqdm(examples[task], desc=f"longbench {task}", unit="ex")):
+        for i, ex in enumerate(progress_bar(examples[task], desc=f"longbench {task}", unit="ex")):
             key = ex.get("_id", i)
             if log.done(key):
                 continue

@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fot.progress import progress_bar
 from fot.tokenizer import text_escaping_of
 
 from .common import (
@@ -433,13 +434,11 @@ def run_grid(
     progress: bool = True,
 ) -> list[dict[str, Any]]:
     """Run every (length, depth, repeat) cell not yet in ``log``; return all records."""
-    from tqdm.auto import tqdm
-
     device = next(model.parameters()).device
     cells = [(L, d, r) for L in lengths for d in depths for r in range(repeats)]
     todo = [c for c in cells if not log.done(f"{c[0]}:{c[1]:g}:{c[2]}")]
     eos = tokenizer.eos_token_id
-    for L, d, r in tqdm(
+    for L, d, r in progress_bar(
         todo,
         disable=not progress,
         desc=f"needle ({mode})",

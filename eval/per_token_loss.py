@@ -41,6 +41,7 @@ import torch
 
 from fot.errors import MissingPackageError
 from fot.interrupt import check_stop
+from fot.progress import progress_bar
 
 from .common import (
     CHECKPOINT_HELP,
@@ -444,8 +445,6 @@ def evaluate_per_token_loss(
         ``(accumulator, finished_doc_ids)``; the accumulator has ``length`` positions with BOS,
         ``length - 1`` without.
     """
-    from tqdm.auto import tqdm
-
     device = device or next(model.parameters()).device
     vocab = vocab_size(model)
     n = length if bos_id is not None else length - 1
@@ -466,7 +465,7 @@ def evaluate_per_token_loss(
         np.savez(tmp, **acc.state(), done=np.asarray(done, dtype=np.int64))
         os.replace(tmp, state_path)
 
-    bar = tqdm(
+    bar = progress_bar(
         total=len(doc_ids),
         initial=len(doc_ids) - len(todo),
         disable=not progress,

@@ -39,6 +39,7 @@ import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
 from fot.errors import FotError
+from fot.progress import on_terminal
 
 _CONFIG_MODULE = "configuration_fot"
 _MODEL_MODULE = "modeling_fot"
@@ -232,12 +233,20 @@ def export_hf(
     )
     if set_pad:
         gen.pad_token_id = EOT_ID
+    from transformers.utils import logging as hf_logging
+
+    # its "Writing model shards" bar would be one line of carriage returns in a log file
+    quiet = not on_terminal() and hf_logging.is_progress_bar_enabled()
+    if quiet:
+        hf_logging.disable_progress_bar()
     try:
         model.save_pretrained(out, max_shard_size=max_shard_size)
         make_weights_readable(out)
         # after save_pretrained: it may copy module files of registered classes over these
         write_remote_code(out, type(model.config), type(model))
     finally:
+        if quiet:
+            hf_logging.enable_progress_bar()
         if set_pad:
             gen.pad_token_id = None
         if previous is None:

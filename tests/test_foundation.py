@@ -267,3 +267,50 @@ def test_git_sha_is_the_checkout_and_says_when_tracked_files_differ(tmp_path):
     assert git_sha(tmp_path) == head  # files git does not track change nothing
     (tmp_path / "a.txt").write_text("two\n")
     assert git_sha(tmp_path) == head + "+dirty"
+
+
+def test_progress_off_a_terminal_is_a_line_per_interval_not_carriage_returns(monkeypatch):
+    """In a log file (Slurm, `> log 2>&1`) tqdm appended every redraw to one line joined by
+    carriage returns. Off a terminal a bar is a plain line per LOG_INTERVAL_S and at its end;
+    nested bars (lm-eval's) leave no cursor movements either."""
+    import io
+    import os
+
+    from fot import progress
+
+    log = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", log)
+    assert not progress.on_terminal()
+    for _ in progress.progress_bar(range(1000), desc="docs"):
+        pass
+    lines = log.getvalue().splitlines(keepends=True)
+    assert "\r" not in log.getvalue() and all(line.endswith("\n") for line in lines)
+    # the first draw and the last (the 1000 updates took far less than 30 s)
+    assert [line.split("|")[0] for line in lines] == ["docs:   0%", "docs: 100%"]
+    assert "| 1000/1000 [" in lines[-1]
+    log.seek(0), log.truncate()
+    monkeypatch.setattr(progress, "LOG_INTERVAL_S", 0.0)  # a line for every update
+    outer = progress.progress_bar(total=2, desc="tasks")
+    for _ in range(2):
+        for _ in progress.progress_bar(range(3), desc="inner", leave=False):
+            pass
+        outer.update()
+    outer.close()
+    text = log.getvalue()
+    assert "\x1b" not in text and "\r" not in text
+    assert [line.split(":")[0] for line in text.splitlines()] == (
+        ["tasks"] + (["inner"] * 4 + ["tasks"]) * 2 + ["tasks"]
+    )
+    # a terminal (a pseudo-terminal here) keeps tqdm's bar, redrawn in place
+    leader, follower = os.openpty()
+    with os.fdopen(follower, "w") as tty:
+        monkeypatch.setattr(sys, "stderr", tty)
+        assert progress.on_terminal()
+        bar = progress.progress_bar(total=3, desc="t", mininterval=0, ncols=60, nrows=20)
+        for _ in range(3):
+            bar.update()
+        bar.close()
+        tty.flush()
+        written = os.read(leader, 65536).decode()
+    os.close(leader)
+    assert all(f"\rt: {p:3d}%" in written for p in (0, 33, 67, 100)), written

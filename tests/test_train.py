@@ -86,16 +86,19 @@ def reference_run(tmp_path_factory) -> dict[int, float]:
     return losses
 
 
-def test_short_run_learns_and_writes_everything(tmp_path, monkeypatch, caplog) -> None:
+def test_short_run_learns_and_writes_everything(tmp_path, monkeypatch, caplog, capsys) -> None:
     # no API key and no WANDB_MODE: wandb must fall back to offline, not crash
     caplog.set_level(logging.INFO, logger="fot.train")
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))
     out = tmp_path / "run"
-    result = train(
-        _cfg(out, "total_tokens=4096", "wandb.mode=auto", "export_hf=true", "val_every_tokens=2048")
-    )
+    settings = ["total_tokens=4096", "wandb.mode=auto", "export_hf=true", "val_every_tokens=2048"]
+    result = train(_cfg(out, *settings, "progress=true"))
+    # stderr is no terminal here: the bar is plain lines (no carriage returns, not one per step)
+    err = capsys.readouterr().err
+    assert "\r" not in err and re.search(r"^train: 100%\|#+\| 16/16 \[.*loss=", err, re.M), err
+    assert 2 <= len(re.findall(r"^train: ", err, re.M)) < 16
     losses = _losses(out)
     assert len(losses) == 16
     first, last = losses[1], sum(losses[k] for k in (14, 15, 16)) / 3

@@ -218,7 +218,8 @@ class TrainConfig:
     export_hf: bool = True
     """Write an HF folder (weights, config, tokenizer) to ``<out_dir>/hf`` at the end."""
     progress: bool = True
-    """tqdm progress bar on rank 0."""
+    """tqdm progress bar on rank 0 (when stderr is not a terminal, e.g. a Slurm log: a plain
+    line every 30 s instead of a bar redrawn in place)."""
     checkpoint_on_sigterm: bool = True
     """On SIGTERM (Slurm's time limit or ``--signal=TERM@<seconds>``, ``timeout``, Docker,
     Kubernetes, torchrun passing its own on), finish the current step, checkpoint it on every

@@ -28,6 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from fot.data.streams import Batch, SequenceStream, check_token_ids, iterate_eval_batches
 from fot.errors import FotError
+from fot.progress import on_terminal, progress_bar
 from fot.provenance import git_sha, library_versions
 from fot.training import checkpoint as ckpt
 from fot.training.config import ScheduleConfig, check_config, to_container
@@ -1078,16 +1079,15 @@ def _train(
         if amp_dtype is not None and strategy != "fsdp"  # FSDP2 casts parameters itself
         else contextlib.nullcontext
     )
-    from tqdm.auto import tqdm
-
-    bar = tqdm(
+    bar = progress_bar(
         total=total_steps,
         initial=step,
         disable=not (info.is_main and cfg.progress),
+        desc="train",
         unit="step",
         dynamic_ncols=True,
     )
-    if not bar.disable:
+    if not bar.disable and on_terminal():
         from tqdm.contrib.logging import logging_redirect_tqdm
 
         # log lines on the console go above the bar; a log file (train.log) still gets them

@@ -2083,3 +2083,21 @@ def test_a_second_sigterm_changes_nothing() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
         assert stop.agreed()
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_the_python_api_logs_the_run_when_nothing_set_up_logging(tmp_path, monkeypatch, capsys):
+    """train() called from a script or notebook that configured no logging printed none of the
+    run's INFO lines (validations, the export): Python shows only warnings then. It now logs
+    them to stderr for the run, and leaves the logger as it was."""
+    fot_logger = logging.getLogger("fot.train")
+    monkeypatch.setattr(logging.root, "handlers", [])  # as in a fresh interpreter
+    level = fot_logger.level
+    train(_cfg(tmp_path / "run", "total_tokens=512", "val_every_tokens=256"))
+    err = capsys.readouterr().err
+    assert re.search(r"\[fot\.train\]\[INFO\] - step 1: val/loss \d", err), err
+    assert "[fot.train][INFO] - final validation: {'val/loss': " in err
+    assert fot_logger.handlers == [] and fot_logger.level == level
+    # with logging set up (train.py's Hydra, an application) nothing is added
+    monkeypatch.setattr(logging.root, "handlers", [logging.NullHandler()])
+    train(_cfg(tmp_path / "run2", "total_tokens=512", "val_every_tokens=256"))
+    assert "[fot.train]" not in capsys.readouterr().err

@@ -716,6 +716,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     if every < 0:
         raise ValueError(f"gc_every_steps must be >= 0 (0: automatic collection), got {every}")
     with contextlib.ExitStack() as cleanup:
+        _log_to_stderr_if_unconfigured(cleanup)
         if every == 0 or not gc.isenabled():
             return _train(cfg, config_warnings, cleanup)
         # Python's automatic cyclic GC is off while training (see TrainConfig.gc_every_steps).
@@ -725,6 +726,22 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             return _train(cfg, config_warnings, cleanup)
         finally:
             gc.enable()
+
+
+def _log_to_stderr_if_unconfigured(cleanup: contextlib.ExitStack) -> None:
+    """Called from Python with no logging set up (``train.py``'s Hydra sets it up), the run's
+    INFO lines (the config, validations, the export) would not show: Python prints only
+    warnings then. For the run, ``fot.train`` logs INFO to stderr, as under ``train.py``."""
+    if logging.root.handlers or logger.handlers:
+        return
+    handler = logging.StreamHandler()  # sys.stderr
+    handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+    level = logger.level
+    logger.addHandler(handler)
+    if logger.getEffectiveLevel() > logging.INFO:
+        logger.setLevel(logging.INFO)
+    cleanup.callback(logger.setLevel, level)
+    cleanup.callback(logger.removeHandler, handler)
 
 
 def _take_run_lock(lock: ckpt.RunFolderLock, info: DistInfo) -> None:
@@ -1091,7 +1108,7 @@ def _train(
         from tqdm.contrib.logging import logging_redirect_tqdm
 
         # log lines on the console go above the bar; a log file (train.log) still gets them
-        cleanup.enter_context(logging_redirect_tqdm(loggers=[logging.root]))
+        cleanup.enter_context(logging_redirect_tqdm(loggers=[logging.root, logger]))
     last_record: dict[str, Any] = {}
     last_ckpt: Path | None = resume_from
     f64 = {"dtype": torch.float64, "device": info.device}

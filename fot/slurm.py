@@ -16,8 +16,12 @@ from collections.abc import Mapping
 from fot.errors import FotError
 
 PORT_BASE = 15000
-"""``MASTER_PORT`` of a Slurm job is ``PORT_BASE + job id % PORT_SPAN`` unless set."""
+"""``MASTER_PORT`` of a Slurm step is ``PORT_BASE + (job id + PORT_STEP_STRIDE * step id) %
+PORT_SPAN`` unless set: the steps of one job that run at once (``srun ... &``) on the same
+first node get different ports."""
 PORT_SPAN = 10000
+PORT_STEP_STRIDE = 1009
+"""A prime: the first ``PORT_SPAN`` steps of a job get ``PORT_SPAN`` different ports."""
 
 
 class SlurmEnvironmentError(FotError, ValueError):
@@ -67,7 +71,7 @@ def torchrun_variables(environ: Mapping[str, str], visible_gpus: int) -> dict[st
     Returns:
         ``RANK`` (``SLURM_PROCID``), ``WORLD_SIZE`` (``SLURM_STEP_NUM_TASKS``), ``LOCAL_RANK``
         (``SLURM_LOCALID``), ``MASTER_ADDR`` (the step's first node) and ``MASTER_PORT``
-        (from the job id), each only where the environment does not set it already; empty when
+        (from the job and step ids), each only where the environment does not set it already; empty when
         ``WORLD_SIZE`` is set (torchrun) or the process is not one of several srun tasks.
 
     Raises:
@@ -97,5 +101,8 @@ def torchrun_variables(environ: Mapping[str, str], visible_gpus: int) -> dict[st
             )
         found["MASTER_ADDR"] = first_host(nodelist)
     if "MASTER_PORT" not in environ:
-        found["MASTER_PORT"] = str(PORT_BASE + _int(environ, "SLURM_JOB_ID") % PORT_SPAN)
+        job = _int(environ, "SLURM_JOB_ID")
+        step = environ.get("SLURM_STEP_ID", "")
+        step = int(step) if step.isdigit() else 0  # only a port: no reason to stop
+        found["MASTER_PORT"] = str(PORT_BASE + (job + PORT_STEP_STRIDE * step) % PORT_SPAN)
     return {k: v for k, v in found.items() if k not in environ}

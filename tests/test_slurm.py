@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from fot.slurm import PORT_BASE, SlurmEnvironmentError, first_host, torchrun_variables
+from fot.slurm import PORT_BASE, PORT_SPAN, SlurmEnvironmentError, first_host, torchrun_variables
 
 
 @pytest.mark.parametrize(
@@ -57,6 +57,21 @@ def test_srun_tasks_get_torchrun_variables() -> None:
     }
     # srun --gpus-per-task=1: each task sees its own GPU as device 0
     assert torchrun_variables(_srun(6, 2), visible_gpus=1)["LOCAL_RANK"] == "0"
+
+
+def test_steps_of_one_job_that_run_at_once_get_their_own_port() -> None:
+    """`srun ... &` twice in one allocation: both steps' first node is the same, and with the
+    port of the job id the second step's rendezvous found the first one's port taken."""
+    ports = {
+        torchrun_variables(_srun(0, 0, SLURM_STEP_ID=str(step)), visible_gpus=4)["MASTER_PORT"]
+        for step in range(PORT_SPAN)
+    }
+    assert len(ports) == PORT_SPAN
+    assert {int(p) for p in ports} == set(range(PORT_BASE, PORT_BASE + PORT_SPAN))
+    step_3 = _srun(0, 0, SLURM_STEP_ID="3")
+    assert torchrun_variables(step_3, visible_gpus=4)["MASTER_PORT"] == str(
+        PORT_BASE + (4321 + 3 * 1009) % PORT_SPAN
+    )
 
 
 def test_variables_already_set_are_kept() -> None:

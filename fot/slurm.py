@@ -71,8 +71,9 @@ def torchrun_variables(environ: Mapping[str, str], visible_gpus: int) -> dict[st
     Returns:
         ``RANK`` (``SLURM_PROCID``), ``WORLD_SIZE`` (``SLURM_STEP_NUM_TASKS``), ``LOCAL_RANK``
         (``SLURM_LOCALID``), ``MASTER_ADDR`` (the step's first node) and ``MASTER_PORT``
-        (from the job and step ids), each only where the environment does not set it already; empty when
-        ``WORLD_SIZE`` is set (torchrun) or the process is not one of several srun tasks.
+        (from the job and step ids), each only where the environment does not set it
+        already; empty when ``WORLD_SIZE`` is set (torchrun) or the process is not one of
+        several srun tasks.
 
     Raises:
         SlurmEnvironmentError: a task variable that is missing or not a number.

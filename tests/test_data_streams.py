@@ -240,7 +240,9 @@ def test_stream_rejects_indivisible_batches() -> None:
 # ------------------------------------------------------------------ prepare CLI
 
 
-def test_prepare_cli_round_trip(tmp_path) -> None:
+def test_prepare_cli_round_trip(tmp_path, monkeypatch, capsys) -> None:
+    import fot.data.prepare
+    from fot import progress
     from fot.data.prepare import main
     from fot.data.tokens import TokenDocuments
     from fot.tokenizer import get_encoding
@@ -252,6 +254,10 @@ def test_prepare_cli_round_trip(tmp_path) -> None:
         (folder / ("sub" if i % 2 else ".") / f"{i:02d}.txt").write_text(t)
     lines = tmp_path / "more.jsonl"
     lines.write_text("\n".join(json.dumps({"body": f"line {i}"}) for i in range(3)) + "\n")
+    # the progress bar (shown after 2 s; here at once, a line per update) counts every document
+    monkeypatch.setattr(progress, "LOG_INTERVAL_S", 0.0)
+    bar = fot.data.prepare.progress_bar
+    monkeypatch.setattr(fot.data.prepare, "progress_bar", lambda **kw: bar(**{**kw, "delay": 0}))
     rc = main(
         [
             str(folder),
@@ -271,6 +277,8 @@ def test_prepare_cli_round_trip(tmp_path) -> None:
     files = sorted(folder.rglob("*.txt"))
     all_texts = [f.read_text() for f in files] + [f"line {i}" for i in range(3)]
     want = [enc.encode_ordinary(t) for t in all_texts]
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert last.startswith("tokenize: 9doc [") and f"tokens={sum(map(len, want))}]" in last
     tr, held = TokenDocuments(tmp_path / "tok"), TokenDocuments(tmp_path / "held")
     assert [list(map(int, d)) for d in held] == [want[i] for i in (2, 5, 8)]
     assert [list(map(int, d)) for d in tr] == [w for i, w in enumerate(want) if i % 3 != 2]

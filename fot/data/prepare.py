@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import codecs
+import contextlib
 import glob as globmod
 import itertools
 import json
@@ -47,6 +48,7 @@ import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -54,6 +56,7 @@ from fot.data.tokens import FORMAT, replace_folder, write_token_documents
 from fot.data.zarr_store import shown_path
 from fot.errors import USER_ERRORS, parse_args_naming_typos
 from fot.interrupt import StopOnSignal
+from fot.progress import progress_bar
 
 STRUCTURED_SUFFIXES = (
     ".csv",
@@ -460,6 +463,18 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _counted(docs: Iterator[np.ndarray], bar: Any) -> Iterator[np.ndarray]:
+    """``docs``, counted on the progress bar ``bar`` (documents, and tokens beside them)."""
+    tokens = 0
+    for doc in docs:
+        tokens += len(doc)
+        bar.update()
+        if bar.n % 256 == 0:
+            bar.set_postfix(tokens=f"{tokens:,}", refresh=False)
+        yield doc
+    bar.set_postfix(tokens=f"{tokens:,}", refresh=False)
+
+
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point."""
     ap = argparse.ArgumentParser(
@@ -525,10 +540,12 @@ def main(argv: list[str] | None = None) -> int:
         source = ",".join(args.inputs)
     # `timeout`, Slurm and Docker stop with SIGTERM: clean up as for Ctrl-C (no temp folders).
     stop = StopOnSignal((signal.SIGTERM, signal.SIGINT))
+    # shown once the job takes more than 2 s (a large corpus takes minutes to hours)
+    bar = progress_bar(total=args.max_docs, desc="tokenize", unit="doc", delay=2)
     try:
-        with stop:
+        with stop, contextlib.closing(bar):
             stats = prepare(
-                stop.checked(tokenize(texts, max_docs=args.max_docs)),
+                stop.checked(_counted(tokenize(texts, max_docs=args.max_docs), bar)),
                 args.out,
                 heldout_every=args.heldout_every,
                 heldout_out=args.heldout_out,

@@ -512,6 +512,24 @@ def test_ddp_without_torchrun_is_refused_before_the_run_starts() -> None:
     assert resolve_strategy(ParallelConfig(strategy="fsdp"), info) == "fsdp"  # FSDP2 of one
 
 
+def test_ddp_of_one_process_under_torchrun_trains_as_one_process(monkeypatch, caplog) -> None:
+    """`torchrun --nproc_per_node=1 train.py parallel=ddp` (a launcher with a variable process
+    count) was refused as "needs torchrun", under torchrun; fsdp ran."""
+    import logging
+
+    import torch
+
+    from fot.training.config import ParallelConfig
+    from fot.training.parallel import DistInfo, resolve_strategy
+
+    info = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "1")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with caplog.at_level(logging.WARNING, logger="fot.train"):
+        assert resolve_strategy(ParallelConfig(strategy="ddp"), info) == "single"
+    assert "parallel.strategy=ddp with one process: training as parallel=single" in caplog.text
+
+
 def test_fsdp_over_gloo_is_refused_with_a_torch_whose_fsdp2_sums_the_gradients(monkeypatch):
     """torch 2.8's FSDP2 summed the gradients over gloo (a grad_norm twice the one-process
     run's in test_two_processes_equal_one[fsdp], run under torch 2.8.0 and 2.7.1); 2.9 on

@@ -667,6 +667,12 @@ def test_fsdp_bf16_gradient_reduction(caplog) -> None:
     with caplog.at_level(logging.WARNING, logger="fot.train"):
         parallelize(presets.build_model(config), single, info, strategy="single")
     assert "parallel.reduce_precision=bf16 has no effect in a single process" in caplog.text
+    # FSDP2's reshard settings were ignored without a word outside parallel=fsdp
+    caplog.clear()
+    reshard = ParallelConfig(strategy="single", reshard_after_backward=True)
+    with caplog.at_level(logging.WARNING, logger="fot.train"):
+        parallelize(presets.build_model(config), reshard, info, strategy="single")
+    assert "parallel.reshard_after_backward=true: no effect with parallel=single" in caplog.text
     with pytest.raises(ValueError, match="reduce_precision='fp16' is not one of"):
         parallelize(presets.build_model(config), bad, info, strategy="single")
 

@@ -125,6 +125,11 @@ def resolve_strategy(cfg: ParallelConfig, info: DistInfo) -> str:
             "parallel=ddp or parallel=fsdp, or run without torchrun"
         )
     if cfg.strategy == "ddp" and not dist.is_initialized() and not info.distributed:
+        if "TORCHELASTIC_RUN_ID" in os.environ or "WORLD_SIZE" in os.environ:
+            # torchrun --nproc_per_node=1 (a launcher with a variable process count): DDP of
+            # one process is one process
+            logger.warning("parallel.strategy=ddp with one process: training as parallel=single")
+            return "single"
         # refused here, before the trainer makes the run folder and builds the model
         raise ValueError(
             "parallel.strategy=ddp needs torchrun (e.g. `torchrun --nproc_per_node=2 "
@@ -216,6 +221,15 @@ def parallelize(
         raise ValueError(
             f"parallel.reduce_precision={cfg.reduce_precision!r} is not one of "
             f"{list(REDUCE_PRECISIONS)}"
+        )
+    fsdp_only = [f"parallel.{k}=true" for k in ("reshard_after_forward", "reshard_after_backward")
+                 if getattr(cfg, k)]  # fmt: skip
+    if strategy != "fsdp" and fsdp_only:
+        logger.warning(
+            "%s: no effect with parallel=%s; it sets how FSDP2 frees gathered parameters "
+            "(parallel=fsdp)",
+            " and ".join(fsdp_only),
+            strategy,
         )
     if strategy == "single":
         if cfg.reduce_precision != "fp32":

@@ -925,9 +925,16 @@ def test_validation_never_reads_past_the_held_out_data(caplog) -> None:
     caplog.set_level(logging.WARNING, logger="fot.train")
     held = _flat_source(10)
     assert held.num_sequences == 10
-    # enough held-out data: val_tokens rounded up to sequences, then to the unit; no warning
-    assert validation_sequences(_data_cfg("tokens", 64 * 5), held, unit=2, warn=True) == 6
+    # enough held-out data: val_tokens rounded up to whole sequences, no warning
+    assert validation_sequences(_data_cfg("tokens", 64 * 5 - 10), held, unit=1, warn=True) == 5
+    assert validation_sequences(_data_cfg("tokens", 64 * 4), held, unit=2, warn=True) == 4
     assert not caplog.records
+    # ... then to the unit (processes x validation micro batch): another process count would
+    # validate on other sequences, which was not said (val/loss 10.6467 with one process and
+    # 10.6481 with two for data.val_tokens=256, micro batch 4, sequences of 64)
+    assert validation_sequences(_data_cfg("tokens", 64 * 5), held, unit=2, warn=True) == 6
+    assert "reads 6 sequences (384 tokens), more than data.val_tokens=320" in caplog.text
+    caplog.clear()
     # 16 asked, 10 held: the largest multiple of the unit that fits, and why
     assert validation_sequences(_data_cfg("tokens", 64 * 16), held, unit=4, warn=True) == 8
     assert "reads 8 sequences" in caplog.text and "holds only 10" in caplog.text

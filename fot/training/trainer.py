@@ -448,6 +448,19 @@ def validation_sequences(data_cfg: Any, source: Any | None, *, unit: int, warn: 
     num = math.ceil(want / seq_len / unit) * unit
     held = getattr(source, "num_sequences", None)  # None: a stream of unknown length
     if held is None or num <= held:
+        if warn and num != math.ceil(want / seq_len):
+            logger.warning(
+                "validation reads %d sequences (%d tokens), more than data.val_tokens=%d asks: "
+                "a multiple of %d (processes x validation micro batch), so that all ranks run "
+                "the same forward passes. Runs with another multiple validate on other "
+                "sequences; for val/loss comparable across process counts set data.val_tokens "
+                "to a multiple of their common multiple x %d tokens",
+                num,
+                num * seq_len,
+                want,
+                unit,
+                seq_len,
+            )
         return num
     fits = held // unit * unit
     if warn:

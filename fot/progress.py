@@ -64,7 +64,9 @@ def progress_bar(iterable: Iterable[Any] | None = None, **kwargs: Any) -> Any:
             **kwargs,
             "file": _LineStream(sys.stderr),
             "mininterval": max(kwargs.get("mininterval", 0.0), LOG_INTERVAL_S),
-            "maxinterval": max(kwargs.get("maxinterval", 0.0), LOG_INTERVAL_S),
+            # the clock is read at every update; tqdm's monitor thread, which redraws a bar
+            # whose dynamic miniters skipped updates, would add a line between two intervals
+            "miniters": 1,
             "ascii": True,
             "dynamic_ncols": False,
         }

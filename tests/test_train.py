@@ -2038,6 +2038,36 @@ def test_sigterm_checkpoints_the_step_and_resume_is_bit_identical(tmp_path, refe
     assert _losses(out) == reference_run  # exact float equality, every step
 
 
+def test_sigterm_during_validation_stops_it_with_a_checkpoint_of_the_step(tmp_path) -> None:
+    """SIGTERM in a long validation (torchrun kills 30 s after passing it on) ended nothing
+    until the validation was over; now the validation ends early and the run stops with a
+    checkpoint of its step. The resumed run validates that step and logs what an
+    uninterrupted run logs, the loss of the logging window left open at the stop included."""
+    import signal
+
+    # validations at steps 2, 4, 6; checkpoints at 3 and 6; training records at 3, 6 and 8
+    args = ("val_every_tokens=512", "ckpt_every_tokens=768", "log_every_tokens=768")
+    whole = tmp_path / "whole"
+    train(_cfg(whole, *args))
+    out = tmp_path / "run"
+    with pytest.raises(TrainingStopped) as stopped, pytest.MonkeyPatch.context() as mp:
+        mp.setenv(FAULT_ENV, "sigterm_in_validation:4")
+        train(_cfg(out, *args))
+    assert stopped.value.step == 4 and stopped.value.checkpoint.name == "step_00000004"
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    before = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in before if "val/loss" in r] == [2]  # step 4's was cut short
+    train(_cfg(out, *args))
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    expected = [json.loads(x) for x in (whole / "metrics.jsonl").read_text().splitlines()]
+
+    def values(recs: list[dict]) -> list[tuple]:
+        keys = ("step", "loss", "val/loss", "val/loss_last_64")
+        return [tuple(r.get(k) for k in keys) for r in recs]
+
+    assert values(records) == values(expected)  # exact: the same records in the same order
+
+
 def test_sigterm_off_dies_at_once(tmp_path) -> None:
     import signal
 
@@ -2058,18 +2088,24 @@ def test_sigterm_off_dies_at_once(tmp_path) -> None:
     assert list_checkpoints(out / "checkpoints")[-1].name == "step_00000004"
 
 
+@pytest.mark.parametrize(
+    ("fault", "extra"),
+    [("sigterm_after_step:1:1", []), ("sigterm_in_validation:2:1", ["val_every_tokens=512"])],
+    ids=["in_step", "in_validation"],
+)
 def test_sigterm_on_one_rank_stops_every_rank_after_the_same_step(
-    tmp_path, one_process_run
+    tmp_path, one_process_run, fault, extra
 ) -> None:
-    """DDP over gloo, SIGTERM to rank 1 only (during step 2): the ranks agree, both checkpoint
-    step 2, and the resumed run ends with the losses of the uninterrupted one-process run."""
+    """DDP over gloo, SIGTERM to rank 1 only (during step 2, or during the validation after
+    it): the ranks agree, both checkpoint step 2, and the resumed run ends with the losses of
+    the uninterrupted one-process run."""
     single, _ = one_process_run
     multi = tmp_path / "ddp"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "train.py"), *SMALL, *_COMMON, "parallel=ddp", f"out_dir={multi}",
+           str(ROOT / "train.py"), *SMALL, *_COMMON, *extra, "parallel=ddp", f"out_dir={multi}",
            f"hydra.run.dir={multi}"]  # fmt: skip
     env = {"OMP_NUM_THREADS": "1"}
-    proc = _run_script(cmd, env_extra={**env, FAULT_ENV: "sigterm_after_step:1:1"}, cwd=tmp_path)
+    proc = _run_script(cmd, env_extra={**env, FAULT_ENV: fault}, cwd=tmp_path)
     assert proc.returncode != 0, proc.stderr[-3000:]
     ckpt = multi / "checkpoints" / "step_00000002"
     assert list_checkpoints(multi / "checkpoints") == [ckpt], proc.stderr[-3000:]
@@ -2081,6 +2117,8 @@ def test_sigterm_on_one_rank_stops_every_rank_after_the_same_step(
     assert sorted(l2) == [1, 2, 3, 4]
     assert l2 == pytest.approx(l1, rel=1e-5, abs=1e-5)
     assert json.loads((multi / "run_info.json").read_text())[-1]["resumed_from"] == str(ckpt)
+    records = [json.loads(x) for x in (multi / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "val/loss" in r] == ([2, 4] if extra else [4])
 
 
 def test_a_second_sigterm_changes_nothing() -> None:

@@ -4,8 +4,9 @@ Slurm (at the time limit, or earlier with ``#SBATCH --signal=TERM@120``), Kubern
 Docker, ``timeout`` and torchrun (which passes its own SIGTERM on to every worker) ask a
 process to stop with SIGTERM and kill it some seconds later. By default Python dies at once
 and the steps since the last checkpoint are lost. With :class:`StopOnSigterm` installed the
-signal only sets a flag; the trainer asks :meth:`StopOnSigterm.agreed` after every step, and
-once it says yes every rank writes a checkpoint of that same step and the run ends with
+signal only sets a flag; the trainer asks :meth:`StopOnSigterm.agreed` after every step (and
+before every micro batch of a validation, which then ends early), and once it says yes every
+rank writes a checkpoint of that same step and the run ends with
 :class:`TrainingStopped` (``train.py`` then exits with status 143, as a process killed by
 SIGTERM does, and says how to resume). Further SIGTERMs change nothing: a rank may get two
 (e.g. the scheduler's and torchrun's). Ctrl-C (SIGINT) and SIGKILL still stop at once, except
@@ -51,7 +52,7 @@ class StopOnSigterm:
     """A SIGTERM handler that asks the training loop to stop at the next step boundary.
 
     Use as a context manager around the loop (the previous handler is put back on exit); call
-    :meth:`agreed` on every rank after every step. Outside the main thread (where Python cannot
+    :meth:`agreed` on every rank at the same points (after every step). Outside the main thread (where Python cannot
     install signal handlers), or where SIGTERM is ignored (``SIG_IGN``), it installs nothing
     and this process's flag stays false.
 

@@ -16,7 +16,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -243,7 +243,8 @@ def evaluate(
     micro_batch_size: int,
     info: DistInfo,
     amp_dtype: torch.dtype | None,
-) -> dict[str, float]:
+    should_stop: Callable[[], bool] | None = None,
+) -> dict[str, float] | None:
     """Held-out loss, overall and over the last 512/1k/.../T positions of each sequence.
 
     Args:
@@ -254,9 +255,12 @@ def evaluate(
         micro_batch_size: sequences per forward pass.
         info: distributed info.
         amp_dtype: autocast dtype or ``None``.
+        should_stop: asked before every forward pass, on every rank (it may be a collective,
+            as :meth:`StopOnSigterm.agreed` is); once it says yes the validation ends early.
 
     Returns:
-        ``{"val/loss": ..., "val/loss_last_512": ..., ..., "val/loss_last_<T>": ...}``.
+        ``{"val/loss": ..., "val/loss_last_512": ..., ..., "val/loss_last_<T>": ...}``, or
+        ``None`` if ``should_stop`` ended it early.
     """
     T = source.seq_len
     sums = torch.zeros(T, dtype=torch.float64, device=info.device)
@@ -276,6 +280,9 @@ def evaluate(
         rank=info.rank,
         world_size=info.world_size,
     ):
+        if should_stop is not None and should_stop():
+            inner.train(was_training)
+            return None
         check_token_ids([batch], int(inner.config.vocab_size), what="held-out data")
         b = batch.to(info.device)
         with amp:
@@ -1068,7 +1075,8 @@ def _train(
         cfg.data, val_source, unit=info.world_size * val_micro, warn=info.is_main
     )
 
-    def validate() -> dict[str, float]:
+    def validate(should_stop: Callable[[], bool] | None = None) -> dict[str, float] | None:
+        """The held-out losses; ``None`` if ``should_stop`` ended the validation early."""
         if val_source is None:
             return {}
         try:
@@ -1079,6 +1087,7 @@ def _train(
                 micro_batch_size=val_micro,
                 info=info,
                 amp_dtype=amp_dtype,
+                should_stop=should_stop,
             )
         except torch.OutOfMemoryError as err:
             raise _out_of_memory_error(
@@ -1094,7 +1103,7 @@ def _train(
             bool(_records_at(out_dir / "metrics.jsonl", step)["val"]) if info.is_main else None
         )
         if due and not logged:
-            val = validate()
+            val = validate() or {}
             if val:
                 metrics.log({"step": step, "tokens": tokens, **val})
                 if info.is_main:
@@ -1340,8 +1349,15 @@ def _train(
                 # resume
                 last_ckpt = save(step, (0.0, 0.0) if do_log else (loss_total, n_tokens))
             if do_val:
-                val = validate()
-                if val:
+                ckpt._fault("sigterm_in_validation", step)
+                # SIGTERM during a long validation (torchrun kills 30 s after passing it on)
+                # ends it and stops with a checkpoint of this step; a resumed run validates it
+                val = validate(sigterm.agreed if sigterm is not None else None)
+                if val is None:
+                    stop = True
+                    if not do_ckpt:
+                        last_ckpt = save(step, (0.0, 0.0) if do_log else (loss_total, n_tokens))
+                elif val:
                     metrics.log({"step": step, "tokens": tokens, **val})
                     if info.is_main:  # also into train.log (bar.write reached the console only)
                         shown = ", ".join(f"{k} {v:.4f}" for k, v in val.items())
@@ -1376,7 +1392,7 @@ def _train(
             result.update(val)
     result.update(step=step, tokens=tokens)  # also where no training record was found
     if not val:
-        val = validate()
+        val = validate() or {}
         if val:
             metrics.log({"step": step, "tokens": tokens, **val})
             result.update(val)

@@ -206,6 +206,30 @@ def test_batch_size_errors_suggest_sizes_that_work(hydra_ctx, overrides, world) 
         check_sizes(compose("train", overrides=[*overrides, f"{key}={value}"]), world)
 
 
+@pytest.mark.parametrize(
+    ("overrides", "world", "suggested"),
+    [(["global_batch_tokens=1536", "micro_batch_size=2"], 4, "3 processes"),
+     (["global_batch_tokens=1536", "micro_batch_size=1"], 4, "3 processes or 6 processes"),
+     (["global_batch_tokens=3072", "micro_batch_size=2"], 4,
+      "micro_batch_size=1 or 3 processes or 6 processes"),
+     (["global_batch_tokens=4096", "micro_batch_size=3"], 1, "micro_batch_size=2")],
+)  # fmt: skip
+def test_resumed_batch_size_errors_keep_the_batch(hydra_ctx, overrides, world, suggested) -> None:
+    """Resuming, the batch must stay: the error suggests process counts and micro batches, each
+    of which splits it, and never another ``global_batch_tokens``."""
+    cfg = compose("train", overrides=overrides)
+    with pytest.raises(ValueError, match="cannot be split") as err:
+        check_sizes(cfg, world, resuming=Path("run/checkpoints/step_00000010"))
+    message = str(err.value)
+    assert "resumes from run/checkpoints/step_00000010, whose global_batch_tokens=" in message
+    assert message.endswith(f"e.g. {suggested})")
+    for fix in suggested.split(" or "):
+        if fix.startswith("micro_batch_size="):
+            check_sizes(compose("train", overrides=[*overrides, fix]), world)
+        else:
+            check_sizes(cfg, int(fix.split()[0]))
+
+
 # -- model overrides: unknown keys are refused ---------------------------------------------------
 
 

@@ -2088,6 +2088,28 @@ def test_sigterm_off_dies_at_once(tmp_path) -> None:
     assert list_checkpoints(out / "checkpoints")[-1].name == "step_00000004"
 
 
+def test_resume_on_a_process_count_that_cannot_split_the_batch_names_counts_that_can(
+    tmp_path,
+) -> None:
+    """A run of 3 sequences per batch, resumed by 2 processes: the size error suggested another
+    global_batch_tokens, which the resume then refused; it now names process counts (and any
+    micro batch) that keep the checkpoint's batch."""
+    out = tmp_path / "run"
+    sizes = ["global_batch_tokens=192", "micro_batch_size=1", "total_tokens=384"]
+    train(_cfg(out, *sizes, "total_tokens=192"))  # one step, then a resume on 2 processes
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "train.py"), *SMALL, *sizes, "parallel=ddp", f"out_dir={out}",
+           f"hydra.run.dir={out}"]  # fmt: skip
+    proc = _run_script(cmd, env_extra={"OMP_NUM_THREADS": "1"}, cwd=tmp_path)
+    assert proc.returncode != 0
+    ckpt = out / "checkpoints" / "step_00000001"
+    assert (
+        "cannot be split over 2 process(es) x micro_batch_size=1; the number of sequences must "
+        f"be a multiple of world_size * micro_batch_size = 2 (the run resumes from {ckpt}, "
+        "whose global_batch_tokens=192 must stay: e.g. 1 process or 3 processes)"
+    ) in proc.stderr, proc.stderr[-3000:]
+
+
 @pytest.mark.parametrize(
     ("fault", "extra"),
     [("sigterm_after_step:1:1", []), ("sigterm_in_validation:2:1", ["val_every_tokens=512"])],

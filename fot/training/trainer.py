@@ -136,8 +136,15 @@ def _out_of_memory_error(
     )
 
 
-def check_sizes(cfg: Any, world_size: int) -> tuple[int, int]:
+def check_sizes(cfg: Any, world_size: int, *, resuming: Path | None = None) -> tuple[int, int]:
     """Validate batch/sequence/world sizes; return ``(global_sequences, total_steps)``.
+
+    Args:
+        cfg: the training config.
+        world_size: processes in the run.
+        resuming: the checkpoint the run resumes from, whose ``global_batch_tokens`` this run
+            has: a batch that does not split over the processes is then fixed by another
+            process count or micro batch, not by another batch (the resume would refuse it).
 
     Raises:
         ValueError: with the sizes involved and what to change.
@@ -158,15 +165,26 @@ def check_sizes(cfg: Any, world_size: int) -> tuple[int, int]:
     seqs = gbt // T
     if seqs % (world_size * m):
         split = world_size * m
-        fixes = [f"global_batch_tokens={-(-seqs // split) * split * T}"]
+        fixes = [] if resuming else [f"global_batch_tokens={-(-seqs // split) * split * T}"]
         if seqs % world_size == 0:
             per_rank = seqs // world_size
             fixes.append(f"micro_batch_size={max(d for d in range(1, m) if per_rank % d == 0)}")
+        if resuming:
+            # the process counts nearest this one that split the batch with this micro batch
+            fit = [w for w in range(1, seqs // m + 1) if seqs % (w * m) == 0]
+            below = [w for w in fit if w < world_size][-1:]
+            above = [w for w in fit if w > world_size][:1]
+            fixes += [f"{w} processes" if w > 1 else "1 process" for w in below + above]
         raise ValueError(
             f"a global batch of {seqs} sequences (global_batch_tokens={gbt} / seq_len={T}) "
             f"cannot be split over {world_size} process(es) x micro_batch_size={m}; the number "
             f"of sequences must be a multiple of world_size * micro_batch_size = {split} "
-            f"(e.g. {' or '.join(fixes)})"
+            + (
+                f"(the run resumes from {resuming}, whose global_batch_tokens={gbt} must stay: "
+                if resuming
+                else "("
+            )
+            + f"e.g. {' or '.join(fixes)})"
         )
     total = int(cfg.total_tokens)
     if total < gbt:
@@ -802,7 +820,6 @@ def _train(
     val_micro = int(cfg.val_micro_batch_size or cfg.micro_batch_size)
     # first: missing data explains itself
     train_source, val_source = build_sources(cfg.data, val_unit=info.world_size * val_micro)
-    global_seqs, total_steps = check_sizes(cfg, info.world_size)
 
     # ---- which checkpoint to resume from (checked before the model is built) -------------
     resume_from = None
@@ -813,8 +830,12 @@ def _train(
     resume_from = _from_rank0(resume_from)  # every rank resumes from the same checkpoint
     # a checkpoint of another run folder (resume=<its path>): its records are in that folder
     elsewhere = resume_from is not None and resume_from.resolve().parent != ckpt_dir.resolve()
+    saved = ckpt.read_trainer_state(resume_from) if resume_from is not None else {}
+    same_batch = saved.get("sizes", {}).get("global_batch_tokens") == gbt
+    global_seqs, total_steps = check_sizes(
+        cfg, info.world_size, resuming=resume_from if same_batch else None
+    )
     if resume_from is not None:
-        saved = ckpt.read_trainer_state(resume_from)
         for note in check_resume(saved, cfg, resume_from):
             if info.is_main:
                 logger.warning(note)

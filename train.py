@@ -14,7 +14,7 @@ from pathlib import Path
 from types import ModuleType
 
 import hydra
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 ROOT = Path(__file__).resolve().parent
 
@@ -81,6 +81,14 @@ def main(cfg: DictConfig) -> None:
     from fot.training.signals import TrainingStopped
 
     hydra_cfg = HydraConfig.get()
+    run_files = {}
+    if hydra_cfg.output_subdir is None:  # configs/train.yaml: written once the run owns its folder
+        folder = Path(hydra_cfg.runtime.output_dir) / ".hydra"
+        run_files = {
+            folder / "config.yaml": OmegaConf.to_yaml(cfg),  # as composed: out_dir not yet set
+            folder / "hydra.yaml": OmegaConf.to_yaml(HydraConfig.instance().cfg),
+            folder / "overrides.yaml": OmegaConf.to_yaml(hydra_cfg.overrides.task),
+        }
 
     def interrupted() -> None:
         if int(os.environ.get("RANK", "0")) == 0:  # torchrun interrupts every rank
@@ -92,7 +100,7 @@ def main(cfg: DictConfig) -> None:
         check_multirun_out_dir(cfg, multirun=hydra_cfg.mode == RunMode.MULTIRUN)
         if cfg.out_dir is None:
             cfg.out_dir = hydra_cfg.runtime.output_dir
-        train(cfg)
+        train(cfg, run_files=run_files)
     except TrainingStopped as stopped:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"\ntrain.py: {stopped}", file=sys.stderr)

@@ -1741,6 +1741,39 @@ def test_a_run_folder_in_use_by_another_run_is_refused(tmp_path) -> None:
     assert again == first
 
 
+def test_a_refused_run_leaves_the_folders_hydra_files_as_they_were(tmp_path) -> None:
+    """Hydra wrote .hydra/ before train.py ran: a second command in a live run's folder (refused
+    by the lock), or one whose settings the checkpoint refuses, replaced the run's
+    config.yaml and overrides.yaml with its own. train.py now writes them once the run owns
+    the folder; they hold what Hydra would have written."""
+    import fcntl
+
+    from fot.training.checkpoint import RUN_LOCK
+
+    run = tmp_path / "run"
+    first = [*SMALL, "total_tokens=256", f"out_dir={run}"]
+    proc = _run_script([sys.executable, str(ROOT / "train.py"), *first], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    hydra = run / ".hydra"
+    # the oracle: Hydra's compose of the same overrides
+    assert (hydra / "config.yaml").read_text() == OmegaConf.to_yaml(_cfg(run, "total_tokens=256"))
+    assert OmegaConf.load(hydra / "overrides.yaml") == first
+    assert OmegaConf.load(hydra / "hydra.yaml").hydra.runtime.output_dir == str(run)
+    kept = {p.name: p.read_bytes() for p in [*hydra.iterdir(), run / "train.log"]}
+
+    def refused(*overrides: str) -> str:
+        cmd = [sys.executable, str(ROOT / "train.py"), *SMALL, *overrides, f"out_dir={run}"]
+        res = _run_script(cmd, cwd=tmp_path)
+        assert res.returncode == 2, res.stderr[-3000:]
+        assert {p.name: p.read_bytes() for p in [*hydra.iterdir(), run / "train.log"]} == kept
+        return res.stderr
+
+    with open(run / RUN_LOCK, "a+") as held:  # a live run's lock
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        assert "is in use by another run" in refused("total_tokens=512")
+    assert "cannot resume from checkpoint" in refused("global_batch_tokens=128")
+
+
 @pytest.mark.parametrize("presses", [1, 2])
 def test_ctrl_c_while_a_checkpoint_is_written(tmp_path, monkeypatch, capsys, presses) -> None:
     """Ctrl-C inside torch.save used to leave half a checkpoint and end in torch's zip-writer

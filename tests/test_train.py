@@ -1759,6 +1759,12 @@ def test_a_refused_run_leaves_the_folders_hydra_files_as_they_were(tmp_path) -> 
     assert (hydra / "config.yaml").read_text() == OmegaConf.to_yaml(_cfg(run, "total_tokens=256"))
     assert OmegaConf.load(hydra / "overrides.yaml") == first
     assert OmegaConf.load(hydra / "hydra.yaml").hydra.runtime.output_dir == str(run)
+    # train.log holds the training record (as metrics.jsonl does), the console does not
+    loss = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])["loss"]
+    assert re.search(
+        rf"\] - step 1: loss {loss:.4f}, lr .*tokens/s\n", (run / "train.log").read_text()
+    )
+    assert "step 1: loss" not in proc.stdout + proc.stderr
     kept = {p.name: p.read_bytes() for p in [*hydra.iterdir(), run / "train.log"]}
 
     def refused(*overrides: str) -> str:

@@ -788,6 +788,22 @@ def _log_to_stderr_if_unconfigured(cleanup: contextlib.ExitStack) -> None:
     cleanup.callback(logger.removeHandler, handler)
 
 
+def _step_log(cleanup: contextlib.ExitStack) -> logging.Logger:
+    """A logger of the training records for the run's log files only (``train.log`` of
+    ``train.py``): one line per record there, none on the console, where the progress bar
+    shows the loss. Without a log file (the Python API) it has no handler."""
+    files = [
+        h for h in (*logging.root.handlers, *logger.handlers) if isinstance(h, logging.FileHandler)
+    ]
+    steps = logging.getLogger("fot.train.steps")
+    steps.propagate = False
+    steps.setLevel(logging.INFO)
+    for handler in files:
+        steps.addHandler(handler)
+        cleanup.callback(steps.removeHandler, handler)
+    return steps
+
+
 def _take_run_lock(lock: ckpt.RunFolderLock, info: DistInfo) -> None:
     """Rank 0 takes the run folder's lock; every rank raises if another run holds it."""
     problem = None
@@ -1166,6 +1182,7 @@ def _train(
         # log lines on the console go above the bar; a log file (train.log) still gets them
         cleanup.enter_context(logging_redirect_tqdm(loggers=[logging.root, logger]))
     last_record: dict[str, Any] = {}
+    step_log = _step_log(cleanup)  # the training records in train.log
     last_ckpt: Path | None = resume_from
     f64 = {"dtype": torch.float64, "device": info.device}
     # sum of the global loss sums of the window's steps (restored from the checkpoint when it
@@ -1347,6 +1364,16 @@ def _train(
                     "elapsed_s": time.time() - t_start,
                 }
                 metrics.log(last_record)
+                if info.is_main:
+                    step_log.info(
+                        "step %d: loss %.4f, lr %.3g, grad_norm %.3f, %s tokens/s%s",
+                        step,
+                        last_record["loss"],
+                        lr,
+                        last_norm,
+                        f"{tps:,.0f}",
+                        f", MFU {last_record['mfu']:.1%}" if last_record["mfu"] else "",
+                    )
                 bar.set_postfix(
                     loss=f"{last_record['loss']:.4f}", tok_s=f"{tps:,.0f}", refresh=False
                 )

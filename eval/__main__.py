@@ -204,6 +204,9 @@ def cli(argv: Sequence[str], *, exiting: bool = False) -> int:
     except USER_ERRORS as err:
         if show_traceback:
             raise
+        world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+        if world > 1:  # each process prints its own error (another's may differ): say whose
+            prog = f"{prog} (rank {os.environ.get('RANK', '0')} of {world})"
         print(error_line(prog, err, traceback_variable="FOT_EVAL_TRACEBACK"), file=sys.stderr)
         return 2
     return 0

@@ -19,7 +19,7 @@ from eval_helpers import QUESTIONS, make_llama_checkpoint, make_trained_fot_chec
 from srun_tasks import srun_environments
 from zarr_arrays import new_array
 
-from fot.eval.__main__ import build_parser, main
+from fot.eval.__main__ import build_parser, cli, main
 from fot.eval.common import ResumeMismatchError
 
 
@@ -228,13 +228,21 @@ def test_per_token_loss_under_torchrun_equals_single_process(ckpts, tmp_path, la
     np.testing.assert_array_equal(c["loss"], b["loss"])
 
 
-def test_a_one_process_command_under_several_processes_is_refused(ckpts, tmp_path, monkeypatch):
+def test_a_one_process_command_under_several_processes_is_refused(
+    ckpts, tmp_path, monkeypatch, capsys
+) -> None:
     """Every process of torchrun/srun would run the whole needle grid into the same --out."""
     monkeypatch.setenv("WORLD_SIZE", "2")
     out = tmp_path / "n"
     with pytest.raises(ValueError, match=r"^`needle` runs in one process, but 2 were started"):
         main(["needle", str(ckpts["llama"]), "--mode", "passkey", "--out", str(out)])
     assert not out.exists()
+    # each process prints its error, naming itself (as train.py's do)
+    monkeypatch.setenv("RANK", "1")
+    assert cli(["needle", str(ckpts["llama"]), "--mode", "passkey", "--out", str(out)]) == 2
+    assert capsys.readouterr().err.startswith(
+        "python -m fot.eval needle (rank 1 of 2): error: `needle` runs in one process, but 2 "
+    )
 
 
 def test_needle_and_passkey_resume(ckpts, tmp_path):

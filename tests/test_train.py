@@ -2079,9 +2079,10 @@ def test_sigterm_checkpoints_the_step_and_resume_is_bit_identical(tmp_path, refe
 
 def test_sigterm_during_validation_stops_it_with_a_checkpoint_of_the_step(tmp_path) -> None:
     """SIGTERM in a long validation (torchrun kills 30 s after passing it on) ended nothing
-    until the validation was over; now the validation ends early and the run stops with a
-    checkpoint of its step. The resumed run validates that step and logs what an
-    uninterrupted run logs, the loss of the logging window left open at the stop included."""
+    until the validation was over (or, in the final one, killed the run without a word); now
+    the validation ends early and the run stops with a checkpoint of its step. The resumed
+    run validates that step and logs what an uninterrupted run logs, the loss of the logging
+    window left open at the stop included."""
     import signal
 
     # validations at steps 2, 4, 6; checkpoints at 3 and 6; training records at 3, 6 and 8
@@ -2096,6 +2097,13 @@ def test_sigterm_during_validation_stops_it_with_a_checkpoint_of_the_step(tmp_pa
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
     before = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in before if "val/loss" in r] == [2]  # step 4's was cut short
+    # stopped again in the resumed run's validation of step 4, then in the final validation
+    for fault, step in (("sigterm_in_validation:4", 4), ("sigterm_in_validation:8", 8)):
+        with pytest.raises(TrainingStopped) as stopped, pytest.MonkeyPatch.context() as mp:
+            mp.setenv(FAULT_ENV, fault)
+            train(_cfg(out, *args))
+        assert stopped.value.checkpoint == out / "checkpoints" / f"step_{step:08d}"
+        assert not (out / "final.json").exists()
     train(_cfg(out, *args))
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     expected = [json.loads(x) for x in (whole / "metrics.jsonl").read_text().splitlines()]

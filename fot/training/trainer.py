@@ -748,10 +748,11 @@ def train(
             step (number, tokens, LR) and the step where it was found. No checkpoint is written.
         TrainingOutOfMemoryError: the GPU ran out of memory in a step or in validation; the
             message names the settings that need less memory.
-        TrainingStopped: SIGTERM came during the training steps (``checkpoint_on_sigterm``):
-            every rank finished the step it was in and checkpointed it (a validation due at that
-            step is skipped; the resumed run runs it first); ``resume=auto`` goes on from it as
-            if uninterrupted.
+        TrainingStopped: SIGTERM came during the run (``checkpoint_on_sigterm``): every rank
+            finished the step it was in and checkpointed it (a validation due at that step, the
+            final one included, is skipped or cut short; the resumed run runs it first);
+            ``resume=auto`` goes on from it as if uninterrupted. A SIGTERM during the HF export
+            or after it lets the run finish.
         ValueError / FileNotFoundError: bad sizes, options or missing data (with the fix).
     """
     # logged once the run's other checks pass (_train): a refused run shows only its error
@@ -1125,10 +1126,18 @@ def _train(
         cfg.data, val_source, unit=info.world_size * val_micro, warn=info.is_main
     )
 
-    def validate(should_stop: Callable[[], bool] | None = None) -> dict[str, float] | None:
-        """The held-out losses; ``None`` if ``should_stop`` ended the validation early."""
+    # SIGTERM only sets a flag, from here to the end of the run; after each step, and before
+    # each micro batch of a validation, the ranks agree on it and stop with a checkpoint
+    sigterm = StopOnSigterm(info.world_size) if cfg.checkpoint_on_sigterm else None
+    if sigterm is not None:
+        cleanup.enter_context(sigterm)
+
+    def validate() -> dict[str, float] | None:
+        """The held-out losses; ``None`` if SIGTERM ended the validation early (torchrun
+        kills 30 s after passing it on): the run then stops with a checkpoint of this step."""
         if val_source is None:
             return {}
+        ckpt._fault("sigterm_in_validation", step)
         try:
             return evaluate(
                 model,
@@ -1137,7 +1146,7 @@ def _train(
                 micro_batch_size=val_micro,
                 info=info,
                 amp_dtype=amp_dtype,
-                should_stop=should_stop,
+                should_stop=sigterm.agreed if sigterm is not None else None,
             )
         except torch.OutOfMemoryError as err:
             raise _out_of_memory_error(
@@ -1153,7 +1162,10 @@ def _train(
             bool(_records_at(out_dir / "metrics.jsonl", step)["val"]) if info.is_main else None
         )
         if due and not logged:
-            val = validate() or {}
+            val = validate()
+            if val is None:  # SIGTERM; the checkpoint resumed from is of this step
+                metrics.close()
+                raise TrainingStopped(step, resume_from, out_dir)
             if val:
                 metrics.log({"step": step, "tokens": tokens, **val})
                 if info.is_main:
@@ -1275,163 +1287,151 @@ def _train(
         graphed = GraphedStep(run_step, optimizer, device=info.device)
 
     gc_every = int(cfg.gc_every_steps)  # train() turned automatic GC off when this is > 0
-    # SIGTERM only sets a flag; after each step the ranks agree on it and stop with a checkpoint
-    sigterm = StopOnSigterm(info.world_size) if cfg.checkpoint_on_sigterm else None
-    with sigterm or contextlib.nullcontext():
-        while step < total_steps:
-            if gc_every and step % gc_every == 0:
-                gc.collect(1)  # the young generations only: milliseconds
-            profiler.step_begin()
-            batches = stream.next_step()
-            check_token_ids(batches, vocab_size, what="training data")
-            n_micro = [b.num_label_tokens() for b in batches]  # host ints: batches are on the CPU
-            n_local = sum(n_micro)
-            # what the step computes: with varlen packing attention stops at document boundaries
-            flops_local = sum(flop_counter.of_batch(b) for b in batches)
-            n_global: int | torch.Tensor = n_local
-            flops_global: float | torch.Tensor = flops_local
-            if info.world_size > 1:
-                # all-reduced on the device and left there; filling needs no host copy (a copy
-                # from the host would wait for the GPU)
-                both = torch.full((2,), n_local, **f64)
-                both[1:].fill_(flops_local)
-                n_global, flops_global = all_reduce_sum(both).unbind()
-            lr = lr_at(
-                tokens + gbt, peak_lr=cfg.optim.lr, total_tokens=total_steps * gbt, cfg=cfg.schedule
-            )
-            set_lr(optimizer, lr)
-            # weight each micro batch by its share of the global label tokens; DDP/FSDP average
-            # gradients over ranks, hence the world size
-            if isinstance(n_global, torch.Tensor):
-                scales = [
-                    (n_b * info.world_size / n_global.clamp(min=1)).float() for n_b in n_micro
-                ]
+    while step < total_steps:
+        if gc_every and step % gc_every == 0:
+            gc.collect(1)  # the young generations only: milliseconds
+        profiler.step_begin()
+        batches = stream.next_step()
+        check_token_ids(batches, vocab_size, what="training data")
+        n_micro = [b.num_label_tokens() for b in batches]  # host ints: batches are on the CPU
+        n_local = sum(n_micro)
+        # what the step computes: with varlen packing attention stops at document boundaries
+        flops_local = sum(flop_counter.of_batch(b) for b in batches)
+        n_global: int | torch.Tensor = n_local
+        flops_global: float | torch.Tensor = flops_local
+        if info.world_size > 1:
+            # all-reduced on the device and left there; filling needs no host copy (a copy
+            # from the host would wait for the GPU)
+            both = torch.full((2,), n_local, **f64)
+            both[1:].fill_(flops_local)
+            n_global, flops_global = all_reduce_sum(both).unbind()
+        lr = lr_at(
+            tokens + gbt, peak_lr=cfg.optim.lr, total_tokens=total_steps * gbt, cfg=cfg.schedule
+        )
+        set_lr(optimizer, lr)
+        # weight each micro batch by its share of the global label tokens; DDP/FSDP average
+        # gradients over ranks, hence the world size
+        if isinstance(n_global, torch.Tensor):
+            scales = [(n_b * info.world_size / n_global.clamp(min=1)).float() for n_b in n_micro]
+        else:
+            scales = [n_b * info.world_size / max(n_global, 1) for n_b in n_micro]
+        try:
+            if graphed is not None:
+                loss_sum, norm = graphed(batches, n_micro, scales)
             else:
-                scales = [n_b * info.world_size / max(n_global, 1) for n_b in n_micro]
-            try:
-                if graphed is not None:
-                    loss_sum, norm = graphed(batches, n_micro, scales)
-                else:
-                    loss_sum, norm = run_step([b.to(info.device) for b in batches], n_micro, scales)
-            except torch.OutOfMemoryError as err:
-                raise _out_of_memory_error(
-                    err, cfg, phase="training", step=step + 1, strategy=strategy, device=info.device
-                ) from err
-            grad_norm = norm.detach().double()
-            # remember the first non-finite step on the device; `fetch` raises on it
-            first = torch.stack(
-                [torch.full((), step + 1, **f64), loss_sum / _clamp1(n_global), grad_norm]
-            )
-            bad = ~(torch.isfinite(loss_sum) & torch.isfinite(grad_norm)) & (diverged[0] == 0)
-            diverged = torch.where(bad, first, diverged)
-            optimizer.zero_grad(set_to_none=not keep_grads)
-            prev_tokens = tokens
-            step += 1
-            tokens += gbt
-            window_loss += loss_sum
-            window_tokens = window_tokens + n_global
-            window_flops = window_flops + flops_global
-            window_steps += 1
+                loss_sum, norm = run_step([b.to(info.device) for b in batches], n_micro, scales)
+        except torch.OutOfMemoryError as err:
+            raise _out_of_memory_error(
+                err, cfg, phase="training", step=step + 1, strategy=strategy, device=info.device
+            ) from err
+        grad_norm = norm.detach().double()
+        # remember the first non-finite step on the device; `fetch` raises on it
+        first = torch.stack(
+            [torch.full((), step + 1, **f64), loss_sum / _clamp1(n_global), grad_norm]
+        )
+        bad = ~(torch.isfinite(loss_sum) & torch.isfinite(grad_norm)) & (diverged[0] == 0)
+        diverged = torch.where(bad, first, diverged)
+        optimizer.zero_grad(set_to_none=not keep_grads)
+        prev_tokens = tokens
+        step += 1
+        tokens += gbt
+        window_loss += loss_sum
+        window_tokens = window_tokens + n_global
+        window_flops = window_flops + flops_global
+        window_steps += 1
 
-            do_log = _crossed(prev_tokens, tokens, int(cfg.log_every_tokens)) or step == total_steps
-            do_val = (
-                val_source is not None
-                and _crossed(prev_tokens, tokens, int(cfg.val_every_tokens))
-                and step < total_steps
-            )
-            do_ckpt = (
-                _crossed(prev_tokens, tokens, int(cfg.ckpt_every_tokens)) and step < total_steps
-            )
-            stop = sigterm is not None and sigterm.agreed()  # every rank, after every step
-            if stop:
-                do_val, do_ckpt = False, True  # checkpoint this step and end; no validation
-            if do_log or do_val or do_ckpt:
-                # the only sync; it also makes sure no checkpoint or validation sees NaN weights
-                loss_total, n_tokens, last_norm, flops_total = fetch()
-            if do_log:
-                dt = max(time.time() - t_window, 1e-9)
-                tps = window_steps * gbt / dt
-                last_record = {
-                    "step": step,
-                    "tokens": tokens,
-                    "loss": loss_total / max(n_tokens, 1),
-                    "lr": lr,
-                    "grad_norm": last_norm,
-                    "tokens_per_s": tps,
-                    "tokens_per_s_per_device": tps / info.world_size,
-                    "mfu": flops_total / dt / (peak * info.world_size) if peak else None,
-                    "peak_mem_gib": peak_memory_gib(info.device),
-                    "elapsed_s": time.time() - t_start,
-                }
-                metrics.log(last_record)
-                if info.is_main:
-                    step_log.info(
-                        "step %d: loss %.4f, lr %.3g, grad_norm %.3f, %s tokens/s%s",
-                        step,
-                        last_record["loss"],
-                        lr,
-                        last_norm,
-                        f"{tps:,.0f}",
-                        f", MFU {last_record['mfu']:.1%}" if last_record["mfu"] else "",
-                    )
-                bar.set_postfix(
-                    loss=f"{last_record['loss']:.4f}", tok_s=f"{tps:,.0f}", refresh=False
-                )
-                window_loss = torch.zeros((), **f64)
-                window_tokens, window_flops, window_steps = 0, 0.0, 0
-                t_window = time.time()
-            bar.update(1)
-            done = profiler.step_end()
-            if done is not None:
-                t_window += profiler.stop_s  # stopping the profiler and writing it: no training
-            if done is not None and info.is_main:
-                logger.info(
-                    "profile of steps %d-%d written to %s: %.1f ms per step%s",
-                    done["first_step"],  # the run's step numbers, also after a resume
-                    step,
-                    out_dir / "profile",
-                    done["wall_ms_per_step"],
-                    (
-                        f", GPU idle {done['timeline']['idle_ms_per_step']:.1f} ms, exposed "
-                        f"communication {done['comm']['exposed_comm_ms']:.1f} ms"
-                        if "comm" in done
-                        else ""
-                    ),
-                )
-
-            # checkpoint and validation time is left out of the window's clock (its steps stay
-            # in), and so is the full collection that comes with them
-            t_pause = time.time()
-            if gc_every and (do_val or do_ckpt):
-                gc.collect()  # a full collection where every rank stops anyway: no straggler
-            if do_ckpt:
-                # before validating: a validation that fails (bad held-out data, out of memory)
-                # loses no training; a window that did not log at this step stays open across a
-                # resume
-                last_ckpt = save(step, (0.0, 0.0) if do_log else (loss_total, n_tokens))
-            if do_val:
-                ckpt._fault("sigterm_in_validation", step)
-                # SIGTERM during a long validation (torchrun kills 30 s after passing it on)
-                # ends it and stops with a checkpoint of this step; a resumed run validates it
-                val = validate(sigterm.agreed if sigterm is not None else None)
-                if val is None:
-                    stop = True
-                    if not do_ckpt:
-                        last_ckpt = save(step, (0.0, 0.0) if do_log else (loss_total, n_tokens))
-                elif val:
-                    metrics.log({"step": step, "tokens": tokens, **val})
-                    if info.is_main:  # also into train.log (bar.write reached the console only)
-                        shown = ", ".join(f"{k} {v:.4f}" for k, v in val.items())
-                        logger.info("step %d: %s", step, shown)
-            t_window += time.time() - t_pause
-            if stop:
-                bar.close()
-                metrics.close()
-                assert last_ckpt is not None  # saved above (do_ckpt)
-                raise TrainingStopped(step, last_ckpt, out_dir)
+        do_log = _crossed(prev_tokens, tokens, int(cfg.log_every_tokens)) or step == total_steps
+        do_val = (
+            val_source is not None
+            and _crossed(prev_tokens, tokens, int(cfg.val_every_tokens))
+            and step < total_steps
+        )
+        do_ckpt = _crossed(prev_tokens, tokens, int(cfg.ckpt_every_tokens)) and step < total_steps
+        stop = sigterm is not None and sigterm.agreed()  # every rank, after every step
+        if stop:
+            do_val, do_ckpt = False, True  # checkpoint this step and end; no validation
+        if do_log or do_val or do_ckpt:
+            # the only sync; it also makes sure no checkpoint or validation sees NaN weights
+            loss_total, n_tokens, last_norm, flops_total = fetch()
+        if do_log:
+            dt = max(time.time() - t_window, 1e-9)
+            tps = window_steps * gbt / dt
+            last_record = {
+                "step": step,
+                "tokens": tokens,
+                "loss": loss_total / max(n_tokens, 1),
+                "lr": lr,
+                "grad_norm": last_norm,
+                "tokens_per_s": tps,
+                "tokens_per_s_per_device": tps / info.world_size,
+                "mfu": flops_total / dt / (peak * info.world_size) if peak else None,
+                "peak_mem_gib": peak_memory_gib(info.device),
+                "elapsed_s": time.time() - t_start,
+            }
+            metrics.log(last_record)
             if info.is_main:
-                ckpt._fault("kill_after_step", step)
-            ckpt._fault("sigterm_after_step", step)
+                step_log.info(
+                    "step %d: loss %.4f, lr %.3g, grad_norm %.3f, %s tokens/s%s",
+                    step,
+                    last_record["loss"],
+                    lr,
+                    last_norm,
+                    f"{tps:,.0f}",
+                    f", MFU {last_record['mfu']:.1%}" if last_record["mfu"] else "",
+                )
+            bar.set_postfix(loss=f"{last_record['loss']:.4f}", tok_s=f"{tps:,.0f}", refresh=False)
+            window_loss = torch.zeros((), **f64)
+            window_tokens, window_flops, window_steps = 0, 0.0, 0
+            t_window = time.time()
+        bar.update(1)
+        done = profiler.step_end()
+        if done is not None:
+            t_window += profiler.stop_s  # stopping the profiler and writing it: no training
+        if done is not None and info.is_main:
+            logger.info(
+                "profile of steps %d-%d written to %s: %.1f ms per step%s",
+                done["first_step"],  # the run's step numbers, also after a resume
+                step,
+                out_dir / "profile",
+                done["wall_ms_per_step"],
+                (
+                    f", GPU idle {done['timeline']['idle_ms_per_step']:.1f} ms, exposed "
+                    f"communication {done['comm']['exposed_comm_ms']:.1f} ms"
+                    if "comm" in done
+                    else ""
+                ),
+            )
+
+        # checkpoint and validation time is left out of the window's clock (its steps stay
+        # in), and so is the full collection that comes with them
+        t_pause = time.time()
+        if gc_every and (do_val or do_ckpt):
+            gc.collect()  # a full collection where every rank stops anyway: no straggler
+        if do_ckpt:
+            # before validating: a validation that fails (bad held-out data, out of memory)
+            # loses no training; a window that did not log at this step stays open across a
+            # resume
+            last_ckpt = save(step, (0.0, 0.0) if do_log else (loss_total, n_tokens))
+        if do_val:
+            val = validate()
+            if val is None:  # SIGTERM: a resumed run validates this step first
+                stop = True
+                if not do_ckpt:
+                    last_ckpt = save(step, (0.0, 0.0) if do_log else (loss_total, n_tokens))
+            elif val:
+                metrics.log({"step": step, "tokens": tokens, **val})
+                if info.is_main:  # also into train.log (bar.write reached the console only)
+                    shown = ", ".join(f"{k} {v:.4f}" for k, v in val.items())
+                    logger.info("step %d: %s", step, shown)
+        t_window += time.time() - t_pause
+        if stop:
+            bar.close()
+            metrics.close()
+            assert last_ckpt is not None  # saved above (do_ckpt)
+            raise TrainingStopped(step, last_ckpt, out_dir)
+        if info.is_main:
+            ckpt._fault("kill_after_step", step)
+        ckpt._fault("sigterm_after_step", step)
     bar.close()
 
     # ---- end: validation, checkpoint, export ---------------------------------------------
@@ -1453,7 +1453,11 @@ def _train(
             result.update(val)
     result.update(step=step, tokens=tokens)  # also where no training record was found
     if not val:
-        val = validate() or {}
+        stopped = validate()
+        if stopped is None:  # SIGTERM: the resumed run validates and exports
+            metrics.close()
+            raise TrainingStopped(step, last_ckpt, out_dir)
+        val = stopped
         if val:
             metrics.log({"step": step, "tokens": tokens, **val})
             result.update(val)

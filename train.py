@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -156,10 +157,10 @@ if __name__ == "__main__":
     try:
         main()
     finally:
-        # unused: Hydra refused the config, or a config file set out_dir
-        if (
-            claimed is not None
-            and Path(claimed[1]).is_dir()
-            and not any(Path(claimed[1]).iterdir())
-        ):
-            Path(claimed[1]).rmdir()
+        if claimed is not None:
+            folder, temporary = Path(claimed[1]), claimed[2]
+            if temporary:  # another rank's: the run is in rank 0's folder
+                shutil.rmtree(folder, ignore_errors=True)
+            # unused: Hydra refused the config, or a config file set out_dir
+            elif folder.is_dir() and not any(folder.iterdir()):
+                folder.rmdir()

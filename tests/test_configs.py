@@ -918,21 +918,27 @@ def test_runs_started_in_the_same_second_get_a_folder_each(hydra_ctx, tmp_path, 
         extra = [f"out_dir={out_dir}"] if out_dir else []
         cfg = compose("train", overrides=[folders[1][0], *extra], return_hydra_config=True)
         assert OmegaConf.to_container(cfg.hydra.run, resolve=True)["dir"] == run_dir
-    override, folder = claim_default_folder(["-m", "seed=1,2"], now, world_size=1)
-    assert (override, folder) == ("hydra.sweep.dir=multirun/2026-11-28/09-05-07", folder)
-    # where the command line or Hydra chooses, or rank 0's folder is taken: nothing is made
-    for argv, world in (
-        (["out_dir=x"], 1),
-        (["hydra.run.dir=x"], 1),
-        (["-m", "hydra.sweep.dir=x"], 1),
-        (["--cfg", "job"], 1),
-        (["--help"], 1),
-        (["--config-dir", "mine"], 1),
-        (["seed=1"], 2),
-    ):
-        assert claim_default_folder(argv, now, world_size=world) is None, argv
+    assert not any(f[2] for f in folders)  # not temporary
+    claimed = claim_default_folder(["-m", "seed=1,2"], now, world_size=1)
+    assert claimed == ("hydra.sweep.dir=multirun/2026-11-28/09-05-07", claimed[1], False)
+    # where the command line or Hydra chooses: nothing is made
+    for argv in (["out_dir=x"], ["hydra.run.dir=x"], ["-m", "hydra.sweep.dir=x"],
+                 ["--cfg", "job"], ["--help"], ["--config-dir", "mine"]):  # fmt: skip
+        for world, rank in ((1, 0), (2, 0), (2, 1)):
+            assert claim_default_folder(argv, now, world_size=world, rank=rank) is None, argv
+    # of several processes, rank 0 claims the folder (the trainer gives it to every rank); the
+    # others' Hydra writes into a temporary folder, which train.py removes at the end (Hydra's
+    # own, named by each process's start, left an empty one when a rank started a second later)
+    rank0 = claim_default_folder(["seed=1"], now, world_size=2, rank=0)
+    assert rank0[1:] == ("outputs/2026-11-28/09-05-07-3", False)
+    for argv, key in ((["seed=1"], "run"), (["-m", "seed=1,2"], "sweep")):
+        override, folder, temporary = claim_default_folder(argv, now, world_size=2, rank=1)
+        assert temporary and Path(folder).is_dir() and not Path(folder).is_relative_to(tmp_path)
+        cfg = compose("train", overrides=[override], return_hydra_config=True)
+        assert OmegaConf.select(cfg, f"hydra.{key}.dir") == folder
+        Path(folder).rmdir()
     made = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.glob("*/*/*"))
-    assert made == ["multirun/2026-11-28/09-05-07", *want]
+    assert made == ["multirun/2026-11-28/09-05-07", *want, f"{want[0]}-3"]
 
 
 def test_a_gate_initialisation_the_model_does_not_read_is_refused() -> None:

@@ -491,8 +491,8 @@ _KEEPS_HYDRA_FOLDERS = {
 
 
 def claim_default_folder(
-    argv: list[str], now: Any = None, world_size: int | None = None
-) -> tuple[str, str] | None:
+    argv: list[str], now: Any = None, world_size: int | None = None, rank: int | None = None
+) -> tuple[str, str, bool] | None:
     """Make the run's default folder now, so that runs started in the same second each get one.
 
     Hydra names a run ``outputs/<date>/<time>`` (a multirun ``multirun/<date>/<time>``) to the
@@ -501,42 +501,55 @@ def claim_default_folder(
     the run-folder lock. This makes the folder (``mkdir``, atomic: one process wins) and, if
     another run made it first, ``<time>-1``, ``<time>-2``, ...
 
+    Of several processes (torchrun, srun) only rank 0 does; the trainer gives every rank rank
+    0's folder. The other ranks' Hydra gets a temporary folder (for its ``train.log``), to be
+    removed when the process ends: Hydra's own, named by the second at which each process
+    started, left an empty ``outputs/<time>`` behind whenever a rank started a second later.
+
     Args:
         argv: the command-line arguments after the script name.
         now: the time to name the folder by (``datetime.now()`` if None).
         world_size: processes of the run (``WORLD_SIZE`` if None).
+        rank: this process's rank (``RANK`` if None).
 
     Returns:
-        ``(override, folder)``: the Hydra override that names the folder (for a run, an
-        ``out_dir`` set in a config file still wins) and the folder made; None where Hydra
-        or the command line chooses: ``out_dir=``, ``hydra.run.dir=`` (``hydra.sweep.dir=``
-        for ``-m``) given, a flag that prints and exits or chooses another config, or one
-        process of several (the trainer takes rank 0's folder).
+        ``(override, folder, temporary)``: the Hydra override that names the folder (for a
+        run, an ``out_dir`` set in a config file still wins), the folder made, and whether it
+        is a rank's temporary folder; None where Hydra or the command line chooses:
+        ``out_dir=``, ``hydra.run.dir=`` (``hydra.sweep.dir=`` for ``-m``) given, or a flag
+        that prints and exits or chooses another config.
     """
     import datetime
+    import tempfile
 
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    if world_size > 1 or any(a.split("=")[0] in _KEEPS_HYDRA_FOLDERS for a in argv):
+    if rank is None:
+        rank = int(os.environ.get("RANK", "0") or 0)
+    if any(a.split("=")[0] in _KEEPS_HYDRA_FOLDERS for a in argv):
         return None
     multirun = any(a in ("-m", "--multirun") for a in argv)
     keys = {a.lstrip("+").split("=")[0] for a in argv if "=" in a}
     if keys & ({"hydra.sweep.dir"} if multirun else {"out_dir", "hydra.run.dir"}):
         return None
-    now = now or datetime.datetime.now()
-    base = Path("multirun" if multirun else "outputs") / now.strftime("%Y-%m-%d/%H-%M-%S")
-    base.parent.mkdir(parents=True, exist_ok=True)
-    folder, n = base, 0
-    while True:
-        try:
-            folder.mkdir()
-            break
-        except FileExistsError:
-            n += 1
-            folder = base.with_name(f"{base.name}-{n}")
+    if world_size > 1 and rank > 0:
+        folder = Path(tempfile.mkdtemp(prefix=f"fot-train-rank{rank}-"))
+    else:
+        now = now or datetime.datetime.now()
+        base = Path("multirun" if multirun else "outputs") / now.strftime("%Y-%m-%d/%H-%M-%S")
+        base.parent.mkdir(parents=True, exist_ok=True)
+        folder, n = base, 0
+        while True:
+            try:
+                folder.mkdir()
+                break
+            except FileExistsError:
+                n += 1
+                folder = base.with_name(f"{base.name}-{n}")
+    temporary = world_size > 1 and rank > 0
     if multirun:
-        return f"hydra.sweep.dir={folder}", str(folder)
-    return f'hydra.run.dir="${{fot.first_set:${{out_dir}},{folder}}}"', str(folder)
+        return f"hydra.sweep.dir={folder}", str(folder), temporary
+    return f'hydra.run.dir="${{fot.first_set:${{out_dir}},{folder}}}"', str(folder), temporary
 
 
 def out_dir_file_problem(argv: list[str]) -> str | None:

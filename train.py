@@ -154,6 +154,12 @@ if __name__ == "__main__":
     claimed = claim_default_folder(sys.argv[1:])
     if claimed is not None:
         sys.argv.append(claimed[0])
+    if int(os.environ.get("RANK", "0") or 0) > 0 and not any(
+        a.lstrip("+").startswith("hydra/hydra_logging=") for a in sys.argv[1:]
+    ):
+        # Hydra's own lines (a multirun's "Launching 2 jobs locally", "#0 : model=...") once,
+        # from rank 0; its errors are printed without it
+        sys.argv.append("hydra/hydra_logging=disabled")
     try:
         main()
     finally:

@@ -409,6 +409,9 @@ def test_multirun_under_torchrun_one_folder_per_job(tmp_path) -> None:
         cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
+    # Hydra's lines once (rank 0's), not once per rank
+    out = proc.stdout + proc.stderr
+    assert out.count("Launching 2 jobs locally") == 1 and out.count("#1 : model=") == 1, out
     jobs = sorted(p for p in sweep.iterdir() if p.is_dir() and (p / "metrics.jsonl").exists())
     assert [p.name for p in jobs] == ["0", "1"]
     names = [

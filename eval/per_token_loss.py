@@ -426,6 +426,7 @@ def evaluate_per_token_loss(
     state_path: Path | None = None,
     save_every: int = 8,
     progress: bool = True,
+    processes: int = 1,
     source: str = "the data",
 ) -> tuple[PerTokenLossAccumulator, list[int]]:
     """Accumulate L(i) over documents (this rank's share; call ``all_reduce`` afterwards).
@@ -439,6 +440,9 @@ def evaluate_per_token_loss(
         bos_id: if given, this token is put in front of every document.
         state_path: ``.npz`` file for resuming (sums and finished ids), or None.
         save_every: documents between two state saves.
+        progress: show a progress bar.
+        processes: processes the documents are split over: the bar says that it counts this
+            process's share.
         source: where ``docs`` come from, for errors (e.g. ``"--data 'heldout.zarr'"``).
 
     Returns:
@@ -469,7 +473,8 @@ def evaluate_per_token_loss(
         total=len(doc_ids),
         initial=len(doc_ids) - len(todo),
         disable=not progress,
-        desc=f"per-token loss @ {length}",
+        desc=f"per-token loss @ {length}"
+        + (f" (this process's documents; {processes} processes)" if processes > 1 else ""),
         unit="doc",
     )
     consistent = True  # acc and done hold the same documents (False only while updating both)
@@ -891,6 +896,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         state_path=state_file(out, rank, world),
         save_every=args.save_every,
         progress=rank == 0,
+        processes=world,
         source=f"--data {args.data!r}",
     )
     acc.all_reduce()

@@ -191,7 +191,10 @@ def test_per_token_loss_under_torchrun_equals_single_process(ckpts, tmp_path, la
     if launcher == "torchrun":
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
                "2", "-m", "fot.eval", *common, "--out", str(tmp_path / "two")]  # fmt: skip
-        subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+        res = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
+        # rank 0's bar counts its own documents (2 of the 3), and says so
+        assert "per-token loss @ 40 (this process's documents; 2 processes): 100%" in res.stderr
+        assert "| 2/2 [" in res.stderr, res.stderr[-2000:]
     else:
         cmd = [sys.executable, "-m", "fot.eval", *common, "--out", str(tmp_path / "two")]
         procs = [

@@ -138,6 +138,7 @@ if __name__ == "__main__":
         print(f"train.py: error: {problem}", file=sys.stderr)
         sys.exit(2)
     from fot.errors import USER_ERRORS, error_line
+    from fot.progress import quiet_library_bars
     from fot.training.config import (  # imports torch and transformers
         claim_default_folder,
         register_configs,
@@ -149,6 +150,7 @@ if __name__ == "__main__":
     except USER_ERRORS as err:
         print(error_line("train.py", err, traceback_variable="HYDRA_FULL_ERROR"), file=sys.stderr)
         sys.exit(2)
+    quiet_library_bars(int(os.environ.get("RANK", "0") or 0))
     register_configs()
     # outputs/<date>/<time> made now, so that runs started in the same second get one each
     claimed = claim_default_folder(sys.argv[1:])

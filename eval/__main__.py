@@ -97,9 +97,11 @@ def main(argv: Sequence[str] | None = None) -> Any:
             f"`{command}` needs the package {missing!r}, which is not installed: "
             "pip install 'fot[eval]' (or pip install lm-eval)"
         )
+    from fot.progress import quiet_library_bars
     from fot.training.parallel import adopt_slurm_tasks
 
     adopt_slurm_tasks(program_name())  # `srun python -m fot.eval ...` with several tasks
+    quiet_library_bars(int(os.environ.get("RANK", "0") or 0))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and args._module != "per_token_loss":
         command = next(name for name in COMMANDS if COMMANDS[name][0] == args._module)

@@ -71,3 +71,25 @@ def progress_bar(iterable: Iterable[Any] | None = None, **kwargs: Any) -> Any:
             "dynamic_ncols": False,
         }
     return tqdm(iterable, **kwargs)
+
+
+def quiet_library_bars(rank: int = 0) -> None:
+    """Turn off transformers' and datasets' own progress bars (loading or writing weights,
+    downloading, generating a split) off a terminal, where tqdm would append their redraws to
+    one line joined by carriage returns, and on every process but rank 0 (under torchrun each
+    would draw the same bar). For the command-line entry points: it changes the libraries'
+    settings for the whole process.
+
+    Args:
+        rank: this process's rank.
+    """
+    if on_terminal() and rank == 0:
+        return
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    try:
+        import datasets
+    except ImportError:  # not needed by every command
+        return
+    datasets.disable_progress_bars()

@@ -269,6 +269,33 @@ def test_git_sha_is_the_checkout_and_says_when_tracked_files_differ(tmp_path):
     assert git_sha(tmp_path) == head + "+dirty"
 
 
+@pytest.mark.parametrize(
+    ("tty", "rank", "off"), [(False, 0, True), (True, 1, True), (True, 0, False)]
+)
+def test_library_bars_are_off_in_log_files_and_on_other_ranks(monkeypatch, tty, rank, off):
+    """transformers' "Loading weights" and datasets' download bars drew carriage returns into
+    log files, and once per rank under torchrun."""
+    import io
+    import os
+
+    import datasets
+    from transformers.utils import logging as hf_logging
+
+    from fot import progress
+
+    leader, follower = os.openpty()
+    with os.fdopen(follower, "w") as stream:
+        monkeypatch.setattr(sys, "stderr", stream if tty else io.StringIO())
+        try:
+            progress.quiet_library_bars(rank)
+            states = [hf_logging.is_progress_bar_enabled(), datasets.is_progress_bar_enabled()]
+        finally:
+            hf_logging.enable_progress_bar()
+            datasets.enable_progress_bars()
+    os.close(leader)
+    assert states == [not off, not off]
+
+
 def test_progress_off_a_terminal_is_a_line_per_interval_not_carriage_returns(monkeypatch):
     """In a log file (Slurm, `> log 2>&1`) tqdm appended every redraw to one line joined by
     carriage returns. Off a terminal a bar is a plain line per LOG_INTERVAL_S and at its end;

@@ -84,7 +84,7 @@ def main(cfg: DictConfig) -> None:
     hydra_cfg = HydraConfig.get()
     run_files = {}
     if hydra_cfg.output_subdir is None:  # configs/train.yaml: written once the run owns its folder
-        folder = Path(hydra_cfg.runtime.output_dir) / ".hydra"
+        folder = Path(hydra_cfg.runtime.output_dir).absolute() / ".hydra"
         run_files = {
             folder / "config.yaml": OmegaConf.to_yaml(cfg),  # as composed: out_dir not yet set
             folder / "hydra.yaml": OmegaConf.to_yaml(HydraConfig.instance().cfg),

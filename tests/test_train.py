@@ -2193,6 +2193,54 @@ def test_sigterm_on_one_rank_stops_every_rank_after_the_same_step(
     assert [r["step"] for r in records if "val/loss" in r] == ([2, 4] if extra else [4])
 
 
+_STUCK_IN_A_COLLECTIVE = """
+import sys, time
+import torch, torch.distributed as dist
+from fot.training.signals import StopOnSigterm
+
+dist.init_process_group("gloo", timeout=__import__("datetime").timedelta(seconds=120))
+with StopOnSigterm(2) as stop:
+    stop.stuck_after_s = 2.0
+    if dist.get_rank() == 1:
+        time.sleep(120)  # alive, but never joins the collective (as if stuck or dead)
+    print("waiting", flush=True)
+    dist.all_reduce(torch.ones(1))  # rank 0 waits here, outside Python
+"""
+
+
+def test_sigterm_to_a_process_stuck_in_a_collective_ends_it(tmp_path) -> None:
+    """When a rank dies, torchrun sends SIGTERM to the others; one waiting in a collective for
+    the dead rank never ran the Python handler and sat there until torchrun's SIGKILL (as
+    long as --shutdown-timeout, which the README suggests raising). The watcher ends it."""
+    import signal
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}  # fmt: skip
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _STUCK_IN_A_COLLECTIVE],
+            env={**env, "RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    try:
+        assert procs[0].stdout.readline() == "waiting\n"
+        time.sleep(0.5)  # into the all_reduce
+        sent = time.time()
+        procs[0].send_signal(signal.SIGTERM)
+        _, err = procs[0].communicate(timeout=30)
+        assert procs[0].returncode == 128 + signal.SIGTERM, err[-2000:]
+        assert 2.0 <= time.time() - sent < 20
+        assert "rank 0: SIGTERM came while this process was waiting outside Python" in err
+    finally:
+        for p in procs:
+            p.kill()
+            p.communicate()
+
+
 def test_a_second_sigterm_changes_nothing() -> None:
     """A rank may get SIGTERM twice (the scheduler's and torchrun's): the second must not kill
     it before the checkpoint (were it to, this test's own process would die)."""

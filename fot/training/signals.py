@@ -16,6 +16,7 @@ that Ctrl-C while a checkpoint is written lets it finish first (:func:`finish_be
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import sys
 import threading
@@ -52,9 +53,15 @@ class StopOnSigterm:
     """A SIGTERM handler that asks the training loop to stop at the next step boundary.
 
     Use as a context manager around the loop (the previous handler is put back on exit); call
-    :meth:`agreed` on every rank at the same points (after every step). Outside the main thread (where Python cannot
-    install signal handlers), or where SIGTERM is ignored (``SIG_IGN``), it installs nothing
-    and this process's flag stays false.
+    :meth:`agreed` on every rank at the same points (after every step). Outside the main
+    thread (where Python cannot install signal handlers), or where SIGTERM is ignored
+    (``SIG_IGN``), it installs nothing and this process's flag stays false.
+
+    Python runs the handler only when the main thread runs Python code. A process waiting in
+    a collective for a rank that has died (torchrun then sends SIGTERM to the others) never
+    does, and would sit there until the launcher's SIGKILL (``torchrun --shutdown-timeout``).
+    A watcher thread therefore ends the process (status 143, no checkpoint) when the handler
+    has not run :attr:`stuck_after_s` seconds after a SIGTERM came.
 
     Args:
         world_size: processes in the run. With more than one, :meth:`agreed` takes the
@@ -62,10 +69,16 @@ class StopOnSigterm:
             ranks stop after the same step even if the signal reached only some of them.
     """
 
+    stuck_after_s = 60.0
+    """Seconds after a SIGTERM within which the main thread must have run the handler."""
+
     def __init__(self, world_size: int) -> None:
         self.signalled = False
+        self._handled = threading.Event()
         self._previous: signal.Handlers | object | None = None
         self._installed = False
+        self._wakeup: tuple[int, int] | None = None  # (read end, write end) of the watcher's pipe
+        self._watcher: threading.Thread | None = None
         self._group: dist.ProcessGroup | None = None
         self._collective = world_size > 1 and dist.is_initialized()
         if self._collective and dist.get_backend() != "gloo":
@@ -76,15 +89,59 @@ class StopOnSigterm:
         if main and signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN:
             self._previous = signal.signal(signal.SIGTERM, self._handle)
             self._installed = True
+            self._start_watcher()
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self._installed:
             signal.signal(signal.SIGTERM, self._previous)  # type: ignore[arg-type]
             self._installed = False
+        if self._wakeup is not None:
+            signal.set_wakeup_fd(-1)
+            os.close(self._wakeup[1])  # the watcher reads the end of the pipe and returns
+            if self._watcher is not None:
+                self._watcher.join(timeout=5)
+            self._wakeup = self._watcher = None
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         self.signalled = True
+        self._handled.set()
+
+    def _start_watcher(self) -> None:
+        """Have the signal's number written to a pipe the moment it comes (Python's wakeup fd),
+        for a thread that checks the main thread handles it in time; not where the wakeup fd
+        is in use already (an asyncio loop in the main thread)."""
+        read, write = os.pipe()
+        os.set_blocking(write, False)
+        previous = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        if previous != -1:  # someone else's: put it back, no watcher
+            signal.set_wakeup_fd(previous)
+            os.close(read), os.close(write)
+            return
+        self._wakeup = (read, write)
+        self._watcher = threading.Thread(target=self._watch, name="sigterm-watcher", daemon=True)
+        self._watcher.start()
+
+    def _watch(self) -> None:
+        assert self._wakeup is not None
+        read = self._wakeup[0]
+        try:
+            while data := os.read(read, 64):
+                if signal.SIGTERM not in data or self._handled.is_set():
+                    continue
+                if not self._handled.wait(self.stuck_after_s):
+                    rank = os.environ.get("RANK", "0")
+                    os.write(
+                        2,
+                        f"\nrank {rank}: SIGTERM came while this process was waiting outside "
+                        f"Python (in a collective or on the GPU) and it still was "
+                        f"{self.stuck_after_s:g} s later: another process of the run has "
+                        "probably died. Stopping now, without a checkpoint; the same command "
+                        "resumes from the latest one (resume=auto)\n".encode(),
+                    )
+                    os._exit(EXIT_STATUS)
+        finally:
+            os.close(read)
 
     def agreed(self) -> bool:
         """Whether any rank has had SIGTERM; every rank must call this after the same step."""

@@ -8,9 +8,11 @@ Configs live in ``configs/`` (Hydra); the training loop is :func:`fot.training.t
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import shutil
 import sys
+import traceback
 from pathlib import Path
 from types import ModuleType
 
@@ -76,35 +78,42 @@ def main(cfg: DictConfig) -> None:
 
     from fot.errors import USER_ERRORS, error_line
     from fot.training import train
-    from fot.training.checkpoint import interrupted_message
+    from fot.training.checkpoint import interrupted_message, write_text_atomic
     from fot.training.config import check_multirun_out_dir
     from fot.training.signals import EXIT_STATUS as SIGTERM_EXIT_STATUS
     from fot.training.signals import TrainingStopped
 
     hydra_cfg = HydraConfig.get()
-    run_files = {}
+    hydra_files = {}
     if hydra_cfg.output_subdir is None:  # configs/train.yaml: written once the run owns its folder
-        folder = Path(hydra_cfg.runtime.output_dir).absolute() / ".hydra"
-        run_files = {
-            folder / "config.yaml": OmegaConf.to_yaml(cfg),  # as composed: out_dir not yet set
-            folder / "hydra.yaml": OmegaConf.to_yaml(HydraConfig.instance().cfg),
-            folder / "overrides.yaml": OmegaConf.to_yaml(hydra_cfg.overrides.task),
+        hydra_files = {
+            "config.yaml": OmegaConf.to_yaml(cfg),  # as composed: out_dir not yet set
+            "hydra.yaml": OmegaConf.to_yaml(HydraConfig.instance().cfg),
+            "overrides.yaml": OmegaConf.to_yaml(hydra_cfg.overrides.task),
         }
+
+    def owned(out_dir: Path) -> None:
+        """The run owns its folder: Hydra's files go in, and train.log may say how it ends."""
+        folder = Path(hydra_cfg.runtime.output_dir).absolute() / ".hydra"
+        folder.mkdir(parents=True, exist_ok=True)
+        for name, text in hydra_files.items():
+            write_text_atomic(folder / name, text)
+        OWNS_FOLDER.append(out_dir)
 
     def interrupted() -> None:
         if int(os.environ.get("RANK", "0")) == 0:  # torchrun interrupts every rank
             out_dir = cfg.out_dir or hydra_cfg.runtime.output_dir
-            print(f"\ntrain.py: {interrupted_message(out_dir)}", file=sys.stderr)
+            say(f"train.py: {interrupted_message(out_dir)}", blank=True)
         sys.exit(130)
 
     try:
         check_multirun_out_dir(cfg, multirun=hydra_cfg.mode == RunMode.MULTIRUN)
         if cfg.out_dir is None:
             cfg.out_dir = hydra_cfg.runtime.output_dir
-        train(cfg, run_files=run_files)
+        train(cfg, on_folder=owned)
     except TrainingStopped as stopped:
         if int(os.environ.get("RANK", "0")) == 0:
-            print(f"\ntrain.py: {stopped}", file=sys.stderr)
+            say(f"train.py: {stopped}", blank=True)
         sys.exit(SIGTERM_EXIT_STATUS)
     except KeyboardInterrupt:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
@@ -120,7 +129,7 @@ def main(cfg: DictConfig) -> None:
         prog = (
             f"train.py (rank {os.environ.get('RANK', '0')} of {world})" if world > 1 else "train.py"
         )
-        print(error_line(prog, err, traceback_variable="HYDRA_FULL_ERROR"), file=sys.stderr)
+        say(error_line(prog, err, traceback_variable="HYDRA_FULL_ERROR"))
         sys.exit(2)
     except RuntimeError as err:
         # Ctrl-C inside a C++ writer (torch.save, safetensors) ends in the writer's RuntimeError
@@ -128,8 +137,70 @@ def main(cfg: DictConfig) -> None:
             not isinstance(err.__context__, KeyboardInterrupt)
             or os.environ.get("HYDRA_FULL_ERROR") == "1"
         ):
+            log_file_only(logging.ERROR, f"train.py: stopped by\n{traceback.format_exc()}")
             raise
         interrupted()
+    except Exception:
+        log_file_only(logging.ERROR, f"train.py: stopped by\n{traceback.format_exc()}")
+        raise
+
+
+OWNS_FOLDER: list[Path] = []
+"""The run folder, once the run owns it (until then train.log may be another run's)."""
+
+
+def log_file_only(level: int, message: str) -> None:
+    """Write ``message`` into the run's log files (Hydra's ``train.log``) but not the console,
+    where it is printed, once the run owns its folder: a run folder then says why its run
+    stopped."""
+    if not OWNS_FOLDER:
+        return
+    record = logging.LogRecord("train.py", level, __file__, 0, message, None, None)
+    for handler in logging.root.handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
+
+
+def say(line: str, *, blank: bool = False) -> None:
+    """Print ``line`` to stderr (after an empty line if ``blank``: below a progress bar) and
+    into train.log."""
+    print(("\n" if blank else "") + line, file=sys.stderr)
+    log_file_only(logging.ERROR, line)
+
+
+def remove_if_unused(folder: Path) -> None:
+    """Remove the run folder that this process made for a run that was refused before it
+    began: Hydra made it, with its ``train.log``, and the trainer's lock file went in; nothing
+    else did. Kept if another run holds the lock."""
+    import fcntl
+
+    names = {p.name for p in folder.iterdir()} if folder.is_dir() else {"?"}
+    if not names <= {".run.lock", "train.log"}:
+        return
+    lock = folder / ".run.lock"
+    with open(lock, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return
+        for name in names | {".run.lock"}:
+            (folder / name).unlink(missing_ok=True)
+    folder.rmdir()
+
+
+def fresh_run_folder(argv: list[str], claimed: tuple[str, str, bool] | None) -> Path | None:
+    """The folder a (single, not multirun) run will use where this process makes it: the
+    default folder made for it, or an ``out_dir=`` / ``hydra.run.dir=`` that does not exist
+    yet; None otherwise (rank > 0, a multirun, a folder set in a config file or existing)."""
+    if int(os.environ.get("RANK", "0") or 0) > 0 or any(a in ("-m", "--multirun") for a in argv):
+        return None
+    if claimed is not None:
+        return None if claimed[2] else Path(claimed[1])
+    given = dict(a.lstrip("+").split("=", 1) for a in argv if "=" in a)
+    value = given.get("hydra.run.dir") or given.get("out_dir")
+    if not value or value == "null" or "${" in value or Path(value).expanduser().exists():
+        return None
+    return Path(value).expanduser()
 
 
 if __name__ == "__main__":
@@ -162,13 +233,11 @@ if __name__ == "__main__":
         # Hydra's own lines (a multirun's "Launching 2 jobs locally", "#0 : model=...") once,
         # from rank 0; its errors are printed without it
         sys.argv.append("hydra/hydra_logging=disabled")
+    fresh = fresh_run_folder(sys.argv[1:], claimed)
     try:
         main()
     finally:
-        if claimed is not None:
-            folder, temporary = Path(claimed[1]), claimed[2]
-            if temporary:  # another rank's: the run is in rank 0's folder
-                shutil.rmtree(folder, ignore_errors=True)
-            # unused: Hydra refused the config, or a config file set out_dir
-            elif folder.is_dir() and not any(folder.iterdir()):
-                folder.rmdir()
+        if claimed is not None and claimed[2]:  # another rank's: the run is in rank 0's folder
+            shutil.rmtree(claimed[1], ignore_errors=True)
+        if fresh is not None:  # a refused run leaves no folder behind
+            remove_if_unused(fresh)

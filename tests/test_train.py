@@ -1712,6 +1712,10 @@ def test_ctrl_c_says_which_checkpoint_is_kept_and_how_to_resume(tmp_path) -> Non
     # "run the same command with": right whether or not the command named out_dir (it said
     # "add out_dir=... to the same command" to a command that had it)
     assert f"run the same command with out_dir={run} to continue" in stderr
+    assert (
+        f"train.py: interrupted; the latest checkpoint is {latest}"
+        in (run / "train.log").read_text()
+    )
     # the advice works: the same command with that out_dir resumes from that checkpoint
     resumed = _run_script([*cmd[:-2], "total_tokens=4096", f"out_dir={run}",
                            f"hydra.run.dir={run}"], cwd=tmp_path)  # fmt: skip
@@ -1781,6 +1785,27 @@ def test_a_refused_run_leaves_the_folders_hydra_files_as_they_were(tmp_path) -> 
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
         assert "is in use by another run" in refused("total_tokens=512")
     assert "cannot resume from checkpoint" in refused("global_batch_tokens=128")
+
+
+def test_a_run_folder_says_why_its_run_stopped_and_a_refused_run_leaves_none(tmp_path) -> None:
+    """train.log ended at the last step line: the error went to the console only (a Slurm
+    user reading the run folder never saw it). And a run refused before it began (a missing
+    data path) left its new folder behind, holding a lock file and an empty train.log."""
+    tokens = np.random.default_rng(0).integers(0, 50000, size=8192).astype(np.uint32)
+    tokens[2 * 256 + 5] = 60000  # in step 3's batch
+    np.save(tmp_path / "oov.npy", tokens)
+    run = tmp_path / "run"
+    args = [sys.executable, str(ROOT / "train.py"), *SMALL, "data=tokens", "data.val_tokens=0"]
+    res = _run_script([*args, "data.path=oov.npy", f"out_dir={run}"], cwd=tmp_path)
+    assert res.returncode == 2, res.stderr[-3000:]
+    error = "train.py: error: the training data holds token id 60000, outside the model's"
+    assert error in res.stderr
+    assert error in (run / "train.log").read_text().splitlines()[-2]  # then the traceback hint
+    # refused before it began: no folder, neither the one named nor a default one
+    for where in ([f"out_dir={tmp_path / 'new'}"], []):
+        res = _run_script([*args, "data.path=missing.npy", *where], cwd=tmp_path)
+        assert res.returncode == 2 and "train.py: error: data.path=missing.npy (=" in res.stderr
+    assert not (tmp_path / "new").exists() and not list(tmp_path.glob("outputs/*/*"))
 
 
 @pytest.mark.parametrize("presses", [1, 2])
@@ -2067,6 +2092,9 @@ def test_sigterm_checkpoints_the_step_and_resume_is_bit_identical(tmp_path, refe
         f"command with out_dir={out} to continue from it (resume=auto)" in proc.stderr
     )
     assert max(_losses(out)) == 5 and not (out / "final.json").exists()
+    assert f"train.py: stopped by SIGTERM after step 5; its checkpoint is {ckpt}" in (
+        (out / "train.log").read_text()
+    )
     # resumed (here in this process), and stopped again in its last step: the final checkpoint
     # is that step's, and resuming once more finishes the run from the records it logged
     with pytest.raises(TrainingStopped) as stopped, pytest.MonkeyPatch.context() as mp:

@@ -16,7 +16,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -716,18 +716,16 @@ def _write_run_info(out_dir: Path, info: dict[str, Any]) -> None:
     ckpt.write_text_atomic(path, json.dumps(runs, indent=2, default=str) + "\n")
 
 
-def train(
-    cfg: DictConfig, *, run_files: Mapping[str | os.PathLike, str] | None = None
-) -> dict[str, Any]:
+def train(cfg: DictConfig, *, on_folder: Callable[[Path], None] | None = None) -> dict[str, Any]:
     """Train with a composed config (see ``configs/train.yaml``); return the final metrics.
 
     Args:
         cfg: the Hydra config (root schema :class:`fot.training.config.TrainConfig`).
             ``cfg.out_dir`` is the run folder (``train.py`` sets it to Hydra's output folder).
-        run_files: text files (path, relative to ``cfg.out_dir`` or absolute: contents) that
-            rank 0 writes once the run owns its folder (the folder lock is taken and the
-            resume checks passed), so that a refused run changes nothing there. ``train.py``
-            passes Hydra's ``.hydra/`` files.
+        on_folder: called by rank 0 with the run folder once the run owns it (the folder lock
+            is taken and the resume checks passed), before anything of the run is written
+            there: what it writes, a refused run does not. ``train.py`` writes Hydra's
+            ``.hydra/`` files.
 
     Returns:
         The last logged training record merged with the final validation metrics, plus
@@ -763,12 +761,12 @@ def train(
     with contextlib.ExitStack() as cleanup:
         _log_to_stderr_if_unconfigured(cleanup)
         if every == 0 or not gc.isenabled():
-            return _train(cfg, config_warnings, cleanup, run_files or {})
+            return _train(cfg, config_warnings, cleanup, on_folder)
         # Python's automatic cyclic GC is off while training (see TrainConfig.gc_every_steps).
         gc.collect()
         gc.disable()
         try:
-            return _train(cfg, config_warnings, cleanup, run_files or {})
+            return _train(cfg, config_warnings, cleanup, on_folder)
         finally:
             gc.enable()
 
@@ -822,7 +820,7 @@ def _train(
     cfg: DictConfig,
     config_warnings: list[str],
     cleanup: contextlib.ExitStack,
-    run_files: Mapping[str | os.PathLike, str],
+    on_folder: Callable[[Path], None] | None,
 ) -> dict[str, Any]:
     t_start = time.time()
     info = init_distributed(cfg.device, cfg.parallel.backend)
@@ -941,10 +939,8 @@ def _train(
     _take_run_lock(run_lock, info)
     if info.is_main:
         ckpt.clean_stale(ckpt_dir)
-        for name, text in run_files.items():
-            path = out_dir / name  # an absolute name stays as it is
-            path.parent.mkdir(parents=True, exist_ok=True)
-            ckpt.write_text_atomic(path, text)
+        if on_folder is not None:
+            on_folder(out_dir)
     stream = SequenceStream(
         train_source,
         global_batch_size=global_seqs,

@@ -47,7 +47,8 @@ def require_fot(model: torch.nn.Module) -> int:
     """The number of FoT attention layers of ``model``.
 
     Raises:
-        ValueError: the model has none (not a FoT checkpoint).
+        ValueError: the model has none, or its attention has no forget gate (a Transformer
+            baseline).
     """
     from fot.models import modeling_fot
 
@@ -56,6 +57,11 @@ def require_fot(model: torch.nn.Module) -> int:
         raise ValueError(
             f"{type(model).__name__} has no FoTAttention layers: the gates command needs a FoT "
             "checkpoint (model_type 'fot')"
+        )
+    if getattr(model.config, "fgate_type", None) == "none":
+        raise ValueError(
+            "this checkpoint's attention has no forget gate (fgate_type 'none': a Transformer "
+            "baseline), so every gate would read 1: the gates command needs a FoT checkpoint"
         )
     return n
 

@@ -15,7 +15,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from eval_helpers import QUESTIONS, make_llama_checkpoint, make_trained_fot_checkpoint
+from eval_helpers import (
+    QUESTIONS,
+    make_fot_checkpoint,
+    make_llama_checkpoint,
+    make_trained_fot_checkpoint,
+)
 from srun_tasks import srun_environments
 from zarr_arrays import new_array
 
@@ -413,6 +418,11 @@ def test_gates_cli(ckpts, tmp_path):
         with pytest.raises(error, match=message):
             main(["gates", str(ckpts["fot"]), *argv, "--out", str(bad), "--device", "cpu"])
         assert not bad.exists()
+    # a Transformer baseline: FoT's attention without a gate (every gate would read 1)
+    baseline = make_fot_checkpoint(tmp_path / "transformer", fgate_type="none", use_rope=True)
+    with pytest.raises(ValueError, match=r"has no forget gate \(fgate_type 'none'"):
+        main(["gates", str(baseline), "--text", "hi there", "--out", str(tmp_path / "y")])
+    assert not (tmp_path / "y").exists()
     with pytest.raises(ValueError, match="FoTAttention"):
         main(
             [

@@ -1371,7 +1371,7 @@ def length_option(text: str, option: str, *, minimum: int = 1) -> int:
     Raises:
         ValueError: not exactly one integer, or one below ``minimum`` (naming the option).
     """
-    values = parse_int_list(text)
+    values = parse_int_list(text, option)
     if len(values) != 1:
         raise ValueError(f"{option} {text!r}: expected one length in tokens, e.g. 16k or 16384")
     if values[0] < minimum:
@@ -1417,8 +1417,12 @@ def load_npz(path: Path, keys: Sequence[str], fix: str) -> dict[str, np.ndarray]
     raise ValueError(f"{str(path)!r} {why}; {fix}")
 
 
-def parse_int_list(text: str | Iterable[int]) -> list[int]:
+def parse_int_list(text: str | Iterable[int], option: str | None = None) -> list[int]:
     """Parse ``"1024,2048,4k,16k"`` (``k`` = 1024; ``0.5k`` = 512) into ints.
+
+    Args:
+        text: the list (or the ints themselves).
+        option: the command-line option it came from, for the error (e.g. ``--lengths``).
 
     Raises:
         ValueError: a value that is not a whole number (``100.7``, ``1.1k``, ``nan``).
@@ -1437,8 +1441,9 @@ def parse_int_list(text: str | Iterable[int]) -> list[int]:
                 raise ValueError
             values.append(int(value))
         except (ValueError, OverflowError):  # not a whole number, nan, inf
+            where = f"{option} {text!r}" if option else repr(text)
             raise ValueError(
-                f"cannot parse {part!r} in {text!r}: expected whole numbers of tokens like "
+                f"cannot parse {part!r} in {where}: expected whole numbers of tokens like "
                 "'1024,2k,16k'"
             ) from None
     return values

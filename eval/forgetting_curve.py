@@ -330,7 +330,7 @@ def _token_stream(docs: Sequence[np.ndarray], source: str, max_tokens: int) -> n
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run ``forgetting-curve``; returns the summary (per-length accuracies, memory lengths)."""
     out = Path(args.out)
-    lengths = parse_int_list(list_option(args.lengths, "--lengths"))
+    lengths = parse_int_list(list_option(args.lengths, "--lengths"), "--lengths")
     check_out_shared(out, "forgetting-curve")
     # Everything that can be checked without the model is checked before it loads.
     check_grid(lengths, "--lengths", minimum=6)  # n = (L - 2) // 2 >= 2 tokens

@@ -561,7 +561,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run ``needle``; returns the summary (mean score and accuracy, per length)."""
     out = Path(args.out)
-    lengths = parse_int_list(list_option(args.lengths, "--lengths"))
+    lengths = parse_int_list(list_option(args.lengths, "--lengths"), "--lengths")
     depths = parse_float_list(list_option(args.depths, "--depths"))
     # Everything that can be checked without the model is checked before it loads.
     check_grid(lengths, "--lengths", minimum=2)

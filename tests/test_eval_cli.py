@@ -373,6 +373,20 @@ def test_forgetting_curve_cli(ckpts, tmp_path, which):
     assert len(_lines(out / "forgetting_curve.csv")) == 3
 
 
+@pytest.mark.parametrize(
+    ("argv", "where"),
+    [(["per-token-loss", "--length", "12q"], "'12q' in --length '12q'"),
+     (["needle", "--lengths", "1k,x"], "'x' in --lengths '1k,x'"),
+     (["forgetting-curve", "--lengths", "1k,0.3k"], "'0.3k' in --lengths '1k,0.3k'")],
+)  # fmt: skip
+def test_a_length_that_does_not_parse_names_its_option(ckpts, tmp_path, argv, where):
+    """The error named the value but not the option it came from."""
+    command, *options = argv
+    with pytest.raises(ValueError, match=re.escape(f"cannot parse {where}: expected whole")):
+        main([command, str(ckpts["llama"]), *options, "--out", str(tmp_path / "o")])
+    assert not (tmp_path / "o").exists()
+
+
 def test_gates_cli(ckpts, tmp_path):
     out = tmp_path / "g"
     s = main(

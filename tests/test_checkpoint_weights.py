@@ -418,8 +418,10 @@ def test_a_training_checkpoint_exports_as_the_run_exports_its_final_weights(
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (("{run}", "{tmp}/o"), r"is not a training checkpoint \(no trainer.json\); it is a run "
-         r"folder: pass one of its checkpoints, e.g. .*step_00000004"),
+        (("{run}", "{tmp}/o"), r"is not a training checkpoint \(no trainer.json\): it is a run "
+         r"folder; pass one of its checkpoints, e.g. .*step_00000004"),
+        (("{run}/checkpoints/step_00000006", "{tmp}/o"), r"step_00000006 does not exist; that "
+         r"run's checkpoints are step_00000002, step_00000004 \(only the last keep_last are"),
         (("{run}/checkpoints/step_00000004", "{run}/checkpoints/step_00000002"),
          r"step_00000002 is a training checkpoint: the export goes into a folder of its own"),
         (("{run}/checkpoints/step_00000004", "{run}"),

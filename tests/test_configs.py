@@ -390,7 +390,7 @@ def test_mul_resolver_refuses_non_integers() -> None:
         (["schedule.warmup_tokens=-1"], "schedule.warmup_tokens=0 for no warmup"),
         (["val_micro_batch_size=0"], "val_micro_batch_size=0 must be >= 1"),
         (["val_micro_batch_size=-2"], "val_micro_batch_size=-2 must be >= 1"),
-        (["resume=/no/such/path"], "resume=/no/such/path is no folder.*resume=never"),
+        (["resume=/no/such/path"], "resume=/no/such/path does not exist.*resume=never"),
         (["model=mamba2", "device=cpu"], "model=mamba2 .* need a CUDA GPU"),
         (["optim.lr=-1"], r"optim.lr must be > 0, got -1"),
         (["optim.betas=[0.9]"], r"optim.betas must be two numbers in \[0, 1\)"),

@@ -1027,7 +1027,7 @@ def test_torchrun_user_error_names_each_rank(tmp_path) -> None:
     assert errors, res.stderr[-3000:]
     for line in errors:
         assert re.fullmatch(
-            r"train\.py \(rank [01] of 2\): error: resume=/no/such/ckpt is no folder; .*", line
+            r"train\.py \(rank [01] of 2\): error: resume=/no/such/ckpt does not exist; .*", line
         ), line
     for source in (ROOT / "train.py", ROOT / "fot"):  # no traceback from the ranks
         assert f'File "{source}' not in res.stderr  # (torchrun prints one of its own)
@@ -1049,12 +1049,12 @@ def test_train_py_refuses_a_missing_resume_folder_before_training(tmp_path) -> N
     cmd = [sys.executable, str(ROOT / "train.py"), *SMALL, "resume=/no/such/ckpt",
            f"out_dir={run}", f"hydra.run.dir={run}"]  # fmt: skip
     res = _run_script(cmd, cwd=tmp_path, env_extra={"HYDRA_FULL_ERROR": "0"})
-    assert res.returncode == 2 and "resume=/no/such/ckpt is no folder" in res.stderr
+    assert res.returncode == 2 and "resume=/no/such/ckpt does not exist" in res.stderr
     assert "Traceback" not in res.stderr and "HYDRA_FULL_ERROR=1" in res.stderr  # one message
     assert not (run / "checkpoints").exists() and not (run / "metrics.jsonl").exists()
     full = _run_script(cmd, cwd=tmp_path, env_extra={"HYDRA_FULL_ERROR": "1"})
     assert full.returncode != 0 and "Traceback" in full.stderr
-    assert "resume=/no/such/ckpt is no folder" in full.stderr
+    assert "resume=/no/such/ckpt does not exist" in full.stderr
 
 
 def test_token_ids_outside_the_vocabulary_are_named_before_the_model_sees_them(tmp_path) -> None:

@@ -151,6 +151,26 @@ def _set_aside(ckpt: Path) -> Path:
     return trash
 
 
+def not_a_checkpoint(path: str | os.PathLike) -> str:
+    """What ``path`` is instead of a checkpoint folder, and the checkpoints beside it or in it:
+    ``"... does not exist; that run's checkpoints are step_00000006, step_00000008 (older ones
+    are removed: keep_last)"``."""
+    p = Path(path)
+    if not p.exists():
+        what = "does not exist"
+    elif not p.is_dir():
+        what = "is no folder"
+    else:
+        what = "is not a training checkpoint (no trainer.json)"
+    inside, beside = list_checkpoints(p / "checkpoints"), list_checkpoints(p.parent)
+    if inside:
+        return f"{p} {what}: it is a run folder; pass one of its checkpoints, e.g. {inside[-1]}"
+    if beside:
+        names = ", ".join(c.name for c in beside)
+        return f"{p} {what}; that run's checkpoints are {names} (only the last keep_last are kept)"
+    return f"{p} {what}; pass a checkpoint folder like <run>/checkpoints/step_00001000"
+
+
 def list_checkpoints(ckpt_dir: str | os.PathLike) -> list[Path]:
     """Complete checkpoints under ``ckpt_dir``, oldest first."""
     root = Path(ckpt_dir)

@@ -327,10 +327,11 @@ def check_config(cfg: DictConfig) -> list[str]:
         )
     resume = cfg.resume
     if resume not in ("auto", "never", "", None) and not Path(resume).is_dir():
+        from fot.training.checkpoint import not_a_checkpoint
+
         raise ValueError(
-            f"resume={resume} is no folder; pass a checkpoint folder like "
-            "<run>/checkpoints/step_00001000, resume=auto (the latest checkpoint in out_dir, if "
-            "any) or resume=never (start from scratch)"
+            f"resume={not_a_checkpoint(resume)}; or resume=auto (the latest checkpoint in "
+            "out_dir, if any) or resume=never (start from scratch)"
         )
     from fot.models.fla_baselines import FLA_MODELS  # no CPU path (only TRITON_INTERPRET=1)
 

@@ -387,13 +387,7 @@ def export_checkpoint(path: str | os.PathLike, out: str | os.PathLike) -> Path:
 
     p, o = Path(path), Path(out)
     if not (p / "trainer.json").is_file():
-        steps = ckpt.list_checkpoints(p / "checkpoints")
-        where = (
-            f"it is a run folder: pass one of its checkpoints, e.g. {steps[-1]}"
-            if steps
-            else "pass a folder like <run>/checkpoints/step_00001000"
-        )
-        raise FileNotFoundError(f"{p} is not a training checkpoint (no trainer.json); {where}")
+        raise FileNotFoundError(ckpt.not_a_checkpoint(p))
     if (o / "trainer.json").is_file():
         raise FileExistsError(
             f"{o} is a training checkpoint: the export goes into a folder of its own (new, "

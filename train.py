@@ -203,8 +203,12 @@ def fresh_run_folder(argv: list[str], claimed: tuple[str, str, bool] | None) -> 
     return Path(value).expanduser()
 
 
-if __name__ == "__main__":
-    problem = argv_problem(sys.argv[1:])
+def start(argv: list[str]) -> tuple[tuple[str, str, bool] | None, Path | None]:
+    """What comes before Hydra: the command-line checks, the imports (torch, transformers),
+    srun's tasks, the run folder. Appends to ``argv`` (``sys.argv[1:]``) the overrides it
+    needs; returns the folder claimed for the run (:func:`claim_default_folder`) and the one
+    this process makes (:func:`fresh_run_folder`). Exits with status 2 on a bad argument."""
+    problem = argv_problem(argv)
     if problem is not None:
         print(f"train.py: error: {problem}", file=sys.stderr)
         sys.exit(2)
@@ -224,16 +228,26 @@ if __name__ == "__main__":
     quiet_library_bars(int(os.environ.get("RANK", "0") or 0))
     register_configs()
     # outputs/<date>/<time> made now, so that runs started in the same second get one each
-    claimed = claim_default_folder(sys.argv[1:])
+    claimed = claim_default_folder(argv)
     if claimed is not None:
-        sys.argv.append(claimed[0])
+        argv.append(claimed[0])
     if int(os.environ.get("RANK", "0") or 0) > 0 and not any(
-        a.lstrip("+").startswith("hydra/hydra_logging=") for a in sys.argv[1:]
+        a.lstrip("+").startswith("hydra/hydra_logging=") for a in argv
     ):
         # Hydra's own lines (a multirun's "Launching 2 jobs locally", "#0 : model=...") once,
         # from rank 0; its errors are printed without it
-        sys.argv.append("hydra/hydra_logging=disabled")
-    fresh = fresh_run_folder(sys.argv[1:], claimed)
+        argv.append("hydra/hydra_logging=disabled")
+    return claimed, fresh_run_folder(argv, claimed)
+
+
+if __name__ == "__main__":
+    args = sys.argv[1:]
+    try:
+        claimed, fresh = start(args)
+    except KeyboardInterrupt:  # the imports take seconds
+        print("\ntrain.py: interrupted while starting; nothing was written", file=sys.stderr)
+        sys.exit(130)
+    sys.argv[1:] = args
     try:
         main()
     finally:

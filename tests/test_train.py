@@ -1723,6 +1723,27 @@ def test_ctrl_c_says_which_checkpoint_is_kept_and_how_to_resume(tmp_path) -> Non
     assert json.loads((run / "run_info.json").read_text())[-1]["resumed_from"] == str(latest)
 
 
+def test_ctrl_c_while_train_py_starts_is_one_line(tmp_path) -> None:
+    """Ctrl-C in the seconds train.py spends importing torch printed a ~50-line traceback."""
+    import signal
+
+    env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "train.py"), *SMALL, f"out_dir={tmp_path / 'run'}"],
+        cwd=tmp_path,
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    time.sleep(1.5)  # past `import hydra`, inside `import fot` (torch, transformers: seconds)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr[-3000:]
+    assert stderr == "\ntrain.py: interrupted while starting; nothing was written\n"
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_run_folder_in_use_by_another_run_is_refused(tmp_path) -> None:
     """Two runs in one folder (one out_dir) wrote each other's checkpoints and metrics: the second is
     refused, naming the first, and changes nothing there; once the first ends, the folder is

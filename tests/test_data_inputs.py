@@ -267,6 +267,13 @@ def test_prepare_hf_empty_or_undecodable_files_get_one_clear_error(tmp_path, cap
             f"error: dataset {corpus} split 'train': {corpus / 'd.txt'} is not valid UTF-8" in err
         )
         assert "Traceback" not in err
+    # a folder that does not exist, or holds no data file: datasets' own text named no fix
+    (tmp_path / "bare").mkdir()
+    for folder, problem in (("missing", "does not exist"), ("bare", "holds no data files")):
+        assert main(["--hf", str(tmp_path / folder), "--out", out]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: dataset {tmp_path / folder}: {tmp_path / folder} {problem}")
+        assert "Give a data file or a folder of them (.txt, .json," in err
     assert not (tmp_path / "tok").exists()
 
 

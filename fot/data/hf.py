@@ -64,6 +64,7 @@ class HFDataset:
         self.data_files = data_files or None
         self.streaming = streaming
         self.where = where
+        self.files_option = files_option
         if self.data_files is None and path in _loader_names():
             # datasets then reads the files of the working directory, whatever they hold (a
             # `tests/` folder becomes the "test" split): the run would train on source code
@@ -134,6 +135,17 @@ class HFDataset:
             return HFDataError(
                 f"{what}: the data files hold no rows ({shown or 'none found'}): they are "
                 "empty. Give files that hold data, or leave the empty ones out"
+            )
+        local = self.path.startswith((".", "/", "~")) or Path(self.path).expanduser().exists()
+        if split is None and local and isinstance(err, FileNotFoundError) and not self.data_files:
+            folder = Path(self.path).expanduser()
+            problem = (
+                "holds no data files that datasets reads" if folder.is_dir() else "does not exist"
+            )
+            return HFDataError(
+                f"{what}: {self.path} {problem}. Give a data file or a folder of them (.txt, "
+                f".json, .jsonl, .csv, .parquet, ...), a loader name with {self.files_option}, "
+                "or a hub dataset id (online)"
             )
         cause: BaseException = err
         if isinstance(err, DatasetGenerationError):

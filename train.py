@@ -15,9 +15,10 @@ import sys
 import traceback
 from pathlib import Path
 from types import ModuleType
+from typing import TYPE_CHECKING
 
-import hydra
-from omegaconf import DictConfig, OmegaConf
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 ROOT = Path(__file__).resolve().parent
 
@@ -67,14 +68,14 @@ def argv_problem(argv: list[str]) -> str | None:
     return next((problem for problem in problems if problem is not None), None)
 
 
-@hydra.main(version_base="1.3", config_path="configs", config_name="train")
 def main(cfg: DictConfig) -> None:
-    """Refuse one fixed out_dir for every job of a multirun, then train; errors that name the
-    bad input and the fix print as one line (exit status 2), without a traceback, Ctrl-C
-    says how to resume (exit status 130), and so does a stop on SIGTERM after its checkpoint
-    (exit status 143)."""
+    """Hydra's task (``hydra.main`` of the script): refuse one fixed out_dir for every job of
+    a multirun, then train; errors that name the bad input and the fix print as one line
+    (exit status 2), without a traceback, Ctrl-C says how to resume (exit status 130), and so
+    does a stop on SIGTERM after its checkpoint (exit status 143)."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
+    from omegaconf import OmegaConf
 
     from fot.errors import USER_ERRORS, error_line
     from fot.training import train
@@ -243,13 +244,15 @@ def start(argv: list[str]) -> tuple[tuple[str, str, bool] | None, Path | None]:
 if __name__ == "__main__":
     args = sys.argv[1:]
     try:
+        import hydra
+
         claimed, fresh = start(args)
     except KeyboardInterrupt:  # the imports take seconds
         print("\ntrain.py: interrupted while starting; nothing was written", file=sys.stderr)
         sys.exit(130)
     sys.argv[1:] = args
     try:
-        main()
+        hydra.main(version_base="1.3", config_path="configs", config_name="train")(main)()
     finally:
         if claimed is not None and claimed[2]:  # another rank's: the run is in rank 0's folder
             shutil.rmtree(claimed[1], ignore_errors=True)

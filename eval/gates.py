@@ -18,6 +18,7 @@ import argparse
 import contextlib
 import json
 import math
+import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import program_name
 from .common import (
     CHECKPOINT_HELP,
     DEVICE_HELP,
@@ -47,8 +49,7 @@ def require_fot(model: torch.nn.Module) -> int:
     """The number of FoT attention layers of ``model``.
 
     Raises:
-        ValueError: the model has none, or its attention has no forget gate (a Transformer
-            baseline).
+        ValueError: the model has none (not a FoT checkpoint).
     """
     from fot.models import modeling_fot
 
@@ -57,11 +58,6 @@ def require_fot(model: torch.nn.Module) -> int:
         raise ValueError(
             f"{type(model).__name__} has no FoTAttention layers: the gates command needs a FoT "
             "checkpoint (model_type 'fot')"
-        )
-    if getattr(model.config, "fgate_type", None) == "none":
-        raise ValueError(
-            "this checkpoint's attention has no forget gate (fgate_type 'none': a Transformer "
-            "baseline), so every gate would read 1: the gates command needs a FoT checkpoint"
         )
     return n
 
@@ -340,6 +336,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         args.checkpoint, device=pick_device(args.device), dtype=args.dtype
     )
     chosen_maps(layers, heads, require_fot(model), model.config.num_attention_heads)
+    if model.config.fgate_type == "none":
+        print(
+            f"{program_name()} gates: warning: {args.checkpoint} has no forget gate (fgate_type "
+            "'none': a Transformer baseline); its gates all read 1: gates.png shows its "
+            "attention maps, gate_values.png is flat",
+            file=sys.stderr,
+        )
     write_run_config(out, "gates", vars(args), args.checkpoint)
     ids = [eot_id(tokenizer), *encode_text(tokenizer, text)]
     ids = ids[: args.max_tokens]

@@ -387,7 +387,7 @@ def test_a_length_that_does_not_parse_names_its_option(ckpts, tmp_path, argv, wh
     assert not (tmp_path / "o").exists()
 
 
-def test_gates_cli(ckpts, tmp_path):
+def test_gates_cli(ckpts, tmp_path, capsys):
     out = tmp_path / "g"
     s = main(
         [
@@ -432,11 +432,15 @@ def test_gates_cli(ckpts, tmp_path):
         with pytest.raises(error, match=message):
             main(["gates", str(ckpts["fot"]), *argv, "--out", str(bad), "--device", "cpu"])
         assert not bad.exists()
-    # a Transformer baseline: FoT's attention without a gate (every gate would read 1)
+    # a Transformer baseline: its attention maps, and a warning that its gates are all 1
     baseline = make_fot_checkpoint(tmp_path / "transformer", fgate_type="none", use_rope=True)
-    with pytest.raises(ValueError, match=r"has no forget gate \(fgate_type 'none'"):
-        main(["gates", str(baseline), "--text", "hi there", "--out", str(tmp_path / "y")])
-    assert not (tmp_path / "y").exists()
+    capsys.readouterr()
+    main(["gates", str(baseline), "--text", "hi there", "--out", str(tmp_path / "y")])
+    assert (
+        f"gates: warning: {baseline} has no forget gate (fgate_type 'none': a Transformer "
+        "baseline); its gates all read 1" in capsys.readouterr().err
+    )
+    assert (tmp_path / "y" / "gates.png").is_file()
     with pytest.raises(ValueError, match="FoTAttention"):
         main(
             [

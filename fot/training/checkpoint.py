@@ -153,8 +153,8 @@ def _set_aside(ckpt: Path) -> Path:
 
 def not_a_checkpoint(path: str | os.PathLike) -> str:
     """What ``path`` is instead of a checkpoint folder, and the checkpoints beside it or in it:
-    ``"... does not exist; that run's checkpoints are step_00000006, step_00000008 (older ones
-    are removed: keep_last)"``."""
+    ``"... does not exist; that run's checkpoints are step_00000006, step_00000008 (only the
+    last keep_last are kept)"``."""
     p = Path(path)
     if not p.exists():
         what = "does not exist"

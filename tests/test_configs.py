@@ -399,6 +399,14 @@ def test_mul_resolver_refuses_non_integers() -> None:
         (["optim.grad_clip=-1"], "optim.grad_clip=0 for no clipping"),
         (["schedule.min_lr_ratio=2"], r"schedule.min_lr_ratio=2.0 must be in \[0, 1\]"),
         (["schedule.name=cosine"], "schedule.name='cosine' is not one of"),
+        (
+            ["schedule.decay_fraction=0.3"],
+            r"schedule.decay_fraction=0.3: only schedule=wsd reads it, not "
+            r"schedule.name='warmup_cosine'",
+        ),
+        (["schedule.name=wsd"], r"needs schedule.decay_fraction and schedule.decay_shape; pick"),
+        (["schedule=wsd", "schedule.decay_fraction=0"], r"decay_fraction=0.0 must be in \(0, 1\]"),
+        (["schedule=wsd", "schedule.decay_shape=sqrt"], r"decay_shape='sqrt' is not one of"),
         (["+model.overrides.qk_norm=no"], "qk_norm must be true or false, got 'no'"),
         (["+model.overrides.intermediate_size=-5"], "intermediate_size must be a positive int"),
         (["+model.overrides.attn_backend=triton", "device=cpu"], "attn_backend=auto"),
@@ -434,6 +442,17 @@ def test_check_config_warns_when_warmup_outlasts_the_run(hydra_ctx) -> None:
     assert "schedule.warmup_tokens=100000" in warning and "never reaches optim.lr" in warning
     # 3e-3 * 4096 / 100000, by hand
     assert f"optim.lr={cfg.optim.lr}" in warning and "last step's is 0.000123)" in warning
+
+
+def test_check_config_warns_when_the_wsd_decay_starts_inside_the_warmup(hydra_ctx) -> None:
+    # 2 steps of 2048 tokens; the decay takes the last half (2048 tokens), the warmup 3000
+    overrides = ["total_tokens=4096", "schedule=wsd", "schedule.decay_fraction=0.5"]
+    cfg = compose("train", overrides=[*overrides, "schedule.warmup_tokens=3000"])
+    (warning,) = check_config(cfg)
+    assert "starts the decay at 2048 tokens, before the warmup ends" in warning
+    assert "schedule.warmup_tokens=3000" in warning and "no stable phase" in warning
+    cfg = compose("train", overrides=[*overrides, "schedule.warmup_tokens=2048"])
+    assert check_config(cfg) == []
 
 
 def test_check_config_warns_when_the_run_is_not_whole_steps(hydra_ctx) -> None:

@@ -592,6 +592,57 @@ def test_lr_schedule_in_tokens() -> None:
         lr_at(0, peak_lr=1.0, total_tokens=1, cfg=ScheduleConfig(name="cosine"))
 
 
+def test_wsd_schedule_by_hand() -> None:
+    """Warmup to 100 tokens, the peak to 800, then the decay over the last 200 tokens of 1000
+    to 0.1 × the peak, in each shape (values computed by hand)."""
+    cfg = dict(name="wsd", warmup_tokens=100, min_lr_ratio=0.1, decay_fraction=0.2)
+    expected = {  # progress 0.25 and 0.5 through the decay
+        "linear": (0.1 + 0.9 * 0.75, 0.1 + 0.9 * 0.5),
+        "cosine": (0.1 + 0.9 * (1 + 2**-0.5) / 2, 0.1 + 0.9 * 0.5),
+        "1-sqrt": (0.1 + 0.9 * 0.5, 0.1 + 0.9 * (1 - 2**-0.5)),
+    }
+    for shape, (at_850, at_900) in expected.items():
+        sched = ScheduleConfig(**cfg, decay_shape=shape)
+
+        def lr(tokens: int, sched: ScheduleConfig = sched) -> float:
+            return lr_at(tokens, peak_lr=2.0, total_tokens=1000, cfg=sched)
+
+        assert lr(50) == pytest.approx(1.0) and lr(100) == 2.0
+        assert lr(500) == lr(800) == 2.0  # stable
+        assert lr(850) == pytest.approx(2.0 * at_850) and lr(900) == pytest.approx(2.0 * at_900)
+        assert lr(1000) == pytest.approx(0.2)
+    with pytest.raises(ValueError, match=r"needs schedule\.decay_shape; pick the group"):
+        lr_at(950, peak_lr=1.0, total_tokens=1000, cfg=ScheduleConfig(**cfg))
+
+
+def test_wsd_branch_trains_as_a_run_planned_at_its_length(tmp_path) -> None:
+    """The point of warmup-stable-decay: a run branched from a stable-phase checkpoint of a
+    longer run (resume=<its checkpoint> in a new folder, a shorter total_tokens) trains step
+    for step as a run planned at the shorter length from the start."""
+    wsd = ("schedule=wsd", "schedule.warmup_tokens=256", "schedule.decay_fraction=0.25")
+    long = tmp_path / "long"
+    train(_cfg(long, *wsd, "total_tokens=3072", "ckpt_every_tokens=1024", "keep_last=3"))
+    planned = tmp_path / "planned"
+    train(_cfg(planned, *wsd, "total_tokens=2048"))
+    branch = tmp_path / "branch"
+    step4 = long / "checkpoints" / "step_00000004"  # stable in both (decay from 2304 / 1536)
+    train(_cfg(branch, *wsd, "total_tokens=2048", f"resume={step4}"))
+
+    def records(out: Path) -> dict[int, dict]:
+        lines = (out / "metrics.jsonl").read_text().splitlines()
+        return {r["step"]: r for r in map(json.loads, lines) if "loss" in r}
+
+    want, got, longer = records(planned), records(branch), records(long)
+    assert sorted(got) == [5, 6, 7, 8]
+    for step in got:
+        assert (got[step]["loss"], got[step]["lr"]) == (want[step]["loss"], want[step]["lr"])
+    # the schedule itself, by hand: peak 0.01 until 1536 tokens, then 1 - sqrt(progress) to 0
+    assert [want[k]["lr"] for k in (1, 6, 7, 8)] == pytest.approx(
+        [0.01, 0.01, 0.01 * (1 - 0.5**0.5), 0.0]
+    )
+    assert longer[7]["lr"] == 0.01 and longer[6]["loss"] == want[6]["loss"]  # not decayed yet
+
+
 def decay_names(model, group) -> set[str]:
     ids = {id(p) for p in group["params"]}
     return {n for n, p in model.named_parameters() if id(p) in ids}

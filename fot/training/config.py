@@ -103,10 +103,16 @@ class ScheduleConfig:
     """``schedule`` group: learning rate as a function of tokens seen."""
 
     name: str = "warmup_cosine"
-    """``warmup_cosine``, ``warmup_linear`` or ``constant`` (after warmup)."""
+    """``warmup_cosine``, ``warmup_linear``, ``constant`` (after warmup) or ``wsd``
+    (warmup, stable at the peak, decay over the last ``decay_fraction`` of the run)."""
     warmup_tokens: int = 256 * Mi
     min_lr_ratio: float = 0.1
-    """Final LR as a fraction of the peak (cosine/linear decay end point)."""
+    """Final LR as a fraction of the peak (the decay's end point)."""
+    decay_fraction: float | None = None
+    """``wsd`` only: the fraction of ``total_tokens`` at the end of the run over which the LR
+    decays from the peak to ``min_lr_ratio`` × peak (``schedule=wsd`` sets 0.2)."""
+    decay_shape: str | None = None
+    """``wsd`` only: ``linear``, ``cosine`` or ``1-sqrt`` (``schedule=wsd`` sets ``1-sqrt``)."""
 
 
 @dataclass
@@ -416,6 +422,16 @@ def check_config(cfg: DictConfig) -> list[str]:
             f"(its last step's is {cfg.optim.lr * trained / warmup:.3g}); lower "
             "schedule.warmup_tokens or raise total_tokens"
         )
+    if cfg.schedule.name == "wsd":
+        span = max(round(float(cfg.schedule.decay_fraction) * trained), 1)
+        if trained - span < warmup:
+            warnings.append(
+                f"schedule.decay_fraction={cfg.schedule.decay_fraction} starts the decay at "
+                f"{trained - span} tokens, before the warmup ends "
+                f"(schedule.warmup_tokens={warmup}): the run has no stable phase, and its "
+                "learning rate drops where the warmup ends; lower schedule.decay_fraction "
+                "or schedule.warmup_tokens, or raise total_tokens"
+            )
     for key in ("log_every_tokens", "val_every_tokens", "ckpt_every_tokens"):
         every = int(cfg[key])
         if key == "val_every_tokens" and int(cfg.data.val_tokens) == 0:

@@ -9,7 +9,8 @@ from torch import nn
 
 from fot.training.config import OptimConfig, ScheduleConfig
 
-SCHEDULES = ("warmup_cosine", "warmup_linear", "constant")
+SCHEDULES = ("warmup_cosine", "warmup_linear", "constant", "wsd")
+DECAY_SHAPES = ("linear", "cosine", "1-sqrt")
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -76,6 +77,42 @@ def check_optim(cfg: OptimConfig, schedule: ScheduleConfig | None = None) -> Non
                 f"schedule.min_lr_ratio={schedule.min_lr_ratio} must be in [0, 1]: the final "
                 "learning rate as a fraction of optim.lr"
             )
+        check_wsd(schedule)
+
+
+def check_wsd(cfg: ScheduleConfig) -> None:
+    """Refuse ``decay_fraction`` / ``decay_shape`` outside ``wsd`` (they would be ignored) and
+    missing or bad ones in it.
+
+    Raises:
+        ValueError: naming the field and the fix.
+    """
+    fields = {"decay_fraction": cfg.decay_fraction, "decay_shape": cfg.decay_shape}
+    if cfg.name != "wsd":
+        given = [f"schedule.{k}={v}" for k, v in fields.items() if v is not None]
+        if given:
+            raise ValueError(
+                f"{', '.join(given)}: only schedule=wsd reads "
+                f"{'it' if len(given) == 1 else 'them'}, not schedule.name={cfg.name!r}; "
+                "use schedule=wsd, or drop the override"
+            )
+        return
+    missing = [f"schedule.{k}" for k, v in fields.items() if v is None]
+    if missing:
+        raise ValueError(
+            f"schedule.name='wsd' needs {' and '.join(missing)}; pick the group "
+            "(schedule=wsd: decay_fraction 0.2, decay_shape 1-sqrt) rather than schedule.name"
+        )
+    if not 0.0 < cfg.decay_fraction <= 1.0:
+        raise ValueError(
+            f"schedule.decay_fraction={cfg.decay_fraction} must be in (0, 1]: the fraction of "
+            "total_tokens at the end of the run over which the learning rate decays "
+            "(0.2: the last fifth)"
+        )
+    if cfg.decay_shape not in DECAY_SHAPES:
+        raise ValueError(
+            f"schedule.decay_shape={cfg.decay_shape!r} is not one of {list(DECAY_SHAPES)}"
+        )
 
 
 def build_optimizer(
@@ -106,7 +143,11 @@ def lr_at(tokens: int, *, peak_lr: float, total_tokens: int, cfg: ScheduleConfig
 
     Linear warmup from 0 to ``peak_lr`` over ``cfg.warmup_tokens``, then (``warmup_cosine``)
     cosine decay or (``warmup_linear``) linear decay to ``cfg.min_lr_ratio * peak_lr`` at
-    ``total_tokens``, or (``constant``) the peak.
+    ``total_tokens``, or (``constant``) the peak, or (``wsd``) the peak until the last
+    ``cfg.decay_fraction`` of ``total_tokens`` and then a decay of ``cfg.decay_shape`` to
+    ``cfg.min_lr_ratio * peak_lr`` at ``total_tokens``: with progress p through the decay,
+    the peak's share above the floor is 1 − p (``linear``), (1 + cos πp) / 2 (``cosine``)
+    or 1 − √p (``1-sqrt``). The warmup comes first where the two overlap.
 
     Args:
         tokens: tokens seen including this step's batch (so the first step's LR is not 0).
@@ -122,6 +163,16 @@ def lr_at(tokens: int, *, peak_lr: float, total_tokens: int, cfg: ScheduleConfig
     if cfg.name == "constant":
         return peak_lr
     floor = cfg.min_lr_ratio * peak_lr
+    if cfg.name == "wsd":
+        check_wsd(cfg)
+        span = max(round(cfg.decay_fraction * total_tokens), 1)
+        progress = min(max((tokens - (total_tokens - span)) / span, 0.0), 1.0)
+        share = {
+            "linear": 1.0 - progress,
+            "cosine": 0.5 * (1.0 + math.cos(math.pi * progress)),
+            "1-sqrt": 1.0 - math.sqrt(progress),
+        }[cfg.decay_shape]
+        return floor + (peak_lr - floor) * share
     span = max(total_tokens - warmup, 1)
     progress = min(max((tokens - warmup) / span, 0.0), 1.0)
     if cfg.name == "warmup_linear":

@@ -513,7 +513,7 @@ def validation_sequences(data_cfg: Any, source: Any | None, *, unit: int, warn: 
 # The training data's source besides its kind and packing: a run resumes with other values
 # (a moved folder, a renamed file) with a warning; validation data may change freely.
 DATA_SOURCE_FIELDS = ("path", "hf_name", "hf_data_files", "hf_split", "streaming", "text_field")
-_SCHEDULE_FIELDS = ("name", "warmup_tokens", "min_lr_ratio")
+_SCHEDULE_FIELDS = ("name", "warmup_tokens", "min_lr_ratio", "decay_fraction", "decay_shape")
 
 
 def check_resume(saved: dict[str, Any], cfg: Any, path: Path) -> list[str]:

@@ -416,9 +416,9 @@ def test_decode_cpu(bench, tmp_path):
     )
     rows = payload["results"]
     assert [(r["model"], r["cache"], r["batch_size"]) for r in rows] == [
-        ("fot_pro", "graphs", 1),
+        ("fot_pro", "fixed", 1),  # --fot-cache graphs: no CUDA graphs on the CPU
         ("fot_pro", "eager", 1),
-        ("fot_pro", "graphs", 2),
+        ("fot_pro", "fixed", 2),
         ("fot_pro", "eager", 2),
         ("hf_llama", "default", 1),
         ("hf_llama", "default", 2),

@@ -2180,6 +2180,35 @@ def test_sigterm_checkpoints_the_step_and_resume_is_bit_identical(tmp_path, refe
     assert _losses(out) == reference_run  # exact float equality, every step
 
 
+def test_a_stopped_branch_says_to_resume_with_resume_auto(tmp_path) -> None:
+    """A run started from another run's checkpoint (resume=<path>) and stopped by SIGTERM or
+    Ctrl-C said 'run the same command with out_dir=...': that command, resume=<path> and all,
+    starts over from <path> and moves the branch's own checkpoints aside. The line now says to
+    put resume=auto in its place, and that continues the branch."""
+    from fot.training.checkpoint import interrupted_message
+
+    a = tmp_path / "a"
+    train(_cfg(a, "total_tokens=1024"))
+    step2 = a / "checkpoints" / "step_00000002"
+    b = tmp_path / "b"
+    with pytest.raises(TrainingStopped) as stopped, pytest.MonkeyPatch.context() as mp:
+        mp.setenv(FAULT_ENV, "sigterm_after_step:5")
+        train(_cfg(b, f"resume={step2}"))
+    ckpt = stopped.value.checkpoint
+    assert ckpt.parent == b / "checkpoints"
+    hint = (
+        f"run the same command with out_dir={b} and resume=auto in place of resume={step2} to "
+        "continue from it (as it is, the command would start over from that checkpoint)"
+    )
+    assert str(stopped.value).endswith(f"its checkpoint is {ckpt}: {hint}")
+    assert interrupted_message(b, str(step2)).endswith(f"(later steps are lost): {hint}")
+    assert "start over from scratch" in interrupted_message(b, "never")
+    assert interrupted_message(b, "auto").endswith(f"out_dir={b} to continue from it (resume=auto)")
+    result = train(_cfg(b, "resume=auto"))  # as the line says
+    assert result["step"] == 8 and not list(b.glob("checkpoints/.abandoned-*"))
+    assert sorted(_losses(b)) == list(range(3, 9))  # each step once: nothing trained twice
+
+
 def test_sigterm_during_validation_stops_it_with_a_checkpoint_of_the_step(tmp_path) -> None:
     """SIGTERM in a long validation (torchrun kills 30 s after passing it on) ended nothing
     until the validation was over (or, in the final one, killed the run without a word); now

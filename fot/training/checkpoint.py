@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fot.errors import FotError
-from fot.training.signals import finish_before_ctrl_c
+from fot.training.signals import continue_hint, finish_before_ctrl_c
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 ABANDONED_PREFIX = ".abandoned-"
@@ -190,12 +190,9 @@ def latest_checkpoint(ckpt_dir: str | os.PathLike) -> Path | None:
     return found[-1] if found else None
 
 
-def interrupted_message(out_dir: str | os.PathLike) -> str:
-    """What a run stopped by Ctrl-C (or SIGINT) has kept, and the command line that resumes it.
-
-    The folder must be named on the command line (``out_dir=...``): without it ``train.py``
-    starts a new timestamped folder instead of resuming.
-    """
+def interrupted_message(out_dir: str | os.PathLike, resume: str | None = None) -> str:
+    """What a run stopped by Ctrl-C (or SIGINT) has kept, and the command line that resumes it
+    (:func:`continue_hint`; ``resume`` is the run's setting)."""
     out = Path(out_dir)
     latest = latest_checkpoint(out / "checkpoints")
     if latest is None:
@@ -204,8 +201,8 @@ def interrupted_message(out_dir: str | os.PathLike) -> str:
             "starts over (ckpt_every_tokens sets how often checkpoints are written)"
         )
     return (
-        f"interrupted; the latest checkpoint is {latest} (later steps are lost): run the "
-        f"same command with out_dir={out} to continue from it (resume=auto)"
+        f"interrupted; the latest checkpoint is {latest} (later steps are lost): "
+        + continue_hint(out, resume)
     )
 
 

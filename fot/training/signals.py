@@ -31,6 +31,27 @@ EXIT_STATUS = 128 + signal.SIGTERM
 """``train.py``'s exit status after a stop on SIGTERM (that of a process SIGTERM killed)."""
 
 
+def continue_hint(out_dir: str | os.PathLike, resume: str | None = None) -> str:
+    """The command line that continues the run in ``out_dir`` from its latest checkpoint.
+
+    The folder must be named (``out_dir=...``): without it ``train.py`` starts a new
+    timestamped folder. A run started with ``resume=<checkpoint>`` or ``resume=never`` must
+    not be rerun as it was: that would start over from the checkpoint (or from scratch) and
+    move the newer checkpoints aside.
+
+    Args:
+        out_dir: the run folder.
+        resume: the run's ``resume`` setting.
+    """
+    if resume in (None, "", "auto"):
+        return f"run the same command with out_dir={out_dir} to continue from it (resume=auto)"
+    return (
+        f"run the same command with out_dir={out_dir} and resume=auto in place of "
+        f"resume={resume} to continue from it (as it is, the command would start over "
+        f"{'from scratch' if resume == 'never' else 'from that checkpoint'})"
+    )
+
+
 class TrainingStopped(Exception):
     """The run stopped on SIGTERM after writing a checkpoint of its last step.
 
@@ -39,13 +60,15 @@ class TrainingStopped(Exception):
         checkpoint: the checkpoint folder of that step.
     """
 
-    def __init__(self, step: int, checkpoint: Path, out_dir: Path) -> None:
+    def __init__(
+        self, step: int, checkpoint: Path, out_dir: Path, resume: str | None = None
+    ) -> None:
         self.step = step
         self.checkpoint = checkpoint
         self.out_dir = out_dir
         super().__init__(
-            f"stopped by SIGTERM after step {step}; its checkpoint is {checkpoint}: run the "
-            f"same command with out_dir={out_dir} to continue from it (resume=auto)"
+            f"stopped by SIGTERM after step {step}; its checkpoint is {checkpoint}: "
+            + continue_hint(out_dir, resume)
         )
 
 
@@ -136,8 +159,8 @@ class StopOnSigterm:
                         f"\nrank {rank}: SIGTERM came while this process was waiting outside "
                         f"Python (in a collective or on the GPU) and it still was "
                         f"{self.stuck_after_s:g} s later: another process of the run has "
-                        "probably died. Stopping now, without a checkpoint; the same command "
-                        "resumes from the latest one (resume=auto)\n".encode(),
+                        "probably died. Stopping now, without a checkpoint; resume=auto, with "
+                        "this run's out_dir, continues from the latest one\n".encode(),
                     )
                     os._exit(EXIT_STATUS)
         finally:

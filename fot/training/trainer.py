@@ -1155,7 +1155,7 @@ def _train(
             val = validate()
             if val is None:  # SIGTERM; the checkpoint resumed from is of this step
                 metrics.close()
-                raise TrainingStopped(step, resume_from, out_dir)
+                raise TrainingStopped(step, resume_from, out_dir, cfg.resume)
             if val:
                 metrics.log({"step": step, "tokens": tokens, **val})
                 if info.is_main:
@@ -1418,7 +1418,7 @@ def _train(
             bar.close()
             metrics.close()
             assert last_ckpt is not None  # saved above (do_ckpt)
-            raise TrainingStopped(step, last_ckpt, out_dir)
+            raise TrainingStopped(step, last_ckpt, out_dir, cfg.resume)
         if info.is_main:
             ckpt._fault("kill_after_step", step)
         ckpt._fault("sigterm_after_step", step)
@@ -1446,7 +1446,7 @@ def _train(
         stopped = validate()
         if stopped is None:  # SIGTERM: the resumed run validates and exports
             metrics.close()
-            raise TrainingStopped(step, last_ckpt, out_dir)
+            raise TrainingStopped(step, last_ckpt, out_dir, cfg.resume)
         val = stopped
         if val:
             metrics.log({"step": step, "tokens": tokens, **val})

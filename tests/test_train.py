@@ -617,8 +617,9 @@ def test_wsd_schedule_by_hand() -> None:
 
 def test_wsd_branch_trains_as_a_run_planned_at_its_length(tmp_path) -> None:
     """The point of warmup-stable-decay: a run branched from a stable-phase checkpoint of a
-    longer run (resume=<its checkpoint> in a new folder, a shorter total_tokens) trains step
-    for step as a run planned at the shorter length from the start."""
+    longer run (branch_from=<its checkpoint>, a shorter total_tokens) trains step for step as
+    a run planned at the shorter length from the start. Stopped by SIGTERM, the same command
+    (branch_from and all: a requeued job) continues from the branch's own checkpoint."""
     wsd = ("schedule=wsd", "schedule.warmup_tokens=256", "schedule.decay_fraction=0.25")
     long = tmp_path / "long"
     train(_cfg(long, *wsd, "total_tokens=3072", "ckpt_every_tokens=1024", "keep_last=3"))
@@ -626,7 +627,14 @@ def test_wsd_branch_trains_as_a_run_planned_at_its_length(tmp_path) -> None:
     train(_cfg(planned, *wsd, "total_tokens=2048"))
     branch = tmp_path / "branch"
     step4 = long / "checkpoints" / "step_00000004"  # stable in both (decay from 2304 / 1536)
-    train(_cfg(branch, *wsd, "total_tokens=2048", f"resume={step4}"))
+    command = _cfg(branch, *wsd, "total_tokens=2048", f"branch_from={step4}")
+    with pytest.raises(TrainingStopped) as stopped, pytest.MonkeyPatch.context() as mp:
+        mp.setenv(FAULT_ENV, "sigterm_after_step:5")
+        train(command)
+    assert stopped.value.checkpoint.parent == branch / "checkpoints"
+    assert str(stopped.value).endswith("to continue from it (resume=auto)")  # the same command
+    assert train(command)["step"] == 8
+    assert not list(branch.glob("checkpoints/.abandoned-*"))
 
     def records(out: Path) -> dict[int, dict]:
         lines = (out / "metrics.jsonl").read_text().splitlines()
@@ -641,6 +649,9 @@ def test_wsd_branch_trains_as_a_run_planned_at_its_length(tmp_path) -> None:
         [0.01, 0.01, 0.01 * (1 - 0.5**0.5), 0.0]
     )
     assert longer[7]["lr"] == 0.01 and longer[6]["loss"] == want[6]["loss"]  # not decayed yet
+    # a checkpoint of the run's own folder is refused: resume=auto already continues it
+    with pytest.raises(ValueError, match=r"own folder, which resume=auto already continues"):
+        train(_cfg(long, *wsd, "total_tokens=4096", f"branch_from={step4}"))
 
 
 def decay_names(model, group) -> set[str]:

@@ -221,6 +221,13 @@ class TrainConfig:
     the weights are taken (step, optimizer, schedule and data start from zero), and the config
     must build the same model (:mod:`fot.training.init_weights`). A run that resumes takes its
     own checkpoint's weights and ignores it."""
+    branch_from: str | None = None
+    """Start a new run from this training checkpoint's whole state (weights, optimizer moments,
+    step, position in the learning-rate schedule and in the data, RNG), as
+    ``resume=<checkpoint>`` does, but only while ``out_dir`` holds no checkpoint of its own:
+    from the first one on, ``resume=auto`` takes those, so the same command continues the
+    branch after a preemption or requeue. For ablations and warmup-stable-decay decays
+    branched from a shared run; needs ``resume=auto``."""
     export_hf: bool = True
     """Write an HF folder (weights, config, tokenizer) to ``<out_dir>/hf`` at the end."""
     progress: bool = True
@@ -339,6 +346,23 @@ def check_config(cfg: DictConfig) -> list[str]:
             f"resume={not_a_checkpoint(resume)}; or resume=auto (the latest checkpoint in "
             "out_dir, if any) or resume=never (start from scratch)"
         )
+    branch = cfg.get("branch_from")
+    if branch not in (None, ""):
+        if resume != "auto":
+            raise ValueError(
+                f"branch_from={branch} is read while out_dir holds no checkpoint of its own, "
+                f"which needs resume=auto, not resume={resume}: drop one of the two"
+            )
+        if cfg.init_from not in (None, ""):
+            raise ValueError(
+                f"branch_from={branch} and init_from={cfg.init_from} both say where the run "
+                "starts: branch_from takes a training checkpoint's whole state (step, optimizer, "
+                "data position), init_from only weights (from step 0); drop one of the two"
+            )
+        if not (Path(branch) / "trainer.json").is_file():
+            from fot.training.checkpoint import not_a_checkpoint
+
+            raise ValueError(f"branch_from={not_a_checkpoint(branch)}")
     from fot.models.fla_baselines import FLA_MODELS  # no CPU path (only TRITON_INTERPRET=1)
 
     device = str(cfg.device)

@@ -843,6 +843,22 @@ def _train(
     resume_from = None
     if cfg.resume == "auto":
         resume_from = ckpt.latest_checkpoint(ckpt_dir)
+        branch = cfg.get("branch_from")
+        if branch not in (None, ""):
+            if Path(branch).resolve().parent == ckpt_dir.resolve():
+                raise ValueError(
+                    f"branch_from={branch} is a checkpoint of this run's own folder, which "
+                    f"resume=auto already continues; to go back to it, pass resume={branch} "
+                    "(the newer checkpoints are moved aside)"
+                )
+            if resume_from is None:
+                resume_from = Path(branch)
+            elif info.is_main:
+                logger.info(
+                    "branch_from=%s is not read: the run continues from its own checkpoint %s",
+                    branch,
+                    resume_from,
+                )
     elif cfg.resume not in ("never", "", None):
         resume_from = Path(cfg.resume)
     resume_from = _from_rank0(resume_from)  # every rank resumes from the same checkpoint

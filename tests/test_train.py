@@ -659,6 +659,101 @@ def decay_names(model, group) -> set[str]:
     return {n for n, p in model.named_parameters() if id(p) in ids}
 
 
+def _muon_cfg(**fields):
+    from fot.training.config import OptimConfig
+
+    base = dict(name="muon", lr=0.02, weight_decay=0.1, momentum=0.95, ns_steps=5)
+    return OptimConfig(**{**base, "adjust_lr": "match_rms_adamw", **fields})
+
+
+def test_muon_takes_the_projection_matrices_and_adamw_the_rest() -> None:
+    from fot import presets
+    from fot.training.optim import build_optimizer
+
+    model = presets.build_model(presets.config("fot_pro", "tiny", num_hidden_layers=1))
+    opt = build_optimizer(model, _muon_cfg(), device=torch.device("cpu"))
+    muon, adamw = opt.optimizers
+    assert isinstance(muon, torch.optim.Muon) and isinstance(adamw, torch.optim.AdamW)
+    names = {id(p): n for n, p in model.named_parameters()}
+    in_muon = {names[id(p)] for g in muon.param_groups for p in g["params"]}
+    layer = "model.layers.0."
+    assert in_muon == {  # by hand: the attention and MLP projections, nothing else
+        layer + f"self_attn.{x}_proj.weight" for x in ("q", "k", "v", "o", "g")
+    } | {layer + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")}
+    in_adamw = {names[id(p)] for g in adamw.param_groups for p in g["params"]}
+    assert in_adamw == set(names.values()) - in_muon  # every other parameter, once
+    assert layer + "self_attn.fgate_proj.weight" in in_adamw  # one row per head
+    assert layer + "self_attn.q_norm.weight" in in_adamw  # 2-D, but a norm
+    (g,) = muon.param_groups
+    assert (g["momentum"], g["nesterov"], g["ns_steps"]) == (0.95, True, 5)
+    assert (g["weight_decay"], g["adjust_lr_fn"]) == (0.1, "match_rms_adamw")
+    # the schedule sets every group's learning rate, Muon's included
+    from fot.training.optim import set_lr
+
+    set_lr(opt, 0.5)
+    assert {g["lr"] for g in muon.param_groups + adamw.param_groups} == {0.5}
+
+
+def test_muon_step_is_the_orthogonalised_update_by_hand() -> None:
+    """One MuonAdamW step against a float64 Newton-Schulz written here: the first step's
+    Nesterov update is a multiple of the gradient, orthogonalised by the quintic iteration,
+    scaled by 0.2 · sqrt(max(rows, cols)) (match_rms_adamw), after decoupled weight decay."""
+    from fot.training.optim import MuonAdamW, build_optimizer
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential()
+    model.add_module("layers", torch.nn.ModuleList([torch.nn.Linear(48, 96, bias=True)]))
+    w0, b0 = (t.detach().clone() for t in (model.layers[0].weight, model.layers[0].bias))
+    grad = torch.randn(96, 48)
+    model.layers[0].weight.grad, model.layers[0].bias.grad = grad.clone(), torch.ones(96)
+    opt = build_optimizer(model, _muon_cfg(), device=torch.device("cpu"))
+    assert isinstance(opt, MuonAdamW)
+    opt.step()
+
+    x = grad.double().T  # the iteration runs on the wide orientation
+    x = x / (x.norm() + 1e-7)
+    for _ in range(5):
+        a = x @ x.T
+        x = 3.4445 * x + (-4.775 * a + 2.0315 * a @ a) @ x
+    update = x.T.float()
+    want = w0 * (1 - 0.02 * 0.1) - 0.02 * 0.2 * 96**0.5 * update
+    got = model.layers[0].weight.detach()
+    step = (want - w0).abs().max()
+    assert (got - want).abs().max() < 0.02 * step  # Muon iterates in bf16
+    assert (got - w0).abs().max() > 0.5 * step  # it moved by the Muon step, not AdamW's lr
+    # the bias went to AdamW (no decay): its first step moves each entry by lr
+    assert torch.allclose(model.layers[0].bias.detach(), b0 - 0.02, atol=1e-6)
+    opt.zero_grad()
+    assert model.layers[0].weight.grad is None and model.layers[0].bias.grad is None
+
+
+def test_muon_run_resumes_exactly_and_refuses_another_optimizer(tmp_path, reference_run) -> None:
+    """optim=muon checkpoints both optimizers' state: a run stopped by SIGTERM and resumed
+    logs the uninterrupted run's losses. Resuming it with optim=adamw is refused."""
+    whole = tmp_path / "whole"
+    train(_cfg(whole, "optim=muon", "optim.lr=0.01"))
+    losses = _losses(whole)
+    assert losses[1] == reference_run[1] and losses[8] != reference_run[8]  # Muon did step
+    out = tmp_path / "run"
+    with pytest.raises(TrainingStopped), pytest.MonkeyPatch.context() as mp:
+        mp.setenv(FAULT_ENV, "sigterm_after_step:5")
+        train(_cfg(out, "optim=muon", "optim.lr=0.01"))
+    with pytest.raises(ValueError, match=r"optim.name=muon \(checkpoint\) vs adamw \(this run\)"):
+        train(_cfg(out))
+    train(_cfg(out, "optim=muon", "optim.lr=0.01"))
+    assert _losses(out) == losses  # exact float equality, every step
+
+
+def test_muon_refuses_fsdp_and_cuda_graphs() -> None:
+    from fot.training.optim import check_muon_strategy
+
+    check_muon_strategy(_muon_cfg(), strategy="ddp", cuda_graphs=False)
+    with pytest.raises(ValueError, match="parallel=fsdp gives every rank only a shard"):
+        check_muon_strategy(_muon_cfg(), strategy="fsdp", cuda_graphs=False)
+    with pytest.raises(ValueError, match=r"set parallel\.cuda_graphs=false, or use optim=adamw"):
+        check_muon_strategy(_muon_cfg(), strategy="single", cuda_graphs=True)
+
+
 def test_no_weight_decay_on_biases_norms_and_gate_biases() -> None:
     from fot import presets
 

@@ -86,12 +86,20 @@ def gather_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=_state_dict_options(cpu_offload=True))
 
 
-def gather_optim_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """Full optimizer state keyed by parameter names (every rank must call it)."""
+def _torch_optimizers(optimizer: Any) -> Any:
+    """The torch optimizer(s) behind ``optimizer``: itself, or the list a
+    :class:`fot.training.optim.MuonAdamW` holds."""
+    optimizers = getattr(optimizer, "optimizers", None)
+    return list(optimizers) if optimizers is not None else optimizer
+
+
+def gather_optim_state(model: nn.Module, optimizer: Any) -> dict[str, Any]:
+    """Full optimizer state keyed by parameter names (every rank must call it); of both
+    optimizers of a :class:`fot.training.optim.MuonAdamW`."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     opts = _state_dict_options(cpu_offload=True) if _dist() else _state_dict_options()
-    return get_optimizer_state_dict(model, optimizer, options=opts)
+    return get_optimizer_state_dict(model, _torch_optimizers(optimizer), options=opts)
 
 
 def rng_state() -> dict[str, Any]:
@@ -430,7 +438,9 @@ def load_checkpoint(
         # flags also decide where the step counts are put while loading.
         for saved, own in zip(optim_state["param_groups"], optimizer.param_groups, strict=True):
             saved.update({k: v for k, v in own.items() if k != "params"})
-        set_optimizer_state_dict(model, optimizer, optim_state, options=_state_dict_options())
+        set_optimizer_state_dict(
+            model, _torch_optimizers(optimizer), optim_state, options=_state_dict_options()
+        )
     except torch.OutOfMemoryError:
         raise
     except (RuntimeError, KeyError, ValueError, TypeError) as e:

@@ -84,11 +84,13 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
-    """``optim`` group: AdamW. Weight decay skips biases, norms and gate biases (all 1-D)."""
+    """``optim`` group: AdamW, or Muon for the blocks' projection matrices with AdamW for the
+    rest. Weight decay skips biases, norms and gate biases (all 1-D)."""
 
     name: str = "adamw"
+    """``adamw`` or ``muon`` (see :func:`fot.training.optim.muon_parameter_names`)."""
     lr: float = 1e-3
-    """Peak learning rate."""
+    """Peak learning rate (of both parts with ``muon``: ``adjust_lr`` scales Muon's)."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
     weight_decay: float = 0.1
@@ -96,6 +98,14 @@ class OptimConfig:
     """Max global gradient norm (0 disables clipping)."""
     fused: bool | None = None
     """Fused AdamW kernel (default: on CUDA)."""
+    momentum: float | None = None
+    """``muon`` only: Muon's (Nesterov) momentum (``optim=muon`` sets 0.95)."""
+    ns_steps: int | None = None
+    """``muon`` only: Newton-Schulz iterations per step (``optim=muon`` sets 5)."""
+    adjust_lr: str | None = None
+    """``muon`` only: ``match_rms_adamw`` (update RMS of AdamW's, so ``lr`` and
+    ``weight_decay`` carry over from AdamW; ``optim=muon`` sets it) or ``original``
+    (``sqrt(max(1, rows / cols))``, as in Keller Jordan's Muon)."""
 
 
 @dataclass

@@ -9,11 +9,19 @@ from torch import nn
 
 from fot.training.config import OptimConfig, ScheduleConfig
 
+OPTIMIZERS = ("adamw", "muon")
+MUON_ADJUST_LR = ("match_rms_adamw", "original")
+MUON_MIN_SIDE = 32
+"""Muon takes a block's 2-D weight only if both its sides are at least this long: the
+forget-gate and KV-shift projections (one row per head) and per-head norm weights stay with
+AdamW."""
 SCHEDULES = ("warmup_cosine", "warmup_linear", "constant", "wsd")
 DECAY_SHAPES = ("linear", "cosine", "1-sqrt")
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+def param_groups(
+    model: nn.Module, weight_decay: float, *, skip: set[str] | frozenset[str] = frozenset()
+) -> list[dict]:
     """Split trainable parameters into decayed and non-decayed groups.
 
     No weight decay on biases, norm weights and gate biases: every parameter with fewer than two
@@ -23,13 +31,14 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     Args:
         model: the (possibly wrapped) model.
         weight_decay: decay for the decayed group.
+        skip: names of parameters another optimizer takes (Muon's).
 
     Returns:
         Two parameter groups for ``torch.optim.AdamW``.
     """
     decay, no_decay = [], []
     for name, p in model.named_parameters():
-        if not p.requires_grad:
+        if not p.requires_grad or name in skip:
             continue
         lowered = name.lower()
         if p.ndim < 2 or "bias" in lowered or "norm" in lowered:
@@ -51,8 +60,12 @@ def check_optim(cfg: OptimConfig, schedule: ScheduleConfig | None = None) -> Non
     Raises:
         ValueError: naming the bad value and the valid range.
     """
-    if cfg.name != "adamw":
-        raise ValueError(f"optim.name={cfg.name!r} is not supported; valid: ['adamw']")
+    if cfg.name not in OPTIMIZERS:
+        raise ValueError(
+            f"optim.name={cfg.name!r} is not one of {list(OPTIMIZERS)} (or pick the group: "
+            "optim=muon)"
+        )
+    check_muon(cfg)
     if len(cfg.betas) != 2 or not all(0.0 <= b < 1.0 for b in cfg.betas):
         raise ValueError(f"optim.betas must be two numbers in [0, 1), got {list(cfg.betas)}")
     if cfg.lr <= 0:
@@ -115,10 +128,119 @@ def check_wsd(cfg: ScheduleConfig) -> None:
         )
 
 
+def check_muon(cfg: OptimConfig) -> None:
+    """Refuse Muon's fields outside ``optim.name=muon`` (they would be ignored), missing or
+    bad ones in it, and a torch without ``torch.optim.Muon``.
+
+    Raises:
+        ValueError: naming the field and the fix.
+    """
+    fields = {"momentum": cfg.momentum, "ns_steps": cfg.ns_steps, "adjust_lr": cfg.adjust_lr}
+    if cfg.name != "muon":
+        given = [f"optim.{k}={v}" for k, v in fields.items() if v is not None]
+        if given:
+            raise ValueError(
+                f"{', '.join(given)}: only optim=muon reads "
+                f"{'it' if len(given) == 1 else 'them'}, not optim.name={cfg.name!r}; use "
+                "optim=muon, or drop the override"
+            )
+        return
+    missing = [f"optim.{k}" for k, v in fields.items() if v is None]
+    if missing:
+        raise ValueError(
+            f"optim.name='muon' needs {', '.join(missing)}; pick the group (optim=muon: "
+            "momentum 0.95, ns_steps 5, adjust_lr match_rms_adamw) rather than optim.name"
+        )
+    if not hasattr(torch.optim, "Muon"):
+        raise ValueError(
+            f"optim=muon needs torch.optim.Muon (torch >= 2.9); this is torch "
+            f"{torch.__version__}: upgrade torch or use optim=adamw"
+        )
+    if not 0.0 <= cfg.momentum < 1.0:
+        raise ValueError(f"optim.momentum={cfg.momentum} must be in [0, 1) (Muon's: 0.95)")
+    if int(cfg.ns_steps) < 1:
+        raise ValueError(f"optim.ns_steps={cfg.ns_steps} must be >= 1 (Muon's: 5)")
+    if cfg.adjust_lr not in MUON_ADJUST_LR:
+        raise ValueError(f"optim.adjust_lr={cfg.adjust_lr!r} is not one of {list(MUON_ADJUST_LR)}")
+
+
+def check_muon_strategy(cfg: OptimConfig, *, strategy: str, cuda_graphs: bool) -> None:
+    """Refuse ``optim=muon`` where its step would be wrong or cannot run.
+
+    Args:
+        cfg: the ``optim`` config.
+        strategy: the resolved strategy (``single``, ``ddp`` or ``fsdp``).
+        cuda_graphs: ``parallel.cuda_graphs``.
+
+    Raises:
+        ValueError: FSDP2 (Muon orthogonalises whole matrices, FSDP2 gives each rank a shard
+            of them) or CUDA graphs (the graphed step replays a capturable AdamW only).
+    """
+    if cfg.name != "muon":
+        return
+    if strategy == "fsdp":
+        raise ValueError(
+            "optim=muon orthogonalises each weight matrix whole, and parallel=fsdp gives every "
+            "rank only a shard of it (each would orthogonalise its own rows): use parallel=ddp "
+            "or single, or optim=adamw with fsdp"
+        )
+    if cuda_graphs:
+        raise ValueError(
+            "parallel.cuda_graphs=true replays a capturable AdamW step, and optim=muon is not "
+            "one: set parallel.cuda_graphs=false, or use optim=adamw"
+        )
+
+
+def muon_parameter_names(model: nn.Module) -> set[str]:
+    """Names of the parameters ``optim=muon`` gives to Muon: the 2-D weights inside the
+    decoder layers (``.layers.`` in the name) whose sides are both at least
+    :data:`MUON_MIN_SIDE`, norms excepted, i.e. the attention and MLP projections. Embeddings,
+    the LM head, norms, biases and the one-row-per-head forget-gate and KV-shift projections
+    stay with AdamW, as do tensors of other ranks (>2), e.g. convolutions of FLA baselines."""
+    return {
+        name
+        for name, p in model.named_parameters()
+        if p.requires_grad
+        and p.ndim == 2
+        and ".layers." in f".{name}"
+        and "norm" not in name.lower()
+        and min(p.shape) >= MUON_MIN_SIDE
+    }
+
+
+class MuonAdamW:
+    """Muon and AdamW stepped as one optimizer (``optim=muon``).
+
+    ``param_groups`` lists both optimizers' groups (the learning-rate schedule sets them all);
+    ``optimizers`` are the two torch optimizers, which checkpoints save and load together
+    (``torch.distributed.checkpoint.state_dict`` takes a list of optimizers).
+    """
+
+    def __init__(self, muon: torch.optim.Optimizer, adamw: torch.optim.Optimizer) -> None:
+        self.optimizers = (muon, adamw)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        """Muon's groups, then AdamW's (the same dicts: setting ``lr`` sets theirs)."""
+        return [g for opt in self.optimizers for g in opt.param_groups]
+
+    def step(self) -> None:
+        """One step of each."""
+        for opt in self.optimizers:
+            opt.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients of every parameter of both."""
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
+
+
 def build_optimizer(
     model: nn.Module, cfg: OptimConfig, *, device: torch.device, capturable: bool = False
-) -> torch.optim.Optimizer:
-    """AdamW over ``model``'s parameters (see :func:`param_groups`).
+) -> torch.optim.Optimizer | MuonAdamW:
+    """AdamW over ``model``'s parameters (see :func:`param_groups`), or with ``optim=muon`` a
+    :class:`MuonAdamW`: Muon over :func:`muon_parameter_names` (weight decay
+    ``cfg.weight_decay``) and AdamW over the rest.
 
     Args:
         model: the model after :func:`fot.training.parallel.parallelize`.
@@ -128,14 +250,28 @@ def build_optimizer(
     """
     check_optim(cfg)
     fused = cfg.fused if cfg.fused is not None else device.type == "cuda"
-    return torch.optim.AdamW(
-        param_groups(model, cfg.weight_decay),
+    muon_names = muon_parameter_names(model) if cfg.name == "muon" else set()
+    adamw_groups = param_groups(model, cfg.weight_decay, skip=muon_names)
+    adamw = torch.optim.AdamW(
+        adamw_groups,
         lr=cfg.lr,
         betas=(float(cfg.betas[0]), float(cfg.betas[1])),
         eps=cfg.eps,
         fused=fused or None,
         capturable=capturable,
     )
+    if cfg.name != "muon":
+        return adamw
+    muon = torch.optim.Muon(
+        [p for name, p in model.named_parameters() if name in muon_names],
+        lr=cfg.lr,
+        weight_decay=cfg.weight_decay,
+        momentum=float(cfg.momentum),
+        nesterov=True,
+        ns_steps=int(cfg.ns_steps),
+        adjust_lr_fn=cfg.adjust_lr,
+    )
+    return MuonAdamW(muon, adamw)
 
 
 def lr_at(tokens: int, *, peak_lr: float, total_tokens: int, cfg: ScheduleConfig) -> float:

@@ -40,7 +40,7 @@ from fot.training.metrics import (
     peak_flops_per_device,
     peak_memory_gib,
 )
-from fot.training.optim import build_optimizer, lr_at, set_lr
+from fot.training.optim import build_optimizer, check_muon_strategy, lr_at, set_lr
 from fot.training.parallel import (
     DistInfo,
     accumulation,
@@ -555,6 +555,13 @@ def check_resume(saved: dict[str, Any], cfg: Any, path: Path) -> list[str]:
     config = saved.get("config")  # absent in checkpoints of older versions
     if isinstance(config, dict):
         now = to_container(cfg)
+        was_optim = config.get("optim", {}).get("name", "adamw")
+        if was_optim != cfg.optim.name:
+            differences.append(
+                f"optim.name={was_optim} (checkpoint) vs {cfg.optim.name} (this run): the "
+                "optimizer state does not carry over (init_from=<checkpoint> takes only its "
+                "weights)"
+            )
         for group, key in (("model", "name"), ("size", "name"), ("model", "overrides")):
             was, value = config.get(group, {}).get(key), now[group][key]
             if key == "overrides":
@@ -608,19 +615,27 @@ def _optim_changes(
     was: dict[str, Any], now: dict[str, Any], saved: dict[str, Any], cfg: Any
 ) -> list[str]:
     """What a resumed run changes of the optimizer and the learning rate, for a warning each:
-    the run goes on with this config's values (the checkpoint gives only the AdamW moments)."""
+    the run goes on with this config's values (the checkpoint gives only the optimizer state)."""
     out = []
     was_optim, optim = was.get("optim") or {}, now["optim"]
     diffs = [
         f"optim.{key}={was_optim[key]} (checkpoint) vs {optim[key]} (this run)"
-        for key in ("betas", "eps", "weight_decay", "grad_clip")
+        for key in (
+            "betas",
+            "eps",
+            "weight_decay",
+            "grad_clip",
+            "momentum",
+            "ns_steps",
+            "adjust_lr",
+        )
         if key in was_optim and was_optim[key] != optim[key]
     ]
     if diffs:
         out.append(
             "other optimizer settings: " + "; ".join(diffs) + ". The run goes on with this "
-            "run's values and the checkpoint's AdamW moments, so it differs from an "
-            "uninterrupted run"
+            "run's values and the checkpoint's optimizer state (moments), so it differs from "
+            "an uninterrupted run"
         )
     was_schedule = was.get("schedule")
     if not isinstance(was_schedule, dict) or "lr" not in was_optim or "total_tokens" not in was:
@@ -820,6 +835,7 @@ def _train(
     info = init_distributed(cfg.device, cfg.parallel.backend)
     strategy = resolve_strategy(cfg.parallel, info)
     check_cuda_graphs(cfg.parallel, strategy=strategy, device=info.device)
+    check_muon_strategy(cfg.optim, strategy=strategy, cuda_graphs=bool(cfg.parallel.cuda_graphs))
     # rank 0's folder for every rank (Hydra's timestamped folders can differ by a second)
     out_dir = Path(_from_rank0(str(Path(cfg.out_dir or ".").resolve())))
     ckpt_dir = out_dir / "checkpoints"

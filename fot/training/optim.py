@@ -158,8 +158,8 @@ def check_muon(cfg: OptimConfig) -> None:
         )
     if not 0.0 <= cfg.momentum < 1.0:
         raise ValueError(f"optim.momentum={cfg.momentum} must be in [0, 1) (Muon's: 0.95)")
-    if int(cfg.ns_steps) < 1:
-        raise ValueError(f"optim.ns_steps={cfg.ns_steps} must be >= 1 (Muon's: 5)")
+    if not 1 <= int(cfg.ns_steps) < 100:  # torch.optim.Muon refuses 100 and more
+        raise ValueError(f"optim.ns_steps={cfg.ns_steps} must be in [1, 99] (Muon's: 5)")
     if cfg.adjust_lr not in MUON_ADJUST_LR:
         raise ValueError(f"optim.adjust_lr={cfg.adjust_lr!r} is not one of {list(MUON_ADJUST_LR)}")
 

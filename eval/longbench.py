@@ -18,13 +18,21 @@ the task's generation length, and the official metric scores the prediction agai
 reference (max). Few-shot tasks (TREC, TriviaQA, SAMSum) are scored on the first line of the
 prediction, as in LongBench. Prompt templates are written for fot from each task's definition
 (instruction wording is ours; the few-shot and code layouts follow the data format).
+
+Scores comparable with LongBench's and the FoX paper's need their prompts and their scoring:
+``--prompts`` reads templates from a file of LongBench's ``config/dataset2prompt.json``
+format (task name -> template with ``{context}`` and ``{input}``; fot ships none of that text),
+and ``--first-line all`` scores the first line of every prediction, as the FoX paper's
+``eval/longbench/eval.py`` does (``few-shot``, the default, as LongBench's).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
+import string
 from pathlib import Path
 from typing import Any
 
@@ -317,16 +325,82 @@ def scores_by_length(scores: list[float], lengths: list[int]) -> dict[str, float
     return out
 
 
-def format_prompt(task: str, example: dict[str, Any]) -> str:
-    """Fill the task's template with an example's ``context`` and ``input``."""
-    return task_spec(task).template.format(
+FIRST_LINE = ("few-shot", "all")
+"""``--first-line``: score the first line of the few-shot tasks' predictions (LongBench's
+``eval.py``) or of every task's (the FoX paper's copy of it)."""
+
+
+def format_prompt(task: str, example: dict[str, Any], template: str | None = None) -> str:
+    """Fill the task's template (or ``template``, e.g. from ``--prompts``) with an example's
+    ``context`` and ``input``."""
+    return (template or task_spec(task).template).format(
         context=example.get("context", ""), input=example.get("input", "")
     )
 
 
-def prompt_fields(task: str) -> tuple[str, ...]:
-    """The example fields the task's prompt template reads (``context`` and/or ``input``)."""
-    return tuple(f for f in ("context", "input") if f"{{{f}}}" in task_spec(task).template)
+def prompt_fields(task: str, template: str | None = None) -> tuple[str, ...]:
+    """The example fields the task's prompt template (or ``template``) reads (``context``
+    and/or ``input``)."""
+    text = template or task_spec(task).template
+    return tuple(f for f in ("context", "input") if f"{{{f}}}" in text)
+
+
+def base_task(task: str) -> str:
+    """The task a name runs: ``<task>`` for LongBench-E's ``<task>_e``, else the name."""
+    task_spec(task)  # an unknown name: the error that lists the known ones
+    return task[: -len("_e")] if task.endswith("_e") and task[: -len("_e")] in TASKS else task
+
+
+def load_prompts(path: str | Path, tasks: list[str]) -> dict[str, str]:
+    """``--prompts``: the template of each of ``tasks`` from a JSON object of LongBench's
+    ``config/dataset2prompt.json`` format (task name -> template; ``<task>_e`` uses
+    ``<task>``'s).
+
+    Raises:
+        ValueError: the file is missing, not a JSON object of strings, lacks a template for a
+            task, or a template reads fields other than ``{context}`` and ``{input}`` or is not
+            a valid ``str.format`` template; the message names the file, the task and the fix.
+    """
+    where = f"--prompts {str(path)!r}"
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ValueError(
+            f"{where} does not exist; pass a JSON file of task templates, such as LongBench's "
+            "config/dataset2prompt.json"
+        ) from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(
+            f"{where} cannot be read as JSON ({err}); it holds one object mapping task names "
+            "to templates, as LongBench's config/dataset2prompt.json does"
+        ) from None
+    if not isinstance(data, dict) or not all(isinstance(v, str) for v in data.values()):
+        raise ValueError(
+            f"{where} is not a JSON object of strings (task name -> template), as LongBench's "
+            "config/dataset2prompt.json is"
+        )
+    missing = sorted({base_task(t) for t in tasks} - set(data))
+    if missing:
+        raise ValueError(
+            f"{where} has no template for {missing}; add them or leave those tasks out of --tasks"
+        )
+    out = {}
+    for task in tasks:
+        template = data[base_task(task)]
+        try:
+            fields = {f for _, f, _, _ in string.Formatter().parse(template) if f is not None}
+        except ValueError as err:
+            raise ValueError(
+                f"{where}: the template of {base_task(task)} is not a str.format template "
+                f"({err}); write literal braces as {{{{ and }}}}"
+            ) from None
+        if not fields or not fields <= {"context", "input"}:
+            raise ValueError(
+                f"{where}: the template of {base_task(task)} reads "
+                f"{sorted(fields) or 'no field'}; a template reads {{context}} and/or {{input}}"
+            )
+        out[task] = template
+    return out
 
 
 def truncate_middle(ids: list[int], max_length: int) -> list[int]:
@@ -339,15 +413,21 @@ def truncate_middle(ids: list[int], max_length: int) -> list[int]:
     return list(ids[:half]) + list(ids[len(ids) - (max_length - half) :])
 
 
-def postprocess(task: str, prediction: str) -> str:
-    """First line for few-shot tasks (LongBench), the text unchanged otherwise."""
-    if task_spec(task).first_line:
+def postprocess(task: str, prediction: str, first_line: str = "few-shot") -> str:
+    """First line for few-shot tasks (LongBench), or for every task with ``first_line="all"``
+    (the FoX paper), the text unchanged otherwise."""
+    if first_line not in FIRST_LINE:
+        raise ValueError(f"--first-line {first_line!r} is not one of {list(FIRST_LINE)}")
+    if first_line == "all" or task_spec(task).first_line:
         return prediction.lstrip("\n").split("\n")[0]
     return prediction
 
 
-def score_example(task: str, prediction: str, example: dict[str, Any]) -> float:
-    """Score in [0, 1]: the task's metric, max over ``example["answers"]``."""
+def score_example(
+    task: str, prediction: str, example: dict[str, Any], first_line: str = "few-shot"
+) -> float:
+    """Score in [0, 1]: the task's metric, max over ``example["answers"]``, of the prediction
+    :func:`postprocess` keeps."""
     answers = example.get("answers")
     if isinstance(answers, str):
         answers = [answers]
@@ -355,7 +435,7 @@ def score_example(task: str, prediction: str, example: dict[str, Any]) -> float:
         raise ValueError(f"{task} example {example.get('_id')} has no answers")
     return best_score(
         task_spec(task).metric,
-        postprocess(task, prediction),
+        postprocess(task, prediction, first_line),
         answers,
         example.get("all_classes") or (),
     )
@@ -497,6 +577,23 @@ def summary_table(scores: dict[str, float]) -> str:
     return "\n\n".join(tables)
 
 
+def protocol_note(prompts: str | None, first_line: str) -> str:
+    """The line under ``table2.md`` that says which prompts and scoring made the scores."""
+    wording = (
+        f"prompts from {prompts}"
+        if prompts
+        else "prompts in fot's own wording (not comparable with published LongBench scores: "
+        "pass --prompts <LongBench's config/dataset2prompt.json>)"
+    )
+    lines = (
+        "the first line of every prediction scored (the FoX paper's eval.py)"
+        if first_line == "all"
+        else "the first line scored for the few-shot tasks (LongBench's eval.py; the FoX "
+        "paper scores it for every task: --first-line all)"
+    )
+    return f"Protocol: {wording}; {lines}."
+
+
 def length_table(by_length: dict[str, dict[str, float | None]]) -> str:
     """Markdown table of the scores per length range: a row per task, a column per range
     (``-`` where a task has no example in the range), then their average over the tasks that
@@ -552,6 +649,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="first examples per task, for smoke runs (default: all)",
     )
     p.add_argument("--no-bos", action="store_true", help="do not start prompts with BOS")
+    p.add_argument(
+        "--prompts",
+        default=None,
+        help="JSON file of prompt templates in the format of LongBench's "
+        "config/dataset2prompt.json (task -> template with {context} and {input}), used instead "
+        "of fot's own wording: LongBench's file gives prompts comparable with LongBench's and "
+        "the FoX paper's scores",
+    )
+    p.add_argument(
+        "--first-line",
+        choices=FIRST_LINE,
+        default="few-shot",
+        help="score the first line of the predictions of the few-shot tasks (TREC, TriviaQA, "
+        "SAMSum; LongBench's eval.py) or of every task (all: the FoX paper's eval.py) "
+        "(default: %(default)s)",
+    )
     add_run_arguments(p)
 
 
@@ -606,13 +719,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             f"{data_dir} lacks {[f'{t}.jsonl' for t in missing]}; see "
             f"`{program_name()} longbench --help` for how to get them{only}"
         )
+    templates = load_prompts(args.prompts, tasks) if args.prompts else {}
     # Every task's examples are read (and checked) before the model loads.
     examples = {
         t: read_jsonl(
             data_dir / f"{t}.jsonl",
             args.limit,
             needs_classes=task_spec(t).metric == "classification",
-            text_fields=prompt_fields(t),
+            text_fields=prompt_fields(t, templates.get(t)),
             needs_length=t.endswith("_e"),
             needs_paragraph=task_spec(t).metric == "retrieval",
         )
@@ -635,6 +749,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "--max-length": args.max_length,
             "--no-bos": args.no_bos,
             "--dtype": model_dtype(model),
+            # recorded when set (records of runs before these options match the defaults);
+            # the templates' digest, as the same file name may hold other prompts later
+            **(
+                {
+                    "--prompts": hashlib.sha256(
+                        json.dumps(templates, sort_keys=True).encode()
+                    ).hexdigest()[:16]
+                }
+                if templates
+                else {}
+            ),
+            **({"--first-line": args.first_line} if args.first_line != "few-shot" else {}),
         },
         state=["pred_*.jsonl"],
         outputs=[
@@ -659,7 +785,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             key = ex.get("_id", i)
             if log.done(key):
                 continue
-            ids = bos + truncate_middle(encode_text(tokenizer, format_prompt(task, ex)), budget)
+            prompt = format_prompt(task, ex, templates.get(task))
+            ids = bos + truncate_middle(encode_text(tokenizer, prompt), budget)
             gen = greedy_generate(
                 model,
                 torch.tensor([ids], device=device),
@@ -673,7 +800,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     "prompt_tokens": len(ids),
                     "prediction": pred,
                     "answers": ex.get("answers"),
-                    "score": score_example(task, pred, ex),
+                    "score": score_example(task, pred, ex, args.first_line),
                 }
             )
         # the score of each example asked for, in file order (a log may hold more: --limit)
@@ -684,8 +811,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if all(valid_length(n) for n in lengths):
             by_length[task] = scores_by_length([scored[k] for k in keys], lengths)
     table = summary_table(scores)
+    protocol = protocol_note(args.prompts, args.first_line)
     write_text_atomic(out / "scores.json", json.dumps(scores, indent=2) + "\n")
-    write_text_atomic(out / "table2.md", table + "\n")
+    write_text_atomic(out / "table2.md", table + "\n\n" + protocol + "\n")
     write_text_atomic(
         out / "scores.csv",
         "task,name,group,metric,score\n"
@@ -695,6 +823,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ),
     )
     print(table)
+    print(protocol)
     if by_length:
         write_text_atomic(out / "scores_by_length.json", json.dumps(by_length, indent=2) + "\n")
         write_text_atomic(out / "by_length.md", length_table(by_length) + "\n")

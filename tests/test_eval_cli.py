@@ -530,6 +530,36 @@ def test_gate_maps_of_transformer_and_windowed_models(overrides):
             assert torch.all(data["F"][key][~(j > i)] == 1)
 
 
+def test_longbench_with_longbench_prompts_and_the_papers_first_line_scoring(ckpts, tmp_path):
+    """--prompts takes templates from a file of LongBench's dataset2prompt.json format and
+    --first-line all scores the first line of every task's prediction (the FoX paper's
+    eval.py); table2.md says which; a rerun with other scoring is refused, not mixed in."""
+    from fot.eval.common import encode_text, load_checkpoint
+    from fot.eval.longbench import score_example
+
+    data = tmp_path / "lb"
+    data.mkdir()
+    example = {"_id": "h0", "input": "Which river?", "context": "The Nile is long.",
+               "answers": ["Nile"], "all_classes": None}  # fmt: skip
+    (data / "hotpotqa.jsonl").write_text(json.dumps(example) + "\n")
+    prompts = tmp_path / "dataset2prompt.json"
+    template = "Passages:\n{context}\n\nQuestion: {input}\nAnswer:"
+    prompts.write_text(json.dumps({"hotpotqa": template, "trec": "{context}{input}"}))
+    out = tmp_path / "out"
+    args = ["longbench", str(ckpts["llama"]), "--data-dir", str(data), "--tasks", "hotpotqa",
+            "--max-length", "200", "--out", str(out), "--device", "cpu"]  # fmt: skip
+    main([*args, "--prompts", str(prompts), "--first-line", "all"])
+    (pred,) = [json.loads(x) for x in _lines(out / "pred_hotpotqa.jsonl")]
+    _, tokenizer = load_checkpoint(str(ckpts["llama"]), device=torch.device("cpu"))
+    filled = "Passages:\nThe Nile is long.\n\nQuestion: Which river?\nAnswer:"
+    assert pred["prompt_tokens"] == 1 + len(encode_text(tokenizer, filled))  # BOS + the prompt
+    assert pred["score"] == score_example("hotpotqa", pred["prediction"], example, "all")
+    table = (out / "table2.md").read_text()
+    assert f"prompts from {prompts}" in table and "first line of every prediction" in table
+    with pytest.raises(ResumeMismatchError, match="--first-line: saved 'all', this run"):
+        main([*args, "--prompts", str(prompts)])
+
+
 def test_longbench_cli(ckpts, tmp_path):
     data = tmp_path / "lb"
     data.mkdir()

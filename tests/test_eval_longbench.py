@@ -11,6 +11,7 @@ from fot.eval.longbench import (
     TASKS,
     format_prompt,
     length_table,
+    load_prompts,
     parse_tasks,
     postprocess,
     read_jsonl,
@@ -131,6 +132,40 @@ def test_prompts_truncation_and_postprocessing():
         )
         == 1.0
     )
+
+
+def test_prompts_file_and_first_line_scoring(tmp_path):
+    """--prompts: LongBench's dataset2prompt.json format, checked before anything runs;
+    --first-line all: the FoX paper's scoring, the first line of every task's prediction."""
+    path = tmp_path / "dataset2prompt.json"
+    path.write_text(json.dumps({"hotpotqa": "C={context};Q={input};", "trec": "{context}{{x}}"}))
+    templates = load_prompts(path, ["hotpotqa", "hotpotqa_e", "trec"])
+    assert templates["hotpotqa_e"] == templates["hotpotqa"]  # LongBench-E: the task's template
+    ex = {"context": "ctx", "input": "q?"}
+    assert format_prompt("hotpotqa", ex, templates["hotpotqa"]) == "C=ctx;Q=q?;"
+    assert format_prompt("trec", ex, templates["trec"]) == "ctx{x}"
+    with pytest.raises(ValueError, match=r"has no template for \['narrativeqa'\]; add them"):
+        load_prompts(path, ["narrativeqa", "hotpotqa"])
+    for text, match in (
+        ('{"hotpotqa": "{question}"}', r"reads \['question'\]; a template reads"),
+        ('{"hotpotqa": "no fields"}', "reads no field"),
+        ('{"hotpotqa": "{context"}', "is not a str.format template"),
+        ('["hotpotqa"]', "is not a JSON object of strings"),
+        ("{", "cannot be read as JSON"),
+    ):
+        path.write_text(text)
+        with pytest.raises(ValueError, match=match):
+            load_prompts(path, ["hotpotqa"])
+    with pytest.raises(ValueError, match="does not exist"):
+        load_prompts(tmp_path / "none.json", ["hotpotqa"])
+    # "Paris\nLondon" vs "Paris": tokens {paris, london}, P = 1/2, R = 1, F1 = 2/3 on the
+    # whole text (LongBench's hotpotqa); the first line alone is exact (the FoX paper)
+    ex = {"answers": ["Paris"]}
+    assert score_example("hotpotqa", "Paris\nLondon", ex) == pytest.approx(2 / 3)
+    assert score_example("hotpotqa", "Paris\nLondon", ex, "all") == 1.0
+    assert postprocess("narrativeqa", "\na\nb", "all") == "a"
+    with pytest.raises(ValueError, match="--first-line 'some' is not one of"):
+        postprocess("narrativeqa", "a", "some")
 
 
 def test_table2_layout():

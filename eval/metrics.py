@@ -135,15 +135,21 @@ def _lcs_length(a: str, b: str) -> int:
 
 
 def fuzzy_ratio(a: str, b: str) -> int:
-    """Similarity 0--100: ``round(100 * 2 * LCS(a, b) / (len(a) + len(b)))``.
+    """Similarity 0--100: ``100 * 2 * LCS(a, b) / (len(a) + len(b))``, rounded.
 
-    Identical strings give 100 (two empty strings included); one empty string gives 0.
+    Identical strings give 100 (two empty strings included); one empty string gives 0. The
+    floating-point steps are those of ``fuzzywuzzy.fuzz.ratio`` over python-Levenshtein
+    (LongBench's code similarity): one minus the insert/delete distance over the total length,
+    times 100, rounded half to even; an exact tie such as 7.5 then lands on the side that float
+    arithmetic puts it (7 there).
     """
     if a == b:
         return 100
     if not a or not b:
         return 0
-    return round(100.0 * 2 * _lcs_length(a, b) / (len(a) + len(b)))
+    total = len(a) + len(b)
+    similarity = 1.0 - (total - 2 * _lcs_length(a, b)) / total
+    return round(100 * similarity)
 
 
 def code_similarity(prediction: str, reference: str, **_: object) -> float:

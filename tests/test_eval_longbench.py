@@ -93,6 +93,10 @@ def test_fuzzy_ratio_and_code_similarity_hand_computed():
     assert fuzzy_ratio("same", "same") == 100
     assert fuzzy_ratio("", "") == 100
     assert fuzzy_ratio("", "x") == 0
+    # exact halves round as fuzzywuzzy's float steps put them (values fuzz.ratio gave with
+    # python-Levenshtein): 1 - 74/80 is just below 0.075, 1 - 46/80 just above 0.425
+    assert fuzzy_ratio("abc", "abc" + "x" * 74) == 7  # exactly 7.5: round() alone gives 8
+    assert fuzzy_ratio("a" * 17, "a" * 17 + "x" * 46) == 43  # exactly 42.5: round() gives 42
     # first line without a comment or fence: "    return x + 1" (16 chars) vs 12 chars,
     # LCS 12 -> round(2400 / 28) = 86
     assert code_similarity("# comment\n    return x + 1\n", "return x + 1") == 0.86

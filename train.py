@@ -104,7 +104,8 @@ def main(cfg: DictConfig) -> None:
     def interrupted() -> None:
         if int(os.environ.get("RANK", "0")) == 0:  # torchrun interrupts every rank
             out_dir = cfg.out_dir or hydra_cfg.runtime.output_dir
-            say(f"train.py: {interrupted_message(out_dir, cfg.resume)}", blank=True)
+            branch = cfg.get("branch_from")
+            say(f"train.py: {interrupted_message(out_dir, cfg.resume, branch)}", blank=True)
         sys.exit(130)
 
     try:

@@ -654,6 +654,62 @@ def test_wsd_branch_trains_as_a_run_planned_at_its_length(tmp_path) -> None:
         train(_cfg(long, *wsd, "total_tokens=4096", f"branch_from={step4}"))
 
 
+def test_branch_from_edge_cases_name_the_branch(tmp_path, caplog) -> None:
+    """What helper-73 found: refusals of a branch suggested resume=never or resume=<path>
+    (both refused with branch_from) or moving the other run's checkpoint away; a reused branch
+    folder ignored another branch_from with an INFO line; an incomplete checkpoint left a run
+    folder behind; Ctrl-C before the branch's first checkpoint said a rerun starts over."""
+    from fot.training.checkpoint import CorruptCheckpointError, interrupted_message
+
+    parent = tmp_path / "parent"
+    train(_cfg(parent, "total_tokens=1024", "keep_last=4"))  # checkpoints at steps 2 and 4
+    step2, step4 = (parent / "checkpoints" / f"step_0000000{k}" for k in (2, 4))
+    # another model: the ways out name branch_from, not resume=never
+    other = tmp_path / "other"
+    with pytest.raises(ValueError, match=r"A branch needs the checkpoint's values: .* \(branch_"):
+        train(_cfg(other, "++model.overrides={hidden_size:64}", f"branch_from={step2}"))
+    # past total_tokens: an earlier checkpoint to branch from, not to resume from
+    with pytest.raises(ValueError, match=r"branch from an earlier checkpoint \(branch_from="):
+        train(_cfg(other, "total_tokens=256", f"branch_from={step4}"))
+    # an incomplete checkpoint: refused before the run folder is made
+    broken = tmp_path / "broken" / "checkpoints" / "step_00000002"
+    shutil.copytree(step2, broken)
+    (broken / "optim.pt").unlink()
+    with pytest.raises(CorruptCheckpointError, match=r"is incomplete: it has no optim.pt; branch"):
+        train(_cfg(other, f"branch_from={broken}"))
+    assert not other.exists()
+    # a corrupt one: the other run's checkpoint is not to be moved away
+    (broken / "optim.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(CorruptCheckpointError) as corrupt:
+        train(_cfg(other, f"branch_from={broken}"))
+    assert str(corrupt.value).startswith(f"branch_from: checkpoint {broken} is corrupt")
+    assert "Branch from another checkpoint of that run" in str(corrupt.value)
+    assert "resume=auto" not in str(corrupt.value)
+    # Ctrl-C before the branch's first checkpoint: a rerun starts from branch_from again
+    assert interrupted_message(tmp_path / "none", "auto", str(step2)).endswith(
+        f"a rerun starts from branch_from={step2} (ckpt_every_tokens sets how often "
+        "checkpoints are written)"
+    )
+    # a branch from the parent's last step trains nothing: the warning names branch_from
+    caplog.set_level(logging.INFO, logger="fot.train")
+    last = tmp_path / "last"
+    train(_cfg(last, "total_tokens=1024", f"branch_from={step4}"))
+    assert f"branch_from={step4} is its run's last step (step 4;" in caplog.text
+    # a finished branch's folder given another branch_from: a warning, not an INFO line
+    branch = tmp_path / "branch"
+    train(_cfg(branch, "total_tokens=1536", f"branch_from={step2}"))
+    caplog.clear()
+    train(_cfg(branch, "total_tokens=1536", f"branch_from={step2}"))  # the same command
+    (same,) = [r for r in caplog.records if "is not read" in r.getMessage()]
+    assert same.levelno == logging.INFO
+    caplog.clear()
+    train(_cfg(branch, "total_tokens=1536", f"branch_from={step4}"))
+    (other_branch,) = [r for r in caplog.records if "is not read" in r.getMessage()]
+    assert other_branch.levelno == logging.WARNING
+    assert f"did not start from branch_from (its branch_from={step2})" in other_branch.getMessage()
+    assert "to start over, pass another out_dir" in caplog.text  # not resume=never
+
+
 def decay_names(model, group) -> set[str]:
     ids = {id(p) for p in group["params"]}
     return {n for n, p in model.named_parameters() if id(p) in ids}
@@ -668,7 +724,7 @@ def _muon_cfg(**fields):
 
 def test_muon_takes_the_projection_matrices_and_adamw_the_rest() -> None:
     from fot import presets
-    from fot.training.optim import build_optimizer
+    from fot.training.optim import build_optimizer, muon_parameter_names
 
     model = presets.build_model(presets.config("fot_pro", "tiny", num_hidden_layers=1))
     opt = build_optimizer(model, _muon_cfg(), device=torch.device("cpu"))
@@ -684,6 +740,16 @@ def test_muon_takes_the_projection_matrices_and_adamw_the_rest() -> None:
     assert in_adamw == set(names.values()) - in_muon  # every other parameter, once
     assert layer + "self_attn.fgate_proj.weight" in in_adamw  # one row per head
     assert layer + "self_attn.q_norm.weight" in in_adamw  # 2-D, but a norm
+    # 32 heads: the one-row-per-head projections are 32 x hidden, and still AdamW's
+    wide = presets.build_model(
+        presets.config("fot_pro", "tiny", num_hidden_layers=1, hidden_size=2048, num_heads=32)
+    )
+    per_head = {layer + f"self_attn.{x}_proj.weight" for x in ("fgate", "k_shift", "v_shift")}
+    assert per_head.isdisjoint(muon_parameter_names(wide)) and len(muon_parameter_names(wide)) == 8
+    lone = torch.nn.Sequential()
+    lone.add_module("layers", torch.nn.ModuleList([torch.nn.Linear(4, 1)]))
+    with pytest.raises(ValueError, match=r"found no projection matrix for Muon.*use optim=adamw"):
+        muon_parameter_names(lone)
     (g,) = muon.param_groups
     assert (g["momentum"], g["nesterov"], g["ns_steps"]) == (0.95, True, 5)
     assert (g["weight_decay"], g["adjust_lr_fn"]) == (0.1, "match_rms_adamw")

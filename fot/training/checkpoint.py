@@ -179,6 +179,10 @@ def not_a_checkpoint(path: str | os.PathLike) -> str:
     return f"{p} {what}; pass a checkpoint folder like <run>/checkpoints/step_00001000"
 
 
+CHECKPOINT_FILES = ("model.pt", "optim.pt", "rng.pt", "trainer.json")
+"""The files of a complete checkpoint folder (module docstring)."""
+
+
 def list_checkpoints(ckpt_dir: str | os.PathLike) -> list[Path]:
     """Complete checkpoints under ``ckpt_dir``, oldest first."""
     root = Path(ckpt_dir)
@@ -198,15 +202,18 @@ def latest_checkpoint(ckpt_dir: str | os.PathLike) -> Path | None:
     return found[-1] if found else None
 
 
-def interrupted_message(out_dir: str | os.PathLike, resume: str | None = None) -> str:
+def interrupted_message(
+    out_dir: str | os.PathLike, resume: str | None = None, branch_from: str | None = None
+) -> str:
     """What a run stopped by Ctrl-C (or SIGINT) has kept, and the command line that resumes it
-    (:func:`continue_hint`; ``resume`` is the run's setting)."""
+    (:func:`continue_hint`; ``resume`` and ``branch_from`` are the run's settings)."""
     out = Path(out_dir)
     latest = latest_checkpoint(out / "checkpoints")
     if latest is None:
+        again = f"from branch_from={branch_from}" if branch_from else "over"
         return (
             f"interrupted before the first checkpoint of {out}: nothing to resume from, a rerun "
-            "starts over (ckpt_every_tokens sets how often checkpoints are written)"
+            f"starts {again} (ckpt_every_tokens sets how often checkpoints are written)"
         )
     return (
         f"interrupted; the latest checkpoint is {latest} (later steps are lost): "
@@ -444,7 +451,7 @@ def load_checkpoint(
     except torch.OutOfMemoryError:
         raise
     except (RuntimeError, KeyError, ValueError, TypeError) as e:
-        raise CorruptCheckpointError(_corrupt_message(p, p / name, e)) from e
+        raise CorruptCheckpointError(*_corrupt_message(p, p / name, e)) from e
     rngs = _load_file(p, "rng.pt", weights_only=False)
     set_rng_state(rngs[rank] if rank < len(rngs) else rngs[0])
     return state
@@ -476,12 +483,21 @@ def read_trainer_state(path: str | os.PathLike) -> dict[str, Any]:
     ]
     if missing:
         error = KeyError(f"no {', '.join(missing)} in it")
-        raise CorruptCheckpointError(_corrupt_message(p, p / "trainer.json", error))
+        raise CorruptCheckpointError(*_corrupt_message(p, p / "trainer.json", error))
     return state
 
 
 class CorruptCheckpointError(FotError, RuntimeError):
-    """A file of a checkpoint cannot be read (truncated, corrupt or missing)."""
+    """A file of a checkpoint cannot be read (truncated, corrupt or missing).
+
+    Attributes:
+        what: the message without the ways out (which checkpoint, which file, the error), for
+            a caller that suggests other ones.
+    """
+
+    def __init__(self, message: str, what: str | None = None) -> None:
+        super().__init__(message)
+        self.what = what or message
 
 
 def _load_file(ckpt: Path, name: str, *, weights_only: bool = False) -> Any:
@@ -493,10 +509,12 @@ def _load_file(ckpt: Path, name: str, *, weights_only: bool = False) -> Any:
                 return json.load(f)
         return torch.load(path, map_location="cpu", weights_only=weights_only)
     except Exception as e:
-        raise CorruptCheckpointError(_corrupt_message(ckpt, path, e)) from e
+        raise CorruptCheckpointError(*_corrupt_message(ckpt, path, e)) from e
 
 
-def _corrupt_message(ckpt: Path, path: Path, error: Exception) -> str:
+def _corrupt_message(ckpt: Path, path: Path, error: Exception) -> tuple[str, str]:
+    """The message of a checkpoint file that cannot be read, and its part without the ways out
+    (:class:`CorruptCheckpointError`'s arguments)."""
     m = _STEP_DIR.match(ckpt.name)
     step = int(m.group(1)) if m else None
     earlier = [
@@ -512,8 +530,12 @@ def _corrupt_message(ckpt: Path, path: Path, error: Exception) -> str:
     else:
         options = "start over with resume=never (no earlier checkpoint in that folder)"
     detail = str(error) if len(str(error)) <= 400 else f"{str(error)[:400]}..."
-    return (
+    what = (
         f"checkpoint {ckpt} is corrupt or incomplete: cannot read {path.name} "
-        f"({path}): {type(error).__name__}: {detail}. Either {options}, or delete or move "
-        f"{ckpt} away and rerun with resume=auto to use the newest remaining one"
+        f"({path}): {type(error).__name__}: {detail}"
+    )
+    return (
+        f"{what}. Either {options}, or delete or move {ckpt} away and rerun with resume=auto "
+        "to use the newest remaining one",
+        what,
     )

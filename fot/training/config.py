@@ -445,9 +445,8 @@ def check_config(cfg: DictConfig) -> list[str]:
     if trained != total:
         warnings.append(
             f"total_tokens={total} is not a multiple of global_batch_tokens={gbt}: the run "
-            f"stops after {total // gbt} steps ({trained} tokens), before the end of its "
-            f"learning-rate schedule, which is laid out over total_tokens; use total_tokens="
-            f"{max(1, round(total / gbt)) * gbt}"
+            f"trains {total // gbt} steps ({trained} tokens; its learning-rate schedule ends "
+            f"there); use total_tokens={max(1, round(total / gbt)) * gbt}"
         )
     if warmup > trained:
         warnings.append(

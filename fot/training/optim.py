@@ -8,13 +8,10 @@ import torch
 from torch import nn
 
 from fot.training.config import OptimConfig, ScheduleConfig
+from fot.training.parallel import unwrap
 
 OPTIMIZERS = ("adamw", "muon")
 MUON_ADJUST_LR = ("match_rms_adamw", "original")
-MUON_MIN_SIDE = 32
-"""Muon takes a block's 2-D weight only if both its sides are at least this long: the
-forget-gate and KV-shift projections (one row per head) and per-head norm weights stay with
-AdamW."""
 SCHEDULES = ("warmup_cosine", "warmup_linear", "constant", "wsd")
 DECAY_SHAPES = ("linear", "cosine", "1-sqrt")
 
@@ -193,19 +190,38 @@ def check_muon_strategy(cfg: OptimConfig, *, strategy: str, cuda_graphs: bool) -
 
 def muon_parameter_names(model: nn.Module) -> set[str]:
     """Names of the parameters ``optim=muon`` gives to Muon: the 2-D weights inside the
-    decoder layers (``.layers.`` in the name) whose sides are both at least
-    :data:`MUON_MIN_SIDE`, norms excepted, i.e. the attention and MLP projections. Embeddings,
-    the LM head, norms, biases and the one-row-per-head forget-gate and KV-shift projections
-    stay with AdamW, as do tensors of other ranks (>2), e.g. convolutions of FLA baselines."""
-    return {
+    decoder layers (``.layers.`` in the name) with more rows and columns than the model has
+    attention heads, norms excepted, i.e. the attention and MLP projections. Embeddings, the
+    LM head, norms, biases and the projections with one row per head (forget gate, KV-shift)
+    stay with AdamW, as do tensors of other ranks (>2), e.g. convolutions of FLA baselines.
+
+    Raises:
+        ValueError: no parameter qualifies (a model without such projections).
+    """
+    config = getattr(unwrap(model), "config", None)
+    heads = next(
+        (
+            int(v)
+            for key in ("num_heads", "num_attention_heads", "n_head")
+            if isinstance(v := getattr(config, key, None), int)
+        ),
+        1,
+    )
+    names = {
         name
         for name, p in model.named_parameters()
         if p.requires_grad
         and p.ndim == 2
         and ".layers." in f".{name}"
         and "norm" not in name.lower()
-        and min(p.shape) >= MUON_MIN_SIDE
+        and min(p.shape) > heads
     }
+    if not names:
+        raise ValueError(
+            f"optim=muon found no projection matrix for Muon in this model (2-D weights of its "
+            f"layers with more rows and columns than its {heads} heads): use optim=adamw"
+        )
+    return names
 
 
 class MuonAdamW:

@@ -516,7 +516,9 @@ DATA_SOURCE_FIELDS = ("path", "hf_name", "hf_data_files", "hf_split", "streaming
 _SCHEDULE_FIELDS = ("name", "warmup_tokens", "min_lr_ratio", "decay_fraction", "decay_shape")
 
 
-def check_resume(saved: dict[str, Any], cfg: Any, path: Path) -> list[str]:
+def check_resume(
+    saved: dict[str, Any], cfg: Any, path: Path, *, branching: bool = False
+) -> list[str]:
     """Refuse to resume a checkpoint of another model, batch shape or data kind, before any
     tensor loads.
 
@@ -524,6 +526,8 @@ def check_resume(saved: dict[str, Any], cfg: Any, path: Path) -> list[str]:
         saved: the checkpoint's trainer state (:func:`fot.training.checkpoint.read_trainer_state`).
         cfg: this run's config.
         path: the checkpoint folder (for the message).
+        branching: ``path`` is ``branch_from``'s (the message suggests another branch, not
+            ``resume=never``, which ``branch_from`` refuses).
 
     Returns:
         Warnings for the caller to log, one per setting the run resumes with although it
@@ -593,8 +597,13 @@ def check_resume(saved: dict[str, Any], cfg: Any, path: Path) -> list[str]:
         raise ValueError(
             f"cannot resume from checkpoint {path}: it was trained with other settings: "
             + "; ".join(differences)
-            + ". Exact resume needs the checkpoint's values: rerun with them, or start a new "
-            "run (another out_dir, or resume=never to train from scratch in this folder)"
+            + (
+                ". A branch needs the checkpoint's values: rerun with them, or branch from "
+                "another run's checkpoint (branch_from=...)"
+                if branching
+                else ". Exact resume needs the checkpoint's values: rerun with them, or start a "
+                "new run (another out_dir, or resume=never to train from scratch in this folder)"
+            )
         )
     return [
         f"resuming from {path} with {line}"
@@ -856,7 +865,7 @@ def _train(
     train_source, val_source = build_sources(cfg.data, val_unit=info.world_size * val_micro)
 
     # ---- which checkpoint to resume from (checked before the model is built) -------------
-    resume_from = None
+    resume_from = branching = None
     if cfg.resume == "auto":
         resume_from = ckpt.latest_checkpoint(ckpt_dir)
         branch = cfg.get("branch_from")
@@ -868,16 +877,29 @@ def _train(
                     "(the newer checkpoints are moved aside)"
                 )
             if resume_from is None:
-                resume_from = Path(branch)
+                resume_from = branching = Path(branch)
             elif info.is_main:
-                logger.info(
-                    "branch_from=%s is not read: the run continues from its own checkpoint %s",
-                    branch,
-                    resume_from,
-                )
+                own = (ckpt.read_trainer_state(resume_from).get("config") or {}).get("branch_from")
+                if own is not None and Path(own).resolve() == Path(branch).resolve():
+                    logger.info(  # the same command, after a preemption
+                        "branch_from=%s is not read: the run continues from its own checkpoint %s",
+                        branch,
+                        resume_from,
+                    )
+                else:  # e.g. the folder of another branch, reused
+                    logger.warning(
+                        "branch_from=%s is not read: the run continues from its own checkpoint "
+                        "%s, and that run did not start from branch_from (its branch_from=%s). "
+                        "To branch from %s, pass another out_dir",
+                        branch,
+                        resume_from,
+                        own,
+                        branch,
+                    )
     elif cfg.resume not in ("never", "", None):
         resume_from = Path(cfg.resume)
     resume_from = _from_rank0(resume_from)  # every rank resumes from the same checkpoint
+    branching = _from_rank0(branching)  # resume_from, when it comes from branch_from
     # a checkpoint of another run folder (resume=<its path>): its records are in that folder
     elsewhere = resume_from is not None and resume_from.resolve().parent != ckpt_dir.resolve()
     saved = ckpt.read_trainer_state(resume_from) if resume_from is not None else {}
@@ -886,7 +908,7 @@ def _train(
         cfg, info.world_size, resuming=resume_from if same_batch else None
     )
     if resume_from is not None:
-        for note in check_resume(saved, cfg, resume_from):
+        for note in check_resume(saved, cfg, resume_from, branching=branching is not None):
             if info.is_main:
                 logger.warning(note)
         final = out_dir / "final.json"
@@ -899,8 +921,12 @@ def _train(
                 logger.warning(
                     "%s: the run already finished (its checkpoint %s is at step %d; "
                     "total_tokens=%d makes %d steps): nothing to do; its results are in %s. To "
-                    "train on, raise total_tokens; to start over, pass resume=never or another "
-                    "out_dir",
+                    "train on, raise total_tokens; to start over, pass "
+                    + (
+                        "another out_dir"
+                        if cfg.get("branch_from")
+                        else "resume=never or another out_dir"
+                    ),
                     out_dir,
                     resume_from.name,
                     saved["step"],
@@ -912,7 +938,8 @@ def _train(
         if saved["step"] == total_steps and elsewhere and info.is_main:
             # another run's last checkpoint: validated and exported here, but not trained on
             logger.warning(
-                "resume=%s is its run's last step (step %d; total_tokens=%d makes %d steps): "
+                ("branch_from" if branching is not None else "resume")
+                + "=%s is its run's last step (step %d; total_tokens=%d makes %d steps): "
                 "nothing to train. This run only validates it and exports it into %s, with no "
                 "checkpoint of its own there. To train on from it, raise total_tokens",
                 resume_from,
@@ -927,9 +954,22 @@ def _train(
                 f"cannot resume from {resume_from}: it is at step {saved['step']} "
                 f"({saved['step'] * int(cfg.global_batch_tokens)} tokens), past "
                 f"total_tokens={int(cfg.total_tokens)} ({total_steps} steps). Raise "
-                "total_tokens to train on from it, resume from an earlier checkpoint "
-                f"(resume={resume_from.parent}/step_...), or start over (resume=never or "
-                "another out_dir)"
+                "total_tokens to train on from it, "
+                + (
+                    f"branch from an earlier checkpoint (branch_from={resume_from.parent}/"
+                    "step_...), or pass another out_dir"
+                    if branching is not None
+                    else f"resume from an earlier checkpoint (resume={resume_from.parent}/"
+                    "step_...), or start over (resume=never or another out_dir)"
+                )
+            )
+
+    if branching is not None:  # another folder's checkpoint: refused before this folder is made
+        missing = [n for n in ckpt.CHECKPOINT_FILES if not (branching / n).is_file()]
+        if missing:
+            raise ckpt.CorruptCheckpointError(
+                f"branch_from={branching} is incomplete: it has no {', '.join(missing)}; branch "
+                "from another checkpoint of that run (branch_from=...)"
             )
 
     # ---- weights to start from (a new run only; checked before the run folder is made) ---
@@ -1020,7 +1060,18 @@ def _train(
     # the open logging window's loss sum and label tokens, when a checkpoint fell inside one
     saved_window: dict[str, Any] = {}
     if resume_from is not None:
-        state = ckpt.load_checkpoint(resume_from, model=model, optimizer=optimizer, rank=info.rank)
+        try:
+            state = ckpt.load_checkpoint(
+                resume_from, model=model, optimizer=optimizer, rank=info.rank
+            )
+        except ckpt.CorruptCheckpointError as err:
+            if branching is None:
+                raise
+            # not "move it away and resume=auto": it is the other run's checkpoint
+            raise ckpt.CorruptCheckpointError(
+                f"branch_from: {err.what}. Branch from another checkpoint of that run "
+                f"(branch_from={branching.parent}/step_...)"
+            ) from err
         step, tokens = state["step"], state["tokens"]
         # the wandb run of this folder's run goes on; another folder's run (a branch from its
         # checkpoint) is not written into: this run gets a wandb run of its own

@@ -407,7 +407,7 @@ def test_mul_resolver_refuses_non_integers() -> None:
         (["schedule.name=wsd"], r"needs schedule.decay_fraction and schedule.decay_shape; pick"),
         (["branch_from=/no/such/ckpt"], r"branch_from=/no/such/ckpt does not exist; pass a"),
         (["optim.momentum=0.9"], r"optim.momentum=0.9: only optim=muon reads it"),
-        (["optim.name=muon"], r"needs optim.momentum, optim.ns_steps, optim.adjust_lr; pick"),
+        (["optim.name=muon"], r"needs optim.momentum, optim.ns_steps and optim.adjust_lr; pick"),
         (["optim=muon", "optim.momentum=1"], r"optim.momentum=1.0 must be in \[0, 1\)"),
         (["optim=muon", "optim.ns_steps=0"], r"optim.ns_steps=0 must be in \[1, 99\]"),
         (["optim=muon", "optim.ns_steps=100"], r"optim.ns_steps=100 must be in \[1, 99\]"),

@@ -90,6 +90,37 @@ def check_optim(cfg: OptimConfig, schedule: ScheduleConfig | None = None) -> Non
         check_wsd(schedule)
 
 
+def _option_fields(
+    group: str, name: str, owner: str, fields: dict[str, object], preset: str
+) -> bool:
+    """Whether ``group.name`` is ``owner``, the one option that reads ``fields``.
+
+    Raises:
+        ValueError: a field is set while another option is chosen (it would be ignored), or
+            one is missing while ``owner`` is (``group.name=owner`` given without its group
+            file, whose values ``preset`` lists).
+    """
+    if name != owner:
+        given = [f"{group}.{k}={v}" for k, v in fields.items() if v is not None]
+        if given:
+            raise ValueError(
+                f"{', '.join(given)}: only {group}={owner} reads "
+                f"{'it' if len(given) == 1 else 'them'}, not {group}.name={name!r}; use "
+                f"{group}={owner}, or drop the override"
+            )
+        return False
+    missing = [f"{group}.{k}" for k, v in fields.items() if v is None]
+    if missing:
+        listed = " and ".join(
+            [", ".join(missing[:-1]), missing[-1]] if len(missing) > 1 else missing
+        )
+        raise ValueError(
+            f"{group}.name={owner!r} needs {listed}; pick the group ({group}={owner}: "
+            f"{preset}) rather than {group}.name"
+        )
+    return True
+
+
 def check_wsd(cfg: ScheduleConfig) -> None:
     """Refuse ``decay_fraction`` / ``decay_shape`` outside ``wsd`` (they would be ignored) and
     missing or bad ones in it.
@@ -98,21 +129,10 @@ def check_wsd(cfg: ScheduleConfig) -> None:
         ValueError: naming the field and the fix.
     """
     fields = {"decay_fraction": cfg.decay_fraction, "decay_shape": cfg.decay_shape}
-    if cfg.name != "wsd":
-        given = [f"schedule.{k}={v}" for k, v in fields.items() if v is not None]
-        if given:
-            raise ValueError(
-                f"{', '.join(given)}: only schedule=wsd reads "
-                f"{'it' if len(given) == 1 else 'them'}, not schedule.name={cfg.name!r}; "
-                "use schedule=wsd, or drop the override"
-            )
+    if not _option_fields(
+        "schedule", cfg.name, "wsd", fields, "decay_fraction 0.2, decay_shape 1-sqrt"
+    ):
         return
-    missing = [f"schedule.{k}" for k, v in fields.items() if v is None]
-    if missing:
-        raise ValueError(
-            f"schedule.name='wsd' needs {' and '.join(missing)}; pick the group "
-            "(schedule=wsd: decay_fraction 0.2, decay_shape 1-sqrt) rather than schedule.name"
-        )
     if not 0.0 < cfg.decay_fraction <= 1.0:
         raise ValueError(
             f"schedule.decay_fraction={cfg.decay_fraction} must be in (0, 1]: the fraction of "
@@ -133,21 +153,9 @@ def check_muon(cfg: OptimConfig) -> None:
         ValueError: naming the field and the fix.
     """
     fields = {"momentum": cfg.momentum, "ns_steps": cfg.ns_steps, "adjust_lr": cfg.adjust_lr}
-    if cfg.name != "muon":
-        given = [f"optim.{k}={v}" for k, v in fields.items() if v is not None]
-        if given:
-            raise ValueError(
-                f"{', '.join(given)}: only optim=muon reads "
-                f"{'it' if len(given) == 1 else 'them'}, not optim.name={cfg.name!r}; use "
-                "optim=muon, or drop the override"
-            )
+    preset = "momentum 0.95, ns_steps 5, adjust_lr match_rms_adamw"
+    if not _option_fields("optim", cfg.name, "muon", fields, preset):
         return
-    missing = [f"optim.{k}" for k, v in fields.items() if v is None]
-    if missing:
-        raise ValueError(
-            f"optim.name='muon' needs {', '.join(missing)}; pick the group (optim=muon: "
-            "momentum 0.95, ns_steps 5, adjust_lr match_rms_adamw) rather than optim.name"
-        )
     if not hasattr(torch.optim, "Muon"):
         raise ValueError(
             f"optim=muon needs torch.optim.Muon (torch >= 2.9); this is torch "

@@ -654,8 +654,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="JSON file of prompt templates in the format of LongBench's "
         "config/dataset2prompt.json (task -> template with {context} and {input}), used instead "
-        "of fot's own wording: LongBench's file gives prompts comparable with LongBench's and "
-        "the FoX paper's scores",
+        "of fot's own wording (default: fot's, not comparable with published scores): "
+        "LongBench's file gives prompts comparable with LongBench's and the FoX paper's",
     )
     p.add_argument(
         "--first-line",

@@ -269,9 +269,14 @@ def known_tasks() -> list[str]:
     return [*TASKS, *TASK_SETS["e"]]
 
 
+def base_task(task: str) -> str:
+    """The task a name runs: ``<task>`` for LongBench-E's ``<task>_e``, else the name."""
+    return task[: -len("_e")] if task.endswith("_e") and task[: -len("_e")] in LONGBENCH_E else task
+
+
 def task_spec(task: str) -> Task:
     """The :class:`Task` of a task name; ``<task>_e`` (LongBench-E) is run as ``<task>``."""
-    base = task[: -len("_e")] if task.endswith("_e") and task[: -len("_e")] in LONGBENCH_E else task
+    base = base_task(task)
     if base not in TASKS:
         raise ValueError(
             f"unknown LongBench task {task!r}; choose from {known_tasks()} or a set: "
@@ -343,12 +348,6 @@ def prompt_fields(task: str, template: str | None = None) -> tuple[str, ...]:
     and/or ``input``)."""
     text = template or task_spec(task).template
     return tuple(f for f in ("context", "input") if f"{{{f}}}" in text)
-
-
-def base_task(task: str) -> str:
-    """The task a name runs: ``<task>`` for LongBench-E's ``<task>_e``, else the name."""
-    task_spec(task)  # an unknown name: the error that lists the known ones
-    return task[: -len("_e")] if task.endswith("_e") and task[: -len("_e")] in TASKS else task
 
 
 def load_prompts(path: str | Path, tasks: list[str]) -> dict[str, str]:

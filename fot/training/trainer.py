@@ -878,24 +878,6 @@ def _train(
                 )
             if resume_from is None:
                 resume_from = branching = Path(branch)
-            elif info.is_main:
-                own = (ckpt.read_trainer_state(resume_from).get("config") or {}).get("branch_from")
-                if own is not None and Path(own).resolve() == Path(branch).resolve():
-                    logger.info(  # the same command, after a preemption
-                        "branch_from=%s is not read: the run continues from its own checkpoint %s",
-                        branch,
-                        resume_from,
-                    )
-                else:  # e.g. the folder of another branch, reused
-                    logger.warning(
-                        "branch_from=%s is not read: the run continues from its own checkpoint "
-                        "%s, and that run did not start from branch_from (its branch_from=%s). "
-                        "To branch from %s, pass another out_dir",
-                        branch,
-                        resume_from,
-                        own,
-                        branch,
-                    )
     elif cfg.resume not in ("never", "", None):
         resume_from = Path(cfg.resume)
     resume_from = _from_rank0(resume_from)  # every rank resumes from the same checkpoint
@@ -907,6 +889,26 @@ def _train(
     global_seqs, total_steps = check_sizes(
         cfg, info.world_size, resuming=resume_from if same_batch else None
     )
+    branch = cfg.get("branch_from")
+    if branch not in (None, "") and branching is None and resume_from is not None and info.is_main:
+        # the run goes on from its own checkpoint; branch_from is for its first start only
+        own = (saved.get("config") or {}).get("branch_from")
+        if own is not None and Path(own).resolve() == Path(branch).resolve():
+            logger.info(  # the same command, after a preemption
+                "branch_from=%s is not read: the run continues from its own checkpoint %s",
+                branch,
+                resume_from,
+            )
+        else:  # e.g. the folder of another branch, reused
+            logger.warning(
+                "branch_from=%s is not read: the run continues from its own checkpoint %s, and "
+                "that run did not start from branch_from (its branch_from=%s). To branch from "
+                "%s, pass another out_dir",
+                branch,
+                resume_from,
+                own,
+                branch,
+            )
     if resume_from is not None:
         for note in check_resume(saved, cfg, resume_from, branching=branching is not None):
             if info.is_main:

@@ -413,6 +413,10 @@ def test_mul_resolver_refuses_non_integers() -> None:
         (["optim=muon", "optim.ns_steps=100"], r"optim.ns_steps=100 must be in \[1, 99\]"),
         (["optim=muon", "optim.adjust_lr=moon"], r"optim.adjust_lr='moon' is not one of"),
         (["optim.name=sgd"], r"optim.name='sgd' is not one of \['adamw', 'muon'\]"),
+        (
+            ["optim=muon", "parallel.cuda_graphs=true"],
+            r"optim=muon is not one: set parallel.cuda_graphs=false, or use optim=adamw",
+        ),
         (["branch_from=/tmp", "resume=never"], r"which needs resume=auto, not resume=never"),
         (["branch_from=/tmp", "init_from=/tmp"], r"both say where the run starts"),
         (["schedule=wsd", "schedule.decay_fraction=0"], r"decay_fraction=0.0 must be in \(0, 1\]"),

@@ -793,13 +793,20 @@ def test_muon_step_is_the_orthogonalised_update_by_hand() -> None:
     assert model.layers[0].weight.grad is None and model.layers[0].bias.grad is None
 
 
-def test_muon_run_resumes_exactly_and_refuses_another_optimizer(tmp_path, reference_run) -> None:
+@pytest.fixture(scope="module")
+def muon_run(tmp_path_factory) -> dict[int, float]:
+    """An uninterrupted 8-step optim=muon run (parallel=single): its per-step losses."""
+    out = tmp_path_factory.mktemp("muon")
+    train(_cfg(out, "optim=muon", "optim.lr=0.01"))
+    return _losses(out)
+
+
+def test_muon_run_resumes_exactly_and_refuses_another_optimizer(
+    tmp_path, reference_run, muon_run
+) -> None:
     """optim=muon checkpoints both optimizers' state: a run stopped by SIGTERM and resumed
     logs the uninterrupted run's losses. Resuming it with optim=adamw is refused."""
-    whole = tmp_path / "whole"
-    train(_cfg(whole, "optim=muon", "optim.lr=0.01"))
-    losses = _losses(whole)
-    assert losses[1] == reference_run[1] and losses[8] != reference_run[8]  # Muon did step
+    assert muon_run[1] == reference_run[1] and muon_run[8] != reference_run[8]  # Muon did step
     out = tmp_path / "run"
     with pytest.raises(TrainingStopped), pytest.MonkeyPatch.context() as mp:
         mp.setenv(FAULT_ENV, "sigterm_after_step:5")
@@ -807,17 +814,51 @@ def test_muon_run_resumes_exactly_and_refuses_another_optimizer(tmp_path, refere
     with pytest.raises(ValueError, match=r"optim.name=muon \(checkpoint\) vs adamw \(this run\)"):
         train(_cfg(out))
     train(_cfg(out, "optim=muon", "optim.lr=0.01"))
-    assert _losses(out) == losses  # exact float equality, every step
+    assert _losses(out) == muon_run  # exact float equality, every step
 
 
-def test_muon_refuses_fsdp_and_cuda_graphs() -> None:
-    from fot.training.optim import check_muon_strategy
+def test_muon_steps_fsdp_shards_as_torch_steps_whole_matrices(tmp_path) -> None:
+    """fot's Muon on FSDP2's sharded parameters (two CPU processes, gloo; rows that do not
+    split evenly) equals torch.optim.Muon on the whole matrices, bit for bit, in weights and
+    momentum, after three steps with weight decay and both LR rules. Sharded and plain
+    parameters in one Muon are refused."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "tests" / "muon_shards.py"), str(tmp_path)]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
+    assert [r["local_rows"] for r in ranks] == [[4, 3, 6], [3, 2, 6]]  # really sharded
+    assert "got 1 plain tensors among FSDP2's sharded parameters" in ranks[0]["mixed_refused"]
+    for res in ranks:
+        for key in ("", "_momentum"):
+            pairs = zip(res[f"sharded{key}"], res[f"whole{key}"], strict=True)
+            assert all(torch.equal(a, b) for a, b in pairs), key
 
-    check_muon_strategy(_muon_cfg(), strategy="ddp", cuda_graphs=False)
-    with pytest.raises(ValueError, match="parallel=fsdp gives every rank only a shard"):
-        check_muon_strategy(_muon_cfg(), strategy="fsdp", cuda_graphs=False)
-    with pytest.raises(ValueError, match=r"set parallel\.cuda_graphs=false, or use optim=adamw"):
-        check_muon_strategy(_muon_cfg(), strategy="single", cuda_graphs=True)
+
+def test_muon_under_fsdp_trains_and_resumes_as_single(tmp_path, muon_run) -> None:
+    """optim=muon with parallel=fsdp (a process group of one: DTensor parameters) logs the
+    single-process run's losses; stopped by SIGTERM, its checkpoint (DTensor momentum buffers)
+    resumes under parallel=single to the same losses."""
+    import torch.distributed as dist
+
+    out = tmp_path / "fsdp"
+    try:
+        with pytest.raises(TrainingStopped), pytest.MonkeyPatch.context() as mp:
+            mp.setenv(FAULT_ENV, "sigterm_after_step:5")
+            train(_cfg(out, "optim=muon", "optim.lr=0.01", "parallel=fsdp"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    fsdp_losses = _losses(out)
+    assert 5 <= max(fsdp_losses) < 8 and sorted(fsdp_losses) == list(range(1, max(fsdp_losses) + 1))
+    train(_cfg(out, "optim=muon", "optim.lr=0.01", "parallel=single"))
+    got = _losses(out)
+    assert got.keys() == muon_run.keys()
+    for step, loss in muon_run.items():
+        assert got[step] == pytest.approx(loss, abs=1e-5), (step, got, muon_run)
+        if step in fsdp_losses:
+            assert fsdp_losses[step] == pytest.approx(loss, abs=1e-5), step
 
 
 def test_no_weight_decay_on_biases_norms_and_gate_biases() -> None:

@@ -328,6 +328,11 @@ def check_config(cfg: DictConfig) -> list[str]:
     from fot.training.optim import check_optim
 
     check_optim(cfg.optim, cfg.schedule)
+    if cfg.optim.name == "muon" and cfg.parallel.cuda_graphs:
+        raise ValueError(
+            "parallel.cuda_graphs=true replays a capturable AdamW step, and optim=muon is not "
+            "one: set parallel.cuda_graphs=false, or use optim=adamw"
+        )
     if int(cfg.seed) < 0:
         raise ValueError(
             f"seed={cfg.seed} is negative; use a seed >= 0 (there is no 'random seed' value: "

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
 
 from fot.training.config import OptimConfig, ScheduleConfig
 from fot.training.parallel import unwrap
@@ -169,33 +172,6 @@ def check_muon(cfg: OptimConfig) -> None:
         raise ValueError(f"optim.adjust_lr={cfg.adjust_lr!r} is not one of {list(MUON_ADJUST_LR)}")
 
 
-def check_muon_strategy(cfg: OptimConfig, *, strategy: str, cuda_graphs: bool) -> None:
-    """Refuse ``optim=muon`` where its step would be wrong or cannot run.
-
-    Args:
-        cfg: the ``optim`` config.
-        strategy: the resolved strategy (``single``, ``ddp`` or ``fsdp``).
-        cuda_graphs: ``parallel.cuda_graphs``.
-
-    Raises:
-        ValueError: FSDP2 (Muon orthogonalises whole matrices, FSDP2 gives each rank a shard
-            of them) or CUDA graphs (the graphed step replays a capturable AdamW only).
-    """
-    if cfg.name != "muon":
-        return
-    if strategy == "fsdp":
-        raise ValueError(
-            "optim=muon orthogonalises each weight matrix whole, and parallel=fsdp gives every "
-            "rank only a shard of it (each would orthogonalise its own rows): use parallel=ddp "
-            "or single, or optim=adamw with fsdp"
-        )
-    if cuda_graphs:
-        raise ValueError(
-            "parallel.cuda_graphs=true replays a capturable AdamW step, and optim=muon is not "
-            "one: set parallel.cuda_graphs=false, or use optim=adamw"
-        )
-
-
 def muon_parameter_names(model: nn.Module) -> set[str]:
     """Names of the parameters ``optim=muon`` gives to Muon: the 2-D weights inside the
     decoder layers (``.layers.`` in the name) with more rows and columns than the model has
@@ -230,6 +206,118 @@ def muon_parameter_names(model: nn.Module) -> set[str]:
             f"layers with more rows and columns than its {heads} heads): use optim=adamw"
         )
     return names
+
+
+def newton_schulz(
+    update: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float
+) -> torch.Tensor:
+    """Muon's orthogonalisation, in bf16 as ``torch.optim.Muon`` runs it: scale the matrix to
+    Frobenius norm 1, then ``steps`` quintic iterations X ← aX + (bA + cA²)X with A = XXᵀ, on
+    the wide orientation (rows ≤ columns).
+
+    Args:
+        update: (rows, cols) matrix, any float dtype.
+        coefficients: (a, b, c).
+        steps: number of iterations.
+        eps: floor of the norm the matrix is divided by.
+
+    Returns:
+        (rows, cols) bf16 matrix with singular values near 1.
+    """
+    a, b, c = coefficients
+    x = update.bfloat16()
+    tall = update.size(0) > update.size(1)
+    if tall:
+        x = x.T
+    x.div_(x.norm().clamp(min=eps))
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
+
+
+def muon_lr_scale(shape: torch.Size, rule: str | None) -> float:
+    """Factor on ``lr`` for a (rows, cols) matrix: ``match_rms_adamw`` 0.2·√max(rows, cols)
+    (the update's RMS then matches AdamW's), ``original`` √max(1, rows/cols)."""
+    rows, cols = shape[:2]
+    if rule == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(rows, cols))
+    return math.sqrt(max(1.0, rows / cols))
+
+
+class Muon(torch.optim.Muon):
+    """``torch.optim.Muon`` that also steps FSDP2's sharded parameters.
+
+    Plain tensors (``single``, ``ddp``) take torch's own step. Where the parameters are
+    DTensors (``fsdp``), the momentum buffers stay sharded and update elementwise on each
+    rank's shard. Each matrix's Nesterov update is all-gathered; the matrices are dealt out
+    to the ranks in turn, each rank orthogonalises its own whole (:func:`newton_schulz`) and
+    broadcasts the result, and every rank applies its rows. That is torch's step on the whole
+    matrices, bit for bit, with the orthogonalisation split over the ranks; it costs an
+    all-gather and a broadcast of each matrix per step, both in bf16.
+    """
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """One step (``closure`` as in ``torch.optim.Optimizer.step``)."""
+        sharded = [isinstance(p, DTensor) for g in self.param_groups for p in g["params"]]
+        if not any(sharded):
+            return super().step(closure)
+        if not all(sharded):
+            raise ValueError(
+                f"optim=muon got {sharded.count(False)} plain tensors among FSDP2's sharded "
+                "parameters: shard the whole model (fully_shard on its root) or none of it"
+            )
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        todo = [(p, g) for g in self.param_groups for p in g["params"] if p.grad is not None]
+        ortho: dict[int, torch.Tensor] = {}
+        for i, (p, group) in enumerate(todo):  # momentum on the shards; updates gathered
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p.grad)
+            buf = state["momentum_buffer"]
+            buf.lerp_(p.grad, 1 - group["momentum"])
+            update = p.grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
+            # in bf16, where the iteration starts: the same bits, half the bytes to gather
+            whole = update.bfloat16().full_tensor()  # a collective: every rank takes part
+            if _owner(p, i) == _mesh_rank(p):
+                ortho[i] = whole
+        for i, whole in ortho.items():  # after the gathers, so that the ranks run in parallel
+            group = todo[i][1]
+            coefficients, steps, eps = group["ns_coefficients"], group["ns_steps"], group["eps"]
+            # contiguous: a broadcast sends the storage, and a tall matrix's result is a view
+            ortho[i] = newton_schulz(whole, coefficients, steps, eps).contiguous()
+        for i, (p, group) in enumerate(todo):  # each result from its owner; own rows applied
+            mesh = p.device_mesh
+            whole = ortho.pop(i, None)
+            if whole is None:
+                whole = torch.empty(p.shape, dtype=torch.bfloat16, device=p.to_local().device)
+            owner = dist.get_global_rank(mesh.get_group(), _owner(p, i))
+            dist.broadcast(whole, src=owner, group=mesh.get_group())
+            rows = DTensor.from_local(whole, mesh, [Replicate()], run_check=False)
+            rows = rows.redistribute(mesh, p.placements)
+            lr = float(group["lr"])
+            p.mul_(1 - lr * group["weight_decay"])
+            p.add_(rows, alpha=-lr * muon_lr_scale(p.shape, group["adjust_lr_fn"]))
+        return loss
+
+
+def _mesh_rank(p: DTensor) -> int:
+    """This process's rank in ``p``'s (1-D) device mesh."""
+    if p.device_mesh.ndim != 1:
+        raise ValueError(
+            f"optim=muon steps parameters sharded over a 1-D device mesh (parallel=fsdp), not "
+            f"the {p.device_mesh.ndim}-D mesh of this {tuple(p.shape)} parameter"
+        )
+    return p.device_mesh.get_local_rank()
+
+
+def _owner(p: DTensor, index: int) -> int:
+    """The mesh rank that orthogonalises the ``index``-th matrix of a step (round robin)."""
+    return index % p.device_mesh.size()
 
 
 class MuonAdamW:
@@ -286,7 +374,7 @@ def build_optimizer(
     )
     if cfg.name != "muon":
         return adamw
-    muon = torch.optim.Muon(
+    muon = Muon(
         [p for name, p in model.named_parameters() if name in muon_names],
         lr=cfg.lr,
         weight_decay=cfg.weight_decay,

@@ -40,7 +40,7 @@ from fot.training.metrics import (
     peak_flops_per_device,
     peak_memory_gib,
 )
-from fot.training.optim import build_optimizer, check_muon_strategy, lr_at, set_lr
+from fot.training.optim import build_optimizer, lr_at, set_lr
 from fot.training.parallel import (
     DistInfo,
     accumulation,
@@ -844,7 +844,6 @@ def _train(
     info = init_distributed(cfg.device, cfg.parallel.backend)
     strategy = resolve_strategy(cfg.parallel, info)
     check_cuda_graphs(cfg.parallel, strategy=strategy, device=info.device)
-    check_muon_strategy(cfg.optim, strategy=strategy, cuda_graphs=bool(cfg.parallel.cuda_graphs))
     # rank 0's folder for every rank (Hydra's timestamped folders can differ by a second)
     out_dir = Path(_from_rank0(str(Path(cfg.out_dir or ".").resolve())))
     ckpt_dir = out_dir / "checkpoints"

@@ -1,0 +1,73 @@
+"""Run under torchrun (2 CPU processes, gloo) by ``test_train.py``: fot's Muon on FSDP2's
+sharded parameters, fed the same gradients on both ranks, against ``torch.optim.Muon`` on the
+whole matrices in each process, for three steps. Row counts 7 and 5 do not split evenly over
+two ranks. Saves, per rank, both models' weights and momentum buffers as whole tensors, and
+the refusal of a Muon given sharded and plain parameters together.
+
+Usage: ``torchrun --nproc_per_node=2 tests/muon_shards.py OUT_DIR``
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import distribute_tensor
+
+from fot.training.optim import Muon
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+model = torch.nn.Sequential(
+    torch.nn.Linear(5, 7, bias=False),
+    torch.nn.Linear(7, 5, bias=False),
+    torch.nn.Linear(5, 12, bias=False),
+)
+whole = copy.deepcopy(model)
+for layer in model:
+    fully_shard(layer)
+fully_shard(model)
+
+
+def groups(m: torch.nn.Module) -> list[dict]:
+    """Both of torch's LR rules (and one group without weight decay)."""
+    return [
+        {"params": [m[0].weight, m[1].weight], "adjust_lr_fn": "match_rms_adamw"},
+        {"params": [m[2].weight], "adjust_lr_fn": "original", "weight_decay": 0.0},
+    ]
+
+
+sharded_opt = Muon(groups(model), lr=0.05, weight_decay=0.1)
+whole_opt = torch.optim.Muon(groups(whole), lr=0.05, weight_decay=0.1)
+for _ in range(3):
+    for p, q in zip(model.parameters(), whole.parameters(), strict=True):
+        grad = torch.randn(q.shape)  # the same on both ranks (same seed, same draws)
+        q.grad = grad
+        p.grad = distribute_tensor(grad.clone(), p.device_mesh, p.placements)
+    sharded_opt.step()
+    whole_opt.step()
+assert all(type(p).__name__ == "DTensor" for p in model.parameters())
+mixed = Muon([model[0].weight, torch.nn.Parameter(torch.zeros(3, 4))])
+mixed.param_groups[0]["params"][1].grad = torch.zeros(3, 4)
+try:
+    mixed.step()
+    refused = ""
+except ValueError as e:
+    refused = str(e)
+local_rows = [p.to_local().shape[0] for p in model.parameters()]
+result = {
+    "sharded": [p.full_tensor() for p in model.parameters()],
+    "whole": [q.detach().clone() for q in whole.parameters()],
+    "sharded_momentum": [
+        sharded_opt.state[p]["momentum_buffer"].full_tensor() for p in model.parameters()
+    ],
+    "whole_momentum": [whole_opt.state[q]["momentum_buffer"] for q in whole.parameters()],
+    "local_rows": local_rows,
+    "mixed_refused": refused,
+}
+torch.save(result, f"{sys.argv[1]}/rank{rank}.pt")
+dist.destroy_process_group()

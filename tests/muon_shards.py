@@ -1,8 +1,9 @@
 """Run under torchrun (2 CPU processes, gloo) by ``test_train.py``: fot's Muon on FSDP2's
 sharded parameters, fed the same gradients on both ranks, against ``torch.optim.Muon`` on the
 whole matrices in each process, for three steps. Row counts 7 and 5 do not split evenly over
-two ranks. Saves, per rank, both models' weights and momentum buffers as whole tensors, and
-the refusal of a Muon given sharded and plain parameters together.
+two ranks, and a one-row matrix leaves rank 1 without rows. Saves, per rank, both models'
+weights and momentum buffers as whole tensors, and the refusal of a Muon given sharded and
+plain parameters together.
 
 Usage: ``torchrun --nproc_per_node=2 tests/muon_shards.py OUT_DIR``
 """
@@ -15,7 +16,7 @@ import sys
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import distribute_tensor
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from fot.training.optim import Muon
 
@@ -51,6 +52,17 @@ for _ in range(3):
     sharded_opt.step()
     whole_opt.step()
 assert all(type(p).__name__ == "DTensor" for p in model.parameters())
+# one matrix of one row: rank 1 holds no rows and orthogonalises nothing
+lone = torch.nn.Linear(5, 1, bias=False)
+lone_whole = copy.deepcopy(lone)
+fully_shard(lone)
+lone_opt, lone_whole_opt = Muon(lone.parameters()), torch.optim.Muon(lone_whole.parameters())
+for _ in range(2):
+    grad = torch.randn(1, 5)
+    lone_whole.weight.grad = grad
+    lone.weight.grad = distribute_tensor(grad.clone(), lone.weight.device_mesh, [Shard(0)])
+    lone_opt.step()
+    lone_whole_opt.step()
 mixed = Muon([model[0].weight, torch.nn.Parameter(torch.zeros(3, 4))])
 mixed.param_groups[0]["params"][1].grad = torch.zeros(3, 4)
 try:
@@ -60,13 +72,13 @@ except ValueError as e:
     refused = str(e)
 local_rows = [p.to_local().shape[0] for p in model.parameters()]
 result = {
-    "sharded": [p.full_tensor() for p in model.parameters()],
-    "whole": [q.detach().clone() for q in whole.parameters()],
+    "sharded": [p.full_tensor() for p in model.parameters()] + [lone.weight.full_tensor()],
+    "whole": [q.detach().clone() for q in whole.parameters()] + [lone_whole.weight.detach()],
     "sharded_momentum": [
         sharded_opt.state[p]["momentum_buffer"].full_tensor() for p in model.parameters()
     ],
     "whole_momentum": [whole_opt.state[q]["momentum_buffer"] for q in whole.parameters()],
-    "local_rows": local_rows,
+    "local_rows": [*local_rows, lone.weight.to_local().shape[0]],
     "mixed_refused": refused,
 }
 torch.save(result, f"{sys.argv[1]}/rank{rank}.pt")

@@ -819,7 +819,7 @@ def test_muon_run_resumes_exactly_and_refuses_another_optimizer(
 
 def test_muon_steps_fsdp_shards_as_torch_steps_whole_matrices(tmp_path) -> None:
     """fot's Muon on FSDP2's sharded parameters (two CPU processes, gloo; rows that do not
-    split evenly) equals torch.optim.Muon on the whole matrices, bit for bit, in weights and
+    split evenly, a rank without rows or matrices of its own) equals torch.optim.Muon on the whole matrices, bit for bit, in weights and
     momentum, after three steps with weight decay and both LR rules. Sharded and plain
     parameters in one Muon are refused."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -828,7 +828,7 @@ def test_muon_steps_fsdp_shards_as_torch_steps_whole_matrices(tmp_path) -> None:
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
-    assert [r["local_rows"] for r in ranks] == [[4, 3, 6], [3, 2, 6]]  # really sharded
+    assert [r["local_rows"] for r in ranks] == [[4, 3, 6, 1], [3, 2, 6, 0]]  # really sharded
     assert "got 1 plain tensors among FSDP2's sharded parameters" in ranks[0]["mixed_refused"]
     for res in ranks:
         for key in ("", "_momentum"):

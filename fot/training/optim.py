@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Shard
 
 from fot.training.config import OptimConfig, ScheduleConfig
 from fot.training.parallel import unwrap
@@ -249,12 +249,13 @@ class Muon(torch.optim.Muon):
     """``torch.optim.Muon`` that also steps FSDP2's sharded parameters.
 
     Plain tensors (``single``, ``ddp``) take torch's own step. Where the parameters are
-    DTensors (``fsdp``), the momentum buffers stay sharded and update elementwise on each
-    rank's shard. Each matrix's Nesterov update is all-gathered; the matrices are dealt out
-    to the ranks in turn, each rank orthogonalises its own whole (:func:`newton_schulz`) and
-    broadcasts the result, and every rank applies its rows. That is torch's step on the whole
-    matrices, bit for bit, with the orthogonalisation split over the ranks; it costs an
-    all-gather and a broadcast of each matrix per step, both in bf16.
+    DTensors (``fsdp``: rows sharded over a 1-D mesh), the momentum buffers stay sharded and
+    update on each rank's rows. The matrices are then dealt out to the ranks (largest first,
+    each to the least loaded); one all-to-all brings every matrix's update, in bf16, whole to
+    its rank, which orthogonalises it (:func:`newton_schulz`), and a second all-to-all sends
+    every rank its rows of the results. That is torch's step on the whole matrices, bit for
+    bit, with the orthogonalisation split over the ranks; each rank sends and receives about
+    its share of the matrices twice per step, in bf16.
     """
 
     @torch.no_grad()
@@ -273,51 +274,98 @@ class Muon(torch.optim.Muon):
             with torch.enable_grad():
                 loss = closure()
         todo = [(p, g) for g in self.param_groups for p in g["params"] if p.grad is not None]
-        ortho: dict[int, torch.Tensor] = {}
-        for i, (p, group) in enumerate(todo):  # momentum on the shards; updates gathered
-            state = self.state[p]
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(p.grad)
-            buf = state["momentum_buffer"]
-            buf.lerp_(p.grad, 1 - group["momentum"])
-            update = p.grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
-            # in bf16, where the iteration starts: the same bits, half the bytes to gather
-            whole = update.bfloat16().full_tensor()  # a collective: every rank takes part
-            if _owner(p, i) == _mesh_rank(p):
-                ortho[i] = whole
-        for i, whole in ortho.items():  # after the gathers, so that the ranks run in parallel
-            group = todo[i][1]
-            coefficients, steps, eps = group["ns_coefficients"], group["ns_steps"], group["eps"]
-            # contiguous: a broadcast sends the storage, and a tall matrix's result is a view
-            ortho[i] = newton_schulz(whole, coefficients, steps, eps).contiguous()
-        for i, (p, group) in enumerate(todo):  # each result from its owner; own rows applied
-            mesh = p.device_mesh
-            whole = ortho.pop(i, None)
-            if whole is None:
-                whole = torch.empty(p.shape, dtype=torch.bfloat16, device=p.to_local().device)
-            owner = dist.get_global_rank(mesh.get_group(), _owner(p, i))
-            dist.broadcast(whole, src=owner, group=mesh.get_group())
-            rows = DTensor.from_local(whole, mesh, [Replicate()], run_check=False)
-            rows = rows.redistribute(mesh, p.placements)
-            lr = float(group["lr"])
-            p.mul_(1 - lr * group["weight_decay"])
-            p.add_(rows, alpha=-lr * muon_lr_scale(p.shape, group["adjust_lr_fn"]))
+        if todo:
+            self._sharded_step(todo)
         return loss
 
+    def _sharded_step(self, todo: list[tuple[DTensor, dict]]) -> None:
+        mesh = todo[0][0].device_mesh
+        for p, _ in todo:
+            if p.device_mesh != mesh or mesh.ndim != 1 or p.placements != (Shard(0),):
+                raise ValueError(
+                    f"optim=muon steps parameters sharded by rows over one 1-D device mesh "
+                    f"(parallel=fsdp), not this {tuple(p.shape)} parameter's {p.placements}"
+                )
+        group, world, me = mesh.get_group(), mesh.size(), mesh.get_local_rank()
+        shapes = [(p.shape[0], p.shape[1]) for p, _ in todo]
+        chunk = [-(-rows // world) for rows, _ in shapes]  # torch.chunk's rule, FSDP2's
+        size = [c * cols for c, (_, cols) in zip(chunk, shapes, strict=True)]
+        owned = _deal(shapes, world)
+        device = todo[0][0].to_local().device
+        # 1. momentum on the local rows; each update's rows (bf16, where the iteration starts:
+        # the same bits in half the bytes), padded to a whole chunk, go to the matrix's owner
+        send = []
+        for indices in owned:
+            for i in indices:
+                p, hyper = todo[i]
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p.grad)
+                grad, buf = p.grad.to_local(), state["momentum_buffer"].to_local()
+                buf.lerp_(grad, 1 - hyper["momentum"])
+                update = grad.lerp(buf, hyper["momentum"]) if hyper["nesterov"] else buf
+                rows = torch.zeros((chunk[i], shapes[i][1]), dtype=torch.bfloat16, device=device)
+                rows[: update.shape[0]] = update
+                send.append(rows.flatten())
+        splits = [sum(size[i] for i in indices) for indices in owned]
+        mine = splits[me]
+        received = _all_to_all(send, splits, [mine] * world, group, device).view(world, mine)
+        # 2. the owner orthogonalises each of its matrices whole; row chunk r goes to rank r
+        results, offset = [], 0
+        for i in owned[me]:
+            (rows, cols), hyper = shapes[i], todo[i][1]
+            whole = received[:, offset : offset + size[i]].reshape(world * chunk[i], cols)
+            offset += size[i]
+            ortho = newton_schulz(
+                whole[:rows], hyper["ns_coefficients"], hyper["ns_steps"], hyper["eps"]
+            )
+            padded = ortho.new_zeros((world * chunk[i], cols))
+            padded[:rows] = ortho
+            results.append(padded.view(world, size[i]))
+        back = torch.cat(results, dim=1) if results else received.new_empty((world, 0))
+        mine_rows = _all_to_all([back.flatten()], [mine] * world, splits, group, device)
+        # 3. each rank applies its rows, which arrive in the order they were sent
+        offset = 0
+        for indices in owned:
+            for i in indices:
+                p, hyper = todo[i]
+                local = p.to_local()
+                ortho = mine_rows[offset : offset + size[i]].view(chunk[i], shapes[i][1])
+                offset += size[i]
+                lr = float(hyper["lr"])
+                local.mul_(1 - lr * hyper["weight_decay"])
+                local.add_(
+                    ortho[: local.shape[0]],
+                    alpha=-lr * muon_lr_scale(p.shape, hyper["adjust_lr_fn"]),
+                )
 
-def _mesh_rank(p: DTensor) -> int:
-    """This process's rank in ``p``'s (1-D) device mesh."""
-    if p.device_mesh.ndim != 1:
-        raise ValueError(
-            f"optim=muon steps parameters sharded over a 1-D device mesh (parallel=fsdp), not "
-            f"the {p.device_mesh.ndim}-D mesh of this {tuple(p.shape)} parameter"
-        )
-    return p.device_mesh.get_local_rank()
+
+def _deal(shapes: list[tuple[int, int]], world: int) -> list[list[int]]:
+    """Indices of the matrices each rank orthogonalises, in order: by Newton-Schulz cost
+    (rows · cols · min(rows, cols)), largest first, each to the rank with the least so far."""
+    cost = [rows * cols * min(rows, cols) for rows, cols in shapes]
+    load, owned = [0] * world, [[] for _ in range(world)]
+    for i in sorted(range(len(shapes)), key=lambda i: -cost[i]):
+        k = load.index(min(load))
+        load[k] += cost[i]
+        owned[k].append(i)
+    return [sorted(indices) for indices in owned]
 
 
-def _owner(p: DTensor, index: int) -> int:
-    """The mesh rank that orthogonalises the ``index``-th matrix of a step (round robin)."""
-    return index % p.device_mesh.size()
+def _all_to_all(
+    send: list[torch.Tensor],
+    send_splits: list[int],
+    recv_splits: list[int],
+    group: dist.ProcessGroup,
+    device: torch.device,
+) -> torch.Tensor:
+    """``all_to_all_single`` of flat bf16 data: ``send`` concatenated, its first
+    ``send_splits[0]`` elements to rank 0 and so on; returns what the ranks sent here, in
+    rank order (``recv_splits`` elements from each)."""
+    out = torch.empty(sum(recv_splits), dtype=torch.bfloat16, device=device)
+    source = torch.cat(send) if send else out.new_empty(0)
+    dist.all_to_all_single(out, source, recv_splits, send_splits, group=group)
+    return out
 
 
 class MuonAdamW:

@@ -685,6 +685,13 @@ def test_branch_from_edge_cases_name_the_branch(tmp_path, caplog) -> None:
     assert str(corrupt.value).startswith(f"branch_from: checkpoint {broken} is corrupt")
     assert "Branch from another checkpoint of that run" in str(corrupt.value)
     assert "resume=auto" not in str(corrupt.value)
+    # the same for its trainer.json, which is read first (it said resume=never)
+    (broken / "trainer.json").write_text('{"step": 2, "tok')
+    with pytest.raises(CorruptCheckpointError) as corrupt:
+        train(_cfg(other, f"branch_from={broken}"))
+    assert str(corrupt.value).startswith(f"branch_from: checkpoint {broken} is corrupt")
+    assert "cannot read trainer.json" in str(corrupt.value)
+    assert "resume=" not in str(corrupt.value)
     # Ctrl-C before the branch's first checkpoint: a rerun starts from branch_from again
     assert interrupted_message(tmp_path / "none", "auto", str(step2)).endswith(
         f"a rerun starts from branch_from={step2} (ckpt_every_tokens sets how often "

@@ -516,6 +516,15 @@ DATA_SOURCE_FIELDS = ("path", "hf_name", "hf_data_files", "hf_split", "streaming
 _SCHEDULE_FIELDS = ("name", "warmup_tokens", "min_lr_ratio", "decay_fraction", "decay_shape")
 
 
+def _branch_error(err: ckpt.CorruptCheckpointError, branching: Path) -> ckpt.CorruptCheckpointError:
+    """``err`` of the ``branch_from`` checkpoint, with the way out of a branch: not "move it
+    away and rerun with resume=auto" (it is another run's checkpoint) but another one of it."""
+    return ckpt.CorruptCheckpointError(
+        f"branch_from: {err.what}. Branch from another checkpoint of that run "
+        f"(branch_from={branching.parent}/step_...)"
+    )
+
+
 def check_resume(
     saved: dict[str, Any], cfg: Any, path: Path, *, branching: bool = False
 ) -> list[str]:
@@ -883,7 +892,12 @@ def _train(
     branching = _from_rank0(branching)  # resume_from, when it comes from branch_from
     # a checkpoint of another run folder (resume=<its path>): its records are in that folder
     elsewhere = resume_from is not None and resume_from.resolve().parent != ckpt_dir.resolve()
-    saved = ckpt.read_trainer_state(resume_from) if resume_from is not None else {}
+    try:
+        saved = ckpt.read_trainer_state(resume_from) if resume_from is not None else {}
+    except ckpt.CorruptCheckpointError as err:
+        if branching is None:
+            raise
+        raise _branch_error(err, branching) from err
     same_batch = saved.get("sizes", {}).get("global_batch_tokens") == gbt
     global_seqs, total_steps = check_sizes(
         cfg, info.world_size, resuming=resume_from if same_batch else None
@@ -1068,11 +1082,7 @@ def _train(
         except ckpt.CorruptCheckpointError as err:
             if branching is None:
                 raise
-            # not "move it away and resume=auto": it is the other run's checkpoint
-            raise ckpt.CorruptCheckpointError(
-                f"branch_from: {err.what}. Branch from another checkpoint of that run "
-                f"(branch_from={branching.parent}/step_...)"
-            ) from err
+            raise _branch_error(err, branching) from err
         step, tokens = state["step"], state["tokens"]
         # the wandb run of this folder's run goes on; another folder's run (a branch from its
         # checkpoint) is not written into: this run gets a wandb run of its own

@@ -559,7 +559,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         check_export_folder(args.out, example="checkpoints/fox_pro_760m")
         src = local_folder(args.src)
-        fla = source_kind(read_config(src)) == "fla"
+        source_config = read_config(src)
+        fla = source_kind(source_config) == "fla"
         model = from_fla(src) if fla else from_paper(src)
         if fla:
             escaping = args.text_escaping or "none"
@@ -574,6 +575,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     n = sum(p.numel() for p in model.parameters())
     print(f"wrote {out} ({n / 1e6:.1f}M parameters, model_type fot)")
+    tolerance = None if fla else source_config.get("log_pruning_tolerance")
+    if tolerance is not None:
+        print(
+            f"note: config.json sets log_pruning_tolerance={tolerance}, the paper's adaptive "
+            f"pruning (it drops attention weights up to a total of exp({tolerance}) per row); "
+            "fot skips only weights that are exactly zero in float32, so the converted model "
+            "computes the full attention"
+        )
     if fla and not copied:
         print(
             f"{args.src} holds no tokenizer files: copy the tokenizer the model was trained "

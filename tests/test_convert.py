@@ -202,6 +202,22 @@ def test_settings_the_papers_fox_ignores_convert_as_their_defaults_do(tmp_path, 
     assert torch.equal(got, _logits(from_paper(PAPER / "fox_pro"), ids))
 
 
+def test_the_papers_pruning_tolerance_is_named_and_the_full_attention_converted(
+    tmp_path, capsys
+) -> None:
+    """The paper's adaptive pruning (log_pruning_tolerance) drops small attention weights;
+    fot prunes exactly: the conversion says so, and the model is the same as without it."""
+    ids = torch.from_numpy(np.load(PAPER / "fox_pro" / "reference.npz")["input_ids"])
+    folder = _copy(tmp_path, config={"log_pruning_tolerance": -10.0})
+    assert main([str(folder), str(tmp_path / "fot")]) == 0
+    assert "log_pruning_tolerance=-10.0, the paper's adaptive pruning" in capsys.readouterr().out
+    assert torch.equal(
+        _logits(from_paper(folder), ids), _logits(from_paper(PAPER / "fox_pro"), ids)
+    )
+    assert main([str(PAPER / "fox_pro"), str(tmp_path / "plain")]) == 0
+    assert "log_pruning_tolerance" not in capsys.readouterr().out
+
+
 def test_settings_the_papers_transformer_ignores_convert_as_their_defaults_do(tmp_path) -> None:
     """The paper's TransformerConfig keeps unknown keys, but its modules have no forget gate or
     Pro component and read none of them, and its MLP is SwiGLU whatever hidden_act names: such

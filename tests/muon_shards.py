@@ -3,7 +3,8 @@ sharded parameters, fed the same gradients on both ranks, against ``torch.optim.
 whole matrices in each process, for three steps. Row counts 7 and 5 do not split evenly over
 two ranks, and a one-row matrix leaves rank 1 without rows. Saves, per rank, both models'
 weights and momentum buffers as whole tensors, and the refusal of a Muon given sharded and
-plain parameters together.
+plain parameters together. The same for fot's Muon on replicated parameters (DDP's case),
+which splits the orthogonalisations over the ranks: the shapes each rank orthogonalised.
 
 Usage: ``torchrun --nproc_per_node=2 tests/muon_shards.py OUT_DIR``
 """
@@ -18,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 
+import fot.training.optim as optim
 from fot.training.optim import Muon
 
 dist.init_process_group("gloo")
@@ -29,6 +31,7 @@ model = torch.nn.Sequential(
     torch.nn.Linear(5, 12, bias=False),
 )
 whole = copy.deepcopy(model)
+replicated = copy.deepcopy(model)  # DDP's case: every rank the whole matrices
 for layer in model:
     fully_shard(layer)
 fully_shard(model)
@@ -44,13 +47,19 @@ def groups(m: torch.nn.Module) -> list[dict]:
 
 sharded_opt = Muon(groups(model), lr=0.05, weight_decay=0.1)
 whole_opt = torch.optim.Muon(groups(whole), lr=0.05, weight_decay=0.1)
+replicated_opt = Muon(groups(replicated), lr=0.05, weight_decay=0.1, process_group=dist.group.WORLD)
+orthogonalised = []  # the shapes this rank orthogonalised in replicated_opt's steps
+counted = optim.newton_schulz
 for _ in range(3):
-    for p, q in zip(model.parameters(), whole.parameters(), strict=True):
+    for p, q, r in zip(model.parameters(), whole.parameters(), replicated.parameters()):
         grad = torch.randn(q.shape)  # the same on both ranks (same seed, same draws)
-        q.grad = grad
+        q.grad, r.grad = grad, grad.clone()
         p.grad = distribute_tensor(grad.clone(), p.device_mesh, p.placements)
     sharded_opt.step()
     whole_opt.step()
+    optim.newton_schulz = lambda x, *a: orthogonalised.append(tuple(x.shape)) or counted(x, *a)
+    replicated_opt.step()
+    optim.newton_schulz = counted
 assert all(type(p).__name__ == "DTensor" for p in model.parameters())
 # one matrix of one row: rank 1 holds no rows and orthogonalises nothing
 lone = torch.nn.Linear(5, 1, bias=False)
@@ -78,6 +87,11 @@ result = {
         sharded_opt.state[p]["momentum_buffer"].full_tensor() for p in model.parameters()
     ],
     "whole_momentum": [whole_opt.state[q]["momentum_buffer"] for q in whole.parameters()],
+    "replicated": [r.detach().clone() for r in replicated.parameters()],
+    "replicated_momentum": [
+        replicated_opt.state[r]["momentum_buffer"] for r in replicated.parameters()
+    ],
+    "orthogonalised": orthogonalised,
     "local_rows": [*local_rows, lone.weight.to_local().shape[0]],
     "mixed_refused": refused,
 }

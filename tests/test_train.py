@@ -827,8 +827,9 @@ def test_muon_run_resumes_exactly_and_refuses_another_optimizer(
 def test_muon_steps_fsdp_shards_as_torch_steps_whole_matrices(tmp_path) -> None:
     """fot's Muon on FSDP2's sharded parameters (two CPU processes, gloo; rows that do not
     split evenly, a rank without rows or matrices of its own) equals torch.optim.Muon on the whole matrices, bit for bit, in weights and
-    momentum, after three steps with weight decay and both LR rules. Sharded and plain
-    parameters in one Muon are refused."""
+    momentum, after three steps with weight decay and both LR rules; so does it on replicated
+    parameters (DDP), each rank orthogonalising its share. Sharded and plain parameters in one
+    Muon are refused."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(ROOT / "tests" / "muon_shards.py"), str(tmp_path)]  # fmt: skip
@@ -841,6 +842,11 @@ def test_muon_steps_fsdp_shards_as_torch_steps_whole_matrices(tmp_path) -> None:
         for key in ("", "_momentum"):
             pairs = zip(res[f"sharded{key}"], res[f"whole{key}"], strict=True)
             assert all(torch.equal(a, b) for a, b in pairs), key
+            pairs = zip(res[f"replicated{key}"], res[f"whole{key}"][:3], strict=True)
+            assert all(torch.equal(a, b) for a, b in pairs), key
+    # replicated (DDP): the 12 x 5 matrix (the costliest) on rank 0, the other two on rank 1
+    assert ranks[0]["orthogonalised"] == [(12, 5)] * 3
+    assert ranks[1]["orthogonalised"] == [(7, 5), (5, 7)] * 3
 
 
 def test_muon_under_fsdp_trains_and_resumes_as_single(tmp_path, muon_run) -> None:

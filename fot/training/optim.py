@@ -1,14 +1,17 @@
-"""AdamW with the paper's weight-decay rule, and the learning-rate schedule in tokens."""
+"""The optimizers (AdamW with the paper's weight-decay rule, Muon) and the learning-rate schedule
+in tokens."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
+from torch.nn.parallel import DistributedDataParallel
 
 from fot.training.config import OptimConfig, ScheduleConfig
 from fot.training.parallel import unwrap
@@ -246,9 +249,12 @@ def muon_lr_scale(shape: torch.Size, rule: str | None) -> float:
 
 
 class Muon(torch.optim.Muon):
-    """``torch.optim.Muon`` that also steps FSDP2's sharded parameters.
+    """``torch.optim.Muon`` that splits its orthogonalisations over the ranks.
 
-    Plain tensors (``single``, ``ddp``) take torch's own step. Where the parameters are
+    Without ``process_group`` (``single``) the plain tensors take torch's own step. With it
+    (``ddp``: every rank holds the same parameters and averaged gradients), every rank updates
+    the momentum of all matrices, orthogonalises only those dealt to it (:func:`_deal`) and
+    broadcasts the results, one broadcast per rank. Where the parameters are
     DTensors (``fsdp``: rows sharded over a 1-D mesh), the momentum buffers stay sharded and
     update on each rank's rows. The matrices are then dealt out to the ranks (largest first,
     each to the least loaded); one all-to-all brings every matrix's update, in bf16, whole to
@@ -258,12 +264,29 @@ class Muon(torch.optim.Muon):
     its share of the matrices twice per step, in bf16.
     """
 
+    def __init__(
+        self, params: Any, *args: Any, process_group: dist.ProcessGroup | None = None, **kwargs: Any
+    ) -> None:
+        """``torch.optim.Muon``'s arguments; ``process_group``: the ranks that hold the same
+        (replicated) parameters and share the orthogonalisations of a step (DDP's group)."""
+        super().__init__(params, *args, **kwargs)
+        self.process_group = process_group
+
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """One step (``closure`` as in ``torch.optim.Optimizer.step``)."""
         sharded = [isinstance(p, DTensor) for g in self.param_groups for p in g["params"]]
         if not any(sharded):
-            return super().step(closure)
+            group = self.process_group
+            if group is None or dist.get_world_size(group) == 1:
+                return super().step(closure)
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            todo = [(p, g) for g in self.param_groups for p in g["params"] if p.grad is not None]
+            self._replicated_step(todo, group)
+            return loss
         if not all(sharded):
             raise ValueError(
                 f"optim=muon got {sharded.count(False)} plain tensors among FSDP2's sharded "
@@ -277,6 +300,44 @@ class Muon(torch.optim.Muon):
         if todo:
             self._sharded_step(todo)
         return loss
+
+    def _replicated_step(self, todo: list[tuple[torch.Tensor, dict]], group: Any) -> None:
+        world, me = dist.get_world_size(group), dist.get_rank(group)
+        updates = []
+        for p, hyper in todo:  # every rank: the same momentum, as torch's step keeps it
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p.grad)
+            buf = state["momentum_buffer"]
+            buf.lerp_(p.grad, 1 - hyper["momentum"])
+            updates.append(p.grad.lerp(buf, hyper["momentum"]) if hyper["nesterov"] else buf)
+        for k, indices in enumerate(_deal([tuple(p.shape) for p, _ in todo], world)):
+            if not indices:
+                continue
+            if k == me:
+                flat = torch.cat(
+                    [
+                        newton_schulz(
+                            updates[i],
+                            todo[i][1]["ns_coefficients"],
+                            todo[i][1]["ns_steps"],
+                            todo[i][1]["eps"],
+                        ).reshape(-1)  # a copy for a tall matrix (its result is a view)
+                        for i in indices
+                    ]
+                )
+            else:
+                numel = sum(todo[i][0].numel() for i in indices)
+                flat = torch.empty(numel, dtype=torch.bfloat16, device=todo[indices[0]][0].device)
+            dist.broadcast(flat, src=dist.get_global_rank(group, k), group=group)
+            offset = 0
+            for i in indices:
+                p, hyper = todo[i]
+                ortho = flat[offset : offset + p.numel()].view(p.shape)
+                offset += p.numel()
+                lr = float(hyper["lr"])
+                p.mul_(1 - lr * hyper["weight_decay"])
+                p.add_(ortho, alpha=-lr * muon_lr_scale(p.shape, hyper["adjust_lr_fn"]))
 
     def _sharded_step(self, todo: list[tuple[DTensor, dict]]) -> None:
         mesh = todo[0][0].device_mesh
@@ -424,6 +485,7 @@ def build_optimizer(
         return adamw
     muon = Muon(
         [p for name, p in model.named_parameters() if name in muon_names],
+        process_group=model.process_group if isinstance(model, DistributedDataParallel) else None,
         lr=cfg.lr,
         weight_decay=cfg.weight_decay,
         momentum=float(cfg.momentum),

@@ -383,7 +383,7 @@ def _load_paper_checkpoint(
 
     from transformers import AutoTokenizer
 
-    from fot.convert import from_paper
+    from fot.convert import from_paper, pruning_note, read_config
     from fot.tokenizer import save_hf_tokenizer
 
     model = from_paper(p, dtype=dtype)
@@ -399,6 +399,9 @@ def _load_paper_checkpoint(
         "--text-escaping none and evaluate OUT",
         file=sys.stderr,
     )
+    note = pruning_note(read_config(p))
+    if note:
+        print(note, file=sys.stderr)
     return model.to(device).eval(), tokenizer
 
 

@@ -526,6 +526,19 @@ def copy_tokenizer(src: str | os.PathLike, out: str | os.PathLike, text_escaping
     return copied
 
 
+def pruning_note(cfg: Mapping[str, Any]) -> str | None:
+    """What a paper config's ``log_pruning_tolerance`` becomes in fot, or None without one."""
+    tolerance = cfg.get("log_pruning_tolerance")
+    if tolerance is None:
+        return None
+    return (
+        f"note: config.json sets log_pruning_tolerance={tolerance}, the paper's adaptive "
+        f"pruning (it drops attention weights up to a total of exp({tolerance}) per row); "
+        "fot skips only weights that are exactly zero in float32, so the converted model "
+        "computes the full attention"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m fot.convert SRC OUT``: write a checkpoint of the paper's code or of FLA's FoX
     as a fot export."""
@@ -575,14 +588,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     n = sum(p.numel() for p in model.parameters())
     print(f"wrote {out} ({n / 1e6:.1f}M parameters, model_type fot)")
-    tolerance = None if fla else source_config.get("log_pruning_tolerance")
-    if tolerance is not None:
-        print(
-            f"note: config.json sets log_pruning_tolerance={tolerance}, the paper's adaptive "
-            f"pruning (it drops attention weights up to a total of exp({tolerance}) per row); "
-            "fot skips only weights that are exactly zero in float32, so the converted model "
-            "computes the full attention"
-        )
+    note = None if fla else pruning_note(source_config)
+    if note:
+        print(note)
     if fla and not copied:
         print(
             f"{args.src} holds no tokenizer files: copy the tokenizer the model was trained "

@@ -449,13 +449,15 @@ def test_a_checkpoint_of_the_papers_code_is_converted_on_the_fly(variant, tmp_pa
     folder = tmp_path / variant
     folder.mkdir()
     config = json.loads((tiny / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, "vocab_size": EOT_ID + 1}))
+    config = {**config, "vocab_size": EOT_ID + 1, "log_pruning_tolerance": -10.0}
+    (folder / "config.json").write_text(json.dumps(config))
     state = load_file(tiny / "model.safetensors")
     for name in ("model.embeddings.weight", "lm_head.weight"):
         state[name] = F.pad(state[name], (0, 0, 0, EOT_ID + 1 - state[name].shape[0]))
     save_file(state, folder / "model.safetensors")
     model, tokenizer = load_checkpoint(folder, device="cpu", dtype="float32")
-    assert "converted on the fly" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "converted on the fly" in err and "log_pruning_tolerance=-10.0" in err
     ref = np.load(tiny / "reference.npz")
     with torch.no_grad():
         got = model(input_ids=torch.from_numpy(ref["input_ids"])).logits.float()[..., :96]

@@ -731,12 +731,13 @@ def _muon_cfg(**fields):
 
 def test_muon_takes_the_projection_matrices_and_adamw_the_rest() -> None:
     from fot import presets
-    from fot.training.optim import build_optimizer, muon_parameter_names
+    from fot.training.optim import Muon, build_optimizer, muon_parameter_names
 
     model = presets.build_model(presets.config("fot_pro", "tiny", num_hidden_layers=1))
     opt = build_optimizer(model, _muon_cfg(), device=torch.device("cpu"))
     muon, adamw = opt.optimizers
-    assert isinstance(muon, torch.optim.Muon) and isinstance(adamw, torch.optim.AdamW)
+    assert isinstance(muon, Muon) and isinstance(adamw, torch.optim.AdamW)
+    assert muon.process_group is None  # not under DDP: nothing to split
     names = {id(p): n for n, p in model.named_parameters()}
     in_muon = {names[id(p)] for g in muon.param_groups for p in g["params"]}
     layer = "model.layers.0."
@@ -765,6 +766,66 @@ def test_muon_takes_the_projection_matrices_and_adamw_the_rest() -> None:
 
     set_lr(opt, 0.5)
     assert {g["lr"] for g in muon.param_groups + adamw.param_groups} == {0.5}
+
+
+@pytest.mark.skipif(
+    not hasattr(torch.optim, "Muon"), reason="the oracle, torch.optim.Muon, needs torch >= 2.9"
+)
+def test_muon_steps_as_torch_optim_muon_bit_for_bit() -> None:
+    """fot's Muon in one process against torch.optim.Muon: the same weights and momentum, bit
+    for bit, after four steps, for tall and wide matrices, with and without Nesterov, both LR
+    rules and torch's defaults (no adjust_lr_fn); the same state_dict keys, so that
+    checkpoints of one load into the other."""
+    from fot.training.optim import Muon
+
+    torch.manual_seed(0)
+    mats = [torch.randn(9, 4), torch.randn(4, 9), torch.randn(6, 6)]
+    ours = [torch.nn.Parameter(m.clone()) for m in mats]
+    theirs = [torch.nn.Parameter(m.clone()) for m in mats]
+
+    def groups(params):
+        return [
+            {"params": params[:1], "adjust_lr_fn": "match_rms_adamw"},
+            {"params": params[1:2], "nesterov": False, "momentum": 0.9, "weight_decay": 0.0},
+            {"params": params[2:], "adjust_lr_fn": "original", "ns_steps": 3},
+        ]
+
+    opt, oracle = Muon(groups(ours), lr=0.03), torch.optim.Muon(groups(theirs), lr=0.03)
+    for _ in range(4):
+        for a, b in zip(ours, theirs, strict=True):
+            a.grad = torch.randn(a.shape)
+            b.grad = a.grad.clone()
+        opt.step()
+        oracle.step()
+    for a, b in zip(ours, theirs, strict=True):
+        assert torch.equal(a, b)
+        assert torch.equal(opt.state[a]["momentum_buffer"], oracle.state[b]["momentum_buffer"])
+    mine, torchs = opt.state_dict(), oracle.state_dict()
+    assert [sorted(g) for g in mine["param_groups"]] == [sorted(g) for g in torchs["param_groups"]]
+    assert mine["state"].keys() == torchs["state"].keys()
+    with pytest.raises(ValueError, match=r"Muon takes 2-D parameters only, got one of \(3,\)"):
+        Muon([torch.nn.Parameter(torch.zeros(3))])
+
+
+def test_muon_runs_on_a_torch_without_torch_optim_muon(tmp_path) -> None:
+    """optim=muon does not need torch.optim.Muon (torch >= 2.9): with it removed, as on torch
+    2.8, the trainer imports and a Muon step runs (it broke every run, AdamW's too, when fot's
+    Muon subclassed torch's)."""
+    script = (
+        "import torch\n"
+        "del torch.optim.Muon\n"
+        "import fot.training.trainer\n"
+        "from fot.training.optim import Muon\n"
+        "p = torch.nn.Parameter(torch.ones(3, 2)); p.grad = torch.ones(3, 2)\n"
+        "Muon([p], lr=0.1).step()\n"
+        "assert not torch.equal(p, torch.ones(3, 2))\n"
+        "print('stepped')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0 and "stepped" in proc.stdout, proc.stderr[-3000:]
 
 
 def test_muon_step_is_the_orthogonalised_update_by_hand() -> None:
@@ -824,6 +885,9 @@ def test_muon_run_resumes_exactly_and_refuses_another_optimizer(
     assert _losses(out) == muon_run  # exact float equality, every step
 
 
+@pytest.mark.skipif(
+    not hasattr(torch.optim, "Muon"), reason="the oracle, torch.optim.Muon, needs torch >= 2.9"
+)
 def test_muon_steps_fsdp_shards_as_torch_steps_whole_matrices(tmp_path) -> None:
     """fot's Muon on FSDP2's sharded parameters (two CPU processes, gloo; rows that do not
     split evenly, a rank without rows or matrices of its own) equals torch.optim.Muon on the whole matrices, bit for bit, in weights and

@@ -152,8 +152,8 @@ def check_wsd(cfg: ScheduleConfig) -> None:
 
 
 def check_muon(cfg: OptimConfig) -> None:
-    """Refuse Muon's fields outside ``optim.name=muon`` (they would be ignored), missing or
-    bad ones in it, and a torch without ``torch.optim.Muon``.
+    """Refuse Muon's fields outside ``optim.name=muon`` (they would be ignored), and missing or
+    bad ones in it.
 
     Raises:
         ValueError: naming the field and the fix.
@@ -162,11 +162,6 @@ def check_muon(cfg: OptimConfig) -> None:
     preset = "momentum 0.95, ns_steps 5, adjust_lr match_rms_adamw"
     if not _option_fields("optim", cfg.name, "muon", fields, preset):
         return
-    if not hasattr(torch.optim, "Muon"):
-        raise ValueError(
-            f"optim=muon needs torch.optim.Muon (torch >= 2.9); this is torch "
-            f"{torch.__version__}: upgrade torch or use optim=adamw"
-        )
     if not 0.0 <= cfg.momentum < 1.0:
         raise ValueError(f"optim.momentum={cfg.momentum} must be in [0, 1) (Muon's: 0.95)")
     if not 1 <= int(cfg.ns_steps) < 100:  # torch.optim.Muon refuses 100 and more
@@ -248,46 +243,62 @@ def muon_lr_scale(shape: torch.Size, rule: str | None) -> float:
     return math.sqrt(max(1.0, rows / cols))
 
 
-class Muon(torch.optim.Muon):
-    """``torch.optim.Muon`` that splits its orthogonalisations over the ranks.
+class Muon(torch.optim.Optimizer):
+    """Muon (Jordan et al. 2024): SGD with Nesterov momentum whose update matrices are
+    orthogonalised by :func:`newton_schulz`, with decoupled weight decay; the step of
+    ``torch.optim.Muon`` (torch >= 2.9: the same arguments, defaults and state, bit for bit
+    the same results; tested against it), for 2-D parameters only, on any torch fot supports,
+    with the orthogonalisations split over the ranks.
 
-    Without ``process_group`` (``single``) the plain tensors take torch's own step. With it
-    (``ddp``: every rank holds the same parameters and averaged gradients), every rank updates
-    the momentum of all matrices, orthogonalises only those dealt to it (:func:`_deal`) and
-    broadcasts the results, one broadcast per rank. Where the parameters are
-    DTensors (``fsdp``: rows sharded over a 1-D mesh), the momentum buffers stay sharded and
-    update on each rank's rows. The matrices are then dealt out to the ranks (largest first,
-    each to the least loaded); one all-to-all brings every matrix's update, in bf16, whole to
-    its rank, which orthogonalises it (:func:`newton_schulz`), and a second all-to-all sends
-    every rank its rows of the results. That is torch's step on the whole matrices, bit for
-    bit, with the orthogonalisation split over the ranks; each rank sends and receives about
-    its share of the matrices twice per step, in bf16.
+    With ``process_group`` (``ddp``: every rank holds the same parameters and averaged
+    gradients), every rank updates the momentum of all matrices, orthogonalises those dealt to
+    it (:func:`_deal`: by cost, largest first, each to the least loaded rank) and broadcasts the
+    results, one broadcast per rank. Where the parameters are DTensors (``fsdp``: rows sharded
+    over a 1-D mesh), the momentum buffers stay sharded and update on each rank's rows; one
+    all-to-all brings every matrix's update, in bf16, whole to its rank, which orthogonalises
+    it, and a second sends every rank its rows of the results (each rank sends and receives
+    about its share of the matrices twice per step, in bf16).
     """
 
     def __init__(
-        self, params: Any, *args: Any, process_group: dist.ProcessGroup | None = None, **kwargs: Any
+        self,
+        params: Any,
+        lr: float = 1e-3,
+        weight_decay: float = 0.1,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_coefficients: tuple[float, float, float] = (3.4445, -4.775, 2.0315),
+        eps: float = 1e-7,
+        ns_steps: int = 5,
+        adjust_lr_fn: str | None = None,
+        *,
+        process_group: dist.ProcessGroup | None = None,
     ) -> None:
-        """``torch.optim.Muon``'s arguments; ``process_group``: the ranks that hold the same
-        (replicated) parameters and share the orthogonalisations of a step (DDP's group)."""
-        super().__init__(params, *args, **kwargs)
+        """``torch.optim.Muon``'s arguments (``adjust_lr_fn``: see :func:`muon_lr_scale`);
+        ``process_group``: the ranks that hold the same (replicated) parameters and share the
+        orthogonalisations of a step (DDP's group)."""
+        defaults = {
+            "lr": lr,
+            "weight_decay": weight_decay,
+            "momentum": momentum,
+            "nesterov": nesterov,
+            "ns_coefficients": tuple(ns_coefficients),
+            "eps": eps,
+            "ns_steps": ns_steps,
+            "adjust_lr_fn": adjust_lr_fn,
+        }
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.ndim != 2:
+                    raise ValueError(f"Muon takes 2-D parameters only, got one of {tuple(p.shape)}")
         self.process_group = process_group
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """One step (``closure`` as in ``torch.optim.Optimizer.step``)."""
         sharded = [isinstance(p, DTensor) for g in self.param_groups for p in g["params"]]
-        if not any(sharded):
-            group = self.process_group
-            if group is None or dist.get_world_size(group) == 1:
-                return super().step(closure)
-            loss = None
-            if closure is not None:
-                with torch.enable_grad():
-                    loss = closure()
-            todo = [(p, g) for g in self.param_groups for p in g["params"] if p.grad is not None]
-            self._replicated_step(todo, group)
-            return loss
-        if not all(sharded):
+        if any(sharded) and not all(sharded):
             raise ValueError(
                 f"optim=muon got {sharded.count(False)} plain tensors among FSDP2's sharded "
                 "parameters: shard the whole model (fully_shard on its root) or none of it"
@@ -297,14 +308,19 @@ class Muon(torch.optim.Muon):
             with torch.enable_grad():
                 loss = closure()
         todo = [(p, g) for g in self.param_groups for p in g["params"] if p.grad is not None]
-        if todo:
+        if todo and any(sharded):
             self._sharded_step(todo)
+        elif todo:
+            self._replicated_step(todo, self.process_group)
         return loss
 
-    def _replicated_step(self, todo: list[tuple[torch.Tensor, dict]], group: Any) -> None:
-        world, me = dist.get_world_size(group), dist.get_rank(group)
+    def _replicated_step(
+        self, todo: list[tuple[torch.Tensor, dict]], group: dist.ProcessGroup | None
+    ) -> None:
+        world = dist.get_world_size(group) if group is not None else 1
+        me = dist.get_rank(group) if group is not None else 0
         updates = []
-        for p, hyper in todo:  # every rank: the same momentum, as torch's step keeps it
+        for p, hyper in todo:  # every rank: the momentum of every matrix
             state = self.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p.grad)
@@ -315,29 +331,31 @@ class Muon(torch.optim.Muon):
             if not indices:
                 continue
             if k == me:
-                flat = torch.cat(
-                    [
-                        newton_schulz(
-                            updates[i],
-                            todo[i][1]["ns_coefficients"],
-                            todo[i][1]["ns_steps"],
-                            todo[i][1]["eps"],
-                        ).reshape(-1)  # a copy for a tall matrix (its result is a view)
-                        for i in indices
-                    ]
-                )
-            else:
-                numel = sum(todo[i][0].numel() for i in indices)
-                flat = torch.empty(numel, dtype=torch.bfloat16, device=todo[indices[0]][0].device)
-            dist.broadcast(flat, src=dist.get_global_rank(group, k), group=group)
-            offset = 0
-            for i in indices:
+                results = [
+                    newton_schulz(
+                        updates[i],
+                        todo[i][1]["ns_coefficients"],
+                        todo[i][1]["ns_steps"],
+                        todo[i][1]["eps"],
+                    )
+                    for i in indices
+                ]
+            if world > 1:  # from rank k to all, as one flat buffer
+                if k == me:  # reshape: a copy for a tall matrix (its result is a view)
+                    flat = torch.cat([r.reshape(-1) for r in results])
+                else:
+                    numel = sum(todo[i][0].numel() for i in indices)
+                    device = todo[indices[0]][0].device
+                    flat = torch.empty(numel, dtype=torch.bfloat16, device=device)
+                dist.broadcast(flat, src=dist.get_global_rank(group, k), group=group)
+                results = list(flat.split([todo[i][0].numel() for i in indices]))
+            for i, ortho in zip(indices, results, strict=True):
                 p, hyper = todo[i]
-                ortho = flat[offset : offset + p.numel()].view(p.shape)
-                offset += p.numel()
                 lr = float(hyper["lr"])
                 p.mul_(1 - lr * hyper["weight_decay"])
-                p.add_(ortho, alpha=-lr * muon_lr_scale(p.shape, hyper["adjust_lr_fn"]))
+                p.add_(
+                    ortho.view(p.shape), alpha=-lr * muon_lr_scale(p.shape, hyper["adjust_lr_fn"])
+                )
 
     def _sharded_step(self, todo: list[tuple[DTensor, dict]]) -> None:
         mesh = todo[0][0].device_mesh

@@ -32,7 +32,7 @@ BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 def bench():
     """The benchmark modules (``benchmarks/`` is a folder of scripts, not a package)."""
     names = ("flops", "train_throughput", "decode", "scaling", "pruning", "fused_ops", "attention",
-             "data_read")  # fmt: skip
+             "data_read", "optimizer_step")  # fmt: skip
     sys.path.insert(0, str(BENCH))
     try:
         yield {name: importlib.import_module(name) for name in names}
@@ -871,3 +871,39 @@ def test_data_read_benchmark_reads_the_same_tokens_every_way(bench, capsys, monk
     with pytest.raises(SystemExit):
         data_read.main(["--chunks", "3y"])
     assert "'3y' is not ROWSxCOLUMNS" in capsys.readouterr().err
+
+
+def test_optimizer_step_benchmark_times_every_optimizer_and_compares_the_muons(
+    bench, tmp_path, capsys
+) -> None:
+    """benchmarks/optimizer_step.py on the CPU: a row per optimizer; fot's Muon and
+    torch.optim.Muon end at the same weights; the Newton-Schulz FLOPs by hand count."""
+    from fot import presets
+    from fot.training.optim import muon_parameter_names
+
+    ob = bench["optimizer_step"]
+    # by hand: a 2 x 3 matrix, 5 iterations of X Xt (2*4*3), A A (2*8) and (.) X (2*4*3)
+    assert ob.newton_schulz_flops([(2, 3)]) == ob.newton_schulz_flops([(3, 2)]) == 5 * 64
+    out = tmp_path / "res.json"
+    args = ["--device", "cpu", "--size", "tiny", "--steps", "2", "--warmup", "1"]
+    payload = ob.main([*args, "--out", str(out)])
+    rows = {r["optimizer"]: r for r in payload["results"]}
+    assert list(rows) == ["adamw", "muon", "torch_muon"]
+    assert json.loads(out.read_text())["results"] == json.loads(json.dumps(payload["results"]))
+    assert rows["torch_muon"]["same_as_muon"] is True
+    model = presets.build_model(presets.config("fot_pro", "tiny"))
+    shapes = [
+        tuple(p.shape) for n, p in model.named_parameters() if n in muon_parameter_names(model)
+    ]
+    assert rows["muon"]["muon_matrices"] == len(shapes) > 0 and rows["adamw"]["muon_matrices"] == 0
+    flops = ob.newton_schulz_flops(shapes)
+    assert rows["muon"]["newton_schulz_gflop"] == pytest.approx(flops / 1e9)
+    for r in rows.values():
+        assert len(r["step_ms_all"]) == 2 and r["step_ms"] > 0 and "_weights" not in r
+    # AdamW keeps two moments per parameter, Muon one buffer for its matrices
+    assert rows["muon"]["state_gib"] < rows["adamw"]["state_gib"]
+    assert capsys.readouterr().out.splitlines()[-1].startswith("| torch_muon |")
+    with pytest.raises(SystemExit, match="exists"):
+        ob.main([*args, "--out", str(out)])
+    with pytest.raises(SystemExit):
+        ob.main(["--optims", "sgd"])

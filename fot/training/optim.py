@@ -319,43 +319,38 @@ class Muon(torch.optim.Optimizer):
     ) -> None:
         world = dist.get_world_size(group) if group is not None else 1
         me = dist.get_rank(group) if group is not None else 0
-        updates = []
-        for p, hyper in todo:  # every rank: the momentum of every matrix
+        owned = _deal([tuple(p.shape) for p, _ in todo], world)
+        mine = set(owned[me])
+        results: dict[int, torch.Tensor] = {}
+        for i, (p, hyper) in enumerate(todo):  # every rank: the momentum of every matrix
             state = self.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p.grad)
             buf = state["momentum_buffer"]
             buf.lerp_(p.grad, 1 - hyper["momentum"])
-            updates.append(p.grad.lerp(buf, hyper["momentum"]) if hyper["nesterov"] else buf)
-        for k, indices in enumerate(_deal([tuple(p.shape) for p, _ in todo], world)):
+            if i not in mine:
+                continue
+            update = p.grad.lerp(buf, hyper["momentum"]) if hyper["nesterov"] else buf
+            ortho = newton_schulz(update, hyper["ns_coefficients"], hyper["ns_steps"], hyper["eps"])
+            if world == 1:  # applied at once, matrix by matrix (as torch's step: less memory)
+                _apply(p, ortho, hyper)
+            else:
+                results[i] = ortho
+        if world == 1:
+            return
+        for k, indices in enumerate(owned):  # from rank k to all, as one flat buffer
             if not indices:
                 continue
-            if k == me:
-                results = [
-                    newton_schulz(
-                        updates[i],
-                        todo[i][1]["ns_coefficients"],
-                        todo[i][1]["ns_steps"],
-                        todo[i][1]["eps"],
-                    )
-                    for i in indices
-                ]
-            if world > 1:  # from rank k to all, as one flat buffer
-                if k == me:  # reshape: a copy for a tall matrix (its result is a view)
-                    flat = torch.cat([r.reshape(-1) for r in results])
-                else:
-                    numel = sum(todo[i][0].numel() for i in indices)
-                    device = todo[indices[0]][0].device
-                    flat = torch.empty(numel, dtype=torch.bfloat16, device=device)
-                dist.broadcast(flat, src=dist.get_global_rank(group, k), group=group)
-                results = list(flat.split([todo[i][0].numel() for i in indices]))
-            for i, ortho in zip(indices, results, strict=True):
-                p, hyper = todo[i]
-                lr = float(hyper["lr"])
-                p.mul_(1 - lr * hyper["weight_decay"])
-                p.add_(
-                    ortho.view(p.shape), alpha=-lr * muon_lr_scale(p.shape, hyper["adjust_lr_fn"])
-                )
+            if k == me:  # reshape: a copy for a tall matrix (its result is a view)
+                flat = torch.cat([results.pop(i).reshape(-1) for i in indices])
+            else:
+                numel = sum(todo[i][0].numel() for i in indices)
+                device = todo[indices[0]][0].device
+                flat = torch.empty(numel, dtype=torch.bfloat16, device=device)
+            dist.broadcast(flat, src=dist.get_global_rank(group, k), group=group)
+            sizes = [todo[i][0].numel() for i in indices]
+            for i, ortho in zip(indices, flat.split(sizes), strict=True):
+                _apply(todo[i][0], ortho.view(todo[i][0].shape), todo[i][1])
 
     def _sharded_step(self, todo: list[tuple[DTensor, dict]]) -> None:
         mesh = todo[0][0].device_mesh
@@ -411,12 +406,17 @@ class Muon(torch.optim.Optimizer):
                 local = p.to_local()
                 ortho = mine_rows[offset : offset + size[i]].view(chunk[i], shapes[i][1])
                 offset += size[i]
-                lr = float(hyper["lr"])
-                local.mul_(1 - lr * hyper["weight_decay"])
-                local.add_(
-                    ortho[: local.shape[0]],
-                    alpha=-lr * muon_lr_scale(p.shape, hyper["adjust_lr_fn"]),
-                )
+                _apply(local, ortho[: local.shape[0]], hyper, p.shape)
+
+
+def _apply(
+    p: torch.Tensor, ortho: torch.Tensor, hyper: dict, shape: torch.Size | None = None
+) -> None:
+    """Decoupled weight decay, then the orthogonalised update at the LR scaled for the whole
+    matrix's ``shape`` (``p``'s own unless ``p`` is a shard of it)."""
+    lr = float(hyper["lr"])
+    p.mul_(1 - lr * hyper["weight_decay"])
+    p.add_(ortho, alpha=-lr * muon_lr_scale(shape or p.shape, hyper["adjust_lr_fn"]))
 
 
 def _deal(shapes: list[tuple[int, int]], world: int) -> list[list[int]]:

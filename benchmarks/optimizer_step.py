@@ -35,6 +35,7 @@ if str(_HERE) not in sys.path:  # sibling modules when imported from elsewhere
 
 from train_throughput import (  # noqa: E402
     check_out_file,
+    interrupted_note,
     log,
     no_gpu_message,
     resolve_device,
@@ -151,7 +152,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {r['optimizer']} | {r['step_ms']:.1f} | {r['state_gib']:.2f} | "
             f"{r['muon_matrices']} | {r['newton_schulz_gflop']:,.1f} | "
-            f"{'—' if rate is None else f'{rate:.0f}'} | {'—' if same is None else same} |"
+            f"{'—' if rate is None else f'{rate:.3g}'} | {'—' if same is None else same} |"
         )
     return "\n".join(lines)
 
@@ -174,8 +175,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.optims = [o for o in args.optims.split(",") if o]
     bad = [o for o in args.optims if o not in OPTIMIZERS]
-    if bad or not args.optims:
-        p.error(f"--optims {bad or args.optims}: choose from {','.join(OPTIMIZERS)}")
+    if bad or not args.optims or len(set(args.optims)) < len(args.optims):
+        p.error(f"--optims {bad or args.optims}: choose each of {','.join(OPTIMIZERS)} once")
     if "torch_muon" in args.optims and not hasattr(torch.optim, "Muon"):
         p.error(
             f"--optims torch_muon needs torch.optim.Muon (torch >= 2.9), not {torch.__version__}"
@@ -190,9 +191,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def check_writable(path: str | None) -> None:
+    """Stop before measuring when ``path`` cannot be written (its folder is made)."""
+    if path is None:
+        return
+    probe = Path(path).with_name(Path(path).name + ".tmp")
+    try:
+        probe.parent.mkdir(parents=True, exist_ok=True)
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise SystemExit(f"--out {path} cannot be written ({err}): give a writable path") from None
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     check_out_file(args.out)
+    check_writable(args.out)
     device = resolve_device(
         args.device,
         cpu_refused=no_gpu_message(
@@ -200,9 +215,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ),
     )
     rows = []
-    for name in args.optims:
-        log(f"[{name}] {args.model} {args.size} on {device}")
-        rows.append(measure(name, args, device))
+    try:
+        for name in args.optims:
+            log(f"[{name}] {args.model} {args.size} on {device}")
+            rows.append(measure(name, args, device))
+    except KeyboardInterrupt:
+        log(interrupted_note("the optimizer steps", len(rows), args.out))
+    if not rows:
+        raise SystemExit(130)
     weights = {r["optimizer"]: r.pop("_weights") for r in rows}
     if "muon" in weights and "torch_muon" in weights:
         pairs = zip(weights["muon"], weights["torch_muon"], strict=True)

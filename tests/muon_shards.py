@@ -72,6 +72,18 @@ for _ in range(2):
     lone.weight.grad = distribute_tensor(grad.clone(), lone.weight.device_mesh, [Shard(0)])
     lone_opt.step()
     lone_whole_opt.step()
+# bf16 parameters, replicated: tall results are applied as torch applies them (a strided
+# view; a bf16 add_ on the CPU rounds a contiguous copy differently)
+low = [torch.nn.Parameter(torch.randn(shape).bfloat16()) for shape in ((12, 5), (5, 7), (7, 5))]
+low_whole = [torch.nn.Parameter(t.detach().clone()) for t in low]
+low_opt = Muon(low, lr=0.05, process_group=dist.group.WORLD)
+low_whole_opt = torch.optim.Muon(low_whole, lr=0.05)
+for _ in range(3):
+    for a, b in zip(low, low_whole, strict=True):
+        a.grad = torch.randn(a.shape).bfloat16()
+        b.grad = a.grad.clone()
+    low_opt.step()
+    low_whole_opt.step()
 mixed = Muon([model[0].weight, torch.nn.Parameter(torch.zeros(3, 4))])
 mixed.param_groups[0]["params"][1].grad = torch.zeros(3, 4)
 try:
@@ -92,6 +104,8 @@ result = {
         replicated_opt.state[r]["momentum_buffer"] for r in replicated.parameters()
     ],
     "orthogonalised": orthogonalised,
+    "bf16_replicated": [t.detach() for t in low],
+    "bf16_whole": [t.detach() for t in low_whole],
     "local_rows": [*local_rows, lone.weight.to_local().shape[0]],
     "mixed_refused": refused,
 }

@@ -907,3 +907,9 @@ def test_optimizer_step_benchmark_times_every_optimizer_and_compares_the_muons(
         ob.main([*args, "--out", str(out)])
     with pytest.raises(SystemExit):
         ob.main(["--optims", "sgd"])
+    with pytest.raises(SystemExit):  # twice: its rows would be indistinguishable
+        ob.main(["--optims", "muon,muon"])
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    with pytest.raises(SystemExit, match="cannot be written"):  # before anything is measured
+        ob.main([*args, "--optims", "adamw", "--out", str(blocker / "res.json")])

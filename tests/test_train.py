@@ -683,14 +683,21 @@ def test_branch_from_edge_cases_name_the_branch(tmp_path, caplog) -> None:
     with pytest.raises(CorruptCheckpointError) as corrupt:
         train(_cfg(other, f"branch_from={broken}"))
     assert str(corrupt.value).startswith(f"branch_from: checkpoint {broken} is corrupt")
-    assert "Branch from another checkpoint of that run" in str(corrupt.value)
+    assert "That run has no other readable checkpoint" in str(corrupt.value)
     assert "resume=auto" not in str(corrupt.value)
-    # the same for its trainer.json, which is read first (it said resume=never)
+    # the same for its trainer.json, which is read first (it said resume=never); the way out
+    # names a readable checkpoint of that run, not a broken one
+    shutil.copytree(step4, broken.parent / "step_00000004")
+    shutil.copytree(step4, broken.parent / "step_00000006")
+    (broken.parent / "step_00000006" / "trainer.json").write_text("{not json")
     (broken / "trainer.json").write_text('{"step": 2, "tok')
     with pytest.raises(CorruptCheckpointError) as corrupt:
         train(_cfg(other, f"branch_from={broken}"))
     assert str(corrupt.value).startswith(f"branch_from: checkpoint {broken} is corrupt")
     assert "cannot read trainer.json" in str(corrupt.value)
+    assert str(corrupt.value).endswith(
+        f"e.g. branch_from={broken.parent / 'step_00000004'} (its readable ones: step_00000004)"
+    )
     assert "resume=" not in str(corrupt.value)
     # Ctrl-C before the branch's first checkpoint: a rerun starts from branch_from again
     assert interrupted_message(tmp_path / "none", "auto", str(step2)).endswith(
@@ -803,8 +810,21 @@ def test_muon_steps_as_torch_optim_muon_bit_for_bit() -> None:
     mine, torchs = opt.state_dict(), oracle.state_dict()
     assert [sorted(g) for g in mine["param_groups"]] == [sorted(g) for g in torchs["param_groups"]]
     assert mine["state"].keys() == torchs["state"].keys()
-    with pytest.raises(ValueError, match=r"Muon takes 2-D parameters only, got one of \(3,\)"):
+    with pytest.raises(ValueError, match=r"Muon takes real 2-D parameters only, got one of \(3,\)"):
         Muon([torch.nn.Parameter(torch.zeros(3))])
+    # torch.optim.Muon refuses each of these, when built or at its first step
+    one = [torch.nn.Parameter(torch.zeros(2, 2))]
+    for kwargs, message in (
+        ({"lr": -1.0}, "lr must be >= 0"),
+        ({"momentum": -0.5}, "momentum must be >= 0"),
+        ({"weight_decay": -0.1}, "weight_decay must be >= 0"),
+        ({"adjust_lr_fn": "foo"}, "adjust_lr_fn='foo' is not one of"),
+        ({"ns_steps": 100}, "1 to 99 ns_steps"),
+        ({"ns_coefficients": (1.0, 2.0)}, "3 ns_coefficients"),
+        ({"lr": torch.tensor([0.1, 0.2])}, "1-element tensor"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            Muon(one, **kwargs)
 
 
 def test_muon_runs_on_a_torch_without_torch_optim_muon(tmp_path) -> None:
@@ -908,6 +928,8 @@ def test_muon_steps_fsdp_shards_as_torch_steps_whole_matrices(tmp_path) -> None:
             assert all(torch.equal(a, b) for a, b in pairs), key
             pairs = zip(res[f"replicated{key}"], res[f"whole{key}"][:3], strict=True)
             assert all(torch.equal(a, b) for a, b in pairs), key
+        pairs = zip(res["bf16_replicated"], res["bf16_whole"], strict=True)
+        assert all(torch.equal(a, b) for a, b in pairs)
     # replicated (DDP): the 12 x 5 matrix (the costliest) on rank 0, the other two on rank 1
     assert ranks[0]["orthogonalised"] == [(12, 5)] * 3
     assert ranks[1]["orthogonalised"] == [(7, 5), (5, 7)] * 3

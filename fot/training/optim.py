@@ -223,7 +223,9 @@ def newton_schulz(
         (rows, cols) bf16 matrix with singular values near 1.
     """
     a, b, c = coefficients
-    x = update.bfloat16()
+    # a copy also of a bf16 input (torch's Muon normalises that one in place: with bf16
+    # parameters and no Nesterov, the momentum buffer itself)
+    x = update.to(torch.bfloat16, copy=True)
     tall = update.size(0) > update.size(1)
     if tall:
         x = x.T
@@ -246,9 +248,11 @@ def muon_lr_scale(shape: torch.Size, rule: str | None) -> float:
 class Muon(torch.optim.Optimizer):
     """Muon (Jordan et al. 2024): SGD with Nesterov momentum whose update matrices are
     orthogonalised by :func:`newton_schulz`, with decoupled weight decay; the step of
-    ``torch.optim.Muon`` (torch >= 2.9: the same arguments, defaults and state, bit for bit
-    the same results; tested against it), for 2-D parameters only, on any torch fot supports,
-    with the orthogonalisations split over the ranks.
+    ``torch.optim.Muon`` (torch >= 2.9: the same arguments, defaults, checks and state, bit for
+    bit the same results for float32 parameters, fot's master weights; tested against it), for
+    2-D parameters only, on any torch fot supports, with the orthogonalisations split over the
+    ranks. (With bf16 parameters and ``nesterov=False`` torch's step also normalises the
+    momentum buffer in place, its iteration starting on the buffer itself; fot's does not.)
 
     With ``process_group`` (``ddp``: every rank holds the same parameters and averaged
     gradients), every rank updates the momentum of all matrices, orthogonalises those dealt to
@@ -277,6 +281,20 @@ class Muon(torch.optim.Optimizer):
         """``torch.optim.Muon``'s arguments (``adjust_lr_fn``: see :func:`muon_lr_scale`);
         ``process_group``: the ranks that hold the same (replicated) parameters and share the
         orthogonalisations of a step (DDP's group)."""
+        if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+            raise ValueError(f"Muon's lr must be a number or a 1-element tensor, got {lr.numel()}")
+        for name, value in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay)):
+            if not float(value) >= 0:
+                raise ValueError(f"Muon's {name} must be >= 0, got {float(value)}")
+        if adjust_lr_fn not in (None, *MUON_ADJUST_LR):
+            raise ValueError(
+                f"Muon's adjust_lr_fn={adjust_lr_fn!r} is not one of {[None, *MUON_ADJUST_LR]}"
+            )
+        if len(ns_coefficients) != 3 or not 1 <= int(ns_steps) < 100:
+            raise ValueError(
+                f"Muon takes 3 ns_coefficients and 1 to 99 ns_steps, got {len(ns_coefficients)} "
+                f"and {ns_steps}"
+            )
         defaults = {
             "lr": lr,
             "weight_decay": weight_decay,
@@ -290,8 +308,11 @@ class Muon(torch.optim.Optimizer):
         super().__init__(params, defaults)
         for group in self.param_groups:
             for p in group["params"]:
-                if p.ndim != 2:
-                    raise ValueError(f"Muon takes 2-D parameters only, got one of {tuple(p.shape)}")
+                if p.ndim != 2 or torch.is_complex(p):
+                    raise ValueError(
+                        f"Muon takes real 2-D parameters only, got one of {tuple(p.shape)} "
+                        f"({p.dtype})"
+                    )
         self.process_group = process_group
 
     @torch.no_grad()
@@ -341,16 +362,22 @@ class Muon(torch.optim.Optimizer):
         for k, indices in enumerate(owned):  # from rank k to all, as one flat buffer
             if not indices:
                 continue
-            if k == me:  # reshape: a copy for a tall matrix (its result is a view)
-                flat = torch.cat([results.pop(i).reshape(-1) for i in indices])
+            # a tall matrix's result travels in the iteration's (wide, contiguous) orientation
+            # and is applied as its transpose: a strided view, as torch's step applies it
+            # (a low-precision add_ can round a strided input differently)
+            wide = [_wide(todo[i][0].shape) for i in indices]
+            if k == me:
+                flat = torch.cat([_as_wide(results.pop(i)).reshape(-1) for i in indices])
             else:
                 numel = sum(todo[i][0].numel() for i in indices)
                 device = todo[indices[0]][0].device
                 flat = torch.empty(numel, dtype=torch.bfloat16, device=device)
             dist.broadcast(flat, src=dist.get_global_rank(group, k), group=group)
             sizes = [todo[i][0].numel() for i in indices]
-            for i, ortho in zip(indices, flat.split(sizes), strict=True):
-                _apply(todo[i][0], ortho.view(todo[i][0].shape), todo[i][1])
+            for i, part, shape in zip(indices, flat.split(sizes), wide, strict=True):
+                p = todo[i][0]
+                ortho = part.view(shape) if shape == tuple(p.shape) else part.view(shape).T
+                _apply(p, ortho, todo[i][1])
 
     def _sharded_step(self, todo: list[tuple[DTensor, dict]]) -> None:
         mesh = todo[0][0].device_mesh
@@ -417,6 +444,17 @@ def _apply(
     lr = float(hyper["lr"])
     p.mul_(1 - lr * hyper["weight_decay"])
     p.add_(ortho, alpha=-lr * muon_lr_scale(shape or p.shape, hyper["adjust_lr_fn"]))
+
+
+def _wide(shape: torch.Size) -> tuple[int, int]:
+    """``(rows, cols)`` with rows ≤ cols: the orientation :func:`newton_schulz` iterates in."""
+    rows, cols = shape
+    return (rows, cols) if rows <= cols else (cols, rows)
+
+
+def _as_wide(ortho: torch.Tensor) -> torch.Tensor:
+    """:func:`newton_schulz`'s result in the wide orientation (contiguous: no copy)."""
+    return ortho if ortho.size(0) <= ortho.size(1) else ortho.T
 
 
 def _deal(shapes: list[tuple[int, int]], world: int) -> list[list[int]]:

@@ -519,10 +519,19 @@ _SCHEDULE_FIELDS = ("name", "warmup_tokens", "min_lr_ratio", "decay_fraction", "
 def _branch_error(err: ckpt.CorruptCheckpointError, branching: Path) -> ckpt.CorruptCheckpointError:
     """``err`` of the ``branch_from`` checkpoint, with the way out of a branch: not "move it
     away and rerun with resume=auto" (it is another run's checkpoint) but another one of it."""
-    return ckpt.CorruptCheckpointError(
-        f"branch_from: {err.what}. Branch from another checkpoint of that run "
-        f"(branch_from={branching.parent}/step_...)"
+    readable = []
+    for other in ckpt.list_checkpoints(branching.parent):
+        if other.resolve() != branching.resolve():
+            with contextlib.suppress(Exception):
+                ckpt.read_trainer_state(other)
+                readable.append(other)
+    way_out = (
+        f"Branch from another checkpoint of that run, e.g. branch_from={readable[-1]} (its "
+        f"readable ones: {', '.join(c.name for c in readable)})"
+        if readable
+        else "That run has no other readable checkpoint: start the run without branch_from"
     )
+    return ckpt.CorruptCheckpointError(f"branch_from: {err.what}. {way_out}")
 
 
 def check_resume(

@@ -191,23 +191,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def check_writable(path: str | None) -> None:
-    """Stop before measuring when ``path`` cannot be written (its folder is made)."""
-    if path is None:
-        return
-    probe = Path(path).with_name(Path(path).name + ".tmp")
-    try:
-        probe.parent.mkdir(parents=True, exist_ok=True)
-        probe.write_text("")
-        probe.unlink()
-    except OSError as err:
-        raise SystemExit(f"--out {path} cannot be written ({err}): give a writable path") from None
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     check_out_file(args.out)
-    check_writable(args.out)
     device = resolve_device(
         args.device,
         cpu_refused=no_gpu_message(

@@ -53,6 +53,7 @@ import math
 import os
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -699,11 +700,13 @@ def check_out_file(path: str | os.PathLike | None, flag: str = "--out") -> None:
     """Refuse, before anything is measured, an output file that would lose data or fail late.
 
     An existing file holds an earlier run's results (the scripts rewrite ``--out`` as they go,
-    so the first rewrite would erase them); a folder cannot be written as a file. A missing
-    parent folder is fine (it is created).
+    so the first rewrite would erase them); a folder cannot be written as a file; nor can a
+    path under a file, or in a folder where no file can be made (probed with a temporary file
+    in the nearest existing folder, which is removed). A missing parent folder is fine (it is
+    created when the results are written).
 
     Raises:
-        SystemExit: ``path`` is an existing file or a folder.
+        SystemExit: ``path`` is an existing file or a folder, or cannot be written.
     """
     if path is None:
         return
@@ -715,6 +718,16 @@ def check_out_file(path: str | os.PathLike | None, flag: str = "--out") -> None:
             f"{flag} {path} exists (an earlier run's results, which this run would overwrite): "
             "give a new path, or move or delete the file first"
         )
+    folder = path.absolute().parent
+    while not folder.exists():
+        folder = folder.parent
+    try:
+        if not folder.is_dir():
+            raise NotADirectoryError(f"{folder} is a file")
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as err:
+        raise SystemExit(f"{flag} {path} cannot be written ({err}): give a writable path") from None
 
 
 def interrupted_note(what: str, done: int, out: str | None) -> str:

@@ -287,10 +287,10 @@ def load_checkpoint(
     """Load an exported checkpoint folder with ``AutoModelForCausalLM``/``AutoTokenizer``.
 
     ``import fot`` runs first so that FoT model types are registered with the Auto classes. A
-    FoX or Transformer checkpoint folder of the paper's code (zhixuan-lin/forgetting-
-    transformer, which loads only with its package) is converted on the fly, as ``python -m
-    fot.convert`` converts it (GPT-2 tokenizer, JSON text escaping as LongCrawl64's), with a
-    note on stderr.
+    checkpoint folder of the paper's code (zhixuan-lin/forgetting-transformer, which loads only
+    with its package: FoX, Transformer, DeltaNet, HGRN2, Mamba-2) is converted on the fly, as
+    ``python -m fot.convert`` converts it (GPT-2 tokenizer, JSON text escaping as
+    LongCrawl64's), with a note on stderr.
 
     Args:
         path: folder with ``config.json``, weights and a tokenizer (a paper checkpoint: no
@@ -388,7 +388,7 @@ def _load_paper_checkpoint(
 
     model = from_paper(p, dtype=dtype)
     with tempfile.TemporaryDirectory() as tmp:
-        max_len = model.config.max_position_embeddings
+        max_len = getattr(model.config, "max_position_embeddings", None)  # Mamba-2 has none
         save_hf_tokenizer(tmp, model_max_length=max_len, text_escaping="json")
         tokenizer = AutoTokenizer.from_pretrained(tmp)
     _record_model_vocab(tokenizer, model.config.vocab_size)

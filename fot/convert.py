@@ -9,10 +9,11 @@ and the sliding-window Transformer). :func:`from_paper` reads such a folder (con
 weights, no code of the paper's package needed) into a :class:`fot.FoTForCausalLM` that
 computes the same function; ``python -m fot.convert SRC OUT`` writes it as a fot export, which
 ``fot.eval`` and ``AutoModelForCausalLM`` (after ``import fot``) load like any other. The
-paper's recurrent baselines (Mamba-2, HGRN2, DeltaNet, Samba) are other model types and are
-refused. :func:`from_fla` does the same for flash-linear-attention's FoX (model type
-``forgetting_transformer``, e.g. trained with FLA's flame), whose export keeps the folder's
-own tokenizer files.
+paper's recurrent baselines DeltaNet, HGRN2 and Mamba-2 (``delta_net-project_fox``, ...)
+become fot's FLA baselines of the same names (:func:`fla_config_from_paper`), whose folders
+load with ``trust_remote_code=True``; its Samba is refused. :func:`from_fla` does the same for
+flash-linear-attention's FoX (model type ``forgetting_transformer``, e.g. trained with FLA's
+flame), whose export keeps the folder's own tokenizer files.
 
 The weights map one to one, renamed: the paper's fused MLP input projection is split into
 fot's gate and up projections, its shift projections (``k_proj.shift_proj``) become
@@ -20,7 +21,9 @@ fot's gate and up projections, its shift projections (``k_proj.shift_proj``) bec
 becomes a copy of the embedding, and the embedding and LM head get fot's padded vocabulary
 rows (zeros; their logits are cut off). FLA's FoX names its weights as fot does but for the
 gate (``f_proj``: ``fgate_proj``), the norms (``attn_norm``, ``mlp_norm``) and the q/k norm
-weights (one vector over the heads: ``[heads, head_dim]``).
+weights (one vector over the heads: ``[heads, head_dim]``). The paper's baselines keep FLA's
+names; their fused MLP input projection is split the same way, and HGRN2's ``lower_bounds``
+is dropped (the paper's HGRN2 never applies it: :func:`fla_config_from_paper`).
 """
 
 from __future__ import annotations
@@ -45,7 +48,18 @@ PAPER_TRANSFORMER_MODEL_TYPE = "transformer-project_fox"
 """``model_type`` in the config.json of the paper's Transformer (LLaMA) and sliding-window
 Transformer checkpoints (its ``TransformerForCausalLM``: RoPE, no forget gate, GQA)."""
 
-PAPER_MODEL_TYPES = (PAPER_MODEL_TYPE, PAPER_TRANSFORMER_MODEL_TYPE)
+PAPER_BASELINE_MODEL_TYPES: dict[str, str] = {
+    "delta_net-project_fox": "deltanet",
+    "hgrn2-project_fox": "hgrn2",
+    "mamba2-project_fox": "mamba2",
+}
+"""``model_type`` of the paper's recurrent baselines that convert, and fot's FLA baseline each
+becomes (``model=deltanet``, ...)."""
+
+PAPER_SAMBA_MODEL_TYPE = "samba-project_fox"
+"""``model_type`` of the paper's Samba, which fot does not convert."""
+
+PAPER_MODEL_TYPES = (PAPER_MODEL_TYPE, PAPER_TRANSFORMER_MODEL_TYPE, *PAPER_BASELINE_MODEL_TYPES)
 """The paper's model types that convert."""
 
 FLA_MODEL_TYPE = "forgetting_transformer"
@@ -126,12 +140,16 @@ def fot_config_from_paper(cfg: Mapping[str, Any]) -> Any:
 
     _check_config_object(cfg)
     model_type = cfg.get("model_type")
+    if model_type in PAPER_BASELINE_MODEL_TYPES:
+        return fla_config_from_paper(cfg)
+    if model_type == PAPER_SAMBA_MODEL_TYPE:
+        raise ConversionError(_SAMBA_REFUSAL)
     if model_type not in PAPER_MODEL_TYPES:
         raise ConversionError(
-            f"config.json has model_type {model_type!r}, not one of the paper's attention "
-            f"models {PAPER_MODEL_TYPE!r} (FoX, Transformer (Pro)) or "
-            f"{PAPER_TRANSFORMER_MODEL_TYPE!r} (Transformer (LLaMA), sliding window): only "
-            "those convert (the paper's recurrent baselines are FLA models of other types)"
+            f"config.json has model_type {model_type!r}, not one of the paper's models: "
+            f"{PAPER_MODEL_TYPE!r} (FoX, Transformer (Pro)), {PAPER_TRANSFORMER_MODEL_TYPE!r} "
+            "(Transformer (LLaMA), sliding window) or its recurrent baselines "
+            f"{', '.join(repr(t) for t in PAPER_BASELINE_MODEL_TYPES)}"
         )
     transformer = model_type == PAPER_TRANSFORMER_MODEL_TYPE
     # attention_bias and elementwise_affine are in the paper's config but no FoX module reads
@@ -189,6 +207,209 @@ def fot_config_from_paper(cfg: Mapping[str, Any]) -> Any:
         bos_token_id=cfg.get("bos_token_id") if cfg.get("bos_token_id") is not None else EOT_ID,
         eos_token_id=cfg.get("eos_token_id") if cfg.get("eos_token_id") is not None else EOT_ID,
     )
+
+
+_SAMBA_REFUSAL = (
+    "config.json has model_type 'samba-project_fox', the paper's Samba, which fot does not "
+    "convert: fot's samba is FLA's, whose attention layers need the flash-attn package, and "
+    "no conversion of it has been checked against the paper's code; evaluate it with the "
+    "paper's code"
+)
+
+# Settings of the paper's recurrent baselines that the conversion is checked for (its runs'
+# values, which tests/paper_checkpoints/make.py builds): where another value would compute
+# something else in FLA's model, or has not been compared, it is refused.
+_BASELINE_CHECKED: dict[str, dict[str, Any]] = {
+    "deltanet": {
+        # without short convolutions the paper's DeltaNet applies no SiLU to q and k, FLA's does
+        "use_short_conv": True,
+        "use_gate": False,
+        "use_beta": True,
+        "qk_norm": "l2",
+        "qk_activation": "silu",
+        "norm_first": False,
+        "hidden_act": "swish",
+    },
+    "hgrn2": {"use_short_conv": False, "elementwise_affine": True, "hidden_act": "swish"},
+    "mamba2": {
+        "n_groups": 1,  # the paper's Mamba-2 asserts it
+        "use_bias": False,
+        "use_conv_bias": True,
+        "hidden_act": "silu",
+        "rms_norm": True,
+    },
+}
+# the paper's config key -> FLA's, where they differ (Mamba-2)
+_BASELINE_RENAMED = {
+    "layer_norm_epsilon": "norm_eps",
+    "time_step_limit": "dt_limit",
+    "rms_norm": "rmsnorm",
+}
+# the keys that carry over, besides the sizes and the checked settings
+_BASELINE_KEYS: dict[str, tuple[str, ...]] = {
+    "deltanet": ("num_heads", "expand_k", "expand_v", "conv_size", "use_output_norm",
+                 "hidden_ratio", "intermediate_size", "norm_eps", "max_position_embeddings"),
+    "hgrn2": ("num_heads", "expand_ratio", "conv_size", "hidden_ratio", "intermediate_size",
+              "norm_eps", "max_position_embeddings"),
+    "mamba2": ("num_heads", "head_dim", "state_size", "expand", "conv_kernel",
+               "residual_in_fp32", "layer_norm_epsilon", "time_step_limit", "chunk_size"),
+}  # fmt: skip
+
+
+def _positive_int(cfg: Mapping[str, Any], key: str, *, optional: bool = False) -> int | None:
+    value = cfg.get(key)
+    if optional and value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        got = "lacks it" if key not in cfg else f"sets {key}={value!r}"
+        raise ConversionError(
+            f"config.json {got}: {key} must be a positive integer; use the config.json that "
+            "came with the checkpoint's weights"
+        )
+    return value
+
+
+def _time_step_limit(value: Any) -> tuple[float, float]:
+    """Mamba-2's ``time_step_limit`` as two floats: transformers 4 writes infinity as the JSON
+    extension ``Infinity`` (``json`` reads it), transformers 5 as ``{"__float__": "Infinity"}``."""
+
+    def number(x: Any) -> float:
+        if isinstance(x, Mapping) and set(x) == {"__float__"}:
+            x = x["__float__"]
+        try:
+            return float(x)
+        except (TypeError, ValueError):
+            raise ConversionError(
+                f"config.json sets time_step_limit={value!r}: it must be two numbers "
+                "(the paper's runs: [0.0, Infinity])"
+            ) from None
+
+    if not isinstance(value, (list, tuple)) or len(value) != 2:
+        number(None)  # raises, naming the value
+    return number(value[0]), number(value[1])
+
+
+def fla_config_from_paper(cfg: Mapping[str, Any]) -> Any:
+    """fot's FLA baseline config for a config.json of one of the paper's recurrent baselines
+    (DeltaNet, HGRN2, Mamba-2: :data:`PAPER_BASELINE_MODEL_TYPES`).
+
+    The paper's baselines are FLA's models of mid-2024 (its pinned commit 1c5937e) and
+    HF's Mamba-2, under its own model types; fot's ``deltanet``, ``hgrn2`` and ``mamba2`` are
+    today's FLA classes of the same names, which compute the same function from the same
+    weights (checked against the paper's code in tests/test_convert.py) for the settings the
+    paper's runs used.
+
+    Raises:
+        ConversionError: another model type, a size that is not a positive integer, or a
+            setting the conversion is not checked for (named, with the value that converts).
+    """
+    from fot.models.fla_baselines import fla_config_class
+    from fot.tokenizer import EOT_ID
+
+    _check_config_object(cfg)
+    name = PAPER_BASELINE_MODEL_TYPES.get(cfg.get("model_type"))
+    if name is None:
+        raise ConversionError(
+            f"config.json has model_type {cfg.get('model_type')!r}, not one of the paper's "
+            f"recurrent baselines {list(PAPER_BASELINE_MODEL_TYPES)}"
+        )
+    for key, checked in _BASELINE_CHECKED[name].items():
+        if key in cfg and cfg[key] != checked:
+            raise ConversionError(
+                f"config.json sets {key}={cfg[key]!r}: fot converts the paper's "
+                f"{cfg['model_type']} with {key}={checked!r} (its runs' setting) only; this "
+                "setting's model has not been compared with FLA's"
+            )
+    hidden = _positive_int(cfg, "hidden_size")
+    for key in ("vocab_size", "num_hidden_layers"):
+        _positive_int(cfg, key)
+    if name == "hgrn2":
+        # the paper's HGRN2 takes num_heads as given, FLA's derives it from expand_ratio
+        ratio = _positive_int(cfg, "expand_ratio")
+        heads = _positive_int(cfg, "num_heads", optional=True)
+        if heads not in (None, hidden // ratio) or hidden % ratio:
+            raise ConversionError(
+                f"config.json sets expand_ratio={ratio} and num_heads={heads} with "
+                f"hidden_size={hidden}: fot converts HGRN2 models whose heads are hidden_size "
+                "/ expand_ratio (num_heads null), as the paper's runs are"
+            )
+        cfg = {**cfg, "num_heads": hidden // ratio}
+    elif name == "mamba2":
+        heads, head_dim = _positive_int(cfg, "num_heads"), _positive_int(cfg, "head_dim")
+        expand = _positive_int(cfg, "expand")
+        if heads * head_dim != expand * hidden:
+            raise ConversionError(
+                f"config.json sets num_heads={heads} and head_dim={head_dim} with expand="
+                f"{expand} and hidden_size={hidden}: Mamba-2's heads must span expand x "
+                f"hidden_size = {expand * hidden} channels"
+            )
+    else:
+        heads = _positive_int(cfg, "num_heads")
+        if hidden % heads:
+            raise ConversionError(
+                f"config.json sets hidden_size={hidden} with num_heads={heads}: the hidden "
+                "size must be a multiple of the number of heads"
+            )
+    keys = ("vocab_size", "hidden_size", "num_hidden_layers", *_BASELINE_KEYS[name])
+    fields = {_BASELINE_RENAMED.get(k, k): cfg[k] for k in keys if k in cfg}
+    fields.update({_BASELINE_RENAMED.get(k, k): v for k, v in _BASELINE_CHECKED[name].items()})
+    fields.pop("norm_first", None)  # FLA's blocks are pre-norm, the paper's too at False
+    if "dt_limit" in fields:
+        fields["dt_limit"] = _time_step_limit(fields["dt_limit"])
+    fields.update(
+        tie_word_embeddings=False,  # a tied head becomes a copy of the embedding
+        fuse_cross_entropy=False,  # fot computes the loss (see fot.models.fla_baselines)
+        bos_token_id=cfg.get("bos_token_id") if cfg.get("bos_token_id") is not None else EOT_ID,
+        eos_token_id=cfg.get("eos_token_id") if cfg.get("eos_token_id") is not None else EOT_ID,
+        pad_token_id=cfg.get("pad_token_id"),
+    )
+    if name != "mamba2":
+        fields["attn_mode"] = "chunk"
+    if name == "hgrn2":
+        # The paper's HGRN2 block never passes its layer's lower bound on to the attention
+        # (HGRN2Block.forward_attn takes lower_bound and drops it), so every layer's forget
+        # gate is a plain sigmoid and the lower_bounds weight has no effect: FLA's HGRN2 without
+        # lower bounds computes the same (checked against the paper's code).
+        fields["use_lower_bound"] = False
+    return fla_config_class(name)(**fields)
+
+
+def state_dict_from_paper_baseline(
+    paper: Mapping[str, torch.Tensor], cfg: Mapping[str, Any], config: Any
+) -> dict[str, torch.Tensor]:
+    """fot's state dict for the weights of one of the paper's recurrent baselines.
+
+    The names are FLA's; the one change is the MLP of DeltaNet and HGRN2, whose fused input
+    projection (``mlp.gate_proj``, ``[2 x width, hidden]``: gate rows, then up rows) becomes
+    FLA's ``gate_proj`` and ``up_proj``. A tied LM head becomes a copy of the embedding.
+
+    Raises:
+        ConversionError: a weight is missing, has another shape, or is not used.
+    """
+    from fot.models.fla_baselines import build_fla_model
+
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in build_fla_model(config).state_dict().items()}
+    weights = _Weights(paper)
+    out: dict[str, torch.Tensor] = {}
+    for key, shape in shapes.items():
+        if key.endswith("mlp.gate_proj.weight"):
+            width = shape[0]
+            gate_up = weights.take(key, 2 * width, shape[1])
+            out[key] = gate_up[:width]
+            out[key.replace("gate_proj", "up_proj")] = gate_up[width:]
+        elif key.endswith("mlp.up_proj.weight"):
+            continue
+        elif key == "lm_head.weight" and cfg.get("tie_word_embeddings", False):
+            weights.left.pop(key, None)
+            embedding = next(k for k in shapes if k.endswith("embeddings.weight"))
+            out[key] = paper[embedding].clone()
+        else:
+            out[key] = weights.take(key, *shape)
+    # HGRN2's lower bounds, which the paper's code never applies (fla_config_from_paper)
+    weights.left.pop("model.lower_bounds", None)
+    weights.check_all_used()
+    return {k: v.contiguous() for k, v in out.items()}
 
 
 class _Weights:
@@ -253,6 +474,8 @@ def state_dict_from_paper(
     Raises:
         ConversionError: a weight is missing, has another shape, or is not used.
     """
+    if cfg.get("model_type") in PAPER_BASELINE_MODEL_TYPES:
+        return state_dict_from_paper_baseline(paper, cfg, fot_config)
     weights = _Weights(paper)
     take = weights.take
     heads, hidden = fot_config.num_heads, fot_config.hidden_size
@@ -306,8 +529,9 @@ def state_dict_from_paper(
 
 
 def from_paper(path: str | os.PathLike, *, dtype: torch.dtype | None = None) -> Any:
-    """Load a FoX or Transformer checkpoint folder of the paper's code as a
-    :class:`fot.FoTForCausalLM`.
+    """Load a checkpoint folder of the paper's code as a fot model: a
+    :class:`fot.FoTForCausalLM` for FoX and the Transformers, fot's FLA baseline
+    (``FoTDeltaNetForCausalLM``, ...) for DeltaNet, HGRN2 and Mamba-2.
 
     Args:
         path: a local folder with the paper's ``config.json`` and weights (download a hub
@@ -357,12 +581,16 @@ def _load(
     """A :class:`fot.FoTForCausalLM` from checkpoint folder ``path``, by a config and a
     state-dict mapping."""
     from fot.export import read_weight_files
-    from fot.models import FoTForCausalLM
+    from fot.models import FoTConfig, FoTForCausalLM
+    from fot.models.fla_baselines import build_fla_model
 
     cfg = read_config(path)
     fot_config = to_config(cfg)
     state = to_state(read_weight_files(Path(path)), cfg, fot_config)
-    model = FoTForCausalLM(fot_config)
+    if isinstance(fot_config, FoTConfig):
+        model = FoTForCausalLM(fot_config)
+    else:
+        model = build_fla_model(fot_config)
     model.load_state_dict(state, strict=True)
     if dtype is not None:
         model.to(dtype)
@@ -490,8 +718,8 @@ def from_fla(path: str | os.PathLike, *, dtype: torch.dtype | None = None) -> An
 
 
 def source_kind(cfg: Any) -> str:
-    """``"fla"`` for an FLA FoX config.json, ``"paper"`` for one of the paper's attention
-    models.
+    """``"fla"`` for an FLA FoX config.json, ``"paper"`` for one of the paper's models
+    (:data:`PAPER_MODEL_TYPES`).
 
     Raises:
         ConversionError: a config.json of neither.
@@ -501,10 +729,11 @@ def source_kind(cfg: Any) -> str:
         return "fla"
     if cfg.get("model_type") in PAPER_MODEL_TYPES:
         return "paper"
+    if cfg.get("model_type") == PAPER_SAMBA_MODEL_TYPE:
+        raise ConversionError(_SAMBA_REFUSAL)
     raise ConversionError(
         f"config.json has model_type {cfg.get('model_type')!r}: fot converts the paper's "
-        f"attention models ({', '.join(PAPER_MODEL_TYPES)}) and FLA's FoX ({FLA_MODEL_TYPE}); "
-        "the paper's recurrent baselines are FLA models of other types"
+        f"models ({', '.join(PAPER_MODEL_TYPES)}) and FLA's FoX ({FLA_MODEL_TYPE})"
     )
 
 
@@ -548,8 +777,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(
         prog="python -m fot.convert",
-        description="Write a FoX or Transformer checkpoint folder of the paper's code "
-        "(zhixuan-lin/forgetting-transformer; with fot's GPT-2 tokenizer) or of "
+        description="Write a checkpoint folder of the paper's code (zhixuan-lin/"
+        "forgetting-transformer: FoX, Transformer, DeltaNet, HGRN2, Mamba-2; with fot's GPT-2 "
+        "tokenizer) or of "
         "flash-linear-attention's FoX (model_type forgetting_transformer; with its own "
         "tokenizer files) as a fot checkpoint folder.",
     )
@@ -587,7 +817,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(error_line(parser.prog, err, traceback_variable="FOT_TRACEBACK"), file=sys.stderr)
         return 2
     n = sum(p.numel() for p in model.parameters())
-    print(f"wrote {out} ({n / 1e6:.1f}M parameters, model_type fot)")
+    print(f"wrote {out} ({n / 1e6:.1f}M parameters, model_type {model.config.model_type})")
     note = None if fla else pruning_note(source_config)
     if note:
         print(note)

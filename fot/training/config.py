@@ -226,9 +226,10 @@ class TrainConfig:
     init_from: str | None = None
     """Start a new run from these weights instead of a random initialisation: a training
     checkpoint (``<run>/checkpoints/step_<n>``), an exported model (``<run>/hf``, the output of
-    ``python -m fot.convert``), a FoX or Transformer checkpoint folder of the paper's code or an
-    FLA FoX folder (converted on the fly), or a hub repository id of one (``owner/name``). Only
-    the weights are taken (step, optimizer, schedule and data start from zero), and the config
+    ``python -m fot.convert``), a checkpoint folder of the paper's code (FoX, Transformer, or a
+    recurrent baseline) or an FLA FoX folder (converted on the fly), or a hub repository id of
+    one (``owner/name``). Only the weights are taken (step, optimizer, schedule and data start
+    from zero), and the config
     must build the same model (:mod:`fot.training.init_weights`). A run that resumes takes its
     own checkpoint's weights and ignores it."""
     branch_from: str | None = None

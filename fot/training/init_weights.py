@@ -5,8 +5,9 @@
 - a training checkpoint of fot (``<run>/checkpoints/step_<n>``): its ``model.pt``, exact;
 - an HF folder of a fot model (a run's ``<run>/hf``, the output of ``python -m fot.convert``,
   or any ``save_pretrained`` of a model that :mod:`fot.presets` builds);
-- a FoX or Transformer checkpoint of the paper's code (zhixuan-lin/forgetting-transformer),
-  converted as :func:`fot.convert.from_paper` does, or of FLA's FoX (:func:`fot.convert.from_fla`).
+- a checkpoint of the paper's code (zhixuan-lin/forgetting-transformer: FoX, Transformer,
+  DeltaNet, HGRN2, Mamba-2), converted as :func:`fot.convert.from_paper` does, or of FLA's FoX
+  (:func:`fot.convert.from_fla`).
 
 Only the weights are taken: the step, the optimizer's moments, the learning-rate schedule and
 the data position start from zero. The model the run's config builds (``model``, ``size``,
@@ -103,7 +104,7 @@ def read_init_source(path: str | os.PathLike) -> InitSource:
         raise InitFromError(
             f"init_from={path} is no folder; pass a training checkpoint "
             "(<run>/checkpoints/step_00001000), an exported model (<run>/hf, python -m "
-            "fot.convert's output), a FoX or Transformer checkpoint folder of the paper's code "
+            "fot.convert's output), a checkpoint folder of the paper's code "
             "or an FLA FoX folder"
         )
     if (p / "trainer.json").is_file() and (p / "model.pt").is_file():

@@ -1,6 +1,6 @@
 """Write the paper-code checkpoints that tests/test_convert.py converts and checks.
 
-Each folder holds a tiny FoX or Transformer model built by the paper's own package
+Each folder holds a tiny model built by the paper's own package
 (zhixuan-lin/forgetting-transformer, ``forgetting_transformer``; fot does not install it),
 saved with its ``save_pretrained``'s files (``config.json``, ``model.safetensors``), and
 ``reference.npz``: input ids and the logits that the paper's model computes for them. The
@@ -15,9 +15,25 @@ first three are given the paper package's own copies of those modules (the same 
 in ``forgetting_transformer.model.forgetting_transformer``), and ``flash_attn_func`` a causal
 (sliding-window) attention in float32 through SDPA, which is what flash-attn computes.
 
+The paper's recurrent baselines (DeltaNet, HGRN2, Mamba-2: ``BASELINE_VARIANTS``) are its own
+model classes on flash-linear-attention at the pinned commit 1c5937e itself (put on the path; it
+runs its norms on CUDA only). Two substitutions there: the short convolutions take FLA's own
+PyTorch path (``use_fast_conv1d=False``) instead of the causal-conv1d package, the same causal
+convolution; and Mamba-2's gated RMSNorm, which the paper imports from the mamba-ssm package,
+is ``_GatedRMSNorm`` below, written from mamba-ssm's definition (``norm_before_gate=False``:
+``rmsnorm(x * silu(z)) * weight`` over groups of ``group_size``). Without mamba-ssm the paper's
+Mamba-2 runs HF's PyTorch scan (``torch_forward``). HGRN2's and Mamba-2's logits are float32
+(TF32 matmuls inside FLA's kernels); DeltaNet's come from float16 autocast, like the attention
+variants', as the paper's ``chunk_delta_rule`` refuses float32.
+
 Run on a GPU machine with the paper's source on the path (names: only those variants)::
 
     PYTHONPATH=<forgetting-transformer checkout>/src python tests/paper_checkpoints/make.py [NAME ...]
+    PYTHONPATH=<flash-linear-attention at 1c5937e>:<forgetting-transformer checkout>/src \
+        python tests/paper_checkpoints/make.py delta_net hgrn2 mamba2
+
+(The attention variants fake a few ``fla`` modules, as said above, so they and the baselines
+are made in separate runs.)
 """
 
 from __future__ import annotations
@@ -89,13 +105,35 @@ TRANSFORMER_VARIANTS = {
 }
 
 
+# The paper's recurrent baselines: its configs' settings at a tiny size (DeltaNet's MLP width
+# left to hidden_ratio, as in the paper's runs; 2 HGRN2 heads of 32; Mamba-2 with one group and
+# 32-token chunks, so that the scan crosses chunks)
+BASELINE_COMMON = dict(
+    vocab_size=96,
+    hidden_size=64,
+    num_hidden_layers=2,
+    fuse_cross_entropy=False,
+    bos_token_id=0,
+    eos_token_id=0,
+    tie_word_embeddings=False,
+)
+BASELINE_VARIANTS = {
+    "delta_net": dict(num_heads=2, norm_eps=1e-6, max_position_embeddings=256),
+    "hgrn2": dict(expand_ratio=32, norm_eps=1e-6, max_position_embeddings=256),
+    "mamba2": dict(
+        num_heads=4, head_dim=32, state_size=16, n_groups=1, chunk_size=32, pad_token_id=None
+    ),
+}
+
+
 def _randomize(model: torch.nn.Module, gen: torch.Generator) -> None:
-    """Weights of unit-scale effect: matrices ~ N(0, 1/fan_in), norm weights ~ U(0.5, 1.5),
-    forget-gate biases ~ N(2, 1) (gates between short and long memory)."""
+    """Weights of unit-scale effect: matrices ~ N(0, 1/fan_in) (convolution kernels
+    ~ N(0, 1/width)), norm weights and other vectors ~ U(0.5, 1.5), forget-gate biases
+    ~ N(2, 1) (gates between short and long memory)."""
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.ndim == 2:
-                p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[1]))
+            if p.ndim in (2, 3):
+                p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
             elif "fgate" in name:
                 p.copy_(2.0 + torch.randn(p.shape, generator=gen))
             else:
@@ -157,6 +195,56 @@ def _transformer_classes():
     return TransformerConfig, TransformerForCausalLM
 
 
+class _GatedRMSNorm(torch.nn.Module):
+    """mamba-ssm's gated RMSNorm (``mamba_ssm.ops.triton.layernorm_gated.RMSNorm``) with
+    ``norm_before_gate=False``: ``y = (x * silu(z)) / rms * weight``, the RMS taken over each
+    group of ``group_size`` channels, in float32; output in x's dtype."""
+
+    def __init__(self, hidden_size, eps=1e-5, norm_before_gate=False, group_size=None):
+        super().__init__()
+        assert not norm_before_gate
+        self.eps = eps
+        self.group_size = group_size or hidden_size
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size))
+
+    def forward(self, x, z=None):
+        h = x.float()
+        if z is not None:
+            h = h * torch.nn.functional.silu(z.float())
+        g = h.unflatten(-1, (-1, self.group_size))
+        g = g * torch.rsqrt(g.square().mean(-1, keepdim=True) + self.eps)
+        return (g.flatten(-2) * self.weight.float()).to(x.dtype)
+
+
+def _baseline_classes(name: str):
+    """The paper's config and model classes of a recurrent baseline, served as the module
+    docstring says."""
+    import fla.modules.convolution as convolution
+
+    plain_init = convolution.ShortConvolution.__init__
+
+    def init_without_causal_conv1d(self, *args, **kwargs):
+        plain_init(self, *args, **{**kwargs, "use_fast_conv1d": False})
+
+    convolution.ShortConvolution.__init__ = init_without_causal_conv1d
+    if name == "delta_net":
+        from forgetting_transformer.model.delta_net import configuration_delta_net as c
+        from forgetting_transformer.model.delta_net import modeling_delta_net as m
+
+        return c.DeltaNetConfig, m.DeltaNetForCausalLM
+    if name == "hgrn2":
+        from forgetting_transformer.model.hgrn2 import configuration_hgrn2 as c
+        from forgetting_transformer.model.hgrn2 import modeling_hgrn2 as m
+
+        return c.HGRN2Config, m.HGRN2ForCausalLM
+    from forgetting_transformer.model.mamba2 import configuration_mamba2 as c
+    from forgetting_transformer.model.mamba2 import modeling_mamba2 as m
+
+    assert m.RMSNormGated is None, "mamba-ssm is installed: its kernels would run instead"
+    m.RMSNormGated = _GatedRMSNorm
+    return c.Mamba2Config, m.Mamba2ForCausalLM
+
+
 def main() -> None:
     from forgetting_transformer.model.forgetting_transformer.configuration_forgetting_transformer import (
         ForgettingTransformerConfig,
@@ -166,9 +254,15 @@ def main() -> None:
     )
 
     names = sys.argv[1:] or [*VARIANTS, *TRANSFORMER_VARIANTS]
+    baselines = [name for name in names if name in BASELINE_VARIANTS]
+    if baselines and len(baselines) < len(names):
+        sys.exit("make the baselines and the attention variants in separate runs (docstring)")
     for name in names:
         gen = torch.Generator().manual_seed(0)
-        if name in TRANSFORMER_VARIANTS:
+        if name in BASELINE_VARIANTS:
+            config_class, model_class = _baseline_classes(name)
+            config = config_class(**BASELINE_COMMON, **BASELINE_VARIANTS[name])
+        elif name in TRANSFORMER_VARIANTS:
             config_class, model_class = _transformer_classes()
             config = config_class(**COMMON, **TRANSFORMER_VARIANTS[name])
         else:
@@ -181,10 +275,14 @@ def main() -> None:
         _randomize(model, gen)
         model = model.cuda().eval()
         ids = torch.randint(0, COMMON["vocab_size"], (2, 77), generator=gen)
-        # the paper's attention kernel takes 16-bit q/k/v only: float16 autocast, the closer
-        # of the two to float32 (10 mantissa bits), as the paper's evaluation runs under autocast
-        with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16):
-            logits = model(input_ids=ids.cuda(), use_cache=False).logits.float().cpu()
+        if name in BASELINE_VARIANTS and name != "delta_net":
+            with torch.no_grad():
+                logits = model(input_ids=ids.cuda(), use_cache=False).logits.float().cpu()
+        else:
+            # the paper's attention kernel takes 16-bit q/k/v only: float16 autocast, the closer
+            # of the two to float32 (10 mantissa bits), as its evaluation runs under autocast
+            with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16):
+                logits = model(input_ids=ids.cuda(), use_cache=False).logits.float().cpu()
         out = HERE / name
         out.mkdir(exist_ok=True)
         # as save_pretrained writes them (its transformers-5 version fails on this model's

@@ -272,8 +272,9 @@ def checkpoint_label(path: str | os.PathLike) -> str:
 
 CHECKPOINT_HELP = (
     "exported HF checkpoint folder (<run>/hf, python -m fot.export or fot.convert output, any "
-    "causal LM AutoModelForCausalLM loads), a FoX/Transformer checkpoint folder of the "
-    "paper's code (converted on the fly), or a hub repository id (owner/name; downloaded)"
+    "causal LM AutoModelForCausalLM loads), a checkpoint folder of the paper's code (FoX, "
+    "Transformer, DeltaNet, HGRN2, Mamba-2; converted on the fly), or a hub repository id "
+    "(owner/name; downloaded)"
 )
 """The help of every command's CHECKPOINT argument (what :func:`load_checkpoint` takes)."""
 

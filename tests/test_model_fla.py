@@ -72,6 +72,24 @@ def test_fla_baseline_packed_equals_separate(name: str, device) -> None:
     assert (got - want).abs().max() < 1e-3
 
 
+@pytest.mark.parametrize("name", ["deltanet", "hgrn2"])
+def test_fla_baseline_runs_float32_inputs_longer_than_one_chunk(name: str, device) -> None:
+    """FLA's chunked DeltaNet kernel refuses float32, and under Triton's interpreter the chunked
+    DeltaNet and HGRN2 kernels fail beyond 64 tokens: the wrapper runs their recurrent kernel
+    then. Oracle: causality (the first 64 positions' logits are those of the first 64 tokens,
+    which FLA always runs on its recurrent kernel) and fot's loss of FLA's own logits."""
+    m = tiny(name).to(device).eval()
+    x = torch.randint(0, VOCAB, (1, 80), generator=torch.Generator().manual_seed(0)).to(device)
+    with torch.no_grad():
+        logits = m(x).logits.float()
+        head = m(x[:, :64]).logits.float()
+        losses = m.per_token_loss(x[:, :-1], x[:, 1:])
+    assert (logits[:, :64] - head).abs().max() < 1e-4
+    want = F.cross_entropy(logits[0, :-1], x[0, 1:], reduction="none")
+    assert (losses[0] - want).abs().max() < 1e-4
+    assert m.config.attn_mode == "chunk"  # the config is left as it was
+
+
 def test_fla_presets_are_fla_classes_at_paper_sizes() -> None:
     for name, cls in [
         ("mamba2", "Mamba2Config"),

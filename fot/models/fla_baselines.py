@@ -208,6 +208,25 @@ class _FoTContractMixin:
         saved["auto_map"] = remote_code_auto_map(type(self.config), type(self))
         path.write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")
 
+    def _choose_kernels(self) -> None:
+        """Run DeltaNet's and HGRN2's layers on FLA's recurrent kernel where its chunked one
+        cannot run: DeltaNet's refuses float32 inputs ("does not support float32"), and Triton's
+        interpreter (the CPU) fails in both beyond 64 tokens. The two kernels compute the same
+        recurrence; elsewhere the layers keep ``config.attn_mode``. A mode other than
+        ``chunk`` in the config is left alone."""
+        if getattr(self.config, "attn_mode", None) != "chunk":
+            return
+        weight = self.get_input_embeddings().weight
+        on_cpu = weight.device.type != "cuda"
+        float32 = weight.dtype == torch.float32 and not torch.is_autocast_enabled(
+            weight.device.type
+        )
+        for layer in getattr(self._decoder, "layers", []):
+            kind = type(layer.attn).__name__
+            recurrent = on_cpu or (kind == "DeltaNet" and float32)
+            if kind in ("DeltaNet", "HGRN2Attention"):
+                layer.attn.mode = "fused_recurrent" if recurrent else "chunk"
+
     @property
     def _decoder(self) -> torch.nn.Module:
         # FLA names the decoder `model` (DeltaNet, HGRN2) or `backbone` (Mamba-2, Samba).
@@ -267,6 +286,7 @@ class _FoTContractMixin:
         """
         from fot.models.modeling_fot import _fusable, hf_packing_kwargs
 
+        self._choose_kernels()
         shift_labels = kwargs.pop("shift_labels", None)
         num_items = kwargs.pop("num_items_in_batch", None)
         packing = {
@@ -328,6 +348,7 @@ class _FoTContractMixin:
         cu_seqlens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``[B, T]`` float32 next-token losses, 0 where ``shift_labels == -100``."""
+        self._choose_kernels()
         hidden = self._hidden(input_ids, None, cu_seqlens)
         return self._token_losses(hidden, shift_labels, fp32_logits=True)
 

@@ -90,6 +90,26 @@ def test_fla_baseline_runs_float32_inputs_longer_than_one_chunk(name: str, devic
     assert m.config.attn_mode == "chunk"  # the config is left as it was
 
 
+@pytest.mark.parametrize("name", ["deltanet", "hgrn2", "mamba2"])
+def test_fla_baseline_generate_decodes_with_its_state(name: str, device) -> None:
+    """generate() with the cache: each step's logits are the full forward's on the sequence so
+    far. transformers >= 5.24 passes the cache as ``cache``, which FLA's models do not read:
+    each step then ran on its one new token without state (logits off by 1.7-4.4)."""
+    m = tiny(name).to(device).eval()
+    with torch.no_grad():
+        for p in m.parameters():  # peaked logits, so that a stateless step shows
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(2)).to(p) * 0.05)
+    ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(1)).to(device)
+    with torch.no_grad():
+        out = m.generate(
+            ids, max_new_tokens=4, do_sample=False, output_scores=True, return_dict_in_generate=True
+        )
+        full = m(out.sequences).logits.float()
+    for step, scores in enumerate(out.scores):
+        want = full[:, ids.shape[1] - 1 + step]
+        assert (scores.float() - want).abs().max() < 1e-3, step
+
+
 def test_fla_presets_are_fla_classes_at_paper_sizes() -> None:
     for name, cls in [
         ("mamba2", "Mamba2Config"),

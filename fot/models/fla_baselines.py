@@ -304,6 +304,14 @@ class _FoTContractMixin:
             cu_seqlens = hf_packing_kwargs(
                 packing, cu_seqlens, tuple(input_ids.shape), attention_mask, 0, input_ids.device
             )
+        if kwargs.get("cache") is not None:
+            # transformers >= 5.24 (generate() among them) passes the cache as `cache`; FLA's
+            # models read `past_key_values` only, and would run each decoding step without state
+            if kwargs.get("past_key_values") is not None:
+                raise ValueError(
+                    "the cache was passed twice, as past_key_values and as cache: pass it once"
+                )
+            kwargs["past_key_values"] = kwargs.pop("cache")
         if shift_labels is None and labels is None and cu_seqlens is None:
             return super().forward(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
         unknown = sorted(

@@ -297,7 +297,10 @@ def load_checkpoint(
         path: folder with ``config.json``, weights and a tokenizer (a paper checkpoint: no
             tokenizer needed).
         device: where to put the model (default: :func:`pick_device`).
-        dtype: torch dtype or its name (default: bf16 on CUDA, fp32 on CPU).
+        dtype: torch dtype or its name (default: bf16 on CUDA, fp32 on CPU). The FLA
+            baselines (DeltaNet, HGRN2, Mamba-2, Samba) keep float32 weights and run under
+            autocast to a 16-bit dtype instead (``model.compute_dtype``): FLA's layers compute
+            some gates in the weights' dtype.
 
     Returns:
         ``(model, tokenizer)``; the model is in eval mode on ``device``.
@@ -326,6 +329,12 @@ def load_checkpoint(
 
     if isinstance(config, dict) and config.get("model_type") in PAPER_MODEL_TYPES:
         return _load_paper_checkpoint(p, config["model_type"], dev, dt)
+    from fot.models.fla_baselines import FLA_MODEL_TYPES
+
+    # FLA's layers compute some gates in the weights' dtype: 16-bit FLA baselines run under
+    # autocast over float32 weights, as fot trains them (FoTMamba2ForCausalLM.compute_dtype)
+    fla = config.get("model_type") in FLA_MODEL_TYPES
+    autocast = fla and dt in (torch.bfloat16, torch.float16)
     if config.get("model_type") != "fot":
         # Exported FLA baselines (mamba2, deltanet, ...) load through fot's wrappers, which
         # are registered on demand (importing fla is slow and needs triton).
@@ -350,7 +359,9 @@ def load_checkpoint(
     from safetensors import SafetensorError
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(p), dtype=dt)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(p), dtype=torch.float32 if autocast else dt
+        )
     except torch.OutOfMemoryError:
         raise
     except (OSError, RuntimeError, SafetensorError) as err:
@@ -360,6 +371,8 @@ def load_checkpoint(
             f"({str(err)[:300]}): the copy is incomplete or damaged; copy or export the "
             "checkpoint again"
         ) from err
+    if autocast:
+        model.compute_dtype = dt
     model.to(dev).eval()
     return model, tokenizer
 
@@ -384,10 +397,14 @@ def _load_paper_checkpoint(
 
     from transformers import AutoTokenizer
 
-    from fot.convert import from_paper, pruning_note, read_config
+    from fot.convert import PAPER_BASELINE_MODEL_TYPES, from_paper, pruning_note, read_config
     from fot.tokenizer import save_hf_tokenizer
 
-    model = from_paper(p, dtype=dtype)
+    baseline = model_type in PAPER_BASELINE_MODEL_TYPES
+    autocast = baseline and dtype in (torch.bfloat16, torch.float16)
+    model = from_paper(p, dtype=None if autocast else dtype)
+    if autocast:  # as load_checkpoint runs exported FLA baselines
+        model.compute_dtype = dtype
     with tempfile.TemporaryDirectory() as tmp:
         max_len = getattr(model.config, "max_position_embeddings", None)  # Mamba-2 has none
         save_hf_tokenizer(tmp, model_max_length=max_len, text_escaping="json")
@@ -991,7 +1008,12 @@ def path_setting(value: str | os.PathLike | None) -> str | None:
 
 
 def model_dtype(model: torch.nn.Module) -> str:
-    """The dtype of the model's parameters as a short name (``float32``, ``bfloat16``)."""
+    """The dtype the model computes in as a short name: its parameters' (``float32``,
+    ``bfloat16``), or ``bfloat16-autocast`` for an FLA baseline run under autocast over float32
+    weights (:func:`load_checkpoint`)."""
+    compute = getattr(model, "compute_dtype", None)
+    if compute is not None:
+        return str(compute).removeprefix("torch.") + "-autocast"
     return str(next(model.parameters()).dtype).removeprefix("torch.")
 
 

@@ -110,6 +110,72 @@ def test_fla_baseline_generate_decodes_with_its_state(name: str, device) -> None
         assert (scores.float() - want).abs().max() < 1e-3, step
 
 
+def test_fla_model_types_are_those_of_the_classes() -> None:
+    from fot.models.fla_baselines import (
+        _FLA_CLASSES,
+        FLA_MODEL_TYPES,
+        FLA_MODELS,
+        _fla_models_module,
+        fla_config_class,
+    )
+
+    fla = {getattr(_fla_models_module(), _FLA_CLASSES[n][0]).model_type for n in FLA_MODELS}
+    assert fla | {fla_config_class(n).model_type for n in FLA_MODELS} == FLA_MODEL_TYPES
+
+
+def test_fot_eval_runs_a_16_bit_fla_baseline_under_autocast_over_float32_weights(tmp_path):
+    """load_checkpoint(dtype=bfloat16) keeps an FLA baseline's weights in float32 and runs it
+    under autocast (FLA computes some gates in the weights' dtype). Oracle: the float32 model
+    called inside torch.autocast, bit for bit."""
+    from fot.eval.common import load_checkpoint, model_dtype
+    from fot.export import export_hf
+
+    m = tiny("mamba2").eval()
+    export_hf(m, tmp_path / "hf")
+    loaded, _ = load_checkpoint(tmp_path / "hf", device="cpu", dtype="bfloat16")
+    assert loaded.compute_dtype == torch.bfloat16
+    assert {p.dtype for p in loaded.parameters()} == {torch.float32}
+    assert model_dtype(loaded) == "bfloat16-autocast"
+    x = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got = loaded(x).logits
+        losses = loaded.per_token_loss(x[:, :-1], x[:, 1:])
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            want = m(x).logits
+            want_losses = m.per_token_loss(x[:, :-1], x[:, 1:])
+        plain = m(x).logits
+    assert torch.equal(got, want) and torch.equal(losses, want_losses)
+    assert not torch.equal(got.float(), plain)  # autocast did take effect
+    float32, _ = load_checkpoint(tmp_path / "hf", device="cpu", dtype="float32")
+    assert float32.compute_dtype is None and model_dtype(float32) == "float32"
+
+
+@pytest.mark.gpu
+def test_hgrn2_under_autocast_keeps_gates_that_bf16_weights_round_away() -> None:
+    """FLA's HGRN2 computes its input gate 1 - exp(log_sigmoid(f)) in the weights' dtype: with
+    bf16 weights the gates near 1 (long memory) round to no input at all; under autocast over
+    float32 weights (what fot.eval runs, compute_dtype) exp runs in float32. Oracle: the
+    float32 model, with forget-gate logits widened (x6) so that many gates are near 1."""
+    from fot.convert import from_paper
+
+    paper = Path(__file__).resolve().parent / "paper_checkpoints" / "hgrn2"
+    model = from_paper(paper).cuda().eval()  # the paper's HGRN2: no lower bounds
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.attn.f_proj.weight.mul_(6.0)
+    x = torch.randint(0, 96, (2, 200), generator=torch.Generator().manual_seed(0)).cuda()
+    autocast = copy.deepcopy(model)
+    autocast.compute_dtype = torch.bfloat16
+    weights16 = copy.deepcopy(model).to(torch.bfloat16)
+    with torch.no_grad():
+        want = model(x).logits.float()
+        errors = [
+            float((m(x).logits.float() - want).norm() / want.norm()) for m in (autocast, weights16)
+        ]
+    print(f"relative error: autocast {errors[0]:.2e}, bf16 weights {errors[1]:.2e}")
+    assert errors[0] < errors[1]
+
+
 def test_fla_presets_are_fla_classes_at_paper_sizes() -> None:
     for name, cls in [
         ("mamba2", "Mamba2Config"),

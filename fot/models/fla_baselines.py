@@ -11,6 +11,7 @@ FLA kernels need Triton (a CUDA GPU, or ``TRITON_INTERPRET=1`` on CPU, which is 
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import itertools
@@ -35,6 +36,11 @@ _FLA_CLASSES: dict[str, tuple[str, str, bool]] = {
     "samba": ("SambaConfig", "SambaForCausalLM", False),
 }
 FLA_MODELS: tuple[str, ...] = tuple(_FLA_CLASSES)
+FLA_MODEL_TYPES: frozenset[str] = frozenset(
+    t for base in ("mamba2", "delta_net", "hgrn2", "samba") for t in (base, f"fot_{base}")
+)
+"""``model_type`` of the baselines' exported folders: fot's (``fot_mamba2``, ...) and, for
+folders exported before those, FLA's own. Known without importing FLA."""
 
 # Sizes of the paper's baselines (its configs/experiment/longcrawl64/*): hidden, layers and the
 # per-model head settings. Samba alternates Mamba and sliding-window attention layers.
@@ -185,6 +191,20 @@ class _FoTContractMixin:
 
     _supports_varlen = False
 
+    compute_dtype: torch.dtype | None = None
+    """If set (``torch.bfloat16``, ``torch.float16``), every forward runs under autocast to it
+    over the model's float32 weights, as fot trains these models. ``fot.eval`` sets it instead
+    of casting the weights to 16 bits: FLA's layers compute some gates in the weights' dtype,
+    where the paper's code (and autocast) use float32. In 16-bit weights HGRN2's input gate
+    ``1 - exp(log_sigmoid(f))`` rounds to a 2^-8 grid near 1 (the long-memory channels lose
+    their input), and Mamba-2's residual stream and A/dt parameters drop to bf16."""
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.compute_dtype is None:
+            return contextlib.nullcontext()
+        device = self.get_input_embeddings().weight.device.type
+        return torch.autocast(device, dtype=self.compute_dtype)
+
     def save_pretrained(self, save_directory: str | os.PathLike, *args: Any, **kwargs: Any) -> None:
         """``PreTrainedModel.save_pretrained``, keeping a folder exported by
         :func:`fot.export.export_hf` loadable with ``trust_remote_code=True``.
@@ -275,7 +295,7 @@ class _FoTContractMixin:
         **kwargs: Any,
     ):
         """FLA's forward, or fot's loss / packed path when ``shift_labels``, ``labels`` or
-        document boundaries are given.
+        document boundaries are given (under autocast to :attr:`compute_dtype` if set).
 
         ``shift_labels`` ``[B, T]`` and ``num_items_in_batch`` (HF ``Trainer`` under gradient
         accumulation: the loss is then the sum of token losses over it) come as keyword
@@ -284,6 +304,17 @@ class _FoTContractMixin:
         as ``cu_seqlens``. On fot's path, keys other than these, ``use_cache``,
         ``return_dict`` and ``cache_position`` raise ``TypeError`` unless None.
         """
+        with self._autocast():
+            return self._forward(input_ids, attention_mask, labels, cu_seqlens, **kwargs)
+
+    def _forward(
+        self,
+        input_ids: torch.LongTensor | None,
+        attention_mask: torch.Tensor | None,
+        labels: torch.LongTensor | None,
+        cu_seqlens: torch.Tensor | None,
+        **kwargs: Any,
+    ):
         from fot.models.modeling_fot import _fusable, hf_packing_kwargs
 
         self._choose_kernels()
@@ -356,9 +387,10 @@ class _FoTContractMixin:
         cu_seqlens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``[B, T]`` float32 next-token losses, 0 where ``shift_labels == -100``."""
-        self._choose_kernels()
-        hidden = self._hidden(input_ids, None, cu_seqlens)
-        return self._token_losses(hidden, shift_labels, fp32_logits=True)
+        with self._autocast():
+            self._choose_kernels()
+            hidden = self._hidden(input_ids, None, cu_seqlens)
+            return self._token_losses(hidden, shift_labels, fp32_logits=True)
 
 
 _WRAPPED: dict[str, type] = {}
@@ -450,6 +482,7 @@ def __getattr__(name: str) -> type:
 
 __all__ = [
     "FLA_MODELS",
+    "FLA_MODEL_TYPES",
     "build_fla_model",
     "fla_config",
     "fla_config_class",

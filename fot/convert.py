@@ -251,9 +251,47 @@ _BASELINE_KEYS: dict[str, tuple[str, ...]] = {
                  "hidden_ratio", "intermediate_size", "norm_eps", "max_position_embeddings"),
     "hgrn2": ("num_heads", "expand_ratio", "conv_size", "hidden_ratio", "intermediate_size",
               "norm_eps", "max_position_embeddings"),
-    "mamba2": ("num_heads", "head_dim", "state_size", "expand", "conv_kernel",
-               "residual_in_fp32", "layer_norm_epsilon", "time_step_limit", "chunk_size"),
+    # Mamba-2's head count FLA derives (expand x hidden_size / head_dim; checked against it)
+    "mamba2": ("head_dim", "state_size", "expand", "conv_kernel", "residual_in_fp32",
+               "layer_norm_epsilon", "time_step_limit", "chunk_size"),
 }  # fmt: skip
+
+
+# what the carried-over keys must be: a positive integer (or null where marked), a positive
+# number, or a boolean
+_BASELINE_KINDS: dict[str, str] = {
+    **dict.fromkeys(
+        ("conv_size", "hidden_ratio", "head_dim", "state_size", "expand", "conv_kernel"), "int"
+    ),
+    "chunk_size": "int",
+    **dict.fromkeys(("intermediate_size", "max_position_embeddings"), "int or null"),
+    **dict.fromkeys(("expand_k", "expand_v", "norm_eps", "layer_norm_epsilon"), "number"),
+    **dict.fromkeys(("use_output_norm", "residual_in_fp32"), "bool"),
+}
+
+
+def _check_baseline_value(key: str, value: Any) -> None:
+    kind = _BASELINE_KINDS.get(key)
+    if kind is None or (kind == "int or null" and value is None):
+        return
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    good = {
+        "int": isinstance(value, int) and number and value > 0,
+        "int or null": isinstance(value, int) and number and value > 0,
+        "number": number and value > 0,
+        "bool": isinstance(value, bool),
+    }[kind]
+    if not good:
+        what = {
+            "int": "a positive integer",
+            "int or null": "a positive integer or null",
+            "number": "a positive number",
+            "bool": "true or false",
+        }[kind]
+        raise ConversionError(
+            f"config.json sets {key}={value!r}: it must be {what}; use the config.json that "
+            "came with the checkpoint's weights"
+        )
 
 
 def _positive_int(cfg: Mapping[str, Any], key: str, *, optional: bool = False) -> int | None:
@@ -351,6 +389,9 @@ def fla_config_from_paper(cfg: Mapping[str, Any]) -> Any:
                 "size must be a multiple of the number of heads"
             )
     keys = ("vocab_size", "hidden_size", "num_hidden_layers", *_BASELINE_KEYS[name])
+    for key in keys:
+        if key in cfg:
+            _check_baseline_value(key, cfg[key])
     fields = {_BASELINE_RENAMED.get(k, k): cfg[k] for k in keys if k in cfg}
     fields.update({_BASELINE_RENAMED.get(k, k): v for k, v in _BASELINE_CHECKED[name].items()})
     fields.pop("norm_first", None)  # FLA's blocks are pre-norm, the paper's too at False

@@ -50,12 +50,13 @@ _HIDDEN = {"tiny": (128, 2), "125m": (768, 12), "360m": (1024, 24), "760m": (153
 def _size_fields(model: str, size: str) -> dict[str, Any]:
     hidden, layers = _HIDDEN[size]
     if model == "mamba2":
-        # Mamba-2 blocks have no MLP: twice the layers, heads of dim 64 over the 2x expansion.
+        # Mamba-2 blocks have no MLP: twice the layers, heads of dim 64 over the 2x expansion
+        # (FLA derives the head count, expand x hidden_size / head_dim, so that an overridden
+        # hidden_size or head_dim keeps them consistent)
         return {
             "hidden_size": hidden,
             "num_hidden_layers": 2 * layers,
             "head_dim": 64 if size != "tiny" else 32,
-            "num_heads": 2 * hidden // (64 if size != "tiny" else 32),
             "state_size": 128 if size != "tiny" else 16,
         }
     if model == "deltanet":

@@ -172,14 +172,14 @@ def _hf_source(p: Path) -> InitSource:
     except (ValueError, KeyError, OSError) as err:
         raise InitFromError(
             f"init_from={p}: its config.json (model_type {model_type!r}) is not of a model "
-            f"fot trains ({str(err)[:200]}); pass a fot checkpoint or export, or a FoX or "
-            "Transformer checkpoint of the paper's code"
+            f"fot trains ({str(err)[:200]}); pass a fot checkpoint or export, or a checkpoint "
+            "of the paper's code"
         ) from None
     if not str(getattr(config, "model_type", "")).startswith("fot"):  # fot, fot_mamba2, ...
         raise InitFromError(
             f"init_from={p} is a {type(config).__name__} (model_type {model_type!r}), not a "
-            "model fot trains: pass a fot checkpoint or export, or a FoX or Transformer "
-            "checkpoint of the paper's code"
+            "model fot trains: pass a fot checkpoint or export, or a checkpoint of the paper's "
+            "code"
         )
     return InitSource(p, "hf", config)
 

@@ -22,7 +22,10 @@ PyTorch path (``use_fast_conv1d=False``) instead of the causal-conv1d package, t
 convolution; and Mamba-2's gated RMSNorm, which the paper imports from the mamba-ssm package,
 is ``_GatedRMSNorm`` below, written from mamba-ssm's definition (``norm_before_gate=False``:
 ``rmsnorm(x * silu(z)) * weight`` over groups of ``group_size``). Without mamba-ssm the paper's
-Mamba-2 runs HF's PyTorch scan (``torch_forward``). HGRN2's and Mamba-2's logits are float32
+Mamba-2 runs HF's PyTorch scan (``torch_forward``), which also clamps the time step at
+``time_step_min`` (0.001) where mamba-ssm's path, which the paper's runs took, clamps at
+``time_step_limit`` (0, inf) as FLA does: the reference cannot tell the two apart, as its time
+steps stay far above 0.001 (the smallest is 0.058). HGRN2's and Mamba-2's logits are float32
 (TF32 matmuls inside FLA's kernels); DeltaNet's come from float16 autocast, like the attention
 variants', as the paper's ``chunk_delta_rule`` refuses float32.
 

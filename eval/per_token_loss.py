@@ -833,6 +833,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     check_positions(model, length, f"--length {length}")
     train_length = asked_train or model_max_length(model)
     bos = args.prepend_bos == "yes"
+    vocab = vocab_size(model)
+    if bos and vocab is not None and eot_id(tokenizer) >= vocab:
+        raise ValueError(
+            f"--prepend-bos yes puts token id {eot_id(tokenizer)} (the tokenizer's "
+            f"<|endoftext|>) in front of every document, outside this model's vocabulary of "
+            f"{vocab} ids: pass --prepend-bos no, or the model's own tokenizer with it"
+        )
     ids = eligible_documents(docs, kind, length, args.max_docs)
     if not ids:
         key = context_length_key(model)

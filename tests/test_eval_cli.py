@@ -1096,6 +1096,29 @@ def test_a_tokenizer_with_ids_the_model_lacks_is_named_not_a_traceback(command, 
               "--device", "cpu"])  # fmt: skip
 
 
+def test_a_bos_the_model_cannot_embed_is_named_and_the_run_goes_without_it(tmp_path) -> None:
+    """per-token-loss of the tiny paper Mamba-2 (vocabulary 96) on ids below 96: the default
+    --prepend-bos yes put GPT-2's <|endoftext|> (50256) in front, an IndexError inside the
+    embedding; named now, and --prepend-bos no runs (the converted model's own loss)."""
+    rows = np.random.default_rng(0).integers(0, 96, size=(2, 40)).astype(np.uint16)
+    arr = new_array(str(tmp_path / "small.zarr"), shape=rows.shape, dtype="uint16", chunks=(1, 40))
+    arr[:] = rows
+    tiny = Path(__file__).resolve().parent / "paper_checkpoints" / "mamba2"
+    argv = ["per-token-loss", str(tiny), "--data", str(tmp_path / "small.zarr"), "--length",
+            "40", "--device", "cpu"]  # fmt: skip
+    with pytest.raises(ValueError, match=r"--prepend-bos yes puts token id 50256 \(the "
+                       r"tokenizer's <\|endoftext\|>\) in front of every document, outside "
+                       r"this model's vocabulary of 96 ids: pass --prepend-bos no"):  # fmt: skip
+        main([*argv, "--out", str(tmp_path / "a")])
+    summary = main([*argv, "--prepend-bos", "no", "--out", str(tmp_path / "b")])
+    from fot.convert import from_paper
+
+    ids = torch.from_numpy(rows.astype(np.int64))
+    with torch.no_grad():
+        want = from_paper(tiny).per_token_loss(ids[:, :-1], ids[:, 1:]).mean()
+    assert summary["mean_loss"] == pytest.approx(float(want), rel=1e-5)
+
+
 def test_resume_refuses_other_data_under_the_same_path_and_a_damaged_record(ckpts, tmp_path):
 
     def write_rows(seed):

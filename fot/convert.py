@@ -89,17 +89,24 @@ def _check_config_object(cfg: Any) -> None:
         )
 
 
+def _positive_int(cfg: Mapping[str, Any], key: str, *, optional: bool = False) -> int | None:
+    value = cfg.get(key)
+    if optional and value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        got = "lacks it" if key not in cfg else f"sets {key}={value!r}"
+        raise ConversionError(
+            f"config.json {got}: {key} must be a positive integer; use the config.json that "
+            "came with the checkpoint's weights"
+        )
+    return value
+
+
 def _check_sizes(cfg: Mapping[str, Any]) -> int:
     """Check the sizes every converted config.json states; returns ``num_heads``."""
     sizes = ("vocab_size", "hidden_size", "num_hidden_layers", "num_heads")
     for key in sizes:  # save_pretrained writes them all; a hand-edited file may not
-        value = cfg.get(key)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            got = "lacks it" if key not in cfg else f"sets {key}={value!r}"
-            raise ConversionError(
-                f"config.json {got}: {key} must be a positive integer; use the config.json "
-                "that came with the checkpoint's weights"
-            )
+        _positive_int(cfg, key)
     heads = cfg["num_heads"]
     if cfg["hidden_size"] % heads:
         raise ConversionError(
@@ -292,19 +299,6 @@ def _check_baseline_value(key: str, value: Any) -> None:
             f"config.json sets {key}={value!r}: it must be {what}; use the config.json that "
             "came with the checkpoint's weights"
         )
-
-
-def _positive_int(cfg: Mapping[str, Any], key: str, *, optional: bool = False) -> int | None:
-    value = cfg.get(key)
-    if optional and value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        got = "lacks it" if key not in cfg else f"sets {key}={value!r}"
-        raise ConversionError(
-            f"config.json {got}: {key} must be a positive integer; use the config.json that "
-            "came with the checkpoint's weights"
-        )
-    return value
 
 
 def _time_step_limit(value: Any) -> tuple[float, float]:

@@ -17,6 +17,7 @@ import math
 import os
 import platform
 import sys
+import weakref
 import zipfile
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -539,8 +540,20 @@ def model_logits(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tenso
     return out.logits if hasattr(out, "logits") else out
 
 
+_SPLIT_MATCHES_FORWARD: weakref.WeakKeyDictionary[torch.nn.Module, bool] = (
+    weakref.WeakKeyDictionary()
+)
+
+
 def hidden_and_head(model: torch.nn.Module, input_ids: torch.Tensor):
     """Final hidden states and the LM head of a causal LM, for logits of chosen positions only.
+
+    fot's FLA baselines give them through ``final_hidden_states`` / ``head_logits`` (their own
+    kernels and autocast). Other models are split into ``get_decoder()`` and
+    ``get_output_embeddings()``; the split is used only if, on the first 16 tokens of the first
+    row, it gives the model's own logits (checked once per model): models that scale or cap
+    their logits after the head (Granite's ``logits_scaling``, RecurrentGemma's soft cap,
+    Falcon-H1's ``lm_head_multiplier``, ...) get ``None``.
 
     Args:
         input_ids: ``[B, T]`` int64.
@@ -548,10 +561,22 @@ def hidden_and_head(model: torch.nn.Module, input_ids: torch.Tensor):
     Returns:
         ``(hidden [B, T, H], head)`` with ``head(hidden[..., s:e, :])`` equal to the model's
         logits there (vocab padding cut off), or ``None`` when the model does not split this
-        way (no decoder/head accessors, logit soft-capping or scaling): use the full logits.
+        way: use the full logits.
     """
-    get_decoder = getattr(model, "get_decoder", None)
+    cfg = getattr(model, "config", None)
+    vocab = getattr(cfg, "vocab_size", None)
+
+    def cut(head: Any, out_features: int) -> Any:
+        if isinstance(vocab, int) and 0 < vocab < out_features:
+            # A vocab-padded head (FoT): padding rows are never predicted.
+            return lambda h: head(h)[..., :vocab]
+        return head
+
+    final, head_logits = (getattr(model, n, None) for n in ("final_hidden_states", "head_logits"))
     get_head = getattr(model, "get_output_embeddings", None)
+    if callable(final) and callable(head_logits) and callable(get_head):
+        return final(input_ids), cut(head_logits, get_head().out_features)
+    get_decoder = getattr(model, "get_decoder", None)
     if get_decoder is None or get_head is None:
         return None
     try:
@@ -560,16 +585,26 @@ def hidden_and_head(model: torch.nn.Module, input_ids: torch.Tensor):
         return None
     if decoder is None or decoder is model or not isinstance(head, torch.nn.Linear):
         return None
-    cfg = getattr(model, "config", None)
     if getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", None):
         return None  # logits are not head(hidden): use the full forward instead
-    out = decoder(input_ids=input_ids, use_cache=False)
-    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-    vocab = getattr(cfg, "vocab_size", None)
-    if isinstance(vocab, int) and 0 < vocab < head.out_features:
-        # A vocab-padded head (FoT): padding rows are never predicted.
-        return hidden, lambda h: head(h)[..., :vocab]
-    return hidden, head
+    head = cut(head, head.out_features)
+
+    def last_hidden(x: torch.Tensor) -> torch.Tensor:
+        out = decoder(input_ids=x, use_cache=False)
+        return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+
+    matches = _SPLIT_MATCHES_FORWARD.get(model)
+    if matches is None:
+        probe = input_ids[:1, :16]
+        want = model_logits(model, probe).float()
+        got = head(last_hidden(probe)).float()
+        matches = got.shape == want.shape and bool(
+            (got - want).abs().max() <= 1e-3 * (1 + want.abs().max())
+        )
+        _SPLIT_MATCHES_FORWARD[model] = matches
+    if not matches:
+        return None
+    return last_hidden(input_ids), head
 
 
 @torch.no_grad()
@@ -582,9 +617,10 @@ def token_losses(
 ) -> torch.Tensor:
     """Per-token cross-entropy of any Hugging Face causal LM.
 
-    Uses ``model.per_token_loss`` when the model has it (FoT models), else the decoder's final
-    hidden states and the LM head in chunks of ``chunk_size`` positions (no ``[B, T, V]``
-    logits in memory), else the full logits.
+    Uses ``model.per_token_loss`` when the model has it (fot's models), else the decoder's
+    final hidden states and the LM head in chunks of ``chunk_size`` positions (no ``[B, T, V]``
+    logits in memory) where they give the model's logits (:func:`hidden_and_head`), else the
+    full logits.
 
     Args:
         input_ids: ``[B, T]`` int64.

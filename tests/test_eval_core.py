@@ -16,6 +16,7 @@ from fot.eval.common import (
     checkpoint_fingerprint,
     claim_results,
     encode_text,
+    hidden_and_head,
     load_checkpoint,
     next_token_argmax,
     parse_int_list,
@@ -70,6 +71,81 @@ def test_next_token_argmax_matches_logits(which, request):
     assert torch.equal(next_token_argmax(model, ids, 4, 15, chunk_size=3), want)
     with pytest.raises(ValueError, match="start < end"):
         next_token_argmax(model, ids, 5, 5)
+
+
+def _scaled_logits_models():
+    """Tiny random HF models whose logits are not ``lm_head(decoder(x))``."""
+    from transformers import (
+        FalconH1Config,
+        FalconH1ForCausalLM,
+        GraniteConfig,
+        GraniteForCausalLM,
+        RecurrentGemmaConfig,
+        RecurrentGemmaForCausalLM,
+    )
+
+    small = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_attention_heads=2)
+    torch.manual_seed(0)
+    yield (
+        "granite",
+        GraniteForCausalLM(
+            GraniteConfig(**small, num_hidden_layers=1, num_key_value_heads=2, logits_scaling=8.0)
+        ),
+    )
+    yield (
+        "recurrent_gemma",
+        RecurrentGemmaForCausalLM(
+            RecurrentGemmaConfig(
+                **small,
+                num_hidden_layers=3,  # the cache needs an attention layer (the 3rd)
+                num_key_value_heads=2,
+                lru_width=32,
+                logits_soft_cap=2.0,
+            )
+        ),
+    )
+    yield (
+        "falcon_h1",
+        FalconH1ForCausalLM(
+            FalconH1Config(
+                **small,
+                num_hidden_layers=1,
+                num_key_value_heads=2,
+                head_dim=16,
+                mamba_d_ssm=32,
+                mamba_n_heads=2,
+                mamba_d_head=16,
+                mamba_d_state=8,
+                mamba_chunk_size=16,
+                lm_head_multiplier=0.1,
+            )
+        ),
+    )
+
+
+def test_models_that_scale_or_cap_their_logits_are_scored_by_their_own_forward():
+    """Granite divides its logits, RecurrentGemma soft-caps them, Falcon-H1 multiplies them:
+    the losses, argmaxes and lm-eval scores of fot.eval are those of the model's own logits
+    (before, its head of the decoder's states: Granite's loss read 19.7 instead of 11.1)."""
+    ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(3))
+    for name, model in _scaled_logits_models():
+        model.eval()
+        assert hidden_and_head(model, ids) is None, name
+        want = _direct_ce(model, ids)
+        got = token_losses(model, ids[:, :-1], ids[:, 1:], chunk_size=8)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=name)
+        with torch.no_grad():
+            argmax = model(input_ids=ids).logits[:, 3:20].argmax(-1)
+        assert torch.equal(next_token_argmax(model, ids, 3, 20), argmax), name
+
+
+def test_models_whose_logits_are_their_head_of_the_decoder_are_split(llama, fot_model):
+    ids = torch.randint(0, 50257, (1, 20), generator=torch.Generator().manual_seed(4))
+    for model, _ in (llama, fot_model):
+        hidden, head = hidden_and_head(model, ids)
+        with torch.no_grad():
+            want = model(input_ids=ids).logits
+        torch.testing.assert_close(head(hidden), want, rtol=1e-5, atol=1e-5)
 
 
 def test_states_of_another_process_count_fold_and_resume(llama, tmp_path):

@@ -176,6 +176,27 @@ def test_hgrn2_under_autocast_keeps_gates_that_bf16_weights_round_away() -> None
     assert errors[0] < errors[1]
 
 
+def test_eval_logits_of_chosen_positions_run_the_models_own_path(device) -> None:
+    """fot.eval's forgetting curve and lm-eval take the final hidden states and the head
+    (``hidden_and_head``): for these models through the wrapper, with its kernel choice and
+    its autocast. FLA's decoder called directly ran the chunked kernel, which fails beyond 64
+    tokens in the interpreter (and refuses float32 DeltaNet on a GPU), and ran float32 where
+    fot.eval runs bf16 autocast. Oracle: the model's own forward (called last: it sets the
+    kernels)."""
+    from fot.eval.common import hidden_and_head, next_token_argmax
+
+    m = tiny("hgrn2").to(device).eval()
+    m.compute_dtype = torch.bfloat16
+    x = torch.randint(0, VOCAB, (1, 72), generator=torch.Generator().manual_seed(5)).to(device)
+    with torch.no_grad():
+        hidden, head = hidden_and_head(m, x)
+        got = head(hidden).float()
+        argmax = next_token_argmax(m, x, 60, 72)
+        want = m(x).logits.float()
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert torch.equal(argmax, want[:, 60:72].argmax(-1))
+
+
 def test_fla_presets_are_fla_classes_at_paper_sizes() -> None:
     for name, cls in [
         ("mamba2", "Mamba2Config"),

@@ -380,6 +380,21 @@ class _FoTContractMixin:
             total = self._token_losses(hidden, shift_labels).sum()
         return CausalLMOutputWithPast(loss=total / count, logits=None)
 
+    def final_hidden_states(self, input_ids: torch.LongTensor) -> torch.Tensor:
+        """The decoder's final (normed) hidden states ``[B, T, H]`` of ``input_ids`` ``[B, T]``
+        (int64), as :meth:`forward` computes them: same kernels (:meth:`_choose_kernels`),
+        under autocast to :attr:`compute_dtype` if set. :meth:`head_logits` of them are the
+        model's logits, for callers that need only some positions' logits (``fot.eval``)."""
+        with self._autocast():
+            self._choose_kernels()
+            return self._hidden(input_ids, None, None)
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits ``[..., V]`` of final hidden states ``[..., H]`` (from
+        :meth:`final_hidden_states`), under autocast to :attr:`compute_dtype` if set."""
+        with self._autocast():
+            return self.lm_head(hidden)
+
     @torch.no_grad()
     def per_token_loss(
         self,

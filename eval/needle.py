@@ -396,7 +396,7 @@ def plot_heatmap(
     im = ax.imshow(grid, cmap=cmap, vmin=1, vmax=10, aspect="auto")
     ax.set_xticks(
         range(len(lengths)),
-        [f"{L // 1024}k" if L >= 1024 else str(L) for L in lengths],
+        [f"{L // 1024}k" if L % 1024 == 0 else str(L) for L in lengths],  # as --lengths reads
         rotation=45,
     )
     ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths])

@@ -152,6 +152,20 @@ def test_heatmap_is_written(tmp_path):
     assert out.stat().st_size > 1000
 
 
+def test_heatmap_labels_each_length_as_given(tmp_path, monkeypatch):
+    """1024 and 1500 both read "1k" and 3000 read "2k" (floored): "k" only for multiples of
+    1024 (what ``--lengths 2k`` means), else the number of tokens."""
+    import matplotlib.pyplot as plt
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    lengths = (1000, 1024, 1500, 3000, 8192)
+    recs = [{"context_length": L, "depth": 0.0, "score": 5.0} for L in lengths]
+    plot_heatmap(recs, tmp_path / "h.png")
+    labels = [t.get_text() for t in figures[0].axes[0].get_xticklabels()]
+    assert labels == ["1000", "1k", "1500", "3000", "8k"]
+
+
 def test_forgetting_pair_layout():
     copy_ids, lm_ids, start, end = build_pair([5, 6, 7, 8, 9], [1, 2, 3, 4, 0], bos_id=99)
     assert copy_ids == [99, 5, 6, 7, 8, 9, 99, 5, 6, 7, 8, 9]

@@ -619,7 +619,8 @@ def test_wsd_branch_trains_as_a_run_planned_at_its_length(tmp_path) -> None:
     """The point of warmup-stable-decay: a run branched from a stable-phase checkpoint of a
     longer run (branch_from=<its checkpoint>, a shorter total_tokens) trains step for step as
     a run planned at the shorter length from the start. Stopped by SIGTERM, the same command
-    (branch_from and all: a requeued job) continues from the branch's own checkpoint."""
+    (branch_from and all: a requeued job) continues from the branch's own checkpoint, also
+    once branch_from is gone (it was refused as missing)."""
     wsd = ("schedule=wsd", "schedule.warmup_tokens=256", "schedule.decay_fraction=0.25")
     long = tmp_path / "long"
     train(_cfg(long, *wsd, "total_tokens=3072", "ckpt_every_tokens=1024", "keep_last=3"))
@@ -633,6 +634,8 @@ def test_wsd_branch_trains_as_a_run_planned_at_its_length(tmp_path) -> None:
         train(command)
     assert stopped.value.checkpoint.parent == branch / "checkpoints"
     assert str(stopped.value).endswith("to continue from it (resume=auto)")  # the same command
+    # meanwhile the longer run's keep_last rotated the branch point away: it is not read
+    shutil.rmtree(step4)
     assert train(command)["step"] == 8
     assert not list(branch.glob("checkpoints/.abandoned-*"))
 

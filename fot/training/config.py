@@ -375,9 +375,13 @@ def check_config(cfg: DictConfig) -> list[str]:
                 "starts: branch_from takes a training checkpoint's whole state (step, optimizer, "
                 "data position), init_from only weights (from step 0); drop one of the two"
             )
-        if not (Path(branch) / "trainer.json").is_file():
-            from fot.training.checkpoint import not_a_checkpoint
+        from fot.training.checkpoint import latest_checkpoint, not_a_checkpoint
 
+        own = cfg.get("out_dir")
+        continues = own not in (None, "") and latest_checkpoint(Path(own) / "checkpoints")
+        # a branch that has a checkpoint of its own continues from it after a requeue:
+        # branch_from is not read then, and may be gone (the parent's keep_last rotated it)
+        if not continues and not (Path(branch) / "trainer.json").is_file():
             raise ValueError(f"branch_from={not_a_checkpoint(branch)}")
     from fot.models.fla_baselines import FLA_MODELS  # no CPU path (only TRITON_INTERPRET=1)
 

@@ -1042,20 +1042,27 @@ def _train(
     # before the model, the run's records and wandb: a refused profile leaves none of them
     steps_left = total_steps - (saved["step"] if resume_from is not None else 0)
     prof_cfg = cfg.profile
+    prof_steps, prof_start = int(prof_cfg.steps), int(prof_cfg.start_step)
+    if prof_steps > 0 and prof_start >= 0 and prof_start + prof_steps > steps_left:
+        too_few = (
+            f"profile.start_step + profile.steps = {prof_start + prof_steps} but this run has "
+            f"{steps_left} steps left"
+        )
+        if resume_from is None:
+            raise ValueError(f"{too_few}: lower them or raise total_tokens")
+        # the same command after a stop near the end: the run goes on, unprofiled
+        if info.is_main:
+            logger.warning("%s after its checkpoint: these steps are not profiled", too_few)
+        prof_steps = 0
     profiler = StepProfiler(  # checks that both counts are >= 0
-        steps=int(prof_cfg.steps),
-        start_step=int(prof_cfg.start_step),
+        steps=prof_steps,
+        start_step=prof_start,
         out_dir=out_dir,
         rank=info.rank,
         device=info.device,
         trace=bool(prof_cfg.trace),
         first_run_step=total_steps - steps_left + 1,
     )
-    if prof_cfg.steps and prof_cfg.start_step + prof_cfg.steps > steps_left:
-        raise ValueError(
-            f"profile.start_step + profile.steps = {prof_cfg.start_step + prof_cfg.steps} but "
-            f"this run has {steps_left} steps left: lower them or raise total_tokens"
-        )
 
     # ---- model and optimizer -------------------------------------------------------------
     from fot import presets

@@ -1983,6 +1983,22 @@ def test_resume_warns_where_the_optimizer_or_lr_schedule_differ(tmp_path) -> Non
     notes = check_resume(saved, _cfg(tmp_path, f"seed={was.seed + 5}"), path)
     assert len(notes) == 1, notes
     assert f"with seed={was.seed + 5}, but the checkpoint run's seed={was.seed} stays" in notes[0]
+    # the next step's LR is the same (the peak: warmup ends there), later ones are not: a note
+    # names the first step that differs (there was none, helper-77)
+    at_1 = {**saved, "step": 1, "tokens": 256}
+    other = ("schedule=warmup_linear", "schedule.min_lr_ratio=0.5", "total_tokens=4096")
+    (note,) = check_resume(at_1, _cfg(tmp_path, *other), path)
+    # step 3 ends at 768 tokens: cosine 1/6 of the way to 0.001, linear 1/14 of it to 0.005
+    assert "step 3's learning rate is 0.00964 (it was 0.0094 in the checkpoint's run)" in note
+    assert "schedule.name=warmup_cosine (checkpoint) vs warmup_linear" in note
+    # a WSD branch ends sooner by design: only its next step is compared
+    wsd = ("schedule=wsd", "schedule.decay_fraction=0.25")
+    parent = {**at_1, "config": to_container(_cfg(tmp_path, *wsd, "total_tokens=4096"))}
+    shorter = _cfg(tmp_path, *wsd)
+    assert check_resume(parent, shorter, path, branching=True) == []
+    (note,) = check_resume(parent, shorter, path)
+    # step 7 ends at 1792 tokens, half way through the decay over the last 512: 1 - sqrt(1/2)
+    assert "step 7's learning rate is 0.00293 (it was 0.01 in the checkpoint's run)" in note
 
 
 def test_validation_lost_at_the_checkpoint_step_runs_on_resume(tmp_path, monkeypatch) -> None:

@@ -602,7 +602,7 @@ def check_resume(
             for key in DATA_SOURCE_FIELDS:
                 if key in was_data and was_data[key] != data[key]:
                     changed.append(f"data.{key}={was_data[key]} (checkpoint) vs {data[key]}")
-            changed += _optim_changes(config, now, saved, cfg)
+            changed += _optim_changes(config, now, saved, cfg, branching=branching)
     seed_note = []
     if isinstance(config, dict) and config.get("seed", cfg.seed) != cfg.seed:
         seed_note.append(
@@ -639,10 +639,19 @@ def check_resume(
 
 
 def _optim_changes(
-    was: dict[str, Any], now: dict[str, Any], saved: dict[str, Any], cfg: Any
+    was: dict[str, Any],
+    now: dict[str, Any],
+    saved: dict[str, Any],
+    cfg: Any,
+    *,
+    branching: bool = False,
 ) -> list[str]:
     """What a resumed run changes of the optimizer and the learning rate, for a warning each:
-    the run goes on with this config's values (the checkpoint gives only the optimizer state)."""
+    the run goes on with this config's values (the checkpoint gives only the optimizer state).
+
+    The learning rates of every step left are compared, in either run's length; a branch
+    (``branching``) is compared at its next step only: it is meant to end sooner (a WSD branch
+    from the stable phase decays where its parent would not have yet)."""
     out = []
     was_optim, optim = was.get("optim") or {}, now["optim"]
     diffs = [
@@ -668,37 +677,43 @@ def _optim_changes(
     if not isinstance(was_schedule, dict) or "lr" not in was_optim or "total_tokens" not in was:
         return out  # a checkpoint of an older version
     gbt = int(cfg.global_batch_tokens)
-    tokens = int(saved.get("tokens", 0)) + gbt  # the next step's, as the loop computes it
-    lrs = [
-        lr_at(
-            tokens,
-            peak_lr=float(lr),
-            total_tokens=int(total) // gbt * gbt,
-            cfg=ScheduleConfig(**{k: v for k, v in sched.items() if k in _SCHEDULE_FIELDS}),
+    runs = [
+        (
+            float(lr),
+            int(total) // gbt * gbt,
+            ScheduleConfig(**{k: v for k, v in sched.items() if k in _SCHEDULE_FIELDS}),
         )
         for lr, total, sched in (
             (was_optim["lr"], was["total_tokens"], was_schedule),
             (optim["lr"], now["total_tokens"], now["schedule"]),
         )
     ]
-    if not math.isclose(lrs[0], lrs[1], rel_tol=1e-9, abs_tol=0.0):
-        keys = [("optim", "lr"), *(("schedule", k) for k in _SCHEDULE_FIELDS)]
-        keys.append(("", "total_tokens"))
-        diffs = [
-            f"{group + '.' if group else ''}{key}={before} (checkpoint) vs {after} (this run)"
-            for group, key in keys
-            for before, after in [
-                ((was.get(group) or {}).get(key), now[group][key])
-                if group
-                else (was.get(key), now[key])
-            ]
-            if before != after
+    done = int(saved.get("tokens", 0))
+    last = done + gbt if branching else max(runs[0][1], runs[1][1], done + gbt)
+    for tokens in range(done + gbt, last + 1, gbt):  # each step's, as the loop computes it
+        lrs = [lr_at(tokens, peak_lr=lr, total_tokens=total, cfg=c) for lr, total, c in runs]
+        if not math.isclose(lrs[0], lrs[1], rel_tol=1e-9, abs_tol=0.0):
+            break
+    else:
+        return out
+    keys = [("optim", "lr"), *(("schedule", k) for k in _SCHEDULE_FIELDS)]
+    keys.append(("", "total_tokens"))
+    diffs = [
+        f"{group + '.' if group else ''}{key}={before} (checkpoint) vs {after} (this run)"
+        for group, key in keys
+        for before, after in [
+            ((was.get(group) or {}).get(key), now[group][key])
+            if group
+            else (was.get(key), now[key])
         ]
-        out.append(
-            f"another learning-rate schedule: the next step's learning rate is {lrs[1]:.3g} (it "
-            f"was {lrs[0]:.3g} in the checkpoint's run) as {'; '.join(diffs)}. The run goes on "
-            "with this run's schedule"
-        )
+        if before != after
+    ]
+    when = "the next step's" if tokens == done + gbt else f"step {tokens // gbt}'s"
+    out.append(
+        f"another learning-rate schedule: {when} learning rate is {lrs[1]:.3g} (it was "
+        f"{lrs[0]:.3g} in the checkpoint's run) as {'; '.join(diffs)}. The run goes on with "
+        "this run's schedule"
+    )
     return out
 
 

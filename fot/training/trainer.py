@@ -688,6 +688,8 @@ def _optim_changes(
             (optim["lr"], now["total_tokens"], now["schedule"]),
         )
     ]
+    if runs[0] == runs[1]:
+        return out  # the same schedule (the loop below would take ~1 s for 100k steps)
     done = int(saved.get("tokens", 0))
     last = done + gbt if branching else max(runs[0][1], runs[1][1], done + gbt)
     for tokens in range(done + gbt, last + 1, gbt):  # each step's, as the loop computes it

@@ -3,10 +3,14 @@
 Modes:
 
 * ``easy`` -- the needle holds both the question and its answer ("Question: ... Answer: ...");
-  the prompt ends with the same question, so the model only has to find and copy (the paper's
-  easy mode, which suits base models that were never instruction-tuned).
+  the prompt ends with the same question, so the model only has to find and copy (the design
+  of the paper's easy mode, which suits base models that were never instruction-tuned).
 * ``standard`` -- the needle is the answer sentence alone; the prompt ends with the question.
 * ``passkey`` -- a random 5-digit key hidden in filler text; the prompt asks for it.
+
+The easy and standard prompts are in fot's own wording. The paper's end with an instruction
+and an answer stem the model continues ("... Answer: The best thing to do in San Francisco
+is"); ``--prompt-template`` (:class:`Wording`) takes any wording, e.g. the paper's.
 
 A prompt of exactly ``context_length`` tokens is built in token space: prefix, haystack cut to
 fit, needle inserted at ``depth`` percent of the haystack (moved back to the closest sentence or
@@ -26,10 +30,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import math
 import random
 import re
+import string
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,6 +85,80 @@ def _normalize(text: str) -> str:
 
 
 @dataclass(frozen=True)
+class Wording:
+    """A prompt's wording for the easy and standard modes (``--prompt-template``), in place of
+    fot's: texts in which ``{question}`` and ``{answer}`` are the needle's (``{{`` and ``}}``
+    are braces).
+
+    Attributes:
+        needle: the text hidden in the haystack; it holds ``{answer}``.
+        suffix: the text after the haystack, which asks for the answer (it may end with the
+            start of the answer, for the model to continue).
+        prefix: the text before the haystack (after BOS).
+    """
+
+    needle: str
+    suffix: str
+    prefix: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("prefix", "needle", "suffix"):
+            text = getattr(self, name)
+            if not isinstance(text, str):
+                raise ValueError(f"the {name} template must be a string, got {text!r}")
+            try:
+                fields = {f for _, f, _, _ in string.Formatter().parse(text) if f is not None}
+            except ValueError as err:
+                raise ValueError(
+                    f"the {name} template {text!r} is not a format string ({err}): write "
+                    "literal braces as {{ and }}"
+                ) from None
+            if fields - {"question", "answer"}:
+                raise ValueError(
+                    f"the {name} template {text!r} names {sorted(fields - {'question', 'answer'})}"
+                    ": only {question} and {answer} are filled in"
+                )
+            try:
+                text.format(question="", answer="")
+            except ValueError as err:  # a format spec or conversion, e.g. {answer:>10x}
+                raise ValueError(f"the {name} template {text!r}: {err}") from None
+        if "answer" not in {f for _, f, _, _ in string.Formatter().parse(self.needle)}:
+            raise ValueError(
+                f"the needle template {self.needle!r} has no {{answer}}: the needle is the "
+                "text to find"
+            )
+
+    def texts(self, question: str, answer: str) -> tuple[str, str, str]:
+        """``(prefix, needle, suffix)`` filled with the needle's question and answer."""
+        return tuple(  # type: ignore[return-value]
+            t.format(question=question, answer=answer)
+            for t in (self.prefix, self.needle, self.suffix)
+        )
+
+
+def load_wording(path: str | Path) -> Wording:
+    """``--prompt-template``: a JSON object with ``needle`` and ``suffix`` (and optionally
+    ``prefix``) templates (:class:`Wording`)."""
+    where = f"--prompt-template {str(path)!r}"
+    try:
+        value = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as err:
+        raise ValueError(f"{where} cannot be read ({err.strerror or err})") from None
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ValueError(f"{where} is not JSON ({err})") from None
+    example = '{"needle": "\\n{answer}\\n", "suffix": "\\n\\nQuestion: {question} Answer:"}'
+    if not isinstance(value, dict) or not {"needle", "suffix"} <= set(value):
+        raise ValueError(f"{where} must be a JSON object with needle and suffix, e.g. {example}")
+    unknown = sorted(set(value) - {"prefix", "needle", "suffix"})
+    if unknown:
+        raise ValueError(f"{where} has {unknown}: its keys are prefix, needle and suffix")
+    try:
+        return Wording(**value)
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from None
+
+
+@dataclass
 class Needle:
     """A fact to hide and how to ask for it.
 
@@ -86,11 +166,13 @@ class Needle:
         answer: the fact, as one sentence (also the reference answer for ROUGE-L).
         question: the question whose answer is the fact.
         key_phrases: phrases a correct answer must contain.
+        wording: the prompt's wording, or None for fot's (per mode, :func:`needle_texts`).
     """
 
     answer: str
     question: str
     key_phrases: tuple[str, ...] = field(default_factory=tuple)
+    wording: Wording | None = None
 
     def __post_init__(self) -> None:
         # Without key phrases no answer could score 10 or count as correct; a phrase that is
@@ -188,7 +270,14 @@ def _ends_sentence_or_line(
 def needle_texts(
     mode: str, needle: Needle, passkey: str | None = None
 ) -> tuple[str, str, str, str, tuple[str, ...]]:
-    """The text pieces of a prompt: ``(prefix, needle, suffix, reference, key_phrases)``."""
+    """The text pieces of a prompt: ``(prefix, needle, suffix, reference, key_phrases)``; in
+    the easy and standard modes from ``needle.wording`` where it is set."""
+    if mode in ("easy", "standard") and needle.wording is not None:
+        return (
+            *needle.wording.texts(needle.question, needle.answer),
+            needle.answer,
+            needle.key_phrases,
+        )
     if mode == "easy":
         return (
             "",
@@ -544,6 +633,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "required with --needle (default needle: "
         f"{','.join(DEFAULT_NEEDLE.key_phrases)})",
     )
+    p.add_argument(
+        "--prompt-template",
+        default=None,
+        metavar="FILE",
+        help="JSON file of the easy/standard prompt's wording, in place of fot's: "
+        '{"prefix": ..., "needle": ..., "suffix": ...} with {question} and {answer} filled from '
+        "the needle (e.g. the FoX paper's instruction and answer stem; default: fot's wording)",
+    )
     p.add_argument("--no-bos", action="store_true", help="do not start prompts with BOS")
     p.add_argument(
         "--train-length",
@@ -584,6 +681,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             )
         keys = tuple(k.strip() for k in args.key_phrases.split(",") if k.strip())
         needle = Needle(args.needle, args.question, keys)
+    if args.prompt_template:
+        if args.mode == "passkey":
+            raise ValueError(
+                "--prompt-template is for the easy and standard modes; passkey mode has its own "
+                "prompt"
+            )
+        needle = dataclasses.replace(needle, wording=load_wording(args.prompt_template))
     train_length = length_option(args.train_length, "--train-length") if args.train_length else None
     max_chars = 8 * max(lengths) + 10_000
     filler = args.mode == "passkey" and not args.haystack  # repeated by design
@@ -633,6 +737,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "--needle": needle.answer,
             "--question": needle.question,
             "--key-phrases": list(needle.key_phrases),
+            # only when given: results of earlier versions (fot's wording) resume
+            **(
+                {"--prompt-template": dataclasses.asdict(needle.wording)}
+                if needle.wording is not None
+                else {}
+            ),
             "--no-bos": args.no_bos,
             "--max-new-tokens": max_new_tokens,
             "--seed": args.seed,

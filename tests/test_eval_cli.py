@@ -304,6 +304,29 @@ def test_needle_and_passkey_resume(ckpts, tmp_path):
     _run_config(tmp_path / "f", "needle")
 
 
+def test_needle_prompt_template_is_a_setting_of_the_results(ckpts, tmp_path):
+    """--prompt-template words the easy/standard prompts (tests/test_eval_needle.py checks the
+    prompt): saved results resume only with the same wording; passkey mode refuses it."""
+    template = tmp_path / "wording.json"
+    template.write_text(json.dumps({"needle": " Fact: {answer}\n", "suffix": "\n{question}"}))
+    out = tmp_path / "n"
+    args = ["needle", str(ckpts["fot"]), "--mode", "standard", "--lengths", "96", "--depths",
+            "50", "--max-new-tokens", "2", "--device", "cpu", "--out", str(out)]  # fmt: skip
+    assert main([*args, "--prompt-template", str(template)])["cells"] == 1
+    record = json.loads((out / "needle_standard.resume.json").read_text())
+    assert record["settings"]["--prompt-template"] == {
+        "needle": " Fact: {answer}\n",
+        "suffix": "\n{question}",
+        "prefix": "",
+    }
+    with pytest.raises(ResumeMismatchError, match="--prompt-template: saved"):
+        main(args)  # fot's wording
+    with pytest.raises(ValueError, match=r"^--prompt-template is for the easy and standard modes"):
+        main(["needle", str(ckpts["fot"]), "--mode", "passkey", "--prompt-template",
+              str(template), "--out", str(tmp_path / "p")])  # fmt: skip
+    assert not (tmp_path / "p").exists()
+
+
 def test_the_sample_corpus_is_json_escaped_for_a_model_trained_on_escaped_text(ckpts, tmp_path):
     """A LongCrawl64 model (its export records JSON escaping) reads the sample corpus escaped
     as its training texts were. Oracle: the plain checkpoint on a token folder of the held-out

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -9,7 +12,13 @@ from eval_helpers import CopyOracle, RandomLogits
 
 from fot.eval.common import JsonlLog
 from fot.eval.forgetting_curve import build_pair, memory_lengths, run_curve, summarize
-from fot.eval.needle import DEFAULT_NEEDLE, build_prompt, plot_heatmap, score_response
+from fot.eval.needle import (
+    DEFAULT_NEEDLE,
+    build_prompt,
+    load_wording,
+    plot_heatmap,
+    score_response,
+)
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +70,69 @@ def test_needle_at_requested_depth_and_length(tokenizer, haystack, mode, length)
         build_prompt(tokenizer, haystack, context_length=20, depth=50, mode=mode, passkey="1")
     with pytest.raises(ValueError, match="depth"):
         build_prompt(tokenizer, haystack, context_length=500, depth=150, mode=mode, passkey="1")
+
+
+def test_a_prompt_template_gives_the_prompts_wording(tokenizer, haystack, tmp_path):
+    """--prompt-template: the text before the haystack, the needle and the text after it are
+    the template's, filled with the needle's question and answer (here an answer stem for the
+    model to continue, as the FoX paper's prompts end)."""
+    stem = "The best thing to do in San Francisco is"
+    template = tmp_path / "wording.json"
+    template.write_text(
+        json.dumps(
+            {
+                "prefix": "A long text {{with braces}} follows.\n",
+                "needle": "\n{question} Answer: {answer}\n",
+                "suffix": f"\n\nRecall the hidden fact. {{question}} Answer: {stem}",
+            }
+        )
+    )
+    needle = dataclasses.replace(DEFAULT_NEEDLE, wording=load_wording(template))
+    q, a = DEFAULT_NEEDLE.question, DEFAULT_NEEDLE.answer
+
+    def enc(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    suffix = enc(f"\n\nRecall the hidden fact. {q} Answer: {stem}")
+    for mode in ("easy", "standard"):
+        p = build_prompt(
+            tokenizer, haystack, context_length=400, depth=50.0, mode=mode, needle=needle,
+            bos_id=50256,
+        )  # fmt: skip
+        assert len(p.input_ids) == 400
+        assert p.input_ids[: p.haystack_start] == [
+            50256,
+            *enc("A long text {with braces} follows.\n"),
+        ]
+        assert p.input_ids[p.needle_start : p.needle_end] == enc(f"\n{q} Answer: {a}\n")
+        assert p.input_ids[len(p.input_ids) - len(suffix) :] == suffix
+        assert p.haystack_start + p.haystack_len + len(enc(f"\n{q} Answer: {a}\n")) == 400 - len(
+            suffix
+        )
+        assert p.reference == a and p.key_phrases == DEFAULT_NEEDLE.key_phrases
+
+
+@pytest.mark.parametrize(
+    ("content", "error"),
+    [
+        ("not json", "is not JSON"),
+        ('["needle"]', "must be a JSON object with needle and suffix, e.g."),
+        ('{"needle": "{answer}"}', "must be a JSON object with needle and suffix"),
+        ('{"needle": "{answer}", "suffix": "?", "question": "?"}', r"has \['question'\]: its keys"),
+        ('{"needle": "{answer}", "suffix": "{query}"}', r"names \['query'\]: only \{question\}"),
+        ('{"needle": "{question}", "suffix": "?"}', r"has no \{answer\}: the needle is the text"),
+        ('{"needle": "{answer}", "suffix": "a } b"}', "is not a format string .* as {{ and }}"),
+        ('{"needle": "{answer}", "suffix": "{0}"}', r"names \['0'\]"),
+        ('{"needle": "{answer}", "suffix": 3}', "the suffix template must be a string, got 3"),
+    ],
+)
+def test_bad_prompt_templates_are_named(tmp_path, content, error):
+    path = tmp_path / "t.json"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=rf"^--prompt-template '{path}'.*{error}"):
+        load_wording(path)
+    with pytest.raises(ValueError, match="cannot be read"):
+        load_wording(tmp_path / "missing.json")
 
 
 def test_needle_lands_at_the_exact_depth_token(tokenizer, haystack):

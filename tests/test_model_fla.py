@@ -176,7 +176,8 @@ def test_hgrn2_under_autocast_keeps_gates_that_bf16_weights_round_away() -> None
     assert errors[0] < errors[1]
 
 
-def test_eval_logits_of_chosen_positions_run_the_models_own_path(device) -> None:
+@pytest.mark.parametrize("name", ["hgrn2", pytest.param("deltanet", marks=pytest.mark.gpu)])
+def test_eval_logits_of_chosen_positions_run_the_models_own_path(name: str, device) -> None:
     """fot.eval's forgetting curve and lm-eval take the final hidden states and the head
     (``hidden_and_head``): for these models through the wrapper, with its kernel choice and
     its autocast. FLA's decoder called directly ran the chunked kernel, which fails beyond 64
@@ -185,7 +186,7 @@ def test_eval_logits_of_chosen_positions_run_the_models_own_path(device) -> None
     kernels)."""
     from fot.eval.common import hidden_and_head, next_token_argmax
 
-    m = tiny("hgrn2").to(device).eval()
+    m = tiny(name).to(device).eval()
     m.compute_dtype = torch.bfloat16
     x = torch.randint(0, VOCAB, (1, 72), generator=torch.Generator().manual_seed(5)).to(device)
     with torch.no_grad():

@@ -585,15 +585,23 @@ def hidden_and_head(model: torch.nn.Module, input_ids: torch.Tensor):
         return None
     if decoder is None or decoder is model or not isinstance(head, torch.nn.Linear):
         return None
-    if getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", None):
-        return None  # logits are not head(hidden): use the full forward instead
+    capped = ("final_logit_softcapping", "logit_scale", "logits_soft_cap", "output_logit_soft_cap")
+    scaled = ("logits_scaling", "lm_head_multiplier")
+    if any(getattr(cfg, k, None) for k in capped) or any(
+        getattr(cfg, k, None) not in (None, 1) for k in scaled
+    ):
+        return None  # logits are not head(hidden): use the full forward instead (the probe
+        # below finds the transforms of other models)
     head = cut(head, head.out_features)
 
     def last_hidden(x: torch.Tensor) -> torch.Tensor:
         out = decoder(input_ids=x, use_cache=False)
         return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
 
-    matches = _SPLIT_MATCHES_FORWARD.get(model)
+    try:
+        matches = _SPLIT_MATCHES_FORWARD.get(model)
+    except TypeError:  # not weak-referenceable or hashable: probed on every call
+        matches = None
     if matches is None:
         probe = input_ids[:1, :16]
         want = model_logits(model, probe).float()
@@ -601,7 +609,8 @@ def hidden_and_head(model: torch.nn.Module, input_ids: torch.Tensor):
         matches = got.shape == want.shape and bool(
             (got - want).abs().max() <= 1e-3 * (1 + want.abs().max())
         )
-        _SPLIT_MATCHES_FORWARD[model] = matches
+        with contextlib.suppress(TypeError):
+            _SPLIT_MATCHES_FORWARD[model] = matches
     if not matches:
         return None
     return last_hidden(input_ids), head

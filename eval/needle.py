@@ -118,10 +118,16 @@ class Wording:
                     f"the {name} template {text!r} names {sorted(fields - {'question', 'answer'})}"
                     ": only {question} and {answer} are filled in"
                 )
-            try:
-                text.format(question="", answer="")
-            except ValueError as err:  # a format spec or conversion, e.g. {answer:>10x}
-                raise ValueError(f"the {name} template {text!r}: {err}") from None
+            dressed = [
+                "{" + f + ("!" + c if c else "") + (":" + spec if spec else "") + "}"
+                for _, f, spec, c in string.Formatter().parse(text)
+                if f is not None and (spec or c)
+            ]
+            if dressed:
+                raise ValueError(
+                    f"the {name} template {text!r} has {dressed}: write {{question}} and "
+                    "{answer} without a conversion or format spec (they are inserted as they are)"
+                )
         if "answer" not in {f for _, f, _, _ in string.Formatter().parse(self.needle)}:
             raise ValueError(
                 f"the needle template {self.needle!r} has no {{answer}}: the needle is the "
@@ -158,7 +164,7 @@ def load_wording(path: str | Path) -> Wording:
         raise ValueError(f"{where}: {err}") from None
 
 
-@dataclass
+@dataclass(frozen=True)
 class Needle:
     """A fact to hide and how to ask for it.
 
@@ -639,7 +645,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="JSON file of the easy/standard prompt's wording, in place of fot's: "
         '{"prefix": ..., "needle": ..., "suffix": ...} with {question} and {answer} filled from '
-        "the needle (e.g. the FoX paper's instruction and answer stem; default: fot's wording)",
+        "the needle (e.g. the FoX paper's instruction and answer stem; it replaces both modes' "
+        "wording, the mode then names the output files; default: fot's wording)",
     )
     p.add_argument("--no-bos", action="store_true", help="do not start prompts with BOS")
     p.add_argument(

@@ -80,12 +80,21 @@ def _scaled_logits_models():
         FalconH1ForCausalLM,
         GraniteConfig,
         GraniteForCausalLM,
+        LlamaConfig,
+        LlamaForCausalLM,
         RecurrentGemmaConfig,
         RecurrentGemmaForCausalLM,
     )
 
+    class HalvedLogits(LlamaForCausalLM):  # no config field says so: the probe finds it
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            out.logits = out.logits / 2
+            return out
+
     small = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_attention_heads=2)
     torch.manual_seed(0)
+    yield "halved", HalvedLogits(LlamaConfig(**small, num_hidden_layers=1))
     yield (
         "granite",
         GraniteForCausalLM(
@@ -124,7 +133,8 @@ def _scaled_logits_models():
 
 
 def test_models_that_scale_or_cap_their_logits_are_scored_by_their_own_forward():
-    """Granite divides its logits, RecurrentGemma soft-caps them, Falcon-H1 multiplies them:
+    """Granite divides its logits, RecurrentGemma soft-caps them, Falcon-H1 multiplies them
+    (config fields), a subclass halves them (found by comparing with the forward):
     the losses, argmaxes and lm-eval scores of fot.eval are those of the model's own logits
     (before, its head of the decoder's states: Granite's loss read 19.7 instead of 11.1)."""
     ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(3))

@@ -123,6 +123,10 @@ def test_a_prompt_template_gives_the_prompts_wording(tokenizer, haystack, tmp_pa
         ('{"needle": "{question}", "suffix": "?"}', r"has no \{answer\}: the needle is the text"),
         ('{"needle": "{answer}", "suffix": "a } b"}', "is not a format string .* as {{ and }}"),
         ('{"needle": "{answer}", "suffix": "{0}"}', r"names \['0'\]"),
+        # the needle would be hidden cut, quoted or padded (a cut one cannot score 10)
+        ('{"needle": "{answer:.5}", "suffix": "?"}', r"has \['\{answer:.5\}'\]: write"),
+        ('{"needle": "{answer!r}", "suffix": "?"}', r"has \['\{answer!r\}'\]"),
+        ('{"needle": "{answer}", "suffix": "{question:{answer}}"}', "without a conversion"),
         ('{"needle": "{answer}", "suffix": 3}', "the suffix template must be a string, got 3"),
     ],
 )

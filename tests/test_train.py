@@ -219,6 +219,11 @@ def test_profiled_run_writes_summary_and_trains_the_same(tmp_path, reference_run
     note = "profile.start_step + profile.steps = 3 but this run has 2 steps left after its"
     assert f"{note} checkpoint: these steps are not profiled" in caplog.text
     assert not (resumed / "profile").exists()
+    # a branch's first start is refused, as a fresh run is
+    step2 = out / "checkpoints" / "step_00000002"
+    with pytest.raises(ValueError, match=r"steps = 3 but this run has 2 steps left: lower them"):
+        train(_cfg(tmp_path / "branch", "total_tokens=1024", "data.val_tokens=0",
+                   "profile.steps=3", "profile.start_step=0", f"branch_from={step2}"))  # fmt: skip
     with pytest.raises(ValueError, match=r"profile\.steps and profile\.start_step must be >= 0"):
         train(
             _cfg(tmp_path / "neg", "total_tokens=512", "profile.steps=-1", "profile.start_step=9")

@@ -554,8 +554,9 @@ def check_resume(
         implementation, chunk size, recomputation: how the same model is computed), or a
         field of :data:`DATA_SOURCE_FIELDS` (where the training data is read from; the data
         position is the checkpoint's), other AdamW settings (betas, eps, weight decay, clip),
-        or a learning rate at the next step that differs from the checkpoint run's (``optim.lr``,
-        ``schedule``, ``total_tokens``); the run goes on with this run's values. Another
+        or a learning rate that differs from the checkpoint run's at any step left (at the
+        next step for a branch; ``optim.lr``, ``schedule``, ``total_tokens``); the run goes on
+        with this run's values. Another
         ``seed`` is named too: it changes nothing in a resumed run.
 
     Raises:
@@ -1065,10 +1066,10 @@ def _train(
             f"profile.start_step + profile.steps = {prof_start + prof_steps} but this run has "
             f"{steps_left} steps left"
         )
-        if resume_from is None:
+        if resume_from is None or elsewhere:  # a first start (branch_from, resume=<path>)
             raise ValueError(f"{too_few}: lower them or raise total_tokens")
         # the same command after a stop near the end: the run goes on, unprofiled
-        if info.is_main:
+        if info.is_main and steps_left > 0:
             logger.warning("%s after its checkpoint: these steps are not profiled", too_few)
         prof_steps = 0
     profiler = StepProfiler(  # checks that both counts are >= 0

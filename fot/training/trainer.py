@@ -556,8 +556,8 @@ def check_resume(
         position is the checkpoint's), other AdamW settings (betas, eps, weight decay, clip),
         or a learning rate that differs from the checkpoint run's at any step left (at the
         next step for a branch; ``optim.lr``, ``schedule``, ``total_tokens``); the run goes on
-        with this run's values. Another
-        ``seed`` is named too: it changes nothing in a resumed run.
+        with this run's values. Another ``seed`` is named too: it changes nothing in a resumed
+        run.
 
     Raises:
         ValueError: the checkpoint's model (``model.name``, ``size.name``, any other

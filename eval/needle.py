@@ -107,12 +107,13 @@ class Wording:
             if not isinstance(text, str):
                 raise ValueError(f"the {name} template must be a string, got {text!r}")
             try:
-                fields = {f for _, f, _, _ in string.Formatter().parse(text) if f is not None}
+                parts = [(f, spec, c) for _, f, spec, c in string.Formatter().parse(text)]
             except ValueError as err:
                 raise ValueError(
                     f"the {name} template {text!r} is not a format string ({err}): write "
                     "literal braces as {{ and }}"
                 ) from None
+            fields = {f for f, _, _ in parts if f is not None}
             if fields - {"question", "answer"}:
                 raise ValueError(
                     f"the {name} template {text!r} names {sorted(fields - {'question', 'answer'})}"
@@ -120,7 +121,7 @@ class Wording:
                 )
             dressed = [
                 "{" + f + ("!" + c if c else "") + (":" + spec if spec else "") + "}"
-                for _, f, spec, c in string.Formatter().parse(text)
+                for f, spec, c in parts
                 if f is not None and (spec or c)
             ]
             if dressed:
@@ -128,11 +129,11 @@ class Wording:
                     f"the {name} template {text!r} has {dressed}: write {{question}} and "
                     "{answer} without a conversion or format spec (they are inserted as they are)"
                 )
-        if "answer" not in {f for _, f, _, _ in string.Formatter().parse(self.needle)}:
-            raise ValueError(
-                f"the needle template {self.needle!r} has no {{answer}}: the needle is the "
-                "text to find"
-            )
+            if name == "needle" and "answer" not in fields:
+                raise ValueError(
+                    f"the needle template {text!r} has no {{answer}}: the needle is the text to "
+                    "find"
+                )
 
     def texts(self, question: str, answer: str) -> tuple[str, str, str]:
         """``(prefix, needle, suffix)`` filled with the needle's question and answer."""

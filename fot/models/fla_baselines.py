@@ -380,14 +380,17 @@ class _FoTContractMixin:
             total = self._token_losses(hidden, shift_labels).sum()
         return CausalLMOutputWithPast(loss=total / count, logits=None)
 
-    def final_hidden_states(self, input_ids: torch.LongTensor) -> torch.Tensor:
+    def final_hidden_states(
+        self, input_ids: torch.LongTensor, cu_seqlens: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The decoder's final (normed) hidden states ``[B, T, H]`` of ``input_ids`` ``[B, T]``
-        (int64), as :meth:`forward` computes them: same kernels (:meth:`_choose_kernels`),
-        under autocast to :attr:`compute_dtype` if set. :meth:`head_logits` of them are the
-        model's logits, for callers that need only some positions' logits (``fot.eval``)."""
+        (int64; packed documents with ``cu_seqlens``), as :meth:`forward` computes them: same
+        kernels (:meth:`_choose_kernels`), under autocast to :attr:`compute_dtype` if set.
+        :meth:`head_logits` of them are the model's logits, for callers that need only some
+        positions' logits (``fot.eval``)."""
         with self._autocast():
             self._choose_kernels()
-            return self._hidden(input_ids, None, None)
+            return self._hidden(input_ids, None, cu_seqlens)
 
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[..., V]`` of final hidden states ``[..., H]`` (from
@@ -403,9 +406,8 @@ class _FoTContractMixin:
         cu_seqlens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``[B, T]`` float32 next-token losses, 0 where ``shift_labels == -100``."""
+        hidden = self.final_hidden_states(input_ids, cu_seqlens)
         with self._autocast():
-            self._choose_kernels()
-            hidden = self._hidden(input_ids, None, cu_seqlens)
             return self._token_losses(hidden, shift_labels, fp32_logits=True)
 
 

@@ -2070,8 +2070,15 @@ def test_resume_takes_another_implementation_setting(tmp_path, reference_run, ca
     assert "'qk_norm': False}" in str(err.value) and "loss_chunk_size" not in str(err.value)
     caplog.set_level(logging.WARNING, logger="fot.train")
     start = out / "checkpoints" / "step_00000006"
-    train(_cfg(out, f"resume={start}", "+model.overrides.loss_chunk_size=16"))
+    # parallel.precision=fp32 is what auto is on the CPU: the losses stay the reference's, and
+    # the changed setting is named (a bf16 resume of an fp32 run was applied without a note)
+    train(
+        _cfg(
+            out, f"resume={start}", "+model.overrides.loss_chunk_size=16", "parallel.precision=fp32"
+        )
+    )
     assert "model.overrides.loss_chunk_size=unset (checkpoint) vs 16 (this run)" in caplog.text
+    assert "parallel.precision=auto (checkpoint) vs fp32 (this run)" in caplog.text
     losses = _losses(out)
     assert sorted(losses) == list(range(1, 9))
     assert losses == pytest.approx(reference_run, rel=1e-5, abs=0)

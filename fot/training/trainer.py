@@ -551,7 +551,9 @@ def check_resume(
         Warnings for the caller to log, one per setting the run resumes with although it
         differs from the checkpoint's: a ``model.overrides`` field of
         :data:`fot.models.configuration_fot.IMPLEMENTATION_FIELDS` (kernel backend, loss
-        implementation, chunk size, recomputation: how the same model is computed), or a
+        implementation, chunk size, recomputation: how the same model is computed) or
+        ``parallel.precision`` / ``parallel.reduce_precision`` (the rounding it is computed
+        with), or a
         field of :data:`DATA_SOURCE_FIELDS` (where the training data is read from; the data
         position is the checkpoint's), other AdamW settings (betas, eps, weight decay, clip),
         or a learning rate that differs from the checkpoint run's at any step left (at the
@@ -600,6 +602,13 @@ def check_resume(
             if key in was_data and was_data[key] != data[key]:
                 differences.append(f"data.{key}={was_data[key]} (checkpoint) vs {data[key]}")
         if not differences:
+            was_parallel = config.get("parallel") or {}
+            for key in ("precision", "reduce_precision"):
+                if key in was_parallel and was_parallel[key] != now["parallel"].get(key):
+                    changed.append(
+                        f"parallel.{key}={was_parallel[key]} (checkpoint) vs "
+                        f"{now['parallel'].get(key)}"
+                    )
             for key in DATA_SOURCE_FIELDS:
                 if key in was_data and was_data[key] != data[key]:
                     changed.append(f"data.{key}={was_data[key]} (checkpoint) vs {data[key]}")

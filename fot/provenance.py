@@ -19,14 +19,25 @@ LIBRARIES = ("torch", "triton", "transformers", "flash-linear-attention", "hydra
 
 def git_sha(repo: str | os.PathLike | None = None) -> str | None:
     """The commit checked out in ``repo`` (default: fot's own source tree), with ``+dirty``
-    when tracked files differ from it, or ``None`` outside a git checkout (an installed
-    wheel, a copy of the tree) or without git."""
+    when tracked files differ from it, or ``None`` when ``repo`` is not the top folder of a
+    git checkout (an installed wheel, a copy of the tree) or without git.
+
+    A folder inside another checkout is not one: fot installed into a virtual environment
+    that lies in the user's own repository would otherwise record that repository's commit.
+    """
     cwd = Path(repo) if repo is not None else Path(__file__).resolve().parents[1]
     try:
         sha = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10
+            ["git", "rev-parse", "--show-toplevel", "HEAD"],
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=10,
         )
         if sha.returncode != 0:
+            return None
+        top, head = sha.stdout.splitlines()
+        if Path(top).resolve() != cwd.resolve():
             return None
         dirty = subprocess.run(
             ["git", "status", "--porcelain", "--untracked-files=no"],
@@ -37,7 +48,7 @@ def git_sha(repo: str | os.PathLike | None = None) -> str | None:
         )
     except (OSError, subprocess.SubprocessError):
         return None
-    return sha.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    return head + ("+dirty" if dirty.stdout.strip() else "")
 
 
 def library_versions(extra: Iterable[str] = ()) -> dict[str, str | None]:

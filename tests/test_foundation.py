@@ -267,6 +267,11 @@ def test_git_sha_is_the_checkout_and_says_when_tracked_files_differ(tmp_path):
     assert git_sha(tmp_path) == head  # files git does not track change nothing
     (tmp_path / "a.txt").write_text("two\n")
     assert git_sha(tmp_path) == head + "+dirty"
+    # fot installed into a virtual environment inside the user's own repository: its
+    # folder is not a checkout of fot (it recorded the user's commit)
+    site = tmp_path / ".venv" / "lib" / "site-packages"
+    site.mkdir(parents=True)
+    assert git_sha(site) is None
 
 
 @pytest.mark.parametrize(

@@ -354,6 +354,54 @@ def test_two_processes_equal_one(tmp_path, strategy: str, launcher: str, one_pro
     assert final["val/loss"] == pytest.approx(res1["val/loss"], rel=1e-5)
 
 
+def test_a_bad_token_id_in_one_ranks_share_stops_every_rank_with_the_error(tmp_path) -> None:
+    """Rank 1 raised alone on a token id outside the vocabulary in its share of the step; rank
+    0 went on into the step's collective and died with a 100-line gloo traceback ("Connection
+    closed by peer"; under NCCL and srun it would wait for the timeout). Now every rank stops
+    with an error at the same sync and no checkpoint holds a step trained on the clamped ids."""
+    ids = np.arange(64 * 40 + 1, dtype=np.int64) % 1000
+    ids[64 * 6 + 7] = 60000  # sequence 6 of 4 per step: step 2, the second rank's share
+    np.save(tmp_path / "bad.npy", ids)
+    run = tmp_path / "run"
+    base = [str(ROOT / "train.py"), *SMALL, "data=tokens", "data.packing=causal",
+            "total_tokens=1024", "micro_batch_size=1", "log_every_tokens=1024", "parallel=ddp"]  # fmt: skip
+    script = [*base, f"data.path={tmp_path / 'bad.npy'}", "data.val_tokens=0",
+              f"out_dir={run}", f"hydra.run.dir={run}"]  # fmt: skip
+    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    procs = [
+        subprocess.Popen([sys.executable, *script], cwd=tmp_path, env=e, stderr=subprocess.PIPE,
+                         stdout=subprocess.DEVNULL, text=True)
+        for e in srun_environments(2, **env)
+    ]  # fmt: skip
+    errors = [p.communicate(timeout=300)[1] for p in procs]
+    assert [p.returncode for p in procs] == [2, 2], errors[0][-3000:] + errors[1][-3000:]
+    assert "train.py (rank 1 of 2): error: the training data of step 2 holds token id 60000, " \
+        "outside the model's vocabulary [0, 50257)" in errors[1]  # fmt: skip
+    assert "train.py (rank 0 of 2): error: the training data of step 2 of another rank holds " \
+        "token ids outside the model's vocabulary [0, 50257) (that rank's error" in errors[0]  # fmt: skip
+    assert all("Traceback" not in e for e in errors), errors[0][-3000:]
+    # ckpt_every_tokens=512: step 2's checkpoint would have been written before the error
+    assert not list_checkpoints(run / "checkpoints")
+    # the same in the held-out data: sequence 3 of 4 is the second rank's
+    good, held = ids % 1000, ids % 1000
+    held[64 * 3 + 7] = 60000
+    np.save(tmp_path / "good.npy", good)
+    np.save(tmp_path / "held.npy", held)
+    val = tmp_path / "val"
+    script = [*base, f"data.path={tmp_path / 'good.npy'}", "data.val_tokens=256",
+              f"data.val_path={tmp_path / 'held.npy'}", f"out_dir={val}", f"hydra.run.dir={val}"]  # fmt: skip
+    procs = [
+        subprocess.Popen([sys.executable, *script], cwd=tmp_path, env=e, stderr=subprocess.PIPE,
+                         stdout=subprocess.DEVNULL, text=True)
+        for e in srun_environments(2, **env)
+    ]  # fmt: skip
+    errors = [p.communicate(timeout=300)[1] for p in procs]
+    assert [p.returncode for p in procs] == [2, 2], errors[0][-3000:] + errors[1][-3000:]
+    assert "(rank 1 of 2): error: the held-out data holds token id 60000" in errors[1]
+    assert "(rank 0 of 2): error: the held-out data of another rank holds token ids" in errors[0]
+    assert all("Traceback" not in e for e in errors), errors[0][-3000:]
+
+
 @pytest.mark.gpu
 def test_srun_tasks_on_two_gpus_train_as_torchrun_does(tmp_path) -> None:
     """Two srun-like tasks on two GPUs (NCCL), each seeing both GPUs (``LOCAL_RANK`` picks
@@ -1445,7 +1493,9 @@ def test_token_ids_outside_the_vocabulary_are_named_before_the_model_sees_them(t
     bad[64 * 5 + 7] = 60000  # inside step 2's global batch (4 sequences of 64 per step)
     np.save(tmp_path / "bad.npy", bad.astype(np.uint16))
     flat = ["data=tokens", "data.packing=causal"]
-    with pytest.raises(ValueError, match=r"training data holds token id 60000.*50257") as err:
+    with pytest.raises(
+        ValueError, match=r"training data of step 2 holds token id 60000.*50257"
+    ) as err:
         train(_cfg(tmp_path / "a", *flat, f"data.path={tmp_path / 'bad.npy'}", "data.val_tokens=0"))
     assert "vocab_size:60001" in str(err.value)
     val_on = [*flat, f"data.path={good}", "data.val_tokens=1024", "val_every_tokens=0"]
@@ -2222,7 +2272,7 @@ def test_a_run_folder_says_why_its_run_stopped_and_a_refused_run_leaves_none(tmp
     args = [sys.executable, str(ROOT / "train.py"), *SMALL, "data=tokens", "data.val_tokens=0"]
     res = _run_script([*args, "data.path=oov.npy", f"out_dir={run}"], cwd=tmp_path)
     assert res.returncode == 2, res.stderr[-3000:]
-    error = "train.py: error: the training data holds token id 60000, outside the model's"
+    error = "train.py: error: the training data of step 3 holds token id 60000, outside the model's"
     assert error in res.stderr
     assert error in (run / "train.log").read_text().splitlines()[-2]  # then the traceback hint
     # refused before it began: no folder, neither the one named nor a default one

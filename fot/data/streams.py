@@ -681,6 +681,15 @@ def check_token_ids(batches: Sequence[Batch], vocab_size: int, *, what: str) -> 
     Raises:
         ValueError: naming the bad id, the vocabulary size and the fixes.
     """
+    bad = first_bad_token_id(batches, vocab_size)
+    if bad is not None:
+        raise token_id_error(bad, vocab_size, what=what)
+
+
+def first_bad_token_id(batches: Sequence[Batch], vocab_size: int) -> int | None:
+    """The first token id of ``batches`` (CPU micro batches, labels ``-100`` where ignored)
+    outside ``[0, vocab_size)``: the smallest if one is negative, else the largest; ``None``
+    if all are inside."""
     for b in batches:
         # labels hold the inputs' tokens plus one more per row (-100 where ignored), which
         # no input holds in a zarr chunk or in the last sequence of a rank's share
@@ -688,17 +697,36 @@ def check_token_ids(batches: Sequence[Batch], vocab_size: int, *, what: str) -> 
         lo = min(int(b.input_ids.min()), int(labels.min()))
         hi = max(int(b.input_ids.max()), int(labels.max()))
         if lo < 0 or hi >= vocab_size:
-            bad = lo if lo < 0 else hi
-            larger = (
-                f", or give the model a larger vocabulary (++model.overrides={{vocab_size:{bad + 1}}})"
-                if bad > 0
-                else ""
-            )
-            raise ValueError(
-                f"the {what} holds token id {bad}, outside the model's vocabulary [0, "
-                f"{vocab_size}): it was tokenized with another tokenizer, or is not a token "
-                f"file. Re-tokenize it with `python -m fot.data.prepare` (GPT-2 BPE){larger}"
-            )
+            return lo if lo < 0 else hi
+    return None
+
+
+def token_id_error(bad: int, vocab_size: int, *, what: str) -> ValueError:
+    """The error for token id ``bad`` of ``what`` (``training data``, ...) outside
+    ``[0, vocab_size)``, with the fixes."""
+    larger = (
+        f", or give the model a larger vocabulary (++model.overrides={{vocab_size:{bad + 1}}})"
+        if bad > 0
+        else ""
+    )
+    return ValueError(
+        f"the {what} holds token id {bad}, outside the model's vocabulary [0, {vocab_size}): "
+        "it was tokenized with another tokenizer, or is not a token file. Re-tokenize it with "
+        f"`python -m fot.data.prepare` (GPT-2 BPE){larger}"
+    )
+
+
+def clamp_token_ids(batch: Batch, vocab_size: int) -> Batch:
+    """A copy of ``batch`` with its token ids clamped into ``[0, vocab_size)`` (ignored labels
+    stay ``-100``): what a rank computes on while the error for its bad ids waits for the
+    other ranks (``fot.training.trainer``)."""
+    ignored = batch.labels == IGNORE_INDEX
+    return Batch(
+        batch.input_ids.clamp(0, vocab_size - 1),
+        batch.labels.clamp(0, vocab_size - 1).masked_fill(ignored, IGNORE_INDEX),
+        batch.cu_seqlens,
+        batch.seq_len,
+    )
 
 
 class SequenceStream:

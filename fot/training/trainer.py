@@ -26,7 +26,15 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from fot.data.streams import Batch, SequenceStream, check_token_ids, iterate_eval_batches
+from fot.data.streams import (
+    Batch,
+    SequenceStream,
+    check_token_ids,
+    clamp_token_ids,
+    first_bad_token_id,
+    iterate_eval_batches,
+    token_id_error,
+)
 from fot.errors import FotError
 from fot.progress import on_terminal, progress_bar
 from fot.provenance import git_sha, library_versions
@@ -252,6 +260,37 @@ def model_config_from_train_config(cfg: Any) -> Any:
     return presets.config(cfg.model.name, cfg.size.name, **overrides)
 
 
+def _screen_token_ids(
+    batches: Sequence[Batch], vocab_size: int, *, what: str, world_size: int
+) -> tuple[list[Batch], int | None]:
+    """:func:`check_token_ids` in one process. With several, one rank raising alone would
+    leave the others waiting in the step's collectives (a peer's connection error on gloo,
+    NCCL's timeout under srun): a rank's batches with an id outside ``[0, vocab_size)`` are
+    computed with their ids clamped into it, and the bad id is returned, for every rank to
+    raise together at the next sync (:func:`_token_ids_error_of_ranks`; no checkpoint or
+    validation comes before it)."""
+    if world_size == 1:
+        check_token_ids(batches, vocab_size, what=what)
+        return list(batches), None
+    bad = first_bad_token_id(batches, vocab_size)
+    if bad is None:
+        return list(batches), None
+    return [clamp_token_ids(b, vocab_size) for b in batches], bad
+
+
+def _token_ids_error_of_ranks(own: int | None, vocab_size: int, *, what: str) -> ValueError:
+    """The error every rank raises when some rank's ``what`` held a token id outside the
+    vocabulary: that rank names its id (``own``), the others point to it."""
+    if own is not None:
+        return token_id_error(own, vocab_size, what=what)
+    return ValueError(
+        f"the {what} of another rank holds token ids outside the model's vocabulary [0, "
+        f"{vocab_size}) (that rank's error names one): it was tokenized with another "
+        "tokenizer, or is not a token file. Re-tokenize it with `python -m fot.data.prepare` "
+        "(GPT-2 BPE)"
+    )
+
+
 @torch.no_grad()
 def evaluate(
     model: nn.Module,
@@ -285,6 +324,8 @@ def evaluate(
     counts = torch.zeros(T, dtype=torch.float64, device=info.device)
     inner = unwrap(model)
     was_training = inner.training
+    vocab_size = int(inner.config.vocab_size)
+    own_bad: int | None = None  # a token id outside the vocabulary in this rank's share
     inner.eval()
     amp = (
         torch.autocast(info.device.type, dtype=amp_dtype)
@@ -301,7 +342,11 @@ def evaluate(
         if should_stop is not None and should_stop():
             inner.train(was_training)
             return None
-        check_token_ids([batch], int(inner.config.vocab_size), what="held-out data")
+        [batch], bad = _screen_token_ids(
+            [batch], vocab_size, what="held-out data", world_size=info.world_size
+        )
+        if bad is not None and own_bad is None:
+            own_bad = bad
         b = batch.to(info.device)
         with amp:
             losses = inner.per_token_loss(b.input_ids, b.labels, cu_seqlens=b.cu_seqlens)
@@ -311,6 +356,10 @@ def evaluate(
     inner.train(was_training)
     all_reduce_sum(sums)
     all_reduce_sum(counts)
+    if info.world_size > 1:  # every rank raises, not only the one whose share held the id
+        bad_ranks = torch.tensor([float(own_bad is not None)], device=info.device)
+        if all_reduce_sum(bad_ranks).item():
+            raise _token_ids_error_of_ranks(own_bad, vocab_size, what="held-out data")
     out = {"val/loss": float(sums.sum() / counts.sum().clamp(min=1))}
     k = 512
     lasts = []
@@ -1335,6 +1384,10 @@ def _train(
     window_steps = 0
     grad_norm = torch.zeros((), **f64)  # of the last step
     diverged = torch.zeros(3, **f64)  # first non-finite step: (step, loss, grad_norm); 0 = none
+    # the first step at which some rank's training data held a token id outside the
+    # vocabulary (0 = none), and this rank's (step, id): `fetch` raises on every rank
+    bad_data = torch.zeros((), **f64)
+    own_bad: tuple[int, int] | None = None
     t_window = time.time()
     clip = float(cfg.optim.grad_clip) if cfg.optim.grad_clip > 0 else float("inf")
 
@@ -1346,7 +1399,16 @@ def _train(
         parts = [window_loss.reshape(1), grad_norm.reshape(1).double(), diverged]
         if isinstance(window_tokens, torch.Tensor):
             parts += [window_tokens.reshape(1).double(), window_flops.reshape(1).double()]
-        host = torch.cat(parts).tolist()
+        host = torch.cat([*parts, bad_data.reshape(1)]).tolist()
+        if host[-1]:  # some rank's training data held a token id outside the vocabulary
+            bar.close()
+            metrics.close()
+            first = int(host[-1])
+            raise _token_ids_error_of_ranks(
+                None if own_bad is None else own_bad[1],
+                vocab_size,
+                what=f"training data of step {first if own_bad is None else own_bad[0]}",
+            )
         n_tokens, flops = (
             (host[5], host[6])
             if isinstance(window_tokens, torch.Tensor)
@@ -1418,8 +1480,14 @@ def _train(
         if gc_every and step % gc_every == 0:
             gc.collect(1)  # the young generations only: milliseconds
         profiler.step_begin()
-        batches = stream.next_step()
-        check_token_ids(batches, vocab_size, what="training data")
+        batches, bad = _screen_token_ids(
+            stream.next_step(),
+            vocab_size,
+            what=f"training data of step {step + 1}",
+            world_size=info.world_size,
+        )
+        if bad is not None and own_bad is None:
+            own_bad = (step + 1, bad)
         n_micro = [b.num_label_tokens() for b in batches]  # host ints: batches are on the CPU
         n_local = sum(n_micro)
         # what the step computes: with varlen packing attention stops at document boundaries
@@ -1429,9 +1497,11 @@ def _train(
         if info.world_size > 1:
             # all-reduced on the device and left there; filling needs no host copy (a copy
             # from the host would wait for the GPU)
-            both = torch.full((2,), n_local, **f64)
-            both[1:].fill_(flops_local)
-            n_global, flops_global = all_reduce_sum(both).unbind()
+            both = torch.full((3,), n_local, **f64)
+            both[1:2].fill_(flops_local)
+            both[2:].fill_(float(bad is not None))  # ranks whose data held a bad token id
+            n_global, flops_global, bad_ranks = all_reduce_sum(both).unbind()
+            bad_data = torch.where((bad_ranks > 0) & (bad_data == 0), step + 1.0, bad_data)
         lr = lr_at(
             tokens + gbt, peak_lr=cfg.optim.lr, total_tokens=total_steps * gbt, cfg=cfg.schedule
         )

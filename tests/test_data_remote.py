@@ -316,6 +316,12 @@ def test_longcrawl64_over_http_reads_what_the_folder_holds(tmp_path, fmt) -> Non
         np.testing.assert_array_equal(url_train.read(21, 1)[1][0], train_data[1, 16:32])
         assert url_train.reader.retries == URL_READ_RETRIES
         assert disk_train.reader.retries == 0
+        # data.path naming train.zarr itself: heldout.zarr is looked for next to it (it was
+        # looked for inside it, and "not found; put heldout.zarr next to train.zarr")
+        for where in (f"{server.url}/lc/train.zarr/", str(tmp_path / "lc" / "train.zarr")):
+            train, val = build_sources(_lc_cfg(where, val_tokens=64))
+            np.testing.assert_array_equal(train.read(0, 2)[1], disk_train.read(0, 2)[1])
+            np.testing.assert_array_equal(val.read(0, 4)[1], disk_val.read(0, 4)[1])
 
 
 def test_url_reads_retry_then_say_how_to_resume(tmp_path, caplog) -> None:

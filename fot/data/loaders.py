@@ -214,6 +214,13 @@ def open_token_path(
     )
 
 
+def _parent(path: str | Path) -> str | Path:
+    """The folder that holds ``path`` (a local path or a URL)."""
+    if isinstance(path, Path):
+        return path.parent
+    return path.rstrip("/").rsplit("/", 1)[0]
+
+
 def _named(key: str, path: str | Path, build: Callable[[], Any]) -> Any:
     """``build()``, with a ``ValueError`` (too little data for data.seq_len, no documents)
     prefixed by the config key and path it concerns (training or held-out data)."""
@@ -485,7 +492,9 @@ def _longcrawl64_sources(cfg: Any, T: int, want_val: bool) -> tuple[Any, Any | N
     train = _zarr_source("data.path", train_path, T, cfg.packing, options, cache)
     if not want_val:
         return train, None
-    val_path: str | Path = cfg.val_path or join(root, "heldout.zarr")
+    # heldout.zarr lies next to train.zarr, also when data.path names train.zarr itself
+    folder = root if str(train_path) != str(root) else _parent(root)
+    val_path: str | Path = cfg.val_path or join(folder, "heldout.zarr")
     if is_url(val_path):
         found = zarr_exists(val_path, options)
     else:

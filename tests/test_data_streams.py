@@ -154,6 +154,27 @@ def test_flat_npy_and_bin_files(tmp_path) -> None:
         open_token_path(tmp_path / "missing", 16, "varlen")
 
 
+def test_bin_files_of_llmc_shards_are_read_and_other_widths_refused(tmp_path) -> None:
+    """An llm.c / modded-nanogpt shard (1024-byte int32 header: 20240520, version, count) had
+    its header read as tokens; 32- and 64-bit ids were read as uint16, every other token a 0."""
+    ids = np.random.default_rng(3).integers(1, 50257, size=700)
+    for version, dtype in ((1, np.uint16), (2, np.uint32)):
+        header = np.zeros(256, dtype="<i4")
+        header[:3] = 20240520, version, ids.size
+        (tmp_path / f"v{version}.bin").write_bytes(header.tobytes() + ids.astype(dtype).tobytes())
+        inputs, labels = open_token_path(tmp_path / f"v{version}.bin", 16, "causal").read(0, 3)
+        np.testing.assert_array_equal(inputs[0], ids[:16])
+        np.testing.assert_array_equal(labels[2], ids[33:49])
+    cut = tmp_path / "cut.bin"
+    cut.write_bytes((tmp_path / "v1.bin").read_bytes()[:-2])
+    with pytest.raises(ValueError, match=r"cut\.bin starts with an llm\.c token shard's header"):
+        open_token_path(cut, 16, "causal")
+    for dtype in (np.int32, np.int64):
+        ids.astype(dtype).tofile(tmp_path / "wide.bin")
+        with pytest.raises(ValueError, match=r"every second uint16 of its first \d+ is 0"):
+            open_token_path(tmp_path / "wide.bin", 16, "causal", key="data.path")
+
+
 def test_varlen_batch_cu_seqlens_mark_documents_and_rows() -> None:
     inputs = np.array([[EOT_ID, 1, 2, EOT_ID, 3], [4, 5, EOT_ID, 6, 7]])
     b = make_batch(inputs, inputs + 1, varlen=True)

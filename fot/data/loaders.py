@@ -197,13 +197,7 @@ def open_token_path(
                 "integer dtype (np.uint16 for GPT-2), or use `python -m fot.data.prepare`"
             )
     elif p.suffix == ".bin":
-        size = p.stat().st_size
-        if size % 2:
-            raise ValueError(
-                f"{key}={p} has {size} bytes, an odd number: a .bin token file must hold uint16 "
-                "ids (2 bytes each); write it with `array.astype(np.uint16).tofile(path)`"
-            )
-        tokens = np.memmap(p, dtype=np.uint16, mode="r") if size else np.zeros(0, np.uint16)
+        tokens = _bin_tokens(key, p)
     else:
         raise ValueError(
             f"don't know how to read {p}: expected a token folder, a .npy/.bin (uint16) token "
@@ -212,6 +206,50 @@ def open_token_path(
     return _named(
         key, p, lambda: PackedSource.from_flat(tokens, seq_len, varlen=packing == "varlen")
     )
+
+
+LLMC_MAGIC = 20240520
+"""The first int32 of an llm.c / modded-nanogpt token shard's 1024-byte header (256 int32:
+magic, version, token count, zeros); version 1 holds uint16 ids, version 2 uint32 ids."""
+_LLMC_HEADER_BYTES = 1024
+
+
+def _bin_tokens(key: str, p: Path) -> np.ndarray:
+    """The token ids of the ``.bin`` file ``p`` (memory-mapped): raw uint16 ids, or an llm.c
+    shard (:data:`LLMC_MAGIC`). Raw ids written in another width are refused: read as uint16,
+    32-bit ids would become every other token a 0 (and pass the vocabulary check)."""
+    size = p.stat().st_size
+    if size >= _LLMC_HEADER_BYTES:
+        magic, version, count = (int(v) for v in np.fromfile(p, dtype="<i4", count=3))
+        if magic == LLMC_MAGIC:
+            width = {1: 2, 2: 4}.get(version)
+            if width is None or count < 0 or size != _LLMC_HEADER_BYTES + width * count:
+                raise ValueError(
+                    f"{key}={p} starts with an llm.c token shard's header (magic {LLMC_MAGIC}), "
+                    f"but its version {version} and token count {count} do not match the "
+                    f"file's {size} bytes (version 1: 2 bytes per token, 2: 4): the file is "
+                    "cut short or not a shard; write it again, or write raw uint16 ids with "
+                    "`ids.astype(np.uint16).tofile(path)`"
+                )
+            dtype = np.uint16 if width == 2 else np.uint32
+            return np.memmap(p, dtype=dtype, mode="r", offset=_LLMC_HEADER_BYTES, shape=(count,))
+    if size % 2:
+        raise ValueError(
+            f"{key}={p} has {size} bytes, an odd number: a .bin token file must hold uint16 "
+            "ids (2 bytes each); write it with `array.astype(np.uint16).tofile(path)`"
+        )
+    if not size:
+        return np.zeros(0, np.uint16)
+    tokens = np.memmap(p, dtype=np.uint16, mode="r")
+    head = np.asarray(tokens[: 1 << 16])
+    if head.size >= 16 and not head[1::2].any():
+        raise ValueError(
+            f"{key}={p}: every second uint16 of its first {head.size} is 0, as when token ids "
+            "are written as 32- or 64-bit integers, but a .bin token file holds uint16 ids: "
+            "write it with `ids.astype(np.uint16).tofile(path)`, or save a .npy "
+            "(`np.save(path, ids)` records the dtype)"
+        )
+    return tokens
 
 
 def _parent(path: str | Path) -> str | Path:

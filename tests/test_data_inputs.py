@@ -334,6 +334,13 @@ def test_validating_on_the_training_data_warns(tmp_path, caplog) -> None:
         _cfg(kind="hf", path="json", hf_data_files=train_jsonl, hf_val_split="train"),
         _cfg(kind="hf", path="json", hf_val_split="validation",
              hf_data_files={"train": train_jsonl, "validation": train_jsonl}),
+        # a slice of the training split, or of a split that is part of it, or ranges that
+        # overlap (these were taken for held-out data without a word)
+        _cfg(kind="hf", path="json", hf_data_files=train_jsonl, hf_val_split="train[:10%]"),
+        _cfg(kind="hf", path="json", hf_data_files=train_jsonl, hf_split="train[:50%]",
+             hf_val_split="train[:10%]"),
+        _cfg(kind="hf", path="json", hf_split="train+validation", hf_val_split="validation",
+             hf_data_files={"train": train_jsonl, "validation": val_jsonl}),
     ]  # fmt: skip
     other = [
         _cfg(kind="tokens", path=str(tmp_path / "tok"), val_path=str(tmp_path / "held")),
@@ -341,6 +348,10 @@ def test_validating_on_the_training_data_warns(tmp_path, caplog) -> None:
              hf_data_files={"train": train_jsonl, "validation": val_jsonl}),
         _cfg(kind="hf", path="json", hf_data_files=train_jsonl, hf_split="train[2:]",
              hf_val_split="train[:2]"),
+        _cfg(kind="hf", path="json", hf_data_files=train_jsonl, hf_split="train[-90%:]",
+             hf_val_split="train[:10%]"),
+        _cfg(kind="hf", path="json", hf_split="train+validation", hf_val_split="test",
+             hf_data_files={"train": train_jsonl, "validation": train_jsonl, "test": val_jsonl}),
     ]  # fmt: skip
     for cfg in same + other:
         cfg.seq_len, cfg.val_tokens = 8, 16

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -356,19 +357,17 @@ def _warn_if_validating_on_training_data(cfg: Any, dataset: Any = None) -> None:
     measure memorisation, not generalisation."""
     if cfg.kind == "hf":
         split, val_split = str(cfg.hf_split), str(cfg.hf_val_split)
-        files = sorted(dataset.files(split))
-        sliced = "[" in split + val_split  # train[:1%] vs train[1%:]: other rows of one file
-        same_files = bool(files) and not sliced and files == sorted(dataset.files(val_split))
-        if split != val_split and not same_files:
+        shared = _shared_rows(split, val_split, dataset.files)
+        if shared is None:
             return
         _warn(
-            "data.hf_val_split=%s reads the same data as data.hf_split=%s%s: validation measures "
+            "data.hf_val_split=%s reads rows of data.hf_split=%s (%s): validation measures "
             "the training data. Hold out a part instead (e.g. data.hf_split='train[1%%:]' "
             "data.hf_val_split='train[:1%%]'), or map a split to other files in "
             "data.hf_data_files",
             val_split,
             split,
-            "" if split == val_split else f" (the same files: {', '.join(files[:3])})",
+            shared,
         )
         return
     train = Path(str(cfg.path)).expanduser().resolve()
@@ -382,6 +381,70 @@ def _warn_if_validating_on_training_data(cfg: Any, dataset: Any = None) -> None:
             cfg.path,
             train,
         )
+
+
+_SLICE = re.compile(
+    r"^\s*([^\[\]+]+?)\s*(?:\[\s*(-?\d+%?)?\s*:\s*(-?\d+%?)?\s*\])?\s*(\(\w+\))?\s*$"
+)
+
+
+def _split_parts(expr: str) -> list[tuple[str, str, float, float]] | None:
+    """The parts of a datasets split expression (``train[1%:]+validation``) as ``(split,
+    unit, start, stop)``: unit ``%`` (a whole split is 0-100 %) or ``#`` (rows); ``None`` for
+    an expression this does not read (negative row counts need the split's size)."""
+    out = []
+    for part in expr.split("+"):
+        m = _SLICE.match(part)
+        if m is None:
+            return None
+        name, lo, hi = m.group(1), m.group(2), m.group(3)
+        if lo is None and hi is None:
+            out.append((name, "%", 0.0, 100.0))
+            continue
+        unit = "%" if (lo or hi or "").endswith("%") else "#"
+        if lo is not None and hi is not None and lo.endswith("%") != hi.endswith("%"):
+            return None
+        bounds = []
+        for bound, default in ((lo, 0.0), (hi, 100.0 if unit == "%" else math.inf)):
+            if bound is None:
+                bounds.append(default)
+                continue
+            value = float(bound.rstrip("%"))
+            if value < 0:
+                if unit == "#":
+                    return None
+                value += 100.0
+            bounds.append(value)
+        out.append((name, unit, bounds[0], bounds[1]))
+    return out
+
+
+def _shared_rows(split: str, val_split: str, files: Callable[[str], list[str]]) -> str | None:
+    """How the held-out split ``val_split`` reads rows of the training split ``split`` (for the
+    warning), or ``None`` where they are disjoint or this cannot tell.
+
+    They share rows where a part of each names one split and their ranges overlap (a whole
+    split overlaps any range of it), or where both are whole splits that ``files`` (the data
+    files behind a split) map to common files."""
+    if split == val_split:
+        return "the same split"
+    parts, val_parts = _split_parts(split), _split_parts(val_split)
+    if parts is None or val_parts is None:
+        return None
+    for name, unit, lo, hi in parts:
+        for val_name, val_unit, val_lo, val_hi in val_parts:
+            whole = (unit, lo, hi) == ("%", 0.0, 100.0)
+            val_whole = (val_unit, val_lo, val_hi) == ("%", 0.0, 100.0)
+            if name == val_name:
+                if (whole and val_lo < val_hi) or (val_whole and lo < hi):
+                    return f"both read split {name}, one of them whole"
+                if unit == val_unit and max(lo, val_lo) < min(hi, val_hi):
+                    return f"both read split {name}, in ranges that overlap"
+            elif whole and val_whole:
+                common = sorted(set(files(name)) & set(files(val_name)))
+                if common:
+                    return f"the same files: {', '.join(common[:3])}"
+    return None
 
 
 def _refuse_unused_paths(cfg: Any) -> None:

@@ -318,6 +318,34 @@ def test_a_missing_relative_path_is_shown_with_the_absolute_one(tmp_path, monkey
     assert "(=" not in str(err.value)  # an absolute path is shown once
 
 
+def test_a_slice_of_a_streamed_split_and_a_longcrawl64_folder_as_tokens_name_the_fix(
+    tmp_path, capsys
+) -> None:
+    """A sliced split with data.streaming=true failed with datasets' "Bad split: train[10%:].
+    Available splits: ['train']"; data=tokens on a LongCrawl64 folder named only prepare."""
+    from fot.data.prepare import main
+
+    jsonl = _jsonl(tmp_path / "t.jsonl", [{"text": f"doc {i} " * 5} for i in range(9)])
+    cfg = _cfg(kind="hf", path="json", hf_data_files=jsonl, hf_split="train[10%:]",
+               hf_val_split="train[:10%]", streaming=True, seq_len=8, val_tokens=16)  # fmt: skip
+    with pytest.raises(ValueError, match=r"split 'train\[10%:\]': a streamed dataset \(data\."
+                       r"streaming=true\) is read in order and cannot be sliced: read it "
+                       r"without data\.streaming=true"):  # fmt: skip
+        build_sources(cfg)
+    cfg.streaming = False
+    assert build_sources(cfg)[1] is not None  # the same slices, not streamed
+    out = tmp_path / "tok"
+    assert main(["--hf", "json", "--data-files", jsonl, "--split", "train[:50%]", "--streaming",
+                 "--out", str(out)]) == 2  # fmt: skip
+    assert "cannot be sliced: read it without --streaming" in capsys.readouterr().err
+    assert not out.exists()
+    lc = tmp_path / "lc"
+    _zarr(lc / "train.zarr", np.zeros((2, 64), np.uint16))
+    with pytest.raises(FileNotFoundError, match=r"It holds train\.zarr: for LongCrawl64 use "
+                       rf"data=longcrawl64 data\.path={lc}, or give the array itself"):  # fmt: skip
+        build_sources(_cfg(kind="tokens", path=str(lc), seq_len=8, val_tokens=0))
+
+
 def test_validating_on_the_training_data_warns(tmp_path, caplog) -> None:
     from fot.data.tokens import write_token_documents
 

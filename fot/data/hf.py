@@ -40,6 +40,8 @@ class HFDataset:
         where: how messages name the dataset (``"data.path=json"``, ``"dataset json"``).
         files_option: how messages name the option that sets ``data_files``
             (``"data.hf_data_files=<file, pattern or list>"``, ``"--data-files FILE ..."``).
+        streaming_option: how messages name the option that sets ``streaming``
+            (``"data.streaming=true"``, ``"--streaming"``).
 
     Raises:
         HFDataError: datasets failed on an input file, named with the fix (:meth:`explain`),
@@ -56,6 +58,7 @@ class HFDataset:
         streaming: bool = False,
         where: str,
         files_option: str,
+        streaming_option: str = "data.streaming=true",
     ) -> None:
         import datasets
 
@@ -65,6 +68,7 @@ class HFDataset:
         self.streaming = streaming
         self.where = where
         self.files_option = files_option
+        self.streaming_option = streaming_option
         if self.data_files is None and path in _loader_names():
             # datasets then reads the files of the working directory, whatever they hold (a
             # `tests/` folder becomes the "test" split): the run would train on source code
@@ -95,6 +99,13 @@ class HFDataset:
     def load(self, split: str) -> Any:
         """``datasets.load_dataset`` of one split (a text loader reads one document per file)."""
         import datasets
+
+        if self.streaming and "[" in str(split):
+            raise HFDataError(
+                f"{self.where} split {split!r}: a streamed dataset ({self.streaming_option}) "
+                f"is read in order and cannot be sliced: read it without {self.streaming_option}"
+                " to take a slice of a split, or read a split of its own (e.g. validation)"
+            )
 
         extra = {"sample_by": "document"} if self.text_files else {}
         return self.guard(

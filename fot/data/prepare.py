@@ -260,6 +260,7 @@ def iter_hf_texts(
         streaming=streaming,
         where=f"dataset {path}",
         files_option="--data-files FILE ...",
+        streaming_option="--streaming",
     )
     rows = dataset.guard(lambda: iter(dataset.load(split)), split)
     nulls = 0

@@ -33,9 +33,19 @@ class TokenDocuments(Sequence):
         self.path = Path(path)
         meta_file = self.path / "meta.json"
         if not meta_file.is_file():
+            arrays = sorted(
+                f.name for f in self.path.glob("*.zarr") if f.name in ("train.zarr", "heldout.zarr")
+            )
+            read_as = (
+                f" It holds {' and '.join(arrays)}: for LongCrawl64 use data=longcrawl64 "
+                f"data.path={self.path}, or give the array itself (data.path="
+                f"{self.path / arrays[0]})."
+                if arrays
+                else ""
+            )
             raise FileNotFoundError(
                 f"{self.path} is not a token folder (no meta.json). Create one with "
-                "`python -m fot.data.prepare --help`."
+                f"`python -m fot.data.prepare --help`.{read_as}"
             )
         damaged = (
             "the token folder is damaged or incomplete (an interrupted copy?): copy it again, or "

@@ -354,6 +354,34 @@ def test_two_processes_equal_one(tmp_path, strategy: str, launcher: str, one_pro
     assert final["val/loss"] == pytest.approx(res1["val/loss"], rel=1e-5)
 
 
+def test_training_data_smaller_than_a_batch_warns_and_repeated_data_is_noted(
+    tmp_path, caplog
+) -> None:
+    """80 tokens trained a run of 256-token steps without a word (each token ~3 times a step)."""
+    caplog.set_level(logging.INFO, logger="fot.train")
+    flat = ["data=tokens", "data.packing=causal", "data.val_tokens=0", "total_tokens=512"]
+    for n_seqs in (3, 5, 8):  # 4 sequences of 64 per step, 2 steps
+        np.save(tmp_path / f"{n_seqs}.npy", np.arange(64 * n_seqs + 1, dtype=np.uint16) % 1000)
+        caplog.clear()
+        train(_cfg(tmp_path / f"run{n_seqs}", *flat, f"data.path={tmp_path / f'{n_seqs}.npy'}"))
+        notes = [
+            (r.levelno, r.getMessage())
+            for r in caplog.records
+            if "training data holds" in r.getMessage()
+        ]
+        if n_seqs == 3:
+            assert notes == [(logging.WARNING, "the training data holds 3 sequences of "
+                              "data.seq_len=64 tokens, fewer than one global batch (4 sequences): "
+                              "every step reads some of them more than once. Use more data, or a "
+                              "smaller global_batch_tokens")]  # fmt: skip
+        elif n_seqs == 5:
+            assert notes == [(logging.INFO, "the training data holds 5 sequences of "
+                              "data.seq_len=64 tokens and the run reads 8: it reads the data 1.6 "
+                              "times")]  # fmt: skip
+        else:
+            assert notes == []
+
+
 def test_a_bad_token_id_in_one_ranks_share_stops_every_rank_with_the_error(tmp_path) -> None:
     """Rank 1 raised alone on a token id outside the vocabulary in its share of the step; rank
     0 went on into the step's collective and died with a 100-line gloo traceback ("Connection

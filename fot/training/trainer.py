@@ -260,6 +260,30 @@ def model_config_from_train_config(cfg: Any) -> Any:
     return presets.config(cfg.model.name, cfg.size.name, **overrides)
 
 
+def _data_size_note(source: Any, global_seqs: int, total_steps: int) -> tuple[int, str] | None:
+    """``(logging level, message)``: a warning when the training data holds fewer sequences
+    than one global batch (every step reads some of them twice or more), a note of how many
+    times the run reads it when more than once; ``None`` otherwise and for a source of
+    unknown size (a streamed HF split)."""
+    held = getattr(source, "num_sequences", None)
+    if not isinstance(held, int) or held <= 0:
+        return None
+    seq_len = int(source.seq_len)
+    if held < global_seqs:
+        return logging.WARNING, (
+            f"the training data holds {held} sequences of data.seq_len={seq_len} tokens, fewer "
+            f"than one global batch ({global_seqs} sequences): every step reads some of them "
+            "more than once. Use more data, or a smaller global_batch_tokens"
+        )
+    passes = total_steps * global_seqs / held
+    if passes <= 1:
+        return None
+    return logging.INFO, (
+        f"the training data holds {held} sequences of data.seq_len={seq_len} tokens and the "
+        f"run reads {total_steps * global_seqs}: it reads the data {passes:.3g} times"
+    )
+
+
 def _screen_token_ids(
     batches: Sequence[Batch], vocab_size: int, *, what: str, world_size: int
 ) -> tuple[list[Batch], int | None]:
@@ -987,6 +1011,11 @@ def _train(
     global_seqs, total_steps = check_sizes(
         cfg, info.world_size, resuming=resume_from if same_batch else None
     )
+    data_note = _data_size_note(train_source, global_seqs, total_steps)
+    if data_note is not None and data_note[0] == logging.WARNING:
+        config_warnings = [*config_warnings, data_note[1]]
+    elif data_note is not None and info.is_main:
+        logger.info(data_note[1])
     branch = cfg.get("branch_from")
     if branch not in (None, "") and branching is None and resume_from is not None and info.is_main:
         # the run goes on from its own checkpoint; branch_from is for its first start only

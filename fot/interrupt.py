@@ -15,6 +15,7 @@ by Python, and the command would go on; so loops call :func:`check_stop` (or ite
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 from collections.abc import Iterable, Iterator
@@ -49,6 +50,7 @@ class StopOnSignal:
         self.error = error
         self.signum: int | None = None
         self._previous: dict[int, object] = {}
+        self._held = 0
 
     def __enter__(self) -> StopOnSignal:
         if threading.current_thread() is threading.main_thread():
@@ -68,7 +70,8 @@ class StopOnSignal:
         if self.signum is not None:
             return  # a second signal must not cut into the clean-up that the first started
         self.signum = signum
-        raise self.error
+        if not self._held:
+            raise self.error
 
     def check(self) -> None:
         """Raise ``error`` if a signal has come (again, where its first raise was lost)."""
@@ -92,4 +95,20 @@ def check_stop() -> None:
         stop.check()
 
 
-__all__ = ["StopOnSignal", "check_stop"]
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """Inside, a signal of an active :class:`StopOnSignal` is noted (``signum``) but raises
+    nothing: for a step that must not stop halfway, such as moving new folders into place
+    (:func:`fot.data.tokens.replace_folders`). After it, :meth:`StopOnSignal.check` raises
+    for a signal that came; a step that completed the job may leave it unraised."""
+    held = list(_ACTIVE)
+    for stop in held:
+        stop._held += 1
+    try:
+        yield
+    finally:
+        for stop in held:
+            stop._held -= 1
+
+
+__all__ = ["StopOnSignal", "check_stop", "signals_held"]

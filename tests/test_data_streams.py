@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -584,6 +586,47 @@ def test_prepare_interrupted_or_failing_keeps_the_old_folders(tmp_path) -> None:
     with pytest.raises(ValueError, match="65535"):
         prepare(iter(bad_held), tok, heldout_every=2, heldout_out=held)
     assert ([d.tolist() for d in open_docs(tok)], [d.tolist() for d in open_docs(held)]) == before
+    assert _hidden(tmp_path) == []
+
+
+def test_a_signal_while_prepare_moves_the_folders_into_place_replaces_both(
+    tmp_path, monkeypatch, capsys
+) -> None:
+    """Ctrl-C while an old folder was deleted (seconds for a large tokens.bin) left the new
+    held-out folder beside the old training folder, which holds half of its documents, and
+    said that nothing was replaced; the old folder stayed hidden beside it."""
+    import shutil
+
+    import fot.data.tokens
+    from fot.data.prepare import main
+
+    corpus = tmp_path / "in"
+    corpus.mkdir()
+    for i in range(12):
+        (corpus / f"{i:02}.txt").write_text(f"document {i} " * 8)
+    tok, held = str(tmp_path / "tok"), str(tmp_path / "held")
+    assert main([str(corpus), "--out", tok, "--heldout-every", "3", "--heldout-out", held]) == 0
+    real = shutil.rmtree
+    signalled = []
+
+    def rmtree_with_a_signal(path, *args, **kwargs):
+        if ".old-" in str(path) and not signalled:
+            signalled.append(path)
+            os.kill(os.getpid(), signal.SIGINT)  # the handler runs here
+        real(path, *args, **kwargs)
+
+    monkeypatch.setattr(fot.data.tokens.shutil, "rmtree", rmtree_with_a_signal)
+    assert main([str(corpus), "--out", tok, "--heldout-every", "4", "--heldout-out", held]) == 0
+    assert signalled and json.loads(capsys.readouterr().out.splitlines()[-1])["heldout_docs"] == 3
+    # the oracle: the same job run into fresh folders without a signal
+    monkeypatch.setattr(fot.data.tokens.shutil, "rmtree", real)
+    fresh = [str(tmp_path / "fresh_tok"), str(tmp_path / "fresh_held")]
+    assert (
+        main([str(corpus), "--out", fresh[0], "--heldout-every", "4", "--heldout-out", fresh[1]])
+        == 0
+    )
+    for got, want in zip((tok, held), fresh):
+        assert [d.tolist() for d in open_docs(got)] == [d.tolist() for d in open_docs(want)]
     assert _hidden(tmp_path) == []
 
 

@@ -52,7 +52,7 @@ from typing import Any
 
 import numpy as np
 
-from fot.data.tokens import FORMAT, replace_folder, write_token_documents
+from fot.data.tokens import FORMAT, replace_folders, write_token_documents
 from fot.data.zarr_store import shown_path
 from fot.errors import USER_ERRORS, parse_args_naming_typos
 from fot.interrupt import StopOnSignal
@@ -428,13 +428,15 @@ def prepare(
                 "drop --heldout-every/--heldout-out"
             )
 
-    # The training folder is staged under a hidden name and moved to `out` only after the
-    # held-out folder is written, so an error or Ctrl-C never pairs a new training folder
-    # with an old held-out one (whose documents could overlap it).
-    out_p = _absolute(out)  # `--out .` gets a name to stage the new folder beside
-    staged = out_p.with_name(f".{out_p.name}.new-{os.getpid()}") if heldout_every else out_p
+    # Both folders are staged under hidden names and moved into place together once both are
+    # written, so an error or Ctrl-C never pairs a new training folder with an old held-out
+    # one (whose documents could overlap it), or the other way round.
+    staged = []
+    for dest in [out, heldout_out] if heldout_every else [out]:
+        dest_p = _absolute(dest)  # `--out .` gets a name to stage the new folder beside
+        staged.append((dest_p.with_name(f".{dest_p.name}.new-{os.getpid()}"), dest_p))
     try:
-        tr = write_token_documents(staged, train_docs(), source=source)
+        tr = write_token_documents(staged[0][0], train_docs(), source=source)
         stats = {
             "train_docs": len(tr),
             "train_tokens": tr.num_tokens,
@@ -443,13 +445,13 @@ def prepare(
         }
         if heldout_every:
             hv = write_token_documents(
-                _absolute(heldout_out), held, source=source, heldout_every=heldout_every
+                staged[1][0], held, source=source, heldout_every=heldout_every
             )
             stats.update(heldout_docs=len(hv), heldout_tokens=hv.num_tokens)
-            replace_folder(staged, out_p)
+        replace_folders(staged)
     finally:
-        if staged != out_p:
-            shutil.rmtree(staged, ignore_errors=True)
+        for folder, _ in staged:
+            shutil.rmtree(folder, ignore_errors=True)
     return stats
 
 

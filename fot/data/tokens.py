@@ -165,15 +165,31 @@ def write_token_documents(
 
 
 def replace_folder(src: str | os.PathLike, dest: str | os.PathLike) -> None:
-    """Move folder ``src`` to ``dest``, replacing (and deleting) an existing ``dest``.
+    """Move folder ``src`` to ``dest``, replacing (and deleting) an existing ``dest``
+    (:func:`replace_folders` of one pair)."""
+    replace_folders([(src, dest)])
 
-    The old ``dest`` is renamed aside first, so ``dest`` is never a half-written folder.
+
+def replace_folders(pairs: Sequence[tuple[str | os.PathLike, str | os.PathLike]]) -> None:
+    """Move each folder ``src`` to its ``dest``, replacing (and deleting) an existing ``dest``.
+
+    Every old ``dest`` is renamed aside first, so no ``dest`` is ever a half-written folder,
+    and all are in place before the old ones are deleted. Ctrl-C or SIGTERM under a
+    :class:`fot.interrupt.StopOnSignal` is held until the end (:func:`fot.interrupt.signals_held`):
+    a signal while a large old folder was deleted left the new folders of some pairs in place
+    and others not (a new held-out folder beside an old training folder that holds its
+    documents), and the old folder hidden beside them.
     """
-    src, dest = Path(src), Path(dest)
-    if dest.exists():
-        old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
-        dest.rename(old)
-        src.rename(dest)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        src.rename(dest)
+    from fot.interrupt import signals_held
+
+    old = []
+    with signals_held():
+        for src, dest in pairs:
+            src, dest = Path(src), Path(dest)
+            if dest.exists():
+                aside = dest.with_name(f".{dest.name}.old-{os.getpid()}")
+                dest.rename(aside)
+                old.append(aside)
+            src.rename(dest)
+        for aside in old:
+            shutil.rmtree(aside, ignore_errors=True)

@@ -144,6 +144,23 @@ def test_a_converted_paper_checkpoint_computes_the_papers_logits(variant: str) -
     assert (got - want).abs().max() < 0.05  # measured 0.0080 to 0.0098; logits up to 4.65
 
 
+@pytest.mark.parametrize("variant", ["fox_llama_bias_only", "fox_pro_fixed"])
+def test_a_16_bit_conversion_keeps_the_data_independent_forget_gate_fp32(variant: str) -> None:
+    """from_paper(dtype=bf16) (what fot.eval does with a paper checkpoint on CUDA) rounded
+    the bias_only / fixed gates' per-head bias to bf16. Oracle: log sigmoid of the paper's
+    float32 biases, read from its weight file."""
+    paper = load_file(PAPER / variant / "model.safetensors")
+    model = from_paper(PAPER / variant, dtype=torch.bfloat16)
+    assert model.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
+    x = torch.zeros(1, 3, model.config.hidden_size, dtype=torch.bfloat16)
+    for i, layer in enumerate(model.model.layers):
+        bias = paper[f"model.layers.{i}.attn.fgate_bias"]
+        assert not torch.equal(bias.bfloat16().float(), bias)  # bf16 would round it
+        assert layer.self_attn.fgate_bias.dtype == torch.float32
+        want = torch.nn.functional.logsigmoid(bias.double()).float().expand(1, 3, -1)
+        torch.testing.assert_close(layer.self_attn.log_fgate(x), want, rtol=1e-6, atol=0)
+
+
 def test_the_command_writes_a_fot_export_that_loads_and_records_json_escaping(tmp_path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

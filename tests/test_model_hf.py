@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from test_model import TOL, VOCAB, count_fused_add_norm, ids, llama_config_like, max_err, tiny
 
 import fot
@@ -362,7 +363,7 @@ def test_assisted_and_prompt_lookup_decoding_are_refused_clearly() -> None:
 
 
 # ---------------------------------------------------------------------------------------
-# 8. from_pretrained(dtype=bf16) keeps the forget gate's projection in float32
+# 8. from_pretrained(dtype=bf16) and 16-bit casts keep the forget gate in float32
 # ---------------------------------------------------------------------------------------
 
 
@@ -394,6 +395,45 @@ def test_16_bit_models_keep_forget_gate_projection_fp32(tmp_path) -> None:
     assert gate.weight.dtype == torch.float32 and m.lm_head.weight.dtype == torch.float16
     m.double()  # other casts apply as usual
     assert gate.weight.dtype == torch.float64 == m.lm_head.weight.dtype
+
+
+def _per_head_log_f(model: fot.FoTForCausalLM, batch: int, length: int) -> torch.Tensor:
+    """``[L, B, T, HQ]`` log forget gates of a data-independent gate (its input's values do
+    not matter; its dtype is the model's)."""
+    dtype = model.model.embed_tokens.weight.dtype
+    x = torch.zeros(batch, length, model.config.hidden_size, dtype=dtype)
+    return torch.stack([layer.self_attn.log_fgate(x) for layer in model.model.layers])
+
+
+@pytest.mark.parametrize("model", ["fot_pro_bias_only", "fot_llama_fixed"])
+def test_16_bit_models_keep_the_data_independent_forget_gate_fp32(model: str, tmp_path) -> None:
+    # The bias_only gate's Parameter and the fixed gate's buffer (fgate_bias) were rounded by
+    # model.to(torch.bfloat16) and .half(): bf16 moved log f of a head by up to 1.7%, 5 nats
+    # of decay over 16k tokens. Oracle: log sigmoid of the float32 biases, computed here.
+    m = tiny(model)
+    m.save_pretrained(tmp_path)
+    biases = torch.stack([layer.self_attn.fgate_bias.detach() for layer in m.model.layers])
+    assert not torch.equal(biases.bfloat16().float(), biases)  # bf16 would round them
+    want = F.logsigmoid(biases.double()).float()[:, None, None, :].expand(-1, 2, 5, -1)
+    fp32 = _per_head_log_f(m, 2, 5)
+    assert torch.allclose(fp32, want, rtol=1e-6, atol=0)
+    casts = {
+        "from_pretrained(dtype=bf16)": lambda: fot.FoTForCausalLM.from_pretrained(
+            tmp_path, dtype=torch.bfloat16
+        ),
+        "to(bf16)": lambda: fot.FoTForCausalLM.from_pretrained(tmp_path).to(torch.bfloat16),
+        "half()": lambda: fot.FoTForCausalLM.from_pretrained(tmp_path).half(),
+    }
+    for how, cast in casts.items():
+        cast_model = cast().eval()
+        assert cast_model.model.layers[0].self_attn.q_proj.weight.dtype != torch.float32, how
+        for layer in cast_model.model.layers:
+            assert layer.self_attn.fgate_bias.dtype == torch.float32, how
+        got = _per_head_log_f(cast_model, 2, 5)
+        assert got.dtype == torch.float32 and torch.equal(got, fp32), how
+        assert torch.isfinite(cast_model(ids(2, 12)).logits).all(), how
+    m.double()  # other casts apply as usual
+    assert m.model.layers[0].self_attn.fgate_bias.dtype == torch.float64
 
 
 @pytest.mark.parametrize("model", ["fot_pro", "fot_llama_bias_only"])

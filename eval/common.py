@@ -259,6 +259,39 @@ def _not_exported_message(p: Path) -> str:
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 
+def _is_tokenizer_file(f: Path) -> bool:
+    """Whether ``f`` is a file a tokenizer can be read from: ``tokenizer.json``,
+    ``tokenizer_config.json``, ``special_tokens_map.json``, ``vocab.json`` / ``vocab.txt`` /
+    ``merges.txt``, a sentencepiece ``*.model`` or a ``*.tiktoken`` file."""
+    name = f.name
+    return f.is_file() and (
+        "token" in name or "vocab" in name or name == "merges.txt" or f.suffix == ".model"
+    )
+
+
+def _no_tokenizer_message(p: Path, model_type: Any) -> str:
+    """Why folder ``p`` (config and weights, no tokenizer file) cannot be evaluated, and how
+    to add the tokenizer: fot's GPT-2 tokenizer for a fot model, the model's own otherwise."""
+    from fot.models.fla_baselines import FLA_MODEL_TYPES
+
+    head = (
+        f"checkpoint {str(p)!r} holds no tokenizer (no tokenizer_config.json, tokenizer.json or "
+        "vocab files; model.save_pretrained writes none)"
+    )
+    if model_type == "fot" or model_type in FLA_MODEL_TYPES:
+        return (
+            f"{head}: write fot's GPT-2 tokenizer into it with `python -c \"from fot.tokenizer "
+            f'import save_hf_tokenizer; save_hf_tokenizer({str(p)!r})"` (add '
+            "text_escaping='json' for a model trained on JSON-escaped text such as "
+            "LongCrawl64), or export the model with fot.export.export_hf(model, dir), which "
+            "writes it"
+        )
+    return (
+        f"{head}: save the model's tokenizer into it (tokenizer.save_pretrained({str(p)!r})) "
+        "or copy its tokenizer files there"
+    )
+
+
 def checkpoint_label(path: str | os.PathLike) -> str:
     """A short name of a checkpoint for legends and titles: the folder name, for fot's
     trainer export ``<run>/hf`` the run folder's name (every such export is called ``hf``), and
@@ -296,7 +329,8 @@ def load_checkpoint(
 
     Args:
         path: folder with ``config.json``, weights and a tokenizer (a paper checkpoint: no
-            tokenizer needed).
+            tokenizer needed; a folder without tokenizer files, as ``save_pretrained`` writes
+            it, is refused with the command that adds fot's).
         device: where to put the model (default: :func:`pick_device`).
         dtype: torch dtype or its name (default: bf16 on CUDA, fp32 on CPU). The FLA
             baselines (DeltaNet, HGRN2, Mamba-2, Samba) keep float32 weights and run under
@@ -343,6 +377,9 @@ def load_checkpoint(
 
         with contextlib.suppress(ImportError):
             register_auto_classes()
+    if not any(_is_tokenizer_file(f) for f in p.iterdir()):
+        # transformers' own error blames a missing sentencepiece / tiktoken package
+        raise FileNotFoundError(_no_tokenizer_message(p, config.get("model_type")))
     tokenizer = AutoTokenizer.from_pretrained(str(p))
     text_escaping_of(tokenizer)  # a bad fot_text_escaping is named before the model loads
     vocab = config.get("vocab_size")

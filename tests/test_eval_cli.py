@@ -1108,6 +1108,32 @@ def test_damaged_checkpoint_files_and_devices_are_named(ckpts, tmp_path):
               "--device", "meta"])  # fmt: skip
 
 
+def test_a_model_folder_without_a_tokenizer_is_named_with_a_fix_that_works(tmp_path, capsys):
+    """model.save_pretrained(dir) writes no tokenizer: fot.eval failed with transformers'
+    "You need to have sentencepiece or tiktoken installed" (tiktoken was). Now one line names
+    the folder and the command that adds the tokenizer. Oracle: after running that command,
+    the result is the one of the same model exported with its tokenizer (export_hf)."""
+    import fot.presets as presets
+    from fot.export import export_hf
+
+    torch.manual_seed(0)
+    model = presets.build_model(presets.config("fot_pro", "tiny"))
+    bare, exported = tmp_path / "bare", tmp_path / "exported"
+    model.save_pretrained(bare)
+    export_hf(model, exported)
+    argv = ["per-token-loss", "--length", "16", "--max-docs", "1", "--device", "cpu"]
+    capsys.readouterr()
+    assert cli([*argv, str(bare), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert f"checkpoint {str(bare)!r} holds no tokenizer" in err and "sentencepiece" not in err
+    fix = re.search(r'`python -c "(.*?)"`', err)
+    assert fix and "save_hf_tokenizer" in fix[1], err
+    exec(fix[1], {})  # the command the message gives, as written
+    got = main([*argv, str(bare), "--out", str(tmp_path / "bare_out")])
+    want = main([*argv, str(exported), "--out", str(tmp_path / "exported_out")])
+    assert got["mean_loss"] == want["mean_loss"]
+
+
 @pytest.mark.parametrize("command", [["gates"], ["needle", "--lengths", "256"]])
 def test_a_tokenizer_with_ids_the_model_lacks_is_named_not_a_traceback(command, tmp_path):
     """The tiny paper checkpoint (vocabulary 96) converted on the fly reads GPT-2's ids: gates

@@ -600,14 +600,50 @@ def test_generate_with_static_cache_matches_default() -> None:
     assert torch.equal(got, want) and cache[0]._k.shape[0] == 2 * 3
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_generate_continues_from_the_fixed_capacity_cache_it_returned(device, monkeypatch):
+    """On CUDA generate() makes a cache of fixed capacity, its max_length; continuing with
+    generate(out.sequences, past_key_values=out.past_key_values) overflowed it ("the cache
+    holds at most 12 positions"). It is enlarged now, and the CUDA graphs captured for its old
+    buffers are dropped: with capacity 12 a multiple of the bucket, the first step of the
+    second call has the key of the first call's last graph. On CPU a FoTCache(capacity=12)
+    stands in for the cache generate() makes on CUDA. Oracle: one uninterrupted generate."""
+    monkeypatch.setattr(cache_module, "GRAPH_BUCKET", 4)
+    m = tiny("fot_pro").to(device)
+    x = ids(2, 9, seed=25).to(device)
+    mask = torch.ones_like(x)
+    mask[1, :3] = 0  # left padding in row 1
+    kw = {"do_sample": False, "pad_token_id": 0}
+    want = m.generate(x, attention_mask=mask, max_new_tokens=8, **kw)
+    first = (
+        {} if device == "cuda" else {"past_key_values": FoTCache(len(m.model.layers), capacity=12)}
+    )
+    out = m.generate(
+        x, attention_mask=mask, max_new_tokens=3, return_dict_in_generate=True, **first, **kw
+    )
+    cache = out.past_key_values
+    assert cache.capacity == 12 and cache.get_seq_length() == 11
+    assert cache.cuda_graphs == (device == "cuda")
+    mask = torch.cat([mask, torch.ones_like(mask[:, :3])], dim=1)
+    got = m.generate(
+        out.sequences, attention_mask=mask, past_key_values=cache, max_new_tokens=5, **kw
+    )
+    assert cache.capacity == 17 and cache.get_seq_length() == 16
+    assert torch.equal(got, want)
+
+
 def test_static_cache_errors() -> None:
     m = tiny("fot_pro")
     L = m.config.num_hidden_layers
     cache = FoTCache(L, capacity=10)
     out = m(ids(1, 9), past_key_values=cache, use_cache=True)
     m(out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)  # position 10: fits
-    with torch.no_grad(), pytest.raises(ValueError, match="at most 10 positions"):
+    with torch.no_grad(), pytest.raises(ValueError, match=r"at most 10 positions.*grow\(11\)"):
         m(ids(1, 1), past_key_values=cache, use_cache=True)
+    cache.grow(11)  # the fix the message names
+    m(ids(1, 1), past_key_values=cache, use_cache=True)
+    with pytest.raises(ValueError, match="this one grows by itself"):
+        FoTCache(L).grow(20)
     with pytest.raises(ValueError, match="at most 10 positions"):
         m(ids(1, 11), past_key_values=FoTCache(L, capacity=10), use_cache=True)
     with pytest.raises(ValueError, match="capacity must be a positive int"):

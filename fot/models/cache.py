@@ -103,8 +103,8 @@ class FoTLayerCache:
         if self.capacity is not None and need > self.capacity:
             raise ValueError(
                 f"the cache holds at most {self.capacity} positions (its capacity), {need} were "
-                "needed: create the FoTCache with a larger capacity (generate() sizes it from "
-                "max_length)"
+                "needed: create the FoTCache with a larger capacity or enlarge it with "
+                f"cache.grow({need}) (generate() does this itself from its max_length)"
             )
 
     def _set(self, keys: torch.Tensor, values: torch.Tensor, cumsum: torch.Tensor) -> None:
@@ -130,18 +130,27 @@ class FoTLayerCache:
     def _reserve(self, need: int) -> None:
         """Grow the buffers to hold ``need`` positions (amortised: +1/8, at least 256)."""
         self._check_room(need)
-        cap = self._k.shape[2]
-        if need <= cap:
-            return
-        new_cap = need + max(256, need // 8)
+        if need > self._k.shape[2]:
+            self._move(need + max(256, need // 8))
+
+    def _move(self, new_cap: int) -> None:
+        """Copy the cached positions into new buffers of ``new_cap`` positions (zero-filled
+        with a fixed capacity, see :meth:`_set`)."""
         n = self._len
         for name, dim in (("_k", 2), ("_v", 2), ("_c", 1)):
             old = getattr(self, name)
             shape = list(old.shape)
             shape[dim] = new_cap
-            buf = old.new_empty(shape)
+            buf = old.new_zeros(shape) if self.capacity is not None else old.new_empty(shape)
             buf.narrow(dim, 0, n).copy_(old.narrow(dim, 0, n))
             setattr(self, name, buf)
+
+    def grow(self, capacity: int) -> None:
+        """Raise a fixed capacity to ``capacity`` positions, keeping the cached ones (the
+        buffers move: see :meth:`FoTCache.grow`)."""
+        self.capacity = capacity
+        if self._k is not None:
+            self._move(capacity)
 
     def _visible(self) -> int:
         return self.step.bucket if self.step is not None else self._len
@@ -265,8 +274,11 @@ class FoTCache:
     Args:
         num_layers: number of attention layers of the model.
         capacity: if set, the most positions the cache will hold: buffers of that size are
-            allocated at the first append and never move, and one-token decode steps run
-            through :meth:`static_step`. ``None`` (default): buffers grow as needed.
+            allocated at the first append and never move (unless :meth:`grow` enlarges them),
+            and one-token decode steps run through :meth:`static_step`; ``forward`` past it
+            raises. ``generate()`` grows a fixed-capacity cache it is passed (its own from an
+            earlier call, or one made by the user) to its ``max_length``, so that generation
+            continues from a returned cache. ``None`` (default): buffers grow as needed.
         cuda_graphs: capture static steps on CUDA as CUDA graphs (one per batch size and
             :data:`GRAPH_BUCKET` of cached length) and replay them. Needs ``capacity``.
             ``FoTForCausalLM.generate`` turns both on for CUDA models
@@ -442,6 +454,28 @@ class FoTCache:
             ) from err
         self._graphs[key] = (graph, out)
         return logits
+
+    def grow(self, capacity: int) -> None:
+        """Enlarge a fixed-capacity cache to hold ``capacity`` positions, keeping the cached
+        ones (copied into new zero-filled buffers; nothing happens if it holds as many
+        already). The captured CUDA graphs read the old buffers: they are dropped, and the
+        next step of each bucket is captured again.
+
+        Raises:
+            ValueError: the cache has no fixed capacity (it grows by itself), or ``capacity``
+                is not a positive int.
+        """
+        if self.capacity is None:
+            raise ValueError("grow() enlarges a fixed-capacity cache; this one grows by itself")
+        if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
+            raise ValueError(f"capacity must be a positive int, got {capacity!r}")
+        if capacity <= self.capacity:
+            return
+        for layer in self.layers:
+            layer.grow(capacity)
+        self.capacity = capacity
+        self._graphs.clear()
+        self._inputs = None  # the step inputs are [capacity] wide
 
     def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         if any([layer.map(fn) for layer in self.layers]):

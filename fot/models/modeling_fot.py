@@ -1884,11 +1884,17 @@ class FoTForCausalLM(FoTPreTrainedModel, GenerationMixin):
         K and V only), so that chunked prefill (``prefill_chunk_size``) works too.
 
         On CUDA (with ``config.decode_cuda_graphs``) the cache gets a fixed capacity of
-        ``generate``'s maximum length and replays its decode steps as CUDA graphs.
+        ``generate``'s maximum length and replays its decode steps as CUDA graphs. A
+        fixed-capacity :class:`FoTCache` passed in (the one an earlier ``generate()`` returned,
+        to continue from it, or one the user made) is enlarged to this call's maximum length
+        when it is smaller (:meth:`FoTCache.grow`).
         """
-        if model_kwargs.get(CACHE_FIELD) is None and generation_config.use_cache is not False:
-            # transformers passes (generation_mode, batch_size, max_cache_length) after these
-            max_len = kwargs.get("max_cache_length", args[2] if len(args) > 2 else None)
+        # transformers passes (generation_mode, batch_size, max_cache_length) after these
+        max_len = kwargs.get("max_cache_length", args[2] if len(args) > 2 else None)
+        given = model_kwargs.get(CACHE_FIELD)
+        if isinstance(given, FoTCache) and given.capacity is not None and isinstance(max_len, int):
+            given.grow(max_len + 1)
+        if given is None and generation_config.use_cache is not False:
             graphs = bool(
                 self.config.decode_cuda_graphs
                 and self.device.type == "cuda"

@@ -252,7 +252,8 @@ def _not_exported_message(p: Path) -> str:
         )
     return (
         f"checkpoint folder {str(p)!r} has no config.json; export the model with "
-        "fot.export.export_hf(model, dir) or model.save_pretrained(dir) first"
+        "fot.export.export_hf(model, dir) (weights and tokenizer), or model.save_pretrained(dir) "
+        "and tokenizer.save_pretrained(dir), first"
     )
 
 

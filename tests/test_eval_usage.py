@@ -58,8 +58,10 @@ def test_run_folder_and_training_checkpoint_name_the_hf_export(tmp_path):
         check_checkpoint_dir(tmp_path / "run" / "checkpoints")
     assert repr(hf) in str(err.value) and f"fot.export {step} " in str(err.value)
     (tmp_path / "empty").mkdir()
-    with pytest.raises(FileNotFoundError, match=r"no config\.json"):
+    with pytest.raises(FileNotFoundError, match=r"no config\.json") as err:
         check_checkpoint_dir(tmp_path / "empty")
+    # save_pretrained alone writes no tokenizer, which evaluation needs too
+    assert "model.save_pretrained(dir) and tokenizer.save_pretrained(dir)" in str(err.value)
 
 
 def test_device_cuda_without_cuda_is_a_clear_error(monkeypatch):

@@ -1088,6 +1088,61 @@ def test_fsdp_in_one_process_equals_single(tmp_path, one_process_run) -> None:
     assert abs(res1["loss"] - res2["loss"]) < 1e-5
 
 
+def test_fsdp_param_precision_fp32_keeps_the_residual_stream_fp32_as_single(
+    tmp_path, caplog
+) -> None:
+    """Under bf16, FSDP2's bf16 parameters ran every block in bf16, its inputs cast to bf16
+    (the residual stream between blocks too), where ``single``/``ddp`` and the paper's runs
+    (fp32 weights under autocast) keep it fp32. ``parallel.param_precision=fp32`` gives FSDP2
+    fp32 parameters under autocast: the residual reaching each block is fp32 and the losses are
+    ``single``'s (the oracle: the same run with parallel=single)."""
+    import torch.distributed as dist
+
+    from fot import presets
+    from fot.training.config import ParallelConfig
+    from fot.training.parallel import DistInfo, parallelize
+
+    info = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    seen: dict[str, set] = {}
+    try:
+        for params in ("bf16", "fp32"):
+            torch.manual_seed(0)
+            config = presets.config("fot_pro", "tiny", hidden_size=32, num_heads=2)
+            cfg = ParallelConfig(strategy="fsdp", precision="bf16", param_precision=params)
+            model = parallelize(presets.build_model(config), cfg, info, strategy="fsdp")
+            dtypes = seen.setdefault(params, set())
+            for layer in model.model.layers[1:]:  # (hidden_states, residual, ctx)
+                layer.register_forward_pre_hook(lambda _m, args, d=dtypes: d.add(args[1].dtype))
+            ids = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(1))
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=params == "fp32"):
+                model(input_ids=ids, shift_labels=ids)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert seen == {"bf16": {torch.bfloat16}, "fp32": {torch.float32}}
+    bf16 = ["parallel.precision=bf16", "data.val_tokens=0", "total_tokens=1024"]
+    train(_cfg(tmp_path / "single", *bf16))
+    try:
+        train(_cfg(tmp_path / "fsdp", *bf16, "parallel=fsdp", "parallel.param_precision=fp32"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    one, two = _losses(tmp_path / "single"), _losses(tmp_path / "fsdp")
+    assert one.keys() == two.keys() == {1, 2, 3, 4}
+    assert max(abs(one[k] - two[k]) for k in one) < 1e-5, (one, two)
+    # it sets FSDP2's parameters only: elsewhere it says so
+    with caplog.at_level(logging.WARNING, logger="fot.train"):
+        parallelize(
+            presets.build_model(config),
+            ParallelConfig(strategy="single", param_precision="fp32"),
+            info,
+            strategy="single",
+        )
+    assert "parallel.param_precision=fp32 has no effect with parallel=single" in caplog.text
+    with pytest.raises(ValueError, match=r"parallel\.param_precision='fp16' is not one of"):
+        train(_cfg(tmp_path / "bad", "parallel=fsdp", "parallel.param_precision=fp16"))
+
+
 def test_fsdp_bf16_gradient_reduction(caplog) -> None:
     """``parallel.reduce_precision=bf16`` makes FSDP2 reduce gradients in bf16: every reduced
     gradient is a bf16 value, while an fp32 reduction leaves them off the bf16 grid (process

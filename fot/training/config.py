@@ -148,6 +148,12 @@ class ParallelConfig:
     """FSDP2's gradient reduce-scatter: ``fp32`` or ``bf16`` (half the bytes and shorter
     collectives; each rank's gradients are rounded to bf16 before they are summed). DDP
     reduces in fp32 only."""
+    param_precision: str = "bf16"
+    """FSDP2 under bf16 precision: ``bf16`` all-gathers bf16 parameters and runs each block
+    in bf16, its inputs cast to bf16 (the residual stream between blocks included); ``fp32``
+    all-gathers fp32 parameters and computes under autocast, as ``single`` and ``ddp`` do and
+    as the paper's runs did (Lightning's ``bf16-mixed``): twice the all-gather bytes, and the
+    residual stream stays fp32. ``single`` and ``ddp`` always keep fp32 weights."""
     compile: bool = False
     """``torch.compile`` each block."""
     cuda_graphs: bool = False
@@ -423,7 +429,7 @@ def check_config(cfg: DictConfig) -> list[str]:
             "989e12 for an H100/H200 in bf16), or null to look it up"
         )
     from fot.training.metrics import WANDB_MODES
-    from fot.training.parallel import REDUCE_PRECISIONS
+    from fot.training.parallel import PARAM_PRECISIONS, REDUCE_PRECISIONS
 
     if cfg.parallel.backend not in ("auto", "nccl", "gloo"):  # (else checked under torchrun only)
         raise ValueError(
@@ -445,6 +451,11 @@ def check_config(cfg: DictConfig) -> list[str]:
         raise ValueError(
             f"parallel.reduce_precision={cfg.parallel.reduce_precision!r} is not one of "
             f"{list(REDUCE_PRECISIONS)}"
+        )
+    if cfg.parallel.param_precision not in PARAM_PRECISIONS:
+        raise ValueError(
+            f"parallel.param_precision={cfg.parallel.param_precision!r} is not one of "
+            f"{list(PARAM_PRECISIONS)}"
         )
 
     warnings = []

@@ -24,6 +24,9 @@ logger = logging.getLogger("fot.train")
 STRATEGIES = ("auto", "single", "ddp", "fsdp")
 PRECISIONS = ("auto", "bf16", "fp32")
 REDUCE_PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
+PARAM_PRECISIONS = ("bf16", "fp32")
+"""``parallel.param_precision``: FSDP2's parameters under bf16 precision (see
+:class:`fot.training.config.ParallelConfig`)."""
 # FSDP2 in torch < 2.9 sums the gradients over gloo where it should average them
 # (pytorch/pytorch#162338): seen here as a gradient norm twice the one-process run's on 2 ranks.
 FSDP_GLOO_MIN_TORCH = (2, 9)
@@ -173,6 +176,13 @@ def autocast_dtype(cfg: ParallelConfig, device: torch.device) -> torch.dtype | N
     return None
 
 
+def autocasts(cfg: ParallelConfig, strategy: str) -> bool:
+    """Whether training runs under autocast (when :func:`autocast_dtype` gives one): always,
+    except FSDP2 with bf16 parameters (``parallel.param_precision=bf16``), which casts them
+    itself."""
+    return strategy != "fsdp" or getattr(cfg, "param_precision", "bf16") == "fp32"
+
+
 def _blocks(model: nn.Module) -> nn.ModuleList:
     # The decoder is `model` (ours, HF LLaMA, FLA's DeltaNet/HGRN2) or `backbone` (FLA's
     # Mamba-2 and Samba).
@@ -231,6 +241,13 @@ def parallelize(
             " and ".join(fsdp_only),
             strategy,
         )
+    if strategy != "fsdp" and getattr(cfg, "param_precision", "bf16") != "bf16":
+        logger.warning(
+            "parallel.param_precision=%s has no effect with parallel=%s (it keeps fp32 "
+            "weights under autocast); it sets FSDP2's parameters (parallel=fsdp)",
+            cfg.param_precision,
+            strategy,
+        )
     if strategy == "single":
         if cfg.reduce_precision != "fp32":
             logger.warning(
@@ -266,7 +283,12 @@ def parallelize(
     if strategy == "fsdp":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        dtype = autocast_dtype(cfg, info.device)
+        if getattr(cfg, "param_precision", "bf16") not in PARAM_PRECISIONS:
+            raise ValueError(
+                f"parallel.param_precision={cfg.param_precision!r} is not one of "
+                f"{list(PARAM_PRECISIONS)}"
+            )
+        dtype = autocast_dtype(cfg, info.device) if not autocasts(cfg, strategy) else None
         mp = MixedPrecisionPolicy(
             param_dtype=dtype or torch.float32,
             reduce_dtype=REDUCE_PRECISIONS[cfg.reduce_precision],

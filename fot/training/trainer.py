@@ -55,6 +55,7 @@ from fot.training.parallel import (
     all_reduce_gradients,
     all_reduce_sum,
     autocast_dtype,
+    autocasts,
     barrier,
     init_distributed,
     parallelize,
@@ -1382,8 +1383,8 @@ def _train(
     # transfer (`fetch`) at those boundaries, where the divergence check happens too.
     amp = (
         (lambda: torch.autocast(info.device.type, dtype=amp_dtype))
-        if amp_dtype is not None and strategy != "fsdp"  # FSDP2 casts parameters itself
-        else contextlib.nullcontext
+        if amp_dtype is not None and autocasts(cfg.parallel, strategy)
+        else contextlib.nullcontext  # FSDP2 with bf16 parameters casts them itself
     )
     bar = progress_bar(
         total=total_steps,

@@ -675,8 +675,14 @@ def _bwd_dkdv_kernel(
 
 
 @triton.jit
-def _kmax_kernel(K, KMAX, T, H, stride_kb, stride_kt, stride_kh, D: tl.constexpr, BT: tl.constexpr):
-    """``KMAX[b, h] = max_t |K[b, t, h, :]|`` (float32, zero-initialised) for exact pruning.
+def _kmax_kernel(
+    K, V, KMAX, T, H, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    D: tl.constexpr, BT: tl.constexpr,
+):  # fmt: skip
+    """``KMAX[b, h] = max_t |K[b, t, h, :]|`` (float32, zero-initialised) for exact pruning,
+    ``+inf`` where a key or value holds a NaN or inf: no tile is then pruned, and the NaN
+    reaches every row it reaches without pruning (a pruned tile never computes ``0 * NaN``,
+    and the atomic max drops a NaN norm).
 
     Program (t-block, b * H + h) reduces ``BT`` rows and folds its maximum in with an atomic
     max (norms are >= 0, so the float order is the integer order).
@@ -686,11 +692,15 @@ def _kmax_kernel(K, KMAX, T, H, stride_kb, stride_kt, stride_kh, D: tl.constexpr
     h = bh % H
     rows = tl.program_id(0) * BT + tl.arange(0, BT)
     offs_d = tl.arange(0, D)
+    ok = (rows < T)[:, None]
     K_ptr = K + b.to(tl.int64) * stride_kb + h * stride_kh
-    k = tl.load(
-        K_ptr + rows[:, None] * stride_kt + offs_d[None, :], mask=(rows < T)[:, None], other=0.0
-    ).to(tl.float32)
+    V_ptr = V + b.to(tl.int64) * stride_vb + h * stride_vh
+    k = tl.load(K_ptr + rows[:, None] * stride_kt + offs_d[None, :], mask=ok, other=0.0)
+    v = tl.load(V_ptr + rows[:, None] * stride_vt + offs_d[None, :], mask=ok, other=0.0)
+    k = k.to(tl.float32)
     norm = tl.sqrt(tl.sum(k * k, 1))
+    finite = tl.sum(k * 0.0 + v.to(tl.float32) * 0.0, 1)  # NaN where a k or v entry is not finite
+    norm = tl.where(finite == finite, norm, float("inf"))
     tl.atomic_max(KMAX + bh, tl.max(norm, 0), sem="relaxed")
 
 

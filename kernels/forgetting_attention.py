@@ -195,8 +195,9 @@ def _forward(
         kmax = torch.zeros((B, H), dtype=torch.float32, device=q.device)
         bt = 32 if _interpreting() else 64
         kern._kmax_kernel[(triton.cdiv(T, bt), B * H)](
-            k, kmax, T, H, k.stride(0), k.stride(1), k.stride(2), D=D, BT=bt, num_warps=4
-        )
+            k, v, kmax, T, H, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
+            v.stride(2), D=D, BT=bt, num_warps=4,
+        )  # fmt: skip
     else:
         kmax = lse  # unused
     n_m = triton.cdiv(T, bm)

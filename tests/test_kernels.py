@@ -393,10 +393,14 @@ def test_cpu_without_interpreter_points_to_reference(monkeypatch):
         forgetting_attention(q, k, v, log_f)
 
 
-def _poison(q, k, log_f, bad):
-    """Inputs with a NaN or inf where ``bad`` says (q, k and log_f are copied)."""
-    q, k, log_f = q.clone(), k.clone(), log_f.clone()
-    if bad == "nan_q_all":
+def _poison(q, k, v, log_f, bad):
+    """Inputs with a NaN or inf where ``bad`` says (q, k, v and log_f are copied)."""
+    q, k, v, log_f = q.clone(), k.clone(), v.clone(), log_f.clone()
+    if bad == "nan_k_first":  # in the first key tile, which later query tiles prune
+        k[0, 0, 0, 1] = float("nan")
+    elif bad == "nan_v_first":
+        v[0, 1, 0, 2] = float("nan")
+    elif bad == "nan_q_all":
         q.fill_(float("nan"))
     elif bad == "nan_q_row":
         q[0, 3, 1, 0] = float("nan")
@@ -404,18 +408,26 @@ def _poison(q, k, log_f, bad):
         k[0, 5, 0, :] = float("inf")
     elif bad == "nan_gate":
         log_f[0, 6, 1] = float("nan")
-    return q, k, log_f
+    return q, k, v, log_f
 
 
-@pytest.mark.parametrize("T", [16, 40])
-@pytest.mark.parametrize("bad", ["nan_q_all", "nan_q_row", "inf_k", "nan_gate"])
+@pytest.mark.parametrize(
+    ("T", "bad"),
+    [
+        *((T, bad) for T in (16, 40) for bad in ("nan_q_all", "nan_q_row", "inf_k", "nan_gate")),
+        (128, "nan_k_first"),
+        (128, "nan_v_first"),
+    ],
+)
 def test_nan_and_inf_inputs_come_out_nan_where_the_math_says(T, bad):
-    """A NaN or inf in q, k or the gates must reach the output (a diverging run must not be
+    """A NaN or inf in q, k, v or the gates must reach the output (a diverging run must not be
     hidden), in the same places in the kernel with and without pruning and in the reference.
     The oracle for where: the float64 dense formula, in which any NaN score or bias poisons
-    its whole row (inf k: +inf and -inf scores, inf - inf)."""
+    its whole row (inf k: +inf and -inf scores, inf - inf), and a NaN value every row that
+    reads it (also where its weight underflows to 0). Exact pruning skipped the first key
+    tile for later query tiles, and with it a NaN key or value there."""
     q, k, v, log_f = make_inputs(1, T, 2, 1, 16, torch.float32, STRONG, seed=5)
-    q, k, log_f = _poison(q, k, log_f, bad)
+    q, k, v, log_f = _poison(q, k, v, log_f, bad)
     c = log_f.double().cumsum(1)
     scores = torch.einsum("bihd,bjd->bhij", q.double(), k[:, :, 0].double()) * 16**-0.5
     scores = scores + c.permute(0, 2, 1)[..., :, None] - c.permute(0, 2, 1)[..., None, :]
@@ -423,7 +435,7 @@ def test_nan_and_inf_inputs_come_out_nan_where_the_math_says(T, bad):
     probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), -1)
     expect = torch.einsum("bhij,bjd->bihd", probs, v[:, :, 0].double())
     nan_rows = expect.isnan()
-    assert (nan_rows.any() and not nan_rows.all()) or bad == "nan_q_all"
+    assert (nan_rows.any() and not nan_rows.all()) or bad in ("nan_q_all", "nan_k_first")
     for name, out in [
         ("pruned", run_kernel(q, k, v, log_f, prune=True)),
         ("unpruned", run_kernel(q, k, v, log_f, prune=False)),
@@ -601,12 +613,28 @@ def test_key_norm_maximum_kernel_matches_torch():
     k = torch.randn(2, 75, 5, 32, generator=g) * torch.rand(2, 75, 5, 1, generator=g)
     k = k[:, :, 1:4]
     assert not k.is_contiguous()  # a slice of the heads: every stride but D's differs
-    k, kmax = k.to(DEVICE), torch.zeros(2, 3, device=DEVICE)
-    kern._kmax_kernel[(triton.cdiv(75, 32), 2 * 3)](
-        k, kmax, 75, 3, k.stride(0), k.stride(1), k.stride(2), D=32, BT=32
-    )
+    v = torch.randn(2, 75, 3, 32, generator=g).to(DEVICE)
+
+    def kmax_of(k, v):
+        kmax = torch.zeros(2, 3, device=DEVICE)
+        kern._kmax_kernel[(triton.cdiv(75, 32), 2 * 3)](
+            k, v, kmax, 75, 3, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
+            v.stride(2), D=32, BT=32,
+        )  # fmt: skip
+        return kmax.cpu().double()
+
+    k = k.to(DEVICE)
     want = torch.linalg.vector_norm(k.cpu().double(), dim=-1).amax(dim=1)
-    assert ((kmax.cpu().double() - want).abs() / want).max() < 1e-6
+    assert ((kmax_of(k, v) - want).abs() / want).max() < 1e-6
+    # a NaN or inf key or value: +inf for its (batch, head), so that nothing there is pruned
+    for tensor, value in ((k, float("nan")), (v, float("nan")), (v, float("-inf"))):
+        bad = tensor.clone()
+        bad[1, 40, 2, 7] = value
+        got = kmax_of(bad, v) if tensor is k else kmax_of(k, bad)
+        other = torch.ones_like(got, dtype=torch.bool)
+        other[1, 2] = False
+        assert got[1, 2] == float("inf"), (value, got)
+        assert ((got[other] - want[other]).abs() / want[other]).max() < 1e-6, (value, got)
 
 
 def test_d64_backward_launch_caps_registers_for_three_programs_per_sm(tmp_path, monkeypatch):

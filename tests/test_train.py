@@ -2196,6 +2196,9 @@ def test_resume_takes_another_implementation_setting(tmp_path, reference_run, ca
     """Kernel backend, loss implementation and chunk size choose how the same model is computed:
     a resumed run may change them (e.g. a smaller loss chunk after running out of memory) and
     trains on as the uninterrupted run, to rounding. Any other model field is still refused."""
+    from fot.training.checkpoint import read_trainer_state
+    from fot.training.trainer import check_resume
+
     out = tmp_path / "run"
     train(_cfg(out))
     with pytest.raises(ValueError, match="cannot resume from checkpoint") as err:
@@ -2203,15 +2206,29 @@ def test_resume_takes_another_implementation_setting(tmp_path, reference_run, ca
     assert "'qk_norm': False}" in str(err.value) and "loss_chunk_size" not in str(err.value)
     caplog.set_level(logging.WARNING, logger="fot.train")
     start = out / "checkpoints" / "step_00000006"
-    # parallel.precision=fp32 is what auto is on the CPU: the losses stay the reference's, and
-    # the changed setting is named (a bf16 resume of an fp32 run was applied without a note)
+    saved = read_trainer_state(start)
+    # parallel.precision=fp32 is what auto is on the CPU: the same compute precision, no note
     train(
         _cfg(
             out, f"resume={start}", "+model.overrides.loss_chunk_size=16", "parallel.precision=fp32"
         )
     )
     assert "model.overrides.loss_chunk_size=unset (checkpoint) vs 16 (this run)" in caplog.text
-    assert "parallel.precision=auto (checkpoint) vs fp32 (this run)" in caplog.text
+    assert "precision" not in caplog.text
+    # a resume that computes in another precision is named (a bf16 resume of an fp32 run was
+    # applied without a note); the checkpoint records how its run computed
+    assert saved["compute_precision"] == "fp32"
+    bf16 = _cfg(out, "parallel.precision=bf16")
+    notes = check_resume(saved, bf16, start, compute="bf16 autocast over fp32 weights")
+    assert notes == [
+        f"resuming from {start} with another implementation setting: compute precision fp32 "
+        "(checkpoint) vs bf16 autocast over fp32 weights (this run); the model and training "
+        "state are the checkpoint's, but losses may differ from an uninterrupted run in rounding"
+    ]
+    # a checkpoint of an older version, without the record: the settings as written
+    del saved["compute_precision"]
+    notes = check_resume(saved, bf16, start, compute="bf16 autocast over fp32 weights")
+    assert len(notes) == 1 and "parallel.precision=auto (checkpoint) vs bf16 (this run)" in notes[0]
     losses = _losses(out)
     assert sorted(losses) == list(range(1, 9))
     assert losses == pytest.approx(reference_run, rel=1e-5, abs=0)

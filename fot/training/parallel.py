@@ -183,6 +183,15 @@ def autocasts(cfg: ParallelConfig, strategy: str) -> bool:
     return strategy != "fsdp" or getattr(cfg, "param_precision", "bf16") == "fp32"
 
 
+def compute_precision(cfg: ParallelConfig, strategy: str, device: torch.device) -> str:
+    """How a run computes, in words (recorded in its checkpoints; a resume that computes
+    otherwise is named): ``fp32``, ``bf16 autocast over fp32 weights`` or, for FSDP2 with
+    ``parallel.param_precision=bf16``, ``bf16 parameters``."""
+    if autocast_dtype(cfg, device) is None:
+        return "fp32"
+    return "bf16 autocast over fp32 weights" if autocasts(cfg, strategy) else "bf16 parameters"
+
+
 def _blocks(model: nn.Module) -> nn.ModuleList:
     # The decoder is `model` (ours, HF LLaMA, FLA's DeltaNet/HGRN2) or `backbone` (FLA's
     # Mamba-2 and Samba).

@@ -57,6 +57,7 @@ from fot.training.parallel import (
     autocast_dtype,
     autocasts,
     barrier,
+    compute_precision,
     init_distributed,
     parallelize,
     resolve_strategy,
@@ -609,7 +610,12 @@ def _branch_error(err: ckpt.CorruptCheckpointError, branching: Path) -> ckpt.Cor
 
 
 def check_resume(
-    saved: dict[str, Any], cfg: Any, path: Path, *, branching: bool = False
+    saved: dict[str, Any],
+    cfg: Any,
+    path: Path,
+    *,
+    branching: bool = False,
+    compute: str | None = None,
 ) -> list[str]:
     """Refuse to resume a checkpoint of another model, batch shape or data kind, before any
     tensor loads.
@@ -620,14 +626,17 @@ def check_resume(
         path: the checkpoint folder (for the message).
         branching: ``path`` is ``branch_from``'s (the message suggests another branch, not
             ``resume=never``, which ``branch_from`` refuses).
+        compute: how this run computes (:func:`fot.training.parallel.compute_precision`),
+            compared with the checkpoint's record of its run; a checkpoint of an older
+            version, which has none, is compared by ``parallel.precision`` and
+            ``parallel.param_precision`` as written.
 
     Returns:
         Warnings for the caller to log, one per setting the run resumes with although it
         differs from the checkpoint's: a ``model.overrides`` field of
         :data:`fot.models.configuration_fot.IMPLEMENTATION_FIELDS` (kernel backend, loss
-        implementation, chunk size, recomputation: how the same model is computed) or
-        ``parallel.precision`` / ``parallel.reduce_precision`` (the rounding it is computed
-        with), or a
+        implementation, chunk size, recomputation: how the same model is computed), the
+        precision it is computed in (``compute``) or ``parallel.reduce_precision``, or a
         field of :data:`DATA_SOURCE_FIELDS` (where the training data is read from; the data
         position is the checkpoint's), other AdamW settings (betas, eps, weight decay, clip),
         or a learning rate that differs from the checkpoint run's at any step left (at the
@@ -677,7 +686,14 @@ def check_resume(
                 differences.append(f"data.{key}={was_data[key]} (checkpoint) vs {data[key]}")
         if not differences:
             was_parallel = config.get("parallel") or {}
-            for key in ("precision", "reduce_precision"):
+            keys = ["reduce_precision"]
+            was_compute = saved.get("compute_precision")
+            if was_compute is not None and compute is not None:
+                if was_compute != compute:
+                    changed.append(f"compute precision {was_compute} (checkpoint) vs {compute}")
+            else:  # an older checkpoint: the settings as written
+                keys += ["precision", "param_precision"]
+            for key in keys:
                 if key in was_parallel and was_parallel[key] != now["parallel"].get(key):
                     changed.append(
                         f"parallel.{key}={was_parallel[key]} (checkpoint) vs "
@@ -1038,7 +1054,10 @@ def _train(
                 branch,
             )
     if resume_from is not None:
-        for note in check_resume(saved, cfg, resume_from, branching=branching is not None):
+        compute = compute_precision(cfg.parallel, strategy, info.device)
+        for note in check_resume(
+            saved, cfg, resume_from, branching=branching is not None, compute=compute
+        ):
             if info.is_main:
                 logger.warning(note)
         final = out_dir / "final.json"
@@ -1323,6 +1342,7 @@ def _train(
                 # what the last step read, for a resumed run to check (rank 0 writes the state)
                 "data_sha256": stream.last_step_digest() if info.is_main else None,
                 "config": resolved,
+                "compute_precision": compute_precision(cfg.parallel, strategy, info.device),
             },
             keep_last=int(cfg.keep_last),
             is_main=info.is_main,

@@ -341,9 +341,13 @@ def test_a_slice_of_a_streamed_split_and_a_longcrawl64_folder_as_tokens_name_the
     assert not out.exists()
     lc = tmp_path / "lc"
     _zarr(lc / "train.zarr", np.zeros((2, 64), np.uint16))
-    with pytest.raises(FileNotFoundError, match=r"It holds train\.zarr: for LongCrawl64 use "
-                       rf"data=longcrawl64 data\.path={lc}, or give the array itself"):  # fmt: skip
+    _zarr(lc / "heldout.zarr", np.zeros((2, 64), np.uint16))
+    with pytest.raises(FileNotFoundError) as err:
         build_sources(_cfg(kind="tokens", path=str(lc), seq_len=8, val_tokens=0))
+    assert str(err.value).endswith(
+        f"It holds heldout.zarr and train.zarr: for LongCrawl64 use data=longcrawl64 "
+        f"data.path={lc}, or name an array itself ({lc / 'train.zarr'})."
+    )
 
 
 def test_validating_on_the_training_data_warns(tmp_path, caplog) -> None:

@@ -589,6 +589,30 @@ def test_prepare_interrupted_or_failing_keeps_the_old_folders(tmp_path) -> None:
     assert _hidden(tmp_path) == []
 
 
+def test_a_failed_move_into_place_puts_both_old_folders_back(tmp_path, monkeypatch) -> None:
+    """The held-out folder's move failing (a full disk) after the training folder's had
+    succeeded left the new training folder, no held-out folder, and both old folders hidden."""
+    from fot.data.prepare import prepare
+
+    tok, held = tmp_path / "tok", tmp_path / "held"
+    old = [np.arange(i + 1, dtype=np.uint16) for i in range(4)]
+    prepare(iter(old), tok, heldout_every=2, heldout_out=held)
+    before = ([d.tolist() for d in open_docs(tok)], [d.tolist() for d in open_docs(held)])
+    rename = Path.rename
+
+    def full_disk(self, target):
+        if self.name.startswith(".held.new-"):
+            raise OSError(28, "No space left on device")
+        return rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", full_disk)
+    new = [np.arange(i + 3, dtype=np.uint16) for i in range(6)]
+    with pytest.raises(OSError, match="No space left"):
+        prepare(iter(new), tok, heldout_every=2, heldout_out=held)
+    assert ([d.tolist() for d in open_docs(tok)], [d.tolist() for d in open_docs(held)]) == before
+    assert _hidden(tmp_path) == []
+
+
 def test_a_signal_while_prepare_moves_the_folders_into_place_replaces_both(
     tmp_path, monkeypatch, capsys
 ) -> None:

@@ -38,8 +38,8 @@ class TokenDocuments(Sequence):
             )
             read_as = (
                 f" It holds {' and '.join(arrays)}: for LongCrawl64 use data=longcrawl64 "
-                f"data.path={self.path}, or give the array itself (data.path="
-                f"{self.path / arrays[0]})."
+                f"data.path={self.path}, or name an array itself ("
+                f"{self.path / ('train.zarr' if 'train.zarr' in arrays else arrays[0])})."
                 if arrays
                 else ""
             )
@@ -182,14 +182,26 @@ def replace_folders(pairs: Sequence[tuple[str | os.PathLike, str | os.PathLike]]
     """
     from fot.interrupt import signals_held
 
-    old = []
+    moved: list[tuple[Path, Path, Path | None]] = []  # (src, dest, old dest set aside)
     with signals_held():
-        for src, dest in pairs:
-            src, dest = Path(src), Path(dest)
-            if dest.exists():
-                aside = dest.with_name(f".{dest.name}.old-{os.getpid()}")
-                dest.rename(aside)
-                old.append(aside)
-            src.rename(dest)
-        for aside in old:
-            shutil.rmtree(aside, ignore_errors=True)
+        try:
+            for src, dest in pairs:
+                src, dest = Path(src), Path(dest)
+                aside = None
+                if dest.exists():
+                    aside = dest.with_name(f".{dest.name}.old-{os.getpid()}")
+                    dest.rename(aside)
+                moved.append((src, dest, aside))
+                src.rename(dest)
+        except BaseException:
+            # put back what moved (a failed rename of a later pair, e.g. a full disk): every
+            # dest is its old folder again, every src where it was
+            for src, dest, aside in reversed(moved):
+                if not src.exists() and dest.exists():
+                    dest.rename(src)
+                if aside is not None and aside.exists() and not dest.exists():
+                    aside.rename(dest)
+            raise
+        for _, _, aside in moved:
+            if aside is not None:
+                shutil.rmtree(aside, ignore_errors=True)

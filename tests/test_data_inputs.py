@@ -373,6 +373,10 @@ def test_validating_on_the_training_data_warns(tmp_path, caplog) -> None:
              hf_val_split="train[:10%]"),
         _cfg(kind="hf", path="json", hf_split="train+validation", hf_val_split="validation",
              hf_data_files={"train": train_jsonl, "validation": val_jsonl}),
+        # the last rows of the split it trains on whole; slices in other units from row 0
+        _cfg(kind="hf", path="json", hf_data_files=train_jsonl, hf_val_split="train[-2:]"),
+        _cfg(kind="hf", path="json", hf_data_files=train_jsonl, hf_split="train[:5]",
+             hf_val_split="train[:20%]"),
     ]  # fmt: skip
     other = [
         _cfg(kind="tokens", path=str(tmp_path / "tok"), val_path=str(tmp_path / "held")),
@@ -382,6 +386,8 @@ def test_validating_on_the_training_data_warns(tmp_path, caplog) -> None:
              hf_val_split="train[:2]"),
         _cfg(kind="hf", path="json", hf_data_files=train_jsonl, hf_split="train[-90%:]",
              hf_val_split="train[:10%]"),
+        _cfg(kind="hf", path="json", hf_data_files=train_jsonl, hf_split="train[:-2]",
+             hf_val_split="train[-2:]"),
         _cfg(kind="hf", path="json", hf_split="train+validation", hf_val_split="test",
              hf_data_files={"train": train_jsonl, "validation": train_jsonl, "test": val_jsonl}),
     ]  # fmt: skip

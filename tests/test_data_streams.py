@@ -641,7 +641,11 @@ def test_a_signal_while_prepare_moves_the_folders_into_place_replaces_both(
 
     monkeypatch.setattr(fot.data.tokens.shutil, "rmtree", rmtree_with_a_signal)
     assert main([str(corpus), "--out", tok, "--heldout-every", "4", "--heldout-out", held]) == 0
-    assert signalled and json.loads(capsys.readouterr().out.splitlines()[-1])["heldout_docs"] == 3
+    said = capsys.readouterr()
+    assert signalled and json.loads(said.out.splitlines()[-1])["heldout_docs"] == 3
+    assert (
+        "SIGINT came while the new folders were moved into place: the job had finished" in said.err
+    )
     # the oracle: the same job run into fresh folders without a signal
     monkeypatch.setattr(fot.data.tokens.shutil, "rmtree", real)
     fresh = [str(tmp_path / "fresh_tok"), str(tmp_path / "fresh_held")]

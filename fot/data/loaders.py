@@ -388,32 +388,29 @@ _SLICE = re.compile(
 )
 
 
-def _split_parts(expr: str) -> list[tuple[str, str, float, float]] | None:
+def _split_parts(expr: str) -> list[tuple[str, str, float | None, float | None]] | None:
     """The parts of a datasets split expression (``train[1%:]+validation``) as ``(split,
-    unit, start, stop)``: unit ``%`` (a whole split is 0-100 %) or ``#`` (rows); ``None`` for
-    an expression this does not read (negative row counts need the split's size)."""
+    unit, start, stop)``: unit ``%`` (a whole split is 0-100 %) or ``#`` (rows, stop ``inf``
+    at the end); a bound that needs the split's size (a negative row count) is ``None``.
+    ``None`` for an expression this does not read."""
     out = []
     for part in expr.split("+"):
         m = _SLICE.match(part)
         if m is None:
             return None
         name, lo, hi = m.group(1), m.group(2), m.group(3)
-        if lo is None and hi is None:
-            out.append((name, "%", 0.0, 100.0))
-            continue
-        unit = "%" if (lo or hi or "").endswith("%") else "#"
         if lo is not None and hi is not None and lo.endswith("%") != hi.endswith("%"):
             return None
-        bounds = []
-        for bound, default in ((lo, 0.0), (hi, 100.0 if unit == "%" else math.inf)):
+        unit = "%" if (lo or hi or "%").endswith("%") else "#"
+        end = 100.0 if unit == "%" else math.inf
+        bounds: list[float | None] = []
+        for bound, default in ((lo, 0.0), (hi, end)):
             if bound is None:
                 bounds.append(default)
                 continue
             value = float(bound.rstrip("%"))
             if value < 0:
-                if unit == "#":
-                    return None
-                value += 100.0
+                value = value + 100.0 if unit == "%" else None
             bounds.append(value)
         out.append((name, unit, bounds[0], bounds[1]))
     return out
@@ -423,24 +420,36 @@ def _shared_rows(split: str, val_split: str, files: Callable[[str], list[str]]) 
     """How the held-out split ``val_split`` reads rows of the training split ``split`` (for the
     warning), or ``None`` where they are disjoint or this cannot tell.
 
-    They share rows where a part of each names one split and their ranges overlap (a whole
-    split overlaps any range of it), or where both are whole splits that ``files`` (the data
-    files behind a split) map to common files."""
+    Parts of each that name one split share rows where one of them is the whole split, both
+    start at its first row or both end at its last, or their ranges (in one unit) overlap;
+    parts of two splits that ``files`` (the data files behind a split) map to common files
+    share rows where both are whole."""
     if split == val_split:
         return "the same split"
     parts, val_parts = _split_parts(split), _split_parts(val_split)
     if parts is None or val_parts is None:
         return None
+
+    def whole(unit: str, lo: float | None, hi: float | None) -> bool:
+        return lo == 0 and hi == (100.0 if unit == "%" else math.inf)
+
+    def empty(lo: float | None, hi: float | None) -> bool:
+        return lo is not None and hi is not None and lo >= hi
+
     for name, unit, lo, hi in parts:
         for val_name, val_unit, val_lo, val_hi in val_parts:
-            whole = (unit, lo, hi) == ("%", 0.0, 100.0)
-            val_whole = (val_unit, val_lo, val_hi) == ("%", 0.0, 100.0)
             if name == val_name:
-                if (whole and val_lo < val_hi) or (val_whole and lo < hi):
+                if empty(lo, hi) or empty(val_lo, val_hi):
+                    continue
+                if whole(unit, lo, hi) or whole(val_unit, val_lo, val_hi):
                     return f"both read split {name}, one of them whole"
-                if unit == val_unit and max(lo, val_lo) < min(hi, val_hi):
+                ends = (100.0 if unit == "%" else math.inf, 100.0 if val_unit == "%" else math.inf)
+                if (lo == 0 and val_lo == 0) or (hi, val_hi) == ends:
+                    return f"both read split {name}, from its first row or to its last"
+                known = None not in (lo, hi, val_lo, val_hi)
+                if known and unit == val_unit and max(lo, val_lo) < min(hi, val_hi):
                     return f"both read split {name}, in ranges that overlap"
-            elif whole and val_whole:
+            elif whole(unit, lo, hi) and whole(val_unit, val_lo, val_hi):
                 common = sorted(set(files(name)) & set(files(val_name)))
                 if common:
                     return f"the same files: {', '.join(common[:3])}"

@@ -563,6 +563,12 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 130
+    if stop.signum is not None:  # held while the new folders moved into place (they did)
+        print(
+            f"{signal.Signals(stop.signum).name} came while the new folders were moved into "
+            "place: the job had finished, and they are in place",
+            file=sys.stderr,
+        )
     print(json.dumps({"out": str(args.out), **stats}))
     return 0
 

@@ -149,8 +149,9 @@ class ParallelConfig:
     collectives; each rank's gradients are rounded to bf16 before they are summed). DDP
     reduces in fp32 only."""
     param_precision: str = "bf16"
-    """FSDP2 under bf16 precision: ``bf16`` all-gathers bf16 parameters and runs each block
-    in bf16, its inputs cast to bf16 (the residual stream between blocks included); ``fp32``
+    """FSDP2 under bf16 precision: ``bf16`` all-gathers bf16 parameters (the forget gate's
+    included) and runs each block in bf16, its inputs cast to bf16 (the residual stream
+    between blocks included); ``fp32``
     all-gathers fp32 parameters and computes under autocast, as ``single`` and ``ddp`` do and
     as the paper's runs did (Lightning's ``bf16-mixed``): twice the all-gather bytes, and the
     residual stream stays fp32. ``single`` and ``ddp`` always keep fp32 weights."""

@@ -228,6 +228,9 @@ def _fwd_kernel(
         # |scale|: with a negative scale, q.k * scale is still at most |q| |k| |scale|
         bound = q_norm * kmax * tl.abs(qk_scale) + cq - s_diag  # log2 units, rel. to the anchor
         g = tl.max(tl.where(row_ok, bound, float("-inf"))) + prune_log2
+        # a NaN/inf key or value of the head (kmax = inf): nothing pruned, also for rows whose
+        # bound is 0 * inf = NaN (a zero query), which the max above skips
+        g = tl.where(kmax == float("inf"), float("inf"), g)
         t_first = _first_needed_key(C_row, g, a_hi, a_lo, t_lo, t_hi, T, BN)
     else:
         t_first = t_lo
@@ -420,6 +423,7 @@ def _bwd_dq_kernel(
         kmax = tl.load(KMAX + b * H + hk)
         bound = q_norm * kmax * tl.abs(qk_scale) + cq - lse
         g = tl.max(tl.where(row_ok, bound, float("-inf"))) + prune_log2
+        g = tl.where(kmax == float("inf"), float("inf"), g)  # as in the forward
         t_first = _first_needed_key(C_row, g, a_hi, a_lo, t_lo, t_hi, T, BN)
         # The dK/dV kernel reads where each query tile starts.
         tl.store(KFIRST + bh * n_m + pid_m, t_first * BN)

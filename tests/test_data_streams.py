@@ -656,6 +656,21 @@ def test_a_signal_while_prepare_moves_the_folders_into_place_replaces_both(
     for got, want in zip((tok, held), fresh):
         assert [d.tolist() for d in open_docs(got)] == [d.tolist() for d in open_docs(want)]
     assert _hidden(tmp_path) == []
+    # a signal held while the staged training folder was renamed, before the held-out folder
+    # was written: it stops the job there (it ran on and said "the job had finished")
+    before = [[d.tolist() for d in open_docs(f)] for f in (tok, held)]
+    rename = Path.rename
+
+    def rename_with_a_signal(self, target):
+        if ".tmp-" in self.name and ".new-" in self.name:
+            os.kill(os.getpid(), signal.SIGINT)
+        return rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", rename_with_a_signal)
+    assert main([str(corpus), "--out", tok, "--heldout-every", "5", "--heldout-out", held]) == 130
+    assert "was not replaced" in capsys.readouterr().err
+    assert [[d.tolist() for d in open_docs(f)] for f in (tok, held)] == before
+    assert _hidden(tmp_path) == []
 
 
 def open_docs(path):

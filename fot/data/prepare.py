@@ -55,7 +55,7 @@ import numpy as np
 from fot.data.tokens import FORMAT, replace_folders, write_token_documents
 from fot.data.zarr_store import shown_path
 from fot.errors import USER_ERRORS, parse_args_naming_typos
-from fot.interrupt import StopOnSignal
+from fot.interrupt import StopOnSignal, check_stop
 from fot.progress import progress_bar
 
 STRUCTURED_SUFFIXES = (
@@ -437,6 +437,7 @@ def prepare(
         staged.append((dest_p.with_name(f".{dest_p.name}.new-{os.getpid()}"), dest_p))
     try:
         tr = write_token_documents(staged[0][0], train_docs(), source=source)
+        check_stop()  # a signal held while the staged folder was renamed into place
         stats = {
             "train_docs": len(tr),
             "train_tokens": tr.num_tokens,
@@ -448,6 +449,7 @@ def prepare(
                 staged[1][0], held, source=source, heldout_every=heldout_every
             )
             stats.update(heldout_docs=len(hv), heldout_tokens=hv.num_tokens)
+            check_stop()
         replace_folders(staged)
     finally:
         for folder, _ in staged:

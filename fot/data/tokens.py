@@ -14,6 +14,7 @@ opening a folder costs nothing and memory stays constant.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -187,20 +188,22 @@ def replace_folders(pairs: Sequence[tuple[str | os.PathLike, str | os.PathLike]]
         try:
             for src, dest in pairs:
                 src, dest = Path(src), Path(dest)
-                aside = None
-                if dest.exists():
-                    aside = dest.with_name(f".{dest.name}.old-{os.getpid()}")
+                aside = dest.with_name(f".{dest.name}.old-{os.getpid()}") if dest.exists() else None
+                moved.append((src, dest, aside))  # before the renames: a rollback sees both
+                if aside is not None:
                     dest.rename(aside)
-                moved.append((src, dest, aside))
                 src.rename(dest)
         except BaseException:
             # put back what moved (a failed rename of a later pair, e.g. a full disk): every
-            # dest is its old folder again, every src where it was
+            # dest is its old folder again, every src where it was; each step on its own, so
+            # that one failing does not leave the others undone
             for src, dest, aside in reversed(moved):
                 if not src.exists() and dest.exists():
-                    dest.rename(src)
+                    with contextlib.suppress(OSError):
+                        dest.rename(src)
                 if aside is not None and aside.exists() and not dest.exists():
-                    aside.rename(dest)
+                    with contextlib.suppress(OSError):
+                        aside.rename(dest)
             raise
         for _, _, aside in moved:
             if aside is not None:

@@ -692,7 +692,9 @@ def check_resume(
                 if was_compute != compute:
                     changed.append(f"compute precision {was_compute} (checkpoint) vs {compute}")
             else:  # an older checkpoint: the settings as written
-                keys += ["precision", "param_precision"]
+                keys.append("precision")
+                if "fsdp" in (was_parallel.get("strategy"), now["parallel"]["strategy"]):
+                    keys.append("param_precision")  # FSDP2's only
             for key in keys:
                 if key in was_parallel and was_parallel[key] != now["parallel"].get(key):
                     changed.append(

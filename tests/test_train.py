@@ -396,18 +396,24 @@ def test_a_bad_token_id_in_one_ranks_share_stops_every_rank_with_the_error(tmp_p
     script = [*base, f"data.path={tmp_path / 'bad.npy'}", "data.val_tokens=0",
               f"out_dir={run}", f"hydra.run.dir={run}"]  # fmt: skip
     env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    procs = [
-        subprocess.Popen([sys.executable, *script], cwd=tmp_path, env=e, stderr=subprocess.PIPE,
-                         stdout=subprocess.DEVNULL, text=True)
-        for e in srun_environments(2, **env)
-    ]  # fmt: skip
-    errors = [p.communicate(timeout=300)[1] for p in procs]
-    assert [p.returncode for p in procs] == [2, 2], errors[0][-3000:] + errors[1][-3000:]
+
+    def two_ranks_stop(script: list[str]) -> list[str]:
+        """Each srun task's stderr, once both stopped with status 2."""
+        procs = [
+            subprocess.Popen([sys.executable, *script], cwd=tmp_path, env=e, stderr=subprocess.PIPE,
+                             stdout=subprocess.DEVNULL, text=True)
+            for e in srun_environments(2, **env)
+        ]  # fmt: skip
+        errors = [p.communicate(timeout=300)[1] for p in procs]
+        assert [p.returncode for p in procs] == [2, 2], errors[0][-3000:] + errors[1][-3000:]
+        assert all("Traceback" not in e for e in errors), errors[0][-3000:]
+        return errors
+
+    errors = two_ranks_stop(script)
     assert "train.py (rank 1 of 2): error: the training data of step 2 holds token id 60000, " \
         "outside the model's vocabulary [0, 50257)" in errors[1]  # fmt: skip
     assert "train.py (rank 0 of 2): error: the training data of step 2 of another rank holds " \
         "token ids outside the model's vocabulary [0, 50257) (that rank's error" in errors[0]  # fmt: skip
-    assert all("Traceback" not in e for e in errors), errors[0][-3000:]
     # ckpt_every_tokens=512: step 2's checkpoint would have been written before the error
     assert not list_checkpoints(run / "checkpoints")
     # the same in the held-out data: sequence 3 of 4 is the second rank's
@@ -418,16 +424,9 @@ def test_a_bad_token_id_in_one_ranks_share_stops_every_rank_with_the_error(tmp_p
     val = tmp_path / "val"
     script = [*base, f"data.path={tmp_path / 'good.npy'}", "data.val_tokens=256",
               f"data.val_path={tmp_path / 'held.npy'}", f"out_dir={val}", f"hydra.run.dir={val}"]  # fmt: skip
-    procs = [
-        subprocess.Popen([sys.executable, *script], cwd=tmp_path, env=e, stderr=subprocess.PIPE,
-                         stdout=subprocess.DEVNULL, text=True)
-        for e in srun_environments(2, **env)
-    ]  # fmt: skip
-    errors = [p.communicate(timeout=300)[1] for p in procs]
-    assert [p.returncode for p in procs] == [2, 2], errors[0][-3000:] + errors[1][-3000:]
+    errors = two_ranks_stop(script)
     assert "(rank 1 of 2): error: the held-out data holds token id 60000" in errors[1]
     assert "(rank 0 of 2): error: the held-out data of another rank holds token ids" in errors[0]
-    assert all("Traceback" not in e for e in errors), errors[0][-3000:]
 
 
 @pytest.mark.gpu

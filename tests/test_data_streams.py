@@ -616,9 +616,9 @@ def test_a_failed_move_into_place_puts_both_old_folders_back(tmp_path, monkeypat
 def test_a_signal_while_prepare_moves_the_folders_into_place_replaces_both(
     tmp_path, monkeypatch, capsys
 ) -> None:
-    """Ctrl-C while an old folder was deleted (seconds for a large tokens.bin) left the new
-    held-out folder beside the old training folder, which holds half of its documents, and
-    said that nothing was replaced; the old folder stayed hidden beside it."""
+    """Ctrl-C or SIGTERM while an old folder was deleted (seconds for a large tokens.bin) left
+    the new held-out folder beside the old training folder, which holds half of its
+    documents, and said that nothing was replaced; the old folder stayed hidden beside it."""
     import shutil
 
     import fot.data.tokens
@@ -636,7 +636,8 @@ def test_a_signal_while_prepare_moves_the_folders_into_place_replaces_both(
     def rmtree_with_a_signal(path, *args, **kwargs):
         if ".old-" in str(path) and not signalled:
             signalled.append(path)
-            os.kill(os.getpid(), signal.SIGINT)  # the handler runs here
+            # SIGTERM: a background job (CI) ignores SIGINT, and prepare then installs no handler
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler runs here
         real(path, *args, **kwargs)
 
     monkeypatch.setattr(fot.data.tokens.shutil, "rmtree", rmtree_with_a_signal)
@@ -644,7 +645,7 @@ def test_a_signal_while_prepare_moves_the_folders_into_place_replaces_both(
     said = capsys.readouterr()
     assert signalled and json.loads(said.out.splitlines()[-1])["heldout_docs"] == 3
     assert (
-        "SIGINT came while the new folders were moved into place: the job had finished" in said.err
+        "SIGTERM came while the new folders were moved into place: the job had finished" in said.err
     )
     # the oracle: the same job run into fresh folders without a signal
     monkeypatch.setattr(fot.data.tokens.shutil, "rmtree", real)
@@ -663,7 +664,7 @@ def test_a_signal_while_prepare_moves_the_folders_into_place_replaces_both(
 
     def rename_with_a_signal(self, target):
         if ".tmp-" in self.name and ".new-" in self.name:
-            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGTERM)
         return rename(self, target)
 
     monkeypatch.setattr(Path, "rename", rename_with_a_signal)

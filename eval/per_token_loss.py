@@ -547,21 +547,26 @@ def fold_foreign_states(out: Path, world: int) -> list[str]:
     (``state_rank3.npz`` when two processes run now, ``state.npz`` under torchrun): their
     sums and finished documents are added to rank 0's file, which records the folded files
     (name, size, modification time) before they are deleted, so that files a crash left
-    behind are recognised and not counted twice.
+    behind are recognised and not counted twice. The records of every saved state are read,
+    not only this run's rank 0's: a fold into ``state_rank0.npz`` that a crash cut short,
+    rerun in one process, finds the folded ``state.npz`` listed in ``state_rank0.npz``.
 
     Returns:
         The names of the folded files.
     """
     target = state_file(out, 0, world)
-    if target.is_file():  # finish a fold that a crash interrupted
+    # finish a fold that a crash interrupted, whichever layout it folded into
+    folded: set[str] = set()
+    for p in _saved_states(out):
         try:
-            with np.load(target) as saved:
-                folded = set(saved["folded"].tolist()) if "folded" in saved.files else set()
+            with np.load(p) as saved:
+                if "folded" in saved.files:
+                    folded |= set(saved["folded"].tolist())
         except (zipfile.BadZipFile, EOFError, OSError, ValueError):
-            folded = set()  # damaged: named with the fix where the state is read
-        for p in _saved_states(out):
-            if p != target and _stamp(p) in folded:
-                p.unlink()
+            pass  # damaged: named with the fix where the state is read
+    for p in _saved_states(out):
+        if _stamp(p) in folded:
+            p.unlink()
     own = {state_file(out, r, world) for r in range(world)}
     foreign = [p for p in _saved_states(out) if p not in own]
     if not foreign:

@@ -208,6 +208,49 @@ def test_states_of_another_process_count_fold_and_resume(llama, tmp_path):
     np.testing.assert_allclose(acc.loss_sum, whole.loss_sum, rtol=1e-12)
 
 
+def test_a_fold_cut_short_and_rerun_in_the_earlier_layout_counts_each_document_once(
+    llama, tmp_path, monkeypatch
+):
+    """A one-process run's state.npz folded into state_rank0.npz by a two-process rerun that
+    is killed before it deletes state.npz, then resumed in one process again: state.npz is
+    recognised from state_rank0.npz's record, and the sums equal an uninterrupted run's."""
+    from pathlib import Path
+
+    from fot.eval.per_token_loss import fold_foreign_states, share_of_documents, state_file
+
+    model, _ = llama
+    rng = np.random.default_rng(2)
+    docs = [rng.integers(0, 50257, size=16) for _ in range(4)]
+    ids, length = list(range(4)), 16
+    whole, _ = evaluate_per_token_loss(model, docs, ids, length=length, progress=False)
+    # one process finished documents 0 and 1
+    evaluate_per_token_loss(
+        model, docs, [0, 1], length=length, state_path=state_file(tmp_path, 0, 1),
+        progress=False,
+    )  # fmt: skip
+
+    def killed(self, *args, **kwargs):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:  # two processes: killed after the fold's write
+        m.setattr(Path, "unlink", killed)
+        with pytest.raises(KeyboardInterrupt):
+            fold_foreign_states(tmp_path, 2)
+    assert sorted(p.name for p in tmp_path.glob("state*.npz")) == [
+        "state.npz",
+        "state_rank0.npz",
+    ]
+    # one process again
+    assert fold_foreign_states(tmp_path, 1) == ["state_rank0.npz"]
+    share = share_of_documents(tmp_path, ids, 0, 1)
+    acc, done = evaluate_per_token_loss(
+        model, docs, share, length=length, state_path=state_file(tmp_path, 0, 1), progress=False
+    )
+    assert sorted(done) == ids
+    np.testing.assert_array_equal(acc.count, whole.count)
+    np.testing.assert_allclose(acc.loss_sum, whole.loss_sum, rtol=1e-12)
+
+
 def test_accumulator_equals_direct_mean_and_resumes(llama, tmp_path, monkeypatch):
     model, _ = llama
     rng = np.random.default_rng(0)

@@ -54,6 +54,7 @@ from .common import (
     CONTEXT_LENGTH_HELP,
     JsonlLog,
     add_run_arguments,
+    check_positions,
     claim_results,
     decode_text,
     encode_text,
@@ -142,7 +143,8 @@ class FoTLM(TemplateLM):
     Args:
         pretrained: a loaded causal LM or an exported checkpoint folder.
         tokenizer: the tokenizer (loaded from the folder when ``pretrained`` is a path).
-        max_length: context length (default: the model's configured length, else 2048).
+        max_length: context length (default: the model's configured length, else 2048): the
+            longest input fed to the model, so at most a learned position table's size.
         batch_size: sequences per forward pass.
         bos: put one BOS in front of every scored sequence (rolling windows always start with
             BOS, the first token needs a context).
@@ -178,6 +180,16 @@ class FoTLM(TemplateLM):
                 f"max_length ({self.max_length}) must be >= 2 and batch_size "
                 f"({self.batch_size}) >= 1"
             )
+        # a learned position table (GPT-2's wpe) bounds the inputs: said now, not as an
+        # IndexError from inside torch in the middle of a task
+        if max_length:
+            source = "--max-length"
+        elif model_max_length(pretrained):
+            source = "--max-length not given: the model config's context length"
+        else:
+            source = "--max-length not given: 2048, as the model config names no context length"
+        given = f"max_length={self.max_length} ({source})"
+        check_positions(pretrained, self.max_length, given)
         self.bos = bool(bos)
         self._device = next(pretrained.parameters()).device
 

@@ -255,3 +255,35 @@ def test_tasks_all_in_the_include_path_skip_indexing_lm_evals_own(setup, tmp_pat
     assert mine.all_tasks == ["arc_easy"]
     assert str(mine.task_index["arc_easy"].yaml_path) == str(full.task_index["arc_easy"].yaml_path)
     assert str(full.task_index["arc_easy"].yaml_path) == str(tmp_path / "arc_easy.yaml")
+
+
+def test_max_length_past_a_learned_position_table_is_refused_before_the_tasks(
+    setup, tmp_path, capsys
+):
+    """GPT-2's table of n_positions ends the inputs it reads: a --max-length past it was an
+    IndexError from inside torch in the middle of a task; now the command stops first (status
+    2, naming --max-length and the table's size), and the Python API refuses it too."""
+    from types import SimpleNamespace
+
+    from eval_helpers import make_gpt2_checkpoint
+
+    from fot.eval.__main__ import cli
+    from fot.eval.lm_eval_adapter import FoTLM
+
+    root, _, _ = setup
+    ckpt = make_gpt2_checkpoint(tmp_path / "gpt2", n_positions=8)
+    out = tmp_path / "o"
+    argv = ["lm-eval", str(ckpt), "--tasks", "fot_toy_rolling", "--include-path",
+            str(root / "tasks"), "--device", "cpu", "--out", str(out)]  # fmt: skip
+    assert cli([*argv, "--max-length", "9"]) == 2
+    err = capsys.readouterr().err
+    assert "error: max_length=9 (--max-length) needs inputs of 9 tokens" in err
+    assert "learned position table (transformer.wpe) of 8 positions" in err
+    assert not out.exists()
+    model, tok = load_checkpoint(ckpt, device="cpu", dtype="float32")
+    with pytest.raises(ValueError, match=r"max_length=9 .* of 8 positions"):
+        FoTLM(model, tok, max_length=9)
+    # the whole table is usable: rolling windows of 8 inputs run
+    lm = FoTLM(model, tok, max_length=8)
+    (total,) = lm.loglikelihood_rolling([SimpleNamespace(args=(TEXTS[0]["text"],))], True)
+    assert total < 0

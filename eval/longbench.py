@@ -596,23 +596,32 @@ def protocol_note(prompts: str | None, first_line: str) -> str:
 def length_table(by_length: dict[str, dict[str, float | None]]) -> str:
     """Markdown table of the scores per length range: a row per task, a column per range
     (``-`` where a task has no example in the range), then their average over the tasks that
-    have one."""
+    have one. As in :func:`summary_table`, LongBench-E runs get a table and an average of their
+    own below the LongBench tasks' (averaged together, the tasks both sets have would count
+    twice)."""
     names = [name for name, _, _ in LENGTH_RANGES]
-    tasks = [t for t in known_tasks() if t in by_length]
 
     def cell(x: float | None) -> str:
         return "-" if x is None else f"{x:.2f}"
 
-    lines = ["| Task | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
-    for t in tasks:
-        cells = " | ".join(cell(by_length[t][n]) for n in names)
-        lines.append(f"| {task_spec(t).name} | {cells} |")
-    means = []
-    for n in names:
-        have = [by_length[t][n] for t in tasks if by_length[t][n] is not None]
-        means.append(float(np.mean(have)) if have else None)
-    lines.append("| Avg | " + " | ".join(cell(m) for m in means) + " |")
-    return "\n".join(lines)
+    tables = []
+    for tasks in (
+        [t for t in TASKS if t in by_length],
+        [t for t in TASK_SETS["e"] if t in by_length],
+    ):
+        if not tasks:
+            continue
+        lines = ["| Task | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+        for t in tasks:
+            cells = " | ".join(cell(by_length[t][n]) for n in names)
+            lines.append(f"| {task_spec(t).name} | {cells} |")
+        means = []
+        for n in names:
+            have = [by_length[t][n] for t in tasks if by_length[t][n] is not None]
+            means.append(float(np.mean(have)) if have else None)
+        lines.append("| Avg | " + " | ".join(cell(m) for m in means) + " |")
+        tables.append("\n".join(lines))
+    return "\n\n".join(tables)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -267,3 +267,23 @@ def test_longbench_and_longbench_e_are_averaged_apart():
     assert rows[0] == ["Task", "HotpotQA (E)", "PassageCount (E)", "Avg"]
     assert rows[3] == ["Score", "50.00", "0.00", "25.00"]
     assert "\n\n" not in summary_table({"trec_e": 1.0})  # one set: one table
+
+
+def test_scores_by_length_of_longbench_and_longbench_e_are_averaged_apart():
+    """With --tasks paper,e a task both sets have counted twice in by_length.md's one Avg row;
+    now each set has its table and Avg, as in table2.md."""
+    by_length = {
+        "trec": {"0-4k": 10.0, "4-8k": None, "8k+": 30.0},
+        "hotpotqa": {"0-4k": 20.0, "4-8k": 40.0, "8k+": None},
+        "trec_e": {"0-4k": 50.0, "4-8k": 60.0, "8k+": 70.0},
+        "qasper_e": {"0-4k": 0.0, "4-8k": None, "8k+": 10.0},
+    }
+    first, second = length_table(by_length).split("\n\n")
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in first.splitlines()]
+    assert [r[0] for r in rows[2:]] == ["HotpotQA", "TREC", "Avg"]
+    assert rows[-1] == ["Avg", "15.00", "40.00", "30.00"]  # by hand: (20+10)/2, 40, 30
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in second.splitlines()]
+    assert rows[0] == ["Task", "0-4k", "4-8k", "8k+"] and set(rows[1]) == {"---"}
+    assert [r[0] for r in rows[2:]] == ["Qasper (E)", "TREC (E)", "Avg"]
+    assert rows[-1] == ["Avg", "25.00", "60.00", "40.00"]  # by hand: (0+50)/2, 60, (10+70)/2
+    assert "\n\n" not in length_table({"trec_e": by_length["trec_e"]})  # one set: one table

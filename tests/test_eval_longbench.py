@@ -287,3 +287,26 @@ def test_scores_by_length_of_longbench_and_longbench_e_are_averaged_apart():
     assert [r[0] for r in rows[2:]] == ["Qasper (E)", "TREC (E)", "Avg"]
     assert rows[-1] == ["Avg", "25.00", "60.00", "40.00"]  # by hand: (0+50)/2, 60, (10+70)/2
     assert "\n\n" not in length_table({"trec_e": by_length["trec_e"]})  # one set: one table
+
+
+def test_table2_avg_of_tasks_all_is_the_papers_14_task_average():
+    """With --tasks all the synthetic tasks were averaged in with the paper's 14: Avg is now
+    the 14 tasks' average (the paper's), right after them; the synthetic tasks follow with an
+    average of all 16 labelled as such."""
+    scores = {t: float(i) for i, t in enumerate(TASKS)}  # 0..13 the paper's, 14 and 15 synthetic
+    (table,) = summary_table(scores).split("\n\n")
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines()]
+    assert all(len(r) == 19 for r in rows) and set(rows[1]) == {"---"}
+    assert rows[0][14:] == ["RepoBench-P", "Avg", "PassageCount", "PassageRetrieval-en",
+                            "Avg (with synthetic)"]  # fmt: skip
+    assert rows[3][15] == f"{sum(range(14)) / 14:.2f}" == "6.50"
+    assert rows[3][18] == f"{sum(range(16)) / 16:.2f}" == "7.50"
+    assert rows[2][15] == rows[2][18] == ""
+    # the synthetic tasks alone: one Avg, of them
+    rows = [
+        [c.strip() for c in line.strip("|").split("|")]
+        for line in summary_table(
+            {"passage_count": 30.0, "passage_retrieval_en": 10.0}
+        ).splitlines()
+    ]
+    assert rows[0][-1] == "Avg" and rows[3][-1] == "20.00"

@@ -705,8 +705,24 @@ def write_results(
     return summary
 
 
+def split_overlay(item: str) -> tuple[str, str]:
+    """``(label, path)`` of one ``--overlay`` item: ``LABEL=DIR`` or a bare ``DIR``.
+
+    Either side may hold ``=`` (a sweep's folder ``ov/lr=3e-4``, a label of its overrides
+    ``model=fot_pro,seed=1``), so the item is split where it names an existing path: the
+    whole item if it exists (``label`` empty), else at the first ``=`` whose right side
+    exists, else (nothing exists, for the error message) at the first ``=``.
+    """
+    if "=" not in item or Path(item).exists():
+        return "", item
+    cuts = [i for i, c in enumerate(item) if c == "="]
+    cut = next((i for i in cuts if Path(item[i + 1 :]).exists()), cuts[0])
+    return item[:cut], item[cut + 1 :]
+
+
 def parse_overlays(items: Sequence[str]) -> dict[str, Path]:
-    """Parse ``--overlay LABEL=DIR ...`` (or bare ``DIR``, labelled by its folder name).
+    """Parse ``--overlay LABEL=DIR ...`` (or bare ``DIR``, labelled by its folder name); see
+    :func:`split_overlay` for a label or folder that holds ``=``.
 
     Raises:
         FileNotFoundError: a folder holds no ``per_token_loss.npz`` (named, with the fix).
@@ -717,7 +733,7 @@ def parse_overlays(items: Sequence[str]) -> dict[str, Path]:
         "per_token_loss.npz)"
     )
     for item in items:
-        label, _, path = item.rpartition("=")
+        label, path = split_overlay(item)
         p = Path(path)
         npz = p / "per_token_loss.npz" if p.is_dir() else p
         if p.is_file() and p.suffix != ".npz":
@@ -797,7 +813,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         nargs="*",
         default=[],
         metavar="LABEL=DIR",
-        help="earlier per-token-loss result folders to draw in the same plot (default: none)",
+        help="earlier per-token-loss result folders to draw in the same plot; LABEL or DIR "
+        "may hold '=' (the item is split where it names an existing folder) (default: none)",
     )
     add_label_argument(p, "the plot's legend")
     p.add_argument(

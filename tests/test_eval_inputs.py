@@ -102,6 +102,26 @@ def test_an_overlay_that_is_a_file_is_called_a_file(tmp_path):
               "--out", str(tmp_path / "o")])  # fmt: skip
 
 
+def test_an_overlay_folder_or_label_holding_an_equals_sign_is_kept_whole(tmp_path):
+    """A sweep's folder `ov/lr=3e-4` was cut at its last '=' (label 'ov/lr', folder '3e-4');
+    the item is now split where it names an existing folder, so either side may hold '='."""
+    from fot.eval.per_token_loss import parse_overlays
+
+    swept, plain = tmp_path / "ov" / "lr=3e-4", tmp_path / "plain"
+    for folder in (swept, plain):
+        folder.mkdir(parents=True)
+        np.savez(folder / "per_token_loss.npz", position=np.arange(1, 3), loss=np.ones(2),
+                 p_length=np.array([2]), perplexity=np.array([np.e]))  # fmt: skip
+    assert parse_overlays([str(swept)]) == {"lr=3e-4": swept}  # bare DIR
+    assert parse_overlays([f"fot={swept}"]) == {"fot": swept}
+    assert parse_overlays([f"model=fot_pro,seed=1={plain}"]) == {"model=fot_pro,seed=1": plain}
+    assert parse_overlays([f"lr=3e-4={swept}"]) == {"lr=3e-4": swept}
+    # nothing there: split at the first '=', the folder named in full
+    missing = tmp_path / "ov" / "lr=1e-3"
+    with pytest.raises(FileNotFoundError, match=re.escape(f": '{missing}' does not exist")):
+        parse_overlays([f"fot={missing}"])
+
+
 def test_forgetting_curve_lengths_beyond_the_data_are_refused(tmp_path):
     out = tmp_path / "o"  # was: killed for memory, tiling the corpus to 4e9 tokens
     with pytest.raises(

@@ -513,6 +513,29 @@ def plot_heatmap(
     return out_file
 
 
+def check_depth_keys(depths: Sequence[float]) -> None:
+    """Refuse depths that the saved cells' keys (``f"{L}:{depth:g}:{repeat}"``, 6 significant
+    digits) cannot tell apart: the second would be skipped as already done. The key format
+    stays, so that saved results resume.
+
+    Raises:
+        ValueError: naming the depths and their shared key.
+    """
+    shared: dict[str, list[float]] = {}
+    for d in depths:
+        shared.setdefault(f"{d:g}", []).append(d)
+    clashes = {key: ds for key, ds in shared.items() if len(ds) > 1}
+    if clashes:
+        named = "; ".join(
+            f"{' and '.join(repr(d) for d in ds)} are both saved as {key}"
+            for key, ds in clashes.items()
+        )
+        raise ValueError(
+            f"--depths: {named} (results are keyed by a depth's 6 significant digits, so one "
+            "would be skipped as done); list depths that differ within 6 significant digits"
+        )
+
+
 def run_grid(
     model: torch.nn.Module,
     tokenizer: Any,
@@ -530,6 +553,7 @@ def run_grid(
     progress: bool = True,
 ) -> list[dict[str, Any]]:
     """Run every (length, depth, repeat) cell not yet in ``log``; return all records."""
+    check_depth_keys(depths)
     device = next(model.parameters()).device
     cells = [(L, d, r) for L in lengths for d in depths for r in range(repeats)]
     todo = [c for c in cells if not log.done(f"{c[0]}:{c[1]:g}:{c[2]}")]
@@ -671,6 +695,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # Everything that can be checked without the model is checked before it loads.
     check_grid(lengths, "--lengths", minimum=2)
     check_grid(depths, "--depths", minimum=0.0)
+    check_depth_keys(depths)
     bad = [d for d in depths if d > 100.0]
     if bad:
         raise ValueError(f"--depths {args.depths!r}: {bad} outside [0, 100] (percent of haystack)")

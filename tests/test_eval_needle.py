@@ -181,6 +181,32 @@ def test_a_cell_prompt_does_not_depend_on_the_other_lengths(
     assert len(prompts[(1, 256)]) == 256
 
 
+def test_depths_whose_saved_keys_collide_are_refused(tokenizer, haystack, monkeypatch, tmp_path):
+    """Cells are keyed f"{L}:{depth:g}:{repeat}" (6 significant digits): 33.3333331 and
+    33.3333332 passed as two depths, and the second was skipped as done. They are refused,
+    naming both, before the model loads; depths apart within 6 digits each get their cell."""
+    import fot.eval.needle as needle_mod
+    from fot.eval.__main__ import main
+
+    out = tmp_path / "o"
+    with pytest.raises(
+        ValueError, match=r"--depths: 33\.3333331 and 33\.3333332 are both saved as 33\.3333 "
+    ):
+        main(["needle", str(tmp_path / "no_ckpt"), "--depths", "33.3333331,50,33.3333332",
+              "--out", str(out)])  # fmt: skip
+    assert not out.exists()
+    monkeypatch.setattr(needle_mod, "greedy_generate", lambda *a, **k: [])
+    model = torch.nn.Linear(1, 1)
+    with pytest.raises(ValueError, match=r"both saved as 33\.3333"):
+        needle_mod.run_grid(model, tokenizer, lengths=[256], depths=[33.3333331, 33.3333332],
+                            mode="standard", log=JsonlLog(tmp_path / "a.jsonl"),
+                            haystack_ids=haystack, progress=False)  # fmt: skip
+    records = needle_mod.run_grid(model, tokenizer, lengths=[256], depths=[33.3333, 33.3334],
+                                  mode="standard", log=JsonlLog(tmp_path / "b.jsonl"),
+                                  haystack_ids=haystack, progress=False)  # fmt: skip
+    assert [r["depth"] for r in records] == [33.3333, 33.3334]
+
+
 def test_scorer_rates_known_answers():
     ref, keys = DEFAULT_NEEDLE.answer, DEFAULT_NEEDLE.key_phrases
     perfect = score_response(" " + ref + "\nmore text", ref, keys)

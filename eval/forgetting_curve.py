@@ -14,6 +14,10 @@ Accuracy is top-1 next-token accuracy. Over a grid of lengths with repeats:
   at every grid length;
 * coarse-grained memory length: the largest grid length up to which copy accuracy exceeds
   LM accuracy by more than 1 point at every grid length.
+
+S and I of a cell of length ``L`` are drawn from the first :func:`span_window` ``(L)`` tokens
+of the data: a cell's text depends on its own length, repeat and seed only, not on the other
+lengths of the grid (so a grid extended on a rerun equals a fresh run of the final grid).
 """
 
 from __future__ import annotations
@@ -60,6 +64,22 @@ from .common import (
 
 FINE_THRESHOLD = 0.99
 COARSE_MARGIN = 0.01
+MIN_WINDOW = 200_000
+"""The fewest tokens of the data that S and I of any cell are drawn from (:func:`span_window`)."""
+
+SPANS_SETTING = (
+    "S and I of a cell of length L",
+    f"drawn from the first max(20 L, {MIN_WINDOW}) tokens of --data (fot before this drew "
+    "them from a stretch set by the run's longest --lengths)",
+)
+"""The resume record's entry for how cells draw their text, recorded where the rule changed
+results (data of more than :data:`MIN_WINDOW` tokens): records without it are refused there."""
+
+
+def span_window(length: int) -> int:
+    """How many of the data's first tokens S and I of a cell of ``length`` are drawn from:
+    ``max(20 * length, MIN_WINDOW)``, room for many disjoint pairs at every length."""
+    return max(20 * length, MIN_WINDOW)
 
 
 def build_pair(
@@ -157,7 +177,9 @@ def run_curve(
     """Score every (length, repeat) not yet in ``log``; return this grid's records.
 
     Args:
-        stream: token ids of a corpus (S and I are disjoint random spans of it).
+        stream: token ids of a corpus; S and I of a cell of length ``L`` are disjoint random
+            spans of its first :func:`span_window` ``(L)`` tokens, so that a cell does not
+            depend on the grid's other lengths (nor on how much more of the corpus is given).
     """
     cells = [(L, r) for L in lengths for r in range(repeats)]
     todo = [c for c in cells if not log.done(f"{c[0]}:{c[1]}")]
@@ -173,7 +195,7 @@ def run_curve(
         if n < 2:
             raise ValueError(f"length {L} is too short: need at least 6 tokens")
         rng = np.random.default_rng([seed, L, r])
-        s, irrelevant = sample_pair(stream, n, rng)
+        s, irrelevant = sample_pair(stream[: span_window(L)], n, rng)
         copy_ids, lm_ids, start, end = build_pair(s.tolist(), irrelevant.tolist(), bos_id)
         log.append(
             {
@@ -353,7 +375,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
 
     docs, kind = open_documents(args.data, args.storage_options)  # missing data, gcsfs: now
-    stream = _token_stream(docs, args.data, max(20 * max(lengths), 200_000))
+    # read once: the cells of every length draw from the first span_window(L) tokens of it
+    stream = _token_stream(docs, args.data, span_window(max(lengths)))
     n = (max(lengths) - 2) // 2
     if len(stream) < 2 * n:  # S and I are disjoint: the text is never repeated
         raise ValueError(
@@ -366,7 +389,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     if (escaped := documents_for(docs, kind, tokenizer)) is not docs:  # the sample, escaped
         docs = escaped
-        stream = _token_stream(docs, args.data, max(20 * max(lengths), 200_000))
+        stream = _token_stream(docs, args.data, span_window(max(lengths)))
     check_positions(model, max(lengths), f"--lengths up to {max(lengths)}")
     check_fits_memory(model, max(lengths), f"--lengths up to {max(lengths)}")
     check_token_ids(stream, vocab_size(model), f"--data {args.data!r}")
@@ -380,6 +403,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "--seed": args.seed,
             "--dtype": model_dtype(model),
             **escaping_setting(kind, tokenizer),
+            # data shorter than every window (the sample): cells drew the same text before
+            # the rule changed, so records without this entry still resume
+            **(dict([SPANS_SETTING]) if len(stream) >= MIN_WINDOW else {}),
         },
         state=["forgetting_curve.jsonl"],
         outputs=["forgetting_curve.csv", "summary.json", "forgetting_curve.png"],

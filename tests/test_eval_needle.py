@@ -327,6 +327,49 @@ def test_copy_oracle_gets_one_and_random_model_gets_chance(tmp_path):
     )
 
 
+def test_a_forgetting_curve_cell_does_not_depend_on_the_other_lengths(tmp_path, monkeypatch):
+    """S and I were drawn from the data's first max(20 * longest --lengths, 200k) tokens, so
+    cell (256, r) changed when 16k joined the grid, and a grid extended on a rerun kept cells a
+    fresh run of the final command would not make. A fresh run is the oracle now; records of
+    the older rule are refused where it mattered (data of 200k tokens or more)."""
+    from eval_helpers import VOCAB, make_llama_checkpoint
+    from zarr_arrays import new_array
+
+    import fot.eval.forgetting_curve as fc
+    from fot.eval.__main__ import main
+    from fot.eval.common import ResumeMismatchError
+
+    # the cell's text as its accuracies: copy sees S (then half of S), LM sees I
+    monkeypatch.setattr(fc, "teacher_forced_accuracy", lambda m, ids, s, e: float(sum(ids[:s])))
+    monkeypatch.setattr(fc, "plot_curve", lambda *a, **k: None)  # most of a run's time
+    ckpt = make_llama_checkpoint(tmp_path / "llama")
+    tokens = np.random.default_rng(0).integers(0, VOCAB - 1, size=(3, 150_000))
+    data = new_array(str(tmp_path / "heldout.zarr"), shape=tokens.shape, dtype=np.int32)
+    data[:] = tokens  # 450k tokens: 300k read for --lengths 256, all for 16k (20 * 16k > 300k)
+
+    def run(lengths, out, *more):
+        main(["forgetting-curve", str(ckpt), "--data", str(tmp_path / "heldout.zarr"),
+              "--lengths", lengths, "--repeats", "2", "--device", "cpu", "--out", str(out),
+              *more])  # fmt: skip
+        return {r["key"]: r for r in JsonlLog(out / "forgetting_curve.jsonl")}
+
+    fresh = run("256,16k", tmp_path / "fresh")
+    small = run("256", tmp_path / "grown")
+    assert small == {k: fresh[k] for k in ("256:0", "256:1")}
+    assert run("256,16k", tmp_path / "grown") == fresh  # extended on a rerun
+    # a record of the older rule (no entry for it) is refused, naming the rule
+    record = tmp_path / "grown" / "forgetting_curve.resume.json"
+    saved = json.loads(record.read_text())
+    assert saved["settings"].pop(fc.SPANS_SETTING[0]) == fc.SPANS_SETTING[1]
+    record.write_text(json.dumps(saved))
+    with pytest.raises(ResumeMismatchError, match=r"S and I of a cell of length L: saved"):
+        run("256", tmp_path / "grown")
+    # the sample (128k tokens, under every window): the rule changes nothing, not recorded
+    run("64", tmp_path / "sample", "--data", "sample")
+    saved = json.loads((tmp_path / "sample" / "forgetting_curve.resume.json").read_text())
+    assert fc.SPANS_SETTING[0] not in saved["settings"]
+
+
 def test_memory_lengths_hand_computed():
     lengths = [512, 128, 256, 1024]
     copy = [0.995, 1.0, 0.999, 0.5]

@@ -47,7 +47,9 @@ def attention_spec(config: Any) -> tuple[int, int, int | None]:
 
     Args:
         config: an HF config (``FoTConfig``, ``LlamaConfig``, FLA ``ForgettingTransformerConfig``;
-            other model types count no attention).
+            other model types give no layers here, and :func:`train_flops_per_token` counts
+            them as the trainer does: FLA's Samba by its ``attn`` layers, the recurrent
+            models without attention).
 
     Returns:
         Number of attention layers, attention width and sliding window (``None`` = full).
@@ -72,6 +74,8 @@ def train_flops_per_token(model: nn.Module, config: Any, seq_len: int) -> float:
         seq_len: training sequence length T.
     """
     layers, d_attn, window = attention_spec(config)
+    if not layers:  # no all-attention config: the trainer's count as is (Samba's ``attn``)
+        return flops_per_token(model, config, seq_len)
     view = SimpleNamespace(
         model_type="fot" if layers else None,
         num_hidden_layers=layers,

@@ -120,6 +120,39 @@ def test_flops_hand_count_fot_llama_tiny(bench):
     assert parts["blocks"] + parts["lm_head"] + parts["attention"] == pytest.approx(got)
 
 
+def test_flops_count_samba_attention_layers_as_the_trainer(bench):
+    """A hybrid (FLA's Samba) names its sliding-window attention layers in ``config.attn``:
+    counted by hand, 12 d per (query, key) pair within the window, in those layers only."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    class Hybrid(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(64, 32)
+            self.body = nn.Linear(32, 32, bias=False)
+            self.head = nn.Linear(32, 64, bias=False)
+
+        def get_input_embeddings(self) -> nn.Module:
+            return self.embed
+
+        def get_output_embeddings(self) -> nn.Module:
+            return self.head
+
+    d, W, T = 32, 16, 100
+    cfg = SimpleNamespace(
+        model_type="samba",
+        hidden_size=d,
+        num_hidden_layers=4,
+        attn={"layers": [1, 3], "num_heads": 4, "window_size": W},
+    )
+    pairs = W * (W + 1) / 2 + (T - W) * W  # causal pairs with a window of W keys
+    expected = 6 * (32 * 32 + 64 * 32) + 12 * 2 * d * pairs / T
+    got = bench["flops"].train_flops_per_token(Hybrid(), cfg, T)
+    assert got == pytest.approx(expected, rel=1e-12)
+
+
 def test_flops_hand_count_hf_llama_and_fla_spec(bench):
     from transformers import LlamaForCausalLM
 
@@ -796,18 +829,21 @@ def test_profile_categories_hand_count(bench):
         ("_shift_norm_bwd_kernel", 0.5),
         ("multi_tensor_apply_kernel<FusedAdamW>", 2.0),
         ("vectorized_elementwise_kernel<add>", 3.0),
+        ("_kmax_kernel", 0.5),  # the pruning bound: our attention's
+        ("multi_tensor_apply_kernel<TensorListMetadata<2>, CopyFunctor<bf16>>", 1.0),  # a cast
     ]
     prof = tt.profile_categories(events, steps=2)
     ms = prof["ms_per_step"]
-    assert ms["attention: ours (Triton)"] == 8.0
+    assert ms["attention: ours (Triton)"] == 8.25
     assert ms["attention: other"] == 2.0
     assert ms["matmul"] == 10.0 and ms["norms"] == 2.5 and ms["optimizer"] == 1.0
     assert ms["Pro components (fused)"] == 0.25  # not "norms", although its name has "norm"
-    assert ms["elementwise and other"] == 1.5 and ms["loss (cross-entropy)"] == 0.0
-    assert prof["total_ms_per_step"] == 25.25
+    assert ms["elementwise and other"] == 2.0 and ms["loss (cross-entropy)"] == 0.0
+    assert prof["total_ms_per_step"] == 26.0
     assert prof["top_kernels"][0] == ("sm90_xmma_gemm_bf16bf16_bf16f32", 10.0)
     table = tt.profile_table([{"model": "m", "profile": prof}])
-    assert "| matmul | 10.0 |" in table and "| total | 25.2 |" in table
+    assert "| matmul | 10.0 |" in table and "| total | 26.0 |" in table
+    assert list(ms)[-1] == "elementwise and other"
 
 
 def test_profile_table_reports_gpu_idle(bench):

@@ -270,7 +270,10 @@ class Settings:
 
 # Kernel-name patterns -> category, first match wins (lower-case substrings), after our own
 # attention kernels (exact names). Heuristic: `top_kernels` shows what the categories hold.
-OUR_ATTENTION_KERNELS = frozenset({"_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkdv_kernel"})
+OUR_ATTENTION_KERNELS = frozenset(
+    {"_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkdv_kernel", "_kmax_kernel", "_gate_cumsum_kernel",
+     "_dlogf_kernel"}
+)  # fmt: skip
 # The fused FoT (Pro) component kernels of fot.kernels.pro_ops (their names contain "norm").
 OUR_PRO_KERNELS = frozenset(
     {"_shift_norm_fwd_kernel", "_shift_norm_bwd_kernel", "_norm_gate_fwd_kernel",
@@ -279,6 +282,9 @@ OUR_PRO_KERNELS = frozenset(
 PROFILE_CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("attention: other", ("flash", "fmha", "cudnn", "attn", "attention")),
     ("loss (cross-entropy)", ("cross_entropy", "crossentropy", "linear_cross", "logsumexp")),
+    # torch._foreach_copy_ (multi_tensor_apply_kernel<..., CopyFunctor<...>>) is the forward's
+    # cast of split projections' weights (fot.kernels.linear_ops), not the optimizer's
+    ("elementwise and other", ("copyfunctor",)),
     ("optimizer", ("adam", "multi_tensor", "foreach")),
     (
         "matmul",
@@ -308,8 +314,8 @@ def profile_categories(events: list[tuple[str, float]], steps: int) -> dict[str,
         [(name, ms per step), ...]}`` (the 30 largest kernels).
     """
     cats: dict[str, float] = {"attention: ours (Triton)": 0.0, "Pro components (fused)": 0.0}
-    cats.update({name: 0.0 for name, _ in PROFILE_CATEGORIES})
-    cats["elementwise and other"] = 0.0
+    cats.update({name: 0.0 for name, _ in PROFILE_CATEGORIES if name != "elementwise and other"})
+    cats["elementwise and other"] = 0.0  # last in the table
     for name, ms in events:
         low = name.lower()
         if name in OUR_ATTENTION_KERNELS:  # Triton names kernels after their functions

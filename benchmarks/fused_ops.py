@@ -148,8 +148,8 @@ def run_table(tokens: int, preset: str, rows_out: list[str]) -> None:
     ]
 
     def row(name: str, baseline: str, base_fn, fused_fn, rate) -> None:
-        t_b = triton.testing.do_bench(base_fn, warmup=25, rep=200)
-        t_f = triton.testing.do_bench(fused_fn, warmup=25, rep=200)
+        t_b = triton.testing.do_bench(base_fn, warmup=25, rep=200, return_mode="median")
+        t_f = triton.testing.do_bench(fused_fn, warmup=25, rep=200, return_mode="median")
         rows_out.append(
             f"| {name} | {baseline} | {t_b:.3f} | {t_f:.3f} | {t_b / t_f:.2f}x | "
             + rate(t_f)
@@ -195,7 +195,7 @@ def sweep(tokens: int, preset: str, rows_out: list[str]) -> None:
                 "fwd_elems": fwd[0], "fwd_warps": fwd[1], "bwd_elems": bwd[0],
                 "bwd_warps": bwd[1], "bwd_programs_per_sm": bwd[2],
             })  # fmt: skip
-            ms = triton.testing.do_bench(fused, warmup=25, rep=100)
+            ms = triton.testing.do_bench(fused, warmup=25, rep=100, return_mode="median")
             rows_out.append(f"| {fwd[0]} / {fwd[1]} | {bwd[0]} / {bwd[1]} / {bwd[2]} | {ms:.3f} |")
             print(rows_out[-1], flush=True)
     norm_ops._CONFIG_OVERRIDE.clear()

@@ -641,8 +641,8 @@ def fmt(value: Any, spec: str) -> str:
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     """The results as a markdown table (one row per model)."""
     head = (
-        "| model | status | params (no emb.) | GFLOP/token | step (ms) | tokens/s | MFU | "
-        "peak mem (GiB) | vs HF Llama | vs FLA FoT |"
+        "| model | status | params (no emb.) | GFLOP/token | median step (ms) | tokens/s (mean) "
+        "| MFU | peak mem (GiB) | vs HF Llama | vs FLA FoT |"
     )
     lines = [head, "|" + "---|" * 10]
     for r in rows:

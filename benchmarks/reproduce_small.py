@@ -19,14 +19,16 @@ may run only so long (e.g. ``--models fot_pro,transformer_pro``, then the next p
 ``--report-only``); a call whose settings differ from those already in ``--out`` is refused.
 
 Budget estimate (one H200, from docs/benchmarks.md): 125M models at T=2048 cost
-6N + 12·L·d·T/2 ≈ 0.51 + 0.11 = 0.62 GFLOP/token. The 760M runs reached 230-330 TFLOP/s;
-assuming a small model reaches only ~100 TFLOP/s (eager, small matrices) gives ~160k tokens/s,
-so 16Mi tokens take ~105 s per model, ~11 min for six, plus ~30 s start-up (imports, Triton
-compilation, HF export) per training (~3 min). Evaluation per model: per-token loss on 16
-documents of 8192 tokens (~5 s, cf. 9.6 s for 3 x 16k at 125M), 4 x 5 easy-needle cells
-(~15 s; 44 cells up to 16k took 28 s) and the forgetting curve (5 lengths x 2, ~5 s): ~2.5 min
-for six. Total ≈ 17 min of the 20-minute budget. ``--budget-minutes B`` scales the token
-budget linearly (128 steps of 128Ki tokens at B = 20).
+6N + 12·L·d·(T+1)/2 ≈ 0.74 + 0.11 = 0.86 GFLOP/token (``python benchmarks/flops.py --size
+125m --seq-len 2048``; N includes the untied LM head, 0.23 of the 0.74). The 760M runs reached
+230-330 TFLOP/s; assuming a small model reaches only ~100 TFLOP/s (eager, small matrices) gives
+~117k tokens/s, so 16Mi tokens take ~145 s per model, ~14.5 min for six, plus ~30 s start-up
+(imports, Triton compilation, HF export) per training (~3 min). Evaluation per model:
+per-token loss on 16 documents of 8192 tokens (~5 s, cf. 9.6 s for 3 x 16k at 125M), 4 x 5
+easy-needle cells (~15 s; 44 cells up to 16k took 28 s) and the forgetting curve (5 lengths x
+2, ~5 s): ~2.5 min for six. Total ≈ 20 min, the whole 20-minute budget; docs/results.md
+measured 883 s of training (105-242 s per model) and 92 s of evaluation, start-ups not counted.
+``--budget-minutes B`` scales the token budget linearly (128 steps of 128Ki tokens at B = 20).
 
 ``--toy`` runs the same pipeline on CPU in well under a minute (two tiny models, T=64, a few
 steps, tiny grids); its numbers mean nothing and the report says so.

@@ -687,20 +687,35 @@ def drop_empty_request_caches(out: Path) -> list[Path]:
     return dropped
 
 
+def _plain_task_file(task: str) -> bool:
+    """``task`` is the path of a YAML file that defines one plain task (not a group or tag),
+    which lm-eval builds from the file alone."""
+    if not Path(task).is_file():
+        return False
+    try:
+        from lm_eval.tasks._index import Kind, TaskIndex
+
+        entry = TaskIndex.entry_from_path(Path(task))
+    except Exception:  # a broken file (lm-eval names it as it loads it), another lm-eval
+        return False
+    return entry is not None and entry.kind in (Kind.TASK, Kind.PY_TASK)
+
+
 def _task_manager(include_path: str | None, tasks: Sequence[str] = ()) -> Any:
     """An lm-eval ``TaskManager``; when every task in ``tasks`` is a plain task (not a group or
-    tag) defined under ``include_path``, one that indexes only that folder: indexing lm-eval's
-    own ~15k task files takes ~14 s per run, and a task of ``include_path`` overrides a
-    built-in one of the same name in the full index anyway."""
+    tag) defined under ``include_path`` or in a YAML file given by its path, one that indexes
+    only ``include_path`` (or nothing): indexing lm-eval's own ~15k task files takes ~14 s per
+    run, a task of ``include_path`` overrides a built-in one of the same name in the full index
+    anyway, and a task file is loaded from its path."""
     from lm_eval.tasks import TaskManager
 
+    if tasks:
+        own = TaskManager(include_path=include_path or None, include_defaults=False)
+        plain = set(getattr(own, "all_subtasks", ()))
+        if all(t in plain or _plain_task_file(t) for t in tasks):
+            return own
     if not include_path:
         return TaskManager()
-    if tasks:
-        own = TaskManager(include_path=include_path, include_defaults=False)
-        plain = set(getattr(own, "all_subtasks", ()))
-        if all(t in plain for t in tasks):
-            return own
     return TaskManager(include_path=include_path)
 
 

@@ -240,7 +240,7 @@ def test_tasks_all_in_the_include_path_skip_indexing_lm_evals_own(setup, tmp_pat
     """Indexing lm-eval's ~15k built-in task files took ~14 s on every `lm-eval` run; tasks all
     defined under --include-path now index that folder only. A task of the folder overrides a
     built-in one of the same name (lm-eval's rule), so both indexes resolve it to that file."""
-    from fot.eval.lm_eval_adapter import _task_manager
+    from fot.eval.lm_eval_adapter import _plain_task_file, _task_manager
 
     root, _, _ = setup
     own = _task_manager(str(root / "tasks"), ["fot_toy_mc", "fot_toy_rolling"])
@@ -255,6 +255,17 @@ def test_tasks_all_in_the_include_path_skip_indexing_lm_evals_own(setup, tmp_pat
     assert mine.all_tasks == ["arc_easy"]
     assert str(mine.task_index["arc_easy"].yaml_path) == str(full.task_index["arc_easy"].yaml_path)
     assert str(full.task_index["arc_easy"].yaml_path) == str(tmp_path / "arc_easy.yaml")
+    # tasks given as YAML files index nothing more (lm-eval loads a file from its path); a
+    # group file among them needs the full index, where its tasks are looked up
+    yaml_file = str(root / "tasks" / "fot_toy_mc.yaml")
+    assert _task_manager(None, [yaml_file]).all_tasks == []
+    assert _task_manager(str(root / "tasks"), ["fot_toy_rolling", yaml_file]).all_tasks == [
+        "fot_toy_mc",
+        "fot_toy_rolling",
+    ]
+    group = tmp_path / "my_group.yaml"  # (the full index costs seconds: checked by its rule)
+    group.write_text("group: my_group\ntask:\n  - hellaswag\n")
+    assert _plain_task_file(yaml_file) and not _plain_task_file(str(group))
 
 
 def test_max_length_past_a_learned_position_table_is_refused_before_the_tasks(

@@ -310,11 +310,21 @@ def test_needle_depths_are_checked_before_anything_is_loaded_or_written(tmp_path
         ["forgetting-curve", "--lengths", "64"],
         ["needle"],
         ["gates"],
-        ["lm-eval", "--tasks", "piqa"],
+        ["lm-eval", "--tasks", "TASK_FILE"],
     ],
     ids=lambda a: a[0],
 )
 def test_a_missing_checkpoint_leaves_no_out_folder(argv, tmp_path):
+    if "TASK_FILE" in argv:  # a task file (a built-in task name costs lm-eval's whole index)
+        data = tmp_path / "qa.jsonl"
+        data.write_text('{"q": "Is it?", "a": " yes"}\n')
+        task = tmp_path / "fot_qa.yaml"
+        task.write_text(
+            "task: fot_qa\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+            f"    test: {data}\ntest_split: test\noutput_type: loglikelihood\n"
+            "doc_to_text: '{{q}}'\ndoc_to_target: '{{a}}'\nmetric_list:\n  - metric: acc\n"
+        )
+        argv = [str(task) if a == "TASK_FILE" else a for a in argv]
     out = tmp_path / "new" / "results"
     with pytest.raises(FileNotFoundError, match="missing"):
         main([argv[0], str(tmp_path / "missing"), *argv[1:], "--device", "cpu", "--out", str(out)])

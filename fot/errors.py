@@ -99,7 +99,7 @@ def error_line(prog: str, err: BaseException, *, traceback_variable: str) -> str
 
 
 def parse_args_naming_typos(
-    parser: argparse.ArgumentParser, argv: Sequence[str] | None
+    parser: argparse.ArgumentParser, argv: Sequence[str] | None, *, intermixed: bool = False
 ) -> argparse.Namespace:
     """``parser.parse_args(argv)``, with each unknown option named with the closest known ones.
 
@@ -110,11 +110,15 @@ def parse_args_naming_typos(
     Args:
         parser: the command line's parser (with or without subcommands).
         argv: the arguments (``None``: ``sys.argv[1:]``).
+        intermixed: positional arguments may come after options (``a.txt --glob '*.md' b/``):
+            argparse's intermixed parsing, for a parser without subcommands whose positional
+            takes any number of values (it stops collecting them at the first option).
 
     Raises:
         SystemExit: status 2 for unknown arguments, after printing the usage and one error line.
     """
-    args, extras = parser.parse_known_args(argv)
+    parse = parser.parse_known_intermixed_args if intermixed else parser.parse_known_args
+    args, extras = parse(argv)
     if not extras:
         return args
     target = parser

@@ -263,6 +263,24 @@ def test_stream_rejects_indivisible_batches() -> None:
 # ------------------------------------------------------------------ prepare CLI
 
 
+def test_prepare_takes_inputs_after_options(tmp_path) -> None:
+    """`prepare a.txt --glob '*.md' folder/ b.jsonl --out x` (inputs after an option) refused
+    b.jsonl as an unrecognized argument; it now writes the folder that inputs-first writes."""
+    from fot.data.prepare import main
+    from fot.data.tokens import TokenDocuments
+
+    (tmp_path / "a.txt").write_text("The first file.")
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "n.md").write_text("A note in markdown.")
+    (tmp_path / "b.jsonl").write_text(json.dumps({"text": "A line of JSON."}) + "\n")
+    a, notes, b = (str(tmp_path / n) for n in ("a.txt", "notes", "b.jsonl"))
+    main([a, notes, b, "--glob", "*.md", "--out", str(tmp_path / "first")])
+    main([a, "--glob", "*.md", notes, "--out", str(tmp_path / "mixed"), b])
+    first, mixed = TokenDocuments(tmp_path / "first"), TokenDocuments(tmp_path / "mixed")
+    assert len(first) == 3
+    assert [first[i].tolist() for i in range(3)] == [mixed[i].tolist() for i in range(3)]
+
+
 def test_prepare_cli_round_trip(tmp_path, monkeypatch, capsys) -> None:
     import fot.data.prepare
     from fot import progress

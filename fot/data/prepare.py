@@ -516,7 +516,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--heldout-every", type=int, default=0, help="hold out every K-th document")
     ap.add_argument("--heldout-out", help="token folder for the held-out documents")
-    args = parse_args_naming_typos(ap, argv)
+    args = parse_args_naming_typos(ap, argv, intermixed=True)  # inputs before or after options
     if bool(args.inputs) == bool(args.hf):
         ap.error("give either input files/folders or --hf (not both, not neither)")
     hf_only = {

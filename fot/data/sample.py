@@ -10,8 +10,8 @@ Source, in order of preference:
    only when the plays are missing, with a warning saying so.
 
 Each play (or pydoc topic) is one document. Documents are tokenized once with the GPT-2
-tokenizer and cached as a token folder (:mod:`fot.data.tokens`) under ``$FOT_CACHE_DIR`` or
-``~/.cache/fot``. A fixed, documented subset of documents is held out: every
+tokenizer and cached as a token folder (:mod:`fot.data.tokens`) under ``$FOT_CACHE_DIR``,
+``$XDG_CACHE_HOME/fot`` or ``~/.cache/fot``. A fixed, documented subset of documents is held out: every
 ``HELDOUT_EVERY``-th document in sorted order (3 of the 42 plays).
 """
 

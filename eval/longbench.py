@@ -553,15 +553,24 @@ def read_jsonl(
     return rows
 
 
+def _paper_first(tasks: list[str]) -> tuple[list[str], list[str]]:
+    """``tasks`` split into the paper's (of LongBench or LongBench-E) and the rest (the
+    synthetic ones); tasks that are all synthetic count as the first part."""
+    paper = [t for t in tasks if base_task(t) in PAPER_TASKS]
+    if not paper:
+        return tasks, []
+    return paper, [t for t in tasks if t not in paper]
+
+
 def summary_table(scores: dict[str, float]) -> str:
     """Markdown table in the paper's Table 2 order (then the synthetic tasks): task columns,
     their group, the average. LongBench-E runs get a table and an average of their own
     below it (averaged together, the tasks both sets have would count twice).
 
-    The first table's ``Avg`` follows the paper's tasks and is their average (with all 14,
-    the paper's Table 2 average); the synthetic tasks (``--tasks all``) come after it, then
-    ``Avg (with synthetic)``, the average of every task of the table. A table of synthetic
-    tasks alone has one ``Avg``, of them."""
+    In each table ``Avg`` follows the paper's tasks and is their average (with all 14 of
+    LongBench, the paper's Table 2 average); the synthetic tasks (``--tasks all``, ``e``) come
+    after it, then ``Avg (with synthetic)``, the average of every task of the table. A table of
+    synthetic tasks alone has one ``Avg``, of them."""
     tables = []
     for tasks in (
         [t for t in TASKS if t in scores],
@@ -569,8 +578,7 @@ def summary_table(scores: dict[str, float]) -> str:
     ):
         if not tasks:
             continue
-        paper = [t for t in tasks if t in PAPER_TASKS] or tasks  # LongBench-E: all of them
-        rest = [t for t in tasks if t not in paper]
+        paper, rest = _paper_first(tasks)
 
         def mean(names: list[str]) -> float:
             return float(np.mean([scores[t] for t in names]))
@@ -612,9 +620,9 @@ def protocol_note(prompts: str | None, first_line: str) -> str:
 def length_table(by_length: dict[str, dict[str, float | None]]) -> str:
     """Markdown table of the scores per length range: a row per task, a column per range
     (``-`` where a task has no example in the range), then their average over the tasks that
-    have one. As in :func:`summary_table`, LongBench-E runs get a table and an average of their
-    own below the LongBench tasks' (averaged together, the tasks both sets have would count
-    twice)."""
+    have one. As in :func:`summary_table`, LongBench-E runs get a table of their own below the
+    LongBench tasks' (averaged together, the tasks both sets have would count twice), and in
+    each table ``Avg`` averages the paper's tasks, ``Avg (with synthetic)`` all of them."""
     names = [name for name, _, _ in LENGTH_RANGES]
 
     def cell(x: float | None) -> str:
@@ -627,15 +635,26 @@ def length_table(by_length: dict[str, dict[str, float | None]]) -> str:
     ):
         if not tasks:
             continue
+
+        def avg_row(label: str, rows: list[str]) -> str:
+            means = []
+            for n in names:
+                have = [by_length[t][n] for t in rows if by_length[t][n] is not None]
+                means.append(float(np.mean(have)) if have else None)
+            return f"| {label} | " + " | ".join(cell(m) for m in means) + " |"
+
+        def task_row(t: str) -> str:
+            return (
+                f"| {task_spec(t).name} | "
+                + " | ".join(cell(by_length[t][n]) for n in names)
+                + " |"
+            )
+
+        paper, rest = _paper_first(tasks)
         lines = ["| Task | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
-        for t in tasks:
-            cells = " | ".join(cell(by_length[t][n]) for n in names)
-            lines.append(f"| {task_spec(t).name} | {cells} |")
-        means = []
-        for n in names:
-            have = [by_length[t][n] for t in tasks if by_length[t][n] is not None]
-            means.append(float(np.mean(have)) if have else None)
-        lines.append("| Avg | " + " | ".join(cell(m) for m in means) + " |")
+        lines += [task_row(t) for t in paper] + [avg_row("Avg", paper)]
+        if rest:
+            lines += [task_row(t) for t in rest] + [avg_row("Avg (with synthetic)", tasks)]
         tables.append("\n".join(lines))
     return "\n\n".join(tables)
 

@@ -264,8 +264,9 @@ def test_longbench_and_longbench_e_are_averaged_apart():
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in first.splitlines()]
     assert rows[0] == ["Task", "HotpotQA", "TREC", "Avg"] and rows[3][-1] == "20.00"
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in second.splitlines()]
-    assert rows[0] == ["Task", "HotpotQA (E)", "PassageCount (E)", "Avg"]
-    assert rows[3] == ["Score", "50.00", "0.00", "25.00"]
+    # LongBench-E's Avg too is of the paper's tasks, the synthetic ones after it
+    assert rows[0] == ["Task", "HotpotQA (E)", "Avg", "PassageCount (E)", "Avg (with synthetic)"]
+    assert rows[3] == ["Score", "50.00", "50.00", "0.00", "25.00"]
     assert "\n\n" not in summary_table({"trec_e": 1.0})  # one set: one table
 
 
@@ -287,6 +288,19 @@ def test_scores_by_length_of_longbench_and_longbench_e_are_averaged_apart():
     assert [r[0] for r in rows[2:]] == ["Qasper (E)", "TREC (E)", "Avg"]
     assert rows[-1] == ["Avg", "25.00", "60.00", "40.00"]  # by hand: (0+50)/2, 60, (10+70)/2
     assert "\n\n" not in length_table({"trec_e": by_length["trec_e"]})  # one set: one table
+    # synthetic tasks come after the paper's Avg, with an Avg of all in each table
+    for paper, synthetic, e in (
+        ("trec", "passage_count", ""),
+        ("trec_e", "passage_count_e", " (E)"),
+    ):
+        table = length_table(
+            {paper: by_length["trec"], synthetic: {"0-4k": 0.0, "4-8k": 20.0, "8k+": None}}
+        )
+        rows = [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines()]
+        names = ["TREC" + e, "Avg", "PassageCount" + e, "Avg (with synthetic)"]
+        assert [r[0] for r in rows[2:]] == names
+        assert rows[3] == ["Avg", "10.00", "-", "30.00"]
+        assert rows[5] == ["Avg (with synthetic)", "5.00", "20.00", "30.00"]  # by hand
 
 
 def test_table2_avg_of_tasks_all_is_the_papers_14_task_average():

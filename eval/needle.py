@@ -536,6 +536,25 @@ def check_depth_keys(depths: Sequence[float]) -> None:
         )
 
 
+def check_saved_depths(log: JsonlLog, depths: Sequence[float]) -> None:
+    """Refuse a depth whose key (6 significant digits) names cells that ``log`` saved for
+    another depth: a rerun into the same ``--out`` would skip them as done and report the
+    other depth's results.
+
+    Raises:
+        ValueError: naming the depth, the saved one and the log.
+    """
+    saved = {f"{float(r['depth']):g}": float(r["depth"]) for r in log if "depth" in r}
+    for d in depths:
+        other = saved.get(f"{d:g}")
+        if other is not None and other != d:
+            raise ValueError(
+                f"--depths: {d!r} is saved as {d:g}, the key of the cells saved in {log.path} "
+                f"for depth {other!r} (results are keyed by a depth's 6 significant digits); "
+                f"pass {other!r} to resume those cells, or give {d!r} its own --out"
+            )
+
+
 def run_grid(
     model: torch.nn.Module,
     tokenizer: Any,
@@ -554,6 +573,7 @@ def run_grid(
 ) -> list[dict[str, Any]]:
     """Run every (length, depth, repeat) cell not yet in ``log``; return all records."""
     check_depth_keys(depths)
+    check_saved_depths(log, depths)
     device = next(model.parameters()).device
     cells = [(L, d, r) for L in lengths for d in depths for r in range(repeats)]
     todo = [c for c in cells if not log.done(f"{c[0]}:{c[1]:g}:{c[2]}")]

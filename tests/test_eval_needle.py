@@ -205,6 +205,12 @@ def test_depths_whose_saved_keys_collide_are_refused(tokenizer, haystack, monkey
                                   mode="standard", log=JsonlLog(tmp_path / "b.jsonl"),
                                   haystack_ids=haystack, progress=False)  # fmt: skip
     assert [r["depth"] for r in records] == [33.3333, 33.3334]
+    # a rerun into the same results with a depth of the same key as a saved one: refused,
+    # where it returned the saved depth's records as its own
+    with pytest.raises(ValueError, match=r"33\.33333 is saved as 33\.3333.*for depth 33\.3333 "):
+        needle_mod.run_grid(model, tokenizer, lengths=[256], depths=[33.33333],
+                            mode="standard", log=JsonlLog(tmp_path / "b.jsonl"),
+                            haystack_ids=haystack, progress=False)  # fmt: skip
 
 
 def test_scorer_rates_known_answers():

@@ -77,7 +77,7 @@ def train_flops_per_token(model: nn.Module, config: Any, seq_len: int) -> float:
     if not layers:  # no all-attention config: the trainer's count as is (Samba's ``attn``)
         return flops_per_token(model, config, seq_len)
     view = SimpleNamespace(
-        model_type="fot" if layers else None,
+        model_type="fot",
         num_hidden_layers=layers,
         hidden_size=d_attn,
         window_size=window,

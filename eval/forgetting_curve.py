@@ -72,8 +72,9 @@ SPANS_SETTING = (
     f"drawn from the first max(20 L, {MIN_WINDOW}) tokens of --data (fot before this drew "
     "them from a stretch set by the run's longest --lengths)",
 )
-"""The resume record's entry for how cells draw their text, recorded where the rule changed
-results (data of more than :data:`MIN_WINDOW` tokens): records without it are refused there."""
+"""The resume record's entry for how cells draw their text, recorded for data of
+:data:`MIN_WINDOW` tokens or more, where the rule can change a cell (whether or not a saved one
+changed): records without it are refused there. Below that, every cell drew the whole data."""
 
 
 def span_window(length: int) -> int:

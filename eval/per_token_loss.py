@@ -814,7 +814,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=[],
         metavar="LABEL=DIR",
         help="earlier per-token-loss result folders to draw in the same plot; LABEL or DIR "
-        "may hold '=' (the item is split where it names an existing folder) (default: none)",
+        "may hold '=' (the item is split where it names an existing path) (default: none)",
     )
     add_label_argument(p, "the plot's legend")
     p.add_argument(

@@ -33,6 +33,7 @@ import dataclasses
 import hashlib
 import json
 import string
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -553,13 +554,17 @@ def read_jsonl(
     return rows
 
 
-def _paper_first(tasks: list[str]) -> tuple[list[str], list[str]]:
-    """``tasks`` split into the paper's (of LongBench or LongBench-E) and the rest (the
-    synthetic ones); tasks that are all synthetic count as the first part."""
-    paper = [t for t in tasks if base_task(t) in PAPER_TASKS]
-    if not paper:
-        return tasks, []
-    return paper, [t for t in tasks if t not in paper]
+def _table_sets(present: Collection[str]) -> list[tuple[list[str], list[str], list[str]]]:
+    """``(tasks, paper, rest)`` of each table: LongBench's tasks in ``present``, then
+    LongBench-E's (a set without any has no table), with ``paper`` the paper's tasks among them
+    (a LongBench-E task by the task it runs) and ``rest`` the synthetic ones; tasks that are
+    all synthetic count as ``paper``."""
+    tables = []
+    for tasks in ([t for t in TASKS if t in present], [t for t in TASK_SETS["e"] if t in present]):
+        paper = [t for t in tasks if base_task(t) in PAPER_TASKS] or tasks
+        if tasks:
+            tables.append((tasks, paper, [t for t in tasks if t not in paper]))
+    return tables
 
 
 def summary_table(scores: dict[str, float]) -> str:
@@ -572,13 +577,7 @@ def summary_table(scores: dict[str, float]) -> str:
     after it, then ``Avg (with synthetic)``, the average of every task of the table. A table of
     synthetic tasks alone has one ``Avg``, of them."""
     tables = []
-    for tasks in (
-        [t for t in TASKS if t in scores],
-        [t for t in TASK_SETS["e"] if t in scores],
-    ):
-        if not tasks:
-            continue
-        paper, rest = _paper_first(tasks)
+    for tasks, paper, rest in _table_sets(scores):
 
         def mean(names: list[str]) -> float:
             return float(np.mean([scores[t] for t in names]))
@@ -629,12 +628,7 @@ def length_table(by_length: dict[str, dict[str, float | None]]) -> str:
         return "-" if x is None else f"{x:.2f}"
 
     tables = []
-    for tasks in (
-        [t for t in TASKS if t in by_length],
-        [t for t in TASK_SETS["e"] if t in by_length],
-    ):
-        if not tasks:
-            continue
+    for tasks, paper, rest in _table_sets(by_length):
 
         def avg_row(label: str, rows: list[str]) -> str:
             means = []
@@ -650,7 +644,6 @@ def length_table(by_length: dict[str, dict[str, float | None]]) -> str:
                 + " |"
             )
 
-        paper, rest = _paper_first(tasks)
         lines = ["| Task | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
         lines += [task_row(t) for t in paper] + [avg_row("Avg", paper)]
         if rest:

@@ -307,6 +307,8 @@ def test_progress_off_a_terminal_is_a_line_per_interval_not_carriage_returns(mon
     nested bars (lm-eval's) leave no cursor movements either."""
     import io
     import os
+    import select
+    import time
 
     from fot import progress
 
@@ -343,6 +345,12 @@ def test_progress_off_a_terminal_is_a_line_per_interval_not_carriage_returns(mon
             bar.update()
         bar.close()
         tty.flush()
-        written = os.read(leader, 65536).decode()
+        # the kernel hands a pseudo-terminal's output to the leader side in chunks, later under
+        # load: read until the closing draw arrives (or 30 s pass)
+        written, deadline = b"", time.monotonic() + 30
+        while b"\rt: 100%" not in written and time.monotonic() < deadline:
+            if select.select([leader], [], [], 0.5)[0]:
+                written += os.read(leader, 65536)
     os.close(leader)
+    written = written.decode()
     assert all(f"\rt: {p:3d}%" in written for p in (0, 33, 67, 100)), written

@@ -277,6 +277,49 @@ def test_prepare_hf_empty_or_undecodable_files_get_one_clear_error(tmp_path, cap
     assert not (tmp_path / "tok").exists()
 
 
+def test_a_folder_datasets_reads_with_another_loader_names_the_text_loader(
+    tmp_path, capsys
+) -> None:
+    """datasets reads a folder of .md files with its `harbor` loader, whose own failure ("No
+    task.toml or instruction.md files found") named neither the loader nor a fix. The error
+    now gives the text loader and a pattern; following it reads what the folder input reads."""
+    import shlex
+
+    from fot.data.prepare import main
+    from fot.data.tokens import TokenDocuments
+
+    notes = tmp_path / "notes"
+    (notes / "sub").mkdir(parents=True)
+    (notes / "a.md").write_text("# One\nThe first note.\n")
+    (notes / "sub" / "b.md").write_text("# Two\nThe second, in a subfolder.\n")
+    out = tmp_path / "tok"
+    assert main(["--hf", str(notes), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    head = f"error: dataset {notes} split 'train': datasets chose its "
+    assert err.startswith(head) and "(by their extension: .md), and it failed: " in err, err
+    assert "Traceback" not in err and not out.exists()
+    hint = err.split("name datasets' text loader and the files: ")[1]
+    assert hint == f"--hf text --data-files '{notes}/**/*.md'"
+    with pytest.raises(ValueError) as info:  # the same for training on data=hf
+        build_sources(_cfg(kind="hf", path=str(notes), seq_len=8, val_tokens=0))
+    assert str(info.value).endswith(f"data.path=text data.hf_data_files='{notes}/**/*.md'")
+    # the hint works: the same documents as the folder given as input
+    assert main([*shlex.split(hint), "--out", str(out)]) == 0
+    assert "\r" not in capsys.readouterr().err  # datasets' bar, off a terminal
+    assert main([str(notes), "--glob", "*.md", "--out", str(tmp_path / "want")]) == 0
+    got, want = TokenDocuments(out), TokenDocuments(tmp_path / "want")
+    assert sorted(map(tuple, got)) == sorted(map(tuple, want)) and len(want) == 2
+    # one file: datasets takes no file as the dataset; it said "... does not exist"
+    one = notes / "a.md"
+    capsys.readouterr()
+    assert main(["--hf", str(one), "--out", str(tmp_path / "one")]) == 2
+    err = capsys.readouterr().err.strip()
+    hint = f"--hf text --data-files '{one}'"
+    assert err == f"error: dataset {one} is a file; datasets reads a file through a loader: {hint}"
+    assert main([*shlex.split(hint), "--out", str(tmp_path / "one")]) == 0
+    assert [list(d) for d in TokenDocuments(tmp_path / "one")] == [list(want[0])]
+
+
 # ------------------------------------------------------------------ validating on training data
 
 

@@ -291,6 +291,8 @@ def test_library_bars_are_off_in_log_files_and_on_other_ranks(monkeypatch, tty, 
     leader, follower = os.openpty()
     with os.fdopen(follower, "w") as stream:
         monkeypatch.setattr(sys, "stderr", stream if tty else io.StringIO())
+        hf_logging.enable_progress_bar()  # as a fresh process has them (other tests' CLI
+        datasets.enable_progress_bars()  # calls in this worker may have turned them off)
         try:
             progress.quiet_library_bars(rank)
             states = [hf_logging.is_progress_bar_enabled(), datasets.is_progress_bar_enabled()]

@@ -42,6 +42,8 @@ class HFDataset:
             (``"data.hf_data_files=<file, pattern or list>"``, ``"--data-files FILE ..."``).
         streaming_option: how messages name the option that sets ``streaming``
             (``"data.streaming=true"``, ``"--streaming"``).
+        loader_hint: how messages name a datasets loader ``{loader}`` reading the files of a
+            pattern ``{files}`` (``"data.path={loader} data.hf_data_files='{files}'"``).
 
     Raises:
         HFDataError: datasets failed on an input file, named with the fix (:meth:`explain`),
@@ -59,6 +61,7 @@ class HFDataset:
         where: str,
         files_option: str,
         streaming_option: str = "data.streaming=true",
+        loader_hint: str = "data.path={loader} data.hf_data_files='{files}'",
     ) -> None:
         import datasets
 
@@ -69,6 +72,21 @@ class HFDataset:
         self.where = where
         self.files_option = files_option
         self.streaming_option = streaming_option
+        self.loader_hint = loader_hint
+        self.loader: str | None = None
+        """The datasets loader that reads the files (``text``, ``json``, ..., or one that
+        datasets chose from a local folder's file extensions)."""
+        local = Path(path).expanduser()
+        if local.is_file():
+            json_suffixes = (".json", ".jsonl", ".ndjson", ".jsonlines")
+            loader = {".csv": "csv", ".tsv": "csv", ".parquet": "parquet", ".arrow": "arrow"}
+            guess = loader.get(
+                local.suffix.lower(), "json" if local.suffix in json_suffixes else "text"
+            )
+            raise HFDataError(
+                f"{where} is a file; datasets reads a file through a loader: "
+                + loader_hint.format(loader=guess, files=path)
+            )
         if self.data_files is None and path in _loader_names():
             # datasets then reads the files of the working directory, whatever they hold (a
             # `tests/` folder becomes the "test" split): the run would train on source code
@@ -82,6 +100,7 @@ class HFDataset:
             lambda: datasets.load_dataset_builder(path, name=name, data_files=self.data_files),
             None,
         )
+        self.loader = builder.name
         self.text_files = builder.name == "text"
         """True when datasets reads the files as plain text: loaded one document per file."""
         self._data_files = getattr(builder.config, "data_files", None)
@@ -139,6 +158,8 @@ class HFDataset:
         """
         from datasets.exceptions import DatasetGenerationError
 
+        if isinstance(err, HFDataError):  # explained already (a guarded call inside a guard)
+            return None
         files = self.files(split) if split is not None else []
         what = self.where + (f" split {split!r}" if split is not None else "")
         shown = ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
@@ -178,7 +199,26 @@ class HFDataset:
                 f"{what}: datasets could not read the data files ({shown or 'unknown'}): "
                 f"{type(cause).__name__}: {cause}; fix or remove the file it names"
             )
+        if local and self.loader is not None and self.loader not in _DATA_LOADERS:
+            # a folder of .md files goes to datasets' `harbor` loader ("No task.toml or
+            # instruction.md files found"), images to `imagefolder`, ...: none reads text
+            suffixes = sorted({Path(f).suffix or Path(f).name for f in files})
+            pattern = self.path
+            if not Path(self.path).expanduser().is_file():
+                pattern = f"{self.path.rstrip('/')}/**/*{suffixes[0] if suffixes else ''}"
+            return HFDataError(
+                f"{what}: datasets chose its {self.loader!r} loader for these files (by their "
+                f"extension{'s' if len(suffixes) > 1 else ''}: {', '.join(suffixes) or '?'}), "
+                f"and it failed: {type(cause).__name__}: {cause}. To read text files one "
+                "document per file, name datasets' text loader and the files: "
+                + self.loader_hint.format(loader="text", files=pattern)
+            )
         return None
+
+
+_DATA_LOADERS = frozenset(("text", "json", "csv", "parquet", "arrow", "pandas"))
+"""datasets loaders that read the text and tabular files fot documents; a failure in another
+loader that datasets chose for a local folder is explained as a wrong guess."""
 
 
 def _loader_names() -> frozenset[str]:

@@ -281,15 +281,6 @@ def _hf_dataset(cfg: Any) -> Any:
             "data.hf_data_files=[/data/*.jsonl])"
         )
 
-    local = Path(str(cfg.path)).expanduser()
-    if local.is_file():
-        loader = {".csv": "csv", ".tsv": "csv", ".parquet": "parquet", ".arrow": "arrow"}
-        loader.update({".txt": "text", ".md": "text"})
-        name = loader.get(local.suffix.lower(), "json")
-        raise ValueError(
-            f"data.path={cfg.path} is a file; data=hf takes a dataset name, a dataset folder or "
-            f"a loader: for a local file use data.path={name} data.hf_data_files={cfg.path}"
-        )
     files = cfg.hf_data_files
     if OmegaConf.is_config(files):
         files = OmegaConf.to_container(files)

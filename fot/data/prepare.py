@@ -12,7 +12,9 @@ Inputs, one document each:
   ``--data-files`` as for ``datasets.load_dataset``), one document per row; local
   ``.csv``/``.parquet``/``.json`` files are read this way (``--hf csv --data-files a.csv``),
   never as plain text. Where datasets reads plain text files (``--hf text``, or a folder of
-  ``.txt`` files), every file is one document, as for a folder given as input.
+  ``.txt`` files), every file is one document, as for a folder given as input. datasets picks
+  a loader by the files' extensions, and for ``.md`` it is not the text loader: name it
+  (``--hf text --data-files 'notes/**/*.md'``).
 
 Text that is not valid UTF-8 is read with U+FFFD for the bad bytes and a warning naming the
 file; a text file with NUL bytes (binary, or UTF-16/UTF-32 text) is refused. A file named more than once (by a folder and a pattern, or through a symbolic link) is
@@ -56,7 +58,7 @@ from fot.data.tokens import FORMAT, replace_folders, write_token_documents
 from fot.data.zarr_store import shown_path
 from fot.errors import USER_ERRORS, parse_args_naming_typos
 from fot.interrupt import StopOnSignal, check_stop
-from fot.progress import progress_bar
+from fot.progress import progress_bar, quiet_library_bars
 
 STRUCTURED_SUFFIXES = (
     ".csv",
@@ -261,6 +263,7 @@ def iter_hf_texts(
         where=f"dataset {path}",
         files_option="--data-files FILE ...",
         streaming_option="--streaming",
+        loader_hint="--hf {loader} --data-files '{files}'",
     )
     rows = dataset.guard(lambda: iter(dataset.load(split)), split)
     nulls = 0
@@ -531,6 +534,7 @@ def main(argv: list[str] | None = None) -> int:
             "input files (for local .csv/.parquet/.json: --hf csv --data-files FILE)"
         )
     if args.hf:
+        quiet_library_bars()  # datasets' "Generating train split" in a log file
         texts = iter_hf_texts(
             args.hf,
             name=args.hf_name,

@@ -159,6 +159,8 @@ def test_flat_npy_and_bin_files(tmp_path) -> None:
 def test_bin_files_of_llmc_shards_are_read_and_other_widths_refused(tmp_path) -> None:
     """An llm.c / modded-nanogpt shard (1024-byte int32 header: 20240520, version, count) had
     its header read as tokens; 32- and 64-bit ids were read as uint16, every other token a 0."""
+    from fot.tokenizer import get_encoding
+
     ids = np.random.default_rng(3).integers(1, 50257, size=700)
     for version, dtype in ((1, np.uint16), (2, np.uint32)):
         header = np.zeros(256, dtype="<i4")
@@ -175,6 +177,29 @@ def test_bin_files_of_llmc_shards_are_read_and_other_widths_refused(tmp_path) ->
         ids.astype(dtype).tofile(tmp_path / "wide.bin")
         with pytest.raises(ValueError, match=r"every second uint16 of its first \d+ is 0"):
             open_token_path(tmp_path / "wide.bin", 16, "causal", key="data.path")
+        # behind a few nonzero header bytes (one stray word defeated the check)
+        wide = tmp_path / "wide_header.bin"
+        wide.write_bytes(b"HEADER!!" + ids.astype(dtype).tobytes())
+        with pytest.raises(ValueError, match=r"every second uint16 of its first \d+ is 0"):
+            open_token_path(wide, 16, "causal", key="data.path")
+    # a .npy saved under a .bin name: its 128-byte header was read as 64 tokens
+    for dtype in (np.uint16, np.int64):
+        with open(tmp_path / "saved.bin", "wb") as f:
+            np.save(f, ids.astype(dtype))
+        with pytest.raises(ValueError, match=r"saved\.bin is a \.npy file .*Rename it to \.npy"):
+            open_token_path(tmp_path / "saved.bin", 16, "causal", key="data.path")
+    # text, or 1-byte ids, read as uint16 pairs of printable bytes
+    (tmp_path / "text.bin").write_bytes(b"Plain English text, not token ids.\n" * 40)
+    np.frombuffer(b"some text as bytes!" * 40, np.uint8).tofile(tmp_path / "bytes.bin")
+    for name in ("text.bin", "bytes.bin"):
+        with pytest.raises(ValueError, match=r"nearly all printable ASCII.*fot\.data\.prepare"):
+            open_token_path(tmp_path / name, 16, "causal", key="data.path")
+    # real GPT-2 ids of English text pass both checks
+    text = "The forget gate decays the attention logits of old tokens. " * 30
+    real = np.array(get_encoding().encode_ordinary(text), np.uint16)
+    real.tofile(tmp_path / "real.bin")
+    inputs, _ = open_token_path(tmp_path / "real.bin", 16, "causal").read(0, 1)
+    np.testing.assert_array_equal(inputs[0], real[:16])
 
 
 def test_varlen_batch_cu_seqlens_mark_documents_and_rows() -> None:

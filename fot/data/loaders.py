@@ -234,6 +234,13 @@ def _bin_tokens(key: str, p: Path) -> np.ndarray:
                 )
             dtype = np.uint16 if width == 2 else np.uint32
             return np.memmap(p, dtype=dtype, mode="r", offset=_LLMC_HEADER_BYTES, shape=(count,))
+    with open(p, "rb") as f:
+        if f.read(6) == b"\x93NUMPY":
+            raise ValueError(
+                f"{key}={p} is a .npy file (it starts with NumPy's header), named .bin: read "
+                "as raw uint16 ids, its header would be tokens. Rename it to .npy (the header "
+                "records the dtype)"
+            )
     if size % 2:
         raise ValueError(
             f"{key}={p} has {size} bytes, an odd number: a .bin token file must hold uint16 "
@@ -243,12 +250,26 @@ def _bin_tokens(key: str, p: Path) -> np.ndarray:
         return np.zeros(0, np.uint16)
     tokens = np.memmap(p, dtype=np.uint16, mode="r")
     head = np.asarray(tokens[: 1 << 16])
-    if head.size >= 16 and not head[1::2].any():
+    if head.size < 16:
+        return tokens
+    # Real GPT-2 ids are rarely 0 (`!`) and rarely two printable ASCII bytes (ids 8224..32382
+    # with a printable low byte); a file written in another width or as text is nearly all
+    # of one or the other (a stray header or line ending aside)
+    if np.mean(head[1::2] == 0) >= 0.99:
         raise ValueError(
             f"{key}={p}: every second uint16 of its first {head.size} is 0, as when token ids "
             "are written as 32- or 64-bit integers, but a .bin token file holds uint16 ids: "
             "write it with `ids.astype(np.uint16).tofile(path)`, or save a .npy "
             "(`np.save(path, ids)` records the dtype)"
+        )
+    text = np.zeros(256, bool)
+    text[[9, 10, 13, *range(32, 127)]] = True
+    if np.mean(text[head & 0xFF] & text[head >> 8]) >= 0.99:
+        raise ValueError(
+            f"{key}={p}: its first {head.size * 2} bytes are nearly all printable ASCII, as "
+            "in a text file or 1-byte ids, but a .bin token file holds uint16 token ids: "
+            "tokenize text with `python -m fot.data.prepare <file> --out <folder>` "
+            "(data.path=<folder>), or write ids with `ids.astype(np.uint16).tofile(path)`"
         )
     return tokens
 

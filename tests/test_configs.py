@@ -428,6 +428,8 @@ def test_mul_resolver_refuses_non_integers() -> None:
             ["+model.overrides.max_position_embeddings=128", "data.seq_len=256"],
             "raise model.overrides.max_position_embeddings to at least 256",
         ),
+        (["+model.overrides.vocab_size=1000"], r"vocab_size=1000 leaves out <\|endoftext\|>"),
+        (["model=fot_llama", "+model.overrides.vocab_size=50256"], r"at least 50257 \(the presets"),
         (["peak_flops=-5"], "peak_flops=-5.0 must be > 0"),
         (["parallel.reduce_precision=bf8"], "parallel.reduce_precision='bf8' is not one of"),
         (["parallel.backend=ncl"], r"parallel.backend='ncl' is not one of \['auto', 'nccl'"),

@@ -424,6 +424,16 @@ def check_config(cfg: DictConfig) -> list[str]:
             f"model.overrides.max_position_embeddings to at least {cfg.data.seq_len} (or "
             "shorten data.seq_len)"
         )
+    from fot.data.streams import EOT_ID
+
+    vocab_size = int(model_config.vocab_size)
+    if vocab_size <= EOT_ID:  # (the batch check blamed the data, after the run folder was made)
+        raise ValueError(
+            f"model.overrides.vocab_size={vocab_size} leaves out <|endoftext|> (GPT-2 id "
+            f"{EOT_ID}), which fot's data readers put before every document: use a "
+            f"vocab_size of at least {EOT_ID + 1} (the presets' 50304 is a multiple of 64), "
+            "or leave it out"
+        )
     if cfg.peak_flops is not None and not float(cfg.peak_flops) > 0:
         raise ValueError(
             f"peak_flops={cfg.peak_flops} must be > 0 (the device's peak FLOP/s for MFU, e.g. "

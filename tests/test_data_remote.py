@@ -474,6 +474,39 @@ def test_training_on_longcrawl64_over_http_equals_training_on_the_folder(tmp_pat
 
 
 @pytest.mark.parametrize("fmt", [2, 3])
+@pytest.mark.parametrize("damage", ["cut", "empty"])
+def test_a_damaged_local_chunk_names_its_file(tmp_path, fmt, damage) -> None:
+    """A chunk file cut short (an interrupted copy) stopped the run with the codec's own
+    words ("Zstd decompression error: invalid input data") as a traceback: no file, no
+    rows, no fix. The other chunks still read as numpy slices them."""
+    from fot.errors import error_line
+
+    data = np.random.default_rng(0).integers(1, 50000, (16, 64)).astype(np.uint16)
+    arr = new_array(str(tmp_path / "lc" / "train.zarr"), shape=data.shape, chunks=(4, 32),
+                    dtype="uint16", zarr_format=fmt)  # fmt: skip
+    arr[:] = data
+    key = "2.0" if fmt == 2 else "c/2/0"  # chunk (2, 0): rows 8..11, columns 0..31
+    chunk = tmp_path / "lc" / "train.zarr" / key
+    chunk.write_bytes(
+        chunk.read_bytes()[: len(chunk.read_bytes()) // 2] if damage == "cut" else b""
+    )
+    source, _ = build_sources(_lc_cfg(str(tmp_path / "lc"), val_tokens=0))
+    np.testing.assert_array_equal(source.read(0, 8)[1], data[:8, :16])  # rows 0..7
+    with pytest.raises(ValueError) as info:
+        source.read(8, 4)
+    assert str(info.value).startswith(
+        f"could not decode rows 8..11, columns 0..31 of {tmp_path / 'lc' / 'train.zarr'} (its "
+        f"chunk file {key}): "
+    )
+    assert str(info.value).endswith("copy the array again from the original")
+    line = error_line("train.py", info.value, traceback_variable="HYDRA_FULL_ERROR")
+    assert (
+        line.startswith("train.py: error: could not decode rows 8..11") and "raised by" not in line
+    )
+    np.testing.assert_array_equal(source.read(12, 4)[1], data[12:16, :16])  # a later chunk
+
+
+@pytest.mark.parametrize("fmt", [2, 3])
 def test_a_chunk_missing_behind_a_url_stops_the_read(tmp_path, fmt) -> None:
     """zarr reads a chunk that is not stored as the fill value (token 0) without a word: over
     a URL (an incomplete mirror) that trained on zeros. A stored chunk of zeros still reads."""

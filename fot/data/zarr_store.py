@@ -387,6 +387,25 @@ class ChunkReader:
             self._refuse_missing_chunks(block, r0, c0)
         return block
 
+    def _damaged(self, err: BaseException, r0: int, r1: int, c0: int, c1: int) -> ValueError:
+        """The error for a read of a local array that zarr could not decode: it names the
+        chunk files that hold ``[r0:r1, c0:c1]`` (zarr's own message names none)."""
+        where = ""
+        encode = chunk_key_encoder(self.array)
+        if self.chunk_rows and encode is not None and getattr(self.array, "shards", None) is None:
+            keys = [
+                encode((i, j))
+                for i in range(r0 // self.chunk_rows, (r1 - 1) // self.chunk_rows + 1)
+                for j in range(c0 // self.chunk_cols, (c1 - 1) // self.chunk_cols + 1)
+            ]
+            shown = ", ".join(keys[:4]) + (f" and {len(keys) - 4} more" if len(keys) > 4 else "")
+            where = f" (its chunk file{'s' if len(keys) > 1 else ''} {shown})"
+        return ValueError(
+            f"could not decode rows {r0}..{r1 - 1}, columns {c0}..{c1 - 1} of {self.name}"
+            f"{where}: {type(err).__name__}: {err}. A chunk file there is damaged, as when a "
+            "copy is cut short: copy the array again from the original"
+        )
+
     def _get(self, r0: int, r1: int, c0: int, c1: int, *, retries: int | None = None) -> np.ndarray:
         """``array[r0:r1, c0:c1]`` as numpy, retried ``retries`` times (default: the reader's),
         with its missing chunks refused (a failed lookup is retried with the read)."""
@@ -395,7 +414,12 @@ class ChunkReader:
         while True:
             self.fetches += 1
             if n == 0:
-                return self._read_checked(r0, r1, c0, c1)
+                try:
+                    return self._read_checked(r0, r1, c0, c1)
+                except FileNotFoundError:
+                    raise
+                except (RuntimeError, ValueError, OSError) as err:  # a codec's, on a bad file
+                    raise self._damaged(err, r0, r1, c0, c1) from err
             try:
                 return self._read_checked(r0, r1, c0, c1)
             except FileNotFoundError:  # a chunk that is not stored: no retry brings it

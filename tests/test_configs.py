@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException, MissingConfigException
+from omegaconf import OmegaConf
 
 from fot import presets
 from fot.training.config import (
@@ -431,6 +432,10 @@ def test_mul_resolver_refuses_non_integers() -> None:
         (["+model.overrides.vocab_size=1000"], r"vocab_size=1000 leaves out <\|endoftext\|>"),
         (["model=fot_llama", "+model.overrides.vocab_size=50256"], r"at least 50257 \(the presets"),
         (["peak_flops=-5"], "peak_flops=-5.0 must be > 0"),
+        (
+            ["data.text_escaping=yaml"],
+            r"data.text_escaping='yaml' is not one of \['none', 'json'\]",
+        ),
         (["parallel.reduce_precision=bf8"], "parallel.reduce_precision='bf8' is not one of"),
         (["parallel.backend=ncl"], r"parallel.backend='ncl' is not one of \['auto', 'nccl'"),
         (["parallel.backend=nccl", "device=cpu"], r"nccl needs CUDA GPUs.*parallel.backend=gloo"),
@@ -995,3 +1000,24 @@ def test_a_gate_initialisation_the_model_does_not_read_is_refused() -> None:
     assert fixed.decay_time_max == 100.0
     # also when the override itself switches the gate type
     assert presets.config("fot_pro", "tiny", fgate_type="fixed", decay_time_min=4.0).fgate_type
+
+
+def test_the_export_records_the_text_escaping_of_the_data(hydra_ctx) -> None:
+    """LongCrawl64 read through data=tokens (as the token-folder error suggests for one of its
+    arrays) was exported as plain text: fot.eval then fed the model unescaped prompts."""
+    from fot.training.trainer import export_settings
+
+    cases = [
+        (["data=longcrawl64"], "json"),
+        (["data=tokens", "data.path=lc/train.zarr"], "none"),
+        (["data=tokens", "data.path=lc/train.zarr", "data.text_escaping=json"], "json"),
+        (["data=longcrawl64", "data.text_escaping=none"], "none"),
+        (["data=sample"], "none"),
+    ]
+    for overrides, escaping in cases:
+        cfg = compose("train", overrides=overrides)
+        assert export_settings(cfg) == (cfg.data.seq_len, escaping), overrides
+    # the saved config of a run from before data.text_escaping existed
+    old = OmegaConf.to_container(compose("train", overrides=["data=longcrawl64"]))
+    del old["data"]["text_escaping"]
+    assert export_settings(OmegaConf.create(old))[1] == "json"

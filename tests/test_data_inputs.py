@@ -389,7 +389,8 @@ def test_a_slice_of_a_streamed_split_and_a_longcrawl64_folder_as_tokens_name_the
         build_sources(_cfg(kind="tokens", path=str(lc), seq_len=8, val_tokens=0))
     assert str(err.value).endswith(
         f"It holds heldout.zarr and train.zarr: for LongCrawl64 use data=longcrawl64 "
-        f"data.path={lc}, or name an array itself ({lc / 'train.zarr'})."
+        f"data.path={lc}, or name an array itself (data.path={lc / 'train.zarr'} "
+        "data.text_escaping=json: LongCrawl64's ids are of JSON-escaped text)."
     )
 
 

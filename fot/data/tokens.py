@@ -39,8 +39,9 @@ class TokenDocuments(Sequence):
             )
             read_as = (
                 f" It holds {' and '.join(arrays)}: for LongCrawl64 use data=longcrawl64 "
-                f"data.path={self.path}, or name an array itself ("
-                f"{self.path / ('train.zarr' if 'train.zarr' in arrays else arrays[0])})."
+                f"data.path={self.path}, or name an array itself (data.path="
+                f"{self.path / ('train.zarr' if 'train.zarr' in arrays else arrays[0])} "
+                "data.text_escaping=json: LongCrawl64's ids are of JSON-escaped text)."
                 if arrays
                 else ""
             )

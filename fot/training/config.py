@@ -80,6 +80,11 @@ class DataConfig:
     hf_val_split: str | None = None
     streaming: bool = False
     text_field: str = "text"
+    text_escaping: str | None = None
+    """How the text was written before it was tokenized, recorded in the run's export for
+    ``fot.eval`` (:data:`fot.tokenizer.TEXT_ESCAPINGS`): ``json`` for LongCrawl64's token ids
+    (JSON-escaped text), also when read through ``data=tokens``; ``null``: ``json`` for
+    ``data=longcrawl64``, ``none`` otherwise."""
 
 
 @dataclass
@@ -462,6 +467,13 @@ def check_config(cfg: DictConfig) -> list[str]:
         raise ValueError(
             f"parallel.reduce_precision={cfg.parallel.reduce_precision!r} is not one of "
             f"{list(REDUCE_PRECISIONS)}"
+        )
+    from fot.tokenizer import TEXT_ESCAPINGS
+
+    if cfg.data.text_escaping not in (None, *TEXT_ESCAPINGS):
+        raise ValueError(
+            f"data.text_escaping={cfg.data.text_escaping!r} is not one of "
+            f"{list(TEXT_ESCAPINGS)} (or null: json for data=longcrawl64, none otherwise)"
         )
     if cfg.parallel.param_precision not in PARAM_PRECISIONS:
         raise ValueError(

@@ -429,8 +429,12 @@ def _cpu_model(hf_config: Any, state: dict[str, torch.Tensor]) -> nn.Module:
 def export_settings(cfg: Any) -> tuple[int, str]:
     """``(train_length, text_escaping)`` that an export of a run of config ``cfg`` records:
     ``data.seq_len`` (fot.eval marks it on plots and takes it as its default length) and
-    ``"json"`` for LongCrawl64 (its token ids are of JSON-escaped text), else ``"none"``."""
-    return int(cfg.data.seq_len), "json" if cfg.data.kind == "longcrawl64" else "none"
+    ``data.text_escaping``, by default ``"json"`` for LongCrawl64 (its token ids are of
+    JSON-escaped text), else ``"none"``."""
+    escaping = cfg.data.get("text_escaping")  # (absent from the configs of older runs)
+    if escaping is None:
+        escaping = "json" if cfg.data.kind == "longcrawl64" else "none"
+    return int(cfg.data.seq_len), str(escaping)
 
 
 def checkpoint_config(path: str | os.PathLike) -> DictConfig:

@@ -771,6 +771,14 @@ def test_long_init_bias_decay_times() -> None:
     assert torch.allclose(
         times, torch.tensor([2.0, 4.0, 8.0, 16.0, 32.0], dtype=torch.float64), rtol=1e-5
     )
+    # a decay time below 1.41e-3 gave b = -inf (expm1(1/T) overflowed), and the loss NaN
+    b = long_init_bias(4, 1e-4, 16384.0)
+    times = 1.0 / (-F.logsigmoid(b.double()))
+    want = torch.logspace(-4, math.log10(16384.0), 4, dtype=torch.float64)
+    assert torch.isfinite(b).all() and torch.allclose(times, want, rtol=1e-5)
+    model = tiny("fot_llama", fgate_type="fixed", decay_time_min=1e-3, decay_time_max=64.0)
+    x = torch.randint(0, 100, (1, 12))
+    assert torch.isfinite(model(x, labels=x).loss)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter path; tests/test_model_gpu.py")

@@ -492,8 +492,10 @@ def long_init_bias(num_heads: int, t_min: float, t_max: float) -> torch.Tensor:
     decay_time = torch.exp(
         torch.linspace(math.log(t_min), math.log(t_max), num_heads, dtype=torch.float64)
     )
-    # -log sigmoid(b) = 1/T  <=>  sigmoid(b) = exp(-1/T)  <=>  b = -log(expm1(1/T))
-    return (-torch.log(torch.expm1(1.0 / decay_time))).float()
+    # -log sigmoid(b) = x = 1/T  <=>  sigmoid(b) = exp(-x)  <=>  b = -x - log(1 - exp(-x)),
+    # written with expm1(-x), which never overflows (-log(expm1(x)) is -inf for T < 1.41e-3)
+    x = 1.0 / decay_time
+    return (-x - torch.log(-torch.expm1(-x))).float()
 
 
 def token_shift(

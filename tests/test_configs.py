@@ -1085,3 +1085,17 @@ def test_the_export_records_the_text_escaping_of_the_data(hydra_ctx) -> None:
     old = OmegaConf.to_container(compose("train", overrides=["data=longcrawl64"]))
     del old["data"]["text_escaping"]
     assert export_settings(OmegaConf.create(old))[1] == "json"
+
+
+def test_a_gated_model_with_a_head_width_the_kernels_lack_is_refused_before_the_run(
+    hydra_ctx, monkeypatch
+) -> None:
+    """Where the Triton kernels serve the attention (a GPU; the interpreter here), hidden 1536
+    with 16 heads trained until the first forward failed."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    bad = ["model=fot_pro", "size=760m", "+model.overrides.num_heads=16"]
+    with pytest.raises(ValueError, match=r"^model=fot_pro size=760m: head_dim 96 \(hidden"):
+        check_config(compose("train", overrides=bad))
+    check_config(compose("train", overrides=[*bad, "+model.overrides.attn_backend=reference"]))
+    monkeypatch.delenv("TRITON_INTERPRET")  # the CPU path: PyTorch's attention runs any width
+    check_config(compose("train", overrides=[*bad, "device=cpu"]))

@@ -781,6 +781,36 @@ def test_long_init_bias_decay_times() -> None:
     assert torch.isfinite(model(x, labels=x).loss)
 
 
+def test_a_head_width_the_kernels_lack_is_named_with_the_model_fix(monkeypatch) -> None:
+    """hidden 1536 with 16 heads (head_dim 96) passed the config and failed at the first CUDA
+    forward with the kernel's "use forgetting_attention_reference", a function the model's
+    user never calls. Oracle: the kernel module's own list of head widths."""
+    import importlib
+
+    from fot.models.configuration_fot import TRITON_HEAD_DIMS
+
+    kernel_module = importlib.import_module("fot.kernels.forgetting_attention")
+    assert TRITON_HEAD_DIMS == kernel_module._SUPPORTED_HEAD_DIMS
+    with pytest.raises(ValueError) as info:
+        presets.config("fot_pro", "760m", num_heads=16, attn_backend="triton")
+    assert str(info.value).startswith(
+        "head_dim 96 (hidden_size 1536 / num_heads 16) is not one the Triton attention kernels "
+        "run (16, 32, 64, 128, 256): set num_heads to one of [96, 48, 24, 12, 6], or use "
+        "attn_backend='reference'"
+    )
+    presets.config("fot_pro", "760m", num_heads=16)  # auto: the reference path off a GPU
+    # the forward that would run the kernels (the interpreter here, CUDA on a GPU) says the same
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    model = tiny("fot_llama", num_heads=8)  # head_dim 16: runs
+    model.config.attn_backend = "triton"
+    x = torch.randint(0, VOCAB, (1, 8))
+    torch.testing.assert_close(model(x).logits, tiny("fot_llama", num_heads=8)(x).logits)
+    model = tiny("fot_llama", num_heads=16)  # head_dim 8
+    model.config.attn_backend = "triton"
+    with pytest.raises(ValueError, match=r"^head_dim 8 \(hidden_size 128 / num_heads 16\)"):
+        model(x)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter path; tests/test_model_gpu.py")
 def test_triton_backend_under_interpreter_matches_reference() -> None:
     """The model drives fot.kernels' Triton functions (fp32 under TRITON_INTERPRET=1)."""

@@ -359,6 +359,8 @@ class FoTConfig(PretrainedConfig):
             )
         if self.head_dim % 2 != 0 and self.use_rope:
             raise ValueError(f"RoPE needs an even head dim, got {self.head_dim}; change num_heads")
+        if self.attn_backend == "triton" and (problem := triton_head_dim_problem(self)):
+            raise ValueError(problem)
         if self.num_kv_heads is not None and self.num_heads % self.num_kv_heads != 0:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
@@ -528,3 +530,28 @@ def _refuse_unsupported_fields(kwargs: dict) -> None:
 
 
 __all__ = ["ATTN_BACKENDS", "FGATE_TYPES", "LOSS_IMPLS", "FoTConfig", "merge_overrides"]
+
+
+TRITON_HEAD_DIMS = (16, 32, 64, 128, 256)
+"""Head widths the Triton attention kernels run (``fot.kernels.forgetting_attention``)."""
+
+
+def triton_head_dim_problem(config: FoTConfig, head_dim: int | None = None) -> str | None:
+    """Why the Triton kernels cannot run ``config``'s attention (a head width they lack), with
+    the fix; ``None`` where they can.
+
+    Args:
+        config: the model's config.
+        head_dim: the width of the heads met (default ``config.head_dim``).
+    """
+    d = config.head_dim if head_dim is None else int(head_dim)
+    if d in TRITON_HEAD_DIMS:
+        return None
+    h = config.hidden_size
+    fits = [h // w for w in TRITON_HEAD_DIMS if h % w == 0]
+    fix = f"set num_heads to one of {fits}" if fits else "choose a hidden_size with such heads"
+    return (
+        f"head_dim {d} (hidden_size {h} / num_heads {config.num_heads}) is not one the Triton "
+        f"attention kernels run {TRITON_HEAD_DIMS}: {fix}, or use attn_backend='reference' "
+        "(PyTorch, whose memory grows with the square of the sequence length)"
+    )

@@ -36,7 +36,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from transformers.utils import logging
 
 from .cache import FoTCache, FoTLayerCache, StaticStep
-from .configuration_fot import ATTN_BACKENDS, FGATE_TYPES, FoTConfig
+from .configuration_fot import ATTN_BACKENDS, FGATE_TYPES, FoTConfig, triton_head_dim_problem
 
 logger = logging.get_logger(__name__)
 
@@ -64,6 +64,11 @@ def _one_cache(past_key_values: FoTCache | None, cache: FoTCache | None) -> FoTC
 # ---------------------------------------------------------------------------------------
 
 
+def _runs_triton(backend: str, device: torch.device) -> bool:
+    """Whether ``backend`` on ``device`` is served by the Triton kernels."""
+    return not (backend == "reference" or (backend in ("auto", "sdpa") and device.type != "cuda"))
+
+
 def get_attention_functions(backend: str, device: torch.device) -> tuple[Callable, Callable]:
     """Return ``(attention, decode_attention)`` for a backend name.
 
@@ -78,7 +83,7 @@ def get_attention_functions(backend: str, device: torch.device) -> tuple[Callabl
         Two callables with the signatures of ``fot.kernels.forgetting_attention_reference`` and
         ``fot.kernels.forgetting_attention_decode_reference``.
     """
-    if backend == "reference" or (backend in ("auto", "sdpa") and device.type != "cuda"):
+    if not _runs_triton(backend, device):
         from fot.kernels.reference import (
             forgetting_attention_decode_reference,
             forgetting_attention_reference,
@@ -892,6 +897,8 @@ class FoTAttention(nn.Module):
 
         backend = self.config.attn_backend
         attn, decode = get_attention_functions(backend, q.device)
+        if _runs_triton(backend, q.device) and (problem := triton_head_dim_problem(self.config, d)):
+            raise ValueError(problem)  # (the kernel's own error named a kernel function)
         scale, window = d**-0.5, self.config.window_size
         past = cache.seq_length if cache is not None else 0
         if cache is not None:

@@ -419,6 +419,12 @@ def check_config(cfg: DictConfig) -> list[str]:
             "a GPU, the PyTorch reference on the CPU) or reference"
         )
     from fot.models import FoTConfig
+    from fot.models.configuration_fot import triton_head_dim_problem
+
+    kernels = not on_cpu and getattr(model_config, "attn_backend", None) in ("auto", "triton")
+    gated = getattr(model_config, "fgate_type", "none") != "none"
+    if kernels and gated and (problem := triton_head_dim_problem(model_config)):
+        raise ValueError(f"model={cfg.model.name} size={cfg.size.name}: {problem}")
 
     # (FLA's configs carry a max_position_embeddings of 2048 that their models do not use)
     max_len = model_config.max_position_embeddings if isinstance(model_config, FoTConfig) else None

@@ -261,6 +261,183 @@ def test_hf_source_packs_like_documents_and_resumes(tmp_path, streaming: bool) -
         resumed.read(0, 1)
 
 
+# HF rows of token ids for the packed reader: a document far longer than T, documents shorter
+# than T, ones whose BOS + tokens are T, T + 1 or T + 2 (T = 8), and empty rows (skipped)
+_HF_LENGTHS = [700, 2, 0, 7, 8, 9, 1, 0, 40, 3, 150, 0]
+
+
+def _hf_docs(lengths: list[int], seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 50000, size=n, dtype=np.int64) for n in lengths]
+
+
+def _hf_source(docs: list[np.ndarray], T: int, *, streaming: bool) -> HFSource:
+    """An HFSource over rows of token ids, map-style (indexed) or streaming (``skip``)."""
+    import datasets
+
+    ds = datasets.Dataset.from_dict({"input_ids": [d.tolist() for d in docs]})
+    return HFSource(ds.to_iterable_dataset if streaming else lambda: ds, None, T, packing="causal")
+
+
+def _packed_oracle(docs: list[np.ndarray], T: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Sequences ``0 .. n-1`` of the packed stream, built independently: every non-empty
+    document with its BOS, concatenated, repeated for further epochs, cut into windows of
+    T + 1 tokens that overlap by one (inputs the first T, labels the last T)."""
+    epoch = np.concatenate([np.concatenate([[EOT_ID], d]) for d in docs if len(d)])
+    stream = np.tile(epoch, (n * T + 1) // len(epoch) + 1)
+    windows = np.stack([stream[g * T : g * T + T + 1] for g in range(n)])
+    return windows[:, :-1], windows[:, 1:]
+
+
+def _old_format_state(docs: list[np.ndarray], T: int, position: int) -> dict:
+    """The state the packed reader wrote before it kept an offset (``git show 7adef54``):
+    after ``position`` sequences, the tokens carried over (``buffer``: the stream from token
+    ``position * T`` to the end of the document holding it, BOS included), the rows consumed
+    up to that document over all epochs, and ``docs_per_epoch`` once the first epoch ended."""
+    if position == 0:
+        return {"position": 0, "docs_consumed": 0, "docs_per_epoch": None, "buffer": []}
+    rows = [np.concatenate([[EOT_ID], d]) if len(d) else d for d in docs]
+    epoch, t = divmod(position * T, sum(map(len, rows)))
+    for i, row in enumerate(rows):
+        if t < len(row):
+            return {
+                "position": position,
+                "docs_consumed": epoch * len(rows) + i + 1,
+                "docs_per_epoch": len(rows) if epoch else None,
+                "buffer": row[t:].tolist(),
+            }
+        t -= len(row)
+    raise AssertionError("unreachable")
+
+
+@pytest.mark.parametrize("T", [3, 8, 64])
+@pytest.mark.parametrize("streaming", [False, True])
+def test_hf_packed_reader_equals_a_numpy_oracle_across_epochs(T: int, streaming: bool) -> None:
+    docs = _hf_docs(_HF_LENGTHS)
+    tokens = sum(len(d) + 1 for d in docs if len(d))  # one epoch
+    n = 2 * tokens // T + 5  # into the third epoch
+    src = _hf_source(docs, T, streaming=streaming)
+    counts = [1, 7, 2, 30, 1]
+    parts, start = [], 0
+    while start < n:  # reads of several sizes, each going on where the last one stopped
+        count = min(counts[len(parts) % len(counts)], n - start)
+        parts.append(src.read(start, count))
+        start += count
+    want = _packed_oracle(docs, T, n)
+    np.testing.assert_array_equal(np.concatenate([p[0] for p in parts]), want[0])
+    np.testing.assert_array_equal(np.concatenate([p[1] for p in parts]), want[1])
+
+
+def test_hf_packed_sequence_costs_o_T_in_a_long_document() -> None:
+    """Inside a long document a sequence copies its T + 1 tokens and nothing more: the reader
+    used to concatenate the rest of the document with the next one and copy it back for every
+    sequence (457k tokens/s at T=2048 on one 2M-token document)."""
+    import tracemalloc
+
+    T, N = 64, 400_000
+    doc = np.arange(N, dtype=np.int64) % 50000
+    src = HFSource(lambda: [{"input_ids": doc}], None, T, packing="causal")
+    src.read(0, 1)  # reads the document (one copy of it)
+    tracemalloc.start()
+    try:
+        for g in range(1, 200, 4):
+            inputs, labels = src.read(g, 4)
+            np.testing.assert_array_equal(inputs, doc[g * T - 1 : (g + 4) * T - 1].reshape(4, T))
+            np.testing.assert_array_equal(labels, doc[g * T : (g + 4) * T].reshape(4, T))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 * 1024, f"{peak} bytes allocated at once for 4 sequences of {T} tokens"
+
+
+def test_hf_packed_state_stays_small_in_a_long_document() -> None:
+    """The state is a few numbers, not the tokens carried over (10.8 MB of JSON in
+    trainer.json for a 2M-token document); it resumes exactly."""
+    T, N = 64, 200_000
+    doc = np.arange(N, dtype=np.int64) % 50000
+    rows = [{"input_ids": doc}, {"input_ids": doc[:100]}]
+    src = HFSource(lambda: rows, None, T, packing="causal")
+    src.read(0, 10)
+    state = json.dumps(src.state_dict())
+    assert len(state) < 200, f"{len(state)} bytes of JSON"  # the old state: ~1.2 MB
+    resumed = HFSource(lambda: rows, None, T, packing="causal")
+    resumed.load_state_dict(json.loads(state))
+    np.testing.assert_array_equal(resumed.read(10, 3)[1], doc[640 : 640 + 3 * T].reshape(3, T))
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_hf_packed_resume_at_every_step_equals_the_uninterrupted_run(streaming: bool) -> None:
+    """Saved after every step (mid-document, at document boundaries, in the second epoch
+    before and after the first one's end was seen), the state is small and resumes exactly,
+    on one rank and on each of two."""
+    T, S, steps, after = 8, 4, 70, 3  # ~2.3 epochs; each resume reads 3 more steps
+    docs = _hf_docs(_HF_LENGTHS)
+    want = _packed_oracle(docs, T, (steps + after) * S)[0]
+    for world, micro in ((1, 4), (2, 1)):
+        for rank in range(world):
+
+            def stream(rank: int = rank, world: int = world, micro: int = micro) -> SequenceStream:
+                src = _hf_source(docs, T, streaming=streaming)
+                return SequenceStream(src, global_batch_size=S, micro_batch_size=micro,
+                                      rank=rank, world_size=world)  # fmt: skip
+
+            def step_inputs(s: SequenceStream) -> np.ndarray:
+                return np.concatenate([b.input_ids.numpy() for b in s.next_step()])
+
+            share = slice(rank * S // world, (rank + 1) * S // world)
+            run = stream()
+            for k in range(steps):
+                state = json.dumps(run.state_dict())
+                assert len(state) < 200, state[:300]
+                resumed = stream()
+                resumed.load_state_dict(json.loads(state))
+                for j in range(k, k + after):
+                    np.testing.assert_array_equal(
+                        step_inputs(resumed), want[j * S : j * S + S][share]
+                    )
+                np.testing.assert_array_equal(step_inputs(run), want[k * S : k * S + S][share])
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_hf_packed_resumes_a_state_of_the_old_format(streaming: bool) -> None:
+    """A checkpoint written before the reader kept an offset holds the carried-over tokens
+    (``buffer``); it resumes to the same sequences, and the next state is the small one."""
+    T = 8
+    docs = _hf_docs(_HF_LENGTHS)
+    epoch = sum(len(d) + 1 for d in docs if len(d)) // T
+    want = _packed_oracle(docs, T, 3 * epoch)
+    for position in (0, 1, 40, 87, 88, epoch - 1, epoch + 1, epoch + 90, 2 * epoch + 3):
+        state = _old_format_state(docs, T, position)
+        src = _hf_source(docs, T, streaming=streaming)
+        src.load_state_dict(json.loads(json.dumps(state)))
+        inputs, labels = src.read(position, 20)
+        np.testing.assert_array_equal(inputs, want[0][position : position + 20])
+        np.testing.assert_array_equal(labels, want[1][position : position + 20])
+        assert "buffer" not in src.state_dict() and len(json.dumps(src.state_dict())) < 200
+
+
+def test_hf_packed_resume_from_data_that_changed() -> None:
+    """An old-format carry that is not the end of its document (the data changed since) goes
+    on from those tokens, as the old reader did; a new-format offset past its document's end
+    cannot be resumed and says so."""
+    T = 8
+    docs = _hf_docs([20, 5, 30])
+    src = _hf_source(docs, T, streaming=False)
+    carry = [7, 7, 7]
+    src.load_state_dict(
+        {"position": 5, "docs_consumed": 1, "docs_per_epoch": None, "buffer": carry}
+    )
+    inputs, _ = src.read(5, 2)
+    stream = np.concatenate([carry, [EOT_ID], docs[1], [EOT_ID], docs[2]])
+    np.testing.assert_array_equal(inputs, np.stack([stream[:T], stream[T : 2 * T]]))
+    src = _hf_source(docs, T, streaming=False)
+    src.load_state_dict({"position": 5, "docs_consumed": 2, "docs_per_epoch": None, "offset": 6})
+    with pytest.raises(
+        ValueError, match=r"token 6 of row 1 .* holds 6 tokens: the dataset changed"
+    ):
+        src.read(5, 1)
+
+
 def test_eval_batches_cover_each_sequence_once() -> None:
     docs = _docs(np.random.default_rng(3), 20)
     src = PackedSource.from_documents(docs, 8, varlen=False)

@@ -394,8 +394,13 @@ class HFSource:
     share, so the global batch is the same for every world size. For large corpora, tokenize
     once with ``python -m fot.data.prepare`` and train on the token folder instead.
 
-    The state is the number of documents consumed plus the tokens carried over to the next
-    sequence; resuming skips that many documents (``IterableDataset.skip`` or indexing).
+    Packed, the reader holds the current document (BOS first) and an offset into it, so a
+    sequence costs O(T) however long the document. The state is the number of documents
+    consumed and that offset (a few numbers, whatever the document's length); resuming skips
+    all but the last of those documents (``IterableDataset.skip`` or indexing) and reads that
+    one again. A state with the carried-over tokens themselves (``buffer``, as written before)
+    still resumes exactly.
+
     Rows whose text is empty or ``None`` (an empty CSV cell) are skipped, as
     ``python -m fot.data.prepare`` skips empty documents.
 
@@ -440,7 +445,12 @@ class HFSource:
         self.position = 0  # next sequence index
         self.docs_consumed = 0  # over all epochs
         self.docs_per_epoch: int | None = None
-        self.buffer = np.zeros(0, dtype=np.int64)
+        # packed: [EOT] + tokens of the current document (row docs_consumed - 1); the next
+        # sequence starts at _doc[_offset] (the tokens after it are the carry)
+        self._doc = np.zeros(0, dtype=np.int64)
+        self._offset = 0
+        self._doc_is_row = True  # False: _doc is a carry restored as is (see _restore)
+        self._pending: dict[str, Any] | None = None  # a loaded state not yet restored
         self._it: Iterator[Any] | None = None
         self._it_docs = 0  # documents consumed when _it was created
 
@@ -587,47 +597,109 @@ class HFSource:
                 f"HFSource is sequential: asked for sequence {start}, at {self.position}"
             )
         T = self.seq_len
-        inputs = np.empty((count, T), dtype=np.int64)
-        labels = np.empty((count, T), dtype=np.int64)
-        for j in range(count):
-            if self.packing == "padded":
+        if self.packing == "padded":
+            inputs = np.full((count, T), EOT_ID, dtype=np.int64)
+            labels = np.full((count, T), IGNORE_INDEX, dtype=np.int64)
+            for j in range(count):
                 x = np.concatenate([[EOT_ID], self._next_doc()[:T]])
-                inputs[j].fill(EOT_ID)
-                labels[j].fill(IGNORE_INDEX)
                 inputs[j, : len(x) - 1] = x[:-1]
                 labels[j, : len(x) - 1] = x[1:]
-                continue
-            pieces = [self.buffer]
-            have = len(self.buffer)
-            while have < T + 1:
-                doc = np.concatenate([[EOT_ID], self._next_doc()])
-                pieces.append(doc)
-                have += len(doc)
-            buf = np.concatenate(pieces)
-            inputs[j], labels[j] = buf[:T], buf[1 : T + 1]
-            self.buffer = buf[T:].copy()  # the last label is the next sequence's first input
+            self.position += count
+            return inputs, labels
+        if self._pending is not None:
+            self._restore(self._pending)
+        seqs = np.empty((count, T + 1), dtype=np.int64)
+        doc, offset = self._doc, self._offset
+        for row in seqs:
+            filled = 0
+            while True:  # copy T + 1 tokens, from the next documents where this one ends
+                n = min(len(doc) - offset, T + 1 - filled)
+                row[filled : filled + n] = doc[offset : offset + n]
+                filled, offset = filled + n, offset + n
+                if filled == T + 1:
+                    break
+                doc, offset = self._with_bos(self._next_doc()), 0
+            offset -= 1  # the last label is the next sequence's first input
+        if doc is not self._doc:  # a document read from the dataset
+            self._doc_is_row = True
+        self._doc, self._offset = doc, offset
         self.position += count
-        return inputs, labels
+        return seqs[:, :T].copy(), seqs[:, 1:].copy()
+
+    @staticmethod
+    def _with_bos(ids: np.ndarray) -> np.ndarray:
+        out = np.empty(len(ids) + 1, dtype=np.int64)
+        out[0] = EOT_ID
+        out[1:] = ids
+        return out
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        """Read again the document a loaded ``state`` stopped in (row ``docs_consumed - 1``)
+        and go to the saved offset in it; a state of the old format holds the carry itself,
+        which is that document's end."""
+        self._pending = None
+        saved, per_epoch = self.docs_consumed, self.docs_per_epoch
+        self.docs_consumed -= 1
+        self._it = None
+        doc = self._with_bos(self._next_doc())
+        same_row = self.docs_consumed == saved  # else that row is empty now: data changed
+        carry = state.get("buffer")
+        if carry is None:
+            offset = int(state["offset"])
+            if not same_row or offset >= len(doc):
+                held = "holds" if same_row else "is empty; the next non-empty row holds"
+                raise ValueError(
+                    f"cannot resume the HF dataset: the checkpoint stopped at token {offset} "
+                    f"of row {saved - 1} (BOS included), which now {held} {len(doc)} tokens: "
+                    "the dataset changed since the checkpoint was written. Resume with the "
+                    "data it was trained on"
+                )
+            self._doc, self._offset, self._doc_is_row = doc, offset, True
+            return
+        carry = np.asarray(carry, dtype=np.int64)
+        start = len(doc) - len(carry)
+        if same_row and start >= 0 and np.array_equal(doc[start:], carry):
+            self._doc, self._offset, self._doc_is_row = doc, start, True
+            return
+        # not that document's end (the data changed since): go on from the saved tokens
+        # and documents, as the old format did
+        self.docs_consumed, self.docs_per_epoch, self._it = saved, per_epoch, None
+        self._doc, self._offset, self._doc_is_row = carry, 0, False
 
     def state_dict(self) -> dict[str, Any]:
-        return {
+        """Position, documents consumed (over all epochs) and ``docs_per_epoch`` (once
+        known); packed, ``offset``: where the next sequence starts in the BOS and tokens of
+        the last document consumed (``None``: nothing carried over)."""
+        if self._pending is not None:
+            return dict(self._pending)
+        state = {
             "position": self.position,
             "docs_consumed": self.docs_consumed,
             "docs_per_epoch": self.docs_per_epoch,
-            "buffer": self.buffer.tolist(),
         }
+        if not self._doc_is_row:  # a carry that is no document's end: saved as is
+            return {**state, "buffer": self._doc[self._offset :].tolist()}
+        carried = self._offset < len(self._doc)
+        return {**state, "offset": self._offset if carried else None}
 
     def reset(self) -> None:
         """Go back to the first sequence of the first epoch."""
         self.load_state_dict(
-            {"position": 0, "docs_consumed": 0, "docs_per_epoch": None, "buffer": []}
+            {"position": 0, "docs_consumed": 0, "docs_per_epoch": None, "offset": None}
         )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict`, or a state of the old format (``buffer``: the
+        carried-over tokens). The document it stopped in is read again at the next read."""
         self.position = int(state["position"])
         self.docs_consumed = int(state["docs_consumed"])
         self.docs_per_epoch = state["docs_per_epoch"]
-        self.buffer = np.asarray(state["buffer"], dtype=np.int64)
+        self._doc = np.zeros(0, dtype=np.int64)
+        self._offset = 0
+        self._doc_is_row = True
+        buffer = state.get("buffer")
+        carried = state.get("offset") is not None or (buffer is not None and len(buffer) > 0)
+        self._pending = dict(state) if carried else None
         self._it = None
 
 

@@ -15,11 +15,13 @@ import copy
 import functools
 import importlib.util
 import json
+import math
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from fot import presets
 
@@ -223,6 +225,105 @@ def test_fla_presets_are_fla_classes_at_paper_sizes() -> None:
 def test_samba_without_flash_attn_says_what_to_install() -> None:
     with pytest.raises(ImportError, match="flash-attn"):
         presets.build_model(presets.config("samba", "tiny"))
+
+
+# Initialisation as the paper's code draws it (transformers 4.44, FLA at 1c5937e). Oracles:
+# the distributions read off that code, with bounds and standard deviations computed here by
+# hand: PyTorch's default init of nn.Linear / nn.Conv1d is U(+-1/sqrt(fan_in)), Xavier-uniform
+# with gain g is U(+-g sqrt(6 / (fan_in + fan_out))), and U(+-b) has std b / sqrt(3).
+
+
+def _is_uniform(w: torch.Tensor, bound: float) -> bool:
+    """``w`` looks drawn from U(-bound, bound): inside it, reaching near its edge, and of std
+    bound / sqrt(3) within 5 standard errors (the sample std's is sqrt(0.2 / n) relative)."""
+    w = w.detach().float()
+    tol = 5 * math.sqrt(0.2 / w.numel())
+    return bool(
+        w.abs().max() <= bound * (1 + 1e-6)
+        and w.abs().max() > 0.9 * bound
+        and abs(w.std().item() / (bound / math.sqrt(3)) - 1) < tol
+    )
+
+
+def _is_normal(w: torch.Tensor, std: float) -> bool:
+    """``w`` looks drawn from N(0, std): its std within 5 standard errors (sqrt(0.5 / n)
+    relative), and tails beyond the sqrt(3) std that bounds a uniform of that std."""
+    w = w.detach().float()
+    tol = 5 * math.sqrt(0.5 / w.numel())
+    return bool(abs(w.std().item() / std - 1) < tol and w.abs().max() > 2.5 * std)
+
+
+def _paper_sized(name: str, **overrides):
+    """A small baseline with enough weights per matrix for the statistics (seeded)."""
+    torch.manual_seed(0)
+    fields = {"vocab_size": VOCAB, "hidden_size": 256, "num_hidden_layers": 4, **overrides}
+    return presets.build_model(presets.config(name, "tiny", **fields))
+
+
+@pytest.mark.parametrize("name", ["deltanet", "hgrn2"])
+def test_deltanet_and_hgrn2_initialise_as_the_papers_code(name: str) -> None:
+    """The paper's token mixer draws its linear layers from Xavier-uniform (gain 2^-2.5) and
+    marks itself initialised, so transformers leaves it alone: o_proj is not rescaled and the
+    short convolutions keep PyTorch's default. Its _init_weights then divides each MLP's
+    down_proj, drawn from N(0, 0.02), by sqrt(2 x layers). FLA draws all of these from
+    N(0, 0.02)."""
+    m = _paper_sized(name)
+    layers = 4
+    for layer in m.model.layers:
+        linears = {n: mod for n, mod in layer.attn.named_modules() if isinstance(mod, nn.Linear)}
+        assert "o_proj" in linears and len(linears) >= 4, sorted(linears)
+        for n, mod in linears.items():
+            fan_out, fan_in = mod.weight.shape
+            assert _is_uniform(mod.weight, 2**-2.5 * math.sqrt(6 / (fan_in + fan_out))), n
+        convs = {n: mod for n, mod in layer.attn.named_modules() if isinstance(mod, nn.Conv1d)}
+        assert len(convs) == (3 if name == "deltanet" else 0)  # the paper's configs
+        for n, mod in convs.items():  # short convolutions: kernel 4, one channel per group
+            assert _is_uniform(mod.weight, 1 / math.sqrt(4)), n
+        assert _is_normal(layer.mlp.down_proj.weight, 0.02 / math.sqrt(2 * layers))
+        assert _is_normal(layer.mlp.gate_proj.weight, 0.02)  # as FLA's
+    assert _is_normal(m.lm_head.weight, 0.02) and _is_normal(m.model.embeddings.weight, 0.02)
+    again = _paper_sized(name)  # seeded: the same weights
+    assert all(torch.equal(a, b) for a, b in zip(m.parameters(), again.parameters()))
+
+
+def test_mamba2_initialises_as_the_papers_code() -> None:
+    """The paper's Mamba-2 sets A = 1, 2, ..., heads (FLA: U[1, 16]) and leaves in_proj,
+    conv1d (weight and bias) and the LM head at PyTorch's default (FLA: N(0, 0.02), bias 0);
+    its out_proj is U(+-1/sqrt(fan_in)) / sqrt(layers), as FLA's already."""
+    m = _paper_sized("mamba2")
+    hidden, layers = 256, 4  # num_hidden_layers as overridden (_paper_sized)
+    for layer in m.backbone.layers:
+        mixer = layer.mixer
+        heads = mixer.A_log.numel()
+        assert heads == 2 * hidden // 32  # expand 2, head_dim 32 (tiny)
+        assert torch.equal(mixer.A_log.float(), torch.log(torch.arange(1.0, heads + 1)))
+        assert _is_uniform(mixer.conv1d.weight, 1 / math.sqrt(4))  # kernel 4, one group each
+        assert _is_uniform(mixer.conv1d.bias, 1 / math.sqrt(4))
+        assert _is_uniform(mixer.in_proj.weight, 1 / math.sqrt(hidden))
+        inner = mixer.out_proj.weight.shape[1]
+        assert _is_uniform(mixer.out_proj.weight, 1 / math.sqrt(inner) / math.sqrt(layers))
+    assert _is_uniform(m.lm_head.weight, 1 / math.sqrt(hidden))
+    assert _is_normal(m.backbone.embeddings.weight, 0.02)
+
+
+@pytest.mark.parametrize("name", ["deltanet", "hgrn2", "mamba2"])
+def test_fla_baseline_from_pretrained_keeps_the_loaded_weights(name: str, tmp_path) -> None:
+    """from_pretrained runs the paper's init only for weights it did not load: a saved model
+    (weights moved off their init) loads bit for bit."""
+    from transformers import AutoModelForCausalLM
+
+    from fot.models.fla_baselines import register_auto_classes
+
+    register_auto_classes()
+    m = tiny(name)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(3)))
+    m.save_pretrained(tmp_path / "m")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "m")
+    assert type(loaded) is type(m)
+    for (key, a), b in zip(m.state_dict().items(), loaded.state_dict().values()):
+        assert torch.equal(a, b), key
 
 
 def test_fla_export_loads_fot_wrapper_with_trust_remote_code(tmp_path) -> None:

@@ -3,7 +3,8 @@
 The models are FLA's own config and model classes, looked up by name and configured with the
 FoX paper's sizes; nothing of FLA is copied. Each model class is wrapped in a thin subclass that
 speaks the fot model contract (``shift_labels``, ``cu_seqlens``, ``per_token_loss``), so the
-trainer and the evaluation code treat every model alike.
+trainer and the evaluation code treat every model alike. The weights are initialised as the
+paper's code does (:func:`paper_init_`), where FLA's init differs.
 
 FLA kernels need Triton (a CUDA GPU, or ``TRITON_INTERPRET=1`` on CPU, which is slow).
 ``import fla`` is deferred until a baseline is actually configured or built.
@@ -16,6 +17,7 @@ import importlib
 import importlib.util
 import itertools
 import json
+import math
 import os
 import warnings
 from pathlib import Path
@@ -23,7 +25,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from transformers import PretrainedConfig
+from transformers import initialization as init
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 IGNORE_INDEX = -100
@@ -176,6 +180,72 @@ def _fla_name(config: PretrainedConfig) -> str:
     )
 
 
+def _uniform_fan_in_(weight: torch.Tensor, scale: float = 1.0) -> None:
+    """Draw ``weight`` from U(-b, b), b = ``scale`` / sqrt(fan_in): PyTorch's own init of
+    ``nn.Linear`` and ``nn.Conv1d`` (``kaiming_uniform_`` with a = sqrt(5)) for ``scale`` 1."""
+    bound = scale / math.sqrt(weight[0].numel())  # fan_in: in_features (x kernel / groups)
+    init.uniform_(weight, -bound, bound)
+
+
+def _default_conv_(conv: nn.Conv1d) -> None:
+    """PyTorch's own init of ``conv``: weight and bias from U(+-1/sqrt(fan_in))."""
+    _uniform_fan_in_(conv.weight)
+    if conv.bias is not None:
+        bound = 1 / math.sqrt(conv.weight[0].numel())
+        init.uniform_(conv.bias, -bound, bound)
+
+
+def paper_init_(model: nn.Module) -> None:
+    """Initialise an FLA baseline built with FLA's init as the paper's code does.
+
+    The paper's models (transformers 4.44, FLA at commit 1c5937e) draw some weights
+    differently from FLA's ``_init_weights``; only those are drawn again here:
+
+    - DeltaNet, HGRN2: every linear layer of the token mixer (``attn``: q/k/v/b/f/i and
+      ``o_proj``) from Xavier-uniform with gain 2^-2.5 (the mixer's own init; transformers then
+      skips the mixer, so its ``o_proj`` is not rescaled), short convolutions with PyTorch's
+      default, and each MLP's ``down_proj`` from N(0, initializer_range / sqrt(2 x layers)).
+    - Mamba-2: ``in_proj``, ``conv1d`` (weight and bias) and the LM head with PyTorch's default
+      U(+-1/sqrt(fan_in)); ``A_log`` = log(1, 2, ..., heads) per layer (FLA: A from U[1, 16]).
+    - Samba: every linear weight but ``dt_proj`` (the LM head included) with PyTorch's
+      default, and ``o_proj``, ``down_proj`` and ``out_proj`` with it divided by
+      sqrt(2 x layers) (the paper's ``rescale_prenorm_residual``).
+
+    Everything else (embeddings N(0, initializer_range), norms, Mamba's dt, D, Mamba-2's
+    ``out_proj``, zero linear biases) is FLA's init already. The draws use transformers'
+    guarded init functions: a weight loaded by ``from_pretrained`` is left as it is.
+    """
+    name = _fla_name(model.config)
+    cfg = model.config
+    layers = model._decoder.layers
+    if name in ("deltanet", "hgrn2"):
+        residual_std = cfg.initializer_range / math.sqrt(2 * cfg.num_hidden_layers)
+        for layer in layers:
+            for module in layer.attn.modules():
+                if isinstance(module, nn.Linear):
+                    init.xavier_uniform_(module.weight, gain=2**-2.5)
+                elif isinstance(module, nn.Conv1d):
+                    _default_conv_(module)
+            init.normal_(layer.mlp.down_proj.weight, mean=0.0, std=residual_std)
+    elif name == "mamba2":
+        for layer in layers:
+            mixer = layer.mixer
+            _uniform_fan_in_(mixer.in_proj.weight)
+            _default_conv_(mixer.conv1d)
+            heads = torch.arange(1, mixer.num_heads + 1, dtype=torch.float32)
+            init.copy_(mixer.A_log, torch.log(heads).to(mixer.A_log.device))
+        _uniform_fan_in_(model.lm_head.weight)
+    else:  # samba
+        residual_scale = 1 / math.sqrt(2 * cfg.num_hidden_layers)
+        for layer in layers:
+            for path, module in layer.named_modules():
+                leaf = path.rsplit(".", 1)[-1]
+                if isinstance(module, nn.Linear) and leaf != "dt_proj":
+                    residual = leaf in ("o_proj", "down_proj", "out_proj")
+                    _uniform_fan_in_(module.weight, residual_scale if residual else 1.0)
+        _uniform_fan_in_(model.lm_head.weight)
+
+
 def _chunked_ce(
     hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Tensor, fp32_logits: bool
 ) -> torch.Tensor:
@@ -199,6 +269,14 @@ class _FoTContractMixin:
     where the paper's code (and autocast) use float32. In 16-bit weights HGRN2's input gate
     ``1 - exp(log_sigmoid(f))`` rounds to a 2^-8 grid near 1 (the long-memory channels lose
     their input), and Mamba-2's residual stream and A/dt parameters drop to bf16."""
+
+    @torch.no_grad()
+    def initialize_weights(self) -> None:
+        """FLA's initialisation (transformers' ``initialize_weights``), then the paper's
+        (:func:`paper_init_`). transformers calls it when it builds the model on a real device
+        (not on ``meta``, not for the weights that ``from_pretrained`` loads)."""
+        super().initialize_weights()
+        paper_init_(self)
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.compute_dtype is None:
@@ -474,6 +552,9 @@ def register_auto_classes() -> None:
 def build_fla_model(config: PretrainedConfig) -> torch.nn.Module:
     """Instantiate the (wrapped) FLA model for an FLA config from :func:`fla_config`.
 
+    The weights are drawn as in the paper's code (:func:`paper_init_`, through transformers'
+    ``post_init``), from torch's global random state: seed it for a reproducible model.
+
     Raises:
         ImportError: Samba's attention layers need the ``flash-attn`` package (FLA's choice).
     """
@@ -505,5 +586,6 @@ __all__ = [
     "fla_config",
     "fla_config_class",
     "fla_model_class",
+    "paper_init_",
     "register_auto_classes",
 ]

@@ -306,16 +306,102 @@ def test_mamba2_initialises_as_the_papers_code() -> None:
     assert _is_normal(m.backbone.embeddings.weight, 0.02)
 
 
-@pytest.mark.parametrize("name", ["deltanet", "hgrn2", "mamba2"])
+def _paper_samba_mlp_width(hidden: int, ratio: float) -> int:
+    """The paper's SambaMLP width: 2/3 x ratio x hidden, rounded up to a multiple of 256."""
+    width = int(hidden * ratio * 2 / 3)
+    return 256 * ((width + 255) // 256)
+
+
+def test_samba_mamba_layers_have_the_papers_mlps_and_init() -> None:
+    """A Samba without attention layers (attn=None: no flash-attn needed): every MLP is a Mamba
+    layer's, of the paper's mamba_hidden_ratio 3 (FLA: 4). The paper draws every linear weight with
+    PyTorch's default, o_proj/down_proj/out_proj divided by sqrt(2 x layers), and keeps the
+    time-step projection's own init (FLA: all N(0, 0.02), no rescale)."""
+    hidden, layers = 256, 4
+    m = _paper_sized("samba", attn=None)
+    assert m.config.mamba_hidden_ratio == 3 and m.config.hidden_ratio == 4
+    width = _paper_samba_mlp_width(hidden, 3)
+    scale = 1 / math.sqrt(2 * layers)
+    for layer in m.backbone.layers:
+        mlp, mixer = layer.mlp, layer.mixer
+        assert mlp.down_proj.weight.shape == (hidden, width)
+        assert mlp.gate_proj.weight.shape == mlp.up_proj.weight.shape == (width, hidden)
+        assert _is_uniform(mlp.gate_proj.weight, 1 / math.sqrt(hidden))
+        assert _is_uniform(mlp.up_proj.weight, 1 / math.sqrt(hidden))
+        assert _is_uniform(mlp.down_proj.weight, scale / math.sqrt(width))
+        inner = 2 * hidden
+        assert _is_uniform(mixer.in_proj.weight, 1 / math.sqrt(hidden))
+        assert _is_uniform(mixer.x_proj.weight, 1 / math.sqrt(inner))
+        assert _is_uniform(mixer.out_proj.weight, scale / math.sqrt(inner))
+        rank = math.ceil(hidden / 16)  # dt_proj: U(+-rank^-0.5) (time_step_init_scheme random)
+        assert _is_uniform(mixer.dt_proj.weight, rank**-0.5)
+        assert torch.equal(mixer.A_log, torch.log(torch.arange(1.0, 17)).expand(inner, 16))
+    assert _is_uniform(m.lm_head.weight, 1 / math.sqrt(hidden))
+
+
+def _paper_samba_params(hidden: int, layers: int, attn_layers: int, vocab: int = 50257) -> int:
+    """Parameters of the paper's Samba without the input embedding, from its code: Mamba
+    mixers (FLA's MambaMixer at 1c5937e: expand 2, state 16, conv 4 with bias, dt rank
+    ceil(hidden / 16)), attention (q, k, v, o; as many k/v heads as q heads), SwiGLU MLPs of
+    ratio 4 after attention and 3 after Mamba, two RMSNorms per layer, a final one, the LM
+    head."""
+    inner, state, rank, kernel = 2 * hidden, 16, math.ceil(hidden / 16), 4
+    mamba = (
+        hidden * 2 * inner  # in_proj
+        + inner * kernel + inner  # conv1d
+        + inner * (rank + 2 * state)  # x_proj
+        + rank * inner + inner  # dt_proj
+        + inner * state + inner  # A_log, D
+        + inner * hidden  # out_proj
+    )  # fmt: skip
+    attention = 4 * hidden * hidden
+
+    def mlp(ratio: float) -> int:
+        return 3 * hidden * _paper_samba_mlp_width(hidden, ratio)
+
+    mamba_layers = layers - attn_layers
+    return (
+        mamba_layers * (mamba + mlp(3))
+        + attn_layers * (attention + mlp(4))
+        + layers * 2 * hidden
+        + hidden  # final norm
+        + vocab * hidden  # LM head
+    )
+
+
+def test_samba_760m_without_attention_layers_has_the_papers_parameter_count() -> None:
+    """At 760m (hidden 1536, 24 layers) with the attention layers left out (attn=None, which
+    builds without flash-attn): the paper's formula for 24 Mamba layers. FLA's MLPs of ratio 4
+    had 113M more here. The paper's 760m itself (12 Mamba, 12 attention layers) counts
+    765,852,672 by the same formula."""
+    assert _paper_samba_params(1536, 24, attn_layers=12) == 765_852_672
+    with torch.device("meta"):
+        m = presets.build_model(presets.config("samba", "760m", attn=None))
+    assert presets.count_params(m) == _paper_samba_params(1536, 24, attn_layers=0)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("flash_attn") is None, reason="needs flash-attn")
+def test_samba_760m_has_the_papers_parameter_count() -> None:
+    """The paper's 760m Samba: 12 Mamba and 12 sliding-window attention layers, 765.9M
+    parameters without the input embedding (FLA's Samba: 822.5M, MLPs of ratio 4 throughout)."""
+    with torch.device("meta"):
+        m = presets.build_model(presets.config("samba", "760m"))
+    assert presets.count_params(m) == _paper_samba_params(1536, 24, attn_layers=12)
+
+
+@pytest.mark.parametrize("name", ["deltanet", "hgrn2", "mamba2", "samba"])
 def test_fla_baseline_from_pretrained_keeps_the_loaded_weights(name: str, tmp_path) -> None:
     """from_pretrained runs the paper's init only for weights it did not load: a saved model
-    (weights moved off their init) loads bit for bit."""
+    (weights moved off their init) loads bit for bit, Samba with its MLP widths (the config's
+    mamba_hidden_ratio, saved in config.json). A folder saved before that field (FLA's widths)
+    loads with FLA's widths."""
     from transformers import AutoModelForCausalLM
 
     from fot.models.fla_baselines import register_auto_classes
 
     register_auto_classes()
-    m = tiny(name)
+    overrides = {"attn": None} if name == "samba" else {}
+    m = tiny(name) if name != "samba" else _paper_sized(name, **overrides)
     with torch.no_grad():
         for p in m.parameters():
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(3)))
@@ -324,6 +410,19 @@ def test_fla_baseline_from_pretrained_keeps_the_loaded_weights(name: str, tmp_pa
     assert type(loaded) is type(m)
     for (key, a), b in zip(m.state_dict().items(), loaded.state_dict().values()):
         assert torch.equal(a, b), key
+    if name == "samba":
+        saved = json.loads((tmp_path / "m" / "config.json").read_text())
+        assert saved["mamba_hidden_ratio"] == 3 == loaded.config.mamba_hidden_ratio
+        fla_widths = _paper_sized(name, mamba_hidden_ratio=None, **overrides)
+        fla_widths.save_pretrained(tmp_path / "old")
+        saved = json.loads((tmp_path / "old" / "config.json").read_text())
+        del saved["mamba_hidden_ratio"]  # as exported before the field
+        (tmp_path / "old" / "config.json").write_text(json.dumps(saved))
+        old = AutoModelForCausalLM.from_pretrained(tmp_path / "old")
+        width = _paper_samba_mlp_width(256, 4)
+        assert {layer.mlp.down_proj.weight.shape[1] for layer in old.backbone.layers} == {width}
+        for (key, a), b in zip(fla_widths.state_dict().items(), old.state_dict().values()):
+            assert torch.equal(a, b), key
 
 
 def test_fla_export_loads_fot_wrapper_with_trust_remote_code(tmp_path) -> None:

@@ -3,8 +3,9 @@
 The models are FLA's own config and model classes, looked up by name and configured with the
 FoX paper's sizes; nothing of FLA is copied. Each model class is wrapped in a thin subclass that
 speaks the fot model contract (``shift_labels``, ``cu_seqlens``, ``per_token_loss``), so the
-trainer and the evaluation code treat every model alike. The weights are initialised as the
-paper's code does (:func:`paper_init_`), where FLA's init differs.
+trainer and the evaluation code treat every model alike. Two things of the paper's code that
+FLA's classes lack are added there: its weight initialisation (:func:`paper_init_`), and
+Samba's narrower MLPs in the Mamba layers (``mamba_hidden_ratio``).
 
 FLA kernels need Triton (a CUDA GPU, or ``TRITON_INTERPRET=1`` on CPU, which is slow).
 ``import fla`` is deferred until a baseline is actually configured or built.
@@ -80,6 +81,9 @@ def _size_fields(model: str, size: str) -> dict[str, Any]:
     return {
         "hidden_size": hidden,
         "num_hidden_layers": layers,
+        # the paper's MLP widths: hidden_ratio 4 after attention, 3 after Mamba (its
+        # attn_hidden_ratio and mamba_hidden_ratio); FLA's Samba has 4 everywhere
+        "mamba_hidden_ratio": 3,
         "attn": {
             "layers": list(range(1, layers, 2)),
             "num_heads": heads,
@@ -152,10 +156,27 @@ def fla_config_class(name: str) -> type:
         config_cls_name = _FLA_CLASSES[name][0]
         base = getattr(_fla_models_module(), config_cls_name)
 
-        def __init__(self: Any, *args: Any, __base: type = base, **kwargs: Any) -> None:
-            # FLA's own __init__: without one here, transformers' dataclass processing of the
-            # subclass would replace it with a generated one that skips FLA's fields
-            __base.__init__(self, *args, **kwargs)
+        if name == "samba":
+
+            def __init__(
+                self: Any,
+                *args: Any,
+                mamba_hidden_ratio: float | None = None,
+                __base: type = base,
+                **kwargs: Any,
+            ) -> None:
+                # mamba_hidden_ratio: the width factor of the MLPs after Mamba layers (None:
+                # hidden_ratio, FLA's Samba, as in folders exported before the field);
+                # hidden_ratio stays that of the MLPs after attention layers (_SambaMLPs)
+                __base.__init__(self, *args, **kwargs)
+                self.mamba_hidden_ratio = mamba_hidden_ratio
+
+        else:
+
+            def __init__(self: Any, *args: Any, __base: type = base, **kwargs: Any) -> None:
+                # FLA's own __init__: without one here, transformers' dataclass processing of
+                # the subclass would replace it with a generated one that skips FLA's fields
+                __base.__init__(self, *args, **kwargs)
 
         _CONFIGS[name] = type(
             f"FoT{config_cls_name}",
@@ -489,6 +510,32 @@ class _FoTContractMixin:
             return self._token_losses(hidden, shift_labels, fp32_logits=True)
 
 
+class _SambaMLPs:
+    """Samba with the paper's MLP widths: those after Mamba layers get
+    ``config.mamba_hidden_ratio`` (the paper's 3), those after attention keep FLA's
+    ``hidden_ratio`` (4). FLA builds every MLP with ``hidden_ratio``; the Mamba layers' MLPs
+    are replaced before the model is initialised (``post_init``), so that a fresh model, a
+    ``from_config`` one and a ``from_pretrained`` one all have the widths their config says."""
+
+    def post_init(self) -> None:
+        from fla.layers.mamba import Mamba
+        from fla.modules import GatedMLP
+
+        cfg = self.config
+        ratio = getattr(cfg, "mamba_hidden_ratio", None)
+        if ratio is not None and ratio != cfg.hidden_ratio:
+            for layer in self.backbone.layers:
+                if isinstance(layer.mixer, Mamba):
+                    old = layer.mlp.down_proj.weight
+                    layer.mlp = GatedMLP(
+                        hidden_size=cfg.hidden_size,
+                        hidden_ratio=ratio,
+                        hidden_act=cfg.hidden_act,
+                        fuse_swiglu=cfg.fuse_swiglu,
+                    ).to(device=old.device, dtype=old.dtype)
+        super().post_init()
+
+
 _WRAPPED: dict[str, type] = {}
 
 
@@ -516,9 +563,10 @@ def fla_model_class(name: str) -> type:
     if name not in _WRAPPED:
         _, model_cls_name, varlen = _FLA_CLASSES[name]
         base = getattr(_fla_models_module(), model_cls_name)
+        mixins = (_SambaMLPs, _FoTContractMixin) if name == "samba" else (_FoTContractMixin,)
         _WRAPPED[name] = type(
             f"FoT{model_cls_name}",
-            (_FoTContractMixin, base),
+            (*mixins, base),
             {
                 "_supports_varlen": varlen,
                 "config_class": fla_config_class(name),
@@ -549,6 +597,15 @@ def register_auto_classes() -> None:
         MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config_cls.model_type] = model_cls.__name__
 
 
+def _has_attention(config: PretrainedConfig) -> bool:
+    from fla.models.configuration_utils import get_attention_spec
+
+    return any(
+        get_attention_spec(config.attn, layer_idx=i) is not None
+        for i in range(config.num_hidden_layers)
+    )
+
+
 def build_fla_model(config: PretrainedConfig) -> torch.nn.Module:
     """Instantiate the (wrapped) FLA model for an FLA config from :func:`fla_config`.
 
@@ -556,11 +613,16 @@ def build_fla_model(config: PretrainedConfig) -> torch.nn.Module:
     ``post_init``), from torch's global random state: seed it for a reproducible model.
 
     Raises:
-        ImportError: Samba's attention layers need the ``flash-attn`` package (FLA's choice).
+        ImportError: Samba's attention layers need the ``flash-attn`` package (FLA's choice);
+            a Samba without attention layers (``attn=None``) builds without it.
     """
     name = _fla_name(config)
     register_auto_classes()
-    if name == "samba" and importlib.util.find_spec("flash_attn") is None:
+    if (
+        name == "samba"
+        and _has_attention(config)
+        and importlib.util.find_spec("flash_attn") is None
+    ):
         raise ImportError(
             "FLA's Samba uses flash-attn for its sliding-window attention layers: install it "
             "on the GPU machine (pip install flash-attn --no-build-isolation) to build 'samba'"

@@ -1097,5 +1097,25 @@ def test_a_gated_model_with_a_head_width_the_kernels_lack_is_refused_before_the_
     with pytest.raises(ValueError, match=r"^model=fot_pro size=760m: head_dim 96 \(hidden"):
         check_config(compose("train", overrides=bad))
     check_config(compose("train", overrides=[*bad, "+model.overrides.attn_backend=reference"]))
+    # an ungated model's whole causal sequences go to SDPA, which runs any width; packed
+    # documents (varlen) and windows go to the kernels
+    plain = ["model=transformer_llama", "size=760m", "+model.overrides.num_heads=16"]
+    check_config(compose("train", overrides=[*plain, "data.packing=causal"]))
+    for more in (
+        ["data.packing=varlen"],
+        ["data.packing=causal", "+model.overrides.window_size=64"],
+    ):
+        with pytest.raises(ValueError, match=r"^model=transformer_llama size=760m: head_dim 96"):
+            check_config(compose("train", overrides=[*plain, *more]))
     monkeypatch.delenv("TRITON_INTERPRET")  # the CPU path: PyTorch's attention runs any width
     check_config(compose("train", overrides=[*bad, "device=cpu"]))
+
+
+def test_a_small_vocabulary_trains_from_a_flat_file_of_its_own_ids(hydra_ctx, tmp_path) -> None:
+    """A flat .npy/.bin file is read as it is (no <|endoftext|> inserted): another
+    tokenizer's ids train there with its vocab_size; other data kinds insert id 50256."""
+    small = ["+model.overrides.vocab_size=32000", "data=tokens"]
+    for name in ("ids.npy", "ids.BIN"):
+        check_config(compose("train", overrides=[*small, f"data.path={tmp_path / name}"]))
+    with pytest.raises(ValueError, match=r"vocab_size=32000 leaves out .* data=tokens puts"):
+        check_config(compose("train", overrides=[*small, f"data.path={tmp_path / 'folder'}"]))

@@ -318,6 +318,15 @@ def test_a_folder_datasets_reads_with_another_loader_names_the_text_loader(
     assert err == f"error: dataset {one} is a file; datasets reads a file through a loader: {hint}"
     assert main([*shlex.split(hint), "--out", str(tmp_path / "one")]) == 0
     assert [list(d) for d in TokenDocuments(tmp_path / "one")] == [list(want[0])]
+    # the loader named by the file's type, a compressed or upper-case one included
+    for name, loader in (("a.jsonl.gz", "json"), ("b.JSONL", "json"), ("c.csv.gz", "csv"),
+                         ("d.parquet", "parquet"), ("e.txt.xz", "text")):  # fmt: skip
+        (tmp_path / name).write_bytes(b"")
+        with pytest.raises(ValueError) as info:
+            build_sources(_cfg(kind="hf", path=str(tmp_path / name), seq_len=8, val_tokens=0))
+        assert str(info.value).endswith(
+            f"data.path={loader} data.hf_data_files='{tmp_path / name}'"
+        )
 
 
 # ------------------------------------------------------------------ validating on training data

@@ -809,6 +809,13 @@ def test_a_head_width_the_kernels_lack_is_named_with_the_model_fix(monkeypatch) 
     model.config.attn_backend = "triton"
     with pytest.raises(ValueError, match=r"^head_dim 8 \(hidden_size 128 / num_heads 16\)"):
         model(x)
+    # as on a GPU: an ungated model's whole sequences go to SDPA, which takes any width
+    import fot.models.modeling_fot as modeling
+
+    monkeypatch.setattr(modeling, "_runs_triton", lambda backend, device: backend != "reference")
+    plain = tiny("transformer_llama", num_heads=16, attn_backend="sdpa")
+    want = tiny("transformer_llama", num_heads=16)(x).logits
+    torch.testing.assert_close(plain(x).logits, want)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter path; tests/test_model_gpu.py")

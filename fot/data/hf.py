@@ -78,11 +78,12 @@ class HFDataset:
         datasets chose from a local folder's file extensions)."""
         local = Path(path).expanduser()
         if local.is_file():
-            json_suffixes = (".json", ".jsonl", ".ndjson", ".jsonlines")
+            suffixes = [x.lower() for x in local.suffixes]
+            while suffixes and suffixes[-1] in _COMPRESSED:  # a.jsonl.gz: a json file
+                suffixes.pop()
             loader = {".csv": "csv", ".tsv": "csv", ".parquet": "parquet", ".arrow": "arrow"}
-            guess = loader.get(
-                local.suffix.lower(), "json" if local.suffix in json_suffixes else "text"
-            )
+            loader.update(dict.fromkeys((".json", ".jsonl", ".ndjson", ".jsonlines"), "json"))
+            guess = loader.get(suffixes[-1] if suffixes else "", "text")
             raise HFDataError(
                 f"{where} is a file; datasets reads a file through a loader: "
                 + loader_hint.format(loader=guess, files=path)

@@ -257,7 +257,7 @@ def _bin_tokens(key: str, p: Path) -> np.ndarray:
     # of one or the other (a stray header or line ending aside)
     if np.mean(head[1::2] == 0) >= 0.99:
         raise ValueError(
-            f"{key}={p}: every second uint16 of its first {head.size} is 0, as when token ids "
+            f"{key}={p}: nearly every second uint16 of its first {head.size} is 0, as when ids "
             "are written as 32- or 64-bit integers, but a .bin token file holds uint16 ids: "
             "write it with `ids.astype(np.uint16).tofile(path)`, or save a .npy "
             "(`np.save(path, ids)` records the dtype)"

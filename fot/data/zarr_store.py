@@ -418,7 +418,7 @@ class ChunkReader:
                     return self._read_checked(r0, r1, c0, c1)
                 except FileNotFoundError:
                     raise
-                except (RuntimeError, ValueError, OSError) as err:  # a codec's, on a bad file
+                except (RuntimeError, ValueError, EOFError) as err:  # a codec's, on a bad file
                     raise self._damaged(err, r0, r1, c0, c1) from err
             try:
                 return self._read_checked(r0, r1, c0, c1)

@@ -897,10 +897,16 @@ class FoTAttention(nn.Module):
 
         backend = self.config.attn_backend
         attn, decode = get_attention_functions(backend, q.device)
-        if _runs_triton(backend, q.device) and (problem := triton_head_dim_problem(self.config, d)):
-            raise ValueError(problem)  # (the kernel's own error named a kernel function)
         scale, window = d**-0.5, self.config.window_size
         past = cache.seq_length if cache is not None else 0
+        whole = past == 0 and ctx.key_mask is None
+        use_sdpa = whole and self._use_sdpa(backend, q.device, ctx.cu_seqlens, window)
+        if (
+            not use_sdpa
+            and _runs_triton(backend, q.device)
+            and (problem := triton_head_dim_problem(self.config, d))
+        ):
+            raise ValueError(problem)  # (the kernel's own error named a kernel function)
         if cache is not None:
             c_q = cache.append(
                 k,
@@ -909,10 +915,10 @@ class FoTAttention(nn.Module):
                 k_pre if self.config.use_k_shift else None,
                 v_pre if self.config.use_v_shift else None,
             )  # (B, T, HQ)
-        if past == 0 and ctx.key_mask is None:
+        if whole:
             # Whole sequences (training, evaluation, first prefill): the flash-style kernel, or
             # PyTorch SDPA when there is no gate to apply (Transformer baselines).
-            if self._use_sdpa(backend, q.device, ctx.cu_seqlens, window):
+            if use_sdpa:
                 o = sdpa_attention(q, k, v, log_f, scale=scale)
             else:
                 o = _run_kernel(

@@ -421,10 +421,19 @@ def check_config(cfg: DictConfig) -> list[str]:
     from fot.models import FoTConfig
     from fot.models.configuration_fot import triton_head_dim_problem
 
-    kernels = not on_cpu and getattr(model_config, "attn_backend", None) in ("auto", "triton")
-    gated = getattr(model_config, "fgate_type", "none") != "none"
-    if kernels and gated and (problem := triton_head_dim_problem(model_config)):
-        raise ValueError(f"model={cfg.model.name} size={cfg.size.name}: {problem}")
+    if isinstance(model_config, FoTConfig) and not on_cpu:
+        backend = model_config.attn_backend
+        # on a GPU only an ungated model's whole causal sequences skip the kernels (SDPA)
+        kernel = backend == "triton" or (
+            backend in ("auto", "sdpa")
+            and (
+                model_config.fgate_type != "none"
+                or model_config.window_size is not None
+                or cfg.data.packing == "varlen"
+            )
+        )
+        if kernel and (problem := triton_head_dim_problem(model_config)):
+            raise ValueError(f"model={cfg.model.name} size={cfg.size.name}: {problem}")
 
     # (FLA's configs carry a max_position_embeddings of 2048 that their models do not use)
     max_len = model_config.max_position_embeddings if isinstance(model_config, FoTConfig) else None
@@ -438,12 +447,15 @@ def check_config(cfg: DictConfig) -> list[str]:
     from fot.data.streams import EOT_ID
 
     vocab_size = int(model_config.vocab_size)
-    if vocab_size <= EOT_ID:  # (the batch check blamed the data, after the run folder was made)
+    # every reader but that of a flat .npy/.bin file (ids as they are) puts <|endoftext|>
+    # before each document; the batch check blamed the data, after the run folder was made
+    flat = cfg.data.kind == "tokens" and str(cfg.data.path).lower().endswith((".npy", ".bin"))
+    if vocab_size <= EOT_ID and not flat:
         raise ValueError(
             f"model.overrides.vocab_size={vocab_size} leaves out <|endoftext|> (GPT-2 id "
-            f"{EOT_ID}), which fot's data readers put before every document: use a "
-            f"vocab_size of at least {EOT_ID + 1} (the presets' 50304 is a multiple of 64), "
-            "or leave it out"
+            f"{EOT_ID}), which data={cfg.data.kind} puts before every document: use a "
+            f"vocab_size of at least {EOT_ID + 1} (the presets' GPT-2 vocabulary), or leave it "
+            "out; ids of another tokenizer train as they are from a flat .npy or .bin file"
         )
     if cfg.peak_flops is not None and not float(cfg.peak_flops) > 0:
         raise ValueError(

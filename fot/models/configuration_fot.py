@@ -529,9 +529,6 @@ def _refuse_unsupported_fields(kwargs: dict) -> None:
         )
 
 
-__all__ = ["ATTN_BACKENDS", "FGATE_TYPES", "LOSS_IMPLS", "FoTConfig", "merge_overrides"]
-
-
 TRITON_HEAD_DIMS = (16, 32, 64, 128, 256)
 """Head widths the Triton attention kernels run (``fot.kernels.forgetting_attention``)."""
 
@@ -555,3 +552,14 @@ def triton_head_dim_problem(config: FoTConfig, head_dim: int | None = None) -> s
         f"attention kernels run {TRITON_HEAD_DIMS}: {fix}, or use attn_backend='reference' "
         "(PyTorch, whose memory grows with the square of the sequence length)"
     )
+
+
+__all__ = [
+    "ATTN_BACKENDS",
+    "FGATE_TYPES",
+    "LOSS_IMPLS",
+    "TRITON_HEAD_DIMS",
+    "FoTConfig",
+    "merge_overrides",
+    "triton_head_dim_problem",
+]

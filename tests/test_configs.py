@@ -1115,7 +1115,12 @@ def test_a_small_vocabulary_trains_from_a_flat_file_of_its_own_ids(hydra_ctx, tm
     """A flat .npy/.bin file is read as it is (no <|endoftext|> inserted): another
     tokenizer's ids train there with its vocab_size; other data kinds insert id 50256."""
     small = ["+model.overrides.vocab_size=32000", "data=tokens"]
-    for name in ("ids.npy", "ids.BIN"):
-        check_config(compose("train", overrides=[*small, f"data.path={tmp_path / name}"]))
+    for name in ("ids.npy", "ids.bin"):
+        path = f"data.path={tmp_path / name}"
+        check_config(compose("train", overrides=[*small, path]))
+        check_config(compose("train", overrides=[*small, path, f"data.val_path={tmp_path / name}"]))
+        held_out = [*small, path, f"data.val_path={tmp_path / 'folder'}", "data.val_tokens=64"]
+        with pytest.raises(ValueError, match=r"vocab_size=32000 leaves out .* data=tokens puts"):
+            check_config(compose("train", overrides=held_out))  # a token folder's inserted
     with pytest.raises(ValueError, match=r"vocab_size=32000 leaves out .* data=tokens puts"):
         check_config(compose("train", overrides=[*small, f"data.path={tmp_path / 'folder'}"]))

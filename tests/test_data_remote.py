@@ -506,6 +506,30 @@ def test_a_damaged_local_chunk_names_its_file(tmp_path, fmt, damage) -> None:
     np.testing.assert_array_equal(source.read(12, 4)[1], data[12:16, :16])  # a later chunk
 
 
+def test_each_codecs_error_is_a_damaged_chunk_and_other_os_errors_are_not() -> None:
+    """gzip raises BadGzipFile (an OSError) and zlib zlib.error for a chunk they cannot
+    decode: both are named as a damaged chunk; a permission error is not one and goes up as
+    it is."""
+    import gzip
+    import zlib
+
+    class Failing:
+        shape, chunks, dtype = (8, 8), (4, 4), np.dtype("uint16")
+
+        def __init__(self, error: Exception) -> None:
+            self.error = error
+
+        def __getitem__(self, key):
+            raise self.error
+
+    for error in (gzip.BadGzipFile("Not a gzipped file"), zlib.error("Error -3"),
+                  RuntimeError("Zstd decompression error"), EOFError("end of stream")):  # fmt: skip
+        with pytest.raises(ValueError, match=r"^could not decode rows 4\.\.7, columns 0\.\.3 "):
+            ChunkReader(Failing(error), name="a.zarr").read(4, 8, 0, 4)
+    with pytest.raises(PermissionError):
+        ChunkReader(Failing(PermissionError("denied")), name="a.zarr").read(4, 8, 0, 4)
+
+
 @pytest.mark.parametrize("fmt", [2, 3])
 def test_a_chunk_missing_behind_a_url_stops_the_read(tmp_path, fmt) -> None:
     """zarr reads a chunk that is not stored as the fill value (token 0) without a word: over

@@ -1946,6 +1946,20 @@ def test_resume_with_tensors_of_another_model_names_the_file(tmp_path) -> None:
     msg = str(err.value)
     assert f"checkpoint {ckpt} is corrupt or incomplete: cannot read model.pt" in msg, msg
     assert "resume=never" in msg and len(msg) < 1200
+    # the same weights in other shapes (an older fot's model, e.g. Samba's MLP widths): not
+    # called corrupt, and never "delete it" alone
+    wide = "++model.overrides={hidden_size:64,num_hidden_layers:1,num_heads:2}"
+    train(_cfg(tmp_path / "wide", "total_tokens=512", wide))
+    (other,) = list_checkpoints(tmp_path / "wide" / "checkpoints")
+    shutil.copy(other / "model.pt", ckpt / "model.pt")
+    with pytest.raises(CorruptCheckpointError) as err:
+        train(_cfg(tmp_path / "pro", "total_tokens=1024"))
+    msg = str(err.value)
+    assert msg.startswith(
+        f"checkpoint {ckpt}: model.pt holds weights of other shapes than the model this config "
+        "builds (size mismatch for model.embed_tokens.weight: copying a param with shape "
+    ), msg
+    assert "Either an older fot wrote it" in msg and "resume=never" in msg
 
 
 def test_resume_refuses_another_model_or_batch_shape_before_loading(tmp_path) -> None:

@@ -16,6 +16,7 @@ message that says how to resume.
 
 from __future__ import annotations
 
+import gzip
 import logging
 import math
 import os
@@ -23,6 +24,7 @@ import re
 import threading
 import time
 import weakref
+import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -296,6 +298,12 @@ Key = tuple[int, int, int]
 """A cached piece: (chunk row index, first column, end column) of the column window."""
 
 
+_CODEC_ERRORS = (RuntimeError, ValueError, EOFError, zlib.error, gzip.BadGzipFile)
+"""What zarr's codecs raise for a chunk file they cannot decode (blosc and zstd: RuntimeError,
+a short or empty file: ValueError or EOFError, zlib: zlib.error, gzip: gzip.BadGzipFile, an
+OSError: no other OSError, such as a permission error, is taken for a damaged file)."""
+
+
 class ChunkReader:
     """Reads ``array[r0:r1, c0:c1]`` in whole chunks, keeping them in a bounded LRU cache.
 
@@ -418,7 +426,7 @@ class ChunkReader:
                     return self._read_checked(r0, r1, c0, c1)
                 except FileNotFoundError:
                     raise
-                except (RuntimeError, ValueError, EOFError) as err:  # a codec's, on a bad file
+                except _CODEC_ERRORS as err:  # a codec's, on a bad file
                     raise self._damaged(err, r0, r1, c0, c1) from err
             try:
                 return self._read_checked(r0, r1, c0, c1)

@@ -451,6 +451,21 @@ def load_checkpoint(
     except torch.OutOfMemoryError:
         raise
     except (RuntimeError, KeyError, ValueError, TypeError) as e:
+        text = str(e)
+        if name == "model.pt" and "size mismatch for " in text and "key(s)" not in text:
+            # the same weights in other shapes: an older fot's model, or another run's files
+            first = text.split("size mismatch for ", 1)[1].split("\n", 1)[0].strip()
+            what = (
+                f"checkpoint {p}: model.pt holds weights of other shapes than the model this "
+                f"config builds (size mismatch for {first})"
+            )
+            raise CorruptCheckpointError(
+                f"{what}. Either an older fot wrote it, whose model differed (Samba's MLPs after "
+                "Mamba layers were FLA's width 4 before mamba_hidden_ratio): keep it, and resume "
+                "it with that version or start a new run in another out_dir; or another run's "
+                f"files were copied into it: {_ways_out(p)}",
+                what,
+            ) from e
         raise CorruptCheckpointError(*_corrupt_message(p, p / name, e)) from e
     rngs = _load_file(p, "rng.pt", weights_only=False)
     set_rng_state(rngs[rank] if rank < len(rngs) else rngs[0])
@@ -515,6 +530,16 @@ def _load_file(ckpt: Path, name: str, *, weights_only: bool = False) -> Any:
 def _corrupt_message(ckpt: Path, path: Path, error: Exception) -> tuple[str, str]:
     """The message of a checkpoint file that cannot be read, and its part without the ways out
     (:class:`CorruptCheckpointError`'s arguments)."""
+    detail = str(error) if len(str(error)) <= 400 else f"{str(error)[:400]}..."
+    what = (
+        f"checkpoint {ckpt} is corrupt or incomplete: cannot read {path.name} "
+        f"({path}): {type(error).__name__}: {detail}"
+    )
+    return f"{what}. {_ways_out(ckpt)}", what
+
+
+def _ways_out(ckpt: Path) -> str:
+    """What to do about an unusable checkpoint ``ckpt``: an earlier one, or starting over."""
     m = _STEP_DIR.match(ckpt.name)
     step = int(m.group(1)) if m else None
     earlier = [
@@ -529,13 +554,7 @@ def _corrupt_message(ckpt: Path, path: Path, error: Exception) -> tuple[str, str
         )
     else:
         options = "start over with resume=never (no earlier checkpoint in that folder)"
-    detail = str(error) if len(str(error)) <= 400 else f"{str(error)[:400]}..."
-    what = (
-        f"checkpoint {ckpt} is corrupt or incomplete: cannot read {path.name} "
-        f"({path}): {type(error).__name__}: {detail}"
-    )
     return (
-        f"{what}. Either {options}, or delete or move {ckpt} away and rerun with resume=auto "
-        "to use the newest remaining one",
-        what,
+        f"Either {options}, or delete or move {ckpt} away and rerun with resume=auto to use "
+        "the newest remaining one"
     )

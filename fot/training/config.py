@@ -447,9 +447,15 @@ def check_config(cfg: DictConfig) -> list[str]:
     from fot.data.streams import EOT_ID
 
     vocab_size = int(model_config.vocab_size)
+
     # every reader but that of a flat .npy/.bin file (ids as they are) puts <|endoftext|>
     # before each document; the batch check blamed the data, after the run folder was made
-    flat = cfg.data.kind == "tokens" and str(cfg.data.path).lower().endswith((".npy", ".bin"))
+    def is_flat(path: object) -> bool:
+        return str(path).endswith((".npy", ".bin"))  # (the loader's test: case-sensitive)
+
+    validates = int(cfg.data.val_tokens) > 0 and cfg.data.val_path is not None
+    flat = cfg.data.kind == "tokens" and is_flat(cfg.data.path)
+    flat = flat and not (validates and not is_flat(cfg.data.val_path))
     if vocab_size <= EOT_ID and not flat:
         raise ValueError(
             f"model.overrides.vocab_size={vocab_size} leaves out <|endoftext|> (GPT-2 id "

@@ -909,6 +909,90 @@ def test_data_read_benchmark_reads_the_same_tokens_every_way(bench, capsys, monk
     assert "'3y' is not ROWSxCOLUMNS" in capsys.readouterr().err
 
 
+def _packed_digests(docs, T: int, rows: int) -> list[str]:
+    """SHA-256 of each step's inputs and labels, packed here with NumPy: every document with
+    its BOS (50256) back to back, sequence g the window ``[gT, gT + T + 1)`` (inputs its first
+    T, labels its last T), ``rows`` sequences per step, as many steps as one pass holds."""
+    import hashlib
+
+    import numpy as np
+
+    stream = np.concatenate([np.concatenate([[50256], d]).astype(np.int64) for d in docs])
+    steps, out = (len(stream) - 1) // (rows * T), []
+    for step in range(steps):
+        g = np.arange(step * rows, (step + 1) * rows)
+        windows = stream[g[:, None] * T + np.arange(T + 1)]  # (rows, T + 1)
+        out.append(hashlib.sha256(windows[:, :-1].tobytes() + windows[:, 1:].tobytes()).hexdigest())
+    return out
+
+
+def test_data_read_benchmark_packs_documents_as_numpy_does(bench, capsys, monkeypatch) -> None:
+    """benchmarks/data_read.py --reader packed on small corpora: a table row per corpus, T and
+    reader; every reader (data=hf, the naive baseline, token folder, .npy) reads exactly the
+    tokens of a NumPy packing of the documents done here; a reader that reads one wrong token
+    stops the script; the naive baseline stops at its time budget; bad arguments are named with
+    the fix."""
+    from fot.data.streams import HFSource
+
+    data_read = bench["data_read"]
+    args = ["--reader", "packed", "--tokens", "3000", "--short-len", "40", "--rows", "3",
+            "--repeats", "2"]  # fmt: skip
+    results = data_read.main([*args, "--seq-len", "7", "64"])
+    table = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| ")][1:]
+    readers = list(data_read.PACKED_READERS)
+    assert len(readers) == 6 and len(table) == len(results) == 2 * 2 * 6
+    assert [r.split("|")[3].strip() for r in table] == readers * 4
+    for line in table:
+        cells = [c.strip() for c in line.split("|")[1:-1]]
+        assert float(cells[5]) > 0 and float(cells[6]) > 0
+        assert cells[7].endswith("x") == cells[2].startswith("data=hf")
+    for corpus in ("long", "short"):
+        docs = data_read.documents(corpus, 3000, 40)
+        assert sum(map(len, docs)) == 3000 and min(map(len, docs)) >= 1
+        if corpus == "short":  # 20 .. 60 tokens, the last one cut
+            assert len(docs) > 50 and all(20 <= len(d) <= 60 for d in docs[:-1])
+        for T in (7, 64):
+            want = _packed_digests(docs, T, 3)
+            got = [r for r in results if r["corpus"] == corpus and r["seq_len"] == T]
+            assert [r["reader"] for r in got] == readers
+            for r in got:
+                assert r["digests"] == want, (corpus, T, r["reader"])
+                assert r["steps"] == r["of_steps"] == len(want) > 1
+    # the naive baselines stop after their first step when the budget is spent
+    results = data_read.main([*args, "--seq-len", "7", "--naive-s", "1e-9"])
+    assert "| first 1 of " in capsys.readouterr().out
+    naive = [r for r in results if r["reader"].startswith("naive")]
+    assert len(naive) == 4 and all(r["steps"] == 1 < r["of_steps"] for r in naive)
+    # one wrong token in data=hf's fifth step: the other readers disagree with it
+    read = HFSource.read
+
+    def wrong_read(self, start: int, count: int):
+        inputs, labels = read(self, start, count)
+        if start == 4 * count:
+            labels[-1, -1] += 1
+        return inputs, labels
+
+    monkeypatch.setattr(HFSource, "read", wrong_read)
+    with pytest.raises(
+        RuntimeError, match="naive baseline read other tokens than data=hf at step 4"
+    ):
+        data_read.main([*args, "--seq-len", "7"])
+    monkeypatch.undo()
+    for bad, msg in (
+        (["--reader", "packed", "--chunks", "8x64"],
+         "--chunks applies to --reader zarr (the default) only; drop it, or pass --reader zarr"),
+        (["--tokens", "9"], "--tokens applies to --reader packed only"),
+        (["--reader", "packed", "--tokens", "100", "--rows", "4", "--seq-len", "7", "32"],
+         "--tokens 100 is less than one step of --rows 4 x --seq-len 32; give more --tokens"),
+        (["--reader", "packed", "--repeats", "0"], "--repeats must be >= 1, got 0"),
+        (["--seq-len", "64", "128"], "--reader zarr times one --seq-len at a time"),
+        (["--reader", "parquet"], "invalid choice: 'parquet'"),
+    ):  # fmt: skip
+        with pytest.raises(SystemExit):
+            data_read.main(bad)
+        assert msg in capsys.readouterr().err, bad
+
+
 def test_optimizer_step_benchmark_times_every_optimizer_and_compares_the_muons(
     bench, tmp_path, capsys
 ) -> None:

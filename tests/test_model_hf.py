@@ -292,6 +292,59 @@ def test_unsupported_llama_fields_raise(kwargs: dict, match: str) -> None:
         fot.FoTConfig(hidden_size=64, num_heads=4, **kwargs)
 
 
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        # the FoT name at its default value: was dropped silently for the LLaMA name's value
+        ({"num_heads": 12, "num_attention_heads": 8}, "num_heads=12 and num_attention_heads=8"),
+        ({"norm_eps": 1e-6, "rms_norm_eps": 1e-5}, "norm_eps=1e-06 and rms_norm_eps=1e-05"),
+        ({"num_kv_heads": None, "num_key_value_heads": 4}, "num_kv_heads=None and num_key_va"),
+        (
+            {
+                "rope_theta": 500000.0,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 1e4},
+            },
+            r"rope_parameters\['rope_theta'\]=10000.0 and rope_theta=500000.0",
+        ),
+    ],
+)
+def test_a_setting_under_two_names_with_different_values_is_refused(
+    kwargs: dict, match: str
+) -> None:
+    with pytest.raises(ValueError, match=match + ".*pass only"):
+        fot.FoTConfig(hidden_size=768, **kwargs)
+
+
+def test_a_setting_under_two_names_with_equal_values_loads(tmp_path) -> None:
+    """A config.json (written by other tooling, say) may carry both names of a setting; where
+    the values agree it loads, and the config saves and loads as the one with FoT names."""
+    import json
+
+    from transformers import AutoConfig
+
+    both = {
+        "num_heads": 12,
+        "num_attention_heads": 12,
+        "num_kv_heads": None,  # as many as num_heads
+        "num_key_value_heads": 12,
+        "norm_eps": 1e-6,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 500000.0,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
+    }
+    plain = fot.FoTConfig(hidden_size=768).to_dict()
+    (tmp_path / "config.json").write_text(json.dumps({**plain, **both}))
+    loads = (fot.FoTConfig.from_pretrained, AutoConfig.from_pretrained)
+    for cfg in (fot.FoTConfig(hidden_size=768, **both), *(load(tmp_path) for load in loads)):
+        assert (cfg.num_heads, cfg.kv_heads, cfg.norm_eps, cfg.rope_theta) == (12, 12, 1e-6, 5e5)
+    assert fot.FoTConfig.from_dict(cfg.to_dict()).to_dict() == cfg.to_dict()
+    # an override under one name replaces the saved values under both
+    assert fot.FoTConfig.from_pretrained(tmp_path, rms_norm_eps=1e-5).norm_eps == 1e-5
+    (tmp_path / "config.json").write_text(json.dumps({**plain, "num_attention_heads": 8}))
+    with pytest.raises(ValueError, match="num_heads=12 and num_attention_heads=8"):
+        fot.FoTConfig.from_pretrained(tmp_path)
+
+
 # ---------------------------------------------------------------------------------------
 # 6. output_hidden_states / return_dict / output_attentions
 # ---------------------------------------------------------------------------------------

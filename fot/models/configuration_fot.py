@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 import math
 import os
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 from transformers import PretrainedConfig
@@ -28,6 +29,17 @@ IMPLEMENTATION_FIELDS = (
 )
 
 
+class _Unset:
+    """Default of a field that also has a LLaMA name: tells "not passed" from "passed the
+    default value", so that a conflict with the LLaMA name is caught whatever the value."""
+
+    def __repr__(self) -> str:
+        return "<default>"
+
+
+_UNSET: Any = _Unset()
+
+
 class FoTConfig(PretrainedConfig):
     r"""Configuration for :class:`fot.FoTForCausalLM`.
 
@@ -37,9 +49,10 @@ class FoTConfig(PretrainedConfig):
             fast matmuls); padded rows are never predicted.
         hidden_size: model width.
         num_hidden_layers: number of blocks.
-        num_heads: query heads; ``hidden_size % num_heads == 0``, head dim
+        num_heads: query heads (default 12); ``hidden_size % num_heads == 0``, head dim
             ``hidden_size // num_heads``.
-        num_kv_heads: key/value heads (grouped-query attention); ``None`` = ``num_heads``.
+        num_kv_heads: key/value heads (grouped-query attention); ``None`` (the default) =
+            ``num_heads``.
         hidden_ratio: SwiGLU width factor; the MLP width is ``2/3 * hidden_ratio * hidden_size``
             rounded up to a multiple of 256 (LLaMA 4, Pro 3.5 so that parameters match).
         intermediate_size: explicit MLP width (overrides ``hidden_ratio``).
@@ -52,7 +65,7 @@ class FoTConfig(PretrainedConfig):
         decay_time_min, decay_time_max: "long-init" of data-independent gates: per-head decay
             times ``T(b) = 1 / (-log sigmoid(b))`` spaced log-uniformly in ``[min, max]``.
         use_rope: rotary position embedding on q and k (Transformer baselines).
-        rope_theta: RoPE base.
+        rope_theta: RoPE base (default 500000).
         qk_norm: per-head RMSNorm (per-head weights) on q and k.
         qk_norm_eps: epsilon of the QK-norm: 1e-5, as in the paper's code (its q/k norms take
             their class's default, while its other norms take ``norm_eps``).
@@ -77,18 +90,19 @@ class FoTConfig(PretrainedConfig):
         decode_cuda_graphs: ``generate()`` on CUDA uses a fixed-capacity cache and replays its
             one-token decode steps as CUDA graphs (``fot.models.cache.FoTCache``); False: eager
             steps with a growing cache.
-        norm_eps: RMSNorm epsilon.
+        norm_eps: RMSNorm epsilon (default 1e-6).
         initializer_range: std of the N(0, std) init of linear and embedding weights.
 
     LLaMA-named fields are read as their FoT equivalents, as constructor arguments and as
     attributes: ``num_attention_heads`` (``num_heads``), ``num_key_value_heads``
     (``num_kv_heads``; reads give the resolved count :attr:`kv_heads`), ``rms_norm_eps``
     (``norm_eps``), ``rope_parameters={"rope_type": "default", "rope_theta": x}``
-    (``rope_theta``). Fields of features FoT models do not have are refused with a
-    ``ValueError`` rather than stored and ignored: non-zero dropout (``dropout``,
-    ``attention_dropout``, ``hidden_dropout``, ``resid_pdrop``, ...), ``rope_scaling`` or a
-    non-default ``rope_parameters`` type, ``attention_bias`` / ``mlp_bias``, and a
-    ``hidden_act`` other than ``"silu"``.
+    (``rope_theta``). A setting given under two of its names is refused with a ``ValueError``
+    unless the values agree (a saved ``config.json`` may carry both). Fields of features FoT
+    models do not have are refused with a ``ValueError`` rather than stored and ignored:
+    non-zero dropout (``dropout``, ``attention_dropout``, ``hidden_dropout``, ``resid_pdrop``,
+    ...), ``rope_scaling`` or a non-default ``rope_parameters`` type, ``attention_bias`` /
+    ``mlp_bias``, and a ``hidden_act`` other than ``"silu"``.
 
     Keyword overrides given to :meth:`from_pretrained` / :meth:`from_dict` (and so to
     ``AutoConfig`` / ``AutoModelForCausalLM.from_pretrained``) go through the same constructor,
@@ -111,8 +125,8 @@ class FoTConfig(PretrainedConfig):
         pad_vocab_multiple: int = 64,
         hidden_size: int = 768,
         num_hidden_layers: int = 12,
-        num_heads: int = 12,
-        num_kv_heads: int | None = None,
+        num_heads: int = _UNSET,
+        num_kv_heads: int | None = _UNSET,
         hidden_ratio: float = 4.0,
         intermediate_size: int | None = None,
         fgate_type: str = "full",
@@ -120,7 +134,7 @@ class FoTConfig(PretrainedConfig):
         decay_time_min: float = 2.0,
         decay_time_max: float = 16384.0,
         use_rope: bool = False,
-        rope_theta: float = 500000.0,
+        rope_theta: float = _UNSET,
         qk_norm: bool = False,
         qk_norm_eps: float = 1e-5,
         use_k_shift: bool = False,
@@ -133,7 +147,7 @@ class FoTConfig(PretrainedConfig):
         loss_impl: str = "auto",
         loss_chunk_size: int = 2048,
         decode_cuda_graphs: bool = True,
-        norm_eps: float = 1e-6,
+        norm_eps: float = _UNSET,
         initializer_range: float = 0.02,
         max_position_embeddings: int = 65536,
         use_cache: bool = True,
@@ -143,12 +157,16 @@ class FoTConfig(PretrainedConfig):
         tie_word_embeddings: bool = False,
         **kwargs,
     ) -> None:
-        num_kv_heads = _take_alias(kwargs, "kv_heads", "num_kv_heads", num_kv_heads, None)
+        num_heads = _take_alias(kwargs, "num_heads", num_heads, ("num_attention_heads",), 12)
         num_kv_heads = _take_alias(
-            kwargs, "num_key_value_heads", "num_kv_heads", num_kv_heads, None
+            kwargs,
+            "num_kv_heads",
+            num_kv_heads,
+            ("kv_heads", "num_key_value_heads"),
+            None,
+            resolve=lambda n: num_heads if n is None else n,  # None: as many as num_heads
         )
-        norm_eps = _take_alias(kwargs, "rms_norm_eps", "norm_eps", norm_eps, 1e-6)
-        num_heads = _take_alias(kwargs, "num_attention_heads", "num_heads", num_heads, 12)
+        norm_eps = _take_alias(kwargs, "norm_eps", norm_eps, ("rms_norm_eps",), 1e-6)
         rope_theta = _take_rope_parameters(kwargs, rope_theta)
         _refuse_unsupported_fields(kwargs)
         head_dim = kwargs.pop("head_dim", None)
@@ -450,28 +468,51 @@ def merge_overrides(config_dict: dict[str, Any], overrides: dict[str, Any]) -> d
     return merged
 
 
-def _take_alias(kwargs: dict, alias: str, name: str, value: object, default: object) -> object:
-    """Pop the LLaMA-named ``alias`` from ``kwargs``; return the value for the FoT field ``name``.
+def _take_alias(
+    kwargs: dict,
+    name: str,
+    value: Any,
+    aliases: tuple[str, ...],
+    default: Any,
+    *,
+    resolve: Callable[[Any], Any] = lambda v: v,
+) -> Any:
+    """Pop the other names (``aliases``) of the FoT field ``name`` from ``kwargs``; return its
+    value: the one given under any of its names, else ``default``.
+
+    Args:
+        kwargs: the constructor's other keywords.
+        name: the FoT field; ``value`` is its argument, ``_UNSET`` where it was not passed.
+        value: see ``name``.
+        aliases: the field's other names.
+        default: the value where no name was passed.
+        resolve: maps a value to what it means, for comparing (``num_kv_heads=None`` means
+            ``num_heads``).
 
     Raises:
-        ValueError: both names were given (``value`` is not the default) with different values.
+        ValueError: two names were given with values that differ.
     """
-    if alias not in kwargs:
-        return value
-    other = kwargs.pop(alias)
-    if value != default and value != other:
-        raise ValueError(
-            f"{alias}={other!r} and {name}={value!r} name the same setting with different "
-            f"values; pass only {name}"
-        )
-    return other
+    given = {} if value is _UNSET else {name: value}
+    given.update({alias: kwargs.pop(alias) for alias in aliases if alias in kwargs})
+    if not given:
+        return default
+    first, *others = given.values()
+    if any(resolve(other) != resolve(first) for other in others):
+        both = " and ".join(f"{key}={v!r}" for key, v in given.items())
+        raise ValueError(f"{both} name the same setting with different values; pass only {name}")
+    return first
 
 
 def _take_rope_parameters(kwargs: dict, rope_theta: float) -> float:
     """Read ``rope_scaling`` / ``rope_parameters`` (transformers' RoPE fields) from ``kwargs``.
 
+    Args:
+        kwargs: the constructor's other keywords.
+        rope_theta: the ``rope_theta`` argument, ``_UNSET`` where it was not passed.
+
     Returns:
-        The RoPE base to use: ``rope_parameters["rope_theta"]`` when given, else ``rope_theta``.
+        The RoPE base to use: ``rope_parameters["rope_theta"]`` or ``rope_theta``, whichever
+        was given (both: they must agree), else the default 500000.
 
     Raises:
         ValueError: for any RoPE scaling (FoT's RoPE is the default, unscaled one).
@@ -482,9 +523,10 @@ def _take_rope_parameters(kwargs: dict, rope_theta: float) -> float:
             f"rope_scaling={scaling!r} is not supported: FoT models apply plain (unscaled) RoPE "
             "with base rope_theta; remove rope_scaling (or set it to null) and set rope_theta"
         )
+    default = 500000.0 if rope_theta is _UNSET else rope_theta
     params = kwargs.pop("rope_parameters", None)
     if params is None:
-        return rope_theta
+        return default
     if not isinstance(params, dict):
         raise ValueError(f"rope_parameters must be a dict or None, got {params!r}")
     rope_type = params.get("rope_type", params.get("type", "default"))
@@ -494,8 +536,8 @@ def _take_rope_parameters(kwargs: dict, rope_theta: float) -> float:
             f"rope_parameters={params!r} is not supported: FoT models apply plain RoPE (rope_type "
             "'default') with base rope_theta; drop the scaling entries and set rope_theta"
         )
-    theta = params.get("rope_theta", rope_theta)
-    if rope_theta not in (500000.0, theta):  # an explicit rope_theta that disagrees
+    theta = params.get("rope_theta", default)
+    if rope_theta is not _UNSET and rope_theta != theta:  # both given, and they disagree
         raise ValueError(
             f"rope_parameters['rope_theta']={theta!r} and rope_theta={rope_theta!r} differ; "
             "pass only rope_theta"

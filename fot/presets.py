@@ -21,7 +21,7 @@ from typing import Any
 from torch import nn
 from transformers import PretrainedConfig
 
-from fot.models.configuration_fot import FoTConfig, merge_overrides
+from fot.models.configuration_fot import FoTConfig, gate_init_problem, merge_overrides
 from fot.models.fla_baselines import FLA_MODELS, fla_config
 
 SIZES = ("tiny", "125m", "360m", "760m")
@@ -97,42 +97,10 @@ def config(model: str, size: str = "tiny", **overrides: Any) -> PretrainedConfig
     if size == "tiny" and "window_size" in kwargs:
         kwargs["window_size"] = 64  # keep the window smaller than tiny test sequences
     # an override under a LLaMA name (num_attention_heads) replaces the preset's FoT name
-    cfg = FoTConfig(**merge_overrides(kwargs, overrides))
-    _check_gate_init_overrides(model, cfg, overrides)
-    return cfg
-
-
-GATE_INIT_FIELDS = {
-    "fgate_bias_init": ("full",),
-    "decay_time_min": ("bias_only", "fixed"),
-    "decay_time_max": ("bias_only", "fixed"),
-}
-"""Initialisation fields of the forget gate, and the ``fgate_type`` values whose gates read them."""
-
-
-def _check_gate_init_overrides(model: str, cfg: FoTConfig, overrides: Mapping[str, Any]) -> None:
-    """Refuse a gate initialisation that the model's gate does not read (it was stored in the
-    config and ignored: ``fgate_bias_init`` on a fixed gate, in an ablation sweep say); one
-    that leaves the default changes nothing and passes."""
-    defaults = inspect.signature(FoTConfig.__init__).parameters
-    unused = [
-        k
-        for k, v in overrides.items()
-        if cfg.fgate_type not in GATE_INIT_FIELDS.get(k, (cfg.fgate_type,))
-        and v != defaults[k].default
-    ]
-    if unused:
-        gate = (
-            "has no forget gate (fgate_type='none') to initialise with"
-            if cfg.fgate_type == "none"
-            else f"has fgate_type={cfg.fgate_type!r}, whose forget gate does not read"
-        )
-        raise ValueError(
-            f"model {model!r} {gate} {', '.join(unused)}: fgate_bias_init initialises the data-dependent gate "
-            "(fgate_type 'full': fot_pro, fot_llama), decay_time_min/max the per-head decay "
-            "of 'bias_only' and 'fixed' gates (fot_*_bias_only, fot_*_fixed); leave "
-            f"{'it' if len(unused) == 1 else 'them'} out for this model"
-        )
+    kwargs = merge_overrides(kwargs, overrides)
+    if problem := gate_init_problem(kwargs, subject=f"model {model!r}"):  # named the preset
+        raise ValueError(problem)
+    return FoTConfig(**kwargs)
 
 
 # Keywords every transformers config accepts besides its dataclass fields

@@ -1056,7 +1056,9 @@ def test_a_gate_initialisation_the_model_does_not_read_is_refused() -> None:
         ("fot_pro", "decay_time_min", 4.0),
         ("transformer_llama", "fgate_bias_init", 5.0),
     ):
-        with pytest.raises(ValueError, match=rf"^model '{model}' has .*{field}: .*leave it out"):
+        with pytest.raises(
+            ValueError, match=rf"^model '{model}' has .*{field}={value}: .*leave it"
+        ):
             presets.config(model, "tiny", **{field: value})
     # where the gate reads it, the field takes effect
     assert presets.config("fot_pro", "tiny", fgate_bias_init=5.0).fgate_bias_init == 5.0
@@ -1064,6 +1066,36 @@ def test_a_gate_initialisation_the_model_does_not_read_is_refused() -> None:
     assert fixed.decay_time_max == 100.0
     # also when the override itself switches the gate type
     assert presets.config("fot_pro", "tiny", fgate_type="fixed", decay_time_min=4.0).fgate_type
+
+
+def test_fotconfig_refuses_a_gate_initialisation_its_gate_does_not_read(tmp_path) -> None:
+    """FoTConfig itself (the Python API, a config.json) refuses what presets.config refuses; a
+    saved config, which carries every gate field at its default, loads for each gate type."""
+    import json
+
+    from fot import FoTConfig
+
+    for gate, field, value in (
+        ("fixed", "fgate_bias_init", 5.0),
+        ("bias_only", "fgate_bias_init", -1.0),
+        ("full", "decay_time_min", 4.0),
+        ("none", "decay_time_max", 100.0),
+    ):
+        with pytest.raises(ValueError, match=rf"^FoTConfig has .*{field}={value}: .*leave it"):
+            FoTConfig(fgate_type=gate, **{field: value})
+    for gate in ("full", "bias_only", "fixed", "none"):
+        saved = FoTConfig(fgate_type=gate, use_rope=gate == "none").to_dict()
+        assert {"fgate_bias_init", "decay_time_min", "decay_time_max"} <= saved.keys()
+        (tmp_path / "config.json").write_text(json.dumps(saved))
+        assert FoTConfig.from_pretrained(tmp_path).to_dict() == saved
+    # a config.json (edited by hand, say) with such a field, or an override switching the gate
+    (tmp_path / "config.json").write_text(json.dumps({**saved, "fgate_bias_init": 5.0}))
+    with pytest.raises(ValueError, match=r"fgate_type='none'.*fgate_bias_init=5\.0"):
+        FoTConfig.from_pretrained(tmp_path)
+    full = FoTConfig(fgate_bias_init=5.0)
+    with pytest.raises(ValueError, match=r"fgate_type='fixed'.*fgate_bias_init=5\.0"):
+        FoTConfig.from_dict(full.to_dict(), fgate_type="fixed")
+    assert FoTConfig(fgate_type="fixed", decay_time_min=4.0).decay_time_min == 4.0
 
 
 def test_the_export_records_the_text_escaping_of_the_data(hydra_ctx) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import inspect
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 from transformers import PretrainedConfig
@@ -397,6 +397,59 @@ class FoTConfig(PretrainedConfig):
                 f"need decay_time_min <= decay_time_max, got {self.decay_time_min} and "
                 f"{self.decay_time_max}"
             )
+        fields = {name: getattr(self, name) for name in ("fgate_type", *GATE_INIT_FIELDS)}
+        if problem := gate_init_problem(fields, subject="FoTConfig"):
+            raise ValueError(problem)
+
+
+GATE_INIT_FIELDS: dict[str, tuple[str, ...]] = {
+    "fgate_bias_init": ("full",),
+    "decay_time_min": ("bias_only", "fixed"),
+    "decay_time_max": ("bias_only", "fixed"),
+}
+"""Initialisation fields of the forget gate, and the ``fgate_type`` values whose gates read them."""
+
+
+def gate_init_problem(fields: Mapping[str, Any], *, subject: str) -> str | None:
+    """Why ``fields`` set a gate initialisation that the gate does not read, with the fix;
+    ``None`` where they do not.
+
+    Such a field would be stored in the config and ignored (``fgate_bias_init`` on a fixed
+    gate, in an ablation sweep over the gate types, say). One at its default changes nothing
+    and passes: every saved ``config.json`` carries all three fields.
+
+    Args:
+        fields: config fields (a subset will do); ``fgate_type`` is taken as the default
+            (``"full"``) where absent. An unknown ``fgate_type`` is left to
+            :meth:`FoTConfig.validate_fot`.
+        subject: what ``fields`` belong to, to begin the message (``"FoTConfig"``,
+            ``"model 'fot_pro_fixed'"``).
+    """
+    params = inspect.signature(FoTConfig.__init__).parameters
+    fgate_type = fields.get("fgate_type", params["fgate_type"].default)
+    if fgate_type not in FGATE_TYPES:
+        return None
+    unused = [
+        name
+        for name, gates in GATE_INIT_FIELDS.items()
+        if name in fields and fgate_type not in gates and fields[name] != params[name].default
+    ]
+    if not unused:
+        return None
+    gate = (
+        "has no forget gate (fgate_type='none') to initialise with"
+        if fgate_type == "none"
+        else f"has fgate_type={fgate_type!r}, whose forget gate does not read"
+    )
+    given = ", ".join(f"{name}={fields[name]!r}" for name in unused)
+    defaults = ", ".join(f"{name}={params[name].default!r}" for name in unused)
+    return (
+        f"{subject} {gate} {given}: fgate_bias_init initialises the data-dependent gate "
+        "(fgate_type 'full': fot_pro, fot_llama), decay_time_min/max the per-head decay of "
+        "'bias_only' and 'fixed' gates (fot_*_bias_only, fot_*_fixed); leave "
+        f"{'it' if len(unused) == 1 else 'them'} out for this model (or at the default: "
+        f"{defaults})"
+    )
 
 
 # Switches stored as booleans (checked as such by FoTConfig.validate_fot).
@@ -599,9 +652,11 @@ def triton_head_dim_problem(config: FoTConfig, head_dim: int | None = None) -> s
 __all__ = [
     "ATTN_BACKENDS",
     "FGATE_TYPES",
+    "GATE_INIT_FIELDS",
     "LOSS_IMPLS",
     "TRITON_HEAD_DIMS",
     "FoTConfig",
+    "gate_init_problem",
     "merge_overrides",
     "triton_head_dim_problem",
 ]

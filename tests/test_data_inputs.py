@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 import numpy as np
 import pytest
@@ -451,6 +452,108 @@ def test_validating_on_the_training_data_warns(tmp_path, caplog) -> None:
             build_sources(cfg)
         warned = [w for w in _data_warnings(caplog) if "validation measures the training data" in w]
         assert len(warned) == (1 if cfg in same else 0), (cfg.kind, cfg.get("val_path"), warned)
+
+
+# Pairs of (training split, held-out split) of one split "train": slices from its start, from
+# its end, in rows and in percents, disjoint at every length, at some or whenever non-empty.
+SPLIT_PAIRS = [
+    ("train[:-100]", "train[-200:]"),  # share rows of more than 100 rows
+    ("train[:-100]", "train[-100:]"),  # never
+    ("train[:100]", "train[-100:]"),  # of fewer than 200 rows
+    ("train[:-5]", "train[-5:]"),
+    ("train[:-5]", "train[-6:-2]"),
+    ("train[-10:-5]", "train[-5:]"),
+    ("train[5:]", "train[2:8]"),
+    ("train[:90%]", "train[-10%:]"),  # 13.5 and 1.5 both round up: row 13 of 15
+    ("train[-90%:]", "train[:10%]"),  # 1.5 and 13.5: row 1 of 15
+    ("train[:50%]", "train[-50%:]"),
+    ("train[:10%]", "train[-80%:]"),  # never
+    ("train[1%:]", "train[:1%]"),
+    ("train[10%:]", "train[:-90%]"),
+    ("train[:90%]", "train[-5:]"),
+    ("train[10:]", "train[:10%]"),
+    ("train[2:]", "train[:2]"),
+    ("train[:0]", "train"),
+    ("train[-3:]", "train"),
+]
+
+
+@pytest.fixture(scope="module")
+def split_rows(tmp_path_factory):
+    """The oracle: the row ids datasets reads for ``(split expression, split length)``."""
+    import datasets
+
+    folder = tmp_path_factory.mktemp("split_rows")
+    seen: dict[tuple[str, int], set[int]] = {}
+
+    def rows(expr: str, n: int) -> set[int]:
+        if (expr, n) not in seen:
+            files = _jsonl(folder / f"{n}.jsonl", [{"i": i} for i in range(n)])
+            try:
+                ds = datasets.load_dataset(
+                    "json", data_files=files, split=expr, cache_dir=str(folder / "cache")
+                )
+            except ValueError as err:  # datasets refuses a slice that reads no row
+                assert "corresponds to no data" in str(err)
+                seen[expr, n] = set()
+            else:
+                seen[expr, n] = set(ds["i"])
+        return seen[expr, n]
+
+    return rows
+
+
+@pytest.mark.parametrize(("split", "val_split"), SPLIT_PAIRS)
+def test_split_overlap_is_told_as_datasets_reads_the_rows(split_rows, split, val_split) -> None:
+    """Negative and percent slices were taken as disjoint or not told apart (train[:-100] and
+    train[-200:] read rows of one split without a warning). Checked against the rows datasets
+    reads, at lengths where rounding and counting from the end matter: with the split's length
+    known, exactly the rows both read; without it, rows shared for certain only where they are
+    at every length at which neither is empty, rows that may be shared only at a length where
+    they are (the one the message names), and silence only where none are."""
+    from fot.data.loaders import _shared_rows
+
+    lengths = (1, 9, 15, 101, 150, 250)
+    for n in lengths:
+        both = split_rows(split, n) & split_rows(val_split, n)
+        told = _shared_rows(split, val_split, lambda name: [], lambda name, n=n: n)
+        if both:
+            assert told == (f"both read rows {min(both)}-{max(both)} of split train", True), n
+        else:
+            assert told is None, (n, told)
+    told = _shared_rows(split, val_split, lambda name: [])
+    shared = [n for n in lengths if split_rows(split, n) & split_rows(val_split, n)]
+    if told is None:
+        assert not shared
+    elif told[1]:  # certain: at every length where neither is empty
+        for n in lengths:
+            if split_rows(split, n) and split_rows(val_split, n):
+                assert n in shared, (n, told)
+    else:
+        m = re.search(r"of (\d+) rows, both would read rows (\d+)-(\d+)$", told[0])
+        n, lo, hi = map(int, m.groups())
+        assert n <= 1000, told  # a length the oracle can write out
+        assert split_rows(split, n) & split_rows(val_split, n) == set(range(lo, hi + 1)), told
+
+
+def test_split_overlap_warning_knows_the_length_of_the_loaded_split(tmp_path, caplog) -> None:
+    """build_sources compares slices at the length of the split it loaded: train[:90%] and
+    train[-10%:] share a row of 15 rows, none of 9."""
+    warned = {}
+    for n in (9, 15):
+        rows = _jsonl(tmp_path / f"{n}.jsonl", [{"text": f"doc {i} " * 5} for i in range(n)])
+        cfg = _cfg(kind="hf", path="json", hf_data_files=rows, hf_split="train[:90%]",
+                   hf_val_split="train[-10%:]", seq_len=8, val_tokens=16)  # fmt: skip
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            build_sources(cfg)
+        warned[n] = [w for w in _data_warnings(caplog) if "the training data" in w]
+    assert warned[9] == []
+    assert len(warned[15]) == 1
+    assert (
+        "reads rows of data.hf_split=train[:90%] (both read rows 13-13 of split train)"
+        in (warned[15][0])
+    )
 
 
 # ------------------------------------------------------------------ zarr arrays

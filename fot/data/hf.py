@@ -97,6 +97,7 @@ class HFDataset:
                 f"or name the folder that holds the files instead of {path}"
             )
         self._data_files: Any = None
+        self._num_rows: dict[str, int] = {}
         builder = self.guard(
             lambda: datasets.load_dataset_builder(path, name=name, data_files=self.data_files),
             None,
@@ -116,6 +117,11 @@ class HFDataset:
             out += [str(f) for f in self._data_files.get(part.split("[")[0].strip(), [])]
         return out
 
+    def num_rows(self, split: str) -> int | None:
+        """Rows of the split named ``split`` (a name, no slice), as datasets counted them when
+        :meth:`load` prepared the dataset; ``None`` where unknown (streamed, or not loaded)."""
+        return self._num_rows.get(split)
+
     def load(self, split: str) -> Any:
         """``datasets.load_dataset`` of one split (a text loader reads one document per file)."""
         import datasets
@@ -128,7 +134,7 @@ class HFDataset:
             )
 
         extra = {"sample_by": "document"} if self.text_files else {}
-        return self.guard(
+        loaded = self.guard(
             lambda: datasets.load_dataset(
                 self.path,
                 name=self.name,
@@ -139,6 +145,10 @@ class HFDataset:
             ),
             split,
         )
+        if not self.streaming:  # a prepared dataset: its info counts every split's rows
+            splits = getattr(getattr(loaded, "info", None), "splits", None) or {}
+            self._num_rows.update({str(k): int(v.num_examples) for k, v in splits.items()})
+        return loaded
 
     def guard(self, call: Callable[[], _T], split: str | None) -> _T:
         """``call()``, with datasets' failures on input files raised as :meth:`explain` says."""

@@ -7,6 +7,7 @@ import math
 import os
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -369,17 +370,20 @@ def _warn_if_validating_on_training_data(cfg: Any, dataset: Any = None) -> None:
     measure memorisation, not generalisation."""
     if cfg.kind == "hf":
         split, val_split = str(cfg.hf_split), str(cfg.hf_val_split)
-        shared = _shared_rows(split, val_split, dataset.files)
+        shared = _shared_rows(split, val_split, dataset.files, dataset.num_rows)
         if shared is None:
             return
+        how, certain = shared
         _warn(
-            "data.hf_val_split=%s reads rows of data.hf_split=%s (%s): validation measures "
-            "the training data. Hold out a part instead (e.g. data.hf_split='train[1%%:]' "
+            "data.hf_val_split=%s %s data.hf_split=%s (%s): validation %s the training data. "
+            "Hold out a part instead (e.g. data.hf_split='train[1%%:]' "
             "data.hf_val_split='train[:1%%]'), or map a split to other files in "
             "data.hf_data_files",
             val_split,
+            "reads rows of" if certain else "may read rows of",
             split,
-            shared,
+            how,
+            "measures" if certain else "would then measure",
         )
         return
     train = Path(str(cfg.path)).expanduser().resolve()
@@ -396,76 +400,154 @@ def _warn_if_validating_on_training_data(cfg: Any, dataset: Any = None) -> None:
 
 
 _SLICE = re.compile(
-    r"^\s*([^\[\]+]+?)\s*(?:\[\s*(-?\d+%?)?\s*:\s*(-?\d+%?)?\s*\])?\s*(\(\w+\))?\s*$"
+    r"^\s*([^\[\]+]+?)\s*(?:\[\s*(-?\d[\d_]*%?)?\s*:\s*(-?\d[\d_]*%?)?\s*\])?\s*(?:\((\w+)\))?\s*$"
 )
 
 
-def _split_parts(expr: str) -> list[tuple[str, str, float | None, float | None]] | None:
-    """The parts of a datasets split expression (``train[1%:]+validation``) as ``(split,
-    unit, start, stop)``: unit ``%`` (a whole split is 0-100 %) or ``#`` (rows, stop ``inf``
-    at the end); a bound that needs the split's size (a negative row count) is ``None``.
-    ``None`` for an expression this does not read."""
+@dataclass(frozen=True)
+class _SplitPart:
+    """One part of a datasets split expression, ``name[lo:hi](rounding)``.
+
+    ``unit`` is ``"%"`` where either bound has a ``%`` (datasets then reads both as percents),
+    else ``"abs"``; ``lo`` and ``hi`` are the bounds as written (negative: counted from the
+    split's end), ``None`` where left out.
+    """
+
+    name: str
+    unit: str
+    lo: int | None
+    hi: int | None
+    rounding: str | None
+
+    def rows(self, n: int) -> range:
+        """The rows datasets reads of a split of ``n`` rows (none where it refuses the slice,
+        e.g. ``pct1_dropremainder`` rounding of fewer than 100 rows)."""
+        from datasets import ReadInstruction
+
+        try:
+            (rows,) = ReadInstruction(
+                self.name, rounding=self.rounding, from_=self.lo, to=self.hi, unit=self.unit
+            ).to_absolute({self.name: n})
+        except ValueError:
+            return range(0)
+        return range(rows.from_, rows.to)
+
+    def from_first_row(self) -> bool:
+        return self.lo in (None, 0)
+
+    def to_last_row(self) -> bool:
+        # pct1_dropremainder rounds 100% down to a multiple of 1% of the rows
+        return self.hi is None or (
+            self.unit == "%" and self.hi == 100 and self.rounding != "pct1_dropremainder"
+        )
+
+    def whole(self) -> bool:
+        return self.from_first_row() and self.to_last_row()
+
+    def counted_from(self, end: bool) -> tuple[float, float] | None:
+        """``(lo, hi)`` in rows counted from the split's end (``end``: negative, the end 0) or
+        from its start (the end ``inf``), where both bounds count so; else ``None``."""
+        if self.unit != "abs":
+            return None
+        if any((b < 0) != end for b in (self.lo, self.hi) if b is not None):
+            return None
+        lo = self.lo if self.lo is not None else (-math.inf if end else 0)
+        hi = self.hi if self.hi is not None else (0 if end else math.inf)
+        return lo, hi
+
+
+def _split_parts(expr: str) -> list[_SplitPart] | None:
+    """The parts of a datasets split expression (``train[1%:]+validation``); ``None`` for an
+    expression this does not read."""
     out = []
     for part in expr.split("+"):
         m = _SLICE.match(part)
         if m is None:
             return None
-        name, lo, hi = m.group(1), m.group(2), m.group(3)
-        if lo is not None and hi is not None and lo.endswith("%") != hi.endswith("%"):
-            return None
-        unit = "%" if (lo or hi or "%").endswith("%") else "#"
-        end = 100.0 if unit == "%" else math.inf
-        bounds: list[float | None] = []
-        for bound, default in ((lo, 0.0), (hi, end)):
-            if bound is None:
-                bounds.append(default)
-                continue
-            value = float(bound.rstrip("%"))
-            if value < 0:
-                value = value + 100.0 if unit == "%" else None
-            bounds.append(value)
-        out.append((name, unit, bounds[0], bounds[1]))
+        name, lo, hi, rounding = m.groups()
+        unit = "%" if "%" in f"{lo}{hi}" else "abs"
+        bounds = [None if b is None else int(b.rstrip("%")) for b in (lo, hi)]
+        out.append(_SplitPart(name, unit, bounds[0], bounds[1], rounding))
     return out
 
 
-def _shared_rows(split: str, val_split: str, files: Callable[[str], list[str]]) -> str | None:
-    """How the held-out split ``val_split`` reads rows of the training split ``split`` (for the
-    warning), or ``None`` where they are disjoint or this cannot tell.
+def _lengths_to_try(parts: list[_SplitPart]) -> list[int]:
+    """Split lengths at which to look for rows that parts share where the length is not known:
+    every length up to 400 (percents of 200 more rows round alike), each row count written in
+    the parts and the sums of two (where ranges counted from the start and from the end of the
+    split begin or stop overlapping), each +-1, and some large lengths."""
+    counts = {abs(b) for p in parts if p.unit == "abs" for b in (p.lo, p.hi) if b is not None}
+    near = {c + d for c in counts | {a + b for a in counts for b in counts} for d in (-1, 0, 1)}
+    return sorted(set(range(401)) | {n for n in near if n >= 0} | {10**k for k in range(3, 10)})
 
-    Parts of each that name one split share rows where one of them is the whole split, both
-    start at its first row or both end at its last, or their ranges (in one unit) overlap;
-    parts of two splits that ``files`` (the data files behind a split) map to common files
-    share rows where both are whole."""
+
+def _shared_rows(
+    split: str,
+    val_split: str,
+    files: Callable[[str], list[str]],
+    num_rows: Callable[[str], int | None] = lambda name: None,
+) -> tuple[str, bool] | None:
+    """How the held-out split ``val_split`` reads rows of the training split ``split`` (for the
+    warning), as ``(how, certain)``; ``None`` where they are disjoint or this cannot tell.
+
+    Parts of each that name one split are compared row by row, as datasets slices them, where
+    ``num_rows`` (rows of a split by name) knows the split's length. Where it does not, they
+    share rows for certain (whenever neither is empty) where one of them is the whole split,
+    both start at its first row or both end at its last, or both count rows from the same end
+    in ranges that overlap; else they may share rows (``certain`` False) where they do at
+    some length (:func:`_lengths_to_try`), as ``train[:100]`` and ``train[-100:]`` do of fewer
+    than 200 rows, and ``train[:90%]`` and ``train[-10%:]`` of 15 (13.5 and 1.5 both rounded
+    up). (``train[:-100]`` and ``train[-200:]`` share rows for certain: of more than 100 rows,
+    that is whenever the first is not empty.) Parts of two splits that ``files`` (the data files
+    behind a split) map to common files share rows where both are whole."""
     if split == val_split:
-        return "the same split"
+        return "the same split", True
     parts, val_parts = _split_parts(split), _split_parts(val_split)
     if parts is None or val_parts is None:
         return None
+    maybe = None
+    for part in parts:
+        for val in val_parts:
+            if part.name != val.name:
+                if part.whole() and val.whole():
+                    common = sorted(set(files(part.name)) & set(files(val.name)))
+                    if common:
+                        return f"the same files: {', '.join(common[:3])}", True
+                continue
+            name, n = part.name, num_rows(part.name)
+            if n is not None:
+                both = _common(part.rows(n), val.rows(n))
+                if both:
+                    return f"both read rows {both.start}-{both.stop - 1} of split {name}", True
+                continue
+            lengths = [
+                k for k in _lengths_to_try([part, val]) if _common(part.rows(k), val.rows(k))
+            ]
+            if not lengths:
+                continue
+            if part.whole() or val.whole():
+                return f"both read split {name}, one of them whole", True
+            if (part.from_first_row() and val.from_first_row()) or (
+                part.to_last_row() and val.to_last_row()
+            ):
+                return f"both read split {name}, from its first row or to its last", True
+            for end in (False, True):
+                a, b = part.counted_from(end), val.counted_from(end)
+                if a and b and max(a[0], b[0]) < min(a[1], b[1]):
+                    return f"both read split {name}, in ranges that overlap", True
+            if maybe is None:  # named at a length that is not tiny, where there is one
+                k = max([k for k in lengths if k <= 1000] or lengths[:1])
+                both = _common(part.rows(k), val.rows(k))
+                maybe = (
+                    f"depending on the length of split {name}, not known here: of {k} rows, "
+                    f"both would read rows {both.start}-{both.stop - 1}"
+                )
+    return None if maybe is None else (maybe, False)
 
-    def whole(unit: str, lo: float | None, hi: float | None) -> bool:
-        return lo == 0 and hi == (100.0 if unit == "%" else math.inf)
 
-    def empty(lo: float | None, hi: float | None) -> bool:
-        return lo is not None and hi is not None and lo >= hi
-
-    for name, unit, lo, hi in parts:
-        for val_name, val_unit, val_lo, val_hi in val_parts:
-            if name == val_name:
-                if empty(lo, hi) or empty(val_lo, val_hi):
-                    continue
-                if whole(unit, lo, hi) or whole(val_unit, val_lo, val_hi):
-                    return f"both read split {name}, one of them whole"
-                ends = (100.0 if unit == "%" else math.inf, 100.0 if val_unit == "%" else math.inf)
-                if (lo == 0 and val_lo == 0) or (hi, val_hi) == ends:
-                    return f"both read split {name}, from its first row or to its last"
-                known = None not in (lo, hi, val_lo, val_hi)
-                if known and unit == val_unit and max(lo, val_lo) < min(hi, val_hi):
-                    return f"both read split {name}, in ranges that overlap"
-            elif whole(unit, lo, hi) and whole(val_unit, val_lo, val_hi):
-                common = sorted(set(files(name)) & set(files(val_name)))
-                if common:
-                    return f"the same files: {', '.join(common[:3])}"
-    return None
+def _common(a: range, b: range) -> range:
+    """The rows two ranges of step 1 share."""
+    return range(max(a.start, b.start), min(a.stop, b.stop))
 
 
 def _refuse_unused_paths(cfg: Any) -> None:

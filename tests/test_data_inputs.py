@@ -454,6 +454,50 @@ def test_validating_on_the_training_data_warns(tmp_path, caplog) -> None:
         assert len(warned) == (1 if cfg in same else 0), (cfg.kind, cfg.get("val_path"), warned)
 
 
+def test_the_text_loader_hint_for_a_mixed_folder_names_all_its_text_files(tmp_path, capsys) -> None:
+    """A folder of .md and .txt notes: datasets picks its loader by the most common extension
+    (.md: `harbor`) and lists only those files, and the hint named only them: following it
+    left the .txt notes out. The hint now names every kind of text file in the folder (not
+    hidden ones, which datasets does not list, nor other files)."""
+    import shlex
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from fot.data.prepare import iter_hf_texts, main
+    from fot.data.tokens import TokenDocuments
+
+    notes = tmp_path / "notes"
+    (notes / "sub").mkdir(parents=True)
+    (notes / ".trash").mkdir()
+    for i, name in enumerate(["a.md", "b.md", "sub/c.md", "d.txt", "sub/e.txt"]):
+        (notes / name).write_text(f"Note {i}: {name}.\n")
+    (notes / ".trash" / "old.rst").write_text("hidden: datasets does not list it\n")
+    (notes / "picture.png").write_bytes(b"\x89PNG\r\n")
+    out = tmp_path / "tok"
+    assert main(["--hf", str(notes), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "datasets chose its 'harbor' loader for these files (by their extension: .md)" in err
+    hint = err.split("name datasets' text loader and the files: ")[1]
+    assert hint == f"--hf text --data-files '{notes}/**/*.md' '{notes}/**/*.txt'"
+    assert main([*shlex.split(hint), "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert (
+        main([str(notes), "--glob", "*.md", "--glob", "*.txt", "--out", str(tmp_path / "want")])
+        == 0
+    )
+    got, want = TokenDocuments(out), TokenDocuments(tmp_path / "want")
+    assert sorted(map(tuple, got)) == sorted(map(tuple, want)) and len(want) == 5
+    # the same for training on data=hf: a list of patterns, which Hydra reads as one
+    with pytest.raises(ValueError) as info:
+        build_sources(_cfg(kind="hf", path=str(notes), seq_len=8, val_tokens=0))
+    files = f"[{notes}/**/*.md,{notes}/**/*.txt]"
+    assert str(info.value).endswith(f"data.path=text data.hf_data_files='{files}'")
+    (override,) = OverridesParser.create().parse_overrides([f"data.hf_data_files={files}"])
+    texts = list(iter_hf_texts("text", data_files=override.value()))
+    assert sorted(texts) == sorted(f"Note {i}: {n}.\n" for i, n in enumerate(
+        ["a.md", "b.md", "sub/c.md", "d.txt", "sub/e.txt"]))  # fmt: skip
+
+
 # Pairs of (training split, held-out split) of one split "train": slices from its start, from
 # its end, in rows and in percents, disjoint at every length, at some or whenever non-empty.
 SPLIT_PAIRS = [

@@ -42,8 +42,9 @@ class HFDataset:
             (``"data.hf_data_files=<file, pattern or list>"``, ``"--data-files FILE ..."``).
         streaming_option: how messages name the option that sets ``streaming``
             (``"data.streaming=true"``, ``"--streaming"``).
-        loader_hint: how messages name a datasets loader ``{loader}`` reading the files of a
-            pattern ``{files}`` (``"data.path={loader} data.hf_data_files='{files}'"``).
+        loader_hint: how messages name a datasets loader reading files: ``loader_hint(loader,
+            patterns)`` (default :func:`train_py_loader_hint`: ``data.path=text
+            data.hf_data_files='notes/**/*.md'``).
 
     Raises:
         HFDataError: datasets failed on an input file, named with the fix (:meth:`explain`),
@@ -61,7 +62,7 @@ class HFDataset:
         where: str,
         files_option: str,
         streaming_option: str = "data.streaming=true",
-        loader_hint: str = "data.path={loader} data.hf_data_files='{files}'",
+        loader_hint: Callable[[str, list[str]], str] | None = None,
     ) -> None:
         import datasets
 
@@ -72,7 +73,7 @@ class HFDataset:
         self.where = where
         self.files_option = files_option
         self.streaming_option = streaming_option
-        self.loader_hint = loader_hint
+        self.loader_hint = loader_hint or train_py_loader_hint
         self.loader: str | None = None
         """The datasets loader that reads the files (``text``, ``json``, ..., or one that
         datasets chose from a local folder's file extensions)."""
@@ -86,7 +87,7 @@ class HFDataset:
             guess = loader.get(suffixes[-1] if suffixes else "", "text")
             raise HFDataError(
                 f"{where} is a file; datasets reads a file through a loader: "
-                + loader_hint.format(loader=guess, files=path)
+                + self.loader_hint(guess, [path])
             )
         if self.data_files is None and path in _loader_names():
             # datasets then reads the files of the working directory, whatever they hold (a
@@ -214,17 +215,50 @@ class HFDataset:
             # a folder of .md files goes to datasets' `harbor` loader ("No task.toml or
             # instruction.md files found"), images to `imagefolder`, ...: none reads text
             suffixes = sorted({Path(f).suffix or Path(f).name for f in files})
-            pattern = self.path
+            patterns = [self.path]
             if not Path(self.path).expanduser().is_file():
-                pattern = f"{self.path.rstrip('/')}/**/*{suffixes[0] if suffixes else ''}"
+                # every kind of text file the folder holds, not only those datasets picked
+                kinds = _text_suffixes(Path(self.path).expanduser()) or suffixes[:1] or [""]
+                patterns = [f"{self.path.rstrip('/')}/**/*{kind}" for kind in kinds]
             return HFDataError(
                 f"{what}: datasets chose its {self.loader!r} loader for these files (by their "
                 f"extension{'s' if len(suffixes) > 1 else ''}: {', '.join(suffixes) or '?'}), "
                 f"and it failed: {type(cause).__name__}: {cause}. To read text files one "
                 "document per file, name datasets' text loader and the files: "
-                + self.loader_hint.format(loader="text", files=pattern)
+                + self.loader_hint("text", patterns)
             )
         return None
+
+
+def train_py_loader_hint(loader: str, patterns: list[str]) -> str:
+    """``data.path=<loader> data.hf_data_files=...`` for ``train.py``: one pattern, or a list.
+
+    Args:
+        loader: a datasets loader (``text``, ``json``, ...).
+        patterns: the files to read with it (files or glob patterns).
+    """
+    files = patterns[0] if len(patterns) == 1 else f"[{','.join(patterns)}]"
+    return f"data.path={loader} data.hf_data_files='{files}'"
+
+
+_TEXT_SUFFIXES = frozenset((".txt", ".text", ".md", ".markdown", ".rst"))
+"""Extensions of plain text files, covered by a hint to read a folder with the text loader."""
+
+
+def _text_suffixes(folder: Path) -> list[str]:
+    """The extensions (spelt as in the names) of the plain text files under ``folder`` that a
+    pattern ``folder/**/*<ext>`` gives datasets: none hidden, none in a ``__`` folder."""
+    found = set()
+    for f in folder.rglob("*"):
+        parts = f.relative_to(folder).parts
+        if (
+            f.suffix.lower() in _TEXT_SUFFIXES
+            and not any(part.startswith(".") for part in parts)
+            and not any(part.startswith("__") for part in parts[:-1])
+            and f.is_file()
+        ):
+            found.add(f.suffix)
+    return sorted(found)
 
 
 _DATA_LOADERS = frozenset(("text", "json", "csv", "parquet", "arrow", "pandas"))

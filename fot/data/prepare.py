@@ -263,7 +263,9 @@ def iter_hf_texts(
         where=f"dataset {path}",
         files_option="--data-files FILE ...",
         streaming_option="--streaming",
-        loader_hint="--hf {loader} --data-files '{files}'",
+        loader_hint=lambda loader, files: (
+            f"--hf {loader} --data-files " + " ".join(f"'{f}'" for f in files)
+        ),
     )
     rows = dataset.guard(lambda: iter(dataset.load(split)), split)
     nulls = 0

@@ -498,6 +498,49 @@ def test_the_text_loader_hint_for_a_mixed_folder_names_all_its_text_files(tmp_pa
         ["a.md", "b.md", "sub/c.md", "d.txt", "sub/e.txt"]))  # fmt: skip
 
 
+def test_a_folder_read_as_text_warns_of_the_text_files_datasets_leaves_out(
+    tmp_path, capsys, caplog
+) -> None:
+    """A folder of as many .txt as .md notes (or more): datasets picks its text loader by the
+    most common extension and reads the .txt files alone, without a word: half the notes never
+    trained. Now a warning names the files left out and the hint that reads them all; a folder
+    of one kind of text file gets none."""
+    import shlex
+
+    from fot.data.prepare import iter_hf_texts, main
+
+    notes = tmp_path / "notes"
+    (notes / "sub").mkdir(parents=True)
+    names = ["a.md", "sub/b.md", "c.txt", "sub/d.txt", "e.txt"]
+    for i, name in enumerate(names):
+        (notes / name).write_text(f"Note {i}: {name}.\n")
+    (notes / ".hidden.md").write_text("datasets does not list hidden files\n")
+    every = sorted(f"Note {i}: {n}.\n" for i, n in enumerate(names))
+    assert sorted(iter_hf_texts(str(notes))) == [t for t in every if ".txt" in t]  # as datasets
+    err = capsys.readouterr().err
+    assert f"datasets reads the 3 .txt file(s) of this folder as text and leaves out 2 other " \
+        f"text file(s) ({notes}/a.md, {notes}/sub/b.md)" in err  # fmt: skip
+    hint = err.split("To read them too: ")[1].strip()
+    assert hint == f"--hf text --data-files '{notes}/**/*.md' '{notes}/**/*.txt'"
+    assert main([*shlex.split(hint), "--out", str(tmp_path / "tok")]) == 0
+    assert sorted(iter_hf_texts("text", data_files=shlex.split(hint)[3:])) == every
+    assert "leaves out" not in capsys.readouterr().err  # the hint's files: all read
+    # data=hf in train.py: the same warning, with train.py's hint
+    caplog.set_level(logging.WARNING, logger="fot.data")
+    build_sources(_cfg(kind="hf", path=str(notes), seq_len=4, val_tokens=0))
+    (warning,) = [r.getMessage() for r in caplog.records if "leaves out" in r.getMessage()]
+    assert warning.endswith(
+        f"data.path=text data.hf_data_files='[{notes}/**/*.md,{notes}/**/*.txt]'"
+    )
+    # one kind of text file: nothing left out, no warning
+    for name in ("a.md", "sub/b.md"):
+        (notes / name).unlink()
+    caplog.clear()
+    assert sorted(iter_hf_texts(str(notes))) == [t for t in every if ".txt" in t]
+    build_sources(_cfg(kind="hf", path=str(notes), seq_len=4, val_tokens=0))
+    assert "leaves out" not in capsys.readouterr().err + caplog.text
+
+
 # Pairs of (training split, held-out split) of one split "train": slices from its start, from
 # its end, in rows and in percents, disjoint at every length, at some or whenever non-empty.
 SPLIT_PAIRS = [

@@ -6,6 +6,9 @@ Two things differ from a plain ``datasets.load_dataset`` call:
   folder of ``.txt`` files that datasets reads as text), every file is one document
   (``sample_by="document"``), as with ``python -m fot.data.prepare <folder>``; datasets'
   default would make every line a document and drop the newlines.
+* Where datasets reads a local folder as text but only the files of its most common text
+  extension (of ``.txt`` and ``.md`` notes, the ``.txt``), :meth:`HFDataset.left_out_text_files`
+  names the others and the data files that read them all, for a warning.
 * datasets' failures on bad input files (a bare ``StopIteration`` for empty files, a
   ``DatasetGenerationError`` around a ``UnicodeDecodeError``) become one :class:`HFDataError` that
   names the file and the fix.
@@ -107,6 +110,34 @@ class HFDataset:
         self.text_files = builder.name == "text"
         """True when datasets reads the files as plain text: loaded one document per file."""
         self._data_files = getattr(builder.config, "data_files", None)
+
+    def left_out_text_files(self) -> str | None:
+        """A warning where datasets, given a local folder, reads it as text but leaves out
+        text files of another kind (it reads the extension most files have: of a folder of
+        ``.txt`` and ``.md`` files, only the ``.txt``), naming them and the loader hint that
+        reads them all; ``None`` otherwise (data files given, or none left out)."""
+        folder = Path(self.path).expanduser()
+        if self.data_files is not None or not self.text_files or not folder.is_dir():
+            return None
+        read = {Path(f).resolve() for split in (self._data_files or {}).values() for f in split}
+        kinds = _text_suffixes(folder)
+        left = sorted(
+            f
+            for kind in kinds
+            for f in folder.rglob(f"*{kind}")
+            if f.is_file() and _datasets_sees(f, folder) and f.resolve() not in read
+        )
+        if not left:
+            return None
+        shown = ", ".join(str(f) for f in left[:3]) + (
+            f" and {len(left) - 3} more" if len(left) > 3 else ""
+        )
+        patterns = [f"{self.path.rstrip('/')}/**/*{kind}" for kind in kinds]
+        return (
+            f"{self.where}: datasets reads the {len(read)} {', '.join(_kinds(read))} file(s) of "
+            f"this folder as text and leaves out {len(left)} other text file(s) ({shown}). To "
+            f"read them too: {self.loader_hint('text', patterns)}"
+        )
 
     def files(self, split: str) -> list[str]:
         """The data files behind a split expression (``train``, ``train[:1%]``,
@@ -250,15 +281,23 @@ def _text_suffixes(folder: Path) -> list[str]:
     pattern ``folder/**/*<ext>`` gives datasets: none hidden, none in a ``__`` folder."""
     found = set()
     for f in folder.rglob("*"):
-        parts = f.relative_to(folder).parts
-        if (
-            f.suffix.lower() in _TEXT_SUFFIXES
-            and not any(part.startswith(".") for part in parts)
-            and not any(part.startswith("__") for part in parts[:-1])
-            and f.is_file()
-        ):
+        if f.suffix.lower() in _TEXT_SUFFIXES and _datasets_sees(f, folder) and f.is_file():
             found.add(f.suffix)
     return sorted(found)
+
+
+def _datasets_sees(f: Path, folder: Path) -> bool:
+    """Whether a pattern ``folder/**/*`` gives datasets the file ``f``: not hidden, not in a
+    ``__`` folder."""
+    parts = f.relative_to(folder).parts
+    return not any(part.startswith(".") for part in parts) and not any(
+        part.startswith("__") for part in parts[:-1]
+    )
+
+
+def _kinds(files: set[Path]) -> list[str]:
+    """The extensions of ``files``, sorted."""
+    return sorted({f.suffix or f.name for f in files})
 
 
 _DATA_LOADERS = frozenset(("text", "json", "csv", "parquet", "arrow", "pandas"))

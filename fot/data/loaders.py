@@ -311,7 +311,7 @@ def _hf_dataset(cfg: Any) -> Any:
             f"data.hf_data_files={files!r}: give a file or pattern, a list of them, or a "
             "split mapping such as {train: a.jsonl}"
         )
-    return HFDataset(
+    dataset = HFDataset(
         cfg.path,
         name=cfg.hf_name,
         data_files=files,
@@ -319,6 +319,9 @@ def _hf_dataset(cfg: Any) -> Any:
         where=f"data.path={cfg.path}",
         files_option="data.hf_data_files=<file, pattern or list>",
     )
+    if left_out := dataset.left_out_text_files():
+        _warn("%s", left_out)
+    return dataset
 
 
 def _hf_source(cfg: Any, dataset: Any, split: str, *, count: int | None = None) -> HFSource:

@@ -267,6 +267,8 @@ def iter_hf_texts(
             f"--hf {loader} --data-files " + " ".join(f"'{f}'" for f in files)
         ),
     )
+    if left_out := dataset.left_out_text_files():
+        _warn(left_out)
     rows = dataset.guard(lambda: iter(dataset.load(split)), split)
     nulls = 0
     for n in itertools.count():

@@ -16,6 +16,7 @@ import functools
 import importlib.util
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -337,6 +338,38 @@ def test_samba_mamba_layers_have_the_papers_mlps_and_init() -> None:
         assert _is_uniform(mixer.dt_proj.weight, rank**-0.5)
         assert torch.equal(mixer.A_log, torch.log(torch.arange(1.0, 17)).expand(inner, 16))
     assert _is_uniform(m.lm_head.weight, 1 / math.sqrt(hidden))
+
+
+@pytest.mark.parametrize("value", [0, -3, 0.0, float("nan"), float("inf"), "3", True])
+def test_a_samba_mamba_hidden_ratio_that_builds_no_mlp_is_refused_with_the_fix(
+    value, tmp_path
+) -> None:
+    """mamba_hidden_ratio is fot's field, not FLA's: a value that gives no MLP width was taken
+    by the config and failed while the model was built (0: IndexError in the init; "3": a
+    TypeError; NaN: a ValueError of int()) or, for true, built MLPs of ratio 1. The config
+    refuses it, naming the value and the fix, also when config.json holds it."""
+    from transformers import AutoConfig
+
+    from fot.models.fla_baselines import register_auto_classes
+
+    message = rf"^mamba_hidden_ratio={re.escape(repr(value))}: it must be a positive number .*null"
+    with pytest.raises(ValueError, match=message):
+        presets.config("samba", "tiny", attn=None, mamba_hidden_ratio=value)
+    register_auto_classes()
+    good = presets.config("samba", "tiny", attn=None)
+    good.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["mamba_hidden_ratio"] == 3
+    saved["mamba_hidden_ratio"] = value
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    with pytest.raises(ValueError, match=message):
+        AutoConfig.from_pretrained(tmp_path)
+    # the ones that build: a ratio, a fractional one, and null (FLA's widths)
+    for ok in (2, 2.5, None):
+        assert (
+            presets.config("samba", "tiny", attn=None, mamba_hidden_ratio=ok).mamba_hidden_ratio
+            == ok
+        )
 
 
 def _paper_samba_params(hidden: int, layers: int, attn_layers: int, vocab: int = 50257) -> int:

@@ -142,6 +142,20 @@ def fla_config(model: str, size: str, **overrides: Any) -> PretrainedConfig:
 _CONFIGS: dict[str, type] = {}
 
 
+def _check_mamba_hidden_ratio(value: Any) -> None:
+    """Refuse a Samba ``mamba_hidden_ratio`` that builds no MLP (0, negative, not a number):
+    it would fail deep inside the model's construction or initialisation otherwise."""
+    if value is None:
+        return
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not (number and math.isfinite(value) and value > 0):
+        raise ValueError(
+            f"mamba_hidden_ratio={value!r}: it must be a positive number (the width factor of "
+            "the MLPs after Mamba layers; the paper's Samba: 3) or null (hidden_ratio's width, "
+            "FLA's Samba), e.g. ++model.overrides.mamba_hidden_ratio=3"
+        )
+
+
 def fla_config_class(name: str) -> type:
     """fot's subclass of FLA's config class for baseline ``name`` (cached).
 
@@ -169,6 +183,7 @@ def fla_config_class(name: str) -> type:
                 # hidden_ratio, FLA's Samba, as in folders exported before the field);
                 # hidden_ratio stays that of the MLPs after attention layers (_SambaMLPs)
                 __base.__init__(self, *args, **kwargs)
+                _check_mamba_hidden_ratio(mamba_hidden_ratio)
                 self.mamba_hidden_ratio = mamba_hidden_ratio
 
         else:

@@ -471,6 +471,59 @@ def test_export_names_a_checkpoint_whose_weights_are_of_another_model(
     assert not (tmp_path / "out").exists()
 
 
+def _samba_checkpoint(folder: Path, source_run: Path, **fields) -> Path:
+    """A training checkpoint of a Samba without attention layers (no flash-attn here; FLA's
+    models do not train on the CPU): the source run's folder with its trainer.json naming
+    model=samba and model.pt holding a Samba of ``fields``."""
+    ckpt = folder / "step_00000004"
+    shutil.copytree(source_run / "checkpoints" / "step_00000004", ckpt)
+    state = json.loads((ckpt / "trainer.json").read_text())
+    state["config"]["model"] = {"name": "samba", "overrides": {"attn": None}}
+    (ckpt / "trainer.json").write_text(json.dumps(state))
+    torch.manual_seed(0)
+    samba = presets.build_model(presets.config("samba", "tiny", attn=None, **fields))
+    torch.save(samba.state_dict(), ckpt / "model.pt")
+    return ckpt
+
+
+def test_a_samba_checkpoint_of_an_older_fot_is_named_by_export_and_init_from(
+    tmp_path, source_run, capsys
+) -> None:
+    """Before mamba_hidden_ratio, fot's Samba had FLA's MLP width (hidden_ratio 4) after its
+    Mamba layers too: such a checkpoint (trainer.json without the field) does not fit the
+    model this fot builds. Resuming names that cause; python -m fot.export and init_from said
+    the folder mixes files of different runs (and init_from: "export it again", which fails
+    the same way). They name the older Samba and the way out; other shapes keep the old
+    message."""
+    from fot.export import main as export_main
+
+    older = _samba_checkpoint(tmp_path / "older", source_run, mamba_hidden_ratio=None)
+    assert export_main([str(older), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "holds a Samba of an older fot, whose MLPs after Mamba layers have FLA's width " in err
+    assert "(hidden_ratio=4); this fot builds them with mamba_hidden_ratio=3" in err
+    assert "with the fot version that wrote it (python -m fot.export CHECKPOINT OUT)" in err
+    assert "mixes files" not in err and not (tmp_path / "out").exists()
+    source = read_init_source(older)
+    run = presets.config("samba", "tiny", attn=None)
+    check_init_source(source, run)  # the same config: trainer.json says nothing of the widths
+    with pytest.raises(InitFromError, match=(
+        rf"^init_from={re.escape(str(older))} holds a Samba of an older fot, .*pass that export "
+        r"as init_from, with \+\+model.overrides.mamba_hidden_ratio=null$"
+    )):  # fmt: skip
+        load_init_weights(source, presets.build_model(run))
+    # a Samba of another size beside that trainer.json: files of two runs, as before
+    wider = _samba_checkpoint(tmp_path / "wider", source_run, hidden_size=256)
+    assert export_main([str(wider), str(tmp_path / "out")]) == 2
+    assert "the folder mixes files of different runs" in capsys.readouterr().err
+    with pytest.raises(InitFromError, match="the folder mixes files of different models"):
+        load_init_weights(read_init_source(wider), presets.build_model(run))
+    # and this fot's own Samba checkpoint exports, with its widths in config.json
+    current = _samba_checkpoint(tmp_path / "current", source_run)
+    assert export_main([str(current), str(tmp_path / "out")]) == 0
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["mamba_hidden_ratio"] == 3
+
+
 def test_fot_eval_names_the_export_command_for_a_training_checkpoint(source_run) -> None:
     from fot.eval.common import load_checkpoint
 

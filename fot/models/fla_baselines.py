@@ -14,6 +14,7 @@ FLA kernels need Triton (a CUDA GPU, or ``TRITON_INTERPRET=1`` on CPU, which is 
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib
 import importlib.util
 import itertools
@@ -21,6 +22,7 @@ import json
 import math
 import os
 import warnings
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -645,6 +647,36 @@ def build_fla_model(config: PretrainedConfig) -> torch.nn.Module:
     return fla_model_class(name)(config)
 
 
+def older_samba_widths(config: PretrainedConfig, shapes: Mapping[str, Sequence[int]]) -> bool:
+    """Whether weights of these shapes are the Samba of ``config`` as fot built it before
+    ``mamba_hidden_ratio``: FLA's MLP width (``hidden_ratio``) after the Mamba layers too.
+
+    Such weights (a training checkpoint of an older fot, whose trainer.json has no
+    ``mamba_hidden_ratio``) do not fit the model ``config`` builds now; callers name the cause
+    instead of calling the folder a mix of two runs' files.
+
+    Args:
+        config: the model config the weights were read for.
+        shapes: weight name -> shape of the weights that did not load.
+
+    Returns:
+        True if ``config`` is a Samba whose ``mamba_hidden_ratio`` gives other widths than
+        ``hidden_ratio`` and ``shapes`` are exactly those of the same Samba with FLA's widths.
+    """
+    ratio = getattr(config, "mamba_hidden_ratio", None)
+    if type(config).__name__ != "FoTSambaConfig" or ratio in (None, config.hidden_ratio):
+        return False
+    older = copy.deepcopy(config)
+    older.mamba_hidden_ratio = None
+    try:
+        with torch.device("meta"):
+            model = build_fla_model(older)
+    except ImportError:  # flash-attn missing: the caller could not build the model either
+        return False
+    want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    return want == {k: tuple(v) for k, v in shapes.items()}
+
+
 def __getattr__(name: str) -> type:
     # Lazy module attributes FoTMamba2ForCausalLM, FoTMamba2Config etc., so that exported
     # auto_map shims can import them.
@@ -663,6 +695,7 @@ __all__ = [
     "fla_config",
     "fla_config_class",
     "fla_model_class",
+    "older_samba_widths",
     "paper_init_",
     "register_auto_classes",
 ]

@@ -369,6 +369,17 @@ def load_init_weights(source: InitSource, model: nn.Module) -> None:
         )
         if names
     ]
+    if problems and source.kind == "checkpoint":
+        from fot.models.fla_baselines import older_samba_widths
+
+        if older_samba_widths(source.config, {k: v.shape for k, v in state.items()}):
+            raise InitFromError(
+                f"init_from={source.path} holds a Samba of an older fot, whose MLPs after Mamba "
+                f"layers have FLA's width (hidden_ratio={source.config.hidden_ratio}); this fot "
+                f"builds them with mamba_hidden_ratio={source.config.mamba_hidden_ratio}. Export "
+                "it with the fot version that wrote it (python -m fot.export CHECKPOINT OUT) "
+                "and pass that export as init_from, with ++model.overrides.mamba_hidden_ratio=null"
+            )
     if problems:
         raise InitFromError(
             f"init_from={source.path}: its weights do not fit the model of its own config "

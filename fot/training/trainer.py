@@ -480,6 +480,16 @@ def export_checkpoint(path: str | os.PathLike, out: str | os.PathLike) -> Path:
     try:
         model = _cpu_model(hf_config, state)
     except RuntimeError as err:  # trainer.json of one run beside model.pt of another
+        from fot.models.fla_baselines import older_samba_widths
+
+        if older_samba_widths(hf_config, {k: v.shape for k, v in state.items()}):
+            raise ckpt.CorruptCheckpointError(
+                f"checkpoint {path} holds a Samba of an older fot, whose MLPs after Mamba "
+                f"layers have FLA's width (hidden_ratio={hf_config.hidden_ratio}); this fot "
+                f"builds them with mamba_hidden_ratio={hf_config.mamba_hidden_ratio}. Export it "
+                "with the fot version that wrote it (python -m fot.export CHECKPOINT OUT): "
+                "that export loads here with its widths"
+            ) from None
         raise ckpt.CorruptCheckpointError(
             f"checkpoint {path}: model.pt does not fit the model its trainer.json describes "
             f"({str(err)[:300]}); the folder mixes files of different runs"

@@ -189,6 +189,33 @@ def test_activation_checkpointing_gives_the_same_losses(tmp_path, reference_run)
     assert _losses(out) == {1: reference_run[1], 2: reference_run[2]}
 
 
+def test_a_compiled_run_resumes_exactly_and_its_checkpoints_load_without_compile(
+    tmp_path,
+) -> None:
+    """parallel.compile=true compiles each block in place (``Module.compile``), so the weights
+    keep their names (no ``_orig_mod.``): a compiled run stopped by SIGTERM resumes compiled to
+    the same losses as an uninterrupted compiled run, and its checkpoint resumes without
+    compile too (losses within rounding: compiled kernels round otherwise than eager ones)."""
+    from fot import presets
+    from fot.training.trainer import model_config_from_train_config
+
+    compiled = ("parallel.compile=true", "total_tokens=768", "data.val_tokens=0")
+    ref, out, eager = tmp_path / "ref", tmp_path / "run", tmp_path / "eager"
+    train(_cfg(ref, *compiled))
+    with pytest.raises(TrainingStopped), pytest.MonkeyPatch.context() as mp:
+        mp.setenv(FAULT_ENV, "sigterm_after_step:1")  # SIGTERM while in step 2
+        train(_cfg(out, *compiled))
+    assert sorted(_losses(out)) == [1, 2]
+    train(_cfg(out, *compiled))  # resume=auto picks step 2
+    assert _losses(out) == _losses(ref)  # exact float equality, every step
+    ckpt = out / "checkpoints" / "step_00000002"
+    saved = torch.load(ckpt / "model.pt", weights_only=True)
+    plain = set(presets.build_model(model_config_from_train_config(_cfg(out))).state_dict())
+    assert set(saved) == plain, sorted(set(saved) ^ plain)
+    train(_cfg(eager, "total_tokens=768", "data.val_tokens=0", f"resume={ckpt}"))
+    assert _losses(eager)[3] == pytest.approx(_losses(ref)[3], rel=1e-5)
+
+
 def test_profiled_run_writes_summary_and_trains_the_same(tmp_path, reference_run, caplog) -> None:
     """``profile.steps=1`` profiles the second step; the losses equal the unprofiled run's.
     The summary's ``first_step`` is the run's step number, as in the log, also after a resume

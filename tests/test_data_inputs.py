@@ -643,6 +643,37 @@ def test_split_overlap_warning_knows_the_length_of_the_loaded_split(tmp_path, ca
     )
 
 
+def test_split_overlap_warning_sees_two_split_names_over_the_same_files(tmp_path, caplog) -> None:
+    """data.hf_data_files mapping two split names to the same file: training on all of it and
+    validating on a slice under the other name (train and validation[:10%]), or on slices of
+    both that overlap, was taken for held-out data without a word. The same files in the same
+    order are the same rows under both names; a whole split reads every row of its files."""
+    a = _jsonl(tmp_path / "a.jsonl", [{"text": f"doc a{i} " * 5} for i in range(20)])
+    b = _jsonl(tmp_path / "b.jsonl", [{"text": f"doc b{i} " * 5} for i in range(20)])
+    same, two = {"train": a, "validation": a}, {"train": [a, b], "validation": [b]}
+    cases = [
+        (same, "train", "validation[:10%]", "(the same files: "),
+        (same, "train[:90%]", "validation[:10%]",
+         "(both read rows 0-1 of splits train and validation, which read the same files)"),
+        (same, "train[:-3]", "validation[-5:]", "both read rows 15-16 of splits train and"),
+        (two, "train", "validation[:50%]", f"(the same files: {b})"),
+        (same, "train[:90%]", "validation[90%:]", None),  # disjoint rows of the one file
+        (two, "train[:50%]", "validation[:50%]", None),  # rows of a, rows of b
+        ({"train": a, "validation": b}, "train", "validation[:10%]", None),
+    ]  # fmt: skip
+    for files, split, val_split, warning in cases:
+        cfg = _cfg(kind="hf", path="json", hf_data_files=files, hf_split=split,
+                   hf_val_split=val_split, seq_len=8, val_tokens=16)  # fmt: skip
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            build_sources(cfg)
+        warned = [w for w in _data_warnings(caplog) if "the training data" in w]
+        if warning is None:
+            assert warned == [], (split, val_split, warned)
+        else:
+            assert len(warned) == 1 and warning in warned[0], (split, val_split, warned)
+
+
 # ------------------------------------------------------------------ zarr arrays
 
 

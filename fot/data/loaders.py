@@ -502,7 +502,9 @@ def _shared_rows(
     than 200 rows, and ``train[:90%]`` and ``train[-10%:]`` of 15 (13.5 and 1.5 both rounded
     up). (``train[:-100]`` and ``train[-200:]`` share rows for certain: of more than 100 rows,
     that is whenever the first is not empty.) Parts of two splits that ``files`` (the data files
-    behind a split) map to common files share rows where both are whole."""
+    behind a split) maps to the same list of files are compared so too: datasets reads the same
+    rows under both names. Parts of two splits that share files share rows where both are
+    whole, or one is whole and the other's files are all among its files."""
     if split == val_split:
         return "the same split", True
     parts, val_parts = _split_parts(split), _split_parts(val_split)
@@ -511,17 +513,25 @@ def _shared_rows(
     maybe = None
     for part in parts:
         for val in val_parts:
+            where = f"split {part.name}"
             if part.name != val.name:
-                if part.whole() and val.whole():
-                    common = sorted(set(files(part.name)) & set(files(val.name)))
-                    if common:
-                        return f"the same files: {', '.join(common[:3])}", True
-                continue
-            name, n = part.name, num_rows(part.name)
+                ours, theirs = files(part.name), files(val.name)
+                common = sorted(set(ours) & set(theirs))
+                # a whole split reads every row of its files, those of the other split's too
+                if common and (
+                    (part.whole() and (val.whole() or set(theirs) <= set(ours)))
+                    or (val.whole() and set(ours) <= set(theirs))
+                ):
+                    return f"the same files: {', '.join(common[:3])}", True
+                if not ours or ours != theirs:
+                    continue
+                # the same files in the same order: both names read the same rows
+                where = f"splits {part.name} and {val.name}, which read the same files"
+            n = num_rows(part.name)
             if n is not None:
                 both = _common(part.rows(n), val.rows(n))
                 if both:
-                    return f"both read rows {both.start}-{both.stop - 1} of split {name}", True
+                    return f"both read rows {both.start}-{both.stop - 1} of {where}", True
                 continue
             lengths = [
                 k for k in _lengths_to_try([part, val]) if _common(part.rows(k), val.rows(k))
@@ -529,20 +539,20 @@ def _shared_rows(
             if not lengths:
                 continue
             if part.whole() or val.whole():
-                return f"both read split {name}, one of them whole", True
+                return f"both read {where}, one of them whole", True
             if (part.from_first_row() and val.from_first_row()) or (
                 part.to_last_row() and val.to_last_row()
             ):
-                return f"both read split {name}, from its first row or to its last", True
+                return f"both read {where}, from its first row or to its last", True
             for end in (False, True):
                 a, b = part.counted_from(end), val.counted_from(end)
                 if a and b and max(a[0], b[0]) < min(a[1], b[1]):
-                    return f"both read split {name}, in ranges that overlap", True
+                    return f"both read {where}, in ranges that overlap", True
             if maybe is None:  # named at a length that is not tiny, where there is one
                 k = max([k for k in lengths if k <= 1000] or lengths[:1])
                 both = _common(part.rows(k), val.rows(k))
                 maybe = (
-                    f"depending on the length of split {name}, not known here: of {k} rows, "
+                    f"depending on the length of {where}, not known here: of {k} rows, "
                     f"both would read rows {both.start}-{both.stop - 1}"
                 )
     return None if maybe is None else (maybe, False)

@@ -120,13 +120,9 @@ class HFDataset:
         if self.data_files is not None or not self.text_files or not folder.is_dir():
             return None
         read = {Path(f).resolve() for split in (self._data_files or {}).values() for f in split}
-        kinds = _text_suffixes(folder)
-        left = sorted(
-            f
-            for kind in kinds
-            for f in folder.rglob(f"*{kind}")
-            if f.is_file() and _datasets_sees(f, folder) and f.resolve() not in read
-        )
+        texts = _text_files(folder)
+        kinds = sorted({f.suffix for f in texts})
+        left = [f for f in texts if f.resolve() not in read]
         if not left:
             return None
         shown = ", ".join(str(f) for f in left[:3]) + (
@@ -134,7 +130,8 @@ class HFDataset:
         )
         patterns = [f"{self.path.rstrip('/')}/**/*{kind}" for kind in kinds]
         return (
-            f"{self.where}: datasets reads the {len(read)} {', '.join(_kinds(read))} file(s) of "
+            f"{self.where}: datasets reads the {len(read)} "
+            f"{', '.join(sorted({f.suffix or f.name for f in read}))} file(s) of "
             f"this folder as text and leaves out {len(left)} other text file(s) ({shown}). To "
             f"read them too: {self.loader_hint('text', patterns)}"
         )
@@ -276,28 +273,27 @@ _TEXT_SUFFIXES = frozenset((".txt", ".text", ".md", ".markdown", ".rst"))
 """Extensions of plain text files, covered by a hint to read a folder with the text loader."""
 
 
-def _text_suffixes(folder: Path) -> list[str]:
-    """The extensions (spelt as in the names) of the plain text files under ``folder`` that a
-    pattern ``folder/**/*<ext>`` gives datasets: none hidden, none in a ``__`` folder."""
-    found = set()
-    for f in folder.rglob("*"):
-        if f.suffix.lower() in _TEXT_SUFFIXES and _datasets_sees(f, folder) and f.is_file():
-            found.add(f.suffix)
-    return sorted(found)
+def _text_files(folder: Path) -> list[Path]:
+    """The plain text files under ``folder`` (sorted) that a pattern ``folder/**/*<ext>`` gives
+    datasets: none hidden, none in a ``__`` folder."""
 
+    def seen(f: Path) -> bool:
+        parts = f.relative_to(folder).parts
+        return not any(part.startswith(".") for part in parts) and not any(
+            part.startswith("__") for part in parts[:-1]
+        )
 
-def _datasets_sees(f: Path, folder: Path) -> bool:
-    """Whether a pattern ``folder/**/*`` gives datasets the file ``f``: not hidden, not in a
-    ``__`` folder."""
-    parts = f.relative_to(folder).parts
-    return not any(part.startswith(".") for part in parts) and not any(
-        part.startswith("__") for part in parts[:-1]
+    return sorted(
+        f
+        for f in folder.rglob("*")
+        if f.suffix.lower() in _TEXT_SUFFIXES and seen(f) and f.is_file()
     )
 
 
-def _kinds(files: set[Path]) -> list[str]:
-    """The extensions of ``files``, sorted."""
-    return sorted({f.suffix or f.name for f in files})
+def _text_suffixes(folder: Path) -> list[str]:
+    """The extensions (spelt as in the names) of the plain text files under ``folder`` that
+    datasets lists (:func:`_text_files`)."""
+    return sorted({f.suffix for f in _text_files(folder)})
 
 
 _DATA_LOADERS = frozenset(("text", "json", "csv", "parquet", "arrow", "pandas"))

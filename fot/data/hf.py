@@ -275,12 +275,16 @@ _TEXT_SUFFIXES = frozenset((".txt", ".text", ".md", ".markdown", ".rst"))
 
 def _text_files(folder: Path) -> list[Path]:
     """The plain text files under ``folder`` (sorted) that a pattern ``folder/**/*<ext>`` gives
-    datasets: none hidden, none in a ``__`` folder."""
+    datasets: none hidden, none in a ``__`` folder, none of the names it never lists from a
+    pattern (a dataset card ``README.md``)."""
+    from datasets.data_files import FILES_TO_IGNORE
 
     def seen(f: Path) -> bool:
         parts = f.relative_to(folder).parts
-        return not any(part.startswith(".") for part in parts) and not any(
-            part.startswith("__") for part in parts[:-1]
+        return (
+            f.name not in FILES_TO_IGNORE
+            and not any(part.startswith(".") for part in parts)
+            and not any(part.startswith("__") for part in parts[:-1])
         )
 
     return sorted(

@@ -182,6 +182,18 @@ def test_bin_files_of_llmc_shards_are_read_and_other_widths_refused(tmp_path) ->
         wide.write_bytes(b"HEADER!!" + ids.astype(dtype).tobytes())
         with pytest.raises(ValueError, match=r"every second uint16 of its first \d+ is 0"):
             open_token_path(wide, 16, "causal", key="data.path")
+    # ids of a vocabulary over 65,536 (Llama 3's 128,256), 32 or 64 bits: the high halves are
+    # 0 or 1, not all 0, and were read as tokens
+    big = np.random.default_rng(4).integers(1, 128256, size=700)
+    for dtype in (np.int32, np.int64, np.uint32):
+        big.astype(dtype).tofile(tmp_path / "wide.bin")
+        with pytest.raises(ValueError, match=r"every second uint16 of its first \d+ is 0 to 3"):
+            open_token_path(tmp_path / "wide.bin", 16, "causal", key="data.path")
+    # uint16 ids of a vocabulary of four (DNA bases): small everywhere, read as they are
+    bases = np.random.default_rng(5).integers(0, 4, size=700).astype(np.uint16)
+    bases.tofile(tmp_path / "bases.bin")
+    inputs, _ = open_token_path(tmp_path / "bases.bin", 16, "causal").read(0, 1)
+    np.testing.assert_array_equal(inputs[0], bases[:16])
     # a .npy saved under a .bin name: its 128-byte header was read as 64 tokens
     for dtype in (np.uint16, np.int64):
         with open(tmp_path / "saved.bin", "wb") as f:

@@ -253,15 +253,19 @@ def _bin_tokens(key: str, p: Path) -> np.ndarray:
     head = np.asarray(tokens[: 1 << 16])
     if head.size < 16:
         return tokens
-    # Real GPT-2 ids are rarely 0 (`!`) and rarely two printable ASCII bytes (ids 8224..32382
-    # with a printable low byte); a file written in another width or as text is nearly all
-    # of one or the other (a stray header or line ending aside)
-    if np.mean(head[1::2] == 0) >= 0.99:
+    # Real GPT-2 ids are rarely 0..3 (`!"#$`) and rarely two printable ASCII bytes (ids
+    # 8224..32382 with a printable low byte); a file written in another width or as text is
+    # nearly all of one or the other (a stray header or line ending aside). Ids of 32 or 64
+    # bits have high halves of 0 (1 to 3 for a vocabulary of 65,536 to 262,143 ids, as
+    # Llama 3's 128,256) between low halves spread over the vocabulary, unlike a uint16 file
+    # of a vocabulary of four (DNA bases), small in every position
+    high, low = head[1::2], head[0::2]
+    if np.mean(high == 0) >= 0.99 or (np.mean(high <= 3) >= 0.99 and np.mean(low > 3) >= 0.25):
         raise ValueError(
-            f"{key}={p}: nearly every second uint16 of its first {head.size} is 0, as when ids "
-            "are written as 32- or 64-bit integers, but a .bin token file holds uint16 ids: "
-            "write it with `ids.astype(np.uint16).tofile(path)`, or save a .npy "
-            "(`np.save(path, ids)` records the dtype)"
+            f"{key}={p}: nearly every second uint16 of its first {head.size} is 0 to 3, as "
+            "when ids are written as 32- or 64-bit integers, but a .bin token file holds "
+            "uint16 ids: write it with `ids.astype(np.uint16).tofile(path)` (a vocabulary "
+            "of at most 65,536 ids), or save a .npy (`np.save(path, ids)` records the dtype)"
         )
     text = np.zeros(256, bool)
     text[[9, 10, 13, *range(32, 127)]] = True

@@ -372,6 +372,38 @@ def test_a_samba_mamba_hidden_ratio_that_builds_no_mlp_is_refused_with_the_fix(
         )
 
 
+@pytest.mark.parametrize(
+    ("value", "hidden", "width"),
+    [
+        (1e-6, 128, 0),
+        (0.01, 128, 0),
+        (0.001, 768, 0),
+        (1e300, 128, "8.53e+301"),
+        (1e308, 128, "inf"),
+    ],
+)
+def test_a_samba_mamba_hidden_ratio_whose_mlp_width_is_0_or_past_a_tensor_is_refused(
+    value: float, hidden: int, width: int | str
+) -> None:
+    """FLA's GatedMLP is int(2/3 x ratio x hidden_size) wide, rounded up to a multiple of 256:
+    a positive ratio below 1.5 / hidden_size gives width 0, which the config took and the
+    model's init failed on (IndexError); one past a tensor dimension failed in the build
+    (TypeError, or OverflowError of int(inf)). The config refuses both, naming the width at
+    this hidden_size and, for a small one, the least ratio, which builds MLPs of width 256."""
+    prefix = rf"^mamba_hidden_ratio={re.escape(repr(value))} gives the MLPs after Mamba layers "
+    at = rf"a width of {re.escape(str(width))} at hidden_size={hidden} "
+    if width == 0:
+        least = 1.5 / hidden  # 0.01171875 at 128, 0.001953125 at 768: binary fractions, exact
+        tail = rf".*: no MLP; it must be at least {re.escape(repr(least))} at this hidden_size"
+    else:
+        tail = r".*: more than a tensor dimension holds"
+    with pytest.raises(ValueError, match=prefix + at + tail + r".*mamba_hidden_ratio=3$"):
+        presets.config("samba", "tiny", attn=None, hidden_size=hidden, mamba_hidden_ratio=value)
+    if width == 0:
+        m = _paper_sized("samba", attn=None, hidden_size=hidden, mamba_hidden_ratio=least)
+        assert m.backbone.layers[0].mlp.down_proj.weight.shape == (hidden, 256)
+
+
 def _paper_samba_params(hidden: int, layers: int, attn_layers: int, vocab: int = 50257) -> int:
     """Parameters of the paper's Samba without the input embedding, from its code: Mamba
     mixers (FLA's MambaMixer at 1c5937e: expand 2, state 16, conv 4 with bias, dt rank

@@ -144,8 +144,20 @@ def fla_config(model: str, size: str, **overrides: Any) -> PretrainedConfig:
 _CONFIGS: dict[str, type] = {}
 
 
-def _check_mamba_hidden_ratio(value: Any) -> None:
-    """Refuse a Samba ``mamba_hidden_ratio`` that builds no MLP (0, negative, not a number):
+def _samba_mlp_width(hidden_size: int, ratio: float) -> int:
+    """The width FLA's ``GatedMLP`` gives an MLP of ``hidden_ratio`` ``ratio``: 2/3 x ratio x
+    hidden_size, truncated, rounded up to a multiple of 256 (0 when the product is below 1).
+
+    Raises:
+        OverflowError: the product is infinite.
+    """
+    width = int(hidden_size * ratio * 2 / 3)
+    return 256 * ((width + 256 - 1) // 256)
+
+
+def _check_mamba_hidden_ratio(value: Any, hidden_size: int) -> None:
+    """Refuse a Samba ``mamba_hidden_ratio`` that builds no MLP (0, negative, not a number, or
+    so small that the width rounds to 0 at ``hidden_size``) or one wider than a tensor holds:
     it would fail deep inside the model's construction or initialisation otherwise."""
     if value is None:
         return
@@ -156,6 +168,27 @@ def _check_mamba_hidden_ratio(value: Any) -> None:
             "the MLPs after Mamba layers; the paper's Samba: 3) or null (hidden_ratio's width, "
             "FLA's Samba), e.g. ++model.overrides.mamba_hidden_ratio=3"
         )
+    try:
+        width: int | float = _samba_mlp_width(hidden_size, value)
+    except OverflowError:  # hidden_size x value is infinite
+        width = math.inf
+    shown = f"{width:.3g}" if width > 2**63 - 1 else str(width)
+    gives = (
+        f"mamba_hidden_ratio={value!r} gives the MLPs after Mamba layers a width of {shown} at "
+        f"hidden_size={hidden_size} (FLA's GatedMLP: 2/3 x ratio x hidden_size, truncated, "
+        "rounded up to a multiple of 256)"
+    )
+    fix = "the paper's Samba: 3, e.g. ++model.overrides.mamba_hidden_ratio=3"
+    if width < 1:
+        least = 1.5 / hidden_size
+        while _samba_mlp_width(hidden_size, least) < 1:  # float rounding of the product
+            least = math.nextafter(least, math.inf)
+        raise ValueError(
+            f"{gives}: no MLP; it must be at least {least!r} at this hidden_size (width 256); "
+            + fix
+        )
+    if width > 2**63 - 1:
+        raise ValueError(f"{gives}: more than a tensor dimension holds (2**63 - 1); {fix}")
 
 
 def fla_config_class(name: str) -> type:
@@ -185,7 +218,7 @@ def fla_config_class(name: str) -> type:
                 # hidden_ratio, FLA's Samba, as in folders exported before the field);
                 # hidden_ratio stays that of the MLPs after attention layers (_SambaMLPs)
                 __base.__init__(self, *args, **kwargs)
-                _check_mamba_hidden_ratio(mamba_hidden_ratio)
+                _check_mamba_hidden_ratio(mamba_hidden_ratio, self.hidden_size)
                 self.mamba_hidden_ratio = mamba_hidden_ratio
 
         else:

@@ -524,6 +524,32 @@ def test_a_samba_checkpoint_of_an_older_fot_is_named_by_export_and_init_from(
     assert json.loads((tmp_path / "out" / "config.json").read_text())["mamba_hidden_ratio"] == 3
 
 
+def test_init_from_compares_a_sambas_mlp_widths_not_its_ratios(tmp_path) -> None:
+    """A Samba's hidden_ratio and mamba_hidden_ratio give its MLP widths (2/3 x ratio x
+    hidden_size rounded up to 256). init_from compared the raw values: an export of FLA's
+    widths (mamba_hidden_ratio null, hidden_ratio 4) was refused by a run of
+    mamba_hidden_ratio=4, the same model ("mamba_hidden_ratio=None (init_from) vs 4"). It
+    compares the widths: ratios that build the same ones pass and load, others are refused."""
+    torch.manual_seed(0)
+    fla_widths = presets.build_model(
+        presets.config("samba", "tiny", attn=None, mamba_hidden_ratio=None)
+    )
+    fla_widths.save_pretrained(tmp_path)
+    source = read_init_source(tmp_path)
+    # at hidden_size 128: 4 and 3.5 give width 512; without attention layers hidden_ratio
+    # builds no MLP once mamba_hidden_ratio is set
+    for same in ({"mamba_hidden_ratio": 4}, {"mamba_hidden_ratio": 3.5},
+                 {"mamba_hidden_ratio": 4, "hidden_ratio": 2}):  # fmt: skip
+        run = presets.config("samba", "tiny", attn=None, **same)
+        check_init_source(source, run)
+        model = presets.build_model(run)
+        load_init_weights(source, model)
+        for key, value in fla_widths.state_dict().items():
+            assert torch.equal(model.state_dict()[key], value), (same, key)
+    with pytest.raises(InitFromError, match=r"mamba_hidden_ratio=None \(init_from\) vs 3 "):
+        check_init_source(source, presets.config("samba", "tiny", attn=None))
+
+
 def test_fot_eval_names_the_export_command_for_a_training_checkpoint(source_run) -> None:
     from fot.eval.common import load_checkpoint
 

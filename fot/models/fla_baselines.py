@@ -680,6 +680,30 @@ def build_fla_model(config: PretrainedConfig) -> torch.nn.Module:
     return fla_model_class(name)(config)
 
 
+def samba_mlp_widths(config: PretrainedConfig) -> tuple[int | None, int | None]:
+    """The widths of the MLPs a Samba ``config`` builds, after its attention layers and after
+    its Mamba layers (None where it has no layers of that kind).
+
+    ``hidden_ratio`` and ``mamba_hidden_ratio`` matter only as these widths: ratios that round
+    to the same multiple of 256 (``mamba_hidden_ratio`` None and the value of ``hidden_ratio``,
+    3 and 3.5 at hidden_size 128) build the same model.
+    """
+    from fla.models.configuration_utils import get_attention_spec
+
+    kinds = {
+        get_attention_spec(config.attn, layer_idx=i) is not None
+        for i in range(config.num_hidden_layers)
+    }
+    ratio = config.hidden_ratio if config.hidden_ratio is not None else 4  # GatedMLP's default
+    mamba_ratio = getattr(config, "mamba_hidden_ratio", None)
+    if mamba_ratio is None:
+        mamba_ratio = ratio
+    return (
+        _samba_mlp_width(config.hidden_size, ratio) if True in kinds else None,
+        _samba_mlp_width(config.hidden_size, mamba_ratio) if False in kinds else None,
+    )
+
+
 def older_samba_widths(config: PretrainedConfig, shapes: Mapping[str, Sequence[int]]) -> bool:
     """Whether weights of these shapes are the Samba of ``config`` as fot built it before
     ``mamba_hidden_ratio``: FLA's MLP width (``hidden_ratio``) after the Mamba layers too.
@@ -731,4 +755,5 @@ __all__ = [
     "older_samba_widths",
     "paper_init_",
     "register_auto_classes",
+    "samba_mlp_widths",
 ]

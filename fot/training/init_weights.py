@@ -227,6 +227,13 @@ def _differing(theirs: Any, ours: Any) -> dict[str, tuple[Any, Any]]:
         if part in a and not (a[part] or b.get(part)):
             a.pop(setting, None)
             b.pop(setting, None)
+    if "mamba_hidden_ratio" in a:  # a Samba: its MLP ratios matter as the widths they build
+        from fot.models.fla_baselines import samba_mlp_widths
+
+        if samba_mlp_widths(theirs) == samba_mlp_widths(ours):
+            for k in ("hidden_ratio", "mamba_hidden_ratio"):
+                a.pop(k, None)
+                b.pop(k, None)
     return {
         k: (a.get(k, "unset"), b.get(k, "unset"))
         for k in sorted(set(a) | set(b))

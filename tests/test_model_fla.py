@@ -404,6 +404,28 @@ def test_a_samba_mamba_hidden_ratio_whose_mlp_width_is_0_or_past_a_tensor_is_ref
         assert m.backbone.layers[0].mlp.down_proj.weight.shape == (hidden, 256)
 
 
+@pytest.mark.parametrize(
+    ("name", "overrides", "message"),
+    [
+        ("deltanet", {"hidden_ratio": 0.001}, r"^hidden_ratio=0\.001 gives the MLPs a width of 0"),
+        ("hgrn2", {"hidden_ratio": 0}, r"^hidden_ratio=0: it must be a positive number"),
+        ("samba", {"hidden_ratio": 1e-6}, r"^hidden_ratio=1e-06 gives the MLPs after attention"),
+        ("deltanet", {"intermediate_size": 0}, r"^intermediate_size=0: it must be a positive int"),
+    ],
+)
+def test_an_fla_mlp_width_setting_that_builds_no_mlp_is_refused_by_the_config(
+    name: str, overrides: dict, message: str
+) -> None:
+    """FLA's own MLP settings of the baselines with MLPs: a hidden_ratio giving width 0 (or an
+    intermediate_size of 0) was taken by the config and failed in the model's init
+    (IndexError); the config refuses it with the setting that works. An intermediate_size,
+    which sizes DeltaNet's and HGRN2's MLPs, makes their hidden_ratio unused: not checked."""
+    with pytest.raises(ValueError, match=message + r".*=(4|null)$"):
+        presets.config(name, "tiny", **overrides)
+    m = _paper_sized("deltanet", intermediate_size=512, hidden_ratio=0.001)
+    assert m.model.layers[0].mlp.down_proj.weight.shape == (256, 512)
+
+
 def _paper_samba_params(hidden: int, layers: int, attn_layers: int, vocab: int = 50257) -> int:
     """Parameters of the paper's Samba without the input embedding, from its code: Mamba
     mixers (FLA's MambaMixer at 1c5937e: expand 2, state 16, conv 4 with bias, dt rank

@@ -155,18 +155,29 @@ def _samba_mlp_width(hidden_size: int, ratio: float) -> int:
     return 256 * ((width + 256 - 1) // 256)
 
 
-def _check_mamba_hidden_ratio(value: Any, hidden_size: int) -> None:
-    """Refuse a Samba ``mamba_hidden_ratio`` that builds no MLP (0, negative, not a number, or
-    so small that the width rounds to 0 at ``hidden_size``) or one wider than a tensor holds:
-    it would fail deep inside the model's construction or initialisation otherwise."""
+def _check_mlp_ratio(
+    field: str, value: Any, hidden_size: int, *, mlps: str, null: str, fix: str
+) -> None:
+    """Refuse an MLP width factor (``hidden_ratio``, Samba's ``mamba_hidden_ratio``) that
+    builds no MLP (0, negative, not a number, or so small that the width rounds to 0 at
+    ``hidden_size``) or one wider than a tensor holds: it would fail deep inside the model's
+    construction or initialisation otherwise. ``None`` passes (the default width).
+
+    Args:
+        field: the config field, as the error names it.
+        value: its value.
+        hidden_size: the model's width.
+        mlps: which MLPs it sizes, for the error ("the MLPs after Mamba layers").
+        null: what ``None`` gives, for the error.
+        fix: a value that works and the override that sets it, ending the error.
+    """
     if value is None:
         return
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if not (number and math.isfinite(value) and value > 0):
         raise ValueError(
-            f"mamba_hidden_ratio={value!r}: it must be a positive number (the width factor of "
-            "the MLPs after Mamba layers; the paper's Samba: 3) or null (hidden_ratio's width, "
-            "FLA's Samba), e.g. ++model.overrides.mamba_hidden_ratio=3"
+            f"{field}={value!r}: it must be a positive number (the width factor of {mlps}) or "
+            f"null ({null}); {fix}"
         )
     try:
         width: int | float = _samba_mlp_width(hidden_size, value)
@@ -174,11 +185,9 @@ def _check_mamba_hidden_ratio(value: Any, hidden_size: int) -> None:
         width = math.inf
     shown = f"{width:.3g}" if width > 2**63 - 1 else str(width)
     gives = (
-        f"mamba_hidden_ratio={value!r} gives the MLPs after Mamba layers a width of {shown} at "
-        f"hidden_size={hidden_size} (FLA's GatedMLP: 2/3 x ratio x hidden_size, truncated, "
-        "rounded up to a multiple of 256)"
+        f"{field}={value!r} gives {mlps} a width of {shown} at hidden_size={hidden_size} "
+        "(FLA's GatedMLP: 2/3 x ratio x hidden_size, truncated, rounded up to a multiple of 256)"
     )
-    fix = "the paper's Samba: 3, e.g. ++model.overrides.mamba_hidden_ratio=3"
     if width < 1:
         least = 1.5 / hidden_size
         while _samba_mlp_width(hidden_size, least) < 1:  # float rounding of the product
@@ -189,6 +198,41 @@ def _check_mamba_hidden_ratio(value: Any, hidden_size: int) -> None:
         )
     if width > 2**63 - 1:
         raise ValueError(f"{gives}: more than a tensor dimension holds (2**63 - 1); {fix}")
+
+
+def _check_mlp_widths(config: PretrainedConfig, name: str) -> None:
+    """Check the MLP width settings of FLA baseline ``name``'s ``config`` (after FLA's own
+    ``__init__``): ``hidden_ratio`` where it sizes an MLP (DeltaNet and HGRN2 without an
+    ``intermediate_size``, which then sizes it; Samba's ``intermediate_size`` is Mamba's) and
+    Samba's ``mamba_hidden_ratio``. Mamba-2 has no MLP."""
+    if name == "mamba2":
+        return
+    override = "++model.overrides.{}={}"
+    mlp_size = getattr(config, "intermediate_size", None)
+    if name != "samba" and mlp_size is not None:
+        if not (isinstance(mlp_size, int) and not isinstance(mlp_size, bool) and mlp_size > 0):
+            raise ValueError(
+                f"intermediate_size={mlp_size!r}: it must be a positive int (the MLPs' width) "
+                f"or null (hidden_ratio's width), e.g. {override.format('intermediate_size', 'null')}"
+            )
+        return
+    _check_mlp_ratio(
+        "hidden_ratio",
+        config.hidden_ratio,
+        config.hidden_size,
+        mlps="the MLPs after attention layers" if name == "samba" else "the MLPs",
+        null="FLA's default, 4",
+        fix=f"e.g. {override.format('hidden_ratio', 4)}",
+    )
+    if name == "samba":
+        _check_mlp_ratio(
+            "mamba_hidden_ratio",
+            config.mamba_hidden_ratio,
+            config.hidden_size,
+            mlps="the MLPs after Mamba layers",
+            null="hidden_ratio's width, FLA's Samba",
+            fix=f"the paper's Samba: 3, e.g. {override.format('mamba_hidden_ratio', 3)}",
+        )
 
 
 def fla_config_class(name: str) -> type:
@@ -218,15 +262,18 @@ def fla_config_class(name: str) -> type:
                 # hidden_ratio, FLA's Samba, as in folders exported before the field);
                 # hidden_ratio stays that of the MLPs after attention layers (_SambaMLPs)
                 __base.__init__(self, *args, **kwargs)
-                _check_mamba_hidden_ratio(mamba_hidden_ratio, self.hidden_size)
                 self.mamba_hidden_ratio = mamba_hidden_ratio
+                _check_mlp_widths(self, name)
 
         else:
 
-            def __init__(self: Any, *args: Any, __base: type = base, **kwargs: Any) -> None:
+            def __init__(
+                self: Any, *args: Any, __base: type = base, __name: str = name, **kwargs: Any
+            ) -> None:
                 # FLA's own __init__: without one here, transformers' dataclass processing of
                 # the subclass would replace it with a generated one that skips FLA's fields
                 __base.__init__(self, *args, **kwargs)
+                _check_mlp_widths(self, __name)
 
         _CONFIGS[name] = type(
             f"FoT{config_cls_name}",

@@ -12,6 +12,7 @@ import pytest
 from omegaconf import OmegaConf
 from zarr_arrays import new_array
 
+from fot.data.hf import hydra_string, train_py_loader_hint
 from fot.data.loaders import build_sources, open_token_path
 from fot.data.streams import EOT_ID, HFSource, PackedSource, ZarrRowsSource, iterate_eval_batches
 from fot.errors import error_line
@@ -542,6 +543,68 @@ def test_a_folder_read_as_text_warns_of_the_text_files_datasets_leaves_out(
     assert sorted(iter_hf_texts(str(notes))) == [t for t in every if ".txt" in t]
     build_sources(_cfg(kind="hf", path=str(notes), seq_len=4, val_tokens=0))
     assert "leaves out" not in capsys.readouterr().err + caplog.text
+
+
+# Folder names with characters Hydra's override grammar reads specially (in a list, or at all),
+# quotes and backslashes (Hydra's quoting), `$` and `${` (an OmegaConf interpolation), and
+# characters a shell reads specially. `[` and `]` alone: datasets' glob reads `[1]` as a class.
+HINT_FOLDERS = [
+    "a,b", "a(b", "a)b", "a[b", "a]b", "a{b", "a}b", "a=b", "a b", "a  b", "a'b", 'a"b',
+    "a$b", "a${b}", "a\\${b}", "a\\b", "a\\", "a\\,b", "a:b", "a~b", "a#b", "a;b", "a&b", "a`b",
+    "a!b", "a\tb", "é", "true", "1.5", "null",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", HINT_FOLDERS)
+def test_the_text_loader_hints_read_back_for_any_folder_name(tmp_path, caplog, capsys, name):
+    """The hints to read a folder with the text loader gave the folder's patterns bare: in
+    train.py's list (`data.hf_data_files='[<folder>/**/*.md,<folder>/**/*.txt]'`) a `,` split
+    a pattern in two, a `(`, `=`, quote, `~` or `#` was a parse error, and in prepare's
+    `--data-files '<pattern>'` a `'` ended the shell word. Each now reads back as the patterns
+    (quoted where Hydra or the shell needs it) and datasets reads every file through them."""
+    import shlex
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from fot.data.prepare import iter_hf_texts
+
+    notes = tmp_path / name / "notes"
+    (notes / "sub").mkdir(parents=True)
+    names = ["a.md", "sub/b.md", "c.txt", "sub/d.txt", "e.txt"]
+    for i, n in enumerate(names):
+        (notes / n).write_text(f"Note {i}: {n}.\n")
+    every = sorted(f"Note {i}: {n}.\n" for i, n in enumerate(names))
+    patterns = [f"{notes}/**/*.md", f"{notes}/**/*.txt"]
+    # prepare's hint: shell words
+    assert sorted(iter_hf_texts(str(notes))) != every
+    hint = capsys.readouterr().err.split("To read them too: ")[1].splitlines()[0]
+    assert shlex.split(hint) == ["--hf", "text", "--data-files", *patterns]
+
+    # train.py's: shell words, then Hydra overrides, which set the config as Hydra does
+    def override(cfg, word: str):
+        (parsed,) = OverridesParser.create().parse_overrides([word])
+        OmegaConf.update(cfg, parsed.key_or_group, parsed.value(), merge=True)
+        return parsed.value()
+
+    caplog.set_level(logging.WARNING, logger="fot.data")
+    cfg = OmegaConf.create({"data": _cfg(kind="hf", seq_len=4, val_tokens=0)})
+    override(cfg, f"data.path={hydra_string(str(notes))}")  # (a path Hydra reads as is)
+    assert OmegaConf.to_container(cfg, resolve=True)["data"]["path"] == str(notes)
+    build_sources(cfg.data)
+    (warning,) = [r.getMessage() for r in caplog.records if "leaves out" in r.getMessage()]
+    words = shlex.split(warning.split("To read them too: ")[1])
+    assert words[0] == "data.path=text" and len(words) == 2
+    for files in (patterns[:1], patterns):  # the one-pattern form (of a file), and a list
+        want = files if len(files) > 1 else files[0]
+        (word,) = shlex.split(train_py_loader_hint("text", files).split(" ", 1)[1])
+        cfg = OmegaConf.create({"data": _cfg(kind="hf", path="text")})
+        value = override(cfg, word)
+        if "${" not in name:  # (OmegaConf's escape of an interpolation stays in the value)
+            assert value == want
+        got = OmegaConf.to_container(cfg, resolve=True)["data"]["hf_data_files"]
+        assert got == want
+    assert word == words[1]
+    assert sorted(iter_hf_texts("text", data_files=got)) == every
 
 
 # Pairs of (training split, held-out split) of one split "train": slices from its start, from

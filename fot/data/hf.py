@@ -16,6 +16,7 @@ Two things differ from a plain ``datasets.load_dataset`` call:
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -259,14 +260,41 @@ class HFDataset:
 
 
 def train_py_loader_hint(loader: str, patterns: list[str]) -> str:
-    """``data.path=<loader> data.hf_data_files=...`` for ``train.py``: one pattern, or a list.
+    """``data.path=<loader> data.hf_data_files=...`` for ``train.py``: one pattern, or a list,
+    each written so that Hydra reads it back as it is (:func:`hydra_string`), in one shell word.
 
     Args:
         loader: a datasets loader (``text``, ``json``, ...).
         patterns: the files to read with it (files or glob patterns).
     """
-    files = patterns[0] if len(patterns) == 1 else f"[{','.join(patterns)}]"
-    return f"data.path={loader} data.hf_data_files='{files}'"
+    values = [hydra_string(p) for p in patterns]
+    files = values[0] if len(values) == 1 else f"[{','.join(values)}]"
+    return f"data.path={loader} data.hf_data_files={shell_word(files)}"
+
+
+_HYDRA_BARE = re.compile(r"[\w.*+%@?/-]*/[\w.*+%@?/-]*", re.ASCII)
+"""Strings a Hydra override reads back as themselves unquoted: of letters, digits and
+``_.*+%@?/-`` (no character its grammar reads specially), with a ``/`` (never a number,
+boolean or null)."""
+
+
+def hydra_string(s: str) -> str:
+    """``s`` as a Hydra override value (alone or in a list) that sets the string ``s``: bare
+    where Hydra reads it so (``notes/**/*.md``), else in double quotes, with ``"`` and the
+    backslashes before a quote escaped as Hydra unescapes them, and ``${`` escaped as
+    OmegaConf reads a literal one (``"my (notes)/**/*.md"``)."""
+    if _HYDRA_BARE.fullmatch(s):
+        return s
+    s = re.sub(r"(\\*)\$\{", lambda m: 2 * m[1] + "\\${", s)  # OmegaConf's \${
+    s = re.sub(r'(\\*)"', lambda m: 2 * m[1] + '\\"', s)  # Hydra's \"
+    s = re.sub(r"(\\+)\Z", lambda m: 2 * m[1], s)  # before the closing quote
+    return f'"{s}"'
+
+
+def shell_word(s: str) -> str:
+    """``s`` in single quotes, as one word of a POSIX shell command line (a ``'`` in ``s``
+    written ``'"'"'``)."""
+    return "'" + s.replace("'", "'\"'\"'") + "'"
 
 
 _TEXT_SUFFIXES = frozenset((".txt", ".text", ".md", ".markdown", ".rst"))

@@ -253,7 +253,7 @@ def iter_hf_texts(
 ) -> Iterator[str]:
     """Yield the ``text_field`` of every row of a Hugging Face dataset (rows whose text is
     None are skipped, with a warning counting them); a text loader gives one row per file."""
-    from fot.data.hf import HFDataset
+    from fot.data.hf import HFDataset, shell_word
 
     dataset = HFDataset(
         path,
@@ -264,7 +264,7 @@ def iter_hf_texts(
         files_option="--data-files FILE ...",
         streaming_option="--streaming",
         loader_hint=lambda loader, files: (
-            f"--hf {loader} --data-files " + " ".join(f"'{f}'" for f in files)
+            f"--hf {loader} --data-files " + " ".join(map(shell_word, files))
         ),
     )
     if left_out := dataset.left_out_text_files():

@@ -345,6 +345,49 @@ def test_a_setting_under_two_names_with_equal_values_loads(tmp_path) -> None:
         fot.FoTConfig.from_pretrained(tmp_path)
 
 
+@pytest.mark.parametrize(
+    "load", ["FoTConfig", "AutoConfig", "AutoModelForCausalLM", "FoTForCausalLM", "json_file"]
+)
+def test_a_config_json_refused_names_the_file(tmp_path, load: str) -> None:
+    """A model folder's config.json with a setting under two names that disagree, or a gate
+    initialisation its gate does not read, was refused without naming the file: the error
+    now begins with its path. A keyword override's error names no file (the file is fine),
+    and a config built in code keeps its message."""
+    import json
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    loader = {
+        "FoTConfig": fot.FoTConfig.from_pretrained,
+        "AutoConfig": AutoConfig.from_pretrained,
+        "AutoModelForCausalLM": AutoModelForCausalLM.from_pretrained,
+        "FoTForCausalLM": fot.FoTForCausalLM.from_pretrained,
+        "json_file": lambda folder, **kw: fot.FoTConfig.from_json_file(folder / "config.json"),
+    }[load]
+    folder = tmp_path / "model"
+    folder.mkdir()
+    plain = fot.FoTConfig(hidden_size=64, num_heads=4, num_hidden_layers=1).to_dict()
+    refused = [
+        ({"num_attention_heads": 8}, "num_heads=4 and num_attention_heads=8 name the same "
+         "setting with different values; pass only num_heads"),
+        ({"fgate_type": "fixed", "fgate_bias_init": 5.0}, "FoTConfig has fgate_type='fixed', "
+         "whose forget gate does not read fgate_bias_init=5.0: "),
+    ]  # fmt: skip
+    for bad, says in refused:
+        (folder / "config.json").write_text(json.dumps({**plain, **bad}))
+        with pytest.raises(ValueError) as info:
+            loader(folder)
+        assert str(info.value).startswith(f"{folder / 'config.json'}: {says}"), str(info.value)
+        with pytest.raises(ValueError) as info:  # in code: as before
+            fot.FoTConfig(**{**plain, **bad})
+        assert str(info.value).startswith(says)
+    if load != "json_file":  # an override's error: the saved file is fine
+        (folder / "config.json").write_text(json.dumps(plain))
+        with pytest.raises(ValueError) as info:
+            loader(folder, num_attention_heads=8, num_heads=2)
+        assert str(info.value).startswith("num_heads=2 and num_attention_heads=8 name")
+
+
 # ---------------------------------------------------------------------------------------
 # 6. output_hidden_states / return_dict / output_attentions
 # ---------------------------------------------------------------------------------------

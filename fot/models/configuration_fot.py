@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 from transformers import PretrainedConfig
+from transformers.utils import CONFIG_NAME
 
 FGATE_TYPES = ("full", "bias_only", "fixed", "none")
 ATTN_BACKENDS = ("auto", "triton", "reference", "sdpa")
@@ -106,7 +107,8 @@ class FoTConfig(PretrainedConfig):
 
     Keyword overrides given to :meth:`from_pretrained` / :meth:`from_dict` (and so to
     ``AutoConfig`` / ``AutoModelForCausalLM.from_pretrained``) go through the same constructor,
-    LLaMA-name mapping and checks. :meth:`save_pretrained` re-writes the remote-code modules
+    LLaMA-name mapping and checks; an error of a loaded ``config.json``'s own settings begins
+    with the file's path. :meth:`save_pretrained` re-writes the remote-code modules
     that an exported config's ``auto_map`` names (see :mod:`fot.export`), so a model loaded
     with ``trust_remote_code=True`` and saved again loads the same way.
     """
@@ -250,17 +252,52 @@ class FoTConfig(PretrainedConfig):
         replaces a saved ``num_heads``). Other keywords (``dtype``, ``return_unused_kwargs``,
         ...) are handled by transformers as before.
 
+        Where ``config_dict`` was read from a file (by :meth:`from_pretrained`, or
+        ``AutoConfig.from_pretrained``, which passes ``name_or_path``), an error of its own
+        settings begins with the file's path (``<folder>/config.json: ...``), the one to fix.
+
         Returns:
             The config, or ``(config, unused_kwargs)`` with ``return_unused_kwargs=True``.
 
         Raises:
-            ValueError: an override the constructor refuses, with the field and the fix.
+            ValueError: an override the constructor refuses, with the field and the fix; or a
+                setting of the file, with its path.
         """
+        file = kwargs.pop("_fot_config_file", None) or _config_file(kwargs.get("name_or_path"))
         own = cls.constructor_keys()
         overrides = {key: kwargs.pop(key) for key in list(kwargs) if key in own}
-        if overrides:
-            config_dict = merge_overrides(config_dict, overrides)
-        return super().from_dict(config_dict, **kwargs)
+        merged = merge_overrides(config_dict, overrides) if overrides else config_dict
+        try:
+            return super().from_dict(merged, **kwargs)
+        except ValueError as err:
+            if file is None:
+                raise
+            if overrides:  # the file's settings alone: an override's error names no file
+                try:
+                    cls(**config_dict)
+                except ValueError as own_err:
+                    raise ValueError(f"{file}: {own_err}") from own_err
+                raise
+            raise ValueError(f"{file}: {err}") from err
+
+    @classmethod
+    def from_pretrained(
+        cls, pretrained_model_name_or_path: str | os.PathLike, **kwargs: Any
+    ) -> FoTConfig | tuple[FoTConfig, dict[str, Any]]:
+        """Load ``config.json`` of a folder, a file or a Hub repository, as transformers does;
+        an error of the file's own settings begins with its path (see :meth:`from_dict`)."""
+        file = _config_file(pretrained_model_name_or_path, kwargs.get("subfolder") or "")
+        return super().from_pretrained(
+            pretrained_model_name_or_path, **kwargs, _fot_config_file=file
+        )
+
+    @classmethod
+    def from_json_file(cls, json_file: str | os.PathLike) -> FoTConfig:
+        """Load a config JSON file, as transformers does; an error begins with its path."""
+        try:
+            return super().from_json_file(json_file)
+        except ValueError as err:
+            raise ValueError(f"{os.fspath(json_file)}: {err}") from err
 
     def save_pretrained(
         self, save_directory: str | os.PathLike, push_to_hub: bool = False, **kwargs: Any
@@ -503,6 +540,20 @@ _SYNONYMS: tuple[frozenset[str], ...] = (
     frozenset({"norm_eps", "rms_norm_eps"}),
     frozenset({"rope_theta", "rope_parameters"}),
 )
+
+
+def _config_file(name_or_path: str | os.PathLike | None, subfolder: str = "") -> str | None:
+    """The config file that loading ``name_or_path`` reads, as messages name it: the file
+    itself, ``<folder>/config.json``, or ``config.json of <repository>``; None where not given.
+    """
+    if not name_or_path:
+        return None
+    path = os.fspath(name_or_path)
+    if os.path.isfile(path):
+        return path
+    if os.path.isdir(path):
+        return os.path.join(path, subfolder, CONFIG_NAME)
+    return f"{CONFIG_NAME} of {path}"
 
 
 def merge_overrides(config_dict: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:

@@ -2014,6 +2014,24 @@ def test_resume_refuses_another_model_or_batch_shape_before_loading(tmp_path) ->
         assert (out / "metrics.jsonl").read_text() == metrics
 
 
+def test_resume_takes_overrides_that_give_the_same_model(tmp_path) -> None:
+    """Resuming compared model.overrides as written: an override set to the value the model has
+    anyway (a default, a LLaMA name of a FoT setting) was refused as another model. The
+    resumed run goes on as the uninterrupted one; another value is still refused."""
+    ref, out = tmp_path / "ref", tmp_path / "run"
+    train(_cfg(ref, "total_tokens=1024", "data.val_tokens=0"))
+    train(_cfg(out, "total_tokens=512", "data.val_tokens=0"))
+    same = (
+        "++model.overrides={hidden_size:32,num_hidden_layers:1,num_attention_heads:2,"
+        "vocab_size:50257,fgate_bias_init:0.0}"
+    )
+    train(_cfg(out, "total_tokens=1024", "data.val_tokens=0", same))
+    assert _losses(out) == _losses(ref)
+    other = "++model.overrides={hidden_size:32,num_hidden_layers:1,num_heads:2,fgate_bias_init:1.0}"
+    with pytest.raises(ValueError, match=r"cannot resume .*'fgate_bias_init': 1\.0\}"):
+        train(_cfg(out, "total_tokens=2048", "data.val_tokens=0", other))
+
+
 def test_resume_refuses_another_data_kind_and_warns_for_another_source(tmp_path, caplog) -> None:
     """Resuming on other data used to go on silently from the old run's stream position (or
     fail with KeyError 'position' inside the stream). Another kind or packing is refused; another

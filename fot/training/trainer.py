@@ -692,7 +692,7 @@ def check_resume(
                     before, after = was.pop(field, "unset"), value.pop(field, "unset")
                     if before != after:
                         changed.append(f"model.overrides.{field}={before} (checkpoint) vs {after}")
-            if was != value:
+            if was != value and not (key == "overrides" and _same_model(cfg, was, value)):
                 differences.append(f"{group}.{key}={was} (checkpoint) vs {value} (this run)")
         was_data, data = config.get("data") or {}, now["data"]
         for key in ("kind", "packing"):  # the saved stream position means nothing in another
@@ -752,6 +752,20 @@ def check_resume(
         "uninterrupted run in rounding"
         for line in changed
     ] + seed_note
+
+
+def _same_model(cfg: Any, was: dict[str, Any], now: dict[str, Any]) -> bool:
+    """Whether ``model.overrides`` ``was`` and ``now`` (implementation settings left out) give
+    ``cfg``'s model and size the same config: an override set to the value it has anyway (a
+    field's default, a LLaMA name for a FoT one) changes nothing. False where either is
+    refused (the difference is then reported as it is)."""
+    from fot import presets
+
+    try:
+        built = [presets.config(cfg.model.name, cfg.size.name, **o).to_dict() for o in (was, now)]
+    except (TypeError, ValueError):
+        return False
+    return built[0] == built[1]
 
 
 def _optim_changes(

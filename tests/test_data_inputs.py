@@ -246,6 +246,44 @@ def test_hf_loader_without_data_files_is_refused(tmp_path, monkeypatch, capsys) 
     np.testing.assert_array_equal(train.read(0, 2)[0], want.read(0, 2)[0])
 
 
+def test_interpolations_in_a_list_or_mapping_of_hf_data_files_are_resolved(
+    tmp_path, monkeypatch
+) -> None:
+    """`data.hf_data_files=[${oc.env:DATA}/a.jsonl]` (or a split mapping) handed datasets the
+    unresolved string ("Unable to find '<cwd>/${oc.env:DATA}/a.jsonl'"), where a single file
+    was resolved. Every form is resolved now, as Hydra sets it from an override, and
+    OmegaConf's escape `\\${` still reaches datasets as a literal `${`."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    data = tmp_path / "data"
+    data.mkdir()
+    a = ["first file, first document", "first file, the second document"]
+    b = ["a file named with a literal dollar and brace"]
+    _jsonl(data / "a.jsonl", [{"text": t} for t in a])
+    _jsonl(data / "b${x}.jsonl", [{"text": t} for t in b])
+    monkeypatch.setenv("FOT_TEST_DATA", str(data))
+    a_file = "${oc.env:FOT_TEST_DATA}/a.jsonl"
+    b_file = hydra_string(str(data / "b${x}.jsonl"))  # "<data>/b\${x}.jsonl": no interpolation
+    assert "\\${x}" in b_file
+    cases = [
+        (a_file, a),
+        (b_file, b),
+        (f"[{a_file}]", a),
+        (f"[{a_file},{b_file}]", a + b),
+        (f"{{train:[{a_file}]}}", a),
+        (f"{{train:{b_file}}}", b),
+    ]
+    T = 4
+    for value, texts in cases:
+        cfg = OmegaConf.create({"data": _cfg(kind="hf", path="json", seq_len=T, val_tokens=0)})
+        (parsed,) = OverridesParser.create().parse_overrides([f"data.hf_data_files={value}"])
+        OmegaConf.update(cfg, parsed.key_or_group, parsed.value(), merge=True)
+        train, _ = build_sources(cfg.data)
+        oracle = _packed(texts, T)
+        n = oracle.num_sequences
+        np.testing.assert_array_equal(train.read(0, n)[0], oracle.read(0, n)[0], err_msg=value)
+
+
 def test_prepare_hf_empty_or_undecodable_files_get_one_clear_error(tmp_path, capsys) -> None:
     from fot.data.prepare import main
 

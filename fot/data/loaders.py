@@ -308,8 +308,8 @@ def _hf_dataset(cfg: Any) -> Any:
         )
 
     files = cfg.hf_data_files
-    if OmegaConf.is_config(files):
-        files = OmegaConf.to_container(files)
+    if OmegaConf.is_config(files):  # a list or split mapping: interpolations resolved, as in a str
+        files = OmegaConf.to_container(files, resolve=True)
     if not (files is None or isinstance(files, (str, list, dict))):
         raise ValueError(
             f"data.hf_data_files={files!r}: give a file or pattern, a list of them, or a "

@@ -585,7 +585,8 @@ def test_a_folder_read_as_text_warns_of_the_text_files_datasets_leaves_out(
 
 # Folder names with characters Hydra's override grammar reads specially (in a list, or at all),
 # quotes and backslashes (Hydra's quoting), `$` and `${` (an OmegaConf interpolation), and
-# characters a shell reads specially. `[` and `]` alone: datasets' glob reads `[1]` as a class.
+# characters a shell reads specially. `[` and `]` alone: a `[1]`, `*` or `?` (glob characters)
+# in test_the_text_loader_hints_read_the_folder_alone_whatever_glob_characters_it_holds.
 HINT_FOLDERS = [
     "a,b", "a(b", "a)b", "a[b", "a]b", "a{b", "a}b", "a=b", "a b", "a  b", "a'b", 'a"b',
     "a$b", "a${b}", "a\\${b}", "a\\b", "a\\", "a\\,b", "a:b", "a~b", "a#b", "a;b", "a&b", "a`b",
@@ -600,6 +601,7 @@ def test_the_text_loader_hints_read_back_for_any_folder_name(tmp_path, caplog, c
     a pattern in two, a `(`, `=`, quote, `~` or `#` was a parse error, and in prepare's
     `--data-files '<pattern>'` a `'` ended the shell word. Each now reads back as the patterns
     (quoted where Hydra or the shell needs it) and datasets reads every file through them."""
+    import glob
     import shlex
 
     from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -612,7 +614,7 @@ def test_the_text_loader_hints_read_back_for_any_folder_name(tmp_path, caplog, c
     for i, n in enumerate(names):
         (notes / n).write_text(f"Note {i}: {n}.\n")
     every = sorted(f"Note {i}: {n}.\n" for i, n in enumerate(names))
-    patterns = [f"{notes}/**/*.md", f"{notes}/**/*.txt"]
+    patterns = [f"{glob.escape(str(notes))}/**/*{kind}" for kind in (".md", ".txt")]  # a[[]b
     # prepare's hint: shell words
     assert sorted(iter_hf_texts(str(notes))) != every
     hint = capsys.readouterr().err.split("To read them too: ")[1].splitlines()[0]
@@ -643,6 +645,52 @@ def test_the_text_loader_hints_read_back_for_any_folder_name(tmp_path, caplog, c
         assert got == want
     assert word == words[1]
     assert sorted(iter_hf_texts("text", data_files=got)) == every
+
+
+@pytest.mark.parametrize(("name", "sibling"), [("d[1]", "d1"), ("no*tes", "notes"), ("no?tes", "noXtes")])  # fmt: skip
+def test_the_text_loader_hints_read_the_folder_alone_whatever_glob_characters_it_holds(
+    tmp_path, caplog, capsys, name, sibling
+) -> None:
+    """The text-loader hints gave a folder's path as is in their patterns, which datasets
+    globs: the hint for a folder `d[1]` read `d1/` instead (`[1]` a character class), and for
+    `no*tes` or `no?tes` the files of `notes/` or `noXtes/` too. The folder's part of each
+    pattern is escaped now (`d[[]1]/**/*.md`, as datasets' fsspec glob reads it), and the
+    hints (files left out, another loader chosen, a file given) read its files alone."""
+    import shlex
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from fot.data.prepare import iter_hf_texts, main
+
+    notes = tmp_path / name
+    names = ["a.md", "sub/b.md", "c.txt", "sub/d.txt", "e.txt"]
+    for folder in (notes, tmp_path / sibling):
+        (folder / "sub").mkdir(parents=True)
+        for i, n in enumerate(names):
+            (folder / n).write_text(f"{folder.name} {i}: {n}.\n")
+    every = sorted(f"{name} {i}: {n}.\n" for i, n in enumerate(names))
+    # the files datasets leaves out: prepare's hint, then train.py's through Hydra
+    list(iter_hf_texts(str(notes)))
+    hint = capsys.readouterr().err.split("To read them too: ")[1].splitlines()[0]
+    assert sorted(iter_hf_texts("text", data_files=shlex.split(hint)[3:])) == every
+    caplog.set_level(logging.WARNING, logger="fot.data")
+    build_sources(_cfg(kind="hf", path=str(notes), seq_len=4, val_tokens=0))
+    (warning,) = [r.getMessage() for r in caplog.records if "leaves out" in r.getMessage()]
+    word = shlex.split(warning.split("To read them too: ")[1])[1]
+    (override,) = OverridesParser.create().parse_overrides([word])
+    assert sorted(iter_hf_texts("text", data_files=override.value())) == every
+    # .md files alone: datasets' `harbor` loader fails, and the error names the text loader
+    for folder in (notes, tmp_path / sibling):
+        for n in names[2:]:
+            (folder / n).unlink()
+    capsys.readouterr()
+    assert main(["--hf", str(notes), "--out", str(tmp_path / "tok")]) == 2
+    hint = capsys.readouterr().err.split("name datasets' text loader and the files: ")[1]
+    assert sorted(iter_hf_texts("text", data_files=shlex.split(hint)[3:])) == every[:2]
+    # a file given as the dataset
+    assert main(["--hf", str(notes / "a.md"), "--out", str(tmp_path / "tok")]) == 2
+    hint = capsys.readouterr().err.split("through a loader: ")[1]
+    assert list(iter_hf_texts("text", data_files=shlex.split(hint)[3:])) == every[:1]
 
 
 # Pairs of (training split, held-out split) of one split "train": slices from its start, from

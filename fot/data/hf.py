@@ -16,6 +16,7 @@ Two things differ from a plain ``datasets.load_dataset`` call:
 
 from __future__ import annotations
 
+import glob
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -91,7 +92,7 @@ class HFDataset:
             guess = loader.get(suffixes[-1] if suffixes else "", "text")
             raise HFDataError(
                 f"{where} is a file; datasets reads a file through a loader: "
-                + self.loader_hint(guess, [path])
+                + self.loader_hint(guess, [glob.escape(path)])
             )
         if self.data_files is None and path in _loader_names():
             # datasets then reads the files of the working directory, whatever they hold (a
@@ -129,7 +130,7 @@ class HFDataset:
         shown = ", ".join(str(f) for f in left[:3]) + (
             f" and {len(left) - 3} more" if len(left) > 3 else ""
         )
-        patterns = [f"{self.path.rstrip('/')}/**/*{kind}" for kind in kinds]
+        patterns = _folder_patterns(self.path, kinds)
         return (
             f"{self.where}: datasets reads the {len(read)} "
             f"{', '.join(sorted({f.suffix or f.name for f in read}))} file(s) of "
@@ -244,11 +245,11 @@ class HFDataset:
             # a folder of .md files goes to datasets' `harbor` loader ("No task.toml or
             # instruction.md files found"), images to `imagefolder`, ...: none reads text
             suffixes = sorted({Path(f).suffix or Path(f).name for f in files})
-            patterns = [self.path]
+            patterns = [glob.escape(self.path)]
             if not Path(self.path).expanduser().is_file():
                 # every kind of text file the folder holds, not only those datasets picked
                 kinds = _text_suffixes(Path(self.path).expanduser()) or suffixes[:1] or [""]
-                patterns = [f"{self.path.rstrip('/')}/**/*{kind}" for kind in kinds]
+                patterns = _folder_patterns(self.path, kinds)
             return HFDataError(
                 f"{what}: datasets chose its {self.loader!r} loader for these files (by their "
                 f"extension{'s' if len(suffixes) > 1 else ''}: {', '.join(suffixes) or '?'}), "
@@ -320,6 +321,13 @@ def _text_files(folder: Path) -> list[Path]:
         for f in folder.rglob("*")
         if f.suffix.lower() in _TEXT_SUFFIXES and seen(f) and f.is_file()
     )
+
+
+def _folder_patterns(folder: str, suffixes: list[str]) -> list[str]:
+    """Patterns ``<folder>/**/*<suffix>`` of the files of each suffix under ``folder``, the
+    folder's glob characters escaped (``d[[]1]/**/*.md``): datasets globs a data file's whole
+    path, and would read ``d1/`` for a folder ``d[1]``, or ``notes/`` too for ``no*tes``."""
+    return [f"{glob.escape(folder.rstrip('/'))}/**/*{suffix}" for suffix in suffixes]
 
 
 def _text_suffixes(folder: Path) -> list[str]:

@@ -693,6 +693,52 @@ def test_the_text_loader_hints_read_the_folder_alone_whatever_glob_characters_it
     assert list(iter_hf_texts("text", data_files=shlex.split(hint)[3:])) == every[:1]
 
 
+def test_a_home_folder_path_is_expanded_for_datasets(tmp_path, monkeypatch, caplog, capsys):
+    """datasets does not expand `~`: `data.path=~/notes` (or `--hf ~/notes`) was taken for a
+    hub id ("Repo id must use alphanumeric chars ... '~/notes'"), a data file `~/a.jsonl` for
+    one under the working directory ("Unable to find '<cwd>/~/a.jsonl'"), and the hints built
+    from `~/notes` named such patterns. `~` is now expanded for datasets, as for fot's checks;
+    messages still name the path as given."""
+    import shlex
+
+    from fot.data.prepare import iter_hf_texts, main
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path.parent)  # (no ~ folder under it)
+    notes = tmp_path / "notes"
+    (notes / "sub").mkdir(parents=True)
+    names = ["a.md", "sub/b.md", "c.txt", "sub/d.txt", "e.txt"]
+    for i, n in enumerate(names):
+        (notes / n).write_text(f"Note {i}: {n}.\n")
+    every = sorted(f"Note {i}: {n}.\n" for i, n in enumerate(names))
+    texts = ["the first document", "and a second, longer document"]
+    _jsonl(tmp_path / "a.jsonl", [{"text": t} for t in texts])
+    T = 4
+    # the dataset path: datasets reads the .txt notes, and the warning's hint reads them all
+    txt = [t for t in every if ".txt" in t]
+    assert sorted(iter_hf_texts("~/notes")) == txt
+    err = capsys.readouterr().err
+    assert "dataset ~/notes: datasets reads the 3 .txt file(s)" in err
+    hint = err.split("To read them too: ")[1].splitlines()[0]
+    assert hint == f"--hf text --data-files '{notes}/**/*.md' '{notes}/**/*.txt'"
+    assert sorted(iter_hf_texts("text", data_files=shlex.split(hint)[3:])) == every
+    assert main(["--hf", "~/notes", "--out", str(tmp_path / "tok")]) == 0
+    caplog.set_level(logging.WARNING, logger="fot.data")
+    build_sources(_cfg(kind="hf", path="~/notes", seq_len=T, val_tokens=0))
+    (warning,) = [r.getMessage() for r in caplog.records if "leaves out" in r.getMessage()]
+    assert warning.startswith("data.path=~/notes: datasets reads the 3 .txt file(s)")
+    assert warning.endswith(f"data.hf_data_files='[{notes}/**/*.md,{notes}/**/*.txt]'")
+    # data files: one, a list, a split mapping
+    oracle = _packed(texts, T)
+    n = oracle.num_sequences
+    for files in ("~/a.jsonl", ["~/a.jsonl"], {"train": "~/a.jsonl"}, {"train": ["~/*.jsonl"]}):
+        assert list(iter_hf_texts("json", data_files=files)) == texts
+        train, _ = build_sources(
+            _cfg(kind="hf", path="json", hf_data_files=files, seq_len=T, val_tokens=0)
+        )
+        np.testing.assert_array_equal(train.read(0, n)[0], oracle.read(0, n)[0])
+
+
 # Pairs of (training split, held-out split) of one split "train": slices from its start, from
 # its end, in rows and in percents, disjoint at every length, at some or whenever non-empty.
 SPLIT_PAIRS = [

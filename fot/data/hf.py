@@ -17,6 +17,7 @@ Two things differ from a plain ``datasets.load_dataset`` call:
 from __future__ import annotations
 
 import glob
+import os
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -38,9 +39,11 @@ class HFDataset:
     """One HF dataset (hub name, local folder or loader with data files), resolved once.
 
     Args:
-        path: dataset name, local folder, or loader (``json``, ``csv``, ``text``, ...).
+        path: dataset name, local folder, or loader (``json``, ``csv``, ``text``, ...); a
+            leading ``~`` is expanded (datasets would take ``~/notes`` for a hub id).
         name: dataset configuration name.
-        data_files: ``data_files`` for the loader (file, pattern, list, or split mapping).
+        data_files: ``data_files`` for the loader (file, pattern, list, or split mapping),
+            a leading ``~`` expanded in each.
         streaming: load as an ``IterableDataset``.
         where: how messages name the dataset (``"data.path=json"``, ``"dataset json"``).
         files_option: how messages name the option that sets ``data_files``
@@ -71,9 +74,10 @@ class HFDataset:
     ) -> None:
         import datasets
 
+        path = os.path.expanduser(path)  # datasets takes `~/notes` for a hub id
         self.path = path
         self.name = name
-        self.data_files = data_files or None
+        self.data_files = _expand_user(data_files) or None
         self.streaming = streaming
         self.where = where
         self.files_option = files_option
@@ -258,6 +262,19 @@ class HFDataset:
                 + self.loader_hint("text", patterns)
             )
         return None
+
+
+def _expand_user(files: Any) -> Any:
+    """``data_files`` (a file or pattern, a list of them, or a split mapping) with a leading
+    ``~`` expanded to the home folder, as a shell would: datasets reads ``~/a.jsonl`` as a
+    path under the working directory."""
+    if isinstance(files, str):
+        return os.path.expanduser(files)
+    if isinstance(files, (list, tuple)):
+        return [_expand_user(f) for f in files]
+    if isinstance(files, dict):
+        return {split: _expand_user(f) for split, f in files.items()}
+    return files
 
 
 def train_py_loader_hint(loader: str, patterns: list[str]) -> str:

@@ -647,7 +647,7 @@ def test_the_text_loader_hints_read_back_for_any_folder_name(tmp_path, caplog, c
     assert sorted(iter_hf_texts("text", data_files=got)) == every
 
 
-@pytest.mark.parametrize(("name", "sibling"), [("d[1]", "d1"), ("no*tes", "notes"), ("no?tes", "noXtes")])  # fmt: skip
+@pytest.mark.parametrize(("name", "sibling"), [("no*tes", "notes"), ("no?tes", "noXtes")])
 def test_the_text_loader_hints_read_the_folder_alone_whatever_glob_characters_it_holds(
     tmp_path, caplog, capsys, name, sibling
 ) -> None:
@@ -655,7 +655,9 @@ def test_the_text_loader_hints_read_the_folder_alone_whatever_glob_characters_it
     globs: the hint for a folder `d[1]` read `d1/` instead (`[1]` a character class), and for
     `no*tes` or `no?tes` the files of `notes/` or `noXtes/` too. The folder's part of each
     pattern is escaped now (`d[[]1]/**/*.md`, as datasets' fsspec glob reads it), and the
-    hints (files left out, another loader chosen, a file given) read its files alone."""
+    hints (files left out, another loader chosen, a file given) read its files alone. (The
+    sibling holds a note that datasets leaves out, as it reads the .txt files: one it would
+    read is refused, test_a_folder_whose_path_datasets_globs_to_other_files_is_refused.)"""
     import shlex
 
     from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -663,14 +665,15 @@ def test_the_text_loader_hints_read_the_folder_alone_whatever_glob_characters_it
     from fot.data.prepare import iter_hf_texts, main
 
     notes = tmp_path / name
-    names = ["a.md", "sub/b.md", "c.txt", "sub/d.txt", "e.txt"]
-    for folder in (notes, tmp_path / sibling):
-        (folder / "sub").mkdir(parents=True)
-        for i, n in enumerate(names):
-            (folder / n).write_text(f"{folder.name} {i}: {n}.\n")
+    names = ["a.md", "sub/b.md", "c.txt", "sub/d.txt", "e.txt", "f.txt"]
+    (notes / "sub").mkdir(parents=True)
+    for i, n in enumerate(names):
+        (notes / n).write_text(f"{name} {i}: {n}.\n")
+    (tmp_path / sibling).mkdir()
+    (tmp_path / sibling / "a.md").write_text("another folder's note\n")
     every = sorted(f"{name} {i}: {n}.\n" for i, n in enumerate(names))
     # the files datasets leaves out: prepare's hint, then train.py's through Hydra
-    list(iter_hf_texts(str(notes)))
+    assert sorted(iter_hf_texts(str(notes))) == every[2:]
     hint = capsys.readouterr().err.split("To read them too: ")[1].splitlines()[0]
     assert sorted(iter_hf_texts("text", data_files=shlex.split(hint)[3:])) == every
     caplog.set_level(logging.WARNING, logger="fot.data")
@@ -680,17 +683,85 @@ def test_the_text_loader_hints_read_the_folder_alone_whatever_glob_characters_it
     (override,) = OverridesParser.create().parse_overrides([word])
     assert sorted(iter_hf_texts("text", data_files=override.value())) == every
     # .md files alone: datasets' `harbor` loader fails, and the error names the text loader
-    for folder in (notes, tmp_path / sibling):
-        for n in names[2:]:
-            (folder / n).unlink()
+    for n in names[2:]:
+        (notes / n).unlink()
+    (tmp_path / sibling / "a.md").unlink()  # (else datasets would read it: refused)
     capsys.readouterr()
     assert main(["--hf", str(notes), "--out", str(tmp_path / "tok")]) == 2
     hint = capsys.readouterr().err.split("name datasets' text loader and the files: ")[1]
     assert sorted(iter_hf_texts("text", data_files=shlex.split(hint)[3:])) == every[:2]
     # a file given as the dataset
+    (tmp_path / sibling / "a.md").write_text("another folder's note\n")
     assert main(["--hf", str(notes / "a.md"), "--out", str(tmp_path / "tok")]) == 2
     hint = capsys.readouterr().err.split("through a loader: ")[1]
     assert list(iter_hf_texts("text", data_files=shlex.split(hint)[3:])) == every[:1]
+
+
+@pytest.mark.parametrize(("name", "sibling"), [("d[1]", "d1"), ("no*tes", "notes"), ("d[1]", None)])  # fmt: skip
+def test_a_folder_whose_path_datasets_globs_to_other_files_is_refused(
+    tmp_path, capsys, name, sibling
+) -> None:
+    """datasets globs the path of a local folder: `data.path=<dir>/d[1]` (or `--hf`) read the
+    files of a folder `d1/` beside it instead, and `no*tes` those of `notes/` too, silently
+    (fot's left-out warning even called them "the .txt file(s) of this folder"); a `d[1]`
+    with no `d1` beside it read nothing, and fot said it "holds no data files" though it
+    does. Both are refused now, naming the folder, the files outside it, and the loader with
+    the folder's escaped patterns, which reads the folder's files alone; a folder whose path
+    matches only itself is read as before (a symlink in it to a file outside included)."""
+    import shlex
+    import shutil
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from fot.data.hf import HFDataError
+    from fot.data.prepare import iter_hf_texts, main
+
+    notes = tmp_path / name
+    names = ["a.md", "sub/b.md", "c.txt", "sub/d.txt", "e.txt"]
+    for folder in [notes] + ([tmp_path / sibling] if sibling else []):
+        (folder / "sub").mkdir(parents=True)
+        for i, n in enumerate(names):
+            (folder / n).write_text(f"{folder.name} {i}: {n}.\n")
+    every = sorted(f"{name} {i}: {n}.\n" for i, n in enumerate(names))
+    found = (
+        f"matches files outside the folder, which datasets would read: {tmp_path / sibling}/"
+        if sibling
+        else "matches none of the folder's files"
+    )
+    way_out = re.compile(r"\(its glob characters escaped\): (.*); or rename the folder")
+    # prepare: one line, nothing written, and its hint reads the folder's files alone
+    assert main(["--hf", str(notes), "--out", str(tmp_path / "tok")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(
+        f"error: dataset {notes}: datasets reads a folder's path as a glob pattern, and "
+        f"{notes} {found}"
+    )
+    assert err.count("\n") == 1 and not (tmp_path / "tok").exists()
+    hint = shlex.split(way_out.search(err)[1])
+    assert hint[:3] == ["--hf", "text", "--data-files"]
+    assert sorted(iter_hf_texts("text", data_files=hint[3:])) == every
+    # train.py: the same, its hint read back through Hydra
+    with pytest.raises(HFDataError, match=re.escape(f"data.path={notes}: datasets reads")) as info:
+        build_sources(_cfg(kind="hf", path=str(notes), seq_len=4, val_tokens=0))
+    assert found in str(info.value)
+    line = error_line("train.py", info.value, traceback_variable="HYDRA_FULL_ERROR")
+    assert "raised by" not in line and line.count("\n") == 1  # fot's own one-line error
+    path, files = shlex.split(way_out.search(str(info.value))[1])
+    assert path == "data.path=text"
+    (override,) = OverridesParser.create().parse_overrides([files])
+    assert sorted(iter_hf_texts("text", data_files=override.value())) == every
+    # a file of the folder, given as the dataset: its hint reads that file alone
+    assert main(["--hf", str(notes / "a.md"), "--out", str(tmp_path / "tok")]) == 2
+    hint = capsys.readouterr().err.split("through a loader: ")[1]
+    assert list(iter_hf_texts("text", data_files=shlex.split(hint)[3:])) == every[:1]
+    # without the other folder, `no*tes` matches itself alone: read as before
+    if name == "no*tes":
+        shutil.rmtree(tmp_path / sibling)
+        (tmp_path / "elsewhere.txt").write_text("linked in.\n")
+        (notes / "f.txt").symlink_to(tmp_path / "elsewhere.txt")
+        got = sorted(iter_hf_texts(str(notes)))
+        assert got == sorted([*every[2:], "linked in.\n"])
+        assert "datasets reads the 4 .txt file(s) of this folder" in capsys.readouterr().err
 
 
 def test_a_home_folder_path_is_expanded_for_datasets(tmp_path, monkeypatch, caplog, capsys):

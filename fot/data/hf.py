@@ -9,6 +9,9 @@ Two things differ from a plain ``datasets.load_dataset`` call:
 * Where datasets reads a local folder as text but only the files of its most common text
   extension (of ``.txt`` and ``.md`` notes, the ``.txt``), :meth:`HFDataset.left_out_text_files`
   names the others and the data files that read them all, for a warning.
+* Where a local folder's path holds glob characters, datasets globs it (``d[1]`` reads the
+  files of ``d1/``, ``no*tes`` those of ``notes/`` too): a folder it reads files outside of,
+  or none of, is refused with the loader and the folder's escaped patterns that read it.
 * datasets' failures on bad input files (a bare ``StopIteration`` for empty files, a
   ``DatasetGenerationError`` around a ``UnicodeDecodeError``) become one :class:`HFDataError` that
   names the file and the fix.
@@ -57,7 +60,8 @@ class HFDataset:
     Raises:
         HFDataError: datasets failed on an input file, named with the fix (:meth:`explain`),
             or ``path`` is one of datasets' loaders (``text``, ``json``, ...) and no
-            ``data_files`` were given.
+            ``data_files`` were given, or ``path`` is a local folder whose glob characters
+            datasets matches to files outside it (or to none of its own).
     """
 
     def __init__(
@@ -116,6 +120,18 @@ class HFDataset:
         self.text_files = builder.name == "text"
         """True when datasets reads the files as plain text: loaded one document per file."""
         self._data_files = getattr(builder.config, "data_files", None)
+        if self.data_files is None and local.is_dir():
+            # datasets globs a folder's path: for a folder `d[1]` it reads `d1/` ([1] a
+            # character class), for `no*tes` the files of `notes/` too
+            inside = local.resolve()
+            outside = [
+                str(f)
+                for split in (self._data_files or {}).values()
+                for f in split
+                if not Path(os.path.abspath(str(f).removeprefix("file://"))).is_relative_to(inside)
+            ]
+            if outside:
+                raise self._glob_error(outside)
 
     def left_out_text_files(self) -> str | None:
         """A warning where datasets, given a local folder, reads it as text but leaves out
@@ -140,6 +156,36 @@ class HFDataset:
             f"{', '.join(sorted({f.suffix or f.name for f in read}))} file(s) of "
             f"this folder as text and leaves out {len(left)} other text file(s) ({shown}). To "
             f"read them too: {self.loader_hint('text', patterns)}"
+        )
+
+    def _glob_error(self, outside: list[str]) -> HFDataError:
+        """The error for a local folder whose path datasets globs to files outside it
+        (``outside``), or to no files where the folder holds some (``outside`` empty)."""
+        shown = ", ".join(outside[:2]) + (
+            f" and {len(outside) - 2} more" if len(outside) > 2 else ""
+        )
+        found = (
+            f"matches files outside the folder, which datasets would read: {shown}"
+            if outside
+            else "matches none of the folder's files"
+        )
+        own = _own_data_files(self.path)
+        fix = "rename the folder without the glob characters *, ? and ["
+        if own is not None:
+            loader, files = own
+            suffixes = sorted({Path(f).suffix for f in files}) or [""]
+            if loader == "text" or (
+                loader not in _DATA_LOADERS and _text_suffixes(Path(self.path))
+            ):
+                loader, suffixes = "text", _text_suffixes(Path(self.path)) or suffixes
+            hint = self.loader_hint(loader, _folder_patterns(self.path, suffixes))
+            fix = (
+                "to read the folder's files alone, name the loader and the folder's files "
+                f"(its glob characters escaped): {hint}; or {fix}"
+            )
+        return HFDataError(
+            f"{self.where}: datasets reads a folder's path as a glob pattern, and {self.path} "
+            f"{found}. {fix[0].upper()}{fix[1:]}"
         )
 
     def files(self, split: str) -> list[str]:
@@ -217,6 +263,8 @@ class HFDataset:
         local = self.path.startswith((".", "/", "~")) or Path(self.path).expanduser().exists()
         if split is None and local and isinstance(err, FileNotFoundError) and not self.data_files:
             folder = Path(self.path).expanduser()
+            if folder.is_dir() and glob.has_magic(self.path) and _own_data_files(self.path):
+                return self._glob_error([])  # `d[1]` globbed to a `d1` that holds no files
             problem = (
                 "holds no data files that datasets reads" if folder.is_dir() else "does not exist"
             )
@@ -345,6 +393,28 @@ def _folder_patterns(folder: str, suffixes: list[str]) -> list[str]:
     folder's glob characters escaped (``d[[]1]/**/*.md``): datasets globs a data file's whole
     path, and would read ``d1/`` for a folder ``d[1]``, or ``notes/`` too for ``no*tes``."""
     return [f"{glob.escape(folder.rstrip('/'))}/**/*{suffix}" for suffix in suffixes]
+
+
+def _own_data_files(folder: str) -> tuple[str, list[str]] | None:
+    """The loader datasets chooses for the local folder ``folder`` and the files it reads
+    with it, as datasets resolves them for a folder whose path holds no glob characters (the
+    path escaped); ``None`` where it finds no data files there."""
+    try:
+        from datasets.data_files import DataFilesDict, get_data_patterns
+        from datasets.load import _ALL_ALLOWED_EXTENSIONS, infer_module_for_data_files
+        from datasets.packaged_modules import _MODULE_TO_EXTENSIONS
+    except ImportError:  # a datasets release that moved them: no hint
+        return None
+    base = glob.escape(Path(folder).expanduser().resolve().as_posix())
+    try:
+        files = DataFilesDict.from_patterns(
+            get_data_patterns(base), base_path=base, allowed_extensions=_ALL_ALLOWED_EXTENSIONS
+        )
+        loader, _ = infer_module_for_data_files(files, path=folder)
+    except (FileNotFoundError, ValueError):  # none there (EmptyDatasetError), or mixed
+        return None
+    files = files.filter(extensions=_MODULE_TO_EXTENSIONS.get(loader))
+    return loader, [str(f) for split in files.values() for f in split]
 
 
 def _text_suffixes(folder: Path) -> list[str]:

@@ -123,12 +123,17 @@ class HFDataset:
         if self.data_files is None and local.is_dir():
             # datasets globs a folder's path: for a folder `d[1]` it reads `d1/` ([1] a
             # character class), for `no*tes` the files of `notes/` too
-            inside = local.resolve()
+            # (datasets lists the files under the folder's real path; under the path as
+            # given counts too, in case a release lists them so)
+            folders = (local.resolve(), Path(os.path.abspath(local)))
             outside = [
                 str(f)
                 for split in (self._data_files or {}).values()
                 for f in split
-                if not Path(os.path.abspath(str(f).removeprefix("file://"))).is_relative_to(inside)
+                if not any(
+                    Path(os.path.abspath(str(f).removeprefix("file://"))).is_relative_to(d)
+                    for d in folders
+                )
             ]
             if outside:
                 raise self._glob_error(outside)
@@ -412,6 +417,8 @@ def _own_data_files(folder: str) -> tuple[str, list[str]] | None:
         )
         loader, _ = infer_module_for_data_files(files, path=folder)
     except (FileNotFoundError, ValueError):  # none there (EmptyDatasetError), or mixed
+        return None
+    except (TypeError, AttributeError):  # a datasets release that changed them: no hint
         return None
     files = files.filter(extensions=_MODULE_TO_EXTENSIONS.get(loader))
     return loader, [str(f) for split in files.values() for f in split]

@@ -56,7 +56,7 @@ def argv_problem(argv: list[str]) -> str | None:
     )
     # an override Hydra cannot parse first: the checks below would misread it
     problems = [checks.unparsable_override(argv)]
-    problems += [checks.unknown_override_key(arg) for arg in argv]
+    problems += [checks.unknown_override_key(arg, added=not more_configs) for arg in argv]
     problems.append(checks.mistyped_override(argv))  # a known key with a value of another type
     # +total_tokens=..., +experiment=..., model.overrides.x=... (Hydra: several lines, status 1)
     problems.append(checks.misprefixed_override(argv, None if more_configs else configs))

@@ -698,6 +698,11 @@ def test_fsdp_over_gloo_is_refused_with_a_torch_whose_fsdp2_sums_the_gradients(m
         ("optim.lrr=1", "optim.lr"),
         ("parallel.compil=true", "parallel.compile"),
         ("model.num_heads=3", "+model.overrides.<field>"),
+        ("modle=fot_pro", "did you mean model?"),
+        # added with + or ++: Hydra added the key, nothing read it, the run went on without it
+        ("+optim.lrr=1", "did you mean optim.lr or"),
+        ("++total_token=5", "did you mean total_tokens or"),
+        ("+modle=x", "did you mean model?"),
     ],
 )
 def test_misspelt_top_level_key_names_the_field_meant(override: str, suggestion: str) -> None:
@@ -705,12 +710,16 @@ def test_misspelt_top_level_key_names_the_field_meant(override: str, suggestion:
 
     message = unknown_override_key(override)
     assert message is not None and suggestion in message and override in message
+    if override.startswith("+"):
+        assert message.endswith(f"({override.split(override.lstrip('+'))[0]} adds a key to the "
+                                "config, where nothing would read this one)")  # fmt: skip
 
 
 @pytest.mark.parametrize(
     "override",
     ["optim.lr=1e-3,2e-3", "total_tokens=4096", "size=tiny", "experiment=fot_pro_125m_2b",
      "hydra.run.dir=x", "+model.overrides.num_heads=2", "model.overrides.num_heads=2", "++seed=1", "~wandb.name",
+     "++data.storage_options.token=x", "+hydra.job.env_set.A=1", "++model=fot_llama",
      "data.seq_len=3", "parallel=fsdp", "-m", "--help"],
 )  # fmt: skip
 def test_known_keys_and_hydra_syntax_are_left_to_hydra(hydra_ctx, override: str) -> None:
@@ -762,6 +771,7 @@ def test_train_py_names_a_bad_key_or_option_in_one_line_with_status_2(tmp_path) 
     for arg, expected in (
         ("total_token=5", "train.py: error: unknown config key 'total_token'"),
         ("size=huge", "train.py: error: unknown size option 'huge'"),
+        ("+optim.lrr=1", "train.py: error: unknown config key 'optim.lrr'"),  # trained at lr
     ):
         stderr = _train_py_refuses(tmp_path, arg)
         assert stderr.startswith(expected), stderr

@@ -740,23 +740,32 @@ def _config_nodes(node: Any, prefix: str = "") -> dict[str, Any]:
     return nodes
 
 
-def unknown_override_key(override: str) -> str | None:
+def unknown_override_key(override: str, *, added: bool = True) -> str | None:
     """A message for a command-line ``key=value`` whose key is no field of :class:`TrainConfig`
-    (``lr=1e-3``, ``total_token=1000``), naming the closest fields; ``None`` for a known key.
+    (``lr=1e-3``, ``total_token=1000``, ``modle=fot_pro``), naming the closest fields or
+    groups; ``None`` for a known key.
 
-    Overrides that Hydra handles itself are never flagged: ``+``/``++``/``~`` prefixes,
-    ``hydra.*``, ``experiment=`` and keys under a free-form dict such as ``model.overrides``.
+    A key added with ``+`` or ``++`` (``+optim.lrr=1``) is checked too: Hydra adds it to the
+    config, where nothing reads it, and the run went on without the setting. Overrides that
+    Hydra handles itself are never flagged: ``~``, ``hydra.*``, ``experiment=`` and keys under
+    a free-form dict such as ``model.overrides``.
+
+    Args:
+        override: one command-line argument.
+        added: check ``+``/``++`` keys (off where config folders added on the command line
+            may hold groups of their own, which ``+group=option`` chooses).
     """
     import difflib
     import re
 
-    match = re.match(r"^([A-Za-z_][\w.]*)=", override)
-    if match is None:
+    match = re.match(r"^(\+{0,2})([A-Za-z_][\w.]*)=", override)
+    if match is None or (match.group(1) and not added):
         return None
-    key = match.group(1)
+    key = match.group(2)
     if key.split(".")[0] in ("hydra", "experiment"):
         return None
-    node: Any = OmegaConf.structured(TrainConfig)
+    schema: Any = OmegaConf.structured(TrainConfig)
+    node = schema
     for part in key.split("."):
         if not isinstance(node, DictConfig) or OmegaConf.get_type(node) is dict:
             return None  # a free-form dict (model.overrides) or a leaf: Hydra decides
@@ -765,13 +774,17 @@ def unknown_override_key(override: str) -> str | None:
         node = node._get_node(part)
     else:
         return None
-    keys = list(_config_nodes(OmegaConf.structured(TrainConfig)))
+    keys = list(_config_nodes(schema))
+    if "." not in key:  # the groups too: model, size, data, ...
+        keys += [k for k in schema if k not in keys]
     leaf = key.rsplit(".", 1)[-1]
     close = difflib.get_close_matches(key, keys, n=3, cutoff=0.6)
     close += [k for k in keys if k.rsplit(".", 1)[-1] == leaf and k not in close]
     hint = f"did you mean {' or '.join(close)}?" if close else "see `python train.py --help`"
     if key.startswith("model."):
         hint += " (a model field goes in +model.overrides.<field>=<value>)"
+    if match.group(1):
+        hint += f" ({match.group(1)} adds a key to the config, where nothing would read this one)"
     return f"unknown config key {key!r} in {override!r}: {hint}"
 
 

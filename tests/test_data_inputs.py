@@ -697,6 +697,23 @@ def test_the_text_loader_hints_read_the_folder_alone_whatever_glob_characters_it
     assert list(iter_hf_texts("text", data_files=shlex.split(hint)[3:])) == every[:1]
 
 
+def test_a_folder_whose_dataset_card_names_files_outside_it_is_read(tmp_path) -> None:
+    """A dataset card (README.md ``configs:``) may name data files outside its folder
+    (``../shared/*.txt``); the check for a folder path that datasets globs to other folders'
+    files refused such a folder, which holds no glob characters, with a wrong diagnosis."""
+    from fot.data.prepare import iter_hf_texts
+
+    (tmp_path / "shared").mkdir()
+    (tmp_path / "shared" / "a.txt").write_text("a note kept beside the card\n")
+    card = tmp_path / "card"
+    card.mkdir()
+    (card / "README.md").write_text(
+        "---\nconfigs:\n- config_name: default\n  data_files:\n  - split: train\n"
+        "    path: ../shared/*.txt\n---\n"
+    )
+    assert list(iter_hf_texts(str(card))) == ["a note kept beside the card\n"]
+
+
 @pytest.mark.parametrize(("name", "sibling"), [("d[1]", "d1"), ("no*tes", "notes"), ("d[1]", None)])  # fmt: skip
 def test_a_folder_whose_path_datasets_globs_to_other_files_is_refused(
     tmp_path, capsys, name, sibling

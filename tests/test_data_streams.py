@@ -189,6 +189,11 @@ def test_bin_files_of_llmc_shards_are_read_and_other_widths_refused(tmp_path) ->
         big.astype(dtype).tofile(tmp_path / "wide.bin")
         with pytest.raises(ValueError, match=r"every second uint16 of its first \d+ is 0 to 3"):
             open_token_path(tmp_path / "wide.bin", 16, "causal", key="data.path")
+    # uint16 symbols each followed by a space of id 1: every second id small, read as they are
+    spaced = np.stack([np.random.default_rng(6).integers(4, 14, size=350), np.ones(350)], 1)
+    spaced.astype(np.uint16).tofile(tmp_path / "spaced.bin")
+    inputs, _ = open_token_path(tmp_path / "spaced.bin", 16, "causal").read(0, 1)
+    np.testing.assert_array_equal(inputs[0], spaced.reshape(-1)[:16])
     # uint16 ids of a vocabulary of four (DNA bases): small everywhere, read as they are
     bases = np.random.default_rng(5).integers(0, 4, size=700).astype(np.uint16)
     bases.tofile(tmp_path / "bases.bin")

@@ -424,6 +424,9 @@ def test_an_fla_mlp_width_setting_that_builds_no_mlp_is_refused_by_the_config(
         presets.config(name, "tiny", **overrides)
     m = _paper_sized("deltanet", intermediate_size=512, hidden_ratio=0.001)
     assert m.model.layers[0].mlp.down_proj.weight.shape == (256, 512)
+    # a Samba without attention layers, whose MLPs all take mamba_hidden_ratio: unused too
+    m = _paper_sized("samba", attn=None, hidden_ratio=0.001, mamba_hidden_ratio=3)
+    assert m.backbone.layers[0].mlp.down_proj.weight.shape == (256, 512)
 
 
 def _paper_samba_params(hidden: int, layers: int, attn_layers: int, vocab: int = 50257) -> int:

@@ -120,7 +120,7 @@ class HFDataset:
         self.text_files = builder.name == "text"
         """True when datasets reads the files as plain text: loaded one document per file."""
         self._data_files = getattr(builder.config, "data_files", None)
-        if self.data_files is None and local.is_dir():
+        if self.data_files is None and local.is_dir() and glob.has_magic(path):
             # datasets globs a folder's path: for a folder `d[1]` it reads `d1/` ([1] a
             # character class), for `no*tes` the files of `notes/` too
             # (datasets lists the files under the folder's real path; under the path as

@@ -20,6 +20,7 @@ import importlib.util
 import itertools
 import json
 import math
+import numbers
 import os
 import warnings
 from collections.abc import Mapping, Sequence
@@ -210,20 +211,27 @@ def _check_mlp_widths(config: PretrainedConfig, name: str) -> None:
     override = "++model.overrides.{}={}"
     mlp_size = getattr(config, "intermediate_size", None)
     if name != "samba" and mlp_size is not None:
-        if not (isinstance(mlp_size, int) and not isinstance(mlp_size, bool) and mlp_size > 0):
+        if not (
+            isinstance(mlp_size, numbers.Integral)
+            and not isinstance(mlp_size, bool)
+            and mlp_size > 0
+        ):
             raise ValueError(
                 f"intermediate_size={mlp_size!r}: it must be a positive int (the MLPs' width) "
                 f"or null (hidden_ratio's width), e.g. {override.format('intermediate_size', 'null')}"
             )
         return
-    _check_mlp_ratio(
-        "hidden_ratio",
-        config.hidden_ratio,
-        config.hidden_size,
-        mlps="the MLPs after attention layers" if name == "samba" else "the MLPs",
-        null="FLA's default, 4",
-        fix=f"e.g. {override.format('hidden_ratio', 4)}",
-    )
+    # a Samba without attention layers whose Mamba layers' MLPs have their own ratio: unused
+    unused = name == "samba" and config.attn is None and config.mamba_hidden_ratio is not None
+    if not unused:
+        _check_mlp_ratio(
+            "hidden_ratio",
+            config.hidden_ratio,
+            config.hidden_size,
+            mlps="the MLPs after attention layers" if name == "samba" else "the MLPs",
+            null="FLA's default, 4",
+            fix=f"e.g. {override.format('hidden_ratio', 4)}",
+        )
     if name == "samba":
         _check_mlp_ratio(
             "mamba_hidden_ratio",

@@ -763,7 +763,7 @@ def _same_model(cfg: Any, was: dict[str, Any], now: dict[str, Any]) -> bool:
 
     try:
         built = [presets.config(cfg.model.name, cfg.size.name, **o).to_dict() for o in (was, now)]
-    except (TypeError, ValueError):
+    except Exception:  # any refusal (ZeroDivisionError of hidden_size=0 too): a difference
         return False
     return built[0] == built[1]
 

@@ -31,6 +31,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -248,7 +249,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         choices=("auto", "cpu"),
         help="auto (default): CUDA, stopping where there is none; cpu: run on the CPU (toy sizes)",
     )
-    p.add_argument("--work-dir", default="/tmp/fot_scaling", help="run folders")
+    p.add_argument(
+        "--work-dir",
+        default=None,
+        help="run folders (default: a new temporary folder, named in the log; a folder given "
+        "here has its earlier runs of the same names replaced)",
+    )
     p.add_argument("--keep-runs", action="store_true", help="keep checkpoints")
     p.add_argument(
         "--out",
@@ -314,6 +320,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out = Path(args.out) if args.out else None
     if out is not None:
         check_out_file(out / "scaling.json")
+    if args.work_dir is None:  # a folder of this run's own: never another run's or user's
+        args.work_dir = tempfile.mkdtemp(prefix="fot_scaling-")
+        log(f"run folders in {args.work_dir}")
     meta = run_meta(device, args)
     plan = [(1, "single")] if 1 in args.nprocs else []
     # largest world size first: a run cut short by a time limit keeps the most telling rows;

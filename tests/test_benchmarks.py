@@ -693,6 +693,30 @@ def test_pruning_cpu_after_triton_was_imported_without_interpreter_says_the_fix(
 # ---------------------------------------------------------------------------------------
 
 
+def test_scaling_without_work_dir_takes_a_new_folder_per_invocation(tmp_path, bench, monkeypatch):
+    """--work-dir was /tmp/fot_scaling by default: two invocations (two users of a machine, or
+    two jobs) replaced each other's run folders. Each now gets a new temporary folder."""
+    scaling = bench["scaling"]
+    dirs = []
+
+    class Stop(Exception):
+        pass
+
+    def record(nproc, strategy, args):
+        dirs.append(Path(args.work_dir))
+        raise Stop  # the folder is all this test needs
+
+    monkeypatch.setattr(scaling, "run_one", record)
+    argv = ["--size", "tiny", "--seq-len", "64", "--steps", "3", "--warmup", "1", "--nprocs", "1",
+            "--device", "cpu"]  # fmt: skip
+    for _ in range(2):
+        with pytest.raises(Stop):
+            scaling.main(argv)
+    assert len(dirs) == 2 and dirs[0] != dirs[1] and all(d.is_dir() for d in dirs)
+    for d in dirs:
+        d.rmdir()  # empty: nothing ran
+
+
 def test_scaling_cpu_two_processes_match_one(tmp_path, bench):
     """benchmarks/scaling.py on CPU (gloo): with one global batch, the 2-process DDP run's
     per-step losses equal the 1-process run's (the oracle), and every step is reported."""

@@ -795,7 +795,8 @@ def test_scaling_interrupted_keeps_finished_rows(bench, tmp_path, monkeypatch, c
     monkeypatch.setattr(scaling, "run_one", run_one)
     with pytest.raises(SystemExit) as exit_:  # a KeyboardInterrupt escaping main() fails too
         scaling.main(["--size", "tiny", "--nprocs", "1,2", "--strategies", "ddp", "--steps",
-                      "3", "--device", "cpu", "--out", str(tmp_path)])  # fmt: skip
+                      "3", "--device", "cpu", "--out", str(tmp_path),
+                      "--work-dir", str(tmp_path / "runs")])  # fmt: skip
     assert exit_.value.code == 130
     saved = json.loads((tmp_path / "scaling.json").read_text())
     assert [r["name"] for r in saved["rows"]] == ["single_x1"]

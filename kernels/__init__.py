@@ -17,25 +17,48 @@
   autocast: one cast launch for all weights, float32 weight gradients from the GEMM.
 """
 
-from .decode import forgetting_attention_decode
-from .forgetting_attention import PruneStats, forgetting_attention
-from .linear_ops import mixed_precision_linear
-from .loss_ops import linear_cross_entropy
-from .mlp_ops import swiglu
-from .norm_ops import add_rms_norm
-from .pro_ops import norm_gate, shift_norm
-from .reference import forgetting_attention_decode_reference, forgetting_attention_reference
+if __name__ == "kernels":
+    # Imported as a top-level `kernels`: Python was started in the checkout root (a REPL, a
+    # notebook, `python -m ...`), which puts the root on sys.path, and something imported
+    # `kernels` before `fot` took the root off it. That name belongs to Hugging Face's `kernels`
+    # package, which transformers (>= 5.25) imports: hand the name over to it.
+    import importlib.util as _util
+    import os as _os
+    import sys as _sys
+    from importlib.machinery import PathFinder as _PathFinder
 
-__all__ = [
-    "PruneStats",
-    "add_rms_norm",
-    "forgetting_attention",
-    "forgetting_attention_decode",
-    "forgetting_attention_decode_reference",
-    "forgetting_attention_reference",
-    "linear_cross_entropy",
-    "mixed_precision_linear",
-    "norm_gate",
-    "shift_norm",
-    "swiglu",
-]
+    _root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+    _path = [p for p in _sys.path if _os.path.abspath(p or _os.curdir) != _root]
+    _spec = _PathFinder.find_spec("kernels", _path)
+    if _spec is None or _spec.loader is None:
+        raise ModuleNotFoundError(
+            f"no module named 'kernels' outside the fot checkout {_root}: its kernels/ folder "
+            "is fot.kernels (import fot.kernels), not a top-level module",
+            name="kernels",
+        )
+    _module = _util.module_from_spec(_spec)
+    _sys.modules["kernels"] = _module  # the import statement returns what is here at the end
+    _spec.loader.exec_module(_module)
+else:
+    from .decode import forgetting_attention_decode
+    from .forgetting_attention import PruneStats, forgetting_attention
+    from .linear_ops import mixed_precision_linear
+    from .loss_ops import linear_cross_entropy
+    from .mlp_ops import swiglu
+    from .norm_ops import add_rms_norm
+    from .pro_ops import norm_gate, shift_norm
+    from .reference import forgetting_attention_decode_reference, forgetting_attention_reference
+
+    __all__ = [
+        "PruneStats",
+        "add_rms_norm",
+        "forgetting_attention",
+        "forgetting_attention_decode",
+        "forgetting_attention_decode_reference",
+        "forgetting_attention_reference",
+        "linear_cross_entropy",
+        "mixed_precision_linear",
+        "norm_gate",
+        "shift_norm",
+        "swiglu",
+    ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -26,14 +27,23 @@ def test_subpackages_are_namespaced_under_fot():
 
     assert Path(fot.kernels.__file__).parent.name == "kernels"
     assert Path(fot.eval.__file__).parent.name == "eval"
-    assert importlib.util.find_spec("kernels") is None
+    # a top-level `kernels` may exist (Hugging Face's, which transformers >= 5.25 requires),
+    # but it is never this checkout's folder; nothing else is called `eval`
+    assert not _checkout_module("kernels")
     assert importlib.util.find_spec("eval") is None
+
+
+def _checkout_module(name: str) -> bool:
+    """Whether the top-level module ``name`` would be imported from this checkout."""
+    spec = importlib.util.find_spec(name)
+    return spec is not None and spec.origin is not None and Path(spec.origin).parent == REPO / name
 
 
 def test_no_toplevel_kernels_or_eval_from_another_directory(tmp_path):
     code = (
-        "import importlib.util, fot, fot.kernels, fot.eval;"
-        "assert importlib.util.find_spec('kernels') is None, 'top-level kernels importable';"
+        "import importlib.util, os, fot, fot.kernels, fot.eval;"
+        "spec = importlib.util.find_spec('kernels');"
+        f"assert spec is None or os.path.dirname(spec.origin) != {str(REPO / 'kernels')!r}, spec;"
         "assert importlib.util.find_spec('eval') is None, 'top-level eval importable';"
         "print(fot.kernels.forgetting_attention_reference.__name__, fot.presets.config('fot_pro').model_type)"
     )
@@ -42,6 +52,35 @@ def test_no_toplevel_kernels_or_eval_from_another_directory(tmp_path):
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "forgetting_attention_reference fot"
+
+
+def test_top_level_kernels_in_the_checkout_root_is_hugging_faces_package(tmp_path):
+    """Python started in the checkout root (a REPL, a notebook, ``python -m lm_eval``) has the
+    root on sys.path, so ``kernels/`` was the top-level ``kernels`` that transformers (>= 5.25)
+    imports from Hugging Face's package: ``import fla`` failed with "cannot import name
+    'CUDAProperties' from 'kernels'". Oracle: what ``kernels`` is outside the checkout."""
+    probe = (
+        "import importlib.util, json;"
+        "spec = importlib.util.find_spec('kernels');"
+        "print(json.dumps(spec and spec.origin))"
+    )
+    elsewhere = subprocess.run(
+        [sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
+    assert elsewhere.returncode == 0, elsewhere.stderr
+    origin = json.loads(elsewhere.stdout)
+    code = "import kernels; print(kernels.__file__)"
+    if origin is not None:  # transformers' dependency installed: it is what `kernels` is
+        code += "; import transformers.activations"
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    if origin is None:
+        assert out.returncode != 0
+        assert "ModuleNotFoundError" in out.stderr and "import fot.kernels" in out.stderr
+    else:
+        assert out.returncode == 0, out.stderr
+        assert Path(out.stdout.strip()) == Path(origin)
 
 
 def test_gpt2_encoding_offline():

@@ -354,7 +354,7 @@ def test_a_folder_datasets_reads_with_another_loader_names_the_text_loader(
     capsys.readouterr()
     assert main(["--hf", str(one), "--out", str(tmp_path / "one")]) == 2
     err = capsys.readouterr().err.strip()
-    hint = f"--hf text --data-files '{one}'"
+    hint = f"--hf text --data-files {one}"  # a plain path needs no quotes
     assert err == f"error: dataset {one} is a file; datasets reads a file through a loader: {hint}"
     assert main([*shlex.split(hint), "--out", str(tmp_path / "one")]) == 0
     assert [list(d) for d in TokenDocuments(tmp_path / "one")] == [list(want[0])]
@@ -365,7 +365,7 @@ def test_a_folder_datasets_reads_with_another_loader_names_the_text_loader(
         with pytest.raises(ValueError) as info:
             build_sources(_cfg(kind="hf", path=str(tmp_path / name), seq_len=8, val_tokens=0))
         assert str(info.value).endswith(
-            f"data.path={loader} data.hf_data_files='{tmp_path / name}'"
+            f"data.path={loader} data.hf_data_files={tmp_path / name}"
         )
 
 

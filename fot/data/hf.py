@@ -22,6 +22,7 @@ from __future__ import annotations
 import glob
 import os
 import re
+import shlex
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -90,7 +91,7 @@ class HFDataset:
         self.loader: str | None = None
         """The datasets loader that reads the files (``text``, ``json``, ..., or one that
         datasets chose from a local folder's file extensions)."""
-        local = Path(path).expanduser()
+        local = Path(path)
         if local.is_file():
             suffixes = [x.lower() for x in local.suffixes]
             while suffixes and suffixes[-1] in _COMPRESSED:  # a.jsonl.gz: a json file
@@ -143,7 +144,7 @@ class HFDataset:
         text files of another kind (it reads the extension most files have: of a folder of
         ``.txt`` and ``.md`` files, only the ``.txt``), naming them and the loader hint that
         reads them all; ``None`` otherwise (data files given, or none left out)."""
-        folder = Path(self.path).expanduser()
+        folder = Path(self.path)
         if self.data_files is not None or not self.text_files or not folder.is_dir():
             return None
         read = {Path(f).resolve() for split in (self._data_files or {}).values() for f in split}
@@ -265,9 +266,9 @@ class HFDataset:
                 f"{what}: the data files hold no rows ({shown or 'none found'}): they are "
                 "empty. Give files that hold data, or leave the empty ones out"
             )
-        local = self.path.startswith((".", "/", "~")) or Path(self.path).expanduser().exists()
+        local = self.path.startswith((".", "/", "~")) or Path(self.path).exists()
         if split is None and local and isinstance(err, FileNotFoundError) and not self.data_files:
-            folder = Path(self.path).expanduser()
+            folder = Path(self.path)
             if folder.is_dir() and glob.has_magic(self.path) and _own_data_files(self.path):
                 return self._glob_error([])  # `d[1]` globbed to a `d1` that holds no files
             problem = (
@@ -303,9 +304,9 @@ class HFDataset:
             # instruction.md files found"), images to `imagefolder`, ...: none reads text
             suffixes = sorted({Path(f).suffix or Path(f).name for f in files})
             patterns = [glob.escape(self.path)]
-            if not Path(self.path).expanduser().is_file():
+            if not Path(self.path).is_file():
                 # every kind of text file the folder holds, not only those datasets picked
-                kinds = _text_suffixes(Path(self.path).expanduser()) or suffixes[:1] or [""]
+                kinds = _text_suffixes(Path(self.path)) or suffixes[:1] or [""]
                 patterns = _folder_patterns(self.path, kinds)
             return HFDataError(
                 f"{what}: datasets chose its {self.loader!r} loader for these files (by their "
@@ -340,7 +341,7 @@ def train_py_loader_hint(loader: str, patterns: list[str]) -> str:
     """
     values = [hydra_string(p) for p in patterns]
     files = values[0] if len(values) == 1 else f"[{','.join(values)}]"
-    return f"data.path={loader} data.hf_data_files={shell_word(files)}"
+    return f"data.path={loader} data.hf_data_files={shlex.quote(files)}"
 
 
 _HYDRA_BARE = re.compile(r"[\w.*+%@?/-]*/[\w.*+%@?/-]*", re.ASCII)
@@ -360,12 +361,6 @@ def hydra_string(s: str) -> str:
     s = re.sub(r'(\\*)"', lambda m: 2 * m[1] + '\\"', s)  # Hydra's \"
     s = re.sub(r"(\\+)\Z", lambda m: 2 * m[1], s)  # before the closing quote
     return f'"{s}"'
-
-
-def shell_word(s: str) -> str:
-    """``s`` in single quotes, as one word of a POSIX shell command line (a ``'`` in ``s``
-    written ``'"'"'``)."""
-    return "'" + s.replace("'", "'\"'\"'") + "'"
 
 
 _TEXT_SUFFIXES = frozenset((".txt", ".text", ".md", ".markdown", ".rst"))

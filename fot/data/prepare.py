@@ -45,6 +45,7 @@ import glob as globmod
 import itertools
 import json
 import os
+import shlex
 import shutil
 import signal
 import sys
@@ -253,7 +254,7 @@ def iter_hf_texts(
 ) -> Iterator[str]:
     """Yield the ``text_field`` of every row of a Hugging Face dataset (rows whose text is
     None are skipped, with a warning counting them); a text loader gives one row per file."""
-    from fot.data.hf import HFDataset, shell_word
+    from fot.data.hf import HFDataset
 
     dataset = HFDataset(
         path,
@@ -264,7 +265,7 @@ def iter_hf_texts(
         files_option="--data-files FILE ...",
         streaming_option="--streaming",
         loader_hint=lambda loader, files: (
-            f"--hf {loader} --data-files " + " ".join(map(shell_word, files))
+            f"--hf {loader} --data-files " + " ".join(map(shlex.quote, files))
         ),
     )
     if left_out := dataset.left_out_text_files():

@@ -135,3 +135,58 @@ def parse_args_naming_typos(
     more = f" ({'; '.join(hints)})" if hints else f" (see {target.prog} --help)"
     target.error(f"unrecognized arguments: {' '.join(extras)}{more}")
     raise AssertionError("argparse's error() exits")  # pragma: no cover
+
+
+class WriteError(FotError, OSError):
+    """A file or folder could not be written: a full disk, a used-up quota, the file size limit,
+    a read-only file system or no permission. The message names the path, the cause and what
+    was kept; :func:`cannot_write` builds it."""
+
+
+_WRITE_HINTS = {
+    "ENOSPC": "the disk is full: free space on it, or write elsewhere",
+    "EDQUOT": "the disk quota is used up: free space in it, or write elsewhere",
+    "EFBIG": "the file would exceed the file size limit (`ulimit -f`) or the file system's",
+    "EROFS": "the file system is read-only: write elsewhere",
+    "EACCES": "no permission to write there: write elsewhere, or change its permissions",
+    "EPERM": "no permission to write there: write elsewhere, or change its permissions",
+    "EIO": "the device reported an I/O error",
+}
+
+
+def os_error_of(err: BaseException) -> OSError | None:
+    """The ``OSError`` behind ``err``: ``err`` itself, or one it was raised from or while
+    handling (torch.save's writer reports a failed write as a ``RuntimeError`` such as
+    "unexpected pos 704 vs 598", with the ``OSError`` as its context); ``None`` if there is none."""
+    seen: set[int] = set()
+    e: BaseException | None = err
+    while e is not None and id(e) not in seen:
+        if isinstance(e, OSError) and e.errno is not None:
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def cannot_write(path: object, err: BaseException, kept: str = "") -> WriteError | None:
+    """A :class:`WriteError` for a failed write of ``path``, or ``None`` if ``err`` is not an
+    ``OSError`` (nor caused by one): then it is no failing environment, and is raised as it is.
+
+    Args:
+        path: the file or folder being written.
+        err: the error the write raised.
+        kept: what is left as it was, said after the cause (e.g. the previous checkpoint).
+    """
+    import errno as errno_names
+    import os
+
+    cause = os_error_of(err)
+    if cause is None:
+        return None
+    name = errno_names.errorcode.get(cause.errno or 0, "")
+    what = cause.strerror or os.strerror(cause.errno or 0)
+    hint = _WRITE_HINTS.get(name)
+    message = f"cannot write {path}: {what}" + (f" ({hint})" if hint else "")
+    error = WriteError(message + (f". {kept}" if kept else ""))
+    error.errno = cause.errno
+    return error

@@ -3,6 +3,7 @@ checkpoints, DDP over gloo equal to one process, multirun folders, NaN stop."""
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
@@ -177,6 +178,52 @@ def test_kill_during_checkpoint_write_resumes_from_previous(tmp_path, reference_
     assert [p.name for p in list_checkpoints(out / "checkpoints")] == ["step_00000002"]
     train(_cfg(out))
     assert not (out / "checkpoints" / ".tmp-step_00000004").exists()
+    assert _losses(out) == reference_run
+
+
+class _FullDisk:
+    """A file whose writes fail with ENOSPC once ``room`` bytes are written, as on a full disk."""
+
+    def __init__(self, f, room: int) -> None:
+        self._f, self._room = f, room
+
+    def write(self, data) -> int:
+        n = len(memoryview(data).cast("B"))
+        if n > self._room:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self._room -= n
+        return self._f.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+
+def test_a_full_disk_while_a_checkpoint_is_written_is_named_and_resume_is_exact(
+    tmp_path, reference_run, monkeypatch
+) -> None:
+    from fot.errors import WriteError
+
+    out = tmp_path / "run"
+    ckpts = out / "checkpoints"
+    calls = []
+    real_save = torch.save
+
+    def save(obj, f, *args, **kwargs):  # the 7th file is step 6's model.pt
+        calls.append(f)
+        return real_save(obj, _FullDisk(f, 4096) if len(calls) == 7 else f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", save)
+    with pytest.raises(WriteError) as err:
+        train(_cfg(out))
+    msg = str(err.value)
+    # one message naming the file, the cause and the checkpoint to go on from; torch's own
+    # error ("unexpected pos ...") named neither
+    assert f"cannot write {ckpts / '.tmp-step_00000006' / 'model.pt'}: No space left" in msg
+    assert f"the latest is {ckpts / 'step_00000004'}" in msg and "resume=auto" in msg
+    # the cut-short checkpoint is gone (its space freed), the earlier ones complete
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000002", "step_00000004"]
+    monkeypatch.setattr(torch, "save", real_save)
+    train(_cfg(out))  # resume=auto: from step 4
     assert _losses(out) == reference_run
 
 

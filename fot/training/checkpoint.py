@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fot.errors import FotError
+from fot.errors import FotError, cannot_write
 from fot.training.signals import continue_hint, finish_before_ctrl_c
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -260,17 +260,28 @@ def save_checkpoint(
         if is_main:
             root.mkdir(parents=True, exist_ok=True)
             tmp = root / f".tmp-step_{step:08d}"
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
-            _save(model_state, tmp / "model.pt")
-            _fault("kill_in_checkpoint", step)
-            _save(optim_state, tmp / "optim.pt")
-            _save(rngs, tmp / "rng.pt")
-            with open(tmp / "trainer.json", "w") as f:
-                json.dump(trainer_state, f, indent=2)
-                f.flush()
-                os.fsync(f.fileno())
-            _fsync_dir(tmp)
+            writing = tmp
+            try:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir()
+                _save(model_state, writing := tmp / "model.pt")
+                _fault("kill_in_checkpoint", step)
+                _save(optim_state, writing := tmp / "optim.pt")
+                _save(rngs, writing := tmp / "rng.pt")
+                with open(writing := tmp / "trainer.json", "w") as f:
+                    json.dump(trainer_state, f, indent=2)
+                    f.flush()
+                    os.fsync(f.fileno())
+                _fsync_dir(tmp)
+            except Exception as err:
+                # a full disk, a quota, a read-only folder: free what the cut-short checkpoint
+                # took and say so in one line (torch.save's own error, "unexpected pos 704 vs
+                # 598", names neither the file nor the cause)
+                shutil.rmtree(tmp, ignore_errors=True)
+                error = cannot_write(writing, err, _kept_message(root, step))
+                if error is None:
+                    raise
+                raise error from err
             replaced = None
             if final.exists():  # re-saving the same step (e.g. final save after a periodic one)
                 replaced = _set_aside(final)
@@ -283,6 +294,18 @@ def save_checkpoint(
         if _dist():
             dist.barrier()
     return final
+
+
+def _kept_message(root: Path, step: int) -> str:
+    """What a failed save of step ``step`` kept: the complete checkpoints, and how to go on."""
+    latest = latest_checkpoint(root)
+    if latest is None:
+        return f"The checkpoint of step {step} was not written, and the run has no earlier one"
+    return (
+        f"The checkpoint of step {step} was not written; the earlier ones are complete (the "
+        f"latest is {latest}): once there is room, rerun with resume=auto and out_dir="
+        f"{root.parent} to go on from it"
+    )
 
 
 def abandon_newer(

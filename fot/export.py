@@ -28,9 +28,11 @@ gets the same shims (``FoTConfig.save_pretrained``), so the new folder loads the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
+import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -38,7 +40,7 @@ from pathlib import Path
 import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
-from fot.errors import FotError
+from fot.errors import FotError, cannot_write
 from fot.progress import on_terminal
 
 _CONFIG_MODULE = "configuration_fot"
@@ -166,8 +168,11 @@ def export_hf(
         NotADirectoryError: ``path`` is a file.
         FileExistsError: ``path`` holds files that the export would overwrite (config,
             weights, tokenizer) and is not a folder of an earlier export of a fot model; nothing
-            is written. An earlier export is replaced (its weight files are deleted first, so
-            none of them is loaded instead of the new ones); other files are kept.
+            is written. An earlier export is replaced once the new one is complete (written
+            beside it first; its weight files go, so none of them is loaded instead of the new
+            ones); other files are kept.
+        fot.errors.WriteError: the export could not be written (a full disk, a read-only
+            folder): nothing in ``path`` was changed.
     """
     from fot.tokenizer import TEXT_ESCAPINGS
 
@@ -213,10 +218,37 @@ def export_hf(
                 "no fot model_type or auto_map); nothing was written. Pass an empty or new "
                 "folder, or move those files away"
             )
-        for name in stale:
-            if _WEIGHT_FILE.match(name):
-                (out / name).unlink()
-    out.mkdir(parents=True, exist_ok=True)
+    # Written into a folder beside `out` and moved into it once complete: a full disk or an
+    # error part way leaves an earlier export whole, and no folder with weights but without
+    # its tokenizer (or the other way round) that would load as if complete.
+    target = Path(os.path.abspath(out))
+    staged = target.with_name(f".{target.name}.new-{os.getpid()}")
+    shutil.rmtree(staged, ignore_errors=True)
+    try:
+        _write_export(model, staged, tokenizer, max_shard_size, text_escaping)
+    except BaseException as err:  # also Ctrl-C: no half-written folder is left
+        shutil.rmtree(staged, ignore_errors=True)
+        kept = "The export was not written" + (f"; {out} is as it was" if target.exists() else "")
+        error = cannot_write(out, err, kept) if isinstance(err, Exception) else None
+        if error is None:
+            raise
+        raise error from err
+    try:
+        _move_export(staged, target, tokenizer)
+    finally:
+        shutil.rmtree(staged, ignore_errors=True)
+    return out
+
+
+def _write_export(
+    model: PreTrainedModel,
+    out: Path,
+    tokenizer: bool,
+    max_shard_size: str,
+    text_escaping: str,
+) -> None:
+    """:func:`export_hf`'s files, written into the new folder ``out``."""
+    out.mkdir(parents=True)
     previous = getattr(model.config, "auto_map", None)
     model.config.auto_map = remote_code_auto_map(type(model.config), type(model))
     # The tokenizer pads with <|endoftext|>: generate() pads finished rows with it too, instead
@@ -256,7 +288,49 @@ def export_hf(
     if tokenizer:
         max_len = getattr(model.config, "max_position_embeddings", None)
         save_hf_tokenizer(out, model_max_length=max_len, text_escaping=text_escaping)
-    return out
+
+
+def _move_export(staged: Path, out: Path, tokenizer: bool) -> None:
+    """Move the complete export ``staged`` to ``out``: renamed as a whole where ``out`` does not
+    exist; else the files of an earlier export there (its weights, config, shims and, with
+    ``tokenizer``, tokenizer files) are renamed aside, the new ones moved in and the old ones
+    deleted; other files in ``out`` are kept. Renames need no room on the disk; one that fails
+    puts the earlier export back."""
+    if not out.exists():
+        os.rename(staged, out)
+        return
+    new = sorted(p.name for p in staged.iterdir())
+    old = [
+        p.name
+        for p in out.iterdir()
+        if p.name in new
+        or _WEIGHT_FILE.match(p.name)
+        or p.name in _WRITTEN
+        or (tokenizer and p.name in _TOKENIZER_FILES)
+    ]
+    aside = out.with_name(f".{out.name}.old-{os.getpid()}")
+    shutil.rmtree(aside, ignore_errors=True)
+    aside.mkdir()
+    moved_old: list[str] = []
+    moved_new: list[str] = []
+    try:
+        for name in old:
+            os.rename(out / name, aside / name)
+            moved_old.append(name)
+        for name in new:
+            os.rename(staged / name, out / name)
+            moved_new.append(name)
+    except BaseException:
+        for name in moved_new:
+            with contextlib.suppress(OSError):
+                os.rename(out / name, staged / name)
+        for name in moved_old:
+            with contextlib.suppress(OSError):
+                os.rename(aside / name, out / name)
+        if not any(aside.iterdir()):
+            aside.rmdir()
+        raise
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def check_export_folder(path: str | os.PathLike, example: str) -> None:

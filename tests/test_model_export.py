@@ -347,3 +347,41 @@ def test_export_refuses_to_overwrite_files_it_did_not_write(tmp_path) -> None:
     (tmp_path / "file").write_text("x")
     with pytest.raises(NotADirectoryError, match="is a file"):
         export_hf(_tiny(0), tmp_path / "file")
+
+
+@pytest.mark.parametrize("fails_in", ["weights", "tokenizer"])
+def test_an_export_that_fails_part_way_leaves_the_earlier_export_whole(
+    tmp_path, monkeypatch, fails_in
+) -> None:
+    # A re-export deleted the earlier export's weights before writing its own: a full disk
+    # then left a folder of no weights, and one failing after the weights left new weights
+    # beside the old tokenizer, or (a first export) a folder that loaded without a tokenizer.
+    import errno
+
+    import transformers.modeling_utils
+    from transformers import AutoModelForCausalLM
+
+    import fot.tokenizer
+    from fot.errors import WriteError
+
+    old = _tiny(0)
+    out = export_hf(old, tmp_path / "m")
+    (out / "NOTES.md").write_text("mine")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    if fails_in == "weights":
+        monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", full_disk)
+    else:
+        monkeypatch.setattr(fot.tokenizer, "save_hf_tokenizer", full_disk)
+    for folder in (out, tmp_path / "new"):
+        with pytest.raises(WriteError, match=f"cannot write {folder}: No space left on device"):
+            export_hf(_tiny(1), folder)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]  # nothing half-written beside
+    x = torch.randint(0, VOCAB, (1, 9))
+    with torch.no_grad():
+        got = AutoModelForCausalLM.from_pretrained(out).eval()(x).logits
+        assert torch.equal(got, old(x).logits)

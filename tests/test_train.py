@@ -227,6 +227,74 @@ def test_a_full_disk_while_a_checkpoint_is_written_is_named_and_resume_is_exact(
     assert _losses(out) == reference_run
 
 
+def test_a_full_disk_while_metrics_are_logged_is_named_and_resume_is_exact(
+    tmp_path, reference_run, monkeypatch
+) -> None:
+    import builtins
+
+    from fot.errors import WriteError
+
+    out = tmp_path / "run"
+    real_open = builtins.open
+    writes = []
+
+    class HalfWritten:  # the 5th record (step 5's) gets half its bytes in, then ENOSPC
+        def __init__(self, f) -> None:
+            self._f = f
+
+        def write(self, data):
+            writes.append(data)
+            if len(writes) == 5:
+                self._f.write(data[: len(data) // 2])
+                self._f.flush()
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return self._f.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self._f, name)
+
+    def open_(file, mode="r", *args, **kwargs):
+        f = real_open(file, mode, *args, **kwargs)
+        return HalfWritten(f) if str(file).endswith("metrics.jsonl") and "a" in mode else f
+
+    monkeypatch.setattr(builtins, "open", open_)
+    with pytest.raises(WriteError) as err:
+        train(_cfg(out))
+    msg = str(err.value)
+    assert f"cannot write {out / 'metrics.jsonl'}: No space left on device" in msg
+    assert "step 5" in msg and "resume=auto" in msg
+    # the earlier records are whole, the cut-short one gone
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [1, 2, 3, 4]
+    monkeypatch.setattr(builtins, "open", real_open)
+    train(_cfg(out))  # resume=auto: from step 4
+    assert _losses(out) == reference_run
+    assert not (out / "metrics.abandoned.jsonl").exists()  # nothing of a cut-short line
+
+
+def test_a_file_written_atomically_over_the_size_limit_is_named_and_kept(tmp_path) -> None:
+    # a real write error: the file size limit (as `ulimit -f`), with SIGXFSZ ignored
+    path = tmp_path / "final.json"
+    path.write_text("old")
+    code = (
+        "import resource, signal, sys\n"
+        "from fot.training.checkpoint import write_text_atomic\n"
+        "from fot.errors import WriteError\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (1000, 1000))\n"
+        "try:\n"
+        "    write_text_atomic(sys.argv[1], 'x' * 5000)\n"
+        "except WriteError as err:\n"
+        "    print(err)\n"
+    )
+    proc = _run_script([sys.executable, "-c", code, str(path)], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith(f"cannot write {path}: File too large"), proc.stdout
+    assert f"{path} is as it was" in proc.stdout
+    assert path.read_text() == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["final.json"]  # no cut-short temp file
+
+
 def test_activation_checkpointing_gives_the_same_losses(tmp_path, reference_run) -> None:
     # two steps inside the warmup: the LR does not depend on total_tokens yet
     out = tmp_path / "run"

@@ -142,11 +142,23 @@ def _save(obj: Any, path: Path) -> None:
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file beside it and a rename: a kill while
     writing leaves the previous file (or none), never a cut-short one. The temporary name holds
-    the process id, so ranks writing the same file do not write into each other's."""
+    the process id, so ranks writing the same file do not write into each other's.
+
+    Raises:
+        fot.errors.WriteError: it could not be written (a full disk, a read-only folder)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    existed = path.exists()
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException as err:  # a full disk: no cut-short temporary file is left either
+        tmp.unlink(missing_ok=True)
+        kept = f"{path} is as it was" if existed else ""
+        error = cannot_write(path, err, kept) if isinstance(err, Exception) else None
+        if error is None:
+            raise
+        raise error from err
 
 
 def _set_aside(ckpt: Path) -> Path:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -16,6 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from fot.errors import cannot_write
 from fot.provenance import sweep_folder, sweep_job_label
 from fot.training.checkpoint import write_text_atomic
 
@@ -236,7 +238,8 @@ class MetricsLogger:
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "a")  # noqa: SIM115 - closed in close()
+        # unbuffered bytes: a write that fails (a full disk) is cut back off the file in log()
+        self._file = open(self.path, "ab", buffering=0)  # noqa: SIM115 - closed in close()
         mode = resolve_wandb_mode(wandb_cfg.mode)
         if mode == "disabled":
             return
@@ -279,8 +282,23 @@ class MetricsLogger:
         """Append one record (must include ``step``)."""
         if not self.enabled:
             return
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        data = memoryview((json.dumps(record) + "\n").encode())
+        size = os.fstat(self._file.fileno()).st_size
+        try:
+            while data:
+                data = data[self._file.write(data) :]
+        except OSError as err:
+            with contextlib.suppress(OSError):  # no cut-short line that a later one follows
+                os.ftruncate(self._file.fileno(), size)
+            error = cannot_write(
+                self.path,
+                err,
+                f"Its earlier records are kept. The run stopped at step {record.get('step')}; "
+                "once there is room, rerun with resume=auto to go on from its latest checkpoint",
+            )
+            if error is None:
+                raise
+            raise error from err
         if self.wandb_run is not None:
             try:
                 self.wandb_run.log(record)

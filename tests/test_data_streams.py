@@ -597,6 +597,50 @@ def test_prepare_never_deletes_a_folder_that_is_not_a_token_folder(tmp_path, cap
     assert len(TokenDocuments(tok)) == 1
 
 
+@pytest.mark.parametrize("held_out", [False, True])
+def test_prepare_over_the_file_size_limit_names_the_folder_and_keeps_the_old_one(
+    tmp_path, held_out
+) -> None:
+    # a real write error: the file size limit (as `ulimit -f`, SIGXFSZ ignored) makes the new
+    # tokens.bin fail part way; it was a traceback of a bare "OSError: [Errno 27] File too large"
+    import subprocess
+    import sys
+
+    from fot.data.prepare import main
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(6):
+        (corpus / f"{i}.txt").write_text(f"document {i} " * (1500 if i == 2 else 1))
+    tok, held = tmp_path / "tok", tmp_path / "held"
+    args = [str(corpus), "--out", str(tok)]
+    if held_out:  # the big document (the 3rd) is held out: the held-out folder fails
+        args += ["--heldout-every", "3", "--heldout-out", str(held)]
+    assert main([str(corpus / "0.txt"), "--out", str(tok)]) == 0
+    before = {p.name: p.read_bytes() for p in tok.iterdir()}
+    code = (
+        "import resource, signal, sys\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (4000, 4000))\n"
+        "from fot.data.prepare import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": root}
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    failed = held if held_out else tok
+    assert proc.stderr == (
+        f"error: cannot write {failed}: File too large (the file would exceed the file size "
+        "limit (`ulimit -f`) or the file system's). Nothing was replaced, and nothing "
+        "half-written is left\n"
+    )
+    assert {p.name: p.read_bytes() for p in tok.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus", "tok"]
+
+
 def test_data_paths_the_data_kind_would_ignore_are_refused(tmp_path) -> None:
     from omegaconf import OmegaConf
 

@@ -57,7 +57,7 @@ import numpy as np
 
 from fot.data.tokens import FORMAT, replace_folders, write_token_documents
 from fot.data.zarr_store import shown_path
-from fot.errors import USER_ERRORS, parse_args_naming_typos
+from fot.errors import USER_ERRORS, WriteError, cannot_write, parse_args_naming_typos
 from fot.interrupt import StopOnSignal, check_stop
 from fot.progress import progress_bar, quiet_library_bars
 
@@ -443,6 +443,7 @@ def prepare(
     for dest in [out, heldout_out] if heldout_every else [out]:
         dest_p = _absolute(dest)  # `--out .` gets a name to stage the new folder beside
         staged.append((dest_p.with_name(f".{dest_p.name}.new-{os.getpid()}"), dest_p))
+    writing = out
     try:
         tr = write_token_documents(staged[0][0], train_docs(), source=source)
         check_stop()  # a signal held while the staged folder was renamed into place
@@ -453,12 +454,16 @@ def prepare(
             "heldout_tokens": 0,
         }
         if heldout_every:
+            writing = heldout_out
             hv = write_token_documents(
                 staged[1][0], held, source=source, heldout_every=heldout_every
             )
             stats.update(heldout_docs=len(hv), heldout_tokens=hv.num_tokens)
             check_stop()
         replace_folders(staged)
+    except WriteError as err:  # named by its staged folder: name the folder the user gave
+        kept = "Nothing was replaced, and nothing half-written is left"
+        raise cannot_write(writing, err, kept) or err from err.__cause__
     finally:
         for folder, _ in staged:
             shutil.rmtree(folder, ignore_errors=True)

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from fot.errors import cannot_write
+
 FORMAT = "fot-tokens"
 VERSION = 1
 
@@ -130,6 +132,9 @@ def write_token_documents(
 
     Returns:
         The written folder, opened.
+
+    Raises:
+        fot.errors.WriteError: a write failed (a full disk): ``path`` is left as it was.
     """
     dest = Path(path)
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -137,6 +142,7 @@ def write_token_documents(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     offsets = [0]
+    writing = False  # while `docs` reads (its OSError is the input's), not while writing
     try:
         with open(tmp / "tokens.bin", "wb") as f:
             for doc in docs:
@@ -146,8 +152,11 @@ def write_token_documents(
                         f"token ids must lie in [0, 65535] to be stored as uint16, got range "
                         f"[{arr.min()}, {arr.max()}]"
                     )
+                writing = True
                 f.write(arr.astype(np.uint16).tobytes())
+                writing = False
                 offsets.append(offsets[-1] + arr.size)
+            writing = True  # closing the file writes what is buffered
         np.save(tmp / "doc_offsets.npy", np.asarray(offsets, dtype=np.int64))
         info = {
             "format": FORMAT,
@@ -159,9 +168,12 @@ def write_token_documents(
             **meta,
         }
         (tmp / "meta.json").write_text(json.dumps(info, indent=2) + "\n")
-    except BaseException:  # an error in `docs`, or Ctrl-C: leave no half-written folder behind
+    except BaseException as err:  # an error in `docs`, or Ctrl-C: leave no half-written folder
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        error = cannot_write(dest, err) if writing and isinstance(err, Exception) else None
+        if error is None:
+            raise
+        raise error from err  # a full disk: one line naming the folder (it was not replaced)
     replace_folder(tmp, dest)
     return TokenDocuments(dest)
 

@@ -295,6 +295,24 @@ def test_a_file_written_atomically_over_the_size_limit_is_named_and_kept(tmp_pat
     assert [p.name for p in tmp_path.iterdir()] == ["final.json"]  # no cut-short temp file
 
 
+def test_a_run_folder_on_a_read_only_file_system_is_one_line(tmp_path, monkeypatch) -> None:
+    # as root, chmod does not stop a write: the file system's error is given by hand
+    from fot.errors import WriteError
+
+    out = tmp_path / "ro" / "run"
+    real_mkdir = Path.mkdir
+
+    def mkdir(self, *args, **kwargs):
+        if self == out:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(self))
+        return real_mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", mkdir)
+    with pytest.raises(WriteError, match=f"^cannot write {out}: Read-only file system .*out_dir"):
+        train(_cfg(out))
+    assert not out.exists()
+
+
 def test_activation_checkpointing_gives_the_same_losses(tmp_path, reference_run) -> None:
     # two steps inside the warmup: the LR does not depend on total_tokens yet
     out = tmp_path / "run"

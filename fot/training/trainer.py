@@ -10,6 +10,7 @@ micro-batch size.
 from __future__ import annotations
 
 import contextlib
+import errno
 import gc
 import json
 import logging
@@ -35,7 +36,7 @@ from fot.data.streams import (
     iterate_eval_batches,
     token_id_error,
 )
-from fot.errors import FotError
+from fot.errors import FotError, cannot_write
 from fot.progress import on_terminal, progress_bar
 from fot.provenance import git_sha, library_versions
 from fot.training import checkpoint as ckpt
@@ -1180,7 +1181,12 @@ def _train(
     if info.is_main:  # only now: bad data, sizes or checkpoints leave no run folder behind
         for warning in config_warnings:
             logger.warning(warning)
-        out_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as err:  # a read-only file system: one line, not a traceback
+            if err.errno not in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC):
+                raise
+            raise cannot_write(out_dir, err, "Pass another out_dir=...") or err from err
     _take_run_lock(run_lock, info)
     if info.is_main:
         ckpt.clean_stale(ckpt_dir)

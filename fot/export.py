@@ -34,7 +34,7 @@ import os
 import re
 import shutil
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -103,7 +103,41 @@ def read_weight_files(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
     Raises:
         WeightFilesError: no weight file, or one that cannot be read (names it).
     """
+    from safetensors.torch import load_file
+
     p = Path(folder)
+    state: dict[str, torch.Tensor] = {}
+    for name in _weight_file_names(p):
+        with _naming_unreadable(p / name):
+            if name.endswith(".safetensors"):
+                state.update(load_file(p / name))
+            else:
+                state.update(torch.load(p / name, map_location="cpu", weights_only=True))
+    return state
+
+
+def check_weight_files(folder: str | os.PathLike) -> None:
+    """Open the weight files :func:`read_weight_files` reads without reading their tensors (a
+    safetensors header, a zip's directory): a file cut short is refused in moments.
+
+    Raises:
+        WeightFilesError: no weight file, or one that cannot be opened (names it).
+    """
+    from safetensors import safe_open
+
+    p = Path(folder)
+    for name in _weight_file_names(p):
+        with _naming_unreadable(p / name):
+            if name.endswith(".safetensors"):
+                with safe_open(p / name, framework="pt"):
+                    pass
+            else:
+                torch.load(p / name, map_location="cpu", weights_only=True, mmap=True)
+
+
+def _weight_file_names(p: Path) -> list[str]:
+    """The weight files of folder ``p`` that ``from_pretrained`` reads (see
+    :func:`read_weight_files`); :class:`WeightFilesError` where there is none."""
     names = sorted(f.name for f in p.iterdir() if f.is_file() and _WEIGHT_FILE.match(f.name))
     names = [n for n in names if not n.endswith(".index.json")]
     safetensors = [n for n in names if n.endswith(".safetensors")]
@@ -116,22 +150,21 @@ def read_weight_files(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
             f"{p} holds no weights (model.safetensors, its shards or pytorch_model*.bin): copy "
             "or download the whole checkpoint folder"
         )
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+    return names
 
-    state: dict[str, torch.Tensor] = {}
-    for name in names:
-        try:
-            if name.endswith(".safetensors"):
-                state.update(load_file(p / name))
-            else:
-                state.update(torch.load(p / name, map_location="cpu", weights_only=True))
-        except (SafetensorError, RuntimeError, OSError, EOFError, ValueError) as err:
-            raise WeightFilesError(
-                f"{p / name} cannot be read ({type(err).__name__}: {str(err)[:200]}): the copy "
-                "is incomplete or damaged; copy or download the checkpoint folder again"
-            ) from None
-    return state
+
+@contextlib.contextmanager
+def _naming_unreadable(path: Path) -> Iterator[None]:
+    """Turn a failed read of the weight file ``path`` into a :class:`WeightFilesError`."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except (SafetensorError, RuntimeError, OSError, EOFError, ValueError) as err:
+        raise WeightFilesError(
+            f"{path} cannot be read ({type(err).__name__}: {str(err)[:200]}): the copy "
+            "is incomplete or damaged; copy or download the checkpoint folder again"
+        ) from None
 
 
 def _class_path(cls: type) -> tuple[str, str]:

@@ -127,6 +127,43 @@ def test_a_checkpoint_of_another_model_is_refused_before_the_run_folder_exists(
     assert not out.exists()
 
 
+def test_a_weight_file_cut_short_is_refused_before_the_run_folder_exists(
+    tmp_path, source_run, monkeypatch
+) -> None:
+    """A truncated model.pt was found only after the run folder was made, and its message said
+    to resume (the advice for the run's own checkpoint): "resume=<path>" or "rerun with
+    resume=auto"."""
+    from fot.export import WeightFilesError
+    from fot.training import checkpoint as ckpt
+
+    copy = tmp_path / "source"
+    shutil.copytree(source_run / "checkpoints", copy / "checkpoints")
+    shutil.copytree(source_run / "hf", copy / "hf")
+    for name in ("checkpoints/step_00000004/model.pt", "hf/model.safetensors"):
+        with open(copy / name, "r+b") as f:
+            f.truncate((copy / name).stat().st_size // 2)
+    out = tmp_path / "run"
+    earlier = copy / "checkpoints" / "step_00000002"
+    assert (earlier / "model.pt").is_file()  # the way out the message names
+    init = f"init_from={copy / 'checkpoints' / 'step_00000004'}"
+    with pytest.raises(ckpt.CorruptCheckpointError) as info:
+        train(_cfg(out, *ONE_STEP, init))
+    message = str(info.value)
+    assert message.startswith("init_from: checkpoint ") and "cannot read model.pt" in message
+    assert message.endswith(f"Start from another checkpoint of that run, e.g. init_from={earlier} "
+                            "(its readable ones: step_00000002)")  # fmt: skip
+    assert "resume" not in message
+    assert not out.exists()
+    with pytest.raises(WeightFilesError, match=r"model\.safetensors cannot be read"):
+        train(_cfg(out, *ONE_STEP, f"init_from={copy / 'hf'}"))
+    assert not out.exists()
+    # damage that opening the file does not see is named the same way when the weights are read
+    monkeypatch.setattr(ckpt, "check_model_file", lambda path: None)
+    with pytest.raises(ckpt.CorruptCheckpointError) as info:
+        train(_cfg(out, *ONE_STEP, init))
+    assert str(info.value) == message
+
+
 @pytest.mark.parametrize("source", ["checkpoints/step_00000004", "hf"])
 def test_the_settings_a_refusal_names_are_train_py_overrides_that_build_its_model(
     tmp_path, source_run, source

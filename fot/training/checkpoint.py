@@ -550,14 +550,24 @@ class CorruptCheckpointError(FotError, RuntimeError):
         self.what = what or message
 
 
-def _load_file(ckpt: Path, name: str, *, weights_only: bool = False) -> Any:
+def check_model_file(path: str | os.PathLike) -> None:
+    """Open checkpoint ``path``'s ``model.pt`` without reading its tensors (its zip directory,
+    memory-mapped): a file cut short is refused in moments.
+
+    Raises:
+        CorruptCheckpointError: the file cannot be opened (names the checkpoint and what to do).
+    """
+    _load_file(Path(path), "model.pt", weights_only=True, mmap=True)
+
+
+def _load_file(ckpt: Path, name: str, *, weights_only: bool = False, mmap: bool = False) -> Any:
     """Read ``ckpt/name``; a file that cannot be read names the checkpoint and what to do."""
     path = ckpt / name
     try:
         if name.endswith(".json"):
             with open(path) as f:
                 return json.load(f)
-        return torch.load(path, map_location="cpu", weights_only=weights_only)
+        return torch.load(path, map_location="cpu", weights_only=weights_only, mmap=mmap)
     except Exception as e:
         raise CorruptCheckpointError(*_corrupt_message(ckpt, path, e)) from e
 
@@ -565,7 +575,7 @@ def _load_file(ckpt: Path, name: str, *, weights_only: bool = False) -> Any:
 def _corrupt_message(ckpt: Path, path: Path, error: Exception) -> tuple[str, str]:
     """The message of a checkpoint file that cannot be read, and its part without the ways out
     (:class:`CorruptCheckpointError`'s arguments)."""
-    detail = str(error) if len(str(error)) <= 400 else f"{str(error)[:400]}..."
+    detail = str(error).rstrip(".") if len(str(error)) <= 400 else f"{str(error)[:400]}..."
     what = (
         f"checkpoint {ckpt} is corrupt or incomplete: cannot read {path.name} "
         f"({path}): {type(error).__name__}: {detail}"

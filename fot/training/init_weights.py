@@ -336,6 +336,24 @@ def check_init_source(source: InitSource, config: Any) -> None:
     )
 
 
+def check_init_files(source: InitSource) -> None:
+    """Open the weight files of ``source`` without reading their tensors, so that a file cut
+    short is refused before the run makes its folder (:func:`load_init_weights` reads them).
+
+    Raises:
+        fot.training.checkpoint.CorruptCheckpointError: a training checkpoint's ``model.pt``.
+        fot.export.WeightFilesError: another kind's weight file.
+    """
+    if source.kind == "checkpoint":
+        from fot.training.checkpoint import check_model_file
+
+        check_model_file(source.path)
+    else:
+        from fot.export import check_weight_files
+
+        check_weight_files(source.path)
+
+
 def load_init_weights(source: InitSource, model: nn.Module) -> None:
     """Copy the weights of ``source`` into ``model`` (unwrapped, before DDP/FSDP).
 

@@ -606,22 +606,26 @@ DATA_SOURCE_FIELDS = ("path", "hf_name", "hf_data_files", "hf_split", "streaming
 _SCHEDULE_FIELDS = ("name", "warmup_tokens", "min_lr_ratio", "decay_fraction", "decay_shape")
 
 
-def _branch_error(err: ckpt.CorruptCheckpointError, branching: Path) -> ckpt.CorruptCheckpointError:
-    """``err`` of the ``branch_from`` checkpoint, with the way out of a branch: not "move it
-    away and rerun with resume=auto" (it is another run's checkpoint) but another one of it."""
+def _other_checkpoint_error(
+    err: ckpt.CorruptCheckpointError, path: Path, option: str
+) -> ckpt.CorruptCheckpointError:
+    """``err`` of the checkpoint ``path`` given as ``option`` (``branch_from``, ``init_from``),
+    with the way out of another run's checkpoint: not "move it away and rerun with
+    resume=auto" (that is for this run's own) but another checkpoint of that run."""
     readable = []
-    for other in ckpt.list_checkpoints(branching.parent):
-        if other.resolve() != branching.resolve():
+    for other in ckpt.list_checkpoints(path.parent):
+        if other.resolve() != path.resolve():
             with contextlib.suppress(Exception):
                 ckpt.read_trainer_state(other)
                 readable.append(other)
+    start = "Branch from" if option == "branch_from" else "Start from"
     way_out = (
-        f"Branch from another checkpoint of that run, e.g. branch_from={readable[-1]} (its "
+        f"{start} another checkpoint of that run, e.g. {option}={readable[-1]} (its "
         f"readable ones: {', '.join(c.name for c in readable)})"
         if readable
-        else "That run has no other readable checkpoint: start the run without branch_from"
+        else f"That run has no other readable checkpoint: start the run without {option}"
     )
-    return ckpt.CorruptCheckpointError(f"branch_from: {err.what}. {way_out}")
+    return ckpt.CorruptCheckpointError(f"{option}: {err.what}. {way_out}")
 
 
 def check_resume(
@@ -1054,7 +1058,7 @@ def _train(
     except ckpt.CorruptCheckpointError as err:
         if branching is None:
             raise
-        raise _branch_error(err, branching) from err
+        raise _other_checkpoint_error(err, branching, "branch_from") from err
     same_batch = saved.get("sizes", {}).get("global_batch_tokens") == gbt
     global_seqs, total_steps = check_sizes(
         cfg, info.world_size, resuming=resume_from if same_batch else None
@@ -1173,10 +1177,18 @@ def _train(
                     started_from,
                 )
         else:
-            from fot.training.init_weights import check_init_source, read_init_source
+            from fot.training.init_weights import (
+                check_init_files,
+                check_init_source,
+                read_init_source,
+            )
 
             init_source = read_init_source(cfg.init_from)
             check_init_source(init_source, model_config_from_train_config(cfg))
+            try:  # a weight file cut short: refused before the run folder is made
+                check_init_files(init_source)
+            except ckpt.CorruptCheckpointError as err:
+                raise _other_checkpoint_error(err, init_source.path, "init_from") from err
 
     if info.is_main:  # only now: bad data, sizes or checkpoints leave no run folder behind
         for warning in config_warnings:
@@ -1236,7 +1248,10 @@ def _train(
     if init_source is not None:
         from fot.training.init_weights import load_init_weights
 
-        load_init_weights(init_source, model)
+        try:
+            load_init_weights(init_source, model)
+        except ckpt.CorruptCheckpointError as err:  # damaged where opening did not look
+            raise _other_checkpoint_error(err, init_source.path, "init_from") from err
     model.train()
     n_params = presets.count_params(model)
     flop_counter = FlopCounter.of(model, hf_config)
@@ -1259,7 +1274,7 @@ def _train(
         except ckpt.CorruptCheckpointError as err:
             if branching is None:
                 raise
-            raise _branch_error(err, branching) from err
+            raise _other_checkpoint_error(err, branching, "branch_from") from err
         step, tokens = state["step"], state["tokens"]
         # the wandb run of this folder's run goes on; another folder's run (a branch from its
         # checkpoint) is not written into: this run gets a wandb run of its own

@@ -63,7 +63,7 @@ def argv_problem(argv: list[str]) -> str | None:
     if not more_configs:
         problems += [checks.unknown_group_option(arg, configs) for arg in argv]
     problems.append(checks.multirun_out_dir_problem(argv))  # before Hydra makes the sweep folder
-    problems.append(checks.out_dir_file_problem(argv))  # before Hydra makes the run folder
+    problems.append(checks.out_dir_problem(argv))  # before Hydra makes the run folder
     problems.append(checks.chdir_problem(argv))
     return next((problem for problem in problems if problem is not None), None)
 

@@ -610,15 +610,39 @@ def test_multirun_out_dir_is_checked_on_the_command_line(argv, refused) -> None:
 
 
 def test_out_dir_that_is_or_lies_under_a_file_is_refused_on_the_command_line(tmp_path) -> None:
-    from fot.training.config import out_dir_file_problem
+    from fot.training.config import out_dir_problem
 
     f = tmp_path / "notes.txt"
     f.write_text("keep me")
-    assert out_dir_file_problem([f"out_dir={f}"]).startswith(f"out_dir={f} is a file")
-    problem = out_dir_file_problem(["optim.lr=1", f"hydra.run.dir={f}/run"])
+    assert out_dir_problem([f"out_dir={f}"]).startswith(f"out_dir={f} is a file")
+    problem = out_dir_problem(["optim.lr=1", f"hydra.run.dir={f}/run"])
     assert problem.startswith(f"hydra.run.dir={f}/run lies under the file {f}")
     for ok in ([f"out_dir={tmp_path}"], [f"out_dir={tmp_path}/new/run"], ["out_dir=null"], []):
-        assert out_dir_file_problem(ok) is None
+        assert out_dir_problem(ok) is None
+
+
+def test_out_dir_that_cannot_be_written_is_refused_on_the_command_line(
+    tmp_path, monkeypatch
+) -> None:
+    """Hydra made the run folder before fot read the config: a read-only file system was a
+    traceback of its OSError. Tests run as root, whom permissions do not stop, so the folder's
+    access is what os.access answers for a read-only mount."""
+    import os
+
+    from fot.training.config import out_dir_problem
+
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: Path(p) != ro and real(p, mode))
+    assert out_dir_problem([f"out_dir={ro}"]) == (
+        f"out_dir={ro} cannot be written: a read-only file system or no permission; choose a "
+        "folder you can write"
+    )
+    assert out_dir_problem([f"hydra.run.dir={ro}/a/b"]).startswith(
+        f"hydra.run.dir={ro}/a/b (its folder {ro}) cannot be written"
+    )
+    assert out_dir_problem([f"out_dir={tmp_path}/rw/run"]) is None
 
 
 def test_hydra_job_chdir_is_refused_before_the_run_starts(tmp_path) -> None:

@@ -364,9 +364,7 @@ def test_a_folder_datasets_reads_with_another_loader_names_the_text_loader(
         (tmp_path / name).write_bytes(b"")
         with pytest.raises(ValueError) as info:
             build_sources(_cfg(kind="hf", path=str(tmp_path / name), seq_len=8, val_tokens=0))
-        assert str(info.value).endswith(
-            f"data.path={loader} data.hf_data_files={tmp_path / name}"
-        )
+        assert str(info.value).endswith(f"data.path={loader} data.hf_data_files={tmp_path / name}")
 
 
 # ------------------------------------------------------------------ validating on training data

@@ -670,10 +670,11 @@ def claim_default_folder(
     return f'hydra.run.dir="${{fot.first_set:${{out_dir}},{folder}}}"', str(folder), temporary
 
 
-def out_dir_file_problem(argv: list[str]) -> str | None:
-    """The refusal of an ``out_dir=`` (or ``hydra.run.dir=``) that is, or lies under, a file,
-    before Hydra tries to make it its run folder (a ``FileExistsError`` traceback otherwise);
-    ``None`` when there is no such override or it can be a folder.
+def out_dir_problem(argv: list[str]) -> str | None:
+    """The refusal of an ``out_dir=`` (or ``hydra.run.dir=``) that is, or lies under, a file, or
+    that cannot be written (a read-only file system, no permission), before Hydra tries to make
+    it its run folder (a ``FileExistsError`` or ``OSError`` traceback otherwise); ``None`` when
+    there is no such override or it can be a folder.
 
     Args:
         argv: the command-line arguments after the script name.
@@ -691,6 +692,12 @@ def out_dir_file_problem(argv: list[str]) -> str | None:
             return (
                 f"{key}={value} {where}, not a folder; choose a new folder for the run (or an "
                 "earlier run's folder, to resume it)"
+            )
+        if blocker is not None and not os.access(blocker, os.W_OK | os.X_OK):
+            where = "" if blocker == path else f" (its folder {blocker})"
+            return (
+                f"{key}={value}{where} cannot be written: a read-only file system or no "
+                "permission; choose a folder you can write"
             )
     return None
 

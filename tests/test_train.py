@@ -1563,6 +1563,24 @@ def test_a_delete_cut_short_by_keep_last_leaves_no_checkpoint_that_looks_complet
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000002"]
 
 
+def test_a_final_export_cut_short_by_a_kill_is_removed_when_the_run_starts_again(
+    tmp_path,
+) -> None:
+    """The final export is written into .hf.new-<pid> beside hf/ and moved in once complete; a
+    run killed while writing it left that folder for good."""
+    from fot.training.checkpoint import clean_stale
+
+    ckpts = tmp_path / "checkpoints"
+    for folder in ("checkpoints/step_00000002", "checkpoints/.tmp-step_00000004", "hf",
+                   ".hf.new-4242", ".hf.new-17/sub", "notes.new-1"):  # fmt: skip
+        (tmp_path / folder).mkdir(parents=True)
+        (tmp_path / folder / "model.safetensors").write_bytes(b"x")
+    clean_stale(ckpts)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "hf", "notes.new-1"]
+    assert [p.name for p in ckpts.iterdir()] == ["step_00000002"]
+    clean_stale(tmp_path / "no-checkpoints-yet")  # a run that has none: nothing to do
+
+
 def test_abandon_newer_moves_only_newer_checkpoints_aside(tmp_path) -> None:
     from fot.training.checkpoint import abandon_newer, clean_stale, latest_checkpoint
 

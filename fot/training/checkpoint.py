@@ -366,14 +366,15 @@ def unused_path(path: Path) -> Path:
 
 
 def clean_stale(ckpt_dir: str | os.PathLike) -> None:
-    """Remove half-written ``.tmp-*`` folders left by a crash (rank 0, before training).
+    """Remove half-written folders left by a crash (rank 0, before training, with the run
+    folder locked): ``.tmp-*`` checkpoints, and the final export's ``.hf.new-*`` (written
+    beside ``hf/`` and moved into it once complete, :func:`fot.export.export_hf`).
 
     ``.abandoned-*`` folders (see :func:`abandon_newer`) are complete checkpoints: kept.
     """
     root = Path(ckpt_dir)
-    if root.is_dir():
-        for p in root.glob(".tmp-step_*"):
-            shutil.rmtree(p, ignore_errors=True)
+    for p in [*root.glob(".tmp-step_*"), *root.parent.glob(".hf.new-*")]:
+        shutil.rmtree(p, ignore_errors=True)
 
 
 RUN_LOCK = ".run.lock"

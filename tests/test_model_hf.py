@@ -739,6 +739,33 @@ def test_prompt_cache_reused_for_beam_search() -> None:
     )
 
 
+@pytest.mark.parametrize("model", ["fot_pro", "deltanet"])
+def test_right_padded_generate_is_refused_and_left_padding_is_the_fix(model: str) -> None:
+    # A right-padded batch generated from its padding tokens: each padded row continued from
+    # the last (padding) position, silently another text than its prompt alone gives
+    # (transformers only logs a warning). It is refused before any forward; left padding,
+    # which the message names, gives each prompt's own continuation.
+    torch.manual_seed(0)
+    if model == "deltanet":
+        m = presets.build_model(presets.config(model, "tiny", vocab_size=VOCAB)).eval()
+    else:
+        m = tiny(model)
+    short, long = ids(1, 3, seed=5), ids(1, 6, seed=6)
+    kw = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0}
+    right = torch.cat([torch.cat([short, torch.zeros(1, 3, dtype=torch.long)], 1), long])
+    right_mask = torch.tensor([[1, 1, 1, 0, 0, 0], [1] * 6])
+    with pytest.raises(
+        ValueError, match=r"0 at the last position of row\(s\) 0 \(right pad.*'left'"
+    ):
+        m.generate(right, attention_mask=right_mask, **kw)
+    if model == "deltanet":
+        return  # FLA's generate under Triton's interpreter: the refusal is what is checked
+    left = torch.cat([torch.cat([torch.zeros(1, 3, dtype=torch.long), short], 1), long])
+    got = m.generate(left, attention_mask=right_mask.flip(1), **kw)
+    for row, prompt in ((0, short), (1, long)):
+        assert torch.equal(got[row, -4:], m.generate(prompt, **kw)[0, -4:])
+
+
 @pytest.mark.parametrize("model", ["fot_pro", "fot_llama", "transformer_pro"])
 def test_empty_input_is_refused_with_the_fix(model: str) -> None:
     # An empty prompt used to fail deep inside (the KV-shift cache's last token, or

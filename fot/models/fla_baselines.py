@@ -433,6 +433,14 @@ class _FoTContractMixin:
         saved["auto_map"] = remote_code_auto_map(type(self.config), type(self))
         path.write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")
 
+    def _validate_model_kwargs(self, model_kwargs: dict) -> None:
+        """``generate()`` hook: refuse a right-padded ``attention_mask``, as FoT models do
+        (``fot.models.modeling_fot.refuse_right_padding``)."""
+        from fot.models.modeling_fot import refuse_right_padding
+
+        refuse_right_padding(model_kwargs.get("attention_mask"))
+        super()._validate_model_kwargs(model_kwargs)
+
     def _choose_kernels(self) -> None:
         """Run DeltaNet's and HGRN2's layers on FLA's recurrent kernel where its chunked one
         cannot run: DeltaNet's refuses float32 inputs ("does not support float32"), and Triton's

@@ -1420,6 +1420,28 @@ def _check_labels(name: str, labels: torch.Tensor, shape: tuple[int, int]) -> No
         )
 
 
+def refuse_right_padding(attention_mask: object) -> None:
+    """``generate()`` check: refuse an ``attention_mask`` ``[B, T]`` that is 0 at the last
+    position of a row (right padding). Each row's next token is predicted from the last
+    position's logits, so such a row would continue from a padding token: silently another
+    text than the prompt alone gives (transformers only logs a warning, and only when it knows
+    a pad token and the batch has several rows)."""
+    if not torch.is_tensor(attention_mask) or attention_mask.dim() != 2:
+        return
+    if attention_mask.shape[1] == 0:
+        return
+    last = attention_mask[:, -1]
+    padded = (last == 0).nonzero().flatten().tolist()
+    if padded:
+        rows = ", ".join(map(str, padded[:8])) + (", ..." if len(padded) > 8 else "")
+        raise ValueError(
+            f"generate(): attention_mask is 0 at the last position of row(s) {rows} (right "
+            "padding), so those rows would continue from a padding token instead of their "
+            "last token. Pad on the left: tokenizer.padding_side = 'left' (the exported "
+            "tokenizer pads on the left), or generate each prompt alone"
+        )
+
+
 # Keys that ``generate()`` and HF collators may pass and that change nothing here.
 _HARMLESS_KWARGS = frozenset({"cache_position", "max_length_q", "max_length_k"})
 # generate() keyword arguments that HF leaves among the model inputs but no forward reads
@@ -1963,6 +1985,12 @@ class FoTForCausalLM(FoTPreTrainedModel, GenerationMixin):
         return super().prepare_inputs_for_generation(
             input_ids, *args, inputs_embeds=inputs_embeds, **kwargs
         )
+
+    def _validate_model_kwargs(self, model_kwargs: dict) -> None:
+        """``generate()`` hook: also refuse a right-padded ``attention_mask``
+        (:func:`refuse_right_padding`)."""
+        refuse_right_padding(model_kwargs.get("attention_mask"))
+        super()._validate_model_kwargs(model_kwargs)
 
     def _validate_generation_mode(self, generation_mode, *args, **kwargs) -> None:
         """``generate()`` hook: refuse assisted / prompt-lookup (speculative) decoding clearly.

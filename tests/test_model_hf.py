@@ -117,7 +117,7 @@ def _eval_trainer(model, tmp_path, compute_metrics=None, **args):
     from transformers import Trainer, TrainingArguments
 
     settings = {"use_cpu": True, "report_to": [], "save_strategy": "no", "disable_tqdm": True}
-    training_args = TrainingArguments(output_dir=str(tmp_path), **settings, **args)
+    training_args = TrainingArguments(output_dir=str(tmp_path), **{**settings, **args})
     return Trainer(model=model, args=training_args, compute_metrics=compute_metrics)
 
 
@@ -684,6 +684,37 @@ def test_fla_baseline_num_items_and_packing_keys(device) -> None:
     from transformers.utils.generic import find_labels
 
     assert find_labels(type(m)) == ["labels"]
+
+
+def test_fla_baseline_labels_in_eval_mode_give_trainer_metrics_the_logits(device, tmp_path) -> None:
+    # A labels forward of a baseline returned logits=None in eval mode too, so HF Trainer's
+    # evaluate / predict handed compute_metrics an empty tuple for predictions, silently; and
+    # return_dict=False gave the ModelOutput, which `loss, logits = ...` unpacked into its
+    # key names. Oracle: the model's own logits forward and loss (as for FoT models).
+    torch.manual_seed(0)
+    cfg = presets.config("hgrn2", "tiny", vocab_size=VOCAB, num_hidden_layers=1)
+    m = presets.build_model(cfg).to(device).eval()
+    samples = _lm_samples()[:2]
+    batch = {k: torch.stack([s[k] for s in samples]).to(device) for k in ("input_ids", "labels")}
+    want = m(batch["input_ids"]).logits.float()
+    loss = m(**batch).loss
+    seen = {}
+
+    def metrics(pred) -> dict:
+        seen["logits"] = pred.predictions
+        return {}
+
+    use_cpu = device.type == "cpu"
+    trainer = _eval_trainer(m, tmp_path, metrics, per_device_eval_batch_size=2, use_cpu=use_cpu)
+    result = trainer.evaluate(eval_dataset=samples)
+    assert torch.allclose(torch.as_tensor(seen["logits"]).to(device), want, atol=1e-5)
+    assert abs(result["eval_loss"] - loss.item()) < 1e-5
+    got_loss, got_logits = m(**batch, return_dict=False)
+    assert torch.equal(got_loss, loss) and torch.allclose(got_logits, want, atol=1e-6)
+    # the memory contract stays: training mode and shift_labels never form the logits
+    assert m.train()(**batch).logits is None
+    shifted = torch.nn.functional.pad(batch["labels"][:, 1:], (0, 1), value=-100)
+    assert m.eval()(batch["input_ids"], shift_labels=shifted).logits is None
 
 
 # ---------------------------------------------------------------------------------------

@@ -515,7 +515,10 @@ class _FoTContractMixin:
         arguments, as in HF models. HF's packing keys (``cu_seq_lens_q`` / ``cu_seq_lens_k``,
         restarting ``position_ids``; ``fot.models.modeling_fot.hf_packing_kwargs``) are read
         as ``cu_seqlens``. On fot's path, keys other than these, ``use_cache``,
-        ``return_dict`` and ``cache_position`` raise ``TypeError`` unless None.
+        ``return_dict`` and ``cache_position`` raise ``TypeError`` unless None. With
+        ``labels`` in eval mode the float32 logits come with the loss (HF ``Trainer``'s
+        ``evaluate`` / ``predict`` hand them to ``compute_metrics``); in training mode, and
+        with ``shift_labels``, ``logits`` is None (the loss never forms them whole on CUDA).
         """
         with self._autocast():
             return self._forward(input_ids, attention_mask, labels, cu_seqlens, **kwargs)
@@ -568,11 +571,24 @@ class _FoTContractMixin:
                 f"with labels or packed documents the fot wrapper computes the loss itself and "
                 f"does not support the keyword arguments {unknown}; leave them out"
             )
+        # HF-style `labels` outside training (HF Trainer's evaluate / predict, which hand the
+        # logits to compute_metrics) return the logits with the loss, as FoT models do
+        want_logits = shift_labels is None and (labels is None or not self.training)
         if shift_labels is None and labels is not None:
             shift_labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
         hidden = self._hidden(input_ids, attention_mask, cu_seqlens)
+        # return_dict=False gives the tuple, as FLA's own forward does (a ModelOutput unpacked
+        # as `loss, logits = ...` would give its key names)
+        return_dict = kwargs.get("return_dict")
+        if return_dict is None:
+            return_dict = getattr(self.config, "return_dict", True)
+
+        def result(**fields: Any) -> CausalLMOutputWithPast | tuple:
+            out = CausalLMOutputWithPast(**fields)
+            return out if return_dict else out.to_tuple()
+
         if shift_labels is None:
-            return CausalLMOutputWithPast(logits=self.lm_head(hidden).float())
+            return result(logits=self.lm_head(hidden).float())
         # Sum, then divide on device (no host sync); an all-ignored batch gives 0.
         if num_items is None:
             count = (shift_labels.to(hidden.device) != IGNORE_INDEX).sum().clamp(min=1)
@@ -590,7 +606,8 @@ class _FoTContractMixin:
             )
         else:
             total = self._token_losses(hidden, shift_labels).sum()
-        return CausalLMOutputWithPast(loss=total / count, logits=None)
+        logits = self.lm_head(hidden).float() if want_logits else None
+        return result(loss=total / count, logits=logits)
 
     def final_hidden_states(
         self, input_ids: torch.LongTensor, cu_seqlens: torch.Tensor | None = None

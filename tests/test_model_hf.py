@@ -739,6 +739,16 @@ def test_hf_cache_is_refused_with_a_fix_that_works() -> None:
     assert cache.get_seq_length() == 9  # filled in place: prompt + 3 fed-back tokens
 
 
+def test_logits_to_keep_as_a_count_or_as_positions() -> None:
+    # HF's logits_to_keep is an int (the last n positions) or a 1-D tensor of positions; the
+    # tensor failed with "Boolean value of Tensor with more than one value is ambiguous".
+    m = tiny("fot_llama")
+    x = ids(2, 9)
+    full = m(x).logits
+    assert max_err(m(x, logits_to_keep=3).logits, full[:, -3:]) < TOL
+    assert max_err(m(x, logits_to_keep=torch.tensor([0, 4, 8])).logits, full[:, [0, 4, 8]]) < TOL
+
+
 def test_generate_from_inputs_embeds_equals_generate_from_ids() -> None:
     # generate() inspects prepare_inputs_for_generation's signature for inputs_embeds; FoT
     # overrides that hook (to drop generate-only keys) and must keep the parameter visible.

@@ -1812,7 +1812,7 @@ class FoTForCausalLM(FoTPreTrainedModel, GenerationMixin):
         past_key_values: FoTCache | None = None,
         use_cache: bool | None = None,
         inputs_embeds: torch.Tensor | None = None,
-        logits_to_keep: int = 0,
+        logits_to_keep: int | torch.Tensor = 0,
         return_dict: bool | None = None,
         output_hidden_states: bool | None = None,
         output_attentions: bool | None = None,
@@ -1828,7 +1828,8 @@ class FoTForCausalLM(FoTPreTrainedModel, GenerationMixin):
             cu_seqlens: ``[N + 1]`` packed document boundaries (``B == 1``).
             past_key_values: :class:`FoTCache` from a previous call.
             use_cache: return the cache (default False; ``generate()`` sets it).
-            logits_to_keep: if > 0, logits only for the last ``logits_to_keep`` positions.
+            logits_to_keep: if > 0, logits only for the last ``logits_to_keep`` positions;
+                a 1-D tensor: logits only at those positions (as in HF models).
             return_dict: False returns ``output.to_tuple()``. Default ``config.return_dict``.
             output_hidden_states: also return ``hidden_states`` (see :meth:`FoTModel.forward`).
             output_attentions: must be false (``ValueError``: no attention matrix is formed).
@@ -1903,8 +1904,11 @@ class FoTForCausalLM(FoTPreTrainedModel, GenerationMixin):
         if shift_labels is not None:
             loss = self._mean_loss(hidden, shift_labels, num_items)
         if want_logits:
-            if logits_to_keep:
-                hidden = hidden[:, -logits_to_keep:]
+            if torch.is_tensor(logits_to_keep) and logits_to_keep.dim() == 1:
+                # HF's other form: the positions to keep (a packed batch's last tokens)
+                hidden = hidden[:, logits_to_keep.to(hidden.device)]
+            elif logits_to_keep:
+                hidden = hidden[:, -int(logits_to_keep) :]
             logits = self._logits(hidden)  # (B, T, V)
         result = CausalLMOutputWithPast(
             loss=loss,

@@ -780,6 +780,21 @@ def test_prompt_cache_reused_for_beam_search() -> None:
     )
 
 
+def test_continuing_from_a_beam_search_cache_is_refused_with_the_fix() -> None:
+    # The cache of a beam search holds every beam's row (4 for 2 sequences x 2 beams); passed
+    # back with the 2 returned sequences, the error told to repeat the cache (8 rows). Now it
+    # says that cache cannot be continued from; its fix (no cache) gives the uncached decode.
+    m = tiny("fot_pro")
+    x = ids(2, 6)
+    kw = {"do_sample": False, "pad_token_id": 0}
+    out = m.generate(x, num_beams=2, max_new_tokens=3, return_dict_in_generate=True, **kw)
+    assert out.past_key_values[0].keys.shape[0] == 4
+    with pytest.raises(ValueError, match=r"holds 4 sequences .* 2 rows.*beam search.*no cache"):
+        m.generate(out.sequences, past_key_values=out.past_key_values, max_new_tokens=2, **kw)
+    got = m.generate(out.sequences, max_new_tokens=2, **kw)
+    assert torch.equal(got, m.generate(out.sequences, max_new_tokens=2, use_cache=False, **kw))
+
+
 @pytest.mark.parametrize("model", ["fot_pro", "deltanet"])
 def test_right_padded_generate_is_refused_and_left_padding_is_the_fix(model: str) -> None:
     # A right-padded batch generated from its padding tokens: each padded row continued from

@@ -1374,11 +1374,23 @@ class FoTModel(FoTPreTrainedModel):
         if cached_rows != B:
             # e.g. a prompt cache of one sequence passed to generate(num_beams=4): generate
             # expands the inputs but never a cache it is given
+            if cached_rows > B:
+                # e.g. the cache a beam search returned (one row per beam, in the order of its
+                # last step) passed back with the sequences it chose
+                fix = (
+                    "a cache holds one row per sequence it was built for: one a beam search "
+                    "returned holds every beam's, which are not the sequences it returned, and "
+                    "cannot be continued from. Pass no cache (the prompt is run again), or the "
+                    "cache of a greedy or sampling generate() with its sequences"
+                )
+            else:
+                fix = (
+                    "generate() repeats the inputs for num_beams / num_return_sequences, not a "
+                    "cache passed to it: repeat the cache first (cache.batch_repeat_interleave(n) "
+                    "for n beams or returned sequences), or pass no cache"
+                )
             raise ValueError(
-                f"past_key_values holds {cached_rows} sequences but the input has {B} rows. "
-                "generate() repeats the inputs for num_beams / num_return_sequences, not a "
-                "cache passed to it: repeat the cache first (cache.batch_repeat_interleave(n) "
-                "for n beams or returned sequences), or pass no cache"
+                f"past_key_values holds {cached_rows} sequences but the input has {B} rows. " + fix
             )
         if kwargs:  # never on the training path (input_ids, cu_seqlens only): no cost there
             cu_seqlens = hf_packing_kwargs(

@@ -27,8 +27,10 @@ if __name__ == "kernels":
     import sys as _sys
     from importlib.machinery import PathFinder as _PathFinder
 
-    _root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
-    _path = [p for p in _sys.path if _os.path.abspath(p or _os.curdir) != _root]
+    # real paths: the root reached through a symlink (PYTHONPATH, a .pth) and through the
+    # resolved current folder ('') is one folder, else each would find the other's kernels/
+    _root = _os.path.dirname(_os.path.dirname(_os.path.realpath(__file__)))
+    _path = [p for p in _sys.path if _os.path.realpath(p or _os.curdir) != _root]
     _spec = _PathFinder.find_spec("kernels", _path)
     if _spec is None or _spec.loader is None:
         raise ModuleNotFoundError(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -64,9 +65,14 @@ def test_top_level_kernels_in_the_checkout_root_is_hugging_faces_package(tmp_pat
         "spec = importlib.util.find_spec('kernels');"
         "print(json.dumps(spec and spec.origin))"
     )
+    # outside the checkout: also off PYTHONPATH, where a run of the tests may have put it
+    paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    kept = [p for p in paths if p and Path(p).resolve() != REPO.resolve()]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(kept)}
     elsewhere = subprocess.run(
-        [sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=60
-    )
+        [sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True,
+        timeout=60,
+    )  # fmt: skip
     assert elsewhere.returncode == 0, elsewhere.stderr
     origin = json.loads(elsewhere.stdout)
     code = "import kernels; print(kernels.__file__)"
@@ -81,6 +87,26 @@ def test_top_level_kernels_in_the_checkout_root_is_hugging_faces_package(tmp_pat
     else:
         assert out.returncode == 0, out.stderr
         assert Path(out.stdout.strip()) == Path(origin)
+
+
+def test_top_level_kernels_with_the_checkout_also_on_sys_path_through_a_symlink(tmp_path):
+    """The checkout on sys.path twice, through a symlink (PYTHONPATH, an editable install's
+    .pth) and as the current folder: each copy of ``kernels/`` took the other for the package
+    to hand the name to, and the import ended in a RecursionError. Oracle: the same import
+    with the checkout on sys.path once (the test above)."""
+    link = tmp_path / "checkout"
+    link.symlink_to(REPO, target_is_directory=True)
+    env = {**os.environ, "PYTHONPATH": str(link)}
+    out = subprocess.run(
+        [sys.executable, "-c", "import kernels; print(kernels.__file__)"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert "RecursionError" not in out.stderr
+    once = subprocess.run(
+        [sys.executable, "-c", "import kernels; print(kernels.__file__)"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert (out.returncode, out.stdout) == (once.returncode, once.stdout), out.stderr
 
 
 def test_gpt2_encoding_offline():

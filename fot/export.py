@@ -202,8 +202,8 @@ def export_hf(
         FileExistsError: ``path`` holds files that the export would overwrite (config,
             weights, tokenizer) and is not a folder of an earlier export of a fot model; nothing
             is written. An earlier export is replaced once the new one is complete (written
-            beside it first; its weight files go, so none of them is loaded instead of the new
-            ones); other files are kept.
+            into a folder inside it first; its weight files go, so none of them is loaded
+            instead of the new ones); other files are kept.
         fot.errors.WriteError: the export could not be written (a full disk, a read-only
             folder): nothing in ``path`` was changed.
     """
@@ -251,11 +251,14 @@ def export_hf(
                 "no fot model_type or auto_map); nothing was written. Pass an empty or new "
                 "folder, or move those files away"
             )
-    # Written into a folder beside `out` and moved into it once complete: a full disk or an
-    # error part way leaves an earlier export whole, and no folder with weights but without
-    # its tokenizer (or the other way round) that would load as if complete.
+    # Written into a new folder and moved into `out` once complete: a full disk or an error
+    # part way leaves an earlier export whole, and no folder with weights but without its
+    # tokenizer (or the other way round) that would load as if complete. The new folder is
+    # inside an existing `out` (the renames stay on its file system, which a symlink or a
+    # mount point may put elsewhere than its parent, and its parent need not be writable),
+    # else beside it.
     target = Path(os.path.abspath(out))
-    staged = target.with_name(f".{target.name}.new-{os.getpid()}")
+    staged = (target if target.is_dir() else target.parent) / f".{target.name}.new-{os.getpid()}"
     shutil.rmtree(staged, ignore_errors=True)
     try:
         _write_export(model, staged, tokenizer, max_shard_size, text_escaping)
@@ -325,8 +328,9 @@ def _write_export(
 
 def _move_export(staged: Path, out: Path, tokenizer: bool) -> None:
     """Move the complete export ``staged`` to ``out``: renamed as a whole where ``out`` does not
-    exist; else the files of an earlier export there (its weights, config, shims and, with
-    ``tokenizer``, tokenizer files) are renamed aside, the new ones moved in and the old ones
+    exist; else (``staged`` is then inside ``out``) the files of an earlier export there (its
+    weights, config, shims and, with ``tokenizer``, tokenizer files) are renamed aside (into a
+    folder inside ``out``), the new ones moved in and the old ones
     deleted; other files in ``out`` are kept. Renames need no room on the disk; one that fails
     puts the earlier export back."""
     if not out.exists():
@@ -341,7 +345,7 @@ def _move_export(staged: Path, out: Path, tokenizer: bool) -> None:
         or p.name in _WRITTEN
         or (tokenizer and p.name in _TOKENIZER_FILES)
     ]
-    aside = out.with_name(f".{out.name}.old-{os.getpid()}")
+    aside = out / f".{out.name}.old-{os.getpid()}"
     shutil.rmtree(aside, ignore_errors=True)
     aside.mkdir()
     moved_old: list[str] = []

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -385,3 +387,29 @@ def test_an_export_that_fails_part_way_leaves_the_earlier_export_whole(
     with torch.no_grad():
         got = AutoModelForCausalLM.from_pretrained(out).eval()(x).logits
         assert torch.equal(got, old(x).logits)
+
+
+def test_a_re_export_into_a_folder_on_another_file_system_than_its_parent(tmp_path) -> None:
+    # The export was staged beside the destination, in its parent: a destination reached
+    # through a symlink (or a mount point) on another file system could not take the staged
+    # files (EXDEV), and a folder of one's own inside a folder one cannot write was refused.
+    from transformers import AutoModelForCausalLM
+
+    other = Path(tempfile.mkdtemp(dir="/dev/shm")) if os.path.isdir("/dev/shm") else None
+    if other is None or other.stat().st_dev == tmp_path.stat().st_dev:
+        pytest.skip("needs /dev/shm on another file system than the tests' temporary folder")
+    try:
+        (other / "m").mkdir()
+        link = tmp_path / "m"
+        link.symlink_to(other / "m", target_is_directory=True)
+        for seed in (0, 1):  # into the empty folder, then over the earlier export
+            new = _tiny(seed)
+            export_hf(new, link)
+            x = torch.randint(0, VOCAB, (1, 9))
+            with torch.no_grad():
+                got = AutoModelForCausalLM.from_pretrained(link).eval()(x).logits
+                assert torch.equal(got, new(x).logits)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+        assert not [p.name for p in link.iterdir() if p.name.startswith(".")]
+    finally:
+        shutil.rmtree(other, ignore_errors=True)

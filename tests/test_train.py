@@ -1566,18 +1566,19 @@ def test_a_delete_cut_short_by_keep_last_leaves_no_checkpoint_that_looks_complet
 def test_a_final_export_cut_short_by_a_kill_is_removed_when_the_run_starts_again(
     tmp_path,
 ) -> None:
-    """The final export is written into .hf.new-<pid> beside hf/ and moved in once complete; a
-    run killed while writing it left that folder for good."""
+    """The final export is written into .hf.new-<pid> beside hf/ (inside an existing hf/) and
+    moved in once complete; a run killed while writing it left that folder for good."""
     from fot.training.checkpoint import clean_stale
 
     ckpts = tmp_path / "checkpoints"
     for folder in ("checkpoints/step_00000002", "checkpoints/.tmp-step_00000004", "hf",
-                   ".hf.new-4242", ".hf.new-17/sub", "notes.new-1"):  # fmt: skip
+                   ".hf.new-4242", ".hf.new-17/sub", "hf/.hf.new-5", "notes.new-1"):  # fmt: skip
         (tmp_path / folder).mkdir(parents=True)
         (tmp_path / folder / "model.safetensors").write_bytes(b"x")
     clean_stale(ckpts)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "hf", "notes.new-1"]
     assert [p.name for p in ckpts.iterdir()] == ["step_00000002"]
+    assert [p.name for p in (tmp_path / "hf").iterdir()] == ["model.safetensors"]
     clean_stale(tmp_path / "no-checkpoints-yet")  # a run that has none: nothing to do
 
 

@@ -368,12 +368,14 @@ def unused_path(path: Path) -> Path:
 def clean_stale(ckpt_dir: str | os.PathLike) -> None:
     """Remove half-written folders left by a crash (rank 0, before training, with the run
     folder locked): ``.tmp-*`` checkpoints, and the final export's ``.hf.new-*`` (written
-    beside ``hf/`` and moved into it once complete, :func:`fot.export.export_hf`).
+    beside ``hf/``, or inside an existing ``hf/``, and moved into it once complete,
+    :func:`fot.export.export_hf`).
 
     ``.abandoned-*`` folders (see :func:`abandon_newer`) are complete checkpoints: kept.
     """
     root = Path(ckpt_dir)
-    for p in [*root.glob(".tmp-step_*"), *root.parent.glob(".hf.new-*")]:
+    exports = [*root.parent.glob(".hf.new-*"), *root.parent.glob("hf/.hf.new-*")]
+    for p in [*root.glob(".tmp-step_*"), *exports]:
         shutil.rmtree(p, ignore_errors=True)
 
 

@@ -34,6 +34,7 @@ import os
 import re
 import shutil
 import sys
+import zipfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -118,7 +119,8 @@ def read_weight_files(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
 
 def check_weight_files(folder: str | os.PathLike) -> None:
     """Open the weight files :func:`read_weight_files` reads without reading their tensors (a
-    safetensors header, a zip's directory): a file cut short is refused in moments.
+    safetensors header, a zip's directory): a file cut short is refused in moments. A
+    ``pytorch_model.bin`` of torch's legacy (non-zip) format is read whole.
 
     Raises:
         WeightFilesError: no weight file, or one that cannot be opened (names it).
@@ -132,7 +134,10 @@ def check_weight_files(folder: str | os.PathLike) -> None:
                 with safe_open(p / name, framework="pt"):
                     pass
             else:
-                torch.load(p / name, map_location="cpu", weights_only=True, mmap=True)
+                # torch's legacy (non-zip) format, as torch < 1.6 wrote pytorch_model.bin,
+                # cannot be memory-mapped: read whole (a zip cut short fails either way)
+                mmap = zipfile.is_zipfile(p / name)
+                torch.load(p / name, map_location="cpu", weights_only=True, mmap=mmap)
 
 
 def _weight_file_names(p: Path) -> list[str]:

@@ -413,3 +413,29 @@ def test_a_re_export_into_a_folder_on_another_file_system_than_its_parent(tmp_pa
         assert not [p.name for p in link.iterdir() if p.name.startswith(".")]
     finally:
         shutil.rmtree(other, ignore_errors=True)
+
+
+@pytest.mark.parametrize("zip_format", [True, False])
+def test_check_weight_files_opens_every_bin_that_read_weight_files_reads(
+    tmp_path, zip_format
+) -> None:
+    # init_from's early check memory-mapped every pytorch_model.bin, which torch refuses for
+    # its legacy (non-zip) format ("mmap can only be used with files saved with ..."): a
+    # folder that read_weight_files reads was refused as damaged. Oracle: read_weight_files.
+    from safetensors.torch import load_file
+
+    from fot.export import WeightFilesError, check_weight_files, read_weight_files
+
+    folder = export_hf(_tiny(0), tmp_path / "m")
+    state = load_file(folder / "model.safetensors")
+    (folder / "model.safetensors").unlink()
+    path = folder / "pytorch_model.bin"
+    torch.save(state, path, _use_new_zipfile_serialization=zip_format)
+    assert read_weight_files(folder).keys() == state.keys()
+    check_weight_files(folder)
+    with open(path, "r+b") as f:  # cut short: both refuse it
+        f.truncate(path.stat().st_size // 2)
+    with pytest.raises(WeightFilesError, match=r"pytorch_model\.bin cannot be read"):
+        read_weight_files(folder)
+    with pytest.raises(WeightFilesError, match=r"pytorch_model\.bin cannot be read"):
+        check_weight_files(folder)

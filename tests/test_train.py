@@ -295,7 +295,8 @@ def test_a_file_written_atomically_over_the_size_limit_is_named_and_kept(tmp_pat
     assert [p.name for p in tmp_path.iterdir()] == ["final.json"]  # no cut-short temp file
 
 
-def test_a_run_folder_on_a_read_only_file_system_is_one_line(tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize("code", [errno.EROFS, errno.EDQUOT], ids=["EROFS", "EDQUOT"])
+def test_a_run_folder_on_a_read_only_file_system_is_one_line(tmp_path, monkeypatch, code) -> None:
     # as root, chmod does not stop a write: the file system's error is given by hand
     from fot.errors import WriteError
 
@@ -304,11 +305,11 @@ def test_a_run_folder_on_a_read_only_file_system_is_one_line(tmp_path, monkeypat
 
     def mkdir(self, *args, **kwargs):
         if self == out:
-            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(self))
+            raise OSError(code, os.strerror(code), str(self))
         return real_mkdir(self, *args, **kwargs)
 
     monkeypatch.setattr(Path, "mkdir", mkdir)
-    with pytest.raises(WriteError, match=f"^cannot write {out}: Read-only file system .*out_dir"):
+    with pytest.raises(WriteError, match=f"^cannot write {out}: {os.strerror(code)} .*out_dir"):
         train(_cfg(out))
     assert not out.exists()
 

@@ -1196,7 +1196,8 @@ def _train(
         try:
             out_dir.mkdir(parents=True, exist_ok=True)
         except OSError as err:  # a read-only file system: one line, not a traceback
-            if err.errno not in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC):
+            environment = (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT)
+            if err.errno not in environment:
                 raise
             raise cannot_write(out_dir, err, "Pass another out_dir=...") or err from err
     _take_run_lock(run_lock, info)

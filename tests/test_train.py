@@ -590,6 +590,50 @@ def test_a_bad_token_id_in_one_ranks_share_stops_every_rank_with_the_error(tmp_p
     assert "(rank 0 of 2): error: the held-out data of another rank holds token ids" in errors[0]
 
 
+def test_a_full_disk_on_rank_0_stops_every_rank_at_once_with_its_error(tmp_path) -> None:
+    """Rank 0 alone writes checkpoints and metrics.jsonl. When a write failed (a full disk),
+    rank 0 stopped with its one-line error and the other rank went on into the next collective
+    and waited for it: over gloo until rank 0's process had exited (then with a traceback of
+    "Connection closed by peer"), over NCCL, which never notices, until the process group's
+    timeout (under srun nobody stops it). Now every rank stops at once with rank 0's error;
+    the checkpoints written before are complete and nothing cut short is left."""
+    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
+           "LINGER_S": "120"}  # fmt: skip
+    for point, failed in (("checkpoint:2", "the checkpoint of step 4"),
+                          ("metrics:3", "a record of step 3")):  # fmt: skip
+        run = tmp_path / point.split(":")[0]
+        script = [str(ROOT / "tests" / "full_disk_on_rank0.py"), *SMALL, "parallel=ddp",
+                  "total_tokens=1536", "micro_batch_size=1", "data.val_tokens=0",
+                  f"out_dir={run}", f"hydra.run.dir={run}"]  # fmt: skip
+        procs = [
+            subprocess.Popen([sys.executable, *script], cwd=tmp_path, stderr=subprocess.PIPE,
+                             stdout=subprocess.DEVNULL, text=True, env={**e, "FULL_DISK_AT": point})
+            for e in srun_environments(2, **env)
+        ]  # fmt: skip
+        try:
+            # rank 0 lives on for 120 s after its error: the other rank must not wait for it
+            other = procs[1].communicate(timeout=90)[1]
+            assert procs[0].poll() is None  # still there, as an NCCL peer would be
+        finally:
+            for p in procs:
+                p.kill()
+        own = procs[0].communicate()[1]
+        assert procs[1].returncode == 2, other[-3000:]
+        assert "Traceback" not in other and "Connection closed" not in other, other[-3000:]
+        cause = f"cannot write {run}/" + ("checkpoints/.tmp-step_00000004/model.pt" if
+                                         "checkpoint" in point else "metrics.jsonl")  # fmt: skip
+        assert f"train.py (rank 0 of 2): error: {cause}: No space left on device" in own
+        assert (f"train.py (rank 1 of 2): error: rank 0 stopped the run while writing {failed}: "
+                if "checkpoint" in point else
+                f"train.py (rank 1 of 2): error: rank 0 stopped the run while logging {failed}: "
+                ) + f"{cause}: No space left on device" in other  # fmt: skip
+        # the earlier checkpoint (step 2) is whole and nothing cut short is left beside it
+        assert [c.name for c in list_checkpoints(run / "checkpoints")] == ["step_00000002"]
+        assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000002"]
+        assert all((run / "checkpoints" / "step_00000002" / n).is_file()
+                   for n in ("model.pt", "optim.pt", "rng.pt", "trainer.json"))  # fmt: skip
+
+
 @pytest.mark.gpu
 def test_srun_tasks_on_two_gpus_train_as_torchrun_does(tmp_path) -> None:
     """Two srun-like tasks on two GPUs (NCCL), each seeing both GPUs (``LOCAL_RANK`` picks

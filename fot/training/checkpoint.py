@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fot.errors import FotError, cannot_write
+from fot.training.parallel import stop_together
 from fot.training.signals import continue_hint, finish_before_ctrl_c
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -269,42 +270,43 @@ def save_checkpoint(
             dist.all_gather_object(rngs, rng)
         else:
             rngs = [rng]
-        if is_main:
-            root.mkdir(parents=True, exist_ok=True)
-            tmp = root / f".tmp-step_{step:08d}"
-            writing = tmp
-            try:
-                shutil.rmtree(tmp, ignore_errors=True)
-                tmp.mkdir()
-                _save(model_state, writing := tmp / "model.pt")
-                _fault("kill_in_checkpoint", step)
-                _save(optim_state, writing := tmp / "optim.pt")
-                _save(rngs, writing := tmp / "rng.pt")
-                with open(writing := tmp / "trainer.json", "w") as f:
-                    json.dump(trainer_state, f, indent=2)
-                    f.flush()
-                    os.fsync(f.fileno())
-                _fsync_dir(tmp)
-            except Exception as err:
-                # a full disk, a quota, a read-only folder: free what the cut-short checkpoint
-                # took and say so in one line (torch.save's own error, "unexpected pos 704 vs
-                # 598", names neither the file nor the cause)
-                shutil.rmtree(tmp, ignore_errors=True)
-                error = cannot_write(writing, err, _kept_message(root, step))
-                if error is None:
-                    raise
-                raise error from err
-            replaced = None
-            if final.exists():  # re-saving the same step (e.g. final save after a periodic one)
-                replaced = _set_aside(final)
-            os.rename(tmp, final)
-            _fsync_dir(root)
-            if replaced is not None:
-                shutil.rmtree(replaced, ignore_errors=True)
-            for old in list_checkpoints(root)[: -max(keep_last, 1)]:
-                shutil.rmtree(_set_aside(old), ignore_errors=True)
-        if _dist():
-            dist.barrier()
+        # rank 0 writes; a failure there stops every rank with its error at once (the others
+        # would wait for it in the next collective)
+        with stop_together(f"while writing the checkpoint of step {step}"):
+            if is_main:
+                root.mkdir(parents=True, exist_ok=True)
+                tmp = root / f".tmp-step_{step:08d}"
+                writing = tmp
+                try:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    tmp.mkdir()
+                    _save(model_state, writing := tmp / "model.pt")
+                    _fault("kill_in_checkpoint", step)
+                    _save(optim_state, writing := tmp / "optim.pt")
+                    _save(rngs, writing := tmp / "rng.pt")
+                    with open(writing := tmp / "trainer.json", "w") as f:
+                        json.dump(trainer_state, f, indent=2)
+                        f.flush()
+                        os.fsync(f.fileno())
+                    _fsync_dir(tmp)
+                except Exception as err:
+                    # a full disk, a quota, a read-only folder: free what the cut-short checkpoint
+                    # took and say so in one line (torch.save's own error, "unexpected pos 704 vs
+                    # 598", names neither the file nor the cause)
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    error = cannot_write(writing, err, _kept_message(root, step))
+                    if error is None:
+                        raise
+                    raise error from err
+                replaced = None
+                if final.exists():  # re-saving the same step (e.g. final save after a periodic one)
+                    replaced = _set_aside(final)
+                os.rename(tmp, final)
+                _fsync_dir(root)
+                if replaced is not None:
+                    shutil.rmtree(replaced, ignore_errors=True)
+                for old in list_checkpoints(root)[: -max(keep_last, 1)]:
+                    shutil.rmtree(_set_aside(old), ignore_errors=True)
     return final
 
 

@@ -8,7 +8,7 @@ import functools
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
+from fot.errors import USER_ERRORS, FotError
 from fot.training.config import ParallelConfig
 
 logger = logging.getLogger("fot.train")
@@ -401,3 +402,52 @@ def barrier() -> None:
     """Wait for all ranks (no-op in a single process)."""
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
+
+
+class OtherRankError(FotError, RuntimeError):
+    """Another process of the run stopped it with an error, which the message repeats; this
+    process stops with it (:func:`stop_together`)."""
+
+
+@contextlib.contextmanager
+def stop_together(what: str) -> Iterator[None]:
+    """Every rank enters the block, around work that some ranks do alone (rank 0 writes a
+    checkpoint, a metrics record, the HF export); at its end the ranks agree: if the block
+    raised on some rank, that rank raises its own error and every other rank raises
+    :class:`OtherRankError`, which names it. Without this the others went on into the next
+    collective and waited there for the rank that had stopped: over gloo until its process
+    had exited (then with a traceback of "Connection closed by peer"), over NCCL until the
+    process group's timeout (10 minutes or more of idle GPUs; under srun no launcher stops
+    them). A no-op in a single process. Ctrl-C (``KeyboardInterrupt``) is not caught.
+
+    Args:
+        what: what the block does, for the other ranks' message (e.g. ``"while writing the
+            checkpoint of step 4"``).
+    """
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        yield
+        return
+    failure: Exception | None = None
+    try:
+        yield
+    except Exception as err:
+        failure = err
+    own = None
+    if failure is not None:
+        own = str(failure) or type(failure).__name__
+        if not isinstance(failure, USER_ERRORS):  # a bug: its traceback is that rank's
+            own = f"{type(failure).__name__}: {own} (its traceback is in that rank's output)"
+    # one small all-reduce when all went well: the first rank that failed, or world_size
+    world = dist.get_world_size()
+    first = torch.tensor([world if failure is None else dist.get_rank()])
+    if dist.get_backend() == "nccl":  # NCCL reduces CUDA tensors only
+        first = first.to(torch.device("cuda", torch.cuda.current_device()))
+    dist.all_reduce(first, op=dist.ReduceOp.MIN)
+    rank = int(first.item())
+    if rank == world:
+        return
+    box = [own]
+    dist.broadcast_object_list(box, src=rank)  # its message
+    if failure is not None:
+        raise failure
+    raise OtherRankError(f"rank {rank} stopped the run {what}: {box[0]}")

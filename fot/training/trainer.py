@@ -62,6 +62,7 @@ from fot.training.parallel import (
     init_distributed,
     parallelize,
     resolve_strategy,
+    stop_together,
     unwrap,
 )
 from fot.training.profiling import StepProfiler
@@ -405,12 +406,12 @@ def export_hf_folder(
     """Gather the full weights and write an HF folder (weights, config, tokenizer) on rank 0;
     ``text_escaping`` (``fot.tokenizer.TEXT_ESCAPINGS``) is recorded with the tokenizer."""
     state = ckpt.gather_model_state(model)
-    if not is_main:
-        return None
-    from fot.export import export_hf
+    with stop_together(f"while exporting to {out}"):  # rank 0's failure stops every rank
+        if is_main:
+            from fot.export import export_hf
 
-    export_hf(_cpu_model(hf_config, state), out, text_escaping=text_escaping)
-    return out
+            export_hf(_cpu_model(hf_config, state), out, text_escaping=text_escaping)
+    return out if is_main else None
 
 
 def _cpu_model(hf_config: Any, state: dict[str, torch.Tensor]) -> nn.Module:
@@ -1190,21 +1191,25 @@ def _train(
             except ckpt.CorruptCheckpointError as err:
                 raise _other_checkpoint_error(err, init_source.path, "init_from") from err
 
-    if info.is_main:  # only now: bad data, sizes or checkpoints leave no run folder behind
-        for warning in config_warnings:
-            logger.warning(warning)
-        try:
-            out_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as err:  # a read-only file system: one line, not a traceback
-            environment = (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT)
-            if err.errno not in environment:
-                raise
-            raise cannot_write(out_dir, err, "Pass another out_dir=...") or err from err
+    # what rank 0 alone does from here on is in `stop_together` blocks: an error there stops
+    # every rank with it, where the others would wait for rank 0 in their next collective
+    with stop_together("while making the run folder"):
+        if info.is_main:  # only now: bad data, sizes or checkpoints leave no run folder behind
+            for warning in config_warnings:
+                logger.warning(warning)
+            try:
+                out_dir.mkdir(parents=True, exist_ok=True)
+            except OSError as err:  # a read-only file system: one line, not a traceback
+                environment = (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT)
+                if err.errno not in environment:
+                    raise
+                raise cannot_write(out_dir, err, "Pass another out_dir=...") or err from err
     _take_run_lock(run_lock, info)
-    if info.is_main:
-        ckpt.clean_stale(ckpt_dir)
-        if on_folder is not None:
-            on_folder(out_dir)
+    with stop_together("while preparing the run folder"):
+        if info.is_main:
+            ckpt.clean_stale(ckpt_dir)
+            if on_folder is not None:
+                on_folder(out_dir)
     stream = SequenceStream(
         train_source,
         global_batch_size=global_seqs,
@@ -1307,74 +1312,80 @@ def _train(
                 where,
             )
     start_step = step
-    if info.is_main:
-        # checkpoints after the starting step are from an abandoned run: move them aside so
-        # keep_last does not delete this run's instead and resume=auto does not pick them
-        for moved in ckpt.abandon_newer(ckpt_dir, step, keep=resume_from):
-            logger.warning(
-                "moved %s aside to %s: it is newer than the step this run starts at (%d), so "
-                "it belongs to an abandoned run (kept; delete it when no longer needed)",
-                moved.name.removeprefix(ckpt.ABANDONED_PREFIX).split(".")[0],
-                moved,
-                step,
-            )
-        n_moved = abandon_newer_records(out_dir / "metrics.jsonl", step)
-        if n_moved:
-            logger.warning(
-                "moved %d metrics.jsonl record(s) of steps after %d (an abandoned run's) to %s",
-                n_moved,
-                step,
-                out_dir / "metrics.abandoned.jsonl",
-            )
-        for name, moved in _abandon_newer_results(out_dir, step):
-            logger.warning(
-                "moved %s aside to %s: the result of a run that went past step %d, where this "
-                "run starts (kept; delete it when no longer needed)",
-                name,
-                moved,
-                step,
-            )
+    with stop_together("while preparing its records"):
+        if info.is_main:
+            # checkpoints after the starting step are from an abandoned run: move them aside so
+            # keep_last does not delete this run's instead and resume=auto does not pick them
+            for moved in ckpt.abandon_newer(ckpt_dir, step, keep=resume_from):
+                logger.warning(
+                    "moved %s aside to %s: it is newer than the step this run starts at (%d), so "
+                    "it belongs to an abandoned run (kept; delete it when no longer needed)",
+                    moved.name.removeprefix(ckpt.ABANDONED_PREFIX).split(".")[0],
+                    moved,
+                    step,
+                )
+            n_moved = abandon_newer_records(out_dir / "metrics.jsonl", step)
+            if n_moved:
+                logger.warning(
+                    "moved %d metrics.jsonl record(s) of steps after %d (an abandoned run's) to %s",
+                    n_moved,
+                    step,
+                    out_dir / "metrics.abandoned.jsonl",
+                )
+            for name, moved in _abandon_newer_results(out_dir, step):
+                logger.warning(
+                    "moved %s aside to %s: the result of a run that went past step %d, where this "
+                    "run starts (kept; delete it when no longer needed)",
+                    name,
+                    moved,
+                    step,
+                )
 
-    # ---- logging -------------------------------------------------------------------------
-    resolved = to_container(cfg)
-    metrics = MetricsLogger(
-        out_dir, enabled=info.is_main, wandb_cfg=cfg.wandb, config=resolved, resume_id=wandb_id
-    )
-    if info.is_main:
-        run_info = {
-            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "git_sha": git_sha(),
-            "versions": library_versions(),
-            "world_size": info.world_size,
-            "strategy": strategy,
-            "device": str(info.device),
-            "params_without_embedding": n_params,
-            "flops_per_token": fpt,
-            "accum_steps": stream.accum_steps,
-            "total_steps": total_steps,
-            "resumed_from": str(resume_from.resolve()) if resume_from else None,
-            "initialized_from": str(init_source.path.resolve()) if init_source else None,
-            "config": resolved,
-        }
-        _write_run_info(out_dir, run_info)
-        logger.info("config:\n%s", OmegaConf.to_yaml(cfg, resolve=True))
-        logger.info(
-            "git %s | %s | %s x %s | %.2fM params (no embedding) | %d steps x %d tokens%s",
-            run_info["git_sha"],
-            json.dumps(run_info["versions"]),
-            info.world_size,
-            strategy,
-            n_params / 1e6,
-            total_steps,
-            gbt,
-            f" | resuming from {resume_from} at step {step}"
-            if resume_from
-            else f" | weights from {init_source.path}"
-            if init_source
-            else "",
+        # ---- logging -------------------------------------------------------------------------
+        resolved = to_container(cfg)
+        metrics = MetricsLogger(
+            out_dir, enabled=info.is_main, wandb_cfg=cfg.wandb, config=resolved, resume_id=wandb_id
         )
+        if info.is_main:
+            run_info = {
+                "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "git_sha": git_sha(),
+                "versions": library_versions(),
+                "world_size": info.world_size,
+                "strategy": strategy,
+                "device": str(info.device),
+                "params_without_embedding": n_params,
+                "flops_per_token": fpt,
+                "accum_steps": stream.accum_steps,
+                "total_steps": total_steps,
+                "resumed_from": str(resume_from.resolve()) if resume_from else None,
+                "initialized_from": str(init_source.path.resolve()) if init_source else None,
+                "config": resolved,
+            }
+            _write_run_info(out_dir, run_info)
+            logger.info("config:\n%s", OmegaConf.to_yaml(cfg, resolve=True))
+            logger.info(
+                "git %s | %s | %s x %s | %.2fM params (no embedding) | %d steps x %d tokens%s",
+                run_info["git_sha"],
+                json.dumps(run_info["versions"]),
+                info.world_size,
+                strategy,
+                n_params / 1e6,
+                total_steps,
+                gbt,
+                f" | resuming from {resume_from} at step {step}"
+                if resume_from
+                else f" | weights from {init_source.path}"
+                if init_source
+                else "",
+            )
     if info.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(info.device)
+
+    def log_record(record: dict[str, Any]) -> None:
+        """``metrics.log`` (rank 0 writes): its failure (a full disk) stops every rank."""
+        with stop_together(f"while logging a record of step {record['step']}"):
+            metrics.log(record)
 
     def save(at_step: int, window: tuple[float, float] = (0.0, 0.0)) -> Path:
         """Checkpoint at ``at_step``; ``window``: the (loss sum, label tokens) of the logging
@@ -1445,7 +1456,7 @@ def _train(
                 metrics.close()
                 raise TrainingStopped(step, resume_from, out_dir, cfg.resume)
             if val:
-                metrics.log({"step": step, "tokens": tokens, **val})
+                log_record({"step": step, "tokens": tokens, **val})
                 if info.is_main:
                     logger.info("validation of step %d, lost before the resume: %s", step, val)
 
@@ -1667,7 +1678,7 @@ def _train(
                 "peak_mem_gib": peak_memory_gib(info.device),
                 "elapsed_s": time.time() - t_start,
             }
-            metrics.log(last_record)
+            log_record(last_record)
             if info.is_main:
                 step_log.info(
                     "step %d: loss %.4f, lr %.3g, grad_norm %.3f, %s tokens/s%s",
@@ -1718,7 +1729,7 @@ def _train(
                 if not do_ckpt:
                     last_ckpt = save(step, (0.0, 0.0) if do_log else (loss_total, n_tokens))
             elif val:
-                metrics.log({"step": step, "tokens": tokens, **val})
+                log_record({"step": step, "tokens": tokens, **val})
                 if info.is_main:  # also into train.log (bar.write reached the console only)
                     shown = ", ".join(f"{k} {v:.4f}" for k, v in val.items())
                     logger.info("step %d: %s", step, shown)
@@ -1758,7 +1769,7 @@ def _train(
             raise TrainingStopped(step, last_ckpt, out_dir, cfg.resume)
         val = stopped
         if val:
-            metrics.log({"step": step, "tokens": tokens, **val})
+            log_record({"step": step, "tokens": tokens, **val})
             result.update(val)
             if info.is_main:
                 logger.info("final validation: %s", val)
@@ -1773,9 +1784,10 @@ def _train(
             logger.info("HF export: %s", hf_dir)
     metrics.close()
     barrier()
-    if info.is_main:
-        # a kill while writing leaves no cut-short file
-        ckpt.write_text_atomic(out_dir / "final.json", json.dumps(result, indent=2) + "\n")
+    with stop_together("while writing final.json"):
+        if info.is_main:
+            # a kill while writing leaves no cut-short file
+            ckpt.write_text_atomic(out_dir / "final.json", json.dumps(result, indent=2) + "\n")
     return result
 
 

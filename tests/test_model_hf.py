@@ -822,6 +822,48 @@ def test_right_padded_generate_is_refused_and_left_padding_is_the_fix(model: str
         assert torch.equal(got[row, -4:], m.generate(prompt, **kw)[0, -4:])
 
 
+@pytest.mark.parametrize("model", ["fot_pro", "deltanet"])
+def test_token_ids_outside_the_vocabulary_are_refused_naming_the_id(model: str) -> None:
+    # An id >= vocab_size (a tokenizer of another model) failed deep in the embedding (an
+    # IndexError on the CPU, a device-side assert on CUDA) or, among the padding rows
+    # (vocab_size to padded_vocab_size), silently read an untrained row. generate() refuses
+    # it once, before any forward (on a GPU no forward checks: that would be a host sync per
+    # step); a forward on CPU tensors refuses it too.
+    torch.manual_seed(0)
+    if model == "deltanet":
+        m = presets.build_model(presets.config(model, "tiny", vocab_size=VOCAB)).eval()
+    else:
+        m = tiny(model)
+    vocab = m.config.vocab_size
+    kw = {"max_new_tokens": 2, "do_sample": False, "pad_token_id": 0}
+    forwards = []
+    m.register_forward_pre_hook(lambda *_: forwards.append(1))
+    rows = getattr(m.config, "padded_vocab_size", vocab + 1)  # embedding rows
+    for bad in sorted({vocab, rows - 1, rows + 7}):
+        x = ids(2, 5)
+        x[1, 3] = bad
+        fix = rf"token id {bad}, but the model's vocab_size is {vocab} \(ids 0 to {vocab - 1}\)"
+        with pytest.raises(ValueError, match=fix + ".*tokenizer does not match the model"):
+            m.generate(x, **kw)
+        with pytest.raises(ValueError, match=fix):
+            m.generate(input_ids=x, **kw)  # the prompt as a keyword argument
+        assert not forwards, "generate() must refuse before its first forward"
+        with pytest.raises(ValueError, match=fix):
+            m(x)
+        forwards.clear()
+    x = ids(2, 5)
+    x[0, 1] = -3
+    with pytest.raises(ValueError, match=r"negative token id -3: token ids run from 0 to"):
+        m.generate(x, **kw)
+    assert not forwards
+    with pytest.raises(ValueError, match=r"negative token id -3"):
+        m(x)
+    x[0, 1], x[1, 2] = 0, vocab - 1  # the two ends of the vocabulary are tokens
+    assert m(x).logits.shape == (2, 5, vocab)
+    if model != "deltanet":  # FLA's generate under Triton's interpreter is not what is tested
+        assert m.generate(x, **kw).shape == (2, 7)
+
+
 @pytest.mark.parametrize("model", ["fot_pro", "fot_llama", "transformer_pro"])
 def test_empty_input_is_refused_with_the_fix(model: str) -> None:
     # An empty prompt used to fail deep inside (the KV-shift cache's last token, or

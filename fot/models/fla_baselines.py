@@ -441,6 +441,16 @@ class _FoTContractMixin:
         refuse_right_padding(model_kwargs.get("attention_mask"))
         super()._validate_model_kwargs(model_kwargs)
 
+    def _prepare_model_inputs(self, *args: Any, **kwargs: Any) -> tuple:
+        """``generate()`` hook, once per call: refuse prompt token ids outside the vocabulary,
+        as FoT models do (``fot.models.modeling_fot.refuse_out_of_vocab``)."""
+        from fot.models.modeling_fot import refuse_out_of_vocab
+
+        inputs, input_name, model_kwargs = super()._prepare_model_inputs(*args, **kwargs)
+        if input_name == "input_ids":
+            refuse_out_of_vocab(inputs, self.config.vocab_size)
+        return inputs, input_name, model_kwargs
+
     def _choose_kernels(self) -> None:
         """Run DeltaNet's and HGRN2's layers on FLA's recurrent kernel where its chunked one
         cannot run: DeltaNet's refuses float32 inputs ("does not support float32"), and Triton's
@@ -531,9 +541,11 @@ class _FoTContractMixin:
         cu_seqlens: torch.Tensor | None,
         **kwargs: Any,
     ):
-        from fot.models.modeling_fot import _fusable, hf_packing_kwargs
+        from fot.models.modeling_fot import _fusable, hf_packing_kwargs, refuse_out_of_vocab
 
         self._choose_kernels()
+        if torch.is_tensor(input_ids) and input_ids.device.type == "cpu":  # no sync there
+            refuse_out_of_vocab(input_ids, self.config.vocab_size)
         shift_labels = kwargs.pop("shift_labels", None)
         num_items = kwargs.pop("num_items_in_batch", None)
         packing = {

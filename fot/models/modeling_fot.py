@@ -1305,7 +1305,9 @@ class FoTModel(FoTPreTrainedModel):
         """Hidden states of the last layer (after the final norm).
 
         Args:
-            input_ids: ``[B, T]`` int64 token ids (or ``inputs_embeds`` ``[B, T, hidden]``).
+            input_ids: ``[B, T]`` int64 token ids (or ``inputs_embeds`` ``[B, T, hidden]``),
+                each in ``0 .. vocab_size - 1``: others are refused on CPU tensors and in
+                ``generate()`` (:func:`refuse_out_of_vocab`), unchecked on GPUs (a host sync).
             attention_mask: ``[B, past + T]`` 1 for tokens, 0 for padding (left padding in
                 generation); ``None`` = no padding.
             past_key_values: a :class:`FoTCache` from a previous call.
@@ -1336,6 +1338,8 @@ class FoTModel(FoTPreTrainedModel):
         _check_input_shapes(self.config, input_ids, inputs_embeds)
         hidden_states = _output_flags(self.config, output_hidden_states, output_attentions)
         if inputs_embeds is None:
+            if input_ids.device.type == "cpu":  # no host sync there; generate() checks on GPUs
+                refuse_out_of_vocab(input_ids, self.config.vocab_size)
             inputs_embeds = self.embed_tokens(input_ids)  # (B, T, hidden)
         B, T, _ = inputs_embeds.shape
         if T == 0:
@@ -1451,6 +1455,42 @@ def refuse_right_padding(attention_mask: object) -> None:
             "padding), so those rows would continue from a padding token instead of their "
             "last token. Pad on the left: tokenizer.padding_side = 'left' (the exported "
             "tokenizer pads on the left), or generate each prompt alone"
+        )
+
+
+def refuse_out_of_vocab(input_ids: object, vocab_size: int) -> None:
+    """Refuse token ids outside ``0 .. vocab_size - 1`` in ``input_ids`` ``[B, T]`` with a
+    ``ValueError`` naming the id: the embedding would fail deep inside (an ``IndexError`` on
+    the CPU, a device-side assert on CUDA) or, for an id among the padding rows
+    (``vocab_size`` up to ``padded_vocab_size``), silently read an untrained row.
+
+    It reads the smallest and largest id back to the host (a sync on CUDA), so it runs once per
+    ``generate()`` call (and in a forward on CPU tensors, where it costs no sync), never in a
+    forward on the GPU.
+
+    Args:
+        input_ids: the token ids; anything but an integer tensor is left alone.
+        vocab_size: ``config.vocab_size``.
+
+    Raises:
+        ValueError: an id is negative or at least ``vocab_size``.
+    """
+    if not torch.is_tensor(input_ids) or input_ids.numel() == 0:
+        return
+    if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+        return
+    low, high = torch.stack(torch.aminmax(input_ids)).tolist()  # one host sync
+    if high >= vocab_size:
+        raise ValueError(
+            f"input_ids holds token id {high}, but the model's vocab_size is {vocab_size} (ids "
+            f"0 to {vocab_size - 1}): the tokenizer does not match the model; encode with the "
+            "tokenizer saved with the model, or resize_token_embeddings(len(tokenizer))"
+        )
+    if low < 0:
+        raise ValueError(
+            f"input_ids holds the negative token id {low}: token ids run from 0 to "
+            f"{vocab_size - 1} (-100 marks ignored positions in labels, not in input_ids); pad "
+            "with the tokenizer's pad_token_id and mark padding in attention_mask"
         )
 
 
@@ -2007,6 +2047,15 @@ class FoTForCausalLM(FoTPreTrainedModel, GenerationMixin):
         (:func:`refuse_right_padding`)."""
         refuse_right_padding(model_kwargs.get("attention_mask"))
         super()._validate_model_kwargs(model_kwargs)
+
+    def _prepare_model_inputs(self, *args, **kwargs) -> tuple:
+        """``generate()`` hook, once per call: also refuse prompt token ids outside the
+        vocabulary (:func:`refuse_out_of_vocab`) before any forward (on CUDA a device-side
+        assert would end the process's use of the GPU)."""
+        inputs, input_name, model_kwargs = super()._prepare_model_inputs(*args, **kwargs)
+        if input_name == "input_ids":
+            refuse_out_of_vocab(inputs, self.config.vocab_size)
+        return inputs, input_name, model_kwargs
 
     def _validate_generation_mode(self, generation_mode, *args, **kwargs) -> None:
         """``generate()`` hook: refuse assisted / prompt-lookup (speculative) decoding clearly.

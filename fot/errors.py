@@ -153,6 +153,36 @@ _WRITE_HINTS = {
     "EIO": "the device reported an I/O error",
 }
 
+# When a rerun can write where a write failed with that cause: advice after the cause.
+_RETRY_WHEN = {
+    "ENOSPC": "once there is room",
+    "EDQUOT": "once there is room in the quota",
+    "EFBIG": "once the file size limit allows the file",
+    "EROFS": "once the file system is writable again",
+    "EACCES": "once you may write there",
+    "EPERM": "once you may write there",
+}
+# Causes that the folder itself has (not the data written): a rerun goes on elsewhere.
+_FOLDER_CAUSES = frozenset({"EROFS", "EACCES", "EPERM"})
+
+
+def retry_when(err: BaseException) -> tuple[str, bool]:
+    """When a rerun can write where a write failed with ``err``, for the advice that follows
+    :func:`cannot_write`'s cause ("... rerun with resume=auto").
+
+    Returns:
+        ``(when, elsewhere)``: ``when`` such as ``"once there is room"`` (a full disk) or
+        ``"once the file system is writable again"`` (read-only), ``"once the cause is
+        fixed"`` for a cause not named here; ``elsewhere`` is true when the cause is the folder
+        itself (a read-only file system, no permission), where writing to another folder is the
+        way on that needs no one else.
+    """
+    import errno as errno_names
+
+    cause = os_error_of(err)
+    name = errno_names.errorcode.get(cause.errno or 0, "") if cause is not None else ""
+    return _RETRY_WHEN.get(name, "once the cause is fixed"), name in _FOLDER_CAUSES
+
 
 def os_error_of(err: BaseException) -> OSError | None:
     """The ``OSError`` behind ``err``: ``err`` itself, or one it was raised from or while

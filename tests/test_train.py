@@ -314,6 +314,77 @@ def test_a_run_folder_on_a_read_only_file_system_is_one_line(tmp_path, monkeypat
     assert not out.exists()
 
 
+@pytest.mark.parametrize(
+    ("code", "when"),
+    [
+        (errno.ENOSPC, "once there is room"),
+        (errno.EROFS, "once the file system is writable again"),
+        (errno.EACCES, "once you may write there"),
+        (errno.EPERM, "once you may write there"),
+    ],
+    ids=["ENOSPC", "EROFS", "EACCES", "EPERM"],
+)
+def test_a_failed_write_advises_what_fits_its_cause(tmp_path, monkeypatch, code, when) -> None:
+    # The advice after a failed checkpoint or metrics write said "once there is room" also for a
+    # read-only file system or a folder one may not write, where no room ever comes: for those
+    # it names a folder of one's own and the checkpoint to resume from there.
+    from fot.errors import WriteError
+    from fot.training import checkpoint
+    from fot.training.metrics import MetricsLogger
+
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    state = {"step": 0, "tokens": 0, "data": {}, "sizes": {}}
+    root = tmp_path / "run" / "checkpoints"
+
+    def save(step: int) -> Path:
+        return checkpoint.save_checkpoint(root, step=step, model=model, optimizer=opt,
+                                          trainer_state=state, keep_last=3, is_main=True)  # fmt: skip
+
+    latest = save(2)
+    real_save = torch.save
+
+    def failing_save(obj, f, *args, **kwargs):
+        raise OSError(code, os.strerror(code), str(f))
+
+    monkeypatch.setattr(torch, "save", failing_save)
+    with pytest.raises(WriteError) as err:
+        save(4)
+    monkeypatch.setattr(torch, "save", real_save)
+    msg = str(err.value)
+    assert msg.startswith(f"cannot write {root / '.tmp-step_00000004' / 'model.pt'}: ")
+    assert f"the latest is {latest}" in msg and when in msg, msg
+    folder_cause = code != errno.ENOSPC
+    assert ("once there is room" in msg) == (not folder_cause), msg
+    # the checkpoint named to go on from elsewhere is the complete one the save left
+    assert (f"out_dir=<a folder you can write> resume={latest} " in msg) == folder_cause, msg
+    assert checkpoint.list_checkpoints(root) == [latest]
+
+    cfg = OmegaConf.structured(WandbConfig(mode="disabled"))
+    logger = MetricsLogger(tmp_path / "run", enabled=True, wandb_cfg=cfg, config={})
+
+    class Failing:
+        def __init__(self, f) -> None:
+            self._f = f
+
+        def write(self, data) -> int:
+            raise OSError(code, os.strerror(code))
+
+        def __getattr__(self, name):
+            return getattr(self._f, name)
+
+    logger._file = Failing(logger._file)
+    with pytest.raises(WriteError) as err:
+        logger.log({"step": 5, "tokens": 8})
+    logger._file = logger._file._f
+    logger.close()
+    msg = str(err.value)
+    assert msg.startswith(f"cannot write {tmp_path / 'run' / 'metrics.jsonl'}: ")
+    assert "step 5" in msg and when in msg, msg
+    assert ("once there is room" in msg) == (not folder_cause), msg
+    assert ("out_dir=<a folder you can write> resume=<its latest" in msg) == folder_cause, msg
+
+
 def test_activation_checkpointing_gives_the_same_losses(tmp_path, reference_run) -> None:
     # two steps inside the warmup: the LR does not depend on total_tokens yet
     out = tmp_path / "run"

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fot.errors import FotError, cannot_write
+from fot.errors import FotError, cannot_write, retry_when
 from fot.training.parallel import stop_together
 from fot.training.signals import continue_hint, finish_before_ctrl_c
 
@@ -294,7 +294,7 @@ def save_checkpoint(
                     # took and say so in one line (torch.save's own error, "unexpected pos 704 vs
                     # 598", names neither the file nor the cause)
                     shutil.rmtree(tmp, ignore_errors=True)
-                    error = cannot_write(writing, err, _kept_message(root, step))
+                    error = cannot_write(writing, err, _kept_message(root, step, err))
                     if error is None:
                         raise
                     raise error from err
@@ -310,16 +310,24 @@ def save_checkpoint(
     return final
 
 
-def _kept_message(root: Path, step: int) -> str:
-    """What a failed save of step ``step`` kept: the complete checkpoints, and how to go on."""
+def _kept_message(root: Path, step: int, err: BaseException) -> str:
+    """What a failed save of step ``step`` kept: the complete checkpoints, and how to go on,
+    fitting the cause ``err`` (a full disk: once there is room; a read-only file system or no
+    permission: in another folder from the latest checkpoint, or once it is writable)."""
     latest = latest_checkpoint(root)
     if latest is None:
         return f"The checkpoint of step {step} was not written, and the run has no earlier one"
-    return (
+    when, elsewhere = retry_when(err)
+    kept = (
         f"The checkpoint of step {step} was not written; the earlier ones are complete (the "
-        f"latest is {latest}): once there is room, rerun with resume=auto and out_dir="
-        f"{root.parent} to go on from it"
+        f"latest is {latest}): "
     )
+    if elsewhere:
+        return kept + (
+            f"rerun with out_dir=<a folder you can write> resume={latest} to go on from it "
+            f"there, or, {when}, with resume=auto and out_dir={root.parent}"
+        )
+    return kept + f"{when}, rerun with resume=auto and out_dir={root.parent} to go on from it"
 
 
 def abandon_newer(

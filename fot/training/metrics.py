@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from fot.errors import cannot_write
+from fot.errors import cannot_write, retry_when
 from fot.provenance import sweep_folder, sweep_job_label
 from fot.training.checkpoint import write_text_atomic
 
@@ -290,11 +290,18 @@ class MetricsLogger:
         except OSError as err:
             with contextlib.suppress(OSError):  # no cut-short line that a later one follows
                 os.ftruncate(self._file.fileno(), size)
+            when, elsewhere = retry_when(err)
+            go_on = (
+                "rerun with out_dir=<a folder you can write> resume=<its latest checkpoint> to "
+                f"go on from it there, or, {when}, with resume=auto"
+                if elsewhere
+                else f"{when}, rerun with resume=auto to go on from its latest checkpoint"
+            )
             error = cannot_write(
                 self.path,
                 err,
                 f"Its earlier records are kept. The run stopped at step {record.get('step')}; "
-                "once there is room, rerun with resume=auto to go on from its latest checkpoint",
+                + go_on,
             )
             if error is None:
                 raise

@@ -337,9 +337,18 @@ def _move_export(staged: Path, out: Path, tokenizer: bool) -> None:
     weights, config, shims and, with ``tokenizer``, tokenizer files) are renamed aside (into a
     folder inside ``out``), the new ones moved in and the old ones
     deleted; other files in ``out`` are kept. Renames need no room on the disk; one that fails
-    puts the earlier export back."""
+    puts the earlier export back.
+
+    Raises:
+        fot.errors.WriteError: a rename failed (no permission, a read-only file system, ...):
+            one line naming ``out`` and what was kept (the earlier export, or the folder where
+            its files wait when one could not be put back).
+    """
     if not out.exists():
-        os.rename(staged, out)
+        try:
+            os.rename(staged, out)
+        except OSError as err:
+            raise _move_error(out, err, "The export was not written") from err
         return
     new = sorted(p.name for p in staged.iterdir())
     old = [
@@ -352,7 +361,10 @@ def _move_export(staged: Path, out: Path, tokenizer: bool) -> None:
     ]
     aside = out / f".{out.name}.old-{os.getpid()}"
     shutil.rmtree(aside, ignore_errors=True)
-    aside.mkdir()
+    try:
+        aside.mkdir()
+    except OSError as err:
+        raise _move_error(out, err, f"The export was not written; {out} is as it was") from err
     moved_old: list[str] = []
     moved_new: list[str] = []
     try:
@@ -362,17 +374,35 @@ def _move_export(staged: Path, out: Path, tokenizer: bool) -> None:
         for name in new:
             os.rename(staged / name, out / name)
             moved_new.append(name)
-    except BaseException:
+    except BaseException as err:
         for name in moved_new:
             with contextlib.suppress(OSError):
                 os.rename(out / name, staged / name)
+        stuck = []
         for name in moved_old:
-            with contextlib.suppress(OSError):
+            try:
                 os.rename(aside / name, out / name)
-        if not any(aside.iterdir()):
-            aside.rmdir()
-        raise
+            except OSError:
+                stuck.append(name)
+        if stuck:
+            kept = (
+                f"The export was not written, and the earlier export's {', '.join(stuck)} "
+                f"could not be put back: move them from {aside} into {out}"
+            )
+        else:
+            with contextlib.suppress(OSError):
+                aside.rmdir()
+            kept = f"The export was not written; {out} is as it was"
+        if not isinstance(err, OSError):
+            raise
+        raise _move_error(out, err, kept) from err
     shutil.rmtree(aside, ignore_errors=True)
+
+
+def _move_error(out: Path, err: OSError, kept: str) -> OSError:
+    """The one-line :class:`fot.errors.WriteError` of a failed rename into ``out`` (a rename's
+    own error names two paths and no fix); ``err`` itself where it has no errno."""
+    return cannot_write(out, err, kept) or err
 
 
 def check_export_folder(path: str | os.PathLike, example: str) -> None:

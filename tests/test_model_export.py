@@ -389,6 +389,70 @@ def test_an_export_that_fails_part_way_leaves_the_earlier_export_whole(
         assert torch.equal(got, old(x).logits)
 
 
+@pytest.mark.parametrize("fails", ["first_export", "re_export", "and_putting_back"])
+def test_a_failed_rename_of_the_export_is_one_line_and_loses_nothing(
+    tmp_path, monkeypatch, fails
+) -> None:
+    # The renames that move the complete export into place raised a bare OSError (a traceback
+    # naming two paths, e.g. the staged folder). Now one WriteError names the folder and what
+    # is kept: the earlier export as it was, or where its files wait if one could not go back.
+    import errno
+
+    from transformers import AutoModelForCausalLM
+
+    from fot.errors import WriteError
+
+    old = _tiny(0)
+    out = tmp_path / "m"
+    before = {}
+    if fails != "first_export":
+        export_hf(old, out)
+        (out / "NOTES.md").write_text("mine")
+        before = {p.name: p.read_bytes() for p in out.iterdir()}
+    real_rename = os.rename
+
+    def rename(src, dst, *args, **kwargs):
+        src, dst = Path(src), Path(dst)
+        if fails == "first_export":  # the staged folder beside it, renamed as a whole
+            into_place = dst == out and src.name.startswith(".m.new-")
+        else:  # the staged files, inside it
+            into_place = dst == out / "config.json" and src.parent.name.startswith(".m.new-")
+        back = fails == "and_putting_back" and dst == out / "model.safetensors"
+        if into_place or (back and src.parent.name.startswith(".m.old-")):
+            raise OSError(errno.EACCES, os.strerror(errno.EACCES), str(src), None, str(dst))
+        return real_rename(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "rename", rename)
+    with pytest.raises(WriteError) as err:
+        export_hf(_tiny(1), out)
+    monkeypatch.setattr(os, "rename", real_rename)
+    msg = str(err.value)
+    assert "\n" not in msg
+    assert msg.startswith(f"cannot write {out}: Permission denied (no permission"), msg
+    if fails == "first_export":
+        assert msg.endswith("The export was not written"), msg
+        assert list(tmp_path.iterdir()) == []  # nothing half-written beside it
+        return
+    if fails == "and_putting_back":
+        # the message names the file and where it is; moved back as it says, nothing is lost
+        (aside,) = [p for p in out.iterdir() if p.name.startswith(".m.old-")]
+        assert msg.endswith(
+            f"the earlier export's model.safetensors could not be put back: move them from "
+            f"{aside} into {out}"
+        ), msg
+        assert [p.name for p in aside.iterdir()] == ["model.safetensors"]
+        shutil.move(aside / "model.safetensors", out / "model.safetensors")
+        aside.rmdir()
+    else:
+        assert msg.endswith(f"The export was not written; {out} is as it was"), msg
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+    x = torch.randint(0, VOCAB, (1, 9))
+    with torch.no_grad():
+        got = AutoModelForCausalLM.from_pretrained(out).eval()(x).logits
+        assert torch.equal(got, old(x).logits)
+
+
 def test_a_re_export_into_a_folder_on_another_file_system_than_its_parent(tmp_path) -> None:
     # The export was staged beside the destination, in its parent: a destination reached
     # through a symlink (or a mount point) on another file system could not take the staged

@@ -645,6 +645,46 @@ def test_out_dir_that_cannot_be_written_is_refused_on_the_command_line(
     assert out_dir_problem([f"out_dir={tmp_path}/rw/run"]) is None
 
 
+def test_a_quoted_out_dir_is_checked_as_hydra_reads_it(tmp_path, monkeypatch) -> None:
+    """The command-line check read ``out_dir='/runs/a'`` with its quotes, as the relative path
+    ``'/runs/a'`` under the current folder: a quoted file was let through (then Hydra's
+    traceback), and a quoted good folder refused where the current folder is read-only. It now
+    takes the value Hydra's override parser gives."""
+    import os
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from fot.training.config import out_dir_problem
+
+    here = tmp_path / "read-only checkout"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: Path(p).resolve() != here and real(p, mode))
+    f = tmp_path / "my runs" / "notes.txt"
+    f.parent.mkdir()
+    f.write_text("keep me")
+    good = tmp_path / "my runs" / "run 1"
+    parser = OverridesParser.create()
+    for arg, problem in [
+        (f"out_dir='{f}'", f"out_dir={f} is a file"),
+        (f'out_dir="{f}"', f"out_dir={f} is a file"),
+        (f"++hydra.run.dir='{f}/run'", f"hydra.run.dir={f}/run lies under the file {f}"),
+        (f"out_dir='{here}/run'", f"out_dir={here}/run (its folder {here}) cannot be written"),
+        (f"out_dir='{good}'", None),
+        (f'hydra.run.dir="{good}"', None),
+        (f"out_dir={str(good).replace(' ', chr(92) + ' ')}", None),  # escaped space
+    ]:
+        # the oracle: the path Hydra itself sets
+        value = parser.parse_overrides([arg])[0].value()
+        assert value in (str(f), f"{f}/run", f"{here}/run", str(good)), (arg, value)
+        got = out_dir_problem([arg])
+        assert (got is None) if problem is None else got.startswith(problem), (arg, got)
+    # quoted, null is the folder ./null (Hydra's string), in the read-only current folder
+    assert out_dir_problem(["out_dir='null'"]).startswith("out_dir=null (its folder .) cannot")
+    assert out_dir_problem(["out_dir=null", "~out_dir", "-m", "out_dir='a',b"]) is None
+
+
 def test_hydra_job_chdir_is_refused_before_the_run_starts(tmp_path) -> None:
     """With it the run's files went to <out_dir>/<out_dir> and relative data paths were not
     found (Hydra changes into the run folder before fot reads them)."""

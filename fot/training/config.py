@@ -681,9 +681,8 @@ def out_dir_problem(argv: list[str]) -> str | None:
     """
     from pathlib import Path
 
-    for arg in argv:
-        key, _, value = arg.lstrip("+").partition("=")
-        if key not in ("out_dir", "hydra.run.dir") or value in ("", "null") or "${" in value:
+    for key, value in _set_values(argv, ("out_dir", "hydra.run.dir")):
+        if value == "" or "${" in value:
             continue
         path = Path(value).expanduser()
         blocker = next((p for p in (path, *path.parents) if p.exists()), None)
@@ -700,6 +699,37 @@ def out_dir_problem(argv: list[str]) -> str | None:
                 "permission; choose a folder you can write"
             )
     return None
+
+
+def _set_values(argv: list[str], keys: tuple[str, ...]) -> list[tuple[str, str]]:
+    """``(key, value)`` of each override in ``argv`` that sets one of ``keys`` to one value, as
+    Hydra reads it: its quotes taken off (``out_dir='/runs/a b'`` sets ``/runs/a b``), escapes
+    resolved, a number or bool as the string the field gets. ``null``, deletions (``~key``),
+    sweeps, lists and overrides Hydra cannot parse (:func:`unparsable_override` names those)
+    are left out.
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    parser = OverridesParser.create()
+    found = []
+    after_flag = False
+    for arg in argv:
+        if after_flag or arg.startswith("-") or "=" not in arg:
+            after_flag = arg in _FLAGS_WITH_VALUE
+            continue
+        if arg.lstrip("+~").partition("=")[0] not in keys:
+            continue  # parse only the few overrides asked about
+        try:
+            override = parser.parse_overrides([arg])[0]
+        except OverrideParseException:
+            continue
+        if override.is_delete() or override.is_sweep_override() or override.package is not None:
+            continue
+        value = override.value()
+        if isinstance(value, str | int | float):  # bool too: OmegaConf's string of it
+            found.append((override.key_or_group, str(value)))
+    return found
 
 
 def chdir_problem(argv: list[str]) -> str | None:

@@ -21,6 +21,7 @@ from test_model import TOL, VOCAB, count_fused_add_norm, ids, llama_config_like,
 
 import fot
 from fot import presets
+from fot.models.modeling_fot import CACHE_FIELD
 
 
 def _docs(lengths: list[int]) -> list[torch.Tensor]:
@@ -730,11 +731,11 @@ def test_hf_cache_is_refused_with_a_fix_that_works() -> None:
     kw = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0}
     fix = r"got DynamicCache: .*Omit past_key_values.*fot\.models\.FoTCache\(config\.num_hidden_layers\)"
     with pytest.raises(TypeError, match=fix):
-        m.generate(x, past_key_values=DynamicCache(), **kw)
+        m.generate(x, **{CACHE_FIELD: DynamicCache()}, **kw)
     with pytest.raises(TypeError, match=fix):
         m(x, past_key_values=DynamicCache(), use_cache=True)
     cache = fot.models.FoTCache(m.config.num_hidden_layers)  # what the message suggests
-    got = m.generate(x, past_key_values=cache, **kw)
+    got = m.generate(x, **{CACHE_FIELD: cache}, **kw)
     assert torch.equal(got, m.generate(x, use_cache=False, **kw))
     assert cache.get_seq_length() == 9  # filled in place: prompt + 3 fed-back tokens
 
@@ -772,11 +773,11 @@ def test_prompt_cache_reused_for_beam_search() -> None:
     with torch.no_grad():
         prompt = m(x[:, :5], use_cache=True).past_key_values
     with pytest.raises(ValueError, match=r"holds 1 sequences .* 2 rows.*batch_repeat_interleave"):
-        m.generate(x, past_key_values=copy.deepcopy(prompt), **kw)
+        m.generate(x, **{CACHE_FIELD: copy.deepcopy(prompt)}, **kw)
     cache = copy.deepcopy(prompt)
     cache.batch_repeat_interleave(2)
     assert torch.equal(
-        m.generate(x, past_key_values=cache, **kw), m.generate(x, use_cache=False, **kw)
+        m.generate(x, **{CACHE_FIELD: cache}, **kw), m.generate(x, use_cache=False, **kw)
     )
 
 
@@ -788,9 +789,10 @@ def test_continuing_from_a_beam_search_cache_is_refused_with_the_fix() -> None:
     x = ids(2, 6)
     kw = {"do_sample": False, "pad_token_id": 0}
     out = m.generate(x, num_beams=2, max_new_tokens=3, return_dict_in_generate=True, **kw)
-    assert out.past_key_values[0].keys.shape[0] == 4
+    cache = getattr(out, CACHE_FIELD)  # out.cache (transformers >= 5.24), as the README shows
+    assert cache[0].keys.shape[0] == 4
     with pytest.raises(ValueError, match=r"holds 4 sequences .* 2 rows.*beam search.*no cache"):
-        m.generate(out.sequences, past_key_values=out.past_key_values, max_new_tokens=2, **kw)
+        m.generate(out.sequences, **{CACHE_FIELD: cache}, max_new_tokens=2, **kw)
     got = m.generate(out.sequences, max_new_tokens=2, **kw)
     assert torch.equal(got, m.generate(out.sequences, max_new_tokens=2, use_cache=False, **kw))
 
@@ -939,7 +941,6 @@ def test_triton_backend_on_cpu_names_the_model_level_fix(monkeypatch) -> None:
 def test_cache_is_taken_under_either_name() -> None:
     """transformers 5.24 passes the cache as ``cache=``; earlier releases as ``past_key_values=``."""
     from fot.models import FoTCache
-    from fot.models.modeling_fot import CACHE_FIELD
 
     m = tiny("fot_pro")
     x = ids(2, 10)

@@ -293,6 +293,26 @@ def _no_tokenizer_message(p: Path, model_type: Any) -> str:
     )
 
 
+def _damaged_tokenizer_error(p: Path, err: BaseException) -> ValueError:
+    """The error for tokenizer files in ``p`` that ``AutoTokenizer`` cannot read: a GPT-2
+    ``vocab.json`` without its ``merges.txt`` (or the reverse), or a cut-short copy of either.
+    transformers says only "`vocab` and `merges` must be both be from memory or both
+    filenames", or the tokenizers library raises a bare ``Exception`` (a traceback)."""
+    files = sorted(f.name for f in p.iterdir() if _is_tokenizer_file(f))
+    pair = [name for name in ("vocab.json", "merges.txt") if (p / name).is_file()]
+    if len(pair) == 1 and not (p / "tokenizer.json").is_file():
+        missing = ({"vocab.json", "merges.txt"} - set(pair)).pop()
+        what = f"{pair[0]} is there but {missing} is missing"
+    else:
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        what = f"its files cannot be read ({reason})"
+    return ValueError(
+        f"the tokenizer in {str(p)!r} cannot be loaded: {what} (tokenizer files there: "
+        f"{files}); copy the tokenizer files (vocab.json and merges.txt, or tokenizer.json) "
+        "from the export again, or export the checkpoint again"
+    )
+
+
 def checkpoint_label(path: str | os.PathLike) -> str:
     """A short name of a checkpoint for legends and titles: the folder name, for fot's
     trainer export ``<run>/hf`` the run folder's name (every such export is called ``hf``), and
@@ -381,7 +401,12 @@ def load_checkpoint(
     if not any(_is_tokenizer_file(f) for f in p.iterdir()):
         # transformers' own error blames a missing sentencepiece / tiktoken package
         raise FileNotFoundError(_no_tokenizer_message(p, config.get("model_type")))
-    tokenizer = AutoTokenizer.from_pretrained(str(p))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(p))
+    except ImportError:
+        raise  # a tokenizer package the checkpoint's tokenizer needs: its own message
+    except Exception as err:  # the tokenizers library raises a plain Exception
+        raise _damaged_tokenizer_error(p, err) from err
     text_escaping_of(tokenizer)  # a bad fot_text_escaping is named before the model loads
     vocab = config.get("vocab_size")
     if len(tokenizer) < 2 or (isinstance(vocab, int) and len(tokenizer) < vocab // 2):

@@ -1200,3 +1200,43 @@ def test_lm_eval_include_path_must_be_a_folder(ckpts, tmp_path):
         main(["lm-eval", str(ckpts["llama"]), "--tasks", "hellaswag", "--include-path",
               str(missing), "--out", str(tmp_path / "o"), "--device", "cpu"])  # fmt: skip
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(
+    ("name", "change", "named"),
+    [
+        ("merges.txt", "delete", "vocab.json is there but merges.txt is missing"),
+        ("vocab.json", "delete", "merges.txt is there but vocab.json is missing"),
+        ("vocab.json", "truncate", "its files cannot be read"),
+        ("merges.txt", "truncate", "its files cannot be read"),
+        ("tokenizer_config.json", "truncate", "its files cannot be read"),
+    ],
+)
+def test_a_missing_or_damaged_tokenizer_file_is_one_line_and_its_fix_works(
+    tmp_path, capsys, name, change, named
+):
+    """One GPT-2 vocabulary file left out of a copy gave transformers' "`vocab` and `merges`
+    must be both be from memory or both filenames", a cut-short one a traceback from the
+    tokenizers library (status 1). Now one line names the folder, what is wrong and the fix.
+    Oracle: after the fix it gives (copying the file from the export again) the result is the
+    intact checkpoint's."""
+    ck = make_llama_checkpoint(tmp_path / "export")
+    copy = tmp_path / "copy"
+    shutil.copytree(ck, copy)
+    if change == "delete":
+        (copy / name).unlink()
+    else:
+        data = (ck / name).read_bytes()
+        (copy / name).write_bytes(data[: min(3000, len(data) // 2)])  # cut short
+    argv = ["per-token-loss", "--length", "16", "--max-docs", "1", "--device", "cpu"]
+    capsys.readouterr()
+    assert cli([*argv, str(copy), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("python -m fot.eval per-token-loss: error: "), err
+    assert f"the tokenizer in {str(copy)!r} cannot be loaded: {named}" in err, err
+    assert "copy the tokenizer files" in err and "raised by" not in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 2, err
+    shutil.copy(ck / name, copy / name)  # the fix the message gives
+    got = main([*argv, str(copy), "--out", str(tmp_path / "copy_out")])
+    want = main([*argv, str(ck), "--out", str(tmp_path / "export_out")])
+    assert got["mean_loss"] == want["mean_loss"]

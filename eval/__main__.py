@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import importlib
 import os
 import signal
@@ -17,7 +18,14 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from fot.errors import USER_ERRORS, error_line, parse_args_naming_typos
+from fot.errors import (
+    USER_ERRORS,
+    FotError,
+    WriteError,
+    cannot_write,
+    error_line,
+    parse_args_naming_typos,
+)
 from fot.eval import program_name
 from fot.hub import is_hub_repo_id, local_folder
 from fot.interrupt import StopOnSignal
@@ -120,7 +128,37 @@ def main(argv: Sequence[str] | None = None) -> Any:
         check_out_dir(args.out, args.checkpoint)
     mod = importlib.import_module(f"fot.eval.{args._module}")
     del args._module
-    return mod.run(args)
+    try:
+        return mod.run(args)
+    except OSError as err:
+        # gates rewrites its --out whole: nothing of it is resumed
+        error = _write_error(err, getattr(args, "out", None), resumes=args.command != "gates")
+        if error is None:
+            raise
+        raise error from err
+
+
+# Errors only a write gives (a full disk, a used-up quota, the file size limit, a read-only
+# file system): each is the one-line WriteError, not a traceback from inside pathlib or numpy.
+_WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS})
+
+
+def _write_error(err: OSError, out: str | None, *, resumes: bool) -> WriteError | None:
+    """The :class:`~fot.errors.WriteError` for ``err``, a failed write of a command's
+    results, or ``None`` when ``err`` is no write error (it is raised as it is).
+
+    The message names the file, the cause and its fix, and, for a command that ``resumes``,
+    what is kept: the items finished before it, which rerunning the same command resumes from
+    (every command saves each item whole, or through a temporary file and a rename)."""
+    if isinstance(err, FotError) or err.errno not in _WRITE_ERRNOS:
+        return None
+    path = err.filename if err.filename is not None else out
+    kept = (
+        f"Items finished before it are kept in {str(out)!r}: rerun the same command to resume"
+        if resumes and out is not None and os.path.isdir(out)
+        else ""
+    )
+    return cannot_write(path, err, kept)
 
 
 class _Terminated(KeyboardInterrupt):

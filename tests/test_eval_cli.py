@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import csv
+import errno
 import importlib.metadata
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -1240,3 +1242,70 @@ def test_a_missing_or_damaged_tokenizer_file_is_one_line_and_its_fix_works(
     got = main([*argv, str(copy), "--out", str(tmp_path / "copy_out")])
     want = main([*argv, str(ck), "--out", str(tmp_path / "export_out")])
     assert got["mean_loss"] == want["mean_loss"]
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT], ids=["ENOSPC", "EDQUOT"])
+def test_a_full_disk_mid_run_is_one_line_and_the_rerun_resumes_to_the_same_results(
+    tmp_path, capsys, monkeypatch, code
+):
+    """A full disk (or used-up quota) while a command saved an item ended in a traceback from
+    inside pathlib (status 1). Now one line names the file, the cause, what is kept and that
+    rerunning resumes (status 2). Oracle: the rerun's results are those of a run the disk never
+    stopped."""
+    ck = make_llama_checkpoint(tmp_path / "llama")
+    argv = ["needle", str(ck), "--lengths", "256", "--depths", "0,50,100", "--device", "cpu"]
+    out = tmp_path / "out"
+    results = out / "needle_easy.jsonl"
+    real_open = Path.open
+    appends = []
+
+    def open_(self, mode="r", *args, **kwargs):  # the 2nd item finds the disk full
+        if self == results and "a" in mode:
+            appends.append(mode)
+            if len(appends) == 2:
+                raise OSError(code, os.strerror(code), str(self))
+        return real_open(self, mode, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "open", open_)
+    capsys.readouterr()
+    assert cli([*argv, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    err = err[err.find("python -m fot.eval") :]  # after the progress bar
+    assert err.startswith(
+        f"python -m fot.eval needle: error: cannot write {results}: {os.strerror(code)} ("
+    ), err
+    assert f"kept in {str(out)!r}: rerun the same command to resume" in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 2, err
+    assert len(_lines(results)) == 1  # the first item is saved
+    monkeypatch.undo()
+    main([*argv, "--out", str(out)])
+    main([*argv, "--out", str(tmp_path / "whole")])
+    got = sorted(_lines(results))
+    assert len(got) == 3 and got == sorted(_lines(tmp_path / "whole" / "needle_easy.jsonl"))
+
+
+def test_an_out_folder_on_a_read_only_file_system_is_one_line(tmp_path, capsys, monkeypatch):
+    """--out on a read-only file system (as root, chmod does not stop a write: the file
+    system's error is given by hand) ended in a traceback (OSError EROFS from pathlib)."""
+    ck = make_llama_checkpoint(tmp_path / "llama")
+    out = tmp_path / "ro" / "out"
+    real_mkdir = Path.mkdir
+
+    def mkdir(self, *args, **kwargs):
+        if self == out:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(self))
+        return real_mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", mkdir)
+    for command in (
+        ["needle", "--lengths", "256", "--depths", "0"],
+        ["per-token-loss", "--length", "16", "--max-docs", "1"],
+    ):
+        capsys.readouterr()
+        assert cli([command[0], str(ck), *command[1:], "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(
+            f"python -m fot.eval {command[0]}: error: cannot write {out}: Read-only file "
+            "system (the file system is read-only: write elsewhere)\n"
+        ), err
+        assert "kept in" not in err and not out.exists()

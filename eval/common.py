@@ -1392,9 +1392,10 @@ class JsonlLog:
     """An append-only JSONL results file keyed by ``record[key]``: the resume mechanism.
 
     Every finished item is appended (and flushed) at once; on restart, items whose key is
-    already in the file are skipped. A partly written last line (killed mid-write) is ignored.
-    The file does not know which checkpoint and settings produced it: commands call
-    :func:`claim_results` before opening it.
+    already in the file are skipped. A partly written last line (killed mid-write, or a full
+    disk) is cut off the file, which is never rewritten: an interruption or a full disk while it
+    is opened leaves every saved item in it. The file does not know which checkpoint and
+    settings produced it: commands call :func:`claim_results` before opening it.
     """
 
     def __init__(self, path: str | os.PathLike, key: str = "key") -> None:
@@ -1402,14 +1403,31 @@ class JsonlLog:
         self.key = key
         self.records: list[dict[str, Any]] = []
         if self.path.is_file():
-            for line in self.path.read_text().splitlines():
+            data = self.path.read_bytes()
+            for line in data.splitlines():
                 try:
                     self.records.append(json.loads(line))
-                except json.JSONDecodeError:
+                except (json.JSONDecodeError, UnicodeDecodeError):
                     continue  # torn last line of an interrupted run
-            # Rewrite without the torn line so appends start on a fresh line.
-            self.path.write_text("".join(json.dumps(r) + "\n" for r in self.records))
+            self._end_on_a_fresh_line(data)
         self._done = {str(r[self.key]) for r in self.records if self.key in r}
+
+    def _end_on_a_fresh_line(self, data: bytes) -> None:
+        """Make appends start on a fresh line: cut a torn last line (file content ``data``) off
+        the file, or end a whole last record that lacks only its newline with one. Neither
+        rewrites the file (a rewrite cut short would lose every item in it) nor needs space."""
+        if not data or data.endswith(b"\n"):
+            return
+        start = data.rfind(b"\n") + 1
+        try:
+            whole = isinstance(json.loads(data[start:]), dict)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            whole = False
+        if whole:
+            with self.path.open("ab") as f:
+                f.write(b"\n")
+        else:
+            os.truncate(self.path, start)
 
     def done(self, key: Any) -> bool:
         """Whether an item with this key is already recorded."""

@@ -594,3 +594,47 @@ def test_a_checkpoint_of_the_papers_code_is_converted_on_the_fly(variant, tmp_pa
     assert (got - want).norm() / want.norm() < 1e-2  # as tests/test_convert.py
     assert text_escaping_of(tokenizer) == "json"
     assert tokenizer("fot, eval").input_ids == [EOT_ID, *get_encoding().encode("fot, eval")]
+
+
+def test_jsonl_log_opened_on_a_full_file_system_keeps_every_saved_item(tmp_path):
+    """Opening a results file whose last line a kill or a full disk cut short rewrote the whole
+    file (truncate, then write): a write failing there (the disk still full, a quota, a kill)
+    left it cut short or empty, every saved item lost. Now only the torn line is cut off, which
+    needs no space. The write error here is a real one: the file size limit (as `ulimit -f`),
+    below the file's size. Oracle: the file holds exactly the whole records written."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path = tmp_path / "r.jsonl"
+    records = [{"key": str(i), "response": "x" * 200} for i in range(20)]
+    whole = "".join(json.dumps(r) + "\n" for r in records)
+    path.write_text(whole + '{"key": "20", "respon')  # the item being saved when stopped
+    code = (
+        "import resource, signal, sys\n"
+        "from fot.eval.common import JsonlLog\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (1000, 1000))\n"
+        "print(len(JsonlLog(sys.argv[1])))\n"
+    )
+    root = Path(__file__).resolve().parents[1]  # this checkout's fot
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(path)],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert path.read_text() == whole  # every saved item, the torn one cut off
+    assert proc.returncode == 0 and proc.stdout.split() == ["20"], proc.stderr[-2000:]
+    log = JsonlLog(path)
+    assert [r["key"] for r in log] == [str(i) for i in range(20)] and not log.done("20")
+    # a last record that lacks only its newline is whole: kept, and the next goes on a new line
+    path.write_text(whole.rstrip("\n"))
+    log = JsonlLog(path)
+    log.append({"key": "20"})
+    assert [json.loads(x)["key"] for x in path.read_text().splitlines()] == [
+        str(i) for i in range(21)
+    ]

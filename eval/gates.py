@@ -18,6 +18,7 @@ import argparse
 import contextlib
 import json
 import math
+import os
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -25,6 +26,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from fot.training.checkpoint import write_text_atomic
 
 from . import program_name
 from .common import (
@@ -229,7 +232,7 @@ def plot_gates(
         fig.suptitle(title)
     fig.tight_layout()
     out_file.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_file, dpi=130)
+    _save_figure(fig, out_file, dpi=130)
     plt.close(fig)
     return out_file
 
@@ -254,9 +257,24 @@ def plot_gate_values(log_fgate: torch.Tensor, out_file: Path) -> Path:
         ax.set_title(f"layer {i}", fontsize=9)
         ax.set_xlabel("position", fontsize=8)
     fig.tight_layout()
-    fig.savefig(out_file, dpi=120)
+    _save_figure(fig, out_file, dpi=120)
     plt.close(fig)
     return out_file
+
+
+def _save_figure(fig: Any, out_file: Path, *, dpi: int) -> None:
+    """Save ``fig`` as PNG through a temporary file beside ``out_file`` and a rename: a run
+    stopped while drawing leaves no cut-short image."""
+    tmp = out_file.with_name(f".{out_file.name}.{os.getpid()}.tmp")
+    try:
+        fig.savefig(tmp, dpi=dpi, format="png")
+        os.replace(tmp, out_file)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+# What a gates run writes besides run_config.json; a rerun replaces all of them.
+_OUTPUTS = ("gates.npz", "gates.png", "gate_values.png", "summary.json")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -349,13 +367,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     x = torch.tensor([ids], device=next(model.parameters()).device)
     data = gate_data(model, x, layers, heads)
     tokens = [tokenizer.decode([t]) for t in ids]
-    np.savez(
-        out / "gates.npz",
-        tokens=np.asarray(ids),
-        log_fgate=data["log_fgate"].numpy(),
-        **{f"F_l{li}_h{h}": m.numpy() for (li, h), m in data["F"].items()},
-        **{f"attn_l{li}_h{h}": m.numpy() for (li, h), m in data["attention"].items()},
-    )
+    # The previous run's results go before the first of this run's is written: a run stopped
+    # (Ctrl-C, SIGTERM, an error) while writing leaves only files of its own, never some of
+    # each run (its summary.json beside another text's or checkpoint's gates.npz).
+    for name in _OUTPUTS:
+        (out / name).unlink(missing_ok=True)
+    tmp = out / f".gates.npz.{os.getpid()}.tmp"
+    try:
+        with tmp.open("wb") as f:
+            np.savez(
+                f,
+                tokens=np.asarray(ids),
+                log_fgate=data["log_fgate"].numpy(),
+                **{f"F_l{li}_h{h}": m.numpy() for (li, h), m in data["F"].items()},
+                **{f"attn_l{li}_h{h}": m.numpy() for (li, h), m in data["attention"].items()},
+            )
+        os.replace(tmp, out / "gates.npz")
+    finally:
+        tmp.unlink(missing_ok=True)
     plot_gates(data, tokens, out / "gates.png", title=plot_label(args))
     plot_gate_values(data["log_fgate"], out / "gate_values.png")
     summary = {
@@ -363,6 +392,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "mean_gate_per_layer_head": data["log_fgate"].exp().mean(1).tolist(),
         "maps": [f"layer {li} head {h}" for li, h in data["F"]],
     }
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_text_atomic(out / "summary.json", json.dumps(summary, indent=2) + "\n")
     print(json.dumps({"tokens": len(ids), "maps": summary["maps"]}))
     return summary

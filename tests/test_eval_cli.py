@@ -1309,3 +1309,44 @@ def test_an_out_folder_on_a_read_only_file_system_is_one_line(tmp_path, capsys, 
             "system (the file system is read-only: write elsewhere)\n"
         ), err
         assert "kept in" not in err and not out.exists()
+
+
+def test_a_gates_rerun_stopped_while_drawing_leaves_only_its_own_whole_files(tmp_path, monkeypatch):
+    """gates rewrites its --out in place: a rerun (another text) stopped by Ctrl-C while it drew
+    gate_values.png left that image cut short beside the new gates.npz and the previous run's
+    summary.json, which named the other text's token count and gates. Now the previous files go
+    first and each is written through a temporary file. Oracle: the token ids of each text, as
+    the tokenizer encodes it."""
+    from matplotlib.figure import Figure
+    from matplotlib.image import imread
+    from transformers import AutoTokenizer
+
+    from fot.eval.common import encode_text, eot_id
+
+    ck = make_fot_checkpoint(tmp_path / "fot")
+    out = tmp_path / "gates"
+    first = "The forget gate decides how much of the past each head keeps. " * 4
+    second = "A short second text."
+    argv = ["gates", str(ck), "--out", str(out), "--device", "cpu", "--text"]
+    assert main([*argv, first])["tokens"] > 40
+    tokenizer = AutoTokenizer.from_pretrained(str(ck))
+    want = [eot_id(tokenizer), *encode_text(tokenizer, second)]
+    real_savefig = Figure.savefig
+
+    def savefig(self, fname, *args, **kwargs):  # Ctrl-C halfway through gate_values.png
+        if "gate_values" in str(fname):
+            Path(fname).write_bytes(b"\x89PNG\r\n\x1a\n" + b"\0" * 100)
+            raise KeyboardInterrupt
+        return real_savefig(self, fname, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", savefig)
+    with pytest.raises(KeyboardInterrupt):
+        main([*argv, second])
+    names = sorted(f.name for f in out.iterdir())
+    assert names == ["gates.npz", "gates.png", "run_config.history.jsonl", "run_config.json"]
+    assert np.load(out / "gates.npz")["tokens"].tolist() == want  # the second run's
+    assert imread(out / "gates.png").ndim == 3  # a whole image
+    monkeypatch.undo()
+    assert main([*argv, second])["tokens"] == len(want)  # rerun: every file, of the second text
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["tokens"] == len(want) and (out / "gate_values.png").stat().st_size > 1000

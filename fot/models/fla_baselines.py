@@ -544,7 +544,8 @@ class _FoTContractMixin:
         from fot.models.modeling_fot import _fusable, hf_packing_kwargs, refuse_out_of_vocab
 
         self._choose_kernels()
-        if torch.is_tensor(input_ids) and input_ids.device.type == "cpu":  # no sync there
+        # no host sync: on the CPU outside training only (as FoTModel.forward)
+        if torch.is_tensor(input_ids) and input_ids.device.type == "cpu" and not self.training:
             refuse_out_of_vocab(input_ids, self.config.vocab_size)
         shift_labels = kwargs.pop("shift_labels", None)
         num_items = kwargs.pop("num_items_in_batch", None)

@@ -1306,8 +1306,9 @@ class FoTModel(FoTPreTrainedModel):
 
         Args:
             input_ids: ``[B, T]`` int64 token ids (or ``inputs_embeds`` ``[B, T, hidden]``),
-                each in ``0 .. vocab_size - 1``: others are refused on CPU tensors and in
-                ``generate()`` (:func:`refuse_out_of_vocab`), unchecked on GPUs (a host sync).
+                each in ``0 .. vocab_size - 1``: others are refused on CPU tensors in eval
+                mode and in ``generate()`` (:func:`refuse_out_of_vocab`), unchecked in training
+                and on GPUs (a host sync per step; the trainer checks its data up front).
             attention_mask: ``[B, past + T]`` 1 for tokens, 0 for padding (left padding in
                 generation); ``None`` = no padding.
             past_key_values: a :class:`FoTCache` from a previous call.
@@ -1338,7 +1339,9 @@ class FoTModel(FoTPreTrainedModel):
         _check_input_shapes(self.config, input_ids, inputs_embeds)
         hidden_states = _output_flags(self.config, output_hidden_states, output_attentions)
         if inputs_embeds is None:
-            if input_ids.device.type == "cpu":  # no host sync there; generate() checks on GPUs
+            # checked only where it costs no host sync: on the CPU outside training (the
+            # trainer checks its data's ids up front); generate() checks on GPUs too
+            if input_ids.device.type == "cpu" and not self.training:
                 refuse_out_of_vocab(input_ids, self.config.vocab_size)
             inputs_embeds = self.embed_tokens(input_ids)  # (B, T, hidden)
         B, T, _ = inputs_embeds.shape
@@ -1465,8 +1468,8 @@ def refuse_out_of_vocab(input_ids: object, vocab_size: int) -> None:
     (``vocab_size`` up to ``padded_vocab_size``), silently read an untrained row.
 
     It reads the smallest and largest id back to the host (a sync on CUDA), so it runs once per
-    ``generate()`` call (and in a forward on CPU tensors, where it costs no sync), never in a
-    forward on the GPU.
+    ``generate()`` call (and in an eval-mode forward on CPU tensors, where it costs no sync),
+    never in a forward on the GPU or in training.
 
     Args:
         input_ids: the token ids; anything but an integer tensor is left alone.

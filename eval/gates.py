@@ -262,15 +262,23 @@ def plot_gate_values(log_fgate: torch.Tensor, out_file: Path) -> Path:
     return out_file
 
 
-def _save_figure(fig: Any, out_file: Path, *, dpi: int) -> None:
-    """Save ``fig`` as PNG through a temporary file beside ``out_file`` and a rename: a run
-    stopped while drawing leaves no cut-short image."""
+@contextlib.contextmanager
+def _written_whole(out_file: Path) -> Iterator[Path]:
+    """Yield a temporary path beside ``out_file`` to write to; renamed to ``out_file`` when the
+    block ends normally, removed otherwise: a run stopped while writing leaves no cut-short
+    file."""
     tmp = out_file.with_name(f".{out_file.name}.{os.getpid()}.tmp")
     try:
-        fig.savefig(tmp, dpi=dpi, format="png")
+        yield tmp
         os.replace(tmp, out_file)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _save_figure(fig: Any, out_file: Path, *, dpi: int) -> None:
+    """Save ``fig`` as PNG to ``out_file`` whole (:func:`_written_whole`)."""
+    with _written_whole(out_file) as tmp:
+        fig.savefig(tmp, dpi=dpi, format="png")
 
 
 # What a gates run writes besides run_config.json; a rerun replaces all of them.
@@ -372,19 +380,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # each run (its summary.json beside another text's or checkpoint's gates.npz).
     for name in _OUTPUTS:
         (out / name).unlink(missing_ok=True)
-    tmp = out / f".gates.npz.{os.getpid()}.tmp"
-    try:
-        with tmp.open("wb") as f:
-            np.savez(
-                f,
-                tokens=np.asarray(ids),
-                log_fgate=data["log_fgate"].numpy(),
-                **{f"F_l{li}_h{h}": m.numpy() for (li, h), m in data["F"].items()},
-                **{f"attn_l{li}_h{h}": m.numpy() for (li, h), m in data["attention"].items()},
-            )
-        os.replace(tmp, out / "gates.npz")
-    finally:
-        tmp.unlink(missing_ok=True)
+    with _written_whole(out / "gates.npz") as tmp, tmp.open("wb") as f:
+        np.savez(
+            f,
+            tokens=np.asarray(ids),
+            log_fgate=data["log_fgate"].numpy(),
+            **{f"F_l{li}_h{h}": m.numpy() for (li, h), m in data["F"].items()},
+            **{f"attn_l{li}_h{h}": m.numpy() for (li, h), m in data["attention"].items()},
+        )
     plot_gates(data, tokens, out / "gates.png", title=plot_label(args))
     plot_gate_values(data["log_fgate"], out / "gate_values.png")
     summary = {

@@ -175,15 +175,23 @@ def _out_folder(argv: Sequence[str]) -> str | None:
         return None
 
 
-def _stopped_line(prog: str, argv: Sequence[str], *, signal_name: str, finished: bool) -> str:
+def _stopped_line(
+    prog: str, argv: Sequence[str], *, signal_name: str, finished: bool, resumes: bool
+) -> str:
     """The line printed when the command is stopped: by what, what is saved where, and how
-    to resume."""
+    to resume (or, for a command that does not ``resume``, to run it again)."""
     out = _out_folder(argv)
     where = repr(out) if out else "--out"
     if finished:
+        again = "rerunning the same command resumes from them" if resumes else "all of this run"
+        return f"{prog}: {signal_name} after it had finished: every result is saved in {where} ({again})"
+    if not resumes:
+        # gates keeps no partial state: --out holds the previous run's results, or some whole
+        # files of this one if it stopped while writing them (eval/gates.py)
         return (
-            f"{prog}: {signal_name} after it had finished: every result is saved in {where} "
-            "(rerunning the same command resumes from them)"
+            f"{prog}: {signal_name} before it finished; it does not resume, and {where} may "
+            "hold an earlier run's results or only part of this one's: rerun the same command "
+            "to compute them all again"
         )
     return f"{prog}: {signal_name}; finished items are saved in {where}: rerun the same command to resume"
 
@@ -211,13 +219,16 @@ def cli(argv: Sequence[str], *, exiting: bool = False) -> int:
     argv = spell_command(argv)
     command = next((a for a in argv if a in COMMANDS), "")
     prog = f"{program_name()} {command}".rstrip()
+    resumes = command != "gates"  # gates rewrites its --out whole: nothing of it is resumed
     finished = False
 
     def after_the_command(signum: int, frame: object) -> None:
         # SIGTERM outside the command (cli's StopOnSignal): nothing is left to save
         with contextlib.suppress(Exception):
             sys.stdout.flush()
-            line = _stopped_line(prog, argv, signal_name="stopped by SIGTERM", finished=finished)
+            line = _stopped_line(
+                prog, argv, signal_name="stopped by SIGTERM", finished=finished, resumes=resumes
+            )
             print(f"\n{line}", file=sys.stderr, flush=True)
         os._exit(128 + signal.SIGTERM)
 
@@ -239,7 +250,8 @@ def cli(argv: Sequence[str], *, exiting: bool = False) -> int:
             raise
         terminated = isinstance(err, _Terminated)
         how = "stopped by SIGTERM" if terminated else "interrupted"
-        print("\n" + _stopped_line(prog, argv, signal_name=how, finished=finished), file=sys.stderr)
+        line = _stopped_line(prog, argv, signal_name=how, finished=finished, resumes=resumes)
+        print("\n" + line, file=sys.stderr)
         return 128 + signal.SIGTERM if terminated else 130
     except USER_ERRORS as err:
         if show_traceback:

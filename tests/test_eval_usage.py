@@ -177,6 +177,37 @@ def test_cli_user_errors_and_ctrl_c_print_a_message_not_a_traceback(tmp_path, mo
     assert len(JsonlLog(tmp_path / "items.jsonl")) == 2  # items 0 and 1, not all five
 
 
+def test_a_stopped_gates_run_does_not_say_it_resumes(tmp_path, monkeypatch, capsys):
+    """gates keeps no partial state (it rewrites its --out whole), so Ctrl-C, SIGTERM and a
+    SIGTERM lost while it finished say to run it again, not that rerunning resumes."""
+    out = str(tmp_path / "g")
+
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(eval_main, "main", interrupted)
+    assert cli(["gates", "x", "--out", out]) == 130
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line == (
+        f"python -m fot.eval gates: interrupted before it finished; it does not resume, and "
+        f"{out!r} may hold an earlier run's results or only part of this one's: rerun the same "
+        "command to compute them all again"
+    )
+
+    def finishes_after_a_lost_raise(argv):
+        _SignalsInDel()
+        return {"tokens": 1}
+
+    monkeypatch.setattr(eval_main, "main", finishes_after_a_lost_raise)
+    assert cli(["gates", "x", "--out", out]) == 128 + signal.SIGTERM
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line == (
+        f"python -m fot.eval gates: stopped by SIGTERM after it had finished: every result is "
+        f"saved in {out!r} (all of this run)"
+    )
+    assert "resume" not in line
+
+
 class _SignalsInDel:
     """Sends SIGTERM from its ``__del__``, where the raise of the handler is only printed (as
     in a tokenizer's regex objects)."""

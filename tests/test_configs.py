@@ -504,6 +504,14 @@ def test_mul_resolver_refuses_non_integers() -> None:
         (["parallel.backend=ncl"], r"parallel.backend='ncl' is not one of \['auto', 'nccl'"),
         (["parallel.backend=nccl", "device=cpu"], r"nccl needs CUDA GPUs.*parallel.backend=gloo"),
         (["wandb.mode=onlin"], r"wandb.mode='onlin' is not one of \['auto', 'online'"),
+        (["parallel.timeout_s=0"], r"parallel.timeout_s=0.0 is not a positive number of "),
+        (["parallel.timeout_s=-5"], r"parallel.timeout_s=-5.0 is not a positive number of "),
+        (["parallel.timeout_s=inf"], r"parallel.timeout_s=inf is not a positive number of "),
+        (
+            ["parallel.timeout_s=nan"],
+            r"parallel.timeout_s=nan is not a positive number of seconds: set how long a rank "
+            r"waits .* \(e.g. parallel.timeout_s=3600\), or null for torch's defaults",
+        ),
     ],
 )
 def test_check_config_refuses_bad_values_with_the_fix(
@@ -513,6 +521,18 @@ def test_check_config_refuses_bad_values_with_the_fix(
     cfg = compose("train", overrides=overrides)
     with pytest.raises(ValueError, match=match):
         check_config(cfg)
+
+
+def test_check_config_refuses_a_timeout_that_is_no_number(hydra_ctx) -> None:
+    """A config built without the schema (``train(cfg)`` from Python) may hold any type: a
+    string or a bool is no timeout (``True`` would be one second)."""
+    for bad, shown in (("600", "'600'"), (True, "True")):
+        cfg = OmegaConf.create(OmegaConf.to_container(compose("train")))
+        cfg.parallel.timeout_s = bad
+        with pytest.raises(ValueError, match=rf"^parallel.timeout_s={shown} is not a positive"):
+            check_config(cfg)
+    cfg.parallel.timeout_s = 0.5  # half a second is a timeout
+    assert check_config(cfg) == []
 
 
 def test_check_config_accepts_the_defaults_and_a_real_resume_folder(hydra_ctx, tmp_path) -> None:
@@ -1011,7 +1031,8 @@ def test_unparsable_override_suggests_what_the_shell_and_hydra_read_as_the_value
     ("override", "kind"),
     [("total_tokens=1k", "a whole number"), ("parallel.compile=maybe", "true or false"),
      ("micro_batch_size=2.5", "a whole number"), ("optim.betas=0.9", "a list"),
-     ("data.seq_len=null", "a whole number (not null)"), ("peak_flops=fast", "a number")],
+     ("data.seq_len=null", "a whole number (not null)"), ("peak_flops=fast", "a number"),
+     ("parallel.timeout_s=soon", "a number"), ("parallel.timeout_s=true", "a number")],
 )  # fmt: skip
 def test_mistyped_value_is_named_with_the_type_it_needs(hydra_ctx, override, kind) -> None:
     message = mistyped_override([override])

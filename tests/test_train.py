@@ -788,6 +788,29 @@ def test_multirun_under_torchrun_one_folder_per_job(tmp_path) -> None:
         assert json.loads((p / "run_info.json").read_text())[0]["world_size"] == 2
 
 
+def test_a_multirun_under_torchrun_refuses_a_second_timeout_for_its_one_group(tmp_path) -> None:
+    """The jobs of a multirun under torchrun share one process group, made by the first job
+    with its parallel.timeout_s, which the group keeps: a later job that asks for another
+    stops on every rank with one line that says so, instead of running with the first's."""
+    sweep = tmp_path / "sweep"
+    proc = _run_script(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         str(ROOT / "train.py"), "-m", "parallel.timeout_s=600,1200", *SMALL, "total_tokens=256",
+         "micro_batch_size=1", "data.val_tokens=0", f"hydra.sweep.dir={sweep}"],
+        env_extra={"OMP_NUM_THREADS": "1"},
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode != 0, proc.stderr[-4000:]
+    assert (sweep / "0" / "metrics.jsonl").is_file()  # the first job trained
+    assert not (sweep / "1" / "metrics.jsonl").exists()
+    for rank in (0, 1):
+        assert (f"train.py (rank {rank} of 2): error: parallel.timeout_s=1200, but an earlier "
+                "job of this multirun made this process's group with parallel.timeout_s=600, "
+                "and a process group keeps the timeout it was made with: give every job of the "
+                "sweep the same parallel.timeout_s, or run the jobs as separate torchrun "
+                "commands\n") in proc.stderr, proc.stderr[-4000:]  # fmt: skip
+
+
 def _poison_after(monkeypatch, micro_batches: int) -> None:
     """Make the model's loss NaN from micro batch ``micro_batches + 1`` on (2 per step)."""
     from fot import presets
@@ -3196,6 +3219,41 @@ def test_sigterm_to_a_process_stuck_in_a_collective_ends_it(tmp_path) -> None:
         for p in procs:
             p.kill()
             p.communicate()
+
+
+_GROUP_TIMEOUTS = """
+import torch, torch.distributed as dist
+from fot.training.parallel import init_distributed
+from fot.training.signals import StopOnSigterm
+
+init_distributed("cpu", "gloo", timeout_s=7.5)
+dist.get_backend = lambda group=None: "nccl"  # as on GPUs: SIGTERM's flag gets a gloo group
+stop = StopOnSigterm(2)
+cpu = torch.device("cpu")
+for group in (dist.group.WORLD, stop._group):
+    print(group._get_backend(cpu).options._timeout.total_seconds())
+"""
+
+
+def test_parallel_timeout_s_reaches_the_process_group_and_the_sigterm_group(tmp_path) -> None:
+    """``parallel.timeout_s`` sets the timeout of the run's process group and of the gloo group
+    that SIGTERM's flag is reduced over on GPUs: torch gives a new group its own default (30
+    minutes), not the run's group's."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}  # fmt: skip
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _GROUP_TIMEOUTS], env={**env, "RANK": str(rank)},
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for rank in (0, 1)
+    ]  # fmt: skip
+    try:
+        outputs = [p.communicate(timeout=60) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (out, err) in zip(procs, outputs, strict=True):
+        assert p.returncode == 0, err[-2000:]
+        assert out.split() == ["7.5", "7.5"]
 
 
 def test_a_second_sigterm_changes_nothing() -> None:

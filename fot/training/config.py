@@ -171,6 +171,13 @@ class ParallelConfig:
     activation_checkpointing: bool = False
     backend: str = "auto"
     """Process group backend: ``auto`` (nccl on CUDA, gloo on CPU), ``nccl`` or ``gloo``."""
+    timeout_s: float | None = None
+    """Seconds a rank waits for the others in a collective before it stops the run (under
+    torchrun, also for the others to start): ``null`` for torch's defaults (600 s over nccl,
+    1800 s over gloo). Raise it when rank 0 alone takes longer between two collectives (a
+    checkpoint on a slow file system, the HF export of a big model) while the others wait;
+    lower it to find a stalled or dead rank sooner. Over nccl the watchdog ends the process.
+    Fixed when the process group is made: the jobs of a multirun under torchrun share one."""
 
 
 @dataclass
@@ -484,6 +491,13 @@ def check_config(cfg: DictConfig) -> list[str]:
                 f"(device={device}): use parallel.backend=gloo (or auto: nccl on CUDA, gloo on "
                 "the CPU)"
             )
+    timeout = cfg.parallel.timeout_s
+    if timeout is not None and not _positive_seconds(timeout):
+        raise ValueError(
+            f"parallel.timeout_s={timeout!r} is not a positive number of seconds: set how long "
+            "a rank waits for the others in a collective (e.g. parallel.timeout_s=3600), or "
+            "null for torch's defaults (600 s over nccl, 1800 s over gloo)"
+        )
     if cfg.wandb.mode not in WANDB_MODES:
         raise ValueError(f"wandb.mode={cfg.wandb.mode!r} is not one of {list(WANDB_MODES)}")
 
@@ -545,6 +559,20 @@ def check_config(cfg: DictConfig) -> list[str]:
                 f"use a multiple such as {key}={max(1, round(every / gbt)) * gbt}"
             )
     return warnings
+
+
+def _positive_seconds(value: Any) -> bool:
+    """Whether ``value`` is a number of seconds that a ``datetime.timedelta`` holds, of at
+    least a millisecond (torch's unit for a process group's timeout); not a bool, a string,
+    NaN or infinity."""
+    from datetime import timedelta
+
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    try:
+        return timedelta(seconds=value) >= timedelta(milliseconds=1)
+    except (OverflowError, ValueError):  # infinity, NaN
+        return False
 
 
 def _model_config(cfg: DictConfig) -> Any:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import datetime
 import functools
 import logging
 import os
@@ -31,6 +32,10 @@ PARAM_PRECISIONS = ("bf16", "fp32")
 # FSDP2 in torch < 2.9 sums the gradients over gloo where it should average them
 # (pytorch/pytorch#162338): seen here as a gradient norm twice the one-process run's on 2 ranks.
 FSDP_GLOO_MIN_TORCH = (2, 9)
+
+_made_group: dict[str, float | None] = {}
+"""``{"timeout_s": ...}`` once :func:`init_distributed` makes this process's group: the
+``parallel.timeout_s`` it is made with, which a later job of a multirun must ask for too."""
 
 
 @dataclass
@@ -70,7 +75,9 @@ def adopt_slurm_tasks(prog: str) -> dict[str, str]:
     return found
 
 
-def init_distributed(device: str = "auto", backend: str = "auto") -> DistInfo:
+def init_distributed(
+    device: str = "auto", backend: str = "auto", timeout_s: float | None = None
+) -> DistInfo:
     """Set up the process group under torchrun (``WORLD_SIZE`` > 1), or a single process.
 
     Several nodes work through torchrun's own rendezvous (``--nnodes``, ``--rdzv_endpoint``);
@@ -79,6 +86,12 @@ def init_distributed(device: str = "auto", backend: str = "auto") -> DistInfo:
     Args:
         device: ``auto`` (CUDA if available), ``cpu`` or ``cuda``.
         backend: ``auto`` (nccl on CUDA, gloo on CPU), ``nccl`` or ``gloo``.
+        timeout_s: ``parallel.timeout_s``, the process group's timeout in seconds (checked by
+            :func:`fot.training.config.check_config`); ``None``: torch's defaults.
+
+    Raises:
+        ValueError: the group exists already (made by an earlier job of a Hydra multirun in
+            this process) with another ``timeout_s``, which it cannot change.
     """
     if device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"device={device!r} is not one of ['auto', 'cpu', 'cuda']")
@@ -99,17 +112,41 @@ def init_distributed(device: str = "auto", backend: str = "auto") -> DistInfo:
         torch.cuda.set_device(dev)
     else:
         dev = torch.device("cpu")
+    made = _made_group.get("timeout_s", timeout_s)
+    if world_size > 1 and dist.is_initialized() and made != timeout_s:
+        raise ValueError(
+            f"parallel.timeout_s={_seconds(timeout_s)}, but an earlier job of this multirun made "
+            f"this process's group with parallel.timeout_s={_seconds(made)}, and a process "
+            "group keeps the timeout it was made with: give every job of the sweep the same "
+            "parallel.timeout_s, or run the jobs as separate torchrun commands"
+        )
     if world_size > 1 and not dist.is_initialized():
         if backend == "auto":
             backend = "nccl" if use_cuda else "gloo"
         if backend not in ("nccl", "gloo"):
             raise ValueError(f"parallel.backend={backend!r} is not one of ['auto', 'nccl', 'gloo']")
-        kwargs = {"device_id": dev} if use_cuda else {}
+        kwargs: dict = {"device_id": dev} if use_cuda else {}
+        if timeout_s is not None:  # (NCCL's watchdog and the start-up's store use it too)
+            kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group(backend=backend, **kwargs)
+        _made_group["timeout_s"] = timeout_s
         # Kept for the life of the process: Hydra multirun under torchrun runs several jobs in
         # the same processes, and a process group cannot be re-created after destruction.
         atexit.register(_destroy)
     return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=dev)
+
+
+def _seconds(timeout_s: float | None) -> str:
+    """``timeout_s`` as it is written on the command line (``null`` for ``None``)."""
+    return "null" if timeout_s is None else f"{timeout_s:g}"
+
+
+def group_timeout() -> datetime.timedelta | None:
+    """The timeout this process's group was made with (``parallel.timeout_s``), for the other
+    groups of the run (:class:`fot.training.signals.StopOnSigterm`'s); ``None``: torch's
+    default, or no group made by :func:`init_distributed`."""
+    timeout_s = _made_group.get("timeout_s")
+    return None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
 
 
 def _destroy() -> None:

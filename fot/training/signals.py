@@ -27,6 +27,8 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 
+from fot.training.parallel import group_timeout
+
 EXIT_STATUS = 128 + signal.SIGTERM
 """``train.py``'s exit status after a stop on SIGTERM (that of a process SIGTERM killed)."""
 
@@ -105,7 +107,9 @@ class StopOnSigterm:
         self._group: dist.ProcessGroup | None = None
         self._collective = world_size > 1 and dist.is_initialized()
         if self._collective and dist.get_backend() != "gloo":
-            self._group = dist.new_group(backend="gloo")  # collective: every rank makes it
+            # collective: every rank makes it; a new group's timeout is torch's default unless
+            # given, so it gets the run's (parallel.timeout_s)
+            self._group = dist.new_group(backend="gloo", timeout=group_timeout())
 
     def __enter__(self) -> StopOnSigterm:
         main = threading.current_thread() is threading.main_thread()

@@ -1012,7 +1012,7 @@ def _train(
     on_folder: Callable[[Path], None] | None,
 ) -> dict[str, Any]:
     t_start = time.time()
-    info = init_distributed(cfg.device, cfg.parallel.backend)
+    info = init_distributed(cfg.device, cfg.parallel.backend, cfg.parallel.timeout_s)
     strategy = resolve_strategy(cfg.parallel, info)
     check_cuda_graphs(cfg.parallel, strategy=strategy, device=info.device)
     # rank 0's folder for every rank (Hydra's timestamped folders can differ by a second)

@@ -705,6 +705,41 @@ def test_a_full_disk_on_rank_0_stops_every_rank_at_once_with_its_error(tmp_path)
                    for n in ("model.pt", "optim.pt", "rng.pt", "trainer.json"))  # fmt: skip
 
 
+def test_a_rank_that_waits_out_parallel_timeout_s_stops_with_one_line(tmp_path) -> None:
+    """parallel.timeout_s reaches the process group: with 5 s, a rank that waits for one held
+    back (rank 0 writing a checkpoint slowly; rank 1 starting late) stops within seconds, not
+    after gloo's default 30 minutes, with one line that names the setting and the fix, not
+    gloo's C++ message in a traceback."""
+    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
+           "SLOW_S": "120"}  # fmt: skip
+    for point, waiting, where in (("checkpoint:1", 1, " while writing the checkpoint of step 2"),
+                                  ("start", 0, "")):  # fmt: skip
+        run = tmp_path / point.split(":")[0]
+        script = [str(ROOT / "tests" / "slow_rank.py"), *SMALL, "parallel=ddp",
+                  "parallel.timeout_s=5", "total_tokens=1536", "micro_batch_size=1",
+                  "data.val_tokens=0", f"out_dir={run}", f"hydra.run.dir={run}"]  # fmt: skip
+        procs = [
+            subprocess.Popen([sys.executable, *script], cwd=tmp_path, stderr=subprocess.PIPE,
+                             stdout=subprocess.DEVNULL, text=True, env={**e, "SLOW_AT": point})
+            for e in srun_environments(2, **env)
+        ]  # fmt: skip
+        try:
+            # the other rank is held for 120 s: the waiting one must stop well before that
+            err = procs[waiting].communicate(timeout=60)[1]
+            assert procs[1 - waiting].poll() is None
+        finally:
+            for p in procs:
+                p.kill()
+        procs[1 - waiting].communicate()
+        assert procs[waiting].returncode == 2, err[-3000:]
+        assert "Traceback" not in err and "gloo" not in err, err[-3000:]
+        assert (f"train.py (rank {waiting} of 2): error: waited longer than "
+                f"parallel.timeout_s=5 seconds for the other ranks{where}, and one of them did "
+                "not come: it stalled or died (see its output). If a rank was busy that long on "
+                "its own (rank 0 writing a checkpoint to a slow file system or exporting a big "
+                "model), raise parallel.timeout_s\n") in err, err[-3000:]  # fmt: skip
+
+
 @pytest.mark.gpu
 def test_srun_tasks_on_two_gpus_train_as_torchrun_does(tmp_path) -> None:
     """Two srun-like tasks on two GPUs (NCCL), each seeing both GPUs (``LOCAL_RANK`` picks

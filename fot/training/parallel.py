@@ -8,6 +8,7 @@ import datetime
 import functools
 import logging
 import os
+import re
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -32,10 +33,16 @@ PARAM_PRECISIONS = ("bf16", "fp32")
 # FSDP2 in torch < 2.9 sums the gradients over gloo where it should average them
 # (pytorch/pytorch#162338): seen here as a gradient norm twice the one-process run's on 2 ranks.
 FSDP_GLOO_MIN_TORCH = (2, 9)
+TORCH_DEFAULT_TIMEOUTS = "600 s over nccl, 1800 s over gloo"
+"""torch's process group timeouts, ``parallel.timeout_s=null``, in words for messages."""
 
 _made_group: dict[str, float | None] = {}
 """``{"timeout_s": ...}`` once :func:`init_distributed` makes this process's group: the
 ``parallel.timeout_s`` it is made with, which a later job of a multirun must ask for too."""
+# gloo's words for a collective that waited out the timeout, and the store's at the start
+_TIMED_OUT = re.compile(
+    r"Timed out waiting \d+ms|wait timeout after \d+ms|Timed out after \d+ seconds waiting"
+)
 
 
 @dataclass
@@ -128,8 +135,8 @@ def init_distributed(
         kwargs: dict = {"device_id": dev} if use_cuda else {}
         if timeout_s is not None:  # (NCCL's watchdog and the start-up's store use it too)
             kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
+        _made_group["timeout_s"] = timeout_s  # (set first: a timeout at the start names it)
         dist.init_process_group(backend=backend, **kwargs)
-        _made_group["timeout_s"] = timeout_s
         # Kept for the life of the process: Hydra multirun under torchrun runs several jobs in
         # the same processes, and a process group cannot be re-created after destruction.
         atexit.register(_destroy)
@@ -147,6 +154,55 @@ def group_timeout() -> datetime.timedelta | None:
     default, or no group made by :func:`init_distributed`."""
     timeout_s = _made_group.get("timeout_s")
     return None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+
+
+class CollectiveTimeoutError(FotError, RuntimeError):
+    """This process waited longer than the process group's timeout (``parallel.timeout_s``)
+    for the other ranks, in a collective or at the start: one of them stalled or died."""
+
+
+def collective_timeout(err: BaseException, what: str = "") -> CollectiveTimeoutError | None:
+    """The one-line :class:`CollectiveTimeoutError` for ``err`` when it is gloo's (or the
+    store's) timeout, which torch raises as a ``RuntimeError`` of its C++ source location;
+    ``None`` for any other error.
+
+    Args:
+        err: the error a collective raised.
+        what: where the other ranks were, if known (e.g. ``"while writing the checkpoint of
+            step 4"``, from :func:`stop_together`).
+    """
+    if not isinstance(err, RuntimeError) or isinstance(err, FotError):
+        return None
+    if not _TIMED_OUT.search(str(err)):
+        return None
+    timeout_s = _made_group.get("timeout_s")
+    if timeout_s is None:
+        limit = f"torch's default timeout (parallel.timeout_s=null: {TORCH_DEFAULT_TIMEOUTS})"
+    else:
+        limit = f"parallel.timeout_s={_seconds(timeout_s)} seconds"
+    return CollectiveTimeoutError(
+        f"waited longer than {limit} for the other ranks{f' {what}' if what else ''}, "
+        "and one of them did not come: it stalled or died (see its output). If a rank was "
+        "busy that long on its own (rank 0 writing a checkpoint to a slow file system or "
+        "exporting a big model), raise parallel.timeout_s"
+    )
+
+
+@contextlib.contextmanager
+def naming_timeouts(what: str = "") -> Iterator[None]:
+    """Raise a collective's timeout inside the block as :func:`collective_timeout`'s one-line
+    error (its C++ message as the cause); any other error as it is.
+
+    Args:
+        what: where the other ranks were, for the message (see :func:`collective_timeout`).
+    """
+    try:
+        yield
+    except RuntimeError as err:
+        timeout = collective_timeout(err, what)
+        if timeout is None:
+            raise
+        raise timeout from err
 
 
 def _destroy() -> None:
@@ -479,12 +535,13 @@ def stop_together(what: str) -> Iterator[None]:
     first = torch.tensor([world if failure is None else dist.get_rank()])
     if dist.get_backend() == "nccl":  # NCCL reduces CUDA tensors only
         first = first.to(torch.device("cuda", torch.cuda.current_device()))
-    dist.all_reduce(first, op=dist.ReduceOp.MIN)
-    rank = int(first.item())
-    if rank == world:
-        return
-    box = [own]
-    dist.broadcast_object_list(box, src=rank)  # its message
+    with naming_timeouts(what):  # a rank that stays in the block too long (or dies there)
+        dist.all_reduce(first, op=dist.ReduceOp.MIN)
+        rank = int(first.item())
+        if rank == world:
+            return
+        box = [own]
+        dist.broadcast_object_list(box, src=rank)  # its message
     if failure is not None:
         raise failure
     raise OtherRankError(f"rank {rank} stopped the run {what}: {box[0]}")

@@ -60,6 +60,7 @@ from fot.training.parallel import (
     barrier,
     compute_precision,
     init_distributed,
+    naming_timeouts,
     parallelize,
     resolve_strategy,
     stop_together,
@@ -941,13 +942,16 @@ def train(cfg: DictConfig, *, on_folder: Callable[[Path], None] | None = None) -
             ``resume=auto`` goes on from it as if uninterrupted. A SIGTERM during the HF export
             or after it lets the run finish.
         ValueError / FileNotFoundError: bad sizes, options or missing data (with the fix).
+        CollectiveTimeoutError: this rank waited longer than ``parallel.timeout_s`` for the
+            others in a collective (gloo; over nccl the watchdog ends the process).
     """
     # logged once the run's other checks pass (_train): a refused run shows only its error
     config_warnings = check_config(cfg)
     every = int(cfg.gc_every_steps)
     if every < 0:
         raise ValueError(f"gc_every_steps must be >= 0 (0: automatic collection), got {every}")
-    with contextlib.ExitStack() as cleanup:
+    # a rank that waited out parallel.timeout_s in any collective stops with one line
+    with naming_timeouts(), contextlib.ExitStack() as cleanup:
         _log_to_stderr_if_unconfigured(cleanup)
         if every == 0 or not gc.isenabled():
             return _train(cfg, config_warnings, cleanup, on_folder)

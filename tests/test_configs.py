@@ -507,9 +507,11 @@ def test_mul_resolver_refuses_non_integers() -> None:
         (["parallel.timeout_s=0"], r"parallel.timeout_s=0.0 is not a positive number of "),
         (["parallel.timeout_s=-5"], r"parallel.timeout_s=-5.0 is not a positive number of "),
         (["parallel.timeout_s=inf"], r"parallel.timeout_s=inf is not a positive number of "),
+        (["parallel.timeout_s=0.0001"], r"timeout_s=0.0001 is not .* seconds \(0.001 or more"),
         (
             ["parallel.timeout_s=nan"],
-            r"parallel.timeout_s=nan is not a positive number of seconds: set how long a rank "
+            r"parallel.timeout_s=nan is not a positive number of seconds \(0.001 or more, torch's "
+            r"unit\): set how long a rank "
             r"waits .* \(e.g. parallel.timeout_s=3600\), or null for torch's defaults",
         ),
     ],

@@ -494,9 +494,10 @@ def check_config(cfg: DictConfig) -> list[str]:
     timeout = cfg.parallel.timeout_s
     if timeout is not None and not _positive_seconds(timeout):
         raise ValueError(
-            f"parallel.timeout_s={timeout!r} is not a positive number of seconds: set how long "
-            "a rank waits for the others in a collective (e.g. parallel.timeout_s=3600), or "
-            "null for torch's defaults (600 s over nccl, 1800 s over gloo)"
+            f"parallel.timeout_s={timeout!r} is not a positive number of seconds (0.001 or "
+            "more, torch's unit): set how long a rank waits for the others in a collective "
+            "(e.g. parallel.timeout_s=3600), or null for torch's defaults (600 s over nccl, "
+            "1800 s over gloo)"
         )
     if cfg.wandb.mode not in WANDB_MODES:
         raise ValueError(f"wandb.mode={cfg.wandb.mode!r} is not one of {list(WANDB_MODES)}")

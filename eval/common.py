@@ -870,7 +870,7 @@ def write_run_config(
             contextlib.suppress(json.JSONDecodeError),
         ):
             f.write(json.dumps(json.loads(path.read_text())) + "\n")
-    path.write_text(json.dumps(record, indent=2) + "\n")
+    _write_json_atomic(path, record)
     return path
 
 

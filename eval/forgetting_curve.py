@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from fot.progress import progress_bar
+from fot.training.checkpoint import write_text_atomic, written_whole
 
 from .common import (
     CHECKPOINT_HELP,
@@ -292,7 +293,8 @@ def plot_curve(
         ax.set_title(title)
     fig.tight_layout()
     out_file.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_file, dpi=130)
+    with written_whole(out_file) as tmp:
+        fig.savefig(tmp, dpi=130)
     plt.close(fig)
     return out_file
 
@@ -425,12 +427,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         seed=args.seed,
     )
     summary = summarize(records)
-    with (out / "forgetting_curve.csv").open("w") as f:
-        cols = list(summary["per_length"][0])
-        f.write(",".join(cols) + "\n")
-        for r in summary["per_length"]:
-            f.write(",".join(str(r[c]) for c in cols) + "\n")
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    cols = list(summary["per_length"][0])
+    rows = [",".join(str(r[c]) for c in cols) + "\n" for r in summary["per_length"]]
+    write_text_atomic(out / "forgetting_curve.csv", ",".join(cols) + "\n" + "".join(rows))
+    write_text_atomic(out / "summary.json", json.dumps(summary, indent=2) + "\n")
     plot_curve(
         summary,
         out / "forgetting_curve.png",

@@ -18,7 +18,6 @@ import argparse
 import contextlib
 import json
 import math
-import os
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -27,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fot.training.checkpoint import write_text_atomic
+from fot.training.checkpoint import write_text_atomic, written_whole
 
 from . import program_name
 from .common import (
@@ -262,22 +261,9 @@ def plot_gate_values(log_fgate: torch.Tensor, out_file: Path) -> Path:
     return out_file
 
 
-@contextlib.contextmanager
-def _written_whole(out_file: Path) -> Iterator[Path]:
-    """Yield a temporary path beside ``out_file`` to write to; renamed to ``out_file`` when the
-    block ends normally, removed otherwise: a run stopped while writing leaves no cut-short
-    file."""
-    tmp = out_file.with_name(f".{out_file.name}.{os.getpid()}.tmp")
-    try:
-        yield tmp
-        os.replace(tmp, out_file)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def _save_figure(fig: Any, out_file: Path, *, dpi: int) -> None:
-    """Save ``fig`` as PNG to ``out_file`` whole (:func:`_written_whole`)."""
-    with _written_whole(out_file) as tmp:
+    """Save ``fig`` as PNG to ``out_file`` whole (:func:`written_whole`)."""
+    with written_whole(out_file) as tmp:
         fig.savefig(tmp, dpi=dpi, format="png")
 
 
@@ -380,7 +366,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # each run (its summary.json beside another text's or checkpoint's gates.npz).
     for name in _OUTPUTS:
         (out / name).unlink(missing_ok=True)
-    with _written_whole(out / "gates.npz") as tmp, tmp.open("wb") as f:
+    with written_whole(out / "gates.npz") as tmp, tmp.open("wb") as f:
         np.savez(
             f,
             tokens=np.asarray(ids),

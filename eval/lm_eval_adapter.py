@@ -47,6 +47,7 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
 from fot.progress import progress_bar
+from fot.training.checkpoint import write_text_atomic, written_whole
 
 from . import program_name
 from .common import (
@@ -646,7 +647,7 @@ def evaluate(
             if isinstance(v, (int, float)) and not isinstance(v, bool)
         }
         if log_samples and "samples" in res:
-            with (out / f"samples_{name}.jsonl").open("w") as f:
+            with written_whole(out / f"samples_{name}.jsonl") as tmp, tmp.open("w") as f:
                 for s in res["samples"].get(name, []):
                     f.write(json.dumps(s, default=str) + "\n")
         log.append(
@@ -841,8 +842,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         log_samples=args.log_samples,
         task_manager=tm,
     )
-    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-    with (out / "results.csv").open("w", newline="") as f:
+    write_text_atomic(out / "results.json", json.dumps(results, indent=2) + "\n")
+    with written_whole(out / "results.csv") as tmp, tmp.open("w", newline="") as f:
         rows = csv.writer(f)  # quotes lm-eval's metric keys, which hold a comma ("acc,none")
         rows.writerow(["task", "metric", "value"])
         for task, metrics in results.items():
@@ -852,6 +853,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     others = other_tasks_table(results)
     if others:  # tasks outside the paper's suite: their own table under Table 1's columns
         table += "\n\n" + others
-    (out / "table1.md").write_text(table + "\n")
+    write_text_atomic(out / "table1.md", table + "\n")
     print(table)
     return results

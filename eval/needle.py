@@ -46,6 +46,7 @@ import torch
 
 from fot.progress import progress_bar
 from fot.tokenizer import text_escaping_of
+from fot.training.checkpoint import write_text_atomic, written_whole
 
 from .common import (
     CHECKPOINT_HELP,
@@ -508,7 +509,8 @@ def plot_heatmap(
         ax.set_title(title, pad=14)
     fig.tight_layout()
     out_file.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_file, dpi=130)
+    with written_whole(out_file) as tmp:
+        fig.savefig(tmp, dpi=130)
     plt.close(fig)
     return out_file
 
@@ -822,12 +824,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         seed=args.seed,
     )
     train_length = train_length or model_max_length(model)
-    with (out / f"needle_{args.mode}.csv").open("w") as f:
-        f.write("context_length,depth,repeat,score,correct\n")
-        for r in records:
-            f.write(
-                f"{r['context_length']},{r['depth']:g},{r['repeat']},{r['score']},{r['correct']}\n"
-            )
+    rows = [
+        f"{r['context_length']},{r['depth']:g},{r['repeat']},{r['score']},{r['correct']}\n"
+        for r in records
+    ]
+    write_text_atomic(
+        out / f"needle_{args.mode}.csv",
+        "context_length,depth,repeat,score,correct\n" + "".join(rows),
+    )
     summary = {
         "mode": args.mode,
         "cells": len(records),
@@ -838,7 +842,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for L in lengths
         },
     }
-    (out / f"summary_{args.mode}.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_text_atomic(out / f"summary_{args.mode}.json", json.dumps(summary, indent=2) + "\n")
     plot_heatmap(
         records,
         out / f"needle_{args.mode}.png",

@@ -42,6 +42,7 @@ import torch
 from fot.errors import MissingPackageError
 from fot.interrupt import check_stop
 from fot.progress import progress_bar
+from fot.training.checkpoint import write_text_atomic, written_whole
 
 from .common import (
     CHECKPOINT_HELP,
@@ -465,9 +466,8 @@ def evaluate_per_token_loss(
     def save() -> None:
         if state_path is None:
             return
-        tmp = state_path.with_suffix(".tmp.npz")
-        np.savez(tmp, **acc.state(), done=np.asarray(done, dtype=np.int64))
-        os.replace(tmp, state_path)
+        with written_whole(state_path) as tmp:
+            np.savez(tmp, **acc.state(), done=np.asarray(done, dtype=np.int64))
 
     bar = progress_bar(
         total=len(doc_ids),
@@ -526,6 +526,7 @@ def state_file(out: Path, rank: int, world: int) -> Path:
 
 
 def _saved_states(out: Path) -> list[Path]:
+    # ``state.tmp.npz``: a temporary file that a run of an earlier version left when stopped
     return sorted(p for p in out.glob("state*.npz") if not p.name.endswith(".tmp.npz"))
 
 
@@ -579,15 +580,14 @@ def fold_foreign_states(out: Path, world: int) -> list[str]:
             f"the saved states in {str(out)!r} ({', '.join(p.name for p in foreign)}) hold "
             f"different numbers of positions; {_STATE_FIX}"
         )
-    tmp = target.with_suffix(".tmp.npz")
-    np.savez(
-        tmp,
-        loss_sum=np.sum([part["loss_sum"] for part in parts], axis=0),
-        count=np.sum([part["count"] for part in parts], axis=0),
-        done=np.concatenate([part["done"].astype(np.int64) for part in parts]),
-        folded=np.asarray([_stamp(p) for p in foreign]),
-    )
-    os.replace(tmp, target)
+    with written_whole(target) as tmp:
+        np.savez(
+            tmp,
+            loss_sum=np.sum([part["loss_sum"] for part in parts], axis=0),
+            count=np.sum([part["count"] for part in parts], axis=0),
+            done=np.concatenate([part["done"].astype(np.int64) for part in parts]),
+            folded=np.asarray([_stamp(p) for p in foreign]),
+        )
     for p in foreign:
         p.unlink()
     return [p.name for p in foreign]
@@ -660,7 +660,8 @@ def plot_per_token_loss(
     ax_l.legend(fontsize=8)
     fig.tight_layout()
     out_file.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_file, dpi=130)
+    with written_whole(out_file) as tmp:
+        fig.savefig(tmp, dpi=130)
     plt.close(fig)
     return out_file
 
@@ -679,19 +680,18 @@ def write_results(
     hz = acc.horizon_average(horizons)
     # context length of prediction j: j + 1 tokens before it (BOS counted as context).
     position = np.arange(1, acc.length + 1)
-    np.savez(
-        out / "per_token_loss.npz",
-        loss=loss,
-        count=acc.count,
-        position=position,
-        p_length=np.asarray(list(hz)),
-        perplexity=np.exp(np.asarray(list(hz.values()))),
-        horizon_loss=np.asarray(list(hz.values())),
-    )
-    with (out / "horizons.csv").open("w") as f:
-        f.write("horizon,mean_loss,perplexity\n")
-        for h, v in hz.items():
-            f.write(f"{h},{v:.6f},{np.exp(v):.6f}\n")
+    with written_whole(out / "per_token_loss.npz") as tmp:
+        np.savez(
+            tmp,
+            loss=loss,
+            count=acc.count,
+            position=position,
+            p_length=np.asarray(list(hz)),
+            perplexity=np.exp(np.asarray(list(hz.values()))),
+            horizon_loss=np.asarray(list(hz.values())),
+        )
+    rows = [f"{h},{v:.6f},{np.exp(v):.6f}\n" for h, v in hz.items()]
+    write_text_atomic(out / "horizons.csv", "horizon,mean_loss,perplexity\n" + "".join(rows))
     summary = {
         "length": length,
         "prepend_bos": bos,
@@ -701,7 +701,7 @@ def write_results(
         "horizon_loss": {str(k): v for k, v in hz.items()},
         "perplexity": {str(k): float(np.exp(v)) for k, v in hz.items()},
     }
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_text_atomic(out / "summary.json", json.dumps(summary, indent=2) + "\n")
     return summary
 
 

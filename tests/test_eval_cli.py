@@ -1350,3 +1350,59 @@ def test_a_gates_rerun_stopped_while_drawing_leaves_only_its_own_whole_files(tmp
     assert main([*argv, second])["tokens"] == len(want)  # rerun: every file, of the second text
     summary = json.loads((out / "summary.json").read_text())
     assert summary["tokens"] == len(want) and (out / "gate_values.png").stat().st_size > 1000
+
+
+def test_a_per_token_loss_run_stopped_while_writing_its_results_leaves_no_cut_short_file(
+    ckpts, tmp_path, monkeypatch
+):
+    """A run stopped (Ctrl-C) while np.savez wrote per_token_loss.npz left that file cut short
+    in --out, where it reads as a result. Now it is written through a temporary file and a
+    rename. Oracle: the rerun's results are those of a run never stopped."""
+    argv = ["per-token-loss", str(ckpts["llama"]), "--length", "16", "--max-docs", "2",
+            "--device", "cpu"]  # fmt: skip
+    out = tmp_path / "ptl"
+    real_savez = np.savez
+
+    def savez(file, *args, **kwargs):  # Ctrl-C halfway through per_token_loss.npz
+        if "per_token_loss" in Path(file).name:
+            Path(file).write_bytes(b"PK\x03\x04" + b"\0" * 100)
+            raise KeyboardInterrupt
+        return real_savez(file, *args, **kwargs)
+
+    monkeypatch.setattr(np, "savez", savez)
+    with pytest.raises(KeyboardInterrupt):
+        main([*argv, "--out", str(out)])
+    assert not [f.name for f in out.iterdir() if "per_token_loss.npz" in f.name]  # nor a temp
+    monkeypatch.undo()
+    got = main([*argv, "--out", str(out)])  # resumes from state.npz
+    want = main([*argv, "--out", str(tmp_path / "whole")])
+    assert got["mean_loss"] == pytest.approx(want["mean_loss"])
+    np.testing.assert_allclose(
+        np.load(out / "per_token_loss.npz")["loss"],
+        np.load(tmp_path / "whole" / "per_token_loss.npz")["loss"],
+    )
+
+
+def test_a_forgetting_curve_rerun_stopped_while_drawing_keeps_the_previous_whole_plot(
+    ckpts, tmp_path, monkeypatch
+):
+    """A rerun stopped (Ctrl-C) while it drew forgetting_curve.png left the previous run's
+    plot cut short. Now each result file is written through a temporary file and a rename.
+    Oracle: the previous run's bytes."""
+    from matplotlib.figure import Figure
+
+    argv = ["forgetting-curve", str(ckpts["llama"]), "--lengths", "32", "--repeats", "1",
+            "--out", str(tmp_path / "fc"), "--device", "cpu"]  # fmt: skip
+    main(argv)
+    before = {f.name: f.read_bytes() for f in (tmp_path / "fc").iterdir()}
+
+    def savefig(self, fname, *args, **kwargs):  # Ctrl-C halfway through the plot
+        Path(fname).write_bytes(b"\x89PNG\r\n\x1a\n" + b"\0" * 100)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Figure, "savefig", savefig)
+    with pytest.raises(KeyboardInterrupt):
+        main(argv)
+    after = {f.name: f.read_bytes() for f in (tmp_path / "fc").iterdir()}
+    assert sorted(after) == sorted([*before, "run_config.history.jsonl"])  # no temporary file
+    assert after["forgetting_curve.png"] == before["forgetting_curve.png"]

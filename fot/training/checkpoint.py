@@ -20,11 +20,13 @@ Multi-node runs need the run folder on a shared file system.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import re
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -140,18 +142,22 @@ def _save(obj: Any, path: Path) -> None:
         os.fsync(f.fileno())
 
 
-def write_text_atomic(path: str | os.PathLike, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file beside it and a rename: a kill while
-    writing leaves the previous file (or none), never a cut-short one. The temporary name holds
-    the process id, so ranks writing the same file do not write into each other's.
+@contextlib.contextmanager
+def written_whole(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path beside ``path`` to write the file to: renamed over ``path`` when
+    the block ends normally, removed otherwise, so a run stopped while writing (Ctrl-C,
+    SIGTERM, a full disk) leaves the previous file (or none), never a cut-short one. The
+    temporary name holds the process id, so ranks writing the same file do not write into each
+    other's, and ends in ``path``'s suffix, so ``np.savez`` (which appends ``.npz`` to a name
+    without it) and ``fig.savefig`` (which picks the format from it) write to it as given.
 
     Raises:
         fot.errors.WriteError: it could not be written (a full disk, a read-only folder)."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp{path.suffix}")
     existed = path.exists()
     try:
-        tmp.write_text(text)
+        yield tmp
         os.replace(tmp, path)
     except BaseException as err:  # a full disk: no cut-short temporary file is left either
         tmp.unlink(missing_ok=True)
@@ -160,6 +166,15 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
         if error is None:
             raise
         raise error from err
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` to ``path`` whole (:func:`written_whole`).
+
+    Raises:
+        fot.errors.WriteError: it could not be written (a full disk, a read-only folder)."""
+    with written_whole(path) as tmp:
+        tmp.write_text(text)
 
 
 def _set_aside(ckpt: Path) -> Path:

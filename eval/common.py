@@ -902,6 +902,19 @@ def check_out_dir(out_dir: str, checkpoint: str) -> None:
         raise ValueError(
             f"--out {str(out_dir)!r} is a file, not a folder; name a new or existing folder"
         )
+    # The folder is made only after the model has loaded: what would stop its making (or the
+    # first write into it) is said now, not after minutes of loading or as a bare traceback.
+    existing = next(p for p in (out.absolute(), *out.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        raise ValueError(
+            f"--out {str(out_dir)!r} is under {str(existing)!r}, which is a file, not a folder; "
+            "name an --out outside it"
+        )
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(
+            f"--out {str(out_dir)!r}: {str(existing)!r} cannot be written (no write permission "
+            "or a read-only file system); name an --out in a folder you can write"
+        )
     ckpt = Path(checkpoint).resolve()
     resolved = out.resolve()
     if resolved == ckpt or ckpt in resolved.parents:

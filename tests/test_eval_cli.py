@@ -1406,3 +1406,48 @@ def test_a_forgetting_curve_rerun_stopped_while_drawing_keeps_the_previous_whole
     after = {f.name: f.read_bytes() for f in (tmp_path / "fc").iterdir()}
     assert sorted(after) == sorted([*before, "run_config.history.jsonl"])  # no temporary file
     assert after["forgetting_curve.png"] == before["forgetting_curve.png"]
+
+
+@pytest.mark.parametrize("case", ["under a file", "read-only folder"])
+def test_an_out_under_a_file_or_in_a_read_only_folder_is_refused_before_the_model_loads(
+    ckpts, tmp_path, capsys, monkeypatch, case
+):
+    """--out afile/sub ended in a bare NotADirectoryError traceback, and an --out in a
+    read-only folder was refused only when the results were first written; both after the
+    model had loaded. Now each is one line that names the path and the fix, before it loads."""
+    import fot.eval.per_token_loss as per_token_loss
+
+    def load_checkpoint(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(per_token_loss, "load_checkpoint", load_checkpoint)
+    if case == "under a file":
+        blocker = tmp_path / "afile"
+        blocker.write_text("x")
+        out = blocker / "sub" / "deeper"
+        want = f"is under {str(blocker)!r}, which is a file, not a folder; name an --out outside it"
+    else:
+        blocker = tmp_path / "ro"
+        blocker.mkdir()
+        out = blocker / "sub"
+        want = f"{str(blocker)!r} cannot be written (no write permission or a read-only file"
+        if os.geteuid() == 0:  # root writes through chmod: the kernel's answer for others
+            real_access = os.access
+
+            def access(path, mode, *args, **kwargs):
+                if Path(path) == blocker and mode & os.W_OK:
+                    return False
+                return real_access(path, mode, *args, **kwargs)
+
+            monkeypatch.setattr(os, "access", access)
+        else:
+            blocker.chmod(0o555)
+    try:
+        status = cli(["per-token-loss", str(ckpts["llama"]), "--out", str(out), "--device", "cpu"])
+    finally:
+        blocker.chmod(0o755)
+    err = capsys.readouterr().err
+    assert status == 2, err
+    assert err.startswith(f"python -m fot.eval per-token-loss: error: --out {str(out)!r}"), err
+    assert want in err and "Traceback" not in err, err
+    assert not out.exists()

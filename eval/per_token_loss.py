@@ -878,6 +878,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             f"no document in {args.data!r} has at least {length} tokens{source}; pass a lower "
             "--length (e.g. the training length) or use longer held-out data"
         )
+    if args.max_docs and len(ids) < args.max_docs and rank == 0:
+        # said, not silent: the mean is over fewer documents than asked (and summary.json's
+        # num_documents counts them)
+        print(
+            f"per-token-loss: evaluating {len(ids)} of the {args.max_docs} documents that "
+            f"--max-docs asks for: only {len(ids)} documents in {args.data!r} have at least "
+            f"{length} tokens (--length)",
+            file=sys.stderr,
+        )
     # Saved sums resume only a run of the same checkpoint over the same documents and tokens.
     claim_results(
         out,

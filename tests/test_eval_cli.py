@@ -1451,3 +1451,28 @@ def test_an_out_under_a_file_or_in_a_read_only_folder_is_refused_before_the_mode
     assert err.startswith(f"python -m fot.eval per-token-loss: error: --out {str(out)!r}"), err
     assert want in err and "Traceback" not in err, err
     assert not out.exists()
+
+
+def test_max_docs_beyond_the_long_enough_documents_says_how_many_are_used(ckpts, tmp_path, capsys):
+    """--max-docs 5 over data with 2 documents of at least --length tokens evaluated 2 without
+    a word. Now a line says so, and summary.json counts them. Oracle: the documents' lengths."""
+    from fot.data.tokens import write_token_documents
+
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(0, 50000, size=n) for n in (40, 10, 30)]
+    write_token_documents(tmp_path / "tok", docs)
+    long_enough = sum(len(d) >= 20 for d in docs)
+    argv = ["per-token-loss", str(ckpts["llama"]), "--data", str(tmp_path / "tok"), "--length",
+            "20", "--device", "cpu", "--max-docs"]  # fmt: skip
+    capsys.readouterr()
+    s = main([*argv, "5", "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    line = (
+        f"per-token-loss: evaluating {long_enough} of the 5 documents that --max-docs asks for: "
+        f"only {long_enough} documents in {str(tmp_path / 'tok')!r} have at least 20 tokens"
+    )
+    assert line in err, err
+    assert s["num_documents"] == long_enough
+    assert json.loads((tmp_path / "o" / "summary.json").read_text())["num_documents"] == long_enough
+    main([*argv, "2", "--out", str(tmp_path / "o2")])
+    assert "--max-docs asks for" not in capsys.readouterr().err  # as many as asked: no line

@@ -149,15 +149,25 @@ def _write_error(err: OSError, out: str | None, *, resumes: bool) -> WriteError 
 
     The message names the file, the cause and its fix, and, for a command that ``resumes``,
     what is kept: the items finished before it, which rerunning the same command resumes from
-    (every command saves each item whole, or through a temporary file and a rename)."""
-    if isinstance(err, FotError) or err.errno not in _WRITE_ERRNOS:
+    (every command saves each item whole, or through a temporary file and a rename). A
+    :class:`~fot.errors.WriteError` already (a result file written whole,
+    :func:`fot.training.checkpoint.written_whole`) gets that advice added to its message."""
+    if err.errno not in _WRITE_ERRNOS or (
+        isinstance(err, FotError) and not isinstance(err, WriteError)
+    ):
         return None
-    path = err.filename if err.filename is not None else out
     kept = (
         f"Items finished before it are kept in {str(out)!r}: rerun the same command to resume"
         if resumes and out is not None and os.path.isdir(out)
         else ""
     )
+    if isinstance(err, WriteError):
+        if not kept:
+            return None
+        error = WriteError(f"{err}. {kept}")
+        error.errno = err.errno
+        return error
+    path = err.filename if err.filename is not None else out
     return cannot_write(path, err, kept)
 
 

@@ -1383,6 +1383,43 @@ def test_a_per_token_loss_run_stopped_while_writing_its_results_leaves_no_cut_sh
     )
 
 
+def test_a_full_disk_at_a_result_file_still_says_that_a_rerun_resumes(
+    ckpts, tmp_path, monkeypatch, capsys
+):
+    """A result file is written whole (written_whole), whose own one-line WriteError used to
+    reach the user without the advice every other failed write of a resuming command gives:
+    the finished items are kept and rerunning the same command resumes from them. Oracle: the
+    rerun's results are those of a run whose disk never filled."""
+    argv = ["per-token-loss", str(ckpts["llama"]), "--length", "16", "--max-docs", "2",
+            "--device", "cpu"]  # fmt: skip
+    out = tmp_path / "ptl"
+    real_write_text = Path.write_text
+
+    def write_text(self, *args, **kwargs):  # the disk fills at summary.json
+        if self.name.startswith(".summary.json."):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self))
+        return real_write_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", write_text)
+    capsys.readouterr()
+    assert cli([*argv, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    err = err[err.find("python -m fot.eval") :]  # after the progress bar
+    assert err.startswith(
+        f"python -m fot.eval per-token-loss: error: cannot write {out / 'summary.json'}: "
+        f"{os.strerror(errno.ENOSPC)} ("
+    ), err
+    assert err.splitlines()[0].endswith(
+        f". Items finished before it are kept in {str(out)!r}: rerun the same command to resume"
+    ), err
+    assert "Traceback" not in err and not (out / "summary.json").exists()
+    monkeypatch.undo()
+    got = main([*argv, "--out", str(out)])
+    want = main([*argv, "--out", str(tmp_path / "whole")])
+    assert got["mean_loss"] == pytest.approx(want["mean_loss"])
+    assert json.loads((out / "summary.json").read_text()) == got
+
+
 def test_a_forgetting_curve_rerun_stopped_while_drawing_keeps_the_previous_whole_plot(
     ckpts, tmp_path, monkeypatch
 ):

@@ -94,6 +94,7 @@ def sweep_job_label(run: str | os.PathLike) -> str | None:
     sweep = sweep_folder(run)
     if sweep is None or not run.name.isdigit():
         return None
+    from hydra.core.override_parser.overrides_parser import OverridesParser
     from omegaconf import OmegaConf
 
     def key(override: str) -> str:
@@ -102,8 +103,10 @@ def sweep_job_label(run: str | os.PathLike) -> str | None:
     try:
         task = [str(o) for o in OmegaConf.load(sweep / "multirun.yaml").hydra.overrides.task]
         mine = [str(o) for o in OmegaConf.load(run / ".hydra" / "overrides.yaml")]
+        # Hydra's own parser tells a sweep (a,b / range / choice / glob / interval) from one
+        # value that holds a comma: a dict or list (model.overrides={a:1,b:2}), a quoted string
+        parsed = OverridesParser.create().parse_overrides(task)
     except Exception:  # a name only: the folder name serves as well
         return None
-    # a swept value: a list (a,b), or range(...) / choice(...) / glob(...)
-    swept = {key(o) for o in task if any(c in o.partition("=")[2] for c in ",(")}
+    swept = {o.get_key_element().lstrip("+~") for o in parsed if o.is_sweep_override()}
     return ",".join(o.lstrip("+") for o in mine if key(o) in swept) or None

@@ -456,6 +456,23 @@ def test_the_jobs_of_a_sweep_are_labelled_by_their_swept_overrides(tmp_path):
         check_checkpoint_dir(sweep)
 
 
+def test_a_value_with_commas_that_every_job_shares_is_not_in_the_labels(tmp_path):
+    """A sweep given the README's ``++model.overrides={hidden_size:256,num_heads:4}`` (one dict
+    for every job) labelled its jobs 'model=fot_pro,model.overrides={hidden_size:...}': the
+    comma in the dict, a list or a quoted string was taken for a sweep's, so each legend and
+    wandb name carried the shared value and, with several such, the swept one got lost."""
+    from fot.eval.common import checkpoint_label
+
+    sweep = run_empty_sweep(tmp_path, "+model=fot_pro,fot_llama",
+                            "++overrides={hidden_size:32,num_heads:2}", "+tags=[a,b]",
+                            "+note='x,y'")  # fmt: skip
+    labels = []
+    for job in sorted(sweep.glob("[0-9]")):
+        (job / "hf").mkdir()
+        labels.append(checkpoint_label(job / "hf"))
+    assert sorted(labels) == ["model=fot_llama", "model=fot_pro"]
+
+
 @pytest.mark.parametrize(
     "argv",
     [

@@ -101,11 +101,17 @@ def main(cfg: DictConfig) -> None:
             write_text_atomic(folder / name, text)
         OWNS_FOLDER.append(out_dir)
 
+    # a job of a multirun resumes by the sweep run again in its folder: -m refuses out_dir=...
+    sweep = None
+    if hydra_cfg.mode == RunMode.MULTIRUN:
+        sweep = Path(hydra_cfg.sweep.dir).absolute()
+
     def interrupted() -> None:
         if int(os.environ.get("RANK", "0")) == 0:  # torchrun interrupts every rank
             out_dir = cfg.out_dir or hydra_cfg.runtime.output_dir
             branch = cfg.get("branch_from")
-            say(f"train.py: {interrupted_message(out_dir, cfg.resume, branch)}", blank=True)
+            kept = interrupted_message(out_dir, cfg.resume, branch, sweep)
+            say(f"train.py: {kept}", blank=True)
         sys.exit(130)
 
     try:
@@ -115,7 +121,7 @@ def main(cfg: DictConfig) -> None:
         train(cfg, on_folder=owned)
     except TrainingStopped as stopped:
         if int(os.environ.get("RANK", "0")) == 0:
-            say(f"train.py: {stopped}", blank=True)
+            say(f"train.py: {stopped.describe(sweep)}", blank=True)
         sys.exit(SIGTERM_EXIT_STATUS)
     except KeyboardInterrupt:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":

@@ -2660,6 +2660,32 @@ def test_ctrl_c_says_which_checkpoint_is_kept_and_how_to_resume(tmp_path) -> Non
     assert json.loads((run / "run_info.json").read_text())[-1]["resumed_from"] == str(latest)
 
 
+def test_a_stopped_sweep_job_says_how_to_continue_the_sweep(tmp_path, reference_run) -> None:
+    """SIGTERM in a job of `train.py -m ...` said to run the same command with out_dir=<job
+    folder>, which -m refuses (one out_dir for every job). It names the sweep folder, and that
+    advice continues the stopped job from its checkpoint and runs the jobs it did not reach."""
+    import signal
+
+    sweep = tmp_path / "sweep"
+    cmd = [sys.executable, str(ROOT / "train.py"), "-m", *SMALL, "seed=0,1",
+           f"hydra.sweep.dir={sweep}"]  # fmt: skip
+    stopped = _run_script(cmd, env_extra={FAULT_ENV: "sigterm_after_step:4"}, cwd=tmp_path)
+    assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-3000:]
+    ckpt = sweep / "0" / "checkpoints" / "step_00000005"
+    assert (
+        f"train.py: stopped by SIGTERM after step 5; its checkpoint is {ckpt}: run the same "
+        f"command with hydra.sweep.dir={sweep} to continue this job and then run the sweep's "
+        "remaining ones (finished jobs are not trained again) (resume=auto)" in stopped.stderr
+    )
+    assert not (sweep / "1").exists()  # the sweep stopped with its job
+    # the advice works (here the command already named the folder)
+    again = _run_script(cmd, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert json.loads((sweep / "0" / "run_info.json").read_text())[-1]["resumed_from"] == str(ckpt)
+    assert _losses(sweep / "0") == pytest.approx(reference_run, rel=1e-5, abs=0)  # seed=0
+    assert (sweep / "1" / "final.json").is_file()
+
+
 def test_ctrl_c_while_train_py_starts_is_one_line(tmp_path) -> None:
     """Ctrl-C in the seconds train.py spends importing torch printed a ~50-line traceback."""
     import signal

@@ -231,10 +231,14 @@ def latest_checkpoint(ckpt_dir: str | os.PathLike) -> Path | None:
 
 
 def interrupted_message(
-    out_dir: str | os.PathLike, resume: str | None = None, branch_from: str | None = None
+    out_dir: str | os.PathLike,
+    resume: str | None = None,
+    branch_from: str | None = None,
+    sweep: str | os.PathLike | None = None,
 ) -> str:
     """What a run stopped by Ctrl-C (or SIGINT) has kept, and the command line that resumes it
-    (:func:`continue_hint`; ``resume`` and ``branch_from`` are the run's settings)."""
+    (:func:`continue_hint`; ``resume`` and ``branch_from`` are the run's settings, ``sweep``
+    the sweep folder of a multirun job)."""
     out = Path(out_dir)
     latest = latest_checkpoint(out / "checkpoints")
     if latest is None:
@@ -245,7 +249,7 @@ def interrupted_message(
         )
     return (
         f"interrupted; the latest checkpoint is {latest} (later steps are lost): "
-        + continue_hint(out, resume)
+        + continue_hint(out, resume, sweep)
     )
 
 

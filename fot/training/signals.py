@@ -33,23 +33,34 @@ EXIT_STATUS = 128 + signal.SIGTERM
 """``train.py``'s exit status after a stop on SIGTERM (that of a process SIGTERM killed)."""
 
 
-def continue_hint(out_dir: str | os.PathLike, resume: str | None = None) -> str:
+def continue_hint(
+    out_dir: str | os.PathLike, resume: str | None = None, sweep: str | os.PathLike | None = None
+) -> str:
     """The command line that continues the run in ``out_dir`` from its latest checkpoint.
 
     The folder must be named (``out_dir=...``): without it ``train.py`` starts a new
-    timestamped folder. A run started with ``resume=<checkpoint>`` or ``resume=never`` must
-    not be rerun as it was: that would start over from the checkpoint (or from scratch) and
-    move the newer checkpoints aside.
+    timestamped folder. A job of a multirun names its sweep folder instead: ``-m`` refuses one
+    ``out_dir`` for every job, and the sweep run again in its folder continues the stopped job
+    and runs the jobs it did not reach (a finished job does nothing). A run started with
+    ``resume=<checkpoint>`` or ``resume=never`` must not be rerun as it was: that would start
+    over from the checkpoint (or from scratch) and move the newer checkpoints aside.
 
     Args:
         out_dir: the run folder.
         resume: the run's ``resume`` setting.
+        sweep: the sweep folder (``hydra.sweep.dir``) when the run is a job of a multirun.
     """
+    if sweep is not None:
+        where = f"hydra.sweep.dir={sweep}"
+        what = "to continue this job and then run the sweep's remaining ones (finished jobs "
+        what += "are not trained again)"
+    else:
+        where, what = f"out_dir={out_dir}", "to continue from it"
     if resume in (None, "", "auto"):
-        return f"run the same command with out_dir={out_dir} to continue from it (resume=auto)"
+        return f"run the same command with {where} {what} (resume=auto)"
     return (
-        f"run the same command with out_dir={out_dir} and resume=auto in place of "
-        f"resume={resume} to continue from it (as it is, the command would start over "
+        f"run the same command with {where} and resume=auto in place of "
+        f"resume={resume} {what} (as it is, the command would start over "
         f"{'from scratch' if resume == 'never' else 'from that checkpoint'})"
     )
 
@@ -68,9 +79,15 @@ class TrainingStopped(Exception):
         self.step = step
         self.checkpoint = checkpoint
         self.out_dir = out_dir
-        super().__init__(
-            f"stopped by SIGTERM after step {step}; its checkpoint is {checkpoint}: "
-            + continue_hint(out_dir, resume)
+        self.resume = resume
+        super().__init__(self.describe())
+
+    def describe(self, sweep: str | os.PathLike | None = None) -> str:
+        """What was kept and how to continue; ``sweep``: the sweep folder of a multirun job,
+        which the trainer that raised this does not know (:func:`continue_hint`)."""
+        return (
+            f"stopped by SIGTERM after step {self.step}; its checkpoint is {self.checkpoint}: "
+            + continue_hint(self.out_dir, self.resume, sweep)
         )
 
 

@@ -225,6 +225,7 @@ def start(argv: list[str]) -> tuple[tuple[str, str, bool] | None, Path | None]:
     from fot.training.config import (  # imports torch and transformers
         claim_default_folder,
         register_configs,
+        sweep_job_problem,
     )
     from fot.training.parallel import adopt_slurm_tasks
 
@@ -235,6 +236,10 @@ def start(argv: list[str]) -> tuple[tuple[str, str, bool] | None, Path | None]:
         sys.exit(2)
     quiet_library_bars(int(os.environ.get("RANK", "0") or 0))
     register_configs()
+    problem = sweep_job_problem(argv, ROOT / "configs")  # every job, before the first trains
+    if problem is not None:
+        print(f"train.py: error: {problem}", file=sys.stderr)
+        sys.exit(2)
     # outputs/<date>/<time> made now, so that runs started in the same second get one each
     claimed = claim_default_folder(argv)
     if claimed is not None:

@@ -1907,6 +1907,39 @@ def test_train_py_refuses_a_shared_multirun_out_dir(tmp_path) -> None:
     assert not out.exists() and not (tmp_path / "multirun").exists()  # nor Hydra's sweep folder
 
 
+@pytest.mark.parametrize(
+    ("swept", "refused"),
+    [
+        # fgate_bias_init: fot_pro has a forget gate, transformer_llama none
+        (["model=fot_pro,transformer_llama",
+          "++model.overrides={hidden_size:32,num_hidden_layers:1,num_heads:2,fgate_bias_init:3.0}"],
+         "job #1 of the sweep (model=transformer_llama) would be refused: model=transformer_llama "
+         "size=tiny, model.overrides="),
+        # 4 sequences per batch: micro_batch_size=3 does not split them
+        (["micro_batch_size=2,3"],
+         "job #1 of the sweep (micro_batch_size=3) would be refused: a global batch of 4 "
+         "sequences"),
+    ],
+)  # fmt: skip
+def test_a_sweep_value_refused_for_one_job_stops_the_sweep_before_any_job_trains(
+    tmp_path, swept, refused
+) -> None:
+    """Hydra checks only that every job's config composes: a value that training refuses for
+    one job (an override one swept model does not have, a micro batch that does not split)
+    stopped the sweep when it reached that job, after the jobs before it had trained. Every
+    job is now checked first, and nothing is made."""
+    script = [sys.executable, str(ROOT / "train.py")]
+    sweep = tmp_path / "sweep"
+    res = _run_script([*script, "-m", *SMALL, *swept, f"hydra.sweep.dir={sweep}"], cwd=tmp_path)
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert res.stderr.startswith(f"train.py: error: {refused}"), res.stderr[-3000:]
+    assert res.stderr.rstrip().endswith(
+        "No job has started: change that value or leave it out of the sweep"
+    )
+    assert res.stderr.count("\n") == 1 and "Traceback" not in res.stderr
+    assert not sweep.exists() and not (tmp_path / "multirun").exists()
+
+
 def test_train_py_refuses_a_missing_resume_folder_before_training(tmp_path) -> None:
     run = tmp_path / "run"
     cmd = [sys.executable, str(ROOT / "train.py"), *SMALL, "resume=/no/such/ckpt",

@@ -628,6 +628,73 @@ def multirun_out_dir_problem(argv: list[str]) -> str | None:
     return None
 
 
+def sweep_job_problem(argv: list[str], config_dir: str | os.PathLike) -> str | None:
+    """The refusal of the first job of a multirun (``-m``) whose values training would refuse
+    before it starts (:func:`check_config`, ``fot.training.trainer.check_sizes``), checked
+    for every job before the first one trains: Hydra checks only that each job's config
+    composes, so a value refused for one job only (``model.overrides.x=...`` that one of the
+    swept models does not have, a ``micro_batch_size`` that does not split one of the swept
+    batches) stopped the sweep when it reached that job, after the jobs before it had trained.
+
+    ``None`` when ``argv`` has no ``-m``/``--multirun``, no swept value, a flag that prints
+    or chooses another config (the configs checked would not be the run's), another sweeper,
+    or jobs that do not compose (Hydra names those itself); also when every job passes.
+
+    Args:
+        argv: the command-line arguments after the script name (Hydra's resolvers and
+            ``fot``'s config schemas registered: :func:`register_configs`).
+        config_dir: the folder of ``train.yaml``.
+    """
+    if not any(a in ("-m", "--multirun") for a in argv):
+        return None
+    if any(a.startswith("-") and a not in ("-m", "--multirun") for a in argv):
+        return None  # --config-dir, --cfg job, -c, --info, ...: not the run's configs
+    overrides = [a for a in argv if a not in ("-m", "--multirun")]
+    if any(a.lstrip("+~").startswith(("hydra/sweeper=", "hydra.sweeper.")) for a in overrides):
+        return None  # another sweeper (or its parameters) makes the jobs
+    from hydra import compose, initialize_config_dir
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from fot.errors import USER_ERRORS
+    from fot.training.trainer import check_sizes
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+        if not any(o.is_sweep_override() for o in parsed):
+            return None  # one job: it checks itself before anything is written
+        [jobs] = BasicSweeper.split_arguments(parsed, None)
+    except Exception:  # an unparsable sweep or a range/interval: Hydra says what is wrong
+        return None
+    world_size = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    swept = {o.get_key_element() for o in parsed if o.is_sweep_override()}
+    saved_hydra = HydraConfig.instance().cfg
+    try:
+        with initialize_config_dir(config_dir=str(Path(config_dir).resolve()), version_base="1.3"):
+            for num, job in enumerate(jobs):
+                try:
+                    cfg = compose("train", overrides=job, return_hydra_config=True)
+                except Exception:  # Hydra's own check of every job names it
+                    return None
+                cfg.hydra.job.num = num
+                HydraConfig.instance().set_config(cfg)  # ${hydra:job.num} in out_dir=...
+                if cfg.out_dir is None:  # the job's folder, as train.py gives it
+                    cfg.out_dir = str(Path(cfg.hydra.sweep.dir) / str(cfg.hydra.sweep.subdir))
+                try:
+                    check_config(cfg)
+                    check_sizes(cfg, world_size)
+                except USER_ERRORS as err:
+                    label = " ".join(o for o in job if o.split("=", 1)[0] in swept)
+                    return (
+                        f"job #{num} of the sweep ({label}) would be refused: {err}. No job has "
+                        "started: change that value or leave it out of the sweep"
+                    )
+    finally:
+        HydraConfig.instance().cfg = saved_hydra
+    return None
+
+
 _KEEPS_HYDRA_FOLDERS = {
     # Hydra prints and exits: no run folder
     "-h", "--help", "--hydra-help", "--version", "-c", "--cfg", "-p", "--package", "-i",

@@ -78,6 +78,7 @@ def main(cfg: DictConfig) -> None:
     from omegaconf import OmegaConf
 
     from fot.errors import USER_ERRORS, error_line
+    from fot.provenance import sweep_job_conflict
     from fot.training import train
     from fot.training.checkpoint import interrupted_message, write_text_atomic
     from fot.training.config import check_multirun_out_dir
@@ -118,6 +119,11 @@ def main(cfg: DictConfig) -> None:
         check_multirun_out_dir(cfg, multirun=hydra_cfg.mode == RunMode.MULTIRUN)
         if cfg.out_dir is None:
             cfg.out_dir = hydra_cfg.runtime.output_dir
+        if sweep is not None:  # a rerun of the sweep with its values in another order
+            job = hydra_cfg.runtime.output_dir
+            task = list(hydra_cfg.overrides.task)
+            if conflict := sweep_job_conflict(task, sweep=sweep, job=job, run=cfg.out_dir):
+                raise ValueError(conflict)
         train(cfg, on_folder=owned)
     except TrainingStopped as stopped:
         if int(os.environ.get("RANK", "0")) == 0:

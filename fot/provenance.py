@@ -84,6 +84,26 @@ def sweep_folder(run: str | os.PathLike) -> Path | None:
     return parent if (parent / "multirun.yaml").is_file() else None
 
 
+def swept_keys(sweep: str | os.PathLike) -> set[str] | None:
+    """The keys that the Hydra multirun in folder ``sweep`` sweeps (``model``, ``optim.lr``;
+    without ``+``/``~``), read from its ``multirun.yaml``; None where that cannot be read.
+    Hydra's own parser tells a sweep (``a,b``, range, choice, glob, interval) from one value
+    that holds a comma: a dict or list (``model.overrides={a:1,b:2}``), a quoted string."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+
+    try:
+        task = [str(o) for o in OmegaConf.load(Path(sweep) / "multirun.yaml").hydra.overrides.task]
+        parsed = OverridesParser.create().parse_overrides(task)
+    except Exception:
+        return None
+    return {o.get_key_element().lstrip("+~") for o in parsed if o.is_sweep_override()}
+
+
+def _key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
+
+
 def sweep_job_label(run: str | os.PathLike) -> str | None:
     """The swept overrides of a Hydra multirun job ``<sweep>/<n>`` (e.g.
     ``model=fot_pro,seed=1``), read from its ``.hydra/overrides.yaml`` and the sweep's
@@ -94,19 +114,75 @@ def sweep_job_label(run: str | os.PathLike) -> str | None:
     sweep = sweep_folder(run)
     if sweep is None or not run.name.isdigit():
         return None
+    from omegaconf import OmegaConf
+
+    swept = swept_keys(sweep)
+    try:
+        mine = [str(o) for o in OmegaConf.load(run / ".hydra" / "overrides.yaml")]
+    except Exception:  # a name only: the folder name serves as well
+        return None
+    if swept is None:
+        return None
+    return ",".join(o.lstrip("+") for o in mine if _key(o) in swept) or None
+
+
+def sweep_job_conflict(
+    overrides: list[str],
+    *,
+    sweep: str | os.PathLike,
+    job: str | os.PathLike,
+    run: str | os.PathLike,
+) -> str | None:
+    """Why a job of a multirun must not continue the run in its folder, or None.
+
+    Hydra numbers a sweep's jobs by their place in it. A sweep rerun in the same
+    ``hydra.sweep.dir`` (to continue a stopped job) with its swept values in another order,
+    or with other values, gives job N's folder another job's settings: with ``resume=auto``
+    that job would continue the checkpoint trained with the first settings under the new
+    ones (another learning rate or seed only warns), and its results would mix both.
+
+    Args:
+        overrides: this job's overrides (``hydra.overrides.task`` of the job).
+        sweep: the sweep folder (its ``multirun.yaml`` names the swept keys).
+        job: the job's Hydra folder, whose ``.hydra/overrides.yaml`` holds the overrides of
+            the job that trained there.
+        run: the job's run folder (``out_dir``: ``job`` unless set per job), whose
+            ``checkpoints/`` the job would continue; no checkpoint, no conflict.
+
+    Returns:
+        One sentence naming the job, the differing values and the fix; None when the folder
+        holds no checkpoint or no record of its overrides, or every swept value is the same
+        (numbers compare by value: ``1e-3`` is ``0.001``).
+    """
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from omegaconf import OmegaConf
 
-    def key(override: str) -> str:
-        return override.split("=", 1)[0].lstrip("+~")
+    from fot.training.checkpoint import latest_checkpoint
 
-    try:
-        task = [str(o) for o in OmegaConf.load(sweep / "multirun.yaml").hydra.overrides.task]
-        mine = [str(o) for o in OmegaConf.load(run / ".hydra" / "overrides.yaml")]
-        # Hydra's own parser tells a sweep (a,b / range / choice / glob / interval) from one
-        # value that holds a comma: a dict or list (model.overrides={a:1,b:2}), a quoted string
-        parsed = OverridesParser.create().parse_overrides(task)
-    except Exception:  # a name only: the folder name serves as well
+    swept = swept_keys(sweep)
+    recorded = Path(job) / ".hydra" / "overrides.yaml"
+    if not swept or not recorded.is_file() or latest_checkpoint(Path(run) / "checkpoints") is None:
         return None
-    swept = {o.get_key_element().lstrip("+~") for o in parsed if o.is_sweep_override()}
-    return ",".join(o.lstrip("+") for o in mine if key(o) in swept) or None
+    try:
+        before = [str(o) for o in OmegaConf.load(recorded)]
+        parser = OverridesParser.create()
+        was = {o.get_key_element().lstrip("+~"): o for o in parser.parse_overrides(before)}
+        now = {o.get_key_element().lstrip("+~"): o for o in parser.parse_overrides(list(overrides))}
+    except Exception:  # a hand-edited record: nothing to compare
+        return None
+    changed = [
+        (key, now[key], was[key])
+        for key in now
+        if key in swept and key in was and now[key].value() != was[key].value()
+    ]
+    if not changed:
+        return None
+    this = ", ".join(f"{key}={o.get_value_element_as_str()}" for key, o, _ in changed)
+    then = ", ".join(f"{key}={o.get_value_element_as_str()}" for key, _, o in changed)
+    return (
+        f"job {Path(job).name} of this sweep has {this}, but its folder {Path(run)} holds the "
+        f"checkpoints of a job with {then} ({recorded}): Hydra numbers a sweep's jobs by their "
+        f"place in it, and this rerun in hydra.sweep.dir={Path(sweep)} lists the swept values "
+        "in another order or others. To continue the sweep, list its values as before; for "
+        "other values, pass a new hydra.sweep.dir (or leave it out)"
+    )

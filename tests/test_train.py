@@ -1940,6 +1940,49 @@ def test_a_sweep_value_refused_for_one_job_stops_the_sweep_before_any_job_trains
     assert not sweep.exists() and not (tmp_path / "multirun").exists()
 
 
+def test_a_sweep_rerun_with_its_values_reordered_is_refused_before_a_job_continues(
+    tmp_path,
+) -> None:
+    """Hydra numbers a sweep's jobs by their place in it: rerun in the same hydra.sweep.dir
+    with the swept values in another order, job 0 got job 1's folder and continued its
+    checkpoint under the other learning rate (a warning only). It is refused, naming both
+    values, and the folders are left as they were; the same values written otherwise (2e-2
+    for 0.02) in the first order are the same sweep."""
+    script = [sys.executable, str(ROOT / "train.py")]
+    sweep = tmp_path / "sweep"
+    first = _run_script(
+        [*script, "-m", *SMALL, "optim.lr=0.01,0.02", f"hydra.sweep.dir={sweep}"], cwd=tmp_path
+    )
+    assert first.returncode == 0, first.stderr[-3000:]
+
+    def files() -> dict[str, bytes]:
+        return {str(p): p.read_bytes() for p in sorted(sweep.rglob("*")) if p.is_file()}
+
+    before = files()
+    res = _run_script(
+        [*script, "-m", *SMALL, "optim.lr=2e-2,1e-2", f"hydra.sweep.dir={sweep}"], cwd=tmp_path
+    )
+    assert res.returncode == 2, res.stderr[-3000:]
+    errors = [line for line in res.stderr.splitlines() if "error" in line]
+    assert errors == [
+        f"train.py: error: job 0 of this sweep has optim.lr=0.02, but its folder {sweep / '0'} "
+        f"holds the checkpoints of a job with optim.lr=0.01 ({sweep / '0/.hydra/overrides.yaml'})"
+        ": Hydra numbers a sweep's jobs by their place in it, and this rerun in "
+        f"hydra.sweep.dir={sweep} lists the swept values in another order or others. To "
+        "continue the sweep, list its values as before; for other values, pass a new "
+        "hydra.sweep.dir (or leave it out)"
+    ], res.stderr[-3000:]
+    after = files()
+    # Hydra's multirun.yaml is the rerun's, and each rerun appends to the job's train.log
+    changed = {p for p in before if before[p] != after.get(p)}
+    assert changed <= {str(sweep / "multirun.yaml"), str(sweep / "0" / "train.log")}, changed
+    same = _run_script(
+        [*script, "-m", *SMALL, "optim.lr=1e-2,2e-2", f"hydra.sweep.dir={sweep}"], cwd=tmp_path
+    )
+    assert same.returncode == 0, same.stderr[-3000:]
+    assert "the run already finished" in same.stdout
+
+
 def test_train_py_refuses_a_missing_resume_folder_before_training(tmp_path) -> None:
     run = tmp_path / "run"
     cmd = [sys.executable, str(ROOT / "train.py"), *SMALL, "resume=/no/such/ckpt",

@@ -1980,7 +1980,9 @@ def test_a_sweep_rerun_with_its_values_reordered_is_refused_before_a_job_continu
         [*script, "-m", *SMALL, "optim.lr=1e-2,2e-2", f"hydra.sweep.dir={sweep}"], cwd=tmp_path
     )
     assert same.returncode == 0, same.stderr[-3000:]
+    # a finished job starts over in another sweep folder: -m refuses out_dir=...
     assert "the run already finished" in same.stdout
+    assert "to start over, pass resume=never or another hydra.sweep.dir\n" in same.stdout
 
 
 def test_train_py_refuses_a_missing_resume_folder_before_training(tmp_path) -> None:

@@ -38,7 +38,7 @@ from fot.data.streams import (
 )
 from fot.errors import FotError, cannot_write
 from fot.progress import on_terminal, progress_bar
-from fot.provenance import git_sha, library_versions
+from fot.provenance import git_sha, library_versions, sweep_folder
 from fot.training import checkpoint as ckpt
 from fot.training.config import ScheduleConfig, check_config, to_container
 from fot.training.cuda_graph import GraphedStep, check_cuda_graphs
@@ -1107,15 +1107,13 @@ def _train(
         ):
             # a finished run: validating and exporting again would only log the same twice
             if info.is_main:
+                # a job of a sweep (-m refuses out_dir=...) starts over in another sweep folder
+                other = "another hydra.sweep.dir" if sweep_folder(out_dir) else "another out_dir"
                 logger.warning(
                     "%s: the run already finished (its checkpoint %s is at step %d; "
                     "total_tokens=%d makes %d steps): nothing to do; its results are in %s. To "
                     "train on, raise total_tokens; to start over, pass "
-                    + (
-                        "another out_dir"
-                        if cfg.get("branch_from")
-                        else "resume=never or another out_dir"
-                    ),
+                    + (other if cfg.get("branch_from") else f"resume=never or {other}"),
                     out_dir,
                     resume_from.name,
                     saved["step"],

@@ -10,6 +10,7 @@ import math
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -293,6 +294,89 @@ def test_a_file_written_atomically_over_the_size_limit_is_named_and_kept(tmp_pat
     assert f"{path} is as it was" in proc.stdout
     assert path.read_text() == "old"
     assert [p.name for p in tmp_path.iterdir()] == ["final.json"]  # no cut-short temp file
+
+
+def _ended_pid() -> int:
+    """The id of a process that has ended (and been waited for: no zombie)."""
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+def test_a_write_killed_midway_leaves_a_temporary_file_that_the_next_write_removes(
+    tmp_path, caplog
+) -> None:
+    # A SIGKILL (the OOM killer, a power loss) while a file was written whole left its hidden
+    # temporary file for good, and each rerun added one. Now the next write of the file removes
+    # those of ended processes of this host, and only those: a live process' and another host's
+    # (whose process ids mean nothing here, on a shared file system) are kept.
+    from fot.training.checkpoint import write_text_atomic
+
+    path = tmp_path / "summary.json"
+    path.write_text("old")
+    code = (
+        "import os, signal, sys\n"
+        "from fot.training.checkpoint import written_whole\n"
+        "with written_whole(sys.argv[1]) as tmp:\n"
+        "    tmp.write_text('half')\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    killed = subprocess.Popen([sys.executable, "-c", code, str(path)], env=env, cwd=tmp_path)
+    assert killed.wait(timeout=300) == -9
+    (left,) = [p for p in tmp_path.iterdir() if p != path]
+    host = re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname())
+    assert left.name == f".summary.json.{host}.{killed.pid}.tmp.json"  # the host is recorded
+    assert left.read_text() == "half"
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        kept = [
+            f".summary.json.{host}.{sleeper.pid}.tmp.json",  # a live process' of this host
+            f".summary.json.elsewhere.{killed.pid}.tmp.json",  # another host's
+            f".other.json.{host}.{killed.pid}.tmp.json",  # another file's
+        ]
+        for name in kept:
+            (tmp_path / name).write_text("half")
+        with caplog.at_level(logging.WARNING):
+            write_text_atomic(path, "whole")
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert path.read_text() == "whole"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*kept, "summary.json"])
+    assert [r.getMessage() for r in caplog.records] == [
+        f"removed {left.name} from {tmp_path}: left by writes of summary.json that did not "
+        f"finish (process {killed.pid} of this host)"
+    ]
+
+
+def test_a_temporary_file_of_an_earlier_version_is_removed_once_a_day_unchanged(
+    tmp_path,
+) -> None:
+    # Names written before the host was recorded (.{name}.{pid}.tmp{suffix}) do not say whose
+    # process id they hold: removed when no process here has it and the file has not changed
+    # for a day (a write in progress on another host changes it).
+    from fot.training.checkpoint import write_text_atomic
+
+    path = tmp_path / "state.npz"
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        old, recent, live = (
+            tmp_path / f".state.npz.{pid}.tmp.npz"
+            for pid in (_ended_pid(), _ended_pid(), sleeper.pid)
+        )
+        day_ago = time.time() - 25 * 3600
+        for p in (old, recent, live):
+            p.write_bytes(b"half")
+        for p in (old, live):
+            os.utime(p, (day_ago, day_ago))
+        write_text_atomic(path, "whole")
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [recent.name, live.name, "state.npz"]
+    )
 
 
 @pytest.mark.parametrize("code", [errno.EROFS, errno.EDQUOT], ids=["EROFS", "EDQUOT"])

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import random
 import re
@@ -36,9 +37,11 @@ import torch.distributed as dist
 from torch import nn
 
 from fot.errors import FotError, cannot_write, retry_when
+from fot.staging import ended_writers, remove, writer_tag
 from fot.training.parallel import stop_together
 from fot.training.signals import continue_hint, finish_before_ctrl_c
 
+logger = logging.getLogger(__name__)
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 ABANDONED_PREFIX = ".abandoned-"
 FAULT_ENV = "FOT_FAULT"
@@ -147,14 +150,27 @@ def written_whole(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path beside ``path`` to write the file to: renamed over ``path`` when
     the block ends normally, removed otherwise, so a run stopped while writing (Ctrl-C,
     SIGTERM, a full disk) leaves the previous file (or none), never a cut-short one. The
-    temporary name holds the process id, so ranks writing the same file do not write into each
+    temporary name ``.{name}.{host}.{pid}.tmp{suffix}`` holds the host's name and the process
+    id (:func:`fot.staging.writer_tag`), so ranks writing the same file do not write into each
     other's, and ends in ``path``'s suffix, so ``np.savez`` (which appends ``.npz`` to a name
     without it) and ``fig.savefig`` (which picks the format from it) write to it as given.
+    A process killed while writing (SIGKILL, the OOM killer) leaves its temporary file: the
+    next write of ``path`` removes those of processes that have ended (:mod:`fot.staging`),
+    and logs one line naming them.
 
     Raises:
         fot.errors.WriteError: it could not be written (a full disk, a read-only folder)."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp{path.suffix}")
+    tmp = path.with_name(f".{path.name}.{writer_tag()}.tmp{path.suffix}")
+    gone = remove(ended_writers(path.parent, f".{path.name}.", f".tmp{path.suffix}"))
+    if gone:
+        logger.warning(
+            "removed %s from %s: left by writes of %s that did not finish (%s)",
+            ", ".join(left.path.name for left in gone),
+            path.parent,
+            path.name,
+            "; ".join(left.writer() for left in gone),
+        )
     existed = path.exists()
     try:
         yield tmp

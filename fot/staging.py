@@ -1,0 +1,130 @@
+"""Hidden names of files and folders written first and renamed into place once complete, and
+the ones a killed process left behind.
+
+A writer stages its target under a hidden name holding :func:`writer_tag`, this host's name and
+this process' id: ``.summary.json.node7.4242.tmp.json``
+(:func:`fot.training.checkpoint.written_whole`), ``.hf.new-node7.4242`` and ``.hf.old-node7.4242``
+(:func:`fot.export.export_hf`). A process killed while writing (SIGKILL, the OOM killer, a
+power loss) leaves that name for good, and each rerun adds one with another id.
+:func:`ended_writers` finds such leftovers, so that the next write of the same target removes
+them (or, where one may hold the only copy of something, names it).
+
+A process id means something only on its own host, and several hosts may write one folder of a
+shared file system: a name with another host's name is always kept; one with this host's is
+left by a process that has ended when no process has its id (``os.kill(pid, 0)``), or when it
+is this process' own id (the caller has not staged its own yet: it is an earlier process's that
+had the same id, e.g. a restarted container's). Names written before the host was recorded
+(``.summary.json.4242.tmp.json``, ``.hf.new-4242``) do not say which host's id they hold: they
+count as left by an ended process when no other process here has that id and they have not
+changed for :data:`UNRECORDED_HOST_AGE_S` (a live writer's file changes while it is written,
+and lives seconds to minutes), so an earlier fot still writing on another host keeps its file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+# Host names may hold any character; a staged name keeps those of a DNS name (a dot separates
+# the host from the process id, which is digits only, so a dotted host name parses). A "+N"
+# after the id tells apart a folder this process stages from a kept one of an earlier process
+# with the same id (fot.export's folder set aside).
+_HOST = re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname())
+_TAG = r"(?:(?P<host>[A-Za-z0-9_.-]+)\.)?(?P<pid>[0-9]{1,9})(?:\+[0-9]+)?"
+
+UNRECORDED_HOST_AGE_S = 24 * 3600
+"""How long a staged name of an earlier fot (no host in it) must be unchanged to count as left
+by an ended process (module docstring)."""
+
+
+def writer_tag() -> str:
+    """``{host}.{pid}`` of this process, for the hidden name of what it stages (module
+    docstring)."""
+    return f"{_HOST}.{os.getpid()}"
+
+
+@dataclass(frozen=True)
+class Leftover:
+    """A staged file or folder whose writer has ended (:func:`ended_writers`)."""
+
+    path: Path
+    pid: int
+    host: str | None
+    """None for a name of an earlier fot, which did not record the host."""
+
+    def writer(self) -> str:
+        """Who left it, for a message: ``"process 4242 of this host"``."""
+        if self.host is None:
+            return f"process {self.pid}, host not recorded, unchanged for over a day"
+        return f"process {self.pid} of this host"
+
+
+def ended_writers(folder: str | os.PathLike, prefix: str, suffix: str = "") -> list[Leftover]:
+    """The entries of ``folder`` named ``prefix + writer_tag() + suffix`` (or, by an earlier
+    fot, ``prefix + pid + suffix``) whose writer has ended (module docstring), by name.
+
+    One listing of ``folder`` (none of it if it cannot be listed), and a check of each entry
+    that matches.
+    """
+    pattern = re.compile(re.escape(prefix) + _TAG + re.escape(suffix))
+    try:
+        entries = [(e.name, Path(e.path)) for e in os.scandir(folder)]
+    except OSError:  # no folder (yet), or not readable: the write itself reports it
+        return []
+    found = []
+    for name, path in sorted(entries):
+        m = pattern.fullmatch(name)
+        if m and _has_ended(m["host"], int(m["pid"]), path):
+            found.append(Leftover(path, int(m["pid"]), m["host"]))
+    return found
+
+
+def remove(leftovers: list[Leftover]) -> list[Leftover]:
+    """Delete the files and folders of ``leftovers``; return those that are gone (one that
+    cannot be deleted, e.g. another user's in a folder of theirs, is kept)."""
+    gone = []
+    for left in leftovers:
+        if left.path.is_dir() and not left.path.is_symlink():
+            shutil.rmtree(left.path, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                left.path.unlink()
+        if not os.path.lexists(left.path):
+            gone.append(left)
+    return gone
+
+
+def _has_ended(host: str | None, pid: int, path: Path) -> bool:
+    if host is not None and host != _HOST:
+        return False
+    if pid != os.getpid() and _alive(pid):
+        return False
+    return host is not None or time.time() - _last_change(path) > UNRECORDED_HOST_AGE_S
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
+
+
+def _last_change(path: Path) -> float:
+    """The newest modification time of ``path`` and, for a folder, of its entries (an export
+    is a flat folder; a shard being written changes its own time, not the folder's)."""
+    try:
+        times = [path.lstat().st_mtime]
+        if path.is_dir() and not path.is_symlink():
+            times += [p.lstat().st_mtime for p in path.iterdir()]
+    except OSError:  # gone, or renamed into place by its writer just now
+        return time.time()
+    return max(times)

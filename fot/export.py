@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -43,7 +44,9 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from fot.errors import FotError, cannot_write
 from fot.progress import on_terminal
+from fot.staging import ended_writers, remove, writer_tag
 
+logger = logging.getLogger(__name__)
 _CONFIG_MODULE = "configuration_fot"
 _MODEL_MODULE = "modeling_fot"
 
@@ -190,6 +193,10 @@ def export_hf(
 ) -> Path:
     """Write ``model`` as an HF checkpoint folder loadable by ``AutoModelForCausalLM``.
 
+    What an export killed part way (SIGKILL, the OOM killer) left of its staged folders is
+    removed first, with a line in the log; a folder of an earlier export's files that it had
+    set aside is kept and named with what to do (:mod:`fot.staging`).
+
     Args:
         model: a :class:`fot.FoTForCausalLM` (or a baseline from :func:`fot.presets.build_model`).
         path: output folder (created if missing).
@@ -241,6 +248,8 @@ def export_hf(
             f"export_hf: {out} is a file, not a folder; pass the path of a new or empty folder "
             "(created if missing)"
         )
+    target = Path(os.path.abspath(out))
+    _clean_ended_exports(target)
     if out.is_dir():
         stale = sorted(
             p.name
@@ -253,8 +262,8 @@ def export_hf(
             raise FileExistsError(
                 f"export_hf: {out} already holds {', '.join(stale)}, which the export would "
                 "overwrite, and is not a folder exported from a fot model (its config.json has "
-                "no fot model_type or auto_map); nothing was written. Pass an empty or new "
-                "folder, or move those files away"
+                "no fot model_type or auto_map); nothing was written. "
+                + (_set_aside_hint(out) or "Pass an empty or new folder, or move those files away")
             )
     # Written into a new folder and moved into `out` once complete: a full disk or an error
     # part way leaves an earlier export whole, and no folder with weights but without its
@@ -262,9 +271,7 @@ def export_hf(
     # inside an existing `out` (the renames stay on its file system, which a symlink or a
     # mount point may put elsewhere than its parent, and its parent need not be writable),
     # else beside it.
-    target = Path(os.path.abspath(out))
-    staged = (target if target.is_dir() else target.parent) / f".{target.name}.new-{os.getpid()}"
-    shutil.rmtree(staged, ignore_errors=True)
+    staged = (target if target.is_dir() else target.parent) / f".{target.name}.new-{writer_tag()}"
     try:
         _write_export(model, staged, tokenizer, max_shard_size, text_escaping)
     except BaseException as err:  # also Ctrl-C: no half-written folder is left
@@ -279,6 +286,59 @@ def export_hf(
     finally:
         shutil.rmtree(staged, ignore_errors=True)
     return out
+
+
+def _clean_ended_exports(target: Path) -> None:
+    """Remove the staged exports into ``target`` (``.{name}.new-{host}.{pid}``, inside it or
+    beside it) of processes that have ended (killed while writing or moving one in,
+    :mod:`fot.staging`); name the folders of an earlier export's files that such a process set
+    aside while replacing it (``.{name}.old-{host}.{pid}``, inside it): those are kept (unless
+    empty), as a kill between moving them aside and moving the new files in leaves them the
+    only copy of the earlier export (the new one is then split between ``target`` and its
+    staged folder, which is removed: this export writes it again)."""
+    asides = ended_writers(target, f".{target.name}.old-")
+    empty = [left for left in asides if _is_empty_folder(left.path)]
+    new = f".{target.name}.new-"
+    gone = remove([*ended_writers(target, new), *ended_writers(target.parent, new), *empty])
+    if gone:
+        logger.warning(
+            "removed %s: left by exports into %s that did not finish (%s)",
+            ", ".join(str(left.path) for left in gone),
+            target,
+            "; ".join(left.writer() for left in gone),
+        )
+    for left in asides:
+        if left not in empty:
+            logger.warning(
+                "kept %s: it holds files of an earlier export of %s that %s set aside while "
+                "replacing them and did not finish (it ended; killed?), and may be their only "
+                "copy. To keep that export, move its files into a folder of their own; else "
+                "delete it (rm -r '%s')",
+                left.path,
+                target,
+                left.writer(),
+                left.path,
+            )
+
+
+def _set_aside_hint(out: Path) -> str:
+    """How to make ``out`` whole again where an export killed while replacing the one in it
+    left files of it set aside (:func:`_clean_ended_exports`); ``""`` where none did."""
+    target = Path(os.path.abspath(out))
+    kept = [str(left.path) for left in ended_writers(target, f".{target.name}.old-")]
+    if not kept:
+        return ""
+    return (
+        f"{', '.join(kept)} holds files of the export in {out} that an export killed while "
+        f"replacing it set aside: move them back into {out}, then export again"
+    )
+
+
+def _is_empty_folder(path: Path) -> bool:
+    try:
+        return next(path.iterdir(), None) is None
+    except OSError:  # not a folder, or not readable: kept
+        return False
 
 
 def _write_export(
@@ -359,8 +419,11 @@ def _move_export(staged: Path, out: Path, tokenizer: bool) -> None:
         or p.name in _WRITTEN
         or (tokenizer and p.name in _TOKENIZER_FILES)
     ]
-    aside = out / f".{out.name}.old-{os.getpid()}"
-    shutil.rmtree(aside, ignore_errors=True)
+    aside = out / f".{out.name}.old-{writer_tag()}"
+    n = 0
+    while os.path.lexists(aside):  # an earlier process's with this id: kept (export_hf named it)
+        n += 1
+        aside = out / f".{out.name}.old-{writer_tag()}+{n}"
     try:
         aside.mkdir()
     except OSError as err:
@@ -423,10 +486,11 @@ def check_export_folder(path: str | os.PathLike, example: str) -> None:
     names = sorted((p.name for p in out.iterdir()), key=lambda n: (n.startswith("."), n))
     if names:
         shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-        raise FileExistsError(
-            f"{out} is not empty ({shown}) and holds no earlier export: the export goes into a "
-            f"folder of its own (new, empty or an earlier export), e.g. {example}"
+        fix = _set_aside_hint(out) or (
+            "the export goes into a folder of its own (new, empty or an earlier export), "
+            f"e.g. {example}"
         )
+        raise FileExistsError(f"{out} is not empty ({shown}) and holds no earlier export: {fix}")
 
 
 def _is_fot_export(folder: Path) -> bool:

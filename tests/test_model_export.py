@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -451,6 +454,179 @@ def test_a_failed_rename_of_the_export_is_one_line_and_loses_nothing(
     with torch.no_grad():
         got = AutoModelForCausalLM.from_pretrained(out).eval()(x).logits
         assert torch.equal(got, old(x).logits)
+
+
+# An export of _tiny(1) into sys.argv[1], SIGKILLed at sys.argv[2]: "writing" (the staged
+# folder has the weights, not the tokenizer), "setting_aside" (the earlier export's config.json
+# is set aside, its other files are not) or "moving_in" (the earlier export is all set aside,
+# the new config.json moved in, the rest of the new export still staged).
+_KILLED_EXPORT = """
+import os, signal, sys, torch
+import fot.tokenizer
+from fot import presets
+from fot.export import export_hf
+
+out, point = sys.argv[1], sys.argv[2]
+real_rename = os.rename
+
+
+def kill(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def rename(src, dst):
+    src, dst = str(src), str(dst)
+    if point == "setting_aside" and ".old-" in dst:
+        real_rename(os.path.join(out, "config.json"), os.path.join(os.path.dirname(dst), "config.json"))
+        kill()
+    real_rename(src, dst)
+    if point == "moving_in" and ".new-" in src and ".new-" not in dst:
+        kill()
+
+
+os.rename = rename
+if point == "writing":
+    fot.tokenizer.save_hf_tokenizer = kill
+torch.manual_seed(1)
+cfg = presets.config("fot_pro", "tiny", vocab_size=300, attn_backend="reference", hidden_size=32,
+                     num_heads=2)
+export_hf(presets.build_model(cfg).eval(), out)
+"""
+
+
+def _killed_export(out: Path, point: str) -> int:
+    """Run :data:`_KILLED_EXPORT` into ``out``; the id of its process, which has ended."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_EXPORT, str(out), point],
+        env=env,
+        cwd=out.parent,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == -9, stderr[-3000:]
+    return proc.pid
+
+
+def _loads_as(out: Path, model: fot.FoTForCausalLM) -> bool:
+    from transformers import AutoModelForCausalLM
+
+    x = torch.randint(0, VOCAB, (1, 9))
+    with torch.no_grad():
+        got = AutoModelForCausalLM.from_pretrained(out).eval()(x).logits
+        return torch.equal(got, model(x).logits)
+
+
+def test_an_export_killed_while_writing_leaves_a_folder_that_the_next_export_removes(
+    tmp_path, caplog
+) -> None:
+    # A first export killed while writing left its staged folder beside the destination for
+    # good (.m.new-<pid>), and each rerun added one. Now the next export removes those of ended
+    # processes of this host, and only those: a live process' and another host's are kept.
+    out = tmp_path / "m"
+    pid = _killed_export(out, "writing")
+    host = re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname())
+    staged = tmp_path / f".m.new-{host}.{pid}"
+    assert [p.name for p in tmp_path.iterdir()] == [staged.name]  # the host is recorded
+    assert (staged / "config.json").is_file() and not (staged / "vocab.json").exists()
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        kept = [f".m.new-{host}.{sleeper.pid}", f".m.new-elsewhere.{pid}"]
+        for name in kept:
+            (tmp_path / name).mkdir()
+            (tmp_path / name / "model.safetensors").write_bytes(b"x")
+        new = _tiny(2)
+        with caplog.at_level(logging.WARNING):
+            export_hf(new, out)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*kept, "m"])
+    assert [r.getMessage() for r in caplog.records if r.name == "fot.export"] == [
+        f"removed {staged}: left by exports into {out} that did not finish (process {pid} of "
+        "this host)"
+    ]
+    assert _loads_as(out, new)
+
+
+def test_an_export_killed_while_moving_in_keeps_the_earlier_export_it_set_aside(
+    tmp_path, caplog
+) -> None:
+    # Killed after setting the earlier export aside (.m.old-<pid>) and moving part of the new
+    # one in, an export left the earlier one's only whole copy in that folder: the next export
+    # removed neither it nor the staged rest of the new one. Now the staged folder goes, and the
+    # folder set aside is kept and named, with what to do.
+    out = tmp_path / "m"
+    export_hf(_tiny(0), out)
+    (out / "NOTES.md").write_text("mine")
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.name != "NOTES.md"}
+    pid = _killed_export(out, "moving_in")
+    host = re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname())
+    aside, staged = out / f".m.old-{host}.{pid}", out / f".m.new-{host}.{pid}"
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        [aside.name, staged.name, "NOTES.md", "config.json"]
+    )
+    new = _tiny(2)
+    with caplog.at_level(logging.WARNING, logger="fot.export"):
+        export_hf(new, out)
+    assert [r.getMessage() for r in caplog.records if r.name == "fot.export"] == [
+        f"removed {staged}: left by exports into {out} that did not finish (process {pid} of "
+        "this host)",
+        f"kept {aside}: it holds files of an earlier export of {out} that process {pid} of this "
+        "host set aside while replacing them and did not finish (it ended; killed?), and may be "
+        "their only copy. To keep that export, move its files into a folder of their own; else "
+        f"delete it (rm -r '{aside}')",
+    ]
+    assert {p.name: p.read_bytes() for p in aside.iterdir()} == before
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == [aside.name]
+    assert (out / "NOTES.md").read_text() == "mine"
+    assert _loads_as(out, new)
+    # as the message says, the earlier export loads from a folder of its own
+    shutil.move(aside, tmp_path / "earlier")
+    assert _loads_as(tmp_path / "earlier", _tiny(0))
+
+
+def test_an_export_killed_while_setting_the_earlier_one_aside_says_how_to_make_it_whole(
+    tmp_path, caplog
+) -> None:
+    # Killed while setting the earlier export's files aside, an export left them split between
+    # the folder and .m.old-<pid>; without its config.json the folder was refused as "not an
+    # export" (moving the files away). Now the refusal says where the rest is and to move it
+    # back; done so, the next export goes through and removes the emptied folder.
+    from fot.export import check_export_folder
+
+    out = tmp_path / "m"
+    export_hf(_tiny(0), out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    pid = _killed_export(out, "setting_aside")
+    host = re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname())
+    aside = out / f".m.old-{host}.{pid}"
+    assert [p.name for p in aside.iterdir()] == ["config.json"]
+    hint = (
+        f"{aside} holds files of the export in {out} that an export killed while replacing it "
+        f"set aside: move them back into {out}, then export again"
+    )
+    with pytest.raises(FileExistsError) as err:
+        check_export_folder(out, example="x")
+    assert str(err.value).endswith(f"and holds no earlier export: {hint}"), err.value
+    with pytest.raises(FileExistsError) as err:
+        export_hf(_tiny(2), out)
+    assert str(err.value).endswith(f"nothing was written. {hint}"), err.value
+    for p in aside.iterdir():
+        p.rename(out / p.name)
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p != aside} == before
+    assert _loads_as(out, _tiny(0))
+    new = _tiny(2)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="fot.export"):
+        export_hf(new, out)
+    assert [r.getMessage() for r in caplog.records if r.name == "fot.export"] == [
+        f"removed {aside}: left by exports into {out} that did not finish (process {pid} of "
+        "this host)"
+    ]
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]
+    assert _loads_as(out, new)
 
 
 def test_a_re_export_into_a_folder_on_another_file_system_than_its_parent(tmp_path) -> None:

@@ -215,6 +215,71 @@ def test_hf_empty_or_undecodable_files_get_one_clear_error(tmp_path, streaming: 
         assert "raised by" not in line and line.count("\n") == 1  # fot's own one-line error
 
 
+def test_a_folder_written_by_save_to_disk_is_read_with_load_from_disk(tmp_path, capsys) -> None:
+    """A `Dataset.save_to_disk` folder as data.path (or `prepare --hf`) stopped with datasets'
+    "Please use `load_from_disk` instead", which no fot option does; a `DatasetDict` one of
+    splits named `mine` and `heldout` was read by load_dataset as one `train` split of both
+    (the held-out rows trained on) and neither of its own names was found. Both are read with
+    load_from_disk now: a Dataset as the split `train`, sliced as load_dataset slices one."""
+    import datasets
+
+    from fot.data.prepare import main
+    from fot.data.tokens import TokenDocuments
+
+    texts = [f"document {i}: " + "words of text " * (i % 5) for i in range(40)]
+    single = tmp_path / "single"
+    datasets.Dataset.from_dict({"text": texts}).save_to_disk(str(single))
+    both = tmp_path / "both"
+    datasets.DatasetDict(
+        {
+            "mine": datasets.Dataset.from_dict({"text": texts[:30]}),
+            "heldout": datasets.Dataset.from_dict({"text": texts[30:]}),
+        }
+    ).save_to_disk(str(both))
+    capsys.readouterr()  # datasets' progress bars
+    T = 8
+    cases = [
+        (single, "train[5:]", "train[:5]", texts[5:], texts[:5]),
+        (both, "mine", "heldout", texts[:30], texts[30:]),
+    ]
+    for folder, split, val_split, train_texts, val_texts in cases:
+        cfg = _cfg(kind="hf", path=str(folder), seq_len=T, val_tokens=10 * T)
+        cfg.hf_split, cfg.hf_val_split = split, val_split
+        train, val = build_sources(cfg)
+        oracle = _packed(train_texts, T)
+        n = oracle.num_sequences + 2  # into the second epoch
+        got, want = train.read(0, n), oracle.read(0, n)
+        np.testing.assert_array_equal(got[0], want[0])
+        np.testing.assert_array_equal(got[1], want[1])
+        assert val.num_sequences == (_packed(val_texts, T).length - 1) // T
+        out = tmp_path / f"tok_{folder.name}"
+        assert main(["--hf", str(folder), "--split", split, "--out", str(out)]) == 0
+        docs = TokenDocuments(out)
+        assert len(docs) == len(train_texts)
+        assert get_encoding().decode([int(t) for t in docs[0]]) == train_texts[0]
+    # the default split `train` of splits named otherwise, and a split of no name in it
+    for split, key in (("train", "hf_split"), ("held", "hf_val_split")):
+        cfg = _cfg(kind="hf", path=str(both), seq_len=T, val_tokens=10 * T)
+        cfg.hf_split, cfg.hf_val_split = "mine", "heldout"
+        setattr(cfg, key, split)
+        with pytest.raises(ValueError) as info:
+            build_sources(cfg)
+        assert error_line("train.py", info.value, traceback_variable="HYDRA_FULL_ERROR") == (
+            f"train.py: error: data.path={both} (written by DatasetDict.save_to_disk) has no "
+            f"split '{split}': the DatasetDict holds the splits 'mine', 'heldout'. Set "
+            f"data.{key} to one of them, or to a slice of one\n"
+            "(set HYDRA_FULL_ERROR=1 for the traceback)"
+        )
+    assert main(["--hf", str(both), "--out", str(tmp_path / "tok")]) == 2
+    assert capsys.readouterr().err == (
+        f"error: dataset {both} (written by DatasetDict.save_to_disk) has no split 'train': "
+        "the DatasetDict holds the splits 'mine', 'heldout'. Set --split to one of them, or "
+        "to a slice of one\n"
+    )
+    with pytest.raises(ValueError, match=r"save_to_disk, .* which takes no data.hf_data_files"):
+        build_sources(_cfg(kind="hf", path=str(single), hf_data_files="a.jsonl", seq_len=T))
+
+
 def test_hf_loader_without_data_files_is_refused(tmp_path, monkeypatch, capsys) -> None:
     """`data=hf data.path=text` without data.hf_data_files (and `prepare --hf text` without
     --data-files) trained on whatever datasets found under the working directory: run from

@@ -15,6 +15,11 @@ Two things differ from a plain ``datasets.load_dataset`` call:
 * datasets' failures on bad input files (a bare ``StopIteration`` for empty files, a
   ``DatasetGenerationError`` around a ``UnicodeDecodeError``) become one :class:`HFDataError` that
   names the file and the fix.
+* A local folder written by ``Dataset.save_to_disk`` or ``DatasetDict.save_to_disk`` is read
+  with ``datasets.load_from_disk`` (``load_dataset`` refuses the first, and reads the second's
+  folders as data files: of splits not named ``train``/``test``/``validation`` it made one
+  ``train`` split of all their rows, held-out ones included). A ``Dataset`` is the split
+  ``train``; split expressions slice both as ``load_dataset`` would (``train[1%:]``).
 """
 
 from __future__ import annotations
@@ -37,6 +42,23 @@ class HFDataError(FotError, ValueError):
 
 
 _COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".zip", ".lz4", ".tar")
+
+SAVED_DATASET_SPLIT = "train"
+"""The split name of a single ``Dataset`` written by ``save_to_disk`` (it holds no splits)."""
+
+
+def saved_to_disk(folder: Path) -> str | None:
+    """``"Dataset"`` or ``"DatasetDict"`` where ``folder`` was written by that class's
+    ``save_to_disk`` (the files ``datasets.load_from_disk`` looks for), else ``None``."""
+    from datasets import config
+
+    if (folder / config.DATASET_STATE_JSON_FILENAME).is_file() and (
+        folder / config.DATASET_INFO_FILENAME
+    ).is_file():
+        return "Dataset"
+    if (folder / config.DATASETDICT_JSON_FILENAME).is_file():
+        return "DatasetDict"
+    return None
 
 
 class HFDataset:
@@ -92,6 +114,27 @@ class HFDataset:
         """The datasets loader that reads the files (``text``, ``json``, ..., or one that
         datasets chose from a local folder's file extensions)."""
         local = Path(path)
+        self.saved = saved_to_disk(local) if local.is_dir() else None
+        """``"Dataset"``/``"DatasetDict"``: a folder written by ``save_to_disk``, read with
+        ``datasets.load_from_disk``; ``None`` otherwise."""
+        self.text_files = False
+        """True when datasets reads the files as plain text: loaded one document per file."""
+        self._data_files: Any = None
+        self._num_rows: dict[str, int] = {}
+        if self.saved is not None:
+            given = [
+                what
+                for what, value in ((files_option, self.data_files), (f"name={name}", name))
+                if value is not None
+            ]
+            if given:
+                raise HFDataError(
+                    f"{where} is a folder written by {self.saved}.save_to_disk, read whole with "
+                    f"datasets.load_from_disk, which takes no {' or '.join(given)}: leave "
+                    f"{'it' if len(given) == 1 else 'them'} out, and choose rows by split "
+                    "(e.g. train[1%:])"
+                )
+            return
         if local.is_file():
             suffixes = [x.lower() for x in local.suffixes]
             while suffixes and suffixes[-1] in _COMPRESSED:  # a.jsonl.gz: a json file
@@ -111,15 +154,12 @@ class HFDataset:
                 f"them datasets reads the files under the working directory, {Path.cwd()}); "
                 f"or name the folder that holds the files instead of {path}"
             )
-        self._data_files: Any = None
-        self._num_rows: dict[str, int] = {}
         builder = self.guard(
             lambda: datasets.load_dataset_builder(path, name=name, data_files=self.data_files),
             None,
         )
         self.loader = builder.name
         self.text_files = builder.name == "text"
-        """True when datasets reads the files as plain text: loaded one document per file."""
         self._data_files = getattr(builder.config, "data_files", None)
         if self.data_files is None and local.is_dir() and glob.has_magic(path):
             # datasets globs a folder's path: for a folder `d[1]` it reads `d1/` ([1] a
@@ -209,8 +249,14 @@ class HFDataset:
         :meth:`load` prepared the dataset; ``None`` where unknown (streamed, or not loaded)."""
         return self._num_rows.get(split)
 
-    def load(self, split: str) -> Any:
-        """``datasets.load_dataset`` of one split (a text loader reads one document per file)."""
+    def load(self, split: str, option: str = "the split") -> Any:
+        """``datasets.load_dataset`` of one split (a text loader reads one document per file),
+        or of a folder written by ``save_to_disk``, ``datasets.load_from_disk``.
+
+        Args:
+            split: a split expression (``train``, ``train[:1%]``, ``train+test``).
+            option: how messages name the option that set ``split`` (``data.hf_split``).
+        """
         import datasets
 
         if self.streaming and "[" in str(split):
@@ -220,6 +266,8 @@ class HFDataset:
                 " to take a slice of a split, or read a split of its own (e.g. validation)"
             )
 
+        if self.saved is not None:
+            return self._load_saved(split, option)
         extra = {"sample_by": "document"} if self.text_files else {}
         loaded = self.guard(
             lambda: datasets.load_dataset(
@@ -236,6 +284,40 @@ class HFDataset:
             splits = getattr(getattr(loaded, "info", None), "splits", None) or {}
             self._num_rows.update({str(k): int(v.num_examples) for k, v in splits.items()})
         return loaded
+
+    def _load_saved(self, split: str, option: str) -> Any:
+        """The rows of ``split`` (a split expression, sliced as ``load_dataset`` slices one) of
+        the folder :attr:`saved` names, memory-mapped; an ``IterableDataset`` of them with
+        :attr:`streaming`. ``option`` names the option that set ``split``, for errors."""
+        import datasets
+
+        saved = self.guard(lambda: datasets.load_from_disk(self.path), split)
+        splits = (
+            {str(k): v for k, v in saved.items()}
+            if isinstance(saved, datasets.DatasetDict)
+            else {SAVED_DATASET_SPLIT: saved}
+        )
+        self._num_rows.update({k: len(v) for k, v in splits.items()})
+        try:
+            parts = datasets.ReadInstruction.from_spec(split).to_absolute(
+                {k: len(v) for k, v in splits.items()}
+            )
+        except (ValueError, AssertionError) as err:
+            held = (
+                f"the DatasetDict holds the splits {', '.join(map(repr, splits))}. Set {option} "
+                "to one of them, or to a slice of one"
+                if self.saved == "DatasetDict"
+                else f"a saved Dataset is the one split {SAVED_DATASET_SPLIT!r}. Set {option} "
+                f"to {SAVED_DATASET_SPLIT}, or to a slice of it"
+            )
+            why = "" if "Unknown split" in str(err) else f" ({err})"
+            raise HFDataError(
+                f"{self.where} (written by {self.saved}.save_to_disk) has no split {split!r}"
+                f"{why}: {held}"
+            ) from None
+        pieces = [splits[p.splitname].select(range(p.from_, p.to)) for p in parts]
+        rows = pieces[0] if len(pieces) == 1 else datasets.concatenate_datasets(pieces)
+        return rows.to_iterable_dataset() if self.streaming else rows
 
     def guard(self, call: Callable[[], _T], split: str | None) -> _T:
         """``call()``, with datasets' failures on input files raised as :meth:`explain` says."""

@@ -341,8 +341,9 @@ def _hf_source(cfg: Any, dataset: Any, split: str, *, count: int | None = None) 
     from fot.tokenizer import get_encoding
 
     enc = get_encoding()
+    option = "data.hf_split" if split == cfg.hf_split else "data.hf_val_split"
     source = HFSource(
-        lambda: dataset.load(split),
+        lambda: dataset.load(split, option),
         enc.encode_ordinary,
         cfg.seq_len,
         packing=cfg.packing,

@@ -11,10 +11,11 @@ Inputs, one document each:
 * ``--hf NAME_OR_PATH``: a Hugging Face dataset (``--hf-name``, ``--split``, ``--streaming``,
   ``--data-files`` as for ``datasets.load_dataset``), one document per row; local
   ``.csv``/``.parquet``/``.json`` files are read this way (``--hf csv --data-files a.csv``),
-  never as plain text. Where datasets reads plain text files (``--hf text``, or a folder of
-  ``.txt`` files), every file is one document, as for a folder given as input. datasets picks
-  a loader by the files' extensions, and for ``.md`` it is not the text loader: name it
-  (``--hf text --data-files 'notes/**/*.md'``).
+  never as plain text; a folder written by ``save_to_disk`` is read with ``load_from_disk`` (a
+  ``Dataset`` as the split ``train``). Where datasets reads plain text files (``--hf text``, or
+  a folder of ``.txt`` files), every file is one document, as for a folder given as input.
+  datasets picks a loader by the files' extensions, and for ``.md`` it is not the text loader:
+  name it (``--hf text --data-files 'notes/**/*.md'``).
 
 Text that is not valid UTF-8 is read with U+FFFD for the bad bytes and a warning naming the
 file; a text file with NUL bytes (binary, or UTF-16/UTF-32 text) is refused. A file named more than once (by a folder and a pattern, or through a symbolic link) is
@@ -270,7 +271,7 @@ def iter_hf_texts(
     )
     if left_out := dataset.left_out_text_files():
         _warn(left_out)
-    rows = dataset.guard(lambda: iter(dataset.load(split)), split)
+    rows = dataset.guard(lambda: iter(dataset.load(split, "--split")), split)
     nulls = 0
     for n in itertools.count():
         try:

@@ -646,6 +646,72 @@ def test_a_folder_read_as_text_warns_of_the_text_files_datasets_leaves_out(
     assert "leaves out" not in capsys.readouterr().err + caplog.text
 
 
+def test_a_folder_of_several_file_kinds_warns_of_the_files_datasets_leaves_out(
+    tmp_path, capsys, caplog
+) -> None:
+    """datasets reads a folder with the one loader of its most numerous kind of file: of two
+    .txt files and a .jsonl, the .txt alone (of two .jsonl files and a .txt, the .jsonl),
+    without a word, so the other file's documents never trained. A warning now names the
+    files left out and a prepare command that reads them all, which does."""
+    import shlex
+
+    from fot.data.prepare import iter_hf_texts, main
+    from fot.data.tokens import TokenDocuments
+
+    enc = get_encoding()
+    caplog.set_level(logging.WARNING, logger="fot.data")
+    texts = {"a.txt": ["First text file.\n"], "b.txt": ["Second text file.\n"]}
+    texts["c.jsonl"] = [f"row {i} of the JSON Lines file" for i in range(3)]
+    for more, kind in (("a.txt", ".jsonl"), ("c.jsonl", ".txt")):
+        folder = tmp_path / f"without_{kind[1:]}"
+        (folder / "sub").mkdir(parents=True)
+        files = dict(texts, **{f"sub/more_{more}": texts[more]})
+        for name, docs in files.items():
+            if name.endswith(".jsonl"):
+                _jsonl(folder / name, [{"text": t} for t in docs])
+            else:
+                (folder / name).write_text(docs[0])
+        every = sorted(t for docs in files.values() for t in docs)
+        read = sorted(iter_hf_texts(str(folder)))
+        left = sorted(n for n in files if n.endswith(kind))
+        assert read == sorted(t for n, d in files.items() if n not in left for t in d)
+        shown = ", ".join(f"{folder}/{n}" for n in left)
+        told = (
+            f"and leaves out {len(left)} file(s) of other kinds ({shown}): it reads a folder "
+            "with one loader. To train on them too, write them all into one token folder, "
+        )
+        assert told in capsys.readouterr().err
+        caplog.clear()
+        build_sources(_cfg(kind="hf", path=str(folder), seq_len=4, val_tokens=0))
+        (warning,) = [r.getMessage() for r in caplog.records if "leaves out" in r.getMessage()]
+        assert warning.startswith(
+            f"data.path={folder}: datasets reads the {len(files) - len(left)} "
+        )
+        command = warning.split("`")[1].replace("<folder>", str(tmp_path / "tok"))
+        assert command.startswith("python -m fot.data.prepare ")
+        assert main(shlex.split(command)[3:]) == 0
+        docs = TokenDocuments(tmp_path / "tok")
+        assert sorted(enc.decode([int(t) for t in d]) for d in docs) == every
+    # kinds prepare does not read from a folder: no command, the other fixes
+    tables = tmp_path / "tables"
+    tables.mkdir()
+    for name in ("a.csv", "b.csv"):
+        (tables / name).write_text("text\nA row of a CSV file.\n")
+    _jsonl(tables / "c.jsonl", [{"text": "a JSON row"}])
+    caplog.clear()
+    build_sources(_cfg(kind="hf", path=str(tables), seq_len=4, val_tokens=0))
+    (warning,) = [r.getMessage() for r in caplog.records if "leaves out" in r.getMessage()]
+    assert warning.endswith(
+        f"({tables}/c.jsonl): it reads a folder with one loader. To train on them too, convert "
+        "them to one format, or move the files not meant for training out"
+    )
+    # one kind of file: nothing left out, no warning
+    (tables / "c.jsonl").unlink()
+    caplog.clear()
+    build_sources(_cfg(kind="hf", path=str(tables), seq_len=4, val_tokens=0))
+    assert "leaves out" not in capsys.readouterr().err + caplog.text
+
+
 # Folder names with characters Hydra's override grammar reads specially (in a list, or at all),
 # quotes and backslashes (Hydra's quoting), `$` and `${` (an OmegaConf interpolation), and
 # characters a shell reads specially. `[` and `]` alone: a `[1]`, `*` or `?` (glob characters)

@@ -179,29 +179,48 @@ class HFDataset:
             if outside:
                 raise self._glob_error(outside)
 
-    def left_out_text_files(self) -> str | None:
-        """A warning where datasets, given a local folder, reads it as text but leaves out
-        text files of another kind (it reads the extension most files have: of a folder of
-        ``.txt`` and ``.md`` files, only the ``.txt``), naming them and the loader hint that
-        reads them all; ``None`` otherwise (data files given, or none left out)."""
+    def left_out_files(self) -> str | None:
+        """A warning where datasets, given a local folder, leaves out some of its data files:
+        it reads the files of one loader, that of the extension most files have (of ``.txt``
+        and ``.md`` notes the ``.txt``, of ``.jsonl`` files and ``.txt`` files the more
+        numerous). It names them and how to read them all: text files left out of a folder
+        read as text, with the text loader's hint; files of other kinds, into one token folder
+        with ``fot.data.prepare`` (which reads ``.jsonl`` and text files together). ``None``
+        where none are left out, or data files or a ``save_to_disk`` folder were given."""
         folder = Path(self.path)
-        if self.data_files is not None or not self.text_files or not folder.is_dir():
+        if self.data_files is not None or self.saved is not None or not folder.is_dir():
             return None
         read = {Path(f).resolve() for split in (self._data_files or {}).values() for f in split}
         texts = _text_files(folder)
-        kinds = sorted({f.suffix for f in texts})
-        left = [f for f in texts if f.resolve() not in read]
+        found = _text_files(folder, _TEXT_SUFFIXES | _TABLE_SUFFIXES)
+        left = [f for f in found if f.resolve() not in read]
         if not left:
             return None
         shown = ", ".join(str(f) for f in left[:3]) + (
             f" and {len(left) - 3} more" if len(left) > 3 else ""
         )
-        patterns = _folder_patterns(self.path, kinds)
+        read_kinds = ", ".join(sorted({f.suffix or f.name for f in read}))
+        if self.text_files and all(f.suffix.lower() in _TEXT_SUFFIXES for f in left):
+            patterns = _folder_patterns(self.path, sorted({f.suffix for f in texts}))
+            return (
+                f"{self.where}: datasets reads the {len(read)} {read_kinds} file(s) of "
+                f"this folder as text and leaves out {len(left)} other text file(s) ({shown}). "
+                f"To read them too: {self.loader_hint('text', patterns)}"
+            )
+        kinds = sorted({f.suffix for f in found})
+        if all(k.lower() in _TEXT_SUFFIXES | _JSONL_SUFFIXES for k in kinds):
+            globs = " ".join(f"--glob '*{k}'" for k in kinds)
+            fix = (
+                f"write them all into one token folder, `python -m fot.data.prepare "
+                f"{shlex.quote(self.path)} {globs} --out <folder>`, and train on that "
+                "(data=tokens data.path=<folder>)"
+            )
+        else:
+            fix = "convert them to one format, or move the files not meant for training out"
         return (
-            f"{self.where}: datasets reads the {len(read)} "
-            f"{', '.join(sorted({f.suffix or f.name for f in read}))} file(s) of "
-            f"this folder as text and leaves out {len(left)} other text file(s) ({shown}). To "
-            f"read them too: {self.loader_hint('text', patterns)}"
+            f"{self.where}: datasets reads the {len(read)} {read_kinds} file(s) of this folder "
+            f"with its {self.loader} loader and leaves out {len(left)} file(s) of other kinds "
+            f"({shown}): it reads a folder with one loader. To train on them too, {fix}"
         )
 
     def _glob_error(self, outside: list[str]) -> HFDataError:
@@ -447,12 +466,16 @@ def hydra_string(s: str) -> str:
 
 _TEXT_SUFFIXES = frozenset((".txt", ".text", ".md", ".markdown", ".rst"))
 """Extensions of plain text files, covered by a hint to read a folder with the text loader."""
+_JSONL_SUFFIXES = frozenset((".jsonl", ".ndjson"))
+"""Extensions of JSON Lines files, which ``fot.data.prepare`` reads from a folder too."""
+_TABLE_SUFFIXES = _JSONL_SUFFIXES | {".json", ".csv", ".tsv", ".parquet", ".arrow"}
+"""Extensions of the other files datasets' json, csv, parquet and arrow loaders read."""
 
 
-def _text_files(folder: Path) -> list[Path]:
-    """The plain text files under ``folder`` (sorted) that a pattern ``folder/**/*<ext>`` gives
-    datasets: none hidden, none in a ``__`` folder, none of the names it never lists from a
-    pattern (a dataset card ``README.md``)."""
+def _text_files(folder: Path, suffixes: frozenset[str] = _TEXT_SUFFIXES) -> list[Path]:
+    """The files under ``folder`` (sorted) of the extensions ``suffixes`` (plain text files by
+    default) that a pattern ``folder/**/*<ext>`` gives datasets: none hidden, none in a ``__``
+    folder, none of the names it never lists from a pattern (a dataset card ``README.md``)."""
     from datasets.data_files import FILES_TO_IGNORE
 
     def seen(f: Path) -> bool:
@@ -464,9 +487,7 @@ def _text_files(folder: Path) -> list[Path]:
         )
 
     return sorted(
-        f
-        for f in folder.rglob("*")
-        if f.suffix.lower() in _TEXT_SUFFIXES and seen(f) and f.is_file()
+        f for f in folder.rglob("*") if f.suffix.lower() in suffixes and seen(f) and f.is_file()
     )
 
 

@@ -325,7 +325,7 @@ def _hf_dataset(cfg: Any) -> Any:
         where=f"data.path={cfg.path}",
         files_option="data.hf_data_files=<file, pattern or list>",
     )
-    if left_out := dataset.left_out_text_files():
+    if left_out := dataset.left_out_files():
         _warn("%s", left_out)
     return dataset
 

@@ -269,7 +269,7 @@ def iter_hf_texts(
             f"--hf {loader} --data-files " + " ".join(map(shlex.quote, files))
         ),
     )
-    if left_out := dataset.left_out_text_files():
+    if left_out := dataset.left_out_files():
         _warn(left_out)
     rows = dataset.guard(lambda: iter(dataset.load(split, "--split")), split)
     nulls = 0

@@ -473,6 +473,62 @@ def test_a_missing_relative_path_is_shown_with_the_absolute_one(tmp_path, monkey
     assert "(=" not in str(err.value)  # an absolute path is shown once
 
 
+def test_a_file_of_a_token_folder_as_data_path_names_the_folder(tmp_path) -> None:
+    """data.path=<token folder>/tokens.bin (llm.c's habit: the .bin is the data) trained on the
+    folder's documents run together without a BOS between them, and its doc_offsets.npy on
+    document offsets taken for token ids, until one above the vocabulary stopped the run with
+    the advice to enlarge the vocabulary. Both are refused now, naming the folder to give."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from fot.data.tokens import write_token_documents
+
+    texts = ["The first document.", "A second one, a little longer than the first.", "Third."]
+    enc = get_encoding()
+    folder = tmp_path / "tok"
+    write_token_documents(folder, [enc.encode_ordinary(t) for t in texts])
+    T = 4
+    for name, why in (
+        ("tokens.bin", "it holds the documents back to back with no BOS between them (their "
+         "boundaries are in doc_offsets.npy)"),
+        ("doc_offsets.npy", "it holds where the documents start, not token ids"),
+        ("meta.json", "a token folder is read whole"),
+    ):  # fmt: skip
+        for key in ("path", "val_path"):
+            paths = {"path": str(folder), key: str(folder / name)}
+            with pytest.raises(ValueError) as info:
+                build_sources(_cfg(kind="tokens", seq_len=T, val_tokens=T, **paths))
+            assert str(info.value) == (
+                f"data.{key}={folder / name} is a file of the token folder {folder}, not token "
+                f"data of its own: {why}. Set data.{key}={folder}"
+            )
+    held = tmp_path / "held"
+    write_token_documents(held, [enc.encode_ordinary(t) for t in texts])
+    cfg = _cfg(kind="tokens", seq_len=T, val_tokens=T, path=str(folder), val_path=str(held))
+    oracle = _packed(texts, T)
+    n = oracle.num_sequences
+    for source in build_sources(cfg):  # the fix reads the documents with their boundaries
+        np.testing.assert_array_equal(source.read(0, n)[0], oracle.read(0, n)[0])
+    # train.py: one line, exit status 2, for a path relative to the working folder too
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [sys.executable, str(root / "train.py"), "data=tokens", "data.path=tok/tokens.bin",
+         f"out_dir={tmp_path / 'run'}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": str(root)},
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-2:] == [
+        "train.py: error: data.path=tok/tokens.bin is a file of the token folder tok, not token "
+        "data of its own: it holds the documents back to back with no BOS between them (their "
+        "boundaries are in doc_offsets.npy). Set data.path=tok",
+        "(set HYDRA_FULL_ERROR=1 for the traceback)",
+    ]
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_slice_of_a_streamed_split_and_a_longcrawl64_folder_as_tokens_name_the_fix(
     tmp_path, capsys
 ) -> None:

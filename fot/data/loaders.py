@@ -159,7 +159,7 @@ def open_token_path(
         cache_bytes: a zarr array's chunk cache (``data.cache_mib``; ``None``: sized for
             ``seq_len``).
     """
-    from fot.data.tokens import TokenDocuments
+    from fot.data.tokens import TokenDocuments, is_token_folder
 
     if is_url(path):
         if not zarr_exists(path, storage_options):
@@ -180,6 +180,16 @@ def open_token_path(
     if p.is_dir():
         docs = TokenDocuments(p)
         return _named(key, p, lambda: _documents_source(docs, seq_len, packing))
+    if is_token_folder(p.parent):
+        why = {
+            "tokens.bin": "it holds the documents back to back with no BOS between them (their "
+            "boundaries are in doc_offsets.npy)",
+            "doc_offsets.npy": "it holds where the documents start, not token ids",
+        }.get(p.name, "a token folder is read whole")
+        raise ValueError(
+            f"{key}={p} is a file of the token folder {p.parent}, not token data of its own: "
+            f"{why}. Set {key}={p.parent}"
+        )
     if packing == "padded":
         raise ValueError(
             f"data.packing=padded needs document boundaries, but {p} is a flat token file; use "

@@ -56,7 +56,7 @@ from typing import Any
 
 import numpy as np
 
-from fot.data.tokens import FORMAT, replace_folders, write_token_documents
+from fot.data.tokens import is_token_folder, replace_folders, write_token_documents
 from fot.data.zarr_store import shown_path
 from fot.errors import USER_ERRORS, WriteError, cannot_write, parse_args_naming_typos
 from fot.interrupt import StopOnSignal, check_stop
@@ -333,14 +333,6 @@ def _absolute(path: str | Path) -> Path:
     return Path(os.path.abspath(Path(path).expanduser()))
 
 
-def _token_folder_format(p: Path) -> object:
-    """The ``format`` in ``p/meta.json`` (``FORMAT`` for a token folder), else None."""
-    try:
-        return json.loads((p / "meta.json").read_text()).get("format") if p.is_dir() else None
-    except (OSError, ValueError, AttributeError):
-        return None
-
-
 def _check_replaceable(path: str | Path, flag: str) -> None:
     """Refuse an output path that exists and is not a token folder (it would be deleted).
 
@@ -351,7 +343,7 @@ def _check_replaceable(path: str | Path, flag: str) -> None:
     blocker = next((a for a in p.parents if a.exists() and not a.is_dir()), None)
     if blocker is not None:
         raise ValueError(f"{flag} {p} lies under the file {blocker}; choose a folder path")
-    inside = next((a for a in p.parents if _token_folder_format(a) == FORMAT), None)
+    inside = next((a for a in p.parents if is_token_folder(a)), None)
     if inside is not None:
         raise ValueError(
             f"{flag} {p} lies inside the token folder {inside}, which is deleted whenever that "
@@ -359,7 +351,7 @@ def _check_replaceable(path: str | Path, flag: str) -> None:
         )
     if not p.exists() and not p.is_symlink():
         return
-    if _token_folder_format(p) != FORMAT:
+    if not is_token_folder(p):
         raise ValueError(
             f"{flag} {p} exists and is not a token folder; it would be replaced, and everything "
             f"in it deleted. Choose a new folder for {flag} (an existing token folder is "

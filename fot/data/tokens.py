@@ -29,6 +29,15 @@ FORMAT = "fot-tokens"
 VERSION = 1
 
 
+def is_token_folder(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a token folder: a folder whose ``meta.json`` says ``fot-tokens``."""
+    p = Path(path)
+    try:
+        return p.is_dir() and json.loads((p / "meta.json").read_text()).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 class TokenDocuments(Sequence):
     """Read-only view of a token folder; ``docs[i]`` is document i as a uint16 array."""
 

@@ -280,6 +280,54 @@ def test_a_folder_written_by_save_to_disk_is_read_with_load_from_disk(tmp_path, 
         build_sources(_cfg(kind="hf", path=str(single), hf_data_files="a.jsonl", seq_len=T))
 
 
+def test_a_folder_given_to_the_other_data_kind_names_the_kind_that_reads_it(
+    tmp_path, capsys
+) -> None:
+    """A token folder given to data=hf (prepare's output, the data group left as it was) was
+    read by datasets as its meta.json, a dataset of one row, and refused with "set
+    data.text_field to the text column", which no column fixes; a save_to_disk folder given to
+    data=tokens was told only to make a token folder. Each now names the data kind that
+    reads it, and that kind does."""
+    import datasets
+
+    from fot.data.prepare import main
+    from fot.data.tokens import write_token_documents
+
+    texts = ["The first document.", "A second one, a little longer than the first.", "Third."]
+    enc = get_encoding()
+    T = 4
+    oracle = _packed(texts, T)
+    n = oracle.num_sequences
+    tok = tmp_path / "tok"
+    write_token_documents(tok, [enc.encode_ordinary(t) for t in texts])
+    with pytest.raises(ValueError) as info:
+        build_sources(_cfg(kind="hf", path=str(tok), seq_len=T))
+    assert str(info.value) == (
+        f"data.path={tok} is a token folder (written by `python -m fot.data.prepare`), already "
+        f"tokenized: train on it with data=tokens data.path={tok}"
+    )
+    np.testing.assert_array_equal(
+        build_sources(_cfg(kind="tokens", path=str(tok), seq_len=T))[0].read(0, n)[0],
+        oracle.read(0, n)[0],
+    )
+    assert main(["--hf", str(tok), "--out", str(tmp_path / "again")]) == 2
+    assert capsys.readouterr().err == (
+        f"error: dataset {tok} is a token folder (written by `python -m fot.data.prepare`), "
+        f"already tokenized: train on it with data=tokens data.path={tok}\n"
+    )
+    saved = tmp_path / "saved"
+    datasets.Dataset.from_dict({"text": texts}).save_to_disk(str(saved))
+    with pytest.raises(FileNotFoundError) as info:
+        build_sources(_cfg(kind="tokens", path=str(saved), seq_len=T))
+    assert str(info.value).endswith(
+        f"It holds a Dataset written by save_to_disk: train on it with data=hf data.path={saved}."
+    )
+    np.testing.assert_array_equal(
+        build_sources(_cfg(kind="hf", path=str(saved), seq_len=T))[0].read(0, n)[0],
+        oracle.read(0, n)[0],
+    )
+
+
 def test_hf_loader_without_data_files_is_refused(tmp_path, monkeypatch, capsys) -> None:
     """`data=hf data.path=text` without data.hf_data_files (and `prepare --hf text` without
     --data-files) trained on whatever datasets found under the working directory: run from

@@ -32,6 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from fot.data.tokens import is_token_folder
 from fot.errors import FotError
 
 _T = TypeVar("_T")
@@ -114,6 +115,11 @@ class HFDataset:
         """The datasets loader that reads the files (``text``, ``json``, ..., or one that
         datasets chose from a local folder's file extensions)."""
         local = Path(path)
+        if is_token_folder(local):  # datasets would read its meta.json as a one-row dataset
+            raise HFDataError(
+                f"{where} is a token folder (written by `python -m fot.data.prepare`), already "
+                f"tokenized: train on it with data=tokens data.path={path}"
+            )
         self.saved = saved_to_disk(local) if local.is_dir() else None
         """``"Dataset"``/``"DatasetDict"``: a folder written by ``save_to_disk``, read with
         ``datasets.load_from_disk``; ``None`` otherwise."""

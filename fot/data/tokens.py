@@ -56,6 +56,14 @@ class TokenDocuments(Sequence):
                 if arrays
                 else ""
             )
+            if not arrays and self.path.is_dir():
+                from fot.data.hf import saved_to_disk
+
+                if saved := saved_to_disk(self.path):
+                    read_as = (
+                        f" It holds a {saved} written by save_to_disk: train on it with "
+                        f"data=hf data.path={self.path}."
+                    )
             raise FileNotFoundError(
                 f"{self.path} is not a token folder (no meta.json). Create one with "
                 f"`python -m fot.data.prepare --help`.{read_as}"

@@ -814,6 +814,19 @@ def test_a_folder_of_several_file_kinds_warns_of_the_files_datasets_leaves_out(
     caplog.clear()
     build_sources(_cfg(kind="hf", path=str(tables), seq_len=4, val_tokens=0))
     assert "leaves out" not in capsys.readouterr().err + caplog.text
+    # files of the kind read that a dataset card's configs leave out: no warning either
+    card = tmp_path / "card"
+    for lang in ("en", "fr"):
+        (card / lang).mkdir(parents=True)
+        _jsonl(card / lang / "a.jsonl", [{"text": f"a document in {lang}"}])
+    (card / "README.md").write_text(
+        "---\nconfigs:\n- config_name: en\n  data_files: en/*.jsonl\n  default: true\n"
+        "- config_name: fr\n  data_files: fr/*.jsonl\n---\n"
+    )
+    for name in (None, "fr"):
+        assert list(iter_hf_texts(str(card), name=name)) == [f"a document in {name or 'en'}"]
+        build_sources(_cfg(kind="hf", path=str(card), hf_name=name, seq_len=4, val_tokens=0))
+    assert "leaves out" not in capsys.readouterr().err + caplog.text
 
 
 # Folder names with characters Hydra's override grammar reads specially (in a list, or at all),

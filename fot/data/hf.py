@@ -192,14 +192,17 @@ class HFDataset:
         numerous). It names them and how to read them all: text files left out of a folder
         read as text, with the text loader's hint; files of other kinds, into one token folder
         with ``fot.data.prepare`` (which reads ``.jsonl`` and text files together). ``None``
-        where none are left out, or data files or a ``save_to_disk`` folder were given."""
+        where none are left out, or data files or a ``save_to_disk`` folder were given. Files
+        of an extension it reads are never named: a dataset card's configs leave them out."""
         folder = Path(self.path)
         if self.data_files is not None or self.saved is not None or not folder.is_dir():
             return None
         read = {Path(f).resolve() for split in (self._data_files or {}).values() for f in split}
         texts = _text_files(folder)
         found = _text_files(folder, _TEXT_SUFFIXES | _TABLE_SUFFIXES)
-        left = [f for f in found if f.resolve() not in read]
+        # files of a kind it reads are left out on purpose (a dataset card's configs)
+        kinds_read = {f.suffix.lower() for f in read}
+        left = [f for f in found if f.suffix.lower() not in kinds_read]
         if not left:
             return None
         shown = ", ".join(str(f) for f in left[:3]) + (

@@ -1,14 +1,15 @@
 """Hugging Face datasets for ``data=hf`` and ``python -m fot.data.prepare --hf``.
 
-Two things differ from a plain ``datasets.load_dataset`` call:
+What differs from a plain ``datasets.load_dataset`` call:
 
 * Where the dataset resolves to datasets' ``text`` loader (``text`` with data files, or a local
   folder of ``.txt`` files that datasets reads as text), every file is one document
   (``sample_by="document"``), as with ``python -m fot.data.prepare <folder>``; datasets'
   default would make every line a document and drop the newlines.
-* Where datasets reads a local folder as text but only the files of its most common text
-  extension (of ``.txt`` and ``.md`` notes, the ``.txt``), :meth:`HFDataset.left_out_text_files`
-  names the others and the data files that read them all, for a warning.
+* Where datasets reads a local folder's files of one kind only, that of its most common
+  extension (of ``.txt`` and ``.md`` notes the ``.txt``, of ``.txt`` files and a ``.jsonl`` the
+  ``.txt``), :meth:`HFDataset.left_out_files` names the others and how to read them all, for a
+  warning.
 * Where a local folder's path holds glob characters, datasets globs it (``d[1]`` reads the
   files of ``d1/``, ``no*tes`` those of ``notes/`` too): a folder it reads files outside of,
   or none of, is refused with the loader and the folder's escaped patterns that read it.

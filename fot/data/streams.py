@@ -776,8 +776,11 @@ def first_bad_token_id(batches: Sequence[Batch], vocab_size: int) -> int | None:
 def token_id_error(bad: int, vocab_size: int, *, what: str) -> ValueError:
     """The error for token id ``bad`` of ``what`` (``training data``, ...) outside
     ``[0, vocab_size)``, with the fixes."""
+    # the first id outside seen, not the largest: vocab_size=bad+1 can stop at a later step
     larger = (
-        f", or give the model a larger vocabulary (++model.overrides={{vocab_size:{bad + 1}}})"
+        ", or give the model the vocabulary of the tokenizer that made it "
+        "(++model.overrides={vocab_size:<that tokenizer's vocabulary size>}, which is more "
+        f"than {bad}; ids above {bad} may follow)"
         if bad > 0
         else ""
     )

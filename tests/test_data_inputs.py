@@ -611,6 +611,10 @@ def test_a_slice_of_a_streamed_split_and_a_longcrawl64_folder_as_tokens_name_the
 
 
 def test_validating_on_the_training_data_warns(tmp_path, caplog) -> None:
+    import shlex
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
     from fot.data.tokens import write_token_documents
 
     rng = np.random.default_rng(0)
@@ -658,6 +662,14 @@ def test_validating_on_the_training_data_warns(tmp_path, caplog) -> None:
             build_sources(cfg)
         warned = [w for w in _data_warnings(caplog) if "validation measures the training data" in w]
         assert len(warned) == (1 if cfg in same else 0), (cfg.kind, cfg.get("val_path"), warned)
+        if warned and cfg.kind == "hf":  # its example works as written on a command line
+            example = warned[0].split("(e.g. ", 1)[1].split("), or map", 1)[0]
+            parsed = OverridesParser.create().parse_overrides(shlex.split(example))
+            base = str(cfg.hf_split).split("[")[0].split("+")[0]
+            assert {o.key_or_group: o.value() for o in parsed} == {
+                "data.hf_split": f"{base}[1%:]",
+                "data.hf_val_split": f"{base}[:1%]",
+            }, example
 
 
 def test_the_text_loader_hint_for_a_mixed_folder_names_all_its_text_files(tmp_path, capsys) -> None:

@@ -394,16 +394,20 @@ def _warn_if_validating_on_training_data(cfg: Any, dataset: Any = None) -> None:
         if shared is None:
             return
         how, certain = shared
+        # slices of the split it trains on, quoted for Hydra inside the shell's quotes
+        base = re.split(r"[\[+]", split)[0].strip() or "train"
         _warn(
             "data.hf_val_split=%s %s data.hf_split=%s (%s): validation %s the training data. "
-            "Hold out a part instead (e.g. data.hf_split='train[1%%:]' "
-            "data.hf_val_split='train[:1%%]'), or map a split to other files in "
+            "Hold out a part instead (e.g. 'data.hf_split=\"%s[1%%:]\"' "
+            "'data.hf_val_split=\"%s[:1%%]\"'), or map a split to other files in "
             "data.hf_data_files",
             val_split,
             "reads rows of" if certain else "may read rows of",
             split,
             how,
             "measures" if certain else "would then measure",
+            base,
+            base,
         )
         return
     train = Path(str(cfg.path)).expanduser().resolve()

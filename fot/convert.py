@@ -773,20 +773,36 @@ def source_kind(cfg: Any) -> str:
     )
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")  # fmt: skip
+"""The files of a Hugging Face tokenizer that :func:`copy_tokenizer` copies."""
+
+
 def copy_tokenizer(src: str | os.PathLike, out: str | os.PathLike, text_escaping: str) -> list[str]:
     """Copy the tokenizer files of checkpoint folder ``src`` into export ``out``, recording
-    ``text_escaping`` for ``fot.eval`` when it is not ``"none"``; returns the names copied."""
+    ``text_escaping`` for ``fot.eval`` (``"none"``: none, also where ``src`` recorded one).
+
+    Tokenizer files in ``out`` that ``src`` lacks (an earlier export's GPT-2 ``vocab.json``
+    beside another tokenizer's ``tokenizer.json``) are removed, so that ``out`` holds one
+    tokenizer.
+
+    Returns:
+        The names copied.
+    """
     from fot.tokenizer import TEXT_ESCAPING_KEY
 
-    names = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-             "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")  # fmt: skip
-    copied = [n for n in names if (Path(src) / n).is_file()]
-    for name in copied:
-        shutil.copyfile(Path(src) / name, Path(out) / name)
-    if text_escaping != "none" and copied:
-        config_file = Path(out) / "tokenizer_config.json"
-        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
-        config[TEXT_ESCAPING_KEY] = text_escaping
+    copied = [n for n in TOKENIZER_FILES if (Path(src) / n).is_file()]
+    for name in TOKENIZER_FILES:
+        if name in copied:
+            shutil.copyfile(Path(src) / name, Path(out) / name)
+        else:
+            Path(out, name).unlink(missing_ok=True)
+    config_file = Path(out) / "tokenizer_config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    recorded = config.pop(TEXT_ESCAPING_KEY, "none")
+    if copied and recorded != text_escaping:
+        if text_escaping != "none":
+            config[TEXT_ESCAPING_KEY] = text_escaping
         config_file.write_text(json.dumps(config, indent=2) + "\n")
     return copied
 

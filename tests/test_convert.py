@@ -487,6 +487,52 @@ def test_the_command_converts_an_fla_folder_with_its_own_tokenizer(tmp_path, dev
     assert text_escaping_of(AutoTokenizer.from_pretrained(tmp_path / "json")) == "json"
 
 
+# the files of a Hugging Face tokenizer
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")  # fmt: skip
+
+
+def save_own_tokenizer(folder: Path) -> None:
+    """Save a tokenizer that is not GPT-2's into ``folder`` (letters, ``<s>`` and ``</s>`` as
+    ids 1 and 2, as Llama's, which FLA's flame trains with): ``tokenizer.json`` and
+    ``tokenizer_config.json``, as ``save_pretrained`` of a fast tokenizer writes them."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{chr(97 + i): 3 + i for i in range(26)}}
+    words = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    PreTrainedTokenizerFast(
+        tokenizer_object=words, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    ).save_pretrained(folder)
+
+
+def test_converting_into_an_earlier_export_leaves_only_the_new_models_tokenizer(
+    tmp_path, capsys
+) -> None:
+    """An FLA FoX converted into the folder of an earlier export of the paper's model (the
+    command takes an earlier export as its output) kept that export's GPT-2 vocab.json and
+    merges.txt beside the FLA model's own tokenizer.json, and, where the FLA folder had no
+    tokenizer, all of GPT-2's files (with its JSON escaping recorded) while it said to copy
+    the model's tokenizer there: a tokenizer that was not the model's. The folder now holds
+    exactly the FLA folder's tokenizer files, or none."""
+    out = tmp_path / "out"
+    assert main([str(PAPER / "fox_llama"), str(out)]) == 0
+    assert (out / "vocab.json").is_file()
+    fla = tmp_path / "fla"
+    _fla_checkpoint(fla)
+    assert main([str(fla), str(out)]) == 0
+    assert not any((out / name).exists() for name in TOKENIZER_FILES)
+    assert "holds no tokenizer files: copy the tokenizer" in capsys.readouterr().err
+    assert main([str(PAPER / "fox_llama"), str(out)]) == 0
+    save_own_tokenizer(fla)
+    assert main([str(fla), str(out)]) == 0
+    present = sorted(name for name in TOKENIZER_FILES if (out / name).exists())
+    assert present == ["tokenizer.json", "tokenizer_config.json"]
+    for name in present:
+        assert (out / name).read_bytes() == (fla / name).read_bytes(), name
+
+
 @pytest.mark.parametrize(
     ("setting", "message"),
     [({"qkv_bias": True}, r"qkv_bias=true: fot's q/k/v projections have no bias"),

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_train import _cfg, _losses
+from test_train import ROOT, SMALL, _cfg, _losses, _run_script
 
 from fot import presets
 from fot.training import train
@@ -598,3 +598,66 @@ def test_fot_eval_names_the_export_command_for_a_training_checkpoint(source_run)
     command = re.search(r"`python -m fot.export (\S+) (\S+)`", str(e.value))
     assert command.group(1) == str(ckpt)
     assert command.group(2) == str(source_run / "hf_step_00000002")
+
+
+def _fla_with_its_own_tokenizer(folder: Path) -> Path:
+    """A tiny FLA FoX of test_train's small model size (GPT-2's vocabulary size) saved with a
+    tokenizer of its own (test_convert's), where fot's trainer tokenizes with GPT-2."""
+    from fla.models import ForgettingTransformerConfig, ForgettingTransformerForCausalLM
+    from test_convert import save_own_tokenizer
+
+    config = ForgettingTransformerConfig(vocab_size=50257, fuse_cross_entropy=False, **SMALL_MODEL)
+    torch.manual_seed(0)
+    ForgettingTransformerForCausalLM(config).save_pretrained(folder)
+    save_own_tokenizer(folder)
+    return folder
+
+
+def test_a_run_from_a_model_with_its_own_tokenizer_exports_that_tokenizer(tmp_path) -> None:
+    """init_from an FLA FoX with its own tokenizer, trained on ids of that tokenizer (a flat
+    .npy): the run's export and python -m fot.export of its checkpoint wrote GPT-2's
+    tokenizer and <|endoftext|> (50256) as bos and eos beside the model, so AutoTokenizer and
+    generate() used another tokenizer than the model's. They now carry the source's tokenizer
+    files, byte for byte, and its bos/eos ids; and a run that would tokenize text with GPT-2
+    for it (data=sample) is refused before its folder is made, in one line, with status 2."""
+    from test_convert import TOKENIZER_FILES
+    from transformers import AutoConfig, AutoTokenizer
+
+    from fot.export import main as export_main
+
+    fla = _fla_with_its_own_tokenizer(tmp_path / "fla")
+    rng = np.random.default_rng(0)
+    for name in ("ids.npy", "heldout.npy"):
+        np.save(tmp_path / name, rng.integers(0, 29, 4096).astype(np.uint16))
+    out = tmp_path / "run"
+    data = [f"data.path={tmp_path / 'ids.npy'}", f"data.val_path={tmp_path / 'heldout.npy'}"]
+    settings = ["model=fot_llama", "data=tokens", *data, "data.seq_len=64", "export_hf=true"]
+    train(_cfg(out, *ONE_STEP, f"init_from={fla}", *settings))
+    step_1 = out / "checkpoints" / "step_00000001"
+    assert export_main([str(step_1), str(tmp_path / "step")]) == 0
+    # a branch from the run's checkpoint carries it on
+    train(_cfg(tmp_path / "branch", "total_tokens=512", f"branch_from={step_1}", *settings))
+    for folder in (out / "hf", tmp_path / "step", tmp_path / "branch" / "hf"):
+        files = sorted(p.name for p in folder.iterdir() if p.name in TOKENIZER_FILES)
+        assert files == ["tokenizer.json", "tokenizer_config.json"], (folder, files)
+        for name in files:
+            assert (folder / name).read_bytes() == (fla / name).read_bytes(), (folder, name)
+        tok = AutoTokenizer.from_pretrained(folder)
+        assert tok.get_vocab() == AutoTokenizer.from_pretrained(fla).get_vocab()
+        config = AutoConfig.from_pretrained(folder)
+        assert (config.bos_token_id, config.eos_token_id) == (1, 2), folder
+        generation = json.loads((folder / "generation_config.json").read_text())
+        assert (generation["bos_token_id"], generation["eos_token_id"]) == (1, 2), folder
+    refused = tmp_path / "refused"
+    cmd = [sys.executable, str(ROOT / "train.py"), *SMALL, *ONE_STEP, f"out_dir={refused}",
+           "model=fot_llama", f"init_from={fla}"]  # fmt: skip
+    res = _run_script(cmd, cwd=tmp_path)
+    lines = [line for line in res.stderr.splitlines() if "Warning" not in line]
+    assert res.returncode == 2, res.stderr
+    assert lines[-2] == (
+        f"train.py: error: init_from={fla} was trained with its own tokenizer, not GPT-2's, "
+        "which data=sample reads: tokenize the training and held-out text with that tokenizer "
+        "into flat .npy or .bin files of ids and pass data=tokens data.path=<that file> "
+        "data.val_path=<the held-out file>"
+    ), res.stderr
+    assert not refused.exists()

@@ -326,6 +326,20 @@ def to_container(cfg: DictConfig) -> dict[str, Any]:
     return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
 
 
+def reads_ids_as_they_are(data: Any) -> bool:
+    """Whether the data config ``data`` trains on token ids as they are, of any tokenizer:
+    ``data=tokens`` from a flat ``.npy`` or ``.bin`` file (and held-out data of one, where the
+    run validates). Every other reader tokenizes with GPT-2 or puts GPT-2's ``<|endoftext|>``
+    before each document."""
+
+    def is_flat(path: object) -> bool:
+        return str(path).endswith((".npy", ".bin"))  # (the loader's test: case-sensitive)
+
+    validates = int(data.val_tokens) > 0 and data.val_path is not None
+    flat = data.kind == "tokens" and is_flat(data.path)
+    return flat and not (validates and not is_flat(data.val_path))
+
+
 def check_config(cfg: DictConfig) -> list[str]:
     """Refuse values that no part of training would reject before it has run (or would
     silently reinterpret), and return warnings for values that run but likely not as meant.
@@ -457,13 +471,7 @@ def check_config(cfg: DictConfig) -> list[str]:
 
     # every reader but that of a flat .npy/.bin file (ids as they are) puts <|endoftext|>
     # before each document; the batch check blamed the data, after the run folder was made
-    def is_flat(path: object) -> bool:
-        return str(path).endswith((".npy", ".bin"))  # (the loader's test: case-sensitive)
-
-    validates = int(cfg.data.val_tokens) > 0 and cfg.data.val_path is not None
-    flat = cfg.data.kind == "tokens" and is_flat(cfg.data.path)
-    flat = flat and not (validates and not is_flat(cfg.data.val_path))
-    if vocab_size <= EOT_ID and not flat:
+    if vocab_size <= EOT_ID and not reads_ids_as_they_are(cfg.data):
         raise ValueError(
             f"model.overrides.vocab_size={vocab_size} leaves out <|endoftext|> (GPT-2 id "
             f"{EOT_ID}), which data={cfg.data.kind} puts before every document: use a "

@@ -184,6 +184,47 @@ def _hf_source(p: Path) -> InitSource:
     return InitSource(p, "hf", config)
 
 
+TOKENIZER_FOLDER = "tokenizer"
+"""The run folder's copy of the tokenizer of the weights it started from, where that is not
+fot's GPT-2 tokenizer (:func:`own_tokenizer`); the run's exports carry it instead of GPT-2's."""
+
+
+def own_tokenizer(source: InitSource) -> Path | None:
+    """The folder with the tokenizer of ``source``'s model, where that is not fot's GPT-2
+    tokenizer (which a run's export writes otherwise): an FLA model's own (``python -m
+    fot.convert`` keeps it), or the one a training checkpoint's run carried
+    (:data:`TOKENIZER_FOLDER`). ``None`` for GPT-2's, or a folder without tokenizer files.
+
+    Raises:
+        InitFromError: the folder's tokenizer files do not load.
+    """
+    from transformers import AutoTokenizer
+
+    from fot.convert import TOKENIZER_FILES
+    from fot.tokenizer import bpe_files
+
+    if source.kind == "checkpoint":
+        carried = source.path.parent.parent / TOKENIZER_FOLDER
+        return carried if carried.is_dir() else None
+    if not any((source.path / name).is_file() for name in TOKENIZER_FILES):
+        return None
+    gpt2 = bpe_files()  # a fot export's files are GPT-2's own: no need to load them
+    if not (source.path / "tokenizer.json").exists() and all(
+        (source.path / name).is_file()
+        and (source.path / name).read_bytes() == gpt2[ours].read_bytes()
+        for name, ours in (("vocab.json", "encoder.json"), ("merges.txt", "vocab.bpe"))
+    ):
+        return None
+    try:
+        vocab = AutoTokenizer.from_pretrained(str(source.path)).get_vocab()
+    except Exception as err:  # a tokenizer library has many ways to fail
+        raise InitFromError(
+            f"init_from={source.path}: its tokenizer files do not load ({str(err)[:200]}); "
+            "copy them from where the model came from again"
+        ) from None
+    return None if vocab == json.loads(gpt2["encoder.json"].read_text()) else source.path
+
+
 def _comparable(config: Any) -> dict[str, Any]:
     """The fields of ``config`` that decide what its model computes, by override key."""
     from transformers import PretrainedConfig

@@ -16,6 +16,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -42,6 +43,7 @@ from fot.provenance import git_sha, library_versions, sweep_folder
 from fot.training import checkpoint as ckpt
 from fot.training.config import ScheduleConfig, check_config, to_container
 from fot.training.cuda_graph import GraphedStep, check_cuda_graphs
+from fot.training.init_weights import TOKENIZER_FOLDER
 from fot.training.metrics import (
     FlopCounter,
     MetricsLogger,
@@ -402,17 +404,64 @@ def evaluate(
 
 
 def export_hf_folder(
-    model: nn.Module, hf_config: Any, out: Path, *, is_main: bool, text_escaping: str = "none"
+    model: nn.Module,
+    hf_config: Any,
+    out: Path,
+    *,
+    is_main: bool,
+    text_escaping: str = "none",
+    tokenizer: Path | None = None,
 ) -> Path | None:
     """Gather the full weights and write an HF folder (weights, config, tokenizer) on rank 0;
-    ``text_escaping`` (``fot.tokenizer.TEXT_ESCAPINGS``) is recorded with the tokenizer."""
+    ``text_escaping`` (``fot.tokenizer.TEXT_ESCAPINGS``) is recorded with the tokenizer, which
+    is GPT-2's, or that of the folder ``tokenizer`` (:func:`export_with_tokenizer`)."""
     state = ckpt.gather_model_state(model)
     with stop_together(f"while exporting to {out}"):  # rank 0's failure stops every rank
         if is_main:
-            from fot.export import export_hf
-
-            export_hf(_cpu_model(hf_config, state), out, text_escaping=text_escaping)
+            export_with_tokenizer(_cpu_model(hf_config, state), out, text_escaping, tokenizer)
     return out if is_main else None
+
+
+def export_with_tokenizer(
+    model: nn.Module, out: Path, text_escaping: str, tokenizer: Path | None
+) -> Path:
+    """:func:`fot.export.export_hf` with GPT-2's tokenizer, or, where ``tokenizer`` is a folder
+    (a run's :data:`fot.training.init_weights.TOKENIZER_FOLDER`), with that folder's tokenizer
+    files and its bos, eos and pad token ids in the model's config and generation config."""
+    from fot.export import export_hf
+
+    if tokenizer is None or not tokenizer.is_dir():
+        return export_hf(model, out, text_escaping=text_escaping)
+    from transformers import AutoTokenizer
+
+    from fot.convert import copy_tokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer))
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        setattr(model.config, key, getattr(tok, key))
+        if getattr(model, "generation_config", None) is not None:
+            setattr(model.generation_config, key, getattr(tok, key))
+    export_hf(model, out, tokenizer=False)
+    copy_tokenizer(tokenizer, out, text_escaping)
+    return out
+
+
+def _carry_tokenizer(source: Path | None, folder: Path) -> None:
+    """Make ``folder`` (a run's :data:`fot.training.init_weights.TOKENIZER_FOLDER`) a copy of
+    the tokenizer folder ``source``, or remove it where ``source`` is None (a run started over
+    in its folder exports GPT-2's tokenizer again)."""
+    from fot.convert import copy_tokenizer
+
+    if source is not None and source.resolve() == folder.resolve():
+        return  # init_from a checkpoint of this folder's own earlier run
+    staged = folder.with_name(f".{folder.name}.new-{os.getpid()}")
+    shutil.rmtree(staged, ignore_errors=True)
+    if source is not None:  # copied whole, then renamed: a kill leaves no part of it
+        staged.mkdir()
+        copy_tokenizer(source, staged, "none")
+    shutil.rmtree(folder, ignore_errors=True)
+    if source is not None:
+        os.rename(staged, folder)
 
 
 def _cpu_model(hf_config: Any, state: dict[str, torch.Tensor]) -> nn.Module:
@@ -465,7 +514,7 @@ def export_checkpoint(path: str | os.PathLike, out: str | os.PathLike) -> Path:
         FileExistsError, NotADirectoryError: ``out`` holds other files and no earlier
             export (:func:`fot.export.check_export_folder`), or is a file.
     """
-    from fot.export import check_export_folder, export_hf
+    from fot.export import check_export_folder
 
     p, o = Path(path), Path(out)
     if not (p / "trainer.json").is_file():
@@ -497,7 +546,7 @@ def export_checkpoint(path: str | os.PathLike, out: str | os.PathLike) -> Path:
             f"checkpoint {path}: model.pt does not fit the model its trainer.json describes "
             f"({str(err)[:300]}); the folder mixes files of different runs"
         ) from None
-    return export_hf(model, out, text_escaping=escaping)
+    return export_with_tokenizer(model, o, escaping, p.parent.parent / TOKENIZER_FOLDER)
 
 
 def _from_rank0(obj: Any) -> Any:
@@ -1161,6 +1210,11 @@ def _train(
 
     # ---- weights to start from (a new run only; checked before the run folder is made) ---
     init_source = None
+    # the tokenizer the run's exports carry instead of GPT-2's: that of the weights it starts
+    # from, or of the run whose checkpoint it branches from
+    carried_tokenizer = None
+    if elsewhere and (resume_from.parent.parent / TOKENIZER_FOLDER).is_dir():
+        carried_tokenizer = resume_from.parent.parent / TOKENIZER_FOLDER
     if cfg.init_from not in (None, ""):
         if resume_from is not None:
             started_from = (saved.get("config") or {}).get("init_from")
@@ -1180,9 +1234,12 @@ def _train(
                     started_from,
                 )
         else:
+            from fot.training.config import reads_ids_as_they_are
             from fot.training.init_weights import (
+                InitFromError,
                 check_init_files,
                 check_init_source,
+                own_tokenizer,
                 read_init_source,
             )
 
@@ -1192,6 +1249,15 @@ def _train(
                 check_init_files(init_source)
             except ckpt.CorruptCheckpointError as err:
                 raise _other_checkpoint_error(err, init_source.path, "init_from") from err
+            carried_tokenizer = own_tokenizer(init_source)
+            if carried_tokenizer is not None and not reads_ids_as_they_are(cfg.data):
+                where = "" if carried_tokenizer == init_source.path else f" ({carried_tokenizer})"
+                raise InitFromError(
+                    f"init_from={cfg.init_from} was trained with its own tokenizer{where}, not "
+                    f"GPT-2's, which data={cfg.data.kind} reads: tokenize the training and "
+                    "held-out text with that tokenizer into flat .npy or .bin files of ids and "
+                    "pass data=tokens data.path=<that file> data.val_path=<the held-out file>"
+                )
 
     # what rank 0 alone does from here on is in `stop_together` blocks: an error there stops
     # every rank with it, where the others would wait for rank 0 in their next collective
@@ -1210,6 +1276,8 @@ def _train(
     with stop_together("while preparing the run folder"):
         if info.is_main:
             ckpt.clean_stale(ckpt_dir)
+            if resume_from is None or elsewhere:  # a first start: this run's own tokenizer
+                _carry_tokenizer(carried_tokenizer, out_dir / TOKENIZER_FOLDER)
             if on_folder is not None:
                 on_folder(out_dir)
     stream = SequenceStream(
@@ -1779,7 +1847,12 @@ def _train(
     if cfg.export_hf:
         hf_config.train_length, escaping = export_settings(cfg)
         hf_dir = export_hf_folder(
-            model, hf_config, out_dir / "hf", is_main=info.is_main, text_escaping=escaping
+            model,
+            hf_config,
+            out_dir / "hf",
+            is_main=info.is_main,
+            text_escaping=escaping,
+            tokenizer=out_dir / TOKENIZER_FOLDER,
         )
         result["hf_dir"] = str(hf_dir) if hf_dir else None
         if info.is_main:

@@ -767,6 +767,12 @@ def source_kind(cfg: Any) -> str:
         return "paper"
     if cfg.get("model_type") == PAPER_SAMBA_MODEL_TYPE:
         raise ConversionError(_SAMBA_REFUSAL)
+    if str(cfg.get("model_type")).startswith("fot"):  # fot, fot_mamba2, ...
+        raise ConversionError(
+            f"config.json has model_type {cfg['model_type']!r}: the folder holds a fot model "
+            "already, which needs no conversion; load it as it is (python -m fot.eval, "
+            "train.py init_from=<the folder>, or AutoModelForCausalLM after import fot)"
+        )
     raise ConversionError(
         f"config.json has model_type {cfg.get('model_type')!r}: fot converts the paper's "
         f"models ({', '.join(PAPER_MODEL_TYPES)}) and FLA's FoX ({FLA_MODEL_TYPE})"
@@ -854,6 +860,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         check_export_folder(args.out, example="checkpoints/fox_pro_760m")
         src = local_folder(args.src)
+        if (src / "trainer.json").is_file():  # read_config would say it has no config.json
+            raise ConversionError(
+                f"{args.src} is a training checkpoint of fot, which needs no conversion: export "
+                f"it with python -m fot.export {args.src} {args.out}, "
+                f"or train on from its weights with train.py init_from={args.src}"
+            )
         source_config = read_config(src)
         fla = source_kind(source_config) == "fla"
         model = from_fla(src) if fla else from_paper(src)

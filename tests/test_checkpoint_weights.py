@@ -661,3 +661,52 @@ def test_a_run_from_a_model_with_its_own_tokenizer_exports_that_tokenizer(tmp_pa
         "data.val_path=<the held-out file>"
     ), res.stderr
     assert not refused.exists()
+
+
+def test_a_fot_checkpoint_or_model_where_another_kind_is_read_names_the_option_that_takes_it(
+    tmp_path, source_run
+) -> None:
+    """python -m fot.convert of a fot training checkpoint said it "has no config.json: pass the
+    folder of a checkpoint (downloaded or copied whole)", which it was; of a fot export, that
+    fot converts the paper's and FLA's models. branch_from= and resume= an export or converted
+    folder said to pass <run>/checkpoints/step_..., of which a converted model has none. Each is
+    now one line with status 2 naming what takes the folder, and that advice works."""
+    from transformers import AutoModelForCausalLM
+
+    step, hf = source_run / "checkpoints" / "step_00000004", source_run / "hf"
+    out = tmp_path / "out"
+
+    def error(*args: str) -> str:
+        res = _run_script([sys.executable, *args], cwd=tmp_path)
+        assert res.returncode == 2, res.stderr
+        (line,) = [x for x in res.stderr.splitlines() if ": error: " in x]
+        return line
+
+    assert error("-m", "fot.convert", str(step), str(out)) == (
+        f"python -m fot.convert: error: {step} is a training checkpoint of fot, which needs no "
+        f"conversion: export it with python -m fot.export {step} {out}, or train on from its "
+        f"weights with train.py init_from={step}"
+    )
+    assert error("-m", "fot.convert", str(hf), str(out)) == (
+        "python -m fot.convert: error: config.json has model_type 'fot': the folder holds a fot "
+        "model already, which needs no conversion; load it as it is (python -m fot.eval, "
+        "train.py init_from=<the folder>, or AutoModelForCausalLM after import fot)"
+    )
+    model_folder = (
+        "is a model's folder (config.json and weights: an export, a converted or downloaded "
+        "checkpoint), not a training checkpoint (no trainer.json: no optimizer state, step or "
+        "data position); a new run starts from its weights with init_from=<that folder>"
+    )
+    run = [str(ROOT / "train.py"), *SMALL, *ONE_STEP, f"out_dir={tmp_path / 'run'}"]
+    assert error(*run, f"branch_from={hf}") == f"train.py: error: branch_from={hf} {model_folder}"
+    assert error(*run, f"resume={hf}") == f"train.py: error: {hf} {model_folder}"
+    assert not out.exists() and not (tmp_path / "run").exists()
+    # the advice: the export and init_from take them
+    res = _run_script([sys.executable, "-m", "fot.export", str(step), str(out)], cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    exported = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    for key, value in _weights(source_run, 4).items():
+        assert torch.equal(exported[key], value), key
+    train(_cfg(tmp_path / "run", *ONE_STEP, f"init_from={hf}"))
+    for key, value in _weights(source_run, 4).items():
+        torch.testing.assert_close(_weights(tmp_path / "run", 1)[key], value, rtol=0, atol=1e-9)

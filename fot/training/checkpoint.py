@@ -203,6 +203,13 @@ def _set_aside(ckpt: Path) -> Path:
     return trash
 
 
+_MODEL_FOLDER = (
+    "is a model's folder (config.json and weights: an export, a converted or downloaded "
+    "checkpoint), not a training checkpoint (no trainer.json: no optimizer state, step or data "
+    "position); a new run starts from its weights with init_from=<that folder>"
+)
+
+
 def not_a_checkpoint(path: str | os.PathLike) -> str:
     """What ``path`` is instead of a checkpoint folder, and the checkpoints beside it or in it:
     ``"... does not exist; that run's checkpoints are step_00000006, step_00000008 (only the
@@ -212,6 +219,8 @@ def not_a_checkpoint(path: str | os.PathLike) -> str:
         what = "does not exist"
     elif not p.is_dir():
         what = "is no folder"
+    elif (p / "config.json").is_file():
+        return f"{p} {_MODEL_FOLDER}"
     else:
         what = "is not a training checkpoint (no trainer.json)"
     inside, beside = list_checkpoints(p / "checkpoints"), list_checkpoints(p.parent)
@@ -568,6 +577,8 @@ def read_trainer_state(path: str | os.PathLike) -> dict[str, Any]:
     """The trainer state saved with a checkpoint (``trainer.json``: step, tokens, data
     position, sizes and the run's resolved config), without loading any tensor."""
     p = Path(path)
+    if not (p / "trainer.json").is_file() and (p / "config.json").is_file():
+        raise FileNotFoundError(f"{p} {_MODEL_FOLDER}")
     if not (p / "trainer.json").is_file():
         raise FileNotFoundError(
             f"{p} is not a complete checkpoint (no trainer.json); pass a folder like "

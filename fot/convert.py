@@ -572,8 +572,9 @@ def from_paper(path: str | os.PathLike, *, dtype: torch.dtype | None = None) -> 
         path: a local folder with the paper's ``config.json`` and weights (download a hub
             checkpoint first, e.g. ``hf download zhixuan-lin/fox-pro-760m-longcrawl64-48b
             --local-dir DIR``).
-        dtype: cast the loaded model to this dtype (``None``: the weights' own); a FoX
-            model keeps its forget gate in float32 under a 16-bit cast.
+        dtype: cast the loaded model to this dtype (``None``: float32, whatever the weights'
+            dtype; 16-bit weights convert exactly); a FoX model keeps its forget gate in
+            float32 under a 16-bit cast.
 
     Returns:
         The model, in eval mode on the CPU; its logits are the paper model's for the same
@@ -741,7 +742,8 @@ def from_fla(path: str | os.PathLike, *, dtype: torch.dtype | None = None) -> An
 
     Args:
         path: a local folder with FLA's ``config.json`` and weights.
-        dtype: cast the loaded model to this dtype (``None``: the weights' own).
+        dtype: cast the loaded model to this dtype (``None``: float32, whatever the weights'
+            dtype; 16-bit weights convert exactly).
 
     Returns:
         The model, in eval mode on the CPU; its logits are FLA's model's for the same inputs

@@ -1875,6 +1875,7 @@ __all__ = [
     "export_checkpoint",
     "export_hf_folder",
     "export_settings",
+    "export_with_tokenizer",
     "model_config_from_train_config",
     "train",
 ]

@@ -23,6 +23,7 @@ import contextlib
 import inspect
 import json
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -200,7 +201,7 @@ def own_tokenizer(source: InitSource) -> Path | None:
     """
     from transformers import AutoTokenizer
 
-    from fot.convert import TOKENIZER_FILES
+    from fot.convert import TOKENIZER_FILES, copy_tokenizer
     from fot.tokenizer import bpe_files
 
     if source.kind == "checkpoint":
@@ -216,7 +217,11 @@ def own_tokenizer(source: InitSource) -> Path | None:
     ):
         return None
     try:
-        vocab = AutoTokenizer.from_pretrained(str(source.path)).get_vocab()
+        # from its files alone: beside them, transformers reads the model's config.json and
+        # warns that a model of another type is instantiated
+        with tempfile.TemporaryDirectory() as alone:
+            copy_tokenizer(source.path, alone, "none")
+            vocab = AutoTokenizer.from_pretrained(alone).get_vocab()
     except Exception as err:  # a tokenizer library has many ways to fail
         raise InitFromError(
             f"init_from={source.path}: its tokenizer files do not load ({str(err)[:200]}); "

@@ -454,8 +454,11 @@ def _carry_tokenizer(source: Path | None, folder: Path) -> None:
 
     if source is not None and source.resolve() == folder.resolve():
         return  # init_from a checkpoint of this folder's own earlier run
-    staged = folder.with_name(f".{folder.name}.new-{os.getpid()}")
-    shutil.rmtree(staged, ignore_errors=True)
+    from fot.staging import ended_writers, remove, writer_tag
+
+    # copies a killed run left (its lock is this run's now: their writers have ended)
+    remove(ended_writers(folder.parent, f".{folder.name}.new-"))
+    staged = folder.with_name(f".{folder.name}.new-{writer_tag()}")
     if source is not None:  # copied whole, then renamed: a kill leaves no part of it
         staged.mkdir()
         copy_tokenizer(source, staged, "none")

@@ -4,7 +4,8 @@ the ones a killed process left behind.
 A writer stages its target under a hidden name holding :func:`writer_tag`, this host's name and
 this process' id: ``.summary.json.node7.4242.tmp.json``
 (:func:`fot.training.checkpoint.written_whole`), ``.hf.new-node7.4242`` and ``.hf.old-node7.4242``
-(:func:`fot.export.export_hf`). A process killed while writing (SIGKILL, the OOM killer, a
+(:func:`fot.export.export_hf`), ``.corpus.tmp-node7.4242`` and ``.corpus.old-node7.4242``
+(:mod:`fot.data.tokens`, for ``fot.data.prepare`` and the sample corpus' cache). A process killed while writing (SIGKILL, the OOM killer, a
 power loss) leaves that name for good, and each rerun adds one with another id.
 :func:`ended_writers` finds such leftovers, so that the next write of the same target removes
 them (or, where one may hold the only copy of something, names it).

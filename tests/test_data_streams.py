@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 from pathlib import Path
@@ -882,7 +883,7 @@ def test_a_failed_move_into_place_puts_both_old_folders_back(tmp_path, monkeypat
     rename = Path.rename
 
     def full_disk(self, target):
-        if self.name.startswith(".held.new-"):
+        if self.name.startswith(".held.tmp-"):
             raise OSError(28, "No space left on device")
         return rename(self, target)
 
@@ -938,21 +939,143 @@ def test_a_signal_while_prepare_moves_the_folders_into_place_replaces_both(
     for got, want in zip((tok, held), fresh):
         assert [d.tolist() for d in open_docs(got)] == [d.tolist() for d in open_docs(want)]
     assert _hidden(tmp_path) == []
-    # a signal held while the staged training folder was renamed, before the held-out folder
-    # was written: it stops the job there (it ran on and said "the job had finished")
-    before = [[d.tolist() for d in open_docs(f)] for f in (tok, held)]
-    rename = Path.rename
 
-    def rename_with_a_signal(self, target):
-        if ".tmp-" in self.name and ".new-" in self.name:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return rename(self, target)
 
-    monkeypatch.setattr(Path, "rename", rename_with_a_signal)
-    assert main([str(corpus), "--out", tok, "--heldout-every", "5", "--heldout-out", held]) == 130
-    assert "was not replaced" in capsys.readouterr().err
-    assert [[d.tolist() for d in open_docs(f)] for f in (tok, held)] == before
+# A prepare of documents 10.., 11.., ... into sys.argv[1], SIGKILLed at sys.argv[2]: "writing"
+# (three documents of the staged folder written), "moving_in" (the earlier folder set aside,
+# the new one not yet moved in) or "deleting" (the earlier folder set aside is half deleted).
+_KILLED_PREPARE = """
+import os, shutil, signal, sys
+from pathlib import Path
+import numpy as np
+from fot.data.prepare import prepare
+
+out, point = sys.argv[1], sys.argv[2]
+real_rename, real_rmtree = Path.rename, shutil.rmtree
+
+
+def kill():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def docs():
+    for i in range(6):
+        if point == "writing" and i == 3:
+            kill()
+        yield np.arange(i + 10, dtype=np.uint16)
+
+
+def rename(self, target):
+    if point == "moving_in" and ".tmp-" in self.name:
+        kill()
+    return real_rename(self, target)
+
+
+def rmtree(path, *args, **kwargs):
+    if point == "deleting" and ".old-" in str(path):
+        (Path(path) / "tokens.bin").unlink()
+        kill()
+    real_rmtree(path, *args, **kwargs)
+
+
+Path.rename, shutil.rmtree = rename, rmtree
+prepare(docs(), out)
+"""
+
+
+def _killed_prepare(out: Path, point: str) -> int:
+    """Run :data:`_KILLED_PREPARE` into ``out``; the id of its process, which has ended."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_PREPARE, str(out), point],
+        env=env,
+        cwd=out.parent,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == -9, stderr[-3000:]
+    return proc.pid
+
+
+def _tag(pid: int) -> str:
+    import re
+    import socket
+
+    return f"{re.sub(r'[^A-Za-z0-9_.-]', '_', socket.gethostname())}.{pid}"
+
+
+def test_a_prepare_killed_while_writing_leaves_a_folder_that_the_next_one_removes(
+    tmp_path, caplog
+) -> None:
+    # A prepare killed while writing (SIGKILL, the OOM killer) left its staged folder
+    # (.tok.new-<pid>, with ..tok.new-<pid>.tmp-<pid> inside it) beside the token folder for
+    # good, and each rerun added one. Now the next write of the folder removes it, with a line.
+    from fot.data.prepare import prepare
+
+    tok = tmp_path / "tok"
+    old = [np.arange(i + 1, dtype=np.uint16) for i in range(4)]
+    prepare(iter(old), tok)
+    pid = _killed_prepare(tok, "writing")
+    staged = tmp_path / f".tok.tmp-{_tag(pid)}"
+    assert _hidden(tmp_path) == [staged.name]  # the host is recorded
+    assert [d.tolist() for d in open_docs(tok)] == [d.tolist() for d in old]
+    new = [np.arange(i + 5, dtype=np.uint16) for i in range(3)]
+    with caplog.at_level(logging.WARNING, logger="fot.data.tokens"):
+        prepare(iter(new), tok)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"removed {staged}: left by writes of {tok} that did not finish (process {pid} of this "
+        "host)"
+    ]
+    assert [d.tolist() for d in open_docs(tok)] == [d.tolist() for d in new]
     assert _hidden(tmp_path) == []
+
+
+def test_a_prepare_killed_while_replacing_keeps_the_earlier_folder_it_set_aside(
+    tmp_path, caplog
+) -> None:
+    # Killed between setting the earlier token folder aside (.tok.old-<pid>) and moving the new
+    # one in, a prepare left no token folder, that folder's only copy hidden beside it, and the
+    # new one staged: reruns left both for good, without a word. Now the staged folder goes,
+    # and the earlier folder is kept and named with what to do; one killed while it was
+    # deleted (the new folder in place) holds nothing whole and goes too.
+    from fot.data.prepare import prepare
+
+    tok = tmp_path / "tok"
+    old = [np.arange(i + 1, dtype=np.uint16) for i in range(4)]
+    prepare(iter(old), tok)
+    pid = _killed_prepare(tok, "moving_in")
+    aside, staged = tmp_path / f".tok.old-{_tag(pid)}", tmp_path / f".tok.tmp-{_tag(pid)}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([aside.name, staged.name])
+    new = [np.arange(i + 5, dtype=np.uint16) for i in range(3)]
+    with caplog.at_level(logging.WARNING, logger="fot.data.tokens"):
+        prepare(iter(new), tok)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"removed {staged}: left by writes of {tok} that did not finish (process {pid} of this "
+        "host)",
+        f"kept {aside}: it holds the token folder {tok} as it was before process {pid} of this "
+        "host set it aside to replace it and did not finish (it ended; killed?), and may be its "
+        f"only copy. To keep it, move it to a folder of its own (mv '{aside}' <folder>); else "
+        f"delete it (rm -r '{aside}')",
+    ]
+    assert [d.tolist() for d in open_docs(aside)] == [d.tolist() for d in old]
+    assert [d.tolist() for d in open_docs(tok)] == [d.tolist() for d in new]
+    aside.rename(tmp_path / "earlier")
+    # killed while deleting the folder set aside: what is left of it is removed
+    pid = _killed_prepare(tok, "deleting")
+    aside = tmp_path / f".tok.old-{_tag(pid)}"
+    assert _hidden(tmp_path) == [aside.name]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="fot.data.tokens"):
+        prepare(iter(new), tok)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"removed {aside}: left by writes of {tok} that did not finish (process {pid} of this host)"
+    ]
+    assert _hidden(tmp_path) == []
+    assert [d.tolist() for d in open_docs(tmp_path / "earlier")] == [d.tolist() for d in old]
 
 
 def open_docs(path):

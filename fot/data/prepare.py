@@ -26,8 +26,10 @@ they were, as does an error, Ctrl-C or SIGTERM part way. Output folders may not 
 each other or inside another token folder.
 
 Documents are tokenized with the GPT-2 tokenizer (``fot.tokenizer.get_encoding()``, offline)
-without BOS/EOT (the training readers insert one ``<|endoftext|>`` before each document) and
-written atomically with :func:`fot.data.tokens.write_token_documents`. ``--heldout-every K``
+without BOS/EOT (the training readers insert one ``<|endoftext|>`` before each document),
+staged beside the output folders (:func:`fot.data.tokens.stage_token_documents`) and moved into
+place together once all are written; what a prepare killed part way left there is dealt with by
+the next one (:func:`fot.data.tokens.clean_ended_writes`). ``--heldout-every K``
 moves every K-th document into a second folder for validation (``data.val_path``).
 
 Example::
@@ -56,7 +58,12 @@ from typing import Any
 
 import numpy as np
 
-from fot.data.tokens import is_token_folder, replace_folders, write_token_documents
+from fot.data.tokens import (
+    TokenDocuments,
+    is_token_folder,
+    replace_folders,
+    stage_token_documents,
+)
 from fot.data.zarr_store import shown_path
 from fot.errors import USER_ERRORS, WriteError, cannot_write, parse_args_naming_typos
 from fot.interrupt import StopOnSignal, check_stop
@@ -432,14 +439,13 @@ def prepare(
     # Both folders are staged under hidden names and moved into place together once both are
     # written, so an error or Ctrl-C never pairs a new training folder with an old held-out
     # one (whose documents could overlap it), or the other way round.
-    staged = []
-    for dest in [out, heldout_out] if heldout_every else [out]:
-        dest_p = _absolute(dest)  # `--out .` gets a name to stage the new folder beside
-        staged.append((dest_p.with_name(f".{dest_p.name}.new-{os.getpid()}"), dest_p))
+    # (absolute: `--out .` gets a name to stage the new folder beside)
+    dests = [_absolute(d) for d in ([out, heldout_out] if heldout_every else [out])]
+    staged: list[tuple[Path, Path]] = []
     writing = out
     try:
-        tr = write_token_documents(staged[0][0], train_docs(), source=source)
-        check_stop()  # a signal held while the staged folder was renamed into place
+        staged.append((stage_token_documents(dests[0], train_docs(), source=source), dests[0]))
+        tr = TokenDocuments(staged[0][0])
         stats = {
             "train_docs": len(tr),
             "train_tokens": tr.num_tokens,
@@ -448,13 +454,15 @@ def prepare(
         }
         if heldout_every:
             writing = heldout_out
-            hv = write_token_documents(
-                staged[1][0], held, source=source, heldout_every=heldout_every
+            folder = stage_token_documents(
+                dests[1], held, source=source, heldout_every=heldout_every
             )
+            staged.append((folder, dests[1]))
+            hv = TokenDocuments(folder)
             stats.update(heldout_docs=len(hv), heldout_tokens=hv.num_tokens)
-            check_stop()
+        check_stop()
         replace_folders(staged)
-    except WriteError as err:  # named by its staged folder: name the folder the user gave
+    except WriteError as err:  # named by its absolute path: name the folder as the user gave it
         kept = "Nothing was replaced, and nothing half-written is left"
         raise cannot_write(writing, err, kept) or err from err.__cause__
     finally:

@@ -27,7 +27,7 @@ from typing import Literal
 
 import numpy as np
 
-from fot.data.tokens import TokenDocuments, replace_folder, write_token_documents
+from fot.data.tokens import TokenDocuments, replace_folder, stage_token_documents
 
 logger = logging.getLogger(__name__)
 
@@ -121,28 +121,26 @@ def sample_token_documents(
         enc = get_encoding()
         texts = sample_named_texts()
         logger.info("tokenizing the %s sample corpus into %s (once)", source, folder)
-        # written under this process' own name, then renamed into place unless another
+        # staged under this process' own name, then renamed into place unless another
         # process (another rank of the same run) got there first: its complete folder is
         # kept, never replaced under the feet of a process that reads it
-        mine = folder.with_name(f".{folder.name}.{os.getpid()}")
+        mine = stage_token_documents(
+            folder,
+            (
+                np.asarray(enc.encode_ordinary(escape_text(text, escaping)), dtype=np.uint16)
+                for _, text in texts
+            ),
+            source=source,
+            names=[name for name, _ in texts],
+        )
         try:
-            write_token_documents(
-                mine,
-                (
-                    np.asarray(enc.encode_ordinary(escape_text(text, escaping)), dtype=np.uint16)
-                    for _, text in texts
-                ),
-                source=source,
-                names=[name for name, _ in texts],
-            )
+            mine.rename(folder)  # atomic; fails where a folder with files exists
+        except OSError:
             try:
-                mine.rename(folder)  # atomic; fails where a folder with files exists
-            except OSError:
-                try:
-                    TokenDocuments(folder)  # another process' complete cache: use it
-                except (FileNotFoundError, ValueError):  # a damaged cache
-                    replace_folder(mine, folder)
-        finally:  # left only where another cache won, or by an error or Ctrl-C
+                TokenDocuments(folder)  # another process' complete cache: use it
+            except (FileNotFoundError, ValueError):  # a damaged cache
+                replace_folder(mine, folder)
+        finally:  # left only where another cache won, or by Ctrl-C
             shutil.rmtree(mine, ignore_errors=True)
         docs = TokenDocuments(folder)
     if split == "all":

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shutil
 from collections.abc import Iterable, Sequence
@@ -24,6 +25,9 @@ from pathlib import Path
 import numpy as np
 
 from fot.errors import cannot_write
+from fot.staging import ended_writers, remove, writer_tag
+
+logger = logging.getLogger(__name__)
 
 FORMAT = "fot-tokens"
 VERSION = 1
@@ -140,7 +144,8 @@ class TokenDocuments(Sequence):
 def write_token_documents(
     path: str | os.PathLike, docs: Iterable[Sequence[int] | np.ndarray], **meta: object
 ) -> TokenDocuments:
-    """Write documents as a token folder, atomically (a temp folder renamed into place).
+    """Write documents as a token folder, atomically (:func:`stage_token_documents`, then
+    renamed into place by :func:`replace_folder`).
 
     Args:
         path: destination folder; replaced if it exists.
@@ -154,9 +159,35 @@ def write_token_documents(
         fot.errors.WriteError: a write failed (a full disk): ``path`` is left as it was.
     """
     dest = Path(path)
+    replace_folder(stage_token_documents(dest, docs, **meta), dest)
+    return TokenDocuments(dest)
+
+
+def stage_token_documents(
+    path: str | os.PathLike, docs: Iterable[Sequence[int] | np.ndarray], **meta: object
+) -> Path:
+    """Write documents as a token folder staged beside ``path``, under the hidden name
+    ``.{name}.tmp-{host}.{pid}`` (:func:`fot.staging.writer_tag`), for :func:`replace_folders`
+    to move into place. An error or Ctrl-C leaves no staged folder.
+
+    What writes of ``path`` by processes that have ended (killed: SIGKILL, the OOM killer) left
+    is dealt with first (:func:`clean_ended_writes`).
+
+    Args:
+        path: the token folder the staged one is to replace (or become).
+        docs: documents as sequences/arrays of token ids in ``[0, 65535]``.
+        **meta: extra JSON-serialisable fields recorded in ``meta.json`` (e.g. source).
+
+    Returns:
+        The staged folder.
+
+    Raises:
+        fot.errors.WriteError: a write failed (a full disk): nothing is left of it.
+    """
+    dest = Path(path)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
+    clean_ended_writes(dest)
+    tmp = dest.with_name(f".{dest.name}.tmp-{writer_tag()}")
     tmp.mkdir()
     offsets = [0]
     writing = False  # while `docs` reads (its OSError is the input's), not while writing
@@ -191,8 +222,49 @@ def write_token_documents(
         if error is None:
             raise
         raise error from err  # a full disk: one line naming the folder (it was not replaced)
-    replace_folder(tmp, dest)
-    return TokenDocuments(dest)
+    return tmp
+
+
+def clean_ended_writes(path: str | os.PathLike) -> None:
+    """Deal with what writes of the token folder ``path`` by processes that have ended (killed
+    while writing or replacing it, :mod:`fot.staging`) left beside it: their staged folders
+    (``.{name}.tmp-{host}.{pid}``) are removed, with a line in the log, as are the folders of
+    an earlier ``path`` that they set aside while replacing it (``.{name}.old-{host}.{pid}``)
+    that hold no whole token folder (a delete cut short). The others are kept and named in the
+    log with what to do: a kill between setting the earlier folder aside and moving the new one
+    in leaves that folder its only copy."""
+    dest = Path(path)
+    asides = ended_writers(dest.parent, f".{dest.name}.old-")
+    whole = [left for left in asides if _is_whole(left.path)]
+    staged = ended_writers(dest.parent, f".{dest.name}.tmp-")
+    gone = remove([*staged, *(left for left in asides if left not in whole)])
+    if gone:
+        logger.warning(
+            "removed %s: left by writes of %s that did not finish (%s)",
+            ", ".join(str(left.path) for left in gone),
+            dest,
+            "; ".join(left.writer() for left in gone),
+        )
+    for left in whole:
+        logger.warning(
+            "kept %s: it holds the token folder %s as it was before %s set it aside to replace "
+            "it and did not finish (it ended; killed?), and may be its only copy. To keep it, "
+            "move it to a folder of its own (mv '%s' <folder>); else delete it (rm -r '%s')",
+            left.path,
+            dest,
+            left.writer(),
+            left.path,
+            left.path,
+        )
+
+
+def _is_whole(folder: Path) -> bool:
+    """Whether ``folder`` is a token folder that opens (its files all there)."""
+    try:
+        TokenDocuments(folder)
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 def replace_folder(src: str | os.PathLike, dest: str | os.PathLike) -> None:
@@ -218,7 +290,7 @@ def replace_folders(pairs: Sequence[tuple[str | os.PathLike, str | os.PathLike]]
         try:
             for src, dest in pairs:
                 src, dest = Path(src), Path(dest)
-                aside = dest.with_name(f".{dest.name}.old-{os.getpid()}") if dest.exists() else None
+                aside = _aside(dest) if dest.exists() else None
                 moved.append((src, dest, aside))  # before the renames: a rollback sees both
                 if aside is not None:
                     dest.rename(aside)
@@ -238,3 +310,15 @@ def replace_folders(pairs: Sequence[tuple[str | os.PathLike, str | os.PathLike]]
         for _, _, aside in moved:
             if aside is not None:
                 shutil.rmtree(aside, ignore_errors=True)
+
+
+def _aside(dest: Path) -> Path:
+    """A new hidden name beside ``dest`` to set it aside under while it is replaced,
+    ``.{name}.old-{host}.{pid}``; ``+N`` after it where an earlier process with this id left
+    one (kept: :func:`clean_ended_writes`)."""
+    aside = dest.with_name(f".{dest.name}.old-{writer_tag()}")
+    n = 0
+    while os.path.lexists(aside):
+        n += 1
+        aside = dest.with_name(f".{dest.name}.old-{writer_tag()}+{n}")
+    return aside

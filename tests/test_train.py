@@ -2617,6 +2617,34 @@ def test_resume_digest_covers_every_token_and_reads_older_checkpoints(tmp_path, 
     assert "the training data changed since" in caplog.text
 
 
+def test_zarr_rows_that_seq_len_does_not_divide_warn_once_with_the_share_lost(tmp_path) -> None:
+    """Rows of a zarr array are cut into sequences of data.seq_len, and the remainder of each
+    row was dropped without a word (rows of 4,096 tokens with seq_len=3000 lost 27% of the
+    data). The run now says so once, at the start (console and train.log), with the divisors
+    to use; a seq_len that divides the rows says nothing."""
+    for row_len in (96, 128):
+        data = np.random.default_rng(0).integers(0, 50000, (8, row_len)).astype(np.uint16)
+        array = tmp_path / f"lc{row_len}" / "train.zarr"
+        new_array(str(array), shape=data.shape, chunks=(4, row_len), dtype="uint16")[:] = data
+        run = tmp_path / f"run{row_len}"
+        cmd = [sys.executable, str(ROOT / "train.py"), *SMALL, "data=longcrawl64",
+               f"data.path={array.parent}", "data.val_tokens=0", "total_tokens=256",
+               f"out_dir={run}"]  # fmt: skip
+        proc = _run_script(cmd, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        said, logged = proc.stdout + proc.stderr, (run / "train.log").read_text()
+        if row_len == 128:
+            assert "does not divide" not in said + logged
+            continue
+        want = (
+            f"data.seq_len=64 does not divide the rows of {array} (96 tokens each): each row "
+            "gives 1 sequence(s) and its last 32 tokens are never read, 33.3% of the data. Use "
+            "a data.seq_len that divides 96, e.g. 48 or 96\n"
+        )
+        assert said.count(want) == 1, said[-3000:]
+        assert logged.count(want) == 1
+
+
 def test_resume_keeps_this_runs_optimizer_settings_and_the_checkpoints_moments(tmp_path) -> None:
     """Loading the optimizer state replaced every hyperparameter with the checkpoint's: a resumed
     run with another optim.weight_decay/betas/eps trained on with the old ones without a word,

@@ -137,7 +137,7 @@ class ZarrRowsSource:
     Args:
         array: ``[R, L]`` array-like of token ids supporting 2-D slicing (zarr array, numpy).
         seq_len: T; must be at most L. ``L // T`` chunks per row are used (a remainder at the
-            end of each row is skipped).
+            end of each row is skipped: :meth:`remainder_warning`).
         retries: extra attempts of a failed read (data behind a URL); 0 for local data.
         name: the array's path or URL, for messages.
         chunk_exists: whether a chunk is stored (data behind a URL): a chunk that is not stops
@@ -179,6 +179,25 @@ class ZarrRowsSource:
         """The column spans ``(c0, c1)`` that sequences are read from."""
         self.reader.cache_bytes = (
             cache_bytes_for(self.reader, self.spans) if cache_bytes is None else int(cache_bytes)
+        )
+
+    def remainder_warning(self, key: str = "data.seq_len") -> str | None:
+        """A warning where ``seq_len`` does not divide the rows: the tokens after the last
+        whole sequence of every row are never read. It names the share of the data lost and
+        the divisors of the row length nearest to ``seq_len`` (``key``: the setting to change).
+        ``None`` where ``seq_len`` divides the rows."""
+        left = self.row_len - self.chunks_per_row * self.seq_len
+        if not left:
+            return None
+        divisors = [d for d in range(2, self.row_len + 1) if self.row_len % d == 0]
+        below = [d for d in divisors if d < self.seq_len][-1:]
+        above = [d for d in divisors if d > self.seq_len][:1]
+        return (
+            f"{key}={self.seq_len} does not divide the rows of {self.reader.name} "
+            f"({self.row_len} tokens each): each row gives {self.chunks_per_row} sequence(s) "
+            f"and its last {left} tokens are never read, {100 * left / self.row_len:.3g}% of the "
+            f"data. Use a {key} that divides {self.row_len}, e.g. "
+            + " or ".join(str(d) for d in below + above)
         )
 
     def _spans(self, start: int, count: int) -> Iterator[tuple[int, int, int, int]]:

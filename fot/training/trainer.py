@@ -31,6 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 from fot.data.streams import (
     Batch,
     SequenceStream,
+    ZarrRowsSource,
     check_token_ids,
     clamp_token_ids,
     first_bad_token_id,
@@ -1121,6 +1122,8 @@ def _train(
         cfg, info.world_size, resuming=resume_from if same_batch else None
     )
     data_note = _data_size_note(train_source, global_seqs, total_steps)
+    if isinstance(train_source, ZarrRowsSource) and (left := train_source.remainder_warning()):
+        config_warnings = [*config_warnings, left]
     if data_note is not None and data_note[0] == logging.WARNING:
         config_warnings = [*config_warnings, data_note[1]]
     elif data_note is not None and info.is_main:

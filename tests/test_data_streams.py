@@ -795,6 +795,55 @@ def test_prepare_reads_globs_several_patterns_and_refuses_structured_files(
     assert _decoded(out) == ["csv doc, one", "csv doc two"]
 
 
+def test_prepare_of_a_folder_warns_of_the_files_of_data_its_glob_leaves_out(
+    tmp_path, capsys
+) -> None:
+    """The default --glob '*.txt' left out the .md, .jsonl, .json and .csv files beside the
+    .txt files without a word; now a warning names them and the command that reads them. A
+    folder of only what the glob reads (and files that are not data, and token folders) says
+    nothing."""
+    from fot.data.prepare import main
+
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "a.txt").write_text("text one")
+    (plain / "script.py").write_text("print()")  # not data: never named
+    for _ in range(2):  # the second time the folder holds a token folder (its meta.json)
+        assert main([str(plain), "--out", str(plain / "tok")]) == 0
+        assert "warning" not in capsys.readouterr().err
+    corpus = tmp_path / "corpus"
+    (corpus / "sub").mkdir(parents=True)
+    (corpus / "a.txt").write_text("text one")
+    out = str(tmp_path / "tok")
+    (corpus / "b.md").write_text("# markdown")
+    (corpus / "sub" / "c.jsonl").write_text('{"text": "json line"}\n')
+    (corpus / "d.csv").write_text("text\ncsv row\n")
+    (corpus / "e.json").write_text('[{"text": "json row"}]')
+    assert main([str(corpus), "--out", out]) == 0
+    assert capsys.readouterr().err == (
+        f"warning: {corpus}: --glob '*.txt' leaves out 4 file(s) of data under it "
+        f"({corpus / 'b.md'}, {corpus / 'd.csv'}, {corpus / 'e.json'} and 1 more). To read the "
+        f".jsonl and .md files too: `python -m fot.data.prepare {corpus} --glob '*.txt' --glob "
+        "'*.jsonl' --glob '*.md' --out <folder>`. The .csv and .json files are read as "
+        "datasets, each kind into a token folder of its own (--text-field names their text "
+        f"column): `python -m fot.data.prepare --hf csv --data-files '{corpus}/**/*.csv' --out "
+        f"<folder>`; `python -m fot.data.prepare --hf json --data-files '{corpus}/**/*.json' "
+        "--out <folder>`\n"
+    )
+    assert _decoded(out) == ["text one"]
+    # the commands it names read them
+    assert main([str(corpus), "--glob", "*.txt", "--glob", "*.jsonl", "--glob", "*.md",
+                 "--out", out]) == 0  # fmt: skip
+    assert sorted(_decoded(out)) == ["# markdown", "json line", "text one"]
+    err = capsys.readouterr().err  # the tables only, now
+    assert f"leaves out 2 file(s) of data under it ({corpus / 'd.csv'}, " in err
+    assert "To read the" not in err
+    assert main(["--hf", "csv", "--data-files", f"{corpus}/**/*.csv", "--out", out]) == 0
+    assert _decoded(out) == ["csv row"]
+    assert main(["--hf", "json", "--data-files", f"{corpus}/**/*.json", "--out", out]) == 0
+    assert _decoded(out) == ["json row"]
+
+
 def test_prepare_skips_rows_whose_text_is_none_as_empty_documents(tmp_path, capsys) -> None:
     """datasets reads an empty CSV cell (and a field missing from a JSON row) as None: an empty
     document, skipped with a warning counting it (it used to stop prepare with an error)."""

@@ -6,7 +6,9 @@ Inputs, one document each:
 * a ``.jsonl`` file (or ``.ndjson``, ``.jsonlines``): every line is a document (its
   ``--text-field``, default ``text``);
 * a folder: every file under it matching ``--glob`` (recursively, sorted; default ``*.txt``,
-  give ``--glob`` several times for several patterns: ``--glob '*.txt' --glob '*.md'``);
+  give ``--glob`` several times for several patterns: ``--glob '*.txt' --glob '*.md'``); text,
+  ``.jsonl`` and table files (``.json``, ``.csv``, ``.parquet``, ...) under it that no pattern
+  matches are named in a warning, with the command that reads them;
 * a quoted glob pattern (``'data/**/*.txt'``): every file or folder it matches;
 * ``--hf NAME_OR_PATH``: a Hugging Face dataset (``--hf-name``, ``--split``, ``--streaming``,
   ``--data-files`` as for ``datasets.load_dataset``), one document per row; local
@@ -88,6 +90,18 @@ JSONL_SUFFIXES = (".jsonl", ".ndjson", ".jsonlines")
 """Suffixes of JSON Lines files: one document per line (its ``--text-field``)."""
 
 _GLOB_CHARS = frozenset("*?[")
+
+_TEXT_SUFFIXES = (".txt", ".text", ".md", ".markdown", ".rst")
+"""Suffixes of plain text files, named when a folder's ``--glob`` leaves them out."""
+
+_TABLE_LOADERS = {
+    ".json": "json",
+    ".csv": "csv",
+    ".tsv": "csv",
+    ".parquet": "parquet",
+    ".arrow": "arrow",
+}
+"""The ``--hf`` loader that reads files of each table suffix (of :data:`STRUCTURED_SUFFIXES`)."""
 
 
 def _warn(msg: str) -> None:
@@ -217,6 +231,8 @@ def iter_texts(
                     "--glob (give it several times for several patterns, e.g. --glob '*.txt' "
                     "--glob '*.md')"
                 )
+            if left_out := _left_out_files(p, globs, matched):
+                _warn(left_out)
         else:
             files = [p]
         for f in files:
@@ -228,8 +244,7 @@ def iter_texts(
             if f.suffix.lower() in JSONL_SUFFIXES:
                 yield from _jsonl_texts(f, text_field)
             elif f.suffix.lower() in STRUCTURED_SUFFIXES:
-                loader = {".csv": "csv", ".tsv": "csv", ".parquet": "parquet", ".arrow": "arrow"}
-                hint = loader.get(f.suffix.lower(), "json")
+                hint = _TABLE_LOADERS.get(f.suffix.lower(), "json")
                 raise ValueError(
                     f"{f} is not a plain text file (suffix {f.suffix}); it would become one "
                     f"document of raw bytes. Read it as a dataset with `--hf {hint} "
@@ -249,6 +264,51 @@ def iter_texts(
             f"{repeated} input file(s) were named more than once (by a folder and a pattern, "
             "overlapping patterns or a symbolic link) and were read once"
         )
+
+
+def _left_out_files(folder: Path, globs: list[str], matched: set[Path]) -> str | None:
+    """A warning naming the files of data under ``folder`` that none of ``globs`` reads (text,
+    JSON Lines and table files, none of a token folder), with the command that reads
+    them: more ``--glob`` patterns for text and ``.jsonl`` files, ``--hf <loader>`` for tables
+    (a token folder of their own); ``None`` where the folder holds no such file."""
+    kinds = (*_TEXT_SUFFIXES, *JSONL_SUFFIXES, *_TABLE_LOADERS)
+    left = sorted(
+        f
+        for f in folder.rglob("*")
+        if f.suffix.lower() in kinds
+        and f not in matched
+        and f.is_file()
+        and not is_token_folder(f.parent)
+    )
+    if not left:
+        return None
+    shown = ", ".join(str(f) for f in left[:3]) + (
+        f" and {len(left) - 3} more" if len(left) > 3 else ""
+    )
+    read = sorted({f.suffix for f in left if f.suffix.lower() not in _TABLE_LOADERS})
+    tables = sorted({f.suffix for f in left if f.suffix.lower() in _TABLE_LOADERS})
+    fixes = []
+    if read:
+        patterns = " ".join(f"--glob {shlex.quote(g)}" for g in [*globs, *(f"*{k}" for k in read)])
+        fixes.append(
+            f"To read the {' and '.join(read)} files too: `python -m fot.data.prepare "
+            f"{shlex.quote(str(folder))} {patterns} --out <folder>`"
+        )
+    if tables:
+        commands = "; ".join(
+            f"`python -m fot.data.prepare --hf {_TABLE_LOADERS[k.lower()]} --data-files "
+            f"{shlex.quote(f'{folder}/**/*{k}')} --out <folder>`"
+            for k in tables
+        )
+        fixes.append(
+            f"The {' and '.join(tables)} files are read as datasets, each kind into a token "
+            f"folder of its own (--text-field names their text column): {commands}"
+        )
+    globs_shown = " ".join(f"--glob {shlex.quote(g)}" for g in globs)
+    return (
+        f"{folder}: {globs_shown} leaves out {len(left)} file(s) of data under it ({shown}). "
+        + ". ".join(fixes)
+    )
 
 
 def iter_hf_texts(

@@ -44,7 +44,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from fot.errors import FotError, cannot_write
 from fot.progress import on_terminal
-from fot.staging import ended_writers, remove, writer_tag
+from fot.staging import ended_writers, remove_and_log, set_aside_name, writer_tag
 
 logger = logging.getLogger(__name__)
 _CONFIG_MODULE = "configuration_fot"
@@ -299,14 +299,8 @@ def _clean_ended_exports(target: Path) -> None:
     asides = ended_writers(target, f".{target.name}.old-")
     empty = [left for left in asides if _is_empty_folder(left.path)]
     new = f".{target.name}.new-"
-    gone = remove([*ended_writers(target, new), *ended_writers(target.parent, new), *empty])
-    if gone:
-        logger.warning(
-            "removed %s: left by exports into %s that did not finish (%s)",
-            ", ".join(str(left.path) for left in gone),
-            target,
-            "; ".join(left.writer() for left in gone),
-        )
+    leftovers = [*ended_writers(target, new), *ended_writers(target.parent, new), *empty]
+    remove_and_log(leftovers, logger, f"exports into {target}")
     for left in asides:
         if left not in empty:
             logger.warning(
@@ -419,11 +413,7 @@ def _move_export(staged: Path, out: Path, tokenizer: bool) -> None:
         or p.name in _WRITTEN
         or (tokenizer and p.name in _TOKENIZER_FILES)
     ]
-    aside = out / f".{out.name}.old-{writer_tag()}"
-    n = 0
-    while os.path.lexists(aside):  # an earlier process's with this id: kept (export_hf named it)
-        n += 1
-        aside = out / f".{out.name}.old-{writer_tag()}+{n}"
+    aside = set_aside_name(out, f".{out.name}.old-")  # not an earlier one: export_hf named it
     try:
         aside.mkdir()
     except OSError as err:

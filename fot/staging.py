@@ -24,6 +24,7 @@ and lives seconds to minutes), so an earlier fot still writing on another host k
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import shutil
@@ -99,6 +100,31 @@ def remove(leftovers: list[Leftover]) -> list[Leftover]:
         if not os.path.lexists(left.path):
             gone.append(left)
     return gone
+
+
+def set_aside_name(folder: str | os.PathLike, prefix: str) -> Path:
+    """A new name ``folder / (prefix + writer_tag())`` to set something aside under while it is
+    replaced; ``+1``, ``+2``, ... after it where an earlier process with this id left one
+    (kept: it may hold the only copy of what it set aside)."""
+    name = Path(folder) / f"{prefix}{writer_tag()}"
+    n = 0
+    while os.path.lexists(name):
+        n += 1
+        name = Path(folder) / f"{prefix}{writer_tag()}+{n}"
+    return name
+
+
+def remove_and_log(leftovers: list[Leftover], logger: logging.Logger, what: str) -> None:
+    """:func:`remove` ``leftovers`` and log one warning naming those gone, left by ``what``
+    (``"writes of <path>"``, ``"exports into <path>"``) that did not finish."""
+    gone = remove(leftovers)
+    if gone:
+        logger.warning(
+            "removed %s: left by %s that did not finish (%s)",
+            ", ".join(str(left.path) for left in gone),
+            what,
+            "; ".join(left.writer() for left in gone),
+        )
 
 
 def _has_ended(host: str | None, pid: int, path: Path) -> bool:

@@ -200,7 +200,7 @@ class HFDataset:
             return None
         read = {Path(f).resolve() for split in (self._data_files or {}).values() for f in split}
         texts = _text_files(folder)
-        found = _text_files(folder, _TEXT_SUFFIXES | _TABLE_SUFFIXES)
+        found = _text_files(folder, TEXT_SUFFIXES | _TABLE_SUFFIXES)
         # files of a kind it reads are left out on purpose (a dataset card's configs)
         kinds_read = {f.suffix.lower() for f in read}
         left = [f for f in found if f.suffix.lower() not in kinds_read]
@@ -210,7 +210,7 @@ class HFDataset:
             f" and {len(left) - 3} more" if len(left) > 3 else ""
         )
         read_kinds = ", ".join(sorted({f.suffix or f.name for f in read}))
-        if self.text_files and all(f.suffix.lower() in _TEXT_SUFFIXES for f in left):
+        if self.text_files and all(f.suffix.lower() in TEXT_SUFFIXES for f in left):
             patterns = _folder_patterns(self.path, sorted({f.suffix for f in texts}))
             return (
                 f"{self.where}: datasets reads the {len(read)} {read_kinds} file(s) of "
@@ -218,7 +218,7 @@ class HFDataset:
                 f"To read them too: {self.loader_hint('text', patterns)}"
             )
         kinds = sorted({f.suffix for f in found})
-        if all(k.lower() in _TEXT_SUFFIXES | _JSONL_SUFFIXES for k in kinds):
+        if all(k.lower() in TEXT_SUFFIXES | _JSONL_SUFFIXES for k in kinds):
             globs = " ".join(f"--glob '*{k}'" for k in kinds)
             fix = (
                 f"write them all into one token folder, `python -m fot.data.prepare "
@@ -474,15 +474,16 @@ def hydra_string(s: str) -> str:
     return f'"{s}"'
 
 
-_TEXT_SUFFIXES = frozenset((".txt", ".text", ".md", ".markdown", ".rst"))
-"""Extensions of plain text files, covered by a hint to read a folder with the text loader."""
+TEXT_SUFFIXES = frozenset((".txt", ".text", ".md", ".markdown", ".rst"))
+"""Extensions of plain text files, covered by a hint to read a folder with the text loader
+(and named by ``fot.data.prepare`` where a folder's ``--glob`` leaves them out)."""
 _JSONL_SUFFIXES = frozenset((".jsonl", ".ndjson"))
 """Extensions of JSON Lines files, which ``fot.data.prepare`` reads from a folder too."""
 _TABLE_SUFFIXES = _JSONL_SUFFIXES | {".json", ".csv", ".tsv", ".parquet", ".arrow"}
 """Extensions of the other files datasets' json, csv, parquet and arrow loaders read."""
 
 
-def _text_files(folder: Path, suffixes: frozenset[str] = _TEXT_SUFFIXES) -> list[Path]:
+def _text_files(folder: Path, suffixes: frozenset[str] = TEXT_SUFFIXES) -> list[Path]:
     """The files under ``folder`` (sorted) of the extensions ``suffixes`` (plain text files by
     default) that a pattern ``folder/**/*<ext>`` gives datasets: none hidden, none in a ``__``
     folder, none of the names it never lists from a pattern (a dataset card ``README.md``)."""

@@ -60,6 +60,7 @@ from typing import Any
 
 import numpy as np
 
+from fot.data.hf import TEXT_SUFFIXES
 from fot.data.tokens import (
     TokenDocuments,
     is_token_folder,
@@ -90,9 +91,6 @@ JSONL_SUFFIXES = (".jsonl", ".ndjson", ".jsonlines")
 """Suffixes of JSON Lines files: one document per line (its ``--text-field``)."""
 
 _GLOB_CHARS = frozenset("*?[")
-
-_TEXT_SUFFIXES = (".txt", ".text", ".md", ".markdown", ".rst")
-"""Suffixes of plain text files, named when a folder's ``--glob`` leaves them out."""
 
 _TABLE_LOADERS = {
     ".json": "json",
@@ -271,7 +269,7 @@ def _left_out_files(folder: Path, globs: list[str], matched: set[Path]) -> str |
     JSON Lines and table files, none of a token folder), with the command that reads
     them: more ``--glob`` patterns for text and ``.jsonl`` files, ``--hf <loader>`` for tables
     (a token folder of their own); ``None`` where the folder holds no such file."""
-    kinds = (*_TEXT_SUFFIXES, *JSONL_SUFFIXES, *_TABLE_LOADERS)
+    kinds = (*TEXT_SUFFIXES, *JSONL_SUFFIXES, *_TABLE_LOADERS)
     left = sorted(
         f
         for f in folder.rglob("*")

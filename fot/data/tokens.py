@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from fot.errors import cannot_write
-from fot.staging import ended_writers, remove, writer_tag
+from fot.staging import ended_writers, remove_and_log, set_aside_name, writer_tag
 
 logger = logging.getLogger(__name__)
 
@@ -237,14 +237,9 @@ def clean_ended_writes(path: str | os.PathLike) -> None:
     asides = ended_writers(dest.parent, f".{dest.name}.old-")
     whole = [left for left in asides if _is_whole(left.path)]
     staged = ended_writers(dest.parent, f".{dest.name}.tmp-")
-    gone = remove([*staged, *(left for left in asides if left not in whole)])
-    if gone:
-        logger.warning(
-            "removed %s: left by writes of %s that did not finish (%s)",
-            ", ".join(str(left.path) for left in gone),
-            dest,
-            "; ".join(left.writer() for left in gone),
-        )
+    remove_and_log(
+        [*staged, *(left for left in asides if left not in whole)], logger, f"writes of {dest}"
+    )
     for left in whole:
         logger.warning(
             "kept %s: it holds the token folder %s as it was before %s set it aside to replace "
@@ -290,7 +285,7 @@ def replace_folders(pairs: Sequence[tuple[str | os.PathLike, str | os.PathLike]]
         try:
             for src, dest in pairs:
                 src, dest = Path(src), Path(dest)
-                aside = _aside(dest) if dest.exists() else None
+                aside = set_aside_name(dest.parent, f".{dest.name}.old-") if dest.exists() else None
                 moved.append((src, dest, aside))  # before the renames: a rollback sees both
                 if aside is not None:
                     dest.rename(aside)
@@ -310,15 +305,3 @@ def replace_folders(pairs: Sequence[tuple[str | os.PathLike, str | os.PathLike]]
         for _, _, aside in moved:
             if aside is not None:
                 shutil.rmtree(aside, ignore_errors=True)
-
-
-def _aside(dest: Path) -> Path:
-    """A new hidden name beside ``dest`` to set it aside under while it is replaced,
-    ``.{name}.old-{host}.{pid}``; ``+N`` after it where an earlier process with this id left
-    one (kept: :func:`clean_ended_writes`)."""
-    aside = dest.with_name(f".{dest.name}.old-{writer_tag()}")
-    n = 0
-    while os.path.lexists(aside):
-        n += 1
-        aside = dest.with_name(f".{dest.name}.old-{writer_tag()}+{n}")
-    return aside

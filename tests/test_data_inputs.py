@@ -480,6 +480,52 @@ def test_a_folder_datasets_reads_with_another_loader_names_the_text_loader(
         assert str(info.value).endswith(f"data.path={loader} data.hf_data_files={tmp_path / name}")
 
 
+def test_the_commands_advised_for_a_tsv_file_read_its_text_column(tmp_path, capsys) -> None:
+    """A .tsv file is refused as text, and the advice (as for .csv) was `--hf csv --data-files
+    <file>`, whose loader split every line at commas: the file became one column named by the
+    whole tab-separated header, and the command stopped with "has no field 'text'". The csv
+    loader now splits .tsv files at tabs, as datasets does for a folder of them; each command
+    advised reads the text column (commas in it included), for prepare and data=hf alike."""
+    import csv
+    import shlex
+
+    from fot.data.prepare import main
+    from fot.data.tokens import TokenDocuments
+
+    texts = ["A first document, with commas, in it.", "The second; no tab.", "Third, last."]
+    folder = tmp_path / "mixed"
+    folder.mkdir()
+    tsv = folder / "rows.tsv"
+    with open(tsv, "w", newline="") as f:
+        writer = csv.writer(f, delimiter="\t")
+        writer.writerow(["id", "text", "label"])
+        writer.writerows([i, t, i % 2] for i, t in enumerate(texts))
+    (folder / "notes.txt").write_text("A note.\n")
+    enc = get_encoding()
+    want = [enc.encode_ordinary(t) for t in texts]
+    hints = []
+    assert main([str(tsv), "--out", str(tmp_path / "no")]) == 2  # the file as text: refused
+    hints.append(re.search(r"`(--hf [^`]*)`", capsys.readouterr().err)[1])
+    assert main(["--hf", str(tsv), "--out", str(tmp_path / "no")]) == 2  # as the dataset
+    hints.append(capsys.readouterr().err.strip().split("through a loader: ")[1])
+    assert main([str(folder), "--out", str(tmp_path / "notes")]) == 0  # left out of a folder
+    hints.append(
+        re.search(r"`python -m fot.data.prepare (--hf [^`]*) --out", capsys.readouterr().err)[1]
+    )
+    assert hints[0] == hints[1] == f"--hf csv --data-files {tsv}", hints
+    for n, hint in enumerate(hints):
+        out = tmp_path / f"tok{n}"
+        assert main([*shlex.split(hint), "--out", str(out)]) == 0, capsys.readouterr().err
+        assert [list(d) for d in TokenDocuments(out)] == want, hint
+    # data=hf with the same loader and file trains on the same documents
+    train, _ = build_sources(
+        _cfg(kind="hf", path="csv", hf_data_files=str(tsv), seq_len=4, val_tokens=0)
+    )
+    oracle = _packed(texts, 4)
+    got, expected = train.read(0, oracle.num_sequences), oracle.read(0, oracle.num_sequences)
+    np.testing.assert_array_equal(got[1], expected[1])
+
+
 # ------------------------------------------------------------------ validating on training data
 
 

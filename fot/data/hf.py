@@ -13,6 +13,10 @@ What differs from a plain ``datasets.load_dataset`` call:
 * Where a local folder's path holds glob characters, datasets globs it (``d[1]`` reads the
   files of ``d1/``, ``no*tes`` those of ``notes/`` too): a folder it reads files outside of,
   or none of, is refused with the loader and the folder's escaped patterns that read it.
+* ``.tsv`` files read with the ``csv`` loader (``csv`` with data files) are split at tabs, as
+  datasets splits them when it picks that loader for a folder of ``.tsv`` files; its ``csv``
+  loader splits every file at commas, so a ``.tsv`` file became one column named by the
+  whole tab-separated header line.
 * datasets' failures on bad input files (a bare ``StopIteration`` for empty files, a
   ``DatasetGenerationError`` around a ``UnicodeDecodeError``) become one :class:`HFDataError` that
   names the file and the fix.
@@ -126,6 +130,8 @@ class HFDataset:
         ``datasets.load_from_disk``; ``None`` otherwise."""
         self.text_files = False
         """True when datasets reads the files as plain text: loaded one document per file."""
+        self.tab_separated = False
+        """True when the ``csv`` loader reads ``.tsv`` files only: loaded split at tabs."""
         self._data_files: Any = None
         self._num_rows: dict[str, int] = {}
         if self.saved is not None:
@@ -168,6 +174,7 @@ class HFDataset:
         self.loader = builder.name
         self.text_files = builder.name == "text"
         self._data_files = getattr(builder.config, "data_files", None)
+        self.tab_separated = builder.name == "csv" and _all_tsv(self._data_files)
         if self.data_files is None and local.is_dir() and glob.has_magic(path):
             # datasets globs a folder's path: for a folder `d[1]` it reads `d1/` ([1] a
             # character class), for `no*tes` the files of `notes/` too
@@ -297,7 +304,9 @@ class HFDataset:
 
         if self.saved is not None:
             return self._load_saved(split, option)
-        extra = {"sample_by": "document"} if self.text_files else {}
+        extra: dict[str, str] = {"sample_by": "document"} if self.text_files else {}
+        if self.tab_separated:
+            extra["sep"] = "\t"
         loaded = self.guard(
             lambda: datasets.load_dataset(
                 self.path,
@@ -481,6 +490,19 @@ _JSONL_SUFFIXES = frozenset((".jsonl", ".ndjson"))
 """Extensions of JSON Lines files, which ``fot.data.prepare`` reads from a folder too."""
 _TABLE_SUFFIXES = _JSONL_SUFFIXES | {".json", ".csv", ".tsv", ".parquet", ".arrow"}
 """Extensions of the other files datasets' json, csv, parquet and arrow loaders read."""
+
+
+def _all_tsv(data_files: Any) -> bool:
+    """Whether the resolved ``data_files`` (a split mapping of file lists) are all ``.tsv``
+    files (compressed or not), and there is one."""
+    names = [str(f) for files in (data_files or {}).values() for f in files]
+    suffixes = []
+    for name in names:
+        parts = [x.lower() for x in Path(name).suffixes]
+        while parts and parts[-1] in _COMPRESSED:
+            parts.pop()
+        suffixes.append(parts[-1] if parts else "")
+    return bool(suffixes) and all(x == ".tsv" for x in suffixes)
 
 
 def _text_files(folder: Path, suffixes: frozenset[str] = TEXT_SUFFIXES) -> list[Path]:

@@ -2645,6 +2645,32 @@ def test_zarr_rows_that_seq_len_does_not_divide_warn_once_with_the_share_lost(tm
         assert logged.count(want) == 1
 
 
+def test_held_out_zarr_rows_that_seq_len_does_not_divide_warn_once(tmp_path) -> None:
+    """data=longcrawl64 warned of the ends of the training rows that data.seq_len leaves
+    unread, but not of those of heldout.zarr, whose rows validation cuts the same way: rows
+    of 96 tokens at seq_len=64 validated on 2/3 of the held-out data without a word. Its
+    array is now named in a warning of its own, once (rank 0: console and train.log)."""
+    rng = np.random.default_rng(0)
+    root = tmp_path / "lc"
+    for name, row_len in (("train.zarr", 128), ("heldout.zarr", 96)):
+        data = rng.integers(0, 50000, (8, row_len)).astype(np.uint16)
+        new_array(str(root / name), shape=data.shape, chunks=(4, row_len), dtype="uint16")[:] = data
+    run = tmp_path / "run"
+    cmd = [sys.executable, str(ROOT / "train.py"), *SMALL, "data=longcrawl64",
+           f"data.path={root}", "data.val_tokens=128", "total_tokens=256", f"out_dir={run}"]  # fmt: skip
+    proc = _run_script(cmd, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said, logged = proc.stdout + proc.stderr, (run / "train.log").read_text()
+    want = (
+        f"data.seq_len=64 does not divide the rows of {root / 'heldout.zarr'} (96 tokens each): "
+        "each row gives 1 sequence(s) and its last 32 tokens are never read, 33.3% of the data. "
+        "Use a data.seq_len that divides 96, e.g. 48 or 96\n"
+    )
+    assert said.count(want) == 1, said[-3000:]
+    assert logged.count(want) == 1
+    assert said.count("does not divide") == 1  # the training rows (128 tokens) are whole
+
+
 def test_resume_keeps_this_runs_optimizer_settings_and_the_checkpoints_moments(tmp_path) -> None:
     """Loading the optimizer state replaced every hyperparameter with the checkpoint's: a resumed
     run with another optim.weight_decay/betas/eps trained on with the old ones without a word,

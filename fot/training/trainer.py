@@ -1122,8 +1122,9 @@ def _train(
         cfg, info.world_size, resuming=resume_from if same_batch else None
     )
     data_note = _data_size_note(train_source, global_seqs, total_steps)
-    if isinstance(train_source, ZarrRowsSource) and (left := train_source.remainder_warning()):
-        config_warnings = [*config_warnings, left]
+    for source in (train_source, val_source):  # the held-out rows' ends are never read either
+        if isinstance(source, ZarrRowsSource) and (left := source.remainder_warning()):
+            config_warnings = [*config_warnings, left]
     if data_note is not None and data_note[0] == logging.WARNING:
         config_warnings = [*config_warnings, data_note[1]]
     elif data_note is not None and info.is_main:

@@ -19,6 +19,9 @@ had the same id, e.g. a restarted container's). Names written before the host wa
 count as left by an ended process when no other process here has that id and they have not
 changed for :data:`UNRECORDED_HOST_AGE_S` (a live writer's file changes while it is written,
 and lives seconds to minutes), so an earlier fot still writing on another host keeps its file.
+The token-folder writers of an earlier fot staged under names of other shapes (``prepare``'s
+``.corpus.new-4242``, the sample cache's ``.sample-shakespeare-v1.4242``, each written through
+``..corpus.new-4242.tmp-4242``): :func:`ended_earlier_writers` finds them by the same rules.
 """
 
 from __future__ import annotations
@@ -84,6 +87,35 @@ def ended_writers(folder: str | os.PathLike, prefix: str, suffix: str = "") -> l
         m = pattern.fullmatch(name)
         if m and _has_ended(m["host"], int(m["pid"]), path):
             found.append(Leftover(path, int(m["pid"]), m["host"]))
+    return found
+
+
+def ended_earlier_writers(folder: str | os.PathLike, *names: tuple[str, ...]) -> list[Leftover]:
+    """The folders in ``folder`` that an earlier fot staged under names without the host, whose
+    writer has ended (no other process here has the id, and unchanged for
+    :data:`UNRECORDED_HOST_AGE_S`: module docstring), by name. Each of ``names`` gives such a
+    name as its parts joined by one process id: ``("..tok.new-", ".tmp-", "")`` is
+    ``..tok.new-4242.tmp-4242``.
+
+    Only folders count: those names were all folders, and a file of such a name is not fot's.
+    """
+    patterns = [
+        re.compile(
+            re.escape(parts[0])
+            + r"(?P<pid>[0-9]{1,9})"
+            + r"(?P=pid)".join(map(re.escape, parts[1:]))
+        )
+        for parts in names
+    ]
+    try:
+        entries = [(e.name, Path(e.path)) for e in os.scandir(folder)]
+    except OSError:  # no folder (yet), or not readable: the write itself reports it
+        return []
+    found = []
+    for name, path in sorted(entries):
+        m = next((m for p in patterns if (m := p.fullmatch(name))), None)
+        if m and path.is_dir() and not path.is_symlink() and _has_ended(None, int(m["pid"]), path):
+            found.append(Leftover(path, int(m["pid"]), None))
     return found
 
 

@@ -1127,6 +1127,92 @@ def test_a_prepare_killed_while_replacing_keeps_the_earlier_folder_it_set_aside(
     assert [d.tolist() for d in open_docs(tmp_path / "earlier")] == [d.tolist() for d in old]
 
 
+def test_folders_an_earlier_fot_staged_are_removed_once_a_day_unchanged(
+    tmp_path, monkeypatch, caplog
+) -> None:
+    # An earlier fot staged prepare's folders as .tok.new-<pid> (written through
+    # ..tok.new-<pid>.tmp-<pid>) and the sample cache as .<cache>.<pid> (through
+    # ..<cache>.<pid>.tmp-<pid>); a kill left them for good, as no later write looked for
+    # those names. The next write of the folder removes those of processes that have ended
+    # (no process here has the id) once a day unchanged, in one line; others are kept.
+    import subprocess
+    import time
+
+    from fot.data import sample
+    from fot.data.prepare import prepare
+    from fot.data.tokens import write_token_documents
+
+    def ended_pid() -> int:
+        proc = subprocess.Popen(["true"])
+        proc.wait()
+        return proc.pid
+
+    day_ago = time.time() - 25 * 3600
+
+    def leave(path: Path, *, age: float = day_ago) -> Path:
+        path.mkdir()
+        (path / "tokens.bin").write_bytes(b"\0\1")
+        for p in (path / "tokens.bin", path):
+            os.utime(p, (age, age))
+        return path
+
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        tok = tmp_path / "tok"
+        prepare(iter([np.arange(3, dtype=np.uint16)]), tok)
+        a, b = ended_pid(), ended_pid()
+        gone = {
+            leave(tmp_path / f".tok.new-{a}"): a,
+            leave(tmp_path / f"..tok.new-{a}.tmp-{a}"): a,
+            leave(tmp_path / f"..tok.new-{b}.old-{b}"): b,
+        }
+        gone = dict(sorted(gone.items()))  # logged by name
+        kept = [
+            leave(tmp_path / f".tok.new-{b}", age=time.time()),  # changed within a day
+            leave(tmp_path / f".tok.new-{sleeper.pid}"),  # a process here has the id
+            leave(tmp_path / f"..tok.new-{a}.tmp-{b}"),  # two ids: not a name fot wrote
+        ]
+        (tmp_path / f".tok.new-{b}0").write_bytes(b"")  # a file: fot wrote folders there
+        os.utime(tmp_path / f".tok.new-{b}0", (day_ago, day_ago))
+        kept.append(tmp_path / f".tok.new-{b}0")
+        with caplog.at_level(logging.WARNING, logger="fot.data.tokens"):
+            prepare(iter([np.arange(4, dtype=np.uint16)]), tok)
+        writers = "; ".join(
+            f"process {pid}, host not recorded, unchanged for over a day" for pid in gone.values()
+        )
+        assert [r.getMessage() for r in caplog.records] == [
+            f"removed {', '.join(map(str, gone))}: left by writes of {tok} that did not "
+            f"finish ({writers})"
+        ]
+        assert _hidden(tmp_path) == sorted(p.name for p in kept)
+        assert [d.tolist() for d in open_docs(tok)] == [[0, 1, 2, 3]]
+
+        # the sample cache's, when it is built
+        cache = tmp_path / "cache"
+        cache.mkdir()
+        monkeypatch.setenv("FOT_CACHE_DIR", str(cache))
+        monkeypatch.setattr(sample, "sample_named_texts", lambda: [("a", "A play.")])
+        folder = cache / f"sample-{sample.sample_source()}-v1"
+        gone = [leave(cache / f"..{folder.name}.{a}.tmp-{a}"), leave(cache / f".{folder.name}.{a}")]
+        kept = [leave(cache / f".{folder.name}.{sleeper.pid}")]
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="fot.data.tokens"):
+            assert sample.sample_token_documents().meta["names"] == ["a"]
+        writers = "; ".join(
+            f"process {pid}, host not recorded, unchanged for over a day" for pid in (a, a)
+        )
+        assert [r.getMessage() for r in caplog.records] == [
+            f"removed {', '.join(map(str, gone))}: left by writes of {folder} that did "
+            f"not finish ({writers})"
+        ]
+        assert sorted(p.name for p in cache.iterdir()) == sorted([folder.name, kept[0].name])
+        write_token_documents(folder, [[1]])  # a write of the folder itself removes none either
+        assert sorted(p.name for p in cache.iterdir()) == sorted([folder.name, kept[0].name])
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
 def open_docs(path):
     from fot.data.tokens import TokenDocuments
 

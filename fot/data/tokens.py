@@ -25,7 +25,13 @@ from pathlib import Path
 import numpy as np
 
 from fot.errors import cannot_write
-from fot.staging import ended_writers, remove_and_log, set_aside_name, writer_tag
+from fot.staging import (
+    ended_earlier_writers,
+    ended_writers,
+    remove_and_log,
+    set_aside_name,
+    writer_tag,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -232,13 +238,26 @@ def clean_ended_writes(path: str | os.PathLike) -> None:
     an earlier ``path`` that they set aside while replacing it (``.{name}.old-{host}.{pid}``)
     that hold no whole token folder (a delete cut short). The others are kept and named in the
     log with what to do: a kill between setting the earlier folder aside and moving the new one
-    in leaves that folder its only copy."""
+    in leaves that folder its only copy. The folders an earlier fot staged (without the host:
+    prepare's ``.{name}.new-{pid}``, the sample cache's ``.{name}.{pid}``, and the
+    ``..{staged}.tmp-{pid}`` and ``..{staged}.old-{pid}`` that writing them left) hold no copy
+    of ``path``: they are removed in the same line, by the rules of
+    :func:`fot.staging.ended_earlier_writers`."""
     dest = Path(path)
     asides = ended_writers(dest.parent, f".{dest.name}.old-")
     whole = [left for left in asides if _is_whole(left.path)]
     staged = ended_writers(dest.parent, f".{dest.name}.tmp-")
+    earlier = []  # an earlier fot's staged folders, and what its writes of them left
+    for name in (f".{dest.name}.new-", f".{dest.name}."):  # prepare's; the sample cache's
+        earlier += [(name, ""), (f".{name}", ".tmp-", ""), (f".{name}", ".old-", "")]
     remove_and_log(
-        [*staged, *(left for left in asides if left not in whole)], logger, f"writes of {dest}"
+        [
+            *staged,
+            *(left for left in asides if left not in whole),
+            *ended_earlier_writers(dest.parent, *earlier),
+        ],
+        logger,
+        f"writes of {dest}",
     )
     for left in whole:
         logger.warning(

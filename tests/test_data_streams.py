@@ -1127,6 +1127,47 @@ def test_a_prepare_killed_while_replacing_keeps_the_earlier_folder_it_set_aside(
     assert [d.tolist() for d in open_docs(tmp_path / "earlier")] == [d.tolist() for d in old]
 
 
+def test_a_token_folder_a_killed_prepare_left_set_aside_is_named_where_it_is_missing(
+    tmp_path,
+) -> None:
+    # A prepare killed between setting the token folder aside and moving the new one in left
+    # no folder; training on it said only that it does not exist, and to create one with
+    # prepare. The folder set aside beside it (whole) is now named, with the mv that puts it
+    # back; following that gives the folder as it was.
+    import re
+    import shlex
+    import subprocess
+
+    from fot.data.prepare import prepare
+    from fot.data.tokens import TokenDocuments
+
+    tok = tmp_path / "tok"
+    old = [np.arange(i + 1, dtype=np.uint16) for i in range(4)]
+    prepare(iter(old), tok)
+    pid = _killed_prepare(tok, "moving_in")
+    aside = tmp_path / f".tok.old-{_tag(pid)}"
+    assert not tok.exists() and aside.is_dir()
+    hint = (
+        f"{aside} holds it as it was before process {pid} of this host set it aside to replace "
+        f"it and did not finish (killed?): put it back with `mv {aside} {tok}`."
+    )
+    for key in ("data.path", "data.val_path"):
+        with pytest.raises(FileNotFoundError) as info:
+            open_token_path(tok, 8, "varlen", key=key)
+        assert str(info.value) == f"{key}={tok} does not exist. {hint}"
+    with pytest.raises(FileNotFoundError) as info:
+        TokenDocuments(tok)
+    assert str(info.value) == f"token folder {tok} does not exist: {hint}"
+    subprocess.run(shlex.split(re.search(r"`(.*)`", hint)[1]), check=True)
+    assert [d.tolist() for d in open_docs(tok)] == [d.tolist() for d in old]
+    # a copy that does not open whole (a delete cut short) is not named
+    pid = _killed_prepare(tok, "moving_in")
+    (tmp_path / f".tok.old-{_tag(pid)}" / "tokens.bin").unlink()
+    with pytest.raises(FileNotFoundError) as info:
+        open_token_path(tok, 8, "varlen")
+    assert str(info.value).startswith(f"data.path={tok} does not exist. Turn text files")
+
+
 def test_folders_an_earlier_fot_staged_are_removed_once_a_day_unchanged(
     tmp_path, monkeypatch, caplog
 ) -> None:

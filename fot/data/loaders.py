@@ -159,7 +159,7 @@ def open_token_path(
         cache_bytes: a zarr array's chunk cache (``data.cache_mib``; ``None``: sized for
             ``seq_len``).
     """
-    from fot.data.tokens import TokenDocuments, is_token_folder
+    from fot.data.tokens import TokenDocuments, is_token_folder, put_back_hint
 
     if is_url(path):
         if not zarr_exists(path, storage_options):
@@ -172,7 +172,9 @@ def open_token_path(
         return _zarr_source(key, str(path), seq_len, packing, storage_options, cache_bytes)
     p = Path(path).expanduser()
     if not p.exists():
-        raise FileNotFoundError(f"{key}={shown_path(p)} does not exist. {_prepare_hint(key)}")
+        raise FileNotFoundError(
+            f"{key}={shown_path(p)} does not exist. {put_back_hint(p) or _prepare_hint(key)}"
+        )
     if is_zarr(p):
         return _zarr_source(key, p, seq_len, packing, cache_bytes=cache_bytes)
     if cache_bytes is not None:

@@ -18,6 +18,7 @@ import contextlib
 import json
 import logging
 import os
+import shlex
 import shutil
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -74,6 +75,8 @@ class TokenDocuments(Sequence):
                         f" It holds a {saved} written by save_to_disk: train on it with "
                         f"data=hf data.path={self.path}."
                     )
+            if put_back := put_back_hint(self.path):
+                raise FileNotFoundError(f"token folder {self.path} does not exist: {put_back}")
             raise FileNotFoundError(
                 f"{self.path} is not a token folder (no meta.json). Create one with "
                 f"`python -m fot.data.prepare --help`.{read_as}"
@@ -270,6 +273,30 @@ def clean_ended_writes(path: str | os.PathLike) -> None:
             left.path,
             left.path,
         )
+
+
+def put_back_hint(path: str | os.PathLike) -> str | None:
+    """Where the token folder ``path`` is missing because a write killed while replacing it
+    (:func:`replace_folders`) left it set aside beside it, whole (``.{name}.old-{host}.{pid}``,
+    kept by :func:`clean_ended_writes`): a sentence naming that copy and the ``mv`` that puts
+    it back. ``None`` where ``path`` exists or no such copy lies beside it."""
+    dest = Path(os.path.abspath(Path(path).expanduser()))
+    if os.path.lexists(dest):
+        return None
+    copies = [
+        left for left in ended_writers(dest.parent, f".{dest.name}.old-") if _is_whole(left.path)
+    ]
+    if not copies:
+        return None
+    if len(copies) == 1:
+        held, back = f"{copies[0].path} holds", shlex.quote(str(copies[0].path))
+    else:
+        held, back = f"{', '.join(str(c.path) for c in copies)} hold", "<the one to keep>"
+    return (
+        f"{held} it as it was before {'; '.join(c.writer() for c in copies)} set it aside to "
+        f"replace it and did not finish (killed?): put it back with `mv {back} "
+        f"{shlex.quote(str(dest))}`."
+    )
 
 
 def _is_whole(folder: Path) -> bool:

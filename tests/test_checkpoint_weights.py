@@ -663,6 +663,63 @@ def test_a_run_from_a_model_with_its_own_tokenizer_exports_that_tokenizer(tmp_pa
     assert not refused.exists()
 
 
+_KILLED_AT_TOKENIZER = """
+import os, runpy, signal, sys
+from pathlib import Path
+
+real_rename = os.rename
+
+
+def rename(src, dst, *args, **kwargs):
+    # killed as the staged copy of the tokenizer is moved into place
+    if Path(src).name.startswith(".tokenizer.new-") and Path(dst).name == "tokenizer":
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real_rename(src, dst, *args, **kwargs)
+
+
+os.rename = rename
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_a_start_killed_while_replacing_the_runs_tokenizer_leaves_it_for_the_resume(
+    tmp_path, caplog
+) -> None:
+    """A run's first start (resume=never in a folder with checkpoints) removed the folder's
+    tokenizer/ before moving its new copy in: killed between the two, the folder had none, and
+    a resume from its checkpoints exported GPT-2's tokenizer beside a model trained with
+    another. The earlier copy is now set aside until the new one is in place, and the resume
+    puts it back; its export carries it, and nothing staged is left."""
+    from test_convert import TOKENIZER_FILES
+
+    fla = _fla_with_its_own_tokenizer(tmp_path / "fla")
+    rng = np.random.default_rng(0)
+    for name in ("ids.npy", "heldout.npy"):
+        np.save(tmp_path / name, rng.integers(0, 29, 4096).astype(np.uint16))
+    out = tmp_path / "run"
+    data = [f"data.path={tmp_path / 'ids.npy'}", f"data.val_path={tmp_path / 'heldout.npy'}"]
+    settings = ["model=fot_llama", "data=tokens", *data, "data.seq_len=64", f"init_from={fla}"]
+    train(_cfg(out, *ONE_STEP, *settings))
+    assert (out / "checkpoints" / "step_00000001").is_dir() and (out / "tokenizer").is_dir()
+    cmd = [sys.executable, "-c", _KILLED_AT_TOKENIZER, str(ROOT / "train.py"), *SMALL,
+           *ONE_STEP, f"out_dir={out}", *settings, "resume=never"]  # fmt: skip
+    res = _run_script(cmd, cwd=tmp_path)
+    assert res.returncode == -9, res.stderr[-3000:]
+    assert not (out / "tokenizer").exists()
+    with caplog.at_level(logging.WARNING, logger="fot.train"):
+        train(_cfg(out, "total_tokens=512", *ONE_STEP[1:], *settings, "export_hf=true"))
+    files = sorted(p.name for p in (out / "hf").iterdir() if p.name in TOKENIZER_FILES)
+    assert files == ["tokenizer.json", "tokenizer_config.json"], files
+    for name in files:
+        assert (out / "hf" / name).read_bytes() == (fla / name).read_bytes(), name
+    assert any(
+        r.getMessage().startswith(f"put back the run's tokenizer {out / 'tokenizer'} from ")
+        for r in caplog.records
+    ), caplog.text
+    assert [p.name for p in out.iterdir() if p.name.startswith(".tokenizer")] == []
+
+
 def test_a_fot_checkpoint_or_model_where_another_kind_is_read_names_the_option_that_takes_it(
     tmp_path, source_run
 ) -> None:

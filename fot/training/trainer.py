@@ -450,22 +450,55 @@ def export_with_tokenizer(
 def _carry_tokenizer(source: Path | None, folder: Path) -> None:
     """Make ``folder`` (a run's :data:`fot.training.init_weights.TOKENIZER_FOLDER`) a copy of
     the tokenizer folder ``source``, or remove it where ``source`` is None (a run started over
-    in its folder exports GPT-2's tokenizer again)."""
+    in its folder exports GPT-2's tokenizer again).
+
+    The earlier ``folder`` is set aside (``.tokenizer.old-{host}.{pid}``) until the new one is
+    in place, never deleted before: a kill between the two leaves it whole beside the run, for
+    a resume to put back (:func:`_recover_tokenizer`), which exports it with the checkpoints
+    of the folder."""
     from fot.convert import copy_tokenizer
 
     if source is not None and source.resolve() == folder.resolve():
         return  # init_from a checkpoint of this folder's own earlier run
-    from fot.staging import ended_writers, remove, writer_tag
+    from fot.staging import ended_writers, remove, set_aside_name, writer_tag
 
-    # copies a killed run left (its lock is this run's now: their writers have ended)
-    remove(ended_writers(folder.parent, f".{folder.name}.new-"))
-    staged = folder.with_name(f".{folder.name}.new-{writer_tag()}")
+    # copies and earlier tokenizers a killed start left (its lock is this run's now: their
+    # writers have ended); this start chooses the tokenizer
+    new, old = f".{folder.name}.new-", f".{folder.name}.old-"
+    remove([*ended_writers(folder.parent, new), *ended_writers(folder.parent, old)])
+    staged = folder.with_name(f"{new}{writer_tag()}")
     if source is not None:  # copied whole, then renamed: a kill leaves no part of it
         staged.mkdir()
         copy_tokenizer(source, staged, "none")
-    shutil.rmtree(folder, ignore_errors=True)
+    aside = None
+    if os.path.lexists(folder):
+        aside = set_aside_name(folder.parent, old)
+        os.rename(folder, aside)
     if source is not None:
         os.rename(staged, folder)
+    if aside is not None:  # deleted under the staged name: a set-aside one is always whole
+        os.rename(aside, staged)
+        shutil.rmtree(staged, ignore_errors=True)
+
+
+def _recover_tokenizer(folder: Path) -> None:
+    """At a resume, put back the run's tokenizer ``folder`` where a start killed while
+    replacing it (:func:`_carry_tokenizer`) left it set aside and no ``folder``, with a
+    warning; remove the staged copies and set-aside tokenizers of such starts otherwise."""
+    from fot.staging import ended_writers, remove
+
+    asides = ended_writers(folder.parent, f".{folder.name}.old-")
+    if asides and not os.path.lexists(folder):
+        back = asides.pop()
+        os.rename(back.path, folder)
+        logger.warning(
+            "put back the run's tokenizer %s from %s, where a start of a run in this folder "
+            "(%s) set it aside to replace it and did not finish (killed?)",
+            folder,
+            back.path,
+            back.writer(),
+        )
+    remove([*ended_writers(folder.parent, f".{folder.name}.new-"), *asides])
 
 
 def _cpu_model(hf_config: Any, state: dict[str, torch.Tensor]) -> nn.Module:
@@ -1285,6 +1318,8 @@ def _train(
             ckpt.clean_stale(ckpt_dir)
             if resume_from is None or elsewhere:  # a first start: this run's own tokenizer
                 _carry_tokenizer(carried_tokenizer, out_dir / TOKENIZER_FOLDER)
+            else:
+                _recover_tokenizer(out_dir / TOKENIZER_FOLDER)
             if on_folder is not None:
                 on_folder(out_dir)
     stream = SequenceStream(

@@ -14,9 +14,9 @@ What differs from a plain ``datasets.load_dataset`` call:
   files of ``d1/``, ``no*tes`` those of ``notes/`` too): a folder it reads files outside of,
   or none of, is refused with the loader and the folder's escaped patterns that read it.
 * ``.tsv`` files read with the ``csv`` loader (``csv`` with data files) are split at tabs, as
-  datasets splits them when it picks that loader for a folder of ``.tsv`` files; its ``csv``
-  loader splits every file at commas, so a ``.tsv`` file became one column named by the
-  whole tab-separated header line.
+  datasets splits them when it picks that loader for a folder of ``.tsv`` files; named, its
+  ``csv`` loader splits every file at commas (a ``.tsv`` file would be one column, named by
+  its whole header line).
 * datasets' failures on bad input files (a bare ``StopIteration`` for empty files, a
   ``DatasetGenerationError`` around a ``UnicodeDecodeError``) become one :class:`HFDataError` that
   names the file and the fix.

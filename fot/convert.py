@@ -13,7 +13,9 @@ paper's recurrent baselines DeltaNet, HGRN2 and Mamba-2 (``delta_net-project_fox
 become fot's FLA baselines of the same names (:func:`fla_config_from_paper`), whose folders
 load with ``trust_remote_code=True``; its Samba is refused. :func:`from_fla` does the same for
 flash-linear-attention's FoX (model type ``forgetting_transformer``, e.g. trained with FLA's
-flame), whose export keeps the folder's own tokenizer files.
+flame), whose export keeps the folder's own tokenizer files. The export keeps the source
+weights' dtype (a bf16 checkpoint stays bf16, and ``from_pretrained`` loads it as bf16; FoX's
+forget gate is written in float32), or takes ``--dtype``.
 
 The weights map one to one, renamed: the paper's fused MLP input projection is split into
 fot's gate and up projections, its shift projections (``k_proj.shift_proj``) become
@@ -563,7 +565,7 @@ def state_dict_from_paper(
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def from_paper(path: str | os.PathLike, *, dtype: torch.dtype | None = None) -> Any:
+def from_paper(path: str | os.PathLike, *, dtype: torch.dtype | str | None = None) -> Any:
     """Load a checkpoint folder of the paper's code as a fot model: a
     :class:`fot.FoTForCausalLM` for FoX and the Transformers, fot's FLA baseline
     (``FoTDeltaNetForCausalLM``, ...) for DeltaNet, HGRN2 and Mamba-2.
@@ -573,8 +575,9 @@ def from_paper(path: str | os.PathLike, *, dtype: torch.dtype | None = None) -> 
             checkpoint first, e.g. ``hf download zhixuan-lin/fox-pro-760m-longcrawl64-48b
             --local-dir DIR``).
         dtype: cast the loaded model to this dtype (``None``: float32, whatever the weights'
-            dtype; 16-bit weights convert exactly); a FoX model keeps its forget gate in
-            float32 under a 16-bit cast.
+            dtype; 16-bit weights convert exactly; ``"auto"``: the dtype of most of the
+            weights, :func:`weights_dtype`); a FoX model keeps its forget gate in float32
+            under a 16-bit cast.
 
     Returns:
         The model, in eval mode on the CPU; its logits are the paper model's for the same
@@ -613,7 +616,7 @@ def _load(
     path: str | os.PathLike,
     to_config: Callable[[Any], Any],
     to_state: Callable[[Mapping[str, torch.Tensor], Any, Any], dict[str, torch.Tensor]],
-    dtype: torch.dtype | None,
+    dtype: torch.dtype | str | None,
 ) -> Any:
     """A :class:`fot.FoTForCausalLM` from checkpoint folder ``path``, by a config and a
     state-dict mapping."""
@@ -623,7 +626,12 @@ def _load(
 
     cfg = read_config(path)
     fot_config = to_config(cfg)
-    state = to_state(read_weight_files(Path(path)), cfg, fot_config)
+    weights = read_weight_files(Path(path))
+    if dtype == "auto":
+        dtype = weights_dtype(weights)
+    elif dtype is not None and not isinstance(dtype, torch.dtype):
+        raise ValueError(f"dtype={dtype!r} is not a torch.dtype, 'auto' or None")
+    state = to_state(weights, cfg, fot_config)
     if isinstance(fot_config, FoTConfig):
         model = FoTForCausalLM(fot_config)
     else:
@@ -632,6 +640,16 @@ def _load(
     if dtype is not None:
         model.to(dtype)
     return model.eval()
+
+
+def weights_dtype(weights: Mapping[str, torch.Tensor]) -> torch.dtype:
+    """The floating dtype that holds most of the values of ``weights`` (a bf16 checkpoint with a
+    few float32 tensors is bf16); float32 where none is floating."""
+    counts: dict[torch.dtype, int] = {}
+    for t in weights.values():
+        if t.is_floating_point():
+            counts[t.dtype] = counts.get(t.dtype, 0) + t.numel()
+    return max(counts, key=lambda d: counts[d]) if counts else torch.float32
 
 
 def fot_config_from_fla(cfg: Mapping[str, Any]) -> Any:
@@ -736,14 +754,15 @@ def state_dict_from_fla(
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def from_fla(path: str | os.PathLike, *, dtype: torch.dtype | None = None) -> Any:
+def from_fla(path: str | os.PathLike, *, dtype: torch.dtype | str | None = None) -> Any:
     """Load a checkpoint folder of flash-linear-attention's FoX (``ForgettingTransformer-
     ForCausalLM``, model type ``forgetting_transformer``) as a :class:`fot.FoTForCausalLM`.
 
     Args:
         path: a local folder with FLA's ``config.json`` and weights.
         dtype: cast the loaded model to this dtype (``None``: float32, whatever the weights'
-            dtype; 16-bit weights convert exactly).
+            dtype; 16-bit weights convert exactly; ``"auto"``: the dtype of most of the
+            weights, :func:`weights_dtype`); the forget gate stays float32 under a 16-bit cast.
 
     Returns:
         The model, in eval mode on the CPU; its logits are FLA's model's for the same inputs
@@ -828,6 +847,15 @@ def pruning_note(cfg: Mapping[str, Any]) -> str | None:
     )
 
 
+_DTYPES: dict[str, torch.dtype | str] = {
+    "auto": "auto",
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+"""The choices of ``python -m fot.convert --dtype``."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m fot.convert SRC OUT``: write a checkpoint of the paper's code or of FLA's FoX
     as a fot export."""
@@ -857,7 +885,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         "which the paper's released models were trained on (default: json for the paper's "
         "checkpoints, none for FLA's)",
     )
+    parser.add_argument(
+        "--dtype",
+        choices=list(_DTYPES),
+        default="auto",
+        help="the dtype of the written weights (default: auto, the source weights' dtype, as "
+        "save_pretrained keeps a model's; a FoX forget gate is written in float32 always)",
+    )
     args = parse_args_naming_typos(parser, argv)
+    dtype = _DTYPES[args.dtype]
     copied: list[str] = []
     try:
         check_export_folder(args.out, example="checkpoints/fox_pro_760m")
@@ -870,7 +906,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         source_config = read_config(src)
         fla = source_kind(source_config) == "fla"
-        model = from_fla(src) if fla else from_paper(src)
+        model = from_fla(src, dtype=dtype) if fla else from_paper(src, dtype=dtype)
         if fla:
             escaping = args.text_escaping or "none"
             out = export_hf(model, args.out, tokenizer=False)
@@ -883,7 +919,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(error_line(parser.prog, err, traceback_variable="FOT_TRACEBACK"), file=sys.stderr)
         return 2
     n = sum(p.numel() for p in model.parameters())
-    print(f"wrote {out} ({n / 1e6:.1f}M parameters, model_type {model.config.model_type})")
+    print(
+        f"wrote {out} ({n / 1e6:.1f}M parameters, model_type {model.config.model_type}, "
+        f"{str(model.dtype).removeprefix('torch.')})"
+    )
     note = None if fla else pruning_note(source_config)
     if note:
         print(note)

@@ -178,6 +178,39 @@ def test_the_command_writes_a_fot_export_that_loads_and_records_json_escaping(tm
     assert text_escaping_of(AutoTokenizer.from_pretrained(tmp_path / "plain")) == "none"
 
 
+def test_a_bf16_checkpoint_converts_to_a_bf16_export_unless_dtype_says_otherwise(tmp_path):
+    """A bf16 source was written as float32, twice its size. Now the export keeps the source's
+    dtype (as save_pretrained keeps a model's) and from_pretrained loads it so: the weights,
+    read back as float32, are the source's bf16 values exactly, the forget gate float32.
+    --dtype float32 writes float32."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    src = tmp_path / "bf16"
+    src.mkdir()
+    shutil.copyfile(PAPER / "fox_pro" / "config.json", src / "config.json")
+    state = load_file(PAPER / "fox_pro" / "model.safetensors")
+    save_file({k: v.bfloat16() for k, v in state.items()}, src / "model.safetensors")
+    want = from_paper(src).state_dict()  # float32 of the bf16 values: exact
+    assert main([str(src), str(tmp_path / "out")]) == 0
+    with safe_open(tmp_path / "out" / "model.safetensors", framework="pt") as f:
+        dtypes = {k: f.get_slice(k).get_dtype() for k in f.keys()}  # noqa: SIM118
+    assert {d for k, d in dtypes.items() if "fgate" not in k} == {"BF16"}
+    assert {d for k, d in dtypes.items() if "fgate" in k} == {"F32"}
+    size = (tmp_path / "out" / "model.safetensors").stat().st_size
+    assert size < 1.2 * (src / "model.safetensors").stat().st_size
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert loaded.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert loaded.model.layers[0].self_attn.fgate_proj.weight.dtype == torch.float32
+    got = loaded.state_dict()
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k].float(), want[k]) for k in want)
+    assert main([str(src), str(tmp_path / "f32"), "--dtype", "float32"]) == 0
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "f32")
+    assert {p.dtype for p in loaded.parameters()} == {torch.float32}
+    assert all(torch.equal(v, want[k]) for k, v in loaded.state_dict().items())
+
+
 def test_tied_embeddings_convert_as_an_untied_copy_does(tmp_path) -> None:
     """A tied checkpoint stores no LM head (the embedding serves; fot's models are untied):
     converting it equals converting the same model written untied, with the embedding copied

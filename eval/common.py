@@ -295,21 +295,88 @@ def _no_tokenizer_message(p: Path, model_type: Any) -> str:
 
 def _damaged_tokenizer_error(p: Path, err: BaseException) -> ValueError:
     """The error for tokenizer files in ``p`` that ``AutoTokenizer`` cannot read: a GPT-2
-    ``vocab.json`` without its ``merges.txt`` (or the reverse), or a cut-short copy of either.
-    transformers says only "`vocab` and `merges` must be both be from memory or both
-    filenames", or the tokenizers library raises a bare ``Exception`` (a traceback)."""
+    ``vocab.json`` without its ``merges.txt`` (or the reverse), or a cut-short copy of a file,
+    named (:func:`_unreadable_tokenizer_file`). transformers says only "`vocab` and `merges`
+    must be both be from memory or both filenames", or the tokenizers library raises a bare
+    ``Exception`` (a traceback) that names no file."""
     files = sorted(f.name for f in p.iterdir() if _is_tokenizer_file(f))
     pair = [name for name in ("vocab.json", "merges.txt") if (p / name).is_file()]
+    unreadable = _unreadable_tokenizer_file(p)
     if len(pair) == 1 and not (p / "tokenizer.json").is_file():
         missing = ({"vocab.json", "merges.txt"} - set(pair)).pop()
         what = f"{pair[0]} is there but {missing} is missing"
+        fix = f"copy {missing} from the export"
+    elif unreadable is not None:
+        name, reason = unreadable
+        what = f"{name} cannot be read ({reason}): the copy is cut short or damaged"
+        fix = f"copy {name} from the export again"
     else:
         reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
         what = f"its files cannot be read ({reason})"
+        fix = (
+            "copy the tokenizer files (vocab.json and merges.txt, or tokenizer.json) from the "
+            "export again"
+        )
     return ValueError(
         f"the tokenizer in {str(p)!r} cannot be loaded: {what} (tokenizer files there: "
-        f"{files}); copy the tokenizer files (vocab.json and merges.txt, or tokenizer.json) "
-        "from the export again, or export the checkpoint again"
+        f"{files}); {fix}, or export the checkpoint again"
+    )
+
+
+def _unreadable_tokenizer_file(p: Path) -> tuple[str, str] | None:
+    """``(name, reason)`` of the first tokenizer file in ``p`` that ``AutoTokenizer`` reads and
+    that is not whole: a JSON file that does not parse, a ``merges.txt`` line that is not two
+    symbols (a cut in the middle of a line); None where each reads."""
+    names = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+             "added_tokens.json"]  # fmt: skip
+    if not (p / "tokenizer.json").is_file():  # else vocab.json and merges.txt are not read
+        names += ["vocab.json", "merges.txt"]
+    for name in names:
+        if not (p / name).is_file():
+            continue
+        try:
+            text = (p / name).read_text(encoding="utf-8")
+        except UnicodeDecodeError as err:
+            return name, f"not UTF-8: {err.reason} at byte {err.start}"
+        if name == "merges.txt":
+            for number, line in enumerate(text.splitlines(), 1):
+                symbols = line.split(" ")
+                if not line or line.startswith("#version") or (len(symbols) == 2 and all(symbols)):
+                    continue
+                return name, f"line {number} is {line!r}, not two symbols"
+            continue
+        try:
+            json.loads(text)
+        except json.JSONDecodeError as err:
+            return name, f"not valid JSON: {err}"
+    return None
+
+
+def _merges_cut_short(p: Path, tokenizer: Any) -> str | None:
+    """The error of a GPT-2 style ``merges.txt`` in ``p`` cut short at a line end: it loads,
+    but the tokens of the lost merges are never produced, so texts tokenize into other, more
+    pieces than the model was trained on (no error from transformers). Every token of
+    ``vocab.json`` longer than one character that is no added or special token is the result of
+    a merge; None where each is (or where the folder's tokenizer is not read from these files)."""
+    if (p / "tokenizer.json").is_file() or not (p / "merges.txt").is_file():
+        return None
+    try:
+        vocab = json.loads((p / "vocab.json").read_text(encoding="utf-8"))
+        lines = (p / "merges.txt").read_text(encoding="utf-8").splitlines()
+    except (OSError, ValueError):
+        return None  # the tokenizer read them: nothing to say here
+    if not isinstance(vocab, dict):
+        return None
+    merged = {"".join(line.split(" ")) for line in lines if not line.startswith("#version")}
+    added = set(tokenizer.get_added_vocab())
+    unmade = [t for t in vocab if len(t) > 1 and t not in merged and t not in added]
+    if not unmade:
+        return None
+    return (
+        f"the tokenizer in {str(p)!r} cannot be used: merges.txt has {len(merged)} merges, and "
+        f"{len(unmade)} tokens of vocab.json (e.g. {unmade[-1]!r}) are made by none of them: "
+        "merges.txt is cut short, and texts would tokenize into other tokens than the model "
+        "was trained on; copy merges.txt from the export again, or export the checkpoint again"
     )
 
 
@@ -408,6 +475,9 @@ def load_checkpoint(
     except Exception as err:  # the tokenizers library raises a plain Exception
         raise _damaged_tokenizer_error(p, err) from err
     text_escaping_of(tokenizer)  # a bad fot_text_escaping is named before the model loads
+    cut_short = _merges_cut_short(p, tokenizer)
+    if cut_short:
+        raise ValueError(cut_short)
     vocab = config.get("vocab_size")
     if len(tokenizer) < 2 or (isinstance(vocab, int) and len(tokenizer) < vocab // 2):
         # e.g. a GPT-2 tokenizer without vocab.json / merges.txt loads with one token and

@@ -1207,11 +1207,17 @@ def test_lm_eval_include_path_must_be_a_folder(ckpts, tmp_path):
 @pytest.mark.parametrize(
     ("name", "change", "named"),
     [
-        ("merges.txt", "delete", "vocab.json is there but merges.txt is missing"),
-        ("vocab.json", "delete", "merges.txt is there but vocab.json is missing"),
-        ("vocab.json", "truncate", "its files cannot be read"),
-        ("merges.txt", "truncate", "its files cannot be read"),
-        ("tokenizer_config.json", "truncate", "its files cannot be read"),
+        ("merges.txt", "delete", "cannot be loaded: vocab.json is there but merges.txt is missing"),
+        ("vocab.json", "delete", "cannot be loaded: merges.txt is there but vocab.json is missing"),
+        ("vocab.json", "truncate", "cannot be loaded: vocab.json cannot be read (not valid JSON"),
+        ("merges.txt", "truncate", "cannot be loaded: merges.txt cannot be read (line "),
+        ("tokenizer_config.json", "truncate", "cannot be loaded: tokenizer_config.json cannot be "),
+        (
+            "tokenizer.json",
+            "truncate",
+            "cannot be loaded: tokenizer.json cannot be read (not valid",
+        ),
+        ("merges.txt", "cut at a line end", "cannot be used: merges.txt has 199 merges, and "),
     ],
 )
 def test_a_missing_or_damaged_tokenizer_file_is_one_line_and_its_fix_works(
@@ -1219,24 +1225,31 @@ def test_a_missing_or_damaged_tokenizer_file_is_one_line_and_its_fix_works(
 ):
     """One GPT-2 vocabulary file left out of a copy gave transformers' "`vocab` and `merges`
     must be both be from memory or both filenames", a cut-short one a traceback from the
-    tokenizers library (status 1). Now one line names the folder, what is wrong and the fix.
-    Oracle: after the fix it gives (copying the file from the export again) the result is the
-    intact checkpoint's."""
+    tokenizers library (status 1), then a line that named no file; a merges.txt cut at a line
+    end loaded without a word and tokenized texts into other tokens than the model's. Now one
+    line names the folder, the file, what is wrong and the fix. Oracle: after the fix it gives
+    (copying the file from the export again) the result is the intact checkpoint's."""
     ck = make_llama_checkpoint(tmp_path / "export")
+    if name == "tokenizer.json":  # a fast tokenizer's file, as save_pretrained writes it
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(ck).save_pretrained(ck)
     copy = tmp_path / "copy"
     shutil.copytree(ck, copy)
+    data = (ck / name).read_bytes()
     if change == "delete":
         (copy / name).unlink()
-    else:
-        data = (ck / name).read_bytes()
+    elif change == "truncate":
         (copy / name).write_bytes(data[: min(3000, len(data) // 2)])  # cut short
+    else:  # the version line and 199 merges: it still reads
+        (copy / name).write_bytes(b"".join(data.splitlines(keepends=True)[:200]))
     argv = ["per-token-loss", "--length", "16", "--max-docs", "1", "--device", "cpu"]
     capsys.readouterr()
     assert cli([*argv, str(copy), "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("python -m fot.eval per-token-loss: error: "), err
-    assert f"the tokenizer in {str(copy)!r} cannot be loaded: {named}" in err, err
-    assert "copy the tokenizer files" in err and "raised by" not in err, err
+    assert f"the tokenizer in {str(copy)!r} {named}" in err, err
+    assert f"copy {name} from the export" in err and "raised by" not in err, err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 2, err
     shutil.copy(ck / name, copy / name)  # the fix the message gives
     got = main([*argv, str(copy), "--out", str(tmp_path / "copy_out")])

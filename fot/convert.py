@@ -923,6 +923,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"wrote {out} ({n / 1e6:.1f}M parameters, model_type {model.config.model_type}, "
         f"{str(model.dtype).removeprefix('torch.')})"
     )
+    if not fla and args.text_escaping is None:
+        print(
+            "note: fot.eval will JSON-escape its texts for this model, as the paper's released "
+            "models were trained on LongCrawl64's JSON-escaped text; for a model trained on "
+            f"plain text, convert with --text-escaping none (python -m fot.convert {args.src} "
+            f"{args.out} --text-escaping none)"
+        )
     note = None if fla else pruning_note(source_config)
     if note:
         print(note)

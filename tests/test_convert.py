@@ -161,13 +161,19 @@ def test_a_16_bit_conversion_keeps_the_data_independent_forget_gate_fp32(variant
         torch.testing.assert_close(layer.self_attn.log_fgate(x), want, rtol=1e-6, atol=0)
 
 
-def test_the_command_writes_a_fot_export_that_loads_and_records_json_escaping(tmp_path) -> None:
+def test_the_command_writes_a_fot_export_that_loads_and_records_json_escaping(tmp_path, capsys):
+    """The default JSON escaping is said with the flag for a model trained on plain text (it
+    was recorded without a word)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from fot.tokenizer import text_escaping_of
 
     src = PAPER / "fox_pro"
+    capsys.readouterr()
     assert main([str(src), str(tmp_path / "fot")]) == 0
+    # a checkpoint of the paper's code trained on plain text is told how to record that
+    fix = f"--text-escaping none (python -m fot.convert {src} {tmp_path / 'fot'} --text-escaping"
+    assert fix in capsys.readouterr().out
     ids = torch.from_numpy(np.load(src / "reference.npz")["input_ids"])
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "fot")
     assert loaded.config.model_type == "fot"
@@ -176,6 +182,7 @@ def test_the_command_writes_a_fot_export_that_loads_and_records_json_escaping(tm
     assert text_escaping_of(AutoTokenizer.from_pretrained(tmp_path / "fot")) == "json"
     assert main([str(src), str(tmp_path / "plain"), "--text-escaping", "none"]) == 0
     assert text_escaping_of(AutoTokenizer.from_pretrained(tmp_path / "plain")) == "none"
+    assert "--text-escaping" not in capsys.readouterr().out  # chosen: no note
 
 
 def test_a_bf16_checkpoint_converts_to_a_bf16_export_unless_dtype_says_otherwise(tmp_path):

@@ -347,19 +347,23 @@ def _write_export(
     previous = getattr(model.config, "auto_map", None)
     model.config.auto_map = remote_code_auto_map(type(model.config), type(model))
     # The tokenizer pads with <|endoftext|>: generate() pads finished rows with it too, instead
-    # of warning on every call that it picked eos_token_id for want of a pad_token_id.
+    # of warning on every call that it picked eos_token_id for want of a pad_token_id, and the
+    # config says so too, or HF's Trainer given the tokenizer warns that it "aligned" the config.
     from fot.tokenizer import EOT_ID, save_hf_tokenizer
 
     gen = getattr(model, "generation_config", None)
-    set_pad = (
+    pads_with_eot = (
         tokenizer
-        and gen is not None
-        and gen.pad_token_id is None
-        and gen.eos_token_id == EOT_ID
+        and getattr(gen, "eos_token_id", None) == EOT_ID
         and getattr(model.config, "vocab_size", 0) > EOT_ID
     )
-    if set_pad:
-        gen.pad_token_id = EOT_ID
+    set_pad = [
+        c
+        for c in (gen, model.config)
+        if pads_with_eot and c is not None and getattr(c, "pad_token_id", EOT_ID) is None
+    ]
+    for c in set_pad:
+        c.pad_token_id = EOT_ID
     from transformers.utils import logging as hf_logging
 
     # its "Writing model shards" bar would be one line of carriage returns in a log file
@@ -374,8 +378,8 @@ def _write_export(
     finally:
         if quiet:
             hf_logging.enable_progress_bar()
-        if set_pad:
-            gen.pad_token_id = None
+        for c in set_pad:
+            c.pad_token_id = None
         if previous is None:
             del model.config.auto_map
         else:

@@ -294,20 +294,33 @@ def test_saved_weights_get_the_umask_mode(tmp_path, umask) -> None:
         assert (folder / "model.safetensors").stat().st_mode & 0o777 == want, folder
 
 
-def test_exported_generation_config_pads_with_the_tokenizers_pad(tmp_path) -> None:
+def test_exported_generation_config_pads_with_the_tokenizers_pad(tmp_path, caplog) -> None:
     # generate() warned on every call that it set pad_token_id to eos_token_id: the exported
-    # generation config had none while the tokenizer pads with <|endoftext|>.
+    # generation config had none while the tokenizer pads with <|endoftext|>. Its config.json
+    # had none either, so HF's Trainer given the tokenizer warned that it "aligned" the config.
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.trainer_utils import align_special_tokens
+    from transformers.utils import logging as hf_logging
 
     cfg = presets.config("fot_pro", "tiny", attn_backend="reference")
     model = presets.build_model(cfg).eval()
     assert model.generation_config.pad_token_id is None
     out = export_hf(model, tmp_path / "m")
     assert model.generation_config.pad_token_id is None  # the model itself is left as it was
+    assert model.config.pad_token_id is None
     saved = json.loads((out / "generation_config.json").read_text())
     tok = AutoTokenizer.from_pretrained(out)
     assert saved["pad_token_id"] == tok.pad_token_id == 50256
+    assert json.loads((out / "config.json").read_text())["pad_token_id"] == 50256
     loaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    caplog.clear()
+    hf_logging.enable_propagation()  # transformers' records reach caplog
+    try:
+        with caplog.at_level(logging.WARNING):
+            align_special_tokens(loaded, tok)  # what Trainer(processing_class=tok).train() does
+    finally:
+        hf_logging.disable_propagation()
+    assert "PAD/BOS/EOS" not in caplog.text  # the config is the tokenizer's already
     batch = tok(["Hello there", "Hi"], padding=True, return_tensors="pt")
     kw = {"max_new_tokens": 3, "do_sample": False}
     assert torch.equal(

@@ -389,6 +389,46 @@ def test_a_config_json_refused_names_the_file(tmp_path, load: str) -> None:
         assert str(info.value).startswith("num_heads=2 and num_attention_heads=8 name")
 
 
+@pytest.mark.parametrize("load", ["FoTConfig", "AutoConfig", "AutoModelForCausalLM"])
+def test_a_run_folder_loads_with_subfolder_hf_and_a_refused_config_names_its_file(
+    tmp_path, load: str
+) -> None:
+    """A training run's folder holds its export in hf/: from_pretrained(run, subfolder="hf")
+    loads it (the same logits as the folder itself). A setting refused there was named as
+    <run>/config.json, a file that does not exist, through AutoConfig and
+    AutoModelForCausalLM (transformers tells the config the folder, not the subfolder): the
+    error now begins with <run>/hf/config.json."""
+    import json
+
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from fot.export import export_hf
+
+    loader = {
+        "FoTConfig": fot.FoTConfig.from_pretrained,
+        "AutoConfig": AutoConfig.from_pretrained,
+        "AutoModelForCausalLM": AutoModelForCausalLM.from_pretrained,
+    }[load]
+    run = tmp_path / "run"
+    model = tiny("fot_pro").eval()
+    export_hf(model, run / "hf")
+    (run / "checkpoints").mkdir()  # beside it, as in a run's folder
+    loaded = loader(run, subfolder="hf")
+    config = loaded if load != "AutoModelForCausalLM" else loaded.config
+    direct = fot.FoTConfig.from_pretrained(run / "hf").to_dict()
+    assert {**config.to_dict(), "_name_or_path": ""} == {**direct, "_name_or_path": ""}
+    if load == "AutoModelForCausalLM":
+        x = ids(2, 9)
+        assert torch.equal(loaded.eval()(x).logits, model(x).logits)
+        tok = AutoTokenizer.from_pretrained(run, subfolder="hf")
+        assert tok("Hi")["input_ids"] == [50256, 17250]  # <|endoftext|> Hi, GPT-2's ids
+    file = run / "hf" / "config.json"
+    file.write_text(json.dumps({**json.loads(file.read_text()), "num_attention_heads": 3}))
+    with pytest.raises(ValueError) as info:
+        loader(run, subfolder="hf")
+    assert str(info.value).startswith(f"{file}: num_heads="), str(info.value)
+
+
 # ---------------------------------------------------------------------------------------
 # 6. output_hidden_states / return_dict / output_attentions
 # ---------------------------------------------------------------------------------------

@@ -8,9 +8,11 @@ The Pro components (QK-norm, KV-shift, output norm, output gate) are independent
 from __future__ import annotations
 
 import inspect
+import json
 import math
 import os
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any, ClassVar
 
 from transformers import PretrainedConfig
@@ -263,13 +265,16 @@ class FoTConfig(PretrainedConfig):
             ValueError: an override the constructor refuses, with the field and the fix; or a
                 setting of the file, with its path.
         """
-        file = kwargs.pop("_fot_config_file", None) or _config_file(kwargs.get("name_or_path"))
+        file = kwargs.pop("_fot_config_file", None)
+        name_or_path = kwargs.get("name_or_path")
         own = cls.constructor_keys()
         overrides = {key: kwargs.pop(key) for key in list(kwargs) if key in own}
-        merged = merge_overrides(config_dict, overrides) if overrides else config_dict
+        config_dict = dict(config_dict)  # as read: transformers' from_dict pops keys of `merged`
+        merged = merge_overrides(config_dict, overrides) if overrides else dict(config_dict)
         try:
             return super().from_dict(merged, **kwargs)
         except ValueError as err:
+            file = file or _config_file(name_or_path, config_dict=config_dict)
             if file is None:
                 raise
             if overrides:  # the file's settings alone: an override's error names no file
@@ -542,18 +547,36 @@ _SYNONYMS: tuple[frozenset[str], ...] = (
 )
 
 
-def _config_file(name_or_path: str | os.PathLike | None, subfolder: str = "") -> str | None:
+def _config_file(
+    name_or_path: str | os.PathLike | None,
+    subfolder: str = "",
+    config_dict: dict[str, Any] | None = None,
+) -> str | None:
     """The config file that loading ``name_or_path`` reads, as messages name it: the file
     itself, ``<folder>/config.json``, or ``config.json of <repository>``; None where not given.
+
+    ``AutoConfig``/``AutoModelForCausalLM.from_pretrained(folder, subfolder=...)`` tell
+    :meth:`FoTConfig.from_dict` the folder but not the subfolder: where ``<folder>/config.json``
+    does not exist, the file is the ``<folder>/<sub>/config.json`` that holds ``config_dict``
+    (``<run>/hf/config.json`` of a training run's folder).
     """
     if not name_or_path:
         return None
     path = os.fspath(name_or_path)
     if os.path.isfile(path):
         return path
-    if os.path.isdir(path):
-        return os.path.join(path, subfolder, CONFIG_NAME)
-    return f"{CONFIG_NAME} of {path}"
+    if not os.path.isdir(path):
+        return f"{CONFIG_NAME} of {path}"
+    file = os.path.join(path, subfolder, CONFIG_NAME)
+    if os.path.isfile(file) or config_dict is None:
+        return file
+    for candidate in sorted(Path(path).glob(f"*/{CONFIG_NAME}")):
+        try:
+            if json.loads(candidate.read_text()) == config_dict:
+                return str(candidate)
+        except (OSError, ValueError):
+            continue
+    return f"{CONFIG_NAME} in a subfolder of {path}"
 
 
 def merge_overrides(config_dict: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:

@@ -15,7 +15,8 @@ load with ``trust_remote_code=True``; its Samba is refused. :func:`from_fla` doe
 flash-linear-attention's FoX (model type ``forgetting_transformer``, e.g. trained with FLA's
 flame), whose export keeps the folder's own tokenizer files. The export keeps the source
 weights' dtype (a bf16 checkpoint stays bf16, and ``from_pretrained`` loads it as bf16; FoX's
-forget gate is written in float32), or takes ``--dtype``.
+forget gate is written in float32; the recurrent baselines in float32, whose FLA layers compute
+some gates in the dtype they are loaded in), or takes ``--dtype``.
 
 The weights map one to one, renamed: the paper's fused MLP input projection is split into
 fot's gate and up projections, its shift projections (``k_proj.shift_proj``) become
@@ -890,7 +891,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         choices=list(_DTYPES),
         default="auto",
         help="the dtype of the written weights (default: auto, the source weights' dtype, as "
-        "save_pretrained keeps a model's; a FoX forget gate is written in float32 always)",
+        "save_pretrained keeps a model's; a FoX forget gate is written in float32 always; "
+        "DeltaNet, HGRN2 and Mamba-2 in float32, as FLA's layers compute some gates in the "
+        "dtype they are loaded in)",
     )
     args = parse_args_naming_typos(parser, argv)
     dtype = _DTYPES[args.dtype]
@@ -906,6 +909,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         source_config = read_config(src)
         fla = source_kind(source_config) == "fla"
+        if dtype == "auto" and source_config.get("model_type") in PAPER_BASELINE_MODEL_TYPES:
+            # loaded in 16 bits (from_pretrained's default: the folder's dtype), their gates
+            # would be computed in 16 bits (_FoTContractMixin.compute_dtype says how)
+            dtype = torch.float32
         model = from_fla(src, dtype=dtype) if fla else from_paper(src, dtype=dtype)
         if fla:
             escaping = args.text_escaping or "none"

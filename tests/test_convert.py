@@ -218,6 +218,34 @@ def test_a_bf16_checkpoint_converts_to_a_bf16_export_unless_dtype_says_otherwise
     assert all(torch.equal(v, want[k]) for k, v in loaded.state_dict().items())
 
 
+def test_a_bf16_paper_baseline_converts_to_float32_unless_dtype_says_otherwise(tmp_path):
+    """A bf16 Mamba-2 written as bf16 would load in bf16 and compute its A/dt and residual
+    stream in bf16 (FLA's layers use the weights' dtype): by default it is written in float32,
+    the source's bf16 values exactly; --dtype bfloat16 writes bf16."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from fot.models.fla_baselines import register_auto_classes
+
+    register_auto_classes()
+    src = tmp_path / "bf16"
+    src.mkdir()
+    shutil.copyfile(PAPER / "mamba2" / "config.json", src / "config.json")
+    state = load_file(PAPER / "mamba2" / "model.safetensors")
+    save_file({k: v.bfloat16() if v.is_floating_point() else v for k, v in state.items()},
+              src / "model.safetensors")  # fmt: skip
+    want = from_paper(src).state_dict()
+    for flag, written in (([], {"F32"}), (["--dtype", "bfloat16"], {"BF16"})):
+        out = tmp_path / f"out{len(flag)}"
+        assert main([str(src), str(out), *flag]) == 0
+        with safe_open(out / "model.safetensors", framework="pt") as f:
+            assert {f.get_slice(k).get_dtype() for k in f.keys()} == written  # noqa: SIM118
+        loaded = AutoModelForCausalLM.from_pretrained(out)
+        assert loaded.dtype == (torch.float32 if not flag else torch.bfloat16)
+        got = loaded.state_dict()
+        assert all(torch.equal(got[k].float(), want[k].float()) for k in want)
+
+
 def test_tied_embeddings_convert_as_an_untied_copy_does(tmp_path) -> None:
     """A tied checkpoint stores no LM head (the embedding serves; fot's models are untied):
     converting it equals converting the same model written untied, with the embedding copied

@@ -296,12 +296,14 @@ def _no_tokenizer_message(p: Path, model_type: Any) -> str:
 def _damaged_tokenizer_error(p: Path, err: BaseException) -> ValueError:
     """The error for tokenizer files in ``p`` that ``AutoTokenizer`` cannot read: a GPT-2
     ``vocab.json`` without its ``merges.txt`` (or the reverse), or a cut-short copy of a file,
-    named (:func:`_unreadable_tokenizer_file`). transformers says only "`vocab` and `merges`
+    named (:func:`fot.tokenizer.unreadable_tokenizer_file`). transformers says only "`vocab` and `merges`
     must be both be from memory or both filenames", or the tokenizers library raises a bare
     ``Exception`` (a traceback) that names no file."""
     files = sorted(f.name for f in p.iterdir() if _is_tokenizer_file(f))
     pair = [name for name in ("vocab.json", "merges.txt") if (p / name).is_file()]
-    unreadable = _unreadable_tokenizer_file(p)
+    from fot.tokenizer import unreadable_tokenizer_file
+
+    unreadable = unreadable_tokenizer_file(p)
     if len(pair) == 1 and not (p / "tokenizer.json").is_file():
         missing = ({"vocab.json", "merges.txt"} - set(pair)).pop()
         what = f"{pair[0]} is there but {missing} is missing"
@@ -321,35 +323,6 @@ def _damaged_tokenizer_error(p: Path, err: BaseException) -> ValueError:
         f"the tokenizer in {str(p)!r} cannot be loaded: {what} (tokenizer files there: "
         f"{files}); {fix}, or export the checkpoint again"
     )
-
-
-def _unreadable_tokenizer_file(p: Path) -> tuple[str, str] | None:
-    """``(name, reason)`` of the first tokenizer file in ``p`` that ``AutoTokenizer`` reads and
-    that is not whole: a JSON file that does not parse, a ``merges.txt`` line that is not two
-    symbols (a cut in the middle of a line); None where each reads."""
-    names = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-             "added_tokens.json"]  # fmt: skip
-    if not (p / "tokenizer.json").is_file():  # else vocab.json and merges.txt are not read
-        names += ["vocab.json", "merges.txt"]
-    for name in names:
-        if not (p / name).is_file():
-            continue
-        try:
-            text = (p / name).read_text(encoding="utf-8")
-        except UnicodeDecodeError as err:
-            return name, f"not UTF-8: {err.reason} at byte {err.start}"
-        if name == "merges.txt":
-            for number, line in enumerate(text.splitlines(), 1):
-                symbols = line.split(" ")
-                if not line or line.startswith("#version") or (len(symbols) == 2 and all(symbols)):
-                    continue
-                return name, f"line {number} is {line!r}, not two symbols"
-            continue
-        try:
-            json.loads(text)
-        except json.JSONDecodeError as err:
-            return name, f"not valid JSON: {err}"
-    return None
 
 
 def _merges_cut_short(p: Path, tokenizer: Any) -> str | None:

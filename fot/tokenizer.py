@@ -196,6 +196,41 @@ def get_encoding() -> tiktoken.Encoding:
     )
 
 
+def unreadable_tokenizer_file(folder: str | os.PathLike) -> tuple[str, str] | None:
+    """The first tokenizer file in ``folder`` that ``AutoTokenizer`` reads and that is not
+    whole, to name where loading it failed (the tokenizers library names no file): a JSON file
+    that does not parse, a ``merges.txt`` line that is not two symbols (a cut in the middle of
+    a line).
+
+    Returns:
+        ``(name, reason)``, or None where each file reads.
+    """
+    p = Path(folder)
+    names = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+             "added_tokens.json"]  # fmt: skip
+    if not (p / "tokenizer.json").is_file():  # else vocab.json and merges.txt are not read
+        names += ["vocab.json", "merges.txt"]
+    for name in names:
+        if not (p / name).is_file():
+            continue
+        try:
+            text = (p / name).read_text(encoding="utf-8")
+        except UnicodeDecodeError as err:
+            return name, f"not UTF-8: {err.reason} at byte {err.start}"
+        if name == "merges.txt":
+            for number, line in enumerate(text.splitlines(), 1):
+                symbols = line.split(" ")
+                if not line or line.startswith("#version") or (len(symbols) == 2 and all(symbols)):
+                    continue
+                return name, f"line {number} is {line!r}, not two symbols"
+            continue
+        try:
+            json.loads(text)
+        except json.JSONDecodeError as err:
+            return name, f"not valid JSON: {err}"
+    return None
+
+
 def save_hf_tokenizer(
     path: str | os.PathLike, *, model_max_length: int | None = None, text_escaping: str = "none"
 ) -> Path:

@@ -767,3 +767,30 @@ def test_a_fot_checkpoint_or_model_where_another_kind_is_read_names_the_option_t
     train(_cfg(tmp_path / "run", *ONE_STEP, f"init_from={hf}"))
     for key, value in _weights(source_run, 4).items():
         torch.testing.assert_close(_weights(tmp_path / "run", 1)[key], value, rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json"])
+def test_init_from_a_folder_with_a_cut_short_tokenizer_file_names_the_file(tmp_path, name) -> None:
+    """A cut-short tokenizer file beside an init_from model was refused with the tokenizers
+    library's words ("its tokenizer files do not load (Expecting ',' delimiter: line ...)"),
+    naming no file; the error now names the file and says to copy it again. Oracle: with the
+    file copied again, the folder's tokenizer loads (GPT-2's vocabulary: the run exports
+    GPT-2's own files)."""
+    from transformers import AutoTokenizer
+
+    from fot.tokenizer import save_hf_tokenizer
+    from fot.training.init_weights import own_tokenizer
+
+    folder = _export(tmp_path / "model", "fot_pro")
+    save_hf_tokenizer(tmp_path / "gpt2")
+    AutoTokenizer.from_pretrained(tmp_path / "gpt2").save_pretrained(folder)  # tokenizer.json
+    whole = (folder / name).read_bytes()
+    (folder / name).write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(InitFromError) as info:
+        own_tokenizer(read_init_source(folder))
+    assert str(info.value).startswith(
+        f"init_from={folder}: its {name} cannot be read (not valid JSON: "
+    ), str(info.value)
+    assert str(info.value).endswith(f"; copy {name} from where the model came from again")
+    (folder / name).write_bytes(whole)  # the fix it gives
+    assert own_tokenizer(read_init_source(folder)) is None

@@ -202,7 +202,7 @@ def own_tokenizer(source: InitSource) -> Path | None:
     from transformers import AutoTokenizer
 
     from fot.convert import TOKENIZER_FILES, copy_tokenizer
-    from fot.tokenizer import bpe_files
+    from fot.tokenizer import bpe_files, unreadable_tokenizer_file
 
     if source.kind == "checkpoint":
         carried = source.path.parent.parent / TOKENIZER_FOLDER
@@ -223,9 +223,14 @@ def own_tokenizer(source: InitSource) -> Path | None:
             copy_tokenizer(source.path, alone, "none")
             vocab = AutoTokenizer.from_pretrained(alone).get_vocab()
     except Exception as err:  # a tokenizer library has many ways to fail
+        unreadable = unreadable_tokenizer_file(source.path)
+        if unreadable is None:
+            what, files = f"its tokenizer files do not load ({str(err)[:200]})", "them"
+        else:
+            name, reason = unreadable
+            what, files = f"its {name} cannot be read ({reason}): it is cut short or damaged", name
         raise InitFromError(
-            f"init_from={source.path}: its tokenizer files do not load ({str(err)[:200]}); "
-            "copy them from where the model came from again"
+            f"init_from={source.path}: {what}; copy {files} from where the model came from again"
         ) from None
     return None if vocab == json.loads(gpt2["encoder.json"].read_text()) else source.path
 

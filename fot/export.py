@@ -357,9 +357,14 @@ def _write_export(
         and getattr(gen, "eos_token_id", None) == EOT_ID
         and getattr(model.config, "vocab_size", 0) > EOT_ID
     )
+    from fot.models.configuration_fot import FoTConfig
+
+    # config.json only for fot's own models: FLA's DeltaNet and HGRN2 build their embedding with
+    # padding_idx=config.pad_token_id, whose row (here <|endoftext|>, their BOS) never trains
+    configs = (gen, model.config) if isinstance(model.config, FoTConfig) else (gen,)
     set_pad = [
         c
-        for c in (gen, model.config)
+        for c in configs
         if pads_with_eot and c is not None and getattr(c, "pad_token_id", EOT_ID) is None
     ]
     for c in set_pad:

@@ -730,3 +730,24 @@ def test_loading_the_baselines_prints_no_fla_platform_note() -> None:
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     assert "Triton is not supported" not in res.stderr, res.stderr
+
+
+@pytest.mark.parametrize("name", ["deltanet", "hgrn2"])
+def test_an_exported_baseline_keeps_learning_its_bos_embedding(tmp_path, name: str) -> None:
+    """FLA's DeltaNet and HGRN2 make ``config.pad_token_id`` their embedding's ``padding_idx``,
+    whose row gets no gradient: an export whose config.json named the tokenizer's pad,
+    <|endoftext|> (the models' BOS), would load into a model that never trains that row."""
+    from transformers import AutoModelForCausalLM
+
+    from fot.export import export_hf
+    from fot.models.fla_baselines import register_auto_classes
+
+    torch.manual_seed(0)
+    m = presets.build_model(presets.config(name, "tiny"))  # GPT-2's vocabulary: 50256 in it
+    out = export_hf(m, tmp_path / name)
+    register_auto_classes()
+    loaded = AutoModelForCausalLM.from_pretrained(out).train()
+    ids = torch.tensor([[50256, 15496, 995, 50256, 15496]])
+    loaded(ids, shift_labels=torch.tensor([[15496, 995, 50256, 15496, 995]])).loss.backward()
+    grad = loaded.get_input_embeddings().weight.grad
+    assert grad[50256].abs().sum() > 0 and grad[15496].abs().sum() > 0

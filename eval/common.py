@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from fot.data.zarr_store import is_url
-from fot.errors import FotError
+from fot.errors import FotError, MissingPackageError
 from fot.interrupt import check_stop
 from fot.provenance import git_sha, library_versions, sweep_job_label
 from fot.tokenizer import TEXT_ESCAPING_KEY, escape_text, text_escaping_of, unescape_text
@@ -1712,8 +1712,25 @@ def parse_float_list(text: str | Iterable[float]) -> list[float]:
     return values
 
 
-def use_agg_backend() -> None:
-    """Select matplotlib's file-only Agg backend (no display needed)."""
-    import matplotlib
+def use_agg_backend(plot: Path) -> None:
+    """Select matplotlib's file-only Agg backend (no display needed).
+
+    Args:
+        plot: the image about to be drawn, named when matplotlib is missing. Every command
+            draws after its results are saved, so the error says that they are, and where.
+
+    Raises:
+        MissingPackageError: matplotlib is not installed.
+    """
+    try:
+        import matplotlib
+    except ModuleNotFoundError as err:
+        if err.name != "matplotlib":
+            raise
+        raise MissingPackageError(
+            f"drawing {plot} needs matplotlib, which is not installed: `pip install "
+            f"matplotlib`, then rerun the same command to draw it (the results are saved in "
+            f"{str(Path(plot).parent)!r})"
+        ) from None
 
     matplotlib.use("Agg", force=True)

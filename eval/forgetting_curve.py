@@ -242,7 +242,7 @@ def plot_curve(
     summary: dict[str, Any], out_file: Path, *, train_length: int | None = None, title: str = ""
 ) -> Path:
     """Copy and LM accuracy vs length with min--max bands and the memory lengths marked."""
-    use_agg_backend()
+    use_agg_backend(out_file)
     import matplotlib.pyplot as plt
 
     rows = summary["per_length"]

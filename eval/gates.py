@@ -198,7 +198,7 @@ def plot_gates(
     data: dict[str, Any], tokens: Sequence[str], out_file: Path, *, title: str = ""
 ) -> Path:
     """One row per chosen (layer, head): gate matrix F and attention map side by side."""
-    use_agg_backend()
+    use_agg_backend(out_file)
     import matplotlib.pyplot as plt
 
     keys = list(data["F"])
@@ -238,7 +238,7 @@ def plot_gates(
 
 def plot_gate_values(log_fgate: torch.Tensor, out_file: Path) -> Path:
     """Forget-gate values f_t of every head, one panel per layer (mean over time in legend)."""
-    use_agg_backend()
+    use_agg_backend(out_file)
     import matplotlib.pyplot as plt
 
     L = log_fgate.shape[0]
@@ -374,13 +374,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             **{f"F_l{li}_h{h}": m.numpy() for (li, h), m in data["F"].items()},
             **{f"attn_l{li}_h{h}": m.numpy() for (li, h), m in data["attention"].items()},
         )
-    plot_gates(data, tokens, out / "gates.png", title=plot_label(args))
-    plot_gate_values(data["log_fgate"], out / "gate_values.png")
     summary = {
         "tokens": len(ids),
         "mean_gate_per_layer_head": data["log_fgate"].exp().mean(1).tolist(),
         "maps": [f"layer {li} head {h}" for li, h in data["F"]],
     }
+    # the results before the plots, which need matplotlib (a missing one says they are saved)
     write_text_atomic(out / "summary.json", json.dumps(summary, indent=2) + "\n")
+    plot_gates(data, tokens, out / "gates.png", title=plot_label(args))
+    plot_gate_values(data["log_fgate"], out / "gate_values.png")
     print(json.dumps({"tokens": len(ids), "maps": summary["maps"]}))
     return summary

@@ -470,7 +470,7 @@ def plot_heatmap(
     title: str = "",
 ) -> Path:
     """Heatmap of the mean score over (context length x depth), training length marked."""
-    use_agg_backend()
+    use_agg_backend(out_file)
     import matplotlib.pyplot as plt
     from matplotlib.colors import LinearSegmentedColormap
 

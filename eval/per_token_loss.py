@@ -638,7 +638,7 @@ def plot_per_token_loss(
         train_length: draw a vertical marker at the training context length.
         smooth: moving-average window in tokens.
     """
-    use_agg_backend()
+    use_agg_backend(out_file)
     import matplotlib.pyplot as plt
 
     fig, (ax_l, ax_p) = plt.subplots(1, 2, figsize=(11, 4))

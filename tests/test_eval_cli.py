@@ -1356,7 +1356,9 @@ def test_a_gates_rerun_stopped_while_drawing_leaves_only_its_own_whole_files(tmp
     with pytest.raises(KeyboardInterrupt):
         main([*argv, second])
     names = sorted(f.name for f in out.iterdir())
-    assert names == ["gates.npz", "gates.png", "run_config.history.jsonl", "run_config.json"]
+    assert names == ["gates.npz", "gates.png", "run_config.history.jsonl", "run_config.json",
+                     "summary.json"]  # fmt: skip
+    assert json.loads((out / "summary.json").read_text())["tokens"] == len(want)
     assert np.load(out / "gates.npz")["tokens"].tolist() == want  # the second run's
     assert imread(out / "gates.png").ndim == 3  # a whole image
     monkeypatch.undo()
@@ -1526,3 +1528,37 @@ def test_max_docs_beyond_the_long_enough_documents_says_how_many_are_used(ckpts,
     assert json.loads((tmp_path / "o" / "summary.json").read_text())["num_documents"] == long_enough
     main([*argv, "2", "--out", str(tmp_path / "o2")])
     assert "--max-docs asks for" not in capsys.readouterr().err  # as many as asked: no line
+
+
+MISSING_MATPLOTLIB = {
+    **{command: (argv, PLOT_COMMANDS[command][1]) for argv, command in [
+        (["summary_easy.json", "needle_easy.csv"], "needle"),
+        (["summary.json", "forgetting_curve.csv"], "forgetting-curve"),
+        (["summary.json", "gates.npz"], "gates"),
+    ]},
+    "per-token-loss": (["summary.json", "per_token_loss.npz"], ["--length", "64", "--max-docs", "1"]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("command", sorted(MISSING_MATPLOTLIB))
+def test_without_matplotlib_the_plot_step_is_one_line_after_the_results_are_saved(
+    ckpts, tmp_path, monkeypatch, capsys, command
+):
+    """Without matplotlib, every command ended in a ModuleNotFoundError traceback (status 1)
+    at its plot, after its results were saved (gates: before its summary.json); it is now one
+    line naming the image, `pip install matplotlib` and the --out that holds the results, all
+    saved, and a rerun with matplotlib draws the plot. Oracle: the results files themselves."""
+    saved, argv = MISSING_MATPLOTLIB[command]
+    out = tmp_path / "o"
+    argv = [command, str(ckpts["fot"]), *argv, "--out", str(out), "--device", "cpu"]
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as `import matplotlib` fails
+    assert cli(argv) == 2
+    err = capsys.readouterr().err
+    line = next(x for x in err.splitlines() if ": error: " in x)
+    assert "pip install matplotlib" in line and repr(str(out)) in line, line
+    assert "Traceback" not in err and err.count(": error: ") == 1
+    assert all((out / name).stat().st_size > 0 for name in saved)
+    assert not list(out.glob("*.png"))
+    monkeypatch.undo()
+    assert cli(argv) == 0  # resumed (gates: run again), now with its plot
+    assert list(out.glob("*.png"))

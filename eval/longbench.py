@@ -61,6 +61,7 @@ from .common import (
     model_max_length,
     path_setting,
     pick_device,
+    position_table,
     positive_int,
     write_run_config,
 )
@@ -722,6 +723,11 @@ def prompt_budgets(
             f"the model config has none of {', '.join(CONTEXT_LENGTH_KEYS)}: pass "
             "--max-length (prompt tokens)"
         )
+    if max_length is not None and max_length < 2:  # truncate_middle keeps a head and a tail
+        raise ValueError(
+            f"--max-length {max_length} leaves no room for a prompt: it counts the prompt's "
+            "tokens (without BOS and the generated ones); pass 2 or more"
+        )
     budgets = {t: max_length or model_len - task_spec(t).max_new_tokens - bos_tokens for t in tasks}
     short = {t: b for t, b in budgets.items() if b < 2}
     if short:
@@ -730,7 +736,26 @@ def prompt_budgets(
             + ", ".join(f"{t} ({task_spec(t).max_new_tokens} generated tokens)" for t in short)
             + "; pass --max-length (prompt tokens) or leave these tasks out of --tasks"
         )
+    generated = max(task_spec(t).max_new_tokens for t in tasks)
     longest = max(budgets[t] + task_spec(t).max_new_tokens for t in tasks) + bos_tokens
+    table = position_table(model)
+    if max_length is not None and table is not None and longest > table[0]:
+        # --max-length counts the prompt only: name the value that fits the table
+        longest_task = max(tasks, key=lambda t: task_spec(t).max_new_tokens)
+        fits = table[0] - generated - bos_tokens
+        default_fits = model_len is not None and model_len <= table[0]
+        fix = (
+            f"pass --max-length {fits} or less"
+            + (" (or leave it out: the default fits the model)" if default_fits else "")
+            if fits >= 2
+            else f"leave {longest_task} out of --tasks"
+        )
+        raise ValueError(
+            f"--max-length {max_length} counts the prompt's tokens only: with "
+            f"{bos_tokens} BOS and the {generated} tokens {longest_task} generates, inputs are "
+            f"{longest} tokens, but this model has a learned position table ({table[1]}) of "
+            f"{table[0]} positions and cannot read past it; {fix}"
+        )
     check_positions(model, longest, "--max-length with the tasks' generation lengths")
     return budgets
 

@@ -588,6 +588,32 @@ def test_a_learned_position_table_is_a_limit_named_before_the_evaluation(tmp_pat
         assert not out.exists()
 
 
+def test_longbench_max_length_past_a_position_table_names_the_value_that_fits(tmp_path):
+    """--max-length counts LongBench's prompt tokens only (BOS and the generated ones come on
+    top); past a learned position table the error said to "choose values that keep inputs
+    within 128 tokens", which --max-length 128 does not, without the value that does. It now
+    names it, and a --max-length below 2 is named, not blamed on the model's context length.
+    Oracle: the table's size less hotpotqa's 32 generated tokens and BOS, and a run with it."""
+    from eval_helpers import make_gpt2_checkpoint
+
+    ckpt = make_gpt2_checkpoint(tmp_path / "gpt2", n_positions=128)
+    data = tmp_path / "lb"
+    data.mkdir()
+    row = {"_id": "h", "input": "Which topic?", "context": "Rivers run. " * 80, "answers": ["x"]}
+    (data / "hotpotqa.jsonl").write_text(json.dumps(row) + "\n")
+    argv = ["longbench", str(ckpt), "--data-dir", str(data), "--tasks", "hotpotqa",
+            "--device", "cpu", "--out", str(tmp_path / "o")]  # fmt: skip
+    fits = 128 - 32 - 1
+    with pytest.raises(ValueError, match=rf"pass --max-length {fits} or less \(or leave it out"):
+        main([*argv, "--max-length", "128"])
+    with pytest.raises(ValueError, match=r"--max-length 1 leaves no room for a prompt"):
+        main([*argv, "--max-length", "1"])
+    assert not (tmp_path / "o").exists()
+    main([*argv, "--max-length", str(fits)])  # the advice works
+    pred = json.loads((tmp_path / "o" / "pred_hotpotqa.jsonl").read_text())
+    assert pred["prompt_tokens"] == fits + 1
+
+
 @pytest.mark.parametrize(
     ("argv", "error", "message"),
     [

@@ -811,10 +811,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--overlay",
         nargs="*",
+        action="extend",  # --overlay A --overlay B draws both, as --overlay A B does
         default=[],
         metavar="LABEL=DIR",
-        help="earlier per-token-loss result folders to draw in the same plot; LABEL or DIR "
-        "may hold '=' (the item is split where it names an existing path) (default: none)",
+        help="earlier per-token-loss result folders to draw in the same plot (listed after one "
+        "--overlay or each after its own); LABEL or DIR may hold '=' (the item is split where "
+        "it names an existing path) (default: none)",
     )
     add_label_argument(p, "the plot's legend")
     p.add_argument(

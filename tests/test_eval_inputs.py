@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -92,6 +93,28 @@ def test_a_damaged_overlay_is_named_before_the_evaluation(llama, tmp_path):
     with pytest.raises(ValueError, match=r"per_token_loss\.npz' is damaged.*re-run that"):
         main(["per-token-loss", str(llama), *PTL, "--overlay", f"a={old}", "--out", str(out)])
     assert not (out / "state.npz").exists()  # refused before, not after, the evaluation
+
+
+def test_overlays_each_after_its_own_flag_are_all_drawn(llama, tmp_path, monkeypatch):
+    """`--overlay a=DIR1 --overlay b=DIR2` (two models compared in one plot) drew only the last
+    one, without a word: argparse kept the last flag's list. Each flag now adds its items, as
+    one flag listing both does. Oracle: the label=folder pairs given."""
+    import fot.eval.per_token_loss as ptl
+
+    runs = {name: tmp_path / name for name in ("one", "two")}
+    for folder in runs.values():
+        main(["per-token-loss", str(llama), *PTL, "--out", str(folder)])
+    drawn = []
+    real = ptl.plot_per_token_loss
+    monkeypatch.setattr(
+        ptl, "plot_per_token_loss", lambda r, *a, **k: drawn.append(r) or real(r, *a, **k)
+    )
+    want = {"this": tmp_path / "o", "a": runs["one"], "b": runs["two"]}
+    for overlays in (["--overlay", f"a={runs['one']}", "--overlay", f"b={runs['two']}"],
+                     ["--overlay", f"a={runs['one']}", f"b={runs['two']}"]):  # fmt: skip
+        main(["per-token-loss", str(llama), *PTL, "--label", "this", *overlays,
+              "--out", str(tmp_path / "o")])  # fmt: skip
+        assert {k: Path(v) for k, v in drawn.pop().items()} == want
 
 
 def test_an_overlay_that_is_a_file_is_called_a_file(tmp_path):

@@ -657,9 +657,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--haystack",
         nargs="*",
+        action="extend",  # --haystack A --haystack B reads both, as --haystack A B does
         default=None,
-        help="text files or folders of .txt (e.g. PG19 books) (default: the offline sample "
-        "corpus; passkey mode: a repeated filler paragraph)",
+        help="text files or folders of .txt (e.g. PG19 books), listed after one --haystack or "
+        "each after its own (default: the offline sample corpus; passkey mode: a repeated "
+        "filler paragraph)",
     )
     p.add_argument(
         "--max-new-tokens",

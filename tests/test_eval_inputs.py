@@ -175,6 +175,21 @@ def test_needle_lengths_beyond_the_haystack_are_refused(llama, tmp_path):
     assert not out.exists()
 
 
+def test_haystack_files_each_after_its_own_flag_are_all_read(llama, tmp_path):
+    """`--haystack a.txt --haystack b.txt` read only b.txt, without a word (argparse kept the
+    last flag's list): here too short alone. Each flag now adds its files, as one flag listing
+    both does. Oracle: the files given, in the resume record."""
+    hay = [tmp_path / "a.txt", tmp_path / "b.txt"]
+    hay[0].write_text("The heron waits by the weir. " * 20)  # ~160 tokens each: 256 needs both
+    hay[1].write_text("The river runs past the old mill. " * 20)
+    out = tmp_path / "o"
+    main(["needle", str(llama), "--lengths", "256", "--depths", "50", "--max-new-tokens", "1",
+          "--haystack", str(hay[0]), "--haystack", str(hay[1]), "--device", "cpu",
+          "--out", str(out)])  # fmt: skip
+    record = json.loads((out / "needle_easy.resume.json").read_text())
+    assert record["settings"]["--haystack"] == [str(h.resolve()) for h in hay]
+
+
 def test_needle_lengths_no_memory_can_hold_are_refused(llama, tmp_path):
     out = tmp_path / "o"  # was: killed for memory building the prompt
     with pytest.raises(ValueError, match=r"1000000000007 tokens: .* GiB, more than the .* GiB"):

@@ -526,6 +526,27 @@ def other_tasks_table(results: dict[str, dict[str, Any]]) -> str:
     return "\n".join(["| task | metric | value |", "|---|---|---|", *rows])
 
 
+def limit_note(limit: int, n_samples: dict[str, Any]) -> str:
+    """The line under ``table1.md`` of a ``--limit`` run: that it is a smoke run and how many
+    examples each task scored, of how many it has.
+
+    Args:
+        limit: the ``--limit`` given.
+        n_samples: task name -> lm-eval's ``n-samples`` entry of the task (``{"original": N,
+            "effective": M}``), or None where lm-eval reported none.
+    """
+
+    def count(entry: Any) -> str:
+        if not isinstance(entry, dict) or "effective" not in entry:
+            return "not reported"
+        return f"{entry['effective']} of {entry.get('original', '?')}"
+
+    return (
+        f"--limit {limit}: a smoke run, not comparable with full results; examples scored per "
+        "task: " + ", ".join(f"{name} {count(entry)}" for name, entry in n_samples.items())
+    )
+
+
 @contextmanager
 def quiet_git_hash() -> Iterator[None]:
     """While active, lm-eval looks up the working directory's git commit without printing git's
@@ -853,6 +874,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     others = other_tasks_table(results)
     if others:  # tasks outside the paper's suite: their own table under Table 1's columns
         table += "\n\n" + others
+    if args.limit is not None:  # a subset (or, past a task's size, all of it): said with it
+        counts = {r["key"]: r.get("n_samples") for r in JsonlLog(out / "results.jsonl")}
+        table += "\n\n" + limit_note(args.limit, {name: counts.get(name) for name in results})
     write_text_atomic(out / "table1.md", table + "\n")
     print(table)
     return results

@@ -600,6 +600,21 @@ def summary_table(scores: dict[str, float]) -> str:
     return "\n\n".join(tables)
 
 
+def count_examples(path: Path) -> int:
+    """The number of examples (non-blank lines) in a task file, read in binary."""
+    with path.open("rb") as f:
+        return sum(1 for line in f if line.strip())
+
+
+def limit_note(limit: int, scored: dict[str, int], totals: dict[str, int]) -> str:
+    """The line under ``table2.md`` of a ``--limit`` run: that it is a smoke run and how many
+    examples each task scored (``scored``), of how many its file holds (``totals``)."""
+    return (
+        f"--limit {limit}: a smoke run, not comparable with full results; examples scored per "
+        "task: " + ", ".join(f"{t} {n} of {totals[t]}" for t, n in scored.items())
+    )
+
+
 def protocol_note(prompts: str | None, first_line: str) -> str:
     """The line under ``table2.md`` that says which prompts and scoring made the scores."""
     wording = (
@@ -873,6 +888,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             by_length[task] = scores_by_length([scored[k] for k in keys], lengths)
     table = summary_table(scores)
     protocol = protocol_note(args.prompts, args.first_line)
+    if args.limit is not None:  # a subset (or, past a file's size, all of it): said with it
+        totals = {t: count_examples(data_dir / f"{t}.jsonl") for t in scores}
+        scored = {t: len(examples[t]) for t in scores}
+        protocol += "\n\n" + limit_note(args.limit, scored, totals)
     write_text_atomic(out / "scores.json", json.dumps(scores, indent=2) + "\n")
     write_text_atomic(out / "table2.md", table + "\n\n" + protocol + "\n")
     write_text_atomic(

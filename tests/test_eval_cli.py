@@ -1562,3 +1562,57 @@ def test_without_matplotlib_the_plot_step_is_one_line_after_the_results_are_save
     monkeypatch.undo()
     assert cli(argv) == 0  # resumed (gates: run again), now with its plot
     assert list(out.glob("*.png"))
+
+
+def test_an_lm_eval_limit_run_says_so_with_the_examples_scored_per_task(ckpts, tmp_path):
+    """`lm-eval --limit` scored a subset (or, past a task's size, all of it) and table1.md and
+    the printed table looked like a full run's; they now end with a line naming --limit and
+    how many examples each task scored of how many it has. Oracle: the task files' lengths."""
+    pytest.importorskip("lm_eval")
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    for name, n in (("fot_four", 4), ("fot_two", 2)):
+        (tasks / f"{name}.jsonl").write_text(
+            "".join(json.dumps(QUESTIONS[i % 2]) + "\n" for i in range(n))
+        )
+        (tasks / f"{name}.yaml").write_text(
+            f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+            f"    test: {tasks / name}.jsonl\ntest_split: test\noutput_type: multiple_choice\n"
+            "doc_to_text: '{{question}}'\ndoc_to_target: '{{label}}'\n"
+            "doc_to_choice: '{{choices}}'\nmetric_list:\n  - metric: acc\n"
+        )
+    out = tmp_path / "o"
+    argv = ["lm-eval", str(ckpts["llama"]), "--tasks", "fot_four,fot_two", "--include-path",
+            str(tasks), "--max-length", "64", "--out", str(out), "--device", "cpu"]  # fmt: skip
+    main([*argv, "--limit", "3"])
+    last = (out / "table1.md").read_text().strip().splitlines()[-1]
+    assert last.startswith("--limit 3: a smoke run") and last.endswith(
+        "examples scored per task: fot_four 3 of 4, fot_two 2 of 2"
+    ), last
+    main([*argv, "--restart"])  # the whole tasks: no such line
+    assert "--limit" not in (out / "table1.md").read_text()
+
+
+def test_a_longbench_limit_run_says_so_with_the_examples_scored_per_task(ckpts, tmp_path):
+    """`longbench --limit` scored the first examples of each task (all of a shorter file) and
+    table2.md and the printed table looked like a full run's; they now end with a line naming
+    --limit and how many examples each task scored of how many its file holds. Oracle: the
+    rows written and the predictions saved."""
+    data = tmp_path / "lb"
+    data.mkdir()
+    row = {"input": "Which topic?", "context": "Rivers run. " * 10, "answers": ["rivers"]}
+    for task, n in (("hotpotqa", 3), ("qasper", 1)):
+        (data / f"{task}.jsonl").write_text(
+            "".join(json.dumps({**row, "_id": f"{task}{i}"}) + "\n\n" for i in range(n))
+        )
+    out = tmp_path / "o"
+    argv = ["longbench", str(ckpts["llama"]), "--data-dir", str(data), "--tasks",
+            "hotpotqa,qasper", "--max-length", "32", "--out", str(out), "--device", "cpu"]  # fmt: skip
+    main([*argv, "--limit", "2"])
+    assert [len(_lines(out / f"pred_{t}.jsonl")) for t in ("hotpotqa", "qasper")] == [2, 1]
+    last = (out / "table2.md").read_text().strip().splitlines()[-1]
+    assert last.startswith("--limit 2: a smoke run") and last.endswith(
+        "examples scored per task: hotpotqa 2 of 3, qasper 1 of 1"
+    ), last
+    main(argv)  # the whole files (resumed, extended): no such line
+    assert "--limit" not in (out / "table2.md").read_text()

@@ -27,12 +27,14 @@ ones are refused instead of mixed in.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import datetime
 import json
 import operator
 import os
 import sys
 import zipfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +45,11 @@ from fot.errors import MissingPackageError
 from fot.interrupt import check_stop
 from fot.progress import progress_bar
 from fot.training.checkpoint import write_text_atomic, written_whole
+from fot.training.parallel import (
+    TORCH_DEFAULT_TIMEOUTS,
+    CollectiveTimeoutError,
+    is_collective_timeout,
+)
 
 from .common import (
     CHECKPOINT_HELP,
@@ -403,16 +410,42 @@ def eligible_documents(
 # evaluation
 
 
-def _dist_info() -> tuple[int, int]:
+def _dist_info(timeout_s: int | None = None) -> tuple[int, int]:
+    """``(rank, world size)``; under torchrun (``WORLD_SIZE`` > 1) the process group is made
+    first, with ``timeout_s`` (``--timeout-s``; ``None``: torch's defaults)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and torch.distributed.is_available() and not torch.distributed.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        torch.distributed.init_process_group(backend)
+        timeout = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
+        torch.distributed.init_process_group(backend, **timeout)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
     return 0, 1
+
+
+@contextlib.contextmanager
+def naming_timeouts(timeout_s: int | None, out: Path) -> Iterator[None]:
+    """Raise a collective's timeout inside the block (this process waited longer than
+    ``--timeout-s`` for the others) as one line naming the option and what is saved in
+    ``out``; any other error as it is."""
+    try:
+        yield
+    except RuntimeError as err:
+        if not is_collective_timeout(err):
+            raise
+        limit = (
+            f"torch's default timeout ({TORCH_DEFAULT_TIMEOUTS})"
+            if timeout_s is None
+            else f"--timeout-s {timeout_s}"
+        )
+        raise CollectiveTimeoutError(
+            f"waited longer than {limit} for the other processes, and one of them did not "
+            "come: it stalled or died (see its output), or was busy that long on its own "
+            "(slower reads of --data, a slower GPU): then raise --timeout-s. Finished documents "
+            f"are saved in {str(out)!r}: rerun the same command to resume"
+        ) from err
 
 
 def evaluate_per_token_loss(
@@ -825,12 +858,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=8,
         help="documents between resume saves (default: %(default)s)",
     )
+    p.add_argument(
+        "--timeout-s",
+        type=positive_int,
+        default=None,
+        help="under torchrun: seconds a process waits for the others (at the start, and for "
+        "the sums at the end) before it stops (default: torch's, "
+        f"{TORCH_DEFAULT_TIMEOUTS}); raise it when processes finish their documents far apart",
+    )
     add_run_arguments(p)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run ``per-token-loss``; returns the summary (``{}`` on torchrun ranks other than 0)."""
-    rank, world = _dist_info()
+    rank, world = _dist_info(args.timeout_s)
     out = Path(args.out)
     check_out_shared(out, "per-token-loss")
     overlays = parse_overlays(args.overlay)  # checked before the evaluation, not after
@@ -919,10 +960,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             )
     if world > 1:
         # rank 0 has moved away results (--restart) and folded other layouts' states
-        torch.distributed.barrier()
+        with naming_timeouts(args.timeout_s, out):
+            torch.distributed.barrier()
     share = share_of_documents(out, ids, rank, world)
     if world > 1:
-        torch.distributed.barrier()  # every rank has read the saved states before any saves
+        with naming_timeouts(args.timeout_s, out):
+            torch.distributed.barrier()  # every rank has read the saved states before any saves
     if rank == 0:
         write_run_config(out, "per-token-loss", vars(args), args.checkpoint)
     acc, _ = evaluate_per_token_loss(
@@ -939,7 +982,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         processes=world,
         source=f"--data {args.data!r}",
     )
-    acc.all_reduce()
+    with naming_timeouts(args.timeout_s, out):
+        acc.all_reduce()
     if world > 1:
         torch.distributed.destroy_process_group()
     if rank != 0:

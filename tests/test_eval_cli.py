@@ -239,6 +239,48 @@ def test_per_token_loss_under_torchrun_equals_single_process(ckpts, tmp_path, la
     np.testing.assert_array_equal(c["loss"], b["loss"])
 
 
+SLOW_RANK_1 = """
+import os, sys, time
+import fot.eval.per_token_loss as ptl
+
+if os.environ["RANK"] == "1":  # held back after the start, while rank 0 waits for the sums
+    evaluate = ptl.evaluate_per_token_loss
+    ptl.evaluate_per_token_loss = lambda *a, **k: time.sleep(120) or evaluate(*a, **k)
+from fot.eval.__main__ import cli
+sys.exit(cli(sys.argv[1:], exiting=True))
+"""
+
+
+def test_per_token_loss_under_torchrun_has_a_timeout_named_when_it_runs_out(ckpts, tmp_path):
+    """Under torchrun, per-token-loss's process group had torch's fixed timeouts (600 s over
+    nccl, 1800 s over gloo) with no option like training's parallel.timeout_s, and a gloo
+    timeout ended in a RuntimeError traceback from torch's C++. --timeout-s now sets it, and
+    running out is one line naming it and that finished documents are saved; the rerun
+    resumes. Oracle: the one-process run of the same documents."""
+    ck = str(ckpts["llama"])
+    common = ["per-token-loss", ck, "--length", "40", "--max-docs", "3", "--device", "cpu"]
+    single = main([*common, "--out", str(tmp_path / "one")])
+    script = tmp_path / "slow_rank_1.py"
+    script.write_text(SLOW_RANK_1)
+    out = tmp_path / "two"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+           "2", str(script), *common, "--timeout-s", "5", "--out", str(out)]  # fmt: skip
+    root = str(Path(__file__).resolve().parents[1])  # this checkout's fot, as -m fot.eval's
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert res.returncode != 0
+    lines = [x for x in res.stderr.splitlines() if "(rank 0 of 2): error:" in x]
+    assert len(lines) == 1, res.stderr[-3000:]
+    line = lines[0]
+    assert "waited longer than --timeout-s 5 for the other processes" in line, line
+    assert f"Finished documents are saved in {str(out)!r}" in line
+    assert "Traceback" not in res.stderr.split("(rank 0 of 2): error:")[0][-3000:]
+    assert (out / "state_rank0.npz").is_file()  # rank 0's 2 documents
+    again = main([*common, "--out", str(out)])
+    assert again["num_documents"] == 3
+    assert again["mean_loss"] == pytest.approx(single["mean_loss"], rel=1e-6)
+
+
 def test_a_one_process_command_under_several_processes_is_refused(
     ckpts, tmp_path, monkeypatch, capsys
 ) -> None:

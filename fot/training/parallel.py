@@ -161,6 +161,16 @@ class CollectiveTimeoutError(FotError, RuntimeError):
     for the other ranks, in a collective or at the start: one of them stalled or died."""
 
 
+def is_collective_timeout(err: BaseException) -> bool:
+    """Whether ``err`` is gloo's (or the store's) timeout of a collective, which torch raises
+    as a ``RuntimeError`` of its C++ source location."""
+    return (
+        isinstance(err, RuntimeError)
+        and not isinstance(err, FotError)
+        and _TIMED_OUT.search(str(err)) is not None
+    )
+
+
 def collective_timeout(err: BaseException, what: str = "") -> CollectiveTimeoutError | None:
     """The one-line :class:`CollectiveTimeoutError` for ``err`` when it is gloo's (or the
     store's) timeout, which torch raises as a ``RuntimeError`` of its C++ source location;
@@ -171,9 +181,7 @@ def collective_timeout(err: BaseException, what: str = "") -> CollectiveTimeoutE
         what: where the other ranks were, if known (e.g. ``"while writing the checkpoint of
             step 4"``, from :func:`stop_together`).
     """
-    if not isinstance(err, RuntimeError) or isinstance(err, FotError):
-        return None
-    if not _TIMED_OUT.search(str(err)):
+    if not is_collective_timeout(err):
         return None
     timeout_s = _made_group.get("timeout_s")
     if timeout_s is None:

@@ -598,7 +598,8 @@ def evaluate(
 ) -> dict[str, dict[str, Any]]:
     """Run lm-eval task by task (zero-shot), resumable.
 
-    Finished tasks are recorded in ``results.jsonl`` and skipped on restart; inside a task,
+    Finished tasks are recorded in ``results.jsonl`` and skipped on restart (run again, from
+    the request cache, where ``log_samples`` asks for samples they lack); inside a task,
     finished requests are kept in lm-eval's request cache (``lm_cache_rank0.db``). Neither knows
     which model produced it: use a separate ``out`` per model and settings (the CLI checks this
     with :func:`fot.eval.common.claim_results`).
@@ -627,8 +628,11 @@ def evaluate(
     names = {task: task_name(task) for task in tasks}
     for task in progress_bar(tasks, desc="lm-eval tasks", unit="task"):
         name = names[task]
-        if log.done(name):
+        samples = out / f"samples_{name}.jsonl"
+        if log.done(name) and not (log_samples and not samples.is_file()):
             continue
+        # a finished task without its samples (an earlier run without --log-samples) runs
+        # again for them, its requests answered from the request cache
         spec: str | dict[str, Any] = task
         if task in local_dirs:
             # The task's whole config with only the dataset location changed (an inline
@@ -668,12 +672,13 @@ def evaluate(
             if isinstance(v, (int, float)) and not isinstance(v, bool)
         }
         if log_samples and "samples" in res:
-            with written_whole(out / f"samples_{name}.jsonl") as tmp, tmp.open("w") as f:
+            with written_whole(samples) as tmp, tmp.open("w") as f:
                 for s in res["samples"].get(name, []):
                     f.write(json.dumps(s, default=str) + "\n")
-        log.append(
-            {"key": name, "metrics": metrics, "n_samples": res.get("n-samples", {}).get(name)}
-        )
+        if not log.done(name):
+            log.append(
+                {"key": name, "metrics": metrics, "n_samples": res.get("n-samples", {}).get(name)}
+            )
     wanted = set(names.values())
     return {r["key"]: r["metrics"] for r in log if r["key"] in wanted}
 

@@ -96,6 +96,36 @@ def test_multiple_choice_matches_direct_loglikelihood(setup):
     assert table1({"piqa": {"acc,none": 0.5}}).splitlines()[2].startswith("| - | - | - | 50.00")
 
 
+def test_log_samples_on_a_rerun_writes_the_samples_of_finished_tasks(setup):
+    """A rerun with --log-samples after a run without it skipped the finished task and wrote no
+    samples_<task>.jsonl, without a word. The task now runs again for them (its requests come
+    from the request cache), recorded once. Oracle: a direct log-likelihood of each choice."""
+    from fot.eval.lm_eval_adapter import evaluate, make_fot_lm
+
+    root, model, tok = setup
+    lm = make_fot_lm(model, tok, max_length=64, batch_size=3)
+    out = root / "out_samples_later"
+    out.mkdir()
+    res = evaluate(lm, ["fot_toy_mc"], out=out, include_path=str(root / "tasks"))
+    assert not (out / "samples_fot_toy_mc.jsonl").exists()
+    again = evaluate(
+        lm, ["fot_toy_mc"], out=out, include_path=str(root / "tasks"), log_samples=True
+    )
+    assert again == res and len(_lines_of(out / "results.jsonl")) == 1
+    samples = sorted(_samples(out / "samples_fot_toy_mc.jsonl"), key=lambda s: s["doc_id"])
+    assert len(samples) == len(QUESTIONS)
+    for s, q in zip(samples, QUESTIONS):
+        ctx = tok.encode(q["question"], add_special_tokens=False)
+        for choice, resp in zip(q["choices"], s["filtered_resps"]):
+            whole = tok.encode(q["question"] + " " + choice, add_special_tokens=False)
+            direct = _logprob(model, [50256, *ctx], whole[len(ctx) :])
+            assert float(resp[0]) == pytest.approx(direct, rel=1e-4, abs=1e-4)
+
+
+def _lines_of(path):
+    return path.read_text().splitlines()
+
+
 def test_rolling_loglikelihood_has_one_bos_and_respects_max_length(setup):
     max_length = 8  # the ~17-token texts span three windows
     from fot.eval.lm_eval_adapter import evaluate, make_fot_lm

@@ -745,6 +745,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "prompt"
             )
         needle = dataclasses.replace(needle, wording=load_wording(args.prompt_template))
+    if args.haystack == []:  # `--haystack $BOOKS` with BOOKS unset: not the default corpus
+        raise ValueError(
+            "--haystack names no file or folder; pass the text files or folders of the "
+            "haystack (e.g. --haystack pg19/test), or leave --haystack out for the default "
+            "(the offline sample corpus; passkey mode: a repeated filler paragraph)"
+        )
     train_length = length_option(args.train_length, "--train-length") if args.train_length else None
     max_chars = 8 * max(lengths) + 10_000
     filler = args.mode == "passkey" and not args.haystack  # repeated by design

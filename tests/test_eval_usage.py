@@ -627,9 +627,13 @@ def test_longbench_max_length_past_a_position_table_names_the_value_that_fits(tm
         (["--lengths", "0,64"], ValueError, "--lengths: 0 below"),
         (["--depths", "50,50"], ValueError, "--depths lists 50 more than once"),
         (["--haystack", "/no/such/books"], FileNotFoundError, "--haystack '/no/such/books'"),
+        # `--haystack $BOOKS` with BOOKS unset: was the sample corpus (passkey: the filler)
+        (["--haystack"], ValueError, "--haystack names no file or folder"),
+        (["--mode", "passkey", "--haystack"], ValueError, "--haystack names no file or folder"),
     ],
     ids=["no-key-phrases", "key-phrases-alone", "phrase-not-in-needle", "passkey-needle",
-         "repeated-length", "zero-length", "repeated-depth", "missing-haystack"],
+         "repeated-length", "zero-length", "repeated-depth", "missing-haystack",
+         "empty-haystack", "empty-passkey-haystack"],
 )  # fmt: skip
 def test_needle_inputs_are_checked_before_the_model_loads(tmp_path, argv, error, message):
     out = tmp_path / "o"

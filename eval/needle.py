@@ -745,11 +745,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "prompt"
             )
         needle = dataclasses.replace(needle, wording=load_wording(args.prompt_template))
-    if args.haystack == []:  # `--haystack $BOOKS` with BOOKS unset: not the default corpus
+    # `--haystack $BOOKS` with BOOKS unset names nothing, `--haystack "$BOOKS"` names '' (read
+    # as the current folder): neither is the default haystack, nor the folder it is run in
+    if args.haystack is not None and not (args.haystack and all(h.strip() for h in args.haystack)):
+        given = " ".join(repr(h) for h in args.haystack)
         raise ValueError(
-            "--haystack names no file or folder; pass the text files or folders of the "
-            "haystack (e.g. --haystack pg19/test), or leave --haystack out for the default "
-            "(the offline sample corpus; passkey mode: a repeated filler paragraph)"
+            f"--haystack {given + ' ' if given else ''}names no file or folder (an unset "
+            "variable?); pass the text files or folders of the haystack (e.g. --haystack "
+            "pg19/test), or leave --haystack out for the default (the offline sample corpus; "
+            "passkey mode: a repeated filler paragraph)"
         )
     train_length = length_option(args.train_length, "--train-length") if args.train_length else None
     max_chars = 8 * max(lengths) + 10_000

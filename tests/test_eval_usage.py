@@ -630,10 +630,13 @@ def test_longbench_max_length_past_a_position_table_names_the_value_that_fits(tm
         # `--haystack $BOOKS` with BOOKS unset: was the sample corpus (passkey: the filler)
         (["--haystack"], ValueError, "--haystack names no file or folder"),
         (["--mode", "passkey", "--haystack"], ValueError, "--haystack names no file or folder"),
+        # `--haystack "$BOOKS"`: was every .txt under the current folder (a checkpoint's
+        # merges.txt included)
+        (["--haystack", ""], ValueError, "--haystack '' names no file or folder"),
     ],
     ids=["no-key-phrases", "key-phrases-alone", "phrase-not-in-needle", "passkey-needle",
          "repeated-length", "zero-length", "repeated-depth", "missing-haystack",
-         "empty-haystack", "empty-passkey-haystack"],
+         "empty-haystack", "empty-passkey-haystack", "empty-string-haystack"],
 )  # fmt: skip
 def test_needle_inputs_are_checked_before_the_model_loads(tmp_path, argv, error, message):
     out = tmp_path / "o"

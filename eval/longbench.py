@@ -795,6 +795,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             f"{data_dir} lacks {[f'{t}.jsonl' for t in missing]}; see "
             f"`{program_name()} longbench --help` for how to get them{only}"
         )
+    if args.prompts is not None and not args.prompts.strip():
+        raise ValueError(
+            "--prompts '' names no file (an unset variable?); pass LongBench's "
+            "config/dataset2prompt.json, or leave --prompts out for fot's own wording"
+        )
     templates = load_prompts(args.prompts, tasks) if args.prompts else {}
     # Every task's examples are read (and checked) before the model loads.
     examples = {

@@ -738,6 +738,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             )
         keys = tuple(k.strip() for k in args.key_phrases.split(",") if k.strip())
         needle = Needle(args.needle, args.question, keys)
+    if args.prompt_template is not None and not args.prompt_template.strip():
+        raise ValueError(
+            "--prompt-template '' names no file (an unset variable?); pass the JSON file of "
+            "the wording, or leave --prompt-template out for fot's own"
+        )
     if args.prompt_template:
         if args.mode == "passkey":
             raise ValueError(

@@ -633,10 +633,13 @@ def test_longbench_max_length_past_a_position_table_names_the_value_that_fits(tm
         # `--haystack "$BOOKS"`: was every .txt under the current folder (a checkpoint's
         # merges.txt included)
         (["--haystack", ""], ValueError, "--haystack '' names no file or folder"),
+        # `--prompt-template "$TPL"` with TPL unset: was fot's own wording, without a word
+        (["--prompt-template", ""], ValueError, "--prompt-template '' names no file"),
     ],
     ids=["no-key-phrases", "key-phrases-alone", "phrase-not-in-needle", "passkey-needle",
          "repeated-length", "zero-length", "repeated-depth", "missing-haystack",
-         "empty-haystack", "empty-passkey-haystack", "empty-string-haystack"],
+         "empty-haystack", "empty-passkey-haystack", "empty-string-haystack",
+         "empty-prompt-template"],
 )  # fmt: skip
 def test_needle_inputs_are_checked_before_the_model_loads(tmp_path, argv, error, message):
     out = tmp_path / "o"
@@ -694,6 +697,9 @@ def test_longbench_bad_task_files_and_budgets_are_named_before_any_task_runs(tmp
         main([*base, "trec"])
     with pytest.raises(ValueError, match=re.escape(f"{data / 'samsum.jsonl'} holds no examples")):
         main([*base, "hotpotqa,samsum"])
+    # `--prompts "$PROMPTS"` with PROMPTS unset: was fot's own wording, said only in table2.md
+    with pytest.raises(ValueError, match=r"--prompts '' names no file"):
+        main([*base, "hotpotqa", "--prompts", ""])
     # A 64-token model: hotpotqa (32 generated tokens) fits, narrativeqa (128) does not; the
     # second task is refused before the first one runs.
     (data / "narrativeqa.jsonl").write_text(json.dumps(example) + "\n")

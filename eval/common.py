@@ -938,8 +938,7 @@ def check_out_dir(out_dir: str, checkpoint: str) -> None:
     Raises:
         ValueError: naming ``--out`` and a folder to use instead.
     """
-    if not str(out_dir).strip():
-        raise ValueError("--out is empty; name the folder for the results, e.g. --out out/eval")
+    refuse_empty_folder("--out", out_dir, "for the results, e.g. --out out/eval")
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ValueError(
@@ -1710,6 +1709,17 @@ def parse_float_list(text: str | Iterable[float]) -> list[float]:
             )
         values.append(value)
     return values
+
+
+def refuse_empty_folder(option: str, value: str | os.PathLike | None, what: str) -> None:
+    """Refuse a folder option given as an empty string (``--data-dir "$DIR"`` with ``DIR``
+    unset), which ``Path`` would read as the current folder; ``None`` (left out) passes.
+
+    Raises:
+        ValueError: naming ``option`` and ``what`` it takes.
+    """
+    if value is not None and not str(value).strip():
+        raise ValueError(f"{option} is empty (an unset variable?); name the folder {what}")
 
 
 def use_agg_backend(plot: Path) -> None:

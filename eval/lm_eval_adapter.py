@@ -68,6 +68,7 @@ from .common import (
     path_setting,
     pick_device,
     positive_int,
+    refuse_empty_folder,
     write_run_config,
 )
 
@@ -799,6 +800,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run ``lm-eval``; returns ``{task: {metric: value}}`` (``--list-datasets``: the paths)."""
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    refuse_empty_folder("--include-path", args.include_path, "that holds your task YAML files")
+    refuse_empty_folder(
+        "--dataset-root", args.dataset_root, "of downloaded dataset repositories, or leave it out"
+    )
     if args.include_path is not None and not Path(args.include_path).is_dir():
         raise FileNotFoundError(
             f"--include-path {args.include_path!r} is not a folder; pass the folder that holds "

@@ -63,6 +63,7 @@ from .common import (
     pick_device,
     position_table,
     positive_int,
+    refuse_empty_folder,
     write_run_config,
 )
 from .metrics import PARAGRAPH, best_score
@@ -779,6 +780,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run ``longbench``; returns ``{task: score}`` (0--100)."""
     out = Path(args.out)
     tasks = parse_tasks(args.tasks)
+    refuse_empty_folder(
+        "--data-dir",
+        args.data_dir,
+        f"that holds the <task>.jsonl files (`{program_name()} "
+        "longbench --help` says how to get them)",
+    )
     data_dir = Path(args.data_dir)
     if not data_dir.is_dir():  # a mistyped folder: not "lacks <every task>.jsonl"
         raise FileNotFoundError(

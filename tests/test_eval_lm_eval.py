@@ -264,6 +264,14 @@ def test_empty_task_data_file_is_named_before_the_model_loads(setup, tmp_path):
         main(["lm-eval", str(tmp_path / "no_ckpt"), "--tasks", twice, "--include-path",
               str(root / "tasks"), "--out", str(tmp_path / "o")])  # fmt: skip
     assert not (tmp_path / "o").exists()
+    # `--include-path "$TASKS"` with TASKS unset: '' was read as the current folder (indexed)
+    for option in ("--include-path", "--dataset-root"):
+        with pytest.raises(
+            ValueError, match=f"^{option} is empty \\(an unset variable\\?\\); name"
+        ):
+            main(["lm-eval", str(tmp_path / "no_ckpt"), "--tasks", "fot_toy_mc", option, "",
+                  "--out", str(tmp_path / "o")])  # fmt: skip
+        assert not (tmp_path / "o").exists()
 
 
 def test_tasks_all_in_the_include_path_skip_indexing_lm_evals_own(setup, tmp_path):

@@ -700,6 +700,9 @@ def test_longbench_bad_task_files_and_budgets_are_named_before_any_task_runs(tmp
     # `--prompts "$PROMPTS"` with PROMPTS unset: was fot's own wording, said only in table2.md
     with pytest.raises(ValueError, match=r"--prompts '' names no file"):
         main([*base, "hotpotqa", "--prompts", ""])
+    # `--data-dir "$LONGBENCH"` with LONGBENCH unset: '' was the current folder ('. lacks ...')
+    with pytest.raises(ValueError, match=r"^--data-dir is empty \(an unset variable\?\); name"):
+        main([*base[:2], "--data-dir", "", *base[4:], "hotpotqa"])
     # A 64-token model: hotpotqa (32 generated tokens) fits, narrativeqa (128) does not; the
     # second task is refused before the first one runs.
     (data / "narrativeqa.jsonl").write_text(json.dumps(example) + "\n")

@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 from zarr_arrays import new_array
 
 from fot.data.hf import hydra_string, train_py_loader_hint
-from fot.data.loaders import build_sources, open_token_path
+from fot.data.loaders import build_sources, check_data_paths, open_token_path
 from fot.data.streams import EOT_ID, HFSource, PackedSource, ZarrRowsSource, iterate_eval_batches
 from fot.errors import error_line
 from fot.tokenizer import get_encoding
@@ -565,6 +565,48 @@ def test_a_missing_relative_path_is_shown_with_the_absolute_one(tmp_path, monkey
     with pytest.raises(FileNotFoundError) as err:
         build_sources(_cfg(kind="tokens", path=str(tmp_path / "data" / "tok"), seq_len=8))
     assert "(=" not in str(err.value)  # an absolute path is shown once
+
+
+def test_check_data_paths_refuses_what_build_sources_refuses_for_a_path(tmp_path) -> None:
+    """The sweep's up-front check (``check_data_paths``, run for every job before the first
+    trains) refuses every path that reading the data refuses, with the same error, and passes
+    the configs whose paths are there (or a held-out path that is not read)."""
+    rows = (np.arange(4 * 64) % 50000).astype(np.uint16).reshape(4, 64)
+    (tmp_path / "lc").mkdir()
+    _zarr(tmp_path / "lc" / "train.zarr", rows)
+    _zarr(tmp_path / "lc" / "heldout.zarr", rows[:2])
+    (tmp_path / "lc_no_heldout").mkdir()
+    _zarr(tmp_path / "lc_no_heldout" / "train.zarr", rows)
+    np.save(tmp_path / "t.npy", rows.ravel())
+    gone = str(tmp_path / "gone")
+    refused = [
+        dict(kind="tokens"),
+        dict(kind="tokens", path=gone),
+        dict(kind="tokens", path=str(tmp_path / "t.npy"), val_path=gone, val_tokens=16),
+        dict(kind="longcrawl64"),
+        dict(kind="longcrawl64", path=gone),
+        dict(kind="longcrawl64", path=str(tmp_path / "lc"), val_path=gone, val_tokens=16),
+        dict(kind="longcrawl64", path=str(tmp_path / "lc_no_heldout"), val_tokens=16),
+        dict(
+            kind="longcrawl64", path=str(tmp_path / "lc_no_heldout" / "train.zarr"), val_tokens=16
+        ),
+        dict(kind="sample", path=gone),
+    ]
+    for kw in refused:
+        with pytest.raises((ValueError, FileNotFoundError)) as loader:
+            build_sources(_cfg(seq_len=8, packing="causal", **kw))
+        with pytest.raises(type(loader.value)) as check:
+            check_data_paths(_cfg(seq_len=8, packing="causal", **kw))
+        assert str(check.value) == str(loader.value), kw
+    passed = [
+        dict(kind="tokens", path=str(tmp_path / "t.npy"), val_path=gone, val_tokens=0),
+        dict(kind="longcrawl64", path=str(tmp_path / "lc"), val_tokens=16),
+        dict(kind="longcrawl64", path=str(tmp_path / "lc_no_heldout"), val_tokens=0),
+        dict(kind="sample"),
+    ]
+    for kw in passed:
+        build_sources(_cfg(seq_len=8, packing="causal", **kw))  # the oracle: it reads them
+        check_data_paths(_cfg(seq_len=8, packing="causal", **kw))
 
 
 def test_a_file_of_a_token_folder_as_data_path_names_the_folder(tmp_path) -> None:

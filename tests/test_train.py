@@ -2024,6 +2024,32 @@ def test_a_sweep_value_refused_for_one_job_stops_the_sweep_before_any_job_trains
     assert not sweep.exists() and not (tmp_path / "multirun").exists()
 
 
+def test_a_sweep_over_a_data_path_that_is_not_there_stops_before_any_job_trains(
+    tmp_path,
+) -> None:
+    """A data.path swept over a file that does not exist was refused only when the sweep
+    reached that job: job #0 trained first, and the refused job left its folder behind. The
+    paths of every job are checked first (without reading data): one line names the job and
+    the path, and nothing is made."""
+    tokens = tmp_path / "tokens.npy"
+    np.save(tokens, (np.arange(20_000) % 50_000).astype(np.uint16))
+    missing = tmp_path / "no_such_tokens.npy"
+    sweep = tmp_path / "sweep"
+    res = _run_script(
+        [sys.executable, str(ROOT / "train.py"), "-m", *SMALL, "data=tokens",
+         f"data.path={tokens},{missing}", f"hydra.sweep.dir={sweep}"],
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert res.stderr == (
+        f"train.py: error: job #1 of the sweep (data.path={missing}) would be refused: "
+        f"data.path={missing} does not exist. Turn text files, folders or HF datasets into a "
+        "token folder with `python -m fot.data.prepare --help`, then set data.path=<folder>. "
+        "No job has started: change that value or leave it out of the sweep\n"
+    )
+    assert not sweep.exists() and not (tmp_path / "multirun").exists()
+
+
 def test_a_sweep_rerun_with_its_values_reordered_is_refused_before_a_job_continues(
     tmp_path,
 ) -> None:

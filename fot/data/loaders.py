@@ -139,6 +139,19 @@ def _documents_source(docs: Any, seq_len: int, packing: str) -> Any:
     return PackedSource.from_documents(docs, seq_len, varlen=packing == "varlen")
 
 
+def _existing_token_path(path: str | Path, key: str) -> Path:
+    """The local path ``path`` that ``key`` names (``~`` expanded); FileNotFoundError if
+    nothing is there."""
+    from fot.data.tokens import put_back_hint
+
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise FileNotFoundError(
+            f"{key}={shown_path(p)} does not exist. {put_back_hint(p) or _prepare_hint(key)}"
+        )
+    return p
+
+
 def open_token_path(
     path: str | Path,
     seq_len: int,
@@ -159,7 +172,7 @@ def open_token_path(
         cache_bytes: a zarr array's chunk cache (``data.cache_mib``; ``None``: sized for
             ``seq_len``).
     """
-    from fot.data.tokens import TokenDocuments, is_token_folder, put_back_hint
+    from fot.data.tokens import TokenDocuments, is_token_folder
 
     if is_url(path):
         if not zarr_exists(path, storage_options):
@@ -170,11 +183,7 @@ def open_token_path(
                 ".npy/.bin file to a local disk and give its path"
             )
         return _zarr_source(key, str(path), seq_len, packing, storage_options, cache_bytes)
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise FileNotFoundError(
-            f"{key}={shown_path(p)} does not exist. {put_back_hint(p) or _prepare_hint(key)}"
-        )
+    p = _existing_token_path(path, key)
     if is_zarr(p):
         return _zarr_source(key, p, seq_len, packing, cache_bytes=cache_bytes)
     if cache_bytes is not None:
@@ -609,6 +618,40 @@ def _refuse_unused_paths(cfg: Any) -> None:
         )
 
 
+def check_data_paths(cfg: Any) -> None:
+    """Refuse a ``data`` config whose data :func:`build_sources` would refuse for a path:
+    a path the data kind needs but does not have, or a local ``data.path``/``data.val_path``
+    (or LongCrawl64's train.zarr/heldout.zarr under it) that does not exist. Reads no data
+    and asks no URL (those are checked when read), so it is cheap enough to run for every job
+    of a sweep before the first one trains.
+
+    Args:
+        cfg: :class:`fot.training.config.DataConfig` (or DictConfig of it).
+
+    Raises:
+        ValueError: a path given to a kind that does not read it, or none given to one that
+            needs it.
+        FileNotFoundError: a local path that does not exist, with the message the loader
+            gives.
+    """
+    _refuse_unused_paths(cfg)
+    want_val = cfg.val_tokens > 0
+    if cfg.kind == "tokens":
+        if not cfg.path:
+            raise ValueError(f"data=tokens needs data.path. {_prepare_hint()}")
+        for key, path in (("data.path", cfg.path), ("data.val_path", cfg.val_path)):
+            if path and not is_url(path) and (key == "data.path" or want_val):
+                _existing_token_path(path, key)
+    elif cfg.kind == "longcrawl64":
+        _require_longcrawl64_path(cfg)
+        if not is_url(cfg.path):
+            root = Path(cfg.path).expanduser()
+            train_path = _local_longcrawl64_train(root)
+            val_path = _longcrawl64_val_path(cfg, root, train_path)
+            if want_val and not is_url(val_path) and not Path(val_path).expanduser().exists():
+                raise _missing_heldout(Path(val_path).expanduser())
+
+
 def build_sources(cfg: Any, *, val_unit: int | None = None) -> tuple[Any, Any | None]:
     """Training and held-out sources for a ``data`` config.
 
@@ -696,9 +739,8 @@ def _cache_bytes(cfg: Any) -> int | None:
     return mib << 20
 
 
-def _longcrawl64_sources(cfg: Any, T: int, want_val: bool) -> tuple[Any, Any | None]:
-    """LongCrawl64's ``train.zarr`` (and ``heldout.zarr``) under ``data.path``: a folder, a URL
-    (``gs://<bucket>/longcrawl64``, streamed), or the arrays themselves."""
+def _require_longcrawl64_path(cfg: Any) -> None:
+    """Refuse data=longcrawl64 without ``data.path``."""
     if not cfg.path:
         raise ValueError(
             "data=longcrawl64 needs data.path: the folder with LongCrawl64's train.zarr and "
@@ -706,6 +748,40 @@ def _longcrawl64_sources(cfg: Any, T: int, want_val: bool) -> tuple[Any, Any | N
             "URL that is streamed (gs://<bucket>/longcrawl64 with `pip install gcsfs`, s3://, "
             "https://)."
         )
+
+
+def _local_longcrawl64_train(root: Path) -> Path:
+    """LongCrawl64's ``train.zarr`` under the local folder ``root``, or ``root`` itself when it
+    is the array; FileNotFoundError if neither is there."""
+    train_path = root / "train.zarr" if (root / "train.zarr").exists() else root
+    if not train_path.exists() or (train_path == root and not is_zarr(root)):
+        raise FileNotFoundError(
+            f"no LongCrawl64 train.zarr under {shown_path(root)}. Download train.zarr and heldout.zarr "
+            "from https://manifestai.com/articles/longcrawl64 into that folder, or stream "
+            "them from a URL (data.path=gs://<bucket>/longcrawl64, s3://, https://)."
+        )
+    return train_path
+
+
+def _longcrawl64_val_path(cfg: Any, root: str | Path, train_path: str | Path) -> str | Path:
+    """Where LongCrawl64's held-out array is: ``data.val_path``, else ``heldout.zarr`` next to
+    ``train.zarr`` (also when ``data.path`` names train.zarr itself)."""
+    folder = root if str(train_path) != str(root) else _parent(root)
+    return cfg.val_path or join(folder, "heldout.zarr")
+
+
+def _missing_heldout(val_path: str | Path) -> FileNotFoundError:
+    """The error for LongCrawl64's held-out array not found at ``val_path``."""
+    return FileNotFoundError(
+        f"held-out data {shown_path(val_path)} not found; put heldout.zarr next to train.zarr, set "
+        "data.val_path, or data.val_tokens=0 to skip validation"
+    )
+
+
+def _longcrawl64_sources(cfg: Any, T: int, want_val: bool) -> tuple[Any, Any | None]:
+    """LongCrawl64's ``train.zarr`` (and ``heldout.zarr``) under ``data.path``: a folder, a URL
+    (``gs://<bucket>/longcrawl64``, streamed), or the arrays themselves."""
+    _require_longcrawl64_path(cfg)
     options = _storage_options(cfg)
     url = is_url(cfg.path)
     if url:
@@ -721,30 +797,19 @@ def _longcrawl64_sources(cfg: Any, T: int, want_val: bool) -> tuple[Any, Any | N
                 )
     else:
         root = Path(cfg.path).expanduser()
-        train_path = root / "train.zarr" if (root / "train.zarr").exists() else root
-        if not train_path.exists() or (train_path == root and not is_zarr(root)):
-            raise FileNotFoundError(
-                f"no LongCrawl64 train.zarr under {shown_path(root)}. Download train.zarr and heldout.zarr "
-                "from https://manifestai.com/articles/longcrawl64 into that folder, or stream "
-                "them from a URL (data.path=gs://<bucket>/longcrawl64, s3://, https://)."
-            )
+        train_path = _local_longcrawl64_train(root)
     cache = _cache_bytes(cfg)
     train = _zarr_source("data.path", train_path, T, cfg.packing, options, cache)
     if not want_val:
         return train, None
-    # heldout.zarr lies next to train.zarr, also when data.path names train.zarr itself
-    folder = root if str(train_path) != str(root) else _parent(root)
-    val_path: str | Path = cfg.val_path or join(folder, "heldout.zarr")
+    val_path = _longcrawl64_val_path(cfg, root, train_path)
     if is_url(val_path):
         found = zarr_exists(val_path, options)
     else:
         val_path = Path(val_path).expanduser()
         found = val_path.exists()
     if not found:
-        raise FileNotFoundError(
-            f"held-out data {shown_path(val_path)} not found; put heldout.zarr next to train.zarr, set "
-            "data.val_path, or data.val_tokens=0 to skip validation"
-        )
+        raise _missing_heldout(val_path)
     same = (
         str(val_path).rstrip("/") == str(train_path).rstrip("/")
         if url or is_url(val_path)

@@ -638,11 +638,13 @@ def multirun_out_dir_problem(argv: list[str]) -> str | None:
 
 def sweep_job_problem(argv: list[str], config_dir: str | os.PathLike) -> str | None:
     """The refusal of the first job of a multirun (``-m``) whose values training would refuse
-    before it starts (:func:`check_config`, ``fot.training.trainer.check_sizes``), checked
+    before it starts (:func:`check_config`, ``fot.training.trainer.check_sizes``, a local data
+    path that does not exist: ``fot.data.loaders.check_data_paths``), checked
     for every job before the first one trains: Hydra checks only that each job's config
     composes, so a value refused for one job only (``model.overrides.x=...`` that one of the
     swept models does not have, a ``micro_batch_size`` that does not split one of the swept
-    batches) stopped the sweep when it reached that job, after the jobs before it had trained.
+    batches, a ``data.path`` swept over a folder that is not there) stopped the sweep when it
+    reached that job, after the jobs before it had trained, and left that job's folder behind.
 
     ``None`` when ``argv`` has no ``-m``/``--multirun``, no swept value, a flag that prints
     or chooses another config (the configs checked would not be the run's), another sweeper,
@@ -665,6 +667,7 @@ def sweep_job_problem(argv: list[str], config_dir: str | os.PathLike) -> str | N
     from hydra.core.hydra_config import HydraConfig
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
+    from fot.data.loaders import check_data_paths
     from fot.errors import USER_ERRORS
     from fot.training.trainer import check_sizes
 
@@ -692,11 +695,13 @@ def sweep_job_problem(argv: list[str], config_dir: str | os.PathLike) -> str | N
                 try:
                     check_config(cfg)
                     check_sizes(cfg, world_size)
+                    check_data_paths(cfg.data)
                 except USER_ERRORS as err:
                     label = " ".join(o for o in job if o.split("=", 1)[0] in swept)
+                    refusal = str(err).rstrip(".")  # most end in a full stop, as this does
                     return (
-                        f"job #{num} of the sweep ({label}) would be refused: {err}. No job has "
-                        "started: change that value or leave it out of the sweep"
+                        f"job #{num} of the sweep ({label}) would be refused: {refusal}. No job "
+                        "has started: change that value or leave it out of the sweep"
                     )
     finally:
         HydraConfig.instance().cfg = saved_hydra

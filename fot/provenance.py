@@ -10,8 +10,9 @@ import importlib.metadata
 import os
 import platform
 import subprocess
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 # The distributions whose versions shape a training run or an evaluation.
 LIBRARIES = ("torch", "triton", "transformers", "flash-linear-attention", "hydra-core", "numpy")
@@ -145,7 +146,9 @@ def sweep_job_conflict(
         overrides: this job's overrides (``hydra.overrides.task`` of the job).
         sweep: the sweep folder (its ``multirun.yaml`` names the swept keys).
         job: the job's Hydra folder, whose ``.hydra/overrides.yaml`` holds the overrides of
-            the job that trained there.
+            the job that trained there (and ``config.yaml``/``hydra.yaml`` the values and
+            group options it ran with: a key swept now that that job left at its default is
+            compared with the default it ran with).
         run: the job's run folder (``out_dir``: ``job`` unless set per job), whose
             ``checkpoints/`` the job would continue; no checkpoint, no conflict.
 
@@ -170,19 +173,68 @@ def sweep_job_conflict(
         now = {o.get_key_element().lstrip("+~"): o for o in parser.parse_overrides(list(overrides))}
     except Exception:  # a hand-edited record: nothing to compare
         return None
-    changed = [
-        (key, now[key], was[key])
-        for key in now
-        if key in swept and key in was and now[key].value() != was[key].value()
-    ]
+    changed = []  # (key, value now, value then)
+    defaults = _defaults_of(recorded.parent)
+    for key in now:
+        if key not in swept:
+            continue
+        if key in was:
+            if now[key].value() != was[key].value():
+                changed.append((key, now[key], was[key].get_value_element_as_str()))
+        elif (default := defaults(key)) is not None and now[key].value() != default[0]:
+            changed.append((key, now[key], f"{default[1]} (its default)"))
     if not changed:
         return None
     this = ", ".join(f"{key}={o.get_value_element_as_str()}" for key, o, _ in changed)
-    then = ", ".join(f"{key}={o.get_value_element_as_str()}" for key, _, o in changed)
+    then = ", ".join(f"{key}={value}" for key, _, value in changed)
+    # a default is read from the composed config beside the overrides
+    record = recorded.parent if any(key not in was for key, _, _ in changed) else recorded
     return (
         f"job {Path(job).name} of this sweep has {this}, but its folder {Path(run)} holds the "
-        f"checkpoints of a job with {then} ({recorded}): Hydra numbers a sweep's jobs by their "
+        f"checkpoints of a job with {then} ({record}): Hydra numbers a sweep's jobs by their "
         f"place in it, and this rerun in hydra.sweep.dir={Path(sweep)} lists the swept values "
         "in another order or others. To continue the sweep, list its values as before; for "
         "other values, pass a new hydra.sweep.dir (or leave it out)"
     )
+
+
+def _defaults_of(hydra_folder: Path) -> Callable[[str], tuple[Any, str] | None]:
+    """A lookup of the value that the job recorded in ``hydra_folder`` (its ``.hydra/``) ran
+    with for a key it did not override: the group option Hydra chose (``model`` ->
+    ``fot_pro``, from ``hydra.yaml``) or the composed value (``optim.lr`` -> ``0.003``, from
+    ``config.yaml``). The lookup gives ``(value, as written in an override)``, or None where
+    the record is missing or does not say (an interpolation that no longer resolves)."""
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+
+    def load(name: str) -> DictConfig | None:
+        try:
+            loaded = OmegaConf.load(hydra_folder / name)
+        except Exception:  # missing or hand-edited: nothing to compare
+            return None
+        return loaded if isinstance(loaded, DictConfig) else None
+
+    hydra, config = load("hydra.yaml"), load("config.yaml")
+    choices = OmegaConf.select(hydra, "hydra.runtime.choices") if hydra is not None else None
+
+    def default(key: str) -> tuple[Any, str] | None:
+        if isinstance(choices, DictConfig) and key in choices:  # a config group
+            option = choices[key]
+            return option, "null" if option is None else str(option)
+        if config is None:
+            return None
+        try:
+            value = OmegaConf.select(config, key, throw_on_missing=True)
+        except Exception:  # ??? or an interpolation that does not resolve here
+            return None
+        if isinstance(value, DictConfig | ListConfig):
+            value = OmegaConf.to_container(value, resolve=True)
+        shown = (
+            "null"
+            if value is None
+            else str(value).lower()
+            if isinstance(value, bool)
+            else str(value)
+        )
+        return value, shown
+
+    return default

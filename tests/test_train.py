@@ -2095,6 +2095,63 @@ def test_a_sweep_rerun_with_its_values_reordered_is_refused_before_a_job_continu
     assert "to start over, pass resume=never or another hydra.sweep.dir\n" in same.stdout
 
 
+def test_a_sweep_rerun_that_sweeps_a_key_the_first_left_at_its_default_is_refused(
+    tmp_path,
+) -> None:
+    """The rerun check compared only the keys that both sweeps set: a rerun in the same
+    hydra.sweep.dir that also swept the seed, which the first sweep had left at its default
+    (0), gave job 0 (now seed 1) the folder of the first sweep's job 0, which continued its
+    checkpoint under the other seed (a warning only). The keys swept now are compared with
+    the values that job ran with (its .hydra/config.yaml, and for a config group such as
+    model its .hydra/hydra.yaml), and the rerun is refused."""
+    from fot.provenance import sweep_job_conflict
+
+    script = [sys.executable, str(ROOT / "train.py")]
+    sweep = tmp_path / "sweep"
+    first = _run_script(
+        [*script, "-m", *SMALL, "optim.lr=0.01,0.02", f"hydra.sweep.dir={sweep}"], cwd=tmp_path
+    )
+    assert first.returncode == 0, first.stderr[-3000:]
+    before = {str(p): p.read_bytes() for p in sorted(sweep.rglob("*")) if p.is_file()}
+    res = _run_script(
+        [*script, "-m", *SMALL, "seed=1,0", "optim.lr=0.01,0.02", f"hydra.sweep.dir={sweep}"],
+        cwd=tmp_path,
+    )
+    assert res.returncode == 2, res.stderr[-3000:]
+    errors = [line for line in res.stderr.splitlines() if "error" in line]
+    assert errors == [
+        f"train.py: error: job 0 of this sweep has seed=1, but its folder {sweep / '0'} holds "
+        f"the checkpoints of a job with seed=0 (its default) ({sweep / '0/.hydra'}): Hydra "
+        f"numbers a sweep's jobs by their place in it, and this rerun in hydra.sweep.dir={sweep} "
+        "lists the swept values in another order or others. To continue the sweep, list its "
+        "values as before; for other values, pass a new hydra.sweep.dir (or leave it out)"
+    ], res.stderr[-3000:]
+    after = {str(p): p.read_bytes() for p in sorted(sweep.rglob("*")) if p.is_file()}
+    changed = {p for p in before if before[p] != after.get(p)}
+    assert changed <= {str(sweep / "multirun.yaml"), str(sweep / "0" / "train.log")}, changed
+    assert set(after) == set(before)  # no job folder was added
+
+    # a config group swept now (model), left at its default (fot_pro) by the first sweep
+    other = tmp_path / "other_sweep"
+    other.mkdir()
+    task = ["model=transformer_llama,fot_pro", "optim.lr=0.01,0.02"]
+    (other / "multirun.yaml").write_text(
+        OmegaConf.to_yaml({"hydra": {"overrides": {"task": task}}})
+    )
+    job = sweep / "0"
+    for model, conflict in (("transformer_llama", True), ("fot_pro", False)):
+        found = sweep_job_conflict(
+            [*SMALL, f"model={model}", "optim.lr=0.01"], sweep=other, job=job, run=job
+        )
+        if conflict:
+            assert found is not None and found.startswith(
+                f"job 0 of this sweep has model=transformer_llama, but its folder {job} holds "
+                f"the checkpoints of a job with model=fot_pro (its default) ({job / '.hydra'}): "
+            ), found
+        else:
+            assert found is None, found
+
+
 def test_train_py_refuses_a_missing_resume_folder_before_training(tmp_path) -> None:
     run = tmp_path / "run"
     cmd = [sys.executable, str(ROOT / "train.py"), *SMALL, "resume=/no/such/ckpt",

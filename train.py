@@ -185,10 +185,23 @@ def say(line: str, *, blank: bool = False) -> None:
 def remove_if_unused(folder: Path) -> None:
     """Remove the run folder that this process made for a run that was refused before it
     began: Hydra made it, with its ``train.log``, and the trainer's lock file went in; nothing
-    else did. Kept if another run holds the lock."""
+    else did. Kept if another run holds the lock.
+
+    A multirun's sweep folder: each job folder in it that is so, then the sweep folder if
+    nothing but Hydra's ``multirun.yaml`` is left (a job refused while starting, before any
+    job trained). Job folders that hold anything else (``.hydra/``, checkpoints) are kept,
+    and so is the sweep folder with them."""
     import fcntl
 
     names = {p.name for p in folder.iterdir()} if folder.is_dir() else {"?"}
+    if "multirun.yaml" in names:
+        for job in folder.iterdir():
+            if job.is_dir() and not job.is_symlink():
+                remove_if_unused(job)
+        if {p.name for p in folder.iterdir()} == {"multirun.yaml"}:
+            (folder / "multirun.yaml").unlink()
+            folder.rmdir()
+        return
     if not names <= {".run.lock", "train.log"}:
         return
     lock = folder / ".run.lock"
@@ -203,15 +216,19 @@ def remove_if_unused(folder: Path) -> None:
 
 
 def fresh_run_folder(argv: list[str], claimed: tuple[str, str, bool] | None) -> Path | None:
-    """The folder a (single, not multirun) run will use where this process makes it: the
-    default folder made for it, or an ``out_dir=`` / ``hydra.run.dir=`` that does not exist
-    yet; None otherwise (rank > 0, a multirun, a folder set in a config file or existing)."""
-    if int(os.environ.get("RANK", "0") or 0) > 0 or any(a in ("-m", "--multirun") for a in argv):
+    """The folder a run (a multirun: its sweep folder) will use where this process makes it:
+    the default folder made for it, or an ``out_dir=`` / ``hydra.run.dir=`` (a multirun:
+    ``hydra.sweep.dir=``) that does not exist yet; None otherwise (rank > 0, a folder set in a
+    config file or existing)."""
+    if int(os.environ.get("RANK", "0") or 0) > 0:
         return None
     if claimed is not None:
         return None if claimed[2] else Path(claimed[1])
     given = dict(a.lstrip("+").split("=", 1) for a in argv if "=" in a)
-    value = given.get("hydra.run.dir") or given.get("out_dir")
+    if any(a in ("-m", "--multirun") for a in argv):
+        value = given.get("hydra.sweep.dir")
+    else:
+        value = given.get("hydra.run.dir") or given.get("out_dir")
     if not value or value == "null" or "${" in value or Path(value).expanduser().exists():
         return None
     return Path(value).expanduser()
@@ -274,5 +291,5 @@ if __name__ == "__main__":
     finally:
         if claimed is not None and claimed[2]:  # another rank's: the run is in rank 0's folder
             shutil.rmtree(claimed[1], ignore_errors=True)
-        if fresh is not None:  # a refused run leaves no folder behind
+        if fresh is not None:  # a refused run (a sweep's refused job) leaves no folder behind
             remove_if_unused(fresh)

@@ -2050,6 +2050,45 @@ def test_a_sweep_over_a_data_path_that_is_not_there_stops_before_any_job_trains(
     assert not sweep.exists() and not (tmp_path / "multirun").exists()
 
 
+def test_a_sweep_job_refused_while_starting_leaves_no_folder_behind(tmp_path) -> None:
+    """A job of a new sweep that training refused after Hydra had made its folder (data=hf
+    with a data.path that is not there: a hub name is not checked before the sweep) left the
+    folder behind with only train.log and the lock file in it, and the sweep folder with it
+    when that was the first job. The refused job's folder is removed; the jobs that trained
+    keep theirs (and the sweep folder its multirun.yaml); a sweep folder that already existed
+    is left as it was."""
+    text = tmp_path / "texts"  # a folder of text files
+    text.mkdir()
+    (text / "a.txt").write_text("A few plain words of English for the tokenizer to read. " * 400)
+    missing = tmp_path / "no_such_text"
+    script = [sys.executable, str(ROOT / "train.py"), "-m", *SMALL, "data=hf", "data.val_tokens=0"]
+    sweep = tmp_path / "sweep"
+    res = _run_script(
+        [*script, f"data.path={text},{missing}", f"hydra.sweep.dir={sweep}"], cwd=tmp_path
+    )
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert f"train.py: error: data.path={missing}: {missing} does not exist." in res.stderr
+    assert sorted(p.name for p in sweep.iterdir()) == ["0", "multirun.yaml"]
+    assert (sweep / "0" / ".hydra" / "config.yaml").is_file()
+    assert list((sweep / "0" / "checkpoints").iterdir())  # the job that trained is kept
+
+    first_refused = tmp_path / "first_refused"
+    res = _run_script(
+        [*script, f"data.path={missing},{text}", f"hydra.sweep.dir={first_refused}"],
+        cwd=tmp_path,
+    )
+    assert res.returncode == 2 and "does not exist" in res.stderr, res.stderr[-3000:]
+    assert not first_refused.exists()
+
+    made = tmp_path / "made_before"
+    made.mkdir()
+    res = _run_script(
+        [*script, f"data.path={missing},{text}", f"hydra.sweep.dir={made}"], cwd=tmp_path
+    )
+    assert res.returncode == 2 and "does not exist" in res.stderr, res.stderr[-3000:]
+    assert sorted(p.name for p in made.iterdir()) == ["0", "multirun.yaml"]  # as Hydra left it
+
+
 def test_a_sweep_rerun_with_its_values_reordered_is_refused_before_a_job_continues(
     tmp_path,
 ) -> None:

@@ -100,7 +100,38 @@ def config(model: str, size: str = "tiny", **overrides: Any) -> PretrainedConfig
     kwargs = merge_overrides(kwargs, overrides)
     if problem := gate_init_problem(kwargs, subject=f"model {model!r}"):  # named the preset
         raise ValueError(problem)
+    if problem := _unread_override_problem(model, kwargs, overrides):
+        raise ValueError(problem)
     return FoTConfig(**kwargs)
+
+
+def _unread_override_problem(
+    model: str, fields: Mapping[str, Any], overrides: Mapping[str, Any]
+) -> str | None:
+    """Why an override of ``model`` sets a field that its model does not read, with the fix;
+    ``None`` where every one is read. Such a field is stored in config.json and ignored (a
+    ``rope_theta`` swept over ``model=fot_pro,transformer_pro`` changes only the Transformer).
+
+    Args:
+        model: the preset name (for the message).
+        fields: the config fields, the preset's merged with ``overrides``.
+        overrides: the fields the user set.
+    """
+    rope = [name for name in ("rope_theta", "rope_parameters") if name in overrides]
+    if rope and not fields.get("use_rope", False):
+        given = ", ".join(f"{name}={overrides[name]!r}" for name in rope)
+        return (
+            f"model {model!r} has no RoPE (use_rope=False), so it does not read {given}: leave "
+            f"it out for this model, or set use_rope=true as well for RoPE "
+            "(+model.overrides.use_rope=true)"
+        )
+    if overrides.get("intermediate_size") is not None and "hidden_ratio" in overrides:
+        return (
+            f"model {model!r} gets intermediate_size={overrides['intermediate_size']!r}, which "
+            f"sets the MLP width, so it does not read hidden_ratio={overrides['hidden_ratio']!r}: "
+            "give only one of them"
+        )
+    return None
 
 
 # Keywords every transformers config accepts besides its dataclass fields

@@ -1165,6 +1165,39 @@ def test_a_gate_initialisation_the_model_does_not_read_is_refused() -> None:
     assert presets.config("fot_pro", "tiny", fgate_type="fixed", decay_time_min=4.0).fgate_type
 
 
+def test_an_override_the_model_does_not_read_is_refused() -> None:
+    """``+model.overrides.rope_theta=...`` on a model without RoPE (fot_pro in a sweep over
+    model=fot_pro,transformer_pro, say), or hidden_ratio given with intermediate_size, was
+    stored in config.json and ignored: the model is the one built without it. Refused now,
+    naming the field and the fix; where the model reads the field it takes effect."""
+    import torch
+
+    from fot import FoTConfig, FoTForCausalLM
+
+    def logits(**fields: object) -> torch.Tensor:
+        torch.manual_seed(0)
+        model = FoTForCausalLM(FoTConfig(**presets.config("fot_pro", "tiny").to_dict() | fields))
+        return model(torch.arange(16).view(1, 16)).logits
+
+    # the oracle: built directly, the field changes nothing
+    assert torch.equal(logits(rope_theta=10_000.0), logits())
+    assert FoTConfig(intermediate_size=300, hidden_ratio=3.0).mlp_size == 300
+    for model, fields, pattern in (
+        ("fot_pro", {"rope_theta": 10_000.0}, r"has no RoPE \(use_rope=False\), so it does not "
+         r"read rope_theta=10000\.0: leave it out for this model, or set use_rope=true"),
+        ("transformer_llama", {"use_rope": False, "rope_theta": 10_000.0}, r"has no RoPE"),
+        ("fot_pro", {"intermediate_size": 300, "hidden_ratio": 3.0}, r"gets intermediate_size="
+         r"300, which sets the MLP width, so it does not read hidden_ratio=3\.0: give only one"),
+    ):  # fmt: skip
+        with pytest.raises(ValueError, match=rf"^model '{model}' {pattern}"):
+            presets.config(model, "tiny", **fields)
+    # where the model reads it, the field takes effect
+    assert presets.config("transformer_llama", "tiny", rope_theta=10_000.0).rope_theta == 10_000
+    assert presets.config("fot_pro", "tiny", use_rope=True, rope_theta=10_000.0).use_rope
+    assert presets.config("fot_pro", "tiny", intermediate_size=300).mlp_size == 300
+    assert presets.config("fot_pro", "tiny", hidden_ratio=3.0).mlp_size == 256
+
+
 def test_fotconfig_refuses_a_gate_initialisation_its_gate_does_not_read(tmp_path) -> None:
     """FoTConfig itself (the Python API, a config.json) refuses what presets.config refuses; a
     saved config, which carries every gate field at its default, loads for each gate type."""

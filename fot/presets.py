@@ -100,25 +100,27 @@ def config(model: str, size: str = "tiny", **overrides: Any) -> PretrainedConfig
     kwargs = merge_overrides(kwargs, overrides)
     if problem := gate_init_problem(kwargs, subject=f"model {model!r}"):  # named the preset
         raise ValueError(problem)
-    if problem := _unread_override_problem(model, kwargs, overrides):
+    built = FoTConfig(**kwargs)
+    if problem := _unread_override_problem(model, built, overrides):
         raise ValueError(problem)
-    return FoTConfig(**kwargs)
+    return built
 
 
 def _unread_override_problem(
-    model: str, fields: Mapping[str, Any], overrides: Mapping[str, Any]
+    model: str, built: FoTConfig, overrides: Mapping[str, Any]
 ) -> str | None:
     """Why an override of ``model`` sets a field that its model does not read, with the fix;
     ``None`` where every one is read. Such a field is stored in config.json and ignored (a
     ``rope_theta`` swept over ``model=fot_pro,transformer_pro`` changes only the Transformer).
+    A RoPE base at its default changes nothing and passes (every saved config.json has one).
 
     Args:
         model: the preset name (for the message).
-        fields: the config fields, the preset's merged with ``overrides``.
+        built: the config built from the preset's fields and ``overrides``.
         overrides: the fields the user set.
     """
     rope = [name for name in ("rope_theta", "rope_parameters") if name in overrides]
-    if rope and not fields.get("use_rope", False):
+    if rope and not built.use_rope and built.rope_theta != FoTConfig().rope_theta:
         given = ", ".join(f"{name}={overrides[name]!r}" for name in rope)
         return (
             f"model {model!r} has no RoPE (use_rope=False), so it does not read {given}: leave "

@@ -321,9 +321,10 @@ def test_every_valid_model_override_is_still_accepted(hydra_ctx) -> None:
     params = inspect.signature(FoTConfig.__init__).parameters
     same = {name: getattr(base, name) for name in params if name not in ("self", "kwargs")}
     assert presets.config("fot_pro", "tiny", **same).to_dict() == base.to_dict()
-    # LLaMA names, zero dropouts and keys every transformers config takes pass through.
+    # LLaMA names, zero dropouts and keys every transformers config takes pass through (the
+    # RoPE base on a model with RoPE: test_an_override_the_model_does_not_read_is_refused).
     cfg = presets.config(
-        "fot_pro",
+        "transformer_llama",
         "tiny",
         num_attention_heads=2,
         num_key_value_heads=1,
@@ -1194,6 +1195,7 @@ def test_an_override_the_model_does_not_read_is_refused() -> None:
     # where the model reads it, the field takes effect
     assert presets.config("transformer_llama", "tiny", rope_theta=10_000.0).rope_theta == 10_000
     assert presets.config("fot_pro", "tiny", use_rope=True, rope_theta=10_000.0).use_rope
+    assert presets.config("fot_pro", "tiny", rope_theta=500_000.0)  # the default: no change
     assert presets.config("fot_pro", "tiny", intermediate_size=300).mlp_size == 300
     assert presets.config("fot_pro", "tiny", hidden_ratio=3.0).mlp_size == 256
 

@@ -471,6 +471,13 @@ def test_mul_resolver_refuses_non_integers() -> None:
             r"schedule.name='warmup_cosine'",
         ),
         (["schedule.name=wsd"], r"needs schedule.decay_fraction and schedule.decay_shape; pick"),
+        # constant keeps the peak: a floor for its decay was ignored
+        (
+            ["schedule=constant", "schedule.min_lr_ratio=0.5"],
+            r"^schedule.min_lr_ratio=0.5: schedule=constant keeps optim.lr to the end and does "
+            r"not read it; for a decay to that fraction use schedule=warmup_cosine",
+        ),
+        (["schedule.name=constant"], r"schedule.min_lr_ratio=0.1: schedule=constant keeps"),
         (["branch_from=/no/such/ckpt"], r"branch_from=/no/such/ckpt does not exist; pass a"),
         (["optim.momentum=0.9"], r"optim.momentum=0.9: only optim=muon reads it"),
         (["optim.name=muon"], r"needs optim.momentum, optim.ns_steps and optim.adjust_lr; pick"),
@@ -524,6 +531,20 @@ def test_check_config_refuses_bad_values_with_the_fix(
     cfg = compose("train", overrides=overrides)
     with pytest.raises(ValueError, match=match):
         check_config(cfg)
+
+
+def test_schedule_constant_passes_with_its_own_floor_which_lr_at_does_not_read(
+    hydra_ctx,
+) -> None:
+    """The oracle of the schedule=constant cases above: its learning rate at the end of the
+    run is the peak whatever schedule.min_lr_ratio says; the group as written passes."""
+    from fot.training.config import ScheduleConfig
+    from fot.training.optim import lr_at
+
+    for ratio in (0.0, 0.5, 1.0):
+        sched = ScheduleConfig(name="constant", warmup_tokens=10, min_lr_ratio=ratio)
+        assert lr_at(1000, peak_lr=0.5, total_tokens=1000, cfg=sched) == 0.5
+    assert check_config(compose("train", overrides=["schedule=constant"])) == []
 
 
 def test_check_config_refuses_a_timeout_that_is_no_number(hydra_ctx) -> None:

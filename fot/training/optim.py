@@ -93,6 +93,13 @@ def check_optim(cfg: OptimConfig, schedule: ScheduleConfig | None = None) -> Non
                 f"schedule.min_lr_ratio={schedule.min_lr_ratio} must be in [0, 1]: the final "
                 "learning rate as a fraction of optim.lr"
             )
+        if schedule.name == "constant" and schedule.min_lr_ratio != 1.0:
+            raise ValueError(
+                f"schedule.min_lr_ratio={schedule.min_lr_ratio}: schedule=constant keeps "
+                "optim.lr to the end and does not read it; for a decay to that fraction use "
+                "schedule=warmup_cosine, warmup_linear or wsd, or drop the override (pick "
+                "schedule=constant rather than schedule.name=constant)"
+            )
         check_wsd(schedule)
 
 

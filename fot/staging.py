@@ -78,12 +78,8 @@ def ended_writers(folder: str | os.PathLike, prefix: str, suffix: str = "") -> l
     that matches.
     """
     pattern = re.compile(re.escape(prefix) + _TAG + re.escape(suffix))
-    try:
-        entries = [(e.name, Path(e.path)) for e in os.scandir(folder)]
-    except OSError:  # no folder (yet), or not readable: the write itself reports it
-        return []
     found = []
-    for name, path in sorted(entries):
+    for name, path in _listing(folder):
         m = pattern.fullmatch(name)
         if m and _has_ended(m["host"], int(m["pid"]), path):
             found.append(Leftover(path, int(m["pid"]), m["host"]))
@@ -107,16 +103,21 @@ def ended_earlier_writers(folder: str | os.PathLike, *names: tuple[str, ...]) ->
         )
         for parts in names
     ]
-    try:
-        entries = [(e.name, Path(e.path)) for e in os.scandir(folder)]
-    except OSError:  # no folder (yet), or not readable: the write itself reports it
-        return []
     found = []
-    for name, path in sorted(entries):
+    for name, path in _listing(folder):
         m = next((m for p in patterns if (m := p.fullmatch(name))), None)
         if m and path.is_dir() and not path.is_symlink() and _has_ended(None, int(m["pid"]), path):
             found.append(Leftover(path, int(m["pid"]), None))
     return found
+
+
+def _listing(folder: str | os.PathLike) -> list[tuple[str, Path]]:
+    """``(name, path)`` of each entry of ``folder``, sorted by name; none where it cannot be
+    listed (no folder yet, or not readable: the write itself reports it)."""
+    try:
+        return sorted((e.name, Path(e.path)) for e in os.scandir(folder))
+    except OSError:
+        return []
 
 
 def remove(leftovers: list[Leftover]) -> list[Leftover]:

@@ -900,10 +900,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             by_length[task] = scores_by_length([scored[k] for k in keys], lengths)
     table = summary_table(scores)
     protocol = protocol_note(args.prompts, args.first_line)
-    if args.limit is not None:  # a subset (or, past a file's size, all of it): said with it
+    limited = ""  # a subset (or, past a file's size, all of it): said under each table
+    if args.limit is not None:
         totals = {t: count_examples(data_dir / f"{t}.jsonl") for t in scores}
         scored = {t: len(examples[t]) for t in scores}
-        protocol += "\n\n" + limit_note(args.limit, scored, totals)
+        limited = "\n\n" + limit_note(args.limit, scored, totals)
+        protocol += limited
     write_text_atomic(out / "scores.json", json.dumps(scores, indent=2) + "\n")
     write_text_atomic(out / "table2.md", table + "\n\n" + protocol + "\n")
     write_text_atomic(
@@ -918,7 +920,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     print(protocol)
     if by_length:
         write_text_atomic(out / "scores_by_length.json", json.dumps(by_length, indent=2) + "\n")
-        write_text_atomic(out / "by_length.md", length_table(by_length) + "\n")
+        write_text_atomic(out / "by_length.md", length_table(by_length) + limited + "\n")
         print("\nScore per length range of the examples' length field (words):")
         print(length_table(by_length))
     else:  # an earlier run's in this folder would read as this run's

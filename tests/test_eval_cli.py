@@ -1637,12 +1637,13 @@ def test_an_lm_eval_limit_run_says_so_with_the_examples_scored_per_task(ckpts, t
 
 def test_a_longbench_limit_run_says_so_with_the_examples_scored_per_task(ckpts, tmp_path):
     """`longbench --limit` scored the first examples of each task (all of a shorter file) and
-    table2.md and the printed table looked like a full run's; they now end with a line naming
-    --limit and how many examples each task scored of how many its file holds. Oracle: the
-    rows written and the predictions saved."""
+    table2.md, by_length.md (LongBench-E's ranges) and the printed table looked like a full
+    run's; they now end with a line naming --limit and how many examples each task scored of
+    how many its file holds. Oracle: the rows written and the predictions saved."""
     data = tmp_path / "lb"
     data.mkdir()
     row = {"input": "Which topic?", "context": "Rivers run. " * 10, "answers": ["rivers"]}
+    row["length"] = 30  # words: LongBench-E's field, which by_length.md groups by
     for task, n in (("hotpotqa", 3), ("qasper", 1)):
         (data / f"{task}.jsonl").write_text(
             "".join(json.dumps({**row, "_id": f"{task}{i}"}) + "\n\n" for i in range(n))
@@ -1656,5 +1657,7 @@ def test_a_longbench_limit_run_says_so_with_the_examples_scored_per_task(ckpts, 
     assert last.startswith("--limit 2: a smoke run") and last.endswith(
         "examples scored per task: hotpotqa 2 of 3, qasper 1 of 1"
     ), last
+    assert (out / "by_length.md").read_text().strip().splitlines()[-1] == last
     main(argv)  # the whole files (resumed, extended): no such line
     assert "--limit" not in (out / "table2.md").read_text()
+    assert "--limit" not in (out / "by_length.md").read_text()

@@ -707,6 +707,17 @@ def test_a_start_killed_while_replacing_the_runs_tokenizer_leaves_it_for_the_res
     res = _run_script(cmd, cwd=tmp_path)
     assert res.returncode == -9, res.stderr[-3000:]
     assert not (out / "tokenizer").exists()
+    # before the resume, python -m fot.export of a checkpoint reads the set-aside copy too
+    # (it fell back to GPT-2's tokenizer)
+    from fot.training.trainer import export_checkpoint
+
+    with caplog.at_level(logging.WARNING, logger="fot.training.init_weights"):
+        exported = export_checkpoint(out / "checkpoints" / "step_00000001", tmp_path / "exported")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (exported / name).read_bytes() == (fla / name).read_bytes(), name
+    assert not (exported / "vocab.json").exists()
+    assert f"the run's tokenizer {out / 'tokenizer'} is missing: reading the copy" in caplog.text
+    caplog.clear()
     with caplog.at_level(logging.WARNING, logger="fot.train"):
         train(_cfg(out, "total_tokens=512", *ONE_STEP[1:], *settings, "export_hf=true"))
     files = sorted(p.name for p in (out / "hf").iterdir() if p.name in TOKENIZER_FILES)

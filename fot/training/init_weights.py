@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import json
+import logging
 import os
 import tempfile
 from dataclasses import dataclass
@@ -32,6 +33,8 @@ import torch
 from torch import nn
 
 from fot.errors import FotError
+
+logger = logging.getLogger(__name__)
 
 
 class InitFromError(FotError, ValueError):
@@ -190,6 +193,29 @@ TOKENIZER_FOLDER = "tokenizer"
 fot's GPT-2 tokenizer (:func:`own_tokenizer`); the run's exports carry it instead of GPT-2's."""
 
 
+def run_tokenizer(run: str | os.PathLike) -> Path | None:
+    """The run folder ``run``'s tokenizer copy (:data:`TOKENIZER_FOLDER`), for reading: the
+    folder itself, or where a start killed while replacing it left it set aside
+    (``.tokenizer.old-{host}.{pid}``, always whole; the run's next resume puts it back), that
+    copy, with a warning. ``None`` where the run has none (its exports carry GPT-2's)."""
+    from fot.staging import ended_writers
+
+    folder = Path(run) / TOKENIZER_FOLDER
+    if folder.is_dir():
+        return folder
+    asides = ended_writers(Path(run), f".{TOKENIZER_FOLDER}.old-")
+    if not asides:
+        return None
+    logger.warning(
+        "the run's tokenizer %s is missing: reading the copy %s that a start of the run (%s) "
+        "set aside to replace it and did not finish (killed?); resuming the run puts it back",
+        folder,
+        asides[-1].path,
+        asides[-1].writer(),
+    )
+    return asides[-1].path
+
+
 def own_tokenizer(source: InitSource) -> Path | None:
     """The folder with the tokenizer of ``source``'s model, where that is not fot's GPT-2
     tokenizer (which a run's export writes otherwise): an FLA model's own (``python -m
@@ -205,8 +231,7 @@ def own_tokenizer(source: InitSource) -> Path | None:
     from fot.tokenizer import bpe_files, unreadable_tokenizer_file
 
     if source.kind == "checkpoint":
-        carried = source.path.parent.parent / TOKENIZER_FOLDER
-        return carried if carried.is_dir() else None
+        return run_tokenizer(source.path.parent.parent)
     if not any((source.path / name).is_file() for name in TOKENIZER_FILES):
         return None
     gpt2 = bpe_files()  # a fot export's files are GPT-2's own: no need to load them

@@ -44,7 +44,7 @@ from fot.provenance import git_sha, library_versions, sweep_folder
 from fot.training import checkpoint as ckpt
 from fot.training.config import ScheduleConfig, check_config, to_container
 from fot.training.cuda_graph import GraphedStep, check_cuda_graphs
-from fot.training.init_weights import TOKENIZER_FOLDER
+from fot.training.init_weights import TOKENIZER_FOLDER, run_tokenizer
 from fot.training.metrics import (
     FlopCounter,
     MetricsLogger,
@@ -583,7 +583,7 @@ def export_checkpoint(path: str | os.PathLike, out: str | os.PathLike) -> Path:
             f"checkpoint {path}: model.pt does not fit the model its trainer.json describes "
             f"({str(err)[:300]}); the folder mixes files of different runs"
         ) from None
-    return export_with_tokenizer(model, o, escaping, p.parent.parent / TOKENIZER_FOLDER)
+    return export_with_tokenizer(model, o, escaping, run_tokenizer(p.parent.parent))
 
 
 def _from_rank0(obj: Any) -> Any:
@@ -1252,9 +1252,7 @@ def _train(
     init_source = None
     # the tokenizer the run's exports carry instead of GPT-2's: that of the weights it starts
     # from, or of the run whose checkpoint it branches from
-    carried_tokenizer = None
-    if elsewhere and (resume_from.parent.parent / TOKENIZER_FOLDER).is_dir():
-        carried_tokenizer = resume_from.parent.parent / TOKENIZER_FOLDER
+    carried_tokenizer = run_tokenizer(resume_from.parent.parent) if elsewhere else None
     if cfg.init_from not in (None, ""):
         if resume_from is not None:
             started_from = (saved.get("config") or {}).get("init_from")

@@ -524,6 +524,17 @@ def test_the_commands_advised_for_a_tsv_file_read_its_text_column(tmp_path, caps
     oracle = _packed(texts, 4)
     got, expected = train.read(0, oracle.num_sequences), oracle.read(0, oracle.num_sequences)
     np.testing.assert_array_equal(got[1], expected[1])
+    # a .tsv and a .csv file together: one separator for both would make one of them a single
+    # column (the .csv's rows at tabs), so the pair is refused, naming one file of each kind
+    comma = folder / "rows.csv"
+    comma.write_text("id,text\n0,Fourth.\n")
+    assert (
+        main(["--hf", "csv", "--data-files", str(tsv), str(comma), "--out", str(tmp_path / "no")])
+        == 2
+    )
+    err = capsys.readouterr().err
+    assert f"gives datasets' csv loader .tsv files ({tsv}) and others ({comma})" in err, err
+    assert not (tmp_path / "no").exists()
 
 
 # ------------------------------------------------------------------ validating on training data

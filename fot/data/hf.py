@@ -174,7 +174,15 @@ class HFDataset:
         self.loader = builder.name
         self.text_files = builder.name == "text"
         self._data_files = getattr(builder.config, "data_files", None)
-        self.tab_separated = builder.name == "csv" and _all_tsv(self._data_files)
+        tsv, other = _tsv_and_other_files(self._data_files) if builder.name == "csv" else ([], [])
+        if tsv and other:  # one separator for all: the other kind would be read as one column
+            raise HFDataError(
+                f"{where} gives datasets' csv loader .tsv files ({tsv[0]}) and others "
+                f"({other[0]}), which it reads with one separator: one kind would become a "
+                "single column named by its whole header line. Convert one kind to the other's "
+                "separator, or train on one kind"
+            )
+        self.tab_separated = bool(tsv)
         if self.data_files is None and local.is_dir() and glob.has_magic(path):
             # datasets globs a folder's path: for a folder `d[1]` it reads `d1/` ([1] a
             # character class), for `no*tes` the files of `notes/` too
@@ -492,17 +500,16 @@ _TABLE_SUFFIXES = _JSONL_SUFFIXES | {".json", ".csv", ".tsv", ".parquet", ".arro
 """Extensions of the other files datasets' json, csv, parquet and arrow loaders read."""
 
 
-def _all_tsv(data_files: Any) -> bool:
-    """Whether the resolved ``data_files`` (a split mapping of file lists) are all ``.tsv``
-    files (compressed or not), and there is one."""
-    names = [str(f) for files in (data_files or {}).values() for f in files]
-    suffixes = []
-    for name in names:
+def _tsv_and_other_files(data_files: Any) -> tuple[list[str], list[str]]:
+    """The resolved ``data_files`` (a split mapping of file lists) split into the ``.tsv``
+    files (compressed or not) and the others."""
+    tsv, other = [], []
+    for name in (str(f) for files in (data_files or {}).values() for f in files):
         parts = [x.lower() for x in Path(name).suffixes]
         while parts and parts[-1] in _COMPRESSED:
             parts.pop()
-        suffixes.append(parts[-1] if parts else "")
-    return bool(suffixes) and all(x == ".tsv" for x in suffixes)
+        (tsv if parts and parts[-1] == ".tsv" else other).append(name)
+    return tsv, other
 
 
 def _text_files(folder: Path, suffixes: frozenset[str] = TEXT_SUFFIXES) -> list[Path]:

@@ -788,8 +788,20 @@ def parse_overlays(items: Sequence[str]) -> dict[str, Path]:
                 f"--overlay {item!r}: the label {label!r} is used twice (one curve would hide "
                 "the other); name each run, e.g. --overlay fot=DIR1 transformer=DIR2"
             )
+        same = [k for k, q in runs.items() if _results_of(q) == _results_of(p)]
+        if same:
+            raise ValueError(
+                f"--overlay {item!r}: {path!r} is the run of --overlay label {same[0]!r} too "
+                "(one run drawn twice, as if two); give each run once"
+            )
         runs[label] = p
     return runs
+
+
+def _results_of(path: Path) -> Path:
+    """The ``per_token_loss.npz`` that an ``--overlay`` folder (or the file itself) names, as a
+    real path: two spellings of one run compare equal."""
+    return (path / "per_token_loss.npz" if path.is_dir() else path).resolve()
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -880,6 +892,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(
             f"--overlay label {label!r} is also this run's label (one curve would hide the "
             "other); rename the overlay (LABEL=DIR) or pass --label"
+        )
+    own = [k for k, q in overlays.items() if _results_of(q) == _results_of(out)]
+    if own:
+        raise ValueError(
+            f"--overlay {own[0]}={overlays[own[0]]} is this run's own --out, which the plot "
+            "draws already (one run drawn twice, as if two); leave it out"
         )
     # checked before the model is loaded
     asked = length_option(args.length, "--length", minimum=2) if args.length else None

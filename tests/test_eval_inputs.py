@@ -115,6 +115,15 @@ def test_overlays_each_after_its_own_flag_are_all_drawn(llama, tmp_path, monkeyp
         main(["per-token-loss", str(llama), *PTL, "--label", "this", *overlays,
               "--out", str(tmp_path / "o")])  # fmt: skip
         assert {k: Path(v) for k, v in drawn.pop().items()} == want
+    # one run under two labels, or this run's own --out as an overlay, drew it twice as if two
+    # runs: refused before the evaluation, naming the overlay
+    twice = ["--overlay", f"a={runs['one']}", f"b={runs['one']}/../one"]
+    with pytest.raises(ValueError, match=r"^--overlay 'b=.*' is the run of --overlay label 'a'"):
+        main(["per-token-loss", str(llama), *PTL, *twice, "--out", str(tmp_path / "o")])
+    with pytest.raises(ValueError, match=r"^--overlay mine=.* is this run's own --out"):
+        main(["per-token-loss", str(llama), *PTL, "--overlay", f"mine={tmp_path / 'o'}",
+              "--out", str(tmp_path / "o")])  # fmt: skip
+    assert drawn == []
 
 
 def test_an_overlay_that_is_a_file_is_called_a_file(tmp_path):

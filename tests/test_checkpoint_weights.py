@@ -600,6 +600,15 @@ def test_fot_eval_names_the_export_command_for_a_training_checkpoint(source_run)
     assert command.group(2) == str(source_run / "hf_step_00000002")
 
 
+def _ids_of_its_tokenizer(folder: Path) -> list[str]:
+    """The data overrides of training and held-out ids (``.npy`` in ``folder``) below the
+    vocabulary of :func:`_fla_with_its_own_tokenizer`'s tokenizer."""
+    rng = np.random.default_rng(0)
+    for name in ("ids.npy", "heldout.npy"):
+        np.save(folder / name, rng.integers(0, 29, 4096).astype(np.uint16))
+    return [f"data.path={folder / 'ids.npy'}", f"data.val_path={folder / 'heldout.npy'}"]
+
+
 def _fla_with_its_own_tokenizer(folder: Path) -> Path:
     """A tiny FLA FoX of test_train's small model size (GPT-2's vocabulary size) saved with a
     tokenizer of its own (test_convert's), where fot's trainer tokenizes with GPT-2."""
@@ -625,12 +634,8 @@ def test_a_run_from_a_model_with_its_own_tokenizer_exports_that_tokenizer(tmp_pa
 
     from fot.export import main as export_main
 
-    fla = _fla_with_its_own_tokenizer(tmp_path / "fla")
-    rng = np.random.default_rng(0)
-    for name in ("ids.npy", "heldout.npy"):
-        np.save(tmp_path / name, rng.integers(0, 29, 4096).astype(np.uint16))
+    fla, data = _fla_with_its_own_tokenizer(tmp_path / "fla"), _ids_of_its_tokenizer(tmp_path)
     out = tmp_path / "run"
-    data = [f"data.path={tmp_path / 'ids.npy'}", f"data.val_path={tmp_path / 'heldout.npy'}"]
     settings = ["model=fot_llama", "data=tokens", *data, "data.seq_len=64", "export_hf=true"]
     train(_cfg(out, *ONE_STEP, f"init_from={fla}", *settings))
     step_1 = out / "checkpoints" / "step_00000001"
@@ -693,12 +698,8 @@ def test_a_start_killed_while_replacing_the_runs_tokenizer_leaves_it_for_the_res
     puts it back; its export carries it, and nothing staged is left."""
     from test_convert import TOKENIZER_FILES
 
-    fla = _fla_with_its_own_tokenizer(tmp_path / "fla")
-    rng = np.random.default_rng(0)
-    for name in ("ids.npy", "heldout.npy"):
-        np.save(tmp_path / name, rng.integers(0, 29, 4096).astype(np.uint16))
+    fla, data = _fla_with_its_own_tokenizer(tmp_path / "fla"), _ids_of_its_tokenizer(tmp_path)
     out = tmp_path / "run"
-    data = [f"data.path={tmp_path / 'ids.npy'}", f"data.val_path={tmp_path / 'heldout.npy'}"]
     settings = ["model=fot_llama", "data=tokens", *data, "data.seq_len=64", f"init_from={fla}"]
     train(_cfg(out, *ONE_STEP, *settings))
     assert (out / "checkpoints" / "step_00000001").is_dir() and (out / "tokenizer").is_dir()

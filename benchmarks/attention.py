@@ -141,7 +141,11 @@ def _time(fn, q, k, v, g, do) -> tuple[float, float]:
     return fwd, both
 
 
-def run_table(fox_path: str | None, shapes, rows_out: list[str]) -> None:
+def run_table(
+    fox_path: str | None, shapes: list[tuple[int, int, int, int]], rows_out: list[str]
+) -> None:
+    """Time every implementation on each ``(B, T, H, D)`` shape and gate setting (forward,
+    forward + backward); the markdown rows go to ``rows_out`` and stdout."""
     impls = _impls(fox_path)
     header = (
         "| shape (B,T,H,D) | gates | kernel | fwd ms | fwd TFLOP/s | fwd+bwd ms | "
@@ -190,7 +194,7 @@ def run_table(fox_path: str | None, shapes, rows_out: list[str]) -> None:
         torch.cuda.empty_cache()
 
 
-def sweep(shape, rows_out: list[str]) -> None:
+def sweep(shape: tuple[int, int, int, int], rows_out: list[str]) -> None:
     """Time our kernel under several tile configs (fwd alone, bwd alone)."""
     import importlib
 
@@ -315,6 +319,7 @@ NO_GPU = (
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Command line: the kernel table (default) or the tile sweep (``--sweep``)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--fox-path", help="local copy of the paper's ops/forgetting_attention.py")
     ap.add_argument("--out", help="write the markdown table to this (new) file")

@@ -205,6 +205,7 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The command-line parser (its ``--help`` lists the options)."""
     from fot import presets
 
     p = argparse.ArgumentParser(

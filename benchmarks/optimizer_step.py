@@ -141,6 +141,7 @@ def measure(name: str, args: argparse.Namespace, device: torch.device) -> dict[s
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
+    """The result rows as a markdown table."""
     lines = [
         "| optimizer | step (ms, median) | state (GiB) | Muon matrices | NS GFLOP/step | "
         "NS TFLOP/s | same as muon |",
@@ -158,6 +159,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Command-line options (``argv`` None: ``sys.argv``)."""
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -192,6 +194,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the benchmark; returns the JSON it writes (device, settings, rows)."""
     args = parse_args(argv)
     check_out_file(args.out)
     device = resolve_device(

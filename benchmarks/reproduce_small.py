@@ -45,6 +45,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -124,7 +125,9 @@ def settings_for(args: argparse.Namespace) -> Settings:
 # ----------------------------------------------------------------------------------------
 
 
-def train_model(model: str, s: Settings, data: Path, run_dir: Path, log) -> dict:
+def train_model(
+    model: str, s: Settings, data: Path, run_dir: Path, log: Callable[[str], None]
+) -> dict:
     """Train one model with ``train.py experiment=repro_small`` in a subprocess.
 
     Returns:
@@ -165,7 +168,9 @@ def train_model(model: str, s: Settings, data: Path, run_dir: Path, log) -> dict
     return rec
 
 
-def evaluate_model(model: str, s: Settings, data: Path, hf: Path, out: Path, log) -> dict:
+def evaluate_model(
+    model: str, s: Settings, data: Path, hf: Path, out: Path, log: Callable[[str], None]
+) -> dict:
     """Per-token loss, easy needle grid and forgetting curve of one checkpoint (``fot.eval``).
 
     Returns:

@@ -222,6 +222,7 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Command-line options (``argv`` None: ``sys.argv``)."""
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )

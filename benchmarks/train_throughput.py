@@ -812,6 +812,7 @@ def no_gpu_message(script: str, work: str, toy: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The command-line parser (its ``--help`` lists the options)."""
     from fot import presets
 
     p = argparse.ArgumentParser(

@@ -19,7 +19,7 @@ import platform
 import sys
 import weakref
 import zipfile
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -651,7 +651,9 @@ _SPLIT_MATCHES_FORWARD: weakref.WeakKeyDictionary[torch.nn.Module, bool] = (
 )
 
 
-def hidden_and_head(model: torch.nn.Module, input_ids: torch.Tensor):
+def hidden_and_head(
+    model: torch.nn.Module, input_ids: torch.Tensor
+) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]] | None:
     """Final hidden states and the LM head of a causal LM, for logits of chosen positions only.
 
     fot's FLA baselines give them through ``final_hidden_states`` / ``head_logits`` (their own

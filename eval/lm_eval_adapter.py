@@ -197,19 +197,23 @@ class FoTLM(TemplateLM):
 
     @property
     def eot_token_id(self) -> int:
+        """The tokenizer's end-of-text id (``<|endoftext|>`` for GPT-2)."""
         return int(self.tokenizer.eos_token_id)
 
     @property
     def prefix_token_id(self) -> int:
+        """The id put before a context (BOS, else end-of-text, as in pretraining)."""
         bos = self.tokenizer.bos_token_id
         return int(bos if bos is not None else self.tokenizer.eos_token_id)
 
     @property
     def device(self) -> torch.device:
+        """Where the model's parameters are."""
         return self._device
 
     @property
     def tokenizer_name(self) -> str:
+        """The tokenizer's path with ``/`` replaced (lm-eval names its request cache by it)."""
         return str(getattr(self.tokenizer, "name_or_path", "tokenizer")).replace("/", "__")
 
     def tok_encode(
@@ -219,6 +223,8 @@ class FoTLM(TemplateLM):
         left_truncate_len: int | None = None,
         **kwargs: Any,
     ) -> list[int]:
+        """Token ids of ``string``, with the prefix id first when ``bos`` is set (unless
+        ``add_special_tokens=False``), cut to the last ``left_truncate_len`` ids."""
         ids = encode_text(self.tokenizer, string)  # rolling windows cut long texts
         if self.bos and add_special_tokens is not False:
             ids = [self.prefix_token_id, *ids]
@@ -227,6 +233,7 @@ class FoTLM(TemplateLM):
         return ids
 
     def tok_decode(self, ids: list[int]) -> str:
+        """Text of token ``ids``."""
         return decode_text(self.tokenizer, ids)
 
     @torch.no_grad()
@@ -279,7 +286,9 @@ class FoTLM(TemplateLM):
         bar.close()
         return results
 
-    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+    def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
+        """Total log-likelihood of each request's whole text (lm-eval ``Instance``s with
+        ``args = (text,)``), scored in disjoint windows of at most ``max_length`` tokens."""
         from lm_eval import utils
 
         windows, owners = [], []
@@ -304,7 +313,9 @@ class FoTLM(TemplateLM):
             self.cache_hook.add_partial("loglikelihood_rolling", (req.args[0],), total)
         return totals
 
-    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+    def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
+        """Greedy continuation of each request's context (``args = (context, gen_kwargs)``)
+        up to its ``until`` strings or ``max_gen_toks``."""
         outs = []
         for req in progress_bar(requests, disable=disable_tqdm, desc="generate"):
             context, kwargs = req.args

@@ -150,9 +150,11 @@ class PerTokenLossAccumulator:
         return out
 
     def state(self) -> dict[str, np.ndarray]:
+        """The running sums (float64 ``loss_sum`` and int64 ``count``, ``[length]`` each)."""
         return {"loss_sum": self.loss_sum, "count": self.count}
 
     def load_state(self, state: dict[str, np.ndarray]) -> None:
+        """Continue from :meth:`state` of an earlier run of the same ``length``."""
         if state["loss_sum"].shape != (self.length,):
             raise ValueError(
                 f"saved state has {state['loss_sum'].shape[0]} positions, this run "

@@ -157,18 +157,23 @@ class FoTLayerCache:
 
     @property
     def keys(self) -> torch.Tensor | None:
+        """Cached keys ``[B, T, H, D]`` (a view; ``T`` includes a static step's bucket
+        padding), or ``None`` before the first append."""
         return None if self._k is None else self._k[:, :, : self._visible()].transpose(1, 2)
 
     @property
     def values(self) -> torch.Tensor | None:
+        """Cached values ``[B, T, H, D]`` (a view, like :attr:`keys`), or ``None``."""
         return None if self._v is None else self._v[:, :, : self._visible()].transpose(1, 2)
 
     @property
     def cumsum(self) -> torch.Tensor | None:
+        """Forget-gate cumsum of the cached positions ``[B, T, HQ]`` float32, or ``None``."""
         return None if self._c is None else self._c[:, : self._visible()]
 
     @property
     def seq_length(self) -> int:
+        """Number of cached positions (padding included)."""
         return self._len
 
     def append(
@@ -321,6 +326,7 @@ class FoTCache:
         return self.layers[layer_idx or 0].seq_length
 
     def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        """The fixed capacity in positions, or -1 for a cache that grows."""
         return -1 if self.capacity is None else self.capacity
 
     @property
@@ -486,12 +492,15 @@ class FoTCache:
         self._map(lambda t: t.index_select(0, beam_idx.to(t.device)))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep batch rows ``indices`` (int64 ``[B']``), as :meth:`reorder_cache`."""
         self.reorder_cache(indices)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat each batch row ``repeats`` times (``B -> B * repeats``, e.g. for beams)."""
         self._map(lambda t: t.repeat_interleave(repeats, dim=0))
 
     def crop(self, max_length: int) -> None:
+        """Not supported: always raises ``NotImplementedError`` naming the strategies that work."""
         raise NotImplementedError(
             "FoTCache cannot be cropped: the KV-shift state of an earlier position is not kept; "
             "use a decoding strategy without cache rollback (greedy, sampling, beam search)"

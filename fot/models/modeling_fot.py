@@ -337,6 +337,7 @@ class FoTRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., dim]`` normalised over its last axis and scaled, in x's dtype."""
         # The weight is cast to x's dtype (not x to fp32): under bf16 autocast an fp32 weight
         # times a bf16 tensor would promote q/k to fp32 while v stays bf16.
         return _rms_normalize(x, self.eps, self.weight)
@@ -427,6 +428,7 @@ class FoTMLP(nn.Module):
         self.down_proj = nn.Linear(width, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """SwiGLU MLP: ``x [..., hidden_size] -> [..., hidden_size]``."""
         projections = [self.gate_proj, self.up_proj]
         # Eager on the kernel backends: one fused kernel each way (fot.kernels.swiglu).
         if _use_fused_eager(self.config.attn_backend, x):

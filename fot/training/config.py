@@ -182,6 +182,8 @@ class ParallelConfig:
 
 @dataclass
 class WandbConfig:
+    """``wandb.*``: Weights & Biases logging (rank 0 only)."""
+
     mode: str = "auto"
     """``auto`` (online with an API key, offline without), ``online``, ``offline``, ``disabled``."""
     project: str = "fot"

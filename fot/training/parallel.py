@@ -56,10 +56,12 @@ class DistInfo:
 
     @property
     def is_main(self) -> bool:
+        """Whether this process is rank 0 (the one that logs and writes shared files)."""
         return self.rank == 0
 
     @property
     def distributed(self) -> bool:
+        """Whether more than one process trains (a process group exists)."""
         return self.world_size > 1
 
 

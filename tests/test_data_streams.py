@@ -233,11 +233,65 @@ def test_padded_documents() -> None:
     docs = [np.array([5, 6, 7], np.uint16), np.arange(10, 30, dtype=np.uint16)]
     src = PaddedSource(docs, seq_len=6)
     inputs, labels = src.read(0, 3)
-    np.testing.assert_array_equal(inputs[0], [EOT_ID, 5, 6, EOT_ID, EOT_ID, EOT_ID])
-    np.testing.assert_array_equal(labels[0], [5, 6, 7, -100, -100, -100])
+    np.testing.assert_array_equal(inputs[0], [EOT_ID, 5, 6, 7, EOT_ID, EOT_ID])
+    np.testing.assert_array_equal(labels[0], [5, 6, 7, EOT_ID, -100, -100])  # the end is learned
     np.testing.assert_array_equal(inputs[1], [EOT_ID, 10, 11, 12, 13, 14])  # truncated
     np.testing.assert_array_equal(labels[1], [10, 11, 12, 13, 14, 15])
     np.testing.assert_array_equal(labels[2], labels[0])  # wraps to the first document
+
+
+def _padded_oracle(docs: list[np.ndarray], T: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Sequences ``0 .. n-1`` of padded packing, built from the packed stream: row ``g`` is
+    the window of the stream (every non-empty document with its BOS, concatenated, and a BOS
+    after the last) that starts at the BOS of non-empty document ``g mod N``, up to the next
+    BOS, cut to T + 1 tokens, padded with EOT and labels -100."""
+    kept = [d for d in docs if len(d)]
+    stream = np.concatenate([*[np.concatenate([[EOT_ID], d]) for d in kept], [EOT_ID]])
+    starts = np.cumsum([0] + [len(d) + 1 for d in kept])
+    inputs = np.full((n, T), EOT_ID, dtype=np.int64)
+    labels = np.full((n, T), -100, dtype=np.int64)
+    for g in range(n):
+        i = g % len(kept)
+        window = stream[starts[i] : min(starts[i + 1] + 1, starts[i] + T + 1)]
+        inputs[g, : len(window) - 1] = window[:-1]
+        labels[g, : len(window) - 1] = window[1:]
+    return inputs, labels
+
+
+def test_padded_rows_learn_each_documents_end_and_skip_empty_documents(tmp_path, caplog) -> None:
+    """Padded packing never had EOT as a label, so a model trained on it never learned to end
+    a document (generation never stops); an empty document took a whole row of -100 labels.
+    Now a document shorter than T ends with an EOT label, as in the packed stream, and
+    empty documents are skipped with one warning."""
+    T = 8
+    docs = _hf_docs([3, 0, 7, 8, 9, 0, 0, 1, 40, 6, 0])  # BOS + tokens of T-1, T, T+1 around T
+    write_token_documents(tmp_path / "tok", docs)
+    with caplog.at_level(logging.WARNING, logger="fot.data"):
+        src = open_token_path(tmp_path / "tok", T, "padded")
+    warned = [r.getMessage() for r in caplog.records if "empty document" in r.getMessage()]
+    assert len(warned) == 1 and "skips its 4 empty document(s) (of 11)" in warned[0], warned
+    assert src.num_sequences == 7
+    n = 2 * 7 + 3  # into a third epoch
+    inputs, labels = src.read(0, n)
+    want = _padded_oracle(docs, T, n)
+    np.testing.assert_array_equal(inputs, want[0])
+    np.testing.assert_array_equal(labels, want[1])
+    # an EOT label for each row of a document shorter than T (of 3, 7, 1, 6 tokens: four a
+    # pass, and the 3 and 7 again in the third pass), none for those of 8, 9, 40 tokens
+    assert int((labels == EOT_ID).sum()) == 4 + 4 + 2
+    assert (labels != -100).sum(axis=1).min() >= 2  # no row without a token to learn
+    # resuming is exact: the stream's position is all the state there is
+    stream = SequenceStream(src, global_batch_size=4, micro_batch_size=2)
+    for _ in range(3):
+        stream.next_step()
+    resumed = SequenceStream(open_token_path(tmp_path / "tok", T, "padded"),
+                             global_batch_size=4, micro_batch_size=2)  # fmt: skip
+    resumed.load_state_dict(json.loads(json.dumps(stream.state_dict())))
+    got = np.concatenate([b.labels.numpy() for b in resumed.next_step()])
+    np.testing.assert_array_equal(got, want[1][12:16])
+    write_token_documents(tmp_path / "empty", [[], []])
+    with pytest.raises(ValueError, match=r"data.path=.*empty: no documents to train on: all 2"):
+        open_token_path(tmp_path / "empty", T, "padded")
 
 
 # ------------------------------------------------------------------ HF datasets
@@ -414,6 +468,39 @@ def test_hf_packed_resume_at_every_step_equals_the_uninterrupted_run(streaming: 
                         step_inputs(resumed), want[j * S : j * S + S][share]
                     )
                 np.testing.assert_array_equal(step_inputs(run), want[k * S : k * S + S][share])
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_hf_padded_rows_learn_each_documents_end_and_resume_at_every_step(streaming) -> None:
+    """Padded rows of an HF split had no EOT label (the model never learned to end a
+    document); now they are the packed stream's, from each document's BOS to the next (empty
+    rows skipped), and a state saved after any step resumes them exactly."""
+    import datasets
+
+    T, S, steps = 8, 4, 9  # ~4 epochs of the 9 non-empty rows
+    docs = _hf_docs(_HF_LENGTHS)
+    want = _padded_oracle(docs, T, (steps + 1) * S)
+    assert int((want[1][:9] == EOT_ID).sum()) == 4  # rows of 2, 7, 1, 3 tokens
+
+    def stream() -> SequenceStream:
+        ds = datasets.Dataset.from_dict({"input_ids": [d.tolist() for d in docs]})
+        src = HFSource(ds.to_iterable_dataset if streaming else lambda: ds, None, T,
+                       packing="padded")  # fmt: skip
+        return SequenceStream(src, global_batch_size=S, micro_batch_size=2)
+
+    def step(s: SequenceStream) -> tuple[np.ndarray, np.ndarray]:
+        batches = s.next_step()
+        return (np.concatenate([b.input_ids.numpy() for b in batches]),
+                np.concatenate([b.labels.numpy() for b in batches]))  # fmt: skip
+
+    run = stream()
+    for k in range(steps):
+        resumed = stream()
+        resumed.load_state_dict(json.loads(json.dumps(run.state_dict())))
+        for s in (resumed, run):
+            inputs, labels = step(s)
+            np.testing.assert_array_equal(inputs, want[0][k * S : k * S + S])
+            np.testing.assert_array_equal(labels, want[1][k * S : k * S + S])
 
 
 @pytest.mark.parametrize("streaming", [False, True])

@@ -190,7 +190,17 @@ def open_token_path(
         _warn_cache_unused(f"{key}={p}, which is not a zarr array")
     if p.is_dir():
         docs = TokenDocuments(p)
-        return _named(key, p, lambda: _documents_source(docs, seq_len, packing))
+        source = _named(key, p, lambda: _documents_source(docs, seq_len, packing))
+        if empty := getattr(source, "empty_documents", 0):
+            _warn(
+                "%s=%s: data.packing=padded skips its %d empty document(s) (of %d), which "
+                "would each take a sequence without a token to learn",
+                key,
+                p,
+                empty,
+                len(docs),
+            )
+        return source
     if is_token_folder(p.parent):
         why = {
             "tokens.bin": "it holds the documents back to back with no BOS between them (their "

@@ -21,9 +21,11 @@ Conventions (GPT-2 ids; ``EOT_ID = 50256`` is ``<|endoftext|>``):
   BOS, are concatenated into one stream; sequence ``g`` is ``stream[gT : gT+T+1]`` (inputs
   the first T, labels the last T), so all labels count. ``"varlen"`` adds ``cu_seqlens`` at
   every BOS so no token attends across documents; ``"causal"`` leaves attention unmasked.
-* **Padded documents** (``packing="padded"``): sequence ``g`` is document ``g mod N``, BOS
-  first, truncated to ``T + 1`` tokens (the rest of a longer document is dropped), padded with
-  EOT; padded positions have label ``-100``.
+* **Padded documents** (``packing="padded"``): sequence ``g`` is non-empty document
+  ``g mod N``, BOS first and EOT after it, truncated to ``T + 1`` tokens (the rest of a longer
+  document is dropped), padded with EOT; padded positions have label ``-100``. A document
+  shorter than ``T`` thus has its end (EOT) as a label, as in a packed stream; empty documents
+  are skipped.
 * A flat ``.npy``/``.bin`` token file is taken as already packed (GPT-2 style, documents
   separated by EOT) and read like a packed stream, without inserting anything.
 """
@@ -365,7 +367,8 @@ class PackedSource:
 
 
 class PaddedSource:
-    """One document per sequence (BOS first, truncated to T+1 tokens, EOT padding, label -100).
+    """One document per sequence (BOS first, EOT after it, truncated to T+1 tokens, EOT
+    padding, label -100); empty documents are skipped (:attr:`empty_documents`).
 
     Args:
         docs: documents (token arrays without BOS).
@@ -377,21 +380,31 @@ class PaddedSource:
 
     def __init__(self, docs: Sequence[np.ndarray], seq_len: int) -> None:
         _check_seq_len(seq_len)
-        if len(docs) == 0:
-            raise ValueError("no documents to train on")
+        offsets = _doc_offsets(docs)
+        empty = np.flatnonzero(offsets[1:] == offsets[:-1])
+        self.empty_documents = len(empty)
+        """Documents without tokens, which no sequence holds."""
+        if len(docs) == self.empty_documents:
+            raise ValueError(
+                "no documents to train on"
+                if len(docs) == 0
+                else f"no documents to train on: all {len(docs)} documents are empty"
+            )
         self.docs = docs
         self.seq_len = seq_len
-        self.num_sequences = len(docs)
+        self.num_sequences = len(docs) - self.empty_documents
+        # for each empty document, the non-empty ones before it: the k-th non-empty document
+        # is document k + (empty documents whose count is <= k)
+        self._nonempty_before = empty - np.arange(len(empty))
 
     def read(self, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
         T = self.seq_len
         inputs = np.full((count, T), EOT_ID, dtype=np.int64)
         labels = np.full((count, T), IGNORE_INDEX, dtype=np.int64)
         for j in range(count):
-            doc = self.docs[(start + j) % len(self.docs)]
-            x = np.concatenate([[EOT_ID], np.asarray(doc[:T], dtype=np.int64)])
-            inputs[j, : len(x) - 1] = x[:-1]
-            labels[j, : len(x) - 1] = x[1:]
+            k = (start + j) % self.num_sequences
+            i = k + int(np.searchsorted(self._nonempty_before, k, side="right"))
+            _pad_row(self.docs[i], inputs[j], labels[j])
         return inputs, labels
 
     def state_dict(self) -> dict[str, Any]:
@@ -399,6 +412,21 @@ class PaddedSource:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
+
+
+def _pad_row(doc: np.ndarray, inputs: np.ndarray, labels: np.ndarray) -> None:
+    """Write BOS, ``doc`` and EOT, cut to ``T + 1`` tokens, into a padded row's ``[T]``
+    ``inputs`` and ``labels`` (filled with EOT and -100 beforehand): the EOT is a label, as
+    in a packed stream, unless the document fills the row."""
+    T = len(inputs)
+    n = min(len(doc), T)
+    x = np.empty(min(len(doc) + 2, T + 1), dtype=np.int64)
+    x[0] = EOT_ID
+    x[1 : n + 1] = doc[:n]
+    if n + 1 < len(x):
+        x[n + 1] = EOT_ID
+    inputs[: len(x) - 1] = x[:-1]
+    labels[: len(x) - 1] = x[1:]
 
 
 # --------------------------------------------------------------------------------------------
@@ -620,9 +648,7 @@ class HFSource:
             inputs = np.full((count, T), EOT_ID, dtype=np.int64)
             labels = np.full((count, T), IGNORE_INDEX, dtype=np.int64)
             for j in range(count):
-                x = np.concatenate([[EOT_ID], self._next_doc()[:T]])
-                inputs[j, : len(x) - 1] = x[:-1]
-                labels[j, : len(x) - 1] = x[1:]
+                _pad_row(self._next_doc(), inputs[j], labels[j])
             self.position += count
             return inputs, labels
         if self._pending is not None:

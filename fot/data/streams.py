@@ -115,9 +115,14 @@ class SequenceSource(Protocol):
         ``[count, seq_len]`` int64."""
         ...
 
-    def state_dict(self) -> dict[str, Any]: ...
+    def state_dict(self) -> dict[str, Any]:
+        """What a resume needs beyond the sequence number: a sequential source's place in its
+        documents (``HFSource``); empty for sources that read any ``start``."""
+        ...
 
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict` of the same source."""
+        ...
 
 
 def _check_seq_len(seq_len: int) -> None:

@@ -82,6 +82,7 @@ def main(cfg: DictConfig) -> None:
     from fot.training import train
     from fot.training.checkpoint import interrupted_message, write_text_atomic
     from fot.training.config import check_multirun_out_dir
+    from fot.training.parallel import OtherRankGoneError
     from fot.training.signals import EXIT_STATUS as SIGTERM_EXIT_STATUS
     from fot.training.signals import TrainingStopped
 
@@ -143,6 +144,13 @@ def main(cfg: DictConfig) -> None:
         prog = (
             f"train.py (rank {os.environ.get('RANK', '0')} of {world})" if world > 1 else "train.py"
         )
+        if isinstance(err, OtherRankGoneError) and int(os.environ.get("RANK", "0")) == 0:
+            # the rank that exited may say nothing of it (Ctrl-C to that process alone)
+            out_dir = cfg.out_dir or hydra_cfg.runtime.output_dir
+            kept = interrupted_message(
+                out_dir, cfg.resume, cfg.get("branch_from"), sweep, event="the run stopped"
+            )
+            err = OtherRankGoneError(f"{err}; {kept}")
         say(error_line(prog, err, traceback_variable="HYDRA_FULL_ERROR"))
         sys.exit(2)
     except RuntimeError as err:

@@ -824,6 +824,64 @@ def test_a_rank_that_waits_out_parallel_timeout_s_stops_with_one_line(tmp_path) 
                 "model), raise parallel.timeout_s\n") in err, err[-3000:]  # fmt: skip
 
 
+def _two_srun_tasks(tmp_path: Path, run: Path, *overrides: str, **env_extra: str) -> list:
+    """Run train.py as two srun-like tasks (parallel=ddp over gloo, 8 steps of 256 tokens, a
+    checkpoint every 2) in ``run``; return ``(exit status, stderr)`` of each rank."""
+    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
+           **env_extra}  # fmt: skip
+    script = [str(ROOT / "train.py"), *SMALL, "parallel=ddp", "micro_batch_size=1",
+              "data.val_tokens=0", f"out_dir={run}", f"hydra.run.dir={run}", *overrides]  # fmt: skip
+    procs = [
+        subprocess.Popen([sys.executable, *script], cwd=tmp_path, stderr=subprocess.PIPE,
+                         stdout=subprocess.DEVNULL, text=True, env=e)
+        for e in srun_environments(2, **env)
+    ]  # fmt: skip
+    try:
+        errors = [p.communicate(timeout=120)[1] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    return [(p.returncode, e) for p, e in zip(procs, errors, strict=True)]
+
+
+def _whole_checkpoints(run: Path) -> list[str]:
+    """The names of the run's checkpoints, after checking each is complete and nothing cut
+    short lies beside them."""
+    names = [c.name for c in list_checkpoints(run / "checkpoints")]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == names
+    for name in names:
+        assert all((run / "checkpoints" / name / n).is_file()
+                   for n in ("model.pt", "optim.pt", "rng.pt", "trainer.json"))  # fmt: skip
+    return names
+
+
+@pytest.mark.parametrize("interrupted", [1, 0])
+def test_ctrl_c_to_one_rank_stops_the_other_with_one_line(tmp_path, interrupted: int) -> None:
+    """SIGINT to one process of the run (``kill -INT <pid>``, a scheduler signalling one task)
+    stops it at once, as Ctrl-C does. The other one waited in its next collective until gloo
+    noticed the process had gone, then printed ~100 lines of gloo's "Connection closed by
+    peer" traceback. Now it prints one line that points at the other process, and rank 0
+    says what the run kept and how to continue; the checkpoints written before are whole."""
+    run = tmp_path / "run"
+    ranks = _two_srun_tasks(tmp_path, run, **{FAULT_ENV: f"sigint_after_step:3:{interrupted}"})
+    other = 1 - interrupted
+    assert ranks[interrupted][0] == 130 and ranks[other][0] == 2, ranks[other][1][-3000:]
+    assert all("Traceback" not in e and "Connection closed" not in e for _, e in ranks), ranks
+    assert _whole_checkpoints(run) == ["step_00000002"]  # step 3 is lost, as on Ctrl-C
+    kept = (f"the latest checkpoint is {run}/checkpoints/step_00000002 (later steps are lost): "
+            f"run the same command with out_dir={run} to continue from it (resume=auto)")  # fmt: skip
+    pointer = (f"train.py (rank {other} of 2): error: another process of the run exited while "
+               "this one waited for it in a collective, and this one stops too: that process's "
+               "output, or the launcher's summary of exit codes (130: Ctrl-C or SIGINT to it), "
+               "says which one and why")  # fmt: skip
+    if interrupted == 1:  # silent: the other ranks of a Ctrl-C in a terminal say nothing
+        assert ranks[1][1] == ""
+        assert f"{pointer}; the run stopped; {kept}\n" in ranks[0][1], ranks[0][1][-3000:]
+    else:
+        assert f"train.py: interrupted; {kept}\n" in ranks[0][1], ranks[0][1][-3000:]
+        assert ranks[1][1].startswith(f"{pointer}\n(set HYDRA_FULL_ERROR=1"), ranks[1][1]
+
+
 @pytest.mark.gpu
 def test_srun_tasks_on_two_gpus_train_as_torchrun_does(tmp_path) -> None:
     """Two srun-like tasks on two GPUs (NCCL), each seeing both GPUs (``LOCAL_RANK`` picks

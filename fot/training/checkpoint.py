@@ -47,8 +47,8 @@ ABANDONED_PREFIX = ".abandoned-"
 FAULT_ENV = "FOT_FAULT"
 """Test hook ``POINT:N`` (or ``POINT:N:RANK``, one rank only): ``kill_after_step:N`` or
 ``kill_in_checkpoint:N`` SIGKILLs the process (rank 0) after optimizer step N, or halfway
-through writing the checkpoint of step N; ``sigterm_after_step:N`` sends it SIGTERM after
-step N (every rank, or RANK only)."""
+through writing the checkpoint of step N; ``sigterm_after_step:N`` (``sigint_after_step:N``)
+sends it SIGTERM (SIGINT, as Ctrl-C) after step N (every rank, or RANK only)."""
 
 
 def _fault(point: str, step: int) -> None:
@@ -62,7 +62,8 @@ def _fault(point: str, step: int) -> None:
         return
     import signal
 
-    os.kill(os.getpid(), signal.SIGTERM if point.startswith("sigterm") else signal.SIGKILL)
+    signals = {"sigterm": signal.SIGTERM, "sigint": signal.SIGINT}
+    os.kill(os.getpid(), signals.get(point.split("_")[0], signal.SIGKILL))
 
 
 def _dist() -> bool:
@@ -260,22 +261,22 @@ def interrupted_message(
     resume: str | None = None,
     branch_from: str | None = None,
     sweep: str | os.PathLike | None = None,
+    event: str = "interrupted",
 ) -> str:
     """What a run stopped by Ctrl-C (or SIGINT) has kept, and the command line that resumes it
     (:func:`continue_hint`; ``resume`` and ``branch_from`` are the run's settings, ``sweep``
-    the sweep folder of a multirun job)."""
+    the sweep folder of a multirun job); ``event`` starts the message (e.g. ``"the run
+    stopped"`` where another process ended it)."""
     out = Path(out_dir)
     latest = latest_checkpoint(out / "checkpoints")
     if latest is None:
         again = f"from branch_from={branch_from}" if branch_from else "over"
         return (
-            f"interrupted before the first checkpoint of {out}: nothing to resume from, a rerun "
+            f"{event} before the first checkpoint of {out}: nothing to resume from, a rerun "
             f"starts {again} (ckpt_every_tokens sets how often checkpoints are written)"
         )
-    return (
-        f"interrupted; the latest checkpoint is {latest} (later steps are lost): "
-        + continue_hint(out, resume, sweep)
-    )
+    hint = continue_hint(out, resume, sweep)
+    return f"{event}; the latest checkpoint is {latest} (later steps are lost): {hint}"
 
 
 def save_checkpoint(

@@ -43,6 +43,8 @@ _made_group: dict[str, float | None] = {}
 _TIMED_OUT = re.compile(
     r"Timed out waiting \d+ms|wait timeout after \d+ms|Timed out after \d+ seconds waiting"
 )
+# gloo's (and the store's) words when the process at the other end of a connection has exited
+_PEER_GONE = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe")
 
 
 @dataclass
@@ -198,10 +200,39 @@ def collective_timeout(err: BaseException, what: str = "") -> CollectiveTimeoutE
     )
 
 
+class OtherRankGoneError(FotError, RuntimeError):
+    """Another process of the run exited (an error, Ctrl-C or a signal to it alone) while
+    this one waited for it in a collective; its own output says why."""
+
+
+def other_rank_gone(err: BaseException, what: str = "") -> OtherRankGoneError | None:
+    """The one-line :class:`OtherRankGoneError` for ``err`` when it is gloo's error for a
+    collective whose peer process has exited ("Connection closed by peer", raised as a
+    ``RuntimeError`` of its C++ source location with a ~100-line traceback); ``None`` for
+    any other error.
+
+    Args:
+        err: the error a collective raised.
+        what: where the ranks were, if known (see :func:`collective_timeout`).
+    """
+    if (
+        not isinstance(err, RuntimeError)
+        or isinstance(err, FotError)
+        or _PEER_GONE.search(str(err)) is None
+    ):
+        return None
+    return OtherRankGoneError(
+        f"another process of the run exited{f' {what}' if what else ''} while this one "
+        "waited for it in a collective, and this one stops too: that process's output, or the "
+        "launcher's summary of exit codes (130: Ctrl-C or SIGINT to it), says which one and why"
+    )
+
+
 @contextlib.contextmanager
 def naming_timeouts(what: str = "") -> Iterator[None]:
     """Raise a collective's timeout inside the block as :func:`collective_timeout`'s one-line
-    error (its C++ message as the cause); any other error as it is.
+    error, and gloo's error for a peer process that has exited as :func:`other_rank_gone`'s
+    (the C++ message as the cause); any other error as it is.
 
     Args:
         what: where the other ranks were, for the message (see :func:`collective_timeout`).
@@ -209,10 +240,10 @@ def naming_timeouts(what: str = "") -> Iterator[None]:
     try:
         yield
     except RuntimeError as err:
-        timeout = collective_timeout(err, what)
-        if timeout is None:
+        named = collective_timeout(err, what) or other_rank_gone(err, what)
+        if named is None:
             raise
-        raise timeout from err
+        raise named from err
 
 
 def _destroy() -> None:

@@ -1852,6 +1852,7 @@ def _train(
         if info.is_main:
             ckpt._fault("kill_after_step", step)
         ckpt._fault("sigterm_after_step", step)
+        ckpt._fault("sigint_after_step", step)
     bar.close()
 
     # ---- end: validation, checkpoint, export ---------------------------------------------

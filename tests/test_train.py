@@ -882,6 +882,25 @@ def test_ctrl_c_to_one_rank_stops_the_other_with_one_line(tmp_path, interrupted:
         assert ranks[1][1].startswith(f"{pointer}\n(set HYDRA_FULL_ERROR=1"), ranks[1][1]
 
 
+def test_a_run_lock_that_rank_0_cannot_open_stops_every_rank_with_its_error(tmp_path) -> None:
+    """Rank 0 alone takes the run folder's lock. An error there other than "in use" (the lock
+    file unwritable: here a folder of its name) stopped rank 0 with Python's message while
+    rank 1 waited for it in a broadcast (over gloo until rank 0 had exited, then with gloo's
+    traceback; over NCCL until the timeout). Now both stop at once with one line naming the
+    file, and nothing is written."""
+    run = tmp_path / "run"
+    (run / ".run.lock").mkdir(parents=True)
+    ranks = _two_srun_tasks(tmp_path, run)
+    assert [code for code, _ in ranks] == [2, 2], ranks[1][1][-3000:]
+    assert all("Traceback" not in e and "Connection closed" not in e for _, e in ranks), ranks
+    cause = (f"cannot write {run}/.run.lock: Is a directory. It keeps a second run out of this "
+             "folder: pass another out_dir=...")  # fmt: skip
+    assert f"train.py (rank 0 of 2): error: {cause}\n" in ranks[0][1], ranks[0][1][-3000:]
+    assert (f"train.py (rank 1 of 2): error: rank 0 stopped the run while taking the run "
+            f"folder's lock: {cause}\n") in ranks[1][1], ranks[1][1][-3000:]  # fmt: skip
+    assert sorted(p.name for p in run.iterdir()) == [".run.lock", "train.log"]  # Hydra's log
+
+
 @pytest.mark.gpu
 def test_srun_tasks_on_two_gpus_train_as_torchrun_does(tmp_path) -> None:
     """Two srun-like tasks on two GPUs (NCCL), each seeing both GPUs (``LOCAL_RANK`` picks

@@ -464,6 +464,8 @@ class RunFolderLock:
 
         Raises:
             RunFolderInUseError: another process holds it; the message names it and the fix.
+            WriteError: the lock file cannot be opened for writing (a read-only folder, no
+                permission, a folder of that name).
         """
         import fcntl
         import socket
@@ -471,7 +473,11 @@ class RunFolderLock:
 
         if self._file is not None or not self.path.parent.is_dir():
             return
-        f = open(self.path, "a+")  # noqa: SIM115 - held open while the run trains
+        try:
+            f = open(self.path, "a+")  # noqa: SIM115 - held open while the run trains
+        except OSError as err:
+            kept = "It keeps a second run out of this folder: pass another out_dir=..."
+            raise cannot_write(self.path, err, kept) or err from err
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

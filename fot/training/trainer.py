@@ -595,6 +595,17 @@ def _from_rank0(obj: Any) -> Any:
     return box[0]
 
 
+def _on_rank0(read: Callable[[], Any], info: DistInfo, what: str) -> Any:
+    """``read()``, called on rank 0 alone, on every rank; an error it raises stops every rank
+    with it (:func:`stop_together`, ``what`` saying where), where the others would wait for
+    rank 0 in the broadcast until its process had exited, or over NCCL until the timeout."""
+    value = None
+    with stop_together(what):
+        if info.is_main:
+            value = read()
+    return _from_rank0(value)
+
+
 def _records_at(path: Path, step: int) -> dict[str, dict[str, Any]]:
     """The records a run logged at ``step`` in its ``metrics.jsonl``: ``{"train": the training
     record (empty if none), "val": the validation values (``val/*`` keys; empty if none)}``."""
@@ -1083,14 +1094,17 @@ def _step_log(cleanup: contextlib.ExitStack) -> logging.Logger:
 
 
 def _take_run_lock(lock: ckpt.RunFolderLock, info: DistInfo) -> None:
-    """Rank 0 takes the run folder's lock; every rank raises if another run holds it."""
-    problem = None
-    if info.is_main:
+    """Rank 0 takes the run folder's lock; every rank raises if another run holds it, and
+    stops with rank 0's error where it cannot take it (the lock file unwritable)."""
+
+    def take() -> str | None:
         try:
             lock.take()
         except ckpt.RunFolderInUseError as err:
-            problem = str(err)
-    problem = _from_rank0(problem)
+            return str(err)
+        return None
+
+    problem = _on_rank0(take, info, "while taking the run folder's lock")
     if problem is not None:
         raise ckpt.RunFolderInUseError(problem)
 
@@ -1557,8 +1571,10 @@ def _train(
         # (a crash, or SIGTERM, which skips it) never logged it. Run it now, as the
         # uninterrupted run did at this step (the weights are the same), unless it was logged.
         due = _crossed(tokens - gbt, tokens, int(cfg.val_every_tokens))
-        logged = due and _from_rank0(
-            bool(_records_at(out_dir / "metrics.jsonl", step)["val"]) if info.is_main else None
+        logged = due and _on_rank0(
+            lambda: bool(_records_at(out_dir / "metrics.jsonl", step)["val"]),
+            info,
+            "while reading metrics.jsonl",
         )
         if due and not logged:
             val = validate()
@@ -1867,7 +1883,7 @@ def _train(
         # in metrics.jsonl, and its validation record if that finished. Another folder's run
         # is validated again here (this run's held-out data may differ).
         records = (resume_from.parent.parent if elsewhere else out_dir) / "metrics.jsonl"
-        logged = _from_rank0(_records_at(records, step) if info.is_main else None)
+        logged = _on_rank0(lambda: _records_at(records, step), info, f"while reading {records}")
         result.update(logged["train"])
         if not elsewhere:
             val = logged["val"]

@@ -4,6 +4,7 @@ CPU (what it writes, and that it profiles exactly the asked steps)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -104,3 +105,20 @@ def test_step_profiler_off_and_bad_values(tmp_path) -> None:
             steps=-1, start_step=0, out_dir=tmp_path, rank=0, device=torch.device("cpu"),
             trace=False,
         )  # fmt: skip
+
+
+def test_a_trace_the_profiler_fails_to_write_is_an_error(tmp_path) -> None:
+    """torch's profiler only logs a failed trace write (an ERROR line of its C++ writer) and
+    returns, leaving a ``.tmp`` file and no trace: the run went on as if the trace were
+    written. Now it is a one-line error naming the file, with nothing left behind."""
+    from fot.errors import WriteError
+    from fot.training.profiling import _export_trace
+
+    class Failing:
+        def export_chrome_trace(self, path: str) -> None:
+            Path(path + ".tmp").write_text("{")  # what kineto leaves when its rename fails
+
+    target = tmp_path / "rank0.trace.json"
+    with pytest.raises(WriteError, match=f"cannot write {target}: torch's profiler could not"):
+        _export_trace(Failing(), target)
+    assert list(tmp_path.iterdir()) == []

@@ -901,6 +901,24 @@ def test_a_run_lock_that_rank_0_cannot_open_stops_every_rank_with_its_error(tmp_
     assert sorted(p.name for p in run.iterdir()) == [".run.lock", "train.log"]  # Hydra's log
 
 
+def test_a_profile_one_rank_cannot_write_stops_every_rank_with_its_error(tmp_path) -> None:
+    """Every rank writes its own profile files. Where one rank's write failed (here its
+    ``rank1.json`` is a folder), that rank stopped with Python's message and the other went on
+    into the next collective and waited for it, then printed gloo's traceback. Now every rank
+    stops with one line naming the file; the checkpoints written before are whole."""
+    run = tmp_path / "run"
+    (run / "profile" / "rank1.json").mkdir(parents=True)
+    ranks = _two_srun_tasks(tmp_path, run, "profile.steps=2", "profile.start_step=1")
+    assert [code for code, _ in ranks] == [2, 2], ranks[0][1][-3000:]
+    assert all("Traceback" not in e and "Connection closed" not in e for _, e in ranks), ranks
+    cause = f"cannot write {run}/profile/rank1.json: Is a directory"
+    assert f"train.py (rank 1 of 2): error: {cause}\n" in ranks[1][1], ranks[1][1][-3000:]
+    assert (f"train.py (rank 0 of 2): error: rank 1 stopped the run while writing the profile "
+            f"of steps 2-3: {cause}\n") in ranks[0][1], ranks[0][1][-3000:]  # fmt: skip
+    assert _whole_checkpoints(run) == ["step_00000002"]
+    assert (run / "profile" / "rank0.json").is_file()
+
+
 @pytest.mark.gpu
 def test_srun_tasks_on_two_gpus_train_as_torchrun_does(tmp_path) -> None:
     """Two srun-like tasks on two GPUs (NCCL), each seeing both GPUs (``LOCAL_RANK`` picks

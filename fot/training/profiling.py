@@ -14,11 +14,14 @@ arithmetic over them, so it is tested with hand-built intervals.
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from fot.errors import WriteError, cannot_write
 
 Interval = tuple[float, float, str]
 
@@ -157,6 +160,12 @@ class StepProfiler:
             self._prof.__enter__()
             self._t0 = time.perf_counter()
 
+    @property
+    def finishing(self) -> bool:
+        """Whether the next :meth:`step_end` stops the profiler and writes the files (the
+        same on every rank: the trainer makes the ranks agree on a failed write there)."""
+        return self._prof is not None and self._done + 1 == self.start_step + self.steps
+
     def step_end(self) -> dict[str, Any] | None:
         """Count a finished step; after the last profiled one, stop, write and return the
         summary (else return None)."""
@@ -198,12 +207,35 @@ class StepProfiler:
                 key=lambda kv: -kv[1],
             )
             summary["top_cpu_ops"] = [(k[:120], ms) for k, ms in ops[:15] if ms > 0]
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        path = self.out_dir / f"rank{self.rank}.json"
-        path.write_text(json.dumps(summary, indent=2) + "\n")
-        if self.trace:
-            prof.export_chrome_trace(str(self.out_dir / f"rank{self.rank}.trace.json"))
+        path = self.out_dir
+        try:  # a read-only or full disk: one line naming the file, not a traceback
+            path.mkdir(parents=True, exist_ok=True)
+            path = self.out_dir / f"rank{self.rank}.json"
+            path.write_text(json.dumps(summary, indent=2) + "\n")
+            if self.trace:
+                path = self.out_dir / f"rank{self.rank}.trace.json"
+                _export_trace(prof, path)
+        except OSError as err:
+            raise cannot_write(path, err) or err from err
         return summary
+
+
+def _export_trace(prof: Any, path: Path) -> None:
+    """``prof.export_chrome_trace`` into ``path``, raising where it fails: torch's profiler
+    only logs a failed write (an ERROR line of its C++ writer) and returns, leaving no trace
+    and a ``.tmp`` file behind."""
+    written = path.with_name(f".{path.name}.{os.getpid()}")
+    try:
+        prof.export_chrome_trace(str(written))
+        if not written.is_file():
+            raise WriteError(
+                f"cannot write {path}: torch's profiler could not write the trace (its ERROR "
+                "line above says why)"
+            )
+        os.replace(written, path)
+    finally:
+        for leftover in (written, written.with_name(written.name + ".tmp")):
+            leftover.unlink(missing_ok=True)
 
 
 __all__ = [

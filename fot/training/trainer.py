@@ -1820,7 +1820,12 @@ def _train(
             window_tokens, window_flops, window_steps = 0, 0.0, 0
             t_window = time.time()
         bar.update(1)
-        done = profiler.step_end()
+        if profiler.finishing:  # every rank writes its own files: a failed write stops all
+            first = profiler.first_run_step + profiler.start_step
+            with stop_together(f"while writing the profile of steps {first}-{step}"):
+                done = profiler.step_end()
+        else:
+            done = profiler.step_end()
         if done is not None:
             t_window += profiler.stop_s  # stopping the profiler and writing it: no training
         if done is not None and info.is_main:

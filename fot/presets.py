@@ -77,14 +77,50 @@ def config(model: str, size: str = "tiny", **overrides: Any) -> PretrainedConfig
             that is no field of the model's config class (the message names it, the closest
             field names and the fix).
     """
-    if model not in MODELS:
-        raise ValueError(f"unknown model {model!r}; valid models: {list(MODELS)}")
-    if size not in SIZES:
-        raise ValueError(f"unknown size {size!r}; valid sizes: {list(SIZES)}")
+    _check_names(model, size)
     if model in FLA_MODELS:
         cfg = fla_config(model, size)  # the class first, so that no override is applied unchecked
         check_override_keys(model, type(cfg), overrides)
         return fla_config(model, size, **overrides)
+    built = _fot_config(model, size, overrides)
+    if problem := _unread_override_problem(model, built, overrides):
+        raise ValueError(problem)
+    return built
+
+
+def read_overrides(model: str, size: str, overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """``overrides`` without the fields that ``model`` does not read, which :func:`config`
+    refuses (a RoPE base on a model without RoPE, ``hidden_ratio`` beside
+    ``intermediate_size``): they give the same model as ``overrides``. A run that an older fot
+    started with such a field records it; its checkpoints are read with this.
+
+    Args:
+        model: one of :data:`MODELS`.
+        size: one of :data:`SIZES`.
+        overrides: config fields, as given to :func:`config`.
+
+    Returns:
+        The overrides that :func:`config` reads (all of them for an FLA model).
+
+    Raises:
+        ValueError: any other override that :func:`config` refuses.
+    """
+    _check_names(model, size)
+    if model in FLA_MODELS:
+        return dict(overrides)
+    unread = _unread_fields(_fot_config(model, size, overrides), overrides)
+    return {key: value for key, value in overrides.items() if key not in unread}
+
+
+def _check_names(model: str, size: str) -> None:
+    if model not in MODELS:
+        raise ValueError(f"unknown model {model!r}; valid models: {list(MODELS)}")
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r}; valid sizes: {list(SIZES)}")
+
+
+def _fot_config(model: str, size: str, overrides: Mapping[str, Any]) -> FoTConfig:
+    """The FoT config of preset ``model`` at ``size`` with ``overrides``, unread ones included."""
     check_override_keys(model, FoTConfig, overrides)
     fields, transformer_heads = _FOT_MODELS[model]
     dims = _SIZE_TABLE[size]
@@ -100,10 +136,17 @@ def config(model: str, size: str = "tiny", **overrides: Any) -> PretrainedConfig
     kwargs = merge_overrides(kwargs, overrides)
     if problem := gate_init_problem(kwargs, subject=f"model {model!r}"):  # named the preset
         raise ValueError(problem)
-    built = FoTConfig(**kwargs)
-    if problem := _unread_override_problem(model, built, overrides):
-        raise ValueError(problem)
-    return built
+    return FoTConfig(**kwargs)
+
+
+def _unread_fields(built: FoTConfig, overrides: Mapping[str, Any]) -> list[str]:
+    """The keys of ``overrides`` that the model of ``built`` (built with them) does not read."""
+    unread = (
+        [] if built.use_rope else [n for n in ("rope_theta", "rope_parameters") if n in overrides]
+    )
+    if overrides.get("intermediate_size") is not None and "hidden_ratio" in overrides:
+        unread.append("hidden_ratio")
+    return unread
 
 
 def _unread_override_problem(
@@ -119,15 +162,16 @@ def _unread_override_problem(
         built: the config built from the preset's fields and ``overrides``.
         overrides: the fields the user set.
     """
-    rope = [name for name in ("rope_theta", "rope_parameters") if name in overrides]
-    if rope and not built.use_rope and built.rope_theta != FoTConfig().rope_theta:
+    unread = _unread_fields(built, overrides)
+    rope = [name for name in unread if name != "hidden_ratio"]
+    if rope and built.rope_theta != FoTConfig().rope_theta:
         given = ", ".join(f"{name}={overrides[name]!r}" for name in rope)
         return (
             f"model {model!r} has no RoPE (use_rope=False), so it does not read {given}: leave "
             f"it out for this model, or set use_rope=true as well for RoPE "
             "(+model.overrides.use_rope=true)"
         )
-    if overrides.get("intermediate_size") is not None and "hidden_ratio" in overrides:
+    if "hidden_ratio" in unread:
         return (
             f"model {model!r} gets intermediate_size={overrides['intermediate_size']!r}, which "
             f"sets the MLP width, so it does not read hidden_ratio={overrides['hidden_ratio']!r}: "
@@ -261,4 +305,5 @@ __all__ = [
     "config",
     "config_keys",
     "count_params",
+    "read_overrides",
 ]

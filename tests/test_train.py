@@ -2742,6 +2742,48 @@ def test_resume_takes_overrides_that_give_the_same_model(tmp_path) -> None:
         train(_cfg(out, "total_tokens=2048", "data.val_tokens=0", other))
 
 
+def test_a_run_an_older_fot_started_with_unread_settings_resumes_without_them(
+    tmp_path, caplog
+) -> None:
+    """fot refuses settings the run does not read (a RoPE base without RoPE, hidden_ratio
+    beside intermediate_size, schedule=constant with a min_lr_ratio); a run an older fot
+    started with them could not go on: kept, they were refused with a fix that changes the
+    model (use_rope=true); dropped, the resume named a difference of the same model. Dropping
+    them resumes as the uninterrupted run; keeping them says to drop them. The checkpoint
+    exports too."""
+    from fot.training.trainer import export_checkpoint
+
+    same = ["+model.overrides.intermediate_size=64", "schedule=constant"]
+    same += ["schedule.warmup_tokens=512", "data.val_tokens=0"]
+    ref, out = tmp_path / "ref", tmp_path / "run"
+    train(_cfg(ref, "total_tokens=1024", *same))
+    train(_cfg(out, "total_tokens=512", *same))
+    for path in (out / "checkpoints").glob("step_*/trainer.json"):  # as an older fot wrote it
+        saved = json.loads(path.read_text())
+        saved["config"]["model"]["overrides"].update(rope_theta=10000.0, hidden_ratio=3.0)
+        saved["config"]["schedule"]["min_lr_ratio"] = 0.1
+        path.write_text(json.dumps(saved))
+    start = out / "checkpoints" / "step_00000002"
+    kept = ["+model.overrides.rope_theta=10000.0", "+model.overrides.hidden_ratio=3.0"]
+    with pytest.raises(ValueError) as err:
+        train(_cfg(out, "total_tokens=1024", *same, *kept))
+    assert str(err.value) == (
+        "model.overrides.rope_theta=10000.0 model.overrides.hidden_ratio=3.0: model=fot_pro "
+        f"does not read them. The checkpoint this run resumes ({start}) was trained with them "
+        "by an older fot, which took them unread: drop model.overrides.rope_theta=10000.0 "
+        "model.overrides.hidden_ratio=3.0, and the run resumes unchanged"
+    )
+    with pytest.raises(ValueError, match=r"drop schedule\.min_lr_ratio=0\.1, and the run resumes"):
+        train(_cfg(out, "total_tokens=1024", *same, "schedule.min_lr_ratio=0.1"))
+    assert sorted(_losses(out)) == [1, 2]
+    caplog.set_level(logging.WARNING, logger="fot.train")
+    train(_cfg(out, "total_tokens=1024", *same))
+    assert _losses(out) == _losses(ref)  # bit-exact
+    assert "resuming from" not in caplog.text  # the same model and learning rates: no note
+    export_checkpoint(start, tmp_path / "hf")
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["intermediate_size"] == 64
+
+
 def test_resume_refuses_another_data_kind_and_warns_for_another_source(tmp_path, caplog) -> None:
     """Resuming on other data used to go on silently from the old run's stream position (or
     fail with KeyError 'position' inside the stream). Another kind or packing is refused; another

@@ -363,7 +363,20 @@ def check_config(cfg: DictConfig) -> list[str]:
 
     from fot.training.optim import check_optim
 
-    check_optim(cfg.optim, cfg.schedule)
+    try:
+        check_optim(cfg.optim, cfg.schedule)
+    except ValueError:
+        ratio = cfg.schedule.min_lr_ratio
+        start = _started_from(cfg)
+        was = (start[1].get("schedule") or {}) if start else {}
+        if cfg.schedule.name == "constant" and ratio != 1.0 and was.get("min_lr_ratio", 1) != 1:
+            raise ValueError(
+                f"schedule.min_lr_ratio={ratio}: schedule=constant does not read it. The "
+                f"checkpoint this run resumes ({start[0]}) was trained with it by an older fot, "
+                f"which took it unread: drop schedule.min_lr_ratio={ratio}, and the run resumes "
+                "unchanged"
+            ) from None
+        raise
     if cfg.optim.name == "muon" and cfg.parallel.cuda_graphs:
         raise ValueError(
             "parallel.cuda_graphs=true replays a capturable AdamW step, and optim=muon is not "
@@ -588,7 +601,8 @@ def _positive_seconds(value: Any) -> bool:
 
 def _model_config(cfg: DictConfig) -> Any:
     """The model's HF config (``fot.presets.config``); a refused field is named as the
-    ``model.overrides`` key that sets it."""
+    ``model.overrides`` key that sets it. A field the model does not read that the checkpoint
+    the run resumes holds (an older fot took it) is refused with the way out: drop it."""
     from fot import presets
 
     overrides = cfg.model.overrides or {}
@@ -597,9 +611,44 @@ def _model_config(cfg: DictConfig) -> Any:
     try:
         return presets.config(cfg.model.name, cfg.size.name, **overrides)
     except ValueError as err:
-        raise ValueError(
-            f"model={cfg.model.name} size={cfg.size.name}, model.overrides={overrides}: {err}"
-        ) from None
+        problem = f"model={cfg.model.name} size={cfg.size.name}, model.overrides={overrides}: {err}"
+    try:  # refused for fields it does not read only?
+        read = presets.read_overrides(cfg.model.name, cfg.size.name, overrides)
+        presets.config(cfg.model.name, cfg.size.name, **read)
+    except ValueError:
+        raise ValueError(problem) from None
+    unread = {key: value for key, value in overrides.items() if key not in read}
+    start = _started_from(cfg)
+    was = (start[1].get("model") or {}).get("overrides") or {} if start else {}
+    if unread and all(key in was for key in unread):
+        given = " ".join(f"model.overrides.{key}={value}" for key, value in unread.items())
+        it = "it" if len(unread) == 1 else "them"
+        problem = (
+            f"{given}: model={cfg.model.name} does not read {it}. The checkpoint this run "
+            f"resumes ({start[0]}) was trained with {it} by an older fot, which took {it} "
+            f"unread: drop {given}, and the run resumes unchanged"
+        )
+    raise ValueError(problem)
+
+
+def _started_from(cfg: DictConfig) -> tuple[Path, dict[str, Any]] | None:
+    """The checkpoint the run goes on from (``resume=auto``: out_dir's latest, else
+    ``branch_from``; ``resume=<checkpoint>``) and the config it records; None if none."""
+    from fot.training.checkpoint import latest_checkpoint, read_trainer_state
+
+    start = None
+    if cfg.resume == "auto":
+        own = cfg.get("out_dir")
+        start = latest_checkpoint(Path(own) / "checkpoints") if own not in (None, "") else None
+        if start is None and cfg.get("branch_from") not in (None, ""):
+            start = Path(cfg.branch_from)
+    elif cfg.resume not in ("never", "", None):
+        start = Path(cfg.resume)
+    try:
+        config = read_trainer_state(start).get("config") if start is not None else None
+    except Exception:  # unreadable: the resume names it
+        return None
+    return (start, config) if isinstance(config, dict) else None
 
 
 def check_multirun_out_dir(cfg: DictConfig, *, multirun: bool) -> None:

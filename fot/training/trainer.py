@@ -527,18 +527,28 @@ def export_settings(cfg: Any) -> tuple[int, str]:
 
 
 def checkpoint_config(path: str | os.PathLike) -> DictConfig:
-    """The resolved training config that checkpoint ``path`` records (its ``trainer.json``).
+    """The resolved training config that checkpoint ``path`` records (its ``trainer.json``),
+    less the ``model.overrides`` its model does not read (:func:`fot.presets.read_overrides`),
+    which an older fot took and recorded and this one refuses.
 
     Raises:
         FileNotFoundError: ``path`` is no complete checkpoint (no ``trainer.json``).
         ckpt.CorruptCheckpointError: ``trainer.json`` cannot be read, or records no model.
     """
+    from fot import presets
+
     saved = ckpt.read_trainer_state(path).get("config")
     if not isinstance(saved, dict) or "model" not in saved or "size" not in saved:
         raise ckpt.CorruptCheckpointError(
             f"checkpoint {path}: its trainer.json records no model config (a checkpoint of an "
             "early fot version): build the model with fot.presets and load its model.pt"
         )
+    model = saved["model"]
+    with contextlib.suppress(Exception):  # another refusal: named where the model is built
+        overrides = model.get("overrides") or {}
+        read = presets.read_overrides(model["name"], saved["size"]["name"], overrides)
+        if read != overrides:
+            model["overrides"] = read
     return OmegaConf.create(saved)
 
 
@@ -861,12 +871,18 @@ def check_resume(
 def _same_model(cfg: Any, was: dict[str, Any], now: dict[str, Any]) -> bool:
     """Whether ``model.overrides`` ``was`` and ``now`` (implementation settings left out) give
     ``cfg``'s model and size the same config: an override set to the value it has anyway (a
-    field's default, a LLaMA name for a FoT one) changes nothing. False where either is
-    refused (the difference is then reported as it is)."""
+    field's default, a LLaMA name for a FoT one) changes nothing, and neither does one that the
+    model does not read (:func:`fot.presets.read_overrides`: a run started by an older fot,
+    which took it, resumes without it). False where either is refused (the difference is then
+    reported as it is)."""
     from fot import presets
 
+    name, size = cfg.model.name, cfg.size.name
     try:
-        built = [presets.config(cfg.model.name, cfg.size.name, **o).to_dict() for o in (was, now)]
+        built = [
+            presets.config(name, size, **presets.read_overrides(name, size, o)).to_dict()
+            for o in (was, now)
+        ]
     except Exception:  # any refusal (ZeroDivisionError of hidden_size=0 too): a difference
         return False
     return built[0] == built[1]

@@ -235,7 +235,8 @@ def check_override_keys(
         overrides: the override fields.
 
     Raises:
-        ValueError: naming each unknown key, the closest valid names and the fix.
+        ValueError: naming each unknown key, the closest valid names and the fix (two lines);
+            the fields of ``config_cls`` are listed only for a key that none is close to.
     """
     known = config_keys(config_cls)
     unknown = [key for key in overrides if key not in known]
@@ -244,28 +245,38 @@ def check_override_keys(
     # Suggest among the class's own constructor fields first (the others are rarely meant).
     params = inspect.signature(config_cls.__init__).parameters.values()
     own = sorted(p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD and p.name != "self")
-    lines = []
+    hints, fixes = {}, []
     for key in unknown:
         close = difflib.get_close_matches(key, own, n=3, cutoff=0.6) or difflib.get_close_matches(
             key, sorted(known), n=3, cutoff=0.6
         )
-        hint = f"did you mean {' or '.join(repr(c) for c in close)}?" if close else "no close match"
-        lines.append(f"  {key}={overrides[key]!r}: {hint}")
-    fix_key = (
-        difflib.get_close_matches(unknown[0], own, n=1, cutoff=0.6)
-        or difflib.get_close_matches(unknown[0], sorted(known), n=1, cutoff=0.6)
-        or ["<field>"]
-    )[0]
-    raise ValueError(
-        f"unknown model override{'s' if len(unknown) > 1 else ''} for model {model!r} "
-        f"({config_cls.__name__} has no such field{'s' if len(unknown) > 1 else ''}; "
-        "it would be stored and ignored):\n"
-        + "\n".join(lines)
-        + f"\nFix: spell the field as {config_cls.__name__} does, e.g. "
-        f"`python train.py +model.overrides.{fix_key}={overrides[unknown[0]]!r}` or "
-        f"`fot.presets.config({model!r}, size, {fix_key}=...)`.\n"
-        f"{config_cls.__name__} fields: {', '.join(own)}"
-    )
+        value = overrides[key]
+        hints[f"{key}={value!r}"] = (
+            f"did you mean {' or '.join(map(repr, close))}?" if close else "no field is close"
+        )
+        if close:
+            fixes.append((close[0], value))
+    name = config_cls.__name__
+    if len(unknown) == 1:
+        [(given, hint)] = hints.items()
+        message = (
+            f"unknown model override {given} for model {model!r} ({name} would store it and "
+            f"ignore it): {hint}"
+        )
+    else:
+        message = (
+            f"unknown model overrides for model {model!r} ({name} would store them and ignore "
+            "them): " + ", ".join(f"{given} ({hint})" for given, hint in hints.items())
+        )
+    if fixes:
+        train_py = " ".join(f"+model.overrides.{key}={value!r}" for key, value in fixes)
+        api = ", ".join(f"{key}={value!r}" for key, value in fixes)
+        message += (
+            f"\nFix: `python train.py {train_py}` or `fot.presets.config({model!r}, size, {api})`"
+        )
+    if len(fixes) < len(unknown):  # nothing close to guess from: every field
+        message += f"\n{name} fields: {', '.join(own)}"
+    raise ValueError(message)
 
 
 def build_model(config: PretrainedConfig) -> nn.Module:

@@ -299,17 +299,47 @@ def test_resumed_batch_size_errors_keep_the_batch(hydra_ctx, overrides, world, s
 
 
 def test_misspelt_model_override_is_refused_with_the_closest_name(hydra_ctx) -> None:
+    """A misspelt key is named with the closest fields and the fix, in two lines; the
+    config class's whole field list (34 names) only where no field is close (it followed
+    every refusal, after a line per key and one of advice)."""
+    import inspect
+
+    from fot.models.configuration_fot import FoTConfig
+
     cfg = compose("train", overrides=["+model.overrides.hidden_sise=512"])
     with pytest.raises(ValueError, match="hidden_sise") as err:
         model_config_from_train_config(cfg)
-    message = str(err.value)
-    assert "did you mean 'hidden_size'" in message
-    assert "+model.overrides.hidden_size=512" in message  # the fix, spelt out
+    assert str(err.value).endswith(
+        "unknown model override hidden_sise=512 for model 'fot_pro' (FoTConfig would store it "
+        "and ignore it): did you mean 'hidden_size' or 'hidden_ratio'?\n"
+        "Fix: `python train.py +model.overrides.hidden_size=512` or "
+        "`fot.presets.config('fot_pro', size, hidden_size=512)`"
+    ), str(err.value)
     # The Python API goes through the same check, for FLA baselines as well.
-    with pytest.raises(ValueError, match=r"qk_nrom=True: did you mean 'qk_norm'"):
+    with pytest.raises(
+        ValueError, match=r"qk_nrom=True for model 'fot_pro' .*did you mean 'qk_norm'"
+    ):
         presets.config("fot_pro", "tiny", qk_nrom=True)
-    with pytest.raises(ValueError, match=r"num_head=2: did you mean 'num_heads'"):
+    with pytest.raises(
+        ValueError, match=r"num_head=2 for model 'deltanet' .*did you mean 'num_heads'"
+    ):
         presets.config("deltanet", "tiny", num_head=2)
+    with pytest.raises(ValueError) as err:
+        presets.config("fot_pro", "tiny", hidden_sise=64, num_hedas=2)
+    assert str(err.value).splitlines()[1] == (
+        "Fix: `python train.py +model.overrides.hidden_size=64 +model.overrides.num_heads=2` or "
+        "`fot.presets.config('fot_pro', size, hidden_size=64, num_heads=2)`"
+    )
+    # nothing close: the fields to choose from
+    with pytest.raises(ValueError) as err:
+        presets.config("fot_pro", "tiny", xyzzy=1)
+    first, fields = str(err.value).splitlines()
+    assert first.endswith(
+        "xyzzy=1 for model 'fot_pro' (FoTConfig would store it and ignore it): no field is close"
+    )
+    params = inspect.signature(FoTConfig.__init__).parameters.values()
+    named = sorted(p.name for p in params if p.name not in ("self", "kwargs"))
+    assert fields == f"FoTConfig fields: {', '.join(named)}"
 
 
 def test_every_valid_model_override_is_still_accepted(hydra_ctx) -> None:

@@ -2184,6 +2184,38 @@ def test_a_sweep_job_refused_while_starting_leaves_no_folder_behind(tmp_path) ->
     assert sorted(p.name for p in made.iterdir()) == ["0", "multirun.yaml"]  # as Hydra left it
 
 
+def test_a_refused_job_leaves_a_folder_outside_the_sweep_as_it_found_it(tmp_path) -> None:
+    """A sweep job with a folder of its own outside the sweep folder (out_dir=...job.num...)
+    that training refused left its .run.lock there: the folders in the sweep folder were
+    cleaned, that one was not. The lock file a refused run made is removed, in any folder;
+    one an earlier run left, and every other file, stay."""
+    text = tmp_path / "texts"
+    text.mkdir()
+    (text / "a.txt").write_text("A few plain words of English for the tokenizer to read. " * 400)
+    missing = tmp_path / "no_such_text"
+    runs = tmp_path / "runs"
+    (runs / "job1").mkdir(parents=True)  # made before, e.g. by a script
+    res = _run_script(
+        [sys.executable, str(ROOT / "train.py"), "-m", *SMALL, "data=hf", "data.val_tokens=0",
+         f"data.path={text},{missing}", f"hydra.sweep.dir={tmp_path / 'sweep'}",
+         f"out_dir={runs}/job${{hydra:job.num}}"],
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert res.returncode == 2 and f"{missing} does not exist" in res.stderr, res.stderr[-3000:]
+    assert list((runs / "job1").iterdir()) == []
+    assert list((runs / "job0" / "checkpoints").iterdir())  # the job that trained is kept
+    # the Python API: another file and an earlier run's lock file stay
+    (runs / "job1" / "notes.txt").write_text("mine")
+    refused = _cfg(runs / "job1", "data=hf", f"data.path={missing}", "data.val_tokens=0")
+    with pytest.raises(ValueError, match="does not exist"):
+        train(refused)
+    assert [p.name for p in (runs / "job1").iterdir()] == ["notes.txt"]
+    (runs / "job1" / ".run.lock").write_text("pid 1 on an earlier run\n")
+    with pytest.raises(ValueError, match="does not exist"):
+        train(refused)
+    assert sorted(p.name for p in (runs / "job1").iterdir()) == [".run.lock", "notes.txt"]
+
+
 def test_a_sweep_rerun_with_its_values_reordered_is_refused_before_a_job_continues(
     tmp_path,
 ) -> None:

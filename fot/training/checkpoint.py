@@ -458,6 +458,8 @@ class RunFolderLock:
     def __init__(self, out_dir: str | os.PathLike) -> None:
         self.path = Path(out_dir) / RUN_LOCK
         self._file: Any = None
+        self.made = False
+        """Whether :meth:`take` made the lock file (the folder had none)."""
 
     def take(self) -> None:
         """Take the lock if the folder exists and it is not held yet (a no-op otherwise).
@@ -473,6 +475,7 @@ class RunFolderLock:
 
         if self._file is not None or not self.path.parent.is_dir():
             return
+        made = not self.path.exists()
         try:
             f = open(self.path, "a+")  # noqa: SIM115 - held open while the run trains
         except OSError as err:
@@ -498,12 +501,20 @@ class RunFolderLock:
         f.write(f"pid {os.getpid()} on {socket.gethostname()}, started {started}\n")
         f.flush()
         self._file = f
+        self.made = made
 
     def release(self) -> None:
         """Let the lock go (the run ended, or failed)."""
         if self._file is not None:
             self._file.close()
             self._file = None
+
+    def discard(self) -> None:
+        """Let the lock go and remove the lock file if :meth:`take` made it (while it is
+        held): a run refused before it began leaves the folder as it found it."""
+        if self._file is not None and self.made:
+            self.path.unlink(missing_ok=True)
+        self.release()
 
 
 def load_checkpoint(

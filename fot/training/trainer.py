@@ -1142,6 +1142,18 @@ def _train(
     # does not exist yet is locked once it is made, below
     run_lock = ckpt.RunFolderLock(out_dir)
     cleanup.callback(run_lock.release)
+    owned, made_folder = False, False
+
+    def leave_as_found() -> None:
+        """A run refused before it owns its folder: what it made there goes (the lock file, and
+        the folder where it made it and nothing else is in it)."""
+        if not owned:
+            run_lock.discard()
+            if made_folder:
+                with contextlib.suppress(OSError):
+                    out_dir.rmdir()
+
+    cleanup.callback(leave_as_found)
     _take_run_lock(run_lock, info)
     T = int(cfg.data.seq_len)
     gbt = int(cfg.global_batch_tokens)
@@ -1333,6 +1345,7 @@ def _train(
         if info.is_main:  # only now: bad data, sizes or checkpoints leave no run folder behind
             for warning in config_warnings:
                 logger.warning(warning)
+            made_folder = not out_dir.exists()
             try:
                 out_dir.mkdir(parents=True, exist_ok=True)
             except OSError as err:  # a read-only file system: one line, not a traceback
@@ -1350,6 +1363,7 @@ def _train(
                 _recover_tokenizer(out_dir / TOKENIZER_FOLDER)
             if on_folder is not None:
                 on_folder(out_dir)
+    owned = True
     stream = SequenceStream(
         train_source,
         global_batch_size=global_seqs,

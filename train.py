@@ -123,7 +123,10 @@ def main(cfg: DictConfig) -> None:
         if sweep is not None:  # a rerun of the sweep with its values in another order
             job = hydra_cfg.runtime.output_dir
             task = list(hydra_cfg.overrides.task)
-            if conflict := sweep_job_conflict(task, sweep=sweep, job=job, run=cfg.out_dir):
+            hydra = HydraConfig.instance().cfg
+            if conflict := sweep_job_conflict(
+                task, sweep=sweep, job=job, run=cfg.out_dir, hydra=hydra, config=cfg
+            ):
                 raise ValueError(conflict)
         train(cfg, on_folder=owned)
     except TrainingStopped as stopped:

@@ -133,6 +133,8 @@ def sweep_job_conflict(
     sweep: str | os.PathLike,
     job: str | os.PathLike,
     run: str | os.PathLike,
+    hydra: Any = None,
+    config: Any = None,
 ) -> str | None:
     """Why a job of a multirun must not continue the run in its folder, or None.
 
@@ -151,6 +153,12 @@ def sweep_job_conflict(
             compared with the default it ran with).
         run: the job's run folder (``out_dir``: ``job`` unless set per job), whose
             ``checkpoints/`` the job would continue; no checkpoint, no conflict.
+        hydra: this job's Hydra config (``HydraConfig.instance().cfg``: its group options)
+            and
+        config: this job's composed config: the values of the keys that it leaves at their
+            default. A key that an earlier sweep in ``sweep`` swept (its jobs' records differ
+            in it: the rerun replaced its ``multirun.yaml``) is compared with them; without
+            them, only where this job sets it.
 
     Returns:
         One sentence naming the job, the differing values and the fix; None when the folder
@@ -173,19 +181,30 @@ def sweep_job_conflict(
         now = {o.get_key_element().lstrip("+~"): o for o in parser.parse_overrides(list(overrides))}
     except Exception:  # a hand-edited record: nothing to compare
         return None
-    changed = []  # (key, value now, value then)
+    changed = []  # (key, value now, value then), as written
     defaults = _defaults_of(recorded.parent)
-    for key in now:
-        if key not in swept:
+    current = _lookup(hydra, config) if config is not None else lambda key: None
+    keys = swept | _swept_before(Path(sweep))
+    for key in dict.fromkeys([*now, *was, *sorted(keys)]):
+        if key not in keys:
+            continue
+        if key in now:
+            value = (now[key].value(), now[key].get_value_element_as_str())
+        elif (value := current(key)) is not None:  # left at its default now
+            value = (value[0], f"{value[1]} (its default)")
+        else:
             continue
         if key in was:
-            if now[key].value() != was[key].value():
-                changed.append((key, now[key], was[key].get_value_element_as_str()))
-        elif (default := defaults(key)) is not None and now[key].value() != default[0]:
-            changed.append((key, now[key], f"{default[1]} (its default)"))
+            ran = (was[key].value(), was[key].get_value_element_as_str())
+        elif (ran := defaults(key)) is not None:
+            ran = (ran[0], f"{ran[1]} (its default)")
+        else:
+            continue
+        if value[0] != ran[0]:
+            changed.append((key, value[1], ran[1]))
     if not changed:
         return None
-    this = ", ".join(f"{key}={o.get_value_element_as_str()}" for key, o, _ in changed)
+    this = ", ".join(f"{key}={value}" for key, value, _ in changed)
     then = ", ".join(f"{key}={value}" for key, _, value in changed)
     # a default is read from the composed config beside the overrides
     record = recorded.parent if any(key not in was for key, _, _ in changed) else recorded
@@ -198,13 +217,36 @@ def sweep_job_conflict(
     )
 
 
+def _swept_before(sweep: Path) -> set[str]:
+    """The keys in which the overrides recorded by the jobs of sweep folder ``sweep``
+    (``<n>/.hydra/overrides.yaml``) differ: swept there by an earlier sweep. The records of
+    this sweep's jobs (newer than its ``multirun.yaml``) are left out: a rerun may change a
+    value for every job (``total_tokens``, to train on)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+
+    try:
+        started = (sweep / "multirun.yaml").stat().st_mtime_ns
+    except OSError:
+        return set()
+    parser, records = OverridesParser.create(), []
+    for recorded in sweep.glob("*/.hydra/overrides.yaml"):
+        try:
+            if recorded.stat().st_mtime_ns >= started:
+                continue
+            parsed = parser.parse_overrides([str(o) for o in OmegaConf.load(recorded)])
+        except Exception:  # a hand-edited record: nothing to compare
+            continue
+        records.append({o.get_key_element().lstrip("+~"): repr(o.value()) for o in parsed})
+    keys = {key for record in records for key in record}
+    return {key for key in keys if len({record.get(key) for record in records}) > 1}
+
+
 def _defaults_of(hydra_folder: Path) -> Callable[[str], tuple[Any, str] | None]:
     """A lookup of the value that the job recorded in ``hydra_folder`` (its ``.hydra/``) ran
-    with for a key it did not override: the group option Hydra chose (``model`` ->
-    ``fot_pro``, from ``hydra.yaml``) or the composed value (``optim.lr`` -> ``0.003``, from
-    ``config.yaml``). The lookup gives ``(value, as written in an override)``, or None where
-    the record is missing or does not say (an interpolation that no longer resolves)."""
-    from omegaconf import DictConfig, ListConfig, OmegaConf
+    with for a key it did not override (:func:`_lookup` of its ``hydra.yaml`` and
+    ``config.yaml``); None where the record is missing."""
+    from omegaconf import DictConfig, OmegaConf
 
     def load(name: str) -> DictConfig | None:
         try:
@@ -213,7 +255,16 @@ def _defaults_of(hydra_folder: Path) -> Callable[[str], tuple[Any, str] | None]:
             return None
         return loaded if isinstance(loaded, DictConfig) else None
 
-    hydra, config = load("hydra.yaml"), load("config.yaml")
+    return _lookup(load("hydra.yaml"), load("config.yaml"))
+
+
+def _lookup(hydra: Any, config: Any) -> Callable[[str], tuple[Any, str] | None]:
+    """A lookup of the value a job ran with for a key: the group option Hydra chose
+    (``model`` -> ``fot_pro``, from ``hydra``, a job's Hydra config) or the composed value
+    (``optim.lr`` -> ``0.003``, from ``config``). The lookup gives ``(value, as written in an
+    override)``, or None where they do not say (an interpolation that does not resolve)."""
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+
     choices = OmegaConf.select(hydra, "hydra.runtime.choices") if hydra is not None else None
 
     def default(key: str) -> tuple[Any, str] | None:

@@ -2318,6 +2318,42 @@ def test_a_sweep_rerun_that_sweeps_a_key_the_first_left_at_its_default_is_refuse
             assert found is None, found
 
 
+def test_a_sweep_rerun_that_leaves_at_its_default_a_key_the_first_swept_is_refused(
+    tmp_path,
+) -> None:
+    """The mirror of the case above: a rerun in the same hydra.sweep.dir that no longer swept
+    the seed, which the first sweep had swept (seed=1,0), gave job 0 (now seed 0, the default)
+    the folder of the first sweep's seed=1 job, which it continued (a warning only): the
+    rerun replaced multirun.yaml, so the seed was not compared. A key in which the earlier
+    jobs' records differ is compared too, and the rerun is refused; a rerun in the same order
+    that trains longer (total_tokens for every job) still goes on."""
+    script = [sys.executable, str(ROOT / "train.py"), "-m", *SMALL]
+    sweep = tmp_path / "sweep"
+    first = _run_script([*script, "seed=1,0", f"hydra.sweep.dir={sweep}"], cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    before = {str(p): p.read_bytes() for p in sorted(sweep.rglob("*")) if p.is_file()}
+    res = _run_script([*script, "optim.lr=0.01,0.02", f"hydra.sweep.dir={sweep}"], cwd=tmp_path)
+    assert res.returncode == 2, res.stderr[-3000:]
+    errors = [line for line in res.stderr.splitlines() if "error" in line]
+    assert errors == [
+        f"train.py: error: job 0 of this sweep has seed=0 (its default), but its folder "
+        f"{sweep / '0'} holds the checkpoints of a job with seed=1 "
+        f"({sweep / '0/.hydra/overrides.yaml'}): Hydra numbers a sweep's jobs by their place "
+        f"in it, and this rerun in hydra.sweep.dir={sweep} lists the swept values in another "
+        "order or others. To continue the sweep, list its values as before; for other values, "
+        "pass a new hydra.sweep.dir (or leave it out)"
+    ], res.stderr[-3000:]
+    after = {str(p): p.read_bytes() for p in sorted(sweep.rglob("*")) if p.is_file()}
+    changed = {p for p in before if before[p] != after.get(p)}
+    assert changed <= {str(sweep / "multirun.yaml"), str(sweep / "0" / "train.log")}, changed
+    longer = _run_script(
+        [*script, "seed=1,0", "total_tokens=2560", f"hydra.sweep.dir={sweep}"], cwd=tmp_path
+    )
+    assert longer.returncode == 0, longer.stderr[-3000:]
+    for job in ("0", "1"):
+        assert sorted(_losses(sweep / job)) == list(range(1, 11))
+
+
 def test_train_py_refuses_a_missing_resume_folder_before_training(tmp_path) -> None:
     run = tmp_path / "run"
     cmd = [sys.executable, str(ROOT / "train.py"), *SMALL, "resume=/no/such/ckpt",

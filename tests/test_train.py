@@ -2844,6 +2844,9 @@ def test_a_run_an_older_fot_started_with_unread_settings_resumes_without_them(
     with pytest.raises(ValueError, match=r"drop schedule\.min_lr_ratio=0\.1, and the run resumes"):
         train(_cfg(out, "total_tokens=1024", *same, "schedule.min_lr_ratio=0.1"))
     assert sorted(_losses(out)) == [1, 2]
+    with pytest.raises(ValueError) as err:  # a checkpoint without it: the plain refusal
+        train(_cfg(ref, "total_tokens=2048", *same, "schedule.min_lr_ratio=0.1"))
+    assert "older fot" not in str(err.value) and "drop the override" in str(err.value)
     caplog.set_level(logging.WARNING, logger="fot.train")
     train(_cfg(out, "total_tokens=1024", *same))
     assert _losses(out) == _losses(ref)  # bit-exact

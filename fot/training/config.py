@@ -369,7 +369,8 @@ def check_config(cfg: DictConfig) -> list[str]:
         ratio = cfg.schedule.min_lr_ratio
         start = _started_from(cfg)
         was = (start[1].get("schedule") or {}) if start else {}
-        if cfg.schedule.name == "constant" and ratio != 1.0 and was.get("min_lr_ratio", 1) != 1:
+        unread = was.get("name") == "constant" and was.get("min_lr_ratio", 1) != 1
+        if cfg.schedule.name == "constant" and ratio != 1.0 and unread:
             raise ValueError(
                 f"schedule.min_lr_ratio={ratio}: schedule=constant does not read it. The "
                 f"checkpoint this run resumes ({start[0]}) was trained with it by an older fot, "

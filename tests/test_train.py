@@ -73,6 +73,11 @@ def _metrics_lines(result: dict) -> list[str]:
     return (Path(result["checkpoint"]).parents[1] / "metrics.jsonl").read_text().splitlines()
 
 
+def _file_bytes(folder: Path) -> dict[str, bytes]:
+    """Every file under ``folder`` and its bytes: to check what a refused run left alone."""
+    return {str(p): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
 def _run_script(args: list[str], *, env_extra: dict[str, str] | None = None, cwd: Path):
     env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": str(ROOT), **(env_extra or {})}
     return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
@@ -2230,11 +2235,7 @@ def test_a_sweep_rerun_with_its_values_reordered_is_refused_before_a_job_continu
         [*script, "-m", *SMALL, "optim.lr=0.01,0.02", f"hydra.sweep.dir={sweep}"], cwd=tmp_path
     )
     assert first.returncode == 0, first.stderr[-3000:]
-
-    def files() -> dict[str, bytes]:
-        return {str(p): p.read_bytes() for p in sorted(sweep.rglob("*")) if p.is_file()}
-
-    before = files()
+    before = _file_bytes(sweep)
     res = _run_script(
         [*script, "-m", *SMALL, "optim.lr=2e-2,1e-2", f"hydra.sweep.dir={sweep}"], cwd=tmp_path
     )
@@ -2248,7 +2249,7 @@ def test_a_sweep_rerun_with_its_values_reordered_is_refused_before_a_job_continu
         "continue the sweep, list its values as before; for other values, pass a new "
         "hydra.sweep.dir (or leave it out)"
     ], res.stderr[-3000:]
-    after = files()
+    after = _file_bytes(sweep)
     # Hydra's multirun.yaml is the rerun's, and each rerun appends to the job's train.log
     changed = {p for p in before if before[p] != after.get(p)}
     assert changed <= {str(sweep / "multirun.yaml"), str(sweep / "0" / "train.log")}, changed
@@ -2278,7 +2279,7 @@ def test_a_sweep_rerun_that_sweeps_a_key_the_first_left_at_its_default_is_refuse
         [*script, "-m", *SMALL, "optim.lr=0.01,0.02", f"hydra.sweep.dir={sweep}"], cwd=tmp_path
     )
     assert first.returncode == 0, first.stderr[-3000:]
-    before = {str(p): p.read_bytes() for p in sorted(sweep.rglob("*")) if p.is_file()}
+    before = _file_bytes(sweep)
     res = _run_script(
         [*script, "-m", *SMALL, "seed=1,0", "optim.lr=0.01,0.02", f"hydra.sweep.dir={sweep}"],
         cwd=tmp_path,
@@ -2292,7 +2293,7 @@ def test_a_sweep_rerun_that_sweeps_a_key_the_first_left_at_its_default_is_refuse
         "lists the swept values in another order or others. To continue the sweep, list its "
         "values as before; for other values, pass a new hydra.sweep.dir (or leave it out)"
     ], res.stderr[-3000:]
-    after = {str(p): p.read_bytes() for p in sorted(sweep.rglob("*")) if p.is_file()}
+    after = _file_bytes(sweep)
     changed = {p for p in before if before[p] != after.get(p)}
     assert changed <= {str(sweep / "multirun.yaml"), str(sweep / "0" / "train.log")}, changed
     assert set(after) == set(before)  # no job folder was added
@@ -2331,7 +2332,7 @@ def test_a_sweep_rerun_that_leaves_at_its_default_a_key_the_first_swept_is_refus
     sweep = tmp_path / "sweep"
     first = _run_script([*script, "seed=1,0", f"hydra.sweep.dir={sweep}"], cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
-    before = {str(p): p.read_bytes() for p in sorted(sweep.rglob("*")) if p.is_file()}
+    before = _file_bytes(sweep)
     res = _run_script([*script, "optim.lr=0.01,0.02", f"hydra.sweep.dir={sweep}"], cwd=tmp_path)
     assert res.returncode == 2, res.stderr[-3000:]
     errors = [line for line in res.stderr.splitlines() if "error" in line]
@@ -2343,7 +2344,7 @@ def test_a_sweep_rerun_that_leaves_at_its_default_a_key_the_first_swept_is_refus
         "order or others. To continue the sweep, list its values as before; for other values, "
         "pass a new hydra.sweep.dir (or leave it out)"
     ], res.stderr[-3000:]
-    after = {str(p): p.read_bytes() for p in sorted(sweep.rglob("*")) if p.is_file()}
+    after = _file_bytes(sweep)
     changed = {p for p in before if before[p] != after.get(p)}
     assert changed <= {str(sweep / "multirun.yaml"), str(sweep / "0" / "train.log")}, changed
     longer = _run_script(

@@ -10,6 +10,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -836,9 +837,12 @@ def _two_srun_tasks(tmp_path: Path, run: Path, *overrides: str, **env_extra: str
            **env_extra}  # fmt: skip
     script = [str(ROOT / "train.py"), *SMALL, "parallel=ddp", "micro_batch_size=1",
               "data.val_tokens=0", f"out_dir={run}", f"hydra.run.dir={run}", *overrides]  # fmt: skip
+    # a shell's background job (`bash .ci/run &`) ignores SIGINT, and so would the tasks: a
+    # SIGINT to one of them (sigint_after_step) must act as Ctrl-C does in a terminal
     procs = [
         subprocess.Popen([sys.executable, *script], cwd=tmp_path, stderr=subprocess.PIPE,
-                         stdout=subprocess.DEVNULL, text=True, env=e)
+                         stdout=subprocess.DEVNULL, text=True, env=e,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         for e in srun_environments(2, **env)
     ]  # fmt: skip
     try:
@@ -3173,7 +3177,6 @@ def test_resume_takes_another_implementation_setting(tmp_path, reference_run, ca
 
 
 def test_ctrl_c_says_which_checkpoint_is_kept_and_how_to_resume(tmp_path) -> None:
-    import signal
     import time
 
     run = tmp_path / "run"
@@ -3216,7 +3219,6 @@ def test_a_stopped_sweep_job_says_how_to_continue_the_sweep(tmp_path, reference_
     """SIGTERM in a job of `train.py -m ...` said to run the same command with out_dir=<job
     folder>, which -m refuses (one out_dir for every job). It names the sweep folder, and that
     advice continues the stopped job from its checkpoint and runs the jobs it did not reach."""
-    import signal
 
     sweep = tmp_path / "sweep"
     cmd = [sys.executable, str(ROOT / "train.py"), "-m", *SMALL, "seed=0,1",
@@ -3240,7 +3242,6 @@ def test_a_stopped_sweep_job_says_how_to_continue_the_sweep(tmp_path, reference_
 
 def test_ctrl_c_while_train_py_starts_is_one_line(tmp_path) -> None:
     """Ctrl-C in the seconds train.py spends importing torch printed a ~50-line traceback."""
-    import signal
 
     env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(
@@ -3350,7 +3351,6 @@ def test_ctrl_c_while_a_checkpoint_is_written(tmp_path, monkeypatch, capsys, pre
     RuntimeError (a traceback, status 1): now the checkpoint is finished first, then the run
     stops (KeyboardInterrupt); a second Ctrl-C stops at once, as a KeyboardInterrupt too."""
     import io
-    import signal
 
     from fot.training import checkpoint
 
@@ -3611,7 +3611,6 @@ def test_tokens_per_s_leaves_out_writing_the_profile(tmp_path, monkeypatch) -> N
 def test_sigterm_checkpoints_the_step_and_resume_is_bit_identical(tmp_path, reference_run) -> None:
     """Slurm, `timeout`, Docker and torchrun stop with SIGTERM: train.py finishes the step it is
     in, checkpoints it, says how to resume and exits with status 143; nothing is lost."""
-    import signal
 
     out = tmp_path / "run"
     proc = _run_script(
@@ -3679,7 +3678,6 @@ def test_sigterm_during_validation_stops_it_with_a_checkpoint_of_the_step(tmp_pa
     the validation ends early and the run stops with a checkpoint of its step. The resumed
     run validates that step and logs what an uninterrupted run logs, the loss of the logging
     window left open at the stop included."""
-    import signal
 
     # validations at steps 2, 4, 6; checkpoints at 3 and 6; training records at 3, 6 and 8
     args = ("val_every_tokens=512", "ckpt_every_tokens=768", "log_every_tokens=768")
@@ -3712,7 +3710,6 @@ def test_sigterm_during_validation_stops_it_with_a_checkpoint_of_the_step(tmp_pa
 
 
 def test_sigterm_off_dies_at_once(tmp_path) -> None:
-    import signal
 
     out = tmp_path / "off"
     args = [
@@ -3805,7 +3802,6 @@ def test_sigterm_to_a_process_stuck_in_a_collective_ends_it(tmp_path) -> None:
     """When a rank dies, torchrun sends SIGTERM to the others; one waiting in a collective for
     the dead rank never ran the Python handler and sat there until torchrun's SIGKILL (as
     long as --shutdown-timeout, which the README suggests raising). The watcher ends it."""
-    import signal
 
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}  # fmt: skip
@@ -3872,7 +3868,6 @@ def test_parallel_timeout_s_reaches_the_process_group_and_the_sigterm_group(tmp_
 def test_a_second_sigterm_changes_nothing() -> None:
     """A rank may get SIGTERM twice (the scheduler's and torchrun's): the second must not kill
     it before the checkpoint (were it to, this test's own process would die)."""
-    import signal
 
     from fot.training.signals import StopOnSigterm
 

@@ -79,6 +79,23 @@ def _file_bytes(folder: Path) -> dict[str, bytes]:
     return {str(p): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
+def _refused_sweep_rerun(
+    args: list[str], sweep: Path, cwd: Path
+) -> tuple[list[str], dict[str, bytes], dict[str, bytes]]:
+    """Run ``args``, a rerun of the sweep in ``sweep`` that must be refused (exit status 2),
+    and check that it changed no file there but Hydra's multirun.yaml (the rerun's) and job
+    0's train.log (each rerun appends to it). Returns its error lines and the sweep folder's
+    files before and after it."""
+    before = _file_bytes(sweep)
+    res = _run_script(args, cwd=cwd)
+    assert res.returncode == 2, res.stderr[-3000:]
+    after = _file_bytes(sweep)
+    changed = {p for p in before if before[p] != after.get(p)}
+    assert changed <= {str(sweep / "multirun.yaml"), str(sweep / "0" / "train.log")}, changed
+    errors = [line for line in res.stderr.splitlines() if "error" in line]
+    return errors, before, after
+
+
 def _run_script(args: list[str], *, env_extra: dict[str, str] | None = None, cwd: Path):
     env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": str(ROOT), **(env_extra or {})}
     return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
@@ -2239,12 +2256,9 @@ def test_a_sweep_rerun_with_its_values_reordered_is_refused_before_a_job_continu
         [*script, "-m", *SMALL, "optim.lr=0.01,0.02", f"hydra.sweep.dir={sweep}"], cwd=tmp_path
     )
     assert first.returncode == 0, first.stderr[-3000:]
-    before = _file_bytes(sweep)
-    res = _run_script(
-        [*script, "-m", *SMALL, "optim.lr=2e-2,1e-2", f"hydra.sweep.dir={sweep}"], cwd=tmp_path
+    errors, _, _ = _refused_sweep_rerun(
+        [*script, "-m", *SMALL, "optim.lr=2e-2,1e-2", f"hydra.sweep.dir={sweep}"], sweep, tmp_path
     )
-    assert res.returncode == 2, res.stderr[-3000:]
-    errors = [line for line in res.stderr.splitlines() if "error" in line]
     assert errors == [
         f"train.py: error: job 0 of this sweep has optim.lr=0.02, but its folder {sweep / '0'} "
         f"holds the checkpoints of a job with optim.lr=0.01 ({sweep / '0/.hydra/overrides.yaml'})"
@@ -2252,11 +2266,7 @@ def test_a_sweep_rerun_with_its_values_reordered_is_refused_before_a_job_continu
         f"hydra.sweep.dir={sweep} lists the swept values in another order or others. To "
         "continue the sweep, list its values as before; for other values, pass a new "
         "hydra.sweep.dir (or leave it out)"
-    ], res.stderr[-3000:]
-    after = _file_bytes(sweep)
-    # Hydra's multirun.yaml is the rerun's, and each rerun appends to the job's train.log
-    changed = {p for p in before if before[p] != after.get(p)}
-    assert changed <= {str(sweep / "multirun.yaml"), str(sweep / "0" / "train.log")}, changed
+    ], errors
     same = _run_script(
         [*script, "-m", *SMALL, "optim.lr=1e-2,2e-2", f"hydra.sweep.dir={sweep}"], cwd=tmp_path
     )
@@ -2283,23 +2293,18 @@ def test_a_sweep_rerun_that_sweeps_a_key_the_first_left_at_its_default_is_refuse
         [*script, "-m", *SMALL, "optim.lr=0.01,0.02", f"hydra.sweep.dir={sweep}"], cwd=tmp_path
     )
     assert first.returncode == 0, first.stderr[-3000:]
-    before = _file_bytes(sweep)
-    res = _run_script(
+    errors, before, after = _refused_sweep_rerun(
         [*script, "-m", *SMALL, "seed=1,0", "optim.lr=0.01,0.02", f"hydra.sweep.dir={sweep}"],
-        cwd=tmp_path,
+        sweep,
+        tmp_path,
     )
-    assert res.returncode == 2, res.stderr[-3000:]
-    errors = [line for line in res.stderr.splitlines() if "error" in line]
     assert errors == [
         f"train.py: error: job 0 of this sweep has seed=1, but its folder {sweep / '0'} holds "
         f"the checkpoints of a job with seed=0 (its default) ({sweep / '0/.hydra'}): Hydra "
         f"numbers a sweep's jobs by their place in it, and this rerun in hydra.sweep.dir={sweep} "
         "lists the swept values in another order or others. To continue the sweep, list its "
         "values as before; for other values, pass a new hydra.sweep.dir (or leave it out)"
-    ], res.stderr[-3000:]
-    after = _file_bytes(sweep)
-    changed = {p for p in before if before[p] != after.get(p)}
-    assert changed <= {str(sweep / "multirun.yaml"), str(sweep / "0" / "train.log")}, changed
+    ], errors
     assert set(after) == set(before)  # no job folder was added
 
     # a config group swept now (model), left at its default (fot_pro) by the first sweep
@@ -2336,10 +2341,9 @@ def test_a_sweep_rerun_that_leaves_at_its_default_a_key_the_first_swept_is_refus
     sweep = tmp_path / "sweep"
     first = _run_script([*script, "seed=1,0", f"hydra.sweep.dir={sweep}"], cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
-    before = _file_bytes(sweep)
-    res = _run_script([*script, "optim.lr=0.01,0.02", f"hydra.sweep.dir={sweep}"], cwd=tmp_path)
-    assert res.returncode == 2, res.stderr[-3000:]
-    errors = [line for line in res.stderr.splitlines() if "error" in line]
+    errors, _, _ = _refused_sweep_rerun(
+        [*script, "optim.lr=0.01,0.02", f"hydra.sweep.dir={sweep}"], sweep, tmp_path
+    )
     assert errors == [
         f"train.py: error: job 0 of this sweep has seed=0 (its default), but its folder "
         f"{sweep / '0'} holds the checkpoints of a job with seed=1 "
@@ -2347,10 +2351,7 @@ def test_a_sweep_rerun_that_leaves_at_its_default_a_key_the_first_swept_is_refus
         f"in it, and this rerun in hydra.sweep.dir={sweep} lists the swept values in another "
         "order or others. To continue the sweep, list its values as before; for other values, "
         "pass a new hydra.sweep.dir (or leave it out)"
-    ], res.stderr[-3000:]
-    after = _file_bytes(sweep)
-    changed = {p for p in before if before[p] != after.get(p)}
-    assert changed <= {str(sweep / "multirun.yaml"), str(sweep / "0" / "train.log")}, changed
+    ], errors
     longer = _run_script(
         [*script, "seed=1,0", "total_tokens=2560", f"hydra.sweep.dir={sweep}"], cwd=tmp_path
     )

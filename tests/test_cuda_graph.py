@@ -153,6 +153,47 @@ def test_all_reduce_gradients_equals_ddp(tmp_path) -> None:
         assert all(torch.equal(a, b) for a, b in pairs)
 
 
+def _clipped(grads: list[torch.Tensor], max_norm: float, clip) -> tuple[torch.Tensor, list]:
+    """``clip``'s total norm of parameters with ``grads``, and the gradients after it."""
+    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g
+    total = clip(params, max_norm)
+    return total, [p.grad.clone() for p in params]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_gradient_norm_does_not_depend_on_where_the_gradients_lie(device: str) -> None:
+    """Eager DDP's gradients are views into its buckets, at addresses that a parameter of a few
+    floats leaves off 16 bytes; the graphed step's are their own allocations. torch's
+    clip_grad_norm_ sums a gradient's squares in an order that follows its address, so on an
+    H200 the two took different steps from equal gradients (the norms 1 ulp apart at step 2 of
+    test_graphed_ddp_training_equals_eager_ddp). fot's clip_grad_norm gives, wherever the
+    gradients lie, the norm and clipped gradients of torch's on their own allocations."""
+    from fot.training.optim import clip_grad_norm
+
+    gen = torch.Generator().manual_seed(0)
+    for size in (2048, 4099, 10_000, 65_541, 3 * 65_536 + 5):
+        for max_norm in (1.0, float("inf")):
+            # a 3-float parameter with a zero gradient first: the total is the second's norm,
+            # which lies right after it in the bucket (off 16 bytes at most shifts)
+            own = [torch.zeros(3), torch.randn(size, generator=gen) * 0.1]
+            own = [g.to(device) for g in own]
+            want, want_grads = _clipped([g.clone() for g in own], max_norm,
+                                        torch.nn.utils.clip_grad_norm_)  # fmt: skip
+            for shift in range(8):  # where the first gradient starts, in floats
+                bucket = torch.zeros(shift + 3 + size, device=device)
+                views = [bucket[shift : shift + 3], bucket[shift + 3 :]]
+                for v, g in zip(views, own, strict=True):
+                    v.copy_(g)
+                total, grads = _clipped(views, max_norm, clip_grad_norm)
+                where = f"size {size}, max_norm {max_norm}, shift {shift}"
+                assert torch.equal(total, want), (where, total.item(), want.item())
+                assert all(torch.equal(a, b) for a, b in zip(grads, want_grads, strict=True))
+                if max_norm == 1.0:  # clipped: the norm is about 0.1 * sqrt(size) > 1
+                    assert not torch.equal(grads[1], own[1]), where
+
+
 def test_all_reduce_gradients_names_a_parameter_without_gradient() -> None:
     from fot.training.parallel import all_reduce_gradients
 

@@ -4,7 +4,7 @@ in tokens."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -560,6 +560,57 @@ def build_optimizer(
         adjust_lr_fn=cfg.adjust_lr,
     )
     return MuonAdamW(muon, adamw)
+
+
+# The widest load a GPU kernel vectorises (16 bytes: 4 floats): a tensor at an address that
+# this divides reads like a fresh allocation (which the caching allocator aligns to 512)
+_VECTOR_BYTES = 16
+
+
+def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_(params, max_norm)`` (2-norm), with a total norm that does
+    not depend on where the gradients lie in memory.
+
+    torch sums each gradient's squares with kernels whose order of additions follows the
+    gradient's address: a gradient that is a view into DDP's buckets at an address not
+    divisible by 16 bytes (after a parameter of, e.g., 2 floats) gets a norm that can differ in
+    the last bit from the same values in their own allocation, and the clip scales every
+    gradient by it. So eager DDP (gradients as bucket views), DDP in a CUDA graph (own
+    gradients), and a run resumed before DDP rebuilt its buckets took different steps from
+    equal gradients. Here such a gradient is copied to a fresh allocation (one at a time) for
+    its norm; aligned gradients are read in place, and the result equals torch's where every
+    gradient is aligned. Gradients that are DTensors (FSDP2) go to torch's function as they are.
+
+    Args:
+        params: the parameters; those without a gradient are skipped (any shape, float dtype).
+        max_norm: the largest total norm kept (``inf``: none clipped).
+
+    Returns:
+        The total 2-norm of the gradients before clipping (0-dim, float32 for float32
+        gradients), on the device of the first gradient.
+    """
+    params = [p for p in params if p.grad is not None]
+    grads = [p.grad for p in params]
+    if not grads:
+        return torch.tensor(0.0)
+    if any(isinstance(g, DTensor) for g in grads):
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for g in grads:  # torch's order: by device and dtype, each group in the given order
+        groups.setdefault((g.device, g.dtype), []).append(g)
+    norms: list[torch.Tensor] = []
+    for group in groups.values():
+        aligned = [g for g in group if g.data_ptr() % _VECTOR_BYTES == 0]
+        in_place = iter(torch._foreach_norm(aligned, 2.0) if aligned else [])
+        for g in group:
+            if g.data_ptr() % _VECTOR_BYTES == 0:
+                norms.append(next(in_place))
+            else:
+                norms.append(torch._foreach_norm([g.clone()], 2.0)[0])
+    first = grads[0].device
+    total = torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), 2.0)
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
 
 
 def lr_at(tokens: int, *, peak_lr: float, total_tokens: int, cfg: ScheduleConfig) -> float:

@@ -52,7 +52,7 @@ from fot.training.metrics import (
     peak_flops_per_device,
     peak_memory_gib,
 )
-from fot.training.optim import build_optimizer, lr_at, set_lr
+from fot.training.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 from fot.training.parallel import (
     DistInfo,
     accumulation,
@@ -1734,7 +1734,7 @@ def _train(
         if reduce_gradients:
             all_reduce_gradients(trainable, info.world_size)
         all_reduce_sum(loss_sum.reshape(1))  # global sum of token losses (in place)
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        norm = clip_grad_norm(model.parameters(), clip)
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
         optimizer.step()

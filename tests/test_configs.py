@@ -9,10 +9,12 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf import OmegaConf
+from zarr_arrays import new_array
 
 from fot import presets
 from fot.training.config import (
@@ -1324,6 +1326,59 @@ def test_a_gated_model_with_a_head_width_the_kernels_lack_is_refused_before_the_
             check_config(compose("train", overrides=[*plain, *more]))
     monkeypatch.delenv("TRITON_INTERPRET")  # the CPU path: PyTorch's attention runs any width
     check_config(compose("train", overrides=[*bad, "device=cpu"]))
+
+
+def test_the_head_width_check_follows_the_batches_the_data_feeds(
+    hydra_ctx, monkeypatch, tmp_path
+) -> None:
+    """An ungated model with a width the kernels lack trains through SDPA on whole causal
+    sequences. data.packing=varlen (the default of data=tokens) on a zarr array yields none
+    (its rows hold no documents): that run was refused as if it fed the kernels packed
+    documents. Oracle: whether the sources built from the config yield cu_seqlens."""
+    from fot.data.loaders import build_sources
+    from fot.data.streams import iterate_eval_batches
+    from fot.data.tokens import write_token_documents
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # not on_cpu: as on a GPU
+    rows = np.arange(4 * 64, dtype=np.uint16).reshape(4, 64)
+    for name in ("rows.zarr", "lc/train.zarr", "lc/heldout.zarr"):
+        new_array(str(tmp_path / name), shape=rows.shape, dtype=rows.dtype)[:] = rows
+    write_token_documents(tmp_path / "folder", [np.arange(40), np.arange(30)])
+    plain = ["model=transformer_llama", "size=760m", "+model.overrides.num_heads=16"]
+    cases = {
+        "zarr": ["data=tokens", f"data.path={tmp_path / 'rows.zarr'}"],
+        "longcrawl64": ["data=longcrawl64", f"data.path={tmp_path / 'lc'}", "data.packing=varlen"],
+        "folder": ["data=tokens", f"data.path={tmp_path / 'folder'}"],
+        "zarr, folder held out": [
+            "data=tokens",
+            f"data.path={tmp_path / 'rows.zarr'}",
+            f"data.val_path={tmp_path / 'folder'}",
+        ],
+        "sample": ["data=sample"],
+    }
+    refused = {}
+    for case, data in cases.items():
+        cfg = compose("train", overrides=[*plain, *data, "data.seq_len=16", "data.val_tokens=32"])
+        assert cfg.data.packing == "varlen", case
+        try:
+            check_config(cfg)
+            refused[case] = False
+        except ValueError as err:
+            assert re.match(r"model=transformer_llama size=760m: head_dim 96 \(hidden", str(err))
+            refused[case] = True
+        batches = [
+            next(iterate_eval_batches(s, num_sequences=1, micro_batch_size=1))
+            for s in build_sources(cfg.data)
+            if s is not None
+        ]
+        assert refused[case] == any(b.cu_seqlens is not None for b in batches), case
+    assert refused == {
+        "zarr": False,
+        "longcrawl64": False,
+        "folder": True,
+        "zarr, folder held out": True,
+        "sample": True,
+    }
 
 
 def test_a_small_vocabulary_trains_from_a_flat_file_of_its_own_ids(hydra_ctx, tmp_path) -> None:

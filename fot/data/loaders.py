@@ -139,6 +139,27 @@ def _documents_source(docs: Any, seq_len: int, packing: str) -> Any:
     return PackedSource.from_documents(docs, seq_len, varlen=packing == "varlen")
 
 
+def feeds_varlen(cfg: Any) -> bool:
+    """Whether the batches of the ``data`` config ``cfg`` carry ``cu_seqlens`` (packed
+    documents, each attending only within itself): ``data.packing=varlen`` on data with
+    document boundaries. A 2-D zarr array (``data=longcrawl64``, or ``data=tokens`` with a
+    ``.zarr`` or a URL) has none and packs ``varlen`` as ``causal``; held-out data counts
+    where the run validates. Reads no data.
+
+    Args:
+        cfg: :class:`fot.training.config.DataConfig` (or DictConfig of it).
+    """
+    if cfg.packing != "varlen" or cfg.kind == "longcrawl64":
+        return False
+    if cfg.kind != "tokens":  # documents: the sample corpus, an HF dataset
+        return True
+    paths = [cfg.path]
+    if cfg.val_path and int(cfg.val_tokens) > 0:
+        paths.append(cfg.val_path)
+    # (only zarr arrays are read from a URL; a missing path is refused when read)
+    return any(not (p and (is_url(p) or is_zarr(Path(p).expanduser()))) for p in paths)
+
+
 def _existing_token_path(path: str | Path, key: str) -> Path:
     """The local path ``path`` that ``key`` names (``~`` expanded); FileNotFoundError if
     nothing is there."""

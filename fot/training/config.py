@@ -455,18 +455,20 @@ def check_config(cfg: DictConfig) -> list[str]:
             f"(this run is on the CPU with device={device}): use attn_backend=auto (Triton on "
             "a GPU, the PyTorch reference on the CPU) or reference"
         )
+    from fot.data.loaders import feeds_varlen
     from fot.models import FoTConfig
     from fot.models.configuration_fot import triton_head_dim_problem
 
     if isinstance(model_config, FoTConfig) and not on_cpu:
         backend = model_config.attn_backend
-        # on a GPU only an ungated model's whole causal sequences skip the kernels (SDPA)
+        # on a GPU only an ungated model's whole causal sequences skip the kernels (SDPA);
+        # packed documents (cu_seqlens) go to them, but a zarr array packs varlen as causal
         kernel = backend == "triton" or (
             backend in ("auto", "sdpa")
             and (
                 model_config.fgate_type != "none"
                 or model_config.window_size is not None
-                or cfg.data.packing == "varlen"
+                or feeds_varlen(cfg.data)
             )
         )
         if kernel and (problem := triton_head_dim_problem(model_config)):

@@ -294,6 +294,33 @@ def test_padded_rows_learn_each_documents_end_and_skip_empty_documents(tmp_path,
         open_token_path(tmp_path / "empty", T, "padded")
 
 
+@pytest.mark.parametrize("packing", ["varlen", "causal"])
+def test_packed_token_folder_skips_empty_documents(tmp_path, caplog, packing: str) -> None:
+    """An empty document of a token folder was a lone BOS in the packed stream, its label the
+    next document's BOS (and a varlen segment of one token). Now it is skipped, with one
+    warning that counts them, as padded packing skips them; a folder of only empty documents
+    is refused as such (it was refused as a stream of too few tokens)."""
+    EOT = EOT_ID
+    docs = [[], [1, 2, 3], [], [], [4, 5], [6, 7, 8, 9, 10], []]
+    write_token_documents(tmp_path / "tok", docs)
+    with caplog.at_level(logging.WARNING, logger="fot.data"):
+        src = open_token_path(tmp_path / "tok", 4, packing)
+    warned = [r.getMessage() for r in caplog.records if "empty document" in r.getMessage()]
+    assert len(warned) == 1, warned
+    assert f"data.packing={packing} skips its 4 empty document(s) (of 7)" in warned[0]
+    epoch = [EOT, 1, 2, 3, EOT, 4, 5, EOT, 6, 7, 8, 9, 10]  # written out by hand
+    assert src.length == len(epoch)
+    stream = epoch * 3
+    inputs, labels = src.read(0, 8)  # into the third epoch
+    np.testing.assert_array_equal(inputs, [stream[4 * g : 4 * g + 4] for g in range(8)])
+    np.testing.assert_array_equal(labels, [stream[4 * g + 1 : 4 * g + 5] for g in range(8)])
+    batch = make_batch(inputs[:2], labels[:2], varlen=True)  # [EOT 1 2 3 | EOT 4 5 EOT]
+    assert batch.cu_seqlens.tolist() == [0, 4, 7, 8]
+    write_token_documents(tmp_path / "empty", [[], []])
+    with pytest.raises(ValueError, match=r"data.path=.*empty: no documents to train on: all 2"):
+        open_token_path(tmp_path / "empty", 4, packing)
+
+
 # ------------------------------------------------------------------ HF datasets
 
 
@@ -437,19 +464,25 @@ def test_hf_packed_state_stays_small_in_a_long_document() -> None:
     np.testing.assert_array_equal(resumed.read(10, 3)[1], doc[640 : 640 + 3 * T].reshape(3, T))
 
 
-@pytest.mark.parametrize("streaming", [False, True])
-def test_hf_packed_resume_at_every_step_equals_the_uninterrupted_run(streaming: bool) -> None:
+@pytest.mark.parametrize("source", ["hf", "hf streaming", "token folder"])
+def test_packed_resume_at_every_step_equals_the_uninterrupted_run(source: str, tmp_path) -> None:
     """Saved after every step (mid-document, at document boundaries, in the second epoch
     before and after the first one's end was seen), the state is small and resumes exactly,
-    on one rank and on each of two."""
+    on one rank and on each of two; empty documents are skipped (a token folder's were lone
+    BOS tokens)."""
     T, S, steps, after = 8, 4, 70, 3  # ~2.3 epochs; each resume reads 3 more steps
     docs = _hf_docs(_HF_LENGTHS)
+    if source == "token folder":
+        write_token_documents(tmp_path / "tok", [d.astype(np.uint16) for d in docs])
     want = _packed_oracle(docs, T, (steps + after) * S)[0]
     for world, micro in ((1, 4), (2, 1)):
         for rank in range(world):
 
             def stream(rank: int = rank, world: int = world, micro: int = micro) -> SequenceStream:
-                src = _hf_source(docs, T, streaming=streaming)
+                if source == "token folder":
+                    src = open_token_path(tmp_path / "tok", T, "causal")
+                else:
+                    src = _hf_source(docs, T, streaming=source == "hf streaming")
                 return SequenceStream(src, global_batch_size=S, micro_batch_size=micro,
                                       rank=rank, world_size=world)  # fmt: skip
 

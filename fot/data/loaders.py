@@ -212,14 +212,18 @@ def open_token_path(
     if p.is_dir():
         docs = TokenDocuments(p)
         source = _named(key, p, lambda: _documents_source(docs, seq_len, packing))
-        if empty := getattr(source, "empty_documents", 0):
+        if empty := source.empty_documents:
             _warn(
-                "%s=%s: data.packing=padded skips its %d empty document(s) (of %d), which "
-                "would each take a sequence without a token to learn",
+                "%s=%s: data.packing=%s skips its %d empty document(s) (of %d), which would "
+                "each %s",
                 key,
                 p,
+                packing,
                 empty,
                 len(docs),
+                "take a sequence without a token to learn"
+                if packing == "padded"
+                else "be a lone <|endoftext|> in the stream, with the next one as its label",
             )
         return source
     if is_token_folder(p.parent):

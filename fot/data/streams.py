@@ -21,6 +21,7 @@ Conventions (GPT-2 ids; ``EOT_ID = 50256`` is ``<|endoftext|>``):
   BOS, are concatenated into one stream; sequence ``g`` is ``stream[gT : gT+T+1]`` (inputs
   the first T, labels the last T), so all labels count. ``"varlen"`` adds ``cu_seqlens`` at
   every BOS so no token attends across documents; ``"causal"`` leaves attention unmasked.
+  Empty documents are skipped (each would be a lone BOS, the next BOS its label).
 * **Padded documents** (``packing="padded"``): sequence ``g`` is non-empty document
   ``g mod N``, BOS first and EOT after it, truncated to ``T + 1`` tokens (the rest of a longer
   document is dropped), padded with EOT; padded positions have label ``-100``. A document
@@ -248,16 +249,45 @@ class ZarrRowsSource:
 
 
 class _DocStarts(Sequence):
-    """Lazy ``[N+1]`` start positions of documents in the BOS-packed stream."""
+    """Lazy ``[K+1]`` start positions of the ``K`` non-empty documents in the BOS-packed
+    stream (the last: the stream's length), from all documents' ``[N+1]`` offsets and the
+    indices of the empty ones."""
 
-    def __init__(self, offsets: np.ndarray) -> None:
+    def __init__(self, offsets: np.ndarray, empty: np.ndarray) -> None:
         self.offsets = offsets
+        self.doc = _nonempty_documents(empty)
+        """``k -> i``: the index among all documents of the ``k``-th non-empty one."""
+        self._len = len(offsets) - len(empty)
 
     def __len__(self) -> int:
-        return len(self.offsets)
+        return self._len
 
-    def __getitem__(self, i: int) -> int:  # type: ignore[override]
-        return int(self.offsets[i]) + i  # one BOS per earlier document
+    def __getitem__(self, k: int) -> int:  # type: ignore[override]
+        return int(self.offsets[self.doc(k)]) + k  # one BOS per earlier non-empty document
+
+
+def _empty_documents(offsets: np.ndarray) -> np.ndarray:
+    """Indices of the documents without tokens, from the ``[N+1]`` document offsets."""
+    return np.flatnonzero(offsets[1:] == offsets[:-1])
+
+
+def _nonempty_documents(empty: np.ndarray) -> Callable[[int], int]:
+    """``k -> i``: the index among all documents of the ``k``-th non-empty one, given the
+    indices ``empty`` of the empty ones (ascending)."""
+    if not len(empty):
+        return lambda k: k
+    # for each empty document, the non-empty ones before it: the k-th non-empty document
+    # is document k + (empty documents whose count is <= k)
+    before = empty - np.arange(len(empty))
+    return lambda k: k + int(np.searchsorted(before, k, side="right"))
+
+
+def _no_documents_to_train_on(docs: int) -> str:
+    return (
+        "no documents to train on"
+        if docs == 0
+        else f"no documents to train on: all {docs} documents are empty"
+    )
 
 
 def _doc_offsets(docs: Sequence[np.ndarray]) -> np.ndarray:
@@ -309,37 +339,46 @@ class PackedSource:
         label needs the token after the last input): what validation may read without
         wrapping around."""
 
+    empty_documents = 0
+    """Documents without tokens, which the stream skips (:meth:`from_documents`): each would
+    be a lone BOS whose label is the next document's BOS."""
+
     @classmethod
     def from_documents(
         cls, docs: Sequence[np.ndarray], seq_len: int, *, varlen: bool = True
     ) -> PackedSource:
-        """Pack documents (token arrays without BOS), inserting EOT before each."""
-        if len(docs) == 0:
-            raise ValueError("no documents to train on")
-        starts = _DocStarts(_doc_offsets(docs))
+        """Pack documents (token arrays without BOS), inserting EOT before each; empty
+        documents are skipped (:attr:`empty_documents`)."""
+        offsets = _doc_offsets(docs)
+        empty = _empty_documents(offsets)
+        if len(docs) == len(empty):
+            raise ValueError(_no_documents_to_train_on(len(docs)))
+        starts = _DocStarts(offsets, empty)
         length = starts[len(starts) - 1]
 
         def read(start: int, n: int) -> np.ndarray:
             out = np.empty(n, dtype=np.int64)
-            i = bisect.bisect_right(starts, start) - 1  # document holding `start`
+            k = bisect.bisect_right(starts, start) - 1  # non-empty document holding `start`
             pos, filled = start, 0
             while filled < n:
-                doc_start = starts[i]
+                doc_start = starts[k]
                 if pos == doc_start:
                     out[filled] = EOT_ID
                     filled += 1
                     pos += 1
                     continue
                 local = pos - doc_start - 1
-                doc = docs[i]
+                doc = docs[starts.doc(k)]
                 take = min(n - filled, len(doc) - local)
                 out[filled : filled + take] = doc[local : local + take]
                 filled += take
                 pos += take
-                i += 1
+                k += 1
             return out
 
-        return cls(read, length, seq_len, varlen=varlen)
+        source = cls(read, length, seq_len, varlen=varlen)
+        source.empty_documents = len(empty)
+        return source
 
     @classmethod
     def from_flat(cls, tokens: np.ndarray, seq_len: int, *, varlen: bool = True) -> PackedSource:
@@ -385,31 +424,22 @@ class PaddedSource:
 
     def __init__(self, docs: Sequence[np.ndarray], seq_len: int) -> None:
         _check_seq_len(seq_len)
-        offsets = _doc_offsets(docs)
-        empty = np.flatnonzero(offsets[1:] == offsets[:-1])
+        empty = _empty_documents(_doc_offsets(docs))
         self.empty_documents = len(empty)
         """Documents without tokens, which no sequence holds."""
         if len(docs) == self.empty_documents:
-            raise ValueError(
-                "no documents to train on"
-                if len(docs) == 0
-                else f"no documents to train on: all {len(docs)} documents are empty"
-            )
+            raise ValueError(_no_documents_to_train_on(len(docs)))
         self.docs = docs
         self.seq_len = seq_len
         self.num_sequences = len(docs) - self.empty_documents
-        # for each empty document, the non-empty ones before it: the k-th non-empty document
-        # is document k + (empty documents whose count is <= k)
-        self._nonempty_before = empty - np.arange(len(empty))
+        self._doc = _nonempty_documents(empty)
 
     def read(self, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
         T = self.seq_len
         inputs = np.full((count, T), EOT_ID, dtype=np.int64)
         labels = np.full((count, T), IGNORE_INDEX, dtype=np.int64)
         for j in range(count):
-            k = (start + j) % self.num_sequences
-            i = k + int(np.searchsorted(self._nonempty_before, k, side="right"))
-            _pad_row(self.docs[i], inputs[j], labels[j])
+            _pad_row(self.docs[self._doc((start + j) % self.num_sequences)], inputs[j], labels[j])
         return inputs, labels
 
     def state_dict(self) -> dict[str, Any]:

@@ -946,6 +946,39 @@ def test_a_profile_one_rank_cannot_write_stops_every_rank_with_its_error(tmp_pat
 
 
 @pytest.mark.gpu
+def test_ddp_on_a_gpu_resumes_bit_identical(tmp_path) -> None:
+    """Eager DDP on a GPU, stopped by SIGTERM after step 5 and resumed, logs the losses and
+    gradient norms of the uninterrupted run and ends on its weights, bit for bit. Two tasks
+    share one GPU over gloo (NCCL takes one process per GPU), so a one-GPU machine checks it.
+    DDP rebuilds its gradient buckets after a run's first step: the resumed run's step 6
+    reads its gradients at other addresses than the uninterrupted run's step 6 (which is why
+    fot's gradient clip does not depend on them; here both clips happen to agree)."""
+    paths = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    gpu = {"CUDA_VISIBLE_DEVICES": (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0],
+           "PYTHONPATH": paths}  # fmt: skip
+    on_gpu = ("device=cuda", "parallel.backend=gloo")
+    whole, stopped = tmp_path / "whole", tmp_path / "stopped"
+    ranks = _two_srun_tasks(tmp_path, whole, *on_gpu, **gpu)
+    assert [code for code, _ in ranks] == [0, 0], ranks[0][1][-3000:] + ranks[1][1][-3000:]
+    ranks = _two_srun_tasks(
+        tmp_path, stopped, *on_gpu, **gpu, **{FAULT_ENV: "sigterm_after_step:4"}
+    )
+    assert [code for code, _ in ranks] == [143, 143], ranks[0][1][-3000:] + ranks[1][1][-3000:]
+    assert list_checkpoints(stopped / "checkpoints")[-1].name == "step_00000005"
+    ranks = _two_srun_tasks(tmp_path, stopped, *on_gpu, **gpu)
+    assert [code for code, _ in ranks] == [0, 0], ranks[0][1][-3000:] + ranks[1][1][-3000:]
+    a, b = _records(whole), _records(stopped)
+    assert sorted(a) == sorted(b) == list(range(1, 9))
+    assert [(a[s]["loss"], a[s]["grad_norm"]) for s in a] == [
+        (b[s]["loss"], b[s]["grad_norm"]) for s in a
+    ]
+    final = list_checkpoints(whole / "checkpoints")[-1].name
+    wa = torch.load(whole / "checkpoints" / final / "model.pt")
+    wb = torch.load(stopped / "checkpoints" / final / "model.pt")
+    assert final == "step_00000008" and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+@pytest.mark.gpu
 def test_srun_tasks_on_two_gpus_train_as_torchrun_does(tmp_path) -> None:
     """Two srun-like tasks on two GPUs (NCCL), each seeing both GPUs (``LOCAL_RANK`` picks
     one) or only its own (``--gpus-per-task=1``: device 0 of each), log the same losses as

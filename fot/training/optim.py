@@ -576,10 +576,11 @@ def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float) -> torch.Ten
     divisible by 16 bytes (after a parameter of, e.g., 2 floats) gets a norm that can differ in
     the last bit from the same values in their own allocation, and the clip scales every
     gradient by it. So eager DDP (gradients as bucket views), DDP in a CUDA graph (own
-    gradients), and a run resumed before DDP rebuilt its buckets took different steps from
-    equal gradients. Here such a gradient is copied to a fresh allocation (one at a time) for
-    its norm; aligned gradients are read in place, and the result equals torch's where every
-    gradient is aligned. Gradients that are DTensors (FSDP2) go to torch's function as they are.
+    gradients) took different steps from equal gradients, as can a run resumed before DDP
+    rebuilt its buckets. Here such a gradient is copied to a fresh allocation (one at a time)
+    for its norm; aligned gradients are read in place, and the result equals torch's where
+    every gradient is aligned (gradients of one device and dtype). Gradients that are DTensors
+    (FSDP2) go to torch's function as they are.
 
     Args:
         params: the parameters; those without a gradient are skipped (any shape, float dtype).

@@ -82,7 +82,7 @@ def main(cfg: DictConfig) -> None:
     from fot.training import train
     from fot.training.checkpoint import interrupted_message, write_text_atomic
     from fot.training.config import check_multirun_out_dir
-    from fot.training.parallel import OtherRankGoneError
+    from fot.training.parallel import OtherRankGoneError, record_interrupted
     from fot.training.signals import EXIT_STATUS as SIGTERM_EXIT_STATUS
     from fot.training.signals import TrainingStopped
 
@@ -109,6 +109,7 @@ def main(cfg: DictConfig) -> None:
         sweep = Path(hydra_cfg.sweep.dir).absolute()
 
     def interrupted() -> None:
+        record_interrupted()  # for a rank left waiting, if Ctrl-C reached this process alone
         if int(os.environ.get("RANK", "0")) == 0:  # torchrun interrupts every rank
             out_dir = cfg.out_dir or hydra_cfg.runtime.output_dir
             branch = cfg.get("branch_from")
@@ -148,7 +149,7 @@ def main(cfg: DictConfig) -> None:
             f"train.py (rank {os.environ.get('RANK', '0')} of {world})" if world > 1 else "train.py"
         )
         if isinstance(err, OtherRankGoneError) and int(os.environ.get("RANK", "0")) == 0:
-            # the rank that exited may say nothing of it (Ctrl-C to that process alone)
+            # the rank that exited says nothing of it (Ctrl-C to that process alone): this names it
             out_dir = cfg.out_dir or hydra_cfg.runtime.output_dir
             kept = interrupted_message(
                 out_dir, cfg.resume, cfg.get("branch_from"), sweep, event="the run stopped"

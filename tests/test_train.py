@@ -886,8 +886,10 @@ def test_ctrl_c_to_one_rank_stops_the_other_with_one_line(tmp_path, interrupted:
     """SIGINT to one process of the run (``kill -INT <pid>``, a scheduler signalling one task)
     stops it at once, as Ctrl-C does. The other one waited in its next collective until gloo
     noticed the process had gone, then printed ~100 lines of gloo's "Connection closed by
-    peer" traceback. Now it prints one line that points at the other process, and rank 0
-    says what the run kept and how to continue; the checkpoints written before are whole."""
+    peer" traceback. Now it prints one line that names the interrupted rank (which says so in
+    the process group's store before it exits: a rank other than 0 prints nothing, as on a
+    Ctrl-C to every rank), and rank 0 says what the run kept and how to continue; the
+    checkpoints written before are whole."""
     run = tmp_path / "run"
     ranks = _two_srun_tasks(tmp_path, run, **{FAULT_ENV: f"sigint_after_step:3:{interrupted}"})
     other = 1 - interrupted
@@ -896,16 +898,36 @@ def test_ctrl_c_to_one_rank_stops_the_other_with_one_line(tmp_path, interrupted:
     assert _whole_checkpoints(run) == ["step_00000002"]  # step 3 is lost, as on Ctrl-C
     kept = (f"the latest checkpoint is {run}/checkpoints/step_00000002 (later steps are lost): "
             f"run the same command with out_dir={run} to continue from it (resume=auto)")  # fmt: skip
-    pointer = (f"train.py (rank {other} of 2): error: another process of the run exited while "
-               "this one waited for it in a collective, and this one stops too: that process's "
-               "output, or the launcher's summary of exit codes (130: Ctrl-C or SIGINT to it), "
-               "says which one and why")  # fmt: skip
+    named = (f"train.py (rank {other} of 2): error: rank {interrupted} was interrupted (Ctrl-C "
+             "or SIGINT to it) while this one waited for it in a collective, and this one stops "
+             "too")  # fmt: skip
     if interrupted == 1:  # silent: the other ranks of a Ctrl-C in a terminal say nothing
         assert ranks[1][1] == ""
-        assert f"{pointer}; the run stopped; {kept}\n" in ranks[0][1], ranks[0][1][-3000:]
+        assert f"{named}; the run stopped; {kept}\n" in ranks[0][1], ranks[0][1][-3000:]
     else:
         assert f"train.py: interrupted; {kept}\n" in ranks[0][1], ranks[0][1][-3000:]
-        assert ranks[1][1].startswith(f"{pointer}\n(set HYDRA_FULL_ERROR=1"), ranks[1][1]
+        # rank 0's store outlives its gloo connections by a moment; where it is gone first
+        # rank 1 can say no more than that rank 0 exited
+        gone = ("train.py (rank 1 of 2): error: rank 0 exited while this one waited for it in "
+                "a collective, and this one stops too: its output, or the launcher's summary of "
+                "exit codes (130: Ctrl-C or SIGINT to it), says why")  # fmt: skip
+        assert ranks[1][1].startswith((f"{named}\n(set HYDRA", f"{gone}\n(set HYDRA")), ranks[1][1]
+
+
+def test_a_killed_rank_0_is_named_by_the_other_rank(tmp_path) -> None:
+    """Rank 0 killed (SIGKILL: the out-of-memory killer) says nothing, and the store of the
+    run's process group, which lives in its process, is gone with it: the other rank says
+    that rank 0 exited, where it said "another process of the run", in one line."""
+    run = tmp_path / "run"
+    ranks = _two_srun_tasks(tmp_path, run, **{FAULT_ENV: "kill_after_step:3"})
+    assert ranks[0][0] == -signal.SIGKILL and ranks[1][0] == 2, ranks[1][1][-3000:]
+    assert ranks[1][1] == (
+        "train.py (rank 1 of 2): error: rank 0 exited while this one waited for it in a "
+        "collective, and this one stops too: its output, or the launcher's summary of exit "
+        "codes (130: Ctrl-C or SIGINT to it), says why\n(set HYDRA_FULL_ERROR=1 for the "
+        "traceback)\n"
+    )
+    assert _whole_checkpoints(run) == ["step_00000002"]
 
 
 def test_a_run_lock_that_rank_0_cannot_open_stops_every_rank_with_its_error(tmp_path) -> None:

@@ -205,11 +205,80 @@ class OtherRankGoneError(FotError, RuntimeError):
     this one waited for it in a collective; its own output says why."""
 
 
+_INTERRUPTED = "fot/interrupted/{rank}"
+"""The key in the process group's store where a rank stopped by Ctrl-C (SIGINT) says so
+(:func:`record_interrupted`), for the ranks it leaves waiting (:func:`other_rank_gone`)."""
+_STORE_TIMEOUT = datetime.timedelta(seconds=2)
+"""How long a rank that stops waits for the store: it answers at once, or is gone."""
+
+
+@contextlib.contextmanager
+def _quiet_cpp_warnings() -> Iterator[None]:
+    """File descriptor 2 goes to /dev/null inside the block. A call to a store whose process
+    has exited fails at once, but c10d first writes a warning with a 20-frame C++ trace to
+    it, which no Python setting silences (only ``TORCH_CPP_LOG_LEVEL`` at the start)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _group_store() -> dist.Store | None:
+    """The store of this process's group (its rendezvous), with a short timeout; ``None``
+    without a group of several processes."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return None
+    store = dist.distributed_c10d._get_default_store()
+    store.set_timeout(_STORE_TIMEOUT)
+    return store
+
+
+def record_interrupted() -> None:
+    """Note in the process group's store that this rank stops on Ctrl-C (SIGINT), so that a
+    rank it leaves waiting in a collective names it (:func:`other_rank_gone`): Ctrl-C in a
+    terminal interrupts every rank and only rank 0 speaks, so a rank interrupted alone
+    (``kill -INT``, a scheduler signalling one task) is otherwise silent. Nothing happens
+    without a group or where the store has gone (its process exited first)."""
+    with contextlib.suppress(RuntimeError), _quiet_cpp_warnings():
+        store = _group_store()
+        if store is not None:
+            # add, not set: it waits for the store's answer, so the key is there before this
+            # process exits and the others see their connections to it close
+            store.add(_INTERRUPTED.format(rank=dist.get_rank()), 1)
+
+
+def _interrupted_ranks() -> list[int] | None:
+    """The other ranks that said in the store that Ctrl-C stopped them
+    (:func:`record_interrupted`); ``None`` where the store no longer answers."""
+    rank = dist.get_rank()
+    try:
+        with _quiet_cpp_warnings():
+            store = _group_store()
+            if store is None:
+                return []
+            keys = {r: _INTERRUPTED.format(rank=r) for r in range(dist.get_world_size())}
+            return [r for r, key in keys.items() if r != rank and store.check([key])]
+    except RuntimeError:  # DistNetworkError: the store's process has exited
+        return None
+
+
 def other_rank_gone(err: BaseException, what: str = "") -> OtherRankGoneError | None:
     """The one-line :class:`OtherRankGoneError` for ``err`` when it is gloo's error for a
     collective whose peer process has exited ("Connection closed by peer", raised as a
     ``RuntimeError`` of its C++ source location with a ~100-line traceback); ``None`` for
     any other error.
+
+    The message names the rank that exited where that is known: one that Ctrl-C stopped says
+    so in the store first (:func:`record_interrupted`). The store lives in rank 0's process
+    (the ``env://`` rendezvous of srun's tasks, or of torchrun with
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``) or in torchrun's agent
+    (``TORCHELASTIC_USE_AGENT_STORE=True``): where it is rank 0's and no longer answers,
+    rank 0 has exited, and says why itself.
 
     Args:
         err: the error a collective raised.
@@ -221,10 +290,25 @@ def other_rank_gone(err: BaseException, what: str = "") -> OtherRankGoneError | 
         or _PEER_GONE.search(str(err)) is None
     ):
         return None
+    where = f" {what}" if what else ""
+    waited = f"{where} while this one waited for it in a collective, and this one stops too"
+    interrupted = _interrupted_ranks() if dist.is_initialized() else []
+    if interrupted:
+        ranks = ", ".join(map(str, interrupted))
+        was = "ranks {} were" if len(interrupted) > 1 else "rank {} was"
+        return OtherRankGoneError(
+            f"{was.format(ranks)} interrupted (Ctrl-C or SIGINT to it){waited}"
+        )
+    codes = "the launcher's summary of exit codes (130: Ctrl-C or SIGINT to it)"
+    if (
+        interrupted is None
+        and dist.get_rank() != 0
+        and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True)
+    ):
+        return OtherRankGoneError(f"rank 0 exited{waited}: its output, or {codes}, says why")
     return OtherRankGoneError(
-        f"another process of the run exited{f' {what}' if what else ''} while this one "
-        "waited for it in a collective, and this one stops too: that process's output, or the "
-        "launcher's summary of exit codes (130: Ctrl-C or SIGINT to it), says which one and why"
+        f"another process of the run exited{waited}: that process's output, or {codes}, "
+        "says which one and why"
     )
 
 

@@ -949,6 +949,44 @@ def test_a_run_lock_that_rank_0_cannot_open_stops_every_rank_with_its_error(tmp_
     assert sorted(p.name for p in run.iterdir()) == [".run.lock", "train.log"]  # Hydra's log
 
 
+def test_records_rank_0_cannot_read_on_a_two_rank_resume_stop_every_rank_with_its_error(
+    tmp_path,
+) -> None:
+    """resume=<another folder's last checkpoint> reads that run's metrics.jsonl on rank 0
+    alone (its training record of that step, for final.json), and the other ranks wait for it
+    in a broadcast. Where rank 0 could not read it, a folder in its place was taken for no
+    records at all, and bytes that are not text stopped rank 0 with Python's "'utf-8' codec
+    can't decode byte 0xff" without the file's name. Now every rank stops at once with one
+    line naming the file, and neither run folder is changed."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    assert [code for code, _ in _two_srun_tasks(tmp_path, first)] == [0, 0]
+    records = first / "metrics.jsonl"
+    text = records.read_bytes()
+    kept = tmp_path / "metrics.jsonl"
+    records.rename(kept)
+    for why, make in (("Is a directory", records.mkdir),
+                      ("byte 3 is not UTF-8 text (invalid start byte)",
+                       lambda: records.write_bytes(b'{"s\xfftep": 8}\n' + text))):  # fmt: skip
+        make()
+        ranks = _two_srun_tasks(tmp_path, second, f"resume={first}/checkpoints/step_00000008")
+        assert [code for code, _ in ranks] == [2, 2], ranks[1][1][-3000:]
+        assert all("Traceback" not in e and "Connection closed" not in e for _, e in ranks), ranks
+        cause = (f"cannot read {records}: {why}. It holds a run's training and validation "
+                 "records: make it a readable file again, or move it aside to go on without "
+                 "them")  # fmt: skip
+        assert f"train.py (rank 0 of 2): error: {cause}\n" in ranks[0][1], ranks[0][1][-3000:]
+        assert (f"train.py (rank 1 of 2): error: rank 0 stopped the run while reading "
+                f"{records}: {cause}\n") in ranks[1][1], ranks[1][1][-3000:]  # fmt: skip
+        assert not (second / "checkpoints").exists() and not (second / "final.json").exists()
+        if records.is_dir():
+            assert not list(records.iterdir())
+            records.rmdir()
+        else:
+            assert records.read_bytes() == b'{"s\xfftep": 8}\n' + text
+    assert kept.read_bytes() == text
+    assert _whole_checkpoints(first) == ["step_00000006", "step_00000008"]
+
+
 def test_a_profile_one_rank_cannot_write_stops_every_rank_with_its_error(tmp_path) -> None:
     """Every rank writes its own profile files. Where one rank's write failed (here its
     ``rank1.json`` is a folder), that rank stopped with Python's message and the other went on
@@ -1959,6 +1997,16 @@ def test_abandon_newer_records_moves_later_steps_and_cut_lines_aside(tmp_path) -
     assert abandon_newer_records(path, 2) == 0
     assert abandon_newer_records(path, 0) == 2  # a new run in the same folder: all moved
     assert path.read_text() == "" and len(aside.read_text().splitlines()) == 5
+    # a file that cannot be read stops the run with its name (it was taken for no records, or
+    # stopped it with "'utf-8' codec can't decode byte 0xff"), and is left as it is
+    path.write_bytes(b'{"step": 1}\n\xff\n')
+    with pytest.raises(ValueError, match=f"^cannot read {path}: byte 12 is not UTF-8 text"):
+        abandon_newer_records(path, 0)
+    assert path.read_bytes() == b'{"step": 1}\n\xff\n'
+    path.unlink()
+    path.mkdir()
+    with pytest.raises(ValueError, match=f"^cannot read {path}: Is a directory. It holds a run's"):
+        abandon_newer_records(path, 0)
 
 
 def test_a_delete_cut_short_by_keep_last_leaves_no_checkpoint_that_looks_complete(

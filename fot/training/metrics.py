@@ -172,6 +172,28 @@ def resolve_wandb_mode(mode: str) -> str:
     return "offline"
 
 
+def read_records(path: str | os.PathLike) -> list[str]:
+    """The lines of a run's ``metrics.jsonl`` (none where there is no such file).
+
+    Raises:
+        ValueError: it cannot be read (a folder in its place, no permission, an I/O error, or
+            bytes that are not text), naming the file and the fix.
+    """
+    p = Path(path)
+    try:
+        return p.read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    except OSError as err:
+        why = err.strerror or str(err)
+    except UnicodeDecodeError as err:
+        why = f"byte {err.start} is not UTF-8 text ({err.reason})"
+    raise ValueError(
+        f"cannot read {p}: {why}. It holds a run's training and validation records: make it a "
+        "readable file again, or move it aside to go on without them"
+    )
+
+
 def abandon_newer_records(path: str | os.PathLike, step: int) -> int:
     """Move the records of steps after ``step`` out of a ``metrics.jsonl`` (rank 0, at start).
 
@@ -186,11 +208,9 @@ def abandon_newer_records(path: str | os.PathLike, step: int) -> int:
         The number of lines moved.
     """
     p = Path(path)
-    if not p.is_file():
-        return 0
     keep: list[str] = []
     moved: list[str] = []
-    for line in p.read_text().splitlines():
+    for line in read_records(p):
         if not line.strip():
             continue
         try:

@@ -51,6 +51,7 @@ from fot.training.metrics import (
     abandon_newer_records,
     peak_flops_per_device,
     peak_memory_gib,
+    read_records,
 )
 from fot.training.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 from fot.training.parallel import (
@@ -618,11 +619,10 @@ def _on_rank0(read: Callable[[], Any], info: DistInfo, what: str) -> Any:
 
 def _records_at(path: Path, step: int) -> dict[str, dict[str, Any]]:
     """The records a run logged at ``step`` in its ``metrics.jsonl``: ``{"train": the training
-    record (empty if none), "val": the validation values (``val/*`` keys; empty if none)}``."""
+    record (empty if none), "val": the validation values (``val/*`` keys; empty if none)}``;
+    a file that cannot be read raises :func:`fot.training.metrics.read_records`'s error."""
     found: dict[str, dict[str, Any]] = {"train": {}, "val": {}}
-    if not path.is_file():
-        return found
-    for line in path.read_text().splitlines():
+    for line in read_records(path):
         try:
             rec = json.loads(line)
         except ValueError:

@@ -233,7 +233,7 @@ def _group_store() -> dist.Store | None:
     without a group of several processes."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return None
-    store = dist.distributed_c10d._get_default_store()
+    store = dist.distributed_c10d._get_default_store()  # (torch has no public accessor)
     store.set_timeout(_STORE_TIMEOUT)
     return store
 

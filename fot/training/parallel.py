@@ -231,9 +231,11 @@ def _quiet_cpp_warnings() -> Iterator[None]:
 def _group_store() -> dist.Store | None:
     """The store of this process's group (its rendezvous), with a short timeout; ``None``
     without a group of several processes."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
+    # (torch has no public accessor: a torch without this one names no rank, as before)
+    default_store = getattr(dist.distributed_c10d, "_get_default_store", None)
+    if default_store is None or not (dist.is_initialized() and dist.get_world_size() > 1):
         return None
-    store = dist.distributed_c10d._get_default_store()  # (torch has no public accessor)
+    store = default_store()
     store.set_timeout(_STORE_TIMEOUT)
     return store
 

@@ -24,10 +24,20 @@ for every sequence it concatenates the rest of the document and copies it back, 
 per sequence (one pass, stopped after ``--naive-s`` seconds). Every reader must read the same
 tokens as ``data=hf`` (checked step by step, by SHA-256).
 
+``--reader trainer`` times what the training loop does on the host for one step's data from a
+token folder: :meth:`fot.data.streams.SequenceStream.next_step` (``--rows`` sequences, one
+rank's share, cut into micro batches of ``--micro-batch``, ``cu_seqlens`` for varlen) plus the
+trainer's token-id screen and label count, for each packing (varlen, causal, padded) and
+``--seq-len``, on folders of ``--tokens`` random ids in documents of about each
+``--doc-len`` tokens (the median over ``--budget-s`` seconds of steps); then the time to
+open each folder, resume at step 100,000 (the position and the data-digest check, which
+re-reads the last step) and read the first step there.
+
     python benchmarks/data_read.py       # LongCrawl64's chunks (2048 x 2048) and two others
     python benchmarks/data_read.py --zarr /data/longcrawl64/train.zarr --steps 200
     python benchmarks/data_read.py --reader packed    # 2M tokens, T = 512 and 2048
     python benchmarks/data_read.py --reader packed --tokens 20000000 --seq-len 4096 --naive-s 10
+    python benchmarks/data_read.py --reader trainer   # 50M tokens, T = 16384, 2048 and 256
 """
 
 from __future__ import annotations
@@ -46,7 +56,7 @@ from typing import Any
 import numpy as np
 
 from fot.data.loaders import open_token_path
-from fot.data.streams import EOT_ID, HFSource, ZarrRowsSource
+from fot.data.streams import EOT_ID, HFSource, SequenceStream, ZarrRowsSource
 from fot.data.tokens import write_token_documents
 from fot.data.zarr_store import ChunkReader, open_zarr_array
 
@@ -272,8 +282,77 @@ def _packed_table(results: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+# --------------------------------------------------------------------------------------------
+# a training step's data from a token folder (--reader trainer)
+# --------------------------------------------------------------------------------------------
+
+PACKINGS = ("varlen", "causal", "padded")
+
+
+def _time_step_data(stream: SequenceStream, budget_s: float) -> float:
+    """Median host seconds of one step's data as the trainer takes it: ``next_step`` and the
+    token-id screen and label count it runs on every step's batches."""
+    from fot.training.trainer import _screen_token_ids
+
+    times: list[float] = []
+    start = time.perf_counter()
+    while time.perf_counter() - start < budget_s or len(times) < 3:
+        t = time.perf_counter()
+        batches, _ = _screen_token_ids(stream.next_step(), EOT_ID + 1, what="", world_size=1)
+        for b in batches:
+            b.num_label_tokens()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def _steps_table(args: argparse.Namespace, tmp: Path) -> list[dict[str, Any]]:
+    """``--reader trainer``: print and return one row per folder, T and packing (``ms_per_step``,
+    ``tokens_per_s``), then the open / resume / first-step times per folder."""
+    print(
+        "| documents | T | micro batch | sequences per step | packing | ms per step | M tokens/s |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    results, folders = [], []
+    for doc_len in args.doc_len:
+        docs = documents("short", args.tokens, doc_len)
+        folder = tmp / f"docs{doc_len}"
+        write_token_documents(folder, docs)
+        folders.append((f"{len(docs):,} of ~{doc_len:,} tokens", folder))
+        for T in args.seq_len:
+            for packing in PACKINGS:
+                stream = SequenceStream(
+                    open_token_path(folder, T, packing),
+                    global_batch_size=args.rows,
+                    micro_batch_size=args.micro_batch,
+                )
+                stream.next_step()  # (the first read opens the memmaps)
+                s = _time_step_data(stream, args.budget_s)
+                rate = args.rows * T / s
+                results.append({"doc_len": doc_len, "T": T, "packing": packing,
+                                "ms_per_step": s * 1e3, "tokens_per_s": rate})  # fmt: skip
+                print(f"| {folders[-1][0]} | {T} | {args.micro_batch} | {args.rows} | {packing} "
+                      f"| {s * 1e3:.2f} | {rate / 1e6:.1f} |")  # fmt: skip
+    T = max(args.seq_len)
+    print("\n| documents | open (ms) | resume at step 100,000 (ms) | first step there (ms) |")
+    print("|---|---|---|---|")
+    for name, folder in folders:
+        t0 = time.perf_counter()
+        stream = SequenceStream(open_token_path(folder, T, "varlen"),
+                                global_batch_size=args.rows, micro_batch_size=args.micro_batch)  # fmt: skip
+        t1 = time.perf_counter()
+        stream.load_state_dict({"position": 100_000 * args.rows, "source": {}})
+        stream.last_step_digest()
+        t2 = time.perf_counter()
+        stream.next_step()
+        t3 = time.perf_counter()
+        print(f"| {name} | {(t1 - t0) * 1e3:.0f} | {(t2 - t1) * 1e3:.0f} | {(t3 - t2) * 1e3:.0f} |")
+    return results
+
+
 ZARR_ONLY = ("zarr", "array_rows", "row_len", "chunks", "gpu_ms")
-PACKED_ONLY = ("tokens", "short_len", "naive_s", "repeats")
+PACKED_ONLY = ("short_len", "naive_s", "repeats")
+TRAINER_ONLY = ("doc_len", "micro_batch", "budget_s")
+ONLY = {"zarr": ZARR_ONLY, "packed": PACKED_ONLY, "trainer": TRAINER_ONLY}
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]] | None:
@@ -286,15 +365,18 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]] | None:
         ``--reader packed``: one dict per corpus (``corpus``: ``"long"`` or ``"short"``, as
         :func:`documents` makes it), ``T`` and reader (``ms_per_step``, ``tokens_per_s``,
         ``steps`` timed of ``of_steps``, and ``digests``: the SHA-256 of each step's inputs and
-        labels); ``--reader zarr``: ``None`` (the table alone).
+        labels); ``--reader trainer``: one dict per folder, T and packing (``doc_len``, ``T``,
+        ``packing``, ``ms_per_step``, ``tokens_per_s``); ``--reader zarr``: ``None`` (the table
+        alone).
     """
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
         "--reader",
-        choices=("zarr", "packed"),
+        choices=("zarr", "packed", "trainer"),
         default="zarr",
         help="zarr: LongCrawl64-shaped rows; packed: documents packed into sequences (data=hf, "
-        "token folders, flat .npy) against the naive baseline",
+        "token folders, flat .npy) against the naive baseline; trainer: a training step's data "
+        "from a token folder, as the trainer takes it",
     )
     p.add_argument("--zarr", help="an existing 2-D zarr token array (default: write some)")
     p.add_argument("--array-rows", type=int, default=2048, help="rows of the written arrays")
@@ -310,7 +392,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]] | None:
         "--seq-len",
         type=int,
         nargs="+",
-        help="T (default: zarr 16384; packed 512 2048, each timed)",
+        help="T (default: zarr 16384; packed 512 2048; trainer 16384 2048 256; each timed)",
     )
     p.add_argument("--rows", type=int, default=32, help="sequences per step (one rank's share)")
     p.add_argument(
@@ -320,7 +402,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]] | None:
     )
     p.add_argument("--gpu-ms", type=float, default=100.0, help="GPU time per step (a pause)")
     p.add_argument(
-        "--tokens", type=int, default=2_000_000, help="packed: ids in each corpus (no BOS)"
+        "--tokens",
+        type=int,
+        help="packed, trainer: ids in each corpus (no BOS; default: packed 2,000,000, "
+        "trainer 50,000,000)",
     )
     p.add_argument(
         "--short-len", type=int, default=1000, help="packed: mean length of a short document"
@@ -337,15 +422,37 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]] | None:
         default=3,
         help="packed: passes per reader, the fastest kept (the naive baselines make one)",
     )
+    p.add_argument(
+        "--doc-len",
+        type=int,
+        nargs="+",
+        default=[50, 1000],
+        help="trainer: the mean document length of each token folder timed",
+    )
+    p.add_argument("--micro-batch", type=int, default=1, help="trainer: sequences per micro batch")
+    p.add_argument(
+        "--budget-s", type=float, default=2.0, help="trainer: seconds of steps timed per row"
+    )
     args = p.parse_args(argv)
-    for name in PACKED_ONLY if args.reader == "zarr" else ZARR_ONLY:
-        if getattr(args, name) != p.get_default(name):
+    readers_of = {name: [r] for r, names in ONLY.items() for name in names}
+    readers_of["tokens"] = ["packed", "trainer"]
+    readers_of["steps"] = ["zarr", "packed"]
+    for name, readers in readers_of.items():
+        if args.reader not in readers and getattr(args, name) != p.get_default(name):
             flag = "--" + name.replace("_", "-")
-            readers = "--reader packed" if name in PACKED_ONLY else "--reader zarr (the default)"
-            p.error(f"{flag} applies to {readers} only; drop it, or pass {readers.split(' (')[0]}")
+            which = " or ".join(f"--reader {r}" for r in readers)
+            default = " (the default)" if readers == ["zarr"] else ""
+            p.error(
+                f"{flag} applies to {which}{default} only; drop it, or pass --reader {readers[0]}"
+            )
     if args.seq_len is None:
-        args.seq_len = [16384] if args.reader == "zarr" else [512, 2048]
-    for name in ("array_rows", "row_len", "rows", "steps", "tokens", "short_len", "repeats"):
+        args.seq_len = {"zarr": [16384], "packed": [512, 2048], "trainer": [16384, 2048, 256]}[
+            args.reader
+        ]
+    if args.tokens is None:
+        args.tokens = 50_000_000 if args.reader == "trainer" else 2_000_000
+    names = ("array_rows", "row_len", "rows", "steps", "tokens", "short_len", "repeats")
+    for name in (*names, "micro_batch"):
         value = getattr(args, name)
         if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -353,6 +460,20 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]] | None:
         p.error(f"--seq-len must be >= 1, got {min(args.seq_len)}")
     if args.naive_s <= 0:
         p.error(f"--naive-s must be > 0, got {args.naive_s}")
+    if args.reader == "trainer":
+        if min(args.doc_len) < 1 or args.budget_s <= 0:
+            p.error(
+                f"--doc-len must be >= 1 and --budget-s > 0, got {args.doc_len}, {args.budget_s}"
+            )
+        if args.rows % args.micro_batch:
+            p.error(f"--rows {args.rows} is not a multiple of --micro-batch {args.micro_batch}")
+        if args.tokens < args.rows * (max(args.seq_len) + 1):
+            p.error(
+                f"--tokens {args.tokens} is less than one step of --rows {args.rows} x "
+                f"--seq-len {max(args.seq_len)}; give more --tokens or fewer --rows"
+            )
+        with tempfile.TemporaryDirectory() as tmp:
+            return _steps_table(args, Path(tmp))
     if args.reader == "packed":
         T = max(args.seq_len)
         if args.tokens < args.rows * T:  # one pass over the stream must hold a step

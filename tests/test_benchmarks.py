@@ -1009,7 +1009,12 @@ def test_data_read_benchmark_packs_documents_as_numpy_does(bench, capsys, monkey
     for bad, msg in (
         (["--reader", "packed", "--chunks", "8x64"],
          "--chunks applies to --reader zarr (the default) only; drop it, or pass --reader zarr"),
-        (["--tokens", "9"], "--tokens applies to --reader packed only"),
+        (["--tokens", "9"], "--tokens applies to --reader packed or --reader trainer only"),
+        (["--reader", "trainer", "--steps", "3"],
+         "--steps applies to --reader zarr or --reader packed only; drop it, or pass --reader zarr"),
+        (["--reader", "packed", "--doc-len", "9"], "--doc-len applies to --reader trainer only"),
+        (["--reader", "trainer", "--rows", "6", "--micro-batch", "4"],
+         "--rows 6 is not a multiple of --micro-batch 4"),
         (["--reader", "packed", "--tokens", "100", "--rows", "4", "--seq-len", "7", "32"],
          "--tokens 100 is less than one step of --rows 4 x --seq-len 32; give more --tokens"),
         (["--reader", "packed", "--repeats", "0"], "--repeats must be >= 1, got 0"),
@@ -1019,6 +1024,36 @@ def test_data_read_benchmark_packs_documents_as_numpy_does(bench, capsys, monkey
         with pytest.raises(SystemExit):
             data_read.main(bad)
         assert msg in capsys.readouterr().err, bad
+
+
+def test_data_read_trainer_mode_times_the_trainers_step_data(bench, capsys, monkeypatch) -> None:
+    """benchmarks/data_read.py --reader trainer on small folders: a row per folder, T and
+    packing, each timing the trainer's own screen of each micro batch of next_step (counted
+    here), and a row of open / resume / first-step times per folder."""
+    import fot.training.trainer as trainer
+
+    data_read = bench["data_read"]
+    screened = []
+    screen = trainer._screen_token_ids
+
+    def counting(batches, *args, **kwargs):
+        screened.append(len(batches))
+        return screen(batches, *args, **kwargs)
+
+    monkeypatch.setattr(trainer, "_screen_token_ids", counting)
+    results = data_read.main(["--reader", "trainer", "--tokens", "20000", "--doc-len", "20", "300",
+                              "--seq-len", "64", "16", "--rows", "8", "--micro-batch", "2",
+                              "--budget-s", "0.01"])  # fmt: skip
+    assert [(r["doc_len"], r["T"], r["packing"]) for r in results] == [
+        (d, T, p) for d in (20, 300) for T in (64, 16) for p in ("varlen", "causal", "padded")
+    ]
+    assert all(r["tokens_per_s"] == pytest.approx(8 * r["T"] / r["ms_per_step"] * 1e3)
+               for r in results)  # fmt: skip
+    assert len(screened) >= 3 * len(results) and set(screened) == {4}  # 8 rows / micro batch 2
+    out = capsys.readouterr().out
+    assert "| documents | open (ms) | resume at step 100,000 (ms) |" in out
+    n_docs = len(data_read.documents("short", 20000, 300))
+    assert sum(line.startswith(f"| {n_docs} of ~300 tokens |") for line in out.splitlines()) == 7
 
 
 def test_optimizer_step_benchmark_times_every_optimizer_and_compares_the_muons(

@@ -930,6 +930,68 @@ def test_a_killed_rank_0_is_named_by_the_other_rank(tmp_path) -> None:
     assert _whole_checkpoints(run) == ["step_00000002"]
 
 
+_STORE_HOST_STOPPED = """
+import os, sys, time
+import torch.distributed as dist
+from fot.training.parallel import other_rank_gone, record_interrupted
+
+dist.init_process_group("gloo")
+dist.barrier()
+print("ready", flush=True)
+if dist.get_rank() == 0:
+    time.sleep(120)  # stopped here by the test (SIGSTOP): alive, but its store answers nothing
+sys.stdin.readline()  # rank 0 is stopped
+start = time.perf_counter()
+record_interrupted()
+print(f"recorded after {time.perf_counter() - start:.1f} s", flush=True)
+start = time.perf_counter()
+err = other_rank_gone(RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer"))
+print(f"{err} (after {time.perf_counter() - start:.1f} s)", flush=True)
+print("stderr is back", file=sys.stderr, flush=True)
+"""
+
+
+def test_a_rank_stops_though_the_store_of_the_group_does_not_answer(tmp_path) -> None:
+    """Ctrl-C to one rank notes it in the process group's store, which srun's tasks keep in
+    rank 0's process. Where that process was alive but did not answer (stopped, as under a
+    debugger, or on a host cut off), the Ctrl-C'd rank waited for the store forever and no
+    further Ctrl-C stopped it, nor a rank naming the one gone after gloo's error. Now each
+    waits at most 2 s for the store's answer, then stops; the rank gone is not named."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}  # fmt: skip
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _STORE_HOST_STOPPED],
+            env={**env, "RANK": str(rank)},
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    try:
+        assert [p.stdout.readline() for p in procs] == ["ready\n"] * 2
+        procs[0].send_signal(signal.SIGSTOP)
+        out, err = procs[1].communicate("go\n", timeout=30)
+        assert procs[1].returncode == 0, err[-3000:]
+        gone = (
+            "another process of the run exited while this one waited for it in a collective, "
+            "and this one stops too: that process's output, or the launcher's summary of exit "
+            "codes (130: Ctrl-C or SIGINT to it), says which one and why"
+        )
+        found = re.fullmatch(
+            rf"recorded after ([\d.]+) s\n{re.escape(gone)} \(after ([\d.]+) s\)\n", out
+        )
+        assert found and all(1.9 <= float(s) < 10 for s in found.groups()), out
+        # (a rank that started before rank 0 listened may warn of its retries first)
+        assert err.endswith("\nstderr is back\n") or err == "stderr is back\n", err[-3000:]
+    finally:
+        for p in procs:
+            p.kill()
+            p.communicate()
+
+
 def test_a_run_lock_that_rank_0_cannot_open_stops_every_rank_with_its_error(tmp_path) -> None:
     """Rank 0 alone takes the run folder's lock. An error there other than "in use" (the lock
     file unwritable: here a folder of its name) stopped rank 0 with Python's message while

@@ -10,8 +10,10 @@ import logging
 import os
 import re
 import sys
-from collections.abc import Iterator, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -208,8 +210,10 @@ class OtherRankGoneError(FotError, RuntimeError):
 _INTERRUPTED = "fot/interrupted/{rank}"
 """The key in the process group's store where a rank stopped by Ctrl-C (SIGINT) says so
 (:func:`record_interrupted`), for the ranks it leaves waiting (:func:`other_rank_gone`)."""
-_STORE_TIMEOUT = datetime.timedelta(seconds=2)
-"""How long a rank that stops waits for the store: it answers at once, or is gone."""
+_STORE_TIMEOUT_S = 2.0
+"""How long a rank that stops waits for the store's answer. A store whose process has exited
+fails at once; one whose process is alive but does not answer (stopped, as under a debugger, or
+on a host cut off) never does, and a call to it cannot be interrupted, not even by Ctrl-C."""
 
 
 @contextlib.contextmanager
@@ -228,16 +232,29 @@ def _quiet_cpp_warnings() -> Iterator[None]:
         os.close(saved)
 
 
-def _group_store() -> dist.Store | None:
-    """The store of this process's group (its rendezvous), with a short timeout; ``None``
-    without a group of several processes."""
+def _ask_group_store(ask: Callable[[dist.Store], Any]) -> tuple[str, Any]:
+    """``ask(store)`` on the store of this process's group (its rendezvous), waited for at most
+    :data:`_STORE_TIMEOUT_S`: ``("answer", its value)``, ``("gone", None)`` where the store's
+    process has exited, ``("silent", None)`` where no answer came in time (the call goes on,
+    blocked, in a daemon thread), ``("none", None)`` without a group of several processes."""
     # (torch has no public accessor: a torch without this one names no rank, as before)
     default_store = getattr(dist.distributed_c10d, "_get_default_store", None)
     if default_store is None or not (dist.is_initialized() and dist.get_world_size() > 1):
-        return None
+        return "none", None
     store = default_store()
-    store.set_timeout(_STORE_TIMEOUT)
-    return store
+    answers: list[tuple[str, Any]] = []
+
+    def call() -> None:
+        try:
+            answers.append(("answer", ask(store)))
+        except RuntimeError:  # DistNetworkError: the store's process has exited
+            answers.append(("gone", None))
+
+    with _quiet_cpp_warnings():
+        thread = threading.Thread(target=call, name="fot-store", daemon=True)
+        thread.start()
+        thread.join(_STORE_TIMEOUT_S)
+    return answers[0] if answers else ("silent", None)
 
 
 def record_interrupted() -> None:
@@ -245,28 +262,21 @@ def record_interrupted() -> None:
     rank it leaves waiting in a collective names it (:func:`other_rank_gone`): Ctrl-C in a
     terminal interrupts every rank and only rank 0 speaks, so a rank interrupted alone
     (``kill -INT``, a scheduler signalling one task) is otherwise silent. Nothing happens
-    without a group or where the store has gone (its process exited first)."""
-    with contextlib.suppress(RuntimeError), _quiet_cpp_warnings():
-        store = _group_store()
-        if store is not None:
-            # add, not set: it waits for the store's answer, so the key is there before this
-            # process exits and the others see their connections to it close
-            store.add(_INTERRUPTED.format(rank=dist.get_rank()), 1)
+    without a group or where the store has gone (its process exited first); a store that
+    does not answer is waited for :data:`_STORE_TIMEOUT_S` at most."""
+    # add, not set: it waits for the store's answer, so the key is there before this process
+    # exits and the others see their connections to it close
+    _ask_group_store(lambda store: store.add(_INTERRUPTED.format(rank=dist.get_rank()), 1))
 
 
 def _interrupted_ranks() -> list[int] | None:
     """The other ranks that said in the store that Ctrl-C stopped them
-    (:func:`record_interrupted`); ``None`` where the store no longer answers."""
-    rank = dist.get_rank()
-    try:
-        with _quiet_cpp_warnings():
-            store = _group_store()
-            if store is None:
-                return []
-            keys = {r: _INTERRUPTED.format(rank=r) for r in range(dist.get_world_size())}
-            return [r for r, key in keys.items() if r != rank and store.check([key])]
-    except RuntimeError:  # DistNetworkError: the store's process has exited
-        return None
+    (:func:`record_interrupted`); ``None`` where the store's process has exited, ``[]`` where
+    it does not answer in time (unknown)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    keys = {r: _INTERRUPTED.format(rank=r) for r in range(world) if r != rank}
+    how, found = _ask_group_store(lambda store: [r for r, k in keys.items() if store.check([k])])
+    return None if how == "gone" else found or []
 
 
 def other_rank_gone(err: BaseException, what: str = "") -> OtherRankGoneError | None:
@@ -279,8 +289,9 @@ def other_rank_gone(err: BaseException, what: str = "") -> OtherRankGoneError | 
     so in the store first (:func:`record_interrupted`). The store lives in rank 0's process
     (the ``env://`` rendezvous of srun's tasks, or of torchrun with
     ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``) or in torchrun's agent
-    (``TORCHELASTIC_USE_AGENT_STORE=True``): where it is rank 0's and no longer answers,
-    rank 0 has exited, and says why itself.
+    (``TORCHELASTIC_USE_AGENT_STORE=True``): where it is rank 0's and a call to it fails,
+    rank 0 has exited, and says why itself; a store that does not answer within
+    :data:`_STORE_TIMEOUT_S` (its process stopped, or its host cut off) names no rank.
 
     Args:
         err: the error a collective raised.

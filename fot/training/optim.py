@@ -562,9 +562,11 @@ def build_optimizer(
     return MuonAdamW(muon, adamw)
 
 
-# The widest load a GPU kernel vectorises (16 bytes: 4 floats): a tensor at an address that
-# this divides reads like a fresh allocation (which the caching allocator aligns to 512)
-_VECTOR_BYTES = 16
+def _read_like_a_fresh_allocation(t: torch.Tensor) -> bool:
+    """Whether ``t``'s address lets every kernel read it as it reads a fresh allocation (which
+    the caching allocator aligns to 512 bytes): a multiple of the widest vector load (16
+    bytes) and of 4 elements (foreach kernels load 4 at a time: 32 bytes of float64)."""
+    return t.data_ptr() % max(16, 4 * t.element_size()) == 0
 
 
 def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
@@ -573,14 +575,14 @@ def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float) -> torch.Ten
 
     torch sums each gradient's squares with kernels whose order of additions follows the
     gradient's address: a gradient that is a view into DDP's buckets at an address not
-    divisible by 16 bytes (after a parameter of, e.g., 2 floats) gets a norm that can differ in
-    the last bit from the same values in their own allocation, and the clip scales every
-    gradient by it. So eager DDP (gradients as bucket views), DDP in a CUDA graph (own
-    gradients) took different steps from equal gradients, as can a run resumed before DDP
-    rebuilt its buckets. Here such a gradient is copied to a fresh allocation (one at a time)
-    for its norm; aligned gradients are read in place, and the result equals torch's where
-    every gradient is aligned (gradients of one device and dtype). Gradients that are DTensors
-    (FSDP2) go to torch's function as they are.
+    divisible by 16 bytes (after a parameter of, e.g., 2 floats; 32 bytes for float64) gets
+    a norm that can differ in the last bit from that of the same values in their own
+    allocation, and the clip scales every gradient by it. So eager DDP (gradients as bucket
+    views) and DDP in a CUDA graph (own gradients) took different steps from equal
+    gradients, as can a run resumed before DDP rebuilt its buckets. Here such a gradient is
+    copied to a fresh allocation (one at a time) for its norm; the others are read in place,
+    and the result equals torch's where no gradient needs the copy (gradients of one device
+    and dtype). Gradients that are DTensors (FSDP2) go to torch's function as they are.
 
     Args:
         params: the parameters; those without a gradient are skipped (any shape, float dtype).
@@ -601,10 +603,10 @@ def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float) -> torch.Ten
         groups.setdefault((g.device, g.dtype), []).append(g)
     norms: list[torch.Tensor] = []
     for group in groups.values():
-        aligned = [g for g in group if g.data_ptr() % _VECTOR_BYTES == 0]
+        aligned = [g for g in group if _read_like_a_fresh_allocation(g)]
         in_place = iter(torch._foreach_norm(aligned, 2.0) if aligned else [])
         for g in group:
-            if g.data_ptr() % _VECTOR_BYTES == 0:
+            if _read_like_a_fresh_allocation(g):
                 norms.append(next(in_place))
             else:
                 norms.append(torch._foreach_norm([g.clone()], 2.0)[0])

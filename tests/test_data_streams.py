@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
 import signal
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +25,7 @@ from fot.data.streams import (
     iterate_eval_batches,
     make_batch,
 )
-from fot.data.tokens import write_token_documents
+from fot.data.tokens import TokenDocuments, write_token_documents
 
 
 def _zarr_rows(path, rows: int, row_len: int) -> np.ndarray:
@@ -132,6 +134,80 @@ def test_packed_documents_bos_order_and_wrap() -> None:
         s = (g * T) % len(stream)
         np.testing.assert_array_equal(inputs[g], cyc[s : s + T])
         np.testing.assert_array_equal(labels[g], cyc[s + 1 : s + T + 1])
+
+
+def _packed_stream(docs: list[np.ndarray]) -> np.ndarray:
+    """One epoch of the packed stream, built whole: ``[EOT] + doc`` for every non-empty
+    document, joined."""
+    return np.concatenate([np.concatenate([[EOT_ID], d]) for d in docs if len(d)]).astype(np.int64)
+
+
+def _random_folders(rng: np.random.Generator) -> Iterator[tuple[list[np.ndarray], int]]:
+    """Documents and a T whose stream holds at least T + 1 tokens: by hand (one document;
+    empty documents first, last and in a row; one-token documents; documents of T - 1, T and
+    T + 1 tokens; one of several sequences), then random ones, a third of their documents
+    empty, some longer than T."""
+
+    def doc(n: int) -> np.ndarray:
+        return rng.integers(0, 50000, n).astype(np.uint16)
+
+    yield [doc(20)], 4
+    yield [doc(n) for n in (0, 0, 7, 0, 0, 0, 5, 0, 0)], 3
+    yield [doc(1) for _ in range(9)], 2
+    yield [doc(n) for n in (4, 5, 6, 0, 5, 4, 6)], 5
+    yield [doc(40), doc(0), doc(1)], 7
+    while True:
+        T = int(rng.integers(2, 9))
+        lengths = [
+            0 if rng.random() < 1 / 3 else int(rng.integers(1, 4 if rng.random() < 0.5 else 3 * T))
+            for _ in range(int(rng.integers(1, 12)))
+        ]
+        if sum(n + 1 for n in lengths if n) >= T + 1:
+            yield [doc(n) for n in lengths], T
+
+
+def test_packed_read_equals_the_stream_built_whole(tmp_path, monkeypatch) -> None:
+    """Packed reads of documents (in memory, and from a token folder's tokens.bin) and of the
+    same stream as a flat array equal sequences cut from the whole stream (the oracle), on 85
+    folders: empty documents anywhere, one document, documents longer than a sequence; reads
+    from every sequence of two epochs on, far into later epochs, and batches that wrap around
+    the stream up to three times; and every window ``[s, s + n)`` of the stream a read asks
+    its documents for. A read now finds its documents with one ``searchsorted`` and fills the
+    window with a few NumPy operations from the folder's tokens.bin (it took a Python step per
+    document, indexing each)."""
+
+    def no_document_indexed(docs: TokenDocuments, i: int) -> np.ndarray:
+        raise AssertionError(f"the read indexed document {i}")
+
+    monkeypatch.setattr(TokenDocuments, "__getitem__", no_document_indexed)
+    rng = np.random.default_rng(5)
+    for case, (docs, T) in enumerate(itertools.islice(_random_folders(rng), 85)):
+        stream = _packed_stream(docs)
+        L = len(stream)
+        folder = write_token_documents(tmp_path / str(case), docs)
+        sources = [PackedSource.from_documents(d, T) for d in (docs, folder)]
+        for src in sources:
+            assert (src.length, src.empty_documents) == (L, sum(len(d) == 0 for d in docs))
+        sources.append(PackedSource.from_flat(stream, T))
+        epoch = -(-L // T)  # sequences until one starts in the next epoch
+        for start in [*range(2 * epoch + 1), int(rng.integers(0, 10**6)), 10**12 + 1]:
+            count = int(rng.integers(1, 3 * epoch + 2))
+            # sequence g: the T + 1 tokens from g * T of the stream repeated
+            g = np.arange(start, start + count)[:, None]
+            want = stream[(g * T + np.arange(T + 1)) % L]
+            for src in sources:
+                inputs, labels = src.read(start, count)
+                assert inputs.dtype == labels.dtype == np.int64
+                np.testing.assert_array_equal(inputs, want[:, :-1], err_msg=f"case {case}")
+                np.testing.assert_array_equal(labels, want[:, 1:], err_msg=f"case {case}")
+        for src in sources[:2]:
+            for s in range(L):
+                for n in {1, 2, L - s, int(rng.integers(1, L - s + 1))}:
+                    if s + n <= L:
+                        got = src._read_tokens(s, n)
+                        np.testing.assert_array_equal(
+                            got, stream[s : s + n], err_msg=f"case {case}"
+                        )
 
 
 def test_token_folder_equals_in_memory_docs(tmp_path) -> None:

@@ -33,7 +33,6 @@ Conventions (GPT-2 ids; ``EOT_ID = 50256`` is ``<|endoftext|>``):
 
 from __future__ import annotations
 
-import bisect
 import hashlib
 import math
 from collections.abc import Callable, Iterator, Sequence
@@ -248,24 +247,6 @@ class ZarrRowsSource:
 # --------------------------------------------------------------------------------------------
 
 
-class _DocStarts(Sequence):
-    """Lazy ``[K+1]`` start positions of the ``K`` non-empty documents in the BOS-packed
-    stream (the last: the stream's length), from all documents' ``[N+1]`` offsets and the
-    indices of the empty ones."""
-
-    def __init__(self, offsets: np.ndarray, empty: np.ndarray) -> None:
-        self.offsets = offsets
-        self.doc = _nonempty_documents(empty)
-        """``k -> i``: the index among all documents of the ``k``-th non-empty one."""
-        self._len = len(offsets) - len(empty)
-
-    def __len__(self) -> int:
-        return self._len
-
-    def __getitem__(self, k: int) -> int:  # type: ignore[override]
-        return int(self.offsets[self.doc(k)]) + k  # one BOS per earlier non-empty document
-
-
 def _empty_documents(offsets: np.ndarray) -> np.ndarray:
     """Indices of the documents without tokens, from the ``[N+1]`` document offsets."""
     return np.flatnonzero(offsets[1:] == offsets[:-1])
@@ -348,36 +329,40 @@ class PackedSource:
         cls, docs: Sequence[np.ndarray], seq_len: int, *, varlen: bool = True
     ) -> PackedSource:
         """Pack documents (token arrays without BOS), inserting EOT before each; empty
-        documents are skipped (:attr:`empty_documents`)."""
+        documents are skipped (:attr:`empty_documents`).
+
+        A token folder's documents (:class:`fot.data.tokens.TokenDocuments`) are read from its
+        ``tokens.bin`` memmap, where they lie back to back; other documents are joined into
+        one array first. A read finds the documents of its window with one ``searchsorted``
+        over their stream positions (an int64 per non-empty document, kept in memory as the
+        folder's ``doc_offsets.npy`` is) and copies their tokens with one slice.
+        """
         offsets = _doc_offsets(docs)
-        empty = _empty_documents(offsets)
-        if len(docs) == len(empty):
+        nonempty = np.flatnonzero(offsets[1:] > offsets[:-1])
+        if not len(nonempty):
             raise ValueError(_no_documents_to_train_on(len(docs)))
-        starts = _DocStarts(offsets, empty)
-        length = starts[len(starts) - 1]
+        # the stream is the non-empty documents' tokens back to back, with a BOS inserted
+        # before each: here, at its offset plus one for every earlier BOS
+        bos = offsets[nonempty] + np.arange(len(nonempty))
+        # a token folder's tokens.bin (memmap): document i is tokens[offsets[i]:offsets[i + 1]]
+        tokens = getattr(docs, "tokens", None) if hasattr(docs, "offsets") else None
+        if tokens is None:
+            tokens = np.concatenate([np.asarray(docs[i]) for i in nonempty])
 
         def read(start: int, n: int) -> np.ndarray:
+            # the BOS before the window and before its end; the tokens between them follow
+            # one another in `tokens`
+            lo, hi = np.searchsorted(bos, [start, start + n])
             out = np.empty(n, dtype=np.int64)
-            k = bisect.bisect_right(starts, start) - 1  # non-empty document holding `start`
-            pos, filled = start, 0
-            while filled < n:
-                doc_start = starts[k]
-                if pos == doc_start:
-                    out[filled] = EOT_ID
-                    filled += 1
-                    pos += 1
-                    continue
-                local = pos - doc_start - 1
-                doc = docs[starts.doc(k)]
-                take = min(n - filled, len(doc) - local)
-                out[filled : filled + take] = doc[local : local + take]
-                filled += take
-                pos += take
-                k += 1
+            at = bos[lo:hi] - start
+            is_token = np.ones(n, dtype=bool)
+            is_token[at] = False
+            out[is_token] = tokens[start - lo : start + n - hi]
+            out[at] = EOT_ID
             return out
 
-        source = cls(read, length, seq_len, varlen=varlen)
-        source.empty_documents = len(empty)
+        source = cls(read, int(offsets[-1]) + len(nonempty), seq_len, varlen=varlen)
+        source.empty_documents = len(docs) - len(nonempty)
         return source
 
     @classmethod
@@ -386,7 +371,7 @@ class PackedSource:
         if tokens.ndim != 1:
             raise ValueError(f"a flat token file must be 1-D, got shape {tokens.shape}")
         return cls(
-            lambda s, n: np.asarray(tokens[s : s + n], dtype=np.int64),
+            lambda s, n: np.array(tokens[s : s + n], dtype=np.int64),
             len(tokens),
             seq_len,
             varlen=varlen,
@@ -394,14 +379,15 @@ class PackedSource:
 
     def read(self, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
         T = self.seq_len
-        out = np.empty((count, T + 1), dtype=np.int64)
-        for j in range(count):
-            s = ((start + j) * T) % self.length
-            first = min(T + 1, self.length - s)
-            out[j, :first] = self._read_tokens(s, first)
-            if first < T + 1:  # wraps into the next epoch
-                out[j, first:] = self._read_tokens(0, T + 1 - first)
-        return out[:, :-1].copy(), out[:, 1:].copy()
+        # sequence start + j is window[jT : jT + T + 1]: one read of the tokens they span
+        # (consecutive sequences share a token), continued at the stream's start where it ends
+        left, pos, pieces = count * T + 1, start * T % self.length, []
+        while left:
+            n = min(left, self.length - pos)
+            pieces.append(self._read_tokens(pos, n))
+            left, pos = left - n, 0
+        window = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+        return window[:-1].reshape(count, T), window[1:].reshape(count, T).copy()
 
     def state_dict(self) -> dict[str, Any]:
         return {}

@@ -951,25 +951,25 @@ print("stderr is back", file=sys.stderr, flush=True)
 """
 
 
+def _two_ranks_of(code: str, **popen: object) -> list[subprocess.Popen]:
+    """Two processes running ``python -c code`` as ranks 0 and 1 of a gloo group on this host
+    (``env://`` variables set), their stdout and stderr piped as text."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}  # fmt: skip
+    return [
+        subprocess.Popen([sys.executable, "-c", code], env={**env, "RANK": str(rank)},
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+        for rank in (0, 1)
+    ]  # fmt: skip
+
+
 def test_a_rank_stops_though_the_store_of_the_group_does_not_answer(tmp_path) -> None:
     """Ctrl-C to one rank notes it in the process group's store, which srun's tasks keep in
     rank 0's process. Where that process was alive but did not answer (stopped, as under a
     debugger, or on a host cut off), the Ctrl-C'd rank waited for the store forever and no
     further Ctrl-C stopped it, nor a rank naming the one gone after gloo's error. Now each
     waits at most 2 s for the store's answer, then stops; the rank gone is not named."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}  # fmt: skip
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _STORE_HOST_STOPPED],
-            env={**env, "RANK": str(rank)},
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in (0, 1)
-    ]
+    procs = _two_ranks_of(_STORE_HOST_STOPPED, stdin=subprocess.PIPE)
     try:
         assert [p.stdout.readline() for p in procs] == ["ready\n"] * 2
         procs[0].send_signal(signal.SIGSTOP)
@@ -3968,19 +3968,7 @@ def test_sigterm_to_a_process_stuck_in_a_collective_ends_it(tmp_path) -> None:
     """When a rank dies, torchrun sends SIGTERM to the others; one waiting in a collective for
     the dead rank never ran the Python handler and sat there until torchrun's SIGKILL (as
     long as --shutdown-timeout, which the README suggests raising). The watcher ends it."""
-
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}  # fmt: skip
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _STUCK_IN_A_COLLECTIVE],
-            env={**env, "RANK": str(rank)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in (0, 1)
-    ]
+    procs = _two_ranks_of(_STUCK_IN_A_COLLECTIVE)
     try:
         assert procs[0].stdout.readline() == "waiting\n"
         time.sleep(0.5)  # into the all_reduce

@@ -303,6 +303,14 @@ def test_varlen_batch_cu_seqlens_mark_documents_and_rows() -> None:
     assert b.cu_seqlens.dtype == torch.int32
     assert b.cu_seqlens.tolist() == [0, 3, 5, 7, 10]
     assert make_batch(inputs, inputs, varlen=False).cu_seqlens is None
+    # against a per-token walk: a segment starts at every row start and every EOT
+    rng = np.random.default_rng(0)
+    for B, T in [(1, 1), (3, 1), (2, 7), (4, 33)]:
+        rows = np.where(rng.random((B, T)) < 0.3, EOT_ID, rng.integers(0, 100, (B, T)))
+        rows = rows.astype(np.uint16)
+        walk = [i for i, t in enumerate(rows.reshape(-1)) if i % T == 0 or t == EOT_ID]
+        got = make_batch(rows, rows, varlen=True).cu_seqlens.tolist()
+        assert got == walk + [B * T], (B, T)
 
 
 def test_padded_documents() -> None:

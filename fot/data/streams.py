@@ -794,8 +794,9 @@ def make_batch(inputs: np.ndarray, labels: np.ndarray, *, varlen: bool) -> Batch
     if not varlen:
         return Batch(torch.from_numpy(inputs), torch.from_numpy(labels), None, T)
     flat = inputs.reshape(-1)
-    starts = np.flatnonzero(flat == EOT_ID)
-    bounds = np.union1d(np.union1d(starts, np.arange(B) * T), [B * T]).astype(np.int32)
+    starts = flat == EOT_ID
+    starts[::T] = True  # every row starts a segment
+    bounds = np.append(np.flatnonzero(starts), B * T).astype(np.int32)
     return Batch(
         torch.from_numpy(flat.reshape(1, -1)),
         torch.from_numpy(labels.reshape(1, -1)),

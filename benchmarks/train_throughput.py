@@ -387,7 +387,7 @@ def measure(name: str, s: Settings) -> dict[str, Any]:
         catches it).
     """
     from fot.training.config import OptimConfig
-    from fot.training.optim import build_optimizer
+    from fot.training.optim import build_optimizer, clip_grad_norm
 
     dev = s.device
     mem_before = 0.0
@@ -432,7 +432,7 @@ def measure(name: str, s: Settings) -> dict[str, Any]:
         with amp():
             loss = loss_fn(model, input_ids, shift_labels)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        clip_grad_norm(model.parameters(), 1.0)  # the trainer's
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return loss.detach()
@@ -452,7 +452,7 @@ def measure(name: str, s: Settings) -> dict[str, Any]:
             with amp():
                 loss = loss_fn(model, b.input_ids, b.labels)
             loss.backward()
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            norm = clip_grad_norm(model.parameters(), 1.0)  # the trainer's
             optimizer.step()
             return loss.detach().double(), norm
 

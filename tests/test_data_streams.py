@@ -310,7 +310,7 @@ def test_varlen_batch_cu_seqlens_mark_documents_and_rows() -> None:
         rows = rows.astype(np.uint16)
         walk = [i for i, t in enumerate(rows.reshape(-1)) if i % T == 0 or t == EOT_ID]
         got = make_batch(rows, rows, varlen=True).cu_seqlens.tolist()
-        assert got == walk + [B * T], (B, T)
+        assert got == [*walk, B * T], (B, T)
 
 
 def test_padded_documents() -> None:

@@ -1049,6 +1049,26 @@ def test_records_rank_0_cannot_read_on_a_two_rank_resume_stop_every_rank_with_it
     assert _whole_checkpoints(first) == ["step_00000006", "step_00000008"]
 
 
+def test_a_records_file_that_cannot_be_written_is_named_with_the_fix(tmp_path) -> None:
+    """``metrics.jsonl`` left as a symbolic link into a folder that is gone (a moved scratch
+    disk) stopped the run with "[Errno 2] No such file or directory: '.../metrics.jsonl'",
+    naming a file that ``ls`` shows. Now the message says it is a link and where to, and the
+    link is left as it was."""
+    run = tmp_path / "run"
+    run.mkdir()
+    target = tmp_path / "gone" / "metrics.jsonl"
+    (run / "metrics.jsonl").symlink_to(target)
+    with pytest.raises(ValueError) as err:
+        train(_cfg(run))
+    assert str(err.value) == (
+        f"cannot write {run}/metrics.jsonl: No such file or directory (it is a symbolic link "
+        f"to {target}). It holds the run's training and validation records: make it a "
+        "writable file (or a link to one) again, or move it aside"
+    )
+    assert os.readlink(run / "metrics.jsonl") == str(target) and not target.parent.exists()
+    assert not (run / "checkpoints").exists()
+
+
 def test_a_profile_one_rank_cannot_write_stops_every_rank_with_its_error(tmp_path) -> None:
     """Every rank writes its own profile files. Where one rank's write failed (here its
     ``rank1.json`` is a folder), that rank stopped with Python's message and the other went on

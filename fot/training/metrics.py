@@ -259,7 +259,16 @@ class MetricsLogger:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # unbuffered bytes: a write that fails (a full disk) is cut back off the file in log()
-        self._file = open(self.path, "ab", buffering=0)  # noqa: SIM115 - closed in close()
+        try:
+            self._file = open(self.path, "ab", buffering=0)  # noqa: SIM115 - closed in close()
+        except OSError as err:
+            why = err.strerror or str(err)
+            if self.path.is_symlink():
+                why += f" (it is a symbolic link to {os.readlink(self.path)})"
+            raise ValueError(
+                f"cannot write {self.path}: {why}. It holds the run's training and validation "
+                "records: make it a writable file (or a link to one) again, or move it aside"
+            ) from None
         mode = resolve_wandb_mode(wandb_cfg.mode)
         if mode == "disabled":
             return

@@ -21,7 +21,10 @@ if __name__ == "kernels":
     # Imported as a top-level `kernels`: Python was started in the checkout root (a REPL, a
     # notebook, `python -m ...`), which puts the root on sys.path, and something imported
     # `kernels` before `fot` took the root off it. That name belongs to Hugging Face's `kernels`
-    # package, which transformers (>= 5.25) imports: hand the name over to it.
+    # package, which transformers (>= 5.25) imports: hand the name over to it. Where it is not
+    # installed, stand in as an empty namespace: transformers 5.10-5.24 import `kernels` to ask
+    # whether it is installed (`import transformers.modeling_utils`, `import fla`) and read a
+    # module without `__file__` or `__version__` as "not installed".
     import importlib.util as _util
     import os as _os
     import sys as _sys
@@ -33,14 +36,26 @@ if __name__ == "kernels":
     _path = [p for p in _sys.path if _os.path.realpath(p or _os.curdir) != _root]
     _spec = _PathFinder.find_spec("kernels", _path)
     if _spec is None or _spec.loader is None:
-        raise ModuleNotFoundError(
-            f"no module named 'kernels' outside the fot checkout {_root}: its kernels/ folder "
-            "is fot.kernels (import fot.kernels), not a top-level module",
-            name="kernels",
+        import types as _types
+        from importlib.machinery import ModuleSpec as _ModuleSpec
+
+        _why = (
+            f"Hugging Face's `kernels` package is not installed, and the fot checkout {_root}'s "
+            "kernels/ folder is fot.kernels (import fot.kernels), not a top-level module"
         )
-    _module = _util.module_from_spec(_spec)
-    _sys.modules["kernels"] = _module  # the import statement returns what is here at the end
-    _spec.loader.exec_module(_module)
+
+        def _no_attribute(name: str) -> None:
+            raise AttributeError(f"module 'kernels' has no attribute {name!r}: {_why}")
+
+        _module = _types.ModuleType("kernels", f"An empty stand-in: {_why}.")
+        _module.__spec__ = _ModuleSpec("kernels", None, is_package=True)  # no origin, no file
+        _module.__path__ = []
+        _module.__getattr__ = _no_attribute
+        _sys.modules["kernels"] = _module
+    else:
+        _module = _util.module_from_spec(_spec)
+        _sys.modules["kernels"] = _module  # the import statement returns what is here at the end
+        _spec.loader.exec_module(_module)
 else:
     from .decode import forgetting_attention_decode
     from .forgetting_attention import PruneStats, forgetting_attention

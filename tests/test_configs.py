@@ -477,6 +477,79 @@ def test_mul_resolver_refuses_non_integers() -> None:
         mul(8, 2.5)
 
 
+# -- every train.py command of the README and the reference pages --------------------------------
+
+
+def _doc_train_commands() -> list[tuple[str, int, list[str]]]:
+    """The ``train.py`` commands a user copies from the README, docs/training.md and
+    docs/models.md (bash blocks, and inline code of whole commands), also those run by
+    torchrun or srun: ``(page, processes, train.py's arguments)``. Commands with placeholders
+    (``...``, ``<dir>``) are left out."""
+    import shlex
+
+    commands = []
+    for page in ("README.md", "docs/training.md", "docs/models.md"):
+        text = (CONFIGS.parent / page).read_text()
+        blocks = re.findall(r"```bash\n(.*?)```", text, re.S)
+        lines = [ln for block in blocks for ln in block.replace("\\\n", " ").splitlines()]
+        lines += re.findall(r"`((?:python|torchrun|srun) [^`]*)`", text)
+        for line in lines:
+            words = shlex.split(line, comments=True)
+            if "train.py" not in words or any("..." in w or "<" in w for w in words):
+                continue
+            at = words.index("train.py")
+            launcher = dict(w[2:].split("=", 1) for w in words[:at] if w[:2] == "--" and "=" in w)
+            per_node = launcher.get("nproc_per_node", launcher.get("ntasks-per-node", 1))
+            nodes = launcher.get("nnodes", launcher.get("nodes", 1))
+            commands.append((page, int(per_node) * int(nodes), words[at + 1 :]))
+    return commands
+
+
+DOC_TRAIN_COMMANDS = _doc_train_commands()
+
+
+def test_the_docs_show_train_commands() -> None:
+    """The parser above finds the pages' commands (the test below would pass on none)."""
+    pages = {page for page, _, _ in DOC_TRAIN_COMMANDS}
+    assert {"README.md", "docs/training.md"} <= pages and len(DOC_TRAIN_COMMANDS) >= 12
+    assert (8 * 4, ["experiment=fot_pro_760m_48b", "data.path=/data/longcrawl64"]) in [
+        (n, args[:2]) for page, n, args in DOC_TRAIN_COMMANDS if page == "docs/training.md"
+    ]  # the four-node torchrun and srun commands, their lines joined
+
+
+@pytest.mark.parametrize(
+    ("page", "processes", "args"),
+    DOC_TRAIN_COMMANDS,
+    ids=[f"{page}:{' '.join(args)[:60]}" for page, _, args in DOC_TRAIN_COMMANDS],
+)
+def test_every_train_command_of_the_docs_starts_without_a_warning(
+    hydra_ctx, page: str, processes: int, args: list[str]
+) -> None:
+    """A command copied from the docs passes the checks train.py makes before it trains (its
+    command-line checks, check_config, the batch split over the command's processes) with no
+    warning, for every job of a sweep. The init_from example's total_tokens=1000000000 is no
+    whole number of its 0.5Mi-token batches: the run warned that it trains 999817216 tokens
+    and to use that value instead."""
+    import importlib.util
+
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    spec = importlib.util.spec_from_file_location("_fot_train_py", CONFIGS.parent / "train.py")
+    assert spec is not None and spec.loader is not None
+    entry = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(entry)  # only its definitions: the run is under __main__
+    assert entry.argv_problem(args) is None
+    if "--help" in args:
+        return
+    overrides = [a for a in args if a not in ("-m", "--multirun") and not a.startswith("hydra.")]
+    [jobs] = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(overrides), None)
+    for job in jobs:
+        cfg = compose("train", overrides=job)
+        assert check_config(cfg) == [], job
+        check_sizes(cfg, processes)  # the batch splits over the command's processes
+
+
 # -- check_config: values refused before any run folder is made ---------------------------------
 
 

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from fot.data.zarr_store import is_url
 from fot.errors import FotError, MissingPackageError
+from fot.export import not_exported_message
 from fot.interrupt import check_stop
 from fot.provenance import git_sha, library_versions, sweep_job_label
 from fot.tokenizer import TEXT_ESCAPING_KEY, escape_text, text_escaping_of, unescape_text
@@ -200,61 +201,8 @@ def check_checkpoint_dir(path: str | os.PathLike) -> Path:
             "(or any save_pretrained folder) holding config.json, weights and a tokenizer"
         )
     if not (p / "config.json").is_file():
-        raise FileNotFoundError(_not_exported_message(p))
+        raise FileNotFoundError(not_exported_message(p))
     return p
-
-
-def _not_exported_message(p: Path) -> str:
-    """Why folder ``p`` (no ``config.json``) is not a checkpoint, and which folder to pass."""
-    if (p / "hf" / "config.json").is_file():
-        # A fot training run folder: its final weights are exported to <run>/hf.
-        return (
-            f"checkpoint {str(p)!r} is a training run folder, not an exported checkpoint; "
-            f"pass its Hugging Face export {str(p / 'hf')!r}"
-        )
-    if (p / "model.pt").is_file() and (p / "trainer.json").is_file():
-        # A fot training checkpoint <run>/checkpoints/step_*: resume state, not an HF folder.
-        run_hf = p.parent.parent / "hf"
-        final = (
-            f" (the run's final weights are exported in {str(run_hf)!r})"
-            if (run_hf / "config.json").is_file()
-            else ""
-        )
-        return (
-            f"checkpoint {str(p)!r} is a training checkpoint (model.pt, trainer.json) for "
-            "resuming training, not an exported checkpoint: export it with `python -m "
-            f"fot.export {p} {p.parent.parent / ('hf_' + p.name)}` and pass that folder{final}"
-        )
-    steps = sorted(q.name for q in p.glob("step_*") if (q / "model.pt").is_file())
-    if steps:
-        # <run>/checkpoints: the training checkpoints of a run
-        final = p.parent / "hf"
-        pick = (
-            f"pass the run's final export {str(final)!r}, or export"
-            if (final / "config.json").is_file()
-            else "export"
-        )
-        return (
-            f"checkpoint {str(p)!r} is a folder of training checkpoints ({', '.join(steps)}), "
-            f"not an exported checkpoint: {pick} one with `python -m fot.export "
-            f"{p / steps[-1]} {p.parent / ('hf_' + steps[-1])}` and pass that folder"
-        )
-    jobs = sorted(q.parent.parent for q in p.glob("*/hf/config.json"))
-    if jobs:
-        # a multirun sweep folder (multirun/<date>/<time>) or a folder of runs
-        shown = ", ".join(repr(str(j / "hf")) for j in jobs[:4]) + (
-            ", ..." if len(jobs) > 4 else ""
-        )
-        return (
-            f"checkpoint {str(p)!r} holds {len(jobs)} training run{'s' * (len(jobs) > 1)}, "
-            "not an exported "
-            f"checkpoint: pass the export of one of them ({shown})"
-        )
-    return (
-        f"checkpoint folder {str(p)!r} has no config.json; export the model with "
-        "fot.export.export_hf(model, dir) (weights and tokenizer), or model.save_pretrained(dir) "
-        "and tokenizer.save_pretrained(dir), first"
-    )
 
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")

@@ -429,6 +429,43 @@ def test_a_run_folder_loads_with_subfolder_hf_and_a_refused_config_names_its_fil
     assert str(info.value).startswith(f"{file}: num_heads="), str(info.value)
 
 
+def test_a_folder_without_config_json_is_refused_naming_the_folder_to_pass(tmp_path) -> None:
+    """transformers reads a local folder without config.json as the default config:
+    FoTConfig.from_pretrained gave a 12-layer, 768-wide config for a run folder, a training
+    checkpoint or a folder holding only the weights, and FoTForCausalLM.from_pretrained then
+    said it found no model.safetensors (in a run folder) or built that default model around
+    the weights it found. Now each is a FileNotFoundError naming the folder to pass."""
+    import shutil
+
+    from fot.export import export_hf
+
+    run = tmp_path / "run"
+    export_hf(tiny("fot_pro"), run / "hf")
+    step = run / "checkpoints" / "step_00000004"
+    step.mkdir(parents=True)
+    for name in ("model.pt", "trainer.json"):
+        (step / name).write_text("")
+    weights_only = tmp_path / "weights_only"
+    weights_only.mkdir()
+    shutil.copy(run / "hf" / "model.safetensors", weights_only)
+    says = {
+        run: f"is a training run folder, not an exported checkpoint; pass its Hugging Face "
+        f"export {str(run / 'hf')!r}",
+        step: f"`python -m fot.export {step} {run / 'hf_step_00000004'}`",
+        weights_only: f"checkpoint folder {str(weights_only)!r} has no config.json",
+    }
+    for folder, message in says.items():
+        for load in (fot.FoTConfig.from_pretrained, fot.FoTForCausalLM.from_pretrained):
+            with pytest.raises(FileNotFoundError) as info:
+                load(folder)
+            assert message in str(info.value), (load, str(info.value))
+    with pytest.raises(FileNotFoundError, match="is a training run folder"):
+        fot.FoTForCausalLM.from_pretrained(tmp_path, subfolder="run")
+    # the folders that hold a config.json load as before
+    assert fot.FoTConfig.from_pretrained(run, subfolder="hf").hidden_size == 128
+    assert fot.FoTConfig.from_pretrained(run / "hf" / "config.json").hidden_size == 128
+
+
 # ---------------------------------------------------------------------------------------
 # 6. output_hidden_states / return_dict / output_attentions
 # ---------------------------------------------------------------------------------------

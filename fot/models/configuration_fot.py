@@ -290,8 +290,24 @@ class FoTConfig(PretrainedConfig):
         cls, pretrained_model_name_or_path: str | os.PathLike, **kwargs: Any
     ) -> FoTConfig | tuple[FoTConfig, dict[str, Any]]:
         """Load ``config.json`` of a folder, a file or a Hub repository, as transformers does;
-        an error of the file's own settings begins with its path (see :meth:`from_dict`)."""
-        file = _config_file(pretrained_model_name_or_path, kwargs.get("subfolder") or "")
+        an error of the file's own settings begins with its path (see :meth:`from_dict`).
+
+        Raises:
+            FileNotFoundError: a local folder without ``config.json`` (transformers would
+                return the default config, a 12-layer model, for it); the message says which
+                folder to pass (a run's ``hf/``, a training checkpoint to export first, ...).
+        """
+        subfolder = kwargs.get("subfolder") or ""
+        folder = os.path.join(os.fspath(pretrained_model_name_or_path), subfolder)
+        if (
+            os.path.isdir(folder)
+            and not kwargs.get("gguf_file")
+            and not os.path.isfile(os.path.join(folder, CONFIG_NAME))
+        ):
+            from fot.export import not_exported_message
+
+            raise FileNotFoundError(not_exported_message(Path(folder)))
+        file = _config_file(pretrained_model_name_or_path, subfolder)
         return super().from_pretrained(
             pretrained_model_name_or_path, **kwargs, _fot_config_file=file
         )

@@ -206,6 +206,57 @@ def test_model_from_pretrained_overrides_are_checked(exported) -> None:
         fot.FoTForCausalLM.from_pretrained(out, num_attention_heads=3)
 
 
+def test_a_config_json_setting_this_fot_lacks_is_named_on_load(exported, tmp_path, caplog) -> None:
+    """A folder written by a newer fot, with a setting this one lacks (here `attn_sink`),
+    loaded without a word: transformers stores the key on the config and no model code reads
+    it, so the model computed other outputs than the one saved. Now the load warns, naming the
+    file, the keys and the fix; an export of this fot (with the trainer's train_length, and
+    LLaMA-named fields) loads without it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    _, out = exported
+    saved = json.loads((out / "config.json").read_text())
+    plain, newer = tmp_path / "plain", tmp_path / "newer"
+    for folder, extra in (
+        (plain, {"train_length": 64, "num_attention_heads": saved["num_heads"]}),
+        (newer, {"attn_sink": True, "sink_size": 4}),
+    ):
+        shutil.copytree(out, folder)
+        (folder / "config.json").write_text(json.dumps({**saved, **extra}))
+    loads = (
+        AutoModelForCausalLM.from_pretrained,
+        lambda p: AutoModelForCausalLM.from_pretrained(p, trust_remote_code=True),
+        AutoConfig.from_pretrained,
+        fot.FoTConfig.from_pretrained,
+    )
+    hf_logging.enable_propagation()  # transformers' records reach caplog
+    try:
+        for load in loads:
+            for folder in (plain, newer):
+                caplog.clear()
+                with caplog.at_level(logging.WARNING):
+                    load(folder)
+                warned = [r.getMessage() for r in caplog.records if "no setting" in r.getMessage()]
+                if folder == plain:
+                    assert warned == []
+                else:
+                    assert warned == [
+                        f"{folder / 'config.json'}: attn_sink=True, sink_size=4 are no setting "
+                        "of this fot's FoTConfig, stored but not used: the model may compute "
+                        "other outputs than the one saved. A folder written by a newer fot (with "
+                        "settings this one lacks): update fot (git pull in its clone) to load it "
+                        "as it was saved"
+                    ]
+    finally:
+        hf_logging.disable_propagation()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        fot.FoTConfig.from_dict({**saved, "attn_sink": True})  # in code: as transformers does
+        fot.FoTConfig(attn_sink=True)
+    assert "no setting" not in caplog.text
+
+
 def test_export_rejects_non_hf_modules_and_unknown_text_escapings(tmp_path) -> None:
     with pytest.raises(TypeError, match="PreTrainedModel, got Linear; unwrap DDP"):
         export_hf(torch.nn.Linear(2, 2), tmp_path)

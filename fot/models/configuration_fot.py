@@ -16,7 +16,9 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from transformers import PretrainedConfig
-from transformers.utils import CONFIG_NAME
+from transformers.utils import CONFIG_NAME, logging
+
+logger = logging.get_logger(__name__)
 
 FGATE_TYPES = ("full", "bias_only", "fixed", "none")
 ATTN_BACKENDS = ("auto", "triton", "reference", "sdpa")
@@ -272,7 +274,7 @@ class FoTConfig(PretrainedConfig):
         config_dict = dict(config_dict)  # as read: transformers' from_dict pops keys of `merged`
         merged = merge_overrides(config_dict, overrides) if overrides else dict(config_dict)
         try:
-            return super().from_dict(merged, **kwargs)
+            config = super().from_dict(merged, **kwargs)
         except ValueError as err:
             file = file or _config_file(name_or_path, config_dict=config_dict)
             if file is None:
@@ -284,6 +286,20 @@ class FoTConfig(PretrainedConfig):
                     raise ValueError(f"{file}: {own_err}") from own_err
                 raise
             raise ValueError(f"{file}: {err}") from err
+        unknown = unknown_saved_keys(config_dict)
+        file = file or (unknown and _config_file(name_or_path, config_dict=config_dict))
+        if file and unknown:  # a file's keys (in code they are stored as transformers does)
+            shown = ", ".join(f"{key}={value!r}"[:80] for key, value in unknown.items())
+            logger.warning(
+                "%s: %s %s no setting of this fot's FoTConfig, stored but not used: the model "
+                "may compute other outputs than the one saved. A folder written by a newer fot "
+                "(with settings this one lacks): update fot (git pull in its clone) to load it "
+                "as it was saved",
+                file,
+                shown,
+                "is" if len(unknown) == 1 else "are",
+            )
+        return config
 
     @classmethod
     def from_pretrained(
@@ -593,6 +609,24 @@ def _config_file(
         except (OSError, ValueError):
             continue
     return f"{CONFIG_NAME} in a subfolder of {path}"
+
+
+# Keys of a saved config.json that no constructor argument reads and that set nothing the
+# model computes: transformers' bookkeeping (and a quantised model's settings, which
+# from_pretrained reads) and the training length fot's trainer records for fot.eval.
+_SAVED_ONLY_KEYS = frozenset({"model_type", "auto_map", "quantization_config", "train_length"})
+
+
+def unknown_saved_keys(config_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """The entries of a saved FoT ``config.json`` that this fot neither reads nor knows to be
+    no setting: not a constructor keyword (:func:`fot.presets.config_keys`), not in
+    :data:`_SAVED_ONLY_KEYS`, not private (``_name_or_path``). transformers would store them on
+    the config, where no model code reads them: a setting of a newer fot.
+    """
+    from fot.presets import config_keys
+
+    known = config_keys(FoTConfig) | _SAVED_ONLY_KEYS
+    return {k: v for k, v in config_dict.items() if k not in known and not k.startswith("_")}
 
 
 def merge_overrides(config_dict: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:

@@ -1075,3 +1075,28 @@ def test_trainer_compute_metrics_gets_the_logits(tmp_path) -> None:
     assert m.eval()(batch["input_ids"], shift_labels=shifted).logits is None
     loss, logits = m(**batch, return_dict=False)
     assert torch.allclose(logits, want) and torch.equal(loss, m(**batch).loss)
+
+
+def test_a_folder_of_another_fot_model_type_names_how_to_load_it(tmp_path) -> None:
+    """fot.FoTForCausalLM.from_pretrained of an FLA baseline's export or of the paper's
+    checkpoint failed on a field it read as a FoT setting ("head_dim is derived as ...: set
+    num_heads = ...", "decay_time_min must be a finite number > 0, got None"): now the error
+    names the model type and how that folder loads (trust_remote_code; python -m fot.convert)."""
+    from pathlib import Path
+
+    baseline = tmp_path / "mamba2"
+    presets.config("mamba2", "tiny").save_pretrained(baseline)
+    paper = Path(__file__).parent / "paper_checkpoints" / "fox_pro"
+    says = {
+        baseline: "model_type 'fot_mamba2' is one of fot's FLA baselines, not a FoT model: load "
+        "its folder with AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)",
+        paper: "model_type 'forgetting_transformer-project_fox' is a checkpoint of the paper, "
+        "not a FoT model: convert its folder with `python -m fot.convert FOLDER OUT`",
+    }
+    for folder, message in says.items():
+        for load in (fot.FoTConfig.from_pretrained, fot.FoTForCausalLM.from_pretrained):
+            with pytest.raises(ValueError) as info:
+                load(folder)
+            assert str(info.value).startswith(f"{folder / 'config.json'}: {message}")
+    converted = fot.convert.from_paper(paper)  # the route the message names works
+    assert isinstance(converted, fot.FoTForCausalLM)

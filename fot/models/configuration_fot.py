@@ -272,6 +272,10 @@ class FoTConfig(PretrainedConfig):
         own = cls.constructor_keys()
         overrides = {key: kwargs.pop(key) for key in list(kwargs) if key in own}
         config_dict = dict(config_dict)  # as read: transformers' from_dict pops keys of `merged`
+        foreign = _foreign_model_problem(config_dict.get("model_type"))
+        if foreign:
+            file = file or _config_file(name_or_path, config_dict=config_dict)
+            raise ValueError(f"{file or 'the config'}: {foreign}")
         merged = merge_overrides(config_dict, overrides) if overrides else dict(config_dict)
         try:
             config = super().from_dict(merged, **kwargs)
@@ -286,7 +290,7 @@ class FoTConfig(PretrainedConfig):
                     raise ValueError(f"{file}: {own_err}") from own_err
                 raise
             raise ValueError(f"{file}: {err}") from err
-        unknown = unknown_saved_keys(config_dict)
+        unknown = unknown_saved_keys(config_dict) if config_dict.get("model_type") == "fot" else {}
         file = file or (unknown and _config_file(name_or_path, config_dict=config_dict))
         if file and unknown:  # a file's keys (in code they are stored as transformers does)
             shown = ", ".join(f"{key}={value!r}"[:80] for key, value in unknown.items())
@@ -627,6 +631,29 @@ def unknown_saved_keys(config_dict: Mapping[str, Any]) -> dict[str, Any]:
 
     known = config_keys(FoTConfig) | _SAVED_ONLY_KEYS
     return {k: v for k, v in config_dict.items() if k not in known and not k.startswith("_")}
+
+
+def _foreign_model_problem(model_type: object) -> str | None:
+    """Why a config of ``model_type`` is no FoT config, and how to load its folder instead,
+    for the model types of checkpoints fot loads otherwise (its FLA baselines; the paper's and
+    FLA's checkpoints, which convert); None for others (a LLaMA config maps to FoT fields)."""
+    from fot.convert import FLA_MODEL_TYPE, PAPER_MODEL_TYPES
+    from fot.models.fla_baselines import FLA_MODEL_TYPES
+
+    if model_type in FLA_MODEL_TYPES:
+        return (
+            f"model_type {model_type!r} is one of fot's FLA baselines, not a FoT model: load its "
+            "folder with AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True), "
+            "or after fot.models.fla_baselines.register_auto_classes()"
+        )
+    if model_type in (*PAPER_MODEL_TYPES, FLA_MODEL_TYPE):
+        return (
+            f"model_type {model_type!r} is a checkpoint of "
+            f"{'FLA' if model_type == FLA_MODEL_TYPE else 'the paper'}, not a FoT model: convert "
+            "its folder with `python -m fot.convert FOLDER OUT` (or fot.convert.from_"
+            f"{'fla' if model_type == FLA_MODEL_TYPE else 'paper'}(folder)) and load OUT"
+        )
+    return None
 
 
 def merge_overrides(config_dict: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:

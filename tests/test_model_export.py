@@ -244,9 +244,9 @@ def test_a_config_json_setting_this_fot_lacks_is_named_on_load(exported, tmp_pat
                     assert warned == [
                         f"{folder / 'config.json'}: attn_sink=True, sink_size=4 are no setting "
                         "of this fot's FoTConfig, stored but not used: the model may compute "
-                        "other outputs than the one saved. A folder written by a newer fot (with "
-                        "settings this one lacks): update fot (git pull in its clone) to load it "
-                        "as it was saved"
+                        "other outputs than the one saved. A folder written by a newer fot or "
+                        "transformers (with settings these lack): update them (fot: git pull in "
+                        "its clone) to load it as it was saved"
                     ]
     finally:
         hf_logging.disable_propagation()

@@ -297,8 +297,8 @@ class FoTConfig(PretrainedConfig):
             logger.warning(
                 "%s: %s %s no setting of this fot's FoTConfig, stored but not used: the model "
                 "may compute other outputs than the one saved. A folder written by a newer fot "
-                "(with settings this one lacks): update fot (git pull in its clone) to load it "
-                "as it was saved",
+                "or transformers (with settings these lack): update them (fot: git pull in its "
+                "clone) to load it as it was saved",
                 file,
                 shown,
                 "is" if len(unknown) == 1 else "are",

@@ -257,6 +257,37 @@ def test_a_config_json_setting_this_fot_lacks_is_named_on_load(exported, tmp_pat
     assert "no setting" not in caplog.text
 
 
+def test_a_config_json_in_transformers_4_form_loads_without_the_unknown_key_warning(
+    exported, tmp_path, caplog
+) -> None:
+    """transformers 4.x saved generation settings (max_length, num_beams, ...) and fields of
+    every model (torchscript, is_decoder, ...) in config.json. A FoT config.json written in
+    that form (by hand, or copied from such a folder) was said to hold settings this fot
+    lacks, though generate reads the generation ones from there (no generation_config.json)
+    and the others set nothing a decoder-only model computes. Now it loads without the
+    warning, and the generation setting still reaches generate."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    _, out = exported
+    folder = tmp_path / "v4"
+    shutil.copytree(out, folder)
+    (folder / "generation_config.json").unlink()
+    saved = json.loads((folder / "config.json").read_text())
+    v4 = {"max_length": 7, "num_beams": 1, "do_sample": False, "torchscript": False}
+    v4 |= {"is_decoder": False, "task_specific_params": None, "tokenizer_class": None}
+    (folder / "config.json").write_text(json.dumps({**saved, **v4}))
+    hf_logging.enable_propagation()
+    try:
+        with caplog.at_level(logging.WARNING):
+            model = AutoModelForCausalLM.from_pretrained(folder)
+    finally:
+        hf_logging.disable_propagation()
+    assert "no setting" not in caplog.text
+    assert model.generation_config.max_length == 7
+    assert model.generate(torch.tensor([[1, 2, 3]]), do_sample=False).shape == (1, 7)
+
+
 def test_export_rejects_non_hf_modules_and_unknown_text_escapings(tmp_path) -> None:
     with pytest.raises(TypeError, match="PreTrainedModel, got Linear; unwrap DDP"):
         export_hf(torch.nn.Linear(2, 2), tmp_path)

@@ -617,19 +617,31 @@ def _config_file(
 
 # Keys of a saved config.json that no constructor argument reads and that set nothing the
 # model computes: transformers' bookkeeping (and a quantised model's settings, which
-# from_pretrained reads) and the training length fot's trainer records for fot.eval.
-_SAVED_ONLY_KEYS = frozenset({"model_type", "auto_map", "quantization_config", "train_length"})
+# from_pretrained reads), the training length fot's trainer records for fot.eval, and the
+# fields transformers 4.x wrote for every model (encoder-decoder, TensorFlow and task
+# settings; config files copied from such a folder carry them).
+_SAVED_ONLY_KEYS = frozenset(
+    {"model_type", "auto_map", "quantization_config", "train_length"}
+    | {"torchscript", "use_bfloat16", "tf_legacy_loss", "pruned_heads", "is_decoder"}
+    | {"cross_attention_hidden_size", "add_cross_attention", "tie_encoder_decoder"}
+    | {"finetuning_task", "tokenizer_class", "prefix", "sep_token_id", "task_specific_params"}
+    | {"decoder_start_token_id"}
+)
 
 
 def unknown_saved_keys(config_dict: Mapping[str, Any]) -> dict[str, Any]:
     """The entries of a saved FoT ``config.json`` that this fot neither reads nor knows to be
     no setting: not a constructor keyword (:func:`fot.presets.config_keys`), not in
     :data:`_SAVED_ONLY_KEYS`, not private (``_name_or_path``). transformers would store them on
-    the config, where no model code reads them: a setting of a newer fot.
+    the config, where no model code reads them: a setting of a newer fot. Generation settings
+    (``max_length``, ``num_beams``, ...: the keys of a default ``GenerationConfig``) are known:
+    transformers 4.x saved them in ``config.json``, and ``generate`` reads them from there.
     """
+    from transformers import GenerationConfig
+
     from fot.presets import config_keys
 
-    known = config_keys(FoTConfig) | _SAVED_ONLY_KEYS
+    known = config_keys(FoTConfig) | _SAVED_ONLY_KEYS | GenerationConfig().to_dict().keys()
     return {k: v for k, v in config_dict.items() if k not in known and not k.startswith("_")}
 
 

@@ -475,7 +475,10 @@ def forgetting_attention(
             ``h`` reads key/value head ``h // (HQ // H)``).
         v: ``[B, T, H, D]``.
         log_fgate: ``[B, T, HQ]`` float32, log of the forget gate, finite and ``<= 0`` (e.g.
-            ``F.logsigmoid``). Pruning relies on the sign (c is then non-increasing). With
+            ``F.logsigmoid``). Pruning relies on the sign (c is then non-increasing): with an
+            entry ``> 0`` it skips tiles that carry weight, a wrong output that on the GPU only
+            ``debug=True`` catches (off the GPU such a gate is refused unless ``prune=False``,
+            which computes it exactly). With
             ``cu_seqlens`` one float64 cumsum runs over the whole packed row (only differences
             within a document are used), so a NaN or -inf gate makes every later document NaN
             too, and a sum beyond ~1e12 costs the later documents their precision.
@@ -493,8 +496,9 @@ def forgetting_attention(
             function).
         stats: a :class:`PruneStats` to accumulate tile counts into (costs a host sync;
             leave ``None`` in training).
-        debug: validate ``log_fgate <= 0`` and the contents of a ``cu_seqlens`` on the GPU
-            (host syncs; a ``cu_seqlens`` on the CPU is always checked).
+        debug: validate that ``log_fgate`` is finite and ``<= 0``, and the contents of a
+            ``cu_seqlens`` on the GPU (host syncs; on the CPU ``cu_seqlens`` and, with pruning,
+            ``log_fgate <= 0`` are always checked).
 
     Returns:
         ``[B, T, HQ, D]`` in q's dtype. Differentiable in q, k, v and log_fgate. Saved for
@@ -546,6 +550,15 @@ def forgetting_attention(
             raise ValueError(
                 "log_fgate must be finite and <= 0 (log of a gate in (0, 1]); got "
                 f"{int(bad.sum())} bad entries; use F.logsigmoid(gate_logits)"
+            )
+    elif prune and log_fgate.device.type != "cuda":  # no device sync off the GPU
+        above = log_fgate > 0
+        if bool(above.any()):
+            raise ValueError(
+                f"log_fgate has {int(above.sum())} entries > 0 (a forget gate above 1; largest "
+                f"{log_fgate.max().item():.4g}): pruning (prune=True, the default) assumes "
+                "cumsum(log_fgate) never increases and would skip key tiles that carry weight; "
+                "use F.logsigmoid(gate_logits), or prune=False for a gate above 1"
             )
     if q.numel() == 0:  # B, T or HQ of 0 (head_dim >= 1 is checked above)
         return _EmptyFn.apply(q, k, v, log_fgate)

@@ -380,6 +380,21 @@ def test_malformed_cu_seqlens_on_the_cpu_is_refused_without_debug(cu):
         forgetting_attention(q, k, v, log_f, cu_seqlens=torch.tensor(cu, dtype=torch.int32))
 
 
+def test_a_gate_above_one_is_refused_when_pruning_off_the_gpu():
+    """A log f > 0 (a forget gate above 1) lets c rise, and pruning, which takes c to never
+    increase, skipped key tiles that carry weight: here c climbs by 310 over keys 1..31 and
+    drops by 300 at key 32, so the queries from 32 on weigh key 0 by e^10 while the bound
+    (from the tile's last key) said e^-300; the output was off by 3.2 with no error. Off the
+    GPU it is refused (no device sync needed); prune=False computes it exactly."""
+    q, k, v, _ = make_inputs(1, 128, 1, 1, 32, seed=0)
+    log_f = torch.zeros(1, 128, 1)
+    log_f[0, 1:32], log_f[0, 32] = 10.0, -300.0
+    match = "log_fgate has 31 entries > 0" if DEVICE == "cpu" else "must be finite and <= 0"
+    with pytest.raises(ValueError, match=match):
+        run_kernel(q, k, v, log_f, debug=DEVICE != "cpu")  # a GPU checks only with debug
+    assert_matches_reference(q, k, v, log_f, TOL[torch.float32], prune=False)
+
+
 def test_varlen_needs_batch_one():
     q, k, v, log_f = make_inputs(2, 8, 2, 1, 32)
     with pytest.raises(ValueError, match="batch size 1"):

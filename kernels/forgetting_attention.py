@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
 
 from . import _triton_kernels as kern
 from .checks import check_inputs, on_input_gpu
@@ -24,8 +26,18 @@ _EXACT_PRUNE_LOG2 = 160.0
 MAX_GRID_Y = 65535
 
 
+# Triton reads TRITON_INTERPRET when it is imported (its language functions) and when a kernel
+# is defined: set later (a notebook that imported fot.kernels first), the kernels would be
+# compiled for a GPU and fail deep in Triton ("0 active drivers").
+_BUILT_FOR_INTERPRETER = isinstance(tl.sum, InterpretedFunction) and isinstance(
+    kern._fwd_kernel, InterpretedFunction
+)
+
+
 def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """Whether the Triton kernels run in Triton's interpreter: ``TRITON_INTERPRET=1`` now and
+    when triton and ``fot.kernels`` were imported."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1" and _BUILT_FOR_INTERPRETER
 
 
 @dataclass
@@ -506,13 +518,21 @@ def forgetting_attention(
         unrounded), c (8 bytes per position and head) and the LSE.
 
     Raises:
-        RuntimeError: on a CPU tensor without ``TRITON_INTERPRET=1``.
+        RuntimeError: on a CPU tensor without ``TRITON_INTERPRET=1`` (set before triton and
+            this package were imported).
         ValueError / TypeError: on malformed inputs (see ``checks.check_inputs``).
     """
     check_inputs(q, k, v, log_fgate, cu_seqlens=cu_seqlens, window_size=window_size, debug=debug)
     B, T, HQ, D = q.shape
     H = k.shape[2]
     if q.device.type != "cuda" and not _interpreting():
+        if os.environ.get("TRITON_INTERPRET", "0") == "1":
+            raise RuntimeError(
+                "TRITON_INTERPRET=1 was set after triton was imported (fot.kernels imports it), and "
+                "Triton reads it at import: set it before the first import (in the shell, or "
+                "first thing in the notebook) and restart Python, or use "
+                f"fot.kernels.forgetting_attention_reference for tensors on {q.device}"
+            )
         raise RuntimeError(
             f"forgetting_attention (Triton) needs CUDA tensors, got device {q.device}; use "
             "fot.kernels.forgetting_attention_reference on CPU (the model does this "

@@ -12,6 +12,10 @@ from __future__ import annotations
 
 import importlib
 import itertools
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -406,6 +410,34 @@ def test_cpu_without_interpreter_points_to_reference(monkeypatch):
     q, k, v, log_f = make_inputs(1, 8, 2, 1, 32)
     with pytest.raises(RuntimeError, match="forgetting_attention_reference"):
         forgetting_attention(q, k, v, log_f)
+
+
+def test_triton_interpret_set_after_the_import_is_named_and_the_fused_ops_run_pytorch():
+    """Triton reads TRITON_INTERPRET when it is imported: set afterwards (a notebook that
+    imported fot.kernels first), the kernels were compiled for a GPU and every call on the CPU
+    failed deep in Triton with "0 active drivers". Now forgetting_attention says what to do,
+    and the fused ops with a PyTorch path take it (oracle: the formula)."""
+    code = """if True:
+        import os, torch, torch.nn.functional as F
+        import fot.kernels as K
+        os.environ["TRITON_INTERPRET"] = "1"
+        x = torch.randn(2, 5, 16)
+        torch.testing.assert_close(K.swiglu(x), F.silu(x[..., :8]) * x[..., 8:])
+        q = torch.randn(1, 8, 2, 16)
+        try:
+            K.forgetting_attention(q, q, q, torch.zeros(1, 8, 2))
+        except RuntimeError as err:
+            print(err)
+    """
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH")])
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "TRITON_INTERPRET=1 was set after triton was imported" in out.stdout, out.stdout
 
 
 def _poison(q, k, log_f, bad):

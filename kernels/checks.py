@@ -106,7 +106,10 @@ def check_inputs(
     if k.shape[0] != B or k.shape[1] != T or k.shape[3] != D:
         raise ValueError(
             f"k/v shape {tuple(k.shape)} does not match q shape {tuple(q.shape)}: batch, length "
-            "and head_dim must agree (only the number of heads may differ, for GQA)"
+            "and head_dim must agree (only the number of heads may differ, for GQA). The layout "
+            "is [B, T, heads, head_dim]: transpose(1, 2) tensors in SDPA's [B, heads, T, "
+            "head_dim]; for fewer queries than keys (against a cache) use "
+            "forgetting_attention_decode"
         )
     H = k.shape[2]
     if H == 0 or D == 0:
@@ -120,9 +123,23 @@ def check_inputs(
             "attention"
         )
     if tuple(log_fgate.shape) != (B, T, HQ):
+        if tuple(log_fgate.shape) == (B, HQ, T):
+            # transposing log_fgate alone is wrong if q/k/v are the ones in the other layout
+            hint = (
+                "; if q is [B, T, heads, head_dim] (this function's layout), log_fgate is "
+                "head-major: pass log_fgate.transpose(1, 2); if q is [B, heads, T, head_dim] "
+                "(SDPA's layout), pass q, k and v transposed instead (.transpose(1, 2))"
+            )
+        elif tuple(log_fgate.shape) == (B, T, H):
+            hint = (
+                f"; for one gate per key/value head pass log_fgate.repeat_interleave({HQ // H}, "
+                "dim=2) (query head h reads kv head h // (HQ // H))"
+            )
+        else:
+            hint = ""
         raise ValueError(
             f"log_fgate must have shape [B, T, HQ] = {(B, T, HQ)} (one gate per query head), "
-            f"got {tuple(log_fgate.shape)}"
+            f"got {tuple(log_fgate.shape)}{hint}"
         )
     check_positive_int("window_size", window_size, none_ok=True)
     if cu_seqlens is not None:

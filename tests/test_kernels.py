@@ -375,6 +375,31 @@ def test_degenerate_shapes_and_non_tensors_raise_clear_errors(fn, over, kw, exc,
         fn(args["q"], args["k"], args["v"], args["log_fgate"], **kw)
 
 
+@pytest.mark.parametrize("fn", [run_kernel, forgetting_attention_reference])
+def test_layout_mistakes_get_the_fix_in_the_error(fn):
+    """q/k/v in SDPA's [B, heads, T, head_dim] layout with log f [B, T, heads] were told
+    "log_fgate must have shape [B, T, HQ] = (1, 2, 8)": transposing log f as told ran the
+    attention over the heads axis, silently. The errors now name the transposes (and the
+    repeat for a gate per kv head, the decode function for fewer queries than keys);
+    following them gives the dense formula."""
+    from test_reference import dense_oracle
+
+    q, k, v, log_f = make_inputs(1, 8, 4, 2, 16, seed=0)
+    want = dense_oracle(q, k, v, log_f)
+    sdpa = [t.transpose(1, 2) for t in (q, k, v)]  # [B, heads, T, D]
+    with pytest.raises(ValueError, match=r"SDPA's \[B, heads, T, head_dim\]; for fewer"):
+        fn(*sdpa, log_f)  # GQA: k has other "lengths" than q
+    with pytest.raises(ValueError, match=r"if q is \[B, heads, T, head_dim\] \(SDPA's layout"):
+        fn(sdpa[0], sdpa[0], sdpa[0], log_f)  # as many kv heads as query heads
+    with pytest.raises(ValueError, match=r"log_fgate.transpose\(1, 2\)"):
+        fn(q, k, v, log_f.transpose(1, 2))
+    with pytest.raises(ValueError, match=r"log_fgate.repeat_interleave\(2, dim=2\)"):
+        fn(q, k, v, log_f[:, :, ::2])  # a gate per kv head
+    assert rel_err(fn(*(t.transpose(1, 2) for t in sdpa), log_f), want) < TOL[torch.float32]
+    per_head = log_f[:, :, ::2].repeat_interleave(2, dim=2)
+    assert rel_err(fn(q, k, v, per_head), dense_oracle(q, k, v, per_head)) < TOL[torch.float32]
+
+
 @pytest.mark.parametrize("cu", [[0, 5], [1, 8], [0, 5, 3, 8], [0, 9]])
 def test_malformed_cu_seqlens_on_the_cpu_is_refused_without_debug(cu):
     """Boundaries on the CPU are checked without ``debug`` (no device sync is needed); they

@@ -50,6 +50,10 @@ def _attend_chunk(
     (absolute positions deciding causality), key_mask ``[B, Tk]`` bool (True = attend).
     Returns ``[B, Tq, HQ, D]`` in q's dtype.
     """
+    if torch.is_autocast_enabled(q.device.type):
+        # autocast would run the einsums in 16 bits (scores rounded to bf16: ~4e-3 off)
+        with torch.autocast(q.device.type, enabled=False):
+            return _attend_chunk(q, k, v, c_q, c_k, q_pos, k_pos, scale, window_size, key_mask)
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     scores = (
         torch.einsum("bihd,bjhd->bhij", q.to(compute), k.to(compute)) * scale
@@ -132,8 +136,8 @@ def forgetting_attention_reference(
         k: ``[B, T, H, D]`` keys; ``HQ % H == 0`` (grouped-query attention when ``H < HQ``:
             query head ``h`` uses key/value head ``h // (HQ // H)``).
         v: ``[B, T, H, D]`` values.
-        log_fgate: ``[B, T, HQ]`` float32, log of the forget gate (``<= 0``), e.g.
-            ``F.logsigmoid(gate_logits)``.
+        log_fgate: ``[B, T, HQ]`` float32 (or float64, with float64 q/k/v), log of the
+            forget gate (``<= 0``), e.g. ``F.logsigmoid(gate_logits)``.
         scale: logit scale; default ``D ** -0.5``.
         cu_seqlens: ``[N + 1]`` int32/int64 cumulative document lengths for packed documents
             (requires ``B == 1``); attention and the gate cumsum restart at every document.
@@ -142,8 +146,8 @@ def forgetting_attention_reference(
         chunk_size: queries processed at once (memory ``~ B * HQ * chunk_size * T``).
 
     Returns:
-        ``[B, T, HQ, D]`` in q's dtype. Internally float32 (float64 for float64 inputs), with
-        the gate cumsum in float64. Differentiable in q, k, v and log_fgate.
+        ``[B, T, HQ, D]`` in q's dtype. Internally float32 (float64 for float64 inputs), under
+        autocast too, with the gate cumsum in float64. Differentiable in q, k, v and log_fgate.
     """
     check_inputs(q, k, v, log_fgate, cu_seqlens=cu_seqlens, window_size=window_size, debug=True)
     if not isinstance(chunk_size, int) or chunk_size < 1:
@@ -194,7 +198,8 @@ def forgetting_attention_decode_reference(
         key_mask: ``[B, Tk]`` bool, False for keys to ignore (left padding).
 
     Returns:
-        ``[B, Tq, HQ, D]`` in q's dtype.
+        ``[B, Tq, HQ, D]`` in q's dtype (float32 inside, float64 for float64 q, under
+        autocast too).
     """
     check_decode_inputs(
         q, k_cache, v_cache, q_cumsum, k_cumsum, key_mask=key_mask, window_size=window_size

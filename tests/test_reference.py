@@ -100,3 +100,26 @@ def test_bad_inputs_get_clear_errors(kwargs, match):
     cu = torch.tensor(kwargs["cu"]) if "cu" in kwargs else None
     with pytest.raises((ValueError, TypeError), match=match):
         forgetting_attention_reference(q, k, v, lf, cu_seqlens=cu, window_size=kwargs.get("window"))
+
+
+def test_reference_stays_float32_under_autocast():
+    """Under autocast the reference's einsums ran in bfloat16 (scores rounded to 8 bits, the
+    output ~4e-3 off the formula), although it promises float32 inside; the model's CPU path
+    runs it under autocast with ``parallel.precision=bf16``. Oracle: the float64 formula."""
+    q, k, v, lf = (t.float() for t in rand_inputs(1, 24, 2, 1, 16, 2.0, seed=4))
+    q, k = 3 * q, 3 * k  # logits of a few units, as in a trained model
+    want = dense_oracle(q, k, v, lf)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, lf)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = forgetting_attention_reference(*leaves, chunk_size=7)
+        c = lf.double().cumsum(1)
+        dec = forgetting_attention_decode_reference(q[:, -3:], k, v, c[:, -3:], c)
+    assert out.dtype == dec.dtype == torch.float32
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dec.double(), want[:, -3:], rtol=1e-5, atol=1e-5)
+    w = torch.randn_like(want)
+    grads = torch.autograd.grad((out.double() * w).sum(), leaves)
+    args = [t.double().requires_grad_() for t in (q, k, v, lf)]
+    want_grads = torch.autograd.grad((dense_oracle(*args) * w).sum(), args)
+    for got, ref in zip(grads, want_grads, strict=True):
+        torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-4)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 import triton
 import triton.language as tl
+from torch.autograd.function import once_differentiable
 from triton.runtime.interpreter import InterpretedFunction
 
 from . import _triton_kernels as kern
@@ -439,6 +440,7 @@ class _ForgettingAttentionFn(torch.autograd.Function):
         return o.to(out_dtype)
 
     @staticmethod
+    @once_differentiable  # the kernels' gradients have no graph: a second order raises
     def backward(ctx, do):
         q, k, v, o, c, lse = ctx.saved_tensors
         dq, dk, dv, dlogf = _backward(do.to(q.dtype), q, k, v, o, c, lse, ctx.lay)
@@ -456,6 +458,7 @@ class _EmptyFn(torch.autograd.Function):
         return q.new_empty(q.shape)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, do):
         return tuple(torch.zeros_like(t) for t in ctx.saved_tensors)
 
@@ -513,7 +516,8 @@ def forgetting_attention(
             ``log_fgate <= 0`` are always checked).
 
     Returns:
-        ``[B, T, HQ, D]`` in q's dtype. Differentiable in q, k, v and log_fgate. Saved for
+        ``[B, T, HQ, D]`` in q's dtype. Differentiable once in q, k, v and log_fgate (a
+        double backward, e.g. a gradient penalty, raises; the reference has one). Saved for
         backward: q, k, v, a float32 copy of o (the backward's rowsum(dO * O) needs it
         unrounded), c (8 bytes per position and head) and the LSE.
 

@@ -559,6 +559,18 @@ def test_kernel_of_an_empty_input_is_empty_and_differentiable(B, T, HQ):
         assert g.shape == t.shape and g.dtype == t.dtype
 
 
+def test_a_second_order_gradient_through_the_kernel_raises():
+    """The kernels' gradients are computed without a graph: a gradient penalty (backward
+    through dq with create_graph=True) silently added nothing (q's gradient was that of o
+    alone). It now raises; the reference, which has the second order, is the way."""
+    q, k, v, log_f = on_device(*make_inputs(1, 16, 2, 1, 16, seed=0))
+    q.requires_grad_()
+    o = forgetting_attention(q, k, v, log_f)
+    (dq,) = torch.autograd.grad(o.square().sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        (o.sum() + dq.square().sum()).backward()
+
+
 @pytest.mark.parametrize("chunk_size", [-1, 0, 2.5])
 def test_reference_refuses_a_chunk_size_that_is_not_a_positive_int(chunk_size):
     """chunk_size=-1 returned an empty [B, 0, HQ, D] output for a non-empty input; 0 and

@@ -515,6 +515,10 @@ def forgetting_attention(
             ``cu_seqlens`` on the GPU (host syncs; on the CPU ``cu_seqlens`` and, with pruning,
             ``log_fgate <= 0`` are always checked).
 
+    Under ``torch.compile`` in Triton's interpreter the call runs outside the graph (a graph
+    break, which ``fullgraph=True`` refuses); the FoT model calls it through
+    ``torch.compiler.disable`` on every device.
+
     Returns:
         ``[B, T, HQ, D]`` in q's dtype. Differentiable once in q, k, v and log_fgate (a
         double backward, e.g. a gradient penalty, raises; the reference has one). Saved for
@@ -526,6 +530,12 @@ def forgetting_attention(
             this package were imported).
         ValueError / TypeError: on malformed inputs (see ``checks.check_inputs``).
     """
+    if torch.compiler.is_compiling() and _interpreting():
+        # Dynamo would trace Triton's interpreter (numpy) and fail: a graph break instead
+        return _outside_compile(
+            q, k, v, log_fgate, scale=scale, cu_seqlens=cu_seqlens, window_size=window_size,
+            prune=prune, prune_threshold=prune_threshold, stats=stats, debug=debug,
+        )  # fmt: skip
     check_inputs(q, k, v, log_fgate, cu_seqlens=cu_seqlens, window_size=window_size, debug=debug)
     B, T, HQ, D = q.shape
     H = k.shape[2]
@@ -633,5 +643,7 @@ def forgetting_attention(
         prune_log2 = min(-float(prune_threshold) * kern.LOG2E, _EXACT_PRUNE_LOG2)
     return _ForgettingAttentionFn.apply(q, k, v, log_fgate, lay, prune_log2, stats, compute_dtype)
 
+
+_outside_compile = torch.compiler.disable(forgetting_attention)
 
 __all__ = ["PruneStats", "forgetting_attention"]

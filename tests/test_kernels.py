@@ -571,6 +571,27 @@ def test_a_second_order_gradient_through_the_kernel_raises():
         (o.sum() + dq.square().sum()).backward()
 
 
+@pytest.mark.skipif(DEVICE == "cuda", reason="Triton's interpreter only")
+def test_torch_compile_of_a_caller_runs_the_interpreted_kernel_outside_the_graph():
+    """Under torch.compile Dynamo traced into Triton's interpreter and failed ("KeyError:
+    torch.uint64" from its numpy pointer arithmetic), with or without fullgraph. Now the call
+    is a graph break; oracle: the same function run eagerly, output and gradients."""
+
+    def f(q, k, v, gate_logits):
+        return forgetting_attention(2 * q, k, v, F.logsigmoid(gate_logits)).sin()
+
+    q, k, v, _ = make_inputs(1, 40, 2, 1, 16, seed=0)
+    gates = torch.randn(1, 40, 2)
+    do = torch.randn(q.shape)
+    results = []
+    for fn in (f, torch.compile(f)):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, gates)]
+        o = fn(*leaves)
+        results.append([o, *torch.autograd.grad(o, leaves, do)])
+    for got, want in zip(*results, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("chunk_size", [-1, 0, 2.5])
 def test_reference_refuses_a_chunk_size_that_is_not_a_positive_int(chunk_size):
     """chunk_size=-1 returned an empty [B, 0, HQ, D] output for a non-empty input; 0 and

@@ -201,7 +201,8 @@ def check_decode_inputs(
     if Bk != B or Dk != D or HQ % H != 0:
         raise ValueError(
             f"cache shape {tuple(k_cache.shape)} does not fit queries {tuple(q.shape)} (batch and "
-            "head_dim must agree, query heads a multiple of kv heads)"
+            "head_dim must agree, query heads a multiple of kv heads); the layout is [B, T, "
+            "heads, head_dim]: transpose(1, 2) tensors in SDPA's [B, heads, T, head_dim]"
         )
     if Tq > Tk:
         raise ValueError(

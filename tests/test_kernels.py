@@ -663,6 +663,15 @@ def _decode_args(**over):
             ValueError,
             "head_dim >= 1",
         ),
+        (
+            {
+                "q": torch.randn(2, 4, 2, 16),  # [B, heads, T, D]
+                "k_cache": torch.randn(2, 2, 9, 16),
+                "v_cache": torch.randn(2, 2, 9, 16),
+            },
+            ValueError,
+            r"transpose\(1, 2\) tensors in SDPA's \[B, heads, T, head_dim\]",
+        ),
         ({"q": torch.ones(2, 2, 4, 16, dtype=torch.long)}, TypeError, "q must be a floating"),
         ({"v_cache": torch.ones(2, 9, 2, 16, dtype=torch.int32)}, TypeError, "v_cache must be"),
         ({"q": [0.0]}, TypeError, "q must be a floating tensor"),
@@ -677,7 +686,8 @@ def _decode_args(**over):
 def test_decode_bad_inputs_raise_clear_errors(fn, over, exc, match):
     """The decode function and its reference refuse the same inputs with a one-line error
     (they raised ZeroDivisionError or torch's device errors from inside, returned an integer
-    tensor for integer queries, and the reference gave zeros for window_size=0)."""
+    tensor for integer queries, and the reference gave zeros for window_size=0); tensors in
+    SDPA's [B, heads, T, D] layout are told to transpose."""
     args, kw = _decode_args(**over)
     with pytest.raises(exc, match=match):
         fn(*args.values(), **kw)

@@ -58,6 +58,36 @@ def on_input_gpu(fn: _F) -> _F:
     return wrapper  # type: ignore[return-value]
 
 
+def differentiable_once(name: str, fix: str) -> Callable[[_F], _F]:
+    """Mark an ``autograd.Function``'s backward as first order only: with ``create_graph=True``
+    it raises, naming ``name`` and ``fix``.
+
+    Its gradients come from kernels (or were computed in the forward) without a graph, so a
+    gradient penalty or a Hessian-vector product through it would silently miss the second
+    order. PyTorch's ``once_differentiable`` does not catch all of it: it raises only when the
+    incoming gradient requires grad (not for a loss linear in the output, ``out.sum()``), and
+    only when the second backward reaches its error node, which ``torch.autograd.grad(penalty,
+    params)`` never does (that second order is then zero, silently). Raising at the
+    ``create_graph=True`` backward itself catches both; the first-order backward pays one
+    ``torch.is_grad_enabled()``.
+    """
+
+    def decorate(backward: _F) -> _F:
+        @functools.wraps(backward)
+        def wrapper(ctx, *grads):
+            if torch.is_grad_enabled():  # backward runs in grad mode only for create_graph=True
+                raise RuntimeError(
+                    f"{name} is differentiable once: its backward builds no graph, so a "
+                    "gradient taken with create_graph=True through it (a gradient penalty, a "
+                    f"Hessian-vector product) would miss the second order. {fix}"
+                )
+            return backward(ctx, *grads)
+
+        return wrapper  # type: ignore[return-value]
+
+    return decorate
+
+
 def check_inputs(
     q: torch.Tensor,
     k: torch.Tensor,

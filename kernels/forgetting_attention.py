@@ -17,7 +17,7 @@ from torch.autograd.function import once_differentiable
 from triton.runtime.interpreter import InterpretedFunction
 
 from . import _triton_kernels as kern
-from .checks import check_inputs, on_input_gpu
+from .checks import check_inputs, differentiable_once, on_input_gpu
 
 _SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 # Exact pruning margin in log2 units: exp2(x) underflows to exactly 0 in float32 for
@@ -440,7 +440,10 @@ class _ForgettingAttentionFn(torch.autograd.Function):
         return o.to(out_dtype)
 
     @staticmethod
-    @once_differentiable  # the kernels' gradients have no graph: a second order raises
+    @differentiable_once(
+        "forgetting_attention",
+        "Use forgetting_attention_reference, which has one (in a fot model, attn_backend='reference' and loss_impl='chunked').",
+    )
     def backward(ctx, do):
         q, k, v, o, c, lse = ctx.saved_tensors
         dq, dk, dv, dlogf = _backward(do.to(q.dtype), q, k, v, o, c, lse, ctx.lay)
@@ -521,7 +524,8 @@ def forgetting_attention(
 
     Returns:
         ``[B, T, HQ, D]`` in q's dtype. Differentiable once in q, k, v and log_fgate (a
-        double backward, e.g. a gradient penalty, raises; the reference has one). Saved for
+        backward with ``create_graph=True``, e.g. for a gradient penalty, raises; the
+        reference has a second order). Saved for
         backward: q, k, v, a float32 copy of o (the backward's rowsum(dO * O) needs it
         unrounded), c (8 bytes per position and head) and the LSE.
 

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from .checks import differentiable_once
 from .decode import _bmm_fp32
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -37,6 +38,10 @@ class _MixedLinearFn(torch.autograd.Function):
         return F.linear(x16, w16)
 
     @staticmethod
+    @differentiable_once(
+        "mixed_precision_linear",
+        "Use F.linear(x.to(dtype), torch.cat(weights).to(dtype)), which has one (in a fot model, attn_backend='reference' and loss_impl='chunked').",
+    )
     def backward(ctx, dy):
         x16, w16 = ctx.saved_tensors
         dy = dy.to(w16.dtype)
@@ -67,7 +72,8 @@ def mixed_precision_linear(
 
     Returns:
         ``[..., sum N_i]`` in ``dtype``, the layers' outputs side by side in ``weights``
-        order. Gradients: x in x's dtype, each weight in float32.
+        order. Gradients: x in x's dtype, each weight in float32; differentiable once (a
+        backward with ``create_graph=True`` raises).
 
     Raises:
         ValueError / TypeError: on an empty ``weights``, a non-float32 or mismatched weight,

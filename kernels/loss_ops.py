@@ -23,7 +23,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .checks import check_positive_int, on_input_gpu
+from .checks import check_positive_int, differentiable_once, on_input_gpu
 from .forgetting_attention import _interpreting
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -157,6 +157,11 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
         return loss
 
     @staticmethod
+    @differentiable_once(
+        "linear_cross_entropy",
+        "Use F.cross_entropy(F.linear(hidden, weight), labels, reduction='sum'), which has "
+        "one (in a fot model, loss_impl='chunked').",
+    )
     def backward(ctx, grad_loss):
         dx, dw = ctx.saved_tensors
         grad_hidden = grad_weight = None
@@ -196,9 +201,9 @@ def linear_cross_entropy(
 
     Returns:
         The float32 scalar sum of the per-row losses (divide by the count of counted labels for
-        the mean). Differentiable in ``hidden`` and ``weight``; saved for backward: their
-        gradients (``[N, H]`` in the GEMM dtype, ``[V, H]`` float32). Without autograd only the
-        losses are computed.
+        the mean). Differentiable once in ``hidden`` and ``weight`` (a backward with
+        ``create_graph=True`` raises); saved for backward: their gradients (``[N, H]`` in the
+        GEMM dtype, ``[V, H]`` float32). Without autograd only the losses are computed.
 
     Raises:
         TypeError / ValueError: on malformed inputs (naming the argument and what to change).

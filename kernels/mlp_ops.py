@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .checks import on_input_gpu
+from .checks import differentiable_once, on_input_gpu
 from .forgetting_attention import _interpreting
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -99,6 +99,10 @@ class _SwiGLUFn(torch.autograd.Function):
         return _fwd(x)
 
     @staticmethod
+    @differentiable_once(
+        "swiglu",
+        "Use F.silu(gate) * up, which has one (in a fot model, attn_backend='reference' and loss_impl='chunked').",
+    )
     def backward(ctx, dy):
         (x,) = ctx.saved_tensors
         return _bwd(x, dy)
@@ -114,8 +118,9 @@ def swiglu(x: torch.Tensor) -> torch.Tensor:
             ``TRITON_INTERPRET=1``); PyTorch ops elsewhere.
 
     Returns:
-        ``[..., I]`` in ``x``'s dtype (float32 math inside, one rounding). Differentiable in
-        ``x``; saved for backward: ``x`` only.
+        ``[..., I]`` in ``x``'s dtype (float32 math inside, one rounding). Differentiable once
+        in ``x`` (on the Triton path a backward with ``create_graph=True`` raises); saved for
+        backward: ``x`` only.
 
     Raises:
         TypeError: ``x`` is not a floating tensor of a supported dtype.

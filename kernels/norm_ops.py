@@ -32,7 +32,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .checks import on_input_gpu
+from .checks import differentiable_once, on_input_gpu
 from .forgetting_attention import _interpreting
 
 MAX_WIDTH = 8192
@@ -240,6 +240,10 @@ class _AddRMSNormFn(torch.autograd.Function):
         return outs[0] if len(outs) == 1 else tuple(outs)
 
     @staticmethod
+    @differentiable_once(
+        "add_rms_norm",
+        "Use residual + x and F.rms_norm (and F.linear), which have one (in a fot model, attn_backend='reference' and loss_impl='chunked').",
+    )
     def backward(ctx, dy, *more):
         h, weight, proj_weight, rstd = ctx.saved_tensors
         x_dtype, r_dtype = ctx.dtypes
@@ -320,7 +324,8 @@ def add_rms_norm(
         ``y`` in ``out_dtype`` and ``h`` (``residual``'s dtype, or ``x`` itself when
         ``residual`` is None), both ``[..., N]``; with ``proj_weight`` also ``z`` ``[..., K]``
         float32. Differentiable in x, residual, weight, proj_weight and proj_bias (float32
-        reductions, then each parameter's dtype). Saved for backward: ``h`` (and, with a
+        reductions, then each parameter's dtype); once on the Triton path (a backward with
+        ``create_graph=True`` raises). Saved for backward: ``h`` (and, with a
         projection, each row's float32 ``rstd``). Triton on CUDA (or under
         ``TRITON_INTERPRET=1``) for ``N <= MAX_WIDTH``; PyTorch ops elsewhere.
 

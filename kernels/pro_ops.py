@@ -17,7 +17,7 @@ import torch
 import triton
 
 from . import _pro_kernels as kern
-from .checks import on_input_gpu
+from .checks import differentiable_once, on_input_gpu
 from .forgetting_attention import MAX_GRID_Y, _interpreting
 
 MAX_HEAD_DIM = 256
@@ -325,6 +325,10 @@ class _ShiftNormFn(torch.autograd.Function):
         return _shift_norm_fwd(x, s, w, reset, eps)
 
     @staticmethod
+    @differentiable_once(
+        "shift_norm",
+        "Use the PyTorch token shift and RMSNorm, which have one (in a fot model, attn_backend='reference' and loss_impl='chunked').",
+    )
     def backward(ctx, dy):
         x, s, w, reset = ctx.saved_tensors
         if dy.stride(-1) != 1:
@@ -383,8 +387,9 @@ def shift_norm(
 
     Returns:
         ``[B, T, H, D]`` contiguous, in x's dtype. Differentiable in x, shift_logits (gradient
-        in its dtype) and weight (float32 reduction over B and T, then weight's dtype).
-        Saved for backward: the inputs only.
+        in its dtype) and weight (float32 reduction over B and T, then weight's dtype); once
+        on the Triton path (a backward with ``create_graph=True`` raises). Saved for
+        backward: the inputs only.
 
     Raises:
         TypeError / ValueError: on malformed inputs (naming the argument and what to change).
@@ -504,6 +509,10 @@ class _NormGateFn(torch.autograd.Function):
         return _norm_gate_fwd(o, g, w, eps)
 
     @staticmethod
+    @differentiable_once(
+        "norm_gate",
+        "Use the PyTorch RMSNorm and sigmoid gate, which have one (in a fot model, attn_backend='reference' and loss_impl='chunked').",
+    )
     def backward(ctx, dy):
         o, g, w = ctx.saved_tensors
         if dy.stride(-1) != 1:
@@ -549,8 +558,8 @@ def norm_gate(
 
     Returns:
         ``[B, T, H, D]`` contiguous, in o's dtype. Differentiable in o, gate_logits (its
-        dtype) and weight (float32 reduction, then weight's dtype). Saved for backward: the
-        inputs only.
+        dtype) and weight (float32 reduction, then weight's dtype); once on the Triton path
+        (a backward with ``create_graph=True`` raises). Saved for backward: the inputs only.
 
     Raises:
         TypeError / ValueError: on malformed inputs (naming the argument and what to change).

@@ -559,16 +559,75 @@ def test_kernel_of_an_empty_input_is_empty_and_differentiable(B, T, HQ):
         assert g.shape == t.shape and g.dtype == t.dtype
 
 
-def test_a_second_order_gradient_through_the_kernel_raises():
-    """The kernels' gradients are computed without a graph: a gradient penalty (backward
-    through dq with create_graph=True) silently added nothing (q's gradient was that of o
-    alone). It now raises; the reference, which has the second order, is the way."""
-    q, k, v, log_f = on_device(*make_inputs(1, 16, 2, 1, 16, seed=0))
-    q.requires_grad_()
-    o = forgetting_attention(q, k, v, log_f)
-    (dq,) = torch.autograd.grad(o.square().sum(), q, create_graph=True)
-    with pytest.raises(RuntimeError, match="differentiate twice"):
-        (o.sum() + dq.square().sum()).backward()
+def _fused_case(name: str) -> tuple[object, list[torch.Tensor]]:
+    """``(fn, inputs)`` of one fused function whose backward is a kernel (or saved gradients)."""
+    from fot.kernels import (
+        add_rms_norm,
+        linear_cross_entropy,
+        mixed_precision_linear,
+        norm_gate,
+        shift_norm,
+        swiglu,
+    )
+
+    g = torch.Generator().manual_seed(0)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g)
+
+    if name == "forgetting_attention":
+        return forgetting_attention, list(make_inputs(1, 16, 2, 1, 16, seed=0))
+    if name == "swiglu":
+        return swiglu, [r(3, 8)]
+    if name == "add_rms_norm":
+        return lambda x, res, w, pw: add_rms_norm(x, res, w, proj_weight=pw), [
+            r(4, 16), r(4, 16), r(16), r(2, 16)
+        ]  # fmt: skip
+    if name == "shift_norm":
+        return shift_norm, [r(1, 5, 2, 8), r(1, 5, 2), r(2, 8)]
+    if name == "norm_gate":
+        return norm_gate, [r(1, 5, 2, 8), r(1, 5, 2, 8), r(2, 8)]
+    if name == "linear_cross_entropy":
+        labels = torch.randint(0, 10, (6,), generator=g).to(DEVICE)
+        return lambda h, w: linear_cross_entropy(h, w, labels), [r(6, 8), r(10, 8)]
+    assert name == "mixed_precision_linear"
+    return lambda x, w1, w2: mixed_precision_linear(x, [w1, w2], torch.bfloat16), [
+        r(4, 8), r(3, 8), r(5, 8)
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("loss", ["square", "linear"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "forgetting_attention",
+        "swiglu",
+        "add_rms_norm",
+        "shift_norm",
+        "norm_gate",
+        "linear_cross_entropy",
+        "mixed_precision_linear",
+    ],
+)
+def test_a_second_order_gradient_through_a_fused_function_raises(name, loss):
+    """Their backwards are kernels (or return gradients saved in the forward) without a
+    graph: a gradient penalty through them silently lost the second order (the fused FoT
+    model's penalty gradient was 100% off the reference's). PyTorch's once_differentiable,
+    on forgetting_attention, missed a loss linear in the output (no error, no graph) and
+    torch.autograd.grad(penalty, inputs) (second order zero). The create_graph=True backward
+    now raises, naming the function and the PyTorch form that has a second order."""
+    fn, inputs = _fused_case(name)
+    inputs = [t.to(DEVICE).requires_grad_() for t in inputs]
+    out = fn(*inputs)
+    outs = out if isinstance(out, tuple) else (out,)
+    if loss == "square":
+        total = sum(o.float().square().sum() for o in outs)
+    else:
+        total = sum(o.float().sum() for o in outs)
+    with pytest.raises(RuntimeError, match=rf"^{name} is differentiable once: .*create_graph=True"):
+        torch.autograd.grad(total, inputs, create_graph=True)
+    grads = torch.autograd.grad(total, inputs)  # first order unchanged
+    assert all(gr is not None and torch.isfinite(gr).all() for gr in grads)
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="Triton's interpreter only")

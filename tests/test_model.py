@@ -150,6 +150,39 @@ def test_chunked_loss_gradient_matches_full() -> None:
         assert torch.allclose(p1.grad, p2.grad, atol=1e-6), n
 
 
+def _gradient_penalty(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Squared norm of the loss's parameter gradient, differentiable (create_graph=True)."""
+    params = list(m.parameters())
+    grads = torch.autograd.grad(m(x, labels=x).loss, params, create_graph=True, allow_unused=True)
+    return sum(g.square().sum() for g in grads if g is not None)
+
+
+@pytest.mark.parametrize("model", ["fot_pro", "transformer_llama"])
+def test_a_gradient_penalty_through_the_model_is_exact_or_raises(model: str) -> None:
+    """A second-order gradient through the model: the default CPU path (PyTorch ops) gives
+    the one central differences of the penalty give; the fused kernels (attn_backend=
+    "triton", loss_impl="fused"), whose backwards build no graph, gave one 40-110% off without
+    a word and now raise."""
+    x = ids(1, 12)
+    m = tiny(model, attn_backend="auto").double()
+    params = list(m.parameters())
+    analytic = torch.autograd.grad(_gradient_penalty(m, x), params, allow_unused=True)
+    d = [torch.randn(p.shape, dtype=p.dtype, generator=torch.Generator().manual_seed(i))
+         for i, p in enumerate(params)]  # fmt: skip
+    eps, sides = 1e-5, []
+    for sign in (1, -2):  # to +eps, then to -eps
+        with torch.no_grad():
+            for p, v in zip(params, d, strict=True):
+                p.add_(sign * eps * v)
+        sides.append(_gradient_penalty(m, x).item())
+    numeric = (sides[0] - sides[1]) / (2 * eps)
+    directional = sum((g * v).sum() for g, v in zip(analytic, d, strict=True) if g is not None)
+    assert directional.item() == pytest.approx(numeric, rel=1e-5)
+    for fused in ({"attn_backend": "triton"}, {"loss_impl": "fused"}):
+        with pytest.raises(RuntimeError, match="is differentiable once"):
+            _gradient_penalty(tiny(model, **fused), x)
+
+
 # ---------------------------------------------------------------------------------------
 # Oracles for the block
 # ---------------------------------------------------------------------------------------

@@ -62,12 +62,22 @@ def forgetting_attention_decode(
         key_mask: ``[B, Tk]`` bool, False for keys to ignore (left padding).
 
     Returns:
-        ``[B, Tq, HQ, D]`` in q's dtype (float32 softmax inside; float64 for float64 input).
-        A query with no visible key gets zeros.
+        ``[B, Tq, HQ, D]`` in q's dtype (float32 softmax inside; float64 for float64 input;
+        under autocast too). A query with no visible key gets zeros.
     """
     check_decode_inputs(
         q, k_cache, v_cache, q_cumsum, k_cumsum, key_mask=key_mask, window_size=window_size
     )
+    if torch.is_autocast_enabled(q.device.type):
+        # autocast would run the float32 matmuls in 16 bits (scores rounded to bf16: 1e-2
+        # off); without it the ops are those outside autocast (a 16-bit cache is read as is)
+        with torch.autocast(q.device.type, enabled=False):
+            return _decode(q, k_cache, v_cache, q_cumsum, k_cumsum, scale, window_size, key_mask)
+    return _decode(q, k_cache, v_cache, q_cumsum, k_cumsum, scale, window_size, key_mask)
+
+
+def _decode(q, k_cache, v_cache, q_cumsum, k_cumsum, scale, window_size, key_mask):
+    """:func:`forgetting_attention_decode` on checked inputs, autocast off."""
     B, Tq, HQ, D = q.shape
     Tk, H = k_cache.shape[1], k_cache.shape[2]
     R = HQ // H

@@ -1400,7 +1400,9 @@ class JsonlLog:
     already in the file are skipped. A partly written last line (killed mid-write, or a full
     disk) is cut off the file, which is never rewritten: an interruption or a full disk while it
     is opened leaves every saved item in it. The file does not know which checkpoint and
-    settings produced it: commands call :func:`claim_results` before opening it.
+    settings produced it: commands call :func:`claim_results` before opening it. An item saved
+    twice (two runs started at once with the same ``--out`` both finish it) is read once, as
+    first saved: a summary counts each item of its grid once.
     """
 
     def __init__(self, path: str | os.PathLike, key: str = "key") -> None:
@@ -1409,11 +1411,17 @@ class JsonlLog:
         self.records: list[dict[str, Any]] = []
         if self.path.is_file():
             data = self.path.read_bytes()
+            seen = set()
             for line in data.splitlines():
                 try:
-                    self.records.append(json.loads(line))
+                    record = json.loads(line)
                 except (json.JSONDecodeError, UnicodeDecodeError):
                     continue  # torn last line of an interrupted run
+                if isinstance(record, dict) and self.key in record:
+                    if str(record[self.key]) in seen:
+                        continue  # saved again by a second run into the same --out
+                    seen.add(str(record[self.key]))
+                self.records.append(record)
             self._end_on_a_fresh_line(data)
         self._done = {str(r[self.key]) for r in self.records if self.key in r}
 

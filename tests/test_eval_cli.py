@@ -348,6 +348,28 @@ def test_needle_and_passkey_resume(ckpts, tmp_path):
     _run_config(tmp_path / "f", "needle")
 
 
+def test_items_saved_twice_by_two_runs_into_one_out_are_counted_once(ckpts, tmp_path):
+    """Two runs started at once with the same --out (a job submitted twice) both save every
+    item; the rerun reported `cells: 12` for a grid of 6 and wrote each row twice to the CSV,
+    and the forgetting curve averaged `repeats: 4` of the 2 asked for."""
+    common = ["--out", str(tmp_path / "o"), "--device", "cpu"]
+    needle = ["needle", str(ckpts["llama"]), "--mode", "passkey", "--lengths", "64,128",
+              "--depths", "0,50,100", "--max-new-tokens", "2", *common]  # fmt: skip
+    curve = ["forgetting-curve", str(ckpts["llama"]), "--lengths", "32,64", "--repeats", "2",
+             "--out", str(tmp_path / "f"), "--device", "cpu"]  # fmt: skip
+    first = {"needle": main(needle), "curve": main(curve)}
+    for log in (tmp_path / "o" / "needle_passkey.jsonl", tmp_path / "f" / "forgetting_curve.jsonl"):
+        saved = log.read_text()
+        log.write_text(saved + saved)  # what the second run appends
+    again = main(needle)
+    assert again["cells"] == 6 and again == first["needle"]
+    assert len(_lines(tmp_path / "o" / "needle_passkey.csv")) == 7
+    curve_again = main(curve)
+    assert [r["repeats"] for r in curve_again["per_length"]] == [2, 2]
+    assert curve_again == first["curve"]
+    assert len(_lines(tmp_path / "f" / "forgetting_curve.csv")) == 3
+
+
 def test_needle_prompt_template_is_a_setting_of_the_results(ckpts, tmp_path):
     """--prompt-template words the easy/standard prompts (tests/test_eval_needle.py checks the
     prompt): saved results resume only with the same wording; passkey mode refuses it."""

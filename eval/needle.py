@@ -353,9 +353,11 @@ def build_prompt(
     needle_ids, suffix_ids = _encode(tokenizer, needle_text), _encode(tokenizer, suffix)
     budget = context_length - len(prefix_ids) - len(needle_ids) - len(suffix_ids)
     if budget < 1:
+        pieces = context_length - budget
         raise ValueError(
-            f"context_length {context_length} leaves no room for a haystack (prompt pieces take "
-            f"{context_length - budget} tokens); use a longer context length"
+            f"a prompt of {context_length} tokens leaves no room for a haystack: its other "
+            f"pieces (BOS, wording, needle, question) take {pieces} tokens; use a length of at "
+            f"least {pieces + 1}"
         )
     if len(haystack_ids) == 0:
         raise ValueError("haystack is empty")
@@ -778,17 +780,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--haystack {args.haystack} holds no text")
     bos_id = None if args.no_bos else eot_id(tokenizer)
     # The shortest length must leave room for a haystack: said before --out is written.
-    shortest = build_prompt(
-        tokenizer,
-        haystack_ids,
-        context_length=min(lengths),
-        depth=0.0,
-        mode=args.mode,
-        needle=needle,
-        passkey="00000" if args.mode == "passkey" else None,
-        bos_id=bos_id,
-        snap_tokens=0,
-    )
+    try:
+        shortest = build_prompt(
+            tokenizer,
+            haystack_ids,
+            context_length=min(lengths),
+            depth=0.0,
+            mode=args.mode,
+            needle=needle,
+            passkey="00000" if args.mode == "passkey" else None,
+            bos_id=bos_id,
+            snap_tokens=0,
+        )
+    except ValueError as err:  # the length is too short: named as the option the user typed
+        raise ValueError(f"--lengths {min(lengths)}: {err}") from None
     # A haystack of real text is cut to fit, never repeated (the model could copy the repeat).
     need = max(lengths) - (min(lengths) - shortest.haystack_len)
     if not filler and len(haystack_ids) < need:

@@ -650,9 +650,18 @@ def test_needle_inputs_are_checked_before_the_model_loads(tmp_path, argv, error,
 
 def test_inputs_known_only_with_the_model_leave_no_out_folder(llama, tmp_path):
     out = tmp_path / "o"
-    with pytest.raises(ValueError, match="no room for a haystack"):
-        main(["needle", str(llama), "--lengths", "8", "--device", "cpu", "--out", str(out)])
+    with pytest.raises(ValueError, match="no room for a haystack") as info:
+        main(["needle", str(llama), "--lengths", "8,64", "--device", "cpu", "--out", str(out)])
     assert not out.exists()
+    # named as the option typed, with the shortest length that fits (it said `context_length
+    # 8 ...; use a longer context length`)
+    shortest = int(re.search(r"at least (\d+)$", str(info.value)).group(1))
+    assert str(info.value).startswith("--lengths 8: a prompt of 8 tokens")
+    main(["needle", str(llama), "--lengths", str(shortest), "--depths", "50",
+          "--max-new-tokens", "1", "--device", "cpu", "--out", str(out)])  # fmt: skip
+    with pytest.raises(ValueError, match="no room for a haystack"):
+        main(["needle", str(llama), "--lengths", str(shortest - 1), "--depths", "50",
+              "--max-new-tokens", "1", "--device", "cpu", "--out", str(tmp_path / "p")])  # fmt: skip
 
 
 @pytest.mark.parametrize(

@@ -334,7 +334,8 @@ def load_checkpoint(
     checkpoint folder of the paper's code (zhixuan-lin/forgetting-transformer, which loads only
     with its package: FoX, Transformer, DeltaNet, HGRN2, Mamba-2) is converted on the fly, as
     ``python -m fot.convert`` converts it (GPT-2 tokenizer, JSON text escaping as
-    LongCrawl64's), with a note on stderr.
+    LongCrawl64's), with a note on stderr; so is a FoX folder of flash-linear-attention
+    (``forgetting_transformer``), with its own tokenizer files.
 
     Args:
         path: folder with ``config.json``, weights and a tokenizer (a paper checkpoint: no
@@ -413,10 +414,15 @@ def load_checkpoint(
     _record_model_vocab(tokenizer, vocab)
     from safetensors import SafetensorError
 
+    from fot.convert import FLA_MODEL_TYPE
+
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            str(p), dtype=torch.float32 if autocast else dt
-        )
+        if config.get("model_type") == FLA_MODEL_TYPE:
+            model = _load_fla_checkpoint(p, dt)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(
+                str(p), dtype=torch.float32 if autocast else dt
+            )
     except torch.OutOfMemoryError:
         raise
     except (OSError, RuntimeError, SafetensorError) as err:
@@ -476,6 +482,21 @@ def _load_paper_checkpoint(
     if note:
         print(note, file=sys.stderr)
     return model.to(device).eval(), tokenizer
+
+
+def _load_fla_checkpoint(p: Path, dtype: torch.dtype) -> torch.nn.Module:
+    """A FoX folder of flash-linear-attention as ``python -m fot.convert`` converts it: FLA's
+    own class runs Triton kernels only (on the CPU a traceback: "0 active drivers")."""
+    from fot.convert import FLA_MODEL_TYPE, from_fla
+
+    model = from_fla(p, dtype=dtype)
+    print(
+        f"{p} is a FoX checkpoint of flash-linear-attention (model_type {FLA_MODEL_TYPE}): "
+        "converted on the fly as python -m fot.convert converts it, to run on fot's kernels "
+        "(its own tokenizer files)",
+        file=sys.stderr,
+    )
+    return model
 
 
 def context_length_key(model: torch.nn.Module) -> str | None:

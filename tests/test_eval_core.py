@@ -596,6 +596,48 @@ def test_a_checkpoint_of_the_papers_code_is_converted_on_the_fly(variant, tmp_pa
     assert tokenizer("fot, eval").input_ids == [EOT_ID, *get_encoding().encode("fot, eval")]
 
 
+def test_a_fox_checkpoint_of_fla_is_converted_on_the_fly(tmp_path):
+    """A FoX folder of flash-linear-attention loaded as FLA's own class, whose Triton kernels
+    stopped a CPU run with a traceback ("0 active drivers"); it is now converted as
+    fot.convert converts it. Oracle: FLA's own forward (under the tests' Triton interpreter)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from fla.models import ForgettingTransformerConfig, ForgettingTransformerForCausalLM
+
+    from fot.data.sample import sample_documents
+    from fot.tokenizer import EOT_ID, save_hf_tokenizer
+
+    torch.manual_seed(0)
+    config = ForgettingTransformerConfig(
+        vocab_size=EOT_ID + 1, hidden_size=32, num_hidden_layers=1, num_heads=2,
+        fuse_cross_entropy=False,
+    )  # fmt: skip
+    fla = ForgettingTransformerForCausalLM(config).eval()
+    fla.save_pretrained(tmp_path / "fla")
+    save_hf_tokenizer(tmp_path / "fla")
+    docs = [d for d in sample_documents("heldout") if len(d) >= 64][:2]
+    ids = torch.tensor([[EOT_ID, *d[:64].tolist()] for d in docs])
+    with torch.no_grad():
+        logits = fla(input_ids=ids[:, :-1]).logits.float()
+    want = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten()).item()
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # a user's shell
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    out = tmp_path / "out"
+    run = subprocess.run(
+        [sys.executable, "-m", "fot.eval", "per-token-loss", str(tmp_path / "fla"), "--data",
+         "sample", "--length", "64", "--max-docs", "2", "--out", str(out), "--device", "cpu"],
+        capture_output=True, text=True, env=env,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "FoX checkpoint of flash-linear-attention" in run.stderr
+    got = json.loads((out / "summary.json").read_text())
+    assert got["num_documents"] == 2
+    assert got["mean_loss"] == pytest.approx(want, rel=1e-5)
+
+
 def test_jsonl_log_opened_on_a_full_file_system_keeps_every_saved_item(tmp_path):
     """Opening a results file whose last line a kill or a full disk cut short rewrote the whole
     file (truncate, then write): a write failing there (the disk still full, a quota, a kill)

@@ -434,6 +434,17 @@ def load_checkpoint(
         ) from err
     if autocast:
         model.compute_dtype = dt
+    if (
+        type(model).__module__.startswith("fla.")
+        and dev.type == "cpu"
+        and os.environ.get("TRITON_INTERPRET") != "1"
+    ):  # its first forward pass would stop with Triton's "0 active drivers" traceback
+        raise ValueError(
+            f"checkpoint {str(p)!r} is a model of flash-linear-attention "
+            f"({type(model).__name__}), whose layers run Triton kernels: run it on a CUDA "
+            "GPU, or on the CPU set TRITON_INTERPRET=1 for the command (Triton's interpreter, "
+            "slow)"
+        )
     model.to(dev).eval()
     return model, tokenizer
 

@@ -638,6 +638,40 @@ def test_a_fox_checkpoint_of_fla_is_converted_on_the_fly(tmp_path):
     assert got["mean_loss"] == pytest.approx(want, rel=1e-5)
 
 
+def test_another_fla_model_on_the_cpu_is_named_with_the_interpreter_that_runs_it(tmp_path):
+    """FLA's models (GLA here) load through AutoModelForCausalLM, and on the CPU their Triton
+    kernels stopped the first forward pass with a traceback ("0 active drivers"); the command
+    now says so before --out is written, and under TRITON_INTERPRET=1 (the tests') it runs."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from fla.models import GLAConfig, GLAForCausalLM
+
+    from fot.tokenizer import EOT_ID, save_hf_tokenizer
+
+    torch.manual_seed(0)
+    config = GLAConfig(vocab_size=EOT_ID + 1, hidden_size=32, num_hidden_layers=1, num_heads=2)
+    GLAForCausalLM(config).save_pretrained(tmp_path / "gla")
+    save_hf_tokenizer(tmp_path / "gla")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # a user's shell
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    out = tmp_path / "out"
+    argv = ["per-token-loss", str(tmp_path / "gla"), "--data", "sample", "--length", "32",
+            "--max-docs", "1", "--out", str(out), "--device", "cpu"]  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-m", "fot.eval", *argv], capture_output=True, text=True, env=env
+    )
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert "Traceback" not in run.stderr and not out.exists()
+    assert "flash-linear-attention (GLAForCausalLM)" in run.stderr
+    assert "TRITON_INTERPRET=1" in run.stderr
+    from fot.eval.__main__ import main
+
+    assert main(argv)["num_documents"] == 1  # the fix the message names
+
+
 def test_jsonl_log_opened_on_a_full_file_system_keeps_every_saved_item(tmp_path):
     """Opening a results file whose last line a kill or a full disk cut short rewrote the whole
     file (truncate, then write): a write failing there (the disk still full, a quota, a kill)

@@ -1228,8 +1228,22 @@ def claim_results(
 
     Raises:
         ResumeMismatchError: saved results do not match and ``restart`` is off.
+        ValueError: ``out_dir`` lies in a data folder that is fingerprinted whole (its results
+            would change the fingerprint).
     """
     out = Path(out_dir)
+    data_files = data_files or {}
+    for key, paths in _data_paths(settings).items():
+        for folder in (
+            Path(v).resolve() for v in paths if key not in data_files and os.path.isdir(v)
+        ):
+            if folder == out.resolve() or folder in out.resolve().parents:
+                raise ValueError(
+                    f"--out {str(out_dir)!r} is inside {key} {str(folder)!r}: results written "
+                    "there would change the data's fingerprint, so that every rerun would be "
+                    "refused as one of other data instead of resuming; choose a folder outside "
+                    f"it, e.g. {str(folder.parent / (folder.name + '_eval'))!r}"
+                )
     out.mkdir(parents=True, exist_ok=True)  # only now, after the checks and the model load
     record_path = out / f"{name}.resume.json"
     record = {
@@ -1238,7 +1252,6 @@ def claim_results(
         "checkpoint_fingerprint": checkpoint_fingerprint(checkpoint),
         "settings": json.loads(json.dumps(_jsonable(settings))),
     }
-    data_files = data_files or {}
     record["data_fingerprints"] = {
         key: (
             {name: data_fingerprint(paths[0], [name]) for name in data_files[key]}

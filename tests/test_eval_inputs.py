@@ -411,3 +411,34 @@ def test_longbench_missing_task_files_suggest_the_tasks_the_folder_has(tmp_path)
         main(["longbench", str(tmp_path / "ckpt"), "--data-dir", str(data), "--out",
               str(tmp_path / "o")])  # fmt: skip
     assert "--tasks" not in str(e.value)
+
+
+@pytest.mark.parametrize("command", ["per-token-loss", "forgetting-curve", "needle"])
+def test_an_out_inside_the_data_folder_is_refused_before_anything_is_written(
+    llama, tmp_path, command
+):
+    """Results written into the --data (or --haystack) folder changed its fingerprint: the run
+    finished, and every rerun was refused as one of other data (`the content of ... has
+    changed since`), --restart included. The folder it names instead resumes."""
+    from fot.data.tokens import write_token_documents
+
+    rng = np.random.default_rng(0)
+    data = tmp_path / "tok"
+    write_token_documents(data, [rng.integers(0, 1000, 200) for _ in range(3)])
+    (tmp_path / "hay").mkdir()
+    (tmp_path / "hay" / "book.txt").write_text("The river ran by the old mill. " * 200)
+    option, folder, argv = {
+        "per-token-loss": ("--data", data, ["--length", "64"]),
+        "forgetting-curve": ("--data", data, ["--lengths", "32", "--repeats", "1"]),
+        "needle": ("--haystack", tmp_path / "hay",
+                   ["--lengths", "96", "--depths", "50", "--max-new-tokens", "1"]),
+    }[command]  # fmt: skip
+    argv = [command, str(llama), option, str(folder), *argv, "--device", "cpu"]
+    inside = folder / "eval"
+    with pytest.raises(ValueError, match=f"--out '{inside}' is inside {option} ") as info:
+        main([*argv, "--out", str(inside)])
+    assert not inside.exists()
+    suggested = re.search(r"e\.g\. '(.+)'$", str(info.value)).group(1)
+    assert suggested == f"{folder}_eval"
+    first = main([*argv, "--out", suggested])
+    assert main([*argv, "--out", suggested]) == first  # resumed, not refused

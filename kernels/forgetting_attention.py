@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 import torch
 import triton
 import triton.language as tl
-from torch.autograd.function import once_differentiable
 from triton.runtime.interpreter import InterpretedFunction
 
 from . import _triton_kernels as kern
@@ -461,7 +460,6 @@ class _EmptyFn(torch.autograd.Function):
         return q.new_empty(q.shape)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, do):
         return tuple(torch.zeros_like(t) for t in ctx.saved_tensors)
 

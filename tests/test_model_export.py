@@ -331,6 +331,30 @@ def test_hf_attention_names_are_refused_with_attn_backend(exported) -> None:
     assert torch.equal(eager(x).logits, model(x).logits)  # HF's default name still loads
 
 
+def test_set_attn_implementation_is_refused_like_from_pretrained(exported) -> None:
+    # model.set_attn_implementation("sdpa") only logged that the model "does not follow the
+    # functional approach based on AttentionInterface" and changed nothing, without naming
+    # config.attn_backend. Oracle: the logits before the call (nothing may change either way).
+    from transformers import AutoModelForCausalLM
+
+    out = exported[1]
+    loaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    x = torch.arange(9)[None] * 5 % VOCAB
+    want = loaded(x).logits
+    fix = r"is not used by FoT models.*set model\.config\.attn_backend \(e\.g\. 'sdpa'\)"
+    for impl in ("sdpa", "flash_attention_2", {"": "sdpa"}):
+        with pytest.raises(
+            ValueError, match=r"attn_implementation='(sdpa|flash_attention_2)' " + fix
+        ):
+            loaded.set_attn_implementation(impl)
+        with pytest.raises(ValueError, match=fix):
+            loaded.model.set_attn_implementation(impl)  # the base model (AutoModel) too
+    loaded.set_attn_implementation("eager")  # HF's default name is accepted
+    assert loaded.config.attn_backend == "reference" and torch.equal(loaded(x).logits, want)
+    loaded.config.attn_backend = "sdpa"  # the named fix (on the CPU, FoT's 'sdpa' is 'auto')
+    assert torch.allclose(loaded(x).logits, want, atol=1e-5)
+
+
 def test_batched_generate_with_the_exported_tokenizer_as_it_is(tmp_path) -> None:
     # The exported tokenizer had no pad token: tok(prompts, padding=True) and
     # generate(token_healing=True) failed until the user set one. Oracle: each prompt alone.

@@ -1039,6 +1039,36 @@ def _on_one_device(model: nn.Module) -> bool:
     return len(places) == 1 and next(iter(places))[0] not in ("cpu", "disk", "meta")
 
 
+def refuse_hf_attention(attn_implementation: object, *, loaded: bool = False) -> None:
+    """Refuse HF's attention names (``"sdpa"``, ``"flash_attention_2"``, ...) with FoT's own
+    switch: FoT layers pick their attention by ``config.attn_backend``, never by HF's
+    ``attn_implementation``. HF's generic error for ``"sdpa"`` says to ask transformers for
+    support and to use ``"eager"``, which would leave the FoT backend as it was. ``None`` and
+    ``"eager"`` (HF's defaults) are accepted.
+
+    Args:
+        attn_implementation: the name asked for.
+        loaded: the model exists (``set_attn_implementation``): name the config field to set
+            instead of the ``from_pretrained`` argument.
+
+    Raises:
+        ValueError: any other ``attn_implementation``.
+    """
+    if attn_implementation in (None, "eager"):
+        return
+    fix = (
+        "set model.config.attn_backend (e.g. 'sdpa'), which the layers read on every call"
+        if loaded
+        else "pass e.g. attn_backend='auto' to from_pretrained"
+    )
+    raise ValueError(
+        f"attn_implementation={attn_implementation!r} is not used by FoT models: they choose "
+        f"attention by config.attn_backend, one of {list(ATTN_BACKENDS)} ('auto' = Triton "
+        "kernels on CUDA, PyTorch elsewhere; 'sdpa' = PyTorch SDPA where there is no forget "
+        f"gate, else as 'auto'). Drop attn_implementation and {fix}"
+    )
+
+
 class FoTPreTrainedModel(PreTrainedModel):
     """Weights init (N(0, initializer_range), paper App. E.11) and HF plumbing."""
 
@@ -1081,26 +1111,30 @@ class FoTPreTrainedModel(PreTrainedModel):
     def _check_and_adjust_attn_implementation(
         self, attn_implementation: str | None, *args, **kwargs
     ) -> str:
-        """HF hook behind ``from_pretrained(attn_implementation=...)`` and
-        ``set_attn_implementation``: refuse HF's attention names with FoT's own switch.
+        """HF hook behind ``from_pretrained(attn_implementation=...)``: refuse HF's attention
+        names with FoT's own switch (:func:`refuse_hf_attention`)."""
+        refuse_hf_attention(attn_implementation)
+        return super()._check_and_adjust_attn_implementation(attn_implementation, *args, **kwargs)
 
-        FoT layers pick their attention by ``config.attn_backend``, never by HF's
-        ``attn_implementation``; HF's generic error for ``"sdpa"`` / ``"flash_attention_2"``
-        says to ask transformers for support and to use ``"eager"``, which would leave the
-        FoT backend as it was. ``None`` and ``"eager"`` (HF's defaults) are accepted.
+    def set_attn_implementation(
+        self, attn_implementation: str | dict, *args: Any, **kwargs: Any
+    ) -> None:
+        """``PreTrainedModel.set_attn_implementation``, refusing HF's attention names as
+        ``from_pretrained`` does (:func:`refuse_hf_attention`).
+
+        transformers skips its check for FoT's classes (their attention does not go through its
+        ``AttentionInterface``) and only logs that the model cannot switch, without naming
+        ``config.attn_backend``, which switches a loaded model (``model.config.attn_backend =
+        "sdpa"``).
 
         Raises:
-            ValueError: any other ``attn_implementation``.
+            ValueError: ``attn_implementation`` (or its ``""`` entry) is not None or ``"eager"``.
         """
-        if attn_implementation not in (None, "eager"):
-            raise ValueError(
-                f"attn_implementation={attn_implementation!r} is not used by FoT models: they "
-                "choose attention by config.attn_backend, one of "
-                f"{list(ATTN_BACKENDS)} ('auto' = Triton kernels on CUDA, PyTorch elsewhere; "
-                "'sdpa' = PyTorch SDPA where there is no forget gate, else as 'auto'). Drop "
-                "attn_implementation and pass e.g. attn_backend='auto' to from_pretrained"
-            )
-        return super()._check_and_adjust_attn_implementation(attn_implementation, *args, **kwargs)
+        name = attn_implementation
+        if isinstance(name, dict):
+            name = name.get("")
+        refuse_hf_attention(name, loaded=True)
+        super().set_attn_implementation(attn_implementation, *args, **kwargs)
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:

@@ -90,8 +90,8 @@ def config(model: str, size: str = "tiny", **overrides: Any) -> PretrainedConfig
 
 def read_overrides(model: str, size: str, overrides: Mapping[str, Any]) -> dict[str, Any]:
     """``overrides`` without the fields that ``model`` does not read, which :func:`config`
-    refuses (a RoPE base on a model without RoPE, ``hidden_ratio`` beside
-    ``intermediate_size``): they give the same model as ``overrides``. A run that an older fot
+    refuses (a RoPE base on a model without RoPE, a QK-norm epsilon on one without QK-norm,
+    ``hidden_ratio`` beside ``intermediate_size``): they give the same model as ``overrides``. A run that an older fot
     started with such a field records it; its checkpoints are read with this.
 
     Args:
@@ -144,6 +144,8 @@ def _unread_fields(built: FoTConfig, overrides: Mapping[str, Any]) -> list[str]:
     unread = (
         [] if built.use_rope else [n for n in ("rope_theta", "rope_parameters") if n in overrides]
     )
+    if not built.qk_norm and "qk_norm_eps" in overrides:
+        unread.append("qk_norm_eps")
     if overrides.get("intermediate_size") is not None and "hidden_ratio" in overrides:
         unread.append("hidden_ratio")
     return unread
@@ -154,8 +156,9 @@ def _unread_override_problem(
 ) -> str | None:
     """Why an override of ``model`` sets a field that its model does not read, with the fix;
     ``None`` where every one is read. Such a field is stored in config.json and ignored (a
-    ``rope_theta`` swept over ``model=fot_pro,transformer_pro`` changes only the Transformer).
-    A RoPE base at its default changes nothing and passes (every saved config.json has one).
+    ``rope_theta`` swept over ``model=fot_pro,transformer_pro`` changes only the Transformer,
+    a ``qk_norm_eps`` over ``model=fot_pro,fot_llama`` only FoT (Pro)). A RoPE base or QK-norm
+    epsilon at its default changes nothing and passes (every saved config.json has both).
 
     Args:
         model: the preset name (for the message).
@@ -163,13 +166,19 @@ def _unread_override_problem(
         overrides: the fields the user set.
     """
     unread = _unread_fields(built, overrides)
-    rope = [name for name in unread if name != "hidden_ratio"]
+    rope = [name for name in unread if name in ("rope_theta", "rope_parameters")]
     if rope and built.rope_theta != FoTConfig().rope_theta:
         given = ", ".join(f"{name}={overrides[name]!r}" for name in rope)
         return (
             f"model {model!r} has no RoPE (use_rope=False), so it does not read {given}: leave "
             f"it out for this model, or set use_rope=true as well for RoPE "
             "(+model.overrides.use_rope=true)"
+        )
+    if "qk_norm_eps" in unread and built.qk_norm_eps != FoTConfig().qk_norm_eps:
+        return (
+            f"model {model!r} has no QK-norm (qk_norm=False), so it does not read "
+            f"qk_norm_eps={overrides['qk_norm_eps']!r}: leave it out for this model, or set "
+            "qk_norm=true as well for a QK-norm (+model.overrides.qk_norm=true)"
         )
     if "hidden_ratio" in unread:
         return (

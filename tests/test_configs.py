@@ -1326,6 +1326,41 @@ def test_an_override_the_model_does_not_read_is_refused() -> None:
     assert presets.config("fot_pro", "tiny", hidden_ratio=3.0).mlp_size == 256
 
 
+def test_a_qk_norm_eps_on_a_model_without_qk_norm_is_refused() -> None:
+    """``+model.overrides.qk_norm_eps=...`` on a model without QK-norm (fot_llama in a sweep
+    over model=fot_pro,fot_llama, say) trained the model built without it, the field stored in
+    config.json and ignored. Refused now, as a RoPE base without RoPE is; where the model has
+    a QK-norm the field takes effect, and its default passes (every config.json has it)."""
+    import torch
+
+    from fot import FoTConfig, FoTForCausalLM
+
+    def logits(**fields: object) -> torch.Tensor:
+        torch.manual_seed(0)
+        model = FoTForCausalLM(FoTConfig(**presets.config("fot_llama", "tiny").to_dict() | fields))
+        return model(torch.arange(16).view(1, 16)).logits
+
+    # the oracle: built directly, the field changes nothing without QK-norm, and does with it
+    assert torch.equal(logits(qk_norm_eps=10.0), logits())
+    assert not torch.equal(logits(qk_norm=True, qk_norm_eps=10.0), logits(qk_norm=True))
+    for model, fields in (
+        ("fot_llama", {"qk_norm_eps": 1e-3}),
+        ("transformer_llama", {"qk_norm_eps": 1e-3}),
+        ("fot_pro", {"qk_norm": False, "qk_norm_eps": 1e-3}),
+    ):
+        with pytest.raises(
+            ValueError,
+            match=rf"^model '{model}' has no QK-norm \(qk_norm=False\), so it does not read "
+            r"qk_norm_eps=0\.001: leave it out for this model, or set qk_norm=true",
+        ):
+            presets.config(model, "tiny", **fields)
+    assert presets.config("fot_pro", "tiny", qk_norm_eps=1e-3).qk_norm_eps == 1e-3
+    assert presets.config("fot_llama", "tiny", qk_norm=True, qk_norm_eps=1e-3).qk_norm
+    assert presets.config("fot_llama", "tiny", qk_norm_eps=1e-5)  # the default: no change
+    # a run an older fot started with it reads its checkpoints without it
+    assert presets.read_overrides("fot_llama", "tiny", {"qk_norm_eps": 1e-3}) == {}
+
+
 def test_fotconfig_refuses_a_gate_initialisation_its_gate_does_not_read(tmp_path) -> None:
     """FoTConfig itself (the Python API, a config.json) refuses what presets.config refuses; a
     saved config, which carries every gate field at its default, loads for each gate type."""

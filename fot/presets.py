@@ -15,6 +15,9 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import inspect
+import json
+import types
+import typing
 from collections.abc import Mapping
 from typing import Any
 
@@ -73,14 +76,15 @@ def config(model: str, size: str = "tiny", **overrides: Any) -> PretrainedConfig
         A :class:`fot.FoTConfig` for FoT / Transformer models, else the FLA config class.
 
     Raises:
-        ValueError: unknown model or size (the message lists the valid names), or an override
+        ValueError: unknown model or size (the message lists the valid names), an override
             that is no field of the model's config class (the message names it, the closest
-            field names and the fix).
+            field names and the fix), or one of a type the field does not take.
     """
     _check_names(model, size)
     if model in FLA_MODELS:
         cfg = fla_config(model, size)  # the class first, so that no override is applied unchecked
         check_override_keys(model, type(cfg), overrides)
+        check_override_types(model, cfg, overrides)
         return fla_config(model, size, **overrides)
     built = _fot_config(model, size, overrides)
     if problem := _unread_override_problem(model, built, overrides):
@@ -288,6 +292,92 @@ def check_override_keys(
     raise ValueError(message)
 
 
+# Types an override is checked against (fields annotated with other types are left to the
+# config class).
+_PLAIN_TYPES = (bool, int, float, str, type(None))
+# Fields whose values fot checks itself with their own message (fla_baselines._check_mlp_widths:
+# FLA annotates hidden_ratio as an int, but a float width factor works).
+_OWN_CHECKS = frozenset({"hidden_ratio", "mamba_hidden_ratio", "intermediate_size"})
+
+
+def _plain_field_types(config_cls: type[PretrainedConfig]) -> dict[str, tuple[type, ...]]:
+    """``{field: allowed types}`` of the ``__init__`` parameters of ``config_cls`` (and its
+    bases) annotated with bool, int, float, str or None only (``int | None``); a parameter
+    without annotation takes the type of its default where that is one of them."""
+    fields: dict[str, tuple[type, ...]] = {}
+    for klass in reversed(config_cls.__mro__):
+        init = vars(klass).get("__init__")
+        if init is None or klass is object:
+            continue
+        try:
+            hints = typing.get_type_hints(init)
+        except Exception:  # an annotation that does not resolve: leave its fields unchecked
+            hints = {}
+        for param in list(inspect.signature(init).parameters.values())[1:]:
+            if param.name.startswith("_") or param.kind is not param.POSITIONAL_OR_KEYWORD:
+                continue  # (a private argument of fot's subclass, **kwargs)
+            hint = hints.get(param.name, param.annotation)
+            if hint is inspect.Parameter.empty:
+                hint = type(param.default)
+            union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+            allowed = typing.get_args(hint) if union else (hint,)
+            if all(t in _PLAIN_TYPES for t in allowed):
+                fields[param.name] = allowed
+            else:
+                fields.pop(param.name, None)
+    return fields
+
+
+def _of_type(value: Any, allowed: tuple[type, ...]) -> bool:
+    """Whether ``value`` is of one of ``allowed`` (an int is a float; a bool is no number)."""
+    if isinstance(value, bool):
+        return bool in allowed
+    if isinstance(value, int):
+        return int in allowed or float in allowed
+    return isinstance(value, tuple(t for t in allowed if t is not bool))
+
+
+def check_override_types(
+    model: str, preset: PretrainedConfig, overrides: Mapping[str, Any]
+) -> None:
+    """Refuse an override of a type its field does not take (FLA baselines' configs).
+
+    FLA's config classes store what they are given: ``use_short_conv="no"`` trained with a
+    short convolution (a word is true), ``num_hidden_layers=2.5`` or ``norm_eps="abc"`` failed
+    with a traceback deep in the model. :class:`FoTConfig` checks its own fields.
+
+    Args:
+        model: the preset name (for the message).
+        preset: the preset's config without overrides; a field may also take the type of
+            its value there (None where the preset sets None).
+        overrides: the override fields (their keys already checked).
+
+    Raises:
+        ValueError: naming the field, the value, the type it takes and an override that works.
+    """
+    fields = _plain_field_types(type(preset))
+    for key, value in overrides.items():
+        allowed = fields.get(key)
+        if allowed is None or key in _OWN_CHECKS:
+            continue
+        current = getattr(preset, key, None)
+        # the type the preset's value has after FLA's __init__ (Samba's time_step_rank,
+        # annotated str for its "auto", becomes an int); no token id is also fine
+        allowed = (*allowed, type(current))
+        if key.endswith("_token_id"):
+            allowed = (*allowed, type(None))
+        if _of_type(value, allowed):
+            continue
+        names = {bool: "true or false", int: "an int", float: "a number", str: "a string"}
+        kinds = list(dict.fromkeys(names[t] for t in allowed if t in names))
+        kinds += ["null"] if type(None) in allowed else []
+        example = current if isinstance(current, str) else json.dumps(current, default=str)
+        raise ValueError(
+            f"model override {key}={value!r} for model {model!r}: {type(preset).__name__}.{key} "
+            f"takes {' or '.join(kinds)}; e.g. +model.overrides.{key}={example} (the preset's value)"
+        )
+
+
 def build_model(config: PretrainedConfig) -> nn.Module:
     """Instantiate the model class of a config (FoTForCausalLM or the FLA model class).
 
@@ -322,6 +412,7 @@ __all__ = [
     "SIZES",
     "build_model",
     "check_override_keys",
+    "check_override_types",
     "config",
     "config_keys",
     "count_params",

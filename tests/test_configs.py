@@ -344,6 +344,45 @@ def test_misspelt_model_override_is_refused_with_the_closest_name(hydra_ctx) -> 
     assert fields == f"FoTConfig fields: {', '.join(named)}"
 
 
+def test_an_fla_model_override_of_the_wrong_type_is_refused(hydra_ctx) -> None:
+    """FLA's config classes store what they are given: ``use_short_conv="no"`` (a word from a
+    YAML) trained *with* the short convolution, ``num_hidden_layers=2.5`` and ``norm_eps="abc"``
+    failed with a traceback deep inside the model. Refused now, naming the field, the type it
+    takes and an override that works; values of the right type pass (an int for a float, None
+    where the field takes it, a float width factor that fot checks itself)."""
+    from fot.models.fla_baselines import fla_config
+
+    # the trap, shown on FLA's config itself: the word is stored and counts as true
+    assert fla_config("deltanet", "tiny", use_short_conv="no").use_short_conv == "no"
+    for model, fields, pattern in (
+        ("deltanet", {"use_short_conv": "no"}, r"use_short_conv='no' for model 'deltanet': "
+         r"FoTDeltaNetConfig\.use_short_conv takes true or false; e\.g\. "
+         r"\+model\.overrides\.use_short_conv=true \(the preset's value\)$"),
+        ("hgrn2", {"num_hidden_layers": 2.5}, r"num_hidden_layers=2\.5 for model 'hgrn2': "
+         r"FoTHGRN2Config\.num_hidden_layers takes an int; e\.g\. .*num_hidden_layers=2 "),
+        ("mamba2", {"norm_eps": "abc"}, r"norm_eps='abc' for model 'mamba2': .*takes a number"),
+        ("samba", {"hidden_size": True}, r"hidden_size=True for model 'samba': .*takes an int"),
+        ("hgrn2", {"use_lower_bound": 0}, r"use_lower_bound=0 .*takes true or false"),
+        ("deltanet", {"num_heads": None}, r"num_heads=None .*takes an int;"),
+    ):  # fmt: skip
+        with pytest.raises(ValueError, match=rf"^model override {pattern}"):
+            presets.config(model, "tiny", **fields)
+    cfg = compose("train", overrides=["model=hgrn2", "+model.overrides.use_lower_bound=no"])
+    with pytest.raises(ValueError, match=r"use_lower_bound='no' .*takes true or false"):
+        model_config_from_train_config(cfg)
+    # the right types pass
+    assert presets.config("mamba2", "tiny", norm_eps=1).norm_eps == 1
+    hgrn2 = presets.config("hgrn2", "tiny", num_heads=None, use_lower_bound=False)
+    assert hgrn2.use_lower_bound is False and hgrn2.num_heads == 4  # None: FLA derives it
+    assert presets.config("deltanet", "tiny", hidden_ratio=3.5, bos_token_id=None).hidden_ratio
+    assert presets.config("samba", "tiny", mamba_hidden_ratio=None).mamba_hidden_ratio is None
+    # every field of each preset given its preset's value, as an override
+    for model in ("mamba2", "deltanet", "hgrn2", "samba"):
+        base = presets.config(model, "tiny")
+        same = {k: getattr(base, k) for k in presets._plain_field_types(type(base))}
+        assert presets.config(model, "tiny", **same).to_dict() == base.to_dict(), model
+
+
 def test_every_valid_model_override_is_still_accepted(hydra_ctx) -> None:
     import inspect
 

@@ -95,6 +95,44 @@ def test_every_variant_shapes_and_gradients(model: str) -> None:
     assert m.lm_head.weight.grad[:VOCAB].abs().sum() > 0
 
 
+@pytest.mark.parametrize("bits", range(32))
+def test_every_combination_of_switches_trains_every_parameter(bits: int) -> None:
+    """Each of the 32 combinations of the Pro switches (with the four gate types, RoPE,
+    a window and GQA spread over them) builds exactly the parameters its switches name and
+    trains: the loss is finite and every parameter gets a non-zero gradient (a parameter built
+    but never read would waste memory and stop DDP with find_unused_parameters=False)."""
+    switches = {field: bool(bits >> i & 1) for i, field in enumerate(PRO_FIELDS)}
+    gate = ("full", "bias_only", "fixed", "none")[bits % 4]
+    m = tiny(
+        "fot_llama",
+        **switches,
+        fgate_type=gate,
+        use_rope=gate == "none" or bits % 3 == 0,
+        window_size=8 if bits % 5 == 0 else None,
+        num_kv_heads=2 if bits % 2 else None,
+    ).train()
+    want = {"q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight"}
+    want |= {"full": {"fgate_proj.weight", "fgate_proj.bias"}, "bias_only": {"fgate_bias"}}.get(
+        gate, set()
+    )
+    named = {
+        "qk_norm": {"q_norm.weight", "k_norm.weight"},
+        "use_k_shift": {"k_shift_proj.weight"},
+        "use_v_shift": {"v_shift_proj.weight"},
+        "use_output_norm": {"o_norm.weight"},
+        "use_output_gate": {"g_proj.weight"},
+    }
+    for field, on in switches.items():
+        want |= named[field] if on else set()
+    attn = {n for n, _ in m.model.layers[0].self_attn.named_parameters()}
+    assert attn == want
+    loss = m(ids(1, 24), shift_labels=ids(1, 24, seed=2)).loss
+    assert torch.isfinite(loss)
+    loss.backward()
+    for name, p in m.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, f"no gradient for {name}"
+
+
 def test_vocab_padded_to_multiple_of_64() -> None:
     m = tiny("fot_llama", vocab_size=50257)
     assert m.model.embed_tokens.weight.shape[0] == 50304
@@ -396,6 +434,40 @@ def test_fixed_gate_has_no_trainable_gate_and_bias_only_ignores_input() -> None:
     full = tiny("fot_llama").model.layers[0].self_attn
     assert not torch.equal(full.log_fgate(x1), full.log_fgate(x2))
     assert full.log_fgate(x1.bfloat16()).dtype == torch.float32
+
+
+def test_nope_has_no_position_and_a_window_hides_older_keys() -> None:
+    """Oracles from the definitions. No position encoding and no gate (NoPE): one layer's
+    output at the last position is a function of the *set* of earlier tokens, so permuting
+    them changes nothing; RoPE or a forget gate make it order-dependent. A window of w keys
+    (``i - w < j <= i``): the output at i has zero gradient in every input before i - w + 1;
+    with KV-shift the key at i - w + 1 mixes in the input at i - w, and nothing older."""
+    from fot.models.modeling_fot import _Context
+
+    x = ids(1, 20)
+    perm = torch.cat([torch.randperm(19, generator=torch.Generator().manual_seed(3)), x.new([19])])
+    for model, moved in (
+        ("transformer_llama_nope", False),
+        ("transformer_llama", True),
+        ("fot_llama", True),
+        ("fot_llama_fixed", True),
+    ):
+        m = tiny(model, num_hidden_layers=1)
+        with torch.no_grad():
+            change = max_err(m(x).logits[0, -1], m(x[:, perm]).logits[0, -1])
+        assert (change > 1e-3) if moved else (change < 1e-5), (model, change)
+
+    w, T = 5, 14
+    for model, shifted in (("transformer_swa", False), ("fot_llama", False), ("fot_pro", True)):
+        m = tiny(model, num_hidden_layers=1, window_size=w)
+        attn = m.model.layers[0].self_attn
+        h = torch.randn(1, T, m.config.hidden_size, requires_grad=True)
+        rope = m.model._context(1, T, h.device, None, None, 0).rope
+        attn(h, _Context(rope, None, None, None, None))[0, T - 1].sum().backward()
+        reach = h.grad[0].abs().sum(-1)  # (T,)
+        first = T - w - (1 if shifted else 0)  # the oldest input the output may read
+        assert reach[:first].abs().max() == 0, (model, reach)
+        assert (reach[first:] > 0).all(), (model, reach)
 
 
 # ---------------------------------------------------------------------------------------
@@ -708,6 +780,40 @@ def test_preset_parameter_counts_match_paper(model: str) -> None:
     cfg = m.config
     assert (cfg.hidden_size, cfg.num_hidden_layers) == (1536, 24)
     assert cfg.head_dim == (128 if model.startswith("transformer") else 64)
+
+
+def _hand_count(cfg: fot.FoTConfig) -> int:
+    """Parameters without the input embedding, counted from the config's dimensions as
+    DESIGN.md describes the blocks (not from the modules): q/k/v/o, the forget gate (full:
+    ``hidden -> HQ`` with bias; bias_only: one bias per head; fixed and none: nothing
+    trained), KV-shift ``hidden -> H`` each, per-head q/k norms and output norm, the output
+    gate ``hidden -> HQ*D``, two RMSNorms, a SwiGLU MLP, the final norm and the padded head."""
+    h, hq, hkv, d = cfg.hidden_size, cfg.num_heads, cfg.kv_heads, cfg.hidden_size // cfg.num_heads
+    width = math.ceil(int(h * cfg.hidden_ratio * 2 / 3) / 256) * 256
+    attn = 2 * h * hq * d + 2 * h * hkv * d
+    attn += {"full": h * hq + hq, "bias_only": hq, "fixed": 0, "none": 0}[cfg.fgate_type]
+    attn += (cfg.use_k_shift + cfg.use_v_shift) * h * hkv
+    attn += cfg.qk_norm * (hq + hkv) * d + cfg.use_output_norm * hq * d
+    attn += cfg.use_output_gate * h * hq * d
+    block = attn + 2 * h + 3 * h * width
+    vocab = math.ceil(cfg.vocab_size / 64) * 64
+    return cfg.num_hidden_layers * block + h + vocab * h
+
+
+@pytest.mark.parametrize("size", ["125m", "360m", "760m"])
+def test_preset_parameter_counts_equal_a_hand_count(size: str) -> None:
+    """Every FoT/Transformer preset at every paper size has exactly the hand count of its
+    dimensions; at 760m these are the counts docs/models.md quotes (759.6M, 757.7M, 757.8M,
+    756.8M for FoT Pro, FoT LLaMA, Transformer Pro, Transformer LLaMA)."""
+    quoted = {"fot_pro": 759.6, "fot_llama": 757.7, "transformer_pro": 757.8}
+    quoted["transformer_llama"] = 756.8
+    for model in FOT_MODELS:
+        cfg = presets.config(model, size)
+        with torch.device("meta"):
+            n = presets.count_params(presets.build_model(cfg))
+        assert n == _hand_count(cfg), (model, n, _hand_count(cfg))
+        if size == "760m" and model in quoted:
+            assert round(n / 1e6, 1) == quoted[model], (model, n)
 
 
 @pytest.mark.parametrize("size,nominal", [("125m", 125e6), ("360m", 360e6)])

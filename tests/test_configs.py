@@ -602,11 +602,19 @@ def test_every_train_command_of_the_docs_starts_without_a_warning(
         (["val_micro_batch_size=-2"], "val_micro_batch_size=-2 must be >= 1"),
         (["resume=/no/such/path"], "resume=/no/such/path does not exist.*resume=never"),
         (["model=mamba2", "device=cpu"], "model=mamba2 .* need a CUDA GPU"),
-        (["optim.lr=-1"], r"optim.lr must be > 0, got -1"),
+        (["optim.lr=-1"], r"optim.lr must be > 0 and finite, got -1"),
+        # nan fails every comparison: these ran, to a nan loss at step 2 (a nan grad_clip to
+        # no clipping at all)
+        (["optim.lr=nan"], r"optim.lr must be > 0 and finite, got nan"),
+        (["optim.lr=inf"], r"optim.lr must be > 0 and finite, got inf"),
         (["optim.betas=[0.9]"], r"optim.betas must be two numbers in \[0, 1\)"),
         (["optim.eps=0"], "optim.eps must be > 0"),
+        (["optim.eps=nan"], r"optim.eps must be > 0 and finite \(e.g. 1e-8\), got nan"),
         (["optim.weight_decay=-0.1"], "optim.weight_decay must be >= 0"),
+        (["optim.weight_decay=nan"], r"optim.weight_decay must be >= 0 and finite .* got nan"),
+        (["optim.weight_decay=inf"], r"optim.weight_decay must be >= 0 and finite .* got inf"),
         (["optim.grad_clip=-1"], "optim.grad_clip=0 for no clipping"),
+        (["optim.grad_clip=nan"], r"^optim.grad_clip=nan is not a number >= 0; use optim.grad_"),
         (["schedule.min_lr_ratio=2"], r"schedule.min_lr_ratio=2.0 must be in \[0, 1\]"),
         (["schedule.name=cosine"], "schedule.name='cosine' is not one of"),
         (

@@ -71,16 +71,20 @@ def check_optim(cfg: OptimConfig, schedule: ScheduleConfig | None = None) -> Non
     check_muon(cfg)
     if len(cfg.betas) != 2 or not all(0.0 <= b < 1.0 for b in cfg.betas):
         raise ValueError(f"optim.betas must be two numbers in [0, 1), got {list(cfg.betas)}")
-    if cfg.lr <= 0:
-        raise ValueError(f"optim.lr must be > 0, got {cfg.lr}")
-    if cfg.eps <= 0:
-        raise ValueError(f"optim.eps must be > 0 (e.g. 1e-8), got {cfg.eps}")
-    if cfg.weight_decay < 0:
-        raise ValueError(f"optim.weight_decay must be >= 0 (0: none), got {cfg.weight_decay}")
-    if cfg.grad_clip < 0:
+    # `not x > 0` rather than `x <= 0`: nan (which Hydra parses) fails every comparison, and
+    # would pass on to a run that turns the weights to nan at its first step
+    if not 0 < cfg.lr < math.inf:
+        raise ValueError(f"optim.lr must be > 0 and finite, got {cfg.lr}")
+    if not 0 < cfg.eps < math.inf:
+        raise ValueError(f"optim.eps must be > 0 and finite (e.g. 1e-8), got {cfg.eps}")
+    if not 0 <= cfg.weight_decay < math.inf:
         raise ValueError(
-            f"optim.grad_clip={cfg.grad_clip} is negative; use optim.grad_clip=0 for no "
-            "clipping, or the largest global gradient norm to allow"
+            f"optim.weight_decay must be >= 0 and finite (0: none), got {cfg.weight_decay}"
+        )
+    if not cfg.grad_clip >= 0:  # inf: no clipping, as 0
+        raise ValueError(
+            f"optim.grad_clip={cfg.grad_clip} is not a number >= 0; use optim.grad_clip=0 for "
+            "no clipping, or the largest global gradient norm to allow"
         )
     if schedule is not None:
         if schedule.name not in SCHEDULES:

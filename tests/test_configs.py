@@ -629,7 +629,12 @@ def test_every_train_command_of_the_docs_starts_without_a_warning(
             r"^schedule.min_lr_ratio=0.5: schedule=constant keeps optim.lr to the end and does "
             r"not read it; for a decay to that fraction use schedule=warmup_cosine",
         ),
-        (["schedule.name=constant"], r"schedule.min_lr_ratio=0.1: schedule=constant keeps"),
+        (
+            ["schedule.name=constant"],
+            r"schedule.min_lr_ratio=0.1: schedule=constant keeps .* rather than "
+            r"schedule.name=constant; after an experiment file that sets it, add "
+            r"schedule.min_lr_ratio=1\)$",
+        ),
         (["branch_from=/no/such/ckpt"], r"branch_from=/no/such/ckpt does not exist; pass a"),
         (["optim.momentum=0.9"], r"optim.momentum=0.9: only optim=muon reads it"),
         (["optim.name=muon"], r"needs optim.momentum, optim.ns_steps and optim.adjust_lr; pick"),
@@ -697,6 +702,33 @@ def test_schedule_constant_passes_with_its_own_floor_which_lr_at_does_not_read(
         sched = ScheduleConfig(name="constant", warmup_tokens=10, min_lr_ratio=ratio)
         assert lr_at(1000, peak_lr=0.5, total_tokens=1000, cfg=sched) == 0.5
     assert check_config(compose("train", overrides=["schedule=constant"])) == []
+
+
+@pytest.mark.parametrize("name", [*EXPERIMENTS, "repro_small"])
+def test_a_schedule_picked_after_an_experiment_keeps_its_own_floor(hydra_ctx, name) -> None:
+    """``experiment=<preset> schedule=constant`` was refused (the presets set
+    schedule.min_lr_ratio=0.1, which constant does not read, and the message said to pick
+    schedule=constant), and ``schedule=wsd`` decayed to 0.1 x the peak, not to 0 as its group
+    says. The learning rate of the last step, by hand: the peak, 0, and the paper's 0.1 x the
+    peak without a schedule override; the preset's warmup stays."""
+    from fot.training.config import ScheduleConfig
+    from fot.training.optim import lr_at
+
+    def last_lr(*overrides: str) -> tuple[float, float, ScheduleConfig]:
+        cfg = compose("train", overrides=[f"experiment={name}", *overrides])
+        assert check_config(cfg) == []
+        sched = ScheduleConfig(**OmegaConf.to_container(cfg.schedule))
+        end = int(cfg.total_tokens)
+        return lr_at(end, peak_lr=cfg.optim.lr, total_tokens=end, cfg=sched), cfg.optim.lr, sched
+
+    got, peak, sched = last_lr()
+    assert got == pytest.approx(0.1 * peak, rel=1e-12)
+    warmup = sched.warmup_tokens
+    assert warmup == (2 * 2**20 if name == "repro_small" else 256 * 2**20)
+    got, peak, sched = last_lr("schedule=constant")
+    assert got == peak and sched.warmup_tokens == warmup
+    got, peak, sched = last_lr("schedule=wsd")
+    assert got == 0.0 and sched.warmup_tokens == warmup
 
 
 def test_check_config_refuses_a_timeout_that_is_no_number(hydra_ctx) -> None:

@@ -102,7 +102,8 @@ def check_optim(cfg: OptimConfig, schedule: ScheduleConfig | None = None) -> Non
                 f"schedule.min_lr_ratio={schedule.min_lr_ratio}: schedule=constant keeps "
                 "optim.lr to the end and does not read it; for a decay to that fraction use "
                 "schedule=warmup_cosine, warmup_linear or wsd, or drop the override (pick "
-                "schedule=constant rather than schedule.name=constant)"
+                "schedule=constant rather than schedule.name=constant; after an experiment "
+                "file that sets it, add schedule.min_lr_ratio=1)"
             )
         check_wsd(schedule)
 

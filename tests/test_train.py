@@ -1783,6 +1783,56 @@ def test_no_weight_decay_on_biases_norms_and_gate_biases() -> None:
     assert any(n.endswith("fgate_proj.weight") for n in decay_names(model, decay))
 
 
+def test_no_weight_decay_nor_muon_for_what_fla_marks_no_weight_decay() -> None:
+    """Samba's Mamba layers hold ``A_log``, a (channels, state) matrix of log decay rates that
+    FLA marks ``_no_weight_decay`` (the paper's code honours the mark): fot decayed it as a
+    projection, and optim=muon orthogonalised its updates. The oracle, by hand: one AdamW step
+    on zero gradients moves a parameter by its decoupled weight decay only, p(1 - lr·wd), so
+    ``A_log`` and ``D`` stay as they were and ``in_proj`` shrinks; also under FSDP2, whose
+    sharded parameters do not keep the mark's attribute."""
+    import torch.distributed as dist
+
+    from fot import presets
+    from fot.training.config import OptimConfig, ParallelConfig
+    from fot.training.optim import build_optimizer, muon_parameter_names
+    from fot.training.parallel import DistInfo, parallelize
+
+    info = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    config = presets.config("samba", "tiny", attn=None, num_hidden_layers=1)  # no flash-attn
+
+    def whole(p: torch.Tensor) -> torch.Tensor:
+        return (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+
+    try:
+        for strategy in ("single", "fsdp"):
+            torch.manual_seed(0)
+            model = parallelize(
+                presets.build_model(config),
+                ParallelConfig(strategy=strategy),
+                info,
+                strategy=strategy,
+            )
+            opt = build_optimizer(
+                model, OptimConfig(lr=0.5, weight_decay=0.1), device=torch.device("cpu")
+            )
+            before = {n: whole(p) for n, p in model.named_parameters()}
+            for p in model.parameters():
+                p.grad = torch.zeros_like(p)
+            opt.step()
+            after = {n: whole(p) for n, p in model.named_parameters()}
+            mixer = "backbone.layers.0.mixer."
+            for name in (mixer + "A_log", mixer + "D"):
+                assert torch.equal(after[name], before[name]), (strategy, name)
+            assert before[mixer + "A_log"].ndim == 2  # a matrix, not caught as a vector
+            shrunk = before[mixer + "in_proj.weight"] * (1 - 0.5 * 0.1)
+            assert torch.allclose(after[mixer + "in_proj.weight"], shrunk, rtol=1e-6, atol=0)
+            muon = muon_parameter_names(model)
+            assert mixer + "in_proj.weight" in muon and mixer + "A_log" not in muon, strategy
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def test_fsdp_in_one_process_equals_single(tmp_path, one_process_run) -> None:
     """parallel=fsdp without torchrun (a process group of one, made by ``parallelize``) trains
     to the same losses as parallel=single in fp32 on CPU."""

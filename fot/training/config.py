@@ -90,7 +90,8 @@ class DataConfig:
 @dataclass
 class OptimConfig:
     """``optim`` group: AdamW, or Muon for the blocks' projection matrices with AdamW for the
-    rest. Weight decay skips biases, norms and gate biases (all 1-D)."""
+    rest. Weight decay skips biases, norms, gate biases and what FLA marks ``_no_weight_decay``
+    (see :func:`fot.training.optim.param_groups`)."""
 
     name: str = "adamw"
     """``adamw`` or ``muon`` (see :func:`fot.training.optim.muon_parameter_names`)."""

@@ -28,8 +28,10 @@ def param_groups(
     """Split trainable parameters into decayed and non-decayed groups.
 
     No weight decay on biases, norm weights and gate biases: every parameter with fewer than two
-    dimensions (all of those are vectors), and any parameter whose name contains ``bias`` or
-    ``norm``. Matrices (projections, embeddings) are decayed.
+    dimensions (all of those are vectors), any parameter whose name contains ``bias`` or
+    ``norm``, and any that its model marks ``_no_weight_decay`` (FLA's flag, as in the paper's
+    code: e.g. the (channels, state) ``A_log`` of Samba's Mamba layers). Matrices
+    (projections, embeddings) are decayed.
 
     Args:
         model: the (possibly wrapped) model.
@@ -44,7 +46,7 @@ def param_groups(
         if not p.requires_grad or name in skip:
             continue
         lowered = name.lower()
-        if p.ndim < 2 or "bias" in lowered or "norm" in lowered:
+        if p.ndim < 2 or "bias" in lowered or "norm" in lowered or _no_weight_decay(p):
             no_decay.append(p)
         else:
             decay.append(p)
@@ -52,6 +54,12 @@ def param_groups(
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
+
+
+def _no_weight_decay(p: torch.Tensor) -> bool:
+    """Whether ``p`` is marked ``_no_weight_decay`` (by FLA's layers: a decay rate, a skip
+    weight, not a projection)."""
+    return bool(getattr(p, "_no_weight_decay", False))
 
 
 def check_optim(cfg: OptimConfig, schedule: ScheduleConfig | None = None) -> None:
@@ -185,9 +193,10 @@ def check_muon(cfg: OptimConfig) -> None:
 def muon_parameter_names(model: nn.Module) -> set[str]:
     """Names of the parameters ``optim=muon`` gives to Muon: the 2-D weights inside the
     decoder layers (``.layers.`` in the name) with more rows and columns than the model has
-    attention heads, norms excepted, i.e. the attention and MLP projections. Embeddings, the
-    LM head, norms, biases and the projections with one row per head (forget gate, KV-shift)
-    stay with AdamW, as do tensors of other ranks (>2), e.g. convolutions of FLA baselines.
+    attention heads, norms and parameters marked ``_no_weight_decay`` (Samba's Mamba ``A_log``)
+    excepted, i.e. the attention and MLP projections. Embeddings, the LM head, norms, biases
+    and the projections with one row per head (forget gate, KV-shift) stay with AdamW, as do
+    tensors of other ranks (>2), e.g. convolutions of FLA baselines.
 
     Raises:
         ValueError: no parameter qualifies (a model without such projections).
@@ -208,6 +217,7 @@ def muon_parameter_names(model: nn.Module) -> set[str]:
         and p.ndim == 2
         and ".layers." in f".{name}"
         and "norm" not in name.lower()
+        and not _no_weight_decay(p)
         and min(p.shape) > heads
     }
     if not names:

@@ -534,9 +534,16 @@ def parallelize(
             param_dtype=dtype or torch.float32,
             reduce_dtype=REDUCE_PRECISIONS[cfg.reduce_precision],
         )
+        # fully_shard replaces every parameter with a sharded one, without its attributes:
+        # the `_no_weight_decay` flag (FLA's, e.g. on Mamba's A_log) is set again on its
+        # successor, for the optimizer's parameter groups
+        flagged = {n for n, p in model.named_parameters() if getattr(p, "_no_weight_decay", False)}
         for block in blocks:
             fully_shard(block, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward)
         fully_shard(model, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward)
+        for name, p in model.named_parameters():
+            if name in flagged:
+                p._no_weight_decay = True
         if hasattr(model, "per_token_loss"):
             from torch.distributed.fsdp import register_fsdp_forward_method
 

@@ -1789,7 +1789,8 @@ def test_no_weight_decay_nor_muon_for_what_fla_marks_no_weight_decay() -> None:
     projection, and optim=muon orthogonalised its updates. The oracle, by hand: one AdamW step
     on zero gradients moves a parameter by its decoupled weight decay only, p(1 - lr·wd), so
     ``A_log`` and ``D`` stay as they were and ``in_proj`` shrinks; also under FSDP2, whose
-    sharded parameters do not keep the mark's attribute."""
+    sharded parameters do not keep the mark's attribute. HGRN2's lower bounds, which the
+    paper's code marks (FLA's does not), likewise."""
     import torch.distributed as dist
 
     from fot import presets
@@ -1831,6 +1832,18 @@ def test_no_weight_decay_nor_muon_for_what_fla_marks_no_weight_decay() -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    # HGRN2's lower bounds on its forget gates: the paper's code marks them, FLA does not
+    model = presets.build_model(presets.config("hgrn2", "tiny"))
+    opt = build_optimizer(model, OptimConfig(lr=0.5, weight_decay=0.1), device=torch.device("cpu"))
+    bounds, q_proj = model.model.lower_bounds, model.model.layers[0].attn.q_proj.weight
+    with torch.no_grad():
+        bounds.add_(torch.randn_like(bounds))  # not the zeros that decay would keep
+    before = [t.detach().clone() for t in (bounds, q_proj)]
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    assert torch.equal(bounds.detach(), before[0])
+    assert torch.allclose(q_proj.detach(), before[1] * (1 - 0.5 * 0.1), rtol=1e-6, atol=0)
 
 
 def test_fsdp_in_one_process_equals_single(tmp_path, one_process_run) -> None:

@@ -770,7 +770,13 @@ def build_fla_model(config: PretrainedConfig) -> torch.nn.Module:
             "FLA's Samba uses flash-attn for its sliding-window attention layers: install it "
             "on the GPU machine (pip install flash-attn --no-build-isolation) to build 'samba'"
         )
-    return fla_model_class(name)(config)
+    model = fla_model_class(name)(config)
+    # HGRN2's per-layer lower bounds (logits of its forget gates' floors) take no weight
+    # decay, which would pull them to equal floors: the paper's code marks them so, FLA does not
+    bounds = getattr(model._decoder, "lower_bounds", None)
+    if bounds is not None:
+        bounds._no_weight_decay = True
+    return model
 
 
 def samba_mlp_widths(config: PretrainedConfig) -> tuple[int | None, int | None]:

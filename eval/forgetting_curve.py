@@ -17,7 +17,10 @@ Accuracy is top-1 next-token accuracy. Over a grid of lengths with repeats:
 
 S and I of a cell of length ``L`` are drawn from the first :func:`span_window` ``(L)`` tokens
 of the data: a cell's text depends on its own length, repeat and seed only, not on the other
-lengths of the grid (so a grid extended on a rerun equals a fresh run of the final grid).
+lengths of the grid (so a grid extended on a rerun equals a fresh run of the final grid). The
+data's documents are read as fot's trainer packs them, each after a BOS: S or I that spans two
+documents holds the BOS between them, and neither starts nor ends with one (``[bos] [bos]``
+never occurs in training).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fot.data.streams import EOT_ID
 from fot.progress import progress_bar
 from fot.training.checkpoint import write_text_atomic, written_whole
 
@@ -76,6 +80,13 @@ SPANS_SETTING = (
 """The resume record's entry for how cells draw their text, recorded for data of
 :data:`MIN_WINDOW` tokens or more, where the rule can change a cell (whether or not a saved one
 changed): records without it are refused there. Below that, every cell drew the whole data."""
+
+BOS_SETTING = (
+    "documents in S and I",
+    "each after a BOS, as fot's trainer reads them (fot before this joined them without one)",
+)
+"""The resume record's entry for the BOS between documents, recorded for data of more than one
+document, where it can change a cell: records without it are refused there."""
 
 
 def span_window(length: int) -> int:
@@ -142,27 +153,48 @@ def memory_lengths(
 
 
 def sample_pair(
-    stream: np.ndarray, n: int, rng: np.random.Generator
+    stream: np.ndarray, n: int, rng: np.random.Generator, bos_id: int | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
     """Two non-overlapping random ``n``-token spans (S, I) of ``stream``.
 
+    Args:
+        bos_id: the BOS between the stream's documents: no span starts or ends with it (the
+            inputs put a BOS before each span, and two in a row never occur in training).
+            Spans are drawn as without it where the stream holds none.
+
     Raises:
-        ValueError: ``stream`` has fewer than ``2 n`` tokens (S and I would share text).
+        ValueError: ``stream`` has fewer than ``2 n`` tokens (S and I would share text), or
+            no two separate spans that neither start nor end with ``bos_id``.
     """
     if len(stream) < 2 * n:
         raise ValueError(
             f"S and I of {n} tokens each need {2 * n} tokens of text, the data holds {len(stream)}"
         )
+    starts = len(stream) - n + 1
+    ok = np.ones(starts, dtype=bool)
+    if bos_id is not None:
+        ok &= (stream[:starts] != bos_id) & (stream[n - 1 :] != bos_id)
+    at = np.flatnonzero(ok)  # where a span may start
+    if len(at) == 0 or at[-1] - at[0] < n:
+        raise ValueError(
+            f"S and I of {n} tokens each need two separate spans that neither start nor end at a "
+            "document's boundary, and the data's documents leave none"
+        )
     if len(stream) < 4 * n:
         # Short stream: the slack (tokens outside S and I) is split at random, in either order.
-        lo, hi = sorted(int(x) for x in rng.integers(0, len(stream) - 2 * n + 1, size=2))
-        first, second = stream[lo : lo + n], stream[hi + n : hi + 2 * n]
-        return (first, second) if rng.integers(2) else (second, first)
-    a = int(rng.integers(0, len(stream) - n + 1))
-    while True:  # at least half the stream is outside [a - n, a + n): terminates fast
-        b = int(rng.integers(0, len(stream) - n + 1))
-        if abs(b - a) >= n:
-            return stream[a : a + n], stream[b : b + n]
+        while True:
+            lo, hi = sorted(int(x) for x in rng.integers(0, len(stream) - 2 * n + 1, size=2))
+            if ok[lo] and ok[hi + n]:
+                first, second = stream[lo : lo + n], stream[hi + n : hi + 2 * n]
+                return (first, second) if rng.integers(2) else (second, first)
+    while True:
+        a = int(at[rng.integers(0, len(at))])
+        if a - at[0] < n and at[-1] - a < n:
+            continue  # no span starts n tokens away from this one
+        while True:  # terminates fast: most starts are n tokens away from a
+            b = int(at[rng.integers(0, len(at))])
+            if abs(b - a) >= n:
+                return stream[a : a + n], stream[b : b + n]
 
 
 def run_curve(
@@ -179,9 +211,11 @@ def run_curve(
     """Score every (length, repeat) not yet in ``log``; return this grid's records.
 
     Args:
-        stream: token ids of a corpus; S and I of a cell of length ``L`` are disjoint random
-            spans of its first :func:`span_window` ``(L)`` tokens, so that a cell does not
-            depend on the grid's other lengths (nor on how much more of the corpus is given).
+        stream: token ids of a corpus, ``bos_id`` between its documents (:func:`token_stream`);
+            S and I of a cell of length ``L`` are disjoint random spans of its first
+            :func:`span_window` ``(L)`` tokens that neither start nor end with ``bos_id``, so
+            that a cell does not depend on the grid's other lengths (nor on how much more of
+            the corpus is given).
     """
     cells = [(L, r) for L in lengths for r in range(repeats)]
     todo = [c for c in cells if not log.done(f"{c[0]}:{c[1]}")]
@@ -197,7 +231,7 @@ def run_curve(
         if n < 2:
             raise ValueError(f"length {L} is too short: need at least 6 tokens")
         rng = np.random.default_rng([seed, L, r])
-        s, irrelevant = sample_pair(stream[: span_window(L)], n, rng)
+        s, irrelevant = sample_pair(stream[: span_window(L)], n, rng, bos_id)
         copy_ids, lm_ids, start, end = build_pair(s.tolist(), irrelevant.tolist(), bos_id)
         log.append(
             {
@@ -331,9 +365,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_run_arguments(p)
 
 
-def _token_stream(docs: Sequence[np.ndarray], source: str, max_tokens: int) -> np.ndarray:
-    """Documents of ``--data`` (``docs``, opened from ``source``) end to end, until at least
-    ``max_tokens`` (or all of them)."""
+def token_stream(
+    docs: Sequence[np.ndarray], source: str, max_tokens: int, bos_id: int
+) -> np.ndarray:
+    """Documents of ``--data`` (``docs``, opened from ``source``) as fot's trainer packs them,
+    with ``bos_id`` between each and the next, until at least ``max_tokens`` (or all of them).
+    The first document's BOS is left out: the inputs put one before S and I."""
     from .per_token_loss import num_documents
 
     parts, total = [], 0
@@ -343,11 +380,15 @@ def _token_stream(docs: Sequence[np.ndarray], source: str, max_tokens: int) -> n
             raise ValueError(
                 f"--data {source!r} document {i} holds {d.dtype} values, not token ids"
             )
+        if len(d) == 0:  # skipped, as the trainer skips it (a lone BOS)
+            continue
+        if parts:
+            parts.append(np.array([bos_id], dtype=np.int64))
         parts.append(d.astype(np.int64))
-        total += len(d)
+        total += len(d) + (len(parts) > 1)
         if total >= max_tokens:
             break
-    if not parts or total == 0:
+    if total == 0:
         raise ValueError(f"--data {source!r} holds no tokens")
     return np.concatenate(parts)
 
@@ -373,13 +414,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from .per_token_loss import (
         documents_for,
         escaping_setting,
+        num_documents,
         open_documents,
         url_fingerprints,
     )
 
     docs, kind = open_documents(args.data, args.storage_options)  # missing data, gcsfs: now
     # read once: the cells of every length draw from the first span_window(L) tokens of it
-    stream = _token_stream(docs, args.data, span_window(max(lengths)))
+    stream = token_stream(docs, args.data, span_window(max(lengths)), EOT_ID)
     n = (max(lengths) - 2) // 2
     if len(stream) < 2 * n:  # S and I are disjoint: the text is never repeated
         raise ValueError(
@@ -390,9 +432,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model, tokenizer = load_checkpoint(
         args.checkpoint, device=pick_device(args.device), dtype=args.dtype
     )
-    if (escaped := documents_for(docs, kind, tokenizer)) is not docs:  # the sample, escaped
-        docs = escaped
-        stream = _token_stream(docs, args.data, span_window(max(lengths)))
+    bos_id = eot_id(tokenizer)
+    if (escaped := documents_for(docs, kind, tokenizer)) is not docs or bos_id != EOT_ID:
+        docs = escaped  # the sample, escaped; or another tokenizer's BOS between documents
+        stream = token_stream(docs, args.data, span_window(max(lengths)), bos_id)
     check_positions(model, max(lengths), f"--lengths up to {max(lengths)}")
     check_fits_memory(model, max(lengths), f"--lengths up to {max(lengths)}")
     check_token_ids(stream, vocab_size(model), f"--data {args.data!r}")
@@ -409,6 +452,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             # data shorter than every window (the sample): cells drew the same text before
             # the rule changed, so records without this entry still resume
             **(dict([SPANS_SETTING]) if len(stream) >= MIN_WINDOW else {}),
+            # data of one document: no BOS between documents, records without it still resume
+            **(dict([BOS_SETTING]) if num_documents(docs) > 1 else {}),
         },
         state=["forgetting_curve.jsonl"],
         outputs=["forgetting_curve.csv", "summary.json", "forgetting_curve.png"],
@@ -422,7 +467,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         stream,
         lengths=lengths,
         repeats=args.repeats,
-        bos_id=eot_id(tokenizer),
+        bos_id=bos_id,
         log=log,
         seed=args.seed,
     )

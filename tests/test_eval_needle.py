@@ -376,6 +376,67 @@ def test_a_forgetting_curve_cell_does_not_depend_on_the_other_lengths(tmp_path, 
     assert fc.SPANS_SETTING[0] not in saved["settings"]
 
 
+def test_forgetting_curve_spans_read_documents_as_the_trainer_packs_them(tmp_path, monkeypatch):
+    """S and I were spans of the data's documents joined end to end without the BOS that fot's
+    trainer puts before every document: a span over two documents glued them (..., 1039,
+    2000, ...), a layout the model never trained on. Oracle: the trainer's own packing
+    (PackedSource.from_documents): every S and I is a window of that stream, BOS between
+    documents included, that neither starts nor ends with a BOS (no [bos] [bos]). Records
+    saved before (without the rule's entry) are refused for data of several documents and
+    resumed for data of one, whose cells did not change."""
+    from eval_helpers import make_llama_checkpoint
+
+    import fot.eval.forgetting_curve as fc
+    from fot.data.streams import EOT_ID, PackedSource
+    from fot.data.tokens import TokenDocuments, write_token_documents
+    from fot.eval.__main__ import main
+    from fot.eval.common import ResumeMismatchError
+
+    seen: list[list[int]] = []
+    monkeypatch.setattr(
+        fc, "teacher_forced_accuracy", lambda m, ids, s, e: seen.append(list(ids)) or 0.5
+    )
+    monkeypatch.setattr(fc, "plot_curve", lambda *a, **k: None)
+    ckpt = make_llama_checkpoint(tmp_path / "llama")
+    sizes = [40, 3, 70, 1, 25, 90, 12, 60]  # every token id distinct: a span shows where it is
+    starts = np.cumsum([100, *sizes[:-1]])
+    docs = [np.arange(a, a + k, dtype=np.uint16) for a, k in zip(starts, sizes, strict=True)]
+    write_token_documents(tmp_path / "tok", docs)
+    total = sum(sizes) + len(sizes)
+    x, y = PackedSource.from_documents(TokenDocuments(tmp_path / "tok"), total - 1).read(0, 1)
+    packed = np.concatenate([x[0], y[0][-1:]]).tolist()  # [BOS] doc 0 [BOS] doc 1 ...
+
+    def run(data, out, *more):
+        main(["forgetting-curve", str(ckpt), "--data", str(data), "--lengths", "34,66",
+              "--repeats", "8", "--device", "cpu", "--out", str(out), *more])  # fmt: skip
+
+    run(tmp_path / "tok", tmp_path / "fc")
+    assert len(seen) == 2 * 16
+    crossing = 0
+    for ids in seen:
+        n = (len(ids) - 2) // 2
+        assert ids[0] == ids[n + 1] == EOT_ID
+        for span in (ids[1 : n + 1], ids[n + 2 :]):
+            at = packed.index(span[0])
+            assert packed[at : at + n] == span  # a window of the trainer's stream
+            assert EOT_ID not in (span[0], span[-1])
+            crossing += EOT_ID in span
+    assert crossing > 8  # the documents are short: many spans hold a boundary
+
+    # a record of the older rule (no entry for it) is refused, naming the rule
+    record = tmp_path / "fc" / "forgetting_curve.resume.json"
+    saved = json.loads(record.read_text())
+    assert saved["settings"].pop(fc.BOS_SETTING[0]) == fc.BOS_SETTING[1]
+    record.write_text(json.dumps(saved))
+    with pytest.raises(ResumeMismatchError, match=r"documents in S and I: saved '\(not record"):
+        run(tmp_path / "tok", tmp_path / "fc")
+    # data of one document: nothing changed, nothing recorded
+    write_token_documents(tmp_path / "one", [np.arange(100, 400, dtype=np.uint16)])
+    run(tmp_path / "one", tmp_path / "one_fc")
+    saved = json.loads((tmp_path / "one_fc" / "forgetting_curve.resume.json").read_text())
+    assert fc.BOS_SETTING[0] not in saved["settings"]
+
+
 def test_memory_lengths_hand_computed():
     lengths = [512, 128, 256, 1024]
     copy = [0.995, 1.0, 0.999, 0.5]

@@ -1182,6 +1182,7 @@ def claim_results(
     write: bool = True,
     data_files: Mapping[str, Sequence[str]] | None = None,
     url_fingerprints: Mapping[str, str] | None = None,
+    may_grow: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Tie the resumable results ``name`` in ``out_dir`` to the checkpoint and settings of this run.
 
@@ -1222,6 +1223,10 @@ def claim_results(
         url_fingerprints: option -> fingerprint of the data behind the URL that option names
             (:func:`zarr_url_fingerprint`), which this function cannot fingerprint itself:
             compared as the fingerprints of local data are.
+        may_grow: settings (a whole number, or ``None`` for no limit) that a rerun may raise:
+            the saved results are resumed and extended (the caller's items for a value are
+            the first of those for a larger one), and the record notes the new value. A lower
+            value is a difference, as any other setting's change is.
 
     Returns:
         The record of this run.
@@ -1294,7 +1299,7 @@ def claim_results(
     if saved is not None:
         written = saved
         saved = _per_file_fingerprints(saved, record, record_path.stat().st_mtime_ns)
-    problems = _record_differences(saved, record) if saved is not None else []
+    problems = _record_differences(saved, record, may_grow) if saved is not None else []
     if saved is not None and not problems:
         for key, fingerprints in record["data_fingerprints"].items():
             earlier = (saved.get("data_fingerprints") or {}).get(key)
@@ -1333,8 +1338,15 @@ _RETIRED_SETTINGS = {"torchrun processes"}
 (per-token-loss resumes with any number of processes)."""
 
 
-def _record_differences(saved: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    """Human-readable differences between a saved and a new :func:`claim_results` record."""
+def _limit(value: Any) -> bool:
+    return value is None or (isinstance(value, int) and not isinstance(value, bool))
+
+
+def _record_differences(
+    saved: dict[str, Any], new: dict[str, Any], may_grow: Sequence[str] = ()
+) -> list[str]:
+    """Human-readable differences between a saved and a new :func:`claim_results` record;
+    settings in ``may_grow`` differ only where the new value is lower (``None``: no limit)."""
     problems = []
     if saved.get("command") != new["command"]:
         problems.append(f"results: saved {saved.get('command')!r}, this run {new['command']!r}")
@@ -1354,7 +1366,16 @@ def _record_differences(saved: dict[str, Any], new: dict[str, Any]) -> list[str]
     old_settings = {k: v for k, v in old_settings.items() if k not in _RETIRED_SETTINGS}
     for key in [*new_settings, *(k for k in old_settings if k not in new_settings)]:
         old, now = old_settings.get(key, "(not recorded)"), new_settings.get(key, "(not set)")
-        if old != now:
+        if old != now and key in may_grow and _limit(old) and _limit(now):
+            if now is None or (old is not None and now > old):
+                continue  # raised: the saved results are extended
+            fix = f"leave {key} out" if old is None else f"pass {key} {old} or more"
+            problems.append(
+                f"{key}: saved {'no limit' if old is None else old}, this run {now}: a rerun may "
+                "raise it (the saved results are extended), not lower it (they hold what the "
+                f"saved value asked for); {fix} to resume them"
+            )
+        elif old != now:
             problems.append(f"{key}: saved {_show(old)}, this run {_show(now)}")
         elif key in (saved.get("data_fingerprints") or {}):
             # same path, other content (records written before fot fingerprinted data: skipped)

@@ -968,6 +968,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         restart=args.restart,
         write=rank == 0,
         url_fingerprints=url_fingerprints("--data", docs),
+        may_grow=["--max-docs"],  # the first K documents are the first of the first K + 1
     )
     if rank == 0:
         folded = fold_foreign_states(out, world)

@@ -977,6 +977,56 @@ def _per_token_loss(ckpt, out, *extra):
                  str(out), "--device", "cpu", "--smooth", "5", *extra])  # fmt: skip
 
 
+def test_a_larger_max_docs_extends_the_saved_sums(ckpts, tmp_path, monkeypatch):
+    """A rerun with a larger --max-docs into the same --out was refused as a changed setting,
+    so more documents meant redoing the finished ones. It now reads only the new documents;
+    the oracle is a fresh run with the larger value. A smaller value is refused (the sums
+    cannot be taken apart), and so is any other changed setting."""
+    import fot.eval.per_token_loss as ptl
+    from fot.data.tokens import write_token_documents
+
+    read: list[int] = []  # documents that went through the model
+
+    def counted(model, inputs, labels):
+        read.append(len(inputs))
+        return losses(model, inputs, labels)
+
+    losses = ptl.token_losses
+    monkeypatch.setattr(ptl, "token_losses", counted)
+    monkeypatch.setattr(ptl, "plot_per_token_loss", lambda *a, **k: None)
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(0, 50000, size=k) for k in (60, 50, 20, 70, 48, 90)]  # 20: too short
+    write_token_documents(tmp_path / "tok", docs)
+
+    def run(out, *more):
+        read.clear()
+        summary = main(["per-token-loss", str(ckpts["llama"]), "--data", str(tmp_path / "tok"),
+                        "--length", "48", "--device", "cpu", "--out", str(out), *more])  # fmt: skip
+        with np.load(out / "per_token_loss.npz") as f:
+            return summary, f["loss"], sum(read)
+
+    out = tmp_path / "out"
+    assert run(out, "--max-docs", "2")[2] == 2
+    grown, loss, new = run(out, "--max-docs", "4")
+    fresh, fresh_loss, _ = run(tmp_path / "fresh4", "--max-docs", "4")
+    assert new == 2 and grown == fresh and grown["num_documents"] == 4
+    np.testing.assert_array_equal(loss, fresh_loss)
+    grown, loss, new = run(out)  # no --max-docs: every document (5 long enough)
+    fresh, fresh_loss, _ = run(tmp_path / "fresh_all")
+    assert new == 1 and grown == fresh and grown["num_documents"] == 5
+    np.testing.assert_array_equal(loss, fresh_loss)
+    state = (out / "state.npz").read_bytes()
+    with pytest.raises(
+        ResumeMismatchError,
+        match=r"--max-docs: saved no limit, this run 3: a rerun may raise it .* not lower it .*"
+        r"leave --max-docs out to resume them",
+    ):
+        run(out, "--max-docs", "3")
+    with pytest.raises(ResumeMismatchError, match=r":\n  --prepend-bos: saved true, this run fal"):
+        run(out, "--prepend-bos", "no")  # the one difference
+    assert (out / "state.npz").read_bytes() == state  # untouched
+
+
 def test_per_token_loss_refuses_saved_sums_of_another_checkpoint(ckpts, tmp_path):
     """Reusing --out with another checkpoint or setting never returns or mixes in old sums."""
     a, b = ckpts["llama"], ckpts["llama2"]

@@ -122,20 +122,31 @@ def main(argv: Sequence[str] | None = None) -> Any:
         # the local copy from here on; run_config.json's arguments keep the id
         args.checkpoint_hub_id = args.checkpoint
         args.checkpoint = str(local_folder(args.checkpoint))
+    from fot.eval.common import lock_out, release_out_locks
+
     if getattr(args, "out", None) is not None and getattr(args, "checkpoint", None):
         from fot.eval.common import check_out_dir
 
         check_out_dir(args.out, args.checkpoint)
     mod = importlib.import_module(f"fot.eval.{args._module}")
     del args._module
+    failed = True
     try:
-        return mod.run(args)
+        if world == 1 and getattr(args, "out", None) is not None:
+            # a second run into the same --out is refused now, before the model loads (a new
+            # --out is locked once the command makes it; under torchrun, by rank 0 then)
+            lock_out(args.out, resumes=args.command != "gates")
+        result = mod.run(args)
+        failed = False
+        return result
     except OSError as err:
         # gates rewrites its --out whole: nothing of it is resumed
         error = _write_error(err, getattr(args, "out", None), resumes=args.command != "gates")
         if error is None:
             raise
         raise error from err
+    finally:
+        release_out_locks(failed=failed)
 
 
 # Errors only a write gives (a full disk, a used-up quota, the file size limit, a read-only

@@ -33,6 +33,7 @@ from fot.export import not_exported_message
 from fot.interrupt import check_stop
 from fot.provenance import git_sha, library_versions, sweep_job_label
 from fot.tokenizer import TEXT_ESCAPING_KEY, escape_text, text_escaping_of, unescape_text
+from fot.training.checkpoint import RunFolderLock
 
 _DTYPES = {
     "float32": torch.float32,
@@ -855,15 +856,62 @@ def _hide_secrets(args: dict[str, Any], argv: Sequence[str]) -> tuple[dict[str, 
     return args, hidden
 
 
+_OUT_LOCKS: dict[Path, RunFolderLock] = {}
+"""The ``--out`` folders this process has locked (:func:`lock_out`), by their real path."""
+
+
+def lock_out(out_dir: str | os.PathLike, *, resumes: bool = True) -> None:
+    """Lock ``out_dir`` (an ``--out``) for this process as fot's trainer locks its run folder
+    (:class:`fot.training.checkpoint.RunFolderLock`: ``flock`` on its ``.run.lock``, which
+    records the process id, host and start time; a run that dies lets it go), until
+    :func:`release_out_locks`. A no-op where the folder does not exist yet (the command locks
+    it once it makes it) or this process holds its lock already. Call it on one process of a
+    ``torchrun`` run only (rank 0).
+
+    Args:
+        resumes: the command resumes from the results of the run that holds the lock (all but
+            ``gates``): the error says to rerun it once that run has ended.
+
+    Raises:
+        RunFolderInUseError: another run holds the lock (a job submitted twice); the message
+            names it (pid, host, start) and the fix.
+    """
+    out = Path(out_dir).resolve()
+    if out in _OUT_LOCKS or not out.is_dir():
+        return
+    lock = RunFolderLock(
+        out,
+        option="--out",
+        why="two runs into one --out (a job submitted twice) would both do all of its work",
+        after="wait for that run to end"
+        + (" (rerun this command then: it resumes from that run's results)" if resumes else ""),
+    )
+    lock.take()
+    _OUT_LOCKS[out] = lock
+
+
+def release_out_locks(*, failed: bool = False) -> None:
+    """Let go of every ``--out`` lock of this process (:func:`lock_out`); where the command
+    ``failed``, lock files it made go too, so that a refused run leaves ``--out`` as it was."""
+    for lock in _OUT_LOCKS.values():
+        if failed:
+            lock.discard()
+        else:
+            lock.release()
+    _OUT_LOCKS.clear()
+
+
 def write_run_config(
     out_dir: str | os.PathLike,
     command: str,
     args: dict[str, Any],
     checkpoint: str | os.PathLike | None,
 ) -> Path:
-    """Write ``run_config.json``: command, arguments, checkpoint, git SHA, versions, time."""
+    """Write ``run_config.json``: command, arguments, checkpoint, git SHA, versions, time.
+    Makes ``out_dir`` and locks it first (:func:`lock_out`; ``gates`` makes it here)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    lock_out(out, resumes=command != "gates")
     ckpt_cfg, escaping = None, None
     if checkpoint is not None and (Path(checkpoint) / "config.json").is_file():
         ckpt_cfg = json.loads((Path(checkpoint) / "config.json").read_text())
@@ -1250,6 +1298,8 @@ def claim_results(
                     f"it, e.g. {str(folder.parent / (folder.name + '_eval'))!r}"
                 )
     out.mkdir(parents=True, exist_ok=True)  # only now, after the checks and the model load
+    if write:  # before saved results are read: no other run is writing them
+        lock_out(out)
     record_path = out / f"{name}.resume.json"
     record = {
         "command": name,

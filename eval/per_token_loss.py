@@ -49,6 +49,7 @@ from fot.training.parallel import (
     TORCH_DEFAULT_TIMEOUTS,
     CollectiveTimeoutError,
     is_collective_timeout,
+    stop_together,
 )
 
 from .common import (
@@ -950,26 +951,28 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             f"{length} tokens (--length)",
             file=sys.stderr,
         )
-    # Saved sums resume only a run of the same checkpoint over the same documents and tokens.
-    claim_results(
-        out,
-        "per_token_loss",
-        checkpoint=args.checkpoint,
-        settings={
-            "--data": path_setting(args.data),
-            "--length": length,
-            "--prepend-bos": bos,
-            "--max-docs": args.max_docs,
-            "--dtype": model_dtype(model),
-            **escaping_setting(kind, tokenizer),
-        },
-        state=["state*.npz"],
-        outputs=["per_token_loss.npz", "horizons.csv", "summary.json", "per_token_loss.png"],
-        restart=args.restart,
-        write=rank == 0,
-        url_fingerprints=url_fingerprints("--data", docs),
-        may_grow=["--max-docs"],  # the first K documents are the first of the first K + 1
-    )
+    # Saved sums resume only a run of the same checkpoint over the same documents and tokens;
+    # rank 0 locks --out: where another run holds it, every rank stops (not at the barrier)
+    with stop_together("while claiming --out"):
+        claim_results(
+            out,
+            "per_token_loss",
+            checkpoint=args.checkpoint,
+            settings={
+                "--data": path_setting(args.data),
+                "--length": length,
+                "--prepend-bos": bos,
+                "--max-docs": args.max_docs,
+                "--dtype": model_dtype(model),
+                **escaping_setting(kind, tokenizer),
+            },
+            state=["state*.npz"],
+            outputs=["per_token_loss.npz", "horizons.csv", "summary.json", "per_token_loss.png"],
+            restart=args.restart,
+            write=rank == 0,
+            url_fingerprints=url_fingerprints("--data", docs),
+            may_grow=["--max-docs"],  # the first K documents are the first of the first K + 1
+        )
     if rank == 0:
         folded = fold_foreign_states(out, world)
         if folded:

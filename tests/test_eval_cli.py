@@ -281,6 +281,120 @@ def test_per_token_loss_under_torchrun_has_a_timeout_named_when_it_runs_out(ckpt
     assert again["mean_loss"] == pytest.approx(single["mean_loss"], rel=1e-6)
 
 
+HOLD_OUT = (
+    "import sys\n"
+    "from fot.training.checkpoint import RunFolderLock\n"
+    "lock = RunFolderLock(sys.argv[1])\n"
+    "lock.take()\n"
+    "print('held', flush=True)\n"
+    "sys.stdin.read()\n"
+)
+"""Another run's lock on an --out (the lock that fot.eval takes, fot.eval.common.lock_out), in
+a process of its own, held until its stdin closes."""
+
+
+def _this_checkout_env() -> dict[str, str]:
+    root = str(Path(__file__).resolve().parents[1])  # this checkout's fot, as -m fot.eval's
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+
+
+def _hold_out(out: Path) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", HOLD_OUT, str(out)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env=_this_checkout_env())  # fmt: skip
+    assert proc.stdout.readline() == "held\n"
+    return proc
+
+
+def test_a_second_run_into_the_same_out_is_refused_naming_the_first(
+    ckpts, tmp_path, capsys, monkeypatch
+) -> None:
+    """Two runs into one --out at once (a job submitted twice) both did all the work. The
+    second is now refused as the trainer refuses a second run in its folder (its lock,
+    .run.lock): before the model loads where --out exists, naming the first run's pid and
+    host, with nothing written; when both made a new --out, as soon as the second finds the
+    folder made. A lock left by a killed run does not block the rerun."""
+    import socket
+
+    import fot.eval.forgetting_curve as fc
+    from fot.training.checkpoint import RUN_LOCK, RunFolderInUseError
+
+    real_load = fc.load_checkpoint
+    argv = ["forgetting-curve", str(ckpts["llama"]), "--lengths", "32", "--repeats", "1",
+            "--device", "cpu"]  # fmt: skip
+    out = tmp_path / "fc"
+    out.mkdir()
+    first = _hold_out(out)
+    try:
+
+        def load_checkpoint(*args, **kwargs):
+            raise AssertionError("the model was loaded")
+
+        monkeypatch.setattr(fc, "load_checkpoint", load_checkpoint)
+        assert cli([*argv, "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(
+            f"python -m fot.eval forgetting-curve: error: {out} is in use by another run (pid "
+            f"{first.pid} on {socket.gethostname()}, started "
+        ), err
+        assert "): two runs into one --out (a job submitted twice) would both do all of its " in err
+        assert (
+            "Pass another --out, or wait for that run to end (rerun this command then: it " in err
+        )
+        assert [p.name for p in out.iterdir()] == [RUN_LOCK]  # nothing written
+    finally:
+        first.kill()  # killed: its lock goes with it, its record stays in the file
+        first.wait()
+    assert f"pid {first.pid} on" in (out / RUN_LOCK).read_text()
+    monkeypatch.setattr(fc, "load_checkpoint", real_load)
+    main([*argv, "--out", str(out)])
+    assert (out / "summary.json").is_file()
+    assert f"pid {os.getpid()} on" in (out / RUN_LOCK).read_text()  # the rerun's record
+
+    # both runs started before --out existed: the second stops once the first has made it
+    new = tmp_path / "new"
+    held = []
+
+    def load_while_another_run_starts(*args, **kwargs):
+        new.mkdir()
+        held.append(_hold_out(new))
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(fc, "load_checkpoint", load_while_another_run_starts)
+    try:
+        with pytest.raises(RunFolderInUseError) as refused:
+            main([*argv, "--out", str(new)])
+        assert f"{new} is in use by another run (pid {held[0].pid} on " in str(refused.value)
+        assert [p.name for p in new.iterdir()] == [RUN_LOCK]  # no record, no results
+    finally:
+        for proc in held:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_torchrun_run_into_an_out_in_use_stops_every_process_at_once(ckpts, tmp_path) -> None:
+    """Under torchrun rank 0 locks --out: where another run holds it, rank 0 is refused and
+    every other rank stops with its error, rather than waiting for rank 0 at the barrier."""
+    out = tmp_path / "two"
+    out.mkdir()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+           "2", "-m", "fot.eval", "per-token-loss", str(ckpts["llama"]), "--length", "40",
+           "--max-docs", "3", "--device", "cpu", "--timeout-s", "300", "--out", str(out)]  # fmt: skip
+    first = _hold_out(out)
+    try:
+        res = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=240, env=_this_checkout_env()
+        )
+    finally:
+        first.kill()
+        first.wait()
+    assert res.returncode != 0
+    in_use = f"{out} is in use by another run (pid {first.pid} on "
+    rank0 = [x for x in res.stderr.splitlines() if "(rank 0 of 2): error: " in x]
+    rank1 = [x for x in res.stderr.splitlines() if "(rank 1 of 2): error: rank 0 stopped" in x]
+    assert len(rank0) == len(rank1) == 1 and in_use in rank0[0] and in_use in rank1[0], res.stderr
+    assert [p.name for p in out.iterdir()] == [".run.lock"]
+
+
 def test_a_one_process_command_under_several_processes_is_refused(
     ckpts, tmp_path, monkeypatch, capsys
 ) -> None:
@@ -1469,7 +1583,7 @@ def test_a_gates_rerun_stopped_while_drawing_leaves_only_its_own_whole_files(tmp
     monkeypatch.setattr(Figure, "savefig", savefig)
     with pytest.raises(KeyboardInterrupt):
         main([*argv, second])
-    names = sorted(f.name for f in out.iterdir())
+    names = sorted(f.name for f in out.iterdir() if f.name != ".run.lock")  # the --out lock
     assert names == ["gates.npz", "gates.png", "run_config.history.jsonl", "run_config.json",
                      "summary.json"]  # fmt: skip
     assert json.loads((out / "summary.json").read_text())["tokens"] == len(want)

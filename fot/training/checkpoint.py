@@ -439,7 +439,7 @@ RUN_LOCK = ".run.lock"
 
 
 class RunFolderInUseError(FotError, RuntimeError):
-    """Another run is training in the run folder."""
+    """Another run is using the folder: training in it, or evaluating into it (`fot.eval --out`)."""
 
 
 class RunFolderLock:
@@ -450,13 +450,25 @@ class RunFolderLock:
     The lock is ``flock`` on :data:`RUN_LOCK` (which records the holder's process id, host and
     start time), so a run that dies releases it; on a file system without ``flock`` (some network
     mounts) there is no lock. The file stays behind: removing it could let two runs lock it.
+    ``fot.eval`` locks each command's ``--out`` with it (:func:`fot.eval.common.lock_out`).
 
     Args:
         out_dir: the run folder.
+        option: the option that names the folder, for the fix (``fot.eval``: ``--out``).
+        why: why two runs may not share it.
+        after: the other way out, besides another folder.
     """
 
-    def __init__(self, out_dir: str | os.PathLike) -> None:
+    def __init__(
+        self,
+        out_dir: str | os.PathLike,
+        *,
+        option: str = "out_dir=...",
+        why: str = "two runs in one folder would mix their checkpoints and metrics",
+        after: str = "wait for that run to end",
+    ) -> None:
         self.path = Path(out_dir) / RUN_LOCK
+        self._option, self._why, self._after = option, why, after
         self._file: Any = None
         self.made = False
         """Whether :meth:`take` made the lock file (the folder had none)."""
@@ -479,7 +491,7 @@ class RunFolderLock:
         try:
             f = open(self.path, "a+")  # noqa: SIM115 - held open while the run trains
         except OSError as err:
-            kept = "It keeps a second run out of this folder: pass another out_dir=..."
+            kept = f"It keeps a second run out of this folder: pass another {self._option}"
             raise cannot_write(self.path, err, kept) or err from err
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -488,9 +500,8 @@ class RunFolderLock:
             holder = f.read().strip() or "a process that recorded nothing"
             f.close()
             raise RunFolderInUseError(
-                f"{self.path.parent} is in use by another run ({holder}): two runs in one folder "
-                "would mix their checkpoints and metrics. Pass another out_dir=..., or wait for "
-                "that run to end"
+                f"{self.path.parent} is in use by another run ({holder}): {self._why}. Pass "
+                f"another {self._option}, or {self._after}"
             ) from None
         except OSError:  # no flock on this file system
             f.close()

@@ -171,6 +171,81 @@ def test_flops_hand_count_hf_llama_and_fla_spec(bench):
     assert (fla_cfg.hidden_size, fla_cfg.num_heads, fla_cfg.intermediate_size) == (128, 4, 512)
 
 
+def test_flops_hand_count_pro_transformer_and_fla(bench):
+    """The other benchmarked models, counted by hand from the tiny dimensions (d 128, 2 layers,
+    4 heads of 32, MLP 512). Convention: 2 FLOPs per weight and token forward, 4 backward; norm
+    weights and biases are counted as weights too (6 per token each: elementwise, ~0.1% of the
+    tiny model); the SwiGLU product, softmax, gate cumsum and RoPE count nothing."""
+    d, L, H, mlp, T, V, v_padded = 128, 2, 4, 512, 96, 50257, 50304
+    attn = 3 * 2 * 2 * d * L * _causal_pairs(T) / T  # q k^T and p v, x3 with backward
+    llama = 4 * d * d + 3 * d * mlp + 2 * d  # q, k, v, o; SwiGLU gate, up, down; two norms
+    gate = d * H + H  # forget-gate projection and bias
+    pro = 2 * d * H + 3 * d + d * d  # k/v-shift projections; q, k, o norms per head; W_g
+    per_layer = {
+        "fot_pro": llama + gate + pro,
+        "transformer_llama": llama,
+        "transformer_pro": llama + pro,
+        "fla_fot": llama + gate,
+    }
+    for name, layer in per_layer.items():
+        model, cfg, _ = bench["train_throughput"].build(
+            name, "tiny", device=torch.device("meta"), seq_len=T
+        )
+        head = (V if name == "fla_fot" else v_padded) * d  # FLA does not pad the vocabulary
+        n = L * layer + d + head  # + final norm + untied LM head (no input embedding)
+        got = bench["flops"].flops_breakdown(model, cfg, T)
+        want = {"blocks": 6 * (n - head), "lm_head": 6 * head, "attention": attn}
+        assert got == pytest.approx({**want, "total": sum(want.values())}, rel=1e-12), name
+
+
+@pytest.mark.parametrize(
+    "name", ["fot_pro", "fot_llama", "transformer_pro", "transformer_llama", "hf_llama"]
+)
+def test_flops_match_torch_flop_counter(bench, monkeypatch, name):
+    """The formula against ``torch.utils.flop_counter.FlopCounterMode`` over one forward +
+    backward of the tiny model on the CPU (reference attention, HF Llama's eager attention):
+    its matmul FLOPs plus the formula's stated conventions give the formula's count exactly.
+
+    Conventions: the recomputation in backward (the reference attention's and the chunked
+    loss's activation checkpoints) is not model FLOPs, so checkpoints run as plain calls here;
+    the reference attention multiplies the whole T x T square, the formula the causal half with
+    the diagonal (``(T + 1) / (2 T)`` of it); norm weights and biases count 6 FLOPs per token
+    each; our LM head counts its rows padded to a multiple of 64 (the CUDA loss multiplies them;
+    the CPU loss slices them off)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    import fot.kernels.reference
+    import fot.models.modeling_fot
+
+    def plain_call(fn, *args, use_reentrant=None, **kwargs):
+        return fn(*args, **kwargs)
+
+    monkeypatch.setattr(fot.kernels.reference, "checkpoint", plain_call)
+    monkeypatch.setattr(fot.models.modeling_fot, "checkpoint", plain_call)
+    T = 48
+    model, cfg, loss_fn = bench["train_throughput"].build(
+        name, "tiny", device=torch.device("cpu"), seq_len=T
+    )
+    if name == "hf_llama":
+        model.config._attn_implementation = "eager"  # matmuls FlopCounterMode sees
+    ids = torch.randint(0, 50257, (1, T), generator=torch.Generator().manual_seed(0))
+    counter = FlopCounterMode(display=False)
+    with counter:
+        loss_fn(model, ids, ids.roll(-1, 1)).backward()
+    ops = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
+    assert set(ops) <= {"aten.mm", "aten.addmm", "aten.bmm"}, ops
+    weights = ops["aten.mm"] + ops.get("aten.addmm", 0)
+    not_matmul = sum(p.numel() for n, p in model.named_parameters() if p.dim() < 2 or "norm" in n)
+    pad_rows = model.get_output_embeddings().weight.shape[0] - 50257
+    expected = (
+        weights / T
+        + 6 * not_matmul
+        + 6 * pad_rows * cfg.hidden_size
+        + ops["aten.bmm"] / T * (T + 1) / (2 * T)
+    )
+    assert bench["flops"].train_flops_per_token(model, cfg, T) == pytest.approx(expected, rel=1e-12)
+
+
 def test_flops_script_prints_the_hand_count(bench, capsys):
     """``python benchmarks/flops.py`` printed nothing (a module with no entry point); it now
     prints the split of the hand count of the tiny FoT LLaMA (the test above)."""
@@ -329,6 +404,28 @@ def test_train_throughput_fla_fot_on_cpu_without_interpreter(bench, monkeypatch)
         tt.main([*TOY, "--models", "hf_llama,fla_fot"])
     with pytest.raises(SystemExit, match="use --fot-backend auto or reference"):
         tt.main([*TOY, "--models", "fot_pro", "--fot-backend", "triton"])
+
+
+def test_train_throughput_fla_fot_under_the_interpreter_as_a_user_runs_it(tmp_path):
+    """``TRITON_INTERPRET=1 python benchmarks/train_throughput.py --device cpu ...`` keeps
+    fla_fot in the default list (test above), but its row was ``error: RuntimeError: 0 active
+    drivers`` (FLA's autotuner timed its configs on a GPU driver; only the test suite's
+    conftest turned that off). The script now turns it off itself: the row is measured, with
+    the same parameters as FLA's model has by hand (as fot_llama's, without the forget gate's
+    and the vocabulary padding)."""
+    out = tmp_path / "res.json"
+    res = _run_script(
+        [str(BENCH / "train_throughput.py"), *TOY, "--steps", "1", "--warmup", "0",
+         "--models", "fla_fot", "--out", str(out)],
+        TRITON_INTERPRET="1",
+    )  # fmt: skip
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["status"] == "ok", row.get("error")
+    d, L, mlp, V = 128, 2, 512, 50257
+    assert (
+        row["params_non_embedding"] == L * (4 * d * d + 3 * d * mlp + 2 * d + 4 * d + 4) + d + V * d
+    )
 
 
 def test_train_throughput_more_bad_args(bench, monkeypatch):

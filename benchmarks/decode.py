@@ -153,9 +153,7 @@ def measure(
         "decode_tokens_per_s": batch_size * new_tokens / decode_s if decode_s > 0 else None,
         "ms_per_step": 1e3 * decode_s / new_tokens,
         "peak_mem_gib": (
-            torch.cuda.max_memory_allocated(device) / 2**30
-            if device.type == "cuda"
-            else float("nan")
+            torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
         ),
         "first_tokens": res["tokens"][0, :8].tolist(),
     }

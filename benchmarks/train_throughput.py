@@ -492,7 +492,7 @@ def measure(name: str, s: Settings) -> dict[str, Any]:
     loss_first, loss_last = float(first), float(loss)
     tokens_per_step = s.batch_size * s.seq_len
     tps = tokens_per_step * len(times) / total if total > 0 else float("nan")
-    peak_mem = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else float("nan")
+    peak_mem = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
     row = {
         "model": name,
         "status": "ok" if math.isfinite(loss_last) else "non-finite loss",
@@ -622,12 +622,9 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
         for ref, key in (("hf_llama", "vs_hf_llama"), ("fla_fot", "vs_fla_fot")):
             good = row.get("status") == "ok" and ref in ok
             row[key] = row["tokens_per_s"] / ok[ref]["tokens_per_s"] if good else None
-        good = row.get("status") == "ok" and "hf_llama" in ok
-        row["mem_vs_hf_llama"] = (
-            row["peak_mem_gib"] / ok["hf_llama"]["peak_mem_gib"]
-            if good and ok["hf_llama"]["peak_mem_gib"] > 0
-            else None
-        )
+        ref_mem = ok["hf_llama"].get("peak_mem_gib") if "hf_llama" in ok else None
+        good = row.get("status") == "ok" and row.get("peak_mem_gib") is not None
+        row["mem_vs_hf_llama"] = row["peak_mem_gib"] / ref_mem if good and ref_mem else None
 
 
 def fmt(value: Any, spec: str) -> str:
@@ -692,12 +689,24 @@ def profile_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _finite(value: Any) -> Any:
+    """``value`` with every NaN or infinity in it (nested) replaced by ``None``."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
 def write_json(path: str | os.PathLike, payload: dict[str, Any]) -> None:
-    """Write ``payload`` atomically (a partial file never replaces a good one)."""
+    """Write ``payload`` atomically (a partial file never replaces a good one), as standard
+    JSON: a NaN or infinity (a non-finite loss) becomes ``null``, which every parser reads."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=2, default=str))
+    tmp.write_text(json.dumps(_finite(payload), indent=2, default=str, allow_nan=False))
     os.replace(tmp, path)
 
 
@@ -895,7 +904,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     Row keys: ``model``, ``status`` (``ok``, ``OOM``, ``error``, ``non-finite loss``), ``error``,
     ``params``, ``params_non_embedding``, ``flops_per_token``, ``flops_breakdown``,
     ``tokens_per_step``, ``step_time_ms_{mean,median,min}``, ``tokens_per_s``, ``mfu``,
-    ``achieved_tflops``, ``peak_mem_gib``, ``mem_before_gib`` (allocated before the model was
+    ``achieved_tflops``, ``peak_mem_gib`` (CUDA only, else None), ``mem_before_gib`` (allocated before the model was
     built: > 0 means an earlier model leaked), ``step_times_ms``, ``warmup_s``, ``loss_first``,
     ``loss_last``, ``attn_impl``, ``loss_impl``, ``vs_hf_llama``, ``vs_fla_fot``,
     ``mem_vs_hf_llama``, and the run settings (``batch_size``, ``seq_len``, ``size``,

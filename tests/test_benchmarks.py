@@ -481,6 +481,29 @@ def test_out_file_of_an_earlier_run_is_kept(bench, tmp_path, monkeypatch):
         assert old.read_text() == '{"results": ["measured on a GPU"]}', script
 
 
+def test_results_files_are_standard_json(bench, tmp_path):
+    """``--out`` files held ``"peak_mem_gib": NaN`` on CPU (and a NaN loss where training
+    diverged): not JSON, which strict parsers (JavaScript's, Go's, serde) refuse. Memory that
+    is not measured is now ``null``, and so is any non-finite number."""
+
+    def refuse(constant: str) -> None:
+        raise ValueError(f"{constant} is not JSON")
+
+    train, dec = tmp_path / "train.json", tmp_path / "decode.json"
+    bench["train_throughput"].main(
+        [*TOY, "--steps", "1", "--models", "hf_llama", "--out", str(train)]
+    )
+    bench["decode"].main([*DECODE_TOY, "--batch-sizes", "1", "--out", str(dec)])
+    for path in (train, dec):
+        (row,) = json.loads(path.read_text(), parse_constant=refuse)["results"]
+        assert row["status"] == "ok" and row["peak_mem_gib"] is None, row
+    diverged = tmp_path / "diverged.json"
+    row = {"model": "x", "loss_last": float("nan"), "steps": [1.0, float("inf")]}
+    bench["train_throughput"].write_json(diverged, {"results": [row]})
+    got = json.loads(diverged.read_text(), parse_constant=refuse)["results"]
+    assert got == [{"model": "x", "loss_last": None, "steps": [1.0, None]}]
+
+
 def test_train_throughput_ctrl_c_keeps_finished_rows(bench, tmp_path, monkeypatch, capsys):
     """Ctrl-C during a model: the rows finished before it stay in ``--out``, the table of them
     is printed, and the exit status is 130 (before: a traceback from inside the model)."""

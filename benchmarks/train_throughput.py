@@ -32,7 +32,9 @@ Models:
 
 MFU = FLOPs/token * tokens/s / peak, with FLOPs/token from ``benchmarks/flops.py`` (one formula
 for all models, attention included: ``6 N + 12 L d_attn (T + 1) / 2``) and the peak dense bf16
-FLOP/s from ``--peak-tflops`` (default by device name: 989 TFLOP/s for H100/H200).
+FLOP/s from ``--peak-tflops`` (default by device name: 989 TFLOP/s for H100/H200; an unknown
+GPU, or ``--precision fp32``, whose matmuls do not run at the bf16 peak, gets no MFU unless
+``--peak-tflops`` gives the peak).
 
     python benchmarks/train_throughput.py --out results/train_760m.json        # 760m, T=16384
     python benchmarks/train_throughput.py --models fot_pro,hf_llama --compile --act-ckpt
@@ -867,7 +869,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--peak-tflops",
         type=float,
         default=None,
-        help="peak dense bf16 TFLOP/s for MFU (default by device name: H100/H200 989)",
+        help="peak dense TFLOP/s of the run's matmul precision, for MFU (default by device "
+        "name, bf16 only: H100/H200 989; none for --precision fp32)",
     )
     p.add_argument("--fot-backend", default="auto", choices=("auto", "triton", "reference", "sdpa"))
     p.add_argument(
@@ -966,12 +969,21 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         # Many models in one process: expandable segments keep fragmentation from turning into
         # OOMs for the later ones (read at the first CUDA allocation; the user's setting wins).
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    precision = resolve_precision(args.precision, device)
+    no_peak = "# no peak FLOP/s known for this device: MFU not computed (pass --peak-tflops)"
     if args.peak_tflops is not None:
         peak = args.peak_tflops * 1e12
     else:
         from fot.training.metrics import peak_flops_per_device
 
         peak = peak_flops_per_device(device)
+        if peak and precision == "fp32":  # the table holds bf16 peaks only
+            no_peak = (
+                f"# MFU not computed: {peak / 1e12:g} TFLOP/s is this device's bf16 peak, and "
+                "--precision fp32 runs fp32 matmuls; pass --peak-tflops with its fp32 (or, "
+                "with TF32 on, TF32) peak"
+            )
+            peak = None
     s = Settings(
         size=args.size,
         seq_len=args.seq_len,
@@ -979,7 +991,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         steps=args.steps,
         warmup=args.warmup,
         device=device,
-        precision=resolve_precision(args.precision, device),
+        precision=precision,
         compile=args.compile,
         act_ckpt=args.act_ckpt,
         peak_flops=peak,
@@ -1000,7 +1012,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     )
     log(f"# train throughput: {json.dumps(meta, default=str)}")
     if peak is None:
-        log("# no peak FLOP/s known for this device: MFU not computed (pass --peak-tflops)")
+        log(no_peak)
     payload: dict[str, Any] = {"meta": meta, "results": []}
     for name in models:
         log(f"## {name}: size {s.size}, B={s.batch_size}, T={s.seq_len}, {s.precision} ...")

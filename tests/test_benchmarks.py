@@ -443,6 +443,30 @@ def test_train_throughput_more_bad_args(bench, monkeypatch):
             tt.main([*TOY, "--models", "hf_llama", flag, value])
 
 
+def test_train_throughput_peak_matches_the_precision(bench, monkeypatch, capsys):
+    """MFU's peak is the device's bf16 one (H100: 989 TFLOP/s, NVIDIA's dense figure) for the
+    bf16 runs only. ``--precision fp32`` divided fp32 matmul FLOP/s by it too (MFU ~15x too low
+    on an H100, whose fp32 peak is 67): now no MFU unless ``--peak-tflops`` says the peak; an
+    unknown GPU gets none either, and says so. (A faked CUDA device, measurement stubbed.)"""
+    tt = bench["train_throughput"]
+    monkeypatch.setattr(tt, "run_one", lambda name, s: _stub_row(name) | {"peak": s.peak_flops})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "")  # main() sets it where it is unset
+    gpu = "NVIDIA H100 80GB HBM3"
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: gpu)
+
+    def peak(*flags: str) -> float | None:
+        return tt.main(["--device", "cuda", "--models", "hf_llama", *flags])["results"][0]["peak"]
+
+    assert peak() == peak("--precision", "bf16") == peak("--precision", "autocast") == 989e12
+    assert peak("--precision", "fp32") is None
+    assert "989 TFLOP/s is this device's bf16 peak" in capsys.readouterr().out
+    assert peak("--precision", "fp32", "--peak-tflops", "67") == 67e12
+    gpu = "NVIDIA Future GPU"
+    assert peak() is None
+    assert "no peak FLOP/s known for this device" in capsys.readouterr().out
+
+
 DECODE_TOY = ["--device", "cpu", "--size", "tiny", "--models", "hf_llama", "--context", "8",
               "--new-tokens", "1"]  # fmt: skip
 

@@ -7,8 +7,8 @@ benchmark is counted the same way:
 
     FLOPs/token = 6 * N  +  12 * L_attn * d_attn * T_eff
 
-* ``N``: every parameter except the input embedding. It includes the untied LM head, so
-  ``6 * N = 6 * N_blocks + 6 * d * V`` (forward 2, backward 4 FLOPs per weight and token; the
+* ``N``: every parameter except the input embedding. It includes the LM head (tied to the
+  input embedding or not: its matmul costs the same), so ``6 * N = 6 * N_blocks + 6 * d * V`` (forward 2, backward 4 FLOPs per weight and token; the
   embedding lookup costs no matmul FLOPs).
 * ``12 * L_attn * d_attn * T_eff``: ``q k^T`` and ``p v`` are ``2 * 2 * d_attn`` FLOPs per
   (query, key) pair in the forward, times 3 with the backward, over the average causal context
@@ -91,15 +91,14 @@ def flops_breakdown(model: nn.Module, config: Any, seq_len: int) -> dict[str, fl
     ``blocks`` is ``6 *`` the parameters that are neither the input embedding nor the LM head.
     """
     total = train_flops_per_token(model, config, seq_len)
-    emb = model.get_input_embeddings().weight.numel()
-    n = sum(p.numel() for p in model.parameters()) - emb
     head = model.get_output_embeddings()
-    tied = head is None or head.weight is model.get_input_embeddings().weight
-    n_head = 0 if tied else head.weight.numel()  # a tied head is not in N (see above)
+    n_head = 0 if head is None else head.weight.numel()  # in N, tied or not
+    skip = {id(model.get_input_embeddings().weight)} | ({id(head.weight)} if head else set())
+    n_blocks = sum(p.numel() for p in model.parameters() if id(p) not in skip)
     return {
-        "blocks": 6.0 * (n - n_head),
+        "blocks": 6.0 * n_blocks,
         "lm_head": 6.0 * n_head,
-        "attention": total - 6.0 * n,
+        "attention": total - 6.0 * (n_blocks + n_head),
         "total": total,
     }
 

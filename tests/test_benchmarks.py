@@ -246,6 +246,56 @@ def test_flops_match_torch_flop_counter(bench, monkeypatch, name):
     assert bench["flops"].train_flops_per_token(model, cfg, T) == pytest.approx(expected, rel=1e-12)
 
 
+def test_flops_count_a_tied_lm_head(bench):
+    """An LM head tied to the input embedding (``tie_word_embeddings=True``, e.g. an FLA
+    baseline's override) still multiplies every token by the [V, d] weight: its count was
+    dropped with the input embedding (mamba2 tiny: 2.5 instead of 41.1 MFLOP per token, MFU
+    16x too low). Against ``FlopCounterMode`` over a forward + backward of a tiny tied model,
+    and against the same model untied."""
+    from types import SimpleNamespace
+
+    from torch import nn
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from fot.training.metrics import FlopCounter
+
+    V, d, T = 96, 16, 8
+
+    class Tiny(nn.Module):
+        def __init__(self, tied: bool) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(V, d)
+            self.body = nn.Linear(d, d, bias=False)
+            self.head = nn.Linear(d, V, bias=False)
+            if tied:
+                self.head.weight = self.embed.weight
+
+        def get_input_embeddings(self) -> nn.Module:
+            return self.embed
+
+        def get_output_embeddings(self) -> nn.Module:
+            return self.head
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.head(self.body(self.embed(ids)))
+
+    cfg = SimpleNamespace(model_type="mamba2", hidden_size=d)
+    tied, untied = Tiny(tied=True), Tiny(tied=False)
+    counter = FlopCounterMode(display=False)
+    with counter:
+        tied(torch.arange(T)[None]).sum().backward()
+    assert counter.get_total_flops() / T == 6 * (d * d + V * d)
+    for model in (tied, untied):
+        assert FlopCounter.of(model, cfg).of_documents([T]) / T == 6 * (d * d + V * d)
+        parts = bench["flops"].flops_breakdown(model, cfg, T)
+        assert parts == {
+            "blocks": 6 * d * d,
+            "lm_head": 6 * V * d,
+            "attention": 0,
+            "total": 6 * (d * d + V * d),
+        }
+
+
 def test_flops_script_prints_the_hand_count(bench, capsys):
     """``python benchmarks/flops.py`` printed nothing (a module with no entry point); it now
     prints the split of the hand count of the tiny FoT LLaMA (the test above)."""

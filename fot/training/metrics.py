@@ -81,11 +81,11 @@ class FlopCounter:
     """Training FLOPs (forward + backward) of a model: ``6 N`` per token plus ``12 d_attn``
     per (query, key) pair in each softmax-attention layer.
 
-    ``N`` counts every parameter except the input embedding (the LM head included; the
-    embedding lookup costs no matmul FLOPs). ``q k^T`` and ``p v`` are ``2 * 2 * d_attn``
-    FLOPs per pair, times 3 with the backward. Models without softmax attention (Mamba-2,
-    DeltaNet, HGRN-2) get no attention term; Samba counts its attention layers only if the
-    config says which.
+    ``N`` counts every parameter except the input embedding (the LM head included, also when
+    it is tied to the input embedding; the embedding lookup costs no matmul FLOPs). ``q k^T``
+    and ``p v`` are ``2 * 2 * d_attn`` FLOPs per pair, times 3 with the backward. Models
+    without softmax attention (Mamba-2, DeltaNet, HGRN-2) get no attention term; Samba counts
+    its attention layers only if the config says which.
 
     Attributes:
         params: ``N``.
@@ -102,8 +102,11 @@ class FlopCounter:
     @classmethod
     def of(cls, model: nn.Module, config: Any) -> FlopCounter:
         """The counter of ``model`` (unwrapped) with HF config ``config``."""
-        emb = model.get_input_embeddings().weight.numel()
-        n = sum(p.numel() for p in model.parameters()) - emb
+        emb = model.get_input_embeddings().weight
+        n = sum(p.numel() for p in model.parameters()) - emb.numel()
+        head = getattr(model, "get_output_embeddings", lambda: None)()
+        if head is not None and head.weight is emb:  # tied: the head's matmul costs the same
+            n += emb.numel()
         if getattr(config, "model_type", None) == "fot":
             return cls(
                 params=n,

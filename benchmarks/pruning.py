@@ -203,6 +203,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = p.parse_args(argv)
     if args.length < 1 or args.docs < 1:
         p.error(f"--length and --docs must be >= 1, got {args.length} and {args.docs}")
+    if args.threshold is not None and not args.threshold < 0:  # NaN too
+        p.error(
+            f"--threshold must be a negative log-weight (natural log, e.g. -20: also skip tiles "
+            f"whose every weight is below e^-20 times the row's diagonal one), got {args.threshold}"
+        )
     if args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available()):
         use_triton_interpreter()  # before anything imports Triton
     from train_throughput import check_out_file, fmt, log, resolve_device, run_meta, write_json

@@ -865,6 +865,28 @@ def test_pruning_missing_paths_are_named_without_traceback(bench, tmp_path):
         pruning.main([str(tmp_path / "no-ckpt"), "--data", str(tmp_path / "data"), *base])
 
 
+@pytest.mark.parametrize("threshold", ["5", "0", "nan"])
+def test_pruning_threshold_not_negative_is_refused_first(bench, capsys, threshold):
+    """``--threshold 5`` (a log-weight must be < 0) was a ValueError traceback from the kernel,
+    after the checkpoint and data were loaded and the attention inputs captured; now a one-line
+    usage error before anything is read (the paths here do not exist)."""
+    with pytest.raises(SystemExit) as exit_:
+        bench["pruning"].main(
+            [
+                "no-such-checkpoint",
+                "--data",
+                "no-such-data",
+                *PRUNING_DEVICE,
+                "--threshold",
+                threshold,
+            ]
+        )
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "--threshold must be a negative log-weight (natural log, e.g. -20" in err
+    assert "Traceback" not in err and "no-such" not in err
+
+
 def test_pruning_cpu_after_triton_was_imported_without_interpreter_says_the_fix():
     """``pruning.main(--device cpu)`` in a process that imported Triton without the interpreter
     (its kernels compiled, for a GPU) cannot turn it on any more: it stops with the command to

@@ -2725,6 +2725,32 @@ def test_peak_flops_of_the_card_the_name_says(monkeypatch, name: str, peak: floa
     assert peak_flops_per_device(torch.device("cuda", 0)) == pytest.approx(peak, rel=2e-3)
 
 
+def test_mfu_of_a_float32_run_is_not_divided_by_a_bf16_peak(tmp_path, monkeypatch, caplog) -> None:
+    """The known GPUs' peaks are bf16 ones: a run with ``parallel.precision=fp32`` on such a GPU
+    logs no MFU (and says why) instead of dividing float32 FLOP/s by a bf16 peak; a bf16 run
+    on the same (stand-in) GPU logs its MFU, ``peak_flops=`` gives a float32 run one. The GPU
+    is a stand-in: the peak table answers 1e15 for the CPU."""
+    import fot.training.trainer as trainer
+
+    monkeypatch.setattr(trainer, "peak_flops_per_device", lambda device: 1e15)
+    short = ["data.val_tokens=0", "total_tokens=512", "ckpt_every_tokens=0", "export_hf=false"]
+
+    def mfus(name: str, *overrides: str) -> list:
+        train(_cfg(tmp_path / name, *short, *overrides))
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        return [r["mfu"] for r in map(json.loads, lines) if "tokens_per_s" in r]
+
+    with caplog.at_level(logging.INFO, logger="fot.train"):
+        fp32 = mfus("fp32", "parallel.precision=fp32")
+    assert fp32 and all(m is None for m in fp32), fp32
+    assert "MFU is not logged: parallel.precision=fp32" in caplog.text
+    assert "set peak_flops=" in caplog.text
+    bf16 = mfus("bf16", "parallel.precision=bf16")
+    assert bf16 and all(m is not None and m > 0 for m in bf16), bf16
+    given = mfus("given", "parallel.precision=fp32", "peak_flops=1e12")
+    assert given and all(m is not None and m > 0 for m in given), given
+
+
 def test_flop_counter_counts_sambas_sliding_window_attention_layers() -> None:
     """Samba's config names its softmax-attention layers (``attn.layers``, a sliding window of
     ``attn.window_size`` keys): each counts ``12 d`` FLOPs per (query, key) pair, the Mamba

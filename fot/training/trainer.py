@@ -1420,7 +1420,14 @@ def _train(
     optimizer = build_optimizer(
         model, cfg.optim, device=info.device, capturable=bool(cfg.parallel.cuda_graphs)
     )
-    peak = cfg.peak_flops or peak_flops_per_device(info.device)
+    peak = cfg.peak_flops
+    if peak is None and autocast_dtype(cfg.parallel, info.device) is not None:
+        peak = peak_flops_per_device(info.device)  # the table's peaks are bf16 ones
+    elif peak is None and peak_flops_per_device(info.device) and info.is_main:
+        logger.info(
+            "MFU is not logged: parallel.precision=fp32 computes in float32 and the known GPU "
+            "peaks are bf16 ones; set peak_flops=<this GPU's float32 FLOP/s> for it"
+        )
 
     # ---- resume --------------------------------------------------------------------------
     step, tokens, wandb_id = 0, 0, None

@@ -901,6 +901,34 @@ def test_right_padded_generate_is_refused_and_left_padding_is_the_fix(model: str
         assert torch.equal(got[row, -4:], m.generate(prompt, **kw)[0, -4:])
 
 
+@pytest.mark.parametrize("model", ["fot_pro", "transformer_llama", "deltanet"])
+def test_continuous_batching_is_refused_naming_generate(model: str) -> None:
+    # transformers' generate_batch swaps in its paged attention and a paged K/V cache, which
+    # these layers never read: a FoT model's request failed (an error logged, no tokens
+    # returned), an FLA baseline stopped on "num_key_value_heads ... could not be found". It is
+    # refused before any forward, naming generate(); generate() of the same prompt decodes it.
+    from transformers import GenerationConfig
+
+    torch.manual_seed(0)
+    if model == "deltanet":
+        m = presets.build_model(presets.config(model, "tiny", vocab_size=VOCAB)).eval()
+    else:
+        m = tiny(model)
+    forwards = []
+    m.register_forward_pre_hook(lambda *_: forwards.append(1))
+    gen = GenerationConfig(max_new_tokens=3, do_sample=False, eos_token_id=None, pad_token_id=0)
+    with pytest.raises(NotImplementedError, match=r"continuous batching.*with generate\(\)"):
+        m.generate_batch(inputs=[[1, 2, 3, 4]], generation_config=gen)
+    with pytest.raises(NotImplementedError, match=r"continuous batching"):
+        m.init_continuous_batching(generation_config=gen)
+    assert not forwards
+    if model == "deltanet":
+        return  # FLA's generate under Triton's interpreter: the refusal is what is checked
+    x = torch.tensor([[1, 2, 3, 4]])
+    got = m.generate(x, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert torch.equal(got, m.generate(x, max_new_tokens=3, do_sample=False, use_cache=False))
+
+
 @pytest.mark.parametrize("model", ["fot_pro", "deltanet"])
 def test_token_ids_outside_the_vocabulary_are_refused_naming_the_id(model: str) -> None:
     # An id >= vocab_size (a tokenizer of another model) failed deep in the embedding (an

@@ -441,6 +441,13 @@ class _FoTContractMixin:
         refuse_right_padding(model_kwargs.get("attention_mask"))
         super()._validate_model_kwargs(model_kwargs)
 
+    def init_continuous_batching(self, *args: Any, **kwargs: Any) -> None:
+        """Refused as for FoT models (``fot.models.modeling_fot.refuse_continuous_batching``):
+        a paged K/V cache cannot hold these layers' recurrent state."""
+        from fot.models.modeling_fot import refuse_continuous_batching
+
+        refuse_continuous_batching(self, "a recurrent state (or convolution state)")
+
     def _prepare_model_inputs(self, *args: Any, **kwargs: Any) -> tuple:
         """``generate()`` hook, once per call: refuse prompt token ids outside the vocabulary,
         as FoT models do (``fot.models.modeling_fot.refuse_out_of_vocab``)."""

@@ -1497,6 +1497,25 @@ def refuse_right_padding(attention_mask: object) -> None:
         )
 
 
+def refuse_continuous_batching(model: nn.Module, state: str) -> None:
+    """Refuse transformers' continuous batching (``generate_batch``,
+    ``init_continuous_batching``) for ``model``, whose layers keep ``state`` besides K and V.
+
+    Continuous batching swaps the model's attention for transformers' paged one and its cache
+    for a paged K/V cache; these layers run their own attention over their own cache.
+
+    Raises:
+        NotImplementedError: always, naming ``generate()`` as the way to decode a batch.
+    """
+    raise NotImplementedError(
+        f"{type(model).__name__} cannot run transformers' continuous batching (generate_batch, "
+        "init_continuous_batching): it runs transformers' attention over a paged K/V cache, "
+        f"and these layers run their own over a cache that also keeps {state}. Decode a batch of prompts with generate() instead: tok(prompts, "
+        "padding=True, return_tensors='pt') (the exported tokenizer pads on the left), then "
+        "model.generate(**inputs, max_new_tokens=...)"
+    )
+
+
 def refuse_out_of_vocab(input_ids: object, vocab_size: int) -> None:
     """Refuse token ids outside ``0 .. vocab_size - 1`` in ``input_ids`` ``[B, T]`` with a
     ``ValueError`` naming the id: the embedding would fail deep inside (an ``IndexError`` on
@@ -2095,6 +2114,11 @@ class FoTForCausalLM(FoTPreTrainedModel, GenerationMixin):
         if input_name == "input_ids":
             refuse_out_of_vocab(inputs, self.config.vocab_size)
         return inputs, input_name, model_kwargs
+
+    def init_continuous_batching(self, *args: Any, **kwargs: Any) -> None:
+        """Refused (:func:`refuse_continuous_batching`): a paged K/V cache cannot hold the
+        forget-gate cumsum and KV-shift state; ``generate_batch`` calls this first."""
+        refuse_continuous_batching(self, "the running forget-gate cumsum and the KV-shift state")
 
     def _validate_generation_mode(self, generation_mode, *args, **kwargs) -> None:
         """``generate()`` hook: refuse assisted / prompt-lookup (speculative) decoding clearly.

@@ -578,13 +578,17 @@ def encode_text(tokenizer: Any, text: str) -> list[int]:
     """Token ids of ``text`` without special tokens, however long, escaped as the model's
     training text was (``fot_text_escaping`` in the checkpoint's ``tokenizer_config.json``:
     LongCrawl64-trained models read JSON-escaped text; see ``fot.tokenizer.escape_text``).
+    A special token's text in ``text`` (``<|endoftext|>``) is ordinary text, as in training
+    data (``python -m fot.data.prepare`` and ``data=hf`` tokenize it so), not the special id.
 
     The commands cut what they encode to fit (a haystack, a middle-truncated LongBench
     context, lm-eval's rolling windows): transformers' warning that a text longer than the tokenizer's
     ``model_max_length`` "will result in indexing errors" would be false, so it is not asked for.
     """
     text = escape_text(text, text_escaping_of(tokenizer))
-    ids = list(tokenizer.encode(text, add_special_tokens=False, verbose=False))
+    ids = list(
+        tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True, verbose=False)
+    )
     vocab = getattr(tokenizer, MODEL_VOCAB_ATTR, None)
     if vocab is not None and ids and max(ids) >= vocab:
         bad = max(ids)

@@ -240,7 +240,10 @@ def save_hf_tokenizer(
     ``special_tokens_map.json`` (``<|endoftext|>`` as bos, eos, unk and pad; padding on the
     left, as batched ``generate`` needs: ``tok(prompts, padding=True)`` works as it is).
     ``tok(text)`` puts ``<|endoftext|>`` in front, as fot's data pipeline does before every
-    training document (``add_bos_token``); ``add_special_tokens=False`` leaves it out.
+    training document (``add_bos_token``); ``add_special_tokens=False`` leaves it out. The
+    characters ``<|endoftext|>`` written in a text are ordinary text (``split_special_tokens``),
+    as fot's data pipeline tokenizes them (tiktoken's ``encode_ordinary``): they never become
+    the id 50256, which would start a new document inside the text; give that id as an id.
 
     Args:
         path: folder to write into (created if missing).
@@ -270,6 +273,7 @@ def save_hf_tokenizer(
         "add_bos_token": True,
         "model_max_length": model_max_length or 1_000_000_000,
         "clean_up_tokenization_spaces": False,
+        "split_special_tokens": True,
     }
     if text_escaping != "none":
         config[TEXT_ESCAPING_KEY] = text_escaping

@@ -556,6 +556,30 @@ def test_texts_are_escaped_as_the_checkpoint_was_trained_and_generations_unescap
     assert record["text_escaping"] == "json"
 
 
+@pytest.mark.parametrize("escaping", ["none", "json"])
+def test_prompts_encode_the_text_endoftext_as_training_data_does(tmp_path, escaping):
+    """The characters ``<|endoftext|>`` in a prompt (a needle haystack, a LongBench context, an
+    lm-eval request) are ordinary text, as ``fot.data.prepare`` and ``data=hf`` tokenize them,
+    also with the tokenizer of an export made before it said so (no ``split_special_tokens``):
+    they were the id 50256, a document boundary in the middle of the prompt. Oracle: tiktoken's
+    ``encode_ordinary`` of the text escaped as ``json.dumps`` writes it (or as it is)."""
+    from transformers import AutoTokenizer
+
+    from fot.eval.common import decode_text, encode_text
+    from fot.tokenizer import get_encoding, save_hf_tokenizer
+
+    folder = save_hf_tokenizer(tmp_path, text_escaping=escaping)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    del config["split_special_tokens"]  # as fot wrote it before
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = AutoTokenizer.from_pretrained(folder)
+    text = 'Doc one.<|endoftext|>Doc "two"\n😀 <|endoftext|>'
+    escaped = json.dumps(text)[1:-1] if escaping == "json" else text
+    ids = encode_text(tok, text)
+    assert ids == get_encoding().encode_ordinary(escaped) and 50256 not in ids
+    assert decode_text(tok, ids) == text
+
+
 @pytest.mark.parametrize("variant", ["fox_pro", "transformer_llama"])
 def test_a_checkpoint_of_the_papers_code_is_converted_on_the_fly(variant, tmp_path, capsys):
     """fot.eval takes the paper's checkpoint folder (no tokenizer fot can read, model types of

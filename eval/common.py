@@ -32,7 +32,13 @@ from fot.errors import FotError, MissingPackageError
 from fot.export import not_exported_message
 from fot.interrupt import check_stop
 from fot.provenance import git_sha, library_versions, sweep_job_label
-from fot.tokenizer import TEXT_ESCAPING_KEY, escape_text, text_escaping_of, unescape_text
+from fot.tokenizer import (
+    TEXT_ESCAPING_KEY,
+    escape_text,
+    replace_lone_surrogates,
+    text_escaping_of,
+    unescape_text,
+)
 from fot.training.checkpoint import RunFolderLock
 
 _DTYPES = {
@@ -579,13 +585,14 @@ def encode_text(tokenizer: Any, text: str) -> list[int]:
     training text was (``fot_text_escaping`` in the checkpoint's ``tokenizer_config.json``:
     LongCrawl64-trained models read JSON-escaped text; see ``fot.tokenizer.escape_text``).
     A special token's text in ``text`` (``<|endoftext|>``) is ordinary text, as in training
-    data (``python -m fot.data.prepare`` and ``data=hf`` tokenize it so), not the special id.
+    data (``python -m fot.data.prepare`` and ``data=hf`` tokenize it so), not the special id;
+    a lone UTF-16 surrogate (from a JSON file's ``\\ud800`` escape) is U+FFFD, as there.
 
     The commands cut what they encode to fit (a haystack, a middle-truncated LongBench
     context, lm-eval's rolling windows): transformers' warning that a text longer than the tokenizer's
     ``model_max_length`` "will result in indexing errors" would be false, so it is not asked for.
     """
-    text = escape_text(text, text_escaping_of(tokenizer))
+    text, _ = replace_lone_surrogates(escape_text(text, text_escaping_of(tokenizer)))
     ids = list(
         tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True, verbose=False)
     )

@@ -110,6 +110,21 @@ def unescape_text(text: str, escaping: str) -> str:
     return _JSON_ESCAPE.sub(_unescape_one, text) if escaping == "json" else text
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def replace_lone_surrogates(text: str) -> tuple[str, int]:
+    """``text`` with every lone UTF-16 surrogate replaced by U+FFFD, as tiktoken tokenizes it,
+    and how many there were (0: ``text`` itself). Only a ``\\ud800``-``\\udfff`` escape without
+    its pair in JSON (``json.loads``) makes one: UTF-8 text holds none, and a Hugging Face
+    tokenizer refuses them with a ``TypeError`` that names nothing.
+    """
+    count = len(_SURROGATE.findall(text))
+    if not count:
+        return text, 0
+    return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace"), count
+
+
 def text_escaping_of(tokenizer: Any) -> str:
     """The escaping recorded in a tokenizer loaded from an exported folder (``"none"`` when the
     folder records none, e.g. any tokenizer not exported by fot).

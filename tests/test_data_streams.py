@@ -1482,6 +1482,26 @@ def test_prepare_strips_a_utf8_byte_order_mark(tmp_path) -> None:
     assert _decoded(out) == ["Hello there", "first", "second"]
 
 
+def test_prepare_reads_a_lone_surrogate_as_u_fffd_with_a_warning(tmp_path, capsys) -> None:
+    """A JSON ``\\ud800`` escape without its pair is no character: it was tokenized as U+FFFD
+    without a word; now a warning names the file and line. Oracle: tiktoken's ids of the text
+    with U+FFFD for it; a pair of escapes is its character, without a warning."""
+    from fot.data.prepare import main
+    from fot.data.tokens import TokenDocuments
+    from fot.tokenizer import get_encoding
+
+    f = tmp_path / "rows.jsonl"
+    f.write_text('{"text": "pair \\ud83d\\ude00"}\n{"text": "lone \\ud800 and \\udfff"}\n')
+    out = tmp_path / "tok"
+    assert main([str(f), "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert f"{f}:2: field 'text' holds 2 lone UTF-16 surrogate(s)" in err, err
+    assert f"{f}:1" not in err
+    enc = get_encoding()
+    want = [enc.encode_ordinary("pair 😀"), enc.encode_ordinary("lone \ufffd and \ufffd")]
+    assert [d.tolist() for d in TokenDocuments(out)] == want
+
+
 def test_prepare_refuses_binary_and_utf16_files(tmp_path, capsys) -> None:
     from fot.data.prepare import main
 

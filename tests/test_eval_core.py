@@ -580,6 +580,24 @@ def test_prompts_encode_the_text_endoftext_as_training_data_does(tmp_path, escap
     assert decode_text(tok, ids) == text
 
 
+@pytest.mark.parametrize("escaping", ["none", "json"])
+def test_prompts_with_a_lone_surrogate_encode_as_training_data_does(tmp_path, escaping):
+    """A LongBench or lm-eval text read from JSON may hold a lone surrogate (``"\\ud800"``):
+    the HF tokenizer stopped the run with ``TypeError: TextEncodeInput must be ...``; it is now
+    U+FFFD, as ``fot.data.prepare`` reads it. Oracle: tiktoken, which replaces it so."""
+    from transformers import AutoTokenizer
+
+    from fot.eval.common import encode_text
+    from fot.tokenizer import get_encoding, save_hf_tokenizer
+
+    tok = AutoTokenizer.from_pretrained(save_hf_tokenizer(tmp_path, text_escaping=escaping))
+    text = json.loads('"a \\ud800 b \\udfff\\ud83d\\ude00 c"')  # two lone ones, a pair
+    escaped = json.dumps(text)[1:-1] if escaping == "json" else text
+    assert encode_text(tok, text) == get_encoding().encode_ordinary(escaped)
+    if escaping == "none":
+        assert tok.decode(encode_text(tok, text)) == "a \ufffd b \ufffd😀 c"
+
+
 @pytest.mark.parametrize("variant", ["fox_pro", "transformer_llama"])
 def test_a_checkpoint_of_the_papers_code_is_converted_on_the_fly(variant, tmp_path, capsys):
     """fot.eval takes the paper's checkpoint folder (no tokenizer fot can read, model types of

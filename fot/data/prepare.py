@@ -20,7 +20,9 @@ Inputs, one document each:
   name it (``--hf text --data-files 'notes/**/*.md'``).
 
 Text that is not valid UTF-8 is read with U+FFFD for the bad bytes and a warning naming the
-file; a text file with NUL bytes (binary, or UTF-16/UTF-32 text) is refused. A file named more than once (by a folder and a pattern, or through a symbolic link) is
+file, as is a lone UTF-16 surrogate in a ``.jsonl`` text or dataset row (an escape such as
+``\\ud800`` without its pair: no character), with a warning naming the line; a text file
+with NUL bytes (binary, or UTF-16/UTF-32 text) is refused. A file named more than once (by a folder and a pattern, or through a symbolic link) is
 read once, with a warning. Empty documents are skipped (an empty text, or a ``null``/empty
 CSV cell, which datasets reads as None: counted in a warning); a run that would write no training
 document (or, with ``--heldout-every``, no held-out one) fails and leaves existing folders as
@@ -162,6 +164,14 @@ def _row_text(row: dict, text_field: str, where: str) -> str | None:
         raise ValueError(
             f"{where}: field {text_field!r} is {text!r} ({type(text).__name__}), not a string; "
             "fix or remove that row, or set --text-field"
+        )
+    from fot.tokenizer import replace_lone_surrogates
+
+    text, lone = replace_lone_surrogates(text)
+    if lone:
+        _warn(
+            f"{where}: field {text_field!r} holds {lone} lone UTF-16 surrogate(s) (a \\ud800-"
+            "\\udfff escape without its pair, no character); each was read as U+FFFD"
         )
     return text
 

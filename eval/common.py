@@ -9,6 +9,7 @@ written next to every result.
 from __future__ import annotations
 
 import argparse
+import codecs
 import contextlib
 import datetime as _dt
 import hashlib
@@ -609,9 +610,11 @@ def encode_text(tokenizer: Any, text: str) -> list[int]:
 
 
 def read_text_file(path: Path, what: str) -> str:
-    """The text of UTF-8 file ``path``; a binary or non-UTF-8 file is refused, not read as
-    replacement characters. ``what`` names the option in the message (``"--text-file"``)."""
-    data = path.read_bytes()
+    """The text of UTF-8 file ``path``, without a leading byte-order mark (as
+    ``python -m fot.data.prepare`` reads training text); a binary or non-UTF-8 file is refused,
+    not read as replacement characters. ``what`` names the option in the message
+    (``"--text-file"``)."""
+    data = path.read_bytes().removeprefix(codecs.BOM_UTF8)
     if b"\0" in data:
         raise ValueError(
             f"{what} {str(path)!r} holds NUL bytes: it is binary, not text; pass UTF-8 text files"

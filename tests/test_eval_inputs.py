@@ -276,6 +276,22 @@ def test_needle_haystack_that_is_not_text_is_refused(tmp_path, content, message)
     assert not out.exists()
 
 
+def test_eval_text_files_drop_a_byte_order_mark_as_prepare_does(tmp_path):
+    """Windows editors start UTF-8 files with a byte-order mark: ``fot.data.prepare`` drops it
+    from training text, but a needle haystack or gates ``--text-file`` kept it (U+FEFF: three
+    byte tokens in front of the text). Oracle: prepare's tokens of the same file."""
+    from fot.data.prepare import iter_texts, tokenize
+    from fot.eval.common import read_text_file
+    from fot.tokenizer import get_encoding
+
+    hay = tmp_path / "hay.txt"
+    hay.write_bytes(b"\xef\xbb\xbfThe grass is green.\r\n")
+    text = read_text_file(hay, "--haystack file")
+    assert text == "The grass is green.\r\n"
+    trained = [d.tolist() for d in tokenize(iter_texts([str(hay)]))]
+    assert trained == [get_encoding().encode_ordinary(text)]
+
+
 def test_longbench_row_without_answers_names_file_and_line(tmp_path):
     data = tmp_path / "lb"
     data.mkdir()

@@ -1502,6 +1502,30 @@ def test_prepare_reads_a_lone_surrogate_as_u_fffd_with_a_warning(tmp_path, capsy
     assert [d.tolist() for d in TokenDocuments(out)] == want
 
 
+def test_sample_data_is_escaped_as_data_text_escaping_says() -> None:
+    """``data=sample data.text_escaping=json`` (fine-tuning a LongCrawl64 model on the sample
+    corpus) trained on plain text while the export recorded ``json``, so fot.eval escaped the
+    prompts of a model that never saw escaped text. Oracle: tiktoken's ids of ``json.dumps``
+    of the first play without its quotes."""
+    import json
+
+    from omegaconf import OmegaConf
+
+    from fot.data.loaders import build_sources
+    from fot.data.sample import sample_texts
+    from fot.tokenizer import EOT_ID, get_encoding
+    from fot.training.config import DataConfig
+
+    cfg = OmegaConf.structured(DataConfig(kind="sample", seq_len=64, text_escaping="json"))
+    train, _ = build_sources(cfg)
+    escaped = json.dumps(sample_texts()[0])[1:-1]  # the first play is a training document
+    assert train.read(0, 1)[0][0].tolist() == [
+        EOT_ID,
+        *get_encoding().encode_ordinary(escaped)[:63],
+    ]
+    assert 198 not in train.read(0, 4)[0]  # no newline token in JSON-escaped text
+
+
 def test_prepare_refuses_binary_and_utf16_files(tmp_path, capsys) -> None:
     from fot.data.prepare import main
 

@@ -712,8 +712,10 @@ def build_sources(cfg: Any, *, val_unit: int | None = None) -> tuple[Any, Any | 
     if cfg.kind == "sample":
         from fot.data.sample import sample_token_documents
 
-        train = _documents_source(sample_token_documents("train"), T, cfg.packing)
-        val = _documents_source(sample_token_documents("heldout"), T, cfg.packing)
+        # the corpus as data.text_escaping says the export will record (json: as LongCrawl64's)
+        escaping = getattr(cfg, "text_escaping", None) or "none"
+        train = _documents_source(sample_token_documents("train", escaping), T, cfg.packing)
+        val = _documents_source(sample_token_documents("heldout", escaping), T, cfg.packing)
         return train, val if want_val else None
     if cfg.kind == "longcrawl64":
         return _longcrawl64_sources(cfg, T, want_val)

@@ -84,7 +84,7 @@ class DataConfig:
     """How the text was written before it was tokenized, recorded in the run's export for
     ``fot.eval`` (:data:`fot.tokenizer.TEXT_ESCAPINGS`): ``json`` for LongCrawl64's token ids
     (JSON-escaped text), also when read through ``data=tokens``; ``null``: ``json`` for
-    ``data=longcrawl64``, ``none`` otherwise."""
+    ``data=longcrawl64``, ``none`` otherwise. ``data=sample`` escapes its corpus so."""
 
 
 @dataclass

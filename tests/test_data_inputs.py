@@ -149,6 +149,29 @@ def test_hf_text_files_are_one_document_each(tmp_path, streaming: bool) -> None:
         assert text.startswith(f"<|endoftext|>{a}<|endoftext|>{b}<|endoftext|>")
 
 
+@pytest.mark.parametrize("streaming", [False, True])
+def test_hf_text_files_drop_a_byte_order_mark_as_prepare_does(tmp_path, streaming: bool) -> None:
+    """A UTF-8 file that starts with a byte-order mark (Windows editors write one): prepare
+    drops it, but data=hf and prepare --hf kept it as the text U+FEFF (three byte tokens in
+    front of the document). Oracle: tiktoken's ids of the text without it, as prepare reads it."""
+    from fot.data.prepare import iter_texts, tokenize
+
+    folder = tmp_path / "notes"
+    folder.mkdir()
+    (folder / "bom.txt").write_bytes(b"\xef\xbb\xbfA note saved on Windows.\n")
+    (folder / "plain.txt").write_text("Another note.\n")
+    T = 4
+    texts = ["A note saved on Windows.\n", "Another note.\n"]
+    want = _packed(texts, T)
+    prepared = [d.tolist() for d in tokenize(iter_texts([str(folder)]))]
+    assert prepared == [get_encoding().encode_ordinary(t) for t in texts]
+    for kw in ({"path": str(folder)}, {"path": "text", "hf_data_files": str(folder / "*.txt")}):
+        cfg = _cfg(kind="hf", seq_len=T, val_tokens=0, streaming=streaming, **kw)
+        train, _ = build_sources(cfg)
+        n = want.num_sequences
+        np.testing.assert_array_equal(train.read(0, n)[0], want.read(0, n)[0])
+
+
 def test_hf_training_data_shorter_than_one_sequence_is_refused(tmp_path) -> None:
     """A training split of fewer than data.seq_len + 1 tokens used to train on sequences of
     its documents repeated over and over (a token folder that short is refused)."""

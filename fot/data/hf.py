@@ -5,7 +5,9 @@ What differs from a plain ``datasets.load_dataset`` call:
 * Where the dataset resolves to datasets' ``text`` loader (``text`` with data files, or a local
   folder of ``.txt`` files that datasets reads as text), every file is one document
   (``sample_by="document"``), as with ``python -m fot.data.prepare <folder>``; datasets'
-  default would make every line a document and drop the newlines.
+  default would make every line a document and drop the newlines. A leading byte-order mark
+  is dropped, as prepare drops it; unlike prepare, datasets reads a ``\\r\\n`` or lone
+  ``\\r`` line end as ``\\n`` (Python's universal newlines).
 * Where datasets reads a local folder's files of one kind only, that of its most common
   extension (of ``.txt`` and ``.md`` notes the ``.txt``, of ``.txt`` files and a ``.jsonl`` the
   ``.txt``), :meth:`HFDataset.left_out_files` names the others and how to read them all, for a
@@ -312,7 +314,9 @@ class HFDataset:
 
         if self.saved is not None:
             return self._load_saved(split, option)
-        extra: dict[str, str] = {"sample_by": "document"} if self.text_files else {}
+        extra: dict[str, str] = {}
+        if self.text_files:  # a file a document, without a leading byte-order mark (as prepare)
+            extra = {"sample_by": "document", "encoding": "utf-8-sig"}
         if self.tab_separated:
             extra["sep"] = "\t"
         loaded = self.guard(

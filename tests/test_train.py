@@ -1344,8 +1344,8 @@ def test_no_host_sync_between_boundaries(tmp_path, monkeypatch) -> None:
 
     real_docs = sample.sample_token_documents
 
-    def short_docs(split="all"):
-        docs = list(real_docs(split))[:3]
+    def short_docs(split="all", escaping="none"):
+        docs = list(real_docs(split, escaping))[:3]
         return [d[i : i + 7 + i % 53] for d in docs for i in range(0, 6000, 60)]
 
     monkeypatch.setattr(sample, "sample_token_documents", short_docs)

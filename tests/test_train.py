@@ -3883,6 +3883,47 @@ def test_tokens_per_s_leaves_out_writing_the_profile(tmp_path, monkeypatch) -> N
     assert second["elapsed_s"] - first["elapsed_s"] - step_s > 1.0, (first, second)
 
 
+def test_elapsed_s_goes_on_across_a_resume(tmp_path) -> None:
+    """elapsed_s restarted from 0 in every resumed run, so loss against wall time ran back at
+    each resume. It is the run's wall time: a checkpoint holds the time up to it and a resumed
+    run's records go on from there; a checkpoint of an older fot, which holds none, goes on
+    from the elapsed_s of its step's record in metrics.jsonl."""
+
+    def logged(out: Path) -> dict[int, float]:
+        lines = (out / "metrics.jsonl").read_text().splitlines()
+        return {r["step"]: r["elapsed_s"] for r in map(json.loads, lines) if "loss" in r}
+
+    out, args = tmp_path / "run", ("total_tokens=1024", "data.val_tokens=0")
+    t0 = time.time()
+    with pytest.raises(TrainingStopped), pytest.MonkeyPatch.context() as mp:
+        mp.setenv(FAULT_ENV, "sigterm_after_step:1")  # stops after step 2 with its checkpoint
+        train(_cfg(out, *args))
+    first = time.time() - t0
+    step2 = out / "checkpoints" / "step_00000002"
+    state = json.loads((step2 / "trainer.json").read_text())
+    assert logged(out)[2] <= state["elapsed_s"] < first
+    # the time the run took up to step 2, made large to tell it from this process's time
+    (step2 / "trainer.json").write_text(json.dumps({**state, "elapsed_s": 1000.0}))
+    t0 = time.time()
+    train(_cfg(out, *args))
+    second = time.time() - t0
+    times = logged(out)
+    assert sorted(times) == [1, 2, 3, 4]
+    assert 1000 < times[3] < times[4] < 1000 + second, times
+    # an older fot's checkpoint: its step's record says the time
+    del state["elapsed_s"]
+    (step2 / "trainer.json").write_text(json.dumps(state))
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    lines = [{**r, "elapsed_s": 2000.0} if r["step"] == 2 and "loss" in r else r for r in lines]
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    t0 = time.time()
+    train(_cfg(out, *args, f"resume={step2}"))
+    third = time.time() - t0
+    times = logged(out)
+    assert sorted(times) == [1, 2, 3, 4] and times[2] == 2000.0
+    assert 2000 < times[3] < times[4] < 2000 + third, times
+
+
 def test_sigterm_checkpoints_the_step_and_resume_is_bit_identical(tmp_path, reference_run) -> None:
     """Slurm, `timeout`, Docker and torchrun stop with SIGTERM: train.py finishes the step it is
     in, checkpoints it, says how to resume and exits with status 143; nothing is lost."""

@@ -635,6 +635,15 @@ def _records_at(path: Path, step: int) -> dict[str, dict[str, Any]]:
     return found
 
 
+def _logged_elapsed(path: Path, step: int) -> float:
+    """The ``elapsed_s`` of the training record of ``step`` in ``metrics.jsonl`` (0 where there
+    is none, or the file cannot be read): the run's time at a checkpoint that does not hold it."""
+    try:
+        return float(_records_at(path, step)["train"].get("elapsed_s") or 0.0)
+    except (ValueError, TypeError):
+        return 0.0
+
+
 def validation_sequences(data_cfg: Any, source: Any | None, *, unit: int, warn: bool) -> int:
     """How many held-out sequences each validation reads (a multiple of ``unit``).
 
@@ -1433,6 +1442,9 @@ def _train(
     step, tokens, wandb_id = 0, 0, None
     # the open logging window's loss sum and label tokens, when a checkpoint fell inside one
     saved_window: dict[str, Any] = {}
+    # wall seconds the run's earlier processes spent up to the checkpoint resumed from: the
+    # records' elapsed_s goes on from it (the run's training time, not this process's)
+    elapsed_before = 0.0
     if resume_from is not None:
         try:
             state = ckpt.load_checkpoint(
@@ -1448,6 +1460,12 @@ def _train(
         wandb_id = None if elsewhere else state.get("wandb_id")
         stream.load_state_dict(state["data"])
         saved_window = state.get("log_window") or {}
+        elapsed_before = state.get("elapsed_s")
+        if elapsed_before is None:  # an older fot's checkpoint: its step's record says it
+            records = (resume_from.parent.parent if elsewhere else out_dir) / "metrics.jsonl"
+            elapsed_before = _on_rank0(
+                lambda: _logged_elapsed(records, step), info, f"while reading {records}"
+            )
         # the last step's tokens; checkpoints of older versions hashed the inputs alone
         # ("data_digest"), or nothing
         digest = state.get("data_sha256")
@@ -1543,6 +1561,11 @@ def _train(
     if info.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(info.device)
 
+    def elapsed() -> float:
+        """Wall seconds of the run so far: this process's and its earlier processes' (up to
+        the checkpoint this one resumed from)."""
+        return elapsed_before + time.time() - t_start
+
     def log_record(record: dict[str, Any]) -> None:
         """``metrics.log`` (rank 0 writes): its failure (a full disk) stops every rank."""
         with stop_together(f"while logging a record of step {record['step']}"):
@@ -1566,6 +1589,7 @@ def _train(
                 # what the last step read, for a resumed run to check (rank 0 writes the state)
                 "data_sha256": stream.last_step_digest() if info.is_main else None,
                 "config": resolved,
+                "elapsed_s": elapsed(),
                 "compute_precision": compute_precision(cfg.parallel, strategy, info.device),
             },
             keep_last=int(cfg.keep_last),
@@ -1839,7 +1863,7 @@ def _train(
                 "tokens_per_s_per_device": tps / info.world_size,
                 "mfu": flops_total / dt / (peak * info.world_size) if peak else None,
                 "peak_mem_gib": peak_memory_gib(info.device),
-                "elapsed_s": time.time() - t_start,
+                "elapsed_s": elapsed(),
             }
             log_record(last_record)
             if info.is_main:

@@ -589,6 +589,48 @@ def test_every_train_command_of_the_docs_starts_without_a_warning(
         check_sizes(cfg, processes)  # the batch splits over the command's processes
 
 
+# -- the config key table of docs/training.md ----------------------------------------------------
+
+
+def _config_leaves(node: dict, prefix: str = "") -> Iterator[tuple[str, object]]:
+    """``(dotted key, value)`` of every key of a resolved config; the free-form mappings
+    (``model.overrides``, ``data.storage_options``) are one key each."""
+    for key, value in node.items():
+        if isinstance(value, dict) and key not in ("overrides", "storage_options"):
+            yield from _config_leaves(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+def _composed_leaves(*overrides: str) -> dict[str, object]:
+    return dict(
+        _config_leaves(OmegaConf.to_container(compose("train", list(overrides)), resolve=True))
+    )
+
+
+def _yaml_value(text: str) -> object:
+    return OmegaConf.to_container(OmegaConf.create(f"v: {text}"))["v"]
+
+
+def test_the_docs_table_names_every_config_key_with_its_defaults(hydra_ctx) -> None:
+    """docs/training.md's table has a row for every key the composed config has, and no other;
+    its default is what ``python train.py`` composes, and each value it gives for a group
+    option or preset (`` `data=tokens`, `data=hf`: `2048` ``) is what that option composes."""
+    text = (CONFIGS.parent / "docs/training.md").read_text()
+    rows = re.findall(r"^\| `([\w.]+)` \| `([^`]*)` \| (.*) \|$", text, re.M)
+    table = {key: (shown, what) for key, shown, what in rows}
+    default = _composed_leaves()
+    assert len(table) == len(rows) and sorted(table) == sorted(default)
+    checked = 0
+    for key, (shown, what) in table.items():
+        assert _yaml_value(shown) == default[key], key
+        for options, value in re.findall(r"((?:`\w+=\w+`(?:, )?)+): `([^`]+)`", what):
+            for option in re.findall(r"`(\w+=\w+)`", options):
+                assert _composed_leaves(option)[key] == _yaml_value(value), (key, option)
+                checked += 1
+    assert checked >= 30  # the rows' group and preset values were found and compared
+
+
 # -- check_config: values refused before any run folder is made ---------------------------------
 
 

@@ -80,6 +80,32 @@ def test_every_model_and_size_matches_presets(hydra_ctx) -> None:
             assert built.to_dict() == presets.config(model, size).to_dict(), (model, size)
 
 
+def test_the_size_table_and_shape_fields_of_docs_models_md_are_the_presets() -> None:
+    """docs/models.md's size table gives every size's width, depth and heads as
+    fot.presets.config builds them, and the shape fields it quotes are fot_pro's at every
+    size."""
+    text = (CONFIGS.parent / "docs/models.md").read_text()
+    rows = re.findall(r"^\| `(\w+)` \| (\d+) \| (\d+) \| (\d+) \| (\d+) \|$", text, re.M)
+    assert sorted(size for size, *_ in rows) == sorted(presets.SIZES)
+    for size, hidden, layers, fot_heads, transformer_heads in rows:
+        for model, heads in (
+            ("fot_pro", fot_heads),
+            ("fot_llama", fot_heads),
+            ("transformer_pro", transformer_heads),
+            ("transformer_llama", transformer_heads),
+        ):
+            cfg = presets.config(model, size)
+            shape = (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_heads)
+            assert shape == (int(hidden), int(layers), int(heads)), (model, size)
+    prose = text[text.index("Their other shape fields") :]
+    quoted = dict(re.findall(r"`(\w+)`\s+\(`([^`]+)`", prose[: prose.index("\n\n")]))
+    assert len(quoted) == 7, quoted
+    for size in presets.SIZES:
+        cfg = presets.config("fot_pro", size)
+        for name, value in quoted.items():
+            assert getattr(cfg, name) == _yaml_value(value), (name, size)
+
+
 @pytest.mark.parametrize("name", EXPERIMENTS)
 def test_experiment_composes_with_paper_defaults(hydra_ctx, name: str) -> None:
     cfg = compose("train", overrides=[f"experiment={name}"])

@@ -715,6 +715,35 @@ def test_attention_benchmark_without_gpu_says_what_it_needs():
     assert "benchmarks/pruning.py CKPT --data DATA --device cpu" in res.stderr
 
 
+def test_the_readme_cpu_toy_modes_give_every_argument_their_scripts_require():
+    """Each command of the README's "CPU toy modes" names every argument its script's own usage
+    line requires (the options outside brackets, and a value for each positional one):
+    `pruning.py --device cpu --length 512` left out the model and --data, which argparse
+    refused ("the following arguments are required: checkpoint, --data")."""
+    readme = (BENCH.parent / "README.md").read_text()
+    bullet = readme[readme.index("- CPU toy modes:") :]
+    bullet = bullet[: bullet.index("\n\n")].replace("\n", " ")
+    commands = re.findall(r"`(\w+\.py [^`]*)`", bullet)
+    assert len(commands) == 5, commands
+    for command in commands:
+        script, *args = command.split()
+        usage = _run_script([str(BENCH / script), "--help"]).stdout
+        usage = " ".join(usage[: usage.index("\n\n")].split()[2:])  # after "usage: x.py"
+        while re.search(r"\[[^\[\]]*\]", usage):
+            usage = re.sub(r"\[[^\[\]]*\]", " ", usage)  # the optional parts, inner first
+        words = usage.split()
+        options = [w for w in words if w.startswith("--")]
+        valued = {
+            w for w, nxt in zip(words, [*words[1:], ""]) if w.startswith("--") and nxt.isupper()
+        }
+        positional = [w for i, w in enumerate(words) if not w.startswith("-") and
+                      not (i and words[i - 1] in valued)]  # fmt: skip
+        given = [a for i, a in enumerate(args) if not a.startswith("-") and
+                 not (i and args[i - 1].startswith("--"))]  # fmt: skip
+        assert all(option in args for option in options), (command, usage)
+        assert len(given) >= len(positional), (command, usage)
+
+
 def test_gpu_benchmarks_without_gpu_stop_before_any_work(bench, tmp_path, monkeypatch):
     """`python benchmarks/train_throughput.py --out r.json` (the README's command) on a machine
     without CUDA went on to build the 760M model and train it at 16k tokens on the CPU (hours,

@@ -117,6 +117,8 @@ def test_short_run_learns_and_writes_everything(tmp_path, monkeypatch, caplog, c
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))
+    # fot run from a copy of the tree (no git checkout): train.log says so, not "git None"
+    monkeypatch.setattr("fot.training.trainer.git_sha", lambda: None)
     out = tmp_path / "run"
     settings = ["total_tokens=4096", "wandb.mode=auto", "export_hf=true", "val_every_tokens=2048"]
     result = train(_cfg(out, *settings, "progress=true"))
@@ -141,7 +143,8 @@ def test_short_run_learns_and_writes_everything(tmp_path, monkeypatch, caplog, c
     assert any(r.getMessage().startswith(mid) for r in caplog.records), caplog.text
     info = json.loads((out / "run_info.json").read_text())[0]
     assert info["versions"]["torch"] == torch.__version__
-    assert "git_sha" in info and info["config"]["model"]["name"] == "fot_pro"
+    assert info["git_sha"] is None and info["config"]["model"]["name"] == "fot_pro"
+    assert "git none (fot is not a git checkout) | " in caplog.text, caplog.text
     assert list_checkpoints(out / "checkpoints")[-1].name == "step_00000016"
     assert len(list_checkpoints(out / "checkpoints")) == 2  # keep_last
     assert list((out / "wandb").glob("offline-run-*"))  # offline without a key

@@ -1545,7 +1545,7 @@ def _train(
             logger.info("config:\n%s", OmegaConf.to_yaml(cfg, resolve=True))
             logger.info(
                 "git %s | %s | %s x %s | %.2fM params (no embedding) | %d steps x %d tokens%s",
-                run_info["git_sha"],
+                run_info["git_sha"] or "none (fot is not a git checkout)",
                 json.dumps(run_info["versions"]),
                 info.world_size,
                 strategy,

@@ -3927,9 +3927,13 @@ def test_elapsed_s_goes_on_across_a_resume(tmp_path) -> None:
     assert 2000 < times[3] < times[4] < 2000 + third, times
 
 
-def test_sigterm_checkpoints_the_step_and_resume_is_bit_identical(tmp_path, reference_run) -> None:
+def test_sigterm_checkpoints_the_step_and_resume_is_bit_identical(
+    tmp_path, reference_run, caplog
+) -> None:
     """Slurm, `timeout`, Docker and torchrun stop with SIGTERM: train.py finishes the step it is
-    in, checkpoints it, says how to resume and exits with status 143; nothing is lost."""
+    in, checkpoints it, says how to resume and exits with status 143; nothing is lost. A resume
+    under another library version says so (run_info.json keeps both)."""
+    from fot.provenance import library_versions
 
     out = tmp_path / "run"
     proc = _run_script(
@@ -3951,13 +3955,24 @@ def test_sigterm_checkpoints_the_step_and_resume_is_bit_identical(tmp_path, refe
     )
     # resumed (here in this process), and stopped again in its last step: the final checkpoint
     # is that step's, and resuming once more finishes the run from the records it logged
+    caplog.set_level(logging.WARNING, logger="fot.train")
     with pytest.raises(TrainingStopped) as stopped, pytest.MonkeyPatch.context() as mp:
         mp.setenv(FAULT_ENV, "sigterm_after_step:7")
         train(_cfg(out))  # resume=auto picks step 5
     assert stopped.value.step == 8 and stopped.value.checkpoint.name == "step_00000008"
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # put back after the loop
     assert not (out / "final.json").exists()
-    result = train(_cfg(out))
+    assert "resumes with another fot or other libraries" not in caplog.text  # same as before
+    versions = {**library_versions(), "numpy": "0.0.1"}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("fot.training.trainer.library_versions", lambda: versions)
+        result = train(_cfg(out))
+    runs = json.loads((out / "run_info.json").read_text())
+    assert len(runs) == 3 and runs[-1]["versions"]["numpy"] == "0.0.1"
+    said = f"numpy {runs[-2]['versions']['numpy']} -> 0.0.1"
+    assert f"resumes with another fot or other libraries than its previous start ({said};" in (
+        caplog.text
+    ), caplog.text
     assert result["step"] == 8 and "val/loss" in result and (out / "final.json").exists()
     assert _losses(out) == reference_run  # exact float equality, every step
 

@@ -1008,10 +1008,11 @@ def _abandon_newer_results(out_dir: Path, step: int) -> list[tuple[str, Path]]:
     return moved
 
 
-def _write_run_info(out_dir: Path, info: dict[str, Any]) -> None:
+def _write_run_info(out_dir: Path, info: dict[str, Any]) -> dict[str, Any] | None:
     """Append this run's record to ``run_info.json`` (one per start in the folder), atomically:
     a kill while writing leaves the previous file. One that cannot be read (cut short by an
-    older version) is moved to ``run_info.unreadable.json`` with a warning, not a traceback."""
+    older version) is moved to ``run_info.unreadable.json`` with a warning, not a traceback.
+    Returns the folder's previous record (``None`` where there is none)."""
     path = out_dir / "run_info.json"
     runs: list[Any] = []
     if path.is_file():
@@ -1024,8 +1025,26 @@ def _write_run_info(out_dir: Path, info: dict[str, Any]) -> None:
             os.replace(path, kept)
             logger.warning("%s could not be read (%s): moved to %s", path, err, kept)
             runs = []
+    previous = runs[-1] if runs and isinstance(runs[-1], dict) else None
     runs.append(info)
     ckpt.write_text_atomic(path, json.dumps(runs, indent=2, default=str) + "\n")
+    return previous
+
+
+def _changed_since(previous: dict[str, Any] | None, info: dict[str, Any]) -> list[str]:
+    """What a resumed run's ``run_info`` record changes from the folder's previous start: the
+    fot commit and the library versions, as ``"name old -> new"``."""
+    if previous is None:
+        return []
+    changes = []
+    if previous.get("git_sha") != info["git_sha"]:
+        changes.append(f"git {previous.get('git_sha')} -> {info['git_sha']}")
+    before = previous.get("versions")
+    if isinstance(before, dict):
+        for name, version in info["versions"].items():
+            if name in before and before[name] != version:
+                changes.append(f"{name} {before[name]} -> {version}")
+    return changes
 
 
 def train(cfg: DictConfig, *, on_folder: Callable[[Path], None] | None = None) -> dict[str, Any]:
@@ -1541,7 +1560,15 @@ def _train(
                 "initialized_from": str(init_source.path.resolve()) if init_source else None,
                 "config": resolved,
             }
-            _write_run_info(out_dir, run_info)
+            previous = _write_run_info(out_dir, run_info)
+            changes = _changed_since(previous, run_info) if resume_from else []
+            if changes:
+                logger.warning(
+                    "this run resumes with another fot or other libraries than its previous "
+                    "start (%s; run_info.json keeps both): its steps from here may differ in "
+                    "the last bits from a run that never stopped",
+                    ", ".join(changes),
+                )
             logger.info("config:\n%s", OmegaConf.to_yaml(cfg, resolve=True))
             logger.info(
                 "git %s | %s | %s x %s | %.2fM params (no embedding) | %d steps x %d tokens%s",

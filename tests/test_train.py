@@ -3317,6 +3317,74 @@ def test_resume_keeps_this_runs_optimizer_settings_and_the_checkpoints_moments(t
         assert torch.equal(p, p2)
 
 
+def test_a_resume_whose_optimizer_groups_changed_says_so_and_changes_nothing(tmp_path) -> None:
+    """A Samba run with optim=muon started before A_log was kept out of Muon holds Muon state
+    for A_log: resuming it failed as "corrupt or incomplete: cannot read optim.pt (KeyError:
+    'param_groups.0.momentum')". Now the message names the parameter and the two optimizers,
+    and the run folder is left byte for byte as it was; AdamW's own regrouping (a parameter
+    from the decayed to the non-decayed group) still loads, with the moments of that parameter."""
+    from unittest import mock
+
+    from fot.training import optim
+    from fot.training.checkpoint import load_checkpoint, save_checkpoint
+    from fot.training.config import OptimConfig
+
+    class Mixer(torch.nn.Module):  # stands in for a Mamba layer: a projection and A_log
+        def __init__(self) -> None:
+            super().__init__()
+            self.in_proj = torch.nn.Linear(4, 4, bias=False)
+            self.A_log = torch.nn.Parameter(torch.randn(4, 3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.in_proj(x).square().sum() + self.A_log.square().sum()
+
+    muon = OptimConfig(name="muon", momentum=0.95, ns_steps=5, adjust_lr="match_rms_adamw")
+
+    def make(cfg: OptimConfig, muon_names: set[str], no_decay: bool = True):
+        torch.manual_seed(0)
+        model = Mixer()
+        with (
+            mock.patch.object(optim, "muon_parameter_names", lambda m: muon_names),
+            mock.patch.object(optim, "_no_weight_decay", lambda p: no_decay and p.ndim == 2
+                              and p.shape[1] == 3),
+        ):  # fmt: skip
+            return model, optim.build_optimizer(model, cfg, device=torch.device("cpu"))
+
+    def files(root):
+        return {p: p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+    state = {"step": 1, "tokens": 1, "data": {}, "sizes": {}}
+    for then, now, want in [
+        ({"in_proj.weight", "A_log"}, {"in_proj.weight"}, "A_log in Muon's groups then, AdamW's"),
+        ({"in_proj.weight"}, {"in_proj.weight", "A_log"}, "A_log in AdamW's groups then, Muon's"),
+    ]:
+        root = tmp_path / str(len(then))
+        model, opt = make(muon, then)
+        model(torch.randn(2, 4)).backward()
+        opt.step()
+        path = save_checkpoint(root, step=1, model=model, optimizer=opt, trainer_state=state,
+                               keep_last=1, is_main=True)  # fmt: skip
+        before = files(root)
+        model2, opt2 = make(muon, now)
+        with pytest.raises(RuntimeError) as err:  # (was CorruptCheckpointError)
+            load_checkpoint(path, model=model2, optimizer=opt2, rank=0)
+        text = str(err.value)
+        assert type(err.value).__name__ == "OptimizerGroupsChangedError", text
+        assert f"checkpoint {path}: the optimizer's parameter groups changed" in text
+        assert want in text and "corrupt" not in text and f"init_from={path}" in text
+        assert files(root) == before
+    # AdamW alone, A_log decayed then and not now: its moments follow it by name
+    model, opt = make(OptimConfig(fused=False), set(), no_decay=False)
+    model(torch.randn(2, 4)).backward()
+    opt.step()
+    path = save_checkpoint(tmp_path / "adamw", step=1, model=model, optimizer=opt,
+                           trainer_state=state, keep_last=1, is_main=True)  # fmt: skip
+    model2, opt2 = make(OptimConfig(fused=False), set())
+    load_checkpoint(path, model=model2, optimizer=opt2, rank=0)
+    assert any(p is model2.A_log for p in opt2.param_groups[1]["params"])  # not decayed now
+    assert torch.equal(opt2.state[model2.A_log]["exp_avg"], opt.state[model.A_log]["exp_avg"])
+
+
 def test_resume_warns_where_the_optimizer_or_lr_schedule_differ(tmp_path) -> None:
     from fot.training.config import to_container
     from fot.training.trainer import check_resume

@@ -587,10 +587,70 @@ def load_checkpoint(
                 f"files were copied into it: {_ways_out(p)}",
                 what,
             ) from e
+        if name == "optim.pt" and (changed := _changed_groups(model, optimizer, optim_state)):
+            samba = (
+                "; a newer fot keeps what FLA marks _no_weight_decay, e.g. Samba's A_log, out "
+                "of optim=muon"
+                if "A_log" in changed
+                else ""
+            )
+            raise OptimizerGroupsChangedError(
+                f"checkpoint {p}: the optimizer's parameter groups changed since the checkpoint "
+                f"was written ({changed}{samba}), so optim.pt holds no state for them in the "
+                "optimizer that steps them now; its files are intact and were not changed. "
+                "Resume with the fot that wrote the checkpoint (the git_sha in "
+                f"{p.parent.parent / 'run_info.json'}), or start a new run from its weights in "
+                f"another out_dir with init_from={p} (step, optimizer state and data position "
+                "start from zero)"
+            ) from e
         raise CorruptCheckpointError(*_corrupt_message(p, p / name, e)) from e
     rngs = _load_file(p, "rng.pt", weights_only=False)
     set_rng_state(rngs[rank] if rank < len(rngs) else rngs[0])
     return state
+
+
+class OptimizerGroupsChangedError(FotError, RuntimeError):
+    """A checkpoint's optimizer state assigns parameters to other optimizers or parameter
+    groups than this run's optimizer does (a newer fot grouped them otherwise)."""
+
+
+def _changed_groups(model: nn.Module, optimizer: Any, optim_state: dict[str, Any]) -> str | None:
+    """How the parameter groups of ``optim_state`` (a checkpoint's ``optim.pt``) differ from
+    ``optimizer``'s, as "A_log in Muon's groups then, AdamW's now"; None where they agree (or
+    the state names parameters this model lacks: then the files are not this run's)."""
+    from torch.distributed.checkpoint.state_dict import _get_fqns
+
+    try:
+        saved_groups = [list(g["params"]) for g in optim_state["param_groups"]]
+    except (KeyError, TypeError):
+        return None
+    fqn = {id(param): next(iter(_get_fqns(model, n))) for n, param in model.named_parameters()}
+    owners = [
+        (type(opt).__name__, [[fqn.get(id(q)) for q in g["params"]] for g in opt.param_groups])
+        for opt in _as_list(_torch_optimizers(optimizer))
+    ]
+    now_groups = [group for _, groups in owners for group in groups]
+    if {n for g in saved_groups for n in g} != {n for g in now_groups for n in g}:
+        return None  # other parameters: another model's files
+    if len(saved_groups) != len(now_groups):
+        return f"{len(saved_groups)} parameter groups then, {len(now_groups)} now"
+    owner_now = {n: (o, i) for o, groups in owners for i, g in enumerate(groups) for n in g}
+    # the checkpoint's groups, in order, belong to the optimizers as this run's do
+    index, owner_then = 0, {}
+    for o, groups in owners:
+        for i in range(len(groups)):
+            owner_then.update({n: (o, i) for n in saved_groups[index]})
+            index += 1
+    moved = [n for n in owner_now if owner_then[n][0] != owner_now[n][0]]
+    if not moved:
+        return None  # between groups of one optimizer: torch moves the moments by name
+    first = moved[0]
+    more = f" and {len(moved) - 1} more" if len(moved) > 1 else ""
+    return f"{first}{more} in {owner_then[first][0]}'s groups then, {owner_now[first][0]}'s now"
+
+
+def _as_list(optimizers: Any) -> list[Any]:
+    return optimizers if isinstance(optimizers, list) else [optimizers]
 
 
 def read_model_state(path: str | os.PathLike) -> dict[str, torch.Tensor]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import re
 import subprocess
 import sys
@@ -833,7 +834,56 @@ def test_check_config_warns_when_the_wsd_decay_starts_inside_the_warmup(hydra_ct
     assert "starts the decay at 2048 tokens, before the warmup ends" in warning
     assert "schedule.warmup_tokens=3000" in warning and "no stable phase" in warning
     cfg = compose("train", overrides=[*overrides, "schedule.warmup_tokens=2048"])
-    assert check_config(cfg) == []
+    (warning,) = check_config(cfg)  # a stable step, then a decay of the last step alone
+    assert "no stable phase" not in warning and "falls from 0.003 to 0 " in warning
+
+
+@pytest.mark.parametrize(
+    "overrides,decay_steps",
+    [
+        (["total_tokens=16384"], 0),  # the default warmup of 16384 tokens: the whole run
+        (["total_tokens=16384", "schedule.warmup_tokens=14336"], 1),
+        (["total_tokens=16384", "schedule.warmup_tokens=16383"], 1),
+        (["total_tokens=16384", "schedule=warmup_linear"], 0),
+        (["total_tokens=16384", "schedule.warmup_tokens=12288"], 2),
+        (["total_tokens=1048576", "schedule=wsd", "schedule.decay_fraction=0.001"], 1),
+        (["total_tokens=1048576", "schedule=wsd", "schedule.decay_fraction=0.004"], 3),
+        (["total_tokens=16384", "schedule=constant"], 0),  # no decay to miss
+        (["total_tokens=16384", "schedule.min_lr_ratio=1.0"], 0),
+    ],
+)
+def test_check_config_warns_when_the_lr_decay_takes_no_step_or_one(
+    hydra_ctx, overrides: list[str], decay_steps: int
+) -> None:
+    """total_tokens=16384 with the default 16384-token warmup never decayed the learning rate,
+    and a wsd decay_fraction shorter than a step decayed it in the last step alone, without a
+    word. The oracle: each step's rate from lr_at, as the training loop computes it."""
+    from fot.training.optim import lr_at
+
+    cfg = compose("train", overrides=overrides)
+    gbt, total, peak = int(cfg.global_batch_tokens), int(cfg.total_tokens), cfg.optim.lr
+    lrs = [
+        lr_at(t, peak_lr=peak, total_tokens=total, cfg=cfg.schedule)
+        for t in range(gbt, total + 1, gbt)
+    ]
+    falling = sum(1 for a, b in itertools.pairwise(lrs) if b < a)  # steps that lower it
+    assert falling == decay_steps
+    warnings = check_config(cfg)
+    declines = cfg.schedule.name != "constant" and cfg.schedule.min_lr_ratio < 1
+    if not declines or decay_steps > 1:
+        assert warnings == []
+        return
+    (warning,) = warnings
+    if decay_steps == 0:
+        assert max(lrs) == lrs[-1] == peak  # the warmup's last step reaches the peak, no more
+        assert "lasts the whole run (total_tokens=16384)" in warning and "never decays" in warning
+    else:
+        floor = peak * cfg.schedule.min_lr_ratio
+        assert lrs[-2] == max(lrs) and lrs[-1] == pytest.approx(floor)  # one step down
+        assert f"falls from {lrs[-2]:.3g} to {floor:.3g} (schedule.min_lr_ratio" in warning
+        assert "in the last step alone" in warning
+        fix = "schedule.decay_fraction to at least" if "wsd" in str(overrides) else "lower sch"
+        assert fix in warning
 
 
 def test_check_config_warns_when_the_run_is_not_whole_steps(hydra_ctx) -> None:

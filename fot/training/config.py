@@ -565,8 +565,10 @@ def check_config(cfg: DictConfig) -> list[str]:
             f"(its last step's is {cfg.optim.lr * trained / warmup:.3g}); lower "
             "schedule.warmup_tokens or raise total_tokens"
         )
+    decay_start = warmup  # tokens after which the steps' rates fall (lr_at)
     if cfg.schedule.name == "wsd":
         span = max(round(float(cfg.schedule.decay_fraction) * trained), 1)
+        decay_start = trained - span
         if trained - span < warmup:
             warnings.append(
                 f"schedule.decay_fraction={cfg.schedule.decay_fraction} starts the decay at "
@@ -575,6 +577,8 @@ def check_config(cfg: DictConfig) -> list[str]:
                 "learning rate drops where the warmup ends; lower schedule.decay_fraction "
                 "or schedule.warmup_tokens, or raise total_tokens"
             )
+    if warning := _empty_decay(cfg, trained, gbt, decay_start):
+        warnings.append(warning)
     for key in ("log_every_tokens", "val_every_tokens", "ckpt_every_tokens"):
         every = int(cfg[key])
         if key == "val_every_tokens" and int(cfg.data.val_tokens) == 0:
@@ -587,6 +591,50 @@ def check_config(cfg: DictConfig) -> list[str]:
                 f"use a multiple such as {key}={max(1, round(every / gbt)) * gbt}"
             )
     return warnings
+
+
+def _empty_decay(cfg: DictConfig, trained: int, gbt: int, decay_start: int) -> str | None:
+    """Why the schedule's decay takes no step or one of the ``trained`` tokens (each step's
+    rate is that after its last token, :func:`fot.training.optim.lr_at`): the learning rate
+    never leaves the peak, or leaves it at the last step alone, falling to the floor at once.
+    None for a decay of two steps or more, for ``constant``, a ``min_lr_ratio`` of 1 and a
+    run of one step, and where another warning covers it (a warmup longer than the run, a
+    wsd decay that starts inside the warmup)."""
+    sched = cfg.schedule
+    warmup = int(sched.warmup_tokens)
+    if sched.name == "constant" or float(sched.min_lr_ratio) >= 1 or not 0 < 2 * gbt <= trained:
+        return None  # (a run of one step, a smoke test, has no schedule to speak of)
+    if warmup > trained or decay_start < warmup:
+        return None
+    steps = trained // gbt - decay_start // gbt  # steps that end after the decay starts
+    lr, floor = cfg.optim.lr, cfg.optim.lr * float(sched.min_lr_ratio)
+    if steps == 0:
+        return (
+            f"schedule.warmup_tokens={warmup} lasts the whole run (total_tokens="
+            f"{cfg.total_tokens}): the learning rate rises to optim.lr={lr} at the last step "
+            f"and never decays (to {floor:.3g}, schedule.min_lr_ratio × optim.lr); lower "
+            "schedule.warmup_tokens or raise total_tokens"
+        )
+    if steps > 1:
+        return None
+    if sched.name == "wsd":
+        fix = (
+            f"raise schedule.decay_fraction to at least {2 * gbt / trained:.3g} (two steps of "
+            f"global_batch_tokens={gbt}) or raise total_tokens"
+        )
+        cause = f"schedule.decay_fraction={sched.decay_fraction} decays over"
+    else:
+        fix = "lower schedule.warmup_tokens or raise total_tokens"
+        cause = f"schedule.warmup_tokens={warmup} leaves the decay"
+    from fot.training.optim import lr_at
+
+    before = lr_at(trained - gbt, peak_lr=lr, total_tokens=trained, cfg=sched)
+    return (
+        f"{cause} {trained - decay_start} of the {trained} tokens the run trains, within one "
+        f"step of global_batch_tokens={gbt}: the learning rate (peak optim.lr={lr}) falls "
+        f"from {before:.3g} to {floor:.3g} (schedule.min_lr_ratio × optim.lr) in the last step "
+        f"alone; {fix}"
+    )
 
 
 def _positive_seconds(value: Any) -> bool:

@@ -196,6 +196,7 @@ def fot_config_from_paper(cfg: Mapping[str, Any]) -> Any:
     def pro(key: str) -> bool:  # the paper's Transformer has no Pro component
         return False if transformer else bool(cfg.get(key, False))
 
+    use_rope = bool(cfg.get("use_rope", transformer))
     return FoTConfig(
         vocab_size=int(cfg["vocab_size"]),
         hidden_size=int(cfg["hidden_size"]),
@@ -205,8 +206,9 @@ def fot_config_from_paper(cfg: Mapping[str, Any]) -> Any:
         num_kv_heads=kv_heads,
         window_size=window,
         fgate_type="none" if transformer else cfg.get("fgate_type", "full"),
-        use_rope=bool(cfg.get("use_rope", transformer)),
-        rope_theta=float(cfg.get("rope_base", 500000.0)),
+        use_rope=use_rope,
+        # the paper's configs hold a rope_base with or without RoPE; FoT keeps one it reads
+        rope_theta=float(cfg.get("rope_base", 500000.0)) if use_rope else 500000.0,
         qk_norm=pro("qk_norm"),
         use_k_shift=pro("use_k_shift"),
         use_v_shift=pro("use_v_shift"),

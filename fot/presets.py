@@ -86,8 +86,12 @@ def config(model: str, size: str = "tiny", **overrides: Any) -> PretrainedConfig
         check_override_keys(model, type(cfg), overrides)
         check_override_types(model, cfg, overrides)
         return fla_config(model, size, **overrides)
-    built = _fot_config(model, size, overrides)
-    if problem := _unread_override_problem(model, built, overrides):
+    kwargs = _fot_kwargs(model, size, overrides)
+    unread = _unread_fields(kwargs, overrides)
+    # the fields it reads first: an error of those names them; then the unread ones, named
+    # for the preset (FoTConfig itself refuses them too)
+    built = FoTConfig(**{key: value for key, value in kwargs.items() if key not in unread})
+    if problem := _unread_override_problem(model, built, overrides, unread):
         raise ValueError(problem)
     return built
 
@@ -112,7 +116,9 @@ def read_overrides(model: str, size: str, overrides: Mapping[str, Any]) -> dict[
     _check_names(model, size)
     if model in FLA_MODELS:
         return dict(overrides)
-    unread = _unread_fields(_fot_config(model, size, overrides), overrides)
+    kwargs = _fot_kwargs(model, size, overrides)
+    unread = _unread_fields(kwargs, overrides)
+    FoTConfig(**{key: value for key, value in kwargs.items() if key not in unread})  # the rest
     return {key: value for key, value in overrides.items() if key not in unread}
 
 
@@ -123,8 +129,9 @@ def _check_names(model: str, size: str) -> None:
         raise ValueError(f"unknown size {size!r}; valid sizes: {list(SIZES)}")
 
 
-def _fot_config(model: str, size: str, overrides: Mapping[str, Any]) -> FoTConfig:
-    """The FoT config of preset ``model`` at ``size`` with ``overrides``, unread ones included."""
+def _fot_kwargs(model: str, size: str, overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``FoTConfig`` keywords of preset ``model`` at ``size`` with ``overrides``, unread
+    ones included."""
     check_override_keys(model, FoTConfig, overrides)
     fields, transformer_heads = _FOT_MODELS[model]
     dims = _SIZE_TABLE[size]
@@ -140,15 +147,18 @@ def _fot_config(model: str, size: str, overrides: Mapping[str, Any]) -> FoTConfi
     kwargs = merge_overrides(kwargs, overrides)
     if problem := gate_init_problem(kwargs, subject=f"model {model!r}"):  # named the preset
         raise ValueError(problem)
-    return FoTConfig(**kwargs)
+    return kwargs
 
 
-def _unread_fields(built: FoTConfig, overrides: Mapping[str, Any]) -> list[str]:
-    """The keys of ``overrides`` that the model of ``built`` (built with them) does not read."""
+def _unread_fields(kwargs: Mapping[str, Any], overrides: Mapping[str, Any]) -> list[str]:
+    """The keys of ``overrides`` that the model of ``kwargs`` (its FoTConfig keywords, the
+    overrides merged in) does not read."""
     unread = (
-        [] if built.use_rope else [n for n in ("rope_theta", "rope_parameters") if n in overrides]
+        []
+        if kwargs.get("use_rope") is True
+        else [n for n in ("rope_theta", "rope_parameters") if n in overrides]
     )
-    if not built.qk_norm and "qk_norm_eps" in overrides:
+    if kwargs.get("qk_norm") is not True and "qk_norm_eps" in overrides:
         unread.append("qk_norm_eps")
     if overrides.get("intermediate_size") is not None and "hidden_ratio" in overrides:
         unread.append("hidden_ratio")
@@ -156,7 +166,7 @@ def _unread_fields(built: FoTConfig, overrides: Mapping[str, Any]) -> list[str]:
 
 
 def _unread_override_problem(
-    model: str, built: FoTConfig, overrides: Mapping[str, Any]
+    model: str, built: FoTConfig, overrides: Mapping[str, Any], unread: list[str]
 ) -> str | None:
     """Why an override of ``model`` sets a field that its model does not read, with the fix;
     ``None`` where every one is read. Such a field is stored in config.json and ignored (a
@@ -166,19 +176,20 @@ def _unread_override_problem(
 
     Args:
         model: the preset name (for the message).
-        built: the config built from the preset's fields and ``overrides``.
+        built: the config built from the preset's fields and the overrides it reads.
         overrides: the fields the user set.
+        unread: the keys of ``overrides`` it does not read (:func:`_unread_fields`).
     """
-    unread = _unread_fields(built, overrides)
-    rope = [name for name in unread if name in ("rope_theta", "rope_parameters")]
-    if rope and built.rope_theta != FoTConfig().rope_theta:
-        given = ", ".join(f"{name}={overrides[name]!r}" for name in rope)
+    rope = {name: overrides[name] for name in unread if name in ("rope_theta", "rope_parameters")}
+    # the base they give (rope_parameters' as rope_theta), as a model with RoPE reads it
+    if rope and FoTConfig(use_rope=True, **rope).rope_theta != FoTConfig().rope_theta:
+        given = ", ".join(f"{name}={value!r}" for name, value in rope.items())
         return (
             f"model {model!r} has no RoPE (use_rope=False), so it does not read {given}: leave "
             f"it out for this model, or set use_rope=true as well for RoPE "
             "(+model.overrides.use_rope=true)"
         )
-    if "qk_norm_eps" in unread and built.qk_norm_eps != FoTConfig().qk_norm_eps:
+    if "qk_norm_eps" in unread and overrides["qk_norm_eps"] != FoTConfig().qk_norm_eps:
         return (
             f"model {model!r} has no QK-norm (qk_norm=False), so it does not read "
             f"qk_norm_eps={overrides['qk_norm_eps']!r}: leave it out for this model, or set "

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -489,6 +490,7 @@ def test_from_pretrained_overrides_map_llama_names_and_keep_the_rest(tmp_path) -
         cfg, unused = load(
             path,
             num_attention_heads=8,  # replaces the saved num_heads=4
+            use_rope=True,
             rope_parameters={"rope_type": "default", "rope_theta": 1e4},  # the saved rope_theta
             attention_dropout=0.0,  # consumed (not passed on to the model's __init__)
             output_hidden_states=True,
@@ -1500,7 +1502,10 @@ def test_an_override_the_model_does_not_read_is_refused() -> None:
 
     def logits(**fields: object) -> torch.Tensor:
         torch.manual_seed(0)
-        model = FoTForCausalLM(FoTConfig(**presets.config("fot_pro", "tiny").to_dict() | fields))
+        # FoTConfig refuses them too: unchecked here, to build the model that would be trained
+        with mock.patch("fot.models.configuration_fot.unread_switch_field", lambda c: None):
+            cfg = FoTConfig(**presets.config("fot_pro", "tiny").to_dict() | fields)
+            model = FoTForCausalLM(cfg)
         return model(torch.arange(16).view(1, 16)).logits
 
     # the oracle: built directly, the field changes nothing
@@ -1534,7 +1539,10 @@ def test_a_qk_norm_eps_on_a_model_without_qk_norm_is_refused() -> None:
 
     def logits(**fields: object) -> torch.Tensor:
         torch.manual_seed(0)
-        model = FoTForCausalLM(FoTConfig(**presets.config("fot_llama", "tiny").to_dict() | fields))
+        # FoTConfig refuses them too: unchecked here, to build the model that would be trained
+        with mock.patch("fot.models.configuration_fot.unread_switch_field", lambda c: None):
+            cfg = FoTConfig(**presets.config("fot_llama", "tiny").to_dict() | fields)
+            model = FoTForCausalLM(cfg)
         return model(torch.arange(16).view(1, 16)).logits
 
     # the oracle: built directly, the field changes nothing without QK-norm, and does with it
@@ -1586,6 +1594,56 @@ def test_fotconfig_refuses_a_gate_initialisation_its_gate_does_not_read(tmp_path
     with pytest.raises(ValueError, match=r"fgate_type='fixed'.*fgate_bias_init=5\.0"):
         FoTConfig.from_dict(full.to_dict(), fgate_type="fixed")
     assert FoTConfig(fgate_type="fixed", decay_time_min=4.0).decay_time_min == 4.0
+
+
+def test_fotconfig_refuses_a_rope_theta_or_qk_norm_eps_its_model_does_not_read(tmp_path) -> None:
+    """FoTConfig(rope_theta=...) without RoPE and FoTConfig(qk_norm_eps=...) without QK-norm
+    were stored and ignored (train.py refused them); FoTConfig refuses them now, naming the
+    switch. A folder an older fot exported still loads as the same model: its config.json may
+    lack qk_norm_eps (before the field) or hold a RoPE base without RoPE (a run started with
+    one before train.py refused it); so does a paper FoX config with a rope_base."""
+    import json
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from fot import FoTConfig
+    from fot.convert import fot_config_from_paper
+
+    for fields, switch in (
+        ({"rope_theta": 10_000.0}, "use_rope"),
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}, "use_rope"),
+        ({"qk_norm_eps": 1e-3}, "qk_norm"),
+    ):
+        with pytest.raises(ValueError, match=rf"^FoTConfig has no .*\({switch}=False\), so it "
+                           rf"does not read .*set {switch}=True as well"):  # fmt: skip
+            FoTConfig(hidden_size=64, num_heads=4, **fields)
+    both = {"use_rope": True, "rope_theta": 1e4, "qk_norm": True, "qk_norm_eps": 1e-3}
+    assert FoTConfig(**both).rope_theta == 1e4 and FoTConfig(**both).qk_norm_eps == 1e-3
+    assert FoTConfig(rope_theta=500_000.0, qk_norm_eps=1e-5)  # the defaults: as saved
+
+    torch.manual_seed(0)
+    cfg = presets.config("fot_llama", "tiny", vocab_size=300, bos_token_id=None, eos_token_id=None)
+    model = presets.build_model(cfg).eval()
+    model.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["use_rope"] is False and saved["qk_norm"] is False
+    old = {k: v for k, v in saved.items() if k != "qk_norm_eps"} | {"rope_theta": 10_000.0}
+    (tmp_path / "config.json").write_text(json.dumps(old))
+    x = torch.arange(12).view(1, 12)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert torch.equal(loaded(x).logits, model(x).logits)
+    for load in (FoTConfig.from_pretrained, AutoConfig.from_pretrained):
+        got = load(tmp_path).to_dict()
+        assert (got["rope_theta"], got["qk_norm_eps"]) == (500_000.0, 1e-5)  # as saved now
+        assert {k: got.get(k) for k in saved} == saved
+        assert load(tmp_path, use_rope=True).rope_theta == 10_000.0  # read now: kept
+        with pytest.raises(ValueError, match=r"does not read qk_norm_eps=0\.001"):
+            load(tmp_path, qk_norm_eps=1e-3)  # given now, not an older fot's
+    paper = json.loads((CONFIGS.parent / "tests/paper_checkpoints/fox_pro/config.json").read_text())
+    paper |= {"use_rope": False, "rope_base": 10_000.0}
+    assert fot_config_from_paper(paper).rope_theta == 500_000.0
+    assert fot_config_from_paper({**paper, "use_rope": True}).rope_theta == 10_000.0
 
 
 def test_the_export_records_the_text_escaping_of_the_data(hydra_ctx) -> None:

@@ -265,7 +265,7 @@ def test_llama_named_config_fields_map_to_fot_fields() -> None:
     x = ids(1, 9)
     assert torch.equal(m(x).logits, r(x).logits)
     # default RoPE parameters map to rope_theta; zero dropout and silu are what FoT does
-    base = {**base, "num_heads": 4}
+    base = {**base, "num_heads": 4, "use_rope": True}
     c = fot.FoTConfig(rope_parameters={"rope_type": "default", "rope_theta": 1e4}, **base)
     assert c.rope_theta == 1e4 and "rope_parameters" not in c.to_dict()
     assert fot.FoTConfig(rope_theta=1e4, **base).to_dict() == c.to_dict()

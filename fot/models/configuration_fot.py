@@ -277,6 +277,7 @@ class FoTConfig(PretrainedConfig):
             file = file or _config_file(name_or_path, config_dict=config_dict)
             raise ValueError(f"{file or 'the config'}: {foreign}")
         merged = merge_overrides(config_dict, overrides) if overrides else dict(config_dict)
+        merged = _without_unread_saved(merged, overrides)
         try:
             config = super().from_dict(merged, **kwargs)
         except ValueError as err:
@@ -285,7 +286,7 @@ class FoTConfig(PretrainedConfig):
                 raise
             if overrides:  # the file's settings alone: an override's error names no file
                 try:
-                    cls(**config_dict)
+                    cls(**_without_unread_saved(config_dict, {}))
                 except ValueError as own_err:
                     raise ValueError(f"{file}: {own_err}") from own_err
                 raise
@@ -478,6 +479,8 @@ class FoTConfig(PretrainedConfig):
         fields = {name: getattr(self, name) for name in ("fgate_type", *GATE_INIT_FIELDS)}
         if problem := gate_init_problem(fields, subject="FoTConfig"):
             raise ValueError(problem)
+        if problem := unread_switch_field(self):
+            raise ValueError(problem)
 
 
 GATE_INIT_FIELDS: dict[str, tuple[str, ...]] = {
@@ -528,6 +531,45 @@ def gate_init_problem(fields: Mapping[str, Any], *, subject: str) -> str | None:
         f"{'it' if len(unused) == 1 else 'them'} out for this model (or at the default: "
         f"{defaults})"
     )
+
+
+# Fields read only under a switch: (field, its default, the switch, what the switch adds)
+SWITCHED_FIELDS: tuple[tuple[str, float, str, str], ...] = (
+    ("rope_theta", 500000.0, "use_rope", "RoPE"),
+    ("qk_norm_eps", 1e-5, "qk_norm", "QK-norm"),
+)
+
+
+def unread_switch_field(config: FoTConfig) -> str | None:
+    """Why ``config`` holds a ``rope_theta`` without RoPE or a ``qk_norm_eps`` without QK-norm
+    (a value other than the default, which the model would store and ignore), with the fix;
+    ``None`` where it does not. Every saved ``config.json`` carries both at their defaults
+    (:meth:`FoTConfig.from_dict` drops such a value that a file of an older fot holds)."""
+    for name, default, switch, what in SWITCHED_FIELDS:
+        value = getattr(config, name)
+        if getattr(config, switch) is False and value != default:
+            return (
+                f"FoTConfig has no {what} ({switch}=False), so it does not read {name}="
+                f"{value!r}: leave it out (or at the default, {name}={default!r}), or set "
+                f"{switch}=True as well"
+            )
+    return None
+
+
+def _without_unread_saved(
+    config_dict: dict[str, Any], overrides: Mapping[str, Any]
+) -> dict[str, Any]:
+    """``config_dict`` (a file's settings merged with ``overrides``) without a saved
+    ``rope_theta`` / ``rope_parameters`` where ``use_rope`` is off and a saved ``qk_norm_eps``
+    where ``qk_norm`` is off: an older fot stored such values unread, so the model is the same
+    without them. One given in ``overrides`` stays (and is refused where it is not read)."""
+    out = dict(config_dict)
+    for name, _, switch, _ in SWITCHED_FIELDS:
+        names = {"rope_theta", "rope_parameters"} if name == "rope_theta" else {name}
+        if out.get(switch, False) is False and not names & set(overrides):
+            for key in names:
+                out.pop(key, None)
+    return out
 
 
 # Switches stored as booleans (checked as such by FoTConfig.validate_fot).

@@ -595,6 +595,32 @@ def test_padding_gaps_equal_removed_tokens(model: str) -> None:
     assert max_err(chunked[:, mask[0].bool()], want) < TOL
 
 
+@pytest.mark.parametrize("model", ["fot_pro", "transformer_swa"])
+def test_a_gap_in_attention_mask_under_a_sliding_window_is_refused(model: str) -> None:
+    """Under a sliding window a gap (a 0 between 1s) was accepted and gave other logits than
+    the row without its tokens (the window counts masked positions: a query after the gap sees
+    one real key less); refused now, naming left padding. Left and right padding still equal
+    the unpadded rows, through the cache too."""
+    m = tiny(model, window_size=3)
+    a = ids(1, 8, seed=31)
+    want = m(a).logits  # the oracle: the row without padding
+    left = torch.cat([ids(1, 2, seed=32), a], 1)
+    got = m(left, attention_mask=torch.tensor([[0, 0] + [1] * 8])).logits[:, 2:]
+    assert max_err(got, want) < TOL
+    right = torch.cat([a, ids(1, 3, seed=33)], 1)
+    got = m(right, attention_mask=torch.tensor([[1] * 8 + [0] * 3])).logits[:, :8]
+    assert max_err(got, want) < TOL
+    chunked, _ = _decode_logits(m, left, [4, 1, 5], torch.tensor([[0, 0] + [1] * 8]))
+    assert max_err(chunked[:, 2:], want) < TOL
+    gap = torch.cat([a[:, :4], ids(1, 1, seed=34), a[:, 4:]], 1)
+    mask = torch.tensor([[1, 1, 1, 1, 0, 1, 1, 1, 1]])
+    with pytest.raises(ValueError, match=r"0 between tokens .* row\(s\) \[0\]: with "
+                       r"window_size=3 .* Pad on the left"):  # fmt: skip
+        m(gap, attention_mask=mask)
+    with pytest.raises(ValueError, match="window_size=3"):  # the gap in the cached part
+        _decode_logits(m, gap, [4, 5], mask)
+
+
 @pytest.mark.parametrize("model", ["fot_pro", "transformer_llama"])
 def test_generate_greedy_equals_argmax_of_full_forward(model: str) -> None:
     m = tiny(model)

@@ -1285,8 +1285,10 @@ class FoTModel(FoTPreTrainedModel):
                     f"padding), got {tuple(attention_mask.shape)}"
                 )
             mask = attention_mask.to(device=device, dtype=torch.bool)
-            if not bool(mask.all()):
+            if not bool(mask.all()):  # (a host sync; the trainer passes no attention_mask)
                 key_mask, query_mask = mask, mask[:, past:]
+                if self.config.window_size is not None:
+                    _refuse_gaps_under_a_window(mask, self.config.window_size)
         doc_starts = None
         positions = None
         if cu_seqlens is not None:
@@ -1346,7 +1348,8 @@ class FoTModel(FoTPreTrainedModel):
                 mode and in ``generate()`` (:func:`refuse_out_of_vocab`), unchecked in training
                 and on GPUs (a host sync per step; the trainer checks its data up front).
             attention_mask: ``[B, past + T]`` 1 for tokens, 0 for padding (left padding in
-                generation); ``None`` = no padding.
+                generation); ``None`` = no padding. A 0 anywhere removes its token exactly;
+                with ``window_size`` a 0 between 1s is refused (the window counts positions).
             past_key_values: a :class:`FoTCache` from a previous call.
             use_cache: return a (new or updated) :class:`FoTCache`. Default False. Ignored,
                 with a warning, under gradient checkpointing in training (a ``past_key_values``
@@ -1472,6 +1475,26 @@ def _check_labels(name: str, labels: torch.Tensor, shape: tuple[int, int]) -> No
     if tuple(labels.shape) != shape:
         raise ValueError(
             f"{name} must be [B, T] = {shape} like input_ids, got {tuple(labels.shape)}"
+        )
+
+
+def _refuse_gaps_under_a_window(mask: torch.Tensor, window_size: int) -> None:
+    """Refuse a 0 between two 1s of a row of ``mask`` ``[B, past + T]`` (bool) in a model with
+    a sliding window. Elsewhere such a gap removes its tokens exactly (their forget gates are
+    1, the KV-shift skips them, RoPE positions count real tokens only), but the window counts
+    positions: a query after a gap would see fewer real tokens than the same row without it.
+    Left and right padding leave no gap."""
+    seen = mask.int().cummax(dim=1).values.bool()  # (B, N) a real token at or before
+    later = mask.flip(1).int().cummax(dim=1).values.flip(1).bool()  # (B, N) one at or after
+    gaps = (~mask & seen & later).any(dim=1)  # (B,)
+    if bool(gaps.any()):
+        rows = gaps.nonzero().flatten().tolist()
+        raise ValueError(
+            f"attention_mask has a 0 between tokens (a 1 before and after it) in row(s) {rows}: "
+            f"with window_size={window_size} the sliding window counts positions, masked ones "
+            "included, so the result would differ from the row without those tokens. Pad on "
+            "the left (tokenizer.padding_side = 'left') or on the right only, or leave the "
+            "masked tokens out of input_ids"
         )
 
 

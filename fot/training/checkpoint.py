@@ -618,8 +618,10 @@ def _changed_groups(model: nn.Module, optimizer: Any, optim_state: dict[str, Any
     """How the parameter groups of ``optim_state`` (a checkpoint's ``optim.pt``) differ from
     ``optimizer``'s, as "A_log in Muon's groups then, AdamW's now"; None where they agree (or
     the state names parameters this model lacks: then the files are not this run's)."""
-    from torch.distributed.checkpoint.state_dict import _get_fqns
-
+    try:  # the names torch's get_optimizer_state_dict keys the state by (a private helper)
+        from torch.distributed.checkpoint.state_dict import _get_fqns
+    except ImportError:  # another torch: the load's own error stands
+        return None
     try:
         saved_groups = [list(g["params"]) for g in optim_state["param_groups"]]
     except (KeyError, TypeError):

@@ -67,6 +67,7 @@ from .common import (
     length_option,
     load_checkpoint,
     load_npz,
+    lock_out,
     model_dtype,
     model_max_length,
     path_setting,
@@ -889,6 +890,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rank, world = _dist_info(args.timeout_s)
     out = Path(args.out)
     check_out_shared(out, "per-token-loss")
+    if world > 1:
+        # a second run into an --out in use stops here, before the model loads, on every rank
+        # (one process locks it in fot.eval's main before this; a new --out, in claim_results)
+        with stop_together("while locking --out"):
+            if rank == 0:
+                lock_out(out)
     overlays = parse_overlays(args.overlay)  # checked before the evaluation, not after
     label = plot_label(args)
     if label in overlays:

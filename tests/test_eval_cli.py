@@ -395,6 +395,47 @@ def test_a_torchrun_run_into_an_out_in_use_stops_every_process_at_once(ckpts, tm
     assert [p.name for p in out.iterdir()] == [".run.lock"]
 
 
+def test_several_processes_into_an_out_in_use_stop_before_the_model_loads(ckpts, tmp_path):
+    """With several processes (torchrun, srun, or any launcher that sets RANK, WORLD_SIZE and
+    LOCAL_RANK itself) rank 0 locked --out only after every process had loaded the model, so
+    a run into an --out in use loaded it first (minutes for a large one). Every process now
+    stops before: the checkpoint's weights here are broken, so a load would say that first."""
+    from srun_tasks import free_port
+
+    broken = tmp_path / "broken"
+    shutil.copytree(ckpts["llama"], broken)
+    for weights in broken.glob("*.safetensors"):
+        weights.write_bytes(b"not safetensors")
+    out = tmp_path / "out"
+    out.mkdir()
+    cmd = [sys.executable, "-m", "fot.eval", "per-token-loss", str(broken), "--length", "40",
+           "--max-docs", "3", "--device", "cpu", "--timeout-s", "120", "--out", str(out)]  # fmt: skip
+    launcher = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    launches = {
+        "launcher": [{**launcher, "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(2)],
+        "srun": srun_environments(2),
+    }
+    first = _hold_out(out)
+    try:
+        for how, envs in launches.items():
+            procs = [
+                subprocess.Popen(
+                    cmd, stderr=subprocess.PIPE, text=True, env={**_this_checkout_env(), **env}
+                )
+                for env in envs
+            ]
+            errs = [p.communicate(timeout=300)[1] for p in procs]
+            assert [p.returncode for p in procs] == [2, 2], (how, errs)
+            in_use = f"{out} is in use by another run (pid {first.pid} on "
+            for rank, err in enumerate(errs):
+                assert f"(rank {rank} of 2): error: " in err and in_use in err, (how, err)
+                assert "cannot be loaded" not in err, (how, err)
+            assert [p.name for p in out.iterdir()] == [".run.lock"]
+    finally:
+        first.kill()
+        first.wait()
+
+
 def test_a_one_process_command_under_several_processes_is_refused(
     ckpts, tmp_path, monkeypatch, capsys
 ) -> None:

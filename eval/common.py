@@ -1363,7 +1363,7 @@ def claim_results(
     if saved is not None:
         written = saved
         saved = _per_file_fingerprints(saved, record, record_path.stat().st_mtime_ns)
-    problems = _record_differences(saved, record, may_grow) if saved is not None else []
+    problems = _record_differences(saved, record, may_grow, out) if saved is not None else []
     if saved is not None and not problems:
         for key, fingerprints in record["data_fingerprints"].items():
             earlier = (saved.get("data_fingerprints") or {}).get(key)
@@ -1407,10 +1407,14 @@ def _limit(value: Any) -> bool:
 
 
 def _record_differences(
-    saved: dict[str, Any], new: dict[str, Any], may_grow: Sequence[str] = ()
+    saved: dict[str, Any],
+    new: dict[str, Any],
+    may_grow: Sequence[str] = (),
+    out: Path | None = None,
 ) -> list[str]:
     """Human-readable differences between a saved and a new :func:`claim_results` record;
-    settings in ``may_grow`` differ only where the new value is lower (``None``: no limit)."""
+    settings in ``may_grow`` differ only where the new value is lower (``None``: no limit):
+    that line names a new folder next to ``out`` (the ``--out``) for the lower value."""
     problems = []
     if saved.get("command") != new["command"]:
         problems.append(f"results: saved {saved.get('command')!r}, this run {new['command']!r}")
@@ -1434,10 +1438,16 @@ def _record_differences(
             if now is None or (old is not None and now > old):
                 continue  # raised: the saved results are extended
             fix = f"leave {key} out" if old is None else f"pass {key} {old} or more"
+            fresh = "run this command with a new --out, "
+            if out is not None:  # e.g. results -> results-max-docs-2, next to it
+                here = out.resolve()
+                new_out = here.parent / f"{here.name}{key[1:]}-{now}"
+                fresh += f"e.g. --out {str(new_out)!r} (the saved results stay), "
             problems.append(
                 f"{key}: saved {'no limit' if old is None else old}, this run {now}: a rerun may "
                 "raise it (the saved results are extended), not lower it (they hold what the "
-                f"saved value asked for); {fix} to resume them"
+                f"saved value asked for, and cannot be taken apart); for {key} {now}, {fresh}"
+                f"or {fix} to resume them"
             )
         elif old != now:
             problems.append(f"{key}: saved {_show(old)}, this run {_show(now)}")

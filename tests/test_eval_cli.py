@@ -1174,12 +1174,35 @@ def test_a_larger_max_docs_extends_the_saved_sums(ckpts, tmp_path, monkeypatch):
     with pytest.raises(
         ResumeMismatchError,
         match=r"--max-docs: saved no limit, this run 3: a rerun may raise it .* not lower it .*"
-        r"leave --max-docs out to resume them",
+        r"or leave --max-docs out to resume them",
     ):
         run(out, "--max-docs", "3")
     with pytest.raises(ResumeMismatchError, match=r":\n  --prepend-bos: saved true, this run fal"):
         run(out, "--prepend-bos", "no")  # the one difference
     assert (out / "state.npz").read_bytes() == state  # untouched
+
+
+def test_a_smaller_max_docs_names_the_new_out_that_gives_it(ckpts, tmp_path):
+    """A rerun with a smaller --max-docs into the same --out was refused with only the ways to
+    resume the saved (larger) run: --max-docs as large, or --restart, which moves its sums
+    away. The sums cannot be taken apart, so it is still refused, and now names a new --out for
+    the smaller value; that run equals a fresh one, and the saved sums stay as they were."""
+    out = tmp_path / "out"
+    _per_token_loss(ckpts["llama"], out, "--max-docs", "3")
+    state = (out / "state.npz").read_bytes()
+    with pytest.raises(ResumeMismatchError) as refused:
+        _per_token_loss(ckpts["llama"], out, "--max-docs", "1")
+    named = re.search(r"for --max-docs 1, run this command with a new --out, e\.g\. --out '([^']+)'"
+                      r" \(the saved results stay\), or pass --max-docs 3 or more to resume",
+                      str(refused.value))  # fmt: skip
+    assert named, str(refused.value)
+    new = Path(named[1])
+    assert new == tmp_path.resolve() / "out-max-docs-1" and not new.exists()
+    assert (out / "state.npz").read_bytes() == state  # untouched
+    served = _per_token_loss(ckpts["llama"], new, "--max-docs", "1")
+    assert served == _per_token_loss(ckpts["llama"], tmp_path / "fresh", "--max-docs", "1")
+    assert served["num_documents"] == 1
+    assert _per_token_loss(ckpts["llama"], out, "--max-docs", "3")["num_documents"] == 3
 
 
 def test_per_token_loss_refuses_saved_sums_of_another_checkpoint(ckpts, tmp_path):

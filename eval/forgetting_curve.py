@@ -20,7 +20,8 @@ of the data: a cell's text depends on its own length, repeat and seed only, not 
 lengths of the grid (so a grid extended on a rerun equals a fresh run of the final grid). The
 data's documents are read as fot's trainer packs them, each after a BOS: S or I that spans two
 documents holds the BOS between them, and neither starts nor ends with one (``[bos] [bos]``
-never occurs in training).
+never occurs in training). A BOS id inside a document is such a boundary too: the trainer
+starts a document at it.
 """
 
 from __future__ import annotations
@@ -86,7 +87,8 @@ BOS_SETTING = (
     "each after a BOS, as fot's trainer reads them (fot before this joined them without one)",
 )
 """The resume record's entry for the BOS between documents, recorded for data of more than one
-document, where it can change a cell: records without it are refused there."""
+document, or of one whose tokens hold the BOS id (a boundary, as in training), where it can
+change a cell: records without it are refused there."""
 
 
 def span_window(length: int) -> int:
@@ -452,8 +454,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             # data shorter than every window (the sample): cells drew the same text before
             # the rule changed, so records without this entry still resume
             **(dict([SPANS_SETTING]) if len(stream) >= MIN_WINDOW else {}),
-            # data of one document: no BOS between documents, records without it still resume
-            **(dict([BOS_SETTING]) if num_documents(docs) > 1 else {}),
+            # data of one document without the BOS id: no boundary in it, records without
+            # the entry still resume
+            **(
+                dict([BOS_SETTING])
+                if num_documents(docs) > 1 or bool((stream == bos_id).any())
+                else {}
+            ),
         },
         state=["forgetting_curve.jsonl"],
         outputs=["forgetting_curve.csv", "summary.json", "forgetting_curve.png"],

@@ -437,6 +437,56 @@ def test_forgetting_curve_spans_read_documents_as_the_trainer_packs_them(tmp_pat
     assert fc.BOS_SETTING[0] not in saved["settings"]
 
 
+def test_forgetting_curve_of_one_document_holding_the_bos_id_reads_it_as_a_boundary(
+    tmp_path, monkeypatch
+):
+    """Data of one document whose token ids hold <|endoftext|> (50256) inside it: the trainer
+    starts a document at that id (its packing of the two documents on either side is the same
+    stream), and so does the curve (no span starts or ends with it, cells equal those of the
+    two documents). fot before the rule drew such spans too, yet its records of one document
+    resumed without the rule's entry, mixing those cells in; they are now refused."""
+    from eval_helpers import make_llama_checkpoint
+
+    import fot.eval.forgetting_curve as fc
+    from fot.data.streams import EOT_ID, PackedSource
+    from fot.data.tokens import write_token_documents
+    from fot.eval.__main__ import main
+    from fot.eval.common import ResumeMismatchError
+
+    seen: list[list[int]] = []
+    monkeypatch.setattr(
+        fc, "teacher_forced_accuracy", lambda m, ids, s, e: seen.append(list(ids)) or 0.5
+    )
+    monkeypatch.setattr(fc, "plot_curve", lambda *a, **k: None)
+    ckpt = make_llama_checkpoint(tmp_path / "llama")
+    a, b = np.arange(100, 140), np.arange(200, 290)
+    one = np.concatenate([a, [EOT_ID], b]).astype(np.uint16)
+    write_token_documents(tmp_path / "one", [one])
+    write_token_documents(tmp_path / "two", [a.astype(np.uint16), b.astype(np.uint16)])
+    x, y = PackedSource.from_documents([a, b], len(one)).read(0, 1)
+    assert np.concatenate([x[0], y[0][-1:]]).tolist() == [EOT_ID, *one.tolist()]
+
+    def run(data, out):
+        seen.clear()
+        main(["forgetting-curve", str(ckpt), "--data", str(tmp_path / data), "--lengths", "34,66",
+              "--repeats", "8", "--device", "cpu", "--out", str(tmp_path / out)])  # fmt: skip
+        return list(seen)
+
+    cells = run("one", "fc_one")
+    assert cells == run("two", "fc_two") and len(cells) == 32
+    for ids in cells:
+        n = (len(ids) - 2) // 2
+        for span in (ids[1 : n + 1], ids[n + 2 :]):
+            assert EOT_ID not in (span[0], span[-1])
+    assert any(EOT_ID in ids[1:-1] and ids.count(EOT_ID) > 2 for ids in cells)  # inside spans
+    record = tmp_path / "fc_one" / "forgetting_curve.resume.json"
+    saved = json.loads(record.read_text())
+    assert saved["settings"].pop(fc.BOS_SETTING[0]) == fc.BOS_SETTING[1]
+    record.write_text(json.dumps(saved))  # as fot before the rule wrote it
+    with pytest.raises(ResumeMismatchError, match=r"documents in S and I: saved '\(not record"):
+        run("one", "fc_one")
+
+
 def test_memory_lengths_hand_computed():
     lengths = [512, 128, 256, 1024]
     copy = [0.995, 1.0, 0.999, 0.5]

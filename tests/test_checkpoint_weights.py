@@ -386,6 +386,24 @@ def test_init_from_on_the_gpu_with_compiled_blocks_or_fsdp(tmp_path, parallel) -
         torch.testing.assert_close(value, want[key], rtol=0, atol=1e-9, msg=key)
 
 
+def test_init_from_under_fsdp_on_the_cpu(tmp_path) -> None:
+    """CPU counterpart of test_init_from_on_the_gpu_with_compiled_blocks_or_fsdp (FSDP in one
+    gloo process): the weights are loaded before the model is sharded."""
+    import torch.distributed as dist
+
+    source, out = tmp_path / "source", tmp_path / "run"
+    try:
+        train(_cfg(source, "parallel=fsdp", "total_tokens=512", "ckpt_every_tokens=0"))
+        ckpt = source / "checkpoints" / "step_00000002"
+        train(_cfg(out, "parallel=fsdp", *ONE_STEP, f"init_from={ckpt}"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    want = _weights(source, 2)
+    for key, value in _weights(out, 1).items():
+        torch.testing.assert_close(value, want[key], rtol=0, atol=1e-9, msg=key)
+
+
 def test_the_settings_a_refusal_repeats_leave_out_how_the_model_was_computed(
     tmp_path, source_run
 ) -> None:

@@ -371,31 +371,25 @@ def test_init_from_a_hub_repository_id_reads_the_downloaded_copy(monkeypatch) ->
 def test_init_from_on_the_gpu_with_compiled_blocks_or_fsdp(tmp_path, parallel) -> None:
     """The weights are loaded before the model is compiled or sharded: a checkpoint trained
     on the GPU starts the new run there, under either."""
-    import torch.distributed as dist
-
-    source, out = tmp_path / "source", tmp_path / "run"
-    try:
-        train(_cfg(source, "device=cuda", *parallel, "total_tokens=512", "ckpt_every_tokens=0"))
-        ckpt = source / "checkpoints" / "step_00000002"
-        train(_cfg(out, "device=cuda", *parallel, *ONE_STEP, f"init_from={ckpt}"))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    want = _weights(source, 2)
-    for key, value in _weights(out, 1).items():
-        torch.testing.assert_close(value, want[key], rtol=0, atol=1e-9, msg=key)
+    _check_init_from_loads_before_wrapping(tmp_path, "device=cuda", *parallel)
 
 
 def test_init_from_under_fsdp_on_the_cpu(tmp_path) -> None:
     """CPU counterpart of test_init_from_on_the_gpu_with_compiled_blocks_or_fsdp (FSDP in one
     gloo process): the weights are loaded before the model is sharded."""
+    _check_init_from_loads_before_wrapping(tmp_path, "parallel=fsdp")
+
+
+def _check_init_from_loads_before_wrapping(tmp_path: Path, *settings: str) -> None:
+    """Train 2 steps with ``settings``, start a new run from that checkpoint with them, and
+    check the new run's first checkpoint holds exactly the source's weights."""
     import torch.distributed as dist
 
     source, out = tmp_path / "source", tmp_path / "run"
     try:
-        train(_cfg(source, "parallel=fsdp", "total_tokens=512", "ckpt_every_tokens=0"))
+        train(_cfg(source, *settings, "total_tokens=512", "ckpt_every_tokens=0"))
         ckpt = source / "checkpoints" / "step_00000002"
-        train(_cfg(out, "parallel=fsdp", *ONE_STEP, f"init_from={ckpt}"))
+        train(_cfg(out, *settings, *ONE_STEP, f"init_from={ckpt}"))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -40,7 +40,7 @@ from fot.tokenizer import (
     text_escaping_of,
     unescape_text,
 )
-from fot.training.checkpoint import RunFolderLock
+from fot.training.checkpoint import RunFolderLock, written_whole
 
 _DTYPES = {
     "float32": torch.float32,
@@ -1842,3 +1842,26 @@ def use_agg_backend(plot: Path) -> None:
         ) from None
 
     matplotlib.use("Agg", force=True)
+
+
+def save_figure(fig: Any, out_file: Path, *, dpi: int = 130, format: str | None = None) -> Path:
+    """Lay out ``fig`` (``tight_layout``), write it to ``out_file`` whole
+    (:func:`fot.training.checkpoint.written_whole`, its folder made first), and close it.
+
+    Args:
+        fig: a matplotlib figure.
+        out_file: the image path; its suffix picks the format unless ``format`` is given.
+        dpi: resolution passed to ``savefig``.
+        format: the image format passed to ``savefig`` (e.g. ``"png"``), or None.
+
+    Returns:
+        ``out_file``.
+    """
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    with written_whole(out_file) as tmp:
+        fig.savefig(tmp, dpi=dpi, format=format)
+    plt.close(fig)
+    return out_file

@@ -37,7 +37,7 @@ import torch
 
 from fot.data.streams import EOT_ID
 from fot.progress import progress_bar
-from fot.training.checkpoint import write_text_atomic, written_whole
+from fot.training.checkpoint import write_text_atomic
 
 from .common import (
     CHECKPOINT_HELP,
@@ -63,6 +63,7 @@ from .common import (
     path_setting,
     pick_device,
     plot_label,
+    save_figure,
     use_agg_backend,
     vocab_size,
     write_run_config,
@@ -327,12 +328,7 @@ def plot_curve(
     ax.legend(fontsize=8)
     if title:
         ax.set_title(title)
-    fig.tight_layout()
-    out_file.parent.mkdir(parents=True, exist_ok=True)
-    with written_whole(out_file) as tmp:
-        fig.savefig(tmp, dpi=130)
-    plt.close(fig)
-    return out_file
+    return save_figure(fig, out_file)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

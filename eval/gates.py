@@ -42,6 +42,7 @@ from .common import (
     plot_label,
     positive_int,
     read_text_file,
+    save_figure,
     use_agg_backend,
     write_run_config,
 )
@@ -229,11 +230,7 @@ def plot_gates(
                 ax.set_ylabel("query position i")
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
-    out_file.parent.mkdir(parents=True, exist_ok=True)
-    _save_figure(fig, out_file, dpi=130)
-    plt.close(fig)
-    return out_file
+    return save_figure(fig, out_file, dpi=130, format="png")
 
 
 def plot_gate_values(log_fgate: torch.Tensor, out_file: Path) -> Path:
@@ -255,16 +252,7 @@ def plot_gate_values(log_fgate: torch.Tensor, out_file: Path) -> Path:
         ax.set_ylim(0, 1.02)
         ax.set_title(f"layer {i}", fontsize=9)
         ax.set_xlabel("position", fontsize=8)
-    fig.tight_layout()
-    _save_figure(fig, out_file, dpi=120)
-    plt.close(fig)
-    return out_file
-
-
-def _save_figure(fig: Any, out_file: Path, *, dpi: int) -> None:
-    """Save ``fig`` as PNG to ``out_file`` whole (:func:`written_whole`)."""
-    with written_whole(out_file) as tmp:
-        fig.savefig(tmp, dpi=dpi, format="png")
+    return save_figure(fig, out_file, dpi=120, format="png")
 
 
 # What a gates run writes besides run_config.json; a rerun replaces all of them.

@@ -46,7 +46,7 @@ import torch
 
 from fot.progress import progress_bar
 from fot.tokenizer import text_escaping_of
-from fot.training.checkpoint import write_text_atomic, written_whole
+from fot.training.checkpoint import write_text_atomic
 
 from .common import (
     CHECKPOINT_HELP,
@@ -74,6 +74,7 @@ from .common import (
     plot_label,
     positive_int,
     read_text_file,
+    save_figure,
     use_agg_backend,
     write_run_config,
 )
@@ -509,12 +510,7 @@ def plot_heatmap(
     fig.colorbar(im, ax=ax, label="score (1-10)")
     if title:
         ax.set_title(title, pad=14)
-    fig.tight_layout()
-    out_file.parent.mkdir(parents=True, exist_ok=True)
-    with written_whole(out_file) as tmp:
-        fig.savefig(tmp, dpi=130)
-    plt.close(fig)
-    return out_file
+    return save_figure(fig, out_file)
 
 
 def check_depth_keys(depths: Sequence[float]) -> None:

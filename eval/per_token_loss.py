@@ -74,6 +74,7 @@ from .common import (
     pick_device,
     plot_label,
     positive_int,
+    save_figure,
     token_losses,
     use_agg_backend,
     vocab_size,
@@ -695,12 +696,7 @@ def plot_per_token_loss(
     ax_p.set_xlabel("validation context length l")
     ax_p.set_ylabel("perplexity P(l)")
     ax_l.legend(fontsize=8)
-    fig.tight_layout()
-    out_file.parent.mkdir(parents=True, exist_ok=True)
-    with written_whole(out_file) as tmp:
-        fig.savefig(tmp, dpi=130)
-    plt.close(fig)
-    return out_file
+    return save_figure(fig, out_file)
 
 
 def write_results(

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from killed_runs import run_killed
 
 from fot.data.loaders import build_sources, open_token_path
 from fot.data.streams import (
@@ -1236,24 +1237,6 @@ prepare(docs(), out)
 """
 
 
-def _killed_prepare(out: Path, point: str) -> int:
-    """Run :data:`_KILLED_PREPARE` into ``out``; the id of its process, which has ended."""
-    import subprocess
-    import sys
-
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _KILLED_PREPARE, str(out), point],
-        env=env,
-        cwd=out.parent,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    _, stderr = proc.communicate(timeout=300)
-    assert proc.returncode == -9, stderr[-3000:]
-    return proc.pid
-
-
 def _tag(pid: int) -> str:
     import re
     import socket
@@ -1272,7 +1255,7 @@ def test_a_prepare_killed_while_writing_leaves_a_folder_that_the_next_one_remove
     tok = tmp_path / "tok"
     old = [np.arange(i + 1, dtype=np.uint16) for i in range(4)]
     prepare(iter(old), tok)
-    pid = _killed_prepare(tok, "writing")
+    pid = run_killed(_KILLED_PREPARE, tok, "writing")
     staged = tmp_path / f".tok.tmp-{_tag(pid)}"
     assert _hidden(tmp_path) == [staged.name]  # the host is recorded
     assert [d.tolist() for d in open_docs(tok)] == [d.tolist() for d in old]
@@ -1300,7 +1283,7 @@ def test_a_prepare_killed_while_replacing_keeps_the_earlier_folder_it_set_aside(
     tok = tmp_path / "tok"
     old = [np.arange(i + 1, dtype=np.uint16) for i in range(4)]
     prepare(iter(old), tok)
-    pid = _killed_prepare(tok, "moving_in")
+    pid = run_killed(_KILLED_PREPARE, tok, "moving_in")
     aside, staged = tmp_path / f".tok.old-{_tag(pid)}", tmp_path / f".tok.tmp-{_tag(pid)}"
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([aside.name, staged.name])
     new = [np.arange(i + 5, dtype=np.uint16) for i in range(3)]
@@ -1318,7 +1301,7 @@ def test_a_prepare_killed_while_replacing_keeps_the_earlier_folder_it_set_aside(
     assert [d.tolist() for d in open_docs(tok)] == [d.tolist() for d in new]
     aside.rename(tmp_path / "earlier")
     # killed while deleting the folder set aside: what is left of it is removed
-    pid = _killed_prepare(tok, "deleting")
+    pid = run_killed(_KILLED_PREPARE, tok, "deleting")
     aside = tmp_path / f".tok.old-{_tag(pid)}"
     assert _hidden(tmp_path) == [aside.name]
     caplog.clear()
@@ -1348,7 +1331,7 @@ def test_a_token_folder_a_killed_prepare_left_set_aside_is_named_where_it_is_mis
     tok = tmp_path / "tok"
     old = [np.arange(i + 1, dtype=np.uint16) for i in range(4)]
     prepare(iter(old), tok)
-    pid = _killed_prepare(tok, "moving_in")
+    pid = run_killed(_KILLED_PREPARE, tok, "moving_in")
     aside = tmp_path / f".tok.old-{_tag(pid)}"
     assert not tok.exists() and aside.is_dir()
     hint = (
@@ -1365,7 +1348,7 @@ def test_a_token_folder_a_killed_prepare_left_set_aside_is_named_where_it_is_mis
     subprocess.run(shlex.split(re.search(r"`(.*)`", hint)[1]), check=True)
     assert [d.tolist() for d in open_docs(tok)] == [d.tolist() for d in old]
     # a copy that does not open whole (a delete cut short) is not named
-    pid = _killed_prepare(tok, "moving_in")
+    pid = run_killed(_KILLED_PREPARE, tok, "moving_in")
     (tmp_path / f".tok.old-{_tag(pid)}" / "tokens.bin").unlink()
     with pytest.raises(FileNotFoundError) as info:
         open_token_path(tok, 8, "varlen")

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from killed_runs import run_killed
 
 import fot
 from fot import presets
@@ -613,21 +614,6 @@ export_hf(presets.build_model(cfg).eval(), out)
 """
 
 
-def _killed_export(out: Path, point: str) -> int:
-    """Run :data:`_KILLED_EXPORT` into ``out``; the id of its process, which has ended."""
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _KILLED_EXPORT, str(out), point],
-        env=env,
-        cwd=out.parent,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    _, stderr = proc.communicate(timeout=300)
-    assert proc.returncode == -9, stderr[-3000:]
-    return proc.pid
-
-
 def _loads_as(out: Path, model: fot.FoTForCausalLM) -> bool:
     from transformers import AutoModelForCausalLM
 
@@ -644,7 +630,7 @@ def test_an_export_killed_while_writing_leaves_a_folder_that_the_next_export_rem
     # good (.m.new-<pid>), and each rerun added one. Now the next export removes those of ended
     # processes of this host, and only those: a live process' and another host's are kept.
     out = tmp_path / "m"
-    pid = _killed_export(out, "writing")
+    pid = run_killed(_KILLED_EXPORT, out, "writing")
     host = re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname())
     staged = tmp_path / f".m.new-{host}.{pid}"
     assert [p.name for p in tmp_path.iterdir()] == [staged.name]  # the host is recorded
@@ -680,7 +666,7 @@ def test_an_export_killed_while_moving_in_keeps_the_earlier_export_it_set_aside(
     export_hf(_tiny(0), out)
     (out / "NOTES.md").write_text("mine")
     before = {p.name: p.read_bytes() for p in out.iterdir() if p.name != "NOTES.md"}
-    pid = _killed_export(out, "moving_in")
+    pid = run_killed(_KILLED_EXPORT, out, "moving_in")
     host = re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname())
     aside, staged = out / f".m.old-{host}.{pid}", out / f".m.new-{host}.{pid}"
     assert sorted(p.name for p in out.iterdir()) == sorted(
@@ -718,7 +704,7 @@ def test_an_export_killed_while_setting_the_earlier_one_aside_says_how_to_make_i
     out = tmp_path / "m"
     export_hf(_tiny(0), out)
     before = {p.name: p.read_bytes() for p in out.iterdir()}
-    pid = _killed_export(out, "setting_aside")
+    pid = run_killed(_KILLED_EXPORT, out, "setting_aside")
     host = re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname())
     aside = out / f".m.old-{host}.{pid}"
     assert [p.name for p in aside.iterdir()] == ["config.json"]

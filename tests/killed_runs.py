@@ -1,9 +1,12 @@
 """Runs of a script that kills itself (SIGKILL) at a chosen point, for the tests of what such
-a run leaves behind (``from killed_runs import run_killed``; ``tests/`` is on ``sys.path``)."""
+a run leaves behind, and the host name in the temporary names it leaves (``from killed_runs
+import run_killed``; ``tests/`` is on ``sys.path``)."""
 
 from __future__ import annotations
 
 import os
+import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -30,3 +33,9 @@ def run_killed(script: str, out: Path, point: str) -> int:
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == -9, stderr[-3000:]
     return proc.pid
+
+
+def host_name() -> str:
+    """This machine's name as fot's temporary names record it: characters other than letters,
+    digits, ``_``, ``.`` and ``-`` become ``_``."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname())

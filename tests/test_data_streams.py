@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from killed_runs import run_killed
+from killed_runs import host_name, run_killed
 
 from fot.data.loaders import build_sources, open_token_path
 from fot.data.streams import (
@@ -1238,10 +1238,7 @@ prepare(docs(), out)
 
 
 def _tag(pid: int) -> str:
-    import re
-    import socket
-
-    return f"{re.sub(r'[^A-Za-z0-9_.-]', '_', socket.gethostname())}.{pid}"
+    return f"{host_name()}.{pid}"
 
 
 def test_a_prepare_killed_while_writing_leaves_a_folder_that_the_next_one_removes(

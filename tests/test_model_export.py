@@ -5,9 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -15,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from killed_runs import run_killed
+from killed_runs import host_name, run_killed
 
 import fot
 from fot import presets
@@ -631,7 +629,7 @@ def test_an_export_killed_while_writing_leaves_a_folder_that_the_next_export_rem
     # processes of this host, and only those: a live process' and another host's are kept.
     out = tmp_path / "m"
     pid = run_killed(_KILLED_EXPORT, out, "writing")
-    host = re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname())
+    host = host_name()
     staged = tmp_path / f".m.new-{host}.{pid}"
     assert [p.name for p in tmp_path.iterdir()] == [staged.name]  # the host is recorded
     assert (staged / "config.json").is_file() and not (staged / "vocab.json").exists()
@@ -667,7 +665,7 @@ def test_an_export_killed_while_moving_in_keeps_the_earlier_export_it_set_aside(
     (out / "NOTES.md").write_text("mine")
     before = {p.name: p.read_bytes() for p in out.iterdir() if p.name != "NOTES.md"}
     pid = run_killed(_KILLED_EXPORT, out, "moving_in")
-    host = re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname())
+    host = host_name()
     aside, staged = out / f".m.old-{host}.{pid}", out / f".m.new-{host}.{pid}"
     assert sorted(p.name for p in out.iterdir()) == sorted(
         [aside.name, staged.name, "NOTES.md", "config.json"]
@@ -705,7 +703,7 @@ def test_an_export_killed_while_setting_the_earlier_one_aside_says_how_to_make_i
     export_hf(_tiny(0), out)
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     pid = run_killed(_KILLED_EXPORT, out, "setting_aside")
-    host = re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname())
+    host = host_name()
     aside = out / f".m.old-{host}.{pid}"
     assert [p.name for p in aside.iterdir()] == ["config.json"]
     hint = (

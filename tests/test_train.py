@@ -11,7 +11,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+from killed_runs import host_name
 from omegaconf import OmegaConf
 from srun_tasks import free_port, srun_environments
 from zarr_arrays import new_array
@@ -351,7 +351,7 @@ def test_a_write_killed_midway_leaves_a_temporary_file_that_the_next_write_remov
     killed = subprocess.Popen([sys.executable, "-c", code, str(path)], env=env, cwd=tmp_path)
     assert killed.wait(timeout=300) == -9
     (left,) = [p for p in tmp_path.iterdir() if p != path]
-    host = re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname())
+    host = host_name()
     assert left.name == f".summary.json.{host}.{killed.pid}.tmp.json"  # the host is recorded
     assert left.read_text() == "half"
     sleeper = subprocess.Popen(["sleep", "60"])

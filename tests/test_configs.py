@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import re
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 from unittest import mock
 
 import numpy as np
@@ -28,6 +30,9 @@ from fot.training.config import (
     unparsable_override,
 )
 from fot.training.trainer import check_sizes, model_config_from_train_config
+
+if TYPE_CHECKING:
+    import torch
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -1491,6 +1496,21 @@ def test_a_gate_initialisation_the_model_does_not_read_is_refused() -> None:
     assert presets.config("fot_pro", "tiny", fgate_type="fixed", decay_time_min=4.0).fgate_type
 
 
+def _unchecked_logits(preset: str, **fields: object) -> torch.Tensor:
+    """Logits of the tiny ``preset`` model with ``fields`` set on its config, built without
+    FoTConfig's check of fields the model does not read (the model that would be trained)."""
+    import torch
+
+    from fot import FoTConfig, FoTForCausalLM
+
+    torch.manual_seed(0)
+    # FoTConfig refuses them too: unchecked here, to build the model that would be trained
+    with mock.patch("fot.models.configuration_fot.unread_switch_field", lambda c: None):
+        cfg = FoTConfig(**presets.config(preset, "tiny").to_dict() | fields)
+        model = FoTForCausalLM(cfg)
+    return model(torch.arange(16).view(1, 16)).logits
+
+
 def test_an_override_the_model_does_not_read_is_refused() -> None:
     """``+model.overrides.rope_theta=...`` on a model without RoPE (fot_pro in a sweep over
     model=fot_pro,transformer_pro, say), or hidden_ratio given with intermediate_size, was
@@ -1498,15 +1518,9 @@ def test_an_override_the_model_does_not_read_is_refused() -> None:
     naming the field and the fix; where the model reads the field it takes effect."""
     import torch
 
-    from fot import FoTConfig, FoTForCausalLM
+    from fot import FoTConfig
 
-    def logits(**fields: object) -> torch.Tensor:
-        torch.manual_seed(0)
-        # FoTConfig refuses them too: unchecked here, to build the model that would be trained
-        with mock.patch("fot.models.configuration_fot.unread_switch_field", lambda c: None):
-            cfg = FoTConfig(**presets.config("fot_pro", "tiny").to_dict() | fields)
-            model = FoTForCausalLM(cfg)
-        return model(torch.arange(16).view(1, 16)).logits
+    logits = functools.partial(_unchecked_logits, "fot_pro")
 
     # the oracle: built directly, the field changes nothing
     assert torch.equal(logits(rope_theta=10_000.0), logits())
@@ -1535,15 +1549,7 @@ def test_a_qk_norm_eps_on_a_model_without_qk_norm_is_refused() -> None:
     a QK-norm the field takes effect, and its default passes (every config.json has it)."""
     import torch
 
-    from fot import FoTConfig, FoTForCausalLM
-
-    def logits(**fields: object) -> torch.Tensor:
-        torch.manual_seed(0)
-        # FoTConfig refuses them too: unchecked here, to build the model that would be trained
-        with mock.patch("fot.models.configuration_fot.unread_switch_field", lambda c: None):
-            cfg = FoTConfig(**presets.config("fot_llama", "tiny").to_dict() | fields)
-            model = FoTForCausalLM(cfg)
-        return model(torch.arange(16).view(1, 16)).logits
+    logits = functools.partial(_unchecked_logits, "fot_llama")
 
     # the oracle: built directly, the field changes nothing without QK-norm, and does with it
     assert torch.equal(logits(qk_norm_eps=10.0), logits())

@@ -874,17 +874,22 @@ def test_continuing_from_a_beam_search_cache_is_refused_with_the_fix() -> None:
     assert torch.equal(got, m.generate(out.sequences, max_new_tokens=2, use_cache=False, **kw))
 
 
+def _tiny_or_fla(model: str) -> torch.nn.Module:
+    """:func:`tiny` of a FoT preset; for the FLA baseline ``deltanet`` its tiny preset as built
+    (tiny's overrides are FoT's), under the same seed."""
+    torch.manual_seed(0)
+    if model == "deltanet":
+        return presets.build_model(presets.config(model, "tiny", vocab_size=VOCAB)).eval()
+    return tiny(model)
+
+
 @pytest.mark.parametrize("model", ["fot_pro", "deltanet"])
 def test_right_padded_generate_is_refused_and_left_padding_is_the_fix(model: str) -> None:
     # A right-padded batch generated from its padding tokens: each padded row continued from
     # the last (padding) position, silently another text than its prompt alone gives
     # (transformers only logs a warning). It is refused before any forward; left padding,
     # which the message names, gives each prompt's own continuation.
-    torch.manual_seed(0)
-    if model == "deltanet":
-        m = presets.build_model(presets.config(model, "tiny", vocab_size=VOCAB)).eval()
-    else:
-        m = tiny(model)
+    m = _tiny_or_fla(model)
     short, long = ids(1, 3, seed=5), ids(1, 6, seed=6)
     kw = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0}
     right = torch.cat([torch.cat([short, torch.zeros(1, 3, dtype=torch.long)], 1), long])
@@ -909,11 +914,7 @@ def test_continuous_batching_is_refused_naming_generate(model: str) -> None:
     # refused before any forward, naming generate(); generate() of the same prompt decodes it.
     from transformers import GenerationConfig
 
-    torch.manual_seed(0)
-    if model == "deltanet":
-        m = presets.build_model(presets.config(model, "tiny", vocab_size=VOCAB)).eval()
-    else:
-        m = tiny(model)
+    m = _tiny_or_fla(model)
     forwards = []
     m.register_forward_pre_hook(lambda *_: forwards.append(1))
     gen = GenerationConfig(max_new_tokens=3, do_sample=False, eos_token_id=None, pad_token_id=0)
@@ -936,11 +937,7 @@ def test_token_ids_outside_the_vocabulary_are_refused_naming_the_id(model: str) 
     # (vocab_size to padded_vocab_size), silently read an untrained row. generate() refuses
     # it once, before any forward (on a GPU no forward checks: that would be a host sync per
     # step); a forward on CPU tensors refuses it too.
-    torch.manual_seed(0)
-    if model == "deltanet":
-        m = presets.build_model(presets.config(model, "tiny", vocab_size=VOCAB)).eval()
-    else:
-        m = tiny(model)
+    m = _tiny_or_fla(model)
     vocab = m.config.vocab_size
     kw = {"max_new_tokens": 2, "do_sample": False, "pad_token_id": 0}
     forwards = []

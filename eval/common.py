@@ -128,6 +128,26 @@ def add_label_argument(p: argparse.ArgumentParser, what: str) -> None:
     )
 
 
+def add_train_length_argument(p: argparse.ArgumentParser, what: str) -> None:
+    """``--train-length``: ``what`` (the training length a plot marks), by default the
+    model's context length; :func:`train_length_option` reads it."""
+    p.add_argument(
+        "--train-length",
+        type=str,
+        default=None,
+        help=f"{what} (default: {CONTEXT_LENGTH_HELP})",
+    )
+
+
+def train_length_option(args: argparse.Namespace) -> int | None:
+    """``--train-length`` in tokens (:func:`length_option`), or None where it is not given.
+
+    Raises:
+        ValueError: not one length of at least 1 token (naming the option).
+    """
+    return length_option(args.train_length, "--train-length") if args.train_length else None
+
+
 def plot_label(args: argparse.Namespace) -> str:
     """``--label`` if given, else :func:`checkpoint_label` of ``args.checkpoint``."""
     return args.label or checkpoint_label(args.checkpoint)

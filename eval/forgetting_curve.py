@@ -41,11 +41,11 @@ from fot.training.checkpoint import write_text_atomic
 
 from .common import (
     CHECKPOINT_HELP,
-    CONTEXT_LENGTH_HELP,
     JsonlLog,
     add_label_argument,
     add_run_arguments,
     add_storage_options_argument,
+    add_train_length_argument,
     check_fits_memory,
     check_grid,
     check_out_shared,
@@ -53,7 +53,6 @@ from .common import (
     check_token_ids,
     claim_results,
     eot_id,
-    length_option,
     list_option,
     load_checkpoint,
     model_dtype,
@@ -64,6 +63,7 @@ from .common import (
     pick_device,
     plot_label,
     save_figure,
+    train_length_option,
     use_agg_backend,
     vocab_size,
     write_run_config,
@@ -350,12 +350,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(default: %(default)s)",
     )
     add_storage_options_argument(p)
-    p.add_argument(
-        "--train-length",
-        type=str,
-        default=None,
-        help=f"training length marked on the plot (default: {CONTEXT_LENGTH_HELP})",
-    )
+    add_train_length_argument(p, "training length marked on the plot")
     p.add_argument(
         "--seed", type=int, default=0, help="seed of the S and I spans (default: %(default)s)"
     )
@@ -408,7 +403,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     if args.seed < 0:
         raise ValueError(f"--seed must be >= 0, got {args.seed}")
-    train_length = length_option(args.train_length, "--train-length") if args.train_length else None
+    train_length = train_length_option(args)
     from .per_token_loss import (
         documents_for,
         escaping_setting,

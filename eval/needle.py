@@ -50,10 +50,10 @@ from fot.training.checkpoint import write_text_atomic
 
 from .common import (
     CHECKPOINT_HELP,
-    CONTEXT_LENGTH_HELP,
     JsonlLog,
     add_label_argument,
     add_run_arguments,
+    add_train_length_argument,
     check_fits_memory,
     check_grid,
     check_positions,
@@ -62,7 +62,6 @@ from .common import (
     encode_text,
     eot_id,
     greedy_generate,
-    length_option,
     list_option,
     load_checkpoint,
     model_dtype,
@@ -75,6 +74,7 @@ from .common import (
     positive_int,
     read_text_file,
     save_figure,
+    train_length_option,
     use_agg_backend,
     write_run_config,
 )
@@ -696,12 +696,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "wording, the mode then names the output files; default: fot's wording)",
     )
     p.add_argument("--no-bos", action="store_true", help="do not start prompts with BOS")
-    p.add_argument(
-        "--train-length",
-        type=str,
-        default=None,
-        help=f"training length marked on the heatmap (default: {CONTEXT_LENGTH_HELP})",
-    )
+    add_train_length_argument(p, "training length marked on the heatmap")
     p.add_argument(
         "--seed", type=int, default=0, help="seed of passkeys and offsets (default: %(default)s)"
     )
@@ -758,7 +753,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "pg19/test), or leave --haystack out for the default (the offline sample corpus; "
             "passkey mode: a repeated filler paragraph)"
         )
-    train_length = length_option(args.train_length, "--train-length") if args.train_length else None
+    train_length = train_length_option(args)
     max_chars = 8 * max(lengths) + 10_000
     filler = args.mode == "passkey" and not args.haystack  # repeated by design
     text = "" if filler else load_haystack_text(args.haystack, max_chars)

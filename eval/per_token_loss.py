@@ -58,6 +58,7 @@ from .common import (
     add_label_argument,
     add_run_arguments,
     add_storage_options_argument,
+    add_train_length_argument,
     check_out_shared,
     check_positions,
     check_token_ids,
@@ -76,6 +77,7 @@ from .common import (
     positive_int,
     save_figure,
     token_losses,
+    train_length_option,
     use_agg_backend,
     vocab_size,
     write_run_config,
@@ -841,12 +843,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="put <|endoftext|> before each document (default: %(default)s, as fot's trainer "
         "does for every sequence, zarr rows included)",
     )
-    p.add_argument(
-        "--train-length",
-        type=str,
-        default=None,
-        help=f"training context length for the plot marker (default: {CONTEXT_LENGTH_HELP})",
-    )
+    add_train_length_argument(p, "training context length for the plot marker")
     p.add_argument(
         "--smooth",
         type=positive_int,
@@ -907,7 +904,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
     # checked before the model is loaded
     asked = length_option(args.length, "--length", minimum=2) if args.length else None
-    asked_train = length_option(args.train_length, "--train-length") if args.train_length else None
+    asked_train = train_length_option(args)
     # missing data (or gcsfs): said before the model loads
     docs, kind = open_documents(args.data, args.storage_options)
     device = pick_device(args.device)

@@ -58,6 +58,7 @@ from train_throughput import (  # noqa: E402
     parse_models,
     resolve_device,
     run_meta,
+    status_cell,
     write_json,
 )
 
@@ -179,7 +180,6 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
         "|" + "---|" * 10,
     ]
     for r in rows:
-        status = r["status"] if r["status"] == "ok" else f"{r['status']}: {r.get('error', '')}"
         ratio = r.get("vs_hf_llama")
         lines.append(
             "| "
@@ -189,7 +189,7 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
                     r.get("cache", "—"),
                     str(r["batch_size"]),
                     str(r["context"]),
-                    status.replace("|", "/")[:120],
+                    status_cell(r),
                     fmt(r.get("prefill_s"), ".3f"),
                     fmt(r.get("decode_tokens_per_s"), ",.1f"),
                     fmt(r.get("ms_per_step"), ".2f"),

@@ -636,6 +636,13 @@ def fmt(value: Any, spec: str) -> str:
     return format(value, spec)
 
 
+def status_cell(row: dict[str, Any]) -> str:
+    """A result row's status for a markdown table: ``ok``, or the status and its error, with
+    ``|`` as ``/`` (the table keeps its columns), cut to 120 characters."""
+    status = row["status"] if row["status"] == "ok" else f"{row['status']}: {row.get('error', '')}"
+    return status.replace("|", "/")[:120]
+
+
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     """The results as a markdown table (one row per model)."""
     head = (
@@ -644,14 +651,13 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     )
     lines = [head, "|" + "---|" * 10]
     for r in rows:
-        status = r["status"] if r["status"] == "ok" else f"{r['status']}: {r.get('error', '')}"
         mfu = r.get("mfu")
         lines.append(
             "| "
             + " | ".join(
                 [
                     r["model"],
-                    status.replace("|", "/")[:120],
+                    status_cell(r),
                     fmt(r.get("params_non_embedding", 0) / 1e6, ".1f") + "M"
                     if r.get("params_non_embedding")
                     else "—",

@@ -66,6 +66,25 @@ def ids(B: int, T: int, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, VOCAB, (B, T), generator=g)
 
 
+def left_padded(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch of prompts ``a`` ``[1, La]`` and ``b`` ``[1, Lb]`` (``Lb < La``), ``b``
+    left-padded with zeros, and its attention mask (0 on the padding)."""
+    pad = a.shape[1] - b.shape[1]
+    x = torch.cat([a, torch.cat([torch.zeros(1, pad, dtype=torch.long), b], dim=1)])
+    return x, torch.tensor([[1] * a.shape[1], [0] * pad + [1] * b.shape[1]])
+
+
+def greedy_with_logits(max_new_tokens: int) -> dict[str, object]:
+    """``generate`` arguments of a greedy decode that returns each step's logits."""
+    return {
+        "max_new_tokens": max_new_tokens,
+        "do_sample": False,
+        "pad_token_id": 0,
+        "output_logits": True,
+        "return_dict_in_generate": True,
+    }
+
+
 def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
     assert not torch.isnan(a).any() and not torch.isnan(b).any()
     return (a - b).abs().max().item()
@@ -637,15 +656,8 @@ def test_generate_greedy_equals_argmax_of_full_forward(model: str) -> None:
 def test_generate_left_padded_batch_and_sampling() -> None:
     m = tiny("fot_pro")
     a, b = ids(1, 7, seed=11), ids(1, 3, seed=12)
-    x = torch.cat([a, torch.cat([torch.zeros(1, 4, dtype=torch.long), b], dim=1)])
-    mask = torch.tensor([[1] * 7, [0] * 4 + [1] * 3])
-    kw = {
-        "max_new_tokens": 5,
-        "do_sample": False,
-        "pad_token_id": 0,
-        "output_logits": True,
-        "return_dict_in_generate": True,
-    }
+    x, mask = left_padded(a, b)
+    kw = greedy_with_logits(5)
     out = m.generate(x, attention_mask=mask, **kw)
     solo_a, solo_b = m.generate(a, **kw), m.generate(b, **kw)
     assert torch.equal(out.sequences[1, 4:], solo_b.sequences[0])
@@ -1010,15 +1022,8 @@ def test_triton_backend_under_interpreter_decodes_left_padded_rows_as_the_refere
     tri = tiny(model, attn_backend="triton")
     tri.load_state_dict(ref.state_dict())
     a, b = ids(1, 9, seed=31), ids(1, 5, seed=32)
-    x = torch.cat([a, torch.cat([torch.zeros(1, 4, dtype=torch.long), b], dim=1)])
-    mask = torch.tensor([[1] * 9, [0] * 4 + [1] * 5])
-    kw = {
-        "max_new_tokens": 4,
-        "do_sample": False,
-        "pad_token_id": 0,
-        "output_logits": True,
-        "return_dict_in_generate": True,
-    }
+    x, mask = left_padded(a, b)
+    kw = greedy_with_logits(4)
     out = tri.generate(x, attention_mask=mask, **kw)
     solo = ref.generate(b, **kw)
     assert torch.equal(out.sequences[1, 4:], solo.sequences[0])

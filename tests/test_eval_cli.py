@@ -75,68 +75,31 @@ def test_per_token_loss_sources_and_resume(ckpts, tmp_path, which):
     from fot.data.tokens import write_token_documents
 
     ck = str(ckpts[which])
+
+    def per_token_loss(*args: str) -> dict:
+        """``per-token-loss`` of the checkpoint on the CPU with ``args``."""
+        return main(["per-token-loss", ck, *args, "--device", "cpu"])
+
     out = tmp_path / "sample"
-    s = main(
-        [
-            "per-token-loss",
-            ck,
-            "--length",
-            "48",
-            "--max-docs",
-            "2",
-            "--out",
-            str(out),
-            "--device",
-            "cpu",
-            "--smooth",
-            "5",
-        ]
-    )
+    s = per_token_loss("--length", "48", "--max-docs", "2", "--out", str(out), "--smooth", "5")
     assert s["num_documents"] == 2 and s["positions"] == 48  # BOS in front for the sample
     assert (out / "per_token_loss.png").stat().st_size > 1000
     loss = np.load(out / "per_token_loss.npz")["loss"]
     assert loss.shape == (48,) and np.isfinite(loss).all()
     _run_config(out, "per-token-loss")
     # Rerun: everything is in state.npz, same numbers.
-    s2 = main(
-        [
-            "per-token-loss",
-            ck,
-            "--length",
-            "48",
-            "--max-docs",
-            "2",
-            "--out",
-            str(out),
-            "--device",
-            "cpu",
-        ]
-    )
+    s2 = per_token_loss("--length", "48", "--max-docs", "2", "--out", str(out))
     assert s2["mean_loss"] == pytest.approx(s["mean_loss"])
     if which == "fot":
         return
     # zarr rows (LongCrawl64 format): a BOS in front, as the trainer reads them; short arrays
     # rejected.
     rows = np.random.default_rng(0).integers(0, 50000, size=(3, 40)).astype(np.uint16)
-    arr = new_array(
-        str(tmp_path / "heldout.zarr"), shape=rows.shape, dtype="uint16", chunks=(1, 40)
-    )
+    zarr = str(tmp_path / "heldout.zarr")
+    arr = new_array(zarr, shape=rows.shape, dtype="uint16", chunks=(1, 40))
     arr[:] = rows
-    z = main(
-        [
-            "per-token-loss",
-            ck,
-            "--data",
-            str(tmp_path / "heldout.zarr"),
-            "--length",
-            "40",
-            "--out",
-            str(tmp_path / "z"),
-            "--device",
-            "cpu",
-            "--overlay",
-            f"sample={out}",
-        ]
+    z = per_token_loss(
+        "--data", zarr, "--length", "40", "--out", str(tmp_path / "z"), "--overlay", f"sample={out}"
     )
     assert z["num_documents"] == 3 and z["positions"] == 40
     # the oracle: the trainer's own zarr reader (BOS, then the row) and a plain cross-entropy
@@ -155,35 +118,11 @@ def test_per_token_loss_sources_and_resume(ckpts, tmp_path, which):
     )
     assert z["mean_loss"] == pytest.approx(want.item(), abs=1e-5)
     with pytest.raises(ValueError, match="at least 41 tokens"):
-        main(
-            [
-                "per-token-loss",
-                ck,
-                "--data",
-                str(tmp_path / "heldout.zarr"),
-                "--length",
-                "41",
-                "--out",
-                str(tmp_path / "z2"),
-                "--device",
-                "cpu",
-            ]
-        )
+        per_token_loss("--data", zarr, "--length", "41", "--out", str(tmp_path / "z2"))
     # token folder: only documents at least --length long.
     write_token_documents(tmp_path / "tok", [rows[0], rows[1][:10], rows[2]])
-    t = main(
-        [
-            "per-token-loss",
-            ck,
-            "--data",
-            str(tmp_path / "tok"),
-            "--length",
-            "20",
-            "--out",
-            str(tmp_path / "t"),
-            "--device",
-            "cpu",
-        ]
+    t = per_token_loss(
+        "--data", str(tmp_path / "tok"), "--length", "20", "--out", str(tmp_path / "t")
     )
     assert t["num_documents"] == 2
 

@@ -96,6 +96,17 @@ def grads_vs_oracle(fn, oracle, inputs, kwargs, seed):
     return out, ref_out, got, want, dy
 
 
+def norm_gate_vs_oracle(o, g, w, seed):
+    """:func:`grads_vs_oracle` of :func:`norm_gate` (eps 1e-6) and its float64 oracle."""
+    return grads_vs_oracle(
+        lambda a, b, c, **kw: norm_gate(a, b, c, **kw),
+        lambda a, b, c, **kw: norm_gate_oracle(a, b, c, kw["eps"]),
+        (o, g, w),
+        {"eps": 1e-6},
+        seed=seed,
+    )
+
+
 def shift_grad_scale(x, s, w, reset, eps, dy) -> float:
     """Scale of ``ds_t = a_t (1 - a_t) sum_D dz_t (x_{t-1} - x_t)``: the same sum of absolute
     terms. The norm's backward makes ``dz_t`` nearly orthogonal to ``z_t``, so the sum cancels
@@ -170,13 +181,7 @@ def test_norm_gate_matches_oracle(case, variant, dtype) -> None:
     w = None
     if "norm" in variant:
         w = (1.0 + 0.3 * torch.randn(H, D, generator=gen)).to(DEVICE).requires_grad_()
-    y, want_y, got, want, _ = grads_vs_oracle(
-        lambda a, b, c, **kw: norm_gate(a, b, c, **kw),
-        lambda a, b, c, **kw: norm_gate_oracle(a, b, c, kw["eps"]),
-        (o, gl, w),
-        {"eps": 1e-6},
-        seed=4,
-    )
+    y, want_y, got, want, _ = norm_gate_vs_oracle(o, gl, w, seed=4)
     assert y.dtype == dtype and y.is_contiguous()
     assert_close(y, want_y, TOL[dtype], "y")
     names = ["do"] + (["dg"] if gl is not None else []) + (["dw"] if w is not None else [])
@@ -213,13 +218,7 @@ def test_gpu_block_sizes_strided_inputs_and_frozen_weight(monkeypatch) -> None:
     o = torch.randn(B, H, T, D, generator=g).to(DEVICE).transpose(1, 2).requires_grad_()
     gl = torch.randn(B, T, H, D, generator=g).to(DEVICE).requires_grad_()
     wn = (1.0 + 0.3 * torch.randn(H, D, generator=g)).to(DEVICE).requires_grad_()
-    y, want_y, got, want, _ = grads_vs_oracle(
-        lambda a, b, c, **kw: norm_gate(a, b, c, **kw),
-        lambda a, b, c, **kw: norm_gate_oracle(a, b, c, kw["eps"]),
-        (o, gl, wn),
-        {"eps": 1e-6},
-        seed=5,
-    )
+    y, want_y, got, want, _ = norm_gate_vs_oracle(o, gl, wn, seed=5)
     assert_close(y, want_y, TOL[torch.float32], "y")
     for name, a, b in zip(["do", "dg", "dw"], got, want):
         assert_close(a, b, DW_TOL if name == "dw" else TOL[torch.float32], name)

@@ -96,6 +96,18 @@ def grads_vs_oracle(fn, oracle, inputs, kwargs, seed):
     return out, ref_out, got, want, dy
 
 
+def shift_norm_vs_oracle(x, s, w, reset, seed):
+    """:func:`grads_vs_oracle` of :func:`shift_norm` (eps 1e-6, ``reset``) and its float64
+    oracle."""
+    return grads_vs_oracle(
+        lambda a, b, c, **kw: shift_norm(a, b, c, **kw),
+        lambda a, b, c, **kw: shift_norm_oracle(a, b, c, kw["reset"], kw["eps"]),
+        (x, s, w),
+        {"eps": 1e-6, "reset": reset},
+        seed=seed,
+    )
+
+
 def norm_gate_vs_oracle(o, g, w, seed):
     """:func:`grads_vs_oracle` of :func:`norm_gate` (eps 1e-6) and its float64 oracle."""
     return grads_vs_oracle(
@@ -146,14 +158,7 @@ def test_shift_norm_matches_oracle(case, variant, dtype) -> None:
     x, s, w = make_shift_inputs(B, T, H, D, variant, dtype, seed=T * 7 + D)
     g = torch.Generator().manual_seed(T)
     reset = random_reset(T, g).to(DEVICE) if with_reset and s is not None else None
-    kwargs = {"eps": 1e-6, "reset": reset}
-    y, want_y, got, want, dy = grads_vs_oracle(
-        lambda a, b, c, **kw: shift_norm(a, b, c, **kw),
-        lambda a, b, c, **kw: shift_norm_oracle(a, b, c, kw["reset"], kw["eps"]),
-        (x, s, w),
-        kwargs,
-        seed=3,
-    )
+    y, want_y, got, want, dy = shift_norm_vs_oracle(x, s, w, reset, seed=3)
     assert y.dtype == dtype and y.is_contiguous()
     assert_close(y, want_y, TOL[dtype], "y")
     names = ["dx"] + (["ds"] if s is not None else []) + (["dw"] if w is not None else [])
@@ -235,13 +240,7 @@ def test_pytorch_path_without_triton(monkeypatch) -> None:
     B, T, H, D = 2, 9, 3, 16
     x, s, w = make_shift_inputs(B, T, H, D, "shift+norm", torch.bfloat16, seed=1)
     reset = random_reset(T, torch.Generator().manual_seed(2))
-    y, want_y, got, want, dy = grads_vs_oracle(
-        lambda a, b, c, **kw: shift_norm(a, b, c, **kw),
-        lambda a, b, c, **kw: shift_norm_oracle(a, b, c, kw["reset"], kw["eps"]),
-        (x, s, w),
-        {"eps": 1e-6, "reset": reset},
-        seed=6,
-    )
+    y, want_y, got, want, dy = shift_norm_vs_oracle(x, s, w, reset, seed=6)
     assert_close(y, want_y, TOL[torch.bfloat16], "y")
     scales = [None, shift_grad_scale(x, s, w, reset, 1e-6, dy), None]
     for name, a, b, scale in zip(["dx", "ds", "dw"], got, want, scales):

@@ -101,6 +101,19 @@ def _run_script(args: list[str], *, env_extra: dict[str, str] | None = None, cwd
     return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
+def _small_run_with_fault(out: Path, fault: str, *extra: str) -> subprocess.CompletedProcess:
+    """``train.py`` of the SMALL settings (and ``extra``) into ``out`` with the injected
+    ``fault`` (:data:`FAULT_ENV`), run in ``out``'s parent folder."""
+    args = [
+        sys.executable,
+        str(ROOT / "train.py"),
+        *SMALL,
+        f"out_dir={out}",
+        f"hydra.run.dir={out}",
+    ]
+    return _run_script([*args, *extra], env_extra={FAULT_ENV: fault}, cwd=out.parent)
+
+
 @pytest.fixture(scope="module")
 def reference_run(tmp_path_factory) -> dict[int, float]:
     """An uninterrupted 8-step run; its per-step losses are the oracle for resumed runs."""
@@ -166,11 +179,7 @@ def test_short_run_learns_and_writes_everything(tmp_path, monkeypatch, caplog, c
 
 def test_resume_after_sigkill_is_bit_identical(tmp_path, reference_run) -> None:
     out = tmp_path / "run"
-    proc = _run_script(
-        [sys.executable, str(ROOT / "train.py"), *SMALL, f"out_dir={out}", f"hydra.run.dir={out}"],
-        env_extra={FAULT_ENV: "kill_after_step:5"},
-        cwd=tmp_path,
-    )
+    proc = _small_run_with_fault(out, "kill_after_step:5")
     assert proc.returncode == -9, proc.stderr[-3000:]
     assert [p.name for p in list_checkpoints(out / "checkpoints")] == [
         "step_00000002",
@@ -195,11 +204,7 @@ def test_out_dir_that_is_a_file_is_a_one_line_error_and_the_file_is_kept(tmp_pat
 
 def test_kill_during_checkpoint_write_resumes_from_previous(tmp_path, reference_run) -> None:
     out = tmp_path / "run"
-    proc = _run_script(
-        [sys.executable, str(ROOT / "train.py"), *SMALL, f"out_dir={out}", f"hydra.run.dir={out}"],
-        env_extra={FAULT_ENV: "kill_in_checkpoint:4"},
-        cwd=tmp_path,
-    )
+    proc = _small_run_with_fault(out, "kill_in_checkpoint:4")
     assert proc.returncode == -9, proc.stderr[-3000:]
     assert (out / "checkpoints" / ".tmp-step_00000004").is_dir()  # half written
     assert [p.name for p in list_checkpoints(out / "checkpoints")] == ["step_00000002"]
@@ -4004,11 +4009,7 @@ def test_sigterm_checkpoints_the_step_and_resume_is_bit_identical(
     from fot.provenance import library_versions
 
     out = tmp_path / "run"
-    proc = _run_script(
-        [sys.executable, str(ROOT / "train.py"), *SMALL, f"out_dir={out}", f"hydra.run.dir={out}"],
-        env_extra={FAULT_ENV: "sigterm_after_step:4"},  # SIGTERM while in step 5
-        cwd=tmp_path,
-    )
+    proc = _small_run_with_fault(out, "sigterm_after_step:4")  # SIGTERM while in step 5
     assert proc.returncode == 128 + signal.SIGTERM, proc.stderr[-3000:]
     ckpt = out / "checkpoints" / "step_00000005"  # not a step of ckpt_every_tokens (2, 4, 6)
     assert list_checkpoints(out / "checkpoints")[-1] == ckpt
@@ -4114,18 +4115,7 @@ def test_sigterm_during_validation_stops_it_with_a_checkpoint_of_the_step(tmp_pa
 def test_sigterm_off_dies_at_once(tmp_path) -> None:
 
     out = tmp_path / "off"
-    args = [
-        sys.executable,
-        str(ROOT / "train.py"),
-        *SMALL,
-        f"out_dir={out}",
-        f"hydra.run.dir={out}",
-    ]
-    proc = _run_script(
-        [*args, "checkpoint_on_sigterm=false"],
-        env_extra={FAULT_ENV: "sigterm_after_step:5"},
-        cwd=tmp_path,
-    )
+    proc = _small_run_with_fault(out, "sigterm_after_step:5", "checkpoint_on_sigterm=false")
     assert proc.returncode == -signal.SIGTERM, proc.stderr[-3000:]
     assert list_checkpoints(out / "checkpoints")[-1].name == "step_00000004"
 

@@ -302,22 +302,10 @@ def plot_curve(
             color=color,
             alpha=0.2,
         )
-    if summary["fine_grained_length"]:
-        ax.axvline(
-            summary["fine_grained_length"],
-            color="tab:green",
-            ls=":",
-            lw=1.2,
-            label=f"fine-grained {summary['fine_grained_length']}",
-        )
-    if summary["coarse_grained_length"]:
-        ax.axvline(
-            summary["coarse_grained_length"],
-            color="tab:red",
-            ls=":",
-            lw=1.2,
-            label=f"coarse-grained {summary['coarse_grained_length']}",
-        )
+    for grain, color in (("fine", "tab:green"), ("coarse", "tab:red")):
+        length = summary[f"{grain}_grained_length"]
+        if length:
+            ax.axvline(length, color=color, ls=":", lw=1.2, label=f"{grain}-grained {length}")
     if train_length:
         ax.axvline(train_length, color="gray", ls="--", lw=1, label="training length")
     ax.set_xscale("log", base=2)

@@ -1237,6 +1237,17 @@ prepare(docs(), out)
 """
 
 
+def _killed_over_old(tmp_path: Path, point: str) -> tuple[Path, list[np.ndarray], int]:
+    """A token folder ``tmp_path / "tok"`` of four documents, then a prepare into it killed at
+    ``point`` (:data:`_KILLED_PREPARE`): the folder, its documents and the killed process' id."""
+    from fot.data.prepare import prepare
+
+    tok = tmp_path / "tok"
+    old = [np.arange(i + 1, dtype=np.uint16) for i in range(4)]
+    prepare(iter(old), tok)
+    return tok, old, run_killed(_KILLED_PREPARE, tok, point)
+
+
 def _tag(pid: int) -> str:
     return f"{host_name()}.{pid}"
 
@@ -1249,10 +1260,7 @@ def test_a_prepare_killed_while_writing_leaves_a_folder_that_the_next_one_remove
     # good, and each rerun added one. Now the next write of the folder removes it, with a line.
     from fot.data.prepare import prepare
 
-    tok = tmp_path / "tok"
-    old = [np.arange(i + 1, dtype=np.uint16) for i in range(4)]
-    prepare(iter(old), tok)
-    pid = run_killed(_KILLED_PREPARE, tok, "writing")
+    tok, old, pid = _killed_over_old(tmp_path, "writing")
     staged = tmp_path / f".tok.tmp-{_tag(pid)}"
     assert _hidden(tmp_path) == [staged.name]  # the host is recorded
     assert [d.tolist() for d in open_docs(tok)] == [d.tolist() for d in old]
@@ -1277,10 +1285,7 @@ def test_a_prepare_killed_while_replacing_keeps_the_earlier_folder_it_set_aside(
     # deleted (the new folder in place) holds nothing whole and goes too.
     from fot.data.prepare import prepare
 
-    tok = tmp_path / "tok"
-    old = [np.arange(i + 1, dtype=np.uint16) for i in range(4)]
-    prepare(iter(old), tok)
-    pid = run_killed(_KILLED_PREPARE, tok, "moving_in")
+    tok, old, pid = _killed_over_old(tmp_path, "moving_in")
     aside, staged = tmp_path / f".tok.old-{_tag(pid)}", tmp_path / f".tok.tmp-{_tag(pid)}"
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([aside.name, staged.name])
     new = [np.arange(i + 5, dtype=np.uint16) for i in range(3)]
@@ -1322,13 +1327,9 @@ def test_a_token_folder_a_killed_prepare_left_set_aside_is_named_where_it_is_mis
     import shlex
     import subprocess
 
-    from fot.data.prepare import prepare
     from fot.data.tokens import TokenDocuments
 
-    tok = tmp_path / "tok"
-    old = [np.arange(i + 1, dtype=np.uint16) for i in range(4)]
-    prepare(iter(old), tok)
-    pid = run_killed(_KILLED_PREPARE, tok, "moving_in")
+    tok, old, pid = _killed_over_old(tmp_path, "moving_in")
     aside = tmp_path / f".tok.old-{_tag(pid)}"
     assert not tok.exists() and aside.is_dir()
     hint = (

@@ -79,6 +79,19 @@ def _file_bytes(folder: Path) -> dict[str, bytes]:
     return {str(p): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
+def _sweep_args(sweep: Path, *overrides: str) -> list[str]:
+    """The command line of a ``train.py -m`` sweep of the SMALL settings and ``overrides``
+    into ``hydra.sweep.dir=sweep``."""
+    return [
+        sys.executable,
+        str(ROOT / "train.py"),
+        "-m",
+        *SMALL,
+        *overrides,
+        f"hydra.sweep.dir={sweep}",
+    ]
+
+
 def _refused_sweep_rerun(
     args: list[str], sweep: Path, cwd: Path
 ) -> tuple[list[str], dict[str, bytes], dict[str, bytes]]:
@@ -2389,9 +2402,8 @@ def test_a_sweep_value_refused_for_one_job_stops_the_sweep_before_any_job_trains
     one job (an override one swept model does not have, a micro batch that does not split)
     stopped the sweep when it reached that job, after the jobs before it had trained. Every
     job is now checked first, and nothing is made."""
-    script = [sys.executable, str(ROOT / "train.py")]
     sweep = tmp_path / "sweep"
-    res = _run_script([*script, "-m", *SMALL, *swept, f"hydra.sweep.dir={sweep}"], cwd=tmp_path)
+    res = _run_script(_sweep_args(sweep, *swept), cwd=tmp_path)
     assert res.returncode == 2, res.stderr[-3000:]
     assert res.stderr.startswith(f"train.py: error: {refused}"), res.stderr[-3000:]
     assert res.stderr.rstrip().endswith(
@@ -2506,15 +2518,10 @@ def test_a_sweep_rerun_with_its_values_reordered_is_refused_before_a_job_continu
     checkpoint under the other learning rate (a warning only). It is refused, naming both
     values, and the folders are left as they were; the same values written otherwise (2e-2
     for 0.02) in the first order are the same sweep."""
-    script = [sys.executable, str(ROOT / "train.py")]
     sweep = tmp_path / "sweep"
-    first = _run_script(
-        [*script, "-m", *SMALL, "optim.lr=0.01,0.02", f"hydra.sweep.dir={sweep}"], cwd=tmp_path
-    )
+    first = _run_script(_sweep_args(sweep, "optim.lr=0.01,0.02"), cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
-    errors, _, _ = _refused_sweep_rerun(
-        [*script, "-m", *SMALL, "optim.lr=2e-2,1e-2", f"hydra.sweep.dir={sweep}"], sweep, tmp_path
-    )
+    errors, _, _ = _refused_sweep_rerun(_sweep_args(sweep, "optim.lr=2e-2,1e-2"), sweep, tmp_path)
     assert errors == [
         f"train.py: error: job 0 of this sweep has optim.lr=0.02, but its folder {sweep / '0'} "
         f"holds the checkpoints of a job with optim.lr=0.01 ({sweep / '0/.hydra/overrides.yaml'})"
@@ -2523,9 +2530,7 @@ def test_a_sweep_rerun_with_its_values_reordered_is_refused_before_a_job_continu
         "continue the sweep, list its values as before; for other values, pass a new "
         "hydra.sweep.dir (or leave it out)"
     ], errors
-    same = _run_script(
-        [*script, "-m", *SMALL, "optim.lr=1e-2,2e-2", f"hydra.sweep.dir={sweep}"], cwd=tmp_path
-    )
+    same = _run_script(_sweep_args(sweep, "optim.lr=1e-2,2e-2"), cwd=tmp_path)
     assert same.returncode == 0, same.stderr[-3000:]
     # a finished job starts over in another sweep folder: -m refuses out_dir=...
     assert "the run already finished" in same.stdout
@@ -2543,14 +2548,11 @@ def test_a_sweep_rerun_that_sweeps_a_key_the_first_left_at_its_default_is_refuse
     model its .hydra/hydra.yaml), and the rerun is refused."""
     from fot.provenance import sweep_job_conflict
 
-    script = [sys.executable, str(ROOT / "train.py")]
     sweep = tmp_path / "sweep"
-    first = _run_script(
-        [*script, "-m", *SMALL, "optim.lr=0.01,0.02", f"hydra.sweep.dir={sweep}"], cwd=tmp_path
-    )
+    first = _run_script(_sweep_args(sweep, "optim.lr=0.01,0.02"), cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
     errors, before, after = _refused_sweep_rerun(
-        [*script, "-m", *SMALL, "seed=1,0", "optim.lr=0.01,0.02", f"hydra.sweep.dir={sweep}"],
+        _sweep_args(sweep, "seed=1,0", "optim.lr=0.01,0.02"),
         sweep,
         tmp_path,
     )
@@ -2593,13 +2595,10 @@ def test_a_sweep_rerun_that_leaves_at_its_default_a_key_the_first_swept_is_refus
     rerun replaced multirun.yaml, so the seed was not compared. A key in which the earlier
     jobs' records differ is compared too, and the rerun is refused; a rerun in the same order
     that trains longer (total_tokens for every job) still goes on."""
-    script = [sys.executable, str(ROOT / "train.py"), "-m", *SMALL]
     sweep = tmp_path / "sweep"
-    first = _run_script([*script, "seed=1,0", f"hydra.sweep.dir={sweep}"], cwd=tmp_path)
+    first = _run_script(_sweep_args(sweep, "seed=1,0"), cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
-    errors, _, _ = _refused_sweep_rerun(
-        [*script, "optim.lr=0.01,0.02", f"hydra.sweep.dir={sweep}"], sweep, tmp_path
-    )
+    errors, _, _ = _refused_sweep_rerun(_sweep_args(sweep, "optim.lr=0.01,0.02"), sweep, tmp_path)
     assert errors == [
         f"train.py: error: job 0 of this sweep has seed=0 (its default), but its folder "
         f"{sweep / '0'} holds the checkpoints of a job with seed=1 "
@@ -2608,9 +2607,7 @@ def test_a_sweep_rerun_that_leaves_at_its_default_a_key_the_first_swept_is_refus
         "order or others. To continue the sweep, list its values as before; for other values, "
         "pass a new hydra.sweep.dir (or leave it out)"
     ], errors
-    longer = _run_script(
-        [*script, "seed=1,0", "total_tokens=2560", f"hydra.sweep.dir={sweep}"], cwd=tmp_path
-    )
+    longer = _run_script(_sweep_args(sweep, "seed=1,0", "total_tokens=2560"), cwd=tmp_path)
     assert longer.returncode == 0, longer.stderr[-3000:]
     for job in ("0", "1"):
         assert sorted(_losses(sweep / job)) == list(range(1, 11))

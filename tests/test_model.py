@@ -26,6 +26,14 @@ TOL = 2e-5  # fp32 absolute tolerance on logits
 
 FOT_MODELS = [m for m in presets.MODELS if m not in ("mamba2", "deltanet", "hgrn2", "samba")]
 PRO_FIELDS = ("qk_norm", "use_k_shift", "use_v_shift", "use_output_norm", "use_output_gate")
+PRO_PARAMS = {
+    "qk_norm": {"q_norm.weight", "k_norm.weight"},
+    "use_k_shift": {"k_shift_proj.weight"},
+    "use_v_shift": {"v_shift_proj.weight"},
+    "use_output_norm": {"o_norm.weight"},
+    "use_output_gate": {"g_proj.weight"},
+}
+"""The attention parameters each Pro switch of :data:`PRO_FIELDS` adds."""
 
 
 def tiny(model: str = "fot_pro", **overrides) -> fot.FoTForCausalLM:
@@ -134,15 +142,8 @@ def test_every_combination_of_switches_trains_every_parameter(bits: int) -> None
     want |= {"full": {"fgate_proj.weight", "fgate_proj.bias"}, "bias_only": {"fgate_bias"}}.get(
         gate, set()
     )
-    named = {
-        "qk_norm": {"q_norm.weight", "k_norm.weight"},
-        "use_k_shift": {"k_shift_proj.weight"},
-        "use_v_shift": {"v_shift_proj.weight"},
-        "use_output_norm": {"o_norm.weight"},
-        "use_output_gate": {"g_proj.weight"},
-    }
     for field, on in switches.items():
-        want |= named[field] if on else set()
+        want |= PRO_PARAMS[field] if on else set()
     attn = {n for n, _ in m.model.layers[0].self_attn.named_parameters()}
     assert attn == want
     loss = m(ids(1, 24), shift_labels=ids(1, 24, seed=2)).loss
@@ -416,13 +417,7 @@ def test_each_pro_component_toggles_independently(component: str) -> None:
     one = tiny("fot_llama", **{component: True})
     assert all(getattr(one.config, f) == (f == component) for f in PRO_FIELDS)
     extra = set(one.state_dict()) - set(base.state_dict())
-    expected = {
-        "qk_norm": {"q_norm.weight", "k_norm.weight"},
-        "use_k_shift": {"k_shift_proj.weight"},
-        "use_v_shift": {"v_shift_proj.weight"},
-        "use_output_norm": {"o_norm.weight"},
-        "use_output_gate": {"g_proj.weight"},
-    }[component]
+    expected = PRO_PARAMS[component]
     assert {k.split("self_attn.")[-1] for k in extra} == expected
     assert len(extra) == len(expected) * base.config.num_hidden_layers
     # with the shared weights equal, switching the component on changes the output

@@ -44,6 +44,15 @@ def _lines(path):
     return path.read_text().splitlines()
 
 
+def _error_after_progress(capsys: pytest.CaptureFixture, argv: list[str]) -> str:
+    """Run ``python -m fot.eval ARGV``, which must fail with status 2; its stderr from the
+    error line on (after the progress bar)."""
+    capsys.readouterr()
+    assert cli(argv) == 2
+    err = capsys.readouterr().err
+    return err[err.find("python -m fot.eval") :]
+
+
 def _run_config(out, command):
     cfg = json.loads((out / "run_config.json").read_text())
     assert cfg["command"] == command
@@ -1511,10 +1520,7 @@ def test_a_full_disk_mid_run_is_one_line_and_the_rerun_resumes_to_the_same_resul
         return real_open(self, mode, *args, **kwargs)
 
     monkeypatch.setattr(Path, "open", open_)
-    capsys.readouterr()
-    assert cli([*argv, "--out", str(out)]) == 2
-    err = capsys.readouterr().err
-    err = err[err.find("python -m fot.eval") :]  # after the progress bar
+    err = _error_after_progress(capsys, [*argv, "--out", str(out)])
     assert err.startswith(
         f"python -m fot.eval needle: error: cannot write {results}: {os.strerror(code)} ("
     ), err
@@ -1647,10 +1653,7 @@ def test_a_full_disk_at_a_result_file_still_says_that_a_rerun_resumes(
         return real_write_text(self, *args, **kwargs)
 
     monkeypatch.setattr(Path, "write_text", write_text)
-    capsys.readouterr()
-    assert cli([*argv, "--out", str(out)]) == 2
-    err = capsys.readouterr().err
-    err = err[err.find("python -m fot.eval") :]  # after the progress bar
+    err = _error_after_progress(capsys, [*argv, "--out", str(out)])
     assert err.startswith(
         f"python -m fot.eval per-token-loss: error: cannot write {out / 'summary.json'}: "
         f"{os.strerror(errno.ENOSPC)} ("

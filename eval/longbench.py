@@ -365,7 +365,7 @@ def load_prompts(path: str | Path, tasks: list[str]) -> dict[str, str]:
     """
     where = f"--prompts {str(path)!r}"
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        data = json.loads(Path(path).read_text(encoding="utf-8-sig"))
     except FileNotFoundError:
         raise ValueError(
             f"{where} does not exist; pass a JSON file of task templates, such as LongBench's "
@@ -478,7 +478,8 @@ def read_jsonl(
     with path.open("rb") as f:
         for number, raw in enumerate(f, 1):
             try:
-                line = raw.decode("utf-8")
+                # A byte-order mark, as some Windows editors write, opens the file only.
+                line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
             except UnicodeDecodeError as err:
                 raise ValueError(
                     f"{path}:{number} is not UTF-8 text (byte {err.start} of the line); "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import json
 
 import pytest
@@ -255,6 +256,26 @@ def test_longbench_e_row_without_length_names_file_and_line(tmp_path):
         ValueError, match=r"trec_e\.jsonl:2 has no valid length \(length: \"long\"\)"
     ):
         read_jsonl(path, needs_length=True)
+
+
+def test_a_byte_order_mark_opening_a_task_or_prompts_file_is_read_as_without(tmp_path):
+    """Files saved by some Windows editors open with a UTF-8 byte-order mark: it is dropped at
+    the start of the file (the rows and templates equal those of the same file without it)
+    and still refused inside a line, where it is no JSON."""
+    rows = [{"_id": i, "input": "q", "context": "c", "answers": ["x"]} for i in "ab"]
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    plain, marked = tmp_path / "trec.jsonl", tmp_path / "marked" / "trec.jsonl"
+    marked.parent.mkdir()
+    plain.write_text(text, encoding="utf-8")
+    marked.write_bytes(codecs.BOM_UTF8 + text.encode())
+    assert read_jsonl(marked) == read_jsonl(plain) == rows
+    inside = text.splitlines()[0] + "\n" + "\ufeff" + text.splitlines()[1] + "\n"
+    marked.write_text(inside, encoding="utf-8")
+    with pytest.raises(ValueError, match=r"trec\.jsonl:2 is not valid JSON"):
+        read_jsonl(marked)
+    prompts = tmp_path / "dataset2prompt.json"
+    prompts.write_bytes(codecs.BOM_UTF8 + json.dumps({"trec": "{context}|{input}"}).encode())
+    assert load_prompts(prompts, ["trec"]) == {"trec": "{context}|{input}"}
 
 
 def test_longbench_and_longbench_e_are_averaged_apart():

@@ -6,6 +6,7 @@ both, so that a number can be traced to the code and the builds that produced it
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import os
 import platform
@@ -19,9 +20,15 @@ LIBRARIES = ("torch", "triton", "transformers", "flash-linear-attention", "hydra
 
 
 def git_sha(repo: str | os.PathLike | None = None) -> str | None:
-    """The commit checked out in ``repo`` (default: fot's own source tree), with ``+dirty``
-    when tracked files differ from it, or ``None`` when ``repo`` is not the top folder of a
-    git checkout (an installed wheel, a copy of the tree) or without git.
+    """The commit checked out in ``repo`` (default: fot's own source tree), with
+    ``+dirty.<hash>`` when tracked files differ from it, or ``None`` when ``repo`` is not the
+    top folder of a git checkout (an installed wheel, a copy of the tree) or without git.
+
+    ``<hash>`` is the first 8 hex digits of the SHA-256 of ``git diff HEAD --full-index``
+    (its ``index`` lines name each changed file's content by its full blob id, a binary
+    file's too): the same edits give the same value, other edits another one, so that a run
+    resumed after the source was edited again says so. (Records of an older fot end in a
+    plain ``+dirty``, as does one where git cannot give the diff.)
 
     A folder inside another checkout is not one: fot installed into a virtual environment
     that lies in the user's own repository would otherwise record that repository's commit.
@@ -49,7 +56,25 @@ def git_sha(repo: str | os.PathLike | None = None) -> str | None:
         )
     except (OSError, subprocess.SubprocessError):
         return None
-    return head + ("+dirty" if dirty.stdout.strip() else "")
+    if not dirty.stdout.strip():
+        return head
+    change = _diff_hash(cwd)
+    return f"{head}+dirty" + (f".{change}" if change else "")
+
+
+def _diff_hash(cwd: Path) -> str | None:
+    """The first 8 hex digits of the SHA-256 of ``git diff HEAD --full-index`` in ``cwd``
+    (the tracked files' changes), or None where git cannot say them."""
+    try:
+        diff = subprocess.run(  # without the user's diff drivers and textconv filters
+            ["git", "diff", "HEAD", "--full-index", "--no-ext-diff", "--no-textconv", "--no-color"],
+            cwd=cwd,
+            capture_output=True,
+            timeout=60,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return hashlib.sha256(diff.stdout).hexdigest()[:8] if diff.returncode == 0 else None
 
 
 def library_versions(extra: Iterable[str] = ()) -> dict[str, str | None]:

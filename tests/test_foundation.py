@@ -402,7 +402,12 @@ def test_library_versions_name_the_torch_build_and_the_extra_packages(monkeypatc
 
 
 def test_git_sha_is_the_checkout_and_says_when_tracked_files_differ(tmp_path):
+    """A dirty tree's value names its change (it was a plain ``+dirty``: a run stopped, its
+    source edited again and resumed recorded the same value and did not warn)."""
+    import hashlib
+
     from fot.provenance import git_sha
+    from fot.training.trainer import _changed_since
 
     def git(*args: str) -> str:
         return subprocess.run(
@@ -412,6 +417,9 @@ def test_git_sha_is_the_checkout_and_says_when_tracked_files_differ(tmp_path):
             text=True,
             check=True,
         ).stdout.strip()
+
+    def dirty(diff: bytes) -> str:  # the value for that `git diff HEAD --full-index`
+        return f"{head}+dirty.{hashlib.sha256(diff).hexdigest()[:8]}"
 
     assert git_sha(tmp_path) is None  # not a checkout
     git("init", "-q")
@@ -423,7 +431,32 @@ def test_git_sha_is_the_checkout_and_says_when_tracked_files_differ(tmp_path):
     (tmp_path / "untracked.txt").write_text("new\n")
     assert git_sha(tmp_path) == head  # files git does not track change nothing
     (tmp_path / "a.txt").write_text("two\n")
-    assert git_sha(tmp_path) == head + "+dirty"
+    first = git_sha(tmp_path)
+    diff = subprocess.run(
+        ["git", "diff", "HEAD", "--full-index"], cwd=tmp_path, capture_output=True
+    )
+    assert b"-one\n+two" in diff.stdout and first == dirty(diff.stdout)
+    (tmp_path / "a.txt").write_text("three\n")  # edited again, still dirty: another value
+    second = git_sha(tmp_path)
+    assert second.startswith(head + "+dirty.") and second != first
+    (tmp_path / "a.txt").write_text("two\n")  # the same edit: the same value
+    assert git_sha(tmp_path) == first
+    # a resume after the second edit names both (an older record's plain +dirty compares too)
+    info = {"git_sha": second, "versions": {}}
+    assert _changed_since({"git_sha": first}, info) == [f"git {first} -> {second}"]
+    assert _changed_since({"git_sha": second}, info) == []
+    assert _changed_since({"git_sha": head + "+dirty"}, info) == [f"git {head}+dirty -> {second}"]
+    # a binary file's change counts too (git's diff says only "Binary files ... differ")
+    (tmp_path / "a.txt").write_text("one\n")
+    (tmp_path / "b.bin").write_bytes(bytes(range(256)))
+    git("add", "b.bin")
+    with_bin = git_sha(tmp_path)
+    assert with_bin.startswith(head + "+dirty.")
+    (tmp_path / "b.bin").write_bytes(bytes(range(255, -1, -1)))
+    assert git_sha(tmp_path) not in (with_bin, head)
+    git("reset", "-q", "b.bin")
+    (tmp_path / "b.bin").unlink()
+    assert git_sha(tmp_path) == head  # back to the commit
     # fot installed into a virtual environment inside the user's own repository: its
     # folder is not a checkout of fot (it recorded the user's commit)
     site = tmp_path / ".venv" / "lib" / "site-packages"

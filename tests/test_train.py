@@ -4,6 +4,7 @@ checkpoints, DDP over gloo equal to one process, multirun folders, NaN stop."""
 from __future__ import annotations
 
 import errno
+import importlib.metadata
 import json
 import logging
 import math
@@ -169,6 +170,8 @@ def test_short_run_learns_and_writes_everything(tmp_path, monkeypatch, caplog, c
     assert any(r.getMessage().startswith(mid) for r in caplog.records), caplog.text
     info = json.loads((out / "run_info.json").read_text())[0]
     assert info["versions"]["torch"] == torch.__version__
+    # it logged to wandb: wandb's version shapes what its files hold
+    assert info["versions"]["wandb"] == importlib.metadata.version("wandb")
     assert info["git_sha"] is None and info["config"]["model"]["name"] == "fot_pro"
     assert "git none (fot is not a git checkout) | " in caplog.text, caplog.text
     assert list_checkpoints(out / "checkpoints")[-1].name == "step_00000016"
@@ -4031,10 +4034,11 @@ def test_sigterm_checkpoints_the_step_and_resume_is_bit_identical(
     assert "resumes with another fot or other libraries" not in caplog.text  # same as before
     versions = {**library_versions(), "numpy": "0.0.1"}
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("fot.training.trainer.library_versions", lambda: versions)
+        mp.setattr("fot.training.trainer.library_versions", lambda extra: versions)
         result = train(_cfg(out))
     runs = json.loads((out / "run_info.json").read_text())
     assert len(runs) == 3 and runs[-1]["versions"]["numpy"] == "0.0.1"
+    assert "wandb" not in runs[0]["versions"]  # wandb.mode=disabled: no wandb files
     said = f"numpy {runs[-2]['versions']['numpy']} -> 0.0.1"
     assert f"resumes with another fot or other libraries than its previous start ({said};" in (
         caplog.text

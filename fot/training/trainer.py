@@ -1548,7 +1548,11 @@ def _train(
             run_info = {
                 "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 "git_sha": git_sha(),
-                "versions": library_versions(),
+                # wandb's where a wandb run started: it shapes what the wandb files hold (a
+                # resume warns only about a library that both starts recorded)
+                "versions": library_versions(
+                    extra=("wandb",) if metrics.wandb_run is not None else ()
+                ),
                 "world_size": info.world_size,
                 "strategy": strategy,
                 "device": str(info.device),

@@ -134,7 +134,7 @@ def main(argv: Sequence[str] | None = None) -> Any:
     try:
         if world == 1 and getattr(args, "out", None) is not None:
             # a second run into the same --out is refused now, before the model loads (a new
-            # --out is locked once the command makes it; under torchrun, by rank 0 then)
+            # --out is made to be locked; under torchrun, rank 0 locks it in the command)
             lock_out(args.out, resumes=args.command != "gates")
         result = mod.run(args)
         failed = False
@@ -167,9 +167,15 @@ def _write_error(err: OSError, out: str | None, *, resumes: bool) -> WriteError 
         isinstance(err, FotError) and not isinstance(err, WriteError)
     ):
         return None
+    from fot.training.checkpoint import RUN_LOCK
+
+    # a folder that holds only the lock holds no results (a new --out goes with the lock)
     kept = (
         f"Items finished before it are kept in {str(out)!r}: rerun the same command to resume"
-        if resumes and out is not None and os.path.isdir(out)
+        if resumes
+        and out is not None
+        and os.path.isdir(out)
+        and any(name != RUN_LOCK for name in os.listdir(out))
         else ""
     )
     if isinstance(err, WriteError):

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from fot.data.zarr_store import is_url
-from fot.errors import FotError, MissingPackageError
+from fot.errors import FotError, MissingPackageError, cannot_write
 from fot.export import not_exported_message
 from fot.interrupt import check_stop
 from fot.provenance import git_sha, library_versions, sweep_job_label
@@ -893,14 +893,19 @@ def _hide_secrets(args: dict[str, Any], argv: Sequence[str]) -> tuple[dict[str, 
 _OUT_LOCKS: dict[Path, RunFolderLock] = {}
 """The ``--out`` folders this process has locked (:func:`lock_out`), by their real path."""
 
+_OUT_MADE: dict[Path, Path] = {}
+"""Of those, the ones :func:`lock_out` made: the topmost folder it made for each."""
+
 
 def lock_out(out_dir: str | os.PathLike, *, resumes: bool = True) -> None:
     """Lock ``out_dir`` (an ``--out``) for this process as fot's trainer locks its run folder
     (:class:`fot.training.checkpoint.RunFolderLock`: ``flock`` on its ``.run.lock``, which
     records the process id, host and start time; a run that dies lets it go), until
-    :func:`release_out_locks`. A no-op where the folder does not exist yet (the command locks
-    it once it makes it) or this process holds its lock already. Call it on one process of a
-    ``torchrun`` run only (rank 0).
+    :func:`release_out_locks`. A folder that does not exist yet is made (with its missing
+    parents), so that of two runs started at once into a new ``--out`` the second is refused
+    before its model loads too; :func:`release_out_locks` removes what it made again where
+    the command failed or wrote nothing there. A no-op where this process holds the lock
+    already. Call it on one process of a ``torchrun`` run only (rank 0).
 
     Args:
         resumes: the command resumes from the results of the run that holds the lock (all but
@@ -909,10 +914,12 @@ def lock_out(out_dir: str | os.PathLike, *, resumes: bool = True) -> None:
     Raises:
         RunFolderInUseError: another run holds the lock (a job submitted twice); the message
             names it (pid, host, start) and the fix.
+        WriteError: the folder or its lock file cannot be made.
     """
     out = Path(out_dir).resolve()
-    if out in _OUT_LOCKS or not out.is_dir():
+    if out in _OUT_LOCKS:
         return
+    top = next((p for p in (*reversed(out.parents), out) if not p.exists()), None)
     lock = RunFolderLock(
         out,
         option="--out",
@@ -920,19 +927,55 @@ def lock_out(out_dir: str | os.PathLike, *, resumes: bool = True) -> None:
         after="wait for that run to end"
         + (" (rerun this command then: it resumes from that run's results)" if resumes else ""),
     )
-    lock.take()
+    try:
+        if top is not None:
+            try:
+                out.mkdir(parents=True, exist_ok=True)
+            except OSError as err:
+                raise cannot_write(out, err) or err from err
+        lock.take()
+    except BaseException:
+        if top is not None:
+            _remove_empty(out, top)
+        raise
     _OUT_LOCKS[out] = lock
+    if top is not None:
+        _OUT_MADE[out] = top
+
+
+def _remove_empty(out: Path, top: Path) -> None:
+    """Remove ``out`` and its parents up to ``top`` while they are empty."""
+    for folder in (out, *out.parents):
+        try:
+            folder.rmdir()
+        except OSError:  # not empty (another run's lock file, results), or gone
+            return
+        if folder == top:
+            return
+
+
+def _holds_only(folder: Path, name: str) -> bool:
+    """Whether ``folder`` holds the file ``name`` and nothing else."""
+    try:
+        return [p.name for p in folder.iterdir()] == [name]
+    except OSError:
+        return False
 
 
 def release_out_locks(*, failed: bool = False) -> None:
     """Let go of every ``--out`` lock of this process (:func:`lock_out`); where the command
-    ``failed``, lock files it made go too, so that a refused run leaves ``--out`` as it was."""
-    for lock in _OUT_LOCKS.values():
-        if failed:
+    ``failed``, lock files it made go too, so that a refused run leaves ``--out`` as it was,
+    and so do the folders :func:`lock_out` made where nothing else was written into them."""
+    for out, lock in _OUT_LOCKS.items():
+        top = _OUT_MADE.get(out)
+        if failed or (top is not None and _holds_only(out, lock.path.name)):
             lock.discard()
         else:
             lock.release()
+        if top is not None:
+            _remove_empty(out, top)
     _OUT_LOCKS.clear()
+    _OUT_MADE.clear()
 
 
 def write_run_config(
@@ -1008,8 +1051,8 @@ def check_out_dir(out_dir: str, checkpoint: str) -> None:
         raise ValueError(
             f"--out {str(out_dir)!r} is a file, not a folder; name a new or existing folder"
         )
-    # The folder is made only after the model has loaded: what would stop its making (or the
-    # first write into it) is said now, not after minutes of loading or as a bare traceback.
+    # What would stop the folder's making (when it is locked) or the first write into it is
+    # said now, naming the folder in the way, not as an error of mkdir or after the model load.
     existing = next(p for p in (out.absolute(), *out.absolute().parents) if p.exists())
     if not existing.is_dir():
         raise ValueError(
@@ -1331,7 +1374,7 @@ def claim_results(
                     "refused as one of other data instead of resuming; choose a folder outside "
                     f"it, e.g. {str(folder.parent / (folder.name + '_eval'))!r}"
                 )
-    out.mkdir(parents=True, exist_ok=True)  # only now, after the checks and the model load
+    out.mkdir(parents=True, exist_ok=True)  # where no lock_out made it before the model load
     if write:  # before saved results are read: no other run is writing them
         lock_out(out)
     record_path = out / f"{name}.resume.json"

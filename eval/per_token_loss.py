@@ -885,7 +885,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     check_out_shared(out, "per-token-loss")
     if world > 1:
         # a second run into an --out in use stops here, before the model loads, on every rank
-        # (one process locks it in fot.eval's main before this; a new --out, in claim_results)
+        # (one process locks it in fot.eval's main before this; a new --out is made to be
+        # locked, and removed again where the run fails)
         with stop_together("while locking --out"):
             if rank == 0:
                 lock_out(out)

@@ -246,8 +246,21 @@ def _this_checkout_env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
 
 
-def _hold_out(out: Path) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-c", HOLD_OUT, str(out)], stdin=subprocess.PIPE,
+HOLD_NEW_OUT = (
+    "import sys\n"
+    "import fot\n"
+    "from fot.eval.common import lock_out, release_out_locks\n"
+    "lock_out(sys.argv[1])\n"
+    "print('held', flush=True)\n"
+    "sys.stdin.read()\n"
+    "release_out_locks(failed=True)\n"
+)
+"""A run of fot.eval that locked its --out as it started (fot.eval.common.lock_out) and fails
+once its stdin closes."""
+
+
+def _hold_out(out: Path, script: str = HOLD_OUT) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", script, str(out)], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True, env=_this_checkout_env())  # fmt: skip
     assert proc.stdout.readline() == "held\n"
     return proc
@@ -258,9 +271,9 @@ def test_a_second_run_into_the_same_out_is_refused_naming_the_first(
 ) -> None:
     """Two runs into one --out at once (a job submitted twice) both did all the work. The
     second is now refused as the trainer refuses a second run in its folder (its lock,
-    .run.lock): before the model loads where --out exists, naming the first run's pid and
-    host, with nothing written; when both made a new --out, as soon as the second finds the
-    folder made. A lock left by a killed run does not block the rerun."""
+    .run.lock): before the model loads, naming the first run's pid and host, with nothing
+    written; into a new --out too, which the first made to lock it (and which goes again
+    where the command fails). A lock left by a killed run does not block the rerun."""
     import socket
 
     import fot.eval.forgetting_curve as fc
@@ -298,25 +311,38 @@ def test_a_second_run_into_the_same_out_is_refused_naming_the_first(
     assert (out / "summary.json").is_file()
     assert f"pid {os.getpid()} on" in (out / RUN_LOCK).read_text()  # the rerun's record
 
-    # both runs started before --out existed: the second stops once the first has made it
-    new = tmp_path / "new"
-    held = []
-
-    def load_while_another_run_starts(*args, **kwargs):
-        new.mkdir()
-        held.append(_hold_out(new))
-        return real_load(*args, **kwargs)
-
-    monkeypatch.setattr(fc, "load_checkpoint", load_while_another_run_starts)
+    # both runs started into a new --out: the first made it to lock it, so the second is
+    # refused before its model loads too (it was let through until the first made the folder)
+    new = tmp_path / "new" / "fc"
+    first = _hold_out(new, HOLD_NEW_OUT)
+    monkeypatch.setattr(fc, "load_checkpoint", load_checkpoint)
     try:
         with pytest.raises(RunFolderInUseError) as refused:
             main([*argv, "--out", str(new)])
-        assert f"{new} is in use by another run (pid {held[0].pid} on " in str(refused.value)
-        assert [p.name for p in new.iterdir()] == [RUN_LOCK]  # no record, no results
+        assert f"{new} is in use by another run (pid {first.pid} on " in str(refused.value)
+        assert [p.name for p in new.iterdir()] == [RUN_LOCK]  # the first run's: no record
     finally:
-        for proc in held:
-            proc.kill()
-            proc.wait()
+        first.stdin.close()  # the first run fails: what it made goes
+        assert first.wait() == 0
+    assert not (tmp_path / "new").exists()
+    # a command that fails into a new --out leaves no folder (here its model load, at a full
+    # disk: nothing of it is kept), nor does one that writes nothing there
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/hf-cache/blob")
+
+    monkeypatch.setattr(fc, "load_checkpoint", full_disk)
+    capsys.readouterr()
+    assert cli([*argv, "--out", str(new)]) == 2
+    err = capsys.readouterr().err
+    assert "error: cannot write /hf-cache/blob: " in err and "kept" not in err, err
+    assert not (tmp_path / "new").exists()
+    from fot.eval.common import lock_out, release_out_locks
+
+    lock_out(new)
+    assert [p.name for p in new.iterdir()] == [RUN_LOCK]
+    release_out_locks()
+    assert not (tmp_path / "new").exists()
 
 
 def test_a_torchrun_run_into_an_out_in_use_stops_every_process_at_once(ckpts, tmp_path) -> None:

@@ -3636,6 +3636,46 @@ def test_a_run_folder_in_use_by_another_run_is_refused(tmp_path) -> None:
     assert again == first
 
 
+def test_a_lock_file_removed_between_open_and_flock_is_not_the_lock_taken(
+    tmp_path, monkeypatch
+) -> None:
+    """A refused run removes the lock file it made (RunFolderLock.discard) as it lets the lock
+    go. A second run that opened that file just before could flock the removed file and
+    train, while a third locked the new file at the path: two runs in one folder. take() now
+    checks that the file it locked is the one at the path and opens it again if not."""
+    import fcntl
+
+    from fot.training.checkpoint import RUN_LOCK, RunFolderInUseError, RunFolderLock
+
+    out = tmp_path / "run"
+    out.mkdir()
+    real_flock = fcntl.flock
+    calls = []
+
+    def flock_after_the_first_run_discards(f, op):
+        if not calls:  # the first run's discard lands between this open and this flock
+            (out / RUN_LOCK).unlink()
+        calls.append(op)
+        return real_flock(f, op)
+
+    monkeypatch.setattr(fcntl, "flock", flock_after_the_first_run_discards)
+    second = RunFolderLock(out)
+    second.take()
+    monkeypatch.setattr(fcntl, "flock", real_flock)
+    assert len(calls) == 2  # opened again after the removed file was locked
+    held = os.fstat(second._file.fileno())
+    at_path = (out / RUN_LOCK).stat()
+    assert (held.st_dev, held.st_ino) == (at_path.st_dev, at_path.st_ino)
+    assert f"pid {os.getpid()} on" in (out / RUN_LOCK).read_text()
+    with pytest.raises(RunFolderInUseError, match=f"pid {os.getpid()} on"):
+        RunFolderLock(out).take()  # a third run is refused
+    second.release()
+    third = RunFolderLock(out)
+    third.take()  # free again once let go
+    assert third._file is not None
+    third.release()
+
+
 def test_a_refused_run_leaves_the_folders_hydra_files_as_they_were(tmp_path) -> None:
     """Hydra wrote .hydra/ before train.py ran: a second command in a live run's folder (refused
     by the lock), or one whose settings the checkpoint refuses, replaced the run's

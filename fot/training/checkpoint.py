@@ -487,25 +487,31 @@ class RunFolderLock:
 
         if self._file is not None or not self.path.parent.is_dir():
             return
-        made = not self.path.exists()
-        try:
-            f = open(self.path, "a+")  # noqa: SIM115 - held open while the run trains
-        except OSError as err:
-            kept = f"It keeps a second run out of this folder: pass another {self._option}"
-            raise cannot_write(self.path, err, kept) or err from err
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            holder = f.read().strip() or "a process that recorded nothing"
+        while True:
+            made = not self.path.exists()
+            try:
+                f = open(self.path, "a+")  # noqa: SIM115 - held open while the run trains
+            except OSError as err:
+                kept = f"It keeps a second run out of this folder: pass another {self._option}"
+                raise cannot_write(self.path, err, kept) or err from err
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                f.seek(0)
+                holder = f.read().strip() or "a process that recorded nothing"
+                f.close()
+                raise RunFolderInUseError(
+                    f"{self.path.parent} is in use by another run ({holder}): {self._why}. "
+                    f"Pass another {self._option}, or {self._after}"
+                ) from None
+            except OSError:  # no flock on this file system
+                f.close()
+                return
+            if _same_file(f, self.path):
+                break
+            # A run that held the lock removed its file (discard) between our open and our
+            # flock: the lock taken is on a file no other run will open. Open the path again.
             f.close()
-            raise RunFolderInUseError(
-                f"{self.path.parent} is in use by another run ({holder}): {self._why}. Pass "
-                f"another {self._option}, or {self._after}"
-            ) from None
-        except OSError:  # no flock on this file system
-            f.close()
-            return
         f.seek(0)
         f.truncate()
         started = time.strftime("%Y-%m-%d %H:%M:%S")
@@ -526,6 +532,16 @@ class RunFolderLock:
         if self._file is not None and self.made:
             self.path.unlink(missing_ok=True)
         self.release()
+
+
+def _same_file(f: Any, path: Path) -> bool:
+    """Whether the open file ``f`` is the file now at ``path`` (not one removed since)."""
+    try:
+        now = path.stat()
+    except OSError:
+        return False
+    opened = os.fstat(f.fileno())
+    return (opened.st_dev, opened.st_ino) == (now.st_dev, now.st_ino)
 
 
 def load_checkpoint(

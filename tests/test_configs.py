@@ -1763,3 +1763,23 @@ def test_a_small_vocabulary_trains_from_a_flat_file_of_its_own_ids(hydra_ctx, tm
             check_config(compose("train", overrides=held_out))  # a token folder's inserted
     with pytest.raises(ValueError, match=r"vocab_size=32000 leaves out .* data=tokens puts"):
         check_config(compose("train", overrides=[*small, f"data.path={tmp_path / 'folder'}"]))
+
+
+def test_from_json_file_reads_an_older_config_json_as_from_pretrained_does(tmp_path) -> None:
+    """A config.json an older fot wrote may hold a RoPE base without RoPE or a qk_norm_eps
+    without QK-norm (stored unread): from_pretrained loads it as the same model, but
+    FoTConfig.from_json_file refused it. Both read it alike now; a value the model reads stays
+    (use_rope=True with its rope_theta)."""
+    import json
+
+    from fot import FoTConfig
+
+    saved = FoTConfig(hidden_size=64, num_heads=4, num_hidden_layers=1).to_dict()
+    for extra, kept in (
+        ({"rope_theta": 10_000.0, "qk_norm_eps": 1e-3}, (500_000.0, 1e-5)),
+        ({"use_rope": True, "rope_theta": 10_000.0}, (10_000.0, 1e-5)),
+    ):
+        (tmp_path / "config.json").write_text(json.dumps({**saved, **extra}))
+        from_file = FoTConfig.from_json_file(tmp_path / "config.json")
+        assert (from_file.rope_theta, from_file.qk_norm_eps) == kept
+        assert from_file.to_dict() == FoTConfig.from_pretrained(tmp_path).to_dict()

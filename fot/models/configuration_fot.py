@@ -335,9 +335,11 @@ class FoTConfig(PretrainedConfig):
 
     @classmethod
     def from_json_file(cls, json_file: str | os.PathLike) -> FoTConfig:
-        """Load a config JSON file, as transformers does; an error begins with its path."""
+        """Load a config JSON file, as transformers does; an error begins with its path. A
+        ``rope_theta`` or ``qk_norm_eps`` that an older fot stored unread goes, as in
+        :meth:`from_dict`."""
         try:
-            return super().from_json_file(json_file)
+            return cls(**_without_unread_saved(cls._dict_from_json_file(json_file), {}))
         except ValueError as err:
             raise ValueError(f"{os.fspath(json_file)}: {err}") from err
 

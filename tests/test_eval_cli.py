@@ -1879,3 +1879,24 @@ def test_a_longbench_limit_run_says_so_with_the_examples_scored_per_task(ckpts, 
     main(argv)  # the whole files (resumed, extended): no such line
     assert "--limit" not in (out / "table2.md").read_text()
     assert "--limit" not in (out / "by_length.md").read_text()
+
+
+def test_a_refused_run_into_a_new_out_leaves_nothing_where_there_is_no_flock(tmp_path) -> None:
+    """On a file system without flock (some network mounts) lock_out made a new --out and
+    an empty .run.lock in it that locked nothing: a command that then failed left the folder
+    and the file behind, where a refused run leaves --out as it was. No lock file is made
+    there now, so the folders lock_out made go again."""
+    import fcntl
+    from unittest import mock
+
+    from fot.eval.common import lock_out, release_out_locks
+
+    def no_flock(*args: object) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    out = tmp_path / "new" / "out"
+    with mock.patch.object(fcntl, "flock", no_flock):
+        lock_out(out)
+        assert out.is_dir()  # made before the model would load
+        release_out_locks(failed=True)
+    assert list(tmp_path.iterdir()) == []

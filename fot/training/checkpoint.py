@@ -504,8 +504,10 @@ class RunFolderLock:
                     f"{self.path.parent} is in use by another run ({holder}): {self._why}. "
                     f"Pass another {self._option}, or {self._after}"
                 ) from None
-            except OSError:  # no flock on this file system
+            except OSError:  # no flock on this file system: no lock, and no file made for one
                 f.close()
+                if made:
+                    self.path.unlink(missing_ok=True)
                 return
             if _same_file(f, self.path):
                 break

@@ -29,6 +29,7 @@ and ``--first-line all`` scores the first line of every prediction, as the FoX p
 from __future__ import annotations
 
 import argparse
+import codecs
 import dataclasses
 import hashlib
 import json
@@ -603,9 +604,14 @@ def summary_table(scores: dict[str, float]) -> str:
 
 
 def count_examples(path: Path) -> int:
-    """The number of examples (non-blank lines) in a task file, read in binary."""
+    """The number of examples (non-blank lines) in a task file, read in binary (a byte-order
+    mark opening it is no example, as in :func:`read_jsonl`)."""
     with path.open("rb") as f:
-        return sum(1 for line in f if line.strip())
+        return sum(
+            1
+            for number, line in enumerate(f, 1)
+            if (line.removeprefix(codecs.BOM_UTF8) if number == 1 else line).strip()
+        )
 
 
 def limit_note(limit: int, scored: dict[str, int], totals: dict[str, int]) -> str:

@@ -345,3 +345,17 @@ def test_table2_avg_of_tasks_all_is_the_papers_14_task_average():
         ).splitlines()
     ]
     assert rows[0][-1] == "Avg" and rows[3][-1] == "20.00"
+
+
+def test_a_byte_order_mark_on_a_line_of_its_own_is_no_example_in_the_count(tmp_path):
+    """A task file saved with a byte-order mark and a blank first line (a Windows editor)
+    holds the examples read_jsonl reads; count_examples, the total under a --limit run's
+    table, counted the mark's line as one more."""
+    from fot.eval.longbench import count_examples
+
+    rows = [{"_id": i, "input": "q", "context": "c", "answers": ["x"]} for i in "ab"]
+    path = tmp_path / "trec.jsonl"
+    text = "\r\n" + "".join(json.dumps(r) + "\r\n" for r in rows)
+    path.write_bytes(codecs.BOM_UTF8 + text.encode())
+    assert read_jsonl(path) == rows
+    assert count_examples(path) == 2

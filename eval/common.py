@@ -145,7 +145,8 @@ def train_length_option(args: argparse.Namespace) -> int | None:
     Raises:
         ValueError: not one length of at least 1 token (naming the option).
     """
-    return length_option(args.train_length, "--train-length") if args.train_length else None
+    given = args.train_length is not None  # an empty value is refused, not the default
+    return length_option(args.train_length, "--train-length") if given else None
 
 
 def plot_label(args: argparse.Namespace) -> str:

@@ -458,3 +458,13 @@ def test_an_out_inside_the_data_folder_is_refused_before_anything_is_written(
     assert suggested == f"{folder}_eval"
     first = main([*argv, "--out", suggested])
     assert main([*argv, "--out", suggested]) == first  # resumed, not refused
+
+
+@pytest.mark.parametrize("command", ["per-token-loss", "needle", "forgetting-curve"])
+def test_an_empty_train_length_is_refused_not_taken_as_the_default(tmp_path, command):
+    """--train-length "" (a script's unset variable) was read as no --train-length at all,
+    the model's context length marked on the plot; it is refused now, naming the option."""
+    out = tmp_path / "o"
+    with pytest.raises(ValueError, match=r"--train-length '': expected one length in tokens"):
+        main([command, str(tmp_path / "missing"), "--train-length", "", "--out", str(out)])
+    assert not out.exists()

@@ -904,7 +904,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "draws already (one run drawn twice, as if two); leave it out"
         )
     # checked before the model is loaded
-    asked = length_option(args.length, "--length", minimum=2) if args.length else None
+    asked = (  # an empty value is refused, not taken as the default
+        length_option(args.length, "--length", minimum=2) if args.length is not None else None
+    )
     asked_train = train_length_option(args)
     # missing data (or gcsfs): said before the model loads
     docs, kind = open_documents(args.data, args.storage_options)

@@ -91,7 +91,7 @@ def config(model: str, size: str = "tiny", **overrides: Any) -> PretrainedConfig
     # the fields it reads first: an error of those names them; then the unread ones, named
     # for the preset (FoTConfig itself refuses them too)
     built = FoTConfig(**{key: value for key, value in kwargs.items() if key not in unread})
-    if problem := _unread_override_problem(model, built, overrides, unread):
+    if problem := _unread_override_problem(model, overrides, unread):
         raise ValueError(problem)
     return built
 
@@ -166,7 +166,7 @@ def _unread_fields(kwargs: Mapping[str, Any], overrides: Mapping[str, Any]) -> l
 
 
 def _unread_override_problem(
-    model: str, built: FoTConfig, overrides: Mapping[str, Any], unread: list[str]
+    model: str, overrides: Mapping[str, Any], unread: list[str]
 ) -> str | None:
     """Why an override of ``model`` sets a field that its model does not read, with the fix;
     ``None`` where every one is read. Such a field is stored in config.json and ignored (a
@@ -176,7 +176,6 @@ def _unread_override_problem(
 
     Args:
         model: the preset name (for the message).
-        built: the config built from the preset's fields and the overrides it reads.
         overrides: the fields the user set.
         unread: the keys of ``overrides`` it does not read (:func:`_unread_fields`).
     """

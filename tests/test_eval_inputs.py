@@ -468,3 +468,12 @@ def test_an_empty_train_length_is_refused_not_taken_as_the_default(tmp_path, com
     with pytest.raises(ValueError, match=r"--train-length '': expected one length in tokens"):
         main([command, str(tmp_path / "missing"), "--train-length", "", "--out", str(out)])
     assert not out.exists()
+
+
+def test_an_empty_length_of_per_token_loss_is_refused_not_taken_as_the_default(tmp_path):
+    """per-token-loss --length "" was read as no --length (the model's context length); it is
+    refused as --train-length "" is, naming the option."""
+    out = tmp_path / "o"
+    with pytest.raises(ValueError, match=r"--length '': expected one length in tokens"):
+        main(["per-token-loss", str(tmp_path / "missing"), "--length", "", "--out", str(out)])
+    assert not out.exists()

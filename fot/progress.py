@@ -9,6 +9,7 @@ megabytes that ``tail`` cannot show. There the bar is written as a plain line at
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 from collections.abc import Iterable
@@ -78,7 +79,8 @@ def quiet_library_bars(rank: int = 0) -> None:
     downloading, generating a split) off a terminal, where tqdm would append their redraws to
     one line joined by carriage returns, and on every process but rank 0 (under torchrun each
     would draw the same bar). For the command-line entry points: it changes the libraries'
-    settings for the whole process.
+    settings for the whole process
+    (for datasets not imported yet, through HF_DATASETS_DISABLE_PROGRESS_BARS in its environment).
 
     Args:
         rank: this process's rank.
@@ -88,8 +90,11 @@ def quiet_library_bars(rank: int = 0) -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    try:
-        import datasets
-    except ImportError:  # not needed by every command
+    datasets = sys.modules.get("datasets")
+    if datasets is None:
+        # not imported yet (a run without HF data never imports it): importing datasets, with
+        # pandas and pyarrow, took ~0.5 s of every start; it reads this variable when imported.
+        # A value the user set stays (it has priority over disable_progress_bars as well)
+        os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
         return
     datasets.disable_progress_bars()

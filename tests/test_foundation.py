@@ -493,6 +493,31 @@ def test_library_bars_are_off_in_log_files_and_on_other_ranks(monkeypatch, tty, 
     assert states == [not off, not off]
 
 
+def test_library_bars_are_off_without_importing_datasets(monkeypatch):
+    """quiet_library_bars imported datasets (with pandas and pyarrow, ~0.5 s of every train.py
+    start) only to turn its bars off. Where datasets is not imported yet, it sets the variable
+    that datasets reads when imported, and a value the user set stays."""
+    import io
+
+    from fot import progress
+
+    var = "HF_DATASETS_DISABLE_PROGRESS_BARS"
+    monkeypatch.setattr(sys, "stderr", io.StringIO())  # a log file: bars off
+    monkeypatch.setitem(sys.modules, "datasets", None)  # `import datasets` would now fail
+    monkeypatch.setenv(var, "unset below")
+    monkeypatch.delenv(var)
+    progress.quiet_library_bars(0)
+    assert os.environ[var] == "1"
+    monkeypatch.setenv(var, "0")  # the user's own
+    progress.quiet_library_bars(0)
+    assert os.environ[var] == "0"
+    # the oracle: datasets imported in a process with the variable has its bars off
+    check = "import datasets; print(datasets.is_progress_bar_enabled())"
+    env = {**os.environ, var: "1"}
+    out = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True)
+    assert out.stdout == "False\n", out.stderr[-3000:]
+
+
 def test_progress_off_a_terminal_is_a_line_per_interval_not_carriage_returns(monkeypatch):
     """In a log file (Slurm, `> log 2>&1`) tqdm appended every redraw to one line joined by
     carriage returns. Off a terminal a bar is a plain line per LOG_INTERVAL_S and at its end;

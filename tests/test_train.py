@@ -2453,7 +2453,8 @@ def test_a_sweep_job_refused_while_starting_leaves_no_folder_behind(tmp_path) ->
     text.mkdir()
     (text / "a.txt").write_text("A few plain words of English for the tokenizer to read. " * 400)
     missing = tmp_path / "no_such_text"
-    script = [sys.executable, str(ROOT / "train.py"), "-m", *SMALL, "data=hf", "data.val_tokens=0"]
+    script = [sys.executable, str(ROOT / "train.py"), "-m", *SMALL, "data=hf", "data.val_tokens=0",
+              "total_tokens=512"]  # fmt: skip
     sweep = tmp_path / "sweep"
     res = _run_script(
         [*script, f"data.path={text},{missing}", f"hydra.sweep.dir={sweep}"], cwd=tmp_path
@@ -2494,7 +2495,7 @@ def test_a_refused_job_leaves_a_folder_outside_the_sweep_as_it_found_it(tmp_path
     (runs / "job1").mkdir(parents=True)  # made before, e.g. by a script
     res = _run_script(
         [sys.executable, str(ROOT / "train.py"), "-m", *SMALL, "data=hf", "data.val_tokens=0",
-         f"data.path={text},{missing}", f"hydra.sweep.dir={tmp_path / 'sweep'}",
+         "total_tokens=512", f"data.path={text},{missing}", f"hydra.sweep.dir={tmp_path / 'sweep'}",
          f"out_dir={runs}/job${{hydra:job.num}}"],
         cwd=tmp_path,
     )  # fmt: skip
@@ -2522,9 +2523,11 @@ def test_a_sweep_rerun_with_its_values_reordered_is_refused_before_a_job_continu
     values, and the folders are left as they were; the same values written otherwise (2e-2
     for 0.02) in the first order are the same sweep."""
     sweep = tmp_path / "sweep"
-    first = _run_script(_sweep_args(sweep, "optim.lr=0.01,0.02"), cwd=tmp_path)
+    first = _run_script(_sweep_args(sweep, "total_tokens=512", "optim.lr=0.01,0.02"), cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
-    errors, _, _ = _refused_sweep_rerun(_sweep_args(sweep, "optim.lr=2e-2,1e-2"), sweep, tmp_path)
+    errors, _, _ = _refused_sweep_rerun(
+        _sweep_args(sweep, "total_tokens=512", "optim.lr=2e-2,1e-2"), sweep, tmp_path
+    )
     assert errors == [
         f"train.py: error: job 0 of this sweep has optim.lr=0.02, but its folder {sweep / '0'} "
         f"holds the checkpoints of a job with optim.lr=0.01 ({sweep / '0/.hydra/overrides.yaml'})"
@@ -2533,7 +2536,7 @@ def test_a_sweep_rerun_with_its_values_reordered_is_refused_before_a_job_continu
         "continue the sweep, list its values as before; for other values, pass a new "
         "hydra.sweep.dir (or leave it out)"
     ], errors
-    same = _run_script(_sweep_args(sweep, "optim.lr=1e-2,2e-2"), cwd=tmp_path)
+    same = _run_script(_sweep_args(sweep, "total_tokens=512", "optim.lr=1e-2,2e-2"), cwd=tmp_path)
     assert same.returncode == 0, same.stderr[-3000:]
     # a finished job starts over in another sweep folder: -m refuses out_dir=...
     assert "the run already finished" in same.stdout
@@ -2552,10 +2555,10 @@ def test_a_sweep_rerun_that_sweeps_a_key_the_first_left_at_its_default_is_refuse
     from fot.provenance import sweep_job_conflict
 
     sweep = tmp_path / "sweep"
-    first = _run_script(_sweep_args(sweep, "optim.lr=0.01,0.02"), cwd=tmp_path)
+    first = _run_script(_sweep_args(sweep, "total_tokens=512", "optim.lr=0.01,0.02"), cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
     errors, before, after = _refused_sweep_rerun(
-        _sweep_args(sweep, "seed=1,0", "optim.lr=0.01,0.02"),
+        _sweep_args(sweep, "total_tokens=512", "seed=1,0", "optim.lr=0.01,0.02"),
         sweep,
         tmp_path,
     )
@@ -2599,9 +2602,11 @@ def test_a_sweep_rerun_that_leaves_at_its_default_a_key_the_first_swept_is_refus
     jobs' records differ is compared too, and the rerun is refused; a rerun in the same order
     that trains longer (total_tokens for every job) still goes on."""
     sweep = tmp_path / "sweep"
-    first = _run_script(_sweep_args(sweep, "seed=1,0"), cwd=tmp_path)
+    first = _run_script(_sweep_args(sweep, "total_tokens=512", "seed=1,0"), cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
-    errors, _, _ = _refused_sweep_rerun(_sweep_args(sweep, "optim.lr=0.01,0.02"), sweep, tmp_path)
+    errors, _, _ = _refused_sweep_rerun(
+        _sweep_args(sweep, "total_tokens=512", "optim.lr=0.01,0.02"), sweep, tmp_path
+    )
     assert errors == [
         f"train.py: error: job 0 of this sweep has seed=0 (its default), but its folder "
         f"{sweep / '0'} holds the checkpoints of a job with seed=1 "
@@ -2610,10 +2615,10 @@ def test_a_sweep_rerun_that_leaves_at_its_default_a_key_the_first_swept_is_refus
         "order or others. To continue the sweep, list its values as before; for other values, "
         "pass a new hydra.sweep.dir (or leave it out)"
     ], errors
-    longer = _run_script(_sweep_args(sweep, "seed=1,0", "total_tokens=2560"), cwd=tmp_path)
+    longer = _run_script(_sweep_args(sweep, "seed=1,0", "total_tokens=768"), cwd=tmp_path)
     assert longer.returncode == 0, longer.stderr[-3000:]
-    for job in ("0", "1"):
-        assert sorted(_losses(sweep / job)) == list(range(1, 11))
+    for job in ("0", "1"):  # steps 1-2, then step 3 after the resume
+        assert sorted(_losses(sweep / job)) == [1, 2, 3]
 
 
 def test_train_py_refuses_a_missing_resume_folder_before_training(tmp_path) -> None:

@@ -607,28 +607,40 @@ def test_profiled_run_writes_summary_and_trains_the_same(tmp_path, reference_run
 def test_gc_is_manual_while_training(tmp_path, reference_run, monkeypatch) -> None:
     """``gc_every_steps=3``: automatic GC off during the 8 steps, a young-generation collection
     before steps 1, 4 and 7, a full one at the checkpoints after steps 2, 4 and 6 (and one
-    before training), automatic GC back on afterwards; the losses are unchanged."""
+    before training), automatic GC back on afterwards; the losses are unchanged. The objects
+    alive before training are frozen while it runs (each full collection walked all of
+    torch's and transformers' again: ~0.2 s), and unfrozen after; a caller's freeze stays."""
     import gc
 
-    calls: list[tuple[tuple, bool]] = []
+    calls: list[tuple[tuple, bool, int]] = []
     real_collect = gc.collect
 
     def collect(*args):
-        calls.append((args, gc.isenabled()))
+        calls.append((args, gc.isenabled(), gc.get_freeze_count()))
         return real_collect(*args)
 
     monkeypatch.setattr(gc, "collect", collect)
     out = tmp_path / "run"
+    real_collect()
+    alive = len(gc.get_objects())  # the oracle: what a freeze now would set aside
     train(_cfg(out, "gc_every_steps=3", "data.val_tokens=0"))
-    assert gc.isenabled()
+    assert gc.isenabled() and gc.get_freeze_count() == 0
     assert _losses(out) == reference_run
-    young = [enabled for args, enabled in calls if args == (1,)]
+    young = [enabled for args, enabled, _ in calls if args == (1,)]
     assert young == [False, False, False]
-    full = [enabled for args, enabled in calls if args == ()]
-    assert full == [True, False, False, False]
+    full = [(enabled, frozen >= 0.9 * alive) for args, enabled, frozen in calls if args == ()]
+    assert full == [(True, False), (False, True), (False, True), (False, True)], (alive, calls)
     with pytest.raises(ValueError, match="gc_every_steps must be >= 0"):
         train(_cfg(tmp_path / "bad", "gc_every_steps=-1"))
     assert gc.isenabled()
+    gc.freeze()  # the caller's own
+    try:
+        frozen = gc.get_freeze_count()
+        train(_cfg(tmp_path / "frozen", "gc_every_steps=3", "data.val_tokens=0",
+                   "total_tokens=256"))  # fmt: skip
+        assert gc.get_freeze_count() >= 0.9 * frozen  # not unfrozen (some freed meanwhile)
+    finally:
+        gc.unfreeze()
 
 
 _COMMON = ["total_tokens=1024", "ckpt_every_tokens=0", "micro_batch_size=1", "data.val_tokens=256"]

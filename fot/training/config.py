@@ -276,7 +276,9 @@ class TrainConfig:
     the young generations runs every this many steps, and a full one at each validation and
     checkpoint, on every rank at the same step (0: automatic collection). An automatic
     collection stalls one rank's host at its own moment (~0.2 s per stall measured with FSDP2
-    at 760M), and every other rank then waits for it in the next collective."""
+    at 760M), and every other rank then waits for it in the next collective. The objects that
+    live when training starts are frozen (``gc.freeze``) until it ends: no collection walks
+    them again."""
     peak_flops: float | None = None
     """Per-device peak FLOP/s for MFU (default: looked up for known GPUs; none on CPU)."""
 

@@ -1099,9 +1099,17 @@ def train(cfg: DictConfig, *, on_folder: Callable[[Path], None] | None = None) -
         # Python's automatic cyclic GC is off while training (see TrainConfig.gc_every_steps).
         gc.collect()
         gc.disable()
+        # What lives now (the modules of torch and transformers, the caller's objects) is set
+        # aside, so the full collections at checkpoints and validations do not walk it again
+        # each time (~0.2 s each); a caller's own freeze is left to the caller
+        freeze = gc.get_freeze_count() == 0
+        if freeze:
+            gc.freeze()
         try:
             return _train(cfg, config_warnings, cleanup, on_folder)
         finally:
+            if freeze:
+                gc.unfreeze()
             gc.enable()
 
 

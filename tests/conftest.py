@@ -29,6 +29,11 @@ HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ["TRITON_INTERPRET"] = "1"
 
+# The command-line mains that tests call in-process turn datasets' progress bars off; where
+# datasets is not imported yet they do it through its environment variable, which would hold
+# for every later test of the worker (datasets reads it once, and it outranks
+# enable_progress_bars). Imported here, datasets is switched through its own functions.
+import datasets  # noqa: E402, F401
 import pytest  # noqa: E402
 
 if not HAS_CUDA:

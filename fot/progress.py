@@ -79,8 +79,8 @@ def quiet_library_bars(rank: int = 0) -> None:
     downloading, generating a split) off a terminal, where tqdm would append their redraws to
     one line joined by carriage returns, and on every process but rank 0 (under torchrun each
     would draw the same bar). For the command-line entry points: it changes the libraries'
-    settings for the whole process
-    (for datasets not imported yet, through HF_DATASETS_DISABLE_PROGRESS_BARS in its environment).
+    settings for the whole process (for datasets not imported yet, through
+    HF_DATASETS_DISABLE_PROGRESS_BARS in the environment, which child processes inherit).
 
     Args:
         rank: this process's rank.

@@ -42,6 +42,7 @@ from contextlib import closing, contextmanager
 from pathlib import Path
 from typing import Any
 
+import lm_eval.models  # noqa: F401  (lm-eval's own models, registered before "fot": see below)
 import torch
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
@@ -128,6 +129,10 @@ def make_fot_lm(
     return FoTLM(model, tokenizer, max_length=max_length, batch_size=batch_size, bos=bos, **kwargs)
 
 
+# lm-eval registers its own models (``hf``, ``vllm``, ...) at its first model lookup only if
+# its registry is still empty then: registered alone, "fot" hid them all for the rest of the
+# process (``simple_evaluate(model="hf")`` failed: "no model for this name found! Supported
+# model names: fot"). Importing ``lm_eval.models`` above registers them first.
 @register_model("fot")
 class FoTLM(TemplateLM):
     """An lm-eval language model for any Hugging Face causal LM, fot's tokenisation rules.

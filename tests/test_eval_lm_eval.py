@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -336,3 +338,17 @@ def test_max_length_past_a_learned_position_table_is_refused_before_the_tasks(
     lm = FoTLM(model, tok, max_length=8)
     (total,) = lm.loglikelihood_rolling([SimpleNamespace(args=(TEXTS[0]["text"],))], True)
     assert total < 0
+
+
+def test_lm_evals_own_models_stay_known_after_the_adapter_is_imported():
+    """lm-eval registers its own models (hf, vllm, ...) at its first model lookup only while
+    its registry is empty: `import fot.eval.lm_eval_adapter` registered "fot" first, and
+    `simple_evaluate(model="hf")` in that process failed ("Supported model names: fot")."""
+    code = (
+        "import fot.eval.lm_eval_adapter\n"
+        "from lm_eval.api.registry import get_model\n"
+        "print(get_model('hf').__name__, get_model('fot').__name__)"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == ["HFLM", "FoTLM"]

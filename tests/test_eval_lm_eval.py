@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from eval_helpers import QUESTIONS, make_llama_checkpoint
+from eval_helpers import QUESTIONS, make_fot_checkpoint, make_llama_checkpoint
 
 from fot.eval.common import load_checkpoint, token_losses
 
@@ -352,3 +352,41 @@ def test_lm_evals_own_models_stay_known_after_the_adapter_is_imported():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     assert res.stdout.split() == ["HFLM", "FoTLM"]
+
+
+def test_fot_and_lm_evals_hf_model_agree_on_an_exported_fot_folder(setup, tmp_path):
+    """lm-eval's own `hf` model (HFLM, an independent oracle) on a fot export, as users run it
+    (`pretrained=DIR,trust_remote_code=True`): with `add_bos_token=True` (the exported
+    tokenizer's default) every loglikelihood request scores as fot's adapter scores it (one
+    BOS in front of the context). Rolling log-likelihood differs by design (eval/README.md):
+    HFLM scores the text's tokens with a BOS in front and a second BOS as the window prefix,
+    `[BOS] [BOS] text`, counting log p(BOS | BOS) too; fot scores `[BOS] text`."""
+    import lm_eval
+
+    from fot.eval.lm_eval_adapter import _task_manager
+
+    root, _, _ = setup
+    ckpt = make_fot_checkpoint(tmp_path / "fot")
+    model, tok = load_checkpoint(ckpt, device="cpu", dtype="float32")
+    tasks = ["fot_toy_mc", "fot_toy_rolling"]
+    tm = _task_manager(str(root / "tasks"), tasks)
+    common = f"pretrained={ckpt},dtype=float32,device=cpu,batch_size=3,max_length=64"
+    runs = {
+        name: lm_eval.simple_evaluate(model=name, model_args=f"{common}{extra}", tasks=tasks,
+                                      task_manager=tm, log_samples=True, bootstrap_iters=0)
+        for name, extra in (("fot", ""), ("hf", ",trust_remote_code=True,add_bos_token=True"))
+    }  # fmt: skip
+    fot, hf = ({t: sorted(r["samples"][t], key=lambda s: s["doc_id"]) for t in tasks}
+               for r in runs.values())  # fmt: skip
+    got = [float(r[0]) for s in fot["fot_toy_mc"] for r in s["filtered_resps"]]
+    want = [float(r[0]) for s in hf["fot_toy_mc"] for r in s["filtered_resps"]]
+    assert len(got) == sum(len(q["choices"]) for q in QUESTIONS)
+    assert got == pytest.approx(want, rel=1e-5, abs=1e-5)
+    for f, h, t in zip(fot["fot_toy_rolling"], hf["fot_toy_rolling"], TEXTS):
+        tokens = tok.encode(t["text"], add_special_tokens=False)  # ~17 tokens: one window
+        assert float(f["filtered_resps"][0]) == pytest.approx(
+            _logprob(model, [50256], tokens), rel=1e-5
+        )
+        assert float(h["filtered_resps"][0]) == pytest.approx(
+            _logprob(model, [50256], [50256, *tokens]), rel=1e-5
+        )

@@ -729,6 +729,57 @@ def test_two_processes_equal_one(tmp_path, strategy: str, launcher: str, one_pro
     assert final["val/loss"] == pytest.approx(res1["val/loss"], rel=1e-5)
 
 
+def test_three_fsdp_processes_over_uneven_shards_train_export_and_resume_as_one(tmp_path) -> None:
+    """FSDP2 over 3 processes (gloo) of a model whose rows do not split over 3: a vocabulary of
+    50257 rows (pad_vocab_multiple=1), widths of 32 and 50, and 2-row gate and shift weights
+    that leave rank 2 no rows. It logs the one-process run's losses; its HF export is its
+    final checkpoint, which holds the whole tensors, near the one-process run's weights; its
+    step-2 checkpoint resumed in one process logs the one-process run's steps 3 and 4 (a
+    sequence read twice or skipped across the change of process count would show)."""
+    from transformers import AutoModelForCausalLM
+
+    uneven = [
+        "++model.overrides={hidden_size:32,num_hidden_layers:1,num_heads:2,"
+        "pad_vocab_multiple:1,intermediate_size:50}",
+        "global_batch_tokens=384",  # 6 sequences: 2 per process, 6 micro batches in one
+        "micro_batch_size=1",
+        "total_tokens=1536",
+        "log_every_tokens=384",
+        "ckpt_every_tokens=768",
+        "data.val_tokens=384",
+        "schedule.warmup_tokens=768",
+    ]
+    single, multi, resumed = tmp_path / "single", tmp_path / "fsdp3", tmp_path / "resumed"
+    train(_cfg(single, *uneven, "parallel=single"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3",
+           str(ROOT / "train.py"), *SMALL, *uneven, "parallel=fsdp", "export_hf=true",
+           f"out_dir={multi}", f"hydra.run.dir={multi}"]  # fmt: skip
+    proc = _run_script(cmd, env_extra={"OMP_NUM_THREADS": "1"}, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ckpt = torch.load(multi / "checkpoints" / "step_00000004" / "model.pt", weights_only=True)
+    want = torch.load(single / "checkpoints" / "step_00000004" / "model.pt", weights_only=True)
+    assert ckpt["lm_head.weight"].shape == (50257, 32)
+    assert ckpt["model.layers.0.self_attn.fgate_proj.weight"].shape == (2, 32)
+    assert ckpt.keys() == want.keys()
+    for k, v in ckpt.items():  # a shard put in the wrong rows would be off by the init's 0.02
+        assert type(v) is torch.Tensor and torch.allclose(v, want[k], rtol=0, atol=1e-3), k
+    exported = AutoModelForCausalLM.from_pretrained(multi / "hf").state_dict()
+    assert all(torch.equal(exported[k], v) for k, v in ckpt.items())
+    l1, l3 = _records(single), _records(multi)
+    assert sorted(l1) == sorted(l3) == [1, 2, 3, 4]
+    # tolerances as in test_two_processes_equal_one: losses to float32 reduction order;
+    # the logged norm also differs by torch's float32 norm on the CPU, whose error on the
+    # 1.6M-entry LM head gradient is ~1e-4 (sharded, its parts are summed more exactly)
+    for step in l1:
+        assert l3[step]["loss"] == pytest.approx(l1[step]["loss"], abs=1e-5), step
+        assert l3[step]["grad_norm"] == pytest.approx(l1[step]["grad_norm"], rel=1e-3), step
+    assert json.loads((multi / "run_info.json").read_text())[0]["world_size"] == 3
+    train(_cfg(resumed, *uneven, "parallel=single", f"resume={multi}/checkpoints/step_00000002"))
+    l1r = _losses(resumed)
+    assert sorted(l1r) == [3, 4]
+    assert l1r == pytest.approx({s: l1[s]["loss"] for s in (3, 4)}, abs=1e-5)
+
+
 def test_training_data_smaller_than_a_batch_warns_and_repeated_data_is_noted(
     tmp_path, caplog
 ) -> None:

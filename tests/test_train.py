@@ -780,6 +780,25 @@ def test_three_fsdp_processes_over_uneven_shards_train_export_and_resume_as_one(
     assert l1r == pytest.approx({s: l1[s]["loss"] for s in (3, 4)}, abs=1e-5)
 
 
+def test_a_resumed_ddp_processs_first_step_rounds_as_the_uninterrupted_runs_step(
+    tmp_path,
+) -> None:
+    """DDP over 3 processes (gloo) all-reduces a process's first backward in one bucket and
+    later ones in rebuilt buckets; an entry's sum over 3 ranks rounds by where it lies in its
+    bucket, so a resumed run's first step left the uninterrupted run's weights in the last bit
+    (2 ranks add alike in any order, so the 2-process tests saw nothing). After
+    settle_ddp_buckets, which the trainer calls before the first step of every start, a
+    process's first step gives the gradients of the same step in a process past its first,
+    bit for bit; the settling leaves zero gradients and torch's RNG state as it was."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3",
+           str(ROOT / "tests" / "ddp_buckets.py"), str(tmp_path)]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(3)]
+    assert all(r["equal"] and r["grads_zero"] and r["rng_kept"] for r in ranks), ranks
+
+
 def test_training_data_smaller_than_a_batch_warns_and_repeated_data_is_noted(
     tmp_path, caplog
 ) -> None:

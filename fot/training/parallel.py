@@ -583,6 +583,27 @@ def wrap_ddp(model: nn.Module, device: torch.device) -> DistributedDataParallel:
     return DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=True)
 
 
+def settle_ddp_buckets(model: DistributedDataParallel, loss: Callable[[], torch.Tensor]) -> None:
+    """Let DDP rebuild its gradient buckets before this process's first training step.
+
+    DDP all-reduces its first backward in one bucket and then rebuilds the buckets in the
+    order the gradients became ready. Over 3 or more ranks the all-reduce's sum of an entry
+    rounds according to where the entry lies in its bucket (2 ranks add in either order
+    alike), so the first step of each process rounded its gradients otherwise than the same
+    step after the rebuild: a resumed run left the uninterrupted one's weights in the last
+    bit. Here one backward of ``loss() * 0`` (gradients discarded, torch's RNG state kept)
+    records that order, so every training step of every start uses the rebuilt buckets.
+
+    Args:
+        model: the DDP-wrapped model, before its first backward.
+        loss: one micro batch's forward through ``model``, returning its loss (a scalar).
+    """
+    device = next(model.parameters()).device
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        (loss() * 0).backward()
+    model.zero_grad(set_to_none=False)
+
+
 def unwrap(model: nn.Module) -> nn.Module:
     """The model under a DDP wrapper (the model itself otherwise)."""
     return getattr(model, "module", model)

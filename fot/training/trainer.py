@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
@@ -36,6 +37,7 @@ from fot.data.streams import (
     clamp_token_ids,
     first_bad_token_id,
     iterate_eval_batches,
+    make_batch,
     token_id_error,
 )
 from fot.errors import FotError, cannot_write
@@ -67,6 +69,7 @@ from fot.training.parallel import (
     naming_timeouts,
     parallelize,
     resolve_strategy,
+    settle_ddp_buckets,
     stop_together,
     unwrap,
 )
@@ -1813,6 +1816,22 @@ def _train(
     graphed = None
     if cfg.parallel.cuda_graphs:
         graphed = GraphedStep(run_step, optimizer, device=info.device)
+
+    if isinstance(model, DistributedDataParallel) and step < total_steps:
+        # the buckets of every step, also a resumed run's first, are the rebuilt ones
+        shape = (int(cfg.micro_batch_size), int(cfg.data.seq_len))
+        warm = make_batch(
+            np.zeros(shape, np.int64), np.zeros(shape, np.int64), varlen=stream.varlen
+        )
+        warm = warm.to(info.device)
+
+        def warm_loss() -> torch.Tensor:
+            with amp():
+                ids, labels, cu = warm.input_ids, warm.labels, warm.cu_seqlens
+                return model(input_ids=ids, shift_labels=labels, cu_seqlens=cu).loss
+
+        settle_ddp_buckets(model, warm_loss)
+        t_window = time.time()  # the rates leave it out
 
     gc_every = int(cfg.gc_every_steps)  # train() turned automatic GC off when this is > 0
     while step < total_steps:

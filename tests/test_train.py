@@ -1079,6 +1079,10 @@ def test_a_rank_stops_though_the_store_of_the_group_does_not_answer(tmp_path) ->
     try:
         assert [p.stdout.readline() for p in procs] == ["ready\n"] * 2
         procs[0].send_signal(signal.SIGSTOP)
+        # the stop is asynchronous: until every thread of rank 0 has stopped, its store thread
+        # may still answer (1 run in 16 under load answered at once); waitpid reports the stop
+        _, status = os.waitpid(procs[0].pid, os.WUNTRACED)
+        assert os.WIFSTOPPED(status), status
         out, err = procs[1].communicate("go\n", timeout=30)
         assert procs[1].returncode == 0, err[-3000:]
         gone = (

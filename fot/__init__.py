@@ -6,6 +6,10 @@ from fot import _source_layout
 
 _source_layout.install(_Path(__file__).resolve().parent)
 
+from fot.mkl_math import resolve_vml_dispatch  # noqa: E402
+
+resolve_vml_dispatch()  # before any op of many threads: see fot/mkl_math.py
+
 from transformers import AutoConfig as _AutoConfig  # noqa: E402
 from transformers import AutoModel as _AutoModel  # noqa: E402
 from transformers import AutoModelForCausalLM as _AutoModelForCausalLM  # noqa: E402

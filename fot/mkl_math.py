@@ -8,10 +8,12 @@ of them can run a low-accuracy kernel for its whole chunk of that one call (pyto
 #188792 reports it for oneMKL 2024.2, the version in torch 2.11.0's and 2.13.0's x86 wheels,
 and not for oneMKL >= 2025.0).
 
-Measured with torch 2.13.0 on 2 cores, four copies of tests/test_train.py's tiny CPU training
-run at once: in 15 of 271 runs the main thread's half of AdamW's first ``exp_avg_sq.sqrt()``
-(of the embedding) had relative errors up to 3.1e-4 (about 12 correct bits), and every later
-loss differed in its last bits from the other runs'. Exact-resume tests failed now and then
+Measured with torch 2.13.0 on 2 cores by a one-off script (not kept in the repository) that
+ran tests/test_train.py's tiny CPU training four copies at a time, each in a fresh process, and
+hashed every gradient, Adam moment and parameter at each step: in 15 of 271 runs the main
+thread's half of AdamW's first ``exp_avg_sq.sqrt()`` (of the embedding) had relative errors up
+to 3.1e-4 (about 12 correct bits), and every later loss differed in its last bits from the
+other runs'. Exact-resume tests failed now and then
 for it. With :func:`resolve_vml_dispatch`, which ``import fot`` runs, none of 200 runs did;
 100 of them ran side by side with 100 runs without it, 5 of which did.
 """

@@ -8,6 +8,8 @@
 * ``@pytest.mark.gpu`` tests are skipped (and reported as skipped) without CUDA. With CUDA they
   share one pytest-xdist worker (``--dist loadgroup``), so that up to 4 workers never run the
   large ones on one GPU at once.
+* Every test starts with torch's global RNG seeded with 0, so a test that draws from it (most
+  kernel and model tests do) sees the same numbers run alone, in any order, on any worker.
 * The ``device`` fixture is where a test that runs Triton kernels (ours or FLA's) puts its
   models and tensors: CUDA on a GPU machine (there the kernels are compiled and cannot read CPU
   tensors), CPU under the interpreter otherwise. Such a test runs on both kinds of machines.
@@ -44,6 +46,14 @@ if not HAS_CUDA:
     from fot.models.fla_baselines import untimed_autotune_in_interpreter
 
     untimed_autotune_in_interpreter()
+
+
+@pytest.fixture(autouse=True)
+def _torch_rng_seeded_per_test():
+    """torch's global RNG (CPU and CUDA) seeded with 0 before each test: without it a test's
+    random inputs depend on which tests its pytest-xdist worker ran before it, and a failure
+    seen in CI may not come back when the test is run alone."""
+    torch.manual_seed(0)
 
 
 @pytest.fixture

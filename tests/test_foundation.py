@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 import fot
 from fot import tokenizer
@@ -571,3 +572,10 @@ def test_progress_off_a_terminal_is_a_line_per_interval_not_carriage_returns(mon
     os.close(leader)
     written = written.decode()
     assert all(f"\rt: {p:3d}%" in written for p in (0, 33, 67, 100)), written
+
+
+def test_each_test_starts_with_torchs_global_rng_seeded_with_0():
+    # conftest's autouse fixture; without it this worker's RNG is wherever earlier tests left
+    # it, or at torch's own start-up seed (not 0) in a fresh process.
+    expected = torch.randn(8, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(torch.randn(8), expected)

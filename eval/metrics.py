@@ -110,6 +110,12 @@ def classification_score(
 ) -> float:
     """LongBench's classification score (e.g. TREC question types).
 
+    Every class name found in the prediction that is a strict substring of the true class is
+    dropped. LongBench's own loop removes them from the list it is iterating over, so it keeps
+    such a name when it directly follows another one it removed; fot drops them all. The two
+    agree wherever no class name lies inside another: none of TREC's 50 does, and TREC is the
+    only task of fot's LongBench suite scored this way.
+
     Args:
         prediction: generated text.
         reference: the true class name.

@@ -84,6 +84,9 @@ def test_classification_hand_computed():
     )
     assert classification_score("Location", "Location city", all_classes=classes) == 0.0
     assert classification_score("Human", "Location city", all_classes=classes) == 0.0
+    # Two substrings of the truth in a row are both dropped (LongBench's loop keeps "city").
+    nested = ["Location", "city", "Location city"]
+    assert classification_score("Location city", "Location city", all_classes=nested) == 1.0
     with pytest.raises(ValueError, match="all_classes"):
         classification_score("x", "y", all_classes=[])
 

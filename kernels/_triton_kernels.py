@@ -156,6 +156,7 @@ def _fwd_kernel(
     C,
     DOCSTART,
     KMAX,
+    RISES,
     Out,
     LSE,
     STATS,
@@ -229,8 +230,10 @@ def _fwd_kernel(
         bound = q_norm * kmax * tl.abs(qk_scale) + cq - s_diag  # log2 units, rel. to the anchor
         g = tl.max(tl.where(row_ok, bound, float("-inf"))) + prune_log2
         # a NaN/inf key or value of the head (kmax = inf): nothing pruned, also for rows whose
-        # bound is 0 * inf = NaN (a zero query), which the max above skips
-        g = tl.where(kmax == float("inf"), float("inf"), g)
+        # bound is 0 * inf = NaN (a zero query), which the max above skips; nor where a gate
+        # above 1 lets c rise (the bound takes c to never rise)
+        off = (kmax == float("inf")) | (tl.load(RISES + bh) != 0)
+        g = tl.where(off, float("inf"), g)
         t_first = _first_needed_key(C_row, g, a_hi, a_lo, t_lo, t_hi, T, BN)
     else:
         t_first = t_lo
@@ -334,6 +337,7 @@ def _bwd_dq_kernel(
     DQ,
     DROW,
     KMAX,
+    RISES,
     KFIRST,
     stride_qb,
     stride_qt,
@@ -423,7 +427,8 @@ def _bwd_dq_kernel(
         kmax = tl.load(KMAX + b * H + hk)
         bound = q_norm * kmax * tl.abs(qk_scale) + cq - lse
         g = tl.max(tl.where(row_ok, bound, float("-inf"))) + prune_log2
-        g = tl.where(kmax == float("inf"), float("inf"), g)  # as in the forward
+        off = (kmax == float("inf")) | (tl.load(RISES + bh) != 0)  # as in the forward
+        g = tl.where(off, float("inf"), g)
         t_first = _first_needed_key(C_row, g, a_hi, a_lo, t_lo, t_hi, T, BN)
         # The dK/dV kernel reads where each query tile starts.
         tl.store(KFIRST + bh * n_m + pid_m, t_first * BN)
@@ -709,11 +714,14 @@ def _kmax_kernel(
 
 
 @triton.jit
-def _gate_cumsum_kernel(LF, C, T, HQ, BLOCK: tl.constexpr):
-    """``C[b, h] = (hi, lo)`` of ``cumsum_t(LF[b, :, h]) * log2(e)`` summed in float64.
+def _gate_cumsum_kernel(LF, C, RISES, T, HQ, BLOCK: tl.constexpr):
+    """``C[b, h] = (hi, lo)`` of ``cumsum_t(LF[b, :, h]) * log2(e)`` summed in float64, and
+    ``RISES[b * HQ + h]`` = 1 where some ``LF[b, t, h] > 0`` (the cumsum rises: exact pruning,
+    which takes it to never rise, is then off for that head), else 0.
 
-    ``LF`` ``[B, T, HQ]`` float32 (contiguous), ``C`` ``[B, HQ, 2, T]`` float32. One program
-    per (batch, head) walks T in blocks, carrying the running float64 sum.
+    ``LF`` ``[B, T, HQ]`` float32 (contiguous), ``C`` ``[B, HQ, 2, T]`` float32, ``RISES``
+    ``[B * HQ]`` int32. One program per (batch, head) walks T in blocks, carrying the running
+    float64 sum.
     """
     bh = tl.program_id(0)
     b = bh // HQ
@@ -721,10 +729,12 @@ def _gate_cumsum_kernel(LF, C, T, HQ, BLOCK: tl.constexpr):
     LF_row = LF + b.to(tl.int64) * T * HQ + h
     C_row = C + bh.to(tl.int64) * 2 * T
     carry = tl.zeros([1], dtype=tl.float64)
+    rises = tl.zeros([1], dtype=tl.int32)
     for t0 in range(0, T, BLOCK):
         offs = t0 + tl.arange(0, BLOCK)
         ok = offs < T
         lf = tl.load(LF_row + offs * HQ, mask=ok, other=0.0).to(tl.float64)
+        rises = tl.maximum(rises, tl.max((lf > 0).to(tl.int32), 0))
         c = tl.cumsum(lf, 0) + carry
         c = c * _LOG2E_HI + c * _LOG2E_LO
         hi = c.to(tl.float32)
@@ -732,6 +742,7 @@ def _gate_cumsum_kernel(LF, C, T, HQ, BLOCK: tl.constexpr):
         tl.store(C_row + offs, hi, mask=ok)
         tl.store(C_row + T + offs, lo, mask=ok)
         carry += tl.sum(lf, 0)
+    tl.store(RISES + bh + tl.arange(0, 1), rises)
 
 
 @triton.jit

@@ -163,8 +163,10 @@ def _doc_bounds(cu_seqlens: torch.Tensor | None, T: int, device: torch.device):
     return cu[doc].to(torch.int32).contiguous(), cu[doc + 1].to(torch.int32).contiguous()
 
 
-def _gate_cumsum(log_fgate: torch.Tensor) -> torch.Tensor:
-    """``[B, T, HQ]`` float32 -> ``c * log2(e)`` as a float32 (hi, lo) pair ``[B, HQ, 2, T]``.
+def _gate_cumsum(log_fgate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B, T, HQ]`` float32 -> ``c * log2(e)`` as a float32 (hi, lo) pair ``[B, HQ, 2, T]``,
+    and ``rises`` ``[B * HQ]`` int32: 1 for a (batch, head) with some ``log_fgate > 0`` (a
+    gate above 1), whose c can rise, so exact pruning's bound does not hold there.
 
     The sum runs in float64; hi is its float32 rounding and lo the remainder, so kernels get
     c_i - c_j to ~float64 accuracy near the diagonal with float32 arithmetic only (float64
@@ -173,13 +175,14 @@ def _gate_cumsum(log_fgate: torch.Tensor) -> torch.Tensor:
     """
     B, T, HQ = log_fgate.shape
     c = torch.empty((B, HQ, 2, T), dtype=torch.float32, device=log_fgate.device)
+    rises = torch.empty(B * HQ, dtype=torch.int32, device=log_fgate.device)
     # One launch instead of ~9 small torch ops (transpose, casts, scan, split, stack); block
     # 4096 with 8 warps was the fastest of 1024-8192 on an H200.
     block, warps = (32, 1) if _interpreting() else (4096, 8)
     kern._gate_cumsum_kernel[(B * HQ,)](
-        log_fgate.contiguous(), c, T, HQ, BLOCK=block, num_warps=warps
+        log_fgate.contiguous(), c, rises, T, HQ, BLOCK=block, num_warps=warps
     )
-    return c
+    return c, rises
 
 
 def _forward(
@@ -187,6 +190,7 @@ def _forward(
     k: torch.Tensor,
     v: torch.Tensor,
     c: torch.Tensor,
+    rises: torch.Tensor,
     lay: _Layout,
     prune_log2: float | None,
     stats: PruneStats | None,
@@ -227,6 +231,7 @@ def _forward(
         c,
         lay.doc_start,
         kmax,
+        rises,
         o,
         lse,
         stats_buf,
@@ -276,6 +281,7 @@ def _backward(
     v: torch.Tensor,
     o: torch.Tensor,
     c: torch.Tensor,
+    rises: torch.Tensor,
     lse: torch.Tensor,
     lay: _Layout,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -310,6 +316,7 @@ def _backward(
         dq,
         drow,
         lay.kmax if prune else lse,
+        rises,
         kfirst,
         q.stride(0),
         q.stride(1),
@@ -431,9 +438,9 @@ class _ForgettingAttentionFn(torch.autograd.Function):
         if compute_dtype is not None:
             q, k, v = q.to(compute_dtype), k.to(compute_dtype), v.to(compute_dtype)
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        c = _gate_cumsum(log_fgate)
-        o, lse = _forward(q, k, v, c, lay, prune_log2, stats)
-        ctx.save_for_backward(q, k, v, o, c, lse)
+        c, rises = _gate_cumsum(log_fgate)
+        o, lse = _forward(q, k, v, c, rises, lay, prune_log2, stats)
+        ctx.save_for_backward(q, k, v, o, c, rises, lse)
         ctx.lay = lay
         ctx.out_dtype = out_dtype
         return o.to(out_dtype)
@@ -444,8 +451,8 @@ class _ForgettingAttentionFn(torch.autograd.Function):
         "Use forgetting_attention_reference, which has one (in a fot model, attn_backend='reference' and loss_impl='chunked').",
     )
     def backward(ctx, do):
-        q, k, v, o, c, lse = ctx.saved_tensors
-        dq, dk, dv, dlogf = _backward(do.to(q.dtype), q, k, v, o, c, lse, ctx.lay)
+        q, k, v, o, c, rises, lse = ctx.saved_tensors
+        dq, dk, dv, dlogf = _backward(do.to(q.dtype), q, k, v, o, c, rises, lse, ctx.lay)
         dt = ctx.out_dtype
         return dq.to(dt), dk.to(dt), dv.to(dt), dlogf, None, None, None, None
 
@@ -490,11 +497,10 @@ def forgetting_attention(
         k: ``[B, T, H, D]``, same dtype; ``HQ % H == 0`` (grouped-query attention: query head
             ``h`` reads key/value head ``h // (HQ // H)``).
         v: ``[B, T, H, D]``.
-        log_fgate: ``[B, T, HQ]`` float32, log of the forget gate, finite and ``<= 0`` (e.g.
-            ``F.logsigmoid``). Pruning relies on the sign (c is then non-increasing): with an
-            entry ``> 0`` it skips tiles that carry weight, a wrong output that on the GPU only
-            ``debug=True`` catches (off the GPU such a gate is refused unless ``prune=False``,
-            which computes it exactly). With
+        log_fgate: ``[B, T, HQ]`` float32, log of the forget gate, finite; usually ``<= 0``
+            (``F.logsigmoid``), so that c never rises, which exact pruning's bound uses. A
+            (batch, head) with some entry ``> 0`` (a gate above 1) is computed exactly too:
+            the gate-cumsum kernel flags it (no host sync) and nothing is pruned there. With
             ``cu_seqlens`` one float64 cumsum runs over the whole packed row (only differences
             within a document are used), so a NaN or -inf gate makes every later document NaN
             too, and a sum beyond ~1e12 costs the later documents their precision.
@@ -504,7 +510,9 @@ def forgetting_attention(
         window_size: query ``i`` sees keys ``i - window_size < j <= i`` only.
         prune: skip key tiles whose every weight underflows to zero, in the forward and the
             backward (exact: results are bitwise the same as with ``prune=False``; the bound
-            uses ``|scale| * |q_i| * max_j |k_j|`` and the monotone gate cumsum). On by default.
+            uses ``|scale| * |q_i| * max_j |k_j|`` and the falling gate cumsum; a head with a
+            key or value that is not finite, or with a gate above 1, is not pruned). On by
+            default.
         prune_threshold: approximate pruning (natural-log units, e.g. ``-20.0``): also skip
             tiles whose bound on every weight is below ``e**prune_threshold`` times the
             row's diagonal weight. Off (``None``) by default; only the forward pass is
@@ -512,9 +520,8 @@ def forgetting_attention(
             function).
         stats: a :class:`PruneStats` to accumulate tile counts into (costs a host sync;
             leave ``None`` in training).
-        debug: validate that ``log_fgate`` is finite and ``<= 0``, and the contents of a
-            ``cu_seqlens`` on the GPU (host syncs; on the CPU ``cu_seqlens`` and, with pruning,
-            ``log_fgate <= 0`` are always checked).
+        debug: validate that ``log_fgate`` is finite, and the contents of a ``cu_seqlens`` on
+            the GPU (host syncs; on the CPU ``cu_seqlens`` is always checked).
 
     Under ``torch.compile`` in Triton's interpreter the call runs outside the graph (a graph
     break, which ``fullgraph=True`` refuses); the FoT model calls it through
@@ -525,7 +532,8 @@ def forgetting_attention(
         backward with ``create_graph=True``, e.g. for a gradient penalty, raises; the
         reference has a second order). Saved for
         backward: q, k, v, a float32 copy of o (the backward's rowsum(dO * O) needs it
-        unrounded), c (8 bytes per position and head) and the LSE.
+        unrounded), c (8 bytes per position and head), the LSE and one flag per head (a
+        gate above 1).
 
     Raises:
         RuntimeError: on a CPU tensor without ``TRITON_INTERPRET=1`` (set before triton and
@@ -581,20 +589,11 @@ def forgetting_attention(
     if stats is not None and not isinstance(stats, PruneStats):
         raise TypeError(f"stats must be a fot.kernels.PruneStats or None, got {type(stats)}")
     if debug:
-        bad = (log_fgate > 0) | ~torch.isfinite(log_fgate)
+        bad = ~torch.isfinite(log_fgate)
         if bool(bad.any()):
             raise ValueError(
-                "log_fgate must be finite and <= 0 (log of a gate in (0, 1]); got "
-                f"{int(bad.sum())} bad entries; use F.logsigmoid(gate_logits)"
-            )
-    elif prune and log_fgate.device.type != "cuda":  # no device sync off the GPU
-        above = log_fgate > 0
-        if bool(above.any()):
-            raise ValueError(
-                f"log_fgate has {int(above.sum())} entries > 0 (a forget gate above 1; largest "
-                f"{log_fgate.max().item():.4g}): pruning (prune=True, the default) assumes "
-                "cumsum(log_fgate) never increases and would skip key tiles that carry weight; "
-                "use F.logsigmoid(gate_logits), or prune=False for a gate above 1"
+                f"log_fgate must be finite (the log of a forget gate), got {int(bad.sum())} "
+                "NaN or infinite entries; use F.logsigmoid(gate_logits)"
             )
     if q.numel() == 0:  # B, T or HQ of 0 (head_dim >= 1 is checked above)
         return _EmptyFn.apply(q, k, v, log_fgate)

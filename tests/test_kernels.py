@@ -369,7 +369,7 @@ def _ok(**over):
         ({}, {"prune": False, "prune_threshold": -5.0}, ValueError, "prune=True"),
         ({}, {"cu_seqlens": torch.tensor([0, 9])}, ValueError, "end at T=8"),
         ({}, {"cu_seqlens": torch.tensor([0.0, 8.0])}, ValueError, "int32/int64"),
-        ({"log_fgate": torch.full((1, 8, 2), 0.5)}, {"debug": True}, ValueError, "<= 0"),
+        ({"log_fgate": torch.full((1, 8, 2), -torch.inf)}, {"debug": True}, ValueError, "finite"),
     ],
 )
 def test_bad_inputs_raise_clear_errors(over, kw, exc, match):
@@ -446,46 +446,72 @@ def test_malformed_cu_seqlens_on_the_cpu_is_refused_without_debug(cu):
         forgetting_attention(q, k, v, log_f, cu_seqlens=torch.tensor(cu, dtype=torch.int32))
 
 
-def test_a_gate_above_one_is_refused_when_pruning_off_the_gpu():
+def test_a_gate_above_one_turns_pruning_off_for_its_head_only():
     """A log f > 0 (a forget gate above 1) lets c rise, and pruning, which takes c to never
-    increase, skipped key tiles that carry weight: here c climbs by 310 over keys 1..31 and
-    drops by 300 at key 32, so the queries from 32 on weigh key 0 by e^10 while the bound
-    (from the tile's last key) said e^-300; the output was off by 3.2 with no error. Off the
-    GPU it is refused (no device sync needed); prune=False computes it exactly.
+    rise, skipped key tiles that carry weight: in head 0 here c climbs by 310 over keys 1..31
+    and drops by 300 at key 32, so the queries from 32 on weigh key 0 by e^10 while the bound
+    (from the tile's last key) said e^-300. The output was off by 3.2 with no error on the
+    GPU (off the GPU such a gate was refused). Now the gate cumsum kernel flags the head and
+    nothing is pruned there, while head 1 (strong decay, the same key/value head) still is.
+    Oracles: the float64 reference; the same call with ``prune=False``, bitwise; head 1 alone
+    skips as many tiles as it does here, and head 0 alone skips none.
 
     Exactly up to the bias c_i - c_j, which the kernel forms with an error up to
     ~u (|c_i - a| + |c_j - a|) from its tile's anchor a (_triton_kernels.py). A non-increasing
     c keeps that below u |c_i - c_j|; this c rises by 310 inside one tile, so a pair's bias is
     off by up to delta = eps (max c - min c) = 3.7e-5 nats. o, dq, dk and dv keep relative
-    errors ~1e-5, but d log f_t = sum_{i >= t > j} dS_ij cancels, so it is compared with the
-    first-order effect of that error on top of TOL: a bias error |delta_ij| <= delta moves
+    errors ~1e-5, but d log f_t = sum_{i >= t > j} dS_ij cancels, so head 0's is compared with
+    the first-order effect of that error on top of TOL: a bias error |delta_ij| <= delta moves
     dS_ij = p_ij (dp_ij - D_i) by at most 2 delta (|dS_ij| + p_ij sum_k |dS_ik|). (By TOL
     alone d log f failed for 18 of 200 draws of dO, relative error up to 3e-4; an exclusive
     instead of inclusive reverse cumsum in _dlogf_kernel is off by 0.33 against 5e-3.)"""
-    q, k, v, _ = make_inputs(1, 128, 1, 1, 32, seed=0)
-    log_f = torch.zeros(1, 128, 1)
-    log_f[0, 1:32], log_f[0, 32] = 10.0, -300.0
-    match = "log_fgate has 31 entries > 0" if DEVICE == "cpu" else "must be finite and <= 0"
-    with pytest.raises(ValueError, match=match):
-        run_kernel(q, k, v, log_f, debug=DEVICE != "cpu")  # a GPU checks only with debug
+    T = 512  # 4 query tiles of the GPU's forward (128 rows), 16 of the interpreter's
+    q, k, v, log_f = make_inputs(1, T, 2, 1, 32, gate_mean=STRONG, seed=0)
+    log_f[0, :, 0] = 0.0
+    log_f[0, 1:32, 0], log_f[0, 32, 0] = 10.0, -300.0
     do = torch.randn(q.shape)
-    o, grads = kernel_and_grads(q, k, v, log_f, do, prune=False)
+    stats = PruneStats()
+    o, grads = kernel_and_grads(q, k, v, log_f, do, stats=stats)  # prune=True, the default
+    o_off, grads_off = kernel_and_grads(q, k, v, log_f, do, prune=False)
+    for got, want in zip([o, *grads], [o_off, *grads_off], strict=True):
+        assert torch.equal(got, want)
+    alone = [PruneStats(), PruneStats()]
+    for h in (0, 1):
+        run_kernel(q[:, :, h : h + 1], k, v, log_f[:, :, h : h + 1], stats=alone[h])
+    assert alone[0].tiles_skipped == 0
+    assert 0 < alone[1].tiles_skipped == stats.tiles_skipped
+
     o_ref, grads_ref = reference_and_grads(q, k, v, log_f, do)
     for name, a, b in zip(("o", "dq", "dk", "dv"), (o, *grads[:3]), (o_ref, *grads_ref[:3])):
         assert rel_err(a, b) <= TOL[torch.float32], name
-    # dS in float64 from the reference's own quantities (one batch row, one head).
+    assert rel_err(grads[3][..., 1], grads_ref[3][..., 1]) <= TOL[torch.float32]
+    # Head 0's dS in float64 from the reference's own quantities.
     q1, k1, v1, do1, o1 = (t[0, :, 0].double() for t in (q, k, v, do, o_ref))
     c = log_f[0, :, 0].double().cumsum(0)
     s = 32**-0.5 * q1 @ k1.T + c[:, None] - c[None, :]
-    p = s.masked_fill(torch.ones(128, 128, dtype=torch.bool).triu(1), -torch.inf).softmax(-1)
+    p = s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), -torch.inf).softmax(-1)
     ds = p * (do1 @ v1.T - (do1 * o1).sum(-1, keepdim=True))
     delta = torch.finfo(torch.float32).eps * (c.max() - c.min())
     moved = 2 * delta * (ds.abs() + p * ds.abs().sum(-1, keepdim=True))
-    bound = torch.stack([moved[t:, :t].sum() for t in range(128)])  # pairs i >= t > j
+    bound = torch.stack([moved[t:, :t].sum() for t in range(T)])  # pairs i >= t > j
     dlogf, dlogf_ref = grads[3][0, :, 0].double(), grads_ref[3][0, :, 0]
-    assert (dlogf_ref - torch.stack([ds[t:, :t].sum() for t in range(128)])).abs().max() < 1e-6
+    assert (dlogf_ref - torch.stack([ds[t:, :t].sum() for t in range(T)])).abs().max() < 1e-6
     err = (dlogf - dlogf_ref).norm()
     assert err <= TOL[torch.float32] * dlogf_ref.norm() + bound.norm(), (err, bound.norm())
+
+
+def test_debug_refuses_a_gate_that_is_not_finite():
+    """``debug=True`` checks log f on any device (a host sync): NaN and -inf are refused,
+    naming the count and the fix; a gate above 1 is not (the kernel computes it exactly)."""
+    q, k, v, log_f = make_inputs(1, 64, 2, 1, 32, seed=0)
+    for bad in (float("nan"), float("-inf")):
+        poisoned = log_f.clone()
+        poisoned[0, 3:5, 1] = bad
+        with pytest.raises(ValueError, match=r"got 2 NaN or infinite entries; use F\.logsigmoid"):
+            run_kernel(q, k, v, poisoned, debug=True)
+    above = log_f.clone()
+    above[0, 3, 1] = 0.5
+    torch.testing.assert_close(run_kernel(q, k, v, above, debug=True), run_kernel(q, k, v, above))
 
 
 def test_varlen_needs_batch_one():
@@ -862,16 +888,22 @@ def test_large_gate_cumsum_keeps_precision():
 
 def test_gate_cumsum_kernel_matches_float64_cumsum():
     """The (hi, lo) float32 pair of the Triton scan is the float64 cumsum of log f in log2
-    units, across several scan blocks and batch/head rows."""
+    units, across several scan blocks and batch/head rows; its per-row flag says which rows
+    hold a log f > 0 (one in the last, partial block; one the smallest positive float32)."""
     from fot.kernels import _triton_kernels as kern
     from fot.kernels.forgetting_attention import _gate_cumsum
 
     log_f = F.logsigmoid(torch.randn(2, 300, 3, generator=torch.Generator().manual_seed(0)) - 2)
-    c = _gate_cumsum(log_f.to(DEVICE)).cpu()  # (B, HQ, 2, T)
+    log_f[1, 299, 2] = 0.25
+    log_f[0, 40, 1] = torch.finfo(torch.float32).smallest_normal
+    log_f[1, 7, 0] = 0.0  # a gate of exactly 1 does not rise
+    c, rises = _gate_cumsum(log_f.to(DEVICE))
+    c = c.cpu()  # (B, HQ, 2, T)
     want = torch.cumsum(log_f.double().transpose(1, 2), -1) * kern.LOG2E
     got = c[:, :, 0].double() + c[:, :, 1].double()
     assert ((got - want).abs() / want.abs().clamp(min=1)).max() < 1e-13
     assert torch.equal(c[:, :, 0], want.float())  # hi is the float32 rounding
+    assert rises.cpu().tolist() == [0, 1, 0, 0, 0, 1]  # (batch, head) rows in order
 
 
 def test_key_norm_maximum_kernel_matches_torch():
@@ -926,7 +958,7 @@ def test_d64_backward_launch_caps_registers_for_three_programs_per_sm(tmp_path, 
     common = {"D": 64, "HAS_DOC": False, "HAS_WINDOW": False, "PRUNE": True, "EVEN": True}
     common["DOT_PREC"] = "tf32"
     scalars = {"qk_scale": "fp32", "scale": "fp32", "prune_log2": "fp32"}
-    ints = {"DOCSTART": "*i32", "DOCEND": "*i32", "KF": "*i32", "KFIRST": "*i32"}
+    ints = {n: "*i32" for n in ("DOCSTART", "DOCEND", "KF", "KFIRST", "RISES")}
     floats = {n: f32 for n in ("C", "LSE", "DELTA", "LOLSE", "DCOL", "DROW", "KMAX", "Out")}
     vecs = {n: bf for n in ("Q", "K", "V", "DO", "DQ", "DK", "DV")}
     ptrs = {**vecs, **floats, **ints, **scalars}

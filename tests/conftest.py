@@ -10,6 +10,8 @@
   large ones on one GPU at once.
 * Every test starts with torch's global RNG seeded with 0, so a test that draws from it (most
   kernel and model tests do) sees the same numbers run alone, in any order, on any worker.
+* torchrun's per-run log folders go under pytest's temp folder (``PET_LOG_DIR``), not the
+  system temp folder.
 * The ``device`` fixture is where a test that runs Triton kernels (ours or FLA's) puts its
   models and tensors: CUDA on a GPU machine (there the kernels are compiled and cannot read CPU
   tensors), CPU under the interpreter otherwise. Such a test runs on both kinds of machines.
@@ -54,6 +56,16 @@ def _torch_rng_seeded_per_test():
     random inputs depend on which tests its pytest-xdist worker ran before it, and a failure
     seen in CI may not come back when the test is run alone."""
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _torchrun_logs_in_pytest_temp(tmp_path_factory):
+    """torchrun (the multi-process tests launch it) puts each run's log folders under pytest's
+    temp folder, which pytest prunes, through its ``PET_LOG_DIR`` variable; without one it makes
+    a ``torchelastic_*`` folder in the system temp folder per run that nothing removes. A
+    ``PET_LOG_DIR`` already set is kept."""
+    if "PET_LOG_DIR" not in os.environ:
+        os.environ["PET_LOG_DIR"] = str(tmp_path_factory.mktemp("torchrun-logs"))
 
 
 @pytest.fixture

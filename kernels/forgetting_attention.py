@@ -152,7 +152,13 @@ class _Layout:
 
 
 def _doc_bounds(cu_seqlens: torch.Tensor | None, T: int, device: torch.device):
-    """Per-position document start/end (int32 ``[T]``), computed on device without a sync."""
+    """Per-position document start/end (int32 ``[T]``), computed on device without a sync.
+
+    Position ``i``'s start is forced into ``[0, i]`` and its end into ``[i + 1, T]``, both
+    non-decreasing over ``i``. A well-formed ``cu_seqlens`` is unchanged by that; a malformed
+    one on the GPU (its contents are checked only with ``debug=True``: a host sync) gives the
+    attention of the clamped documents instead of kernels reading and writing outside q, k, v
+    and their gradients (a start below 0 or an end past T made them do that)."""
     if cu_seqlens is None:
         dummy = torch.zeros(1, dtype=torch.int32, device=device)
         return dummy, dummy
@@ -160,7 +166,9 @@ def _doc_bounds(cu_seqlens: torch.Tensor | None, T: int, device: torch.device):
     pos = torch.arange(T, device=device)
     doc = torch.searchsorted(cu, pos, right=True) - 1  # (T,)
     doc = doc.clamp(0, cu.numel() - 2)
-    return cu[doc].to(torch.int32).contiguous(), cu[doc + 1].to(torch.int32).contiguous()
+    start = torch.minimum(cu[doc].clamp(min=0), pos).cummax(0).values
+    end = torch.maximum(cu[doc + 1].clamp(max=T), pos + 1).cummax(0).values
+    return start.to(torch.int32).contiguous(), end.to(torch.int32).contiguous()
 
 
 def _gate_cumsum(log_fgate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -521,7 +529,10 @@ def forgetting_attention(
         stats: a :class:`PruneStats` to accumulate tile counts into (costs a host sync;
             leave ``None`` in training).
         debug: validate that ``log_fgate`` is finite, and the contents of a ``cu_seqlens`` on
-            the GPU (host syncs; on the CPU ``cu_seqlens`` is always checked).
+            the GPU (host syncs; on the CPU ``cu_seqlens`` is always checked). Unchecked, a
+            malformed ``cu_seqlens`` (a first entry other than 0, a last other than T, a
+            decrease) gives a wrong result with its bounds clamped into ``[0, T]``, never a
+            read or write outside the tensors.
 
     Under ``torch.compile`` in Triton's interpreter the call runs outside the graph (a graph
     break, which ``fullgraph=True`` refuses); the FoT model calls it through

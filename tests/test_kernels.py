@@ -446,6 +446,51 @@ def test_malformed_cu_seqlens_on_the_cpu_is_refused_without_debug(cu):
         forgetting_attention(q, k, v, log_f, cu_seqlens=torch.tensor(cu, dtype=torch.int32))
 
 
+def test_document_bounds_are_forced_into_range_and_order():
+    """Each position's document bounds, as the kernels get them: for a well-formed
+    ``cu_seqlens`` those of a loop over its documents; for a malformed one (unchecked on the GPU
+    without ``debug``) clamped, so that start <= i < end <= T and both never decrease, which
+    keeps the kernels' reads and writes inside the tensors."""
+    fa = importlib.import_module("fot.kernels.forgetting_attention")
+    T = 12
+    cu = [0, 3, 3, 4, 9, 12]
+    want_start = [s for s, e in itertools.pairwise(cu) for _ in range(s, e)]
+    want_end = [e for s, e in itertools.pairwise(cu) for _ in range(s, e)]
+    start, end = fa._doc_bounds(torch.tensor(cu), T, torch.device("cpu"))
+    assert start.dtype == end.dtype == torch.int32
+    assert start.tolist() == want_start and end.tolist() == want_end
+    # Out of range at both ends: the bounds of [0, 3, 8, 12].
+    start, end = fa._doc_bounds(torch.tensor([-5, 3, 8, 40]), T, torch.device("cpu"))
+    assert start.tolist() == [0] * 3 + [3] * 5 + [8] * 4
+    assert end.tolist() == [3] * 3 + [8] * 5 + [12] * 4
+    for bad in ([0, 7, 2, 12], [5, 9], [0, 4], [-3, -1], [20, 30], [12, 0]):
+        start, end = fa._doc_bounds(torch.tensor(bad), T, torch.device("cpu"))
+        s, e, i = start.tolist(), end.tolist(), list(range(T))
+        assert all(0 <= a <= p < b <= T for a, p, b in zip(s, i, e)), (bad, s, e)
+        assert s == sorted(s) and e == sorted(e), (bad, s, e)
+
+
+def test_unchecked_cu_seqlens_past_the_ends_attends_within_the_clamped_documents(monkeypatch):
+    """A ``cu_seqlens`` starting below 0 and ending past T (not checked on the GPU without
+    ``debug``: that needs a host sync) made the kernels read before q/k/v and the backward index
+    past its buffer. It now gives exactly the call with the bounds clamped to [0, T], output and
+    all four gradients bitwise. Off the GPU the check (which always runs there) is bypassed so
+    that the kernels see the malformed boundaries as they would on a GPU."""
+    if DEVICE == "cpu":
+        fa = importlib.import_module("fot.kernels.forgetting_attention")
+        check = fa.check_inputs
+        monkeypatch.setattr(fa, "check_inputs", lambda *a, cu_seqlens=None, **kw: check(*a, **kw))
+    q, k, v, log_f = make_inputs(1, 200, 4, 2, 32, torch.float32, WEAK)
+    do = torch.randn(q.shape)
+    bad = torch.tensor([-40, 70, 130, 260], dtype=torch.int32)
+    good = torch.tensor([0, 70, 130, 200], dtype=torch.int32)
+    o_bad, g_bad = kernel_and_grads(q, k, v, log_f, do, cu_seqlens=bad)
+    o_good, g_good = kernel_and_grads(q, k, v, log_f, do, cu_seqlens=good)
+    assert torch.equal(o_bad, o_good)
+    for name, a, b in zip(("dq", "dk", "dv", "dlogf"), g_bad, g_good):
+        assert torch.equal(a, b), name
+
+
 def test_a_gate_above_one_turns_pruning_off_for_its_head_only():
     """A log f > 0 (a forget gate above 1) lets c rise, and pruning, which takes c to never
     rise, skipped key tiles that carry weight: in head 0 here c climbs by 310 over keys 1..31

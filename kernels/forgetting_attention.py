@@ -154,21 +154,21 @@ class _Layout:
 def _doc_bounds(cu_seqlens: torch.Tensor | None, T: int, device: torch.device):
     """Per-position document start/end (int32 ``[T]``), computed on device without a sync.
 
-    Position ``i``'s start is forced into ``[0, i]`` and its end into ``[i + 1, T]``, both
-    non-decreasing over ``i``. A well-formed ``cu_seqlens`` is unchanged by that; a malformed
-    one on the GPU (its contents are checked only with ``debug=True``: a host sync) gives the
-    attention of the clamped documents instead of kernels reading and writing outside q, k, v
-    and their gradients (a start below 0 or an end past T made them do that)."""
+    The boundaries are made well-formed first: each clamped into ``[0, T]``, the first set to 0
+    and the last to T, and each raised to the largest before it. That leaves a well-formed
+    ``cu_seqlens`` unchanged; a malformed one on the GPU (its contents are checked only with
+    ``debug=True``: a host sync) gives the attention of those documents instead of kernels
+    reading and writing outside q, k, v and their gradients (a boundary below 0 or past T made
+    them do that). The repair runs on the ``N + 1`` boundaries, not on the ``T`` positions."""
     if cu_seqlens is None:
         dummy = torch.zeros(1, dtype=torch.int32, device=device)
         return dummy, dummy
-    cu = cu_seqlens.to(device=device, dtype=torch.int64)
+    cu = cu_seqlens.to(device=device, dtype=torch.int64).clamp(0, T)
+    cu[0], cu[-1] = 0, T
+    cu = cu.cummax(0).values
     pos = torch.arange(T, device=device)
-    doc = torch.searchsorted(cu, pos, right=True) - 1  # (T,)
-    doc = doc.clamp(0, cu.numel() - 2)
-    start = torch.minimum(cu[doc].clamp(min=0), pos).cummax(0).values
-    end = torch.maximum(cu[doc + 1].clamp(max=T), pos + 1).cummax(0).values
-    return start.to(torch.int32).contiguous(), end.to(torch.int32).contiguous()
+    doc = torch.searchsorted(cu, pos, right=True) - 1  # (T,): cu[doc] <= pos < cu[doc + 1]
+    return cu[doc].to(torch.int32).contiguous(), cu[doc + 1].to(torch.int32).contiguous()
 
 
 def _gate_cumsum(log_fgate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -531,8 +531,9 @@ def forgetting_attention(
         debug: validate that ``log_fgate`` is finite, and the contents of a ``cu_seqlens`` on
             the GPU (host syncs; on the CPU ``cu_seqlens`` is always checked). Unchecked, a
             malformed ``cu_seqlens`` (a first entry other than 0, a last other than T, a
-            decrease) gives a wrong result with its bounds clamped into ``[0, T]``, never a
-            read or write outside the tensors.
+            decrease) gives the result for its boundaries clamped into ``[0, T]``, the first
+            set to 0, the last to T and none below the one before it: a wrong result, never
+            a read or write outside the tensors.
 
     Under ``torch.compile`` in Triton's interpreter the call runs outside the graph (a graph
     break, which ``fullgraph=True`` refuses); the FoT model calls it through

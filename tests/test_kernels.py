@@ -449,25 +449,33 @@ def test_malformed_cu_seqlens_on_the_cpu_is_refused_without_debug(cu):
 def test_document_bounds_are_forced_into_range_and_order():
     """Each position's document bounds, as the kernels get them: for a well-formed
     ``cu_seqlens`` those of a loop over its documents; for a malformed one (unchecked on the GPU
-    without ``debug``) clamped, so that start <= i < end <= T and both never decrease, which
-    keeps the kernels' reads and writes inside the tensors."""
+    without ``debug``) those of its boundaries clamped into [0, T], the first set to 0, the last
+    to T and each raised to the largest before it, so that start <= i < end <= T and both never
+    decrease, which keeps the kernels' reads and writes inside the tensors."""
     fa = importlib.import_module("fot.kernels.forgetting_attention")
     T = 12
+
+    def loop_bounds(cu):
+        start = [s for s, e in itertools.pairwise(cu) for _ in range(s, e)]
+        return start, [e for s, e in itertools.pairwise(cu) for _ in range(s, e)]
+
     cu = [0, 3, 3, 4, 9, 12]
-    want_start = [s for s, e in itertools.pairwise(cu) for _ in range(s, e)]
-    want_end = [e for s, e in itertools.pairwise(cu) for _ in range(s, e)]
-    start, end = fa._doc_bounds(torch.tensor(cu), T, torch.device("cpu"))
+    start, end = fa._doc_bounds(torch.tensor(cu, dtype=torch.int32), T, torch.device("cpu"))
     assert start.dtype == end.dtype == torch.int32
-    assert start.tolist() == want_start and end.tolist() == want_end
-    # Out of range at both ends: the bounds of [0, 3, 8, 12].
-    start, end = fa._doc_bounds(torch.tensor([-5, 3, 8, 40]), T, torch.device("cpu"))
-    assert start.tolist() == [0] * 3 + [3] * 5 + [8] * 4
-    assert end.tolist() == [3] * 3 + [8] * 5 + [12] * 4
-    for bad in ([0, 7, 2, 12], [5, 9], [0, 4], [-3, -1], [20, 30], [12, 0]):
+    assert (start.tolist(), end.tolist()) == loop_bounds(cu)
+    repaired = {
+        (-5, 3, 8, 40): [0, 3, 8, 12],
+        (0, 7, 2, 12): [0, 7, 7, 12],
+        (5, 9): [0, 12],
+        (0, 4): [0, 12],
+        (-3, -1): [0, 12],
+        (20, 30): [0, 12],
+        (12, 0): [0, 12],
+        (0, 20, 5, 3, 12): [0, 12, 12, 12, 12],
+    }
+    for bad, good in repaired.items():
         start, end = fa._doc_bounds(torch.tensor(bad), T, torch.device("cpu"))
-        s, e, i = start.tolist(), end.tolist(), list(range(T))
-        assert all(0 <= a <= p < b <= T for a, p, b in zip(s, i, e)), (bad, s, e)
-        assert s == sorted(s) and e == sorted(e), (bad, s, e)
+        assert (start.tolist(), end.tolist()) == loop_bounds(good), bad
 
 
 def test_unchecked_cu_seqlens_past_the_ends_attends_within_the_clamped_documents(monkeypatch):

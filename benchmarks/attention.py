@@ -5,9 +5,13 @@ PyTorch SDPA without a gate (FlashAttention and cuDNN backends) and, when ``--fo
 points at a local copy of the paper's ``forgetting_attention.py``, the paper's kernel.
 
     python benchmarks/attention.py [--fox-path PATH] [--out results.md] [--sweep]
+    python benchmarks/attention.py --documents 6   # packed documents (cu_seqlens)
 
 Times are medians of ``triton.testing.do_bench`` (CUDA events) after warm-up. FLOPs count
-the causal half: fwd = 2 * 2 * B * H * T * T * D / 2, bwd = 2.5 * fwd.
+the causal half: fwd = 2 * 2 * B * H * T * T * D / 2, bwd = 2.5 * fwd. With ``--documents N``
+each shape's B * T tokens become one row of N packed documents of uneven (seeded) lengths,
+FLOPs count each document's causal half, and only the kernels that take ``cu_seqlens`` run
+(ours and FLA's).
 
 Needs a CUDA GPU; without one it stops at once and says so. On CPU, ``python -m pytest
 tests/test_kernels.py`` checks the kernel against the PyTorch reference under Triton's
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -58,6 +63,23 @@ def parse_shape(text: str) -> tuple[int, int, int, int]:
     return shape
 
 
+def document_bounds(T: int, n: int) -> list[int]:
+    """Boundaries ``[0, ..., T]`` (``cu_seqlens``) of ``n`` documents packed in ``T`` tokens,
+    cut at ``n - 1`` distinct positions drawn with a fixed seed (uneven lengths, same every run).
+
+    Raises:
+        SystemExit: ``n`` outside ``1..T``.
+    """
+    if not 1 <= n <= T:
+        raise SystemExit(
+            f"--documents {n}: expected 1 to {T} documents (one row of {T} tokens); "
+            "pass a smaller number or a longer shape"
+        )
+    gen = torch.Generator().manual_seed(0)
+    cuts = (torch.randperm(T - 1, generator=gen)[: n - 1] + 1).sort().values.tolist()
+    return [0, *cuts, T]
+
+
 def check_fox_path(path: str) -> None:
     """Refuse a ``--fox-path`` that is not a Python file defining ``forgetting_attention``.
 
@@ -94,20 +116,26 @@ def _make(B: int, T: int, H: int, D: int, gate_mean: float):
     return q, k, v, log_f, do
 
 
-def _impls(fox_path: str | None) -> dict[str, Callable]:
-    """name -> fn(q, k, v, log_f) taking [B, T, H, D] tensors (layout work outside timing)."""
+def _impls(fox_path: str | None, cu: torch.Tensor | None = None) -> dict[str, Callable]:
+    """name -> fn(q, k, v, log_f) taking [B, T, H, D] tensors (layout work outside timing).
+
+    With ``cu`` (packed documents) only the kernels that take ``cu_seqlens``."""
     from fot.kernels import forgetting_attention
 
     impls: dict[str, Callable] = {
-        "fot": lambda q, k, v, g: forgetting_attention(q, k, v, g),
-        "fot (prune off)": lambda q, k, v, g: forgetting_attention(q, k, v, g, prune=False),
+        "fot": lambda q, k, v, g: forgetting_attention(q, k, v, g, cu_seqlens=cu),
+        "fot (prune off)": lambda q, k, v, g: forgetting_attention(
+            q, k, v, g, cu_seqlens=cu, prune=False
+        ),
     }
     try:
         from fla.ops.forgetting_attn import parallel_forgetting_attn
 
-        impls["fla"] = lambda q, k, v, g: parallel_forgetting_attn(q, k, v, g)
+        impls["fla"] = lambda q, k, v, g: parallel_forgetting_attn(q, k, v, g, cu_seqlens=cu)
     except Exception as exc:
         print(f"FLA unavailable: {exc!r}", file=sys.stderr)
+    if cu is not None:
+        return impls
     if fox_path:
         fox = _load_fox(fox_path)
         impls["fox (paper)"] = lambda q, k, v, g: fox(q, k, v, g, head_first=True)
@@ -142,11 +170,14 @@ def _time(fn, q, k, v, g, do) -> tuple[float, float]:
 
 
 def run_table(
-    fox_path: str | None, shapes: list[tuple[int, int, int, int]], rows_out: list[str]
+    fox_path: str | None,
+    shapes: list[tuple[int, int, int, int]],
+    rows_out: list[str],
+    documents: int | None = None,
 ) -> None:
     """Time every implementation on each ``(B, T, H, D)`` shape and gate setting (forward,
-    forward + backward); the markdown rows go to ``rows_out`` and stdout."""
-    impls = _impls(fox_path)
+    forward + backward); the markdown rows go to ``rows_out`` and stdout. With ``documents``
+    each shape's ``B * T`` tokens are one row of that many packed documents."""
     header = (
         "| shape (B,T,H,D) | gates | kernel | fwd ms | fwd TFLOP/s | fwd+bwd ms | "
         "fwd+bwd TFLOP/s | vs FLA | vs cuDNN | vs paper |"
@@ -154,10 +185,20 @@ def run_table(
     rows_out += [header, "|" + "---|" * 10]
     cases = [(s, WEAK) for s in shapes] + [(shapes[0], STRONG)]
     for (B, T, H, D), gate_mean in cases:
+        cu = None
+        fl = _flops_fwd(B, T, H, D)
+        if documents:
+            bounds = document_bounds(B * T, documents)
+            rows_out.append(f"documents in {(B, T, H, D)} packed as one row: cu_seqlens {bounds}")
+            print(rows_out[-1], flush=True)
+            cu = torch.tensor(bounds, device="cuda", dtype=torch.int32)
+            lengths = [b - a for a, b in itertools.pairwise(bounds)]
+            fl = sum(_flops_fwd(1, n, H, D) for n in lengths)
+            B, T = 1, B * T
+        impls = _impls(fox_path, cu)
         q, k, v, g, do = _make(B, T, H, D, gate_mean)
         qh, kh, vh, doh = (t.transpose(1, 2).contiguous() for t in (q, k, v, do))
         gh = g.transpose(1, 2).contiguous()
-        fl = _flops_fwd(B, T, H, D)
         res: dict[str, tuple[float, float]] = {}
         for name, fn in impls.items():
             if gate_mean == STRONG and "sdpa" in name:
@@ -172,11 +213,13 @@ def run_table(
             from fot.kernels import PruneStats, forgetting_attention
 
             st = PruneStats()
-            forgetting_attention(q, k, v, g, stats=st)
+            forgetting_attention(q, k, v, g, cu_seqlens=cu, stats=st)
             skipped = f" (fot skips {st.skipped_fraction:.0%} of tiles)"
         except Exception as exc:
             print(f"stats failed: {exc!r}", file=sys.stderr)
         gates = ("weak N(4,1)" if gate_mean == WEAK else "strong N(-2,1)") + skipped
+        if documents:
+            gates = f"{documents} docs, {gates}"
         for name, (f_ms, b_ms) in res.items():
             tf_f = fl / f_ms / 1e9
             tf_b = 3.5 * fl / b_ms / 1e9
@@ -326,8 +369,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sweep", action="store_true", help="also sweep our tile configs")
     ap.add_argument("--no-table", action="store_true")
     ap.add_argument("--shapes", nargs="*", help="B,T,H,D ... (default: the four bar shapes)")
+    ap.add_argument(
+        "--documents",
+        type=int,
+        metavar="N",
+        help="pack each shape's B*T tokens as one row of N documents (cu_seqlens)",
+    )
     args = ap.parse_args(argv)
     shapes = [parse_shape(s) for s in args.shapes] if args.shapes else SHAPES
+    if args.documents is not None:
+        for B, T, _, _ in shapes:
+            document_bounds(B * T, args.documents)
     if args.fox_path:
         check_fox_path(args.fox_path)
     check_out_file(args.out)
@@ -336,6 +388,7 @@ def main(argv: list[str] | None = None) -> None:
     props = torch.cuda.get_device_properties(0)
     rows = [
         f"device: {props.name}, torch {torch.__version__}, triton {triton.__version__}",
+        f"fot kernels from: {Path(importlib.import_module('fot.kernels').__file__).parent}",
         f"command: python benchmarks/attention.py {' '.join(sys.argv[1:])}",
         "",
     ]
@@ -345,7 +398,7 @@ def main(argv: list[str] | None = None) -> None:
         for shape in dict.fromkeys(shapes[:1] + [s for s in shapes if s[3] == 64][:1]):
             sweep(shape, rows)
     if not args.no_table:
-        run_table(args.fox_path, shapes, rows)
+        run_table(args.fox_path, shapes, rows, args.documents)
     text = "\n".join(rows) + "\n"
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

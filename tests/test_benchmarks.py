@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import itertools
 import json
 import math
 import os
@@ -786,6 +787,23 @@ def test_attention_bad_args_are_named_before_the_gpu_check(bench, tmp_path):
     wrong.write_text("def parallel_attention(q, k, v):\n    return q\n")
     with pytest.raises(SystemExit, match="defines no forgetting_attention"):
         attention.main(["--fox-path", str(wrong)])
+
+
+def test_attention_packed_documents_cover_the_row_with_seeded_uneven_lengths(bench):
+    """``--documents N`` cuts each row at N - 1 distinct positions: the boundaries start at 0,
+    end at T, rise strictly, are the same on every call, and a count outside 1..T is named
+    before the GPU check (the message says what to pass)."""
+    attention = bench["attention"]
+    bounds = attention.document_bounds(16384, 6)
+    assert len(bounds) == 7 and bounds[0] == 0 and bounds[-1] == 16384
+    assert all(a < b for a, b in itertools.pairwise(bounds))
+    assert len({b - a for a, b in itertools.pairwise(bounds)}) > 1  # uneven
+    assert attention.document_bounds(16384, 6) == bounds
+    assert attention.document_bounds(5, 1) == [0, 5]
+    assert attention.document_bounds(5, 5) == [0, 1, 2, 3, 4, 5]
+    for bad in ("0", "6"):
+        with pytest.raises(SystemExit, match=f"--documents {bad}: expected 1 to 5 documents"):
+            attention.main(["--shapes", "1,5,1,16", "--documents", bad])
 
 
 def test_attention_and_fused_ops_write_out_into_a_new_folder(bench, tmp_path, monkeypatch):

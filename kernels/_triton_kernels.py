@@ -746,12 +746,21 @@ def _gate_cumsum_kernel(LF, C, RISES, T, HQ, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _dlogf_kernel(DROW, DCOL, DLOGF, T, HQ, BLOCK: tl.constexpr):
-    """``DLOGF[b, t, h] = sum_{s >= t} (DROW - DCOL)[b, h, s]`` (float64 sums, float32 out).
+def _same_document_sum(a, a_doc, b, b_doc):
+    """Combine of a segmented scan: ``b`` plus ``a`` when both lie in one document (the same
+    ``doc_end``); associative because each document is one run of positions."""
+    return b + tl.where(a_doc == b_doc, a, 0.0), b_doc
 
-    The reverse cumsum of d c over one whole sequence (no packed documents). ``DROW``/``DCOL``
-    ``[B, HQ, T]`` float32, ``DLOGF`` ``[B, T, HQ]`` float32. One program per (batch, head)
-    walks T backwards in blocks, carrying the running float64 sum.
+
+@triton.jit
+def _dlogf_kernel(DROW, DCOL, DOCEND, DLOGF, T, HQ, HAS_DOC: tl.constexpr, BLOCK: tl.constexpr):
+    """``DLOGF[b, t, h] = sum_{t <= s < end_t} (DROW - DCOL)[b, h, s]`` (float64 sums, float32
+    out), where ``end_t`` is T, or with packed documents ``DOCEND[t]`` (int32 ``[T]``): the
+    reverse cumsum of d c restarting at each document's end.
+
+    ``DROW``/``DCOL`` ``[B, HQ, T]`` float32, ``DLOGF`` ``[B, T, HQ]`` float32. One program per
+    (batch, head) walks T backwards in blocks, carrying the running float64 sum of the document
+    open at the block's start (a segmented scan within the block).
     """
     bh = tl.program_id(0)
     b = bh // HQ
@@ -759,12 +768,63 @@ def _dlogf_kernel(DROW, DCOL, DLOGF, T, HQ, BLOCK: tl.constexpr):
     row = bh.to(tl.int64) * T
     OUT_row = DLOGF + b.to(tl.int64) * T * HQ + h
     carry = tl.zeros([1], dtype=tl.float64)
+    carry_doc = tl.full([1], -1, dtype=tl.int32)  # the document ``carry`` belongs to
     n_blocks = tl.cdiv(T, BLOCK)
     for i in range(0, n_blocks):
-        offs = (n_blocks - 1 - i) * BLOCK + tl.arange(0, BLOCK)
+        first = (n_blocks - 1 - i) * BLOCK
+        offs = first + tl.arange(0, BLOCK)
         ok = offs < T
         dc = tl.load(DROW + row + offs, mask=ok, other=0.0).to(tl.float64)
         dc -= tl.load(DCOL + row + offs, mask=ok, other=0.0).to(tl.float64)
-        rev = tl.cumsum(dc, 0, reverse=True) + carry
+        if HAS_DOC:
+            doc = tl.load(DOCEND + offs, mask=ok, other=T)
+            rev, _ = tl.associative_scan((dc, doc), 0, _same_document_sum, reverse=True)
+            rev += tl.where(doc == carry_doc, carry, 0.0)
+            carry = tl.sum(tl.where(offs == first, rev, 0.0), 0, keep_dims=True)
+            carry_doc = tl.sum(tl.where(offs == first, doc, 0), 0, keep_dims=True)
+        else:
+            rev = tl.cumsum(dc, 0, reverse=True) + carry
+            carry += tl.sum(dc, 0)
         tl.store(OUT_row + offs * HQ, rev.to(tl.float32), mask=ok)
-        carry += tl.sum(dc, 0)
+
+
+@triton.jit
+def _larger(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _doc_bounds_kernel(
+    CU, N1, START, END, T, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr
+):  # fmt: skip
+    """``START[t]``, ``END[t]`` (int32 ``[T]``): the document ``[start, end)`` holding position
+    ``t``, from the ``N1`` boundaries ``CU`` (int32/int64 ``cu_seqlens``) made well-formed on
+    the way: each clamped into ``[0, T]``, the first taken as 0 and the last as T, and each
+    raised to the largest before it (a well-formed ``CU`` is unchanged).
+
+    With ``r`` those boundaries (non-decreasing), ``start = max(r_j <= t)`` and ``end =
+    min(r_j > t)``. One program per ``BLOCK_T`` positions reads the boundaries ``BLOCK_C`` at a
+    time, carrying the running maximum, and stops after the first chunk that passes its last
+    position: later boundaries change nothing there.
+    """
+    first = tl.program_id(0) * BLOCK_T
+    pos = first + tl.arange(0, BLOCK_T)
+    last = tl.minimum(first + BLOCK_T, T) - 1
+    start = tl.zeros([BLOCK_T], dtype=tl.int32)
+    end = tl.zeros([BLOCK_T], dtype=tl.int32) + T
+    top = tl.zeros([1], dtype=tl.int32)  # the largest boundary read so far
+    j0 = 0
+    while (j0 < N1) & (tl.max(top, 0) <= last):
+        j = j0 + tl.arange(0, BLOCK_C)
+        r = tl.load(CU + j, mask=j < N1, other=T).to(tl.int64)  # int32 once inside [0, T]
+        r = tl.minimum(tl.maximum(r, 0), T).to(tl.int32)
+        r = tl.where(j == 0, 0, tl.where(j == N1 - 1, T, r))
+        r = tl.maximum(tl.associative_scan(r, 0, _larger), top)
+        below = r[None, :] <= pos[:, None]
+        start = tl.maximum(start, tl.max(tl.where(below, r[None, :], 0), 1))
+        end = tl.minimum(end, tl.min(tl.where(below, T, r[None, :]), 1))
+        top = tl.max(r, 0, keep_dims=True)
+        j0 += BLOCK_C
+    ok = pos < T
+    tl.store(START + pos, start, mask=ok)
+    tl.store(END + pos, end, mask=ok)

@@ -159,16 +159,17 @@ def _doc_bounds(cu_seqlens: torch.Tensor | None, T: int, device: torch.device):
     ``cu_seqlens`` unchanged; a malformed one on the GPU (its contents are checked only with
     ``debug=True``: a host sync) gives the attention of those documents instead of kernels
     reading and writing outside q, k, v and their gradients (a boundary below 0 or past T made
-    them do that). The repair runs on the ``N + 1`` boundaries, not on the ``T`` positions."""
+    them do that). One launch (it was ~13 small torch ops per call)."""
     if cu_seqlens is None:
         dummy = torch.zeros(1, dtype=torch.int32, device=device)
         return dummy, dummy
-    cu = cu_seqlens.to(device=device, dtype=torch.int64).clamp(0, T)
-    cu[0], cu[-1] = 0, T
-    cu = cu.cummax(0).values
-    pos = torch.arange(T, device=device)
-    doc = torch.searchsorted(cu, pos, right=True) - 1  # (T,): cu[doc] <= pos < cu[doc + 1]
-    return cu[doc].to(torch.int32).contiguous(), cu[doc + 1].to(torch.int32).contiguous()
+    start = torch.empty(T, dtype=torch.int32, device=device)
+    end = torch.empty(T, dtype=torch.int32, device=device)
+    block_t, block_c = (32, 16) if _interpreting() else (128, 32)
+    kern._doc_bounds_kernel[(triton.cdiv(T, block_t),)](
+        cu_seqlens.to(device), cu_seqlens.numel(), start, end, T, BLOCK_T=block_t, BLOCK_C=block_c
+    )
+    return start, end
 
 
 def _gate_cumsum(log_fgate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -425,17 +426,13 @@ def _backward(
     # (DESIGN.md §4) but not with delta = rowsum(dO * O) taken from the rounded 16-bit O:
     # keeping it cancels most of that rounding in d log f (fp16 test, strong decay: 7.6e-3 -> 3e-4).
     # d log f_l = sum_{t >= l, same document} d c_t: a reverse cumsum restarting per document.
-    if not lay.has_doc:  # one launch (float64 running sum) instead of ~8 small torch ops
-        dlogf = torch.empty((B, T, HQ), dtype=torch.float32, device=q.device)
-        # Block 4096 with 8 warps, as for the gate cumsum.
-        block, warps = (32, 1) if _interpreting() else (4096, 8)
-        kern._dlogf_kernel[(B * HQ,)](drow, dcol, dlogf, T, HQ, BLOCK=block, num_warps=warps)
-        return dq, dk, dv, dlogf
-    dc = drow.double() - dcol.double()
-    rev = torch.flip(torch.cumsum(torch.flip(dc, (-1,)), -1), (-1,))  # (B, HQ, T)
-    rev = torch.cat([rev, rev.new_zeros(B, HQ, 1)], dim=-1)
-    rev = rev[..., :T] - rev[..., lay.doc_end.long()]
-    dlogf = rev.to(torch.float32).transpose(1, 2).contiguous()  # (B, T, HQ)
+    dlogf = torch.empty((B, T, HQ), dtype=torch.float32, device=q.device)
+    # One launch (float64 running sums) instead of ~8 small torch ops; block 4096 with 8 warps,
+    # as for the gate cumsum.
+    block, warps = (32, 1) if _interpreting() else (4096, 8)
+    kern._dlogf_kernel[(B * HQ,)](
+        drow, dcol, lay.doc_end, dlogf, T, HQ, HAS_DOC=lay.has_doc, BLOCK=block, num_warps=warps
+    )
     return dq, dk, dv, dlogf
 
 

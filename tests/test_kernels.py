@@ -476,6 +476,22 @@ def test_document_bounds_are_forced_into_range_and_order():
     for bad, good in repaired.items():
         start, end = fa._doc_bounds(torch.tensor(bad), T, torch.device("cpu"))
         assert (start.tolist(), end.tolist()) == loop_bounds(good), bad
+    # Rows of several position blocks and boundary lists of several chunks (the kernel reads
+    # 16 boundaries at a time for 32 positions per program in the interpreter): random
+    # well-formed lists, and malformed ones repaired by hand in Python.
+    gen = torch.Generator().manual_seed(0)
+    T = 150
+    for n in (2, 5, 17, 40, 90):
+        cuts = torch.randint(0, T + 1, (n - 2,), generator=gen).sort().values.tolist()
+        good = [0, *cuts, T]
+        start, end = fa._doc_bounds(torch.tensor(good), T, torch.device("cpu"))
+        assert (start.tolist(), end.tolist()) == loop_bounds(good), good
+        bad = torch.randint(-30, T + 30, (n,), generator=gen).tolist()
+        fixed = [min(max(b, 0), T) for b in bad]
+        fixed[0], fixed[-1] = 0, T
+        fixed = [max(fixed[: i + 1]) for i in range(n)]
+        start, end = fa._doc_bounds(torch.tensor(bad), T, torch.device("cpu"))
+        assert (start.tolist(), end.tolist()) == loop_bounds(fixed), bad
 
 
 def test_unchecked_cu_seqlens_past_the_ends_attends_within_the_clamped_documents(monkeypatch):
@@ -1029,6 +1045,26 @@ def test_d64_backward_launch_caps_registers_for_three_programs_per_sm(tmp_path, 
         regs = int(re.search(r"REG:(\d+)", line).group(1))
         assert regs <= 168, f"{name}: {line}"
         assert 3 * 4 * 32 * regs <= 65536
+
+
+def test_document_kernels_compile_for_sm90_without_spills(tmp_path):
+    """The per-position document bounds and the per-document d log f kernels (a segmented
+    float64 scan over 4096 positions with 8 warps) compile for sm_90 with the launch options
+    of a GPU run, without spilling registers (the interpreter runs neither through ptxas)."""
+    from sm90_compile import assert_no_spills, resource_usage
+
+    i32, f32 = "*i32", "*fp32"
+    jobs = [
+        ("bounds", "_doc_bounds_kernel", {"CU": i32, "START": i32, "END": i32},
+         {"BLOCK_T": 128, "BLOCK_C": 32}, 4, []),
+        ("bounds64", "_doc_bounds_kernel", {"CU": "*i64", "START": i32, "END": i32},
+         {"BLOCK_T": 128, "BLOCK_C": 32}, 4, []),
+        ("dlogf", "_dlogf_kernel", {"DROW": f32, "DCOL": f32, "DOCEND": i32, "DLOGF": f32},
+         {"HAS_DOC": True, "BLOCK": 4096}, 8, []),
+    ]  # fmt: skip
+    usage = resource_usage("fot.kernels._triton_kernels", jobs, tmp_path)
+    assert sorted(usage) == ["bounds", "bounds64", "dlogf"]
+    assert_no_spills(usage)
 
 
 def test_batches_beyond_the_grid_limit_run_in_parts(monkeypatch) -> None:

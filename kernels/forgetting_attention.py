@@ -166,8 +166,9 @@ def _doc_bounds(cu_seqlens: torch.Tensor | None, T: int, device: torch.device):
     start = torch.empty(T, dtype=torch.int32, device=device)
     end = torch.empty(T, dtype=torch.int32, device=device)
     block_t, block_c = (32, 16) if _interpreting() else (128, 32)
+    cu = cu_seqlens.to(device).contiguous()  # the kernel reads it with stride 1
     kern._doc_bounds_kernel[(triton.cdiv(T, block_t),)](
-        cu_seqlens.to(device), cu_seqlens.numel(), start, end, T, BLOCK_T=block_t, BLOCK_C=block_c
+        cu, cu.numel(), start, end, T, BLOCK_T=block_t, BLOCK_C=block_c
     )
     return start, end
 

@@ -494,6 +494,22 @@ def test_document_bounds_are_forced_into_range_and_order():
         assert (start.tolist(), end.tolist()) == loop_bounds(fixed), bad
 
 
+def test_strided_cu_seqlens_is_read_by_its_values():
+    """A ``cu_seqlens`` that is a strided view (every other entry of a longer tensor): the
+    bounds kernel read its memory with stride 1, [0, 7, 5] for [0, 5, 10] here, and attended
+    over the wrong documents (output off by 0.63 relative) though the checks saw the right
+    values. It now gives the contiguous call's output and gradients bitwise."""
+    q, k, v, log_f = make_inputs(1, 10, 2, 1, 16, torch.float32, WEAK)
+    do = torch.randn(q.shape)
+    strided = torch.tensor([0, 7, 5, 7, 10], dtype=torch.int32, device=DEVICE)[::2]
+    assert not strided.is_contiguous() and strided.tolist() == [0, 5, 10]
+    o, grads = kernel_and_grads(q, k, v, log_f, do, cu_seqlens=strided)
+    o_good, grads_good = kernel_and_grads(q, k, v, log_f, do, cu_seqlens=strided.contiguous())
+    assert torch.equal(o, o_good)
+    for name, a, b in zip(("dq", "dk", "dv", "dlogf"), grads, grads_good):
+        assert torch.equal(a, b), name
+
+
 def test_unchecked_cu_seqlens_past_the_ends_attends_within_the_clamped_documents(monkeypatch):
     """A ``cu_seqlens`` starting below 0 and ending past T (not checked on the GPU without
     ``debug``: that needs a host sync) made the kernels read before q/k/v and the backward index

@@ -510,6 +510,34 @@ def test_strided_cu_seqlens_is_read_by_its_values():
         assert torch.equal(a, b), name
 
 
+def test_dlogf_kernel_restarts_at_each_document():
+    """The backward's d log f kernel against a float64 loop over documents, with the block
+    size of the launch (32 in the interpreter; 4096 with 8 warps on a GPU, where this file's
+    other rows fit one block): empty documents at the start, middle and end, a document of
+    one position, one ending exactly at a block end, one spanning four blocks (the carried
+    sum), a partial last block, and several batch rows and heads."""
+    from fot.kernels import _triton_kernels as kern
+
+    block, warps = (32, 1) if DEVICE == "cpu" else (4096, 8)
+    T = 4 * block + 5
+    cu = [0, 0, 0, 1, block, block, 2 * block - 3, T - 1, T, T]
+    g = torch.Generator().manual_seed(0)
+    B, HQ = 2, 3
+    drow, dcol = torch.randn(2, B, HQ, T, generator=g)
+    doc_end = torch.tensor([e for s, e in itertools.pairwise(cu) for _ in range(s, e)])
+    want = torch.empty(B, T, HQ, dtype=torch.float64)
+    dc = drow.double() - dcol.double()
+    for s, e in itertools.pairwise(cu):
+        want[:, s:e] = dc[..., s:e].flip(-1).cumsum(-1).flip(-1).transpose(1, 2)
+    got = torch.full((B, T, HQ), float("nan"), device=DEVICE)
+    drow, dcol, doc_end = on_device(drow, dcol, doc_end.int())
+    kern._dlogf_kernel[(B * HQ,)](
+        drow, dcol, doc_end, got, T, HQ, HAS_DOC=True, BLOCK=block, num_warps=warps
+    )
+    err = (got.cpu().double() - want).abs()
+    assert (err <= 1e-6 * (1 + want.abs())).all(), err.max()
+
+
 def test_unchecked_cu_seqlens_past_the_ends_attends_within_the_clamped_documents(monkeypatch):
     """A ``cu_seqlens`` starting below 0 and ending past T (not checked on the GPU without
     ``debug``: that needs a host sync) made the kernels read before q/k/v and the backward index

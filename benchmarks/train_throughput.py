@@ -278,7 +278,7 @@ class Settings:
 # attention kernels (exact names). Heuristic: `top_kernels` shows what the categories hold.
 OUR_ATTENTION_KERNELS = frozenset(
     {"_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkdv_kernel", "_kmax_kernel", "_gate_cumsum_kernel",
-     "_dlogf_kernel"}
+     "_dlogf_kernel", "_doc_bounds_kernel"}
 )  # fmt: skip
 # The fused FoT (Pro) component kernels of fot.kernels.pro_ops (their names contain "norm").
 OUR_PRO_KERNELS = frozenset(

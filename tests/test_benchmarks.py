@@ -1134,6 +1134,18 @@ def test_profile_categories_hand_count(bench):
     assert list(ms)[-1] == "elementwise and other"
 
 
+def test_every_attention_kernel_is_counted_as_ours(bench):
+    """Each Triton kernel of the attention (``*_kernel`` in fot.kernels._triton_kernels) is in
+    the profile's "attention: ours" set: the packed documents' bounds kernel was counted as
+    "elementwise and other"."""
+    from fot.kernels import _triton_kernels as kern
+
+    names = {name for name in vars(kern) if name.startswith("_") and name.endswith("_kernel")}
+    assert "_doc_bounds_kernel" in names
+    missing = names - bench["train_throughput"].OUR_ATTENTION_KERNELS
+    assert not missing, missing
+
+
 def test_profile_table_reports_gpu_idle(bench):
     """The profile table has a GPU-idle row from the timeline (fot.training.profiling)."""
     from fot.training.profiling import gpu_timeline

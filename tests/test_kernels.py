@@ -460,7 +460,7 @@ def test_document_bounds_are_forced_into_range_and_order():
         return start, [e for s, e in itertools.pairwise(cu) for _ in range(s, e)]
 
     cu = [0, 3, 3, 4, 9, 12]
-    start, end = fa._doc_bounds(torch.tensor(cu, dtype=torch.int32), T, torch.device("cpu"))
+    start, end = fa._doc_bounds(torch.tensor(cu, dtype=torch.int32), T, torch.device(DEVICE))
     assert start.dtype == end.dtype == torch.int32
     assert (start.tolist(), end.tolist()) == loop_bounds(cu)
     repaired = {
@@ -474,7 +474,7 @@ def test_document_bounds_are_forced_into_range_and_order():
         (0, 20, 5, 3, 12): [0, 12, 12, 12, 12],
     }
     for bad, good in repaired.items():
-        start, end = fa._doc_bounds(torch.tensor(bad), T, torch.device("cpu"))
+        start, end = fa._doc_bounds(torch.tensor(bad), T, torch.device(DEVICE))
         assert (start.tolist(), end.tolist()) == loop_bounds(good), bad
     # Rows of several position blocks and boundary lists of several chunks (the kernel reads
     # 16 boundaries at a time for 32 positions per program in the interpreter): random
@@ -484,13 +484,13 @@ def test_document_bounds_are_forced_into_range_and_order():
     for n in (2, 5, 17, 40, 90):
         cuts = torch.randint(0, T + 1, (n - 2,), generator=gen).sort().values.tolist()
         good = [0, *cuts, T]
-        start, end = fa._doc_bounds(torch.tensor(good), T, torch.device("cpu"))
+        start, end = fa._doc_bounds(torch.tensor(good), T, torch.device(DEVICE))
         assert (start.tolist(), end.tolist()) == loop_bounds(good), good
         bad = torch.randint(-30, T + 30, (n,), generator=gen).tolist()
         fixed = [min(max(b, 0), T) for b in bad]
         fixed[0], fixed[-1] = 0, T
         fixed = [max(fixed[: i + 1]) for i in range(n)]
-        start, end = fa._doc_bounds(torch.tensor(bad), T, torch.device("cpu"))
+        start, end = fa._doc_bounds(torch.tensor(bad), T, torch.device(DEVICE))
         assert (start.tolist(), end.tolist()) == loop_bounds(fixed), bad
 
 

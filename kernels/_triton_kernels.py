@@ -794,8 +794,17 @@ def _larger(a, b):
 
 
 @triton.jit
+def _repaired_boundaries(CU, j, N1, T):
+    """Boundaries ``CU[j]`` clamped into ``[0, T]``, the first taken as 0 and the last as T
+    (int32; ``j`` past the list reads 0)."""
+    r = tl.load(CU + j, mask=j < N1, other=0).to(tl.int64)  # int32 once inside [0, T]
+    r = tl.minimum(tl.maximum(r, 0), T).to(tl.int32)
+    return tl.where(j == 0, 0, tl.where(j == N1 - 1, T, r))
+
+
+@triton.jit
 def _doc_bounds_kernel(
-    CU, N1, START, END, T, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr
+    CU, N1, START, END, T, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr
 ):  # fmt: skip
     """``START[t]``, ``END[t]`` (int32 ``[T]``): the document ``[start, end)`` holding position
     ``t``, from the ``N1`` boundaries ``CU`` (int32/int64 ``cu_seqlens``) made well-formed on
@@ -803,27 +812,35 @@ def _doc_bounds_kernel(
     raised to the largest before it (a well-formed ``CU`` is unchanged).
 
     With ``r`` those boundaries (non-decreasing), ``start = max(r_j <= t)`` and ``end =
-    min(r_j > t)``. One program per ``BLOCK_T`` positions reads the boundaries ``BLOCK_C`` at a
-    time, carrying the running maximum, and stops after the first chunk that passes its last
-    position: later boundaries change nothing there.
+    min(r_j > t)``. One program per ``BLOCK_T`` positions first skips, ``BLOCK_S`` at a time,
+    the boundaries that all lie at or before its first position (they only raise ``start``:
+    a running maximum), then reads the rest ``BLOCK_C`` at a time against each position and
+    stops after the first chunk that passes its last position: later boundaries change
+    nothing there. The skip keeps many short documents cheap: without it each program
+    compared every earlier boundary against its positions (docs/benchmarks.md, "Packed
+    documents").
     """
     first = tl.program_id(0) * BLOCK_T
     pos = first + tl.arange(0, BLOCK_T)
     last = tl.minimum(first + BLOCK_T, T) - 1
-    start = tl.zeros([BLOCK_T], dtype=tl.int32)
+    top = first * 0  # the largest boundary read so far (int32)
+    j0 = first * 0
+    skipping = j0 == 0
+    while skipping & (j0 < N1):
+        widest = tl.max(_repaired_boundaries(CU, j0 + tl.arange(0, BLOCK_S), N1, T), 0)
+        skipping = tl.maximum(top, widest) <= first
+        top = tl.where(skipping, tl.maximum(top, widest), top)
+        j0 = tl.where(skipping, j0 + BLOCK_S, j0)
+    start = tl.zeros([BLOCK_T], dtype=tl.int32) + top
     end = tl.zeros([BLOCK_T], dtype=tl.int32) + T
-    top = tl.zeros([1], dtype=tl.int32)  # the largest boundary read so far
-    j0 = 0
-    while (j0 < N1) & (tl.max(top, 0) <= last):
+    while (j0 < N1) & (top <= last):
         j = j0 + tl.arange(0, BLOCK_C)
-        r = tl.load(CU + j, mask=j < N1, other=T).to(tl.int64)  # int32 once inside [0, T]
-        r = tl.minimum(tl.maximum(r, 0), T).to(tl.int32)
-        r = tl.where(j == 0, 0, tl.where(j == N1 - 1, T, r))
+        r = tl.where(j < N1, _repaired_boundaries(CU, j, N1, T), T)
         r = tl.maximum(tl.associative_scan(r, 0, _larger), top)
         below = r[None, :] <= pos[:, None]
         start = tl.maximum(start, tl.max(tl.where(below, r[None, :], 0), 1))
         end = tl.minimum(end, tl.min(tl.where(below, T, r[None, :]), 1))
-        top = tl.max(r, 0, keep_dims=True)
+        top = tl.max(r, 0)
         j0 += BLOCK_C
     ok = pos < T
     tl.store(START + pos, start, mask=ok)

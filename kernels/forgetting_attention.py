@@ -165,10 +165,10 @@ def _doc_bounds(cu_seqlens: torch.Tensor | None, T: int, device: torch.device):
         return dummy, dummy
     start = torch.empty(T, dtype=torch.int32, device=device)
     end = torch.empty(T, dtype=torch.int32, device=device)
-    block_t, block_c = (32, 16) if _interpreting() else (128, 32)
+    block_t, block_c, block_s = (32, 16, 32) if _interpreting() else (128, 32, 1024)
     cu = cu_seqlens.to(device).contiguous()  # the kernel reads it with stride 1
     kern._doc_bounds_kernel[(triton.cdiv(T, block_t),)](
-        cu, cu.numel(), start, end, T, BLOCK_T=block_t, BLOCK_C=block_c
+        cu, cu.numel(), start, end, T, BLOCK_T=block_t, BLOCK_C=block_c, BLOCK_S=block_s
     )
     return start, end
 

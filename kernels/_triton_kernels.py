@@ -828,7 +828,7 @@ def _doc_bounds_kernel(
     skipping = j0 == 0
     while skipping & (j0 < N1):
         widest = tl.max(_repaired_boundaries(CU, j0 + tl.arange(0, BLOCK_S), N1, T), 0)
-        skipping = tl.maximum(top, widest) <= first
+        skipping = widest <= first
         top = tl.where(skipping, tl.maximum(top, widest), top)
         j0 = tl.where(skipping, j0 + BLOCK_S, j0)
     start = tl.zeros([BLOCK_T], dtype=tl.int32) + top

@@ -227,6 +227,32 @@ def remove_if_unused(folder: Path) -> None:
     folder.rmdir()
 
 
+def outermost_missing(folder: Path) -> Path | None:
+    """The outermost of ``folder`` and its parents that does not exist (what ``mkdir -p``
+    would make first); None where ``folder`` exists."""
+    if folder.exists():
+        return None
+    while folder.parent != folder and not folder.parent.exists():
+        folder = folder.parent
+    return folder
+
+
+def remove_made_parents(folder: Path, top: Path) -> None:
+    """Remove the empty parents of the removed run folder ``folder`` up to ``top`` (included),
+    the outermost folder made for the run: ``outputs/<date>/`` (``outputs/`` too in a fresh
+    checkout) for a default folder, the missing parents of ``out_dir=a/b/run``. One that holds
+    anything (another run's folder) stays, and so do those above it."""
+    if folder.exists() or top not in folder.parents:
+        return
+    for parent in folder.parents:
+        try:
+            parent.rmdir()
+        except OSError:  # not empty
+            return
+        if parent == top:
+            return
+
+
 def fresh_run_folder(argv: list[str], claimed: tuple[str, str, bool] | None) -> Path | None:
     """The folder a run (a multirun: its sweep folder) will use where this process makes it:
     the default folder made for it, or an ``out_dir=`` / ``hydra.run.dir=`` (a multirun:
@@ -246,11 +272,16 @@ def fresh_run_folder(argv: list[str], claimed: tuple[str, str, bool] | None) -> 
     return Path(value).expanduser()
 
 
-def start(argv: list[str]) -> tuple[tuple[str, str, bool] | None, Path | None]:
+def start(
+    argv: list[str],
+) -> tuple[tuple[str, str, bool] | None, Path | None, Path | None]:
     """What comes before Hydra: the command-line checks, the imports (torch, transformers),
     srun's tasks, the run folder. Appends to ``argv`` (``sys.argv[1:]``) the overrides it
-    needs; returns the folder claimed for the run (:func:`claim_default_folder`) and the one
-    this process makes (:func:`fresh_run_folder`). Exits with status 2 on a bad argument."""
+    needs; returns the folder claimed for the run (:func:`claim_default_folder`), the one
+    this process makes (:func:`fresh_run_folder`) and the outermost folder made with it (that
+    one or a parent: :func:`remove_made_parents`). Exits with status 2 on a bad argument."""
+    import datetime
+
     problem = argv_problem(argv)
     if problem is not None:
         print(f"train.py: error: {problem}", file=sys.stderr)
@@ -276,7 +307,11 @@ def start(argv: list[str]) -> tuple[tuple[str, str, bool] | None, Path | None]:
         print(f"train.py: error: {problem}", file=sys.stderr)
         sys.exit(2)
     # outputs/<date>/<time> made now, so that runs started in the same second get one each
-    claimed = claim_default_folder(argv)
+    now = datetime.datetime.now()
+    multirun = any(a in ("-m", "--multirun") for a in argv)
+    date_folder = Path("multirun" if multirun else "outputs") / now.strftime("%Y-%m-%d")
+    made_parent = outermost_missing(date_folder)  # before claim_default_folder makes it
+    claimed = claim_default_folder(argv, now)
     if claimed is not None:
         argv.append(claimed[0])
     if int(os.environ.get("RANK", "0") or 0) > 0 and not any(
@@ -285,7 +320,11 @@ def start(argv: list[str]) -> tuple[tuple[str, str, bool] | None, Path | None]:
         # Hydra's own lines (a multirun's "Launching 2 jobs locally", "#0 : model=...") once,
         # from rank 0; its errors are printed without it
         argv.append("hydra/hydra_logging=disabled")
-    return claimed, fresh_run_folder(argv, claimed)
+    fresh = fresh_run_folder(argv, claimed)
+    if fresh is None:
+        return claimed, None, None
+    top = (made_parent if claimed is not None else None) or outermost_missing(fresh) or fresh
+    return claimed, fresh, top
 
 
 if __name__ == "__main__":
@@ -293,7 +332,7 @@ if __name__ == "__main__":
     try:
         import hydra
 
-        claimed, fresh = start(args)
+        claimed, fresh, made = start(args)
     except KeyboardInterrupt:  # the imports take seconds
         print("\ntrain.py: interrupted while starting; nothing was written", file=sys.stderr)
         sys.exit(130)
@@ -305,3 +344,5 @@ if __name__ == "__main__":
             shutil.rmtree(claimed[1], ignore_errors=True)
         if fresh is not None:  # a refused run (a sweep's refused job) leaves no folder behind
             remove_if_unused(fresh)
+            if made is not None:
+                remove_made_parents(fresh, made)

@@ -3831,6 +3831,23 @@ def test_a_run_folder_says_why_its_run_stopped_and_a_refused_run_leaves_none(tmp
     assert not (tmp_path / "new").exists() and not list(tmp_path.glob("outputs/*/*"))
 
 
+def test_a_refused_run_leaves_no_empty_parent_folders(tmp_path) -> None:
+    """A run refused before it began removed its own folder but left the empty folders made
+    for it: ``outputs/<date>/`` (and ``outputs/``) in a fresh checkout, ``multirun/<date>/``
+    for a sweep, the missing parents of an ``out_dir``. They go too; a folder that was there
+    before stays."""
+    args = [*SMALL, "data=tokens", "data.path=no.npy"]
+    (tmp_path / "kept").mkdir()
+    for extra in ([], ["-m"], ["out_dir=made/a/run"], ["out_dir=kept/b/run"]):
+        res = _run_script([sys.executable, str(ROOT / "train.py"), *extra, *args], cwd=tmp_path)
+        assert res.returncode == 2 and "train.py: error: data.path=no.npy" in res.stderr, (
+            extra,
+            res.stderr[-3000:],
+        )
+    assert [p.name for p in tmp_path.iterdir()] == ["kept"]
+    assert list((tmp_path / "kept").iterdir()) == []
+
+
 @pytest.mark.parametrize("presses", [1, 2])
 def test_ctrl_c_while_a_checkpoint_is_written(tmp_path, monkeypatch, capsys, presses) -> None:
     """Ctrl-C inside torch.save used to leave half a checkpoint and end in torch's zip-writer

@@ -878,6 +878,8 @@ def claim_default_folder(
             except FileExistsError:
                 n += 1
                 folder = base.with_name(f"{base.name}-{n}")
+            except FileNotFoundError:  # a refused run removed the empty date folder meanwhile
+                base.parent.mkdir(parents=True, exist_ok=True)
     temporary = world_size > 1 and rank > 0
     if multirun:
         return f"hydra.sweep.dir={folder}", str(folder), temporary

@@ -1474,6 +1474,29 @@ def test_runs_started_in_the_same_second_get_a_folder_each(hydra_ctx, tmp_path, 
     assert made == ["multirun/2026-11-28/09-05-07", *want, f"{want[0]}-3"]
 
 
+def test_a_default_folder_is_made_when_its_date_folder_goes_meanwhile(tmp_path, monkeypatch):
+    """A refused run removes the empty ``outputs/<date>/`` it made (train.py): where that
+    happened between this run's making the date folder and its time folder, the run stopped
+    with a FileNotFoundError. It makes the date folder again."""
+    import datetime
+
+    monkeypatch.chdir(tmp_path)
+    date = Path("outputs/2026-11-28")
+    mkdir = Path.mkdir
+
+    def racing_mkdir(self, *args, **kwargs):
+        mkdir(self, *args, **kwargs)
+        if self == date and not removed:  # the other run's cleanup, right after
+            removed.append(self)
+            self.rmdir()
+
+    removed: list[Path] = []
+    monkeypatch.setattr(Path, "mkdir", racing_mkdir)
+    now = datetime.datetime(2026, 11, 28, 9, 5, 7)
+    claimed = claim_default_folder(["seed=1"], now, world_size=1)
+    assert removed and claimed[1] == "outputs/2026-11-28/09-05-07" and Path(claimed[1]).is_dir()
+
+
 def test_a_gate_initialisation_the_model_does_not_read_is_refused() -> None:
     """``+model.overrides.fgate_bias_init=5`` on a fixed or bias-only gate (in an ablation sweep
     over the gate types, say) was stored in config.json and ignored: the gates kept their

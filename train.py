@@ -272,6 +272,14 @@ def fresh_run_folder(argv: list[str], claimed: tuple[str, str, bool] | None) -> 
     return Path(value).expanduser()
 
 
+def add_override(argv: list[str], override: str) -> None:
+    """Put ``override`` into ``argv`` in front of the command line's first override (else at
+    the end). Hydra's argparse reads the overrides as one run of words: one appended after a
+    trailing flag (``python train.py seed=1 -m``) was refused as an unrecognized argument."""
+    first = next((i for i, a in enumerate(argv) if "=" in a and not a.startswith("-")), None)
+    argv.insert(len(argv) if first is None else first, override)
+
+
 def start(
     argv: list[str],
 ) -> tuple[tuple[str, str, bool] | None, Path | None, Path | None]:
@@ -313,13 +321,13 @@ def start(
     made_parent = outermost_missing(date_folder)  # before claim_default_folder makes it
     claimed = claim_default_folder(argv, now)
     if claimed is not None:
-        argv.append(claimed[0])
+        add_override(argv, claimed[0])
     if int(os.environ.get("RANK", "0") or 0) > 0 and not any(
         a.lstrip("+").startswith("hydra/hydra_logging=") for a in argv
     ):
         # Hydra's own lines (a multirun's "Launching 2 jobs locally", "#0 : model=...") once,
         # from rank 0; its errors are printed without it
-        argv.append("hydra/hydra_logging=disabled")
+        add_override(argv, "hydra/hydra_logging=disabled")
     fresh = fresh_run_folder(argv, claimed)
     if fresh is None:
         return claimed, None, None

@@ -3835,15 +3835,21 @@ def test_a_refused_run_leaves_no_empty_parent_folders(tmp_path) -> None:
     """A run refused before it began removed its own folder but left the empty folders made
     for it: ``outputs/<date>/`` (and ``outputs/``) in a fresh checkout, ``multirun/<date>/``
     for a sweep, the missing parents of an ``out_dir``. They go too; a folder that was there
-    before stays."""
+    before stays. And ``-m`` after the overrides was refused as an unrecognized argument: the
+    sweep folder's override, added by train.py, came after the flag."""
     args = [*SMALL, "data=tokens", "data.path=no.npy"]
     (tmp_path / "kept").mkdir()
-    for extra in ([], ["-m"], ["out_dir=made/a/run"], ["out_dir=kept/b/run"]):
-        res = _run_script([sys.executable, str(ROOT / "train.py"), *extra, *args], cwd=tmp_path)
-        assert res.returncode == 2 and "train.py: error: data.path=no.npy" in res.stderr, (
-            extra,
-            res.stderr[-3000:],
-        )
+    for before, after in (
+        ([], []),
+        (["-m"], []),
+        ([], ["-m"]),  # the flag after the overrides: Hydra takes both orders
+        (["out_dir=made/a/run"], []),
+        (["out_dir=kept/b/run"], []),
+    ):
+        script = [sys.executable, str(ROOT / "train.py"), *before, *args, *after]
+        res = _run_script(script, cwd=tmp_path)
+        assert res.returncode == 2, (before, after, res.stderr[-3000:])
+        assert "train.py: error: data.path=no.npy" in res.stderr, (before, after, res.stderr)
     assert [p.name for p in tmp_path.iterdir()] == ["kept"]
     assert list((tmp_path / "kept").iterdir()) == []
 

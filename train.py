@@ -284,10 +284,11 @@ def start(
     argv: list[str],
 ) -> tuple[tuple[str, str, bool] | None, Path | None, Path | None]:
     """What comes before Hydra: the command-line checks, the imports (torch, transformers),
-    srun's tasks, the run folder. Appends to ``argv`` (``sys.argv[1:]``) the overrides it
-    needs; returns the folder claimed for the run (:func:`claim_default_folder`), the one
-    this process makes (:func:`fresh_run_folder`) and the outermost folder made with it (that
-    one or a parent: :func:`remove_made_parents`). Exits with status 2 on a bad argument."""
+    srun's tasks, the run folder. Adds to ``argv`` (``sys.argv[1:]``) the overrides it needs
+    (:func:`add_override`); returns the folder claimed for the run
+    (:func:`claim_default_folder`), the one this process makes (:func:`fresh_run_folder`) and
+    the outermost folder made with it (that one or a parent; None where it existed:
+    :func:`remove_made_parents`). Exits with status 2 on a bad argument."""
     import datetime
 
     problem = argv_problem(argv)
@@ -298,6 +299,7 @@ def start(
     from fot.progress import quiet_library_bars
     from fot.training.config import (  # imports torch and transformers
         claim_default_folder,
+        default_date_folder,
         register_configs,
         sweep_job_problem,
     )
@@ -316,9 +318,7 @@ def start(
         sys.exit(2)
     # outputs/<date>/<time> made now, so that runs started in the same second get one each
     now = datetime.datetime.now()
-    multirun = any(a in ("-m", "--multirun") for a in argv)
-    date_folder = Path("multirun" if multirun else "outputs") / now.strftime("%Y-%m-%d")
-    made_parent = outermost_missing(date_folder)  # before claim_default_folder makes it
+    made_parent = outermost_missing(default_date_folder(argv, now))  # before it is made
     claimed = claim_default_folder(argv, now)
     if claimed is not None:
         add_override(argv, claimed[0])
@@ -331,8 +331,7 @@ def start(
     fresh = fresh_run_folder(argv, claimed)
     if fresh is None:
         return claimed, None, None
-    top = (made_parent if claimed is not None else None) or outermost_missing(fresh) or fresh
-    return claimed, fresh, top
+    return claimed, fresh, made_parent if claimed is not None else outermost_missing(fresh)
 
 
 if __name__ == "__main__":

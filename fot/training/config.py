@@ -822,6 +822,13 @@ _KEEPS_HYDRA_FOLDERS = {
 }  # fmt: skip
 
 
+def default_date_folder(argv: list[str], now: Any) -> Path:
+    """``outputs/<date>`` (``multirun/<date>`` with ``-m``): the parent of the default run
+    folders of a run started at ``now`` (a ``datetime``) with these arguments."""
+    multirun = any(a in ("-m", "--multirun") for a in argv)
+    return Path("multirun" if multirun else "outputs") / now.strftime("%Y-%m-%d")
+
+
 def claim_default_folder(
     argv: list[str], now: Any = None, world_size: int | None = None, rank: int | None = None
 ) -> tuple[str, str, bool] | None:
@@ -868,7 +875,7 @@ def claim_default_folder(
         folder = Path(tempfile.mkdtemp(prefix=f"fot-train-rank{rank}-"))
     else:
         now = now or datetime.datetime.now()
-        base = Path("multirun" if multirun else "outputs") / now.strftime("%Y-%m-%d/%H-%M-%S")
+        base = default_date_folder(argv, now) / now.strftime("%H-%M-%S")
         base.parent.mkdir(parents=True, exist_ok=True)
         folder, n = base, 0
         while True:

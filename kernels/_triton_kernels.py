@@ -26,8 +26,9 @@ Conventions shared by every kernel here:
 * Exact pruning (c is non-increasing, so the bias only falls with distance): a key tile whose
   scores are all ``< row max - PRUNE_LOG2`` (2^-160: exp2 underflows to exactly 0 in float32)
   contributes nothing and is skipped. The bound is ``|scale|*|q_i|*max_j|k_j| + c_i - c_j``
-  against the diagonal score ``s_ii`` (a lower bound of the row max), so the first key tile
-  to visit is found before the loop by a binary search over c.
+  against a lower bound of the row max: in the forward the running max after the diagonal
+  block, which it visits first (at least the diagonal score ``s_ii``); in the backward the
+  LSE. The first key tile to visit is found by a binary search over c.
 """
 
 from __future__ import annotations
@@ -216,48 +217,47 @@ def _fwd_kernel(
     lb_first = tl.min(tl.where(row_ok, lb, T))
 
     t_lo = lb_first // BN
-    t_hi = m_last // BN  # the diagonal tile: never pruned
+    t_hi = m_last // BN
+    # The tiles from m0 on (the diagonal block, causally masked) come first, then the
+    # unmasked tiles before m0 (BM is a multiple of BN, so those lie wholly below the diagonal
+    # and before T). Every row sees its own key in the diagonal block, so the running max m_i
+    # after it is a lower bound of the row's final max (at least the diagonal score s_ii).
+    t_diag = tl.maximum(t_lo, m0 // BN)
+    m_i = tl.full([BM], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BM], dtype=tl.float32)
+    acc = tl.zeros([BM, D], dtype=tl.float32)
+    for start_n in range(t_diag * BN, (t_hi + 1) * BN, BN):
+        acc, l_i, m_i = _fwd_tile(
+            acc, l_i, m_i, q, cq, lb, offs_m, offs_d, start_n, K_ptr, V_ptr, stride_kt,
+            stride_vt, C_row, T, a_hi, a_lo, qk_scale,
+            BN, True, EVEN, HAS_DOC, HAS_WINDOW, DOT_PREC,
+        )  # fmt: skip
     if PRUNE:
-        # Lower bound of each row's max: its diagonal score s_ii (bias 0).
-        k_diag = tl.load(
-            K_ptr + offs_m[:, None] * stride_kt + offs_d[None, :], mask=row_ok[:, None], other=0.0
-        )
+        # A key tile whose every score is below m_i - prune_log2 adds exactly nothing after
+        # the diagonal block: exp2 underflows to 0 and m_i, hence the rescale factor 1, stays.
         qf = q.to(tl.float32)
-        s_diag = tl.sum(qf * k_diag.to(tl.float32), 1) * qk_scale
         q_norm = tl.sqrt(tl.sum(qf * qf, 1))
         kmax = tl.load(KMAX + b * H + hk)
         # |scale|: with a negative scale, q.k * scale is still at most |q| |k| |scale|
-        bound = q_norm * kmax * tl.abs(qk_scale) + cq - s_diag  # log2 units, rel. to the anchor
+        bound = q_norm * kmax * tl.abs(qk_scale) + cq - m_i  # log2 units, rel. to the anchor
         g = tl.max(tl.where(row_ok, bound, float("-inf"))) + prune_log2
         # a NaN/inf key or value of the head (kmax = inf): nothing pruned, also for rows whose
         # bound is 0 * inf = NaN (a zero query), which the max above skips; nor where a gate
         # above 1 lets c rise (the bound takes c to never rise)
         off = (kmax == float("inf")) | (tl.load(RISES + bh) != 0)
         g = tl.where(off, float("inf"), g)
-        t_first = _first_needed_key(C_row, g, a_hi, a_lo, t_lo, t_hi, T, BN)
+        t_first = _first_needed_key(C_row, g, a_hi, a_lo, t_lo, t_diag, T, BN)
     else:
         t_first = t_lo
     if STATS_ON:
         n_prog = tl.num_programs(0)
         tl.store(STATS + (bh * n_prog + pid_m) * 2, t_hi - t_lo + 1)
         tl.store(STATS + (bh * n_prog + pid_m) * 2 + 1, t_first - t_lo)
-
-    m_i = tl.full([BM], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BM], dtype=tl.float32)
-    acc = tl.zeros([BM, D], dtype=tl.float32)
-    # Key tiles before m0 lie wholly below the diagonal (BM is a multiple of BN) and before T:
-    # no causal or length mask there; the tiles from m0 on are masked.
-    for start_n in range(t_first * BN, m0, BN):
+    for start_n in range(t_first * BN, t_diag * BN, BN):
         acc, l_i, m_i = _fwd_tile(
             acc, l_i, m_i, q, cq, lb, offs_m, offs_d, start_n, K_ptr, V_ptr, stride_kt,
             stride_vt, C_row, T, a_hi, a_lo, qk_scale,
             BN, False, EVEN, HAS_DOC, HAS_WINDOW, DOT_PREC,
-        )  # fmt: skip
-    for start_n in range(tl.maximum(t_first * BN, m0), (t_hi + 1) * BN, BN):
-        acc, l_i, m_i = _fwd_tile(
-            acc, l_i, m_i, q, cq, lb, offs_m, offs_d, start_n, K_ptr, V_ptr, stride_kt,
-            stride_vt, C_row, T, a_hi, a_lo, qk_scale,
-            BN, True, EVEN, HAS_DOC, HAS_WINDOW, DOT_PREC,
         )  # fmt: skip
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)

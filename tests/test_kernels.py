@@ -225,8 +225,14 @@ def test_tiles_that_split_a_query_tile_are_refused():
         fa._CONFIG_OVERRIDE.clear()
 
 
-def test_pruning_is_exact_and_skips_tiles():
-    q, k, v, log_f = make_inputs(1, 300, 2, 1, 32, torch.float32, STRONG)
+@pytest.mark.parametrize(
+    ("T", "gate_mean"),
+    # Strong decay drops ~90 log2 units per 32-key tile, so a bound off by tens of units
+    # would still prune only weightless tiles; at f ~ 0.73 (~15 per tile) it would not.
+    [(300, STRONG), (512 if DEVICE == "cpu" else 2048, 1.0)],  # GPU: larger tiles
+)
+def test_pruning_is_exact_and_skips_tiles(T, gate_mean):
+    q, k, v, log_f = make_inputs(1, T, 2, 1, 32, torch.float32, gate_mean, seed=0)
     do = torch.randn(q.shape)
     stats = PruneStats()
     o_on, g_on = kernel_and_grads(q, k, v, log_f, do, prune=True, stats=stats)

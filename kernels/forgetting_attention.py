@@ -519,8 +519,8 @@ def forgetting_attention(
             uses ``|scale| * |q_i| * max_j |k_j|`` and the falling gate cumsum; a head with a
             key or value that is not finite, or with a gate above 1, is not pruned). On by
             default. Where it can skip nothing, it still costs its bookkeeping: with 4096
-            documents in 64k tokens, 1.08 against 0.83 ms per forward on an H100
-            (docs/benchmarks.md, "Packed documents"), so ``False`` suits very short documents.
+            documents in 64k tokens, 1.01 against 0.79 ms per forward on an H100
+            (docs/benchmarks.md, "Commit 9f65b24"), so ``False`` suits very short documents.
         prune_threshold: approximate pruning (natural-log units, e.g. ``-20.0``): also skip
             tiles whose bound on every weight is below ``e**prune_threshold`` times the
             row's diagonal weight. Off (``None``) by default; only the forward pass is

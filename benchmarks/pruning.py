@@ -206,7 +206,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.threshold is not None and not args.threshold < 0:  # NaN too
         p.error(
             f"--threshold must be a negative log-weight (natural log, e.g. -20: also skip tiles "
-            f"whose every weight is below e^-20 times the row's diagonal one), got {args.threshold}"
+            f"whose every weight is below e^-20 times the row's largest in the query tile's span "
+            f"of keys), got {args.threshold}"
         )
     if args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available()):
         use_triton_interpreter()  # before anything imports Triton

@@ -523,7 +523,8 @@ def forgetting_attention(
             (docs/benchmarks.md, "Commit 9f65b24"), so ``False`` suits very short documents.
         prune_threshold: approximate pruning (natural-log units, e.g. ``-20.0``): also skip
             tiles whose bound on every weight is below ``e**prune_threshold`` times the
-            row's diagonal weight. Off (``None``) by default; only the forward pass is
+            row's largest weight among the keys of its query tile's span (at least its
+            diagonal weight). Off (``None``) by default; only the forward pass is
             approximated (the backward prunes exactly and computes the gradient of the exact
             function).
         stats: a :class:`PruneStats` to accumulate tile counts into (costs a host sync;

@@ -428,6 +428,10 @@ def _bwd_dq_kernel(
         bound = q_norm * kmax * tl.abs(qk_scale) + cq - lse
         g = tl.max(tl.where(row_ok, bound, float("-inf"))) + prune_log2
         off = (kmax == float("inf")) | (tl.load(RISES + bh) != 0)  # as in the forward
+        # A NaN or inf in a row's q (hence O) or dO: delta is not finite, and without pruning
+        # dS = p (dp - delta) is NaN for every key the row meets, p = 0 too. Its bound (NaN)
+        # is skipped by the max above: nothing pruned, so that the NaN reaches the same dK/dV.
+        off = off | (tl.max(tl.where(tl.abs(delta) < float("inf"), 0, 1)) != 0)
         g = tl.where(off, float("inf"), g)
         t_first = _first_needed_key(C_row, g, a_hi, a_lo, t_lo, t_hi, T, BN)
         # The dK/dV kernel reads where each query tile starts.

@@ -743,6 +743,26 @@ def test_exact_pruning_never_hides_a_nan_key_or_value(T, where, zero_queries):
         torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
 
 
+@pytest.mark.parametrize("where", ["q", "do"])
+def test_exact_pruning_never_hides_a_nan_query_or_output_gradient(where):
+    """Without pruning, a NaN in q_i (hence O_i) or in dO_i makes dS_ij NaN for every key the
+    backward pairs with row i (0 * NaN), so dK and dV come out NaN down to the first key. The
+    backward's bound of such a row is NaN, which the max over the tile's rows skipped: the
+    other rows' bound pruned the first key tile, whose dK/dV then stayed finite (prune=True is
+    promised bitwise equal to prune=False). The oracle: the same call with ``prune=False``."""
+    T = 128 if DEVICE == "cpu" else 512  # GPU: larger tiles
+    q, k, v, log_f = make_inputs(1, T, 2, 1, 16, torch.float32, STRONG, seed=5)
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(1))
+    (q if where == "q" else do)[0, T - 28, 1, 0] = float("nan")
+    stats = PruneStats()
+    pruned, pruned_grads = kernel_and_grads(q, k, v, log_f, do, prune=True, stats=stats)
+    unpruned, unpruned_grads = kernel_and_grads(q, k, v, log_f, do, prune=False)
+    assert stats.tiles_skipped > 0  # the forward still prunes (the NaN stays in its row)
+    assert unpruned_grads[1][0, 0].isnan().all()  # the first key's dK is NaN without pruning
+    for got, want in zip([pruned, *pruned_grads], [unpruned, *unpruned_grads], strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
 def test_decode_gives_zero_for_a_query_with_no_key_and_nan_for_nan_input():
     """Prefill over a left-padded row: queries at padding positions see no key and give 0
     (not NaN); a NaN query still gives NaN, in the kernel path and in the reference."""

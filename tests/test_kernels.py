@@ -226,18 +226,27 @@ def test_tiles_that_split_a_query_tile_are_refused():
 
 
 @pytest.mark.parametrize(
-    ("T", "gate_mean"),
+    ("T", "gate_mean", "window"),
     # Strong decay drops ~90 log2 units per 32-key tile, so a bound off by tens of units
     # would still prune only weightless tiles; at f ~ 0.73 (~15 per tile) it would not.
-    [(300, STRONG), (512 if DEVICE == "cpu" else 2048, 1.0)],  # GPU: larger tiles
+    # The third: one query past the first query tile (32 rows, GPU 128) and a window one
+    # shorter than that tile, so that only the last, partial query tile can prune, and its
+    # last padding row sees no key: its bound (+inf) must stay out of the tile's maximum
+    # (it then pruned nothing; a loss of speed only).
+    [
+        (300, STRONG, None),
+        (512 if DEVICE == "cpu" else 2048, 1.0, None),  # GPU: larger tiles
+        (33 if DEVICE == "cpu" else 129, -150.0, 31 if DEVICE == "cpu" else 127),
+    ],
 )
-def test_pruning_is_exact_and_skips_tiles(T, gate_mean):
+def test_pruning_is_exact_and_skips_tiles(T, gate_mean, window):
     q, k, v, log_f = make_inputs(1, T, 2, 1, 32, torch.float32, gate_mean, seed=0)
     do = torch.randn(q.shape)
     stats = PruneStats()
-    o_on, g_on = kernel_and_grads(q, k, v, log_f, do, prune=True, stats=stats)
+    kw = {"window_size": window}
+    o_on, g_on = kernel_and_grads(q, k, v, log_f, do, prune=True, stats=stats, **kw)
     off = PruneStats()
-    o_off, g_off = kernel_and_grads(q, k, v, log_f, do, prune=False, stats=off)
+    o_off, g_off = kernel_and_grads(q, k, v, log_f, do, prune=False, stats=off, **kw)
     assert torch.equal(o_on, o_off)
     for a, b in zip(g_on, g_off):
         assert torch.equal(a, b)

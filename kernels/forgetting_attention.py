@@ -517,7 +517,8 @@ def forgetting_attention(
         prune: skip key tiles whose every weight underflows to zero, in the forward and the
             backward (exact: results are bitwise the same as with ``prune=False``; the bound
             uses ``|scale| * |q_i| * max_j |k_j|`` and the falling gate cumsum; a head with a
-            key or value that is not finite, or with a gate above 1, is not pruned). On by
+            key or value that is not finite, or with a gate above 1, is not pruned, nor in the
+            backward a query tile with a row of q or dO that is not finite). On by
             default. Where it can skip nothing, it still costs its bookkeeping: with 4096
             documents in 64k tokens, 1.01 against 0.79 ms per forward on an H100
             (docs/benchmarks.md, "Commit 9f65b24"), so ``False`` suits very short documents.

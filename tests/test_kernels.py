@@ -253,7 +253,9 @@ def test_pruning_is_exact_and_skips_tiles(T, gate_mean, window):
     assert stats.tiles_total == off.tiles_total > 0
     assert off.tiles_skipped == 0
     assert 0 < stats.tiles_skipped < stats.tiles_total
-    # Weak decay at this length: nothing can be skipped exactly.
+
+
+def test_weak_decay_at_300_tokens_prunes_nothing():
     q, k, v, log_f = make_inputs(1, 300, 2, 1, 32, torch.float32, WEAK)
     weak = PruneStats()
     run_kernel(q, k, v, log_f, stats=weak)

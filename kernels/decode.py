@@ -1,18 +1,168 @@
 """Decode-time forgetting attention: a few new queries against a long K/V cache.
 
-A vectorised PyTorch implementation (one batched matmul for the scores, one for the values,
-GQA by grouping query heads instead of copying the cache). Decode is memory-bound (each
-cached key and value is read once per step), which batched matmuls already do well; the gate
-cumsum of the cache is never recomputed: the caller passes the running c.
+On CUDA (and under Triton's interpreter) a split-K Triton kernel ("flash decoding"): each
+program takes one (batch, kv head), a block of query rows (the query heads sharing that kv head
+times the new positions) and one contiguous span of keys, reads each cached key and value once,
+and keeps an online softmax in float32; a second kernel merges the spans' partial results. The
+gate bias ``c_i - c_j`` and every mask (causal, window, ``key_mask``) are applied on chip, so a
+decode step is two launches per layer, however long the cache: the step is memory-bound on
+the cache, and the spans keep every SM reading. The gate cumsum of the cache is never
+recomputed: the caller passes the running c.
+
+Elsewhere (CPU without the interpreter, float64 inputs or cumsums) the same function runs as
+batched PyTorch matmuls (GQA by grouping query heads instead of copying the cache).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
+import triton
+import triton.language as tl
 
-from .checks import check_decode_inputs
+from .checks import check_decode_inputs, on_input_gpu
+from .forgetting_attention import MAX_GRID_Y, _interpreting
+
+LOG2E = 1.4426950408889634
+_LOG2E = tl.constexpr(LOG2E)
+
+# Private tuning hook (like forgetting_attention._CONFIG_OVERRIDE): "splits" (key spans per
+# (batch, kv head, row block)), "block_n" (keys per tile), "warps", "stages".
+_CONFIG_OVERRIDE: dict[str, int] = {}
+
+
+@triton.jit
+def _decode_span_kernel(
+    Q, K, V, CQ, CK, KMASK, ACC, ML,
+    stride_qb, stride_qt, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_cqb, stride_cqt, stride_cqh,
+    stride_ckb, stride_ckt, stride_ckh,
+    stride_mb, stride_mt,
+    Tq, Tk, H, R, W, span, n_spans, qk_scale,
+    D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    HAS_MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr,
+):  # fmt: skip
+    """Partial attention of one row block over one key span.
+
+    Program (b * H + h, span s, row block): rows ``r = rep * Tq + i`` (query head
+    ``h * R + rep``, query ``i`` at position ``Tk - Tq + i``), keys ``[s * span, (s + 1) *
+    span)``. Writes the unnormalised output ``ACC[bh, s, r, :]`` (float32) and the row's
+    running max and sum ``ML[bh, s, r, :] = (m, l)`` (log2 units), ``m = -inf`` and ``l = 0``
+    where the span holds no visible key.
+    """
+    bh = tl.program_id(0)
+    s_id = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    M = R * Tq
+    rows = tl.program_id(2) * BM + tl.arange(0, BM)
+    row_ok = rows < M
+    i = rows % Tq
+    hq = h * R + rows // Tq
+    offs_d = tl.arange(0, BD)
+    d_ok = offs_d < D
+    q = tl.load(
+        Q + b.to(tl.int64) * stride_qb + i[:, None] * stride_qt + hq[:, None] * stride_qh
+        + offs_d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    ).to(K.dtype.element_ty)  # fmt: skip
+    CK_row = CK + b.to(tl.int64) * stride_ckb + hq * stride_ckh  # (BM,) pointers
+    cq = tl.load(CQ + b.to(tl.int64) * stride_cqb + i * stride_cqt + hq * stride_cqh,
+                 mask=row_ok, other=0.0)  # fmt: skip
+    q_pos = Tk - Tq + i
+    # Keys of the span that some row of the block may see: causal (and window) limits.
+    lo = s_id * span
+    hi = tl.minimum(lo + span, tl.max(tl.where(row_ok, q_pos, -1)) + 1)
+    if HAS_WINDOW:
+        lo = tl.maximum(lo, tl.min(tl.where(row_ok, q_pos, Tk)) - W + 1)
+    K_ptr = K + b.to(tl.int64) * stride_kb + h * stride_kh
+    V_ptr = V + b.to(tl.int64) * stride_vb + h * stride_vh
+    m_i = tl.full([BM], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BM], dtype=tl.float32)
+    acc = tl.zeros([BM, BD], dtype=tl.float32)
+    for n0 in range(lo, hi, BN):
+        offs_n = n0 + tl.arange(0, BN)
+        n_ok = offs_n < hi
+        kT = tl.load(
+            K_ptr + offs_n[None, :] * stride_kt + offs_d[:, None],
+            mask=n_ok[None, :] & d_ok[:, None],
+            other=0.0,
+        )
+        ck = tl.load(
+            CK_row[:, None] + offs_n[None, :] * stride_ckt,
+            mask=row_ok[:, None] & n_ok[None, :],
+            other=0.0,
+        )
+        s = tl.dot(q, kT, input_precision=DOT_PREC) * qk_scale + (cq[:, None] - ck) * _LOG2E
+        ok = n_ok[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        if HAS_WINDOW:
+            ok = ok & (q_pos[:, None] - offs_n[None, :] < W)
+        if HAS_MASK:
+            km = tl.load(
+                KMASK + b.to(tl.int64) * stride_mb + offs_n * stride_mt, mask=n_ok, other=0
+            )
+            ok = ok & (km != 0)[None, :]
+        s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no visible key yet: exp2 finite
+        p = tl.math.exp2(s - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            V_ptr + offs_n[:, None] * stride_vt + offs_d[None, :],
+            mask=n_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+        acc = acc * alpha[:, None] + tl.dot(p.to(V.dtype.element_ty), v, input_precision=DOT_PREC)
+        m_i = m_new
+    base = (bh.to(tl.int64) * n_spans + s_id) * M + rows
+    tl.store(ACC + base[:, None] * BD + offs_d[None, :], acc, mask=row_ok[:, None])
+    tl.store(ML + base * 2, m_i, mask=row_ok)
+    tl.store(ML + base * 2 + 1, l_i, mask=row_ok)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    ACC, ML, Out, stride_ob, stride_ot, stride_oh, Tq, H, R, n_spans,
+    D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr,
+):  # fmt: skip
+    """``Out[b, i, h * R + rep, :]`` from the spans' partial results of row ``rep * Tq + i``:
+    ``sum_s 2^(m_s - m) acc_s / sum_s 2^(m_s - m) l_s`` with ``m = max_s m_s``; 0 for a row
+    that sees no key."""
+    M = R * Tq
+    bh = tl.program_id(0) // M
+    row = tl.program_id(0) % M
+    b = bh // H
+    h = bh % H
+    spans = tl.arange(0, BS)
+    s_ok = spans < n_spans
+    base = (bh.to(tl.int64) * n_spans + spans) * M + row
+    m_s = tl.load(ML + base * 2, mask=s_ok, other=float("-inf"))
+    l_s = tl.load(ML + base * 2 + 1, mask=s_ok, other=0.0)
+    m = tl.max(m_s, 0)
+    w = tl.math.exp2(m_s - tl.where(m == float("-inf"), 0.0, m))
+    offs_d = tl.arange(0, BD)
+    acc = tl.load(ACC + base[:, None] * BD + offs_d[None, :], mask=s_ok[:, None], other=0.0)
+    num = tl.sum(w[:, None] * acc, 0)
+    den = tl.sum(w * l_s, 0)
+    out = num / tl.where(den == 0.0, 1.0, den)
+    i = row % Tq
+    hq = h * R + row // Tq
+    tl.store(
+        Out + b.to(tl.int64) * stride_ob + i * stride_ot + hq * stride_oh + offs_d,
+        out.to(Out.dtype.element_ty),
+        mask=offs_d < D,
+    )
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _bmm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -33,6 +183,76 @@ def _bmm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 _HAS_OUT_DTYPE = [True]
+
+
+def _triton_ok(q, k_cache, v_cache, q_cumsum, k_cumsum) -> bool:
+    """Whether the Triton kernels take these (checked) inputs: CUDA tensors or the
+    interpreter, 16/32-bit q and caches, float32 cumsums (float64 keeps the PyTorch path)."""
+    if not (q.is_cuda or _interpreting()):
+        return False
+    small = (torch.float16, torch.bfloat16, torch.float32)
+    return all(t.dtype in small for t in (q, k_cache, v_cache)) and (
+        q_cumsum.dtype == k_cumsum.dtype == torch.float32
+    )
+
+
+def _unit_last(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with a unit stride on its last dim (a copy only when it has another)."""
+    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
+
+
+@on_input_gpu
+def _decode_triton(q, k_cache, v_cache, q_cumsum, k_cumsum, scale, window_size, key_mask):
+    """:func:`forgetting_attention_decode` by the split-K kernels (checked inputs)."""
+    B, Tq, HQ, D = q.shape
+    Tk, H = k_cache.shape[1], k_cache.shape[2]
+    R = HQ // H
+    M = R * Tq
+    out = torch.empty(B, Tq, HQ, D, dtype=q.dtype, device=q.device)
+    if out.numel() == 0:
+        return out
+    if k_cache.dtype != v_cache.dtype or (
+        _interpreting() and torch.bfloat16 in (q.dtype, k_cache.dtype)
+    ):
+        # One dtype for the two matmuls' operands. The interpreter's tl.dot multiplies raw
+        # bf16 bit patterns (DESIGN.md §4): float32 there.
+        k_cache, v_cache = k_cache.float(), v_cache.float()
+    q, k, v = _unit_last(q), _unit_last(k_cache), _unit_last(v_cache)
+    BD = max(16, triton.next_power_of_2(D))
+    BM = min(64, max(16, triton.next_power_of_2(M)))
+    BN = _CONFIG_OVERRIDE.get("block_n", 64 if BD <= 128 else 32)
+    n_mb = triton.cdiv(M, BM)
+    # Split the keys until (batch, kv heads, row blocks, spans) fill one wave of ~4 programs
+    # per SM (as many as fit at once), but not beyond it: a few programs of a second wave
+    # would take as long as the first (1.3x the time at B=8, H=24 on an H100).
+    sms = _sm_count(q.device.index) if q.is_cuda else 8  # the interpreter: a small GPU
+    n_spans = _CONFIG_OVERRIDE.get(
+        "splits", max(1, min(triton.cdiv(Tk, BN), (4 * sms) // (B * H * n_mb)))
+    )
+    span = triton.cdiv(triton.cdiv(Tk, n_spans), BN) * BN
+    n_spans = triton.cdiv(Tk, span)
+    acc = torch.empty(B * H * n_spans * M * BD, dtype=torch.float32, device=q.device)
+    ml = torch.empty(B * H * n_spans * M * 2, dtype=torch.float32, device=q.device)
+    mask = key_mask.view(torch.uint8) if key_mask is not None else k  # a dummy when unused
+    stride_m = mask.stride() if key_mask is not None else (0, 0)
+    _decode_span_kernel[(B * H, n_spans, n_mb)](
+        q, k, v, q_cumsum, k_cumsum, mask, acc, ml,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        *q_cumsum.stride(), *k_cumsum.stride(), *stride_m,
+        Tq, Tk, H, R, window_size or 0, span, n_spans, scale * LOG2E,
+        D=D, BD=BD, BM=BM, BN=BN, HAS_MASK=key_mask is not None,
+        HAS_WINDOW=window_size is not None,
+        DOT_PREC="ieee" if k.dtype == torch.float32 else "tf32",
+        num_warps=_CONFIG_OVERRIDE.get("warps", 4),
+        num_stages=_CONFIG_OVERRIDE.get("stages", 3),
+    )  # fmt: skip
+    _decode_merge_kernel[(B * H * M,)](
+        acc, ml, out, out.stride(0), out.stride(1), out.stride(2), Tq, H, R, n_spans,
+        D=D, BD=BD, BS=max(2, triton.next_power_of_2(n_spans)),
+    )  # fmt: skip
+    return out
 
 
 def forgetting_attention_decode(
@@ -63,26 +283,32 @@ def forgetting_attention_decode(
 
     Returns:
         ``[B, Tq, HQ, D]`` in q's dtype (float32 softmax inside; float64 for float64 input;
-        under autocast too). A query with no visible key gets zeros.
+        under autocast too). A query with no visible key gets zeros. With a 16-bit cache, q is
+        rounded to the cache dtype for ``q kᵀ`` and the probabilities for ``P V``, as in
+        FlashAttention; the scores, the bias and the softmax stay float32.
     """
     check_decode_inputs(
         q, k_cache, v_cache, q_cumsum, k_cumsum, key_mask=key_mask, window_size=window_size
     )
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    args = (q, k_cache, v_cache, q_cumsum, k_cumsum, float(scale), window_size, key_mask)
+    M = (q.shape[2] // k_cache.shape[2]) * q.shape[1]
+    if _triton_ok(q, k_cache, v_cache, q_cumsum, k_cumsum) and triton.cdiv(M, 64) <= MAX_GRID_Y:
+        return _decode_triton(*args)
     if torch.is_autocast_enabled(q.device.type):
         # autocast would run the float32 matmuls in 16 bits (scores rounded to bf16: 1e-2
         # off); without it the ops are those outside autocast (a 16-bit cache is read as is)
         with torch.autocast(q.device.type, enabled=False):
-            return _decode(q, k_cache, v_cache, q_cumsum, k_cumsum, scale, window_size, key_mask)
-    return _decode(q, k_cache, v_cache, q_cumsum, k_cumsum, scale, window_size, key_mask)
+            return _decode_pytorch(*args)
+    return _decode_pytorch(*args)
 
 
-def _decode(q, k_cache, v_cache, q_cumsum, k_cumsum, scale, window_size, key_mask):
-    """:func:`forgetting_attention_decode` on checked inputs, autocast off."""
+def _decode_pytorch(q, k_cache, v_cache, q_cumsum, k_cumsum, scale, window_size, key_mask):
+    """:func:`forgetting_attention_decode` as PyTorch ops (checked inputs, autocast off)."""
     B, Tq, HQ, D = q.shape
     Tk, H = k_cache.shape[1], k_cache.shape[2]
     R = HQ // H
-    if scale is None:
-        scale = 1.0 / math.sqrt(D)
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     low = k_cache.dtype in (torch.float16, torch.bfloat16) and v_cache.dtype == k_cache.dtype
     if low and compute == torch.float32:

@@ -934,6 +934,56 @@ def test_decode_matches_reference(Tq, window, use_mask):
     assert rel_err(out, ref) < TOL[torch.float32]
 
 
+def _decode_pytorch(q, kc, vc, cq, ck, *, window_size=None, key_mask=None):
+    """The decode's PyTorch path (CPU without the interpreter, float64), called directly."""
+    from fot.kernels import decode
+
+    return decode._decode_pytorch(q, kc, vc, cq, ck, q.shape[-1] ** -0.5, window_size, key_mask)
+
+
+@pytest.mark.parametrize("impl", ["kernel", "pytorch"])
+@pytest.mark.parametrize(
+    ("B", "Tq", "Tk", "HQ", "H", "D", "window", "dtype", "config"),
+    [
+        (2, 1, 300, 6, 2, 64, None, torch.float32, {}),  # GQA, one new token: the decode step
+        (2, 1, 300, 6, 2, 64, None, torch.float32, {"block_n": 16, "splits": 7}),
+        (1, 3, 257, 4, 4, 80, 40, torch.float32, {"block_n": 16, "splits": 3}),  # D not 2^k
+        (2, 2, 96, 8, 1, 16, None, torch.float16, {"block_n": 16, "splits": 1}),
+        (1, 70, 75, 2, 1, 32, 9, torch.float32, {"block_n": 16}),  # 140 rows: 3 row blocks
+    ],
+)
+def test_decode_kernel_matches_reference(B, Tq, Tk, HQ, H, D, window, dtype, config, impl):
+    """The split-K decode kernels (CPU: interpreter) and the PyTorch path against the float64
+    reference: GQA, windows, left padding and a row whose every key is masked (zeros), keys
+    split into spans of any count (the merge), head-major caches read through strided views
+    (as FoTCache keeps them), more query rows than one block. Large |c|, as after a long
+    prefill."""
+    from fot.kernels import decode
+
+    g = torch.Generator().manual_seed(Tk)
+    q = torch.randn(B, Tq, HQ, D, generator=g).to(dtype)
+    # head-major buffers with spare capacity, read as [B, Tk, H, D] views
+    kbuf, vbuf = (torch.randn(B, H, Tk + 5, D, generator=g).to(dtype) for _ in range(2))
+    kc, vc = kbuf[:, :, :Tk].transpose(1, 2), vbuf[:, :, :Tk].transpose(1, 2)
+    c = torch.cumsum(F.logsigmoid(torch.randn(B, Tk, HQ, generator=g) + 2.0), 1) - 5000.0
+    mask = torch.ones(B, Tk, dtype=torch.bool)
+    mask[-1, : Tk // 3] = False  # left padding
+    mask[0, Tk - (window or Tk) :] = False  # row 0's last query sees no key at all
+    kw = {"window_size": window, "key_mask": mask}
+    fn = forgetting_attention_decode if impl == "kernel" else _decode_pytorch
+    decode._CONFIG_OVERRIDE.update(config)
+    try:
+        out = fn(q, kc, vc, c[:, -Tq:], c, **kw)
+    finally:
+        decode._CONFIG_OVERRIDE.clear()
+    ref = forgetting_attention_decode_reference(
+        q.double(), kc.double(), vc.double(), c[:, -Tq:], c, **kw
+    )
+    assert out.dtype == dtype and out.shape == q.shape
+    assert torch.equal(out[0, -1], torch.zeros(HQ, D, dtype=dtype))
+    assert rel_err(out, ref) < TOL[dtype]
+
+
 def _decode_args(**over):
     B, Tq, Tk, HQ, H, D = 2, 2, 9, 4, 2, 16
     c = torch.cumsum(F.logsigmoid(torch.randn(B, Tk, HQ)), dim=1)

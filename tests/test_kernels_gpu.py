@@ -93,17 +93,24 @@ def test_pruning_exact_on_gpu():
     assert off[5].tiles_skipped == 0
 
 
-def test_decode_on_gpu():
-    B, Tk, HQ, H, D = 2, 5000, 8, 2, 128
-    q = torch.randn(B, 1, HQ, D, device="cuda", dtype=torch.bfloat16)
-    kc = torch.randn(B, Tk, H, D, device="cuda", dtype=torch.bfloat16)
-    vc = torch.randn_like(kc)
+@pytest.mark.parametrize(
+    ("B", "Tq", "Tk", "HQ", "H", "D", "window"),
+    [(2, 1, 5000, 8, 2, 128, None), (1, 1, 17408, 24, 24, 64, None), (3, 4, 9000, 6, 3, 64, 700)],
+)
+def test_decode_on_gpu(B, Tq, Tk, HQ, H, D, window):
+    """The split-K decode kernels in bf16 against the float64 reference, caches read through
+    head-major views with spare capacity (FoTCache's layout); the 760M layer at a 16k cache."""
+    q = torch.randn(B, Tq, HQ, D, device="cuda", dtype=torch.bfloat16)
+    kbuf = torch.randn(B, H, Tk + 100, D, device="cuda", dtype=torch.bfloat16)
+    vbuf = torch.randn_like(kbuf)
+    kc, vc = kbuf[:, :, :Tk].transpose(1, 2), vbuf[:, :, :Tk].transpose(1, 2)
     c = torch.cumsum(F.logsigmoid(torch.randn(B, Tk, HQ, device="cuda") + 4.0), 1)
     mask = torch.ones(B, Tk, dtype=torch.bool, device="cuda")
     mask[0, :100] = False
-    out = forgetting_attention_decode(q, kc, vc, c[:, -1:], c, key_mask=mask)
+    kw = {"key_mask": mask, "window_size": window}
+    out = forgetting_attention_decode(q, kc, vc, c[:, -Tq:], c, **kw)
     ref = forgetting_attention_decode_reference(
-        q.double(), kc.double(), vc.double(), c[:, -1:], c, key_mask=mask
+        q.double(), kc.double(), vc.double(), c[:, -Tq:], c, **kw
     )
     assert rel_err(out, ref) < TOL_BF16
 

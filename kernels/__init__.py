@@ -4,7 +4,8 @@
   ``TRITON_INTERPRET=1``), varlen/GQA/window, exact block pruning.
 * :func:`forgetting_attention_reference` — pure PyTorch oracle, any device.
 * :func:`forgetting_attention_decode` / :func:`forgetting_attention_decode_reference` — a few
-  new queries against a K/V cache and a cached gate cumsum.
+  new queries against a K/V cache and a cached gate cumsum (split-K Triton kernels on CUDA or
+  under the interpreter, batched PyTorch matmuls elsewhere).
 * :func:`shift_norm` / :func:`norm_gate` — fused FoT (Pro) components (KV-shift + per-head
   RMSNorm; output norm + gate): Triton on CUDA (or under the interpreter), PyTorch elsewhere.
 * :func:`add_rms_norm` — residual add + RMSNorm of the pre-norm blocks, one kernel each way
@@ -15,6 +16,8 @@
   kernel each way (same dispatch as the Pro components).
 * :func:`mixed_precision_linear` — bias-free projections with float32 master weights under
   autocast: one cast launch for all weights, float32 weight gradients from the GEMM.
+* :func:`few_rows_linear` — a decode step's projections: a few rows times several weights in
+  one launch, without concatenating the weights (inference only).
 """
 
 if __name__ == "kernels":
@@ -59,7 +62,7 @@ if __name__ == "kernels":
 else:
     from .decode import forgetting_attention_decode
     from .forgetting_attention import PruneStats, forgetting_attention
-    from .linear_ops import mixed_precision_linear
+    from .linear_ops import few_rows_linear, mixed_precision_linear
     from .loss_ops import linear_cross_entropy
     from .mlp_ops import swiglu
     from .norm_ops import add_rms_norm
@@ -69,6 +72,7 @@ else:
     __all__ = [
         "PruneStats",
         "add_rms_norm",
+        "few_rows_linear",
         "forgetting_attention",
         "forgetting_attention_decode",
         "forgetting_attention_decode_reference",

@@ -7,6 +7,11 @@ back to float32 (one kernel per weight). :func:`mixed_precision_linear` casts al
 into one 16-bit buffer with one ``_foreach_copy_`` launch and gets the float32 weight
 gradients straight from the GEMM (cuBLAS with a float32 output): fewer launches, fewer bytes,
 and weight gradients that were never rounded to 16 bits.
+
+:func:`few_rows_linear` is the inference side: a few rows (a decode step) times several
+weights in one Triton launch that reads each weight once, where one cuBLAS GEMM needs the
+weights concatenated first (a copy of them all, every step) and one GEMM per weight costs a
+launch each.
 """
 
 from __future__ import annotations
@@ -16,9 +21,12 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
-from .checks import differentiable_once
+from .checks import differentiable_once, on_input_gpu
 from .decode import _bmm_fp32
+from .forgetting_attention import _interpreting
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -103,4 +111,153 @@ def mixed_precision_linear(
     return _MixedLinearFn.apply(x, dtype, *weights)
 
 
-__all__ = ["mixed_precision_linear"]
+FEW_ROWS = 16
+"""Most rows :func:`few_rows_linear` takes (one tile of the tensor cores' smallest shape)."""
+MAX_WEIGHTS = 8
+"""Most weights :func:`few_rows_linear` takes in one launch."""
+
+
+@triton.jit
+def _pick(pid, blk, W, C, N, cur_w, cur_b, cur_c, cur_n):
+    """A layer's weight, first block, first output column and width if ``pid`` lies in or
+    after its blocks (the layers' blocks are consecutive), else the current ones."""
+    if pid >= blk:
+        cur_w, cur_b, cur_c, cur_n = W, blk, C, N
+    return cur_w, cur_b, cur_c, cur_n
+
+
+@triton.jit
+def _few_rows_kernel(
+    X, Y, W0, W1, W2, W3, W4, W5, W6, W7,
+    B1, B2, B3, B4, B5, B6, B7, C1, C2, C3, C4, C5, C6, C7,
+    N0, N1, N2, N3, N4, N5, N6, N7,
+    M, K, stride_xm, stride_ym,
+    NW: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):  # fmt: skip
+    """``Y[:, C_l + n] = X @ W_l[n, :]`` for the ``BN`` output columns of program ``pid``.
+
+    The columns of layer ``l`` are blocks ``B_l ..`` (``B_0 = 0``), its outputs start at
+    column ``C_l`` (``C_0 = 0``), it has ``N_l`` rows ``[N_l, K]`` (contiguous). ``X`` is
+    ``[M, K]`` with ``M <= BM``; float32 accumulation.
+    """
+    pid = tl.program_id(0)
+    w, b0, c0, n = W0, 0, 0, N0
+    if NW > 1:
+        w, b0, c0, n = _pick(pid, B1, W1, C1, N1, w, b0, c0, n)
+    if NW > 2:
+        w, b0, c0, n = _pick(pid, B2, W2, C2, N2, w, b0, c0, n)
+    if NW > 3:
+        w, b0, c0, n = _pick(pid, B3, W3, C3, N3, w, b0, c0, n)
+    if NW > 4:
+        w, b0, c0, n = _pick(pid, B4, W4, C4, N4, w, b0, c0, n)
+    if NW > 5:
+        w, b0, c0, n = _pick(pid, B5, W5, C5, N5, w, b0, c0, n)
+    if NW > 6:
+        w, b0, c0, n = _pick(pid, B6, W6, C6, N6, w, b0, c0, n)
+    if NW > 7:
+        w, b0, c0, n = _pick(pid, B7, W7, C7, N7, w, b0, c0, n)
+    rows = tl.arange(0, BM)
+    cols = (pid - b0) * BN + tl.arange(0, BN)
+    row_ok = rows < M
+    col_ok = cols < n
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        ks = k0 + tl.arange(0, BK)
+        k_ok = ks < K
+        x = tl.load(
+            X + rows[:, None] * stride_xm + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )  # fmt: skip
+        wt = tl.load(
+            w + cols[None, :].to(tl.int64) * K + ks[:, None],
+            mask=k_ok[:, None] & col_ok[None, :],
+            other=0.0,
+        )  # (BK, BN): W's rows as columns
+        acc += tl.dot(x, wt, input_precision=DOT_PREC)
+    tl.store(
+        Y + rows[:, None] * stride_ym + c0 + cols[None, :],
+        acc.to(Y.dtype.element_ty),
+        mask=row_ok[:, None] & col_ok[None, :],
+    )
+
+
+def few_rows_linear_supported(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> bool:
+    """Whether :func:`few_rows_linear` takes ``x`` and ``weights``: at most
+    :data:`FEW_ROWS` rows and :data:`MAX_WEIGHTS` weights, one 16/32-bit dtype, one device
+    (CUDA, or the interpreter), contiguous ``[N, K]`` weights, and nothing to differentiate
+    (it has no backward), autocast off."""
+    if not weights or len(weights) > MAX_WEIGHTS or x.dim() == 0:
+        return False
+    if x.dtype not in (*_HALF, torch.float32) or not (x.is_cuda or _interpreting()):
+        return False
+    if x.numel() > FEW_ROWS * x.shape[-1] or torch.is_autocast_enabled(x.device.type):
+        return False
+    if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
+        return False
+    k = x.shape[-1]
+    return all(
+        w.dtype == x.dtype and w.device == x.device and w.dim() == 2 and w.shape[1] == k
+        and w.is_contiguous()
+        for w in weights
+    )  # fmt: skip
+
+
+@on_input_gpu
+def few_rows_linear(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``F.linear(x, torch.cat(weights))`` for a few rows, without concatenating the weights.
+
+    One launch reads each weight once (a decode step's GEMMs are bound by reading the
+    weights); float32 accumulation, as cuBLAS. Inference only: no autograd.
+
+    Args:
+        x: ``[..., K]`` float16/bfloat16/float32 with at most :data:`FEW_ROWS` rows
+            (``x.numel() / K``), on CUDA (or under Triton's interpreter).
+        weights: 1 to :data:`MAX_WEIGHTS` contiguous ``[N_i, K]`` weights of x's dtype and
+            device.
+
+    Returns:
+        ``[..., sum N_i]`` in x's dtype, the outputs side by side in ``weights`` order.
+
+    Raises:
+        ValueError: inputs :func:`few_rows_linear_supported` refuses.
+    """
+    if not few_rows_linear_supported(x, weights):
+        raise ValueError(
+            f"few_rows_linear takes at most {FEW_ROWS} rows and {MAX_WEIGHTS} contiguous [N, "
+            "K] weights of x's 16/32-bit dtype on x's CUDA device, outside autocast and "
+            f"autograd; got x {x.dtype} {tuple(x.shape)} on {x.device} and "
+            f"{[(w.dtype, tuple(w.shape)) for w in weights]}: use F.linear(x, torch.cat(weights))"
+        )
+    K = x.shape[-1]
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    sizes = [w.shape[0] for w in weights]
+    y = torch.empty(x2.shape[0], sum(sizes), dtype=x.dtype, device=x.device)
+    if y.numel() == 0 or K == 0:
+        return y.zero_().view(*x.shape[:-1], y.shape[-1])
+    BN, BK = (16, 256) if not _interpreting() else (16, 32)
+    blocks = [triton.cdiv(n, BN) for n in sizes]
+    starts = [sum(blocks[:i]) for i in range(len(blocks))]
+    cols = [sum(sizes[:i]) for i in range(len(sizes))]
+    out = y
+    ws = list(weights)
+    if _interpreting() and x.dtype == torch.bfloat16:
+        # The interpreter's tl.dot multiplies raw bf16 bit patterns (DESIGN.md §4): float32.
+        x2, ws, y = x2.float(), [w.float() for w in ws], y.float()
+    pad = MAX_WEIGHTS - len(ws)
+    ws += [ws[0]] * pad
+    _few_rows_kernel[(sum(blocks),)](
+        x2, y, *ws, *(starts[1:] + [0] * pad), *(cols[1:] + [0] * pad), *(sizes + [0] * pad),
+        x2.shape[0], K, x2.stride(0), y.stride(0),
+        NW=len(weights), BM=FEW_ROWS, BN=BN, BK=BK,
+        DOT_PREC="ieee" if x2.dtype == torch.float32 else "tf32",
+        num_warps=4, num_stages=4,
+    )  # fmt: skip
+    if y is not out:
+        out.copy_(y)
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+__all__ = ["few_rows_linear", "few_rows_linear_supported", "mixed_precision_linear"]

@@ -1,10 +1,12 @@
-"""Mixed-precision linear (``fot.kernels.linear_ops``) and its use in ``fused_linear``.
+"""Mixed-precision and few-row linear (``fot.kernels.linear_ops``) and their use in
+``fused_linear``.
 
 Oracles: autocast's own ``F.linear`` for the forward and the input gradient (the same 16-bit
 operands and GEMM, so equal), and float64 products of the 16-bit-rounded operands for the
 weight gradient (float32 accumulation with a float32 result: ~1e-6 relative). Runs on the CPU
 (float32 matmul of the rounded operands) and, with a GPU, on CUDA (cuBLAS with a float32
-output).
+output). The few-row kernel (a decode step's projections) runs under Triton's interpreter on
+the CPU; its oracle is the float64 product with the concatenated weights.
 """
 
 from __future__ import annotations
@@ -14,10 +16,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fot.kernels.linear_ops import mixed_precision_linear
+from fot.kernels.linear_ops import (
+    few_rows_linear,
+    few_rows_linear_supported,
+    mixed_precision_linear,
+)
 from fot.models.modeling_fot import fused_linear
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # Triton kernels; CPU: interpreter
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -120,3 +127,86 @@ def test_fused_linear_mixed_falls_back_outside_autocast_and_for_other_layers() -
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got = fused_linear(x, [scaled], mixed=True)
     assert torch.equal(got, 2 * F.linear(x.bfloat16(), scaled.weight.bfloat16()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("rows", "K", "widths"),
+    [((1, 1), 100, [48, 24, 5]), ((2, 8), 37, [17]), ((16,), 300, [8, 8, 8, 8, 8, 8, 3, 33])],
+)
+def test_few_rows_linear_matches_the_product_with_concatenated_weights(
+    dtype, rows, K, widths
+) -> None:
+    """The few-row kernel (CPU: interpreter) against float64 products of the same operands:
+    uneven widths (column blocks that end inside a layer), K not a multiple of its K tile,
+    up to eight weights and sixteen rows."""
+    torch.manual_seed(K)
+    x = torch.randn(*rows, K).to(DEVICE, dtype)
+    ws = [torch.randn(n, K).to(DEVICE, dtype) for n in widths]
+    y = few_rows_linear(x, ws)
+    want = x.double() @ torch.cat(ws).double().t()
+    assert y.dtype == dtype and y.shape == (*rows, sum(widths))
+    assert rel(y, want) < (1e-6 if dtype == torch.float32 else 4e-3)
+
+
+def test_fused_linear_takes_few_rows_through_one_launch_without_grad() -> None:
+    """A decode step's projections (a few rows, no autograd) go through few_rows_linear when
+    the kernels may run (``mixed``), with the result of the concatenated GEMM; with autograd
+    on, more rows or ``mixed=False`` the GEMM over concatenated weights runs as before."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(40, n, bias=False, device=DEVICE) for n in (24, 16, 3)]
+    x = torch.randn(2, 1, 40, device=DEVICE)
+    want = F.linear(x, torch.cat([layer.weight for layer in layers]))
+    calls = []
+    import fot.kernels.linear_ops as linear_ops
+
+    real = linear_ops.few_rows_linear
+
+    def spy(*args):
+        calls.append(args[0].shape)
+        return real(*args)
+
+    linear_ops.few_rows_linear = spy
+    try:
+        with torch.no_grad():
+            got = fused_linear(x, layers, mixed=True)
+            assert calls == [x.shape]
+            fused_linear(x, layers, mixed=False)
+            fused_linear(torch.randn(17, 40, device=DEVICE), layers, mixed=True)
+        fused_linear(x, layers, mixed=True)  # weights need gradients
+        assert calls == [x.shape]
+    finally:
+        linear_ops.few_rows_linear = real
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("make", "why"),
+    [
+        (lambda: (torch.randn(17, 8), [torch.randn(4, 8)]), "17 rows"),
+        (lambda: (torch.randn(1, 8), [torch.randn(2, 8)] * 9), "nine weights"),
+        (lambda: (torch.randn(1, 8), [torch.randn(4, 8).half()]), "another dtype"),
+        (lambda: (torch.randn(1, 8), [torch.randn(8, 4).t()]), "a transposed weight"),
+        (lambda: (torch.randn(1, 8), [torch.randn(4, 7)]), "K mismatch"),
+        (lambda: (torch.randn(1, 8, dtype=torch.float64), [torch.randn(4, 8).double()]), "fp64"),
+        (lambda: (torch.randn(1, 8), []), "no weight"),
+    ],
+)
+def test_few_rows_linear_refuses_what_it_does_not_take(make, why) -> None:
+    x, ws = make()
+    x, ws = x.to(DEVICE), [w.to(DEVICE) for w in ws]
+    assert not few_rows_linear_supported(x, ws), why
+    with pytest.raises(ValueError, match=r"use F\.linear"):
+        few_rows_linear(x, ws)
+
+
+def test_few_rows_linear_refuses_autograd_and_autocast() -> None:
+    """It has no backward: a weight that needs a gradient under grad mode is refused (not
+    silently detached); under autocast the mixed-precision path owns the cast."""
+    w = torch.randn(4, 8, device=DEVICE, requires_grad=True)
+    x = torch.randn(1, 8, device=DEVICE)
+    assert not few_rows_linear_supported(x, [w])
+    with torch.no_grad():
+        assert few_rows_linear_supported(x, [w])
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            assert not few_rows_linear_supported(x, [w])

@@ -254,6 +254,8 @@ def fused_linear(x: torch.Tensor, layers: list[nn.Module], *, mixed: bool = Fals
     once: under autocast the input is cast to 16 bits once instead of once per layer, and the
     backward computes one input gradient instead of one per layer summed in float32. Layers
     that are not :func:`plain_linear` (adapters, hooks) or have a bias are called one by one.
+    With ``mixed=True``, a few rows without autograd or autocast (a decode step on CUDA) go
+    through :func:`fot.kernels.linear_ops.few_rows_linear` (no concatenated weights).
 
     With ``mixed=True`` (the eager kernel path), under autocast and with float32 weights of
     plain ``nn.Linear`` layers, :func:`fot.kernels.linear_ops.mixed_precision_linear` does the
@@ -263,7 +265,8 @@ def fused_linear(x: torch.Tensor, layers: list[nn.Module], *, mixed: bool = Fals
     Args:
         x: ``[..., in_features]``.
         layers: bias-free linear layers with that ``in_features``.
-        mixed: allow the mixed-precision path (callers pass it outside ``torch.compile``).
+        mixed: allow the mixed-precision and few-row kernels (callers pass it outside
+            ``torch.compile``).
 
     Returns:
         ``[..., sum of out_features]``, the layers' outputs side by side in ``layers`` order.
@@ -281,6 +284,14 @@ def fused_linear(x: torch.Tensor, layers: list[nn.Module], *, mixed: bool = Fals
         return mixed_precision_linear(x, [layer.weight for layer in layers], dtype)
     if len(layers) == 1:
         return layers[0](x)
+    if mixed and dtype is None:
+        # A few rows, no autograd (a decode step): one launch reads each weight once instead
+        # of concatenating them all first (3x the bytes of a GEMM bound by its weights).
+        from fot.kernels.linear_ops import few_rows_linear, few_rows_linear_supported
+
+        weights = [layer.weight for layer in layers]
+        if few_rows_linear_supported(x, weights):
+            return few_rows_linear(x, weights)
     weight = torch.cat(
         [layer.weight if dtype is None else layer.weight.to(dtype) for layer in layers]
     )

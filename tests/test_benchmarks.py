@@ -656,6 +656,10 @@ def test_decode_cpu(bench, tmp_path):
         assert r["status"] == "ok", r
         assert r["decode_tokens_per_s"] == pytest.approx(r["batch_size"] * 3 / r["decode_s"])
         assert r["ms_per_step"] == pytest.approx(1e3 * r["decode_s"] / 3)
+        assert 0 < r["first_step_s"] < r["decode_s"]
+        assert r["ms_per_later_step"] == pytest.approx(
+            1e3 * (r["decode_s"] - r["first_step_s"]) / 2
+        )
         hf = next(
             x for x in rows if x["model"] == "hf_llama" and x["batch_size"] == r["batch_size"]
         )

@@ -9,7 +9,7 @@ then feeds it back step by step.
 
 A cache with a fixed ``capacity`` also runs one-token decode steps with every index on the
 device (:meth:`FoTCache.static_step`), so that a step can be captured once as a CUDA graph and
-replayed: an eager decode step of a 760M model launches ~1,200 small kernels and is bound by
+replayed: an eager decode step of a 760M model launches ~1,000 small kernels and is bound by
 the host (~90% of its time), a replayed graph is not.
 """
 

@@ -80,13 +80,14 @@ def _decode_span_kernel(
     hi = tl.minimum(lo + span, tl.max(tl.where(row_ok, q_pos, -1)) + 1)
     if HAS_WINDOW:
         lo = tl.maximum(lo, tl.min(tl.where(row_ok, q_pos, Tk)) - W + 1)
-    K_ptr = K + b.to(tl.int64) * stride_kb + h * stride_kh
-    V_ptr = V + b.to(tl.int64) * stride_vb + h * stride_vh
+    # int64 offsets: a long cache's head or position offsets may pass 2^31 elements
+    K_ptr = K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
+    V_ptr = V + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
     m_i = tl.full([BM], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BM], dtype=tl.float32)
     acc = tl.zeros([BM, BD], dtype=tl.float32)
     for n0 in range(lo, hi, BN):
-        offs_n = n0 + tl.arange(0, BN)
+        offs_n = (n0 + tl.arange(0, BN)).to(tl.int64)
         n_ok = offs_n < hi
         kT = tl.load(
             K_ptr + offs_n[None, :] * stride_kt + offs_d[:, None],

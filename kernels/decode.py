@@ -186,6 +186,116 @@ def _bmm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 _HAS_OUT_DTYPE = [True]
 
 
+@triton.jit
+def _append_kernel(
+    KN, VN, LF, KB, VB, CB, COUT, POS, KP, VP, KS, VS,
+    s_knb, s_knh, s_knd, s_vnb, s_vnh, s_vnd, s_lfb, s_lfh,
+    s_kbb, s_kbh, s_kbt, s_kbd, s_vbb, s_vbh, s_vbt, s_vbd, s_cbb, s_cbt, s_cbh,
+    s_kpb, s_kph, s_kpd, s_vpb, s_vph, s_vpd, s_ksb, s_ksh, s_ksd, s_vsb, s_vsh, s_vsd,
+    H, HQ, D, DV,
+    BH: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BQ: tl.constexpr,
+    K_SHIFT: tl.constexpr, V_SHIFT: tl.constexpr,
+):  # fmt: skip
+    """One new token of sequence ``b`` (program ``b``) into a fixed-capacity cache at the
+    device position ``POS``: ``KB[b, :, pos] = KN[b]`` and ``VB`` likewise (cast to the
+    buffers' dtype), ``CB[b, pos] = COUT[b] = float32(float64(LF[b]) + float64(CB[b, pos -
+    1]))``, and with KV-shift the pre-shift projections into ``KS[b]`` / ``VS[b]``."""
+    b = tl.program_id(0).to(tl.int64)
+    pos = tl.load(POS).to(tl.int64)
+    hs = tl.arange(0, BH)[:, None]
+    ds = tl.arange(0, BD)[None, :]
+    ok = (hs < H) & (ds < D)
+    k = tl.load(KN + b * s_knb + hs * s_knh + ds * s_knd, mask=ok)
+    tl.store(KB + b * s_kbb + hs * s_kbh + pos * s_kbt + ds * s_kbd, k.to(KB.dtype.element_ty),
+             mask=ok)  # fmt: skip
+    dv = tl.arange(0, BDV)[None, :]
+    okv = (hs < H) & (dv < DV)
+    v = tl.load(VN + b * s_vnb + hs * s_vnh + dv * s_vnd, mask=okv)
+    tl.store(VB + b * s_vbb + hs * s_vbh + pos * s_vbt + dv * s_vbd, v.to(VB.dtype.element_ty),
+             mask=okv)  # fmt: skip
+    if K_SHIFT:
+        kp = tl.load(KP + b * s_kpb + hs * s_kph + ds * s_kpd, mask=ok)
+        tl.store(KS + b * s_ksb + hs * s_ksh + ds * s_ksd, kp.to(KS.dtype.element_ty), mask=ok)
+    if V_SHIFT:
+        vp = tl.load(VP + b * s_vpb + hs * s_vph + dv * s_vpd, mask=okv)
+        tl.store(VS + b * s_vsb + hs * s_vsh + dv * s_vsd, vp.to(VS.dtype.element_ty), mask=okv)
+    qs = tl.arange(0, BQ)
+    qok = qs < HQ
+    lf = tl.load(LF + b * s_lfb + qs * s_lfh, mask=qok, other=0.0).to(tl.float64)
+    prev = tl.load(CB + b * s_cbb + (pos - 1) * s_cbt + qs * s_cbh, mask=qok, other=0.0)
+    c = (lf + prev.to(tl.float64)).to(tl.float32)
+    tl.store(CB + b * s_cbb + pos * s_cbt + qs * s_cbh, c, mask=qok)
+    tl.store(COUT + b * HQ + qs, c, mask=qok)
+
+
+def decode_append_supported(k_buf: torch.Tensor, log_fgate: torch.Tensor) -> bool:
+    """Whether :func:`decode_append` takes a cache with these buffers: on CUDA (or under the
+    interpreter), float32 gate inputs and cumsum buffer (float64 keeps the PyTorch ops)."""
+    return (k_buf.is_cuda or _interpreting()) and log_fgate.dtype == torch.float32
+
+
+@on_input_gpu
+def decode_append(
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    c_buf: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    log_fgate: torch.Tensor,
+    pos: torch.Tensor,
+    k_pre: torch.Tensor | None = None,
+    k_shift: torch.Tensor | None = None,
+    v_pre: torch.Tensor | None = None,
+    v_shift: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Write one new token per sequence into a fixed-capacity cache, in one launch.
+
+    The same as ``k_buf.index_copy_(2, pos, k.transpose(1, 2).to(k_buf.dtype))``, likewise
+    for ``v``, ``c = (log_fgate.double() + c_buf[:, pos - 1].double()).float()`` written at
+    ``c_buf[:, pos]``, and ``k_shift.copy_(k_pre[:, -1])`` / ``v_shift.copy_(v_pre[:, -1])``
+    (about ten small launches as PyTorch ops). Bit-equal to them.
+
+    Args:
+        k_buf, v_buf: ``[B, H, capacity, D]`` key / value buffers (head-major).
+        c_buf: ``[B, capacity, HQ]`` float32 gate cumsum buffer.
+        k, v: ``[B, 1, H, D]`` the new token's key and value (any float dtype).
+        log_fgate: ``[B, 1, HQ]`` float32 log forget gates of the new token.
+        pos: ``[1]`` int64 on the buffers' device, the position to write (``>= 1``: the cumsum
+            continues from ``pos - 1``).
+        k_pre, k_shift: ``[B, 1, H, D]`` pre-shift key projection and the ``[B, H, D]`` buffer
+            that keeps it (KV-shift), or both None; ``v_pre``, ``v_shift`` likewise.
+
+    Returns:
+        ``[B, 1, HQ]`` float32, the new token's cumsum.
+    """
+    B, _, H, D = k.shape
+    HQ, DV = log_fgate.shape[-1], v.shape[-1]
+    c = torch.empty(B, 1, HQ, dtype=torch.float32, device=k.device)
+    if B == 0:
+        return c
+    kp = k_pre if k_pre is not None else k
+    ks = k_shift if k_shift is not None else k_buf
+    vp = v_pre if v_pre is not None else v
+    vs = v_shift if v_shift is not None else v_buf
+    kp_s = (kp.stride(0), kp.stride(2), kp.stride(3))
+    ks_s = ks.stride()[-3:]
+    vp_s = (vp.stride(0), vp.stride(2), vp.stride(3))
+    vs_s = vs.stride()[-3:]
+    _append_kernel[(B,)](
+        k, v, log_fgate, k_buf, v_buf, c_buf, c, pos, kp, vp, ks, vs,
+        k.stride(0), k.stride(2), k.stride(3), v.stride(0), v.stride(2), v.stride(3),
+        log_fgate.stride(0), log_fgate.stride(2),
+        *k_buf.stride(), *v_buf.stride(), *c_buf.stride(),
+        *kp_s, *vp_s, *ks_s, *vs_s,
+        H, HQ, D, DV,
+        BH=triton.next_power_of_2(H), BD=triton.next_power_of_2(D),
+        BDV=triton.next_power_of_2(DV), BQ=triton.next_power_of_2(HQ),
+        K_SHIFT=k_shift is not None, V_SHIFT=v_shift is not None,
+        num_warps=4,
+    )  # fmt: skip
+    return c
+
+
 def _triton_ok(q, k_cache, v_cache, q_cumsum, k_cumsum) -> bool:
     """Whether the Triton kernels take these (checked) inputs: CUDA tensors or the
     interpreter, 16/32-bit q and caches, float32 cumsums (float64 keeps the PyTorch path)."""
@@ -352,4 +462,4 @@ def _decode_pytorch(q, k_cache, v_cache, q_cumsum, k_cumsum, scale, window_size,
     return out.to(q.dtype)
 
 
-__all__ = ["forgetting_attention_decode"]
+__all__ = ["decode_append", "decode_append_supported", "forgetting_attention_decode"]

@@ -694,6 +694,8 @@ def test_generate_beam_search_and_chunked_prefill_match_uncached() -> None:
         ("transformer_llama", {}),
         ("transformer_swa", {"window_size": 5}),
         ("fot_pro", {"window_size": 5, "num_kv_heads": 2}),
+        # the kernel path (interpreter): split-K decode, few-row projections, fused append
+        ("fot_pro", {"attn_backend": "triton", "num_kv_heads": 2}),
     ],
 )
 def test_static_cache_steps_match_full_forward(model: str, extra: dict, monkeypatch) -> None:
@@ -714,12 +716,57 @@ def test_static_cache_steps_match_full_forward(model: str, extra: dict, monkeypa
         return real_step(self, *args, **kwargs)
 
     monkeypatch.setattr(FoTCache, "static_step", spy)
-    got, _ = _decode_logits(m, torch.cat([x, nxt], 1), [9] + [1] * 12, mask, cache=cache)
+    with torch.no_grad():  # as generate(): the few-row projections need it
+        got, _ = _decode_logits(m, torch.cat([x, nxt], 1), [9] + [1] * 12, mask, cache=cache)
     assert calls == list(range(9, 21))  # every one-token step was a static step
     assert cache.get_seq_length() == 21 and cache[0]._k.shape[2] == 21  # buffers never grew
     want_a = m(torch.cat([a, nxt[:1]], dim=1)).logits
     want_b = m(torch.cat([b, nxt[1:]], dim=1)).logits
     assert max_err(got[0], want_a[0]) < TOL and max_err(got[1, pad:], want_b[0]) < TOL
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shift", [True, False])
+def test_fused_static_append_writes_what_the_pytorch_ops_write(dtype, shift) -> None:
+    """A static step's cache write in one launch (``fot.kernels.decode.decode_append``; CPU:
+    interpreter) leaves every buffer and returns the cumsum bit for bit as the PyTorch ops:
+    keys, values (head-major, written at the device position), the float64-summed cumsum
+    (large |c|), and the KV-shift state. GQA, a head count and head size that are not powers
+    of two, a non-contiguous new key."""
+    from fot.models.cache import FoTLayerCache, StaticStep
+
+    g = torch.Generator().manual_seed(3)
+    B, T, H, HQ, D, cap = 2, 5, 3, 6, 40, 9
+
+    def r(*shape, dt=dtype):
+        return torch.randn(*shape, generator=g).to(dt)
+
+    caches = []
+    for _ in range(2):
+        cache = FoTLayerCache(
+            r(B, T, H, D), r(B, T, H, D), torch.zeros(B, T, HQ) - 1e4,
+            r(B, H, D) if shift else None, r(B, H, D) if shift else None, capacity=cap,
+        )  # fmt: skip
+        caches.append(cache)
+    caches[1]._k.copy_(caches[0]._k), caches[1]._v.copy_(caches[0]._v)
+    if shift:
+        caches[1].k_shift.copy_(caches[0].k_shift), caches[1].v_shift.copy_(caches[0].v_shift)
+    k = r(B, H, 1, D).transpose(1, 2)  # (B, 1, H, D), not contiguous
+    v, kp, vp = r(B, 1, H, D), r(B, 1, H, D), r(B, 1, H, D)
+    log_f = -torch.rand(B, 1, HQ, generator=g)
+    step = StaticStep(
+        torch.tensor([T]), 16, torch.ones(B, cap, dtype=torch.bool), torch.arange(cap)
+    )
+    outs = []
+    for cache, fused in zip(caches, (False, True), strict=True):
+        cache.step = step
+        pre = (kp, vp) if shift else (None, None)
+        outs.append(cache.append(k, v, log_f, *pre, fused=fused))
+    assert torch.equal(outs[0], outs[1])
+    names = ["_k", "_v", "_c"] + (["k_shift", "v_shift"] if shift else [])
+    for name in names:
+        assert torch.equal(getattr(caches[0], name), getattr(caches[1], name)), name
+    assert torch.equal(caches[1]._k[:, :, T], k[:, 0])
 
 
 def test_generate_with_static_cache_matches_default() -> None:

@@ -183,6 +183,7 @@ class FoTLayerCache:
         log_fgate: torch.Tensor,
         k_pre: torch.Tensor | None,
         v_pre: torch.Tensor | None,
+        fused: bool = False,
     ) -> torch.Tensor:
         """Append ``T`` new positions; return their running gate cumsum.
 
@@ -191,13 +192,16 @@ class FoTLayerCache:
                 of the first call's keys).
             log_fgate: ``[B, T, HQ]`` float32 log forget gates of the new positions.
             k_pre, v_pre: ``[B, T, H, D]`` pre-shift projections (KV-shift), or None.
+            fused: a static step may write with one Triton launch
+                (:func:`fot.kernels.decode.decode_append`, on CUDA) instead of ~ten PyTorch
+                ops; the same numbers.
 
         Returns:
             ``[B, T, HQ]`` float32 cumsum ``c`` at the new positions (continuing the cached one;
             summed in float64).
         """
         if self.step is not None:
-            return self._append_static(k, v, log_fgate, k_pre, v_pre)
+            return self._append_static(k, v, log_fgate, k_pre, v_pre, fused)
         c = torch.cumsum(log_fgate.double(), dim=1)
         if self._len:
             c = (c + self._c[:, self._len - 1 : self._len].double()).float()
@@ -228,10 +232,20 @@ class FoTLayerCache:
         log_fgate: torch.Tensor,
         k_pre: torch.Tensor | None,
         v_pre: torch.Tensor | None,
+        fused: bool,
     ) -> torch.Tensor:
         """:meth:`append` of one token at the device position ``step.pos`` (no host value is
         read or changed: :class:`FoTCache` advances the length after the step)."""
         pos = self.step.pos.to(self._c.device)  # the layer's device (a device_map over GPUs)
+        if fused:
+            from fot.kernels.decode import decode_append, decode_append_supported
+
+            if decode_append_supported(self._k, log_fgate):  # one launch instead of ~ten
+                return decode_append(
+                    self._k, self._v, self._c, k, v, log_fgate, pos,
+                    k_pre, self.k_shift if k_pre is not None else None,
+                    v_pre, self.v_shift if v_pre is not None else None,
+                )  # fmt: skip
         prev = self._c.index_select(1, pos - 1)  # (B, 1, HQ) cumsum of the last cached token
         c = (log_fgate.double() + prev.double()).float()  # as append: float64 sum, then float32
         self._k.index_copy_(2, pos, k.transpose(1, 2).to(self._k.dtype))  # (B, H, 1, D)

@@ -927,6 +927,7 @@ class FoTAttention(nn.Module):
                 log_f,
                 k_pre if self.config.use_k_shift else None,
                 v_pre if self.config.use_v_shift else None,
+                fused=mixed,
             )  # (B, T, HQ)
         if whole:
             # Whole sequences (training, evaluation, first prefill): the flash-style kernel, or

@@ -228,10 +228,18 @@ def _append_kernel(
     tl.store(COUT + b * HQ + qs, c, mask=qok)
 
 
-def decode_append_supported(k_buf: torch.Tensor, log_fgate: torch.Tensor) -> bool:
-    """Whether :func:`decode_append` takes a cache with these buffers: on CUDA (or under the
-    interpreter), float32 gate inputs and cumsum buffer (float64 keeps the PyTorch ops)."""
-    return (k_buf.is_cuda or _interpreting()) and log_fgate.dtype == torch.float32
+def decode_append_supported(
+    k_buf: torch.Tensor, *new: torch.Tensor | None, log_fgate: torch.Tensor
+) -> bool:
+    """Whether :func:`decode_append` takes a cache with these buffers and new tensors
+    (``k, v, k_pre, v_pre``; None for an absent one): on CUDA (or under the interpreter),
+    float32 gate inputs and cumsum buffer (float64 keeps the PyTorch ops), nothing to
+    differentiate (it has no backward)."""
+    return (
+        (k_buf.is_cuda or _interpreting())
+        and log_fgate.dtype == torch.float32
+        and not _needs_grad(*new, log_fgate)
+    )
 
 
 @on_input_gpu
@@ -296,10 +304,17 @@ def decode_append(
     return c
 
 
+def _needs_grad(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd would differentiate through any of ``tensors`` (the Triton decode
+    kernels have no backward)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def _triton_ok(q, k_cache, v_cache, q_cumsum, k_cumsum) -> bool:
     """Whether the Triton kernels take these (checked) inputs: CUDA tensors or the
-    interpreter, 16/32-bit q and caches, float32 cumsums (float64 keeps the PyTorch path)."""
-    if not (q.is_cuda or _interpreting()):
+    interpreter, 16/32-bit q and caches, float32 cumsums (float64 keeps the PyTorch path),
+    nothing to differentiate (a padded training batch goes through the decode function)."""
+    if not (q.is_cuda or _interpreting()) or _needs_grad(q, k_cache, v_cache, q_cumsum, k_cumsum):
         return False
     small = (torch.float16, torch.bfloat16, torch.float32)
     return all(t.dtype in small for t in (q, k_cache, v_cache)) and (
@@ -396,7 +411,12 @@ def forgetting_attention_decode(
         ``[B, Tq, HQ, D]`` in q's dtype (float32 softmax inside; float64 for float64 input;
         under autocast too). A query with no visible key gets zeros. With a 16-bit cache, q is
         rounded to the cache dtype for ``q kᵀ`` and the probabilities for ``P V``, as in
-        FlashAttention; the scores, the bias and the softmax stay float32.
+        FlashAttention; the scores, the bias and the softmax stay float32. A NaN in ``q``, or
+        in a key, value or cumsum the query sees, gives NaN. Where the Triton kernels run
+        (without autograd), a NaN/inf value the query does not see reaches it only inside
+        the key tiles the kernel reads (never before a window's start), and a query whose
+        every visible score is ``-inf`` gets zeros; the PyTorch path and the reference give
+        NaN for both.
     """
     check_decode_inputs(
         q, k_cache, v_cache, q_cumsum, k_cumsum, key_mask=key_mask, window_size=window_size

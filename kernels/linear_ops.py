@@ -185,8 +185,8 @@ def _few_rows_kernel(
 def few_rows_linear_supported(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> bool:
     """Whether :func:`few_rows_linear` takes ``x`` and ``weights``: at most
     :data:`FEW_ROWS` rows and :data:`MAX_WEIGHTS` weights, one 16/32-bit dtype, one device
-    (CUDA, or the interpreter), contiguous ``[N, K]`` weights, and nothing to differentiate
-    (it has no backward), autocast off."""
+    (CUDA, or the interpreter), contiguous ``[N, K]`` weights with ``K >= 1``, and nothing
+    to differentiate (it has no backward), autocast off."""
     if not weights or len(weights) > MAX_WEIGHTS or x.dim() == 0:
         return False
     if x.dtype not in (*_HALF, torch.float32) or not (x.is_cuda or _interpreting()):
@@ -196,7 +196,7 @@ def few_rows_linear_supported(x: torch.Tensor, weights: Sequence[torch.Tensor]) 
     if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
         return False
     k = x.shape[-1]
-    return all(
+    return k > 0 and all(
         w.dtype == x.dtype and w.device == x.device and w.dim() == 2 and w.shape[1] == k
         and w.is_contiguous()
         for w in weights
@@ -235,8 +235,8 @@ def few_rows_linear(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> torch.T
         x2 = x2.contiguous()
     sizes = [w.shape[0] for w in weights]
     y = torch.empty(x2.shape[0], sum(sizes), dtype=x.dtype, device=x.device)
-    if y.numel() == 0 or K == 0:
-        return y.zero_().view(*x.shape[:-1], y.shape[-1])
+    if y.numel() == 0:
+        return y.view(*x.shape[:-1], y.shape[-1])
     BN, BK = (16, 256) if not _interpreting() else (16, 32)
     blocks = [triton.cdiv(n, BN) for n in sizes]
     starts = [sum(blocks[:i]) for i in range(len(blocks))]

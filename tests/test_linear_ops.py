@@ -190,6 +190,7 @@ def test_fused_linear_takes_few_rows_through_one_launch_without_grad() -> None:
         (lambda: (torch.randn(1, 8), [torch.randn(4, 7)]), "K mismatch"),
         (lambda: (torch.randn(1, 8, dtype=torch.float64), [torch.randn(4, 8).double()]), "fp64"),
         (lambda: (torch.randn(1, 8), []), "no weight"),
+        (lambda: (torch.randn(3, 0), [torch.randn(5, 0)]), "K = 0 (F.linear gives zeros)"),
     ],
 )
 def test_few_rows_linear_refuses_what_it_does_not_take(make, why) -> None:

@@ -1051,6 +1051,14 @@ def test_triton_backend_under_interpreter_matches_reference() -> None:
     tri.train()(x, shift_labels=y).loss.backward()
     for (name, p), q in zip(ref.named_parameters(), tri.parameters()):
         assert torch.allclose(p.grad, q.grad, atol=1e-5, rtol=1e-4), name
+    # A padded training batch attends through the decode function: its gradients too (the
+    # Triton decode kernels have none; every attention gradient was zero through them).
+    xp, mask = left_padded(ids(1, 9, seed=31), ids(1, 5, seed=32))
+    for m in (ref, tri):
+        m.zero_grad()
+        m(xp, attention_mask=mask, shift_labels=ids(2, 9, seed=3)).loss.backward()
+    for (name, p), q in zip(ref.named_parameters(), tri.parameters()):
+        assert torch.allclose(p.grad, q.grad, atol=1e-5, rtol=1e-4), name
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter path; tests/test_model_gpu.py")

@@ -240,8 +240,8 @@ class FoTLayerCache:
         if fused:
             from fot.kernels.decode import decode_append, decode_append_supported
 
-            if decode_append_supported(self._k, log_fgate):  # one launch instead of ~ten
-                return decode_append(
+            if decode_append_supported(self._k, k, v, k_pre, v_pre, log_fgate=log_fgate):
+                return decode_append(  # one launch instead of ~ten
                     self._k, self._v, self._c, k, v, log_fgate, pos,
                     k_pre, self.k_shift if k_pre is not None else None,
                     v_pre, self.v_shift if v_pre is not None else None,

@@ -9,7 +9,8 @@ decode step is two launches per layer, however long the cache: the step is memor
 the cache, and the spans keep every SM reading. The gate cumsum of the cache is never
 recomputed: the caller passes the running c.
 
-Elsewhere (CPU without the interpreter, float64 inputs or cumsums) the same function runs as
+Elsewhere (CPU without the interpreter, float64 inputs or cumsums, inputs that need
+gradients: a padded training batch attends through this function) the same function runs as
 batched PyTorch matmuls (GQA by grouping query heads instead of copying the cache).
 """
 

@@ -33,6 +33,13 @@ def check_positive_int(name: str, value: object, *, none_ok: bool = False) -> No
         raise ValueError(f"{name} must be {what}, got {value!r}")
 
 
+@functools.cache
+def sm_count(index: int) -> int:
+    """Streaming multiprocessors of CUDA device ``index`` (for sizing persistent or split
+    launches; cached)."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def on_input_gpu(fn: _F) -> _F:
     """Run ``fn`` with its first tensor argument's GPU as the current device.
 

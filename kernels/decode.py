@@ -16,14 +16,13 @@ batched PyTorch matmuls (GQA by grouping query heads instead of copying the cach
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 import triton
 import triton.language as tl
 
-from .checks import check_decode_inputs, on_input_gpu
+from .checks import check_decode_inputs, on_input_gpu, sm_count
 from .forgetting_attention import MAX_GRID_Y, _interpreting
 
 LOG2E = 1.4426950408889634
@@ -160,11 +159,6 @@ def _decode_merge_kernel(
         out.to(Out.dtype.element_ty),
         mask=offs_d < D,
     )
-
-
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _bmm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -352,7 +346,7 @@ def _decode_triton(q, k_cache, v_cache, q_cumsum, k_cumsum, scale, window_size, 
     # Split the keys until (batch, kv heads, row blocks, spans) fill one wave of ~4 programs
     # per SM (as many as fit at once), but not beyond it: a few programs of a second wave
     # would take as long as the first (1.3x the time at B=8, H=24 on an H100).
-    sms = _sm_count(q.device.index) if q.is_cuda else 8  # the interpreter: a small GPU
+    sms = sm_count(q.device.index) if q.is_cuda else 8  # the interpreter: a small GPU
     n_spans = _CONFIG_OVERRIDE.get(
         "splits", max(1, min(triton.cdiv(Tk, BN), (4 * sms) // (B * H * n_mb)))
     )

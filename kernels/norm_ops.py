@@ -25,14 +25,12 @@ PyTorch ops.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .checks import differentiable_once, on_input_gpu
+from .checks import differentiable_once, on_input_gpu, sm_count
 from .forgetting_attention import _interpreting
 
 MAX_WIDTH = 8192
@@ -115,11 +113,6 @@ def _add_rms_norm_bwd_kernel(
     tl.store(DW + pid * N + cols, dw, mask=col_ok)
 
 
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _launch(n: int, kind: str) -> tuple[int, int, int]:
     """``(BN, BM, num_warps)``: padded width, rows per program and warps."""
     bn = triton.next_power_of_2(n)
@@ -171,7 +164,7 @@ def _bwd(h, w, dy, dy2, dh, eps, x_dtype, r_dtype):
         n_prog = min(n_blocks, 2)  # still more than one block per program in tests
     else:
         per_sm = _CONFIG_OVERRIDE.get("bwd_programs_per_sm", 2)
-        n_prog = min(n_blocks, per_sm * _sm_count(h.device.index or 0))
+        n_prog = min(n_blocks, per_sm * sm_count(h.device.index or 0))
     n_prog = max(n_prog, 1)
     dx = torch.empty((M, N), dtype=x_dtype, device=h.device)
     dr = torch.empty((M, N), dtype=r_dtype, device=h.device) if r_dtype is not None else dx

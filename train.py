@@ -11,7 +11,9 @@ import importlib.util
 import logging
 import os
 import shutil
+import signal
 import sys
+import threading
 import traceback
 from pathlib import Path
 from types import ModuleType
@@ -86,6 +88,7 @@ def main(cfg: DictConfig) -> None:
     from fot.training.signals import EXIT_STATUS as SIGTERM_EXIT_STATUS
     from fot.training.signals import TrainingStopped
 
+    STARTUP.job_begins()
     hydra_cfg = HydraConfig.get()
     hydra_files = {}
     if hydra_cfg.output_subdir is None:  # configs/train.yaml: written once the run owns its folder
@@ -334,18 +337,111 @@ def start(
     return claimed, fresh, made_parent if claimed is not None else outermost_missing(fresh)
 
 
+class Startup:
+    """Ctrl-C before a job's :func:`main` runs: the imports, the checks, Hydra composing the
+    config (and, in a multirun, Hydra between two jobs). It prints one line and exits with
+    status 130 (Python's default was a traceback and status 1).
+
+    An interrupt does not always arrive as a :class:`KeyboardInterrupt`: one inside an import
+    can leave a module half made and come out as the ``ImportError`` of the import after it,
+    and a library may swallow it. So SIGINT is recorded here (:meth:`hold`) and whatever
+    stops the process after it counts as the interrupt; one the startup swallowed stops it
+    when the job begins. :meth:`job_begins` gives SIGINT back to Python's default handler,
+    which the trainer's own Ctrl-C handling expects (``fot.training.signals``), and
+    :meth:`job_ended` takes it again until the next job.
+    """
+
+    def __init__(self, multirun: bool) -> None:
+        self.multirun = multirun
+        self.signalled = False
+        self.jobs_ended = 0
+
+    def _handle(self, signum: int, frame: object) -> None:
+        self.signalled = True
+        raise KeyboardInterrupt
+
+    def _ours(self) -> bool:
+        return threading.current_thread() is threading.main_thread() and signal.getsignal(
+            signal.SIGINT
+        ) in (signal.default_int_handler, self._handle)
+
+    def hold(self) -> None:
+        """Record SIGINT (and raise :class:`KeyboardInterrupt`, as Python's handler does), in the
+        main thread and where SIGINT has Python's default handler (not ``SIG_IGN``)."""
+        if self._ours():
+            signal.signal(signal.SIGINT, self._handle)
+
+    def job_begins(self) -> None:
+        """Start of :func:`main`: Python's default handler again; a swallowed interrupt stops
+        the process here."""
+        if self._ours():
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+        if self.signalled:
+            self.stop()
+
+    def job_ended(self) -> None:
+        """End of :func:`main` (a multirun goes on to its next job)."""
+        self.jobs_ended += 1
+        self.hold()
+
+    def interrupted(self, err: BaseException) -> bool:
+        """Whether ``err`` (escaping before or between jobs) is, or comes from, Ctrl-C."""
+        if isinstance(err, SystemExit):
+            return False
+        chained: BaseException | None = err
+        while chained is not None:
+            if isinstance(chained, KeyboardInterrupt):
+                return True
+            chained = chained.__cause__ or chained.__context__
+        return self.signalled
+
+    def stop(self) -> None:
+        """Say what was interrupted and exit with status 130."""
+        if self.jobs_ended == 0:
+            line = "interrupted while starting; nothing was written"
+        elif self.multirun:
+            line = "interrupted between two jobs of the sweep: the jobs before it had ended"
+        else:
+            line = "interrupted after the run ended"
+        print(f"\ntrain.py: {line}", file=sys.stderr)
+        sys.exit(130)
+
+
+STARTUP = Startup(multirun=any(a in ("-m", "--multirun") for a in sys.argv[1:]))
+
+
+def run_hydra_app() -> None:
+    """Hydra's entry point over :func:`main` (``configs/train.yaml``), with
+    :meth:`Startup.job_ended` after each job."""
+    import hydra
+
+    def job(cfg: DictConfig) -> None:
+        try:
+            main(cfg)
+        finally:
+            STARTUP.job_ended()
+
+    hydra.main(version_base="1.3", config_path="configs", config_name="train")(job)()
+
+
 if __name__ == "__main__":
     args = sys.argv[1:]
+    STARTUP.hold()
     try:
-        import hydra
-
         claimed, fresh, made = start(args)
-    except KeyboardInterrupt:  # the imports take seconds
-        print("\ntrain.py: interrupted while starting; nothing was written", file=sys.stderr)
-        sys.exit(130)
+        if STARTUP.signalled:  # swallowed by a library while starting
+            STARTUP.stop()
+    except BaseException as err:
+        if not STARTUP.interrupted(err) or os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        STARTUP.stop()
     sys.argv[1:] = args
     try:
-        hydra.main(version_base="1.3", config_path="configs", config_name="train")(main)()
+        run_hydra_app()
+    except BaseException as err:
+        if not STARTUP.interrupted(err) or os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        STARTUP.stop()
     finally:
         if claimed is not None and claimed[2]:  # another rank's: the run is in rank 0's folder
             shutil.rmtree(claimed[1], ignore_errors=True)

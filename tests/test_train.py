@@ -3706,6 +3706,69 @@ def test_ctrl_c_while_train_py_starts_is_one_line(tmp_path) -> None:
     assert not (tmp_path / "run").exists()
 
 
+# Ctrl-C delivered where the sweep above rarely lands, at a set point: SIGINT to the process
+# itself, from inside the step named, by a script that then runs train.py as `python train.py`.
+CTRL_C_AT = """
+import os, runpy, signal, sys, time
+import hydra._internal.config_loader_impl as loader
+import fot.training.config as config
+
+def sigint():
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(5)  # the handler raises in here
+
+def wrap(owner, name, then):
+    real = getattr(owner, name)
+    def wrapped(*args, **kwargs):
+        then()
+        return real(*args, **kwargs)
+    setattr(owner, name, wrapped)
+
+def as_import_error():  # a library's import, interrupted, reports the module as missing
+    try:
+        sigint()
+    except KeyboardInterrupt:
+        raise ModuleNotFoundError("No module named 'numpy.dtypes'")
+
+def swallowed():  # a library that catches everything
+    try:
+        sigint()
+    except BaseException:
+        pass
+
+where = sys.argv.pop(1)
+if where == "composing":  # Hydra composing the config, after train.py's own start
+    wrap(loader.ConfigLoaderImpl, "load_configuration", sigint)
+elif where == "import_error":
+    wrap(config, "register_configs", as_import_error)
+elif where == "swallowed":
+    wrap(config, "register_configs", swallowed)
+sys.argv[0] = os.path.join(os.environ["FOT_ROOT"], "train.py")
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("where", ["composing", "import_error", "swallowed"])
+def test_ctrl_c_anywhere_before_training_is_one_line(tmp_path, where) -> None:
+    """Ctrl-C while Hydra composed the config printed Hydra's ~50-line traceback with status 1,
+    and one inside a library's import could come out as that library's ImportError; one that
+    a library swallowed let the run start."""
+    script = tmp_path / "ctrl_c_at.py"
+    script.write_text(CTRL_C_AT)
+    env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": str(ROOT), "FOT_ROOT": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, str(script), where, *SMALL, f"out_dir={tmp_path / 'run'}"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 130, proc.stderr[-3000:]
+    assert proc.stderr == "\ntrain.py: interrupted while starting; nothing was written\n"
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_run_folder_in_use_by_another_run_is_refused(tmp_path) -> None:
     """Two runs in one folder (one out_dir) wrote each other's checkpoints and metrics: the second is
     refused, naming the first, and changes nothing there; once the first ends, the folder is

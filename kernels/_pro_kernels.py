@@ -62,6 +62,7 @@ def _shift_norm_fwd_kernel(
     S,
     W,
     RESET,
+    PREV,
     Y,
     sx_b,
     sx_t,
@@ -69,6 +70,8 @@ def _shift_norm_fwd_kernel(
     ss_b,
     ss_t,
     ss_h,
+    sp_b,
+    sp_h,
     T,
     H,
     eps,
@@ -78,10 +81,12 @@ def _shift_norm_fwd_kernel(
     HAS_SHIFT: tl.constexpr,
     HAS_NORM: tl.constexpr,
     HAS_RESET: tl.constexpr,
+    HAS_PREV: tl.constexpr,
 ):
     """``y = rmsnorm(z) * w`` (or ``z``), ``z_t = x_t + a_t (x_{t-1} - x_t)`` (or ``x``).
 
-    Y is contiguous ``[B, T, H, D]``.
+    ``x_{-1}`` is ``PREV`` ``[B, H, D]`` (strides ``sp_b``, ``sp_h``, unit on D) with
+    ``HAS_PREV``, else zero. Y is contiguous ``[B, T, H, D]``.
     """
     b, h, offs_t, offs_d, mask_t, mask_d, mask, rows = _tile(T, H, D, BD, BT)
     rows = rows * sx_t
@@ -96,7 +101,18 @@ def _shift_norm_fwd_kernel(
             starts = tl.load(RESET + offs_t, mask=mask_t, other=1)
             has_prev = has_prev & (starts == 0)
         xp = tl.load(x_ptr - sx_t, mask=has_prev[:, None] & mask_d[None, :], other=0.0)
-        z = x + a[:, None] * (xp.to(tl.float32) - x)
+        xp = xp.to(tl.float32)
+        if HAS_PREV:  # row 0 continues from the cached x_{-1}
+            first = offs_t == 0
+            if HAS_RESET:
+                first = first & (starts == 0)
+            p = tl.load(
+                PREV + b * sp_b + h * sp_h + offs_d[None, :] + 0 * offs_t[:, None],
+                mask=first[:, None] & mask_d[None, :],
+                other=0.0,
+            )
+            xp += p.to(tl.float32)
+        z = x + a[:, None] * (xp - x)
     y = z
     if HAS_NORM:
         w = tl.load(W + h * D + offs_d, mask=mask_d, other=0.0).to(tl.float32)  # (BD,)

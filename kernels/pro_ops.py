@@ -238,24 +238,27 @@ def _dummy(x: torch.Tensor) -> torch.Tensor:
     return torch.empty(1, dtype=torch.float32, device=x.device)
 
 
-def _shift_norm_fwd(x, s, w, reset, eps):
+def _shift_norm_fwd(x, s, w, reset, eps, prev=None):
     B, T, H, D = x.shape
     bd, bt, warps = _launch(D, "fwd")
     y = torch.empty((B, T, H, D), dtype=x.dtype, device=x.device)
     has_shift, has_norm = s is not None, w is not None
     s_ = s if has_shift else _dummy(x)
     ss = s.stride() if has_shift else (0, 0, 0)
+    has_prev = prev is not None and has_shift
     grid = (triton.cdiv(T, bt), B * H)
     kern._shift_norm_fwd_kernel[grid](
         x,
         s_,
         w if has_norm else _dummy(x),
         reset if reset is not None else _dummy(x),
+        prev if has_prev else _dummy(x),
         y,
         x.stride(0),
         x.stride(1),
         x.stride(2),
         *ss,
+        *(prev.stride()[:2] if has_prev else (0, 0)),
         T,
         H,
         float(eps),
@@ -265,6 +268,7 @@ def _shift_norm_fwd(x, s, w, reset, eps):
         HAS_SHIFT=has_shift,
         HAS_NORM=has_norm,
         HAS_RESET=reset is not None,
+        HAS_PREV=has_prev,
         num_warps=warps,
     )
     return y
@@ -338,11 +342,12 @@ class _ShiftNormFn(torch.autograd.Function):
         return dx, ds, dw, None, None, None
 
 
-def _shift_norm_torch(x, s, w, reset, eps):
+def _shift_norm_torch(x, s, w, reset, eps, prev=None):
     """The same math in PyTorch (float32, autograd), for devices without Triton."""
     z = x.float()
     if s is not None:
-        prev = torch.cat([torch.zeros_like(z[:, :1]), z[:, :-1]], dim=1)  # (B, T, H, D)
+        first = torch.zeros_like(z[:, :1]) if prev is None else prev[:, None].float()
+        prev = torch.cat([first, z[:, :-1]], dim=1)  # (B, T, H, D)
         if reset is not None:
             prev = prev.masked_fill(reset[None, :, None, None], 0.0)
         a = torch.sigmoid(s.float())[..., None]  # (B, T, H, 1)
@@ -361,10 +366,12 @@ def shift_norm(
     eps: float = 1e-6,
     reset: torch.Tensor | None = None,
     grads: ColumnGrads | None = None,
+    prev: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Data-dependent token shift, then per-head RMSNorm, in one kernel (each part optional).
 
-    ``z_t = x_t + sigmoid(s_t) * (x_{t-1} - x_t)`` with ``x_{-1} = 0`` and ``x_{t-1} := 0``
+    ``z_t = x_t + sigmoid(s_t) * (x_{t-1} - x_t)`` with ``x_{-1} = prev`` (zero without
+    ``prev``) and ``x_{t-1} := 0``
     where ``reset[t]``; ``y = z / sqrt(mean_D(z^2) + eps) * weight``. Without ``shift_logits``
     ``z = x`` (norm only); without ``weight`` ``y = z`` (shift only).
 
@@ -384,6 +391,10 @@ def shift_norm(
         reset: ``[T]`` bool, True where a document starts (shared by the batch), or None.
         grads: when x and shift_logits are column slices of one projection output, its
             :class:`ColumnGrads`: their gradients are then written into its shared buffer.
+        prev: ``[B, H, D]`` any float dtype, the pre-shift value before ``x[:, 0]`` (a decode
+            cache's last ``x``), or None for zero; read only with ``shift_logits``. The kernel
+            takes it where nothing needs a gradient (a cached decode step); under autograd the
+            PyTorch composition runs instead, differentiable in ``prev`` as well.
 
     Returns:
         ``[B, T, H, D]`` contiguous, in x's dtype. Differentiable in x, shift_logits (gradient
@@ -414,13 +425,29 @@ def shift_norm(
             raise ValueError(f"reset is on {reset.device} but x is on {x.device}; move it")
         if shift_logits is None:
             reset = None  # only the shift reads it
-    # an empty x: PyTorch keeps it differentiable; B * H beyond the grid's limit: PyTorch too
-    if not _use_triton(x) or x.numel() == 0 or B * H > MAX_GRID_Y:
-        return _shift_norm_torch(x, shift_logits, weight, reset, eps)
+    if prev is not None:
+        _check_float("prev", prev, (B, H, x.shape[3]), x)
+        if shift_logits is None:
+            prev = None  # only the shift reads it
+    # an empty x: PyTorch keeps it differentiable; B * H beyond the grid's limit: PyTorch too;
+    # prev under autograd: the kernels' backward takes x_{-1} = 0
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x, shift_logits, weight, prev)
+    )
+    if (
+        not _use_triton(x)
+        or x.numel() == 0
+        or B * H > MAX_GRID_Y
+        or (prev is not None and needs_grad)
+    ):
+        return _shift_norm_torch(x, shift_logits, weight, reset, eps, prev)
     if x.stride(-1) != 1:
         x = x.contiguous()
     w = weight.contiguous() if weight is not None else None
     r = reset.contiguous().view(torch.int8) if reset is not None else None
+    if prev is not None:  # no gradient needed (above)
+        p = prev if prev.stride(-1) == 1 else prev.contiguous()
+        return _shift_norm_fwd(x, shift_logits, w, r, float(eps), p)
     return _ShiftNormFn.apply(x, shift_logits, w, r, float(eps), grads)
 
 

@@ -174,6 +174,50 @@ def test_shift_norm_matches_oracle(case, variant, dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("variant", ["shift+norm", "shift"])
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "autograd"])
+@pytest.mark.parametrize(
+    "case", [(2, 1, 3, 64, None), (1, 5, 2, 32, "at_0"), (2, 70, 3, 128, "later")]
+)
+def test_shift_norm_continues_from_prev(case, variant, grad, dtype) -> None:
+    """``prev`` (a decode cache's last pre-shift k/v) is ``x_{-1}``: the output equals the
+    float64 oracle over the sequence with ``prev`` put in front, minus its first row, a reset
+    at ``t = 0`` included. Without autograd the kernel runs; with it, the PyTorch path, whose
+    gradients (``prev``'s too) match the oracle's."""
+    B, T, H, D, resets = case
+    x, s, w = make_shift_inputs(B, T, H, D, variant, dtype, seed=T + D)
+    g = torch.Generator().manual_seed(T)
+    # head-major storage, as the cache keeps it: unit stride on D only
+    prev = torch.randn(B, 2 * D, H, generator=g).to(DEVICE, dtype)[:, :D].transpose(1, 2)
+    prev.requires_grad_(grad)
+    reset = None
+    if resets is not None:  # documents start at random positions, and at t = 0 or not
+        reset = torch.rand(T, generator=g) < 0.3
+        reset[0] = resets == "at_0"
+        reset = reset.to(DEVICE)
+    full_reset = None if reset is None else torch.cat([reset.new_ones(1), reset])
+    with torch.set_grad_enabled(grad):
+        y = shift_norm(x, s, w, eps=1e-6, reset=reset, prev=prev)
+    ref_in = [t.detach().double().requires_grad_() for t in (x, s, prev)]
+    wd = w.detach().double() if w is not None else None
+    full = torch.cat([ref_in[2][:, None], ref_in[0]], dim=1)  # (B, T + 1, H, D)
+    s_full = torch.cat([ref_in[1].new_zeros(B, 1, H), ref_in[1]], dim=1)
+    want = shift_norm_oracle(full, s_full, wd, full_reset, 1e-6)[:, 1:]
+    assert y.dtype == dtype and y.shape == (B, T, H, D)
+    assert_close(y, want, TOL[dtype], "y")
+    assert y.requires_grad == grad
+    if grad:
+        dy = torch.randn(y.shape, generator=g).to(y)
+        got = torch.autograd.grad(y, (x, s, prev), dy)
+        want_g = torch.autograd.grad(want, ref_in, dy.double())
+        dy_full = torch.cat([dy.new_zeros(B, 1, H, D), dy], dim=1)
+        ds_scale = shift_grad_scale(full, s_full, w, full_reset, 1e-6, dy_full)
+        for name, a, b in zip(("dx", "ds", "dprev"), got, want_g):
+            scale = ds_scale if name == "ds" else None
+            assert_close(a, b, TOL[dtype], name, scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("variant", GATE_VARIANTS)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}T{}H{}D{}".format(*c[:4]))
 def test_norm_gate_matches_oracle(case, variant, dtype) -> None:
@@ -422,8 +466,8 @@ def test_kernels_compile_for_sm90_without_spills(tmp_path, monkeypatch) -> None:
     div16 = ["sx_b", "sx_t", "sx_h", "sdy_b", "sdy_t", "sdy_h", "so_b", "so_t", "so_h", "sg_b",
              "sg_t", "sg_h"]  # fmt: skip
     jobs = [
-        ("_shift_norm_fwd_kernel", {"X": bf, "S": bf, "W": "*fp32", "RESET": "*i8", "Y": bf},
-         {**shift, "BT": fwd_bt}),
+        ("_shift_norm_fwd_kernel", {"X": bf, "S": bf, "W": "*fp32", "RESET": "*i8",
+         "PREV": bf, "Y": bf}, {**shift, "BT": fwd_bt, "HAS_PREV": True}),
         ("_shift_norm_bwd_kernel", {"X": bf, "S": bf, "W": "*fp32", "RESET": "*i8", "DY": bf,
          "DX": bf, "DS": bf, "DW": "*fp32"}, {**shift, "BT": bwd_bt}),
         ("_norm_gate_fwd_kernel", {"OIN": bf, "G": bf, "W": "*fp32", "Y": bf},

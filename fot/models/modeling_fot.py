@@ -821,13 +821,12 @@ class FoTAttention(nn.Module):
         layers += [self.k_shift_proj] if cfg.use_k_shift else []
         layers += [self.v_shift_proj] if cfg.use_v_shift else []
         mixed = _use_fused_eager(cfg.attn_backend, x)
-        # Whole sequences (no cache) on the kernel backends: one fused kernel per component
-        # in forward and in backward, saving only its inputs (recompute_pro does not apply).
+        # On the kernel backends: one fused kernel per component in forward and in backward,
+        # saving only its inputs (recompute_pro does not apply); with a cache, the KV-shift
+        # continues from the cached last k/v.
         norms = [getattr(self, n, None) for n in ("q_norm", "k_norm", "o_norm")]
-        fused = (
-            cache is None
-            and _use_fused_pro(cfg.attn_backend, x, d)
-            and not any(hooked(n, x.device) for n in norms if n is not None)
+        fused = _use_fused_pro(cfg.attn_backend, x, d) and not any(
+            hooked(n, x.device) for n in norms if n is not None
         )
         grads = None  # with the fused kernels: their input gradients go into one buffer
         if fused and mixed and len(layers) > 1 and all(_fusable(lay, x.device) for lay in layers):
@@ -869,9 +868,17 @@ class FoTAttention(nn.Module):
                     eps=k_norm.eps if k_norm is not None else 1e-6,
                     reset=ctx.doc_starts,
                     grads=grads,
+                    prev=cache.k_shift if cache is not None else None,  # (B, H, D) or None
                 )  # (B, T, H, D)
             if cfg.use_v_shift:
-                v = _run_kernel(shift_norm, v_pre, v_shift, reset=ctx.doc_starts, grads=grads)
+                v = _run_kernel(
+                    shift_norm,
+                    v_pre,
+                    v_shift,
+                    reset=ctx.doc_starts,
+                    grads=grads,
+                    prev=cache.v_shift if cache is not None else None,
+                )
             if cfg.qk_norm:
                 q = _run_kernel(
                     shift_norm, q, None, self.q_norm.weight, eps=self.q_norm.eps, grads=grads

@@ -694,7 +694,8 @@ def test_generate_beam_search_and_chunked_prefill_match_uncached() -> None:
         ("transformer_llama", {}),
         ("transformer_swa", {"window_size": 5}),
         ("fot_pro", {"window_size": 5, "num_kv_heads": 2}),
-        # the kernel path (interpreter): split-K decode, few-row projections, fused append
+        # the kernel path (interpreter): split-K decode, few-row projections, fused append,
+        # the Pro kernels continuing the KV-shift from the cache
         ("fot_pro", {"attn_backend": "triton", "num_kv_heads": 2}),
     ],
 )
@@ -716,9 +717,21 @@ def test_static_cache_steps_match_full_forward(model: str, extra: dict, monkeypa
         return real_step(self, *args, **kwargs)
 
     monkeypatch.setattr(FoTCache, "static_step", spy)
+    from fot.kernels import pro_ops
+
+    shifted_from_cache = []
+    real_fwd = pro_ops._shift_norm_fwd
+
+    def fwd_spy(x, s, w, reset, eps, prev=None):
+        shifted_from_cache.append(prev is not None)
+        return real_fwd(x, s, w, reset, eps, prev)
+
+    monkeypatch.setattr(pro_ops, "_shift_norm_fwd", fwd_spy)
     with torch.no_grad():  # as generate(): the few-row projections need it
         got, _ = _decode_logits(m, torch.cat([x, nxt], 1), [9] + [1] * 12, mask, cache=cache)
     assert calls == list(range(9, 21))  # every one-token step was a static step
+    if extra.get("attn_backend") == "triton":  # k and v of 2 layers in 12 steps, from the cache
+        assert sum(shifted_from_cache) == 2 * 2 * 12
     assert cache.get_seq_length() == 21 and cache[0]._k.shape[2] == 21  # buffers never grew
     want_a = m(torch.cat([a, nxt[:1]], dim=1)).logits
     want_b = m(torch.cat([b, nxt[1:]], dim=1)).logits

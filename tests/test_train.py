@@ -3763,6 +3763,8 @@ def test_ctrl_c_anywhere_before_training_is_one_line(tmp_path, where) -> None:
         capture_output=True,
         text=True,
         timeout=120,
+        # Python's handler (a background job, as under CI, starts with SIGINT ignored)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     assert proc.returncode == 130, proc.stderr[-3000:]
     assert proc.stderr == "\ntrain.py: interrupted while starting; nothing was written\n"

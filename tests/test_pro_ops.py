@@ -633,7 +633,7 @@ def test_batch_times_heads_beyond_the_grid_limit_takes_the_pytorch_path(monkeypa
     monkeypatch.setattr(pro_ops._ShiftNormFn, "apply", lambda *a: called.append(a))
     monkeypatch.setattr(pro_ops._NormGateFn, "apply", lambda *a: called.append(a))
     x, s, w = make_shift_inputs(3, 9, 2, 16, "shift+norm", torch.float32, seed=1)
-    reset = random_reset(9, torch.Generator().manual_seed(2))
+    reset = random_reset(9, torch.Generator().manual_seed(2)).to(DEVICE)
     y = shift_norm(x, s, w, reset=reset)
     assert_close(y, shift_norm_oracle(x, s, w, reset, 1e-6), TOL[torch.float32], "shift_norm")
     gl = torch.randn_like(x)

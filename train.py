@@ -429,14 +429,14 @@ if __name__ == "__main__":
     STARTUP.hold()
     try:
         claimed, fresh, made = start(args)
-        if STARTUP.signalled:  # swallowed by a library while starting
-            STARTUP.stop()
     except BaseException as err:
         if not STARTUP.interrupted(err) or os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         STARTUP.stop()
     sys.argv[1:] = args
     try:
+        if STARTUP.signalled:  # swallowed by a library while starting
+            STARTUP.stop()
         run_hydra_app()
     except BaseException as err:
         if not STARTUP.interrupted(err) or os.environ.get("HYDRA_FULL_ERROR") == "1":

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import check_decode_inputs, on_input_gpu, sm_count
+from .checks import check_decode_inputs, needs_grad, on_input_gpu, sm_count
 from .forgetting_attention import MAX_GRID_Y, _interpreting
 
 LOG2E = 1.4426950408889634
@@ -233,7 +233,7 @@ def decode_append_supported(
     return (
         (k_buf.is_cuda or _interpreting())
         and log_fgate.dtype == torch.float32
-        and not _needs_grad(*new, log_fgate)
+        and not needs_grad(*new, log_fgate)
     )
 
 
@@ -299,17 +299,11 @@ def decode_append(
     return c
 
 
-def _needs_grad(*tensors: torch.Tensor | None) -> bool:
-    """Whether autograd would differentiate through any of ``tensors`` (the Triton decode
-    kernels have no backward)."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-
-
 def _triton_ok(q, k_cache, v_cache, q_cumsum, k_cumsum) -> bool:
     """Whether the Triton kernels take these (checked) inputs: CUDA tensors or the
     interpreter, 16/32-bit q and caches, float32 cumsums (float64 keeps the PyTorch path),
     nothing to differentiate (a padded training batch goes through the decode function)."""
-    if not (q.is_cuda or _interpreting()) or _needs_grad(q, k_cache, v_cache, q_cumsum, k_cumsum):
+    if not (q.is_cuda or _interpreting()) or needs_grad(q, k_cache, v_cache, q_cumsum, k_cumsum):
         return False
     small = (torch.float16, torch.bfloat16, torch.float32)
     return all(t.dtype in small for t in (q, k_cache, v_cache)) and (

@@ -17,7 +17,7 @@ import torch
 import triton
 
 from . import _pro_kernels as kern
-from .checks import differentiable_once, on_input_gpu
+from .checks import differentiable_once, needs_grad, on_input_gpu
 from .forgetting_attention import MAX_GRID_Y, _interpreting
 
 MAX_HEAD_DIM = 256
@@ -431,14 +431,11 @@ def shift_norm(
             prev = None  # only the shift reads it
     # an empty x: PyTorch keeps it differentiable; B * H beyond the grid's limit: PyTorch too;
     # prev under autograd: the kernels' backward takes x_{-1} = 0
-    needs_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (x, shift_logits, weight, prev)
-    )
     if (
         not _use_triton(x)
         or x.numel() == 0
         or B * H > MAX_GRID_Y
-        or (prev is not None and needs_grad)
+        or (prev is not None and needs_grad(x, shift_logits, weight, prev))
     ):
         return _shift_norm_torch(x, shift_logits, weight, reset, eps, prev)
     if x.stride(-1) != 1:

@@ -33,13 +33,13 @@ def check_positive_int(name: str, value: object, *, none_ok: bool = False) -> No
         raise ValueError(f"{name} must be {what}, got {value!r}")
 
 
-@functools.cache
 def needs_grad(*tensors: torch.Tensor | None) -> bool:
     """Whether autograd would differentiate through any of ``tensors`` (None entries are
     skipped): for kernels without a backward, which then leave the call to PyTorch."""
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
+@functools.cache
 def sm_count(index: int) -> int:
     """Streaming multiprocessors of CUDA device ``index`` (for sizing persistent or split
     launches; cached)."""

@@ -1014,6 +1014,35 @@ def test_decode_differentiates_where_autograd_needs_it():
     assert not plain.requires_grad and rel_err(plain, ref) < TOL[torch.float32]
 
 
+def test_decode_asks_autograd_on_every_call_and_keeps_no_input():
+    """Whether the decode needs its differentiable path is decided per call, from the grad
+    mode and the inputs of that call: the same tensors decoded first under ``no_grad`` (the
+    kernels) and then with autograd on get gradients, and no input is kept alive afterwards
+    (a prefill's q through a key mask is as large as the prompt)."""
+    import gc
+    import weakref
+
+    B, Tq, Tk, HQ, H, D = 1, 2, 9, 2, 1, 16
+    g = torch.Generator().manual_seed(8)
+    ins = [
+        torch.randn(B, Tq, HQ, D, generator=g),
+        torch.randn(B, Tk, H, D, generator=g),
+        torch.randn(B, Tk, H, D, generator=g),
+    ]
+    c = torch.cumsum(F.logsigmoid(torch.randn(B, Tk, HQ, generator=g)), 1)
+    ins = [t.requires_grad_() for t in (*ins, c[:, -Tq:].clone(), c)]
+    with torch.no_grad():
+        assert not forgetting_attention_decode(*ins).requires_grad
+    out = forgetting_attention_decode(*ins)
+    assert out.requires_grad  # not the kernels' answer of the no_grad call
+    grads = torch.autograd.grad(out.sum(), ins)
+    assert all(gr is not None and gr.abs().sum() > 0 for gr in grads[:3])
+    refs = [weakref.ref(t) for t in ins]
+    del ins, out, grads, c
+    gc.collect()
+    assert all(r() is None for r in refs)
+
+
 def _decode_args(**over):
     B, Tq, Tk, HQ, H, D = 2, 2, 9, 4, 2, 16
     c = torch.cumsum(F.logsigmoid(torch.randn(B, Tk, HQ)), dim=1)

@@ -18,6 +18,8 @@
   autocast: one cast launch for all weights, float32 weight gradients from the GEMM.
 * :func:`few_rows_linear` — a decode step's projections: a few rows times several weights in
   one launch, without concatenating the weights (inference only).
+* :func:`few_rows_logsigmoid_linear` — a decode step's forget gate: a float32 projection of a
+  few rows and its log-sigmoid in one launch (inference only).
 """
 
 if __name__ == "kernels":
@@ -62,7 +64,7 @@ if __name__ == "kernels":
 else:
     from .decode import forgetting_attention_decode
     from .forgetting_attention import PruneStats, forgetting_attention
-    from .linear_ops import few_rows_linear, mixed_precision_linear
+    from .linear_ops import few_rows_linear, few_rows_logsigmoid_linear, mixed_precision_linear
     from .loss_ops import linear_cross_entropy
     from .mlp_ops import swiglu
     from .norm_ops import add_rms_norm
@@ -73,6 +75,7 @@ else:
         "PruneStats",
         "add_rms_norm",
         "few_rows_linear",
+        "few_rows_logsigmoid_linear",
         "forgetting_attention",
         "forgetting_attention_decode",
         "forgetting_attention_decode_reference",

@@ -11,7 +11,8 @@ and weight gradients that were never rounded to 16 bits.
 :func:`few_rows_linear` is the inference side: a few rows (a decode step) times several
 weights in one Triton launch that reads each weight once, where one cuBLAS GEMM needs the
 weights concatenated first (a copy of them all, every step) and one GEMM per weight costs a
-launch each.
+launch each. :func:`few_rows_logsigmoid_linear` is a decode step's forget gate (a float32
+projection and its log-sigmoid) in one launch.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .checks import differentiable_once, on_input_gpu
+from .checks import differentiable_once, needs_grad, on_input_gpu
 from .decode import _bmm_fp32
 from .forgetting_attention import _interpreting
 
@@ -260,4 +261,111 @@ def few_rows_linear(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> torch.T
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
-__all__ = ["few_rows_linear", "few_rows_linear_supported", "mixed_precision_linear"]
+@triton.jit
+def _few_rows_logsigmoid_kernel(
+    X, W, Bias, Y, N, K, stride_xm, stride_ym,
+    HAS_BIAS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):  # fmt: skip
+    """``Y[m, n] = log sigmoid(X[m] . W[n] + Bias[n])`` in float32 for row ``m =
+    program_id(1)`` and the ``BN`` columns of ``program_id(0)``; ``W`` ``[N, K]`` contiguous."""
+    m = tl.program_id(1)
+    cols = tl.program_id(0) * BN + tl.arange(0, BN)
+    col_ok = cols < N
+    acc = tl.zeros([BN, BK], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        ks = k0 + tl.arange(0, BK)
+        k_ok = ks < K
+        x = tl.load(X + m * stride_xm + ks, mask=k_ok, other=0.0).to(tl.float32)
+        w = tl.load(
+            W + cols[:, None].to(tl.int64) * K + ks[None, :],
+            mask=col_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )  # (BN, BK)
+        acc += w * x[None, :]
+    z = tl.sum(acc, axis=1)  # (BN,)
+    if HAS_BIAS:
+        z += tl.load(Bias + cols, mask=col_ok, other=0.0)
+    # log sigmoid(z) = min(z, 0) - log1p(exp(-|z|)); log1p(e) = log(u) * e / (u - 1) with
+    # u = 1 + e keeps its relative precision where e is far below 1 (Goldberg's form).
+    e = tl.exp(-tl.abs(z))
+    u = 1.0 + e
+    log1p = tl.where(u == 1.0, e, tl.log(u) * (e / tl.where(u == 1.0, 1.0, u - 1.0)))
+    tl.store(Y + m * stride_ym + cols, tl.minimum(z, 0.0) - log1p, mask=col_ok)
+
+
+def few_rows_logsigmoid_linear_supported(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> bool:
+    """Whether :func:`few_rows_logsigmoid_linear` takes its arguments: at most
+    :data:`FEW_ROWS` rows of a 16/32-bit ``x`` on CUDA (or the interpreter), a contiguous
+    float32 ``[N, K]`` weight (``K >= 1``) and float32 ``[N]`` bias (or None) on x's device,
+    and nothing to differentiate (it has no backward)."""
+    if x.dtype not in (*_HALF, torch.float32) or not (x.is_cuda or _interpreting()):
+        return False
+    if x.dim() == 0 or x.shape[-1] == 0 or x.numel() > FEW_ROWS * x.shape[-1]:
+        return False
+    if needs_grad(x, weight, bias):
+        return False
+    ok = (
+        weight.dtype == torch.float32 and weight.dim() == 2 and weight.is_contiguous()
+        and weight.shape[1] == x.shape[-1] and weight.device == x.device
+    )  # fmt: skip
+    if bias is not None:
+        ok = ok and bias.dtype == torch.float32 and bias.shape == (weight.shape[0],)
+        ok = ok and bias.is_contiguous() and bias.device == x.device
+    return ok
+
+
+@on_input_gpu
+def few_rows_logsigmoid_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``F.logsigmoid(F.linear(x.float(), weight, bias))`` for a few rows, in one launch.
+
+    A decode step's forget gate (a float32 ``[HQ, hidden]`` projection of a 16-bit hidden
+    state): PyTorch spends a cast of ``x``, a GEMV, its reduction and the log-sigmoid on it,
+    four launches per layer. Float32 products and sums; inference only (no autograd).
+
+    Args:
+        x: ``[..., K]`` float16/bfloat16/float32 with at most :data:`FEW_ROWS` rows
+            (``x.numel() / K``), on CUDA (or under Triton's interpreter).
+        weight: ``[N, K]`` float32, contiguous, on x's device.
+        bias: ``[N]`` float32 on x's device, or None.
+
+    Returns:
+        ``[..., N]`` float32 log sigmoid of the logits.
+
+    Raises:
+        ValueError: inputs :func:`few_rows_logsigmoid_linear_supported` refuses.
+    """
+    if not few_rows_logsigmoid_linear_supported(x, weight, bias):
+        raise ValueError(
+            f"few_rows_logsigmoid_linear takes at most {FEW_ROWS} rows of a 16/32-bit x on a "
+            "CUDA device, a contiguous float32 [N, K] weight and a float32 [N] bias (or None) "
+            f"on x's device, outside autograd; got x {x.dtype} {tuple(x.shape)} on {x.device}, "
+            f"weight {weight.dtype} {tuple(weight.shape)}, bias "
+            f"{None if bias is None else (bias.dtype, tuple(bias.shape))}: use "
+            "F.logsigmoid(F.linear(x.float(), weight, bias))"
+        )
+    K, N = x.shape[-1], weight.shape[0]
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    y = torch.empty(x2.shape[0], N, dtype=torch.float32, device=x.device)
+    if y.numel() == 0:
+        return y.view(*x.shape[:-1], N)
+    BN, BK = 4, (256 if not _interpreting() else 32)
+    _few_rows_logsigmoid_kernel[(triton.cdiv(N, BN), x2.shape[0])](
+        x2, weight, bias if bias is not None else weight, y, N, K, x2.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, BN=BN, BK=BK, num_warps=4,
+    )  # fmt: skip
+    return y.view(*x.shape[:-1], N)
+
+
+__all__ = [
+    "few_rows_linear",
+    "few_rows_linear_supported",
+    "few_rows_logsigmoid_linear",
+    "few_rows_logsigmoid_linear_supported",
+    "mixed_precision_linear",
+]

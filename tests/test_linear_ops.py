@@ -6,7 +6,8 @@ operands and GEMM, so equal), and float64 products of the 16-bit-rounded operand
 weight gradient (float32 accumulation with a float32 result: ~1e-6 relative). Runs on the CPU
 (float32 matmul of the rounded operands) and, with a GPU, on CUDA (cuBLAS with a float32
 output). The few-row kernel (a decode step's projections) runs under Triton's interpreter on
-the CPU; its oracle is the float64 product with the concatenated weights.
+the CPU; its oracle is the float64 product with the concatenated weights. The few-row
+forget gate's oracle is the float64 log-sigmoid of the float64 product.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from torch import nn
 from fot.kernels.linear_ops import (
     few_rows_linear,
     few_rows_linear_supported,
+    few_rows_logsigmoid_linear,
+    few_rows_logsigmoid_linear_supported,
     mixed_precision_linear,
 )
 from fot.models.modeling_fot import fused_linear
@@ -211,3 +214,59 @@ def test_few_rows_linear_refuses_autograd_and_autocast() -> None:
         assert few_rows_linear_supported(x, [w])
         with torch.autocast(DEVICE, dtype=torch.bfloat16):
             assert not few_rows_linear_supported(x, [w])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("rows", "K", "bias"), [((1, 1), 300, True), ((2, 8), 37, False), ((16,), 5, True)]
+)
+def test_few_rows_logsigmoid_linear_matches_float64(dtype, rows, K, bias) -> None:
+    """The decode step's forget gate (CPU: interpreter) against ``F.logsigmoid(F.linear())``
+    in float64 of the same operands, elementwise to 1e-4 relative (below float32's normal
+    range, zero): logits from -150 to +100, among them 9 to 19, where ``log(1 + e)`` in float32
+    is off by up to 1e-2 relative or rounds to 0; K not a multiple of the K tile; 26 outputs
+    (column blocks that end inside the row)."""
+    torch.manual_seed(K)
+    logits = [-150, -60, -20, -5, -1, 0, 0.5, 2, 6, 9, 10, 11, 12, 13, 14, 15, 16, 17, 19, 25]
+    logits += [40, 60, 80, 100, -3, 3]
+    N = len(logits)
+    x = torch.randn(*rows, K).to(DEVICE, dtype)
+    scale = torch.tensor([1e-3, 0.1, 1.0] * 8 + [20.0, 60.0])[:, None]  # two wide logits
+    w = (torch.randn(N, K) * scale / K**0.5).to(DEVICE)
+    b = torch.tensor(logits, dtype=torch.float32, device=DEVICE) if bias else None
+    y = few_rows_logsigmoid_linear(x, w, b)
+    z = x.double() @ w.double().t() + (b.double() if bias else 0)
+    want = F.logsigmoid(z)
+    assert y.dtype == torch.float32 and y.shape == (*rows, N)
+    tiny = torch.finfo(torch.float32).tiny  # GPUs flush subnormal exp() to 0
+    assert ((y.double() - want).abs() <= 1e-4 * want.abs() + tiny).all()
+
+
+@pytest.mark.parametrize(
+    ("make", "why"),
+    [
+        (lambda: (torch.randn(17, 8), torch.randn(4, 8), None), "17 rows"),
+        (lambda: (torch.randn(1, 8).double(), torch.randn(4, 8), None), "float64 x"),
+        (lambda: (torch.randn(1, 8), torch.randn(4, 8).bfloat16(), None), "a 16-bit weight"),
+        (lambda: (torch.randn(1, 8), torch.randn(8, 4).t(), None), "a transposed weight"),
+        (lambda: (torch.randn(1, 8), torch.randn(4, 7), None), "K mismatch"),
+        (lambda: (torch.randn(1, 8), torch.randn(4, 8), torch.randn(5)), "bias of 5 for 4 rows"),
+        (lambda: (torch.randn(1, 8), torch.randn(4, 8), torch.randn(4).half()), "16-bit bias"),
+        (lambda: (torch.randn(3, 0), torch.randn(5, 0), None), "K = 0"),
+    ],
+)
+def test_few_rows_logsigmoid_linear_refuses_what_it_does_not_take(make, why) -> None:
+    x, w, b = (t.to(DEVICE) if t is not None else None for t in make())
+    assert not few_rows_logsigmoid_linear_supported(x, w, b), why
+    with pytest.raises(ValueError, match=r"use F\.logsigmoid\(F\.linear"):
+        few_rows_logsigmoid_linear(x, w, b)
+
+
+def test_few_rows_logsigmoid_linear_refuses_autograd() -> None:
+    """It has no backward: a weight that needs a gradient under grad mode is refused (not
+    silently detached); under no_grad (generate) it is taken."""
+    w = torch.randn(4, 8, device=DEVICE, requires_grad=True)
+    x = torch.randn(1, 8, device=DEVICE)
+    assert not few_rows_logsigmoid_linear_supported(x, w, None)
+    with torch.no_grad():
+        assert few_rows_logsigmoid_linear_supported(x, w, None)

@@ -727,11 +727,23 @@ def test_static_cache_steps_match_full_forward(model: str, extra: dict, monkeypa
         return real_fwd(x, s, w, reset, eps, prev)
 
     monkeypatch.setattr(pro_ops, "_shift_norm_fwd", fwd_spy)
+    from fot.kernels import linear_ops
+
+    gates = []
+    real_gate = linear_ops.few_rows_logsigmoid_linear
+
+    def gate_spy(x, weight, bias):
+        gates.append(x.shape)
+        return real_gate(x, weight, bias)
+
+    monkeypatch.setattr(linear_ops, "few_rows_logsigmoid_linear", gate_spy)
     with torch.no_grad():  # as generate(): the few-row projections need it
         got, _ = _decode_logits(m, torch.cat([x, nxt], 1), [9] + [1] * 12, mask, cache=cache)
     assert calls == list(range(9, 21))  # every one-token step was a static step
     if extra.get("attn_backend") == "triton":  # k and v of 2 layers in 12 steps, from the cache
         assert sum(shifted_from_cache) == 2 * 2 * 12
+        # the forget gate of each step's 2 layers in one launch (the 18-row prefill: PyTorch)
+        assert gates == [(2, 1, m.config.hidden_size)] * 2 * 12
     assert cache.get_seq_length() == 21 and cache[0]._k.shape[2] == 21  # buffers never grew
     want_a = m(torch.cat([a, nxt[:1]], dim=1)).logits
     want_b = m(torch.cat([b, nxt[1:]], dim=1)).logits

@@ -770,6 +770,10 @@ class FoTAttention(nn.Module):
             # under autocast (which would otherwise run this matmul in bf16).
             # (float64 in a float64 model)
             proj = self.fgate_proj
+            if self.few_rows_gate(x):
+                from fot.kernels.linear_ops import few_rows_logsigmoid_linear
+
+                return few_rows_logsigmoid_linear(x, proj.weight, proj.bias)
             dtype = torch.promote_types(x.dtype, torch.float32)
             with torch.autocast(x.device.type, enabled=False):
                 if plain_linear(proj, x.device):
@@ -781,6 +785,20 @@ class FoTAttention(nn.Module):
             return F.logsigmoid(at_least_fp32(self.fgate_bias)).expand(B, T, self.num_heads)
         dtype = torch.promote_types(x.dtype, torch.float32)
         return x.new_zeros(B, T, self.num_heads, dtype=dtype)  # "none": f = 1
+
+    def few_rows_gate(self, x: torch.Tensor) -> bool:
+        """Whether :meth:`log_fgate` of ``x`` ``[B, T, hidden]`` runs in one launch
+        (:func:`fot.kernels.linear_ops.few_rows_logsigmoid_linear`): a decode step (a few rows,
+        no autograd) on the kernel path, where PyTorch spends a cast, a GEMV, its reduction and
+        the log-sigmoid."""
+        proj = getattr(self, "fgate_proj", None)
+        if proj is None or not _use_fused_eager(self.config.attn_backend, x):
+            return False
+        if not plain_linear(proj, x.device):
+            return False
+        from fot.kernels.linear_ops import few_rows_logsigmoid_linear_supported
+
+        return few_rows_logsigmoid_linear_supported(x, proj.weight, proj.bias)
 
     def _use_sdpa(
         self,
@@ -1019,16 +1037,19 @@ class FoTDecoderLayer(GradientCheckpointingLayer):
         gate_logits = None
         if self.self_attn.fgate_type != "full":
             x, h = self.input_layernorm.add_norm(hidden_states, residual, fused, gemm_dtype)
-        elif stream.dtype == torch.float32:
+        elif stream.dtype == torch.float32 and (
+            gemm_dtype is not None or not self.self_attn.few_rows_gate(stream)
+        ):
             # The forget gate's fp32 logits come with the norm (on the kernel path out of the
             # fused kernel), from the unrounded norm output; the output itself leaves in the
-            # GEMMs' dtype.
+            # GEMMs' dtype. (A decode step without autocast takes the float32 norm output to
+            # log_fgate's one-launch gate instead.)
             x, h, gate_logits = self.input_layernorm.add_norm(
                 hidden_states, residual, fused, gemm_dtype, proj=self.self_attn.fgate_proj
             )
         else:
             # A 16-bit stream (a bf16 model): the gate's fp32 projection reads the norm output
-            # in that dtype (log_fgate).
+            # in that dtype (log_fgate); so does a float32 decode step without autocast.
             x, h = self.input_layernorm.add_norm(hidden_states, residual, fused)
         attn_out = self.self_attn(x, ctx, cache, gate_logits=gate_logits)
         x, h = self.post_attention_layernorm.add_norm(attn_out, h, fused, gemm_dtype)

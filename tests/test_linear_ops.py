@@ -270,3 +270,25 @@ def test_few_rows_logsigmoid_linear_refuses_autograd() -> None:
     assert not few_rows_logsigmoid_linear_supported(x, w, None)
     with torch.no_grad():
         assert few_rows_logsigmoid_linear_supported(x, w, None)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the other tests run them")
+def test_few_row_kernels_compile_for_sm90_without_spills(tmp_path) -> None:
+    """The decode step's few-row kernels, as the launchers call them on a GPU (bf16 rows,
+    the GPU's K tiles), compile for sm_90 with Triton's bundled ptxas, without register
+    spills."""
+    from sm90_compile import assert_no_spills, resource_usage
+
+    bf = "*bf16"
+    weights = {f"W{i}": bf for i in range(8)}
+    jobs = [
+        ("_few_rows_kernel", "_few_rows_kernel", {"X": bf, "Y": bf, **weights},
+         {"NW": 8, "BM": 16, "BN": 16, "BK": 256, "DOT_PREC": "tf32"}, 4, ["stride_xm"],
+         {"num_stages": 4}),
+        ("_few_rows_logsigmoid_kernel", "_few_rows_logsigmoid_kernel",
+         {"X": bf, "W": "*fp32", "Bias": "*fp32", "Y": "*fp32"},
+         {"HAS_BIAS": True, "BN": 4, "BK": 256}, 4, ["stride_xm"]),
+    ]  # fmt: skip
+    usage = resource_usage("fot.kernels.linear_ops", jobs, tmp_path)
+    assert set(usage) == {"_few_rows_kernel", "_few_rows_logsigmoid_kernel"}
+    assert_no_spills(usage)

@@ -27,16 +27,22 @@ from torch import nn
 from fot import presets
 
 VOCAB = 300
+# Overrides of the tiny preset for the tests whose checks hold at any width. On the CPU FLA's
+# kernels run under Triton's interpreter, whose time grows with the width (DeltaNet's recurrent
+# kernel runs a program per 8 value channels, each stepping through every token): there they
+# take width 32, ~4x less time than the preset's 128 (its layers kept: HGRN2's lower bounds
+# need two). On a GPU the preset as it is.
+SMALL = {} if torch.cuda.is_available() else {"hidden_size": 32}
 
 
-def tiny(name: str):
+def tiny(name: str, **overrides):
     torch.manual_seed(0)
-    return presets.build_model(presets.config(name, "tiny", vocab_size=VOCAB))
+    return presets.build_model(presets.config(name, "tiny", vocab_size=VOCAB, **overrides))
 
 
 @pytest.mark.parametrize("name", ["deltanet", "hgrn2", "mamba2"])
 def test_fla_baseline_loss_matches_its_own_logits_and_trains(name: str, device) -> None:
-    m = tiny(name).to(device)
+    m = tiny(name, **SMALL).to(device)
     x = torch.randint(0, VOCAB, (1, 16)).to(device)
     y = torch.randint(0, VOCAB, (1, 16)).to(device)
     y[0, :3] = -100
@@ -56,7 +62,7 @@ def test_fla_baseline_loss_matches_its_own_logits_and_trains(name: str, device) 
 
 def test_fla_baseline_loss_runs_a_hooked_lm_head(device) -> None:
     """Our loss calls a hooked (or adapter-wrapped) LM head as a module, as FLA's forward does."""
-    m = tiny("deltanet").to(device)
+    m = tiny("deltanet", **SMALL).to(device)
     m.lm_head.register_forward_hook(lambda module, args, out: 2 * out)
     x, y = (torch.randint(0, VOCAB, (1, 16)).to(device) for _ in range(2))
     logits = m(x).logits  # FLA's own forward, through the hook
@@ -66,7 +72,7 @@ def test_fla_baseline_loss_runs_a_hooked_lm_head(device) -> None:
 
 @pytest.mark.parametrize("name", ["deltanet"])
 def test_fla_baseline_packed_equals_separate(name: str, device) -> None:
-    m = tiny(name).to(device)
+    m = tiny(name, **SMALL).to(device)
     docs = [torch.randint(0, VOCAB, (1, n)).to(device) for n in (8, 8)]
     cu = torch.tensor([0, 8, 16], dtype=torch.int32, device=device)
     y = torch.randint(0, VOCAB, (1, 16)).to(device)
@@ -80,8 +86,9 @@ def test_fla_baseline_runs_float32_inputs_longer_than_one_chunk(name: str, devic
     """FLA's chunked DeltaNet kernel refuses float32, and under Triton's interpreter the chunked
     DeltaNet and HGRN2 kernels fail beyond 64 tokens: the wrapper runs their recurrent kernel
     then. Oracle: causality (the first 64 positions' logits are those of the first 64 tokens,
-    which FLA always runs on its recurrent kernel) and fot's loss of FLA's own logits."""
-    m = tiny(name).to(device).eval()
+    which FLA always runs on its recurrent kernel) and fot's loss of FLA's own logits. (One
+    layer: the wrapper chooses the kernel of every layer alike.)"""
+    m = tiny(name, **SMALL, num_hidden_layers=1).to(device).eval()
     x = torch.randint(0, VOCAB, (1, 80), generator=torch.Generator().manual_seed(0)).to(device)
     with torch.no_grad():
         logits = m(x).logits.float()
@@ -98,7 +105,7 @@ def test_fla_baseline_generate_decodes_with_its_state(name: str, device) -> None
     """generate() with the cache: each step's logits are the full forward's on the sequence so
     far. transformers >= 5.24 passes the cache as ``cache``, which FLA's models do not read:
     each step then ran on its one new token without state (logits off by 1.7-4.4)."""
-    m = tiny(name).to(device).eval()
+    m = tiny(name, **SMALL).to(device).eval()
     with torch.no_grad():
         for p in m.parameters():  # peaked logits, so that a stateless step shows
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(2)).to(p) * 0.05)
@@ -189,7 +196,7 @@ def test_eval_logits_of_chosen_positions_run_the_models_own_path(name: str, devi
     kernels)."""
     from fot.eval.common import hidden_and_head, next_token_argmax
 
-    m = tiny(name).to(device).eval()
+    m = tiny(name, **SMALL).to(device).eval()
     m.compute_dtype = torch.bfloat16
     x = torch.randint(0, VOCAB, (1, 72), generator=torch.Generator().manual_seed(5)).to(device)
     with torch.no_grad():
@@ -669,7 +676,8 @@ def test_fla_baseline_runs_under_the_interpreter_outside_the_test_suite(tmp_path
     script = (
         "import torch\n"
         "from fot import presets\n"
-        f"m = presets.build_model(presets.config('deltanet', 'tiny', vocab_size={VOCAB}))\n"
+        f"config = presets.config('deltanet', 'tiny', vocab_size={VOCAB}, **{SMALL})\n"
+        "m = presets.build_model(config)\n"
         f"x = torch.randint(0, {VOCAB}, (1, 16))\n"
         "loss = m(x, labels=x).loss\n"
         "loss.backward()\n"
@@ -690,7 +698,7 @@ def test_trainer_label_smoothing_shifts_labels_for_fla_baselines(tmp_path, devic
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    m = tiny("deltanet").to(device)
+    m = tiny("deltanet", **SMALL).to(device)
     names = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
     assert {"FoTDeltaNetForCausalLM", "FoTMamba2ForCausalLM", "Mamba2ForCausalLM"} <= names
     from transformers import Mamba2Config
@@ -743,7 +751,7 @@ def test_an_exported_baseline_keeps_learning_its_bos_embedding(tmp_path, name: s
     from fot.models.fla_baselines import register_auto_classes
 
     torch.manual_seed(0)
-    m = presets.build_model(presets.config(name, "tiny"))  # GPT-2's vocabulary: 50256 in it
+    m = presets.build_model(presets.config(name, "tiny", **SMALL))  # GPT-2's vocabulary: 50256
     out = export_hf(m, tmp_path / name)
     register_auto_classes()
     loaded = AutoModelForCausalLM.from_pretrained(out).train()

@@ -1,8 +1,9 @@
-"""gdb script (``gdb -batch -x tests/vml_breakpoints.py --args python PROGRAM``): print a line
-``VML <entry point> <gdb thread number>`` for each call the program makes into oneMKL's vector
-math (``vms*``/``vmd*``, the functions torch's CPU kernels call), on gdb's stdout. The program
-stops itself with SIGTRAP once torch is imported (libtorch_cpu loaded): the breakpoints are set
-there."""
+"""gdb script (``gdb -batch --readnever -x tests/vml_breakpoints.py --args python PROGRAM``):
+print a line ``VML <entry point> <gdb thread number>`` for each call the program makes into
+oneMKL's vector math (``vms*``/``vmd*``, the functions torch's CPU kernels call), on gdb's
+stdout. The program stops itself with SIGTRAP once torch is imported (libtorch_cpu loaded): the
+breakpoints are set there, by symbol name (``--readnever``: no debug info is read, which oneMKL
+has none of)."""
 
 import gdb
 

@@ -238,7 +238,7 @@ def few_rows_linear(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> torch.T
     y = torch.empty(x2.shape[0], sum(sizes), dtype=x.dtype, device=x.device)
     if y.numel() == 0:
         return y.view(*x.shape[:-1], y.shape[-1])
-    BN, BK = (16, 256) if not _interpreting() else (16, 32)
+    BN, BK = (16, 256) if not _interpreting() else (32, 64)
     blocks = [triton.cdiv(n, BN) for n in sizes]
     starts = [sum(blocks[:i]) for i in range(len(blocks))]
     cols = [sum(sizes[:i]) for i in range(len(sizes))]

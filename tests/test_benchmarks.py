@@ -720,11 +720,14 @@ def test_attention_benchmark_without_gpu_says_what_it_needs():
     assert "benchmarks/pruning.py CKPT --data DATA --device cpu" in res.stderr
 
 
-def test_the_readme_cpu_toy_modes_give_every_argument_their_scripts_require():
+def test_the_readme_cpu_toy_modes_give_every_argument_their_scripts_require(
+    bench, monkeypatch, capsys
+):
     """Each command of the README's "CPU toy modes" names every argument its script's own usage
     line requires (the options outside brackets, and a value for each positional one):
     `pruning.py --device cpu --length 512` left out the model and --data, which argparse
-    refused ("the following arguments are required: checkpoint, --data")."""
+    refused ("the following arguments are required: checkpoint, --data"). The usage is the
+    script's ``main(["--help"])``, as ``python SCRIPT --help`` prints it."""
     readme = (BENCH.parent / "README.md").read_text()
     bullet = readme[readme.index("- CPU toy modes:") :]
     bullet = bullet[: bullet.index("\n\n")].replace("\n", " ")
@@ -732,7 +735,11 @@ def test_the_readme_cpu_toy_modes_give_every_argument_their_scripts_require():
     assert len(commands) == 5, commands
     for command in commands:
         script, *args = command.split()
-        usage = _run_script([str(BENCH / script), "--help"]).stdout
+        monkeypatch.setattr(sys, "argv", [str(BENCH / script)])  # argparse's prog
+        with pytest.raises(SystemExit) as info:
+            bench[script.removesuffix(".py")].main(["--help"])
+        assert info.value.code == 0, command
+        usage = capsys.readouterr().out
         usage = " ".join(usage[: usage.index("\n\n")].split()[2:])  # after "usage: x.py"
         while re.search(r"\[[^\[\]]*\]", usage):
             usage = re.sub(r"\[[^\[\]]*\]", " ", usage)  # the optional parts, inner first

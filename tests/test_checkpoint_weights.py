@@ -745,30 +745,41 @@ def test_a_start_killed_while_replacing_the_runs_tokenizer_leaves_it_for_the_res
 
 
 def test_a_fot_checkpoint_or_model_where_another_kind_is_read_names_the_option_that_takes_it(
-    tmp_path, source_run
+    tmp_path, source_run, capsys
 ) -> None:
     """python -m fot.convert of a fot training checkpoint said it "has no config.json: pass the
     folder of a checkpoint (downloaded or copied whole)", which it was; of a fot export, that
     fot converts the paper's and FLA's models. branch_from= and resume= an export or converted
     folder said to pass <run>/checkpoints/step_..., of which a converted model has none. Each is
-    now one line with status 2 naming what takes the folder, and that advice works."""
+    now one line with status 2 naming what takes the folder, and that advice works. (fot.convert
+    and fot.export run in this process, through the ``main`` their ``-m`` runs.)"""
     from transformers import AutoModelForCausalLM
+
+    from fot.convert import main as convert_main
+    from fot.export import main as export_main
 
     step, hf = source_run / "checkpoints" / "step_00000004", source_run / "hf"
     out = tmp_path / "out"
 
+    def one_line(stderr: str) -> str:
+        (line,) = [x for x in stderr.splitlines() if ": error: " in x]
+        return line
+
     def error(*args: str) -> str:
         res = _run_script([sys.executable, *args], cwd=tmp_path)
         assert res.returncode == 2, res.stderr
-        (line,) = [x for x in res.stderr.splitlines() if ": error: " in x]
-        return line
+        return one_line(res.stderr)
 
-    assert error("-m", "fot.convert", str(step), str(out)) == (
+    def convert_error(*args: str) -> str:
+        assert convert_main(list(args)) == 2
+        return one_line(capsys.readouterr().err)
+
+    assert convert_error(str(step), str(out)) == (
         f"python -m fot.convert: error: {step} is a training checkpoint of fot, which needs no "
         f"conversion: export it with python -m fot.export {step} {out}, or train on from its "
         f"weights with train.py init_from={step}"
     )
-    assert error("-m", "fot.convert", str(hf), str(out)) == (
+    assert convert_error(str(hf), str(out)) == (
         "python -m fot.convert: error: config.json has model_type 'fot': the folder holds a fot "
         "model already, which needs no conversion; load it as it is (python -m fot.eval, "
         "train.py init_from=<the folder>, or AutoModelForCausalLM after import fot)"
@@ -783,8 +794,7 @@ def test_a_fot_checkpoint_or_model_where_another_kind_is_read_names_the_option_t
     assert error(*run, f"resume={hf}") == f"train.py: error: {hf} {model_folder}"
     assert not out.exists() and not (tmp_path / "run").exists()
     # the advice: the export and init_from take them
-    res = _run_script([sys.executable, "-m", "fot.export", str(step), str(out)], cwd=tmp_path)
-    assert res.returncode == 0, res.stderr
+    assert export_main([str(step), str(out)]) == 0
     exported = AutoModelForCausalLM.from_pretrained(out).state_dict()
     for key, value in _weights(source_run, 4).items():
         assert torch.equal(exported[key], value), key

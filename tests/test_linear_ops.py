@@ -287,7 +287,7 @@ def test_few_row_kernels_compile_for_sm90_without_spills(tmp_path) -> None:
          {"num_stages": 4}),
         ("_few_rows_logsigmoid_kernel", "_few_rows_logsigmoid_kernel",
          {"X": bf, "W": "*fp32", "Bias": "*fp32", "Y": "*fp32"},
-         {"HAS_BIAS": True, "BN": 4, "BK": 256}, 4, ["stride_xm"]),
+         {"HAS_BIAS": True, "BN": 1, "BK": 1024}, 8, ["stride_xm"]),
     ]  # fmt: skip
     usage = resource_usage("fot.kernels.linear_ops", jobs, tmp_path)
     assert set(usage) == {"_few_rows_kernel", "_few_rows_logsigmoid_kernel"}

@@ -127,6 +127,15 @@ def _pick(pid, blk, W, C, N, cur_w, cur_b, cur_c, cur_n):
     return cur_w, cur_b, cur_c, cur_n
 
 
+GPU_TILES_FEW_ROWS = (16, 256)
+"""``few_rows_linear``'s launch on a GPU: output columns and K per tile (4 warps, 4 stages)."""
+
+GPU_TILES_LOGSIGMOID = (1, 1024, 8)
+"""``few_rows_logsigmoid_linear``'s launch on a GPU: outputs per program, K tile, warps. One
+output per program was the fastest of 48 settings on an H100 (docs/benchmarks.md, "one gate
+output per program")."""
+
+
 @triton.jit
 def _few_rows_kernel(
     X, Y, W0, W1, W2, W3, W4, W5, W6, W7,
@@ -238,7 +247,7 @@ def few_rows_linear(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> torch.T
     y = torch.empty(x2.shape[0], sum(sizes), dtype=x.dtype, device=x.device)
     if y.numel() == 0:
         return y.view(*x.shape[:-1], y.shape[-1])
-    BN, BK = (16, 256) if not _interpreting() else (32, 64)
+    BN, BK = GPU_TILES_FEW_ROWS if not _interpreting() else (32, 64)
     blocks = [triton.cdiv(n, BN) for n in sizes]
     starts = [sum(blocks[:i]) for i in range(len(blocks))]
     cols = [sum(sizes[:i]) for i in range(len(sizes))]
@@ -354,9 +363,8 @@ def few_rows_logsigmoid_linear(
     y = torch.empty(x2.shape[0], N, dtype=torch.float32, device=x.device)
     if y.numel() == 0:
         return y.view(*x.shape[:-1], N)
-    # One output per program on a GPU (H100, 24 x 1536 at 1 and 8 rows: 1.7-2.0 us against
-    # 3.6-3.8 us for 4 per program); the interpreter pays per program: 4 per program there.
-    BN, BK, warps = (1, 1024, 8) if not _interpreting() else (4, 32, 4)
+    # the interpreter pays per program: 4 outputs per program there
+    BN, BK, warps = GPU_TILES_LOGSIGMOID if not _interpreting() else (4, 32, 4)
     _few_rows_logsigmoid_kernel[(triton.cdiv(N, BN), x2.shape[0])](
         x2, weight, bias if bias is not None else weight, y, N, K, x2.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, BN=BN, BK=BK, num_warps=warps,

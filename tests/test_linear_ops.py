@@ -279,15 +279,18 @@ def test_few_row_kernels_compile_for_sm90_without_spills(tmp_path) -> None:
     spills."""
     from sm90_compile import assert_no_spills, resource_usage
 
+    from fot.kernels.linear_ops import GPU_TILES_FEW_ROWS, GPU_TILES_LOGSIGMOID
+
+    (bn, bk), (gate_bn, gate_bk, gate_warps) = GPU_TILES_FEW_ROWS, GPU_TILES_LOGSIGMOID
     bf = "*bf16"
     weights = {f"W{i}": bf for i in range(8)}
     jobs = [
         ("_few_rows_kernel", "_few_rows_kernel", {"X": bf, "Y": bf, **weights},
-         {"NW": 8, "BM": 16, "BN": 16, "BK": 256, "DOT_PREC": "tf32"}, 4, ["stride_xm"],
+         {"NW": 8, "BM": 16, "BN": bn, "BK": bk, "DOT_PREC": "tf32"}, 4, ["stride_xm"],
          {"num_stages": 4}),
         ("_few_rows_logsigmoid_kernel", "_few_rows_logsigmoid_kernel",
          {"X": bf, "W": "*fp32", "Bias": "*fp32", "Y": "*fp32"},
-         {"HAS_BIAS": True, "BN": 1, "BK": 1024}, 8, ["stride_xm"]),
+         {"HAS_BIAS": True, "BN": gate_bn, "BK": gate_bk}, gate_warps, ["stride_xm"]),
     ]  # fmt: skip
     usage = resource_usage("fot.kernels.linear_ops", jobs, tmp_path)
     assert set(usage) == {"_few_rows_kernel", "_few_rows_logsigmoid_kernel"}

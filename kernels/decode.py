@@ -183,31 +183,62 @@ _HAS_OUT_DTYPE = [True]
 
 @triton.jit
 def _append_kernel(
-    KN, VN, LF, KB, VB, CB, COUT, POS, KP, VP, KS, VS,
+    KN, VN, LF, KB, VB, CB, COUT, POS, KP, VP, KS, VS, KL, VL, KW, Q, QW, QO,
     s_knb, s_knh, s_knd, s_vnb, s_vnh, s_vnd, s_lfb, s_lfh,
     s_kbb, s_kbh, s_kbt, s_kbd, s_vbb, s_vbh, s_vbt, s_vbd, s_cbb, s_cbt, s_cbh,
     s_kpb, s_kph, s_kpd, s_vpb, s_vph, s_vpd, s_ksb, s_ksh, s_ksd, s_vsb, s_vsh, s_vsd,
-    H, HQ, D, DV,
+    s_klb, s_klh, s_vlb, s_vlh, s_qb, s_qh, s_qd,
+    H, HQ, k_eps, q_eps,
+    D: tl.constexpr, DV: tl.constexpr,
     BH: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BQ: tl.constexpr,
     K_SHIFT: tl.constexpr, V_SHIFT: tl.constexpr,
+    K_MIX: tl.constexpr, K_NORM: tl.constexpr, V_MIX: tl.constexpr, Q_NORM: tl.constexpr,
 ):  # fmt: skip
     """One new token of sequence ``b`` (program ``b``) into a fixed-capacity cache at the
     device position ``POS``: ``KB[b, :, pos] = KN[b]`` and ``VB`` likewise (cast to the
     buffers' dtype), ``CB[b, pos] = COUT[b] = float32(float64(LF[b]) + float64(CB[b, pos -
-    1]))``, and with KV-shift the pre-shift projections into ``KS[b]`` / ``VS[b]``."""
+    1]))``, and with KV-shift the pre-shift projections into ``KS[b]`` / ``VS[b]``.
+
+    With ``K_MIX`` / ``K_NORM`` (``V_MIX``) the key (value) written is first shifted and
+    normalised as ``shift_norm`` does it: ``z = x + sigmoid(KL) (KS - x)`` with ``x = KN``
+    (then ``KP`` is ``KN``: the old ``KS`` is read before the new one is written), then
+    ``z * rsqrt(mean_D(z^2) + k_eps) * KW``, in float32, rounded to KN's dtype once. With
+    ``Q_NORM`` the query ``Q[b]`` is normalised likewise (weight ``QW``) into ``QO[b]``."""
     b = tl.program_id(0).to(tl.int64)
     pos = tl.load(POS).to(tl.int64)
     hs = tl.arange(0, BH)[:, None]
     ds = tl.arange(0, BD)[None, :]
     ok = (hs < H) & (ds < D)
-    k = tl.load(KN + b * s_knb + hs * s_knh + ds * s_knd, mask=ok)
-    tl.store(KB + b * s_kbb + hs * s_kbh + pos * s_kbt + ds * s_kbd, k.to(KB.dtype.element_ty),
-             mask=ok)  # fmt: skip
+    k = tl.load(KN + b * s_knb + hs * s_knh + ds * s_knd, mask=ok, other=0.0)
+    if K_MIX or K_NORM:
+        z = k.to(tl.float32)
+        if K_MIX:
+            s = tl.load(KL + b * s_klb + hs * s_klh, mask=hs < H, other=0.0).to(tl.float32)
+            p = tl.load(KS + b * s_ksb + hs * s_ksh + ds * s_ksd, mask=ok, other=0.0)
+            z = z + tl.sigmoid(s) * (p.to(tl.float32) - z)
+        if K_NORM:
+            w = tl.load(KW + hs * D + ds, mask=ok, other=0.0).to(tl.float32)
+            rstd = tl.rsqrt(tl.sum(z * z, axis=1) / D + k_eps)  # (BH,)
+            z = z * rstd[:, None] * w
+        k_out = z.to(KN.dtype.element_ty)
+    else:
+        k_out = k
+    tl.store(KB + b * s_kbb + hs * s_kbh + pos * s_kbt + ds * s_kbd,
+             k_out.to(KB.dtype.element_ty), mask=ok)  # fmt: skip
     dv = tl.arange(0, BDV)[None, :]
     okv = (hs < H) & (dv < DV)
-    v = tl.load(VN + b * s_vnb + hs * s_vnh + dv * s_vnd, mask=okv)
-    tl.store(VB + b * s_vbb + hs * s_vbh + pos * s_vbt + dv * s_vbd, v.to(VB.dtype.element_ty),
-             mask=okv)  # fmt: skip
+    v = tl.load(VN + b * s_vnb + hs * s_vnh + dv * s_vnd, mask=okv, other=0.0)
+    if V_MIX:
+        z = v.to(tl.float32)
+        s = tl.load(VL + b * s_vlb + hs * s_vlh, mask=hs < H, other=0.0).to(tl.float32)
+        p = tl.load(VS + b * s_vsb + hs * s_vsh + dv * s_vsd, mask=okv, other=0.0)
+        v_out = (z + tl.sigmoid(s) * (p.to(tl.float32) - z)).to(VN.dtype.element_ty)
+    else:
+        v_out = v
+    tl.store(VB + b * s_vbb + hs * s_vbh + pos * s_vbt + dv * s_vbd,
+             v_out.to(VB.dtype.element_ty), mask=okv)  # fmt: skip
+    if K_MIX or V_MIX:
+        tl.debug_barrier()  # every thread has read the old KS / VS before any overwrites it
     if K_SHIFT:
         kp = tl.load(KP + b * s_kpb + hs * s_kph + ds * s_kpd, mask=ok)
         tl.store(KS + b * s_ksb + hs * s_ksh + ds * s_ksd, kp.to(KS.dtype.element_ty), mask=ok)
@@ -216,6 +247,14 @@ def _append_kernel(
         tl.store(VS + b * s_vsb + hs * s_vsh + dv * s_vsd, vp.to(VS.dtype.element_ty), mask=okv)
     qs = tl.arange(0, BQ)
     qok = qs < HQ
+    if Q_NORM:
+        qh = qs[:, None]
+        okq = (qh < HQ) & (ds < D)
+        x = tl.load(Q + b * s_qb + qh * s_qh + ds * s_qd, mask=okq, other=0.0).to(tl.float32)
+        w = tl.load(QW + qh * D + ds, mask=okq, other=0.0).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / D + q_eps)  # (BQ,)
+        q_out = (x * rstd[:, None] * w).to(QO.dtype.element_ty)
+        tl.store(QO + (b * HQ + qh) * D + ds, q_out, mask=okq)
     lf = tl.load(LF + b * s_lfb + qs * s_lfh, mask=qok, other=0.0).to(tl.float64)
     prev = tl.load(CB + b * s_cbb + (pos - 1) * s_cbt + qs * s_cbh, mask=qok, other=0.0)
     c = (lf + prev.to(tl.float64)).to(tl.float32)
@@ -271,11 +310,84 @@ def decode_append(
     Returns:
         ``[B, 1, HQ]`` float32, the new token's cumsum.
     """
+    return _launch_append(
+        k_buf, v_buf, c_buf, k, v, log_fgate, pos, k_pre, k_shift, v_pre, v_shift
+    )[0]
+
+
+@on_input_gpu
+def decode_shift_norm_append(
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    c_buf: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    log_fgate: torch.Tensor,
+    pos: torch.Tensor,
+    q: torch.Tensor,
+    *,
+    k_logits: torch.Tensor | None = None,
+    k_shift: torch.Tensor | None = None,
+    k_weight: torch.Tensor | None = None,
+    k_eps: float = 1e-6,
+    v_logits: torch.Tensor | None = None,
+    v_shift: torch.Tensor | None = None,
+    q_weight: torch.Tensor | None = None,
+    q_eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A static decode step's KV-shift, q/k RMSNorm and cache write, in one launch.
+
+    The same numbers as ``shift_norm`` (``fot.kernels.pro_ops``) of the new key (continuing
+    from ``k_shift``), of the new value and of the query, followed by :func:`decode_append` of
+    the shifted key and value with ``k`` / ``v`` as the pre-shift projections: four launches
+    in one. Each part is optional (a model without KV-shift or QK-norm).
+
+    Args:
+        k_buf, v_buf, c_buf, log_fgate, pos: as :func:`decode_append`.
+        k, v: ``[B, 1, H, D]`` the new token's key and value projections (before shift and
+            norm; any float dtype, unit stride not needed).
+        q: ``[B, 1, HQ, D]`` the new token's query projection.
+        k_logits, k_shift: ``[B, 1, H]`` logits of the key's shift weight and the ``[B, H, D]``
+            buffer holding the previous token's pre-shift key, which is read, then overwritten
+            with ``k``; both or neither. ``v_logits``, ``v_shift`` likewise.
+        k_weight, k_eps: ``[H, D]`` per-head RMSNorm weight of the key (None: no norm) and its
+            epsilon; ``q_weight`` ``[HQ, D]``, ``q_eps`` for the query.
+
+    Returns:
+        ``([B, 1, HQ]`` float32 cumsum of the new token, ``[B, 1, HQ, D]`` query in q's
+        dtype: normalised, contiguous with ``q_weight``, else ``q`` itself``)``.
+
+    Raises:
+        ValueError: a shift's logits given without its buffer or the other way round.
+    """
+    for name, logits, buf in (("k", k_logits, k_shift), ("v", v_logits, v_shift)):
+        if (logits is None) != (buf is None):
+            raise ValueError(
+                f"{name}_logits and {name}_shift go together (the shift mixes in the buffer's "
+                f"previous {name}); got only {name}_{'logits' if buf is None else 'shift'}"
+            )
+    return _launch_append(
+        k_buf, v_buf, c_buf, k, v, log_fgate, pos,
+        k if k_shift is not None else None, k_shift,
+        v if v_shift is not None else None, v_shift,
+        k_logits=k_logits, k_weight=k_weight, k_eps=k_eps, v_logits=v_logits,
+        q=q, q_weight=q_weight, q_eps=q_eps,
+    )  # fmt: skip
+
+
+def _launch_append(
+    k_buf, v_buf, c_buf, k, v, log_fgate, pos, k_pre, k_shift, v_pre, v_shift, *,
+    k_logits=None, k_weight=None, k_eps=1e-6, v_logits=None, q=None, q_weight=None, q_eps=1e-6,
+):  # fmt: skip
+    """``_append_kernel`` over the batch: returns ``(c, q_out)`` (q_out is None without q)."""
     B, _, H, D = k.shape
     HQ, DV = log_fgate.shape[-1], v.shape[-1]
     c = torch.empty(B, 1, HQ, dtype=torch.float32, device=k.device)
+    q_out = q
+    if q is not None and q_weight is not None:
+        q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if B == 0:
-        return c
+        return c, q_out
     kp = k_pre if k_pre is not None else k
     ks = k_shift if k_shift is not None else k_buf
     vp = v_pre if v_pre is not None else v
@@ -284,19 +396,29 @@ def decode_append(
     ks_s = ks.stride()[-3:]
     vp_s = (vp.stride(0), vp.stride(2), vp.stride(3))
     vs_s = vs.stride()[-3:]
+    kl = k_logits if k_logits is not None else log_fgate
+    vl = v_logits if v_logits is not None else log_fgate
+    qn = q if q_weight is not None else k
     _append_kernel[(B,)](
-        k, v, log_fgate, k_buf, v_buf, c_buf, c, pos, kp, vp, ks, vs,
+        k, v, log_fgate, k_buf, v_buf, c_buf, c, pos, kp, vp, ks, vs, kl, vl,
+        k_weight.contiguous() if k_weight is not None else k, qn,
+        q_weight.contiguous() if q_weight is not None else k,
+        q_out if q_weight is not None else k,
         k.stride(0), k.stride(2), k.stride(3), v.stride(0), v.stride(2), v.stride(3),
         log_fgate.stride(0), log_fgate.stride(2),
         *k_buf.stride(), *v_buf.stride(), *c_buf.stride(),
         *kp_s, *vp_s, *ks_s, *vs_s,
-        H, HQ, D, DV,
+        kl.stride(0), kl.stride(2), vl.stride(0), vl.stride(2),
+        qn.stride(0), qn.stride(2), qn.stride(3),
+        H, HQ, float(k_eps), float(q_eps), D=D, DV=DV,
         BH=triton.next_power_of_2(H), BD=triton.next_power_of_2(D),
         BDV=triton.next_power_of_2(DV), BQ=triton.next_power_of_2(HQ),
         K_SHIFT=k_shift is not None, V_SHIFT=v_shift is not None,
+        K_MIX=k_logits is not None, K_NORM=k_weight is not None, V_MIX=v_logits is not None,
+        Q_NORM=q_weight is not None,
         num_warps=4,
     )  # fmt: skip
-    return c
+    return c, q_out
 
 
 def _triton_ok(q, k_cache, v_cache, q_cumsum, k_cumsum) -> bool:

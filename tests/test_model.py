@@ -717,16 +717,17 @@ def test_static_cache_steps_match_full_forward(model: str, extra: dict, monkeypa
         return real_step(self, *args, **kwargs)
 
     monkeypatch.setattr(FoTCache, "static_step", spy)
-    from fot.kernels import pro_ops
+    from fot.kernels import decode as decode_module
 
-    shifted_from_cache = []
-    real_fwd = pro_ops._shift_norm_fwd
+    folded = []  # per layer and step: which parts the one-launch shift + norms + append took
+    real_fold = decode_module.decode_shift_norm_append
 
-    def fwd_spy(x, s, w, reset, eps, prev=None):
-        shifted_from_cache.append(prev is not None)
-        return real_fwd(x, s, w, reset, eps, prev)
+    def fold_spy(*args, **kwargs):
+        parts = ("k_logits", "k_weight", "v_logits", "q_weight")
+        folded.append(tuple(kwargs[p] is not None for p in parts))
+        return real_fold(*args, **kwargs)
 
-    monkeypatch.setattr(pro_ops, "_shift_norm_fwd", fwd_spy)
+    monkeypatch.setattr(decode_module, "decode_shift_norm_append", fold_spy)
     from fot.kernels import linear_ops
 
     gates = []
@@ -740,8 +741,9 @@ def test_static_cache_steps_match_full_forward(model: str, extra: dict, monkeypa
     with torch.no_grad():  # as generate(): the few-row projections need it
         got, _ = _decode_logits(m, torch.cat([x, nxt], 1), [9] + [1] * 12, mask, cache=cache)
     assert calls == list(range(9, 21))  # every one-token step was a static step
-    if extra.get("attn_backend") == "triton":  # k and v of 2 layers in 12 steps, from the cache
-        assert sum(shifted_from_cache) == 2 * 2 * 12
+    if extra.get("attn_backend") == "triton":
+        # 2 layers in 12 steps: KV-shift from the cache, k and q norms, cache write in one launch
+        assert folded == [(True, True, True, True)] * 2 * 12
         # the forget gate of each step's 2 layers in one launch (the 18-row prefill: PyTorch)
         assert gates == [(2, 1, m.config.hidden_size)] * 2 * 12
     assert cache.get_seq_length() == 21 and cache[0]._k.shape[2] == 21  # buffers never grew
@@ -792,6 +794,114 @@ def test_fused_static_append_writes_what_the_pytorch_ops_write(dtype, shift) -> 
     for name in names:
         assert torch.equal(getattr(caches[0], name), getattr(caches[1], name)), name
     assert torch.equal(caches[1]._k[:, :, T], k[:, 0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "parts", [("k_shift", "v_shift", "k_norm", "q_norm"), ("k_norm", "q_norm"), ("v_shift",)]
+)
+def test_static_step_shift_norms_and_append_in_one_launch(dtype, parts, device) -> None:
+    """``FoTLayerCache.append_step`` (``fot.kernels.decode.decode_shift_norm_append``; CPU:
+    interpreter) writes what ``shift_norm`` of k, v and q followed by the fused
+    ``append`` write: the same cumsum and KV-shift state bit for bit, keys, values and query
+    within one rounding of their dtype (the norm's sum may be reduced in another order), and
+    both within one rounding of a float64 oracle. GQA, head count and size not powers of two,
+    strided projections (column views of one output). (In float32 the oracle's bound is 1e-6:
+    the shift's ``x + a (p - x)`` loses relative accuracy where it cancels.)"""
+    from fot.kernels.pro_ops import shift_norm
+    from fot.models.cache import FoTLayerCache, StaticStep
+
+    g = torch.Generator().manual_seed(5)
+    B, T, H, HQ, D, cap = 2, 5, 3, 6, 40, 9
+
+    def r(*shape, dt=dtype):
+        return torch.randn(*shape, generator=g).to(dt).to(device)
+
+    shift = "k_shift" in parts or "v_shift" in parts
+    caches = [
+        FoTLayerCache(
+            r(B, T, H, D),
+            r(B, T, H, D),
+            torch.zeros(B, T, HQ, device=device) - 1e4,
+            r(B, H, D) if "k_shift" in parts else None,
+            r(B, H, D) if "v_shift" in parts else None,
+            capacity=cap,
+        )
+        for _ in range(2)
+    ]
+    for name in ("_k", "_v", "_c", "k_shift", "v_shift"):
+        if getattr(caches[0], name) is not None:
+            getattr(caches[1], name).copy_(getattr(caches[0], name))
+    proj = r(B, 1, (HQ + 2 * H) * D + 2 * H)  # q, k, v and the two shift logits side by side
+    q, k, v = (
+        t.view(B, 1, -1, D) for t in proj[..., : (HQ + 2 * H) * D].split([HQ * D, H * D, H * D], -1)
+    )
+    k_logits, v_logits = proj[..., (HQ + 2 * H) * D :].split([H, H], -1)
+    k_w, q_w = 1 + 0.3 * r(H, D), 1 + 0.3 * r(HQ, D)
+    log_f = -torch.rand(B, 1, HQ, generator=g).to(device)
+    step = StaticStep(
+        torch.tensor([T], device=device), 16, torch.ones(B, cap, dtype=torch.bool, device=device),
+        torch.arange(cap, device=device),
+    )  # fmt: skip
+    kl = k_logits if "k_shift" in parts else None
+    vl = v_logits if "v_shift" in parts else None
+    k_norm = (k_w, 1e-5) if "k_norm" in parts else None
+    q_norm = (q_w, 1e-3) if "q_norm" in parts else None
+    # the kernels it replaces: shift_norm (from the cached shift state), then the fused append
+    caches[0].step = step
+    want_k = want_v = None
+    if kl is not None or k_norm is not None:
+        want_k = shift_norm(k, kl, k_w if k_norm else None, eps=1e-5, prev=caches[0].k_shift)
+    if vl is not None:
+        want_v = shift_norm(v, vl, prev=caches[0].v_shift)
+    want_q = shift_norm(q, None, q_w, eps=1e-3) if q_norm else q
+    pre = (k if kl is not None else None, v if vl is not None else None)
+    oracle = {  # float64, from the state before the step
+        "k": _shift_norm64(k, kl, k_norm, caches[0].k_shift),
+        "v": _shift_norm64(v, vl, None, caches[0].v_shift),
+        "q": _shift_norm64(q, None, q_norm, None),
+    }
+    want_c = caches[0].append(
+        k if want_k is None else want_k, v if want_v is None else want_v, log_f, *pre, fused=True
+    )
+    caches[1].step = step
+    got_q, got_c = caches[1].append_step(
+        q, k, v, log_f, k_logits=kl, v_logits=vl, k_norm=k_norm, q_norm=q_norm
+    )
+    assert torch.equal(got_c, want_c) and torch.equal(caches[1]._c, caches[0]._c)
+    if shift:
+        for name in ("k_shift", "v_shift"):
+            if getattr(caches[0], name) is not None:
+                assert torch.equal(getattr(caches[1], name), getattr(caches[0], name)), name
+    eps = torch.finfo(dtype).eps
+    got = {"k": caches[1]._k[:, :, T], "v": caches[1]._v[:, :, T], "q": got_q[:, 0]}
+    want = {"k": caches[0]._k[:, :, T], "v": caches[0]._v[:, :, T], "q": want_q[:, 0]}
+    for name in ("k", "v", "q"):
+        torch.testing.assert_close(got[name], want[name], rtol=eps, atol=eps, msg=name)
+        torch.testing.assert_close(
+            got[name].double(), oracle[name][:, 0], rtol=eps, atol=max(eps, 1e-6)
+        )
+    # the rest of each buffer is untouched (the old keys, the zero padding after the step)
+    assert torch.equal(caches[1]._k[:, :, :T], caches[0]._k[:, :, :T])
+    assert torch.equal(caches[1]._k[:, :, T + 1 :], caches[0]._k[:, :, T + 1 :])
+    # outside a static step nothing is written and the caller is told to do it itself
+    caches[1].step = None
+    before = caches[1]._k.clone()
+    assert caches[1].append_step(q, k, v, log_f, k_logits=kl, v_logits=vl) is None
+    assert torch.equal(caches[1]._k, before)
+
+
+def _shift_norm64(x, logits, norm, prev) -> torch.Tensor:
+    """Float64 KV-shift from ``prev`` then per-head RMSNorm ``(weight, eps)``: the oracle of
+    a one-token static step."""
+    z = x.double()
+    if logits is not None:
+        a = torch.sigmoid(logits.double())[..., None]
+        z = z + a * (prev.double()[:, None] - z)
+    if norm is not None:
+        w, eps = norm
+        z = z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + eps) * w.double()
+    return z
 
 
 def test_generate_with_static_cache_matches_default() -> None:

@@ -257,6 +257,57 @@ class FoTLayerCache:
             self.v_shift.copy_(v_pre[:, -1])
         return c
 
+    def append_step(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        log_fgate: torch.Tensor,
+        *,
+        k_logits: torch.Tensor | None = None,
+        v_logits: torch.Tensor | None = None,
+        k_norm: tuple[torch.Tensor, float] | None = None,
+        q_norm: tuple[torch.Tensor, float] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A static step's KV-shift (continuing from :attr:`k_shift` / :attr:`v_shift`), q/k
+        RMSNorm and :meth:`append`, in one launch
+        (:func:`fot.kernels.decode.decode_shift_norm_append`).
+
+        Args:
+            q: ``[B, 1, HQ, D]`` the new token's query projection.
+            k, v: ``[B, 1, H, D]`` its key and value projections, before shift and norm.
+            log_fgate: ``[B, 1, HQ]`` float32 log forget gates.
+            k_logits, v_logits: ``[B, 1, H]`` KV-shift logits, or None (no shift).
+            k_norm, q_norm: ``(weight [H or HQ, D], eps)`` of the per-head RMSNorm, or None.
+
+        Returns:
+            ``(q, c)``: the query as attention takes it ``[B, 1, HQ, D]`` and the new token's
+            cumsum ``[B, 1, HQ]`` float32; or None where the kernel does not apply (no static
+            step, not on CUDA or the interpreter, gradients, no shift state): nothing was
+            written, and the caller shifts, normalises and calls :meth:`append` itself.
+        """
+        from fot.kernels.decode import decode_append_supported, decode_shift_norm_append
+
+        if (
+            self.step is None
+            or (k_logits is not None and self.k_shift is None)
+            or (v_logits is not None and self.v_shift is None)
+            or not decode_append_supported(
+                self._k, q, k, v, k_logits, v_logits, log_fgate=log_fgate
+            )
+        ):
+            return None
+        k_weight, k_eps = k_norm if k_norm is not None else (None, 1e-6)
+        q_weight, q_eps = q_norm if q_norm is not None else (None, 1e-6)
+        c, q = decode_shift_norm_append(
+            self._k, self._v, self._c, k, v, log_fgate, self.step.pos.to(self._c.device), q,
+            k_logits=k_logits, k_shift=self.k_shift if k_logits is not None else None,
+            k_weight=k_weight, k_eps=k_eps,
+            v_logits=v_logits, v_shift=self.v_shift if v_logits is not None else None,
+            q_weight=q_weight, q_eps=q_eps,
+        )  # fmt: skip
+        return q, c
+
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> bool:
         """Apply ``fn`` (a batch-dim op: index_select, repeat_interleave) to every tensor.
 

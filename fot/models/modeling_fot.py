@@ -870,11 +870,41 @@ class FoTAttention(nn.Module):
             if cfg.use_v_shift:
                 v = _fill_padding(v, ctx.query_mask, cache.v_shift if cache is not None else None)
 
+        if gate_logits is not None:
+            log_f = F.logsigmoid(gate_logits)  # (B, T, HQ) float32
+        else:
+            log_f = self.log_fgate(x)  # (B, T, HQ) float32
+        if ctx.query_mask is not None:
+            log_f = log_f * ctx.query_mask[:, :, None]
+
+        backend = self.config.attn_backend
+        attn, decode = get_attention_functions(backend, q.device)
+        scale, window = d**-0.5, self.config.window_size
+        past = cache.seq_length if cache is not None else 0
+        whole = past == 0 and ctx.key_mask is None
+        use_sdpa = whole and self._use_sdpa(backend, q.device, ctx.cu_seqlens, window)
+        if (
+            not use_sdpa
+            and _runs_triton(backend, q.device)
+            and (problem := triton_head_dim_problem(self.config, d))
+        ):
+            raise ValueError(problem)  # (the kernel's own error named a kernel function)
+
         # KV-shift mixes each token's k/v with the previous token's (pre-shift) k/v.
         k_pre, v_pre = k, v
         k_norm = self.k_norm if self.config.qk_norm else None
         recompute = self.config.recompute_pro
-        if fused:
+        step = None  # a static decode step: shift, norms and cache write in one launch
+        if fused and mixed and cache is not None and not cfg.use_rope and ctx.doc_starts is None:
+            step = cache.append_step(
+                q, k, v, log_f,
+                k_logits=k_shift, v_logits=v_shift,
+                k_norm=(k_norm.weight, k_norm.eps) if k_norm is not None else None,
+                q_norm=(self.q_norm.weight, self.q_norm.eps) if cfg.qk_norm else None,
+            )  # fmt: skip
+        if step is not None:
+            q, c_q = step
+        elif fused:
             from fot.kernels.pro_ops import shift_norm
 
             if cfg.use_k_shift or k_norm is not None:  # shift + norm, shift only or norm only
@@ -926,26 +956,7 @@ class FoTAttention(nn.Module):
         if self.config.use_rope:
             q, k = apply_rope(q, k, *ctx.rope)
 
-        if gate_logits is not None:
-            log_f = F.logsigmoid(gate_logits)  # (B, T, HQ) float32
-        else:
-            log_f = self.log_fgate(x)  # (B, T, HQ) float32
-        if ctx.query_mask is not None:
-            log_f = log_f * ctx.query_mask[:, :, None]
-
-        backend = self.config.attn_backend
-        attn, decode = get_attention_functions(backend, q.device)
-        scale, window = d**-0.5, self.config.window_size
-        past = cache.seq_length if cache is not None else 0
-        whole = past == 0 and ctx.key_mask is None
-        use_sdpa = whole and self._use_sdpa(backend, q.device, ctx.cu_seqlens, window)
-        if (
-            not use_sdpa
-            and _runs_triton(backend, q.device)
-            and (problem := triton_head_dim_problem(self.config, d))
-        ):
-            raise ValueError(problem)  # (the kernel's own error named a kernel function)
-        if cache is not None:
+        if cache is not None and step is None:
             c_q = cache.append(
                 k,
                 v,

@@ -24,6 +24,7 @@ import triton.language as tl
 
 from .checks import check_decode_inputs, needs_grad, on_input_gpu, sm_count
 from .forgetting_attention import MAX_GRID_Y, _interpreting
+from .pro_ops import norm_gate
 
 LOG2E = 1.4426950408889634
 _LOG2E = tl.constexpr(LOG2E)
@@ -129,12 +130,16 @@ def _decode_span_kernel(
 
 @triton.jit
 def _decode_merge_kernel(
-    ACC, ML, Out, stride_ob, stride_ot, stride_oh, Tq, H, R, n_spans,
+    ACC, ML, Out, G, W, stride_ob, stride_ot, stride_oh, stride_gb, stride_gt, stride_gh,
+    Tq, H, R, n_spans, eps,
     D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr,
+    HAS_NORM: tl.constexpr, HAS_GATE: tl.constexpr,
 ):  # fmt: skip
     """``Out[b, i, h * R + rep, :]`` from the spans' partial results of row ``rep * Tq + i``:
     ``sum_s 2^(m_s - m) acc_s / sum_s 2^(m_s - m) l_s`` with ``m = max_s m_s``; 0 for a row
-    that sees no key."""
+    that sees no key. With ``HAS_NORM`` / ``HAS_GATE`` the row, rounded to Out's dtype, is
+    then normalised and gated as ``norm_gate`` does it: ``o * rsqrt(mean_D(o^2) + eps) *
+    W[hq] * sigmoid(G[b, i, hq])`` in float32, rounded once more."""
     M = R * Tq
     bh = tl.program_id(0) // M
     row = tl.program_id(0) % M
@@ -151,14 +156,21 @@ def _decode_merge_kernel(
     acc = tl.load(ACC + base[:, None] * BD + offs_d[None, :], mask=s_ok[:, None], other=0.0)
     num = tl.sum(w[:, None] * acc, 0)
     den = tl.sum(w * l_s, 0)
-    out = num / tl.where(den == 0.0, 1.0, den)
+    out = (num / tl.where(den == 0.0, 1.0, den)).to(Out.dtype.element_ty)
     i = row % Tq
     hq = h * R + row // Tq
-    tl.store(
-        Out + b.to(tl.int64) * stride_ob + i * stride_ot + hq * stride_oh + offs_d,
-        out.to(Out.dtype.element_ty),
-        mask=offs_d < D,
-    )
+    d_ok = offs_d < D
+    if HAS_NORM or HAS_GATE:
+        y = tl.where(d_ok, out.to(tl.float32), 0.0)
+        if HAS_NORM:
+            nw = tl.load(W + hq * D + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+            y = y * tl.rsqrt(tl.sum(y * y, 0) / D + eps) * nw
+        if HAS_GATE:
+            g_ptr = G + b.to(tl.int64) * stride_gb + i * stride_gt + hq * stride_gh + offs_d
+            y = y * tl.sigmoid(tl.load(g_ptr, mask=d_ok, other=0.0).to(tl.float32))
+        out = y.to(Out.dtype.element_ty)
+    tl.store(Out + b.to(tl.int64) * stride_ob + i * stride_ot + hq * stride_oh + offs_d, out,
+             mask=d_ok)  # fmt: skip
 
 
 def _bmm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -439,7 +451,10 @@ def _unit_last(t: torch.Tensor) -> torch.Tensor:
 
 
 @on_input_gpu
-def _decode_triton(q, k_cache, v_cache, q_cumsum, k_cumsum, scale, window_size, key_mask):
+def _decode_triton(
+    q, k_cache, v_cache, q_cumsum, k_cumsum, scale, window_size, key_mask, gate, norm_weight,
+    norm_eps,
+):  # fmt: skip
     """:func:`forgetting_attention_decode` by the split-K kernels (checked inputs)."""
     B, Tq, HQ, D = q.shape
     Tk, H = k_cache.shape[1], k_cache.shape[2]
@@ -485,9 +500,13 @@ def _decode_triton(q, k_cache, v_cache, q_cumsum, k_cumsum, scale, window_size, 
         num_warps=_CONFIG_OVERRIDE.get("warps", 4),
         num_stages=_CONFIG_OVERRIDE.get("stages", 3),
     )  # fmt: skip
+    g = gate if gate is not None else out
     _decode_merge_kernel[(B * H * M,)](
-        acc, ml, out, out.stride(0), out.stride(1), out.stride(2), Tq, H, R, n_spans,
+        acc, ml, out, g, norm_weight.contiguous() if norm_weight is not None else out,
+        out.stride(0), out.stride(1), out.stride(2), g.stride(0), g.stride(1), g.stride(2),
+        Tq, H, R, n_spans, float(norm_eps),
         D=D, BD=BD, BS=max(2, triton.next_power_of_2(n_spans)),
+        HAS_NORM=norm_weight is not None, HAS_GATE=gate is not None,
     )  # fmt: skip
     return out
 
@@ -502,8 +521,16 @@ def forgetting_attention_decode(
     scale: float | None = None,
     window_size: int | None = None,
     key_mask: torch.Tensor | None = None,
+    gate: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    norm_eps: float = 1e-6,
 ) -> torch.Tensor:
     """Few queries vs cached keys/values; same contract as the decode reference.
+
+    With ``gate`` and/or ``norm_weight`` the result then goes through the output norm and
+    gate, ``norm_gate(o, gate, norm_weight, eps=norm_eps)`` (``fot.kernels.norm_gate``): on
+    the Triton path inside the kernel that merges the key spans (no launch of its own, the
+    same numbers as the two calls), elsewhere as that second call.
 
     The ``Tq`` queries are the last ``Tq`` positions of the ``Tk`` cached keys: query ``i``
     attends key ``j`` iff ``j <= Tk - Tq + i`` (and ``Tk - Tq + i - j < window_size`` with a
@@ -517,6 +544,9 @@ def forgetting_attention_decode(
         scale: logit scale; default ``D ** -0.5``.
         window_size: sliding window, as in :func:`forgetting_attention`.
         key_mask: ``[B, Tk]`` bool, False for keys to ignore (left padding).
+        gate: ``[B, Tq, HQ, D]`` logits of the output gate (any float dtype), or None.
+        norm_weight: ``[HQ, D]`` per-head RMSNorm weight of the output, or None.
+        norm_eps: the norm's epsilon.
 
     Returns:
         ``[B, Tq, HQ, D]`` in q's dtype (float32 softmax inside; float64 for float64 input;
@@ -535,15 +565,50 @@ def forgetting_attention_decode(
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     args = (q, k_cache, v_cache, q_cumsum, k_cumsum, float(scale), window_size, key_mask)
+    epilogue = gate is not None or norm_weight is not None
+    if epilogue:
+        _check_epilogue(q, gate, norm_weight, norm_eps)
     M = (q.shape[2] // k_cache.shape[2]) * q.shape[1]
-    if _triton_ok(q, k_cache, v_cache, q_cumsum, k_cumsum) and triton.cdiv(M, 64) <= MAX_GRID_Y:
-        return _decode_triton(*args)
+    if (
+        _triton_ok(q, k_cache, v_cache, q_cumsum, k_cumsum)
+        and triton.cdiv(M, 64) <= MAX_GRID_Y
+        and not needs_grad(gate, norm_weight)
+    ):
+        return _decode_triton(*args, None if gate is None else _unit_last(gate), norm_weight,
+                              norm_eps)  # fmt: skip
     if torch.is_autocast_enabled(q.device.type):
         # autocast would run the float32 matmuls in 16 bits (scores rounded to bf16: 1e-2
         # off); without it the ops are those outside autocast (a 16-bit cache is read as is)
         with torch.autocast(q.device.type, enabled=False):
-            return _decode_pytorch(*args)
-    return _decode_pytorch(*args)
+            out = _decode_pytorch(*args)
+    else:
+        out = _decode_pytorch(*args)
+    if not epilogue:
+        return out
+    if out.dtype != torch.float64:
+        return norm_gate(out, gate, norm_weight, eps=norm_eps)
+    if norm_weight is not None:  # norm_gate takes 16/32-bit floats: float64 stays float64
+        out = out * torch.rsqrt(out.square().mean(-1, keepdim=True) + norm_eps) * norm_weight
+    return out * torch.sigmoid(gate.double()) if gate is not None else out
+
+
+def _check_epilogue(
+    q: torch.Tensor, gate: torch.Tensor | None, weight: torch.Tensor | None, eps: float
+) -> None:
+    """The output gate and norm of :func:`forgetting_attention_decode`: shapes and devices."""
+    B, Tq, HQ, D = q.shape
+    for name, t, shape in (("gate", gate, (B, Tq, HQ, D)), ("norm_weight", weight, (HQ, D))):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+            raise TypeError(f"{name} must be a floating-point tensor {list(shape)}, got {got}")
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name} must have shape {shape} (from q), got {tuple(t.shape)}")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}; move it")
+    if not (isinstance(eps, (int, float)) and eps > 0 and math.isfinite(eps)):
+        raise ValueError(f"norm_eps must be a positive finite number, got {eps!r}")
 
 
 def _decode_pytorch(q, k_cache, v_cache, q_cumsum, k_cumsum, scale, window_size, key_mask):
@@ -593,4 +658,9 @@ def _decode_pytorch(q, k_cache, v_cache, q_cumsum, k_cumsum, scale, window_size,
     return out.to(q.dtype)
 
 
-__all__ = ["decode_append", "decode_append_supported", "forgetting_attention_decode"]
+__all__ = [
+    "decode_append",
+    "decode_append_supported",
+    "decode_shift_norm_append",
+    "forgetting_attention_decode",
+]

@@ -984,6 +984,67 @@ def test_decode_kernel_matches_reference(B, Tq, Tk, HQ, H, D, window, dtype, con
     assert rel_err(out, ref) < TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("parts", [("gate", "norm"), ("gate",), ("norm",)])
+def test_decode_output_norm_and_gate_equal_norm_gate_after_it(dtype, parts, device):
+    """``forgetting_attention_decode(..., gate=, norm_weight=)`` (the output norm and gate in
+    the span-merging kernel; CPU: interpreter) gives ``norm_gate`` of the plain decode within
+    one rounding of the dtype (the norm's sum may be reduced in another order), and the float64
+    oracle within the decode's tolerance. GQA, D not a power of two, a strided gate (a column
+    view of a projection), several key spans, a row that sees no key (zeros stay zeros); the
+    PyTorch path (float64 inputs) applies the same epilogue."""
+    from fot.kernels import decode, norm_gate
+
+    g = torch.Generator().manual_seed(11)
+    B, Tq, Tk, HQ, H, D = 2, 1, 200, 6, 2, 40
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g).to(dtype).to(device)
+
+    q = r(B, Tq, HQ, D)
+    kbuf, vbuf = r(B, H, Tk + 3, D), r(B, H, Tk + 3, D)
+    kc, vc = kbuf[:, :, :Tk].transpose(1, 2), vbuf[:, :, :Tk].transpose(1, 2)
+    c = torch.cumsum(F.logsigmoid(torch.randn(B, Tk, HQ, generator=g) + 2.0), 1).to(device)
+    mask = torch.ones(B, Tk, dtype=torch.bool, device=device)
+    mask[0] = False  # row 0 sees no key
+    proj = r(B, Tq, 2 * HQ * D)
+    gate = proj[..., HQ * D :].view(B, Tq, HQ, D) if "gate" in parts else None
+    weight = (1 + 0.3 * r(HQ, D)) if "norm" in parts else None
+    kw = {"key_mask": mask}
+    decode._CONFIG_OVERRIDE.update({"splits": 3, "block_n": 16})
+    try:
+        plain = forgetting_attention_decode(q, kc, vc, c[:, -Tq:], c, **kw)
+        got = forgetting_attention_decode(
+            q, kc, vc, c[:, -Tq:], c, gate=gate, norm_weight=weight, norm_eps=1e-3, **kw
+        )
+    finally:
+        decode._CONFIG_OVERRIDE.clear()
+    want = norm_gate(plain, gate, weight, eps=1e-3)
+    eps = torch.finfo(dtype).eps
+    assert got.dtype == dtype and got.shape == q.shape
+    torch.testing.assert_close(got, want, rtol=eps, atol=eps)
+    assert torch.equal(got[0], torch.zeros_like(got[0]))
+    o64 = forgetting_attention_decode_reference(
+        q.double(), kc.double(), vc.double(), c[:, -Tq:], c, **kw
+    )
+    oracle = o64
+    if weight is not None:
+        oracle = oracle * torch.rsqrt(o64.pow(2).mean(-1, keepdim=True) + 1e-3) * weight.double()
+    if gate is not None:
+        oracle = oracle * torch.sigmoid(gate.double())
+    assert rel_err(got[1], oracle[1]) < (TOL[dtype] if dtype == torch.float32 else 2e-2)
+    # the PyTorch path (float64) applies the same epilogue
+    q64, g64 = q.double(), gate.double() if gate is not None else None
+    w64 = weight.double() if weight is not None else None
+    got64 = forgetting_attention_decode(
+        q64, kc.double(), vc.double(), c[:, -Tq:], c, gate=g64, norm_weight=w64, norm_eps=1e-3,
+        **kw,
+    )  # fmt: skip
+    assert rel_err(got64[1], oracle[1]) < 1e-12
+    with pytest.raises(ValueError, match=r"gate must have shape \(2, 1, 6, 40\) \(from q\)"):
+        forgetting_attention_decode(q, kc, vc, c[:, -Tq:], c, gate=proj)
+
+
 def test_decode_differentiates_where_autograd_needs_it():
     """With inputs that need gradients the decode takes its differentiable PyTorch path (a
     padded training batch attends through it): gradients of q, the caches and both cumsums

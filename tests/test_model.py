@@ -728,6 +728,16 @@ def test_static_cache_steps_match_full_forward(model: str, extra: dict, monkeypa
         return real_fold(*args, **kwargs)
 
     monkeypatch.setattr(decode_module, "decode_shift_norm_append", fold_spy)
+    import fot.kernels
+
+    merged = []  # per layer and step: whether the output norm and gate went into the decode
+    real_decode = fot.kernels.forgetting_attention_decode
+
+    def decode_spy(*args, **kwargs):
+        merged.append((kwargs.get("gate") is not None, kwargs.get("norm_weight") is not None))
+        return real_decode(*args, **kwargs)
+
+    monkeypatch.setattr(fot.kernels, "forgetting_attention_decode", decode_spy)
     from fot.kernels import linear_ops
 
     gates = []
@@ -744,6 +754,8 @@ def test_static_cache_steps_match_full_forward(model: str, extra: dict, monkeypa
     if extra.get("attn_backend") == "triton":
         # 2 layers in 12 steps: KV-shift from the cache, k and q norms, cache write in one launch
         assert folded == [(True, True, True, True)] * 2 * 12
+        # the prefill (left padding: the decode function) without, the steps with
+        assert merged == [(False, False)] * 2 + [(True, True)] * 2 * 12
         # the forget gate of each step's 2 layers in one launch (the 18-row prefill: PyTorch)
         assert gates == [(2, 1, m.config.hidden_size)] * 2 * 12
     assert cache.get_seq_length() == 21 and cache[0]._k.shape[2] == 21  # buffers never grew

@@ -965,6 +965,7 @@ class FoTAttention(nn.Module):
                 v_pre if self.config.use_v_shift else None,
                 fused=mixed,
             )  # (B, T, HQ)
+        o_norm = self.o_norm if self.config.use_output_norm else None
         if whole:
             # Whole sequences (training, evaluation, first prefill): the flash-style kernel, or
             # PyTorch SDPA when there is no gate to apply (Transformer baselines).
@@ -982,6 +983,13 @@ class FoTAttention(nn.Module):
                 keys, values, c_k = k, v, c_q
             else:
                 keys, values, c_k = cache.keys, cache.values, cache.cumsum
+            if step is not None and (o_norm is not None or g is not None):
+                # a static step (fused kernels): the output norm and gate in the merge kernel
+                w, eps = (o_norm.weight, o_norm.eps) if o_norm is not None else (None, 1e-6)
+                out_parts = {"gate": g, "norm_weight": w, "norm_eps": eps}
+                o_norm = g = None  # applied: nothing left for the norm and gate below
+            else:
+                out_parts = {}
             o = _run_kernel(
                 decode,
                 q,
@@ -992,10 +1000,10 @@ class FoTAttention(nn.Module):
                 scale=scale,
                 window_size=None if ctx.window_in_key_mask else window,
                 key_mask=ctx.key_mask,
+                **out_parts,
             )  # (B, T, HQ, D)
 
         # o: (B, T, HQ, D)
-        o_norm = self.o_norm if self.config.use_output_norm else None
         if (o_norm is not None or g is not None) and fused:
             from fot.kernels.pro_ops import norm_gate
 

@@ -5,7 +5,8 @@
 * :func:`forgetting_attention_reference` — pure PyTorch oracle, any device.
 * :func:`forgetting_attention_decode` / :func:`forgetting_attention_decode_reference` — a few
   new queries against a K/V cache and a cached gate cumsum (split-K Triton kernels on CUDA or
-  under the interpreter, batched PyTorch matmuls elsewhere).
+  under the interpreter, batched PyTorch matmuls elsewhere); the first can apply the output
+  norm and gate in its merge kernel (``gate=``, ``norm_weight=``).
 * :func:`shift_norm` / :func:`norm_gate` — fused FoT (Pro) components (KV-shift + per-head
   RMSNorm; output norm + gate): Triton on CUDA (or under the interpreter), PyTorch elsewhere.
 * :func:`add_rms_norm` — residual add + RMSNorm of the pre-norm blocks, one kernel each way

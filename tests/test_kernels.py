@@ -1323,6 +1323,30 @@ def test_document_kernels_compile_for_sm90_without_spills(tmp_path):
     assert_no_spills(usage)
 
 
+def test_decode_step_kernels_compile_for_sm90_without_spills(tmp_path):
+    """A static decode step's kernels with every part on, at the 760M shape (24 heads of 64,
+    bf16): the cache write with KV-shift, q/k norms and its barrier, and the span merge with
+    the output norm and gate, compile for sm_90 without spilling registers (the interpreter
+    runs neither through ptxas)."""
+    from sm90_compile import assert_no_spills, resource_usage
+
+    bf, f32 = "*bf16", "*fp32"
+    append_ptrs = {n: bf for n in ("KN", "VN", "KB", "VB", "KP", "VP", "KS", "VS", "KL", "VL")}
+    append_ptrs |= {"KW": bf, "Q": bf, "QW": bf, "QO": bf, "LF": f32, "CB": f32, "COUT": f32}
+    append_ptrs |= {"POS": "*i64", "k_eps": "fp32", "q_eps": "fp32"}
+    parts = ("K_SHIFT", "V_SHIFT", "K_MIX", "K_NORM", "V_MIX", "Q_NORM")
+    jobs = [
+        ("append", "_append_kernel", append_ptrs,
+         {"D": 64, "DV": 64, "BH": 32, "BD": 64, "BDV": 64, "BQ": 32, **dict.fromkeys(parts, True)},
+         4, []),
+        ("merge", "_decode_merge_kernel", {"ACC": f32, "ML": f32, "Out": bf, "G": bf, "W": bf},
+         {"D": 64, "BD": 64, "BS": 32, "HAS_NORM": True, "HAS_GATE": True}, 4, []),
+    ]  # fmt: skip
+    usage = resource_usage("fot.kernels.decode", jobs, tmp_path)
+    assert sorted(usage) == ["append", "merge"]
+    assert_no_spills(usage)
+
+
 def test_batches_beyond_the_grid_limit_run_in_parts(monkeypatch) -> None:
     # CUDA caps a grid's second dimension (B * heads) at 65535: a large evaluation batch of
     # short sequences failed to launch. Rows are independent, so the batch runs in parts.

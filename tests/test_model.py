@@ -695,8 +695,13 @@ def test_generate_beam_search_and_chunked_prefill_match_uncached() -> None:
         ("transformer_swa", {"window_size": 5}),
         ("fot_pro", {"window_size": 5, "num_kv_heads": 2}),
         # the kernel path (interpreter): split-K decode, few-row projections, fused append,
-        # the Pro kernels continuing the KV-shift from the cache
-        ("fot_pro", {"attn_backend": "triton", "num_kv_heads": 2}),
+        # the Pro kernels continuing the KV-shift from the cache (with a GPU:
+        # tests/test_model_gpu.py, CUDA graphs of the same steps)
+        pytest.param(
+            "fot_pro",
+            {"attn_backend": "triton", "num_kv_heads": 2},
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="test_model_gpu.py"),
+        ),
     ],
 )
 def test_static_cache_steps_match_full_forward(model: str, extra: dict, monkeypatch) -> None:
@@ -816,8 +821,8 @@ def test_static_step_shift_norms_and_append_in_one_launch(dtype, parts, device) 
     """``FoTLayerCache.append_step`` (``fot.kernels.decode.decode_shift_norm_append``; CPU:
     interpreter) writes what ``shift_norm`` of k, v and q followed by the fused
     ``append`` write: the same cumsum and KV-shift state bit for bit, keys, values and query
-    within one rounding of their dtype (the norm's sum may be reduced in another order), and
-    both within one rounding of a float64 oracle. GQA, head count and size not powers of two,
+    within one bfloat16 rounding or 8 float32 ulps (the norm's sum may be reduced in another
+    order), and both within one rounding of a float64 oracle. GQA, head count and size not powers of two,
     strided projections (column views of one output). (In float32 the oracle's bound is 1e-6:
     the shift's ``x + a (p - x)`` loses relative accuracy where it cancels.)"""
     from fot.kernels.pro_ops import shift_norm
@@ -885,7 +890,8 @@ def test_static_step_shift_norms_and_append_in_one_launch(dtype, parts, device) 
         for name in ("k_shift", "v_shift"):
             if getattr(caches[0], name) is not None:
                 assert torch.equal(getattr(caches[1], name), getattr(caches[0], name)), name
-    eps = torch.finfo(dtype).eps
+    # one bf16 rounding; in float32 a few ulps (a GPU reduces the norm's sum in another order)
+    eps = torch.finfo(dtype).eps * (1 if dtype == torch.bfloat16 else 8)
     got = {"k": caches[1]._k[:, :, T], "v": caches[1]._v[:, :, T], "q": got_q[:, 0]}
     want = {"k": caches[0]._k[:, :, T], "v": caches[0]._v[:, :, T], "q": want_q[:, 0]}
     for name in ("k", "v", "q"):
@@ -1254,10 +1260,20 @@ def test_log_gate_stays_fp32_under_autocast_and_gradient_checkpointing_works() -
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
-def test_gradient_checkpointing_in_training_returns_no_cache(reentrant: bool) -> None:
+def test_gradient_checkpointing_in_training_returns_no_cache(reentrant: bool, monkeypatch) -> None:
     """Recomputing a block in the backward pass wrote its tokens into the cache again (20 cached
     tokens for 10; or a CheckpointError in backward): as HF's Llama, no cache is made then, and
-    a cache passed in is refused."""
+    a cache passed in is refused. Without gradients the cache is kept, whatever transformers'
+    checkpointing layer does (before 5.24 it dropped the cache there too: emulated below)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    def drop_cache_in_training(self, *args, **kwargs):  # transformers 5.10 to 5.23
+        if self.gradient_checkpointing and self.training:
+            kwargs["past_key_values"] = None
+        return real_call(self, *args, **kwargs)
+
+    real_call = GradientCheckpointingLayer.__call__
+    monkeypatch.setattr(GradientCheckpointingLayer, "__call__", drop_cache_in_training)
     m = tiny("fot_pro").train()
     x, y = ids(1, 10), ids(1, 10, seed=3)
     m.zero_grad()

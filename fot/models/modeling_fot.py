@@ -1032,6 +1032,15 @@ class FoTDecoderLayer(GradientCheckpointingLayer):
         self.post_attention_layernorm = FoTRMSNorm(config.hidden_size, config.norm_eps)
         self.mlp = FoTMLP(config)
 
+    def __call__(self, *args: object, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
+        """Without gradients, the block runs as is, its cache included: there is no backward to
+        replay it. (transformers' checkpointing layer before 5.24 dropped the cache whenever
+        checkpointing was on in training mode, so generating from such a model continued from
+        an empty cache.)"""
+        if not torch.is_grad_enabled():
+            return nn.Module.__call__(self, *args, **kwargs)
+        return super().__call__(*args, **kwargs)
+
     def forward(
         self,
         hidden_states: torch.Tensor,

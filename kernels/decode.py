@@ -349,10 +349,12 @@ def decode_shift_norm_append(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A static decode step's KV-shift, q/k RMSNorm and cache write, in one launch.
 
-    The same numbers as ``shift_norm`` (``fot.kernels.pro_ops``) of the new key (continuing
-    from ``k_shift``), of the new value and of the query, followed by :func:`decode_append` of
-    the shifted key and value with ``k`` / ``v`` as the pre-shift projections: four launches
-    in one. Each part is optional (a model without KV-shift or QK-norm).
+    The math of ``shift_norm`` (``fot.kernels.pro_ops``) of the new key (continuing from
+    ``k_shift``), of the new value and of the query, followed by :func:`decode_append` of the
+    shifted key and value with ``k`` / ``v`` as the pre-shift projections: four launches in
+    one, float32 inside and one rounding per output as there (the norm's sum may be reduced in
+    another order: a float32 ulp or two). Each part is optional (a model without KV-shift or
+    QK-norm).
 
     Args:
         k_buf, v_buf, c_buf, log_fgate, pos: as :func:`decode_append`.
@@ -529,8 +531,9 @@ def forgetting_attention_decode(
 
     With ``gate`` and/or ``norm_weight`` the result then goes through the output norm and
     gate, ``norm_gate(o, gate, norm_weight, eps=norm_eps)`` (``fot.kernels.norm_gate``): on
-    the Triton path inside the kernel that merges the key spans (no launch of its own, the
-    same numbers as the two calls), elsewhere as that second call.
+    the Triton path inside the kernel that merges the key spans (no launch of its own; the
+    math of the two calls, the norm's sum perhaps reduced in another order), elsewhere as that
+    second call.
 
     The ``Tq`` queries are the last ``Tq`` positions of the ``Tk`` cached keys: query ``i``
     attends key ``j`` iff ``j <= Tk - Tq + i`` (and ``Tk - Tq + i - j < window_size`` with a

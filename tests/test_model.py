@@ -822,8 +822,8 @@ def test_static_step_shift_norms_and_append_in_one_launch(dtype, parts, device) 
     interpreter) writes what ``shift_norm`` of k, v and q followed by the fused
     ``append`` write: the same cumsum and KV-shift state bit for bit, keys, values and query
     within one bfloat16 rounding or 8 float32 ulps (the norm's sum may be reduced in another
-    order), and both within one rounding of a float64 oracle. GQA, head count and size not powers of two,
-    strided projections (column views of one output). (In float32 the oracle's bound is 1e-6:
+    order), and both within one rounding of a float64 oracle. GQA, head count and size not
+    powers of two, strided projections (column views of one output). (In float32 the oracle's bound is 1e-6:
     the shift's ``x + a (p - x)`` loses relative accuracy where it cancels.)"""
     from fot.kernels.pro_ops import shift_norm
     from fot.models.cache import FoTLayerCache, StaticStep
@@ -834,7 +834,6 @@ def test_static_step_shift_norms_and_append_in_one_launch(dtype, parts, device) 
     def r(*shape, dt=dtype):
         return torch.randn(*shape, generator=g).to(dt).to(device)
 
-    shift = "k_shift" in parts or "v_shift" in parts
     caches = [
         FoTLayerCache(
             r(B, T, H, D),
@@ -886,10 +885,9 @@ def test_static_step_shift_norms_and_append_in_one_launch(dtype, parts, device) 
         q, k, v, log_f, k_logits=kl, v_logits=vl, k_norm=k_norm, q_norm=q_norm
     )
     assert torch.equal(got_c, want_c) and torch.equal(caches[1]._c, caches[0]._c)
-    if shift:
-        for name in ("k_shift", "v_shift"):
-            if getattr(caches[0], name) is not None:
-                assert torch.equal(getattr(caches[1], name), getattr(caches[0], name)), name
+    for name in ("k_shift", "v_shift"):
+        if getattr(caches[0], name) is not None:
+            assert torch.equal(getattr(caches[1], name), getattr(caches[0], name)), name
     # one bf16 rounding; in float32 a few ulps (a GPU reduces the norm's sum in another order)
     eps = torch.finfo(dtype).eps * (1 if dtype == torch.bfloat16 else 8)
     got = {"k": caches[1]._k[:, :, T], "v": caches[1]._v[:, :, T], "q": got_q[:, 0]}

@@ -286,11 +286,12 @@ class FoTLayerCache:
             step, not on CUDA or the interpreter, gradients, no shift state): nothing was
             written, and the caller shifts, normalises and calls :meth:`append` itself.
         """
+        if self.step is None:  # every cached forward asks: answer before importing Triton code
+            return None
         from fot.kernels.decode import decode_append_supported, decode_shift_norm_append
 
         if (
-            self.step is None
-            or (k_logits is not None and self.k_shift is None)
+            (k_logits is not None and self.k_shift is None)
             or (v_logits is not None and self.v_shift is None)
             or not decode_append_supported(
                 self._k, q, k, v, k_logits, v_logits, log_fgate=log_fgate

@@ -220,31 +220,50 @@ def _append_kernel(
     pos = tl.load(POS).to(tl.int64)
     hs = tl.arange(0, BH)[:, None]
     ds = tl.arange(0, BD)[None, :]
+    dv = tl.arange(0, BDV)[None, :]
     ok = (hs < H) & (ds < D)
+    okv = (hs < H) & (dv < DV)
+    qs = tl.arange(0, BQ)
+    qok = qs < HQ
+    # Every load is issued before the first store: the program's time is the latency of its
+    # loads, so one round trip to memory instead of one per part.
     k = tl.load(KN + b * s_knb + hs * s_knh + ds * s_knd, mask=ok, other=0.0)
+    v = tl.load(VN + b * s_vnb + hs * s_vnh + dv * s_vnd, mask=okv, other=0.0)
+    if K_MIX:
+        k_s = tl.load(KL + b * s_klb + hs * s_klh, mask=hs < H, other=0.0).to(tl.float32)
+        k_p = tl.load(KS + b * s_ksb + hs * s_ksh + ds * s_ksd, mask=ok, other=0.0)
+    if K_NORM:
+        k_w = tl.load(KW + hs * D + ds, mask=ok, other=0.0).to(tl.float32)
+    if V_MIX:
+        v_s = tl.load(VL + b * s_vlb + hs * s_vlh, mask=hs < H, other=0.0).to(tl.float32)
+        v_p = tl.load(VS + b * s_vsb + hs * s_vsh + dv * s_vsd, mask=okv, other=0.0)
+    if K_SHIFT and not K_MIX:  # with K_MIX, KP is KN
+        kp = tl.load(KP + b * s_kpb + hs * s_kph + ds * s_kpd, mask=ok)
+    if V_SHIFT and not V_MIX:
+        vp = tl.load(VP + b * s_vpb + hs * s_vph + dv * s_vpd, mask=okv)
+    if Q_NORM:
+        qh = qs[:, None]
+        okq = (qh < HQ) & (ds < D)
+        x = tl.load(Q + b * s_qb + qh * s_qh + ds * s_qd, mask=okq, other=0.0).to(tl.float32)
+        q_w = tl.load(QW + qh * D + ds, mask=okq, other=0.0).to(tl.float32)
+    lf = tl.load(LF + b * s_lfb + qs * s_lfh, mask=qok, other=0.0).to(tl.float64)
+    prev = tl.load(CB + b * s_cbb + (pos - 1) * s_cbt + qs * s_cbh, mask=qok, other=0.0)
+
     if K_MIX or K_NORM:
         z = k.to(tl.float32)
         if K_MIX:
-            s = tl.load(KL + b * s_klb + hs * s_klh, mask=hs < H, other=0.0).to(tl.float32)
-            p = tl.load(KS + b * s_ksb + hs * s_ksh + ds * s_ksd, mask=ok, other=0.0)
-            z = z + tl.sigmoid(s) * (p.to(tl.float32) - z)
+            z = z + tl.sigmoid(k_s) * (k_p.to(tl.float32) - z)
         if K_NORM:
-            w = tl.load(KW + hs * D + ds, mask=ok, other=0.0).to(tl.float32)
             rstd = tl.rsqrt(tl.sum(z * z, axis=1) / D + k_eps)  # (BH,)
-            z = z * rstd[:, None] * w
+            z = z * rstd[:, None] * k_w
         k_out = z.to(KN.dtype.element_ty)
     else:
         k_out = k
     tl.store(KB + b * s_kbb + hs * s_kbh + pos * s_kbt + ds * s_kbd,
              k_out.to(KB.dtype.element_ty), mask=ok)  # fmt: skip
-    dv = tl.arange(0, BDV)[None, :]
-    okv = (hs < H) & (dv < DV)
-    v = tl.load(VN + b * s_vnb + hs * s_vnh + dv * s_vnd, mask=okv, other=0.0)
     if V_MIX:
         z = v.to(tl.float32)
-        s = tl.load(VL + b * s_vlb + hs * s_vlh, mask=hs < H, other=0.0).to(tl.float32)
-        p = tl.load(VS + b * s_vsb + hs * s_vsh + dv * s_vsd, mask=okv, other=0.0)
-        v_out = (z + tl.sigmoid(s) * (p.to(tl.float32) - z)).to(VN.dtype.element_ty)
+        v_out = (z + tl.sigmoid(v_s) * (v_p.to(tl.float32) - z)).to(VN.dtype.element_ty)
     else:
         v_out = v
     tl.store(VB + b * s_vbb + hs * s_vbh + pos * s_vbt + dv * s_vbd,
@@ -252,23 +271,17 @@ def _append_kernel(
     if K_MIX or V_MIX:
         tl.debug_barrier()  # every thread has read the old KS / VS before any overwrites it
     if K_SHIFT:
-        kp = tl.load(KP + b * s_kpb + hs * s_kph + ds * s_kpd, mask=ok)
+        if K_MIX:
+            kp = k
         tl.store(KS + b * s_ksb + hs * s_ksh + ds * s_ksd, kp.to(KS.dtype.element_ty), mask=ok)
     if V_SHIFT:
-        vp = tl.load(VP + b * s_vpb + hs * s_vph + dv * s_vpd, mask=okv)
+        if V_MIX:
+            vp = v
         tl.store(VS + b * s_vsb + hs * s_vsh + dv * s_vsd, vp.to(VS.dtype.element_ty), mask=okv)
-    qs = tl.arange(0, BQ)
-    qok = qs < HQ
     if Q_NORM:
-        qh = qs[:, None]
-        okq = (qh < HQ) & (ds < D)
-        x = tl.load(Q + b * s_qb + qh * s_qh + ds * s_qd, mask=okq, other=0.0).to(tl.float32)
-        w = tl.load(QW + qh * D + ds, mask=okq, other=0.0).to(tl.float32)
         rstd = tl.rsqrt(tl.sum(x * x, axis=1) / D + q_eps)  # (BQ,)
-        q_out = (x * rstd[:, None] * w).to(QO.dtype.element_ty)
+        q_out = (x * rstd[:, None] * q_w).to(QO.dtype.element_ty)
         tl.store(QO + (b * HQ + qh) * D + ds, q_out, mask=okq)
-    lf = tl.load(LF + b * s_lfb + qs * s_lfh, mask=qok, other=0.0).to(tl.float64)
-    prev = tl.load(CB + b * s_cbb + (pos - 1) * s_cbt + qs * s_cbh, mask=qok, other=0.0)
     c = (lf + prev.to(tl.float64)).to(tl.float32)
     tl.store(CB + b * s_cbb + pos * s_cbt + qs * s_cbh, c, mask=qok)
     tl.store(COUT + b * HQ + qs, c, mask=qok)

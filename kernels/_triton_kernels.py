@@ -28,7 +28,8 @@ Conventions shared by every kernel here:
   contributes nothing and is skipped. The bound is ``|scale|*|q_i|*max_j|k_j| + c_i - c_j``
   against a lower bound of the row max: in the forward the running max after the diagonal
   block, which it visits first (at least the diagonal score ``s_ii``); in the backward the
-  LSE. The first key tile to visit is found by a binary search over c.
+  LSE, plus how far float32 may round scores of that size (``_rounding_slack``). The first
+  key tile to visit is found by a binary search over c.
 """
 
 from __future__ import annotations
@@ -71,6 +72,18 @@ def _c_rel(C_row, offs, T, a_hi, a_lo, MASKED: tl.constexpr):
         hi = tl.load(C_row + offs)
         lo = tl.load(C_row + T + offs)
     return (hi - a_hi) + (lo - a_lo)
+
+
+@triton.jit
+def _rounding_slack(reach, c, m, D: tl.constexpr):
+    """How far float32 may round a score ``q.k * scale + c_i - c_j`` and its difference to
+    the row's max ``m`` (or LSE) above their exact values, in log2 units, per row: the dot
+    product's ``D`` terms, the scaling, the bias and the max each round by a relative ~2^-24
+    of magnitudes up to ``reach = |scale| |q| max|k|``, ``|c|`` and ``|m|`` (doubled, and 16
+    ulps more, for tensor-core accumulation). Exact pruning adds it to its bound: at scores
+    ~1e9 one ulp is 64 units, more than the margin of ``prune_log2`` (about 1e-3 units at
+    scores ~100)."""
+    return (reach + tl.abs(c) + tl.abs(m)) * ((2 * D + 16) * 1.1920928955078125e-07)
 
 
 @triton.jit
@@ -239,7 +252,9 @@ def _fwd_kernel(
         q_norm = tl.sqrt(tl.sum(qf * qf, 1))
         kmax = tl.load(KMAX + b * H + hk)
         # |scale|: with a negative scale, q.k * scale is still at most |q| |k| |scale|
-        bound = q_norm * kmax * tl.abs(qk_scale) + cq - m_i  # log2 units, rel. to the anchor
+        reach = q_norm * kmax * tl.abs(qk_scale)
+        bound = reach + cq - m_i  # log2 units, rel. to the anchor
+        bound += _rounding_slack(reach, cq, m_i, D)
         g = tl.max(tl.where(row_ok, bound, float("-inf"))) + prune_log2
         # a NaN/inf key or value of the head (kmax = inf): nothing pruned, also for rows whose
         # bound is 0 * inf = NaN (a zero query), which the max above skips; nor where a gate
@@ -425,7 +440,8 @@ def _bwd_dq_kernel(
         qf = q.to(tl.float32)
         q_norm = tl.sqrt(tl.sum(qf * qf, 1))
         kmax = tl.load(KMAX + b * H + hk)
-        bound = q_norm * kmax * tl.abs(qk_scale) + cq - lse
+        reach = q_norm * kmax * tl.abs(qk_scale)
+        bound = reach + cq - lse + _rounding_slack(reach, cq, lse, D)
         g = tl.max(tl.where(row_ok, bound, float("-inf"))) + prune_log2
         off = (kmax == float("inf")) | (tl.load(RISES + bh) != 0)  # as in the forward
         # A NaN or inf in a row's q (hence O) or dO: delta is not finite, and without pruning

@@ -516,7 +516,8 @@ def forgetting_attention(
         window_size: query ``i`` sees keys ``i - window_size < j <= i`` only.
         prune: skip key tiles whose every weight underflows to zero, in the forward and the
             backward (exact: results are bitwise the same as with ``prune=False``; the bound
-            uses ``|scale| * |q_i| * max_j |k_j|`` and the falling gate cumsum; a head with a
+            uses ``|scale| * |q_i| * max_j |k_j|``, the falling gate cumsum and how far float32
+            can round a score of that size (relative ~1e-5 at D=64); a head with a
             key or value that is not finite, or with a gate above 1, is not pruned, nor in the
             backward a query tile with a row of q or dO that is not finite). On by
             default. Where it can skip nothing, it still costs its bookkeeping: with 4096

@@ -1368,3 +1368,28 @@ def test_batches_beyond_the_grid_limit_run_in_parts(monkeypatch) -> None:
     monkeypatch.setattr(fa, "MAX_GRID_Y", 3)
     with pytest.raises(ValueError, match="4 query heads exceed the kernels' grid limit of 3"):
         run_kernel(q, k, v, log_f)
+
+
+@pytest.mark.parametrize("magnitude", [2.0**16, 2.0**17])
+def test_pruning_stays_exact_at_huge_scores(magnitude):
+    """With q = k = magnitude * e_0 and scale 1 the scores are ~6e9 to 2.5e10, where float32
+    rounds a score by up to 256 to 1024 log2 units. The pruning bound's fixed margin of 10 units
+    did not cover that: key tiles a few dozen tokens back (gates ~0.05) that still carried
+    weight were skipped (outputs off by 0.2 to 0.4). The bound now adds how far float32 can
+    round the scores (``_rounding_slack``): pruning on equals pruning off bit for bit, and the
+    tiles behind a gate of e^-1e6 halfway are still skipped."""
+    T, D = (320, 16) if DEVICE == "cpu" else (1024, 64)
+    gen = torch.Generator().manual_seed(0)
+    q = torch.zeros(1, T, 1, D)
+    q[..., 0] = magnitude
+    k = q.clone()
+    v = torch.randn(1, T, 1, D, generator=gen)
+    log_f = F.logsigmoid(torch.randn(1, T, 1, generator=gen) * 2 - 3)
+    log_f[:, T // 2] = -1e6
+    do = torch.randn(q.shape, generator=gen)
+    stats = PruneStats()
+    o_on, g_on = kernel_and_grads(q, k, v, log_f, do, scale=1.0, stats=stats)
+    o_off, g_off = kernel_and_grads(q, k, v, log_f, do, scale=1.0, prune=False)
+    for name, a, b in zip(("o", "dq", "dk", "dv", "dlogf"), (o_on, *g_on), (o_off, *g_off)):
+        assert torch.equal(a, b), f"{name} differs with pruning on: {(a - b).abs().max()}"
+    assert 0 < stats.tiles_skipped < stats.tiles_total

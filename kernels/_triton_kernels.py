@@ -77,12 +77,12 @@ def _c_rel(C_row, offs, T, a_hi, a_lo, MASKED: tl.constexpr):
 @triton.jit
 def _rounding_slack(reach, c, m, D: tl.constexpr):
     """How far float32 may round a score ``q.k * scale + c_i - c_j`` and its difference to
-    the row's max ``m`` (or LSE) above their exact values, in log2 units, per row: the dot
-    product's ``D`` terms, the scaling, the bias and the max each round by a relative ~2^-24
-    of magnitudes up to ``reach = |scale| |q| max|k|``, ``|c|`` and ``|m|`` (doubled, and 16
-    ulps more, for tensor-core accumulation). Exact pruning adds it to its bound: at scores
-    ~1e9 one ulp is 64 units, more than the margin of ``prune_log2`` (about 1e-3 units at
-    scores ~100)."""
+    the row's max ``m`` (or LSE) above their exact values, in log2 units, per row. The dot
+    product's ``D`` terms, the scaling, the bias and the max round by at most ``(D + 3)``
+    times 2^-24 of magnitudes up to ``reach = |scale| |q| max|k|``, ``|c|`` and ``|m|``; the
+    slack takes ``(2D + 16)`` times 2^-23, four times that and more, as tensor cores truncate
+    in their accumulation. Exact pruning adds it to its bound: at scores ~1e9 one ulp is 64
+    units, more than the margin in ``prune_log2``; at scores ~100 the slack is ~3e-3 units."""
     return (reach + tl.abs(c) + tl.abs(m)) * ((2 * D + 16) * 1.1920928955078125e-07)
 
 

@@ -1,6 +1,7 @@
 """Fused kernels against the PyTorch compositions they replace, on one GPU.
 
     python benchmarks/fused_ops.py [--tokens 16384] [--preset 760m] [--sweep] [--out ops.md]
+    python benchmarks/fused_ops.py --decode-projections [--preset 760m] [--out tiles.md]
 
 Per op, forward + backward (gradients into every input) of:
 
@@ -18,6 +19,13 @@ has two norms per block and 24 blocks, so the per-step effect is ``48 x`` the ``
 row. Times are medians of ``triton.testing.do_bench``; GB/s counts the bytes each fused
 elementwise kernel must move (inputs read once, outputs written once), TFLOP/s the loss's three
 GEMMs (``6 * T * hidden * V``).
+
+``--decode-projections`` times, instead, the decode step's projections (1 and 8 rows, bf16, no
+autograd) as ``fused_linear`` runs them: cuBLAS against ``few_rows_linear`` at each candidate
+of :data:`FEW_ROWS_TILES`. Each setting is captured in one CUDA graph that runs that projection
+for every layer of the model with the layer's own weights, so the weights stream from memory
+as in a decode step (one layer's weights alone would stay in L2). Microseconds per layer: best
+of 7 timings of 20 replays, over the layers.
 """
 
 from __future__ import annotations
@@ -35,6 +43,15 @@ if str(_HERE) not in sys.path:  # sibling modules when imported from elsewhere
     sys.path.insert(0, str(_HERE))
 
 from train_throughput import check_out_file  # noqa: E402
+
+FEW_ROWS_TILES = {
+    "wide": ((16, 256), (32, 128), (32, 256), (64, 256)),
+    "narrow": ((16, 256), (16, 512), (16, 1024), (32, 256)),
+}
+"""``--decode-projections``' candidates of ``linear_ops.GPU_TILES_FEW_ROWS`` (output columns
+and K per tile): ``"wide"`` for weights with at least twice as many rows in all as columns (the
+fused input projections), ``"narrow"`` for the rest (the output and down projections, which a
+step runs through cuBLAS)."""
 
 
 def _norm_case(tokens: int, hidden: int, dev: str = "cuda"):
@@ -203,6 +220,106 @@ def sweep(tokens: int, preset: str, rows_out: list[str]) -> None:
     norm_ops._CONFIG_OVERRIDE.clear()
 
 
+def decode_projection_groups(model: torch.nn.Module) -> dict[str, list[list[torch.Tensor]]]:
+    """Per projection of a FoT decode step, the weights ``fused_linear`` gets in each layer.
+
+    Returns:
+        ``{name: [[weight, ...] per layer]}`` in the step's order: ``"q/k/v/..."`` (the
+        attention's input projections, as many as the config has), ``"o"``, ``"gate/up"``
+        and ``"down"``.
+    """
+    groups: dict[str, list[list[torch.Tensor]]] = {"o": [], "gate/up": [], "down": []}
+    names = ("q_proj", "k_proj", "v_proj", "g_proj", "k_shift_proj", "v_shift_proj")
+    inputs = []
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        inputs.append([getattr(attn, n).weight for n in names if hasattr(attn, n)])
+        groups["gate/up"].append([mlp.gate_proj.weight, mlp.up_proj.weight])
+        groups["o"].append([attn.o_proj.weight])
+        groups["down"].append([mlp.down_proj.weight])
+    return {"q/k/v/" + "/".join(n[:-5] for n in names[3:] if hasattr(attn, n)): inputs, **groups}
+
+
+def graph_us(fn, repeats: int = 20, trials: int = 7) -> float:
+    """Microseconds of one call of ``fn`` (CUDA launches only) captured in a CUDA graph: the
+    best of ``trials`` timings of ``repeats`` replays."""
+    fn()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(trials):
+        start.record()
+        for _ in range(repeats):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        best = min(best, start.elapsed_time(end) * 1e3 / repeats)
+    return best
+
+
+def _projection_row(
+    name: str, weights: list[list[torch.Tensor]], m: int, shipped: tuple[int, int], timer, g
+) -> str:
+    """One ``--decode-projections`` row: ``weights`` (per layer, the weights of one fused
+    projection) at ``m`` rows, cuBLAS then every candidate tile of its kind."""
+    from fot.kernels import linear_ops
+
+    n, k = sum(w.shape[0] for w in weights[0]), weights[0][0].shape[1]
+    x = torch.randn(m, k, device=weights[0][0].device, generator=g).to(torch.bfloat16)
+    cat = [torch.cat(ws) for ws in weights]
+    want = F.linear(x.float(), cat[0].float())
+    cells = [f"{timer(lambda: [F.linear(x, w) for w in cat]) / len(weights):.2f}"]
+    kind = "wide" if n >= 2 * k else "narrow"
+    for tiles in FEW_ROWS_TILES[kind]:
+        linear_ops.GPU_TILES_FEW_ROWS = tiles
+        err = (linear_ops.few_rows_linear(x, weights[0]).float() - want).abs().max().item()
+        if err > 0.02 * want.abs().max().item():
+            raise AssertionError(f"few_rows_linear at tiles {tiles} of {name}: error {err:.3g}")
+        us = timer(lambda: [linear_ops.few_rows_linear(x, ws) for ws in weights])
+        mark = "*" if tiles == shipped else ""
+        cells.append(f"{tiles[0]} x {tiles[1]}{mark}: {us / len(weights):.2f}")
+    return f"| {name} | {m} | {n} x {k} | {cells[0]} | {'; '.join(cells[1:])} |"
+
+
+def decode_projections(
+    preset: str, rows_out: list[str], *, rows: tuple[int, ...] = (1, 8), timer=graph_us
+) -> None:
+    """``--decode-projections``: per layer, each projection of the ``preset`` FoT (Pro) decode
+    step at ``rows`` rows, cuBLAS against ``few_rows_linear`` at every :data:`FEW_ROWS_TILES`
+    candidate of its kind (``*`` marks the tiles a step uses, ``GPU_TILES_FEW_ROWS``). Each
+    candidate's output is checked against cuBLAS's first. ``timer(fn)`` gives microseconds of
+    ``fn`` (every layer's launch)."""
+    from fot import presets
+    from fot.kernels import linear_ops
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.device(dev):
+        model = presets.build_model(presets.config("fot_pro", preset)).to(torch.bfloat16)
+    shipped = linear_ops.GPU_TILES_FEW_ROWS
+    rows_out += [
+        "",
+        "| projection | rows | N x K | cuBLAS (us/layer) | few_rows_linear at BN x BK, 4 warps (us/layer) |",
+        "|---|---|---|---|---|",
+    ]  # fmt: skip
+    g = torch.Generator(device=dev).manual_seed(0)
+    try:
+        with torch.no_grad():
+            for m in rows:
+                for name, weights in decode_projection_groups(model).items():
+                    rows_out.append(_projection_row(name, weights, m, shipped, timer, g))
+                    print(rows_out[-1], flush=True)
+    finally:
+        linear_ops.GPU_TILES_FEW_ROWS = shipped
+
+
 def main(argv: list[str] | None = None) -> None:
     """CLI entry point (see the module docstring)."""
     from fot import presets
@@ -213,6 +330,11 @@ def main(argv: list[str] | None = None) -> None:
         "--preset", default="760m", choices=presets.SIZES, help="FoT (Pro) size for the widths"
     )
     ap.add_argument("--sweep", action="store_true", help="also sweep add_rms_norm launches")
+    ap.add_argument(
+        "--decode-projections",
+        action="store_true",
+        help="instead: the decode step's projections, cuBLAS against few_rows_linear's tiles",
+    )
     ap.add_argument("--out", help="write the markdown table to this (new) file")
     args = ap.parse_args(argv)
     if args.tokens < 1:
@@ -221,7 +343,10 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         sys.exit("benchmarks/fused_ops.py needs a CUDA GPU (the kernels are timed compiled)")
     rows: list[str] = [f"device: {torch.cuda.get_device_name()}", ""]
-    run_table(args.tokens, args.preset, rows)
+    if args.decode_projections:
+        decode_projections(args.preset, rows)
+    else:
+        run_table(args.tokens, args.preset, rows)
     if args.sweep:
         sweep(args.tokens, args.preset, rows)
     if args.out:

@@ -849,6 +849,61 @@ def test_fused_ops_bad_args(bench, tmp_path, capsys):
         assert exc.value.code == 2 and msg in capsys.readouterr().err
 
 
+def test_fused_ops_decode_projections_time_every_layer_and_restore_the_tiles(bench, monkeypatch):
+    """``--decode-projections`` on the tiny preset (the interpreter; the timer is faked):
+    one row per projection and row count with the widths of the config, each timer call
+    launches the projection of every layer, and a candidate whose output is wrong stops the
+    sweep with its tiles named; the shipped tiles are back afterwards either way."""
+    from fot import presets
+    from fot.kernels import linear_ops
+
+    fused_ops = bench["fused_ops"]
+    cfg = presets.config("fot_pro", "tiny")
+    hidden, heads = cfg.hidden_size, cfg.num_heads
+    shipped = linear_ops.GPU_TILES_FEW_ROWS
+    launches: list[int] = []
+    real = linear_ops.few_rows_linear
+
+    def counting(x, weights):
+        launches.append(1)
+        return real(x, weights)
+
+    def timer(fn):
+        launches.clear()
+        fn()
+        return 10.0 * len(launches)
+
+    monkeypatch.setattr(linear_ops, "few_rows_linear", counting)
+    rows: list[str] = []
+    fused_ops.decode_projections("tiny", rows, rows=(1, 3), timer=timer)
+    table = [r.split(" | ") for r in rows if r.startswith("| ") and r[2:3] != "p"]
+    widths = {"q/k/v/g/k_shift/v_shift": f"{4 * hidden + 2 * heads} x {hidden}",
+              "o": f"{hidden} x {hidden}", "gate/up": f"{2 * cfg.mlp_size} x {hidden}",
+              "down": f"{hidden} x {cfg.mlp_size}"}  # the step's order  # fmt: skip
+    assert [(r[0][2:], r[1], r[2]) for r in table] == [
+        (name, m, nk) for m in ("1", "3") for name, nk in widths.items()
+    ]
+    per_layer = "10.00"  # the timer's 10 us per launch: one launch per layer, over the layers
+    for r in table:
+        cells = r[4].rstrip(" |").split("; ")
+        kind = "wide" if r[0][2:] in ("gate/up", "q/k/v/g/k_shift/v_shift") else "narrow"
+        assert len(cells) == len(fused_ops.FEW_ROWS_TILES[kind])
+        assert all(c.endswith(f": {per_layer}") for c in cells), cells
+        assert sum(c.split(":")[0].endswith("*") for c in cells) == (
+            shipped in fused_ops.FEW_ROWS_TILES[kind]
+        )
+    assert shipped == linear_ops.GPU_TILES_FEW_ROWS
+
+    def wrong_at_wide_64(x, weights):
+        y = real(x, weights)
+        return y + 1 if linear_ops.GPU_TILES_FEW_ROWS[0] == 64 else y
+
+    monkeypatch.setattr(linear_ops, "few_rows_linear", wrong_at_wide_64)
+    with pytest.raises(AssertionError, match=r"tiles \(64, 256\) of q/k/v"):
+        fused_ops.decode_projections("tiny", [], rows=(1,), timer=timer)
+    assert shipped == linear_ops.GPU_TILES_FEW_ROWS
+
+
 # ---------------------------------------------------------------------------------------
 # Pruning on a trained checkpoint
 # ---------------------------------------------------------------------------------------

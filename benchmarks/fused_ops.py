@@ -339,6 +339,9 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.tokens < 1:
         ap.error(f"--tokens must be >= 1, got {args.tokens}")
+    if args.decode_projections and args.sweep:
+        ap.error("--sweep times the add + norm kernels of the fused-op table; run it without "
+                 "--decode-projections")  # fmt: skip
     check_out_file(args.out)
     if not torch.cuda.is_available():
         sys.exit("benchmarks/fused_ops.py needs a CUDA GPU (the kernels are timed compiled)")

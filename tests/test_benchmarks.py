@@ -837,12 +837,14 @@ def test_attention_and_fused_ops_write_out_into_a_new_folder(bench, tmp_path, mo
 
 
 def test_fused_ops_bad_args(bench, tmp_path, capsys):
-    """``--tokens`` and ``--preset`` are checked before the GPU check (before: the no-GPU
-    message on CPU, a ``ValueError`` traceback of ``presets.config`` on a GPU)."""
+    """``--tokens``, ``--preset`` and ``--sweep`` with ``--decode-projections`` are checked
+    before the GPU check (before: the no-GPU message on CPU, a ``ValueError`` traceback of
+    ``presets.config`` on a GPU)."""
     fused_ops = bench["fused_ops"]
     for args, msg in (
         (["--tokens", "0"], "--tokens must be >= 1, got 0"),
         (["--preset", "76m"], "invalid choice: '76m'"),
+        (["--decode-projections", "--sweep"], "run it without --decode-projections"),
     ):
         with pytest.raises(SystemExit) as exc:
             fused_ops.main(args)

@@ -40,13 +40,16 @@ for label, fn, ptrs, consts, warps, div16, *extra in jobs:
         f.write(compiled.asm["cubin"])
     usage = subprocess.run([cuobjdump, "--dump-resource-usage", cubin], capture_output=True,
                            text=True, check=True).stdout
-    out[label] = [line.strip() for line in usage.splitlines() if "REG:" in line][0]
+    line = [line.strip() for line in usage.splitlines() if "REG:" in line][0]
+    out[label] = f"{line} DYNAMIC_SHARED:{compiled.metadata.shared}"
 print(json.dumps(out))
 """
 
 
 def resource_usage(module: str, jobs: list[tuple], cache_dir: Path) -> dict[str, str]:
-    """Compile each job's kernel for sm_90; ``{label: cuobjdump's "REG:... STACK:... LOCAL:..."}``.
+    """Compile each job's kernel for sm_90; ``{label: cuobjdump's "REG:... STACK:... LOCAL:..."
+    line, then " DYNAMIC_SHARED:<bytes>"}``, the shared memory Triton asks for at launch (its
+    pipeline buffers; cuobjdump's ``SHARED`` counts only the static part).
 
     Args:
         module: the kernels' module, e.g. ``"fot.kernels._pro_kernels"``.
@@ -74,3 +77,16 @@ def assert_no_spills(usage: dict[str, str]) -> None:
     """No stack and no local memory in any kernel (register spills go there)."""
     for label, line in usage.items():
         assert "STACK:0 " in line and "LOCAL:0 " in line, f"{label} spills: {line}"
+
+
+SM90_SHARED_BYTES = 232_448
+"""The most shared memory one block may use on an H100 or H200 (227 KiB): what Triton's
+launcher checks, raising ``OutOfResources`` above it."""
+
+
+def assert_fits_shared(usage: dict[str, str], limit: int = SM90_SHARED_BYTES) -> None:
+    """Every kernel's shared memory (static and Triton's dynamic part) within ``limit`` bytes."""
+    for label, line in usage.items():
+        static = int(line.split("SHARED:", 1)[1].split()[0])
+        dynamic = int(line.rsplit("DYNAMIC_SHARED:", 1)[1])
+        assert max(static, dynamic) <= limit, f"{label} needs {max(static, dynamic)} bytes: {line}"

@@ -275,23 +275,35 @@ def test_few_rows_logsigmoid_linear_refuses_autograd() -> None:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the other tests run them")
 def test_few_row_kernels_compile_for_sm90_without_spills(tmp_path) -> None:
     """The decode step's few-row kernels, as the launchers call them on a GPU (bf16 rows,
-    the GPU's K tiles), compile for sm_90 with Triton's bundled ptxas, without register
-    spills."""
-    from sm90_compile import assert_no_spills, resource_usage
+    the GPU's K tiles; ``few_rows_linear`` also with float32 rows, as a float32 model's
+    decode step runs it), compile for sm_90 with Triton's bundled ptxas, without register
+    spills and within the shared memory of a block. (Tiles of 16 x 1024 needed 393,216 bytes
+    at float32, and failed with ``OutOfResources`` on an H200 only.)"""
+    from sm90_compile import assert_fits_shared, assert_no_spills, resource_usage
 
     from fot.kernels.linear_ops import GPU_TILES_FEW_ROWS, GPU_TILES_LOGSIGMOID
 
     (bn, bk), (gate_bn, gate_bk, gate_warps) = GPU_TILES_FEW_ROWS, GPU_TILES_LOGSIGMOID
     bf = "*bf16"
     weights = {f"W{i}": bf for i in range(8)}
+    fp = "*fp32"
     jobs = [
         ("_few_rows_kernel", "_few_rows_kernel", {"X": bf, "Y": bf, **weights},
          {"NW": 8, "BM": 16, "BN": bn, "BK": bk, "DOT_PREC": "tf32"}, 4, ["stride_xm"],
+         {"num_stages": 4}),
+        ("_few_rows_kernel fp32", "_few_rows_kernel",
+         {"X": fp, "Y": fp, **{w: fp for w in weights}},
+         {"NW": 8, "BM": 16, "BN": bn, "BK": bk, "DOT_PREC": "ieee"}, 4, ["stride_xm"],
          {"num_stages": 4}),
         ("_few_rows_logsigmoid_kernel", "_few_rows_logsigmoid_kernel",
          {"X": bf, "W": "*fp32", "Bias": "*fp32", "Y": "*fp32"},
          {"HAS_BIAS": True, "BN": gate_bn, "BK": gate_bk}, gate_warps, ["stride_xm"]),
     ]  # fmt: skip
     usage = resource_usage("fot.kernels.linear_ops", jobs, tmp_path)
-    assert set(usage) == {"_few_rows_kernel", "_few_rows_logsigmoid_kernel"}
+    assert set(usage) == {
+        "_few_rows_kernel",
+        "_few_rows_kernel fp32",
+        "_few_rows_logsigmoid_kernel",
+    }
     assert_no_spills(usage)
+    assert_fits_shared(usage)

@@ -127,8 +127,11 @@ def _pick(pid, blk, W, C, N, cur_w, cur_b, cur_c, cur_n):
     return cur_w, cur_b, cur_c, cur_n
 
 
-GPU_TILES_FEW_ROWS = (16, 256)
-"""``few_rows_linear``'s launch on a GPU: output columns and K per tile (4 warps, 4 stages)."""
+GPU_TILES_FEW_ROWS = (32, 128)
+"""``few_rows_linear``'s launch on a GPU: output columns and K per tile (4 warps, 4 stages).
+32 x 128 was the fastest or within 0.4 us of it for the 760M model's fused input projections
+on an H100 and an H200 (``benchmarks/fused_ops.py --decode-projections``; docs/benchmarks.md,
+"32 x 128 few-row tiles"). Float32 rows at these tiles ask for 73,728 bytes of shared memory."""
 
 GPU_TILES_LOGSIGMOID = (1, 1024, 8)
 """``few_rows_logsigmoid_linear``'s launch on a GPU: outputs per program, K tile, warps. One

@@ -2,6 +2,7 @@
 
     python benchmarks/fused_ops.py [--tokens 16384] [--preset 760m] [--sweep] [--out ops.md]
     python benchmarks/fused_ops.py --decode-projections [--preset 760m] [--out tiles.md]
+    python benchmarks/fused_ops.py --decode-attention [--tokens 16384] [--preset 760m]
 
 Per op, forward + backward (gradients into every input) of:
 
@@ -26,6 +27,14 @@ of :data:`FEW_ROWS_TILES`. Each setting is captured in one CUDA graph that runs 
 for every layer of the model with the layer's own weights, so the weights stream from memory
 as in a decode step (one layer's weights alone would stay in L2). Microseconds per layer: best
 of 7 timings of 20 replays, over the layers.
+
+``--decode-attention`` times the split-K decode attention of a cached step
+(``forgetting_attention_decode`` with the output norm and gate, as a FoT (Pro) step calls it)
+at batch 1 and 8 over a cache of ``--tokens`` keys, one cache per layer, in a CUDA graph as
+above. Settings: :data:`DECODE_ATTENTION_SETTINGS` (key spans as multiples of the launcher's
+own count, keys per tile, warps, stages), each checked against the launcher's default first.
+It prints the default and the fastest settings in microseconds per layer and TB/s of the
+cache read.
 """
 
 from __future__ import annotations
@@ -52,6 +61,17 @@ FEW_ROWS_TILES = {
 and K per tile): ``"wide"`` for weights with at least twice as many rows in all as columns (the
 fused input projections), ``"narrow"`` for the rest (the output and down projections, which a
 step runs through cuBLAS)."""
+
+
+DECODE_ATTENTION_SETTINGS = tuple(
+    (spans, block_n, warps, stages)
+    for spans in (0.5, 1, 2, 3, 4)
+    for block_n in (32, 64, 128)
+    for warps in (2, 4)
+    for stages in (2, 3, 4)
+)
+"""``--decode-attention``'s candidates of ``decode._CONFIG_OVERRIDE``: key spans (a multiple
+of the count the launcher picks, at least 1), keys per tile, warps, pipeline stages."""
 
 
 def _norm_case(tokens: int, hidden: int, dev: str = "cuda"):
@@ -320,6 +340,129 @@ def decode_projections(
         linear_ops.GPU_TILES_FEW_ROWS = shipped
 
 
+def _decode_attention_inputs(cfg, batch: int, keys: int, layers: int, g) -> list[dict]:
+    """Per layer, the keyword arguments of one ``forgetting_attention_decode`` call of a
+    static decode step: one new query per sequence over a head-major bf16 cache of ``keys``
+    positions (the last 64 masked out, as past the step's length in a cache bucket), the
+    running gate cumsums, the output gate and norm weight."""
+    h, hq, d = cfg.kv_heads, cfg.num_heads, cfg.hidden_size // cfg.num_heads
+    dev = g.device
+
+    def randn(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, device=dev, generator=g).to(dtype)
+
+    mask = torch.arange(keys, device=dev) < max(1, keys - 64)
+    calls = []
+    for _ in range(layers):
+        log_f = -torch.rand(batch, keys, hq, device=dev, generator=g) * 0.05  # weak decay
+        k_cumsum = torch.cumsum(log_f, dim=1)  # (B, Tk, HQ) float32
+        calls.append({
+            "q": randn(batch, 1, hq, d),
+            "k_cache": randn(batch, h, keys, d).transpose(1, 2),  # (B, Tk, H, D), head-major
+            "v_cache": randn(batch, h, keys, d).transpose(1, 2),
+            "q_cumsum": k_cumsum[:, -1:].clone(), "k_cumsum": k_cumsum,
+            "key_mask": mask.expand(batch, keys), "gate": randn(batch, 1, hq, d),
+            "norm_weight": 1 + 0.1 * randn(hq, d, dtype=torch.float32), "norm_eps": cfg.rms_norm_eps,
+        })  # fmt: skip
+    return calls
+
+
+def _default_launch(run) -> dict[str, int]:
+    """The span kernel's launch settings the decode launcher picks for ``run()``'s calls
+    (``_CONFIG_OVERRIDE`` cleared), as ``decode._span_launch`` returns them."""
+    from fot.kernels import decode
+
+    real, seen = decode._span_launch, []
+
+    def recording(*args):
+        seen.append(real(*args))
+        return seen[-1]
+
+    decode._CONFIG_OVERRIDE.clear()
+    decode._span_launch = recording
+    try:
+        run()
+    finally:
+        decode._span_launch = real
+    return seen[0]
+
+
+def _decode_attention_rows(cfg, batch: int, keys: int, settings, best: int, timer, g) -> list:
+    """``--decode-attention``'s rows for one batch size: the default launch (``*``), then the
+    ``best`` fastest of ``settings``, each checked against the default's output first."""
+    from fot.kernels import decode
+
+    calls = _decode_attention_inputs(cfg, batch, keys, cfg.num_hidden_layers, g)
+    cache_bytes = calls[0]["k_cache"].nbytes + calls[0]["v_cache"].nbytes
+
+    def run() -> list[torch.Tensor]:
+        return [decode.forgetting_attention_decode(**c) for c in calls]
+
+    default = _default_launch(run)
+    want = run()[0].float()
+    found = [(timer(run) / len(calls), ("*", *default.values()))]
+    for mult, block_n, warps, stages in settings:
+        spans = max(1, round(mult * default["splits"]))
+        decode._CONFIG_OVERRIDE.clear()
+        decode._CONFIG_OVERRIDE.update(
+            {"splits": spans, "block_n": block_n, "warps": warps, "stages": stages}
+        )
+        err = (run()[0].float() - want).abs().max().item()
+        if err > 0.02 * want.abs().max().item():
+            raise AssertionError(
+                f"decode attention at {spans} spans, block_n {block_n}, {warps} warps, "
+                f"{stages} stages: error {err:.3g} against the default launch"
+            )
+        found.append((timer(run) / len(calls), ("", spans, block_n, warps, stages)))
+    decode._CONFIG_OVERRIDE.clear()
+    return [
+        f"| {batch} | {keys} | {spans}{mark} | {block_n} | {warps} | {stages} | {us:.2f} | "
+        f"{cache_bytes / us / 1e6:.2f} |"
+        for us, (mark, spans, block_n, warps, stages) in [
+            found[0],
+            *sorted(found[1:], key=lambda f: f[0])[:best],
+        ]
+    ]
+
+
+def decode_attention(
+    preset: str,
+    keys: int,
+    rows_out: list[str],
+    *,
+    batches: tuple[int, ...] = (1, 8),
+    settings: tuple[tuple[float, int, int, int], ...] = DECODE_ATTENTION_SETTINGS,
+    best: int = 12,
+    timer=graph_us,
+) -> None:
+    """``--decode-attention``: per layer, ``forgetting_attention_decode`` of the ``preset``
+    FoT (Pro) model at each batch of ``batches`` over ``keys`` cached keys (bf16), for the
+    launcher's default and each of ``settings``, checked against the default's output. Adds
+    the default row (``*``) and the ``best`` fastest settings to ``rows_out``. ``timer(fn)``
+    gives microseconds of ``fn`` (every layer's call)."""
+    from fot import presets
+    from fot.kernels import decode
+
+    cfg = presets.config("fot_pro", preset)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator(device=dev).manual_seed(0)
+    rows_out += [
+        "",
+        "| batch | keys | spans | keys per tile | warps | stages | us/layer | TB/s of the cache |",
+        "|---|---|---|---|---|---|---|---|",
+    ]  # fmt: skip
+    saved = dict(decode._CONFIG_OVERRIDE)
+    try:
+        with torch.no_grad():
+            for batch in batches:
+                for row in _decode_attention_rows(cfg, batch, keys, settings, best, timer, g):
+                    rows_out.append(row)
+                    print(row, flush=True)
+    finally:
+        decode._CONFIG_OVERRIDE.clear()
+        decode._CONFIG_OVERRIDE.update(saved)
+
+
 def main(argv: list[str] | None = None) -> None:
     """CLI entry point (see the module docstring)."""
     from fot import presets
@@ -335,19 +478,30 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="instead: the decode step's projections, cuBLAS against few_rows_linear's tiles",
     )
+    ap.add_argument(
+        "--decode-attention",
+        action="store_true",
+        help="instead: the decode attention's launch settings over a cache of --tokens keys",
+    )
     ap.add_argument("--out", help="write the markdown table to this (new) file")
     args = ap.parse_args(argv)
     if args.tokens < 1:
         ap.error(f"--tokens must be >= 1, got {args.tokens}")
-    if args.decode_projections and args.sweep:
+    modes = [f for f in ("--decode-projections", "--decode-attention")
+             if getattr(args, f[2:].replace("-", "_"))]  # fmt: skip
+    if len(modes) > 1:
+        ap.error("--decode-projections and --decode-attention are separate runs: give one")
+    if modes and args.sweep:
         ap.error("--sweep times the add + norm kernels of the fused-op table; run it without "
-                 "--decode-projections")  # fmt: skip
+                 f"{modes[0]}")  # fmt: skip
     check_out_file(args.out)
     if not torch.cuda.is_available():
         sys.exit("benchmarks/fused_ops.py needs a CUDA GPU (the kernels are timed compiled)")
     rows: list[str] = [f"device: {torch.cuda.get_device_name()}", ""]
     if args.decode_projections:
         decode_projections(args.preset, rows)
+    elif args.decode_attention:
+        decode_attention(args.preset, args.tokens, rows)
     else:
         run_table(args.tokens, args.preset, rows)
     if args.sweep:

@@ -465,6 +465,25 @@ def _unit_last(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
 
 
+def _span_launch(programs: int, keys: int, block_d: int, device: torch.device) -> dict[str, int]:
+    """The span kernel's launch for ``programs`` (batch, kv head, row block) triples over
+    ``keys`` cached keys: ``splits`` (key spans per triple), ``block_n`` (keys per tile),
+    ``warps`` and ``stages``, each from ``_CONFIG_OVERRIDE`` where it is set there."""
+    block_n = _CONFIG_OVERRIDE.get("block_n", 64 if block_d <= 128 else 32)
+    # Split the keys until (batch, kv heads, row blocks, spans) fill one wave of ~4 programs
+    # per SM (as many as fit at once), but not beyond it: a few programs of a second wave
+    # would take as long as the first (1.3x the time at B=8, H=24 on an H100).
+    sms = sm_count(device.index) if device.type == "cuda" else 8  # the interpreter: a small GPU
+    tiles = triton.cdiv(keys, block_n)
+    splits, warps, stages = max(1, min(tiles, (4 * sms) // programs)), 4, 3
+    return {
+        "splits": _CONFIG_OVERRIDE.get("splits", splits),
+        "block_n": block_n,
+        "warps": _CONFIG_OVERRIDE.get("warps", warps),
+        "stages": _CONFIG_OVERRIDE.get("stages", stages),
+    }
+
+
 @on_input_gpu
 def _decode_triton(
     q, k_cache, v_cache, q_cumsum, k_cumsum, scale, window_size, key_mask, gate, norm_weight,
@@ -487,15 +506,9 @@ def _decode_triton(
     q, k, v = _unit_last(q), _unit_last(k_cache), _unit_last(v_cache)
     BD = max(16, triton.next_power_of_2(D))
     BM = min(64, max(16, triton.next_power_of_2(M)))
-    BN = _CONFIG_OVERRIDE.get("block_n", 64 if BD <= 128 else 32)
     n_mb = triton.cdiv(M, BM)
-    # Split the keys until (batch, kv heads, row blocks, spans) fill one wave of ~4 programs
-    # per SM (as many as fit at once), but not beyond it: a few programs of a second wave
-    # would take as long as the first (1.3x the time at B=8, H=24 on an H100).
-    sms = sm_count(q.device.index) if q.is_cuda else 8  # the interpreter: a small GPU
-    n_spans = _CONFIG_OVERRIDE.get(
-        "splits", max(1, min(triton.cdiv(Tk, BN), (4 * sms) // (B * H * n_mb)))
-    )
+    launch = _span_launch(B * H * n_mb, Tk, BD, q.device)
+    BN, n_spans = launch["block_n"], launch["splits"]
     span = triton.cdiv(triton.cdiv(Tk, n_spans), BN) * BN
     n_spans = triton.cdiv(Tk, span)
     acc = torch.empty(B * H * n_spans * M * BD, dtype=torch.float32, device=q.device)
@@ -512,8 +525,7 @@ def _decode_triton(
         D=D, BD=BD, BM=BM, BN=BN, HAS_MASK=key_mask is not None,
         HAS_WINDOW=window_size is not None,
         DOT_PREC="ieee" if k.dtype == torch.float32 else "tf32",
-        num_warps=_CONFIG_OVERRIDE.get("warps", 4),
-        num_stages=_CONFIG_OVERRIDE.get("stages", 3),
+        num_warps=launch["warps"], num_stages=launch["stages"],
     )  # fmt: skip
     g = gate if gate is not None else out
     _decode_merge_kernel[(B * H * M,)](

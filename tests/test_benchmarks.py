@@ -845,6 +845,8 @@ def test_fused_ops_bad_args(bench, tmp_path, capsys):
         (["--tokens", "0"], "--tokens must be >= 1, got 0"),
         (["--preset", "76m"], "invalid choice: '76m'"),
         (["--decode-projections", "--sweep"], "run it without --decode-projections"),
+        (["--decode-attention", "--sweep"], "run it without --decode-attention"),
+        (["--decode-attention", "--decode-projections"], "separate runs: give one"),
     ):
         with pytest.raises(SystemExit) as exc:
             fused_ops.main(args)
@@ -904,6 +906,74 @@ def test_fused_ops_decode_projections_time_every_layer_and_restore_the_tiles(ben
     with pytest.raises(AssertionError, match=r"tiles \(64, 256\) of q/k/v"):
         fused_ops.decode_projections("tiny", [], rows=(1,), timer=timer)
     assert shipped == linear_ops.GPU_TILES_FEW_ROWS
+
+
+def test_fused_ops_decode_attention_times_each_setting_over_every_layer(bench, monkeypatch):
+    """``--decode-attention`` on the tiny preset (the interpreter; the timer is faked): each
+    timer call runs the decode attention once per layer under the setting of its row, the
+    default row is the launcher's own launch (hand-computed: 8 SMs on the interpreter), the
+    others come fastest first with their spans as multiples of its spans, TB/s is the bf16
+    cache's bytes over the time, and a setting whose output is wrong stops the sweep; a
+    caller's tuning dict is as it was afterwards either way."""
+    from fot import presets
+    from fot.kernels import decode
+
+    fused_ops = bench["fused_ops"]
+    cfg = presets.config("fot_pro", "tiny")
+    heads, dim, layers = cfg.kv_heads, cfg.hidden_size // cfg.num_heads, cfg.num_hidden_layers
+    keys = 100
+    real = decode.forgetting_attention_decode
+    seen: list[tuple[int, dict]] = []
+
+    def us_per_layer(o: dict) -> float:  # the fake time of a setting, default included
+        return (100 + 10 * o.get("splits", 2) - o.get("block_n", 64)) / 1000
+
+    def timer(fn):
+        calls = []
+        monkeypatch.setattr(decode, "forgetting_attention_decode",
+                            lambda **kw: calls.append(1) or real(**kw))  # fmt: skip
+        fn()
+        monkeypatch.setattr(decode, "forgetting_attention_decode", real)
+        seen.append((len(calls), dict(decode._CONFIG_OVERRIDE)))
+        return layers * us_per_layer(decode._CONFIG_OVERRIDE)
+
+    decode._CONFIG_OVERRIDE["warps"] = 8  # a caller's own setting: not timed, kept
+    settings = ((1, 32, 4, 3), (2, 16, 2, 2), (0.5, 16, 4, 2))
+    rows: list[str] = []
+    fused_ops.decode_attention("tiny", keys, rows, batches=(1, 2), settings=settings, best=2,
+                               timer=timer)  # fmt: skip
+    assert decode._CONFIG_OVERRIDE == {"warps": 8}
+    assert [n for n, _ in seen] == [layers] * 8
+    # the default: min(ceil(100 / 64), 4 * 8 // (batch * heads)) spans of 64 keys
+    default = {b: max(1, min(2, 32 // (b * heads))) for b in (1, 2)}
+    assert default == {1: 2, 2: 2}
+    want = [{"splits": 2, "block_n": 32, "warps": 4, "stages": 3},
+            {"splits": 4, "block_n": 16, "warps": 2, "stages": 2},
+            {"splits": 1, "block_n": 16, "warps": 4, "stages": 2}]  # fmt: skip
+    assert [o for _, o in seen] == [{}, *want] * 2
+    table = [r.strip("| ").split(" | ") for r in rows if r[2:3].isdigit()]
+    assert len(table) == 6
+    for b, chunk in ((1, table[:3]), (2, table[3:])):
+        shown = [{"splits": default[b], "block_n": 64}, want[0], want[2]]  # fastest first
+        assert [r[:6] for r in chunk] == [
+            [str(b), str(keys), f"{default[b]}*", "64", "4", "3"],
+            [str(b), str(keys), "2", "32", "4", "3"],  # 0.088 us
+            [str(b), str(keys), "1", "16", "4", "2"],  # 0.094 us; 4 spans (0.124) left out
+        ]
+        cache_bytes = b * keys * heads * dim * 2 * 2
+        for r, o in zip(chunk, shown):
+            assert r[6:] == [f"{us_per_layer(o):.2f}", f"{cache_bytes / us_per_layer(o) / 1e6:.2f}"]
+
+    def wrong_at_16_keys(**kw):
+        out = real(**kw)
+        return out + 1 if decode._CONFIG_OVERRIDE.get("block_n") == 16 else out
+
+    monkeypatch.setattr(decode, "forgetting_attention_decode", wrong_at_16_keys)
+    with pytest.raises(AssertionError, match="at 4 spans, block_n 16, 2 warps, 2 stages"):
+        fused_ops.decode_attention("tiny", keys, [], batches=(1,), settings=settings,
+                                   timer=lambda fn: 1.0)  # fmt: skip
+    assert decode._CONFIG_OVERRIDE == {"warps": 8}
+    decode._CONFIG_OVERRIDE.clear()
 
 
 # ---------------------------------------------------------------------------------------

@@ -1325,10 +1325,13 @@ def test_document_kernels_compile_for_sm90_without_spills(tmp_path):
 
 def test_decode_step_kernels_compile_for_sm90_without_spills(tmp_path):
     """A static decode step's kernels with every part on, at the 760M shape (24 heads of 64,
-    bf16): the cache write with KV-shift, q/k norms and its barrier, and the span merge with
-    the output norm and gate, compile for sm_90 without spilling registers (the interpreter
-    runs neither through ptxas)."""
-    from sm90_compile import assert_no_spills, resource_usage
+    bf16): the cache write with KV-shift, q/k norms and its barrier, the span kernel at its
+    launch (4 warps, 3 stages) and the span merge with the output norm and gate, compile for
+    sm_90 without spilling registers and within the shared memory of a block (the
+    interpreter runs none of them through ptxas)."""
+    from sm90_compile import assert_fits_shared, assert_no_spills, resource_usage
+
+    from fot.kernels import decode
 
     bf, f32 = "*bf16", "*fp32"
     append_ptrs = {n: bf for n in ("KN", "VN", "KB", "VB", "KP", "VP", "KS", "VS", "KL", "VL")}
@@ -1342,9 +1345,17 @@ def test_decode_step_kernels_compile_for_sm90_without_spills(tmp_path):
         ("merge", "_decode_merge_kernel", {"ACC": f32, "ML": f32, "Out": bf, "G": bf, "W": bf},
          {"D": 64, "BD": 64, "BS": 32, "HAS_NORM": True, "HAS_GATE": True}, 4, []),
     ]  # fmt: skip
+    span_ptrs = {"Q": bf, "K": bf, "V": bf, "CQ": f32, "CK": f32, "KMASK": "*u8", "ACC": f32,
+                 "ML": f32, "qk_scale": "fp32"}  # fmt: skip
+    launch = decode._span_launch(24, 16384, 64, torch.device("cpu"))  # batch 1, 24 heads
+    span_consts = {"D": 64, "BD": 64, "BM": 16, "BN": launch["block_n"], "HAS_MASK": True,
+                   "HAS_WINDOW": False, "DOT_PREC": "tf32"}  # fmt: skip
+    jobs.append(("span", "_decode_span_kernel", span_ptrs, span_consts, launch["warps"], [],
+                 {"num_stages": launch["stages"]}))  # fmt: skip
     usage = resource_usage("fot.kernels.decode", jobs, tmp_path)
-    assert sorted(usage) == ["append", "merge"]
+    assert sorted(usage) == ["append", "merge", "span"]
     assert_no_spills(usage)
+    assert_fits_shared(usage)
 
 
 def test_batches_beyond_the_grid_limit_run_in_parts(monkeypatch) -> None:

@@ -468,7 +468,12 @@ def main(argv: list[str] | None = None) -> None:
     from fot import presets
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", type=int, default=16384, help="rows (batch x sequence length)")
+    ap.add_argument(
+        "--tokens",
+        type=int,
+        default=16384,
+        help="rows (batch x sequence length); --decode-attention: cached keys",
+    )
     ap.add_argument(
         "--preset", default="760m", choices=presets.SIZES, help="FoT (Pro) size for the widths"
     )

@@ -387,7 +387,7 @@ def _default_launch(run) -> dict[str, int]:
     return seen[0]
 
 
-def _decode_attention_rows(cfg, batch: int, keys: int, settings, best: int, timer, g) -> list:
+def _decode_attention_rows(cfg, batch: int, keys: int, settings, best: int, timer, g) -> list[str]:
     """``--decode-attention``'s rows for one batch size: the default launch (``*``), then the
     ``best`` fastest of ``settings``, each checked against the default's output first."""
     from fot.kernels import decode

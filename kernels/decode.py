@@ -465,17 +465,25 @@ def _unit_last(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
 
 
-def _span_launch(programs: int, keys: int, block_d: int, device: torch.device) -> dict[str, int]:
+def _span_launch(programs: int, keys: int, block_d: int, sms: int) -> dict[str, int]:
     """The span kernel's launch for ``programs`` (batch, kv head, row block) triples over
-    ``keys`` cached keys: ``splits`` (key spans per triple), ``block_n`` (keys per tile),
-    ``warps`` and ``stages``, each from ``_CONFIG_OVERRIDE`` where it is set there."""
+    ``keys`` cached keys on a GPU of ``sms`` SMs: ``splits`` (key spans per triple),
+    ``block_n`` (keys per tile), ``warps`` and ``stages``, each from ``_CONFIG_OVERRIDE``
+    where it is set there."""
     block_n = _CONFIG_OVERRIDE.get("block_n", 64 if block_d <= 128 else 32)
     # Split the keys until (batch, kv heads, row blocks, spans) fill one wave of ~4 programs
     # per SM (as many as fit at once), but not beyond it: a few programs of a second wave
     # would take as long as the first (1.3x the time at B=8, H=24 on an H100).
-    sms = sm_count(device.index) if device.type == "cuda" else 8  # the interpreter: a small GPU
     tiles = triton.cdiv(keys, block_n)
     splits, warps, stages = max(1, min(tiles, (4 * sms) // programs)), 4, 3
+    if block_d <= 64 and triton.cdiv(tiles, splits) > 32:
+        # Long spans (many sequences): more, smaller programs (2 warps, 2 stages; 6 per SM in
+        # all). At 16k keys, H=24, D=64 on an H100 (`benchmarks/fused_ops.py
+        # --decode-attention`) that was the fastest setting at B=4 and 272 against 286 us a
+        # layer at B=8; at B=1 and 2 (12 and 24 tiles a span) the launch above was the
+        # fastest. This launch uses 40 bytes of stack under Triton 3.7 (56 under 3.6, where it
+        # was timed): the loads of the cache, not the stack, bound it.
+        splits, warps, stages = max(1, min(tiles, (6 * sms) // programs)), 2, 2
     return {
         "splits": _CONFIG_OVERRIDE.get("splits", splits),
         "block_n": block_n,
@@ -507,7 +515,8 @@ def _decode_triton(
     BD = max(16, triton.next_power_of_2(D))
     BM = min(64, max(16, triton.next_power_of_2(M)))
     n_mb = triton.cdiv(M, BM)
-    launch = _span_launch(B * H * n_mb, Tk, BD, q.device)
+    sms = sm_count(q.device.index) if q.is_cuda else 8  # the interpreter: a small GPU
+    launch = _span_launch(B * H * n_mb, Tk, BD, sms)
     BN, n_spans = launch["block_n"], launch["splits"]
     span = triton.cdiv(triton.cdiv(Tk, n_spans), BN) * BN
     n_spans = triton.cdiv(Tk, span)

@@ -1168,6 +1168,38 @@ def test_decode_bad_inputs_raise_clear_errors(fn, over, exc, match):
         fn(*args.values(), **kw)
 
 
+def test_decode_launch_takes_small_programs_for_long_spans():
+    """The span kernel's launch (``decode._span_launch``): spans fill 4 programs per SM of 4
+    warps and 3 stages; where a span would still hold more than 32 key tiles at head dim
+    <= 64, 6 programs per SM of 2 warps and 2 stages (hand-computed); the tuning dict
+    overrides each part."""
+    from fot.kernels import decode
+
+    launch = decode._span_launch
+    # 8 programs, 1000 keys: 16 tiles of 64, min(16, 32 // 8) = 4 spans of 4 tiles
+    assert launch(8, 1000, 64, 8) == {"splits": 4, "block_n": 64, "warps": 4, "stages": 3}
+    # 4 programs, 16384 keys: 256 tiles, 8 spans of 32 tiles: not more than 32
+    assert launch(4, 16384, 64, 8) == {"splits": 8, "block_n": 64, "warps": 4, "stages": 3}
+    # 8 programs: 4 spans of 64 tiles, so 6 * 8 // 8 = 6 spans of 2 warps and 2 stages
+    assert launch(8, 16384, 64, 8) == {"splits": 6, "block_n": 64, "warps": 2, "stages": 2}
+    assert launch(8, 16384, 32, 8)["warps"] == 2
+    # head dim 128 (timed at 64 only): the 4-warp launch
+    assert launch(8, 16384, 128, 8) == {"splits": 4, "block_n": 64, "warps": 4, "stages": 3}
+    # 200 programs: 1 span of 256 tiles either way
+    assert launch(200, 16384, 64, 8) == {"splits": 1, "block_n": 64, "warps": 2, "stages": 2}
+    # the 760M model (24 heads) at 16k keys on an H100's 132 SMs, as docs/benchmarks.md timed
+    # it: batch 1 and 2 keep 22 and 11 spans (12 and 24 tiles); batch 4 and 8 take 8 and 4
+    want = {1: (22, 4, 3), 2: (11, 4, 3), 4: (8, 2, 2), 8: (4, 2, 2)}
+    for batch, (splits, warps, stages) in want.items():
+        got = launch(batch * 24, 16384, 64, 132)
+        assert (got["splits"], got["warps"], got["stages"]) == (splits, warps, stages), batch
+    decode._CONFIG_OVERRIDE.update({"splits": 3, "stages": 4})
+    try:
+        assert launch(8, 16384, 64, 8) == {"splits": 3, "block_n": 64, "warps": 2, "stages": 4}
+    finally:
+        decode._CONFIG_OVERRIDE.clear()
+
+
 def test_decode_agrees_with_full_attention():
     q, k, v, log_f = make_inputs(1, 60, 4, 2, 32)
     full = forgetting_attention_reference(q, k, v, log_f)
@@ -1325,10 +1357,12 @@ def test_document_kernels_compile_for_sm90_without_spills(tmp_path):
 
 def test_decode_step_kernels_compile_for_sm90_without_spills(tmp_path):
     """A static decode step's kernels with every part on, at the 760M shape (24 heads of 64,
-    bf16): the cache write with KV-shift, q/k norms and its barrier, the span kernel at its
-    launch (4 warps, 3 stages) and the span merge with the output norm and gate, compile for
-    sm_90 without spilling registers and within the shared memory of a block (the
-    interpreter runs none of them through ptxas)."""
+    bf16): the cache write with KV-shift, q/k norms and its barrier, the span kernel at both
+    of its launches (batch 1: 4 warps, 3 stages; batch 8: 2 warps, 2 stages) and the span
+    merge with the output norm and gate, compile for sm_90 without spilling registers and
+    within the shared memory of a block (the interpreter runs none of them through ptxas).
+    The 2-warp launch may use up to 64 bytes of stack: it was timed fastest at batch 8 with
+    56 bytes under Triton 3.6 (40 under 3.7); more would be a change to time again."""
     from sm90_compile import assert_fits_shared, assert_no_spills, resource_usage
 
     from fot.kernels import decode
@@ -1347,13 +1381,16 @@ def test_decode_step_kernels_compile_for_sm90_without_spills(tmp_path):
     ]  # fmt: skip
     span_ptrs = {"Q": bf, "K": bf, "V": bf, "CQ": f32, "CK": f32, "KMASK": "*u8", "ACC": f32,
                  "ML": f32, "qk_scale": "fp32"}  # fmt: skip
-    launch = decode._span_launch(24, 16384, 64, torch.device("cpu"))  # batch 1, 24 heads
-    span_consts = {"D": 64, "BD": 64, "BM": 16, "BN": launch["block_n"], "HAS_MASK": True,
-                   "HAS_WINDOW": False, "DOT_PREC": "tf32"}  # fmt: skip
-    jobs.append(("span", "_decode_span_kernel", span_ptrs, span_consts, launch["warps"], [],
-                 {"num_stages": launch["stages"]}))  # fmt: skip
+    for batch in (1, 8):  # 24 heads of one row block each, on the 132 SMs of an H100
+        launch = decode._span_launch(batch * 24, 16384, 64, 132)
+        span_consts = {"D": 64, "BD": 64, "BM": 16, "BN": launch["block_n"], "HAS_MASK": True,
+                       "HAS_WINDOW": False, "DOT_PREC": "tf32"}  # fmt: skip
+        jobs.append((f"span {launch['warps']}", "_decode_span_kernel", span_ptrs, span_consts,
+                     launch["warps"], [], {"num_stages": launch["stages"]}))  # fmt: skip
     usage = resource_usage("fot.kernels.decode", jobs, tmp_path)
-    assert sorted(usage) == ["append", "merge", "span"]
+    assert sorted(usage) == ["append", "merge", "span 2", "span 4"]
+    stack = int(usage.pop("span 2").split("STACK:")[1].split()[0])
+    assert 0 <= stack <= 64, stack
     assert_no_spills(usage)
     assert_fits_shared(usage)
 

@@ -2,7 +2,7 @@
 
     python benchmarks/fused_ops.py [--tokens 16384] [--preset 760m] [--sweep] [--out ops.md]
     python benchmarks/fused_ops.py --decode-projections [--preset 760m] [--out tiles.md]
-    python benchmarks/fused_ops.py --decode-attention [--tokens 16384] [--preset 760m]
+    python benchmarks/fused_ops.py --decode-attention [--tokens 16384] [--batch-sizes 1 8]
 
 Per op, forward + backward (gradients into every input) of:
 
@@ -30,7 +30,7 @@ of 7 timings of 20 replays, over the layers.
 
 ``--decode-attention`` times the split-K decode attention of a cached step
 (``forgetting_attention_decode`` with the output norm and gate, as a FoT (Pro) step calls it)
-at batch 1 and 8 over a cache of ``--tokens`` keys, one cache per layer, in a CUDA graph as
+at each of ``--batch-sizes`` (1 and 8) over a cache of ``--tokens`` keys, one cache per layer, in a CUDA graph as
 above. Settings: :data:`DECODE_ATTENTION_SETTINGS` (key spans as multiples of the launcher's
 own count, keys per tile, warps, stages), each checked against the launcher's default first.
 It prints the default and the fastest settings in microseconds per layer and TB/s of the
@@ -488,10 +488,19 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="instead: the decode attention's launch settings over a cache of --tokens keys",
     )
+    ap.add_argument(
+        "--batch-sizes",
+        type=int,
+        nargs="+",
+        default=[1, 8],
+        help="--decode-attention: the batch sizes (sequences) to time",
+    )
     ap.add_argument("--out", help="write the markdown table to this (new) file")
     args = ap.parse_args(argv)
     if args.tokens < 1:
         ap.error(f"--tokens must be >= 1, got {args.tokens}")
+    if min(args.batch_sizes) < 1:
+        ap.error(f"--batch-sizes must be >= 1, got {min(args.batch_sizes)}")
     modes = [f for f in ("--decode-projections", "--decode-attention")
              if getattr(args, f[2:].replace("-", "_"))]  # fmt: skip
     if len(modes) > 1:
@@ -506,7 +515,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.decode_projections:
         decode_projections(args.preset, rows)
     elif args.decode_attention:
-        decode_attention(args.preset, args.tokens, rows)
+        decode_attention(args.preset, args.tokens, rows, batches=tuple(args.batch_sizes))
     else:
         run_table(args.tokens, args.preset, rows)
     if args.sweep:

@@ -847,6 +847,7 @@ def test_fused_ops_bad_args(bench, tmp_path, capsys):
         (["--decode-projections", "--sweep"], "run it without --decode-projections"),
         (["--decode-attention", "--sweep"], "run it without --decode-attention"),
         (["--decode-attention", "--decode-projections"], "separate runs: give one"),
+        (["--decode-attention", "--batch-sizes", "1", "0"], "--batch-sizes must be >= 1, got 0"),
     ):
         with pytest.raises(SystemExit) as exc:
             fused_ops.main(args)

@@ -471,18 +471,19 @@ def _span_launch(programs: int, keys: int, block_d: int, sms: int) -> dict[str, 
     ``block_n`` (keys per tile), ``warps`` and ``stages``, each from ``_CONFIG_OVERRIDE``
     where it is set there."""
     block_n = _CONFIG_OVERRIDE.get("block_n", 64 if block_d <= 128 else 32)
-    # Split the keys until (batch, kv heads, row blocks, spans) fill one wave of ~4 programs
-    # per SM (as many as fit at once), but not beyond it: a few programs of a second wave
-    # would take as long as the first (1.3x the time at B=8, H=24 on an H100).
+    # Split the keys until (batch, kv heads, row blocks, spans) make ~4 programs per SM, not
+    # more: one span too many took 1.3x the time at B=8, H=24 on an H100. (Tuned by timing:
+    # by registers only 2 of these programs are resident on an SM at once, 241 a thread for
+    # sm_90 under Triton 3.7.)
     tiles = triton.cdiv(keys, block_n)
     splits, warps, stages = max(1, min(tiles, (4 * sms) // programs)), 4, 3
     if block_d <= 64 and triton.cdiv(tiles, splits) > 32:
         # Long spans (many sequences): more, smaller programs (2 warps, 2 stages; 6 per SM in
-        # all). At 16k keys, H=24, D=64 on an H100 (`benchmarks/fused_ops.py
+        # all, 4 resident at once). At 16k keys, H=24, D=64 on an H100 (`benchmarks/fused_ops.py
         # --decode-attention`) that was the fastest setting at B=4 and 272 against 286 us a
         # layer at B=8; at B=1 and 2 (12 and 24 tiles a span) the launch above was the
         # fastest. This launch uses 40 bytes of stack under Triton 3.7 (56 under 3.6, where it
-        # was timed): the loads of the cache, not the stack, bound it.
+        # was timed: those timings include it).
         splits, warps, stages = max(1, min(tiles, (6 * sms) // programs)), 2, 2
     return {
         "splits": _CONFIG_OVERRIDE.get("splits", splits),

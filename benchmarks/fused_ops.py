@@ -501,8 +501,8 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--tokens must be >= 1, got {args.tokens}")
     if min(args.batch_sizes) < 1:
         ap.error(f"--batch-sizes must be >= 1, got {min(args.batch_sizes)}")
-    modes = [f for f in ("--decode-projections", "--decode-attention")
-             if getattr(args, f[2:].replace("-", "_"))]  # fmt: skip
+    modes = [flag for flag, on in (("--decode-projections", args.decode_projections),
+                                   ("--decode-attention", args.decode_attention)) if on]  # fmt: skip
     if len(modes) > 1:
         ap.error("--decode-projections and --decode-attention are separate runs: give one")
     if modes and args.sweep:

@@ -692,8 +692,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "checkpoint", help="a training checkpoint folder (<run>/checkpoints/step_<n>)"
     )
-    parser.add_argument("out", help="the folder to write (new, empty, or an earlier export)")
+    parser.add_argument(
+        "out", help="the folder to write (new, empty, or an earlier export, which it replaces)"
+    )
     args = parse_args_naming_typos(parser, argv)
+    replaces = _is_fot_export(Path(args.out))
     try:
         from fot.training.trainer import export_checkpoint
 
@@ -703,7 +706,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(error_line(parser.prog, err, traceback_variable="FOT_TRACEBACK"), file=sys.stderr)
         return 2
-    print(f"wrote {out}")
+    # An earlier export there is replaced (as the help says), which the line names: it may
+    # have been another checkpoint's.
+    print(f"wrote {out}" + (", replacing the earlier export there" if replaces else ""))
     return 0
 
 

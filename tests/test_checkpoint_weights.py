@@ -462,6 +462,11 @@ def test_a_training_checkpoint_exports_as_the_run_exports_its_final_weights(
         )
     model = AutoModelForCausalLM.from_pretrained(out)  # loads as any export does
     assert model.config.train_length == 64
+    # into the same folder again, from another step: replaced, and the line says so
+    assert export_main([str(ckpt.parent / "step_00000002"), str(out)]) == 0
+    assert capsys.readouterr().out.strip() == f"wrote {out}, replacing the earlier export there"
+    got = load_file(out / "model.safetensors")
+    assert any(not torch.equal(got[k], want[k]) for k in want)  # step 2's weights, not 4's
 
 
 @pytest.mark.parametrize(

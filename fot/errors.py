@@ -98,6 +98,23 @@ def error_line(prog: str, err: BaseException, *, traceback_variable: str) -> str
     return f"{prog}: error: {message}\n({origin}set {traceback_variable}=1 for the traceback)"
 
 
+def not_one_of(name: str, value: object, choices: Sequence[object]) -> str:
+    """The message for a setting outside its choices: ``name='value' is not one of [...]``,
+    and ``; did you mean 'x'?`` where ``value`` is a string close to some (a typo).
+
+    >>> not_one_of("data.packing", "varlength", ["varlen", "causal", "padded"])
+    "data.packing='varlength' is not one of ['varlen', 'causal', 'padded']; did you mean 'varlen'?"
+    """
+    choices = list(choices)
+    message = f"{name}={value!r} is not one of {choices}"
+    if isinstance(value, str):
+        names = [c for c in choices if isinstance(c, str)]
+        close = difflib.get_close_matches(value, names, n=2, cutoff=0.6)
+        if close:
+            message += f"; did you mean {' or '.join(map(repr, close))}?"
+    return message
+
+
 def parse_args_naming_typos(
     parser: argparse.ArgumentParser, argv: Sequence[str] | None, *, intermixed: bool = False
 ) -> argparse.Namespace:

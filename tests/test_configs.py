@@ -692,7 +692,11 @@ def test_the_docs_table_names_every_config_key_with_its_defaults(hydra_ctx) -> N
         (["optim.grad_clip=-1"], "optim.grad_clip=0 for no clipping"),
         (["optim.grad_clip=nan"], r"^optim.grad_clip=nan is not a number >= 0; use optim.grad_"),
         (["schedule.min_lr_ratio=2"], r"schedule.min_lr_ratio=2.0 must be in \[0, 1\]"),
-        (["schedule.name=cosine"], "schedule.name='cosine' is not one of"),
+        (
+            ["schedule.name=cosine"],
+            r"^schedule.name='cosine' is not one of \[.*\]; did you mean 'warmup_cosine'\? \(or "
+            r"pick the group: schedule=warmup_linear\)$",
+        ),
         (
             ["schedule.decay_fraction=0.3"],
             r"schedule.decay_fraction=0.3: only schedule=wsd reads it, not "
@@ -718,7 +722,7 @@ def test_the_docs_table_names_every_config_key_with_its_defaults(hydra_ctx) -> N
         (["optim=muon", "optim.ns_steps=0"], r"optim.ns_steps=0 must be in \[1, 99\]"),
         (["optim=muon", "optim.ns_steps=100"], r"optim.ns_steps=100 must be in \[1, 99\]"),
         (["optim=muon", "optim.adjust_lr=moon"], r"optim.adjust_lr='moon' is not one of"),
-        (["optim.name=sgd"], r"optim.name='sgd' is not one of \['adamw', 'muon'\]"),
+        (["optim.name=sgd"], r"^optim.name='sgd' is not one of \['adamw', 'muon'\] \(or pick "),
         (
             ["optim=muon", "parallel.cuda_graphs=true"],
             r"optim=muon is not one: set parallel.cuda_graphs=false, or use optim=adamw",
@@ -742,9 +746,17 @@ def test_the_docs_table_names_every_config_key_with_its_defaults(hydra_ctx) -> N
             r"data.text_escaping='yaml' is not one of \['none', 'json'\]",
         ),
         (["parallel.reduce_precision=bf8"], "parallel.reduce_precision='bf8' is not one of"),
-        (["parallel.backend=ncl"], r"parallel.backend='ncl' is not one of \['auto', 'nccl'"),
+        (
+            ["parallel.backend=ncl"],
+            r"^parallel.backend='ncl' is not one of \['auto', 'nccl', 'gloo'\]; did you mean "
+            r"'nccl'\?$",
+        ),
         (["parallel.backend=nccl", "device=cpu"], r"nccl needs CUDA GPUs.*parallel.backend=gloo"),
-        (["wandb.mode=onlin"], r"wandb.mode='onlin' is not one of \['auto', 'online'"),
+        (
+            ["wandb.mode=onlin"],
+            r"wandb.mode='onlin' is not one of \['auto', 'online'.*did you mean 'online' or "
+            r"'offline'\?$",
+        ),
         (["parallel.timeout_s=0"], r"parallel.timeout_s=0.0 is not a positive number of "),
         (["parallel.timeout_s=-5"], r"parallel.timeout_s=-5.0 is not a positive number of "),
         (["parallel.timeout_s=inf"], r"parallel.timeout_s=inf is not a positive number of "),

@@ -84,6 +84,24 @@ def test_hf_validation_split_is_read_once_never_wrapped(tmp_path, caplog) -> Non
         build_sources(cfg)
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("packing", "varlength", r"data.packing='varlength' is not one of \['varlen', 'causal', "
+         r"'padded'\]; did you mean 'varlen'\?$"),
+        ("kind", "tokns", r"data.kind='tokns' is not one of \[.*\]; did you mean 'tokens'\?$"),
+        ("packing", "zip", r"data.packing='zip' is not one of \['varlen', 'causal', 'padded'\]$"),
+    ],
+)  # fmt: skip
+def test_a_data_setting_outside_its_choices_names_the_closest(field, value, message) -> None:
+    """A typo in data.packing or data.kind gets the closest choice (none where none is close),
+    as a typo in a config key does."""
+    cfg = _cfg(kind="sample")
+    setattr(cfg, field, value)
+    with pytest.raises(ValueError, match=message):
+        build_sources(cfg)
+
+
 def test_hf_validation_split_counted_far_enough_for_a_large_micro_batch(tmp_path, caplog) -> None:
     """A held-out split was counted only 64 sequences per process past data.val_tokens: with a
     validation micro batch of 100 the trainer saw "holds only 65 sequences" for a split of

@@ -340,6 +340,21 @@ def test_version_is_exposed():
     assert fot.__version__
 
 
+def test_not_one_of_names_the_closest_choices_of_a_typo() -> None:
+    from fot.errors import not_one_of
+
+    assert not_one_of("x", "ncl", ["auto", "nccl", "gloo"]) == (
+        "x='ncl' is not one of ['auto', 'nccl', 'gloo']; did you mean 'nccl'?"
+    )
+    assert not_one_of("x", "onlin", ("online", "offline", "disabled")) == (
+        "x='onlin' is not one of ['online', 'offline', 'disabled']; did you mean 'online' or "
+        "'offline'?"
+    )
+    # nothing close, or not a string: the choices alone
+    assert not_one_of("x", "zzz", ["auto", "nccl"]) == "x='zzz' is not one of ['auto', 'nccl']"
+    assert not_one_of("x", 3, ["3", None]) == "x=3 is not one of ['3', None]"
+
+
 def test_error_line_says_where_a_library_raised_and_not_where_fot_did(tmp_path):
     """Command lines print user errors as one line; one raised inside another library (maybe
     a bug) also says where, one fot raised (also ``raise ... from`` a library error) does not."""

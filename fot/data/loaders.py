@@ -23,6 +23,7 @@ from fot.data.zarr_store import (
     shown_path,
     zarr_exists,
 )
+from fot.errors import not_one_of
 
 logger = logging.getLogger("fot.data")
 
@@ -701,9 +702,9 @@ def build_sources(cfg: Any, *, val_unit: int | None = None) -> tuple[Any, Any | 
         held-out data or ``val_tokens == 0``.
     """
     if cfg.kind not in KINDS:
-        raise ValueError(f"data.kind={cfg.kind!r} is not one of {list(KINDS)}")
+        raise ValueError(not_one_of("data.kind", cfg.kind, KINDS))
     if cfg.packing not in PACKINGS:
-        raise ValueError(f"data.packing={cfg.packing!r} is not one of {list(PACKINGS)}")
+        raise ValueError(not_one_of("data.packing", cfg.packing, PACKINGS))
     _refuse_unused_paths(cfg)
     if cfg.kind in ("sample", "hf") and getattr(cfg, "cache_mib", None) is not None:
         _warn_cache_unused(f"data={cfg.kind}")

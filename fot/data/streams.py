@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from fot.data.zarr_store import ChunkReader, cache_bytes_for
+from fot.errors import not_one_of
 
 EOT_ID = 50256
 """``<|endoftext|>`` in GPT-2: used as BOS before every document and as padding."""
@@ -497,7 +498,7 @@ class HFSource:
     ) -> None:
         _check_seq_len(seq_len)
         if packing not in PACKINGS:
-            raise ValueError(f"data.packing={packing!r} is not one of {list(PACKINGS)}")
+            raise ValueError(not_one_of("data.packing", packing, PACKINGS))
         self.make_dataset = make_dataset
         self.encode = encode
         self.seq_len = seq_len

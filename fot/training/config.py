@@ -504,13 +504,12 @@ def check_config(cfg: DictConfig) -> list[str]:
             f"peak_flops={cfg.peak_flops} must be > 0 (the device's peak FLOP/s for MFU, e.g. "
             "989e12 for an H100/H200 in bf16), or null to look it up"
         )
+    from fot.errors import not_one_of
     from fot.training.metrics import WANDB_MODES
-    from fot.training.parallel import PARAM_PRECISIONS, REDUCE_PRECISIONS
+    from fot.training.parallel import BACKENDS, PARAM_PRECISIONS, REDUCE_PRECISIONS
 
     if cfg.parallel.backend not in ("auto", "nccl", "gloo"):  # (else checked under torchrun only)
-        raise ValueError(
-            f"parallel.backend={cfg.parallel.backend!r} is not one of ['auto', 'nccl', 'gloo']"
-        )
+        raise ValueError(not_one_of("parallel.backend", cfg.parallel.backend, BACKENDS))
     if cfg.parallel.backend == "nccl":
         import torch
 
@@ -529,24 +528,24 @@ def check_config(cfg: DictConfig) -> list[str]:
             "1800 s over gloo)"
         )
     if cfg.wandb.mode not in WANDB_MODES:
-        raise ValueError(f"wandb.mode={cfg.wandb.mode!r} is not one of {list(WANDB_MODES)}")
+        raise ValueError(not_one_of("wandb.mode", cfg.wandb.mode, WANDB_MODES))
 
     if cfg.parallel.reduce_precision not in REDUCE_PRECISIONS:
         raise ValueError(
-            f"parallel.reduce_precision={cfg.parallel.reduce_precision!r} is not one of "
-            f"{list(REDUCE_PRECISIONS)}"
+            not_one_of(
+                "parallel.reduce_precision", cfg.parallel.reduce_precision, REDUCE_PRECISIONS
+            )
         )
     from fot.tokenizer import TEXT_ESCAPINGS
 
     if cfg.data.text_escaping not in (None, *TEXT_ESCAPINGS):
         raise ValueError(
-            f"data.text_escaping={cfg.data.text_escaping!r} is not one of "
-            f"{list(TEXT_ESCAPINGS)} (or null: json for data=longcrawl64, none otherwise)"
+            not_one_of("data.text_escaping", cfg.data.text_escaping, TEXT_ESCAPINGS)
+            + " (or null: json for data=longcrawl64, none otherwise)"
         )
     if cfg.parallel.param_precision not in PARAM_PRECISIONS:
         raise ValueError(
-            f"parallel.param_precision={cfg.parallel.param_precision!r} is not one of "
-            f"{list(PARAM_PRECISIONS)}"
+            not_one_of("parallel.param_precision", cfg.parallel.param_precision, PARAM_PRECISIONS)
         )
 
     warnings = []

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from fot.errors import cannot_write, retry_when
+from fot.errors import cannot_write, not_one_of, retry_when
 from fot.provenance import sweep_folder, sweep_job_label
 from fot.training.checkpoint import write_text_atomic
 
@@ -158,7 +158,7 @@ def resolve_wandb_mode(mode: str) -> str:
     the environment's ``WANDB_MODE``, else ``online`` with an API key (env or netrc), else
     ``offline``."""
     if mode not in WANDB_MODES:
-        raise ValueError(f"wandb.mode={mode!r} is not one of {list(WANDB_MODES)}")
+        raise ValueError(not_one_of("wandb.mode", mode, WANDB_MODES))
     if mode != "auto":
         return mode
     env = os.environ.get("WANDB_MODE")

@@ -13,6 +13,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.nn.parallel import DistributedDataParallel
 
+from fot.errors import not_one_of
 from fot.training.config import OptimConfig, ScheduleConfig
 from fot.training.parallel import unwrap
 
@@ -73,8 +74,7 @@ def check_optim(cfg: OptimConfig, schedule: ScheduleConfig | None = None) -> Non
     """
     if cfg.name not in OPTIMIZERS:
         raise ValueError(
-            f"optim.name={cfg.name!r} is not one of {list(OPTIMIZERS)} (or pick the group: "
-            "optim=muon)"
+            not_one_of("optim.name", cfg.name, OPTIMIZERS) + " (or pick the group: optim=muon)"
         )
     check_muon(cfg)
     if len(cfg.betas) != 2 or not all(0.0 <= b < 1.0 for b in cfg.betas):
@@ -97,8 +97,8 @@ def check_optim(cfg: OptimConfig, schedule: ScheduleConfig | None = None) -> Non
     if schedule is not None:
         if schedule.name not in SCHEDULES:
             raise ValueError(
-                f"schedule.name={schedule.name!r} is not one of {list(SCHEDULES)} (or pick "
-                "the group: schedule=warmup_linear)"
+                not_one_of("schedule.name", schedule.name, SCHEDULES)
+                + " (or pick the group: schedule=warmup_linear)"
             )
         if not 0.0 <= schedule.min_lr_ratio <= 1.0:
             raise ValueError(
@@ -166,9 +166,7 @@ def check_wsd(cfg: ScheduleConfig) -> None:
             "(0.2: the last fifth)"
         )
     if cfg.decay_shape not in DECAY_SHAPES:
-        raise ValueError(
-            f"schedule.decay_shape={cfg.decay_shape!r} is not one of {list(DECAY_SHAPES)}"
-        )
+        raise ValueError(not_one_of("schedule.decay_shape", cfg.decay_shape, DECAY_SHAPES))
 
 
 def check_muon(cfg: OptimConfig) -> None:
@@ -187,7 +185,7 @@ def check_muon(cfg: OptimConfig) -> None:
     if not 1 <= int(cfg.ns_steps) < 100:  # torch.optim.Muon refuses 100 and more
         raise ValueError(f"optim.ns_steps={cfg.ns_steps} must be in [1, 99] (Muon's: 5)")
     if cfg.adjust_lr not in MUON_ADJUST_LR:
-        raise ValueError(f"optim.adjust_lr={cfg.adjust_lr!r} is not one of {list(MUON_ADJUST_LR)}")
+        raise ValueError(not_one_of("optim.adjust_lr", cfg.adjust_lr, MUON_ADJUST_LR))
 
 
 def muon_parameter_names(model: nn.Module) -> set[str]:
@@ -649,7 +647,7 @@ def lr_at(tokens: int, *, peak_lr: float, total_tokens: int, cfg: ScheduleConfig
         cfg: ``schedule`` config.
     """
     if cfg.name not in SCHEDULES:
-        raise ValueError(f"schedule.name={cfg.name!r} is not one of {list(SCHEDULES)}")
+        raise ValueError(not_one_of("schedule.name", cfg.name, SCHEDULES))
     warmup = cfg.warmup_tokens
     if warmup > 0 and tokens < warmup:
         return peak_lr * tokens / warmup

@@ -21,13 +21,14 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
-from fot.errors import USER_ERRORS, FotError
+from fot.errors import USER_ERRORS, FotError, not_one_of
 from fot.training.config import ParallelConfig
 
 logger = logging.getLogger("fot.train")
 
 STRATEGIES = ("auto", "single", "ddp", "fsdp")
 PRECISIONS = ("auto", "bf16", "fp32")
+BACKENDS = ("auto", "nccl", "gloo")  # parallel.backend; auto: nccl on CUDA, gloo on the CPU
 REDUCE_PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
 PARAM_PRECISIONS = ("bf16", "fp32")
 """``parallel.param_precision``: FSDP2's parameters under bf16 precision (see
@@ -107,7 +108,7 @@ def init_distributed(
             this process) with another ``timeout_s``, which it cannot change.
     """
     if device not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"device={device!r} is not one of ['auto', 'cpu', 'cuda']")
+        raise ValueError(not_one_of("device", device, ["auto", "cpu", "cuda"]))
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device=cuda but no CUDA device is visible; use device=cpu or auto")
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
@@ -137,7 +138,7 @@ def init_distributed(
         if backend == "auto":
             backend = "nccl" if use_cuda else "gloo"
         if backend not in ("nccl", "gloo"):
-            raise ValueError(f"parallel.backend={backend!r} is not one of ['auto', 'nccl', 'gloo']")
+            raise ValueError(not_one_of("parallel.backend", backend, BACKENDS))
         kwargs: dict = {"device_id": dev} if use_cuda else {}
         if timeout_s is not None:  # (NCCL's watchdog and the start-up's store use it too)
             kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
@@ -351,7 +352,7 @@ def _destroy() -> None:
 def resolve_strategy(cfg: ParallelConfig, info: DistInfo) -> str:
     """The strategy to use: ``single``, ``ddp`` or ``fsdp`` (``auto`` resolved)."""
     if cfg.strategy not in STRATEGIES:
-        raise ValueError(f"parallel.strategy={cfg.strategy!r} is not one of {list(STRATEGIES)}")
+        raise ValueError(not_one_of("parallel.strategy", cfg.strategy, STRATEGIES))
     if cfg.strategy == "auto":
         return "ddp" if info.distributed else "single"
     if cfg.strategy == "single" and info.distributed:
@@ -402,7 +403,7 @@ def check_fsdp_backend(backend: str, torch_version: str) -> None:
 def autocast_dtype(cfg: ParallelConfig, device: torch.device) -> torch.dtype | None:
     """bf16 when asked (or ``auto`` on CUDA); ``None`` for fp32."""
     if cfg.precision not in PRECISIONS:
-        raise ValueError(f"parallel.precision={cfg.precision!r} is not one of {list(PRECISIONS)}")
+        raise ValueError(not_one_of("parallel.precision", cfg.precision, PRECISIONS))
     if cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda"):
         return torch.bfloat16
     return None
@@ -470,8 +471,7 @@ def parallelize(
             block.compile()
     if cfg.reduce_precision not in REDUCE_PRECISIONS:
         raise ValueError(
-            f"parallel.reduce_precision={cfg.reduce_precision!r} is not one of "
-            f"{list(REDUCE_PRECISIONS)}"
+            not_one_of("parallel.reduce_precision", cfg.reduce_precision, REDUCE_PRECISIONS)
         )
     fsdp_only = [f"parallel.{k}=true" for k in ("reshard_after_forward", "reshard_after_backward")
                  if getattr(cfg, k)]  # fmt: skip
@@ -526,8 +526,7 @@ def parallelize(
 
         if getattr(cfg, "param_precision", "bf16") not in PARAM_PRECISIONS:
             raise ValueError(
-                f"parallel.param_precision={cfg.param_precision!r} is not one of "
-                f"{list(PARAM_PRECISIONS)}"
+                not_one_of("parallel.param_precision", cfg.param_precision, PARAM_PRECISIONS)
             )
         dtype = autocast_dtype(cfg, info.device) if not autocasts(cfg, strategy) else None
         mp = MixedPrecisionPolicy(

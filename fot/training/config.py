@@ -508,7 +508,7 @@ def check_config(cfg: DictConfig) -> list[str]:
     from fot.training.metrics import WANDB_MODES
     from fot.training.parallel import BACKENDS, PARAM_PRECISIONS, REDUCE_PRECISIONS
 
-    if cfg.parallel.backend not in ("auto", "nccl", "gloo"):  # (else checked under torchrun only)
+    if cfg.parallel.backend not in BACKENDS:  # (else checked under torchrun only)
         raise ValueError(not_one_of("parallel.backend", cfg.parallel.backend, BACKENDS))
     if cfg.parallel.backend == "nccl":
         import torch

@@ -13,7 +13,7 @@ import argparse
 import difflib
 import importlib.util
 import traceback
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from functools import cache
 from pathlib import Path
 
@@ -98,9 +98,10 @@ def error_line(prog: str, err: BaseException, *, traceback_variable: str) -> str
     return f"{prog}: error: {message}\n({origin}set {traceback_variable}=1 for the traceback)"
 
 
-def not_one_of(name: str, value: object, choices: Sequence[object]) -> str:
+def not_one_of(name: str, value: object, choices: Iterable[object]) -> str:
     """The message for a setting outside its choices: ``name='value' is not one of [...]``,
-    and ``; did you mean 'x'?`` where ``value`` is a string close to some (a typo).
+    and ``; did you mean 'x'?`` where ``value`` is a string close to some (a typo). ``choices``:
+    any iterable (a dict gives its keys).
 
     >>> not_one_of("data.packing", "varlength", ["varlen", "causal", "padded"])
     "data.packing='varlength' is not one of ['varlen', 'causal', 'padded']; did you mean 'varlen'?"

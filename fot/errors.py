@@ -108,11 +108,11 @@ def not_one_of(name: str, value: object, choices: Iterable[object]) -> str:
     """
     choices = list(choices)
     message = f"{name}={value!r} is not one of {choices}"
-    if isinstance(value, str):
-        names = [c for c in choices if isinstance(c, str)]
-        close = difflib.get_close_matches(value, names, n=2, cutoff=0.6)
+    if isinstance(value, str):  # compared without case: 'JSON' is close to 'json'
+        names = {c.lower(): c for c in choices if isinstance(c, str)}
+        close = difflib.get_close_matches(value.lower(), list(names), n=2, cutoff=0.6)
         if close:
-            message += f"; did you mean {' or '.join(map(repr, close))}?"
+            message += f"; did you mean {' or '.join(repr(names[c]) for c in close)}?"
     return message
 
 

@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
-from fot.errors import FotError, cannot_write
+from fot.errors import FotError, cannot_write, not_one_of
 from fot.progress import on_terminal
 from fot.staging import ended_writers, remove_and_log, set_aside_name, writer_tag
 
@@ -222,9 +222,7 @@ def export_hf(
     from fot.tokenizer import TEXT_ESCAPINGS
 
     if text_escaping not in TEXT_ESCAPINGS:
-        raise ValueError(
-            f"export_hf: text_escaping={text_escaping!r} is not one of {list(TEXT_ESCAPINGS)}"
-        )
+        raise ValueError(not_one_of("export_hf: text_escaping", text_escaping, TEXT_ESCAPINGS))
     if not isinstance(model, PreTrainedModel):
         inner = next(
             (

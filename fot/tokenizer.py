@@ -22,7 +22,7 @@ from typing import Any
 import tiktoken
 import tiktoken.load
 
-from fot.errors import FotError
+from fot.errors import FotError, not_one_of
 
 EOT_ID = 50256
 """``<|endoftext|>``: GPT-2's only special token, used as BOS and EOS."""
@@ -54,7 +54,7 @@ class TokenizerUnavailableError(FotError, RuntimeError):
 
 def _check_escaping(escaping: str) -> None:
     if escaping not in TEXT_ESCAPINGS:
-        raise ValueError(f"text escaping {escaping!r} is not one of {list(TEXT_ESCAPINGS)}")
+        raise ValueError(not_one_of("text_escaping", escaping, TEXT_ESCAPINGS))
 
 
 def escape_text(text: str, escaping: str) -> str:

@@ -353,6 +353,8 @@ def test_not_one_of_names_the_closest_choices_of_a_typo() -> None:
     # nothing close, or not a string: the choices alone
     assert not_one_of("x", "zzz", ["auto", "nccl"]) == "x='zzz' is not one of ['auto', 'nccl']"
     assert not_one_of("x", 3, ["3", None]) == "x=3 is not one of ['3', None]"
+    # case aside: the choice as it is spelt
+    assert not_one_of("x", "JSON", {"none": 0, "json": 1}).endswith("; did you mean 'json'?")
 
 
 def test_error_line_says_where_a_library_raised_and_not_where_fot_did(tmp_path):

@@ -308,7 +308,7 @@ class Muon(torch.optim.Optimizer):
                 raise ValueError(f"Muon's {name} must be >= 0, got {float(value)}")
         if adjust_lr_fn not in (None, *MUON_ADJUST_LR):
             raise ValueError(
-                f"Muon's adjust_lr_fn={adjust_lr_fn!r} is not one of {[None, *MUON_ADJUST_LR]}"
+                not_one_of("Muon's adjust_lr_fn", adjust_lr_fn, [None, *MUON_ADJUST_LR])
             )
         if len(ns_coefficients) != 3 or not 1 <= int(ns_steps) < 100:
             raise ValueError(

@@ -28,6 +28,7 @@ logger = logging.getLogger("fot.train")
 
 STRATEGIES = ("auto", "single", "ddp", "fsdp")
 PRECISIONS = ("auto", "bf16", "fp32")
+DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "nccl", "gloo")  # parallel.backend; auto: nccl on CUDA, gloo on the CPU
 REDUCE_PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
 PARAM_PRECISIONS = ("bf16", "fp32")
@@ -107,8 +108,8 @@ def init_distributed(
         ValueError: the group exists already (made by an earlier job of a Hydra multirun in
             this process) with another ``timeout_s``, which it cannot change.
     """
-    if device not in ("auto", "cpu", "cuda"):
-        raise ValueError(not_one_of("device", device, ["auto", "cpu", "cuda"]))
+    if device not in DEVICES:
+        raise ValueError(not_one_of("device", device, DEVICES))
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device=cuda but no CUDA device is visible; use device=cpu or auto")
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())

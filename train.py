@@ -265,14 +265,74 @@ def fresh_run_folder(argv: list[str], claimed: tuple[str, str, bool] | None) -> 
         return None
     if claimed is not None:
         return None if claimed[2] else Path(claimed[1])
+    folder = given_run_folder(argv)
+    return None if folder is None or folder.exists() else folder
+
+
+def given_run_folder(argv: list[str]) -> Path | None:
+    """The folder of a run (a multirun: its sweep folder) that the command line names:
+    ``hydra.run.dir=`` or ``out_dir=`` (a multirun: ``hydra.sweep.dir=``); None where it names
+    none, or one that Hydra resolves (``${...}``)."""
     given = dict(a.lstrip("+").split("=", 1) for a in argv if "=" in a)
     if any(a in ("-m", "--multirun") for a in argv):
         value = given.get("hydra.sweep.dir")
     else:
         value = given.get("hydra.run.dir") or given.get("out_dir")
-    if not value or value == "null" or "${" in value or Path(value).expanduser().exists():
+    if not value or value == "null" or "${" in value:
         return None
     return Path(value).expanduser()
+
+
+def existing_run_folder(argv: list[str]) -> tuple[Path, frozenset[str]] | None:
+    """The run folder (a multirun: sweep folder) that the command line names where it exists
+    already, with the names in it before Hydra adds its files (rank 0 only; None otherwise):
+    what :func:`remove_new_unused` may take out again."""
+    if int(os.environ.get("RANK", "0") or 0) > 0:
+        return None
+    folder = given_run_folder(argv)
+    if folder is None or not folder.is_dir() or folder.is_symlink():
+        return None
+    return folder, frozenset(p.name for p in folder.iterdir())
+
+
+def remove_new_unused(folder: Path, before: frozenset[str]) -> None:
+    """Take out of an existing run folder what Hydra put in for a run that was refused before
+    it began (``before``: the names in it until then), so that the folder is left as it was
+    found: Hydra's ``train.log`` while nothing is written in it and no other run holds the
+    folder. A sweep folder: each new job folder that holds nothing else
+    (:func:`remove_if_unused`), then ``multirun.yaml`` if it is new and no new job folder is
+    left. Files that were there before stay (a ``multirun.yaml`` that Hydra rewrote too)."""
+    import fcntl
+
+    from fot.training.checkpoint import RUN_LOCK
+
+    if not folder.is_dir():
+        return
+    new = {p.name for p in folder.iterdir()} - before
+    if (folder / "multirun.yaml").is_file():
+        jobs = [folder / name for name in new if (folder / name).is_dir()]
+        for job in jobs:
+            if not job.is_symlink():
+                remove_if_unused(job)
+        if "multirun.yaml" in new and not any(job.exists() for job in jobs):
+            (folder / "multirun.yaml").unlink()
+        return
+    log = folder / "train.log"
+    if OWNS_FOLDER or "train.log" not in new or not log.is_file() or log.stat().st_size:
+        return
+    lock = folder / RUN_LOCK
+    made = not lock.exists()
+    try:
+        with open(lock, "a") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:  # another run holds the folder (or no flock here): keep its log
+                return
+            if not log.stat().st_size:
+                log.unlink()
+    finally:
+        if made:
+            lock.unlink(missing_ok=True)
 
 
 def add_override(argv: list[str], override: str) -> None:
@@ -285,13 +345,16 @@ def add_override(argv: list[str], override: str) -> None:
 
 def start(
     argv: list[str],
-) -> tuple[tuple[str, str, bool] | None, Path | None, Path | None]:
+) -> tuple[
+    tuple[str, str, bool] | None, Path | None, Path | None, tuple[Path, frozenset[str]] | None
+]:
     """What comes before Hydra: the command-line checks, the imports (torch, transformers),
     srun's tasks, the run folder. Adds to ``argv`` (``sys.argv[1:]``) the overrides it needs
     (:func:`add_override`); returns the folder claimed for the run
-    (:func:`claim_default_folder`), the one this process makes (:func:`fresh_run_folder`) and
+    (:func:`claim_default_folder`), the one this process makes (:func:`fresh_run_folder`),
     the outermost folder made with it (that one or a parent; None where it existed:
-    :func:`remove_made_parents`). Exits with status 2 on a bad argument."""
+    :func:`remove_made_parents`) and an existing folder named for the run, with what it held
+    (:func:`existing_run_folder`). Exits with status 2 on a bad argument."""
     import datetime
 
     problem = argv_problem(argv)
@@ -333,8 +396,9 @@ def start(
         add_override(argv, "hydra/hydra_logging=disabled")
     fresh = fresh_run_folder(argv, claimed)
     if fresh is None:
-        return claimed, None, None
-    return claimed, fresh, made_parent if claimed is not None else outermost_missing(fresh)
+        return claimed, None, None, existing_run_folder(argv)
+    made = made_parent if claimed is not None else outermost_missing(fresh)
+    return claimed, fresh, made, None
 
 
 class Startup:
@@ -428,7 +492,7 @@ if __name__ == "__main__":
     args = sys.argv[1:]
     STARTUP.hold()
     try:
-        claimed, fresh, made = start(args)
+        claimed, fresh, made, existing = start(args)
     except BaseException as err:
         if not STARTUP.interrupted(err) or os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
@@ -449,3 +513,5 @@ if __name__ == "__main__":
             remove_if_unused(fresh)
             if made is not None:
                 remove_made_parents(fresh, made)
+        if existing is not None:  # ... and an existing folder as it was
+            remove_new_unused(*existing)

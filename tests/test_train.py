@@ -2539,7 +2539,7 @@ def test_a_sweep_job_refused_while_starting_leaves_no_folder_behind(tmp_path) ->
     folder behind with only train.log and the lock file in it, and the sweep folder with it
     when that was the first job. The refused job's folder is removed; the jobs that trained
     keep theirs (and the sweep folder its multirun.yaml); a sweep folder that already existed
-    is left as it was."""
+    is left as it was (Hydra's multirun.yaml and the refused job's folder were left in it)."""
     text = tmp_path / "texts"  # a folder of text files
     text.mkdir()
     (text / "a.txt").write_text("A few plain words of English for the tokenizer to read. " * 400)
@@ -2570,7 +2570,7 @@ def test_a_sweep_job_refused_while_starting_leaves_no_folder_behind(tmp_path) ->
         [*script, f"data.path={missing},{text}", f"hydra.sweep.dir={made}"], cwd=tmp_path
     )
     assert res.returncode == 2 and "does not exist" in res.stderr, res.stderr[-3000:]
-    assert sorted(p.name for p in made.iterdir()) == ["0", "multirun.yaml"]  # as Hydra left it
+    assert list(made.iterdir()) == []  # as it was
 
 
 def test_a_refused_job_leaves_a_folder_outside_the_sweep_as_it_found_it(tmp_path) -> None:
@@ -3897,6 +3897,51 @@ def test_a_run_folder_says_why_its_run_stopped_and_a_refused_run_leaves_none(tmp
         res = _run_script([*args, "data.path=missing.npy", *where], cwd=tmp_path)
         assert res.returncode == 2 and "train.py: error: data.path=missing.npy (=" in res.stderr
     assert not (tmp_path / "new").exists() and not list(tmp_path.glob("outputs/*/*"))
+    # an existing folder is left as it was: Hydra's empty train.log left it there (earlier
+    # files stay, an earlier train.log as it was)
+    mine, earlier = tmp_path / "mine", tmp_path / "earlier"
+    for folder in (mine, earlier):
+        folder.mkdir()
+        (folder / "notes.txt").write_text("mine")
+    (earlier / "train.log").write_text("an earlier run's log\n")
+    for option in ("out_dir", "hydra.run.dir"):
+        for folder in (mine, earlier):
+            where = f"{option}={folder}"
+            res = _run_script([*args, "data.path=missing.npy", where], cwd=tmp_path)
+            assert res.returncode == 2 and "data.path=missing.npy (=" in res.stderr, res.stderr
+        assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"], option
+        assert sorted(p.name for p in earlier.iterdir()) == ["notes.txt", "train.log"], option
+        assert (earlier / "train.log").read_text() == "an earlier run's log\n"
+
+
+def test_hydras_new_log_stays_in_an_existing_folder_that_another_run_holds(tmp_path) -> None:
+    """train.py's clean-up after a run refused before it began takes Hydra's new, empty
+    train.log out of an existing folder, but not while another run holds the folder's lock
+    (that run may log into it), nor one with lines in it; a lock file it made is removed."""
+    import fcntl
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_fot_train_py", ROOT / "train.py")
+    assert spec is not None and spec.loader is not None
+    entry = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(entry)  # only its definitions: the run is under __main__
+    folder = tmp_path / "run"
+    folder.mkdir()
+    before = frozenset()
+    (folder / "train.log").write_text("")
+    with open(folder / ".run.lock", "a") as held:  # a live run's lock
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        entry.remove_new_unused(folder, before)
+        assert sorted(p.name for p in folder.iterdir()) == [".run.lock", "train.log"]
+    (folder / ".run.lock").unlink()
+    (folder / "train.log").write_text("a line\n")
+    entry.remove_new_unused(folder, before)
+    assert sorted(p.name for p in folder.iterdir()) == ["train.log"]
+    (folder / "train.log").write_text("")
+    entry.remove_new_unused(folder, frozenset({"train.log"}))  # it was there before
+    assert sorted(p.name for p in folder.iterdir()) == ["train.log"]
+    entry.remove_new_unused(folder, before)
+    assert list(folder.iterdir()) == []
 
 
 def test_a_refused_run_leaves_no_empty_parent_folders(tmp_path) -> None:

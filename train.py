@@ -295,11 +295,11 @@ def existing_run_folder(argv: list[str]) -> tuple[Path, frozenset[str]] | None:
     return folder, frozenset(p.name for p in folder.iterdir())
 
 
-def remove_new_unused(folder: Path, before: frozenset[str]) -> None:
+def remove_new_unused(folder: Path, before: frozenset[str], *, sweep: bool = False) -> None:
     """Take out of an existing run folder what Hydra put in for a run that was refused before
     it began (``before``: the names in it until then), so that the folder is left as it was
     found: Hydra's ``train.log`` while nothing is written in it and no other run holds the
-    folder. A sweep folder: each new job folder that holds nothing else
+    folder. A sweep folder (``sweep``, a multirun's): each new job folder that holds nothing else
     (:func:`remove_if_unused`), then ``multirun.yaml`` if it is new and no new job folder is
     left. Files that were there before stay (a ``multirun.yaml`` that Hydra rewrote too)."""
     import fcntl
@@ -309,13 +309,13 @@ def remove_new_unused(folder: Path, before: frozenset[str]) -> None:
     if not folder.is_dir():
         return
     new = {p.name for p in folder.iterdir()} - before
-    if (folder / "multirun.yaml").is_file():
+    if sweep:
         jobs = [folder / name for name in new if (folder / name).is_dir()]
         for job in jobs:
             if not job.is_symlink():
                 remove_if_unused(job)
         if "multirun.yaml" in new and not any(job.exists() for job in jobs):
-            (folder / "multirun.yaml").unlink()
+            (folder / "multirun.yaml").unlink(missing_ok=True)
         return
     log = folder / "train.log"
     if OWNS_FOLDER or "train.log" not in new or not log.is_file() or log.stat().st_size:
@@ -324,12 +324,11 @@ def remove_new_unused(folder: Path, before: frozenset[str]) -> None:
     made = not lock.exists()
     try:
         with open(lock, "a") as f:
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:  # another run holds the folder (or no flock here): keep its log
-                return
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
             if not log.stat().st_size:
                 log.unlink()
+    except OSError:  # another run holds the folder (or no flock here, no write access): keep it
+        pass
     finally:
         if made:
             lock.unlink(missing_ok=True)
@@ -514,4 +513,4 @@ if __name__ == "__main__":
             if made is not None:
                 remove_made_parents(fresh, made)
         if existing is not None:  # ... and an existing folder as it was
-            remove_new_unused(*existing)
+            remove_new_unused(*existing, sweep=STARTUP.multirun)

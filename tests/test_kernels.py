@@ -1319,7 +1319,10 @@ def test_d64_backward_launch_caps_registers_for_three_programs_per_sm(tmp_path, 
     floats = {n: f32 for n in ("C", "LSE", "DELTA", "LOLSE", "DCOL", "DROW", "KMAX", "Out")}
     vecs = {n: bf for n in ("Q", "K", "V", "DO", "DQ", "DK", "DV")}
     ptrs = {**vecs, **floats, **ints, **scalars}
-    div16 = [f"stride_{t}{a}" for t in ("q", "k", "v", "do", "o", "dq", "dk", "dv") for a in "bt"]
+    # 16-aligned strides (the JIT marks them so; the head stride too, or q and dO would load
+    # as scalars): D=64 heads side by side
+    tensors = ("q", "k", "v", "do", "o", "dq", "dk", "dv")
+    div16 = [f"stride_{t}{a}" for t in tensors for a in "bth"]
     jobs = []
     for name, fn, consts in [
         ("dq", "_bwd_dq_kernel", {"BM": tiles["dq_bm"], "BN": tiles["dq_bn"]}),

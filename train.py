@@ -7,6 +7,7 @@ Configs live in ``configs/`` (Hydra); the training loop is :func:`fot.training.t
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
@@ -302,9 +303,7 @@ def remove_new_unused(folder: Path, before: frozenset[str], *, sweep: bool = Fal
     folder. A sweep folder (``sweep``, a multirun's): each new job folder that holds nothing else
     (:func:`remove_if_unused`), then ``multirun.yaml`` if it is new and no new job folder is
     left. Files that were there before stay (a ``multirun.yaml`` that Hydra rewrote too)."""
-    import fcntl
-
-    from fot.training.checkpoint import RUN_LOCK
+    from fot.training.checkpoint import RunFolderInUseError, RunFolderLock
 
     if not folder.is_dir():
         return
@@ -320,18 +319,17 @@ def remove_new_unused(folder: Path, before: frozenset[str], *, sweep: bool = Fal
     log = folder / "train.log"
     if OWNS_FOLDER or "train.log" not in new or not log.is_file() or log.stat().st_size:
         return
-    lock = folder / RUN_LOCK
-    made = not lock.exists()
+    lock = RunFolderLock(folder)
     try:
-        with open(lock, "a") as f:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        lock.take()
+    except (RunFolderInUseError, OSError):  # another run holds the folder (or no write access)
+        return
+    try:
+        with contextlib.suppress(OSError):  # gone or unreadable meanwhile: nothing to take out
             if not log.stat().st_size:
                 log.unlink()
-    except OSError:  # another run holds the folder (or no flock here, no write access): keep it
-        pass
     finally:
-        if made:
-            lock.unlink(missing_ok=True)
+        lock.discard()  # and its file, where take made it
 
 
 def add_override(argv: list[str], override: str) -> None:

@@ -863,7 +863,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``python -m fot.convert SRC OUT``: write a checkpoint of the paper's code or of FLA's FoX
     as a fot export."""
     from fot.errors import USER_ERRORS, error_line
-    from fot.export import check_export_folder, export_hf
+    from fot.export import check_export_folder, export_hf, is_fot_export
     from fot.hub import local_folder
 
     parser = argparse.ArgumentParser(
@@ -879,7 +879,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the checkpoint's folder (config.json and weights), or a hub repository id "
         "(owner/name, e.g. zhixuan-lin/fox-pro-760m-longcrawl64-48b) to download",
     )
-    parser.add_argument("out", help="the folder to write (new, empty, or an earlier export)")
+    parser.add_argument(
+        "out", help="the folder to write (new, empty, or an earlier export, which it replaces)"
+    )
     parser.add_argument(
         "--text-escaping",
         choices=["json", "none"],
@@ -900,8 +902,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args_naming_typos(parser, argv)
     dtype = _DTYPES[args.dtype]
     copied: list[str] = []
+    replaces = False
     try:
         check_export_folder(args.out, example="checkpoints/fox_pro_760m")
+        replaces = is_fot_export(Path(args.out))
         src = local_folder(args.src)
         if (src / "trainer.json").is_file():  # read_config would say it has no config.json
             raise ConversionError(
@@ -931,6 +935,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"wrote {out} ({n / 1e6:.1f}M parameters, model_type {model.config.model_type}, "
         f"{str(model.dtype).removeprefix('torch.')})"
+        + (", replacing the earlier export there" if replaces else "")
     )
     if not fla and args.text_escaping is None:
         print(

@@ -256,7 +256,7 @@ def export_hf(
             or p.name in _WRITTEN
             or (tokenizer and p.name in _TOKENIZER_FILES)
         )
-        if stale and not _is_fot_export(out):
+        if stale and not is_fot_export(out):
             raise FileExistsError(
                 f"export_hf: {out} already holds {', '.join(stale)}, which the export would "
                 "overwrite, and is not a folder exported from a fot model (its config.json has "
@@ -468,17 +468,29 @@ def _move_error(out: Path, err: OSError, kept: str) -> OSError:
 def check_export_folder(path: str | os.PathLike, example: str) -> None:
     """Refuse ``path`` as the output of an export command unless it is new, empty or an
     earlier export of a fot model: a run folder or a project's root would get a model's files
-    mixed into its own (``export_hf`` itself keeps other files beside an export).
+    mixed into its own (``export_hf`` itself keeps other files beside an export). A training
+    run's own export, ``<run>/hf``, is refused too: it holds the run's final weights, whose
+    only copy it is once the run's checkpoints are deleted.
 
     Args:
         path: the folder the command would write.
         example: a folder to suggest instead, e.g. ``"<run>/hf_step_<n>"``.
 
     Raises:
-        FileExistsError: ``path`` holds other files; the message names some of them.
+        FileExistsError: ``path`` holds other files, or is a run's final export; the message
+            names some of the files, or the run.
     """
     out = Path(path)
-    if not out.is_dir() or _is_fot_export(out):
+    if not out.is_dir():
+        return
+    if is_fot_export(out):
+        run = out.parent
+        if out.name == "hf" and (run / "run_info.json").is_file():
+            raise FileExistsError(
+                f"{out} holds the final weights of the training run {run} (it may be their "
+                f"only copy) and is not replaced: write to a folder of its own, e.g. {example}, "
+                f"or move {out} away first"
+            )
         return
     names = sorted((p.name for p in out.iterdir()), key=lambda n: (n.startswith("."), n))
     if names:
@@ -545,11 +557,11 @@ def not_exported_message(p: Path) -> str:
     )
 
 
-def _is_fot_export(folder: Path) -> bool:
+def is_fot_export(folder: str | os.PathLike) -> bool:
     """Whether ``folder`` holds a model saved from fot (its ``config.json`` names the fot model
     type or the remote-code shims of :func:`remote_code_auto_map`)."""
     try:
-        config = json.loads((folder / "config.json").read_text())
+        config = json.loads(Path(folder, "config.json").read_text())
     except (OSError, ValueError):
         return False
     if not isinstance(config, dict):
@@ -694,7 +706,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "out", help="the folder to write (new, empty, or an earlier export, which it replaces)"
     )
     args = parse_args_naming_typos(parser, argv)
-    replaces = _is_fot_export(Path(args.out))
+    replaces = is_fot_export(Path(args.out))
     try:
         from fot.training.trainer import export_checkpoint
 

@@ -481,6 +481,10 @@ def test_a_training_checkpoint_exports_as_the_run_exports_its_final_weights(
         (("{run}/checkpoints/step_00000004", "{run}"),
          r"is not empty \(checkpoints, final.json, hf, metrics.jsonl, run_info.json and 1 more\) "
          r"and holds no earlier export: the export goes into a folder of its own"),
+        # the run's own export: its final weights, not replaced by another step's
+        (("{run}/checkpoints/step_00000002", "{run}/hf"), r"/hf holds the final weights of the "
+         r"training run .* \(it may be their only copy\) and is not replaced: write to a folder "
+         r"of its own, e.g. <run>/hf_step_<n>, or move .*/hf away first"),
     ],
 )  # fmt: skip
 def test_export_names_a_folder_that_is_no_checkpoint_and_a_checkpoint_as_out(
@@ -489,11 +493,13 @@ def test_export_names_a_folder_that_is_no_checkpoint_and_a_checkpoint_as_out(
     from fot.export import main as export_main
 
     argv = [a.format(run=source_run, tmp=tmp_path) for a in args]
+    final = {p.name: p.read_bytes() for p in (source_run / "hf").iterdir()}
     assert export_main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("python -m fot.export: error: ") and re.search(message, err), err
     assert not (source_run / "checkpoints" / "step_00000002" / "config.json").exists()
     assert not (source_run / "config.json").exists()
+    assert final == {p.name: p.read_bytes() for p in (source_run / "hf").iterdir()}
 
 
 def test_export_replaces_an_earlier_export_and_runs_without_warnings(tmp_path, source_run):

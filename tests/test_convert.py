@@ -601,6 +601,35 @@ def test_converting_into_an_earlier_export_leaves_only_the_new_models_tokenizer(
         assert (out / name).read_bytes() == (fla / name).read_bytes(), name
 
 
+def test_converting_into_an_earlier_export_says_so_and_a_runs_final_export_is_refused(
+    tmp_path, capsys
+) -> None:
+    """The command replaced any fot export without a word, a training run's ``hf/`` (its final
+    weights) too. It now says where it replaces an earlier export, as fot.export does, and
+    refuses a run's own export, leaving it as it was."""
+    out = tmp_path / "out"
+    assert main([str(PAPER / "fox_llama"), str(out)]) == 0
+    assert ", replacing" not in capsys.readouterr().out
+    assert main([str(PAPER / "fox_pro"), str(out)]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith(f"wrote {out} (") and first.endswith(
+        ", replacing the earlier export there"
+    ), first
+    run = tmp_path / "run"
+    assert main([str(PAPER / "fox_llama"), str(run / "hf")]) == 0
+    (run / "run_info.json").write_text("[]\n")  # what makes a folder a training run's
+    before = {p.name: p.read_bytes() for p in (run / "hf").iterdir()}
+    capsys.readouterr()
+    assert main([str(PAPER / "fox_pro"), str(run / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(
+        f"python -m fot.convert: error: {run / 'hf'} holds the final weights of the training "
+        f"run {run} (it may be their only copy) and is not replaced: write to a folder of its "
+        f"own, e.g. checkpoints/fox_pro_760m, or move {run / 'hf'} away first"
+    ), err
+    assert before == {p.name: p.read_bytes() for p in (run / "hf").iterdir()}
+
+
 @pytest.mark.parametrize(
     ("setting", "message"),
     [({"qkv_bias": True}, r"qkv_bias=true: fot's q/k/v projections have no bias"),

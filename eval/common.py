@@ -12,6 +12,7 @@ import argparse
 import codecs
 import contextlib
 import datetime as _dt
+import fnmatch
 import hashlib
 import json
 import math
@@ -963,12 +964,34 @@ def _holds_only(folder: Path, name: str) -> bool:
         return False
 
 
+RECORD_FILES = ("run_config.json", "run_config.history.jsonl", "*.resume.json")
+"""Files a command writes about its run, not results: ``run_config.json`` (and its history)
+and the resume records of :func:`claim_results`."""
+
+
+def _remove_records(out: Path, lock_name: str) -> None:
+    """Delete the :data:`RECORD_FILES` in ``out`` where it holds nothing else (but its lock
+    file ``lock_name``): the records of a run that failed before it saved any result."""
+    try:
+        names = [p.name for p in out.iterdir() if p.name != lock_name]
+    except OSError:
+        return
+    records = [n for n in names if any(fnmatch.fnmatchcase(n, pat) for pat in RECORD_FILES)]
+    if records and len(records) == len(names):
+        for name in records:
+            with contextlib.suppress(OSError):
+                (out / name).unlink()
+
+
 def release_out_locks(*, failed: bool = False) -> None:
     """Let go of every ``--out`` lock of this process (:func:`lock_out`); where the command
     ``failed``, lock files it made go too, so that a refused run leaves ``--out`` as it was,
-    and so do the folders :func:`lock_out` made where nothing else was written into them."""
+    and so do the folders :func:`lock_out` made where nothing else was written into them, nor
+    anything but the records of a failed run (:data:`RECORD_FILES`)."""
     for out, lock in _OUT_LOCKS.items():
         top = _OUT_MADE.get(out)
+        if failed and top is not None:
+            _remove_records(out, lock.path.name)
         if failed or (top is not None and _holds_only(out, lock.path.name)):
             lock.discard()
         else:

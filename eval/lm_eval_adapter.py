@@ -670,13 +670,11 @@ def evaluate(
                     # requests.
                     use_cache=str(out / "lm_cache"),
                 )
-        except ConnectionError as err:  # datasets could not reach the hub (offline machine)
-            raise ConnectionError(
-                f"lm-eval task {task!r}: its dataset is neither in the Hugging Face datasets "
-                f"cache nor reachable on the hub ({err}). Offline, download it elsewhere and "
-                "pass --dataset-root ROOT (--list-datasets prints what to download), or "
-                "--include-path with local task YAMLs (eval/README.md, section Data)"
-            ) from err
+        except Exception as err:
+            error = _task_error(tm, task, err)
+            if error is None:
+                raise
+            raise error from err
         if name not in res["results"]:  # recorded as done, it would be skipped forever
             raise ValueError(
                 f"lm-eval task {task!r}: lm-eval reported no results under {name!r} but under "
@@ -698,6 +696,39 @@ def evaluate(
             )
     wanted = set(names.values())
     return {r["key"]: r["metrics"] for r in log if r["key"] in wanted}
+
+
+def _task_error(task_manager: Any, task: str, err: Exception) -> Exception | None:
+    """The one-line error for ``err``, raised by lm-eval while it ran ``task``, where it is
+    one of the task's data or config (not reachable offline, a file ``datasets`` cannot parse,
+    a template naming a field the documents lack); ``None`` for any other error."""
+    if isinstance(err, ConnectionError):  # datasets could not reach the hub (offline machine)
+        return ConnectionError(
+            f"lm-eval task {task!r}: its dataset is neither in the Hugging Face datasets "
+            f"cache nor reachable on the hub ({err}). Offline, download it elsewhere and "
+            "pass --dataset-root ROOT (--list-datasets prints what to download), or "
+            "--include-path with local task YAMLs (eval/README.md, section Data)"
+        )
+    from datasets.exceptions import DatasetGenerationError
+    from jinja2.exceptions import UndefinedError
+
+    if isinstance(err, DatasetGenerationError):
+        cause = err.__cause__ or err.__context__ or err
+        cfg = _task_config(task_manager, task, resolve_func=False) or {}
+        files = (cfg.get("dataset_kwargs") or {}).get("data_files")
+        where = f" from {files}" if files else f" ({cfg.get('dataset_path', 'its dataset_path')})"
+        return ValueError(
+            f"lm-eval task {task!r}: the datasets library could not read its data{where}: "
+            f"{str(cause).strip() or type(cause).__name__}; fix the file, "
+            "or the task YAML's dataset_path / dataset_kwargs"
+        )
+    if isinstance(err, UndefinedError):
+        return ValueError(
+            f"lm-eval task {task!r}: a template in its YAML (doc_to_text, doc_to_target, "
+            f"doc_to_choice, ...) uses a field its documents do not have ({err}); name the "
+            "documents' own fields there, or fix the data"
+        )
+    return None
 
 
 def drop_empty_request_caches(out: Path) -> list[Path]:
@@ -879,16 +910,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         restart=args.restart,
     )
     write_run_config(out, "lm-eval", vars(args), args.checkpoint)
-    results = evaluate(
-        lm,
-        tasks,
-        out=out,
-        include_path=args.include_path,
-        dataset_root=args.dataset_root,
-        limit=args.limit,
-        log_samples=args.log_samples,
-        task_manager=tm,
-    )
+    try:
+        results = evaluate(
+            lm,
+            tasks,
+            out=out,
+            include_path=args.include_path,
+            dataset_root=args.dataset_root,
+            limit=args.limit,
+            log_samples=args.log_samples,
+            task_manager=tm,
+        )
+    except BaseException:
+        drop_empty_request_caches(out)  # lm-eval made them before the failure; none resumes
+        raise
     write_text_atomic(out / "results.json", json.dumps(results, indent=2) + "\n")
     with written_whole(out / "results.csv") as tmp, tmp.open("w", newline="") as f:
         rows = csv.writer(f)  # quotes lm-eval's metric keys, which hold a comma ("acc,none")

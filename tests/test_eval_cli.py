@@ -348,6 +348,37 @@ def test_a_second_run_into_the_same_out_is_refused_naming_the_first(
     assert not (tmp_path / "new").exists()
 
 
+def test_a_failed_run_takes_its_records_out_of_a_new_out_but_keeps_any_result(tmp_path):
+    """per-token-loss, longbench, gates and lm-eval write run_config.json and a resume record
+    before their first result: a run failing after that (data of another tokenizer, a broken
+    task) left a new --out holding them. The records go where the new folder holds nothing
+    else; with a result beside them, or in a folder that was there before, all stays."""
+    from fot.eval.common import lock_out, release_out_locks
+    from fot.training.checkpoint import RUN_LOCK
+
+    def failed_run(out: Path, files: list[str]) -> None:
+        lock_out(out)
+        for name in files:
+            (out / name).write_text("{}\n")
+        release_out_locks(failed=True)
+
+    records = ["run_config.json", "per_token_loss.resume.json"]
+    new = tmp_path / "a" / "new"
+    failed_run(new, records)
+    assert not (tmp_path / "a").exists()
+    failed_run(new, [*records, "per_token_loss_state.npz"])
+    assert sorted(p.name for p in new.iterdir()) == sorted([*records, "per_token_loss_state.npz"])
+    before = tmp_path / "before"
+    before.mkdir()
+    failed_run(before, records)
+    assert sorted(p.name for p in before.iterdir()) == sorted(records)
+    ok = tmp_path / "ok"
+    lock_out(ok)
+    (ok / "run_config.json").write_text("{}\n")
+    release_out_locks()  # a run that ended well keeps its record
+    assert sorted(p.name for p in ok.iterdir()) == [RUN_LOCK, "run_config.json"]
+
+
 def test_a_torchrun_run_into_an_out_in_use_stops_every_process_at_once(ckpts, tmp_path) -> None:
     """Under torchrun rank 0 locks --out: where another run holds it, rank 0 is refused and
     every other rank stops with its error, rather than waiting for rank 0 at the barrier."""

@@ -276,6 +276,63 @@ def test_empty_task_data_file_is_named_before_the_model_loads(setup, tmp_path):
         assert not (tmp_path / "o").exists()
 
 
+def test_a_task_whose_data_or_template_is_broken_is_named_and_leaves_no_new_out(setup, tmp_path):
+    """A data file that ``datasets`` cannot parse and a template naming a field the documents
+    lack ended in lm-eval's tracebacks (exit status 1), and left the new --out holding
+    run_config.json, the resume record and an empty request cache. Each is now one error
+    naming the task and what to fix; a new --out goes again, one with results keeps them."""
+    from fot.eval.__main__ import main
+
+    root, _, _ = setup
+    ckpt = str(root / "ckpt")
+    mc = (root / "tasks" / "fot_toy_mc.yaml").read_text()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text((root / "tasks" / "mc.jsonl").read_text() + "{bad\n")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "fot_bad_data.yaml").write_text(
+        mc.replace("fot_toy_mc", "fot_bad_data").replace(str(root / "tasks" / "mc.jsonl"), str(bad))
+    )
+    (broken / "fot_bad_field.yaml").write_text(
+        mc.replace("fot_toy_mc", "fot_bad_field").replace("{{question}}", "{{query}}")
+    )
+    cases = {
+        "fot_bad_data": re.escape(
+            f"lm-eval task 'fot_bad_data': the datasets library could not read its data from "
+            f"{{'test': '{bad}'}}: JSON parse error"
+        ),
+        "fot_bad_field": re.escape(
+            "lm-eval task 'fot_bad_field': a template in its YAML (doc_to_text, doc_to_target, "
+            "doc_to_choice, ...) uses a field its documents do not have ('query' is undefined)"
+        ),
+    }
+    out = tmp_path / "o"
+    for task, message in cases.items():
+        args = ["lm-eval", ckpt, "--tasks", task, "--include-path", str(broken),
+                "--out", str(out), "--device", "cpu"]  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            main(args)
+        assert not out.exists(), task
+    # an --out with a finished task: the failed one adds nothing, and nothing goes
+    both = tmp_path / "both"
+    for name in ("fot_toy_mc.yaml", "mc.jsonl"):
+        (both / name).parent.mkdir(exist_ok=True)
+        (both / name).write_text((root / "tasks" / name).read_text())
+    (both / "fot_bad_field.yaml").write_text((broken / "fot_bad_field.yaml").read_text())
+    args = ["lm-eval", ckpt, "--include-path", str(both), "--out", str(out), "--device", "cpu"]
+    main([*args, "--tasks", "fot_toy_mc"])
+    records = ("run_config.json", "run_config.history.jsonl", ".run.lock")
+
+    def saved() -> dict[str, bytes]:
+        return {p.name: p.read_bytes() for p in out.iterdir() if p.name not in records}
+
+    kept = saved()
+    assert {"results.jsonl", "lm_eval.resume.json", "lm_cache_rank0.db"} <= set(kept)
+    with pytest.raises(ValueError, match=cases["fot_bad_field"]):
+        main([*args, "--tasks", "fot_toy_mc,fot_bad_field"])
+    assert (out / "run_config.json").is_file() and saved() == kept
+
+
 def test_tasks_all_in_the_include_path_skip_indexing_lm_evals_own(setup, tmp_path):
     """Indexing lm-eval's ~15k built-in task files took ~14 s on every `lm-eval` run; tasks all
     defined under --include-path now index that folder only. A task of the folder overrides a

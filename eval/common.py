@@ -1332,6 +1332,7 @@ def claim_results(
     data_files: Mapping[str, Sequence[str]] | None = None,
     url_fingerprints: Mapping[str, str] | None = None,
     may_grow: Sequence[str] = (),
+    defaults: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """Tie the resumable results ``name`` in ``out_dir`` to the checkpoint and settings of this run.
 
@@ -1376,6 +1377,9 @@ def claim_results(
             the saved results are resumed and extended (the caller's items for a value are
             the first of those for a larger one), and the record notes the new value. A lower
             value is a difference, as any other setting's change is.
+        defaults: settings that ``settings`` holds only where they are not at their default
+            (so that records written before the option existed resume): option -> how to
+            name its default where a saved record lacks the option.
 
     Returns:
         The record of this run.
@@ -1450,7 +1454,11 @@ def claim_results(
     if saved is not None:
         written = saved
         saved = _per_file_fingerprints(saved, record, record_path.stat().st_mtime_ns)
-    problems = _record_differences(saved, record, may_grow, out) if saved is not None else []
+    problems = (
+        _record_differences(saved, record, may_grow, out, defaults or {})
+        if saved is not None
+        else []
+    )
     if saved is not None and not problems:
         for key, fingerprints in record["data_fingerprints"].items():
             earlier = (saved.get("data_fingerprints") or {}).get(key)
@@ -1498,10 +1506,13 @@ def _record_differences(
     new: dict[str, Any],
     may_grow: Sequence[str] = (),
     out: Path | None = None,
+    defaults: Mapping[str, str] | None = None,
 ) -> list[str]:
     """Human-readable differences between a saved and a new :func:`claim_results` record;
     settings in ``may_grow`` differ only where the new value is lower (``None``: no limit):
-    that line names a new folder next to ``out`` (the ``--out``) for the lower value."""
+    that line names a new folder next to ``out`` (the ``--out``) for the lower value. A setting
+    of ``defaults`` missing from a record is shown as its default."""
+    defaults = defaults or {}
     problems = []
     if saved.get("command") != new["command"]:
         problems.append(f"results: saved {saved.get('command')!r}, this run {new['command']!r}")
@@ -1537,7 +1548,10 @@ def _record_differences(
                 f"or {fix} to resume them"
             )
         elif old != now:
-            problems.append(f"{key}: saved {_show(old)}, this run {_show(now)}")
+            default = f"{defaults[key]} (the default)" if key in defaults else None
+            was = default if default and key not in old_settings else _show(old)
+            now_shown = default if default and key not in new_settings else _show(now)
+            problems.append(f"{key}: saved {was}, this run {now_shown}")
         elif key in (saved.get("data_fingerprints") or {}):
             # same path, other content (records written before fot fingerprinted data: skipped)
             problem = _data_difference(

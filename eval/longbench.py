@@ -753,15 +753,24 @@ def prompt_budgets(
         )
     budgets = {t: max_length or model_len - task_spec(t).max_new_tokens - bos_tokens for t in tasks}
     short = {t: b for t, b in budgets.items() if b < 2}
+    table = position_table(model)
     if short:
+        # a learned position table as short holds no prompt at any --max-length
+        room = table is None or any(
+            table[0] - task_spec(t).max_new_tokens - bos_tokens >= 2 for t in short
+        )
+        fix = (
+            "pass --max-length (prompt tokens) or"
+            if room
+            else f"the model takes at most {table[0]} positions (its learned position table), so"
+        )
         raise ValueError(
             f"the model's context length {model_len} leaves no room for the prompts of "
             + ", ".join(f"{t} ({task_spec(t).max_new_tokens} generated tokens)" for t in short)
-            + "; pass --max-length (prompt tokens) or leave these tasks out of --tasks"
+            + f"; {fix} leave these tasks out of --tasks"
         )
     generated = max(task_spec(t).max_new_tokens for t in tasks)
     longest = max(budgets[t] + task_spec(t).max_new_tokens for t in tasks) + bos_tokens
-    table = position_table(model)
     if max_length is not None and table is not None and longest > table[0]:
         # --max-length counts the prompt only: name the value that fits the table
         longest_task = max(tasks, key=lambda t: task_spec(t).max_new_tokens)
@@ -867,6 +876,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ],
         restart=args.restart,
         data_files={"--data-dir": [f"{t}.jsonl" for t in tasks]},
+        defaults={"--prompts": "fot's own wording", "--first-line": "'few-shot'"},
     )
     write_run_config(out, "longbench", vars(args), args.checkpoint)
     device = next(model.parameters()).device

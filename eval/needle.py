@@ -819,6 +819,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         state=[f"needle_{args.mode}.jsonl"],
         outputs=[f"needle_{args.mode}.csv", f"summary_{args.mode}.json", f"needle_{args.mode}.png"],
         restart=args.restart,
+        defaults={"--prompt-template": "fot's own wording"},
     )
     write_run_config(out, "needle", vars(args), args.checkpoint)
     log = JsonlLog(out / f"needle_{args.mode}.jsonl")

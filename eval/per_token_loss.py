@@ -349,8 +349,11 @@ def open_documents(
         if not (
             path.suffix == ".zarr" or (path / "zarr.json").is_file() or (path / ".zarray").is_file()
         ):
+            out = f"{path.name.removesuffix(path.suffix) or 'data'}_tokens"
             raise ValueError(
-                f"--data {source!r} is neither a token folder (meta.json) nor a zarr array"
+                f"--data {source!r} is neither a token folder (meta.json) nor a zarr array; "
+                "text (.txt files, .jsonl) is tokenized into a token folder first: python -m "
+                f"fot.data.prepare {source} --out {out}, then pass --data {out}"
             )
     try:
         arr = open_zarr_array(source, storage_options=storage_options)

@@ -808,8 +808,18 @@ def test_longbench_with_longbench_prompts_and_the_papers_first_line_scoring(ckpt
     assert pred["score"] == score_example("hotpotqa", pred["prediction"], example, "all")
     table = (out / "table2.md").read_text()
     assert f"prompts from {prompts}" in table and "first line of every prediction" in table
-    with pytest.raises(ResumeMismatchError, match="--first-line: saved 'all', this run"):
-        main([*args, "--prompts", str(prompts)])
+    with pytest.raises(ResumeMismatchError) as err:
+        main(args)
+    # both are recorded only when given: the defaults are named, not "(not recorded)"
+    assert "--first-line: saved 'all', this run 'few-shot' (the default)" in str(err.value)
+    assert "--prompts: saved '" in str(err.value)
+    assert "this run fot's own wording (the default)" in str(err.value)
+    (out / "pred_hotpotqa.jsonl").rename(tmp_path / "pred_hotpotqa.jsonl")
+    main(args)  # a run at the defaults, then one with the options
+    with pytest.raises(ResumeMismatchError) as err:
+        main([*args, "--prompts", str(prompts), "--first-line", "all"])
+    assert "--first-line: saved 'few-shot' (the default), this run 'all'" in str(err.value)
+    assert "--prompts: saved fot's own wording (the default), this run '" in str(err.value)
 
 
 def test_longbench_cli(ckpts, tmp_path):

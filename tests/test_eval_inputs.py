@@ -48,6 +48,29 @@ def test_a_folder_zarr_cannot_read_is_named(tmp_path, command):
               "--out", str(tmp_path / "o")])  # fmt: skip
 
 
+@pytest.mark.parametrize("command", ["per-token-loss", "forgetting-curve"])
+def test_text_files_as_data_are_named_with_the_command_that_tokenizes_them(
+    tmp_path, monkeypatch, command
+):
+    """A folder of .txt files was refused as "neither a token folder nor a zarr array", with no
+    fix; the error now gives the fot.data.prepare command, whose folder the next run takes."""
+    from fot.data.prepare import main as prepare
+
+    monkeypatch.chdir(tmp_path)
+    Path("texts").mkdir()
+    Path("texts/a.txt").write_text("It was a bright cold day in April. " * 20)
+    args = PTL if command == "per-token-loss" else FC
+    argv = [command, str(tmp_path / "missing"), *args, "--out", str(tmp_path / "o")]
+    with pytest.raises(ValueError) as err:
+        main([*argv, "--data", "texts"])
+    fix = "python -m fot.data.prepare texts --out texts_tokens, then pass --data texts_tokens"
+    assert str(err.value).endswith(fix), err.value
+    assert prepare(["texts", "--out", "texts_tokens"]) == 0
+    with pytest.raises(FileNotFoundError, match="missing"):  # past the data: the checkpoint
+        main([*argv, "--data", "texts_tokens"])
+    assert not (tmp_path / "o").exists()
+
+
 @pytest.mark.parametrize("bad", [99_999, -1])
 @pytest.mark.parametrize("command", ["per-token-loss", "forgetting-curve"])
 def test_token_ids_outside_the_vocabulary_are_named(llama, tmp_path, command, bad):
@@ -57,6 +80,7 @@ def test_token_ids_outside_the_vocabulary_are_named(llama, tmp_path, command, ba
     args = PTL if command == "per-token-loss" else FC
     with pytest.raises(ValueError, match=rf"--data .*z\.zarr.* token id {bad}, .*of {VOCAB} ids"):
         main([command, str(llama), *args, "--data", str(data), "--out", str(tmp_path / "o")])
+    assert not (tmp_path / "o").exists()  # nor its run_config.json and resume record
     # the failed run left no results, so it does not keep the other command out of its --out
     # (a failed per-token-loss used to make forgetting-curve refuse the folder)
     other = "forgetting-curve" if command == "per-token-loss" else "per-token-loss"

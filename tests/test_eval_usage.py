@@ -612,6 +612,26 @@ def test_longbench_max_length_past_a_position_table_names_the_value_that_fits(tm
     main([*argv, "--max-length", str(fits)])  # the advice works
     pred = json.loads((tmp_path / "o" / "pred_hotpotqa.jsonl").read_text())
     assert pred["prompt_tokens"] == fits + 1
+    # narrativeqa generates 128 tokens: with BOS no prompt fits a table of 128 at any
+    # --max-length, which the error said to pass; now it says why only leaving it out works
+    (data / "narrativeqa.jsonl").write_text(json.dumps({**row, "_id": "n"}) + "\n")
+    argv[argv.index("hotpotqa")] = "narrativeqa"
+    with pytest.raises(ValueError) as err:
+        main([*argv[:-1], str(tmp_path / "n")])
+    assert str(err.value) == (
+        "the model's context length 128 leaves no room for the prompts of narrativeqa (128 "
+        "generated tokens); the model takes at most 128 positions (its learned position "
+        "table), so leave these tasks out of --tasks"
+    )
+    ckpt_256 = make_gpt2_checkpoint(tmp_path / "gpt2_256", n_positions=256)
+    with open(ckpt_256 / "config.json") as f:  # a context length below the table's: it fits
+        config = json.load(f)
+    config["train_length"] = 128
+    (ckpt_256 / "config.json").write_text(json.dumps(config))
+    argv[argv.index(str(ckpt))] = str(ckpt_256)
+    with pytest.raises(ValueError, match=r"generated tokens\); pass --max-length \(prompt tok"):
+        main([*argv[:-1], str(tmp_path / "n")])
+    assert not (tmp_path / "n").exists()
 
 
 @pytest.mark.parametrize(

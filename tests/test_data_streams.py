@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import signal
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -801,6 +802,22 @@ def test_prepare_never_deletes_a_folder_that_is_not_a_token_folder(tmp_path, cap
     assert main(args) == 0
     assert main([str(corpus / "1.txt"), "--out", str(tok)]) == 0
     assert len(TokenDocuments(tok)) == 1
+    # but not one that holds more than its tokens: a run trained in it, the input texts (it
+    # was deleted whole, with them)
+    before = {p.name: p.read_bytes() for p in tok.iterdir()}
+    (tok / "run").mkdir()
+    (tok / "run" / "notes.txt").write_text("keep me")
+    shutil.copytree(corpus, tok / "texts")
+    capsys.readouterr()
+    for inputs in ([str(corpus)], [str(tok / "texts")]):
+        assert main([*inputs, "--out", str(tok)]) == 2
+        assert capsys.readouterr().err == (
+            f"error: --out {tok} is a token folder that also holds run, texts, which replacing "
+            "it would delete; move them out of it first, or choose a new folder for --out\n"
+        )
+    assert (tok / "run" / "notes.txt").read_text() == "keep me"
+    assert sorted(p.name for p in (tok / "texts").iterdir()) == [f"{i}.txt" for i in range(4)]
+    assert {p.name: p.read_bytes() for p in tok.iterdir() if p.is_file()} == before
 
 
 @pytest.mark.parametrize("held_out", [False, True])

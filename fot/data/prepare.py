@@ -63,6 +63,7 @@ from typing import Any
 import numpy as np
 
 from fot.data.hf import TEXT_SUFFIXES
+from fot.data.tokens import FILES as TOKEN_FILES
 from fot.data.tokens import (
     TokenDocuments,
     is_token_folder,
@@ -409,10 +410,13 @@ def _absolute(path: str | Path) -> Path:
 
 
 def _check_replaceable(path: str | Path, flag: str) -> None:
-    """Refuse an output path that exists and is not a token folder (it would be deleted).
+    """Refuse an output path that exists and is not a token folder (it would be deleted), or
+    a token folder that holds anything else (a run's folder, the input texts): replacing it
+    deletes the whole folder.
 
     Raises:
-        ValueError: ``path`` is a file, or a folder without a ``fot-tokens`` ``meta.json``.
+        ValueError: ``path`` is a file, a folder without a ``fot-tokens`` ``meta.json``, or a
+            token folder with other files or folders in it.
     """
     p = _absolute(path)
     blocker = next((a for a in p.parents if a.exists() and not a.is_dir()), None)
@@ -431,6 +435,14 @@ def _check_replaceable(path: str | Path, flag: str) -> None:
             f"{flag} {p} exists and is not a token folder; it would be replaced, and everything "
             f"in it deleted. Choose a new folder for {flag} (an existing token folder is "
             "replaced), or delete it yourself first"
+        )
+    others = sorted(name for name in os.listdir(p) if name not in TOKEN_FILES)
+    if others:
+        shown = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
+        raise ValueError(
+            f"{flag} {p} is a token folder that also holds {shown}, which replacing it would "
+            f"delete; move {'them' if len(others) > 1 else 'it'} out of it first, or choose a "
+            f"new folder for {flag}"
         )
 
 
@@ -579,7 +591,7 @@ def main(argv: list[str] | None = None) -> int:
         "--out",
         required=True,
         help="token folder to write (an existing token folder is replaced; any other "
-        "existing path is refused)",
+        "existing path, or a token folder holding other files, is refused)",
     )
     ap.add_argument(
         "--glob",

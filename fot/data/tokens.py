@@ -38,6 +38,8 @@ logger = logging.getLogger(__name__)
 
 FORMAT = "fot-tokens"
 VERSION = 1
+FILES = ("tokens.bin", "doc_offsets.npy", "meta.json")
+"""The files of a token folder (the layout above)."""
 
 
 def is_token_folder(path: str | os.PathLike) -> bool:

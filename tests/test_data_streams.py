@@ -6,8 +6,8 @@ import itertools
 import json
 import logging
 import os
-import signal
 import shutil
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 

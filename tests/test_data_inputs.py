@@ -471,6 +471,38 @@ def test_prepare_hf_empty_or_undecodable_files_get_one_clear_error(tmp_path, cap
     assert not (tmp_path / "tok").exists()
 
 
+def test_a_relative_path_with_a_typo_is_named_not_looked_up_on_the_hub(
+    tmp_path, capsys, monkeypatch
+) -> None:
+    """`data/my_textz` beside a folder `data` went to datasets as a hub id: offline, a minute
+    of retries and 22 lines, then "Couldn't reach 'data/my_textz' on the Hub". It is a local
+    path, as fot.hub reads one (init_from=, fot.eval), named at once; `owner/name` without a
+    folder `owner` is still a hub id."""
+    import datasets
+
+    from fot.data.prepare import main
+
+    asked = []
+
+    def load_dataset(path, *args, **kwargs):
+        asked.append(path)
+        raise ConnectionError(f"Couldn't reach {path!r} on the Hub (LocalEntryNotFoundError)")
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    monkeypatch.setattr(datasets, "load_dataset_builder", load_dataset)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    assert main(["--hf", "data/my_textz", "--out", "tok"]) == 2
+    assert capsys.readouterr().err.startswith(
+        "error: dataset data/my_textz: data/my_textz does not exist (its folder data does, so "
+        "it is read as a local path, not a hub dataset id). Give a data file or a folder"
+    )
+    assert asked == [] and not (tmp_path / "tok").exists()
+    assert main(["--hf", "someone/corpus", "--out", "tok"]) == 2
+    assert asked == ["someone/corpus"]
+    assert "error: Couldn't reach 'someone/corpus' on the Hub" in capsys.readouterr().err
+
+
 def test_a_folder_datasets_reads_with_another_loader_names_the_text_loader(
     tmp_path, capsys
 ) -> None:

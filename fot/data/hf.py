@@ -41,6 +41,7 @@ from typing import Any, TypeVar
 
 from fot.data.tokens import is_token_folder
 from fot.errors import FotError
+from fot.hub import is_hub_repo_id
 
 _T = TypeVar("_T")
 
@@ -126,6 +127,20 @@ class HFDataset:
             raise HFDataError(
                 f"{where} is a token folder (written by `python -m fot.data.prepare`), already "
                 f"tokenized: train on it with data=tokens data.path={path}"
+            )
+        if (
+            "/" in path
+            and not local.exists()
+            and local.parent.is_dir()
+            and not glob.has_magic(path)
+            and not is_hub_repo_id(path)
+        ):
+            # `runs/notez` beside a folder `runs`: a local path with a typo, which datasets
+            # would look up on the hub (a minute of retries offline, then a hub error)
+            raise HFDataError(
+                f"{where}: {path} does not exist (its folder {local.parent} does, so it is read "
+                "as a local path, not a hub dataset id). Give a data file or a folder of them "
+                f"(.txt, .json, .jsonl, .csv, .parquet, ...), or a loader name with {files_option}"
             )
         self.saved = saved_to_disk(local) if local.is_dir() else None
         """``"Dataset"``/``"DatasetDict"``: a folder written by ``save_to_disk``, read with

@@ -218,6 +218,49 @@ def test_out_dir_that_is_a_file_is_a_one_line_error_and_the_file_is_kept(tmp_pat
     assert f.read_text() == "keep me"
 
 
+def test_out_dir_that_is_an_export_checkpoint_or_token_folder_is_refused(tmp_path) -> None:
+    """out_dir=<run>/hf (meant: init_from=) trained a new run inside the export, its
+    checkpoints, metrics and a nested hf/ beside the model's files; likewise a training
+    checkpoint or a token folder. Each is refused before Hydra starts, naming the option
+    meant; a run folder, new or earlier, is not."""
+    from fot.training.config import out_dir_problem
+
+    export, ckpt, tokens = (
+        tmp_path / "hf",
+        tmp_path / "run" / "checkpoints" / "step_4",
+        tmp_path / "tok",
+    )
+    for folder, files in ((export, ("config.json", "model.safetensors")),
+                          (ckpt, ("trainer.json", "model.pt")), (tokens, ("tokens.bin",))):  # fmt: skip
+        folder.mkdir(parents=True)
+        for name in files:
+            (folder / name).write_text("{}")
+    (tokens / "meta.json").write_text(json.dumps({"format": "fot-tokens", "version": 1}))
+    assert out_dir_problem([f"out_dir={export}"]) == (
+        f"out_dir={export} is an exported model (config.json and weights), not a run folder: "
+        f"to start a run from its weights, pass init_from={export} with a new out_dir"
+    )
+    assert out_dir_problem([f"hydra.run.dir={ckpt}"]) == (
+        f"hydra.run.dir={ckpt} is a training checkpoint, not a run folder: to go on with its "
+        f"run, pass that run's folder (out_dir={tmp_path / 'run'}); to start a new run from "
+        f"its weights, init_from={ckpt} with a new out_dir"
+    )
+    assert out_dir_problem([f"out_dir={tokens}"]) == (
+        f"out_dir={tokens} is a token folder (data), not a run folder: choose a new folder "
+        "for the run"
+    )
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "config.json").write_text("{}")  # no weights: not an export
+    for fine in (tmp_path / "run", tmp_path / "new", tmp_path / "notes"):
+        assert out_dir_problem([f"out_dir={fine}"]) is None, fine
+    before = sorted(p.name for p in export.iterdir())
+    proc = _run_script([sys.executable, str(ROOT / "train.py"), f"out_dir={export}"], cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stderr.startswith(
+        f"train.py: error: out_dir={export} is an exported model"
+    ), proc.stderr[-3000:]
+    assert sorted(p.name for p in export.iterdir()) == before
+
+
 def test_kill_during_checkpoint_write_resumes_from_previous(tmp_path, reference_run) -> None:
     out = tmp_path / "run"
     proc = _small_run_with_fault(out, "kill_in_checkpoint:4")

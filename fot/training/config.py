@@ -15,6 +15,7 @@ standard library and omegaconf; fot's modules are imported inside the functions 
 from __future__ import annotations
 
 import itertools
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -920,6 +921,34 @@ def out_dir_problem(argv: list[str]) -> str | None:
                 f"{key}={value}{where} cannot be written: a read-only file system or no "
                 "permission; choose a folder you can write"
             )
+        problem = _not_a_run_folder(path)
+        if problem:
+            return f"{key}={value} {problem}"
+    return None
+
+
+def _not_a_run_folder(path: Path) -> str | None:
+    """What the existing folder ``path`` is where it is a model export, a training checkpoint
+    or a token folder (a slip for ``init_from=``, ``resume=`` or ``data.path=``), which a run
+    would fill with its own files; ``None`` otherwise."""
+    if (path / "trainer.json").is_file():
+        return (
+            "is a training checkpoint, not a run folder: to go on with its run, pass that run's "
+            f"folder (out_dir={path.parent.parent}); to start a new run from its weights, "
+            f"init_from={path} with a new out_dir"
+        )
+    weights = [*path.glob("*.safetensors"), *path.glob("pytorch_model*.bin")]
+    if (path / "config.json").is_file() and weights:
+        return (
+            "is an exported model (config.json and weights), not a run folder: to start a run "
+            f"from its weights, pass init_from={path} with a new out_dir"
+        )
+    try:  # fot.data.tokens.is_token_folder, without importing fot here (start-up time)
+        meta = json.loads((path / "meta.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if isinstance(meta, dict) and meta.get("format") == "fot-tokens":
+        return "is a token folder (data), not a run folder: choose a new folder for the run"
     return None
 
 

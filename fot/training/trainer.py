@@ -1586,13 +1586,14 @@ def _train(
                 )
             logger.info("config:\n%s", OmegaConf.to_yaml(cfg, resolve=True))
             logger.info(
-                "git %s | %s | %s x %s | %.2fM params (no embedding) | %d steps x %d tokens%s",
+                "git %s | %s | %s x %s | %.2fM params (no embedding) | %d step%s x %d tokens%s",
                 run_info["git_sha"] or "none (fot is not a git checkout)",
                 json.dumps(run_info["versions"]),
                 info.world_size,
                 strategy,
                 n_params / 1e6,
                 total_steps,
+                "" if total_steps == 1 else "s",
                 gbt,
                 f" | resuming from {resume_from} at step {step}"
                 if resume_from

@@ -776,6 +776,47 @@ def _plain_task_file(task: str) -> bool:
     return entry is not None and entry.kind in (Kind.TASK, Kind.PY_TASK)
 
 
+def include_path_files(include_path: str | os.PathLike, tasks: set[str]) -> list[str]:
+    """The files of ``--include-path`` whose content the results of ``tasks`` depend on,
+    relative to it: all but the YAML files of other tasks (a file whose ``task:`` names one
+    task, not in ``tasks``, and not included by a file that counts). Templates, groups,
+    Python helpers and data files count whatever they serve, so that a task file added to
+    the folder later lets the results of the others resume, and a change to any file they
+    may read does not."""
+    import yaml
+
+    class _Loader(yaml.SafeLoader):
+        """Reads lm-eval's ``!function`` tags (and any other) as nothing."""
+
+    _Loader.add_multi_constructor("!", lambda loader, suffix, node: None)
+    root = Path(include_path).resolve()
+    files = sorted(f for f in root.rglob("*") if f.is_file())
+    configs: dict[Path, Any] = {}
+    for f in files:
+        if f.suffix in (".yaml", ".yml"):
+            try:
+                configs[f] = yaml.load(f.read_text(encoding="utf-8"), Loader=_Loader)
+            except (OSError, ValueError, yaml.YAMLError):
+                configs[f] = None  # unreadable: counted
+    other_task = {
+        f
+        for f, cfg in configs.items()
+        if isinstance(cfg, dict) and isinstance(cfg.get("task"), str) and cfg["task"] not in tasks
+    }
+    counted, todo = set(), [f for f in configs if f not in other_task]
+    while todo:
+        f = todo.pop()
+        if f in counted:
+            continue
+        counted.add(f)
+        cfg = configs[f]
+        included = cfg.get("include") if isinstance(cfg, dict) else None
+        for name in included if isinstance(included, list) else [included]:
+            if isinstance(name, str):
+                todo.append((f.parent / name).resolve())
+    return [str(f.relative_to(root)) for f in files if f not in other_task or f in counted]
+
+
 def _task_manager(include_path: str | None, tasks: Sequence[str] = ()) -> Any:
     """An lm-eval ``TaskManager``; when every task in ``tasks`` is a plain task (not a group or
     tag) defined under ``include_path`` or in a YAML file given by its path, one that indexes
@@ -856,6 +897,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             f"--include-path {args.include_path!r} is not a folder; pass the folder that holds "
             "your task YAML files"
         )
+    if args.include_path is not None:
+        folder = Path(args.include_path).resolve()
+        if folder == Path(args.out).resolve() or folder in Path(args.out).resolve().parents:
+            # lm-eval would index the results as task files, and they would change the files
+            # the resume record fingerprints
+            raise ValueError(
+                f"--out {args.out!r} is inside --include-path {str(folder)!r}; choose a folder "
+                f"outside it, e.g. {str(folder.parent / (folder.name + '_eval'))!r}"
+            )
     tm = _task_manager(args.include_path, tasks)
     unknown = [t for t in tasks if t not in tm.task_index and not Path(t).is_file()]
     if unknown or not tasks:  # before the model is loaded
@@ -908,6 +958,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         state=["results.jsonl", "lm_cache_rank*.db"],
         outputs=["results.json", "results.csv", "table1.md", "samples_*.jsonl"],
         restart=args.restart,
+        data_files=(
+            {"--include-path": include_path_files(args.include_path, set(names))}
+            if args.include_path
+            else None
+        ),
     )
     write_run_config(out, "lm-eval", vars(args), args.checkpoint)
     try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 
@@ -331,6 +332,53 @@ def test_a_task_whose_data_or_template_is_broken_is_named_and_leaves_no_new_out(
     with pytest.raises(ValueError, match=cases["fot_bad_field"]):
         main([*args, "--tasks", "fot_toy_mc,fot_bad_field"])
     assert (out / "run_config.json").is_file() and saved() == kept
+
+
+def test_a_task_file_added_to_the_include_path_lets_the_saved_results_extend(setup, tmp_path):
+    """The resume record fingerprinted the whole --include-path folder: a task YAML added
+    there for the next run refused the saved results ("the content ... has changed since").
+    Only the files the run's tasks may read count now: other tasks' YAML files are left out,
+    and a change to a counted file is still named."""
+    from fot.eval.__main__ import main
+    from fot.eval.common import ResumeMismatchError
+    from fot.eval.lm_eval_adapter import include_path_files
+
+    root, _, _ = setup
+    tasks = tmp_path / "tasks"
+    shutil.copytree(root / "tasks", tasks)
+    (tasks / "fot_toy_mc.yaml").write_text(
+        (tasks / "fot_toy_mc.yaml").read_text().replace(str(root / "tasks"), str(tasks))
+    )
+    rolling = (tasks / "fot_toy_rolling.yaml").read_text().replace(str(root / "tasks"), str(tasks))
+    (tasks / "fot_toy_rolling.yaml").unlink()
+    out = tmp_path / "out"
+    args = ["lm-eval", str(root / "ckpt"), "--include-path", str(tasks), "--out", str(out),
+            "--device", "cpu"]  # fmt: skip
+    first = main([*args, "--tasks", "fot_toy_mc"])
+    (tasks / "fot_toy_rolling.yaml").write_text(rolling)  # a task added for the next run
+    both = main([*args, "--tasks", "fot_toy_mc,fot_toy_rolling"])
+    assert both["fot_toy_mc"] == first["fot_toy_mc"] and "fot_toy_rolling" in both
+    # what counts: the run's task files and the data (a template without `task:` too), not
+    # the YAML file of a task it does not run, unless a counted file includes it
+    (tasks / "_template.yaml").write_text("output_type: multiple_choice\n")
+    (tasks / "helper.py").write_text("def f(doc):\n    return doc\n")
+    counted = include_path_files(tasks, {"fot_toy_mc"})
+    assert counted == ["_template.yaml", "fot_toy_mc.yaml", "helper.py", "mc.jsonl", "text.jsonl"]
+    with (tasks / "_template.yaml").open("a") as f:
+        f.write("include: fot_toy_rolling.yaml\n")
+    assert "fot_toy_rolling.yaml" in include_path_files(tasks, {"fot_toy_mc"})
+    (tasks / "_template.yaml").unlink()
+    with (tasks / "fot_toy_mc.yaml").open("a") as f:  # a counted file changed: refused
+        f.write("num_fewshot: 0\n")
+    with pytest.raises(
+        ResumeMismatchError, match=r"--include-path: fot_toy_mc\.yaml in .* changed"
+    ):
+        main([*args, "--tasks", "fot_toy_mc"])
+    # results inside the folder would be indexed and fingerprinted: refused before the model
+    with pytest.raises(ValueError, match=r"--out '.*tasks/o' is inside --include-path"):
+        main(["lm-eval", str(tmp_path / "no_ckpt"), "--include-path", str(tasks),
+              "--tasks", "fot_toy_mc", "--out", str(tasks / "o")])  # fmt: skip
+    assert not (tasks / "o").exists()
 
 
 def test_tasks_all_in_the_include_path_skip_indexing_lm_evals_own(setup, tmp_path):

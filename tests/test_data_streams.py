@@ -1064,6 +1064,16 @@ def test_prepare_of_a_folder_warns_of_the_files_of_data_its_glob_leaves_out(
     assert _decoded(out) == ["csv row"]
     assert main(["--hf", "json", "--data-files", f"{corpus}/**/*.json", "--out", out]) == 0
     assert _decoded(out) == ["json row"]
+    # a folder without one file the glob reads: the error named no file and no command
+    (corpus / "a.txt").unlink()
+    capsys.readouterr()
+    assert main([str(corpus), "--glob", "*.txt", "--out", out]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(
+        f"error: no files matching '*.txt' under {corpus}; {corpus}: --glob '*.txt' leaves out "
+        f"4 file(s) of data under it ({corpus / 'b.md'}, "
+    ), err
+    assert f"`python -m fot.data.prepare {corpus} --glob '*.txt' --glob '*.jsonl' --glob" in err
 
 
 def test_prepare_skips_rows_whose_text_is_none_as_empty_documents(tmp_path, capsys) -> None:

@@ -234,13 +234,18 @@ def iter_texts(
             if broken:
                 _warn(f"{len(broken)} broken symbolic link(s) under {p} skipped (e.g. {broken[0]})")
             files = sorted(f for f in matched if f.is_file())
+            left_out = _left_out_files(p, globs, matched)
             if not files:
+                # the files of data it holds, with the command that reads them, where it has any
                 raise FileNotFoundError(
-                    f"no files matching {' or '.join(map(repr, globs))} under {p}; change "
-                    "--glob (give it several times for several patterns, e.g. --glob '*.txt' "
-                    "--glob '*.md')"
+                    f"no files matching {' or '.join(map(repr, globs))} under {p}; "
+                    + (
+                        left_out
+                        or "change --glob (give it several times for several patterns, e.g. "
+                        "--glob '*.txt' --glob '*.md')"
+                    )
                 )
-            if left_out := _left_out_files(p, globs, matched):
+            if left_out:
                 _warn(left_out)
         else:
             files = [p]

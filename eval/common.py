@@ -1059,8 +1059,8 @@ _SUMMARY_WRITERS = {
 
 
 def check_out_dir(out_dir: str, checkpoint: str) -> None:
-    """Refuse an ``--out`` that is empty, an existing file, or the checkpoint folder or a folder
-    inside it.
+    """Refuse an ``--out`` that is empty, an existing file, a training run's folder, or the
+    checkpoint folder or a folder inside it.
 
     Results written into the checkpoint folder would change its content fingerprint (every other
     results folder of that checkpoint would then refuse to resume, naming a changed checkpoint)
@@ -1087,6 +1087,12 @@ def check_out_dir(out_dir: str, checkpoint: str) -> None:
         raise ValueError(
             f"--out {str(out_dir)!r}: {str(existing)!r} cannot be written (no write permission "
             "or a read-only file system); name an --out in a folder you can write"
+        )
+    if (out / "run_info.json").is_file():  # train.py's record of each start in its folder
+        raise ValueError(
+            f"--out {str(out_dir)!r} is a training run's folder: results written there would mix "
+            "with the run's files (and its lock); choose a folder of their own, e.g. "
+            f"{str(out / 'eval')!r}"
         )
     ckpt = Path(checkpoint).resolve()
     resolved = out.resolve()

@@ -1371,16 +1371,21 @@ def test_out_inside_the_checkpoint_an_empty_out_and_a_file_are_refused(ckpts, tm
     ck = ckpts["llama"]
     before = checkpoint_fingerprint(ck)
     (tmp_path / "afile").write_text("x")
+    run = tmp_path / "run"  # a training run's folder (train.py's run_info.json): gates wrote
+    run.mkdir()  # its results beside the run's, under the run's lock file name
+    (run / "run_info.json").write_text("[]\n")
     for out, message in (
         (str(ck), "is inside the checkpoint folder"),
         (str(ck / "results"), "is inside the checkpoint folder"),
         ("", "--out is empty"),
         (str(tmp_path / "afile"), "is a file, not a folder"),
+        (str(run), f"is a training run's folder: .* e.g. '{run / 'eval'}'"),
     ):
         for command in ("per-token-loss", "gates"):
             with pytest.raises(ValueError, match=message):
                 main([command, str(ck), "--out", out, "--device", "cpu"])
     assert not (ck / "results").exists()
+    assert [p.name for p in run.iterdir()] == ["run_info.json"]
     assert checkpoint_fingerprint(ck) == before  # nothing written into the checkpoint
 
 

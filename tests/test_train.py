@@ -3549,6 +3549,11 @@ def test_resume_warns_where_the_optimizer_or_lr_schedule_differ(tmp_path) -> Non
     )
     assert "optim.lr=0.01 (checkpoint) vs 0.02" in notes[0]
     assert "schedule.min_lr_ratio=0.1 (checkpoint) vs 0.0" in notes[0]
+    # a finished run, rerun with them: no step left, so no "next step's learning rate"
+    done = {**saved, "step": 8, "tokens": 2048}
+    changed = ("schedule.min_lr_ratio=0", "optim.lr=0.02", "optim.weight_decay=0.05")
+    assert check_resume(done, _cfg(tmp_path, *changed), path) == []
+    assert len(check_resume(done, _cfg(tmp_path, *changed, "total_tokens=4096"), path)) == 2
     notes = check_resume(saved, _cfg(tmp_path, f"seed={was.seed + 5}"), path)
     assert len(notes) == 1, notes
     assert f"with seed={was.seed + 5}, but the checkpoint run's seed={was.seed} stays" in notes[0]

@@ -914,7 +914,10 @@ def _optim_changes(
     The learning rates of every step left are compared, in either run's length; a branch
     (``branching``) is compared at its next step only: it is meant to end sooner (a WSD branch
     from the stable phase decays where its parent would not have yet)."""
-    out = []
+    out: list[str] = []
+    gbt = int(cfg.global_batch_tokens)
+    if int(saved.get("tokens", 0)) >= int(now["total_tokens"]) // gbt * gbt:
+        return out  # no step left to train (a finished run, rerun): nothing goes on with them
     was_optim, optim = was.get("optim") or {}, now["optim"]
     diffs = [
         f"optim.{key}={was_optim[key]} (checkpoint) vs {optim[key]} (this run)"
@@ -938,7 +941,6 @@ def _optim_changes(
     was_schedule = was.get("schedule")
     if not isinstance(was_schedule, dict) or "lr" not in was_optim or "total_tokens" not in was:
         return out  # a checkpoint of an older version
-    gbt = int(cfg.global_batch_tokens)
     runs = [
         (
             float(lr),

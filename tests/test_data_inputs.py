@@ -313,7 +313,7 @@ def test_a_folder_written_by_save_to_disk_is_read_with_load_from_disk(tmp_path, 
         )
     assert main(["--hf", str(both), "--out", str(tmp_path / "tok")]) == 2
     assert capsys.readouterr().err == (
-        f"error: dataset {both} (written by DatasetDict.save_to_disk) has no split 'train': "
+        f"python -m fot.data.prepare: error: dataset {both} (written by DatasetDict.save_to_disk) has no split 'train': "
         "the DatasetDict holds the splits 'mine', 'heldout'. Set --split to one of them, or "
         "to a slice of one\n"
     )
@@ -353,7 +353,7 @@ def test_a_folder_given_to_the_other_data_kind_names_the_kind_that_reads_it(
     )
     assert main(["--hf", str(tok), "--out", str(tmp_path / "again")]) == 2
     assert capsys.readouterr().err == (
-        f"error: dataset {tok} is a token folder (written by `python -m fot.data.prepare`), "
+        f"python -m fot.data.prepare: error: dataset {tok} is a token folder (written by `python -m fot.data.prepare`), "
         f"already tokenized: train on it with data=tokens data.path={tok}\n"
     )
     saved = tmp_path / "saved"
@@ -390,7 +390,9 @@ def test_hf_loader_without_data_files_is_refused(tmp_path, monkeypatch, capsys) 
         out = tmp_path / "tok"
         assert main(["--hf", loader, "--out", str(out)]) == 2
         err = capsys.readouterr().err
-        assert err.startswith(f"error: dataset {loader} is datasets' {loader} loader, which ")
+        assert err.startswith(
+            f"python -m fot.data.prepare: error: dataset {loader} is datasets' {loader} loader, which "
+        )
         assert "--data-files FILE" in err and not out.exists()
     # with the files named, the same loader reads them (one document per text file)
     train, _ = build_sources(
@@ -451,14 +453,15 @@ def test_prepare_hf_empty_or_undecodable_files_get_one_clear_error(tmp_path, cap
     assert main(["--hf", "json", "--data-files", str(empty), "--out", out]) == 2
     err = capsys.readouterr().err
     assert err.startswith(
-        f"error: dataset json split 'train': the data files hold no rows ({empty})"
+        f"python -m fot.data.prepare: error: dataset json split 'train': the data files hold no rows ({empty})"
     )
     assert "Traceback" not in err
     for streaming in ([], ["--streaming"]):
         assert main(["--hf", str(corpus), *streaming, "--out", out]) == 2
         err = capsys.readouterr().err
         assert (
-            f"error: dataset {corpus} split 'train': {corpus / 'd.txt'} is not valid UTF-8" in err
+            f"python -m fot.data.prepare: error: dataset {corpus} split 'train': {corpus / 'd.txt'} is not valid UTF-8"
+            in err
         )
         assert "Traceback" not in err
     # a folder that does not exist, or holds no data file: datasets' own text named no fix
@@ -466,7 +469,9 @@ def test_prepare_hf_empty_or_undecodable_files_get_one_clear_error(tmp_path, cap
     for folder, problem in (("missing", "does not exist"), ("bare", "holds no data files")):
         assert main(["--hf", str(tmp_path / folder), "--out", out]) == 2
         err = capsys.readouterr().err
-        assert err.startswith(f"error: dataset {tmp_path / folder}: {tmp_path / folder} {problem}")
+        assert err.startswith(
+            f"python -m fot.data.prepare: error: dataset {tmp_path / folder}: {tmp_path / folder} {problem}"
+        )
         assert "Give a data file or a folder of them (.txt, .json," in err
     assert not (tmp_path / "tok").exists()
 
@@ -494,13 +499,16 @@ def test_a_relative_path_with_a_typo_is_named_not_looked_up_on_the_hub(
     (tmp_path / "data").mkdir()
     assert main(["--hf", "data/my_textz", "--out", "tok"]) == 2
     assert capsys.readouterr().err.startswith(
-        "error: dataset data/my_textz: data/my_textz does not exist (its folder data does, so "
+        "python -m fot.data.prepare: error: dataset data/my_textz: data/my_textz does not exist (its folder data does, so "
         "it is read as a local path, not a hub dataset id). Give a data file or a folder"
     )
     assert asked == [] and not (tmp_path / "tok").exists()
     assert main(["--hf", "someone/corpus", "--out", "tok"]) == 2
     assert asked == ["someone/corpus"]
-    assert "error: Couldn't reach 'someone/corpus' on the Hub" in capsys.readouterr().err
+    assert (
+        "python -m fot.data.prepare: error: Couldn't reach 'someone/corpus' on the Hub"
+        in capsys.readouterr().err
+    )
 
 
 def test_a_folder_datasets_reads_with_another_loader_names_the_text_loader(
@@ -521,7 +529,7 @@ def test_a_folder_datasets_reads_with_another_loader_names_the_text_loader(
     out = tmp_path / "tok"
     assert main(["--hf", str(notes), "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip()
-    head = f"error: dataset {notes} split 'train': datasets chose its "
+    head = f"python -m fot.data.prepare: error: dataset {notes} split 'train': datasets chose its "
     assert err.startswith(head) and "(by their extension: .md), and it failed: " in err, err
     assert "Traceback" not in err and not out.exists()
     hint = err.split("name datasets' text loader and the files: ")[1]
@@ -541,7 +549,10 @@ def test_a_folder_datasets_reads_with_another_loader_names_the_text_loader(
     assert main(["--hf", str(one), "--out", str(tmp_path / "one")]) == 2
     err = capsys.readouterr().err.strip()
     hint = f"--hf text --data-files {one}"  # a plain path needs no quotes
-    assert err == f"error: dataset {one} is a file; datasets reads a file through a loader: {hint}"
+    assert (
+        err
+        == f"python -m fot.data.prepare: error: dataset {one} is a file; datasets reads a file through a loader: {hint}"
+    )
     assert main([*shlex.split(hint), "--out", str(tmp_path / "one")]) == 0
     assert [list(d) for d in TokenDocuments(tmp_path / "one")] == [list(want[0])]
     # the loader named by the file's type, a compressed or upper-case one included
@@ -1180,7 +1191,7 @@ def test_a_folder_whose_path_datasets_globs_to_other_files_is_refused(
     assert main(["--hf", str(notes), "--out", str(tmp_path / "tok")]) == 2
     err = capsys.readouterr().err
     assert err.startswith(
-        f"error: dataset {notes}: datasets reads a folder's path as a glob pattern, and "
+        f"python -m fot.data.prepare: error: dataset {notes}: datasets reads a folder's path as a glob pattern, and "
         f"{notes} {found}"
     )
     assert err.count("\n") == 1 and not (tmp_path / "tok").exists()

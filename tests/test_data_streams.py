@@ -812,7 +812,7 @@ def test_prepare_never_deletes_a_folder_that_is_not_a_token_folder(tmp_path, cap
     for inputs in ([str(corpus)], [str(tok / "texts")]):
         assert main([*inputs, "--out", str(tok)]) == 2
         assert capsys.readouterr().err == (
-            f"error: --out {tok} is a token folder that also holds run, texts, which replacing "
+            f"python -m fot.data.prepare: error: --out {tok} is a token folder that also holds run, texts, which replacing "
             "it would delete; move them out of it first, or choose a new folder for --out\n"
         )
     assert (tok / "run" / "notes.txt").read_text() == "keep me"
@@ -856,7 +856,7 @@ def test_prepare_over_the_file_size_limit_names_the_folder_and_keeps_the_old_one
     assert proc.returncode == 2, proc.stderr[-3000:]
     failed = held if held_out else tok
     assert proc.stderr == (
-        f"error: cannot write {failed}: File too large (the file would exceed the file size "
+        f"python -m fot.data.prepare: error: cannot write {failed}: File too large (the file would exceed the file size "
         "limit (`ulimit -f`) or the file system's). Nothing was replaced, and nothing "
         "half-written is left\n"
     )
@@ -981,7 +981,7 @@ def test_prepare_bad_jsonl_lines_are_named_and_leave_nothing_behind(tmp_path, ca
             assert _decoded(tmp_path / "tok") == ["caf\ufffd"]
         else:
             assert rc == 2 and f"{f}{want}" in err, err
-            assert not err.startswith('error: "')  # a KeyError's quotes
+            assert not err.startswith('python -m fot.data.prepare: error: "')  # a KeyError's quotes
         assert _hidden(tmp_path) == []  # no half-written .tok.tmp-* folder
 
 
@@ -1070,7 +1070,7 @@ def test_prepare_of_a_folder_warns_of_the_files_of_data_its_glob_leaves_out(
     assert main([str(corpus), "--glob", "*.txt", "--out", out]) == 2
     err = capsys.readouterr().err
     assert err.startswith(
-        f"error: no files matching '*.txt' under {corpus}; {corpus}: --glob '*.txt' leaves out "
+        f"python -m fot.data.prepare: error: no files matching '*.txt' under {corpus}; {corpus}: --glob '*.txt' leaves out "
         f"4 file(s) of data under it ({corpus / 'b.md'}, "
     ), err
     assert f"`python -m fot.data.prepare {corpus} --glob '*.txt' --glob '*.jsonl' --glob" in err
@@ -1812,7 +1812,10 @@ def test_prepare_unreachable_hub_or_unreadable_input_is_one_error_line(
     monkeypatch.setattr(datasets, "load_dataset_builder", offline)
     out = tmp_path / "tok"
     assert main(["--hf", "someone/corpus", "--out", str(out)]) == 2
-    assert "error: Couldn't reach 'someone/corpus' on the Hub" in capsys.readouterr().err
+    assert (
+        "python -m fot.data.prepare: error: Couldn't reach 'someone/corpus' on the Hub"
+        in capsys.readouterr().err
+    )
     (tmp_path / "a.txt").write_text("hello")
 
     def denied(self):

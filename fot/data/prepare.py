@@ -657,7 +657,8 @@ def main(argv: list[str] | None = None) -> int:
                 source=source,
             )
     except (*USER_ERRORS, KeyError) as err:  # as train.py: one line (an unreachable hub too)
-        print(f"error: {err.args[0] if isinstance(err, KeyError) else err}", file=sys.stderr)
+        message = err.args[0] if isinstance(err, KeyError) else err
+        print(f"{ap.prog}: error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(

@@ -244,6 +244,11 @@ def config_keys(config_cls: type[PretrainedConfig]) -> frozenset[str]:
     return frozenset(keys)
 
 
+# transformers' fields for sequence-classification heads: no causal LM reads them, so they are
+# never the field a misspelt override meant (num_heads -> num_labels)
+_CLASSIFICATION_KEYS = frozenset({"num_labels", "id2label", "label2id", "problem_type"})
+
+
 def check_override_keys(
     model: str, config_cls: type[PretrainedConfig], overrides: Mapping[str, Any]
 ) -> None:
@@ -265,13 +270,22 @@ def check_override_keys(
     unknown = [key for key in overrides if key not in known]
     if not unknown:
         return
-    # Suggest among the class's own constructor fields first (the others are rarely meant).
-    params = inspect.signature(config_cls.__init__).parameters.values()
-    own = sorted(p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD and p.name != "self")
+    # Suggest among the class's own constructor fields first (the others are rarely meant):
+    # those of every class above PretrainedConfig (fot's FLA wrappers take **kwargs only)
+    own_fields: set[str] = set()
+    for klass in config_cls.__mro__:
+        init = vars(klass).get("__init__")
+        if init is None or not issubclass(klass, PretrainedConfig) or klass is PretrainedConfig:
+            continue
+        params = inspect.signature(init).parameters.values()
+        own_fields.update(
+            p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        )
+    own = sorted(own_fields - {"self"} - {k for k in own_fields if k.startswith("_")})
     hints, fixes = {}, []
     for key in unknown:
         close = difflib.get_close_matches(key, own, n=3, cutoff=0.6) or difflib.get_close_matches(
-            key, sorted(known), n=3, cutoff=0.6
+            key, sorted(known - _CLASSIFICATION_KEYS), n=3, cutoff=0.6
         )
         value = overrides[key]
         hints[f"{key}={value!r}"] = (

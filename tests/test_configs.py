@@ -375,6 +375,19 @@ def test_misspelt_model_override_is_refused_with_the_closest_name(hydra_ctx) -> 
     params = inspect.signature(FoTConfig.__init__).parameters.values()
     named = sorted(p.name for p in params if p.name not in ("self", "kwargs"))
     assert fields == f"FoTConfig fields: {', '.join(named)}"
+    # fot's FLA wrappers take **kwargs: the list was empty, and suggestions came from
+    # transformers' classification fields (num_layer -> num_labels, with a Fix setting it)
+    with pytest.raises(ValueError) as err:
+        presets.config("samba", "tiny", num_layer=2)
+    assert "did you mean 'num_hidden_layers'?" in str(err.value), err.value
+    with pytest.raises(ValueError) as err:
+        presets.config("mamba2", "tiny", num_heads=4)  # derived from expand and head_dim
+    first, fields = str(err.value).splitlines()
+    assert first.endswith("no field is close") and "num_labels" not in str(err.value)
+    mamba2 = type(presets.build_model(presets.config("mamba2", "tiny")).config)
+    base = inspect.signature(mamba2.__mro__[1].__init__).parameters
+    want = sorted(n for n, p in base.items() if n != "self" and p.kind is not p.VAR_KEYWORD)
+    assert fields == f"{mamba2.__name__} fields: {', '.join(want)}"
 
 
 def test_an_fla_model_override_of_the_wrong_type_is_refused(hydra_ctx) -> None:

@@ -1075,6 +1075,15 @@ def test_inputs_of_the_wrong_shape_are_named() -> None:
         m.model()
     embeds = m.get_input_embeddings()(ids(1, 8))  # the fix the message names
     assert torch.equal(m(inputs_embeds=embeds).logits, m(ids(1, 8)).logits)
+    # a dtype named as no torch dtype: was AttributeError "module 'torch' has no attribute"
+    for make in (lambda: fot.FoTConfig(dtype="bf16"), lambda: fot.presets.config("fot_pro", "tiny", dtype="bf16")):  # fmt: skip
+        with pytest.raises(ValueError, match=r"dtype='bf16' is no torch dtype: .* 'bfloat16'"):
+            make()
+    assert fot.FoTConfig(dtype="bfloat16").dtype == torch.bfloat16
+    # float ids: was torch's "Expected tensor for argument #1 'indices'" from the embedding
+    with pytest.raises(ValueError, match=r"integer token ids, got dtype torch.float32; .*long"):
+        m(ids(1, 8).float())
+    assert torch.equal(m(ids(1, 8).float().long()).logits, m(ids(1, 8)).logits)
 
 
 def test_trainer_compute_metrics_gets_the_logits(tmp_path) -> None:

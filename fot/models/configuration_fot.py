@@ -175,6 +175,7 @@ class FoTConfig(PretrainedConfig):
         norm_eps = _take_alias(kwargs, "norm_eps", norm_eps, ("rms_norm_eps",), 1e-6)
         rope_theta = _take_rope_parameters(kwargs, rope_theta)
         _refuse_unsupported_fields(kwargs)
+        _check_dtype_name(kwargs)
         head_dim = kwargs.pop("head_dim", None)
         if head_dim is not None and head_dim * num_heads != hidden_size:
             raise ValueError(
@@ -803,6 +804,22 @@ def _take_rope_parameters(kwargs: dict, rope_theta: float) -> float:
             "pass only rope_theta"
         )
     return float(theta)
+
+
+def _check_dtype_name(kwargs: dict) -> None:
+    """Raise ``ValueError`` for a ``dtype`` (or ``torch_dtype``) string that names no torch
+    dtype (``"bf16"``), which transformers looks up as ``torch.<name>`` (an AttributeError from
+    inside torch)."""
+    import torch
+
+    for key in ("dtype", "torch_dtype"):
+        value = kwargs.get(key)
+        named = isinstance(value, str) and value != "auto"
+        if named and not isinstance(getattr(torch, value, None), torch.dtype):
+            raise ValueError(
+                f"{key}={value!r} is no torch dtype: name one as torch does, e.g. "
+                "'bfloat16', 'float16' or 'float32' (or pass torch.bfloat16)"
+            )
 
 
 def _refuse_unsupported_fields(kwargs: dict) -> None:

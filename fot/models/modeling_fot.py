@@ -1652,14 +1652,20 @@ _GENERATE_ONLY_KWARGS = ("tokenizer", "assistant_tokenizer")
 def _check_input_shapes(
     config: FoTConfig, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None
 ) -> None:
-    """Exactly one of ``input_ids`` ``[B, T]`` and ``inputs_embeds`` ``[B, T, hidden]``, else a
-    ``ValueError`` naming the shape (not an unpacking error from deep inside)."""
+    """Exactly one of ``input_ids`` ``[B, T]`` (integer ids) and ``inputs_embeds``
+    ``[B, T, hidden]``, else a ``ValueError`` naming the shape or dtype (not an unpacking or
+    embedding error from deep inside)."""
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("pass exactly one of input_ids and inputs_embeds")
     if input_ids is not None and input_ids.dim() != 2:
         raise ValueError(
             f"input_ids must be [batch, time], got shape {tuple(input_ids.shape)}; for one "
             "sequence add the batch dimension: input_ids[None]"
+        )
+    if input_ids is not None and (input_ids.is_floating_point() or input_ids.is_complex()):
+        raise ValueError(
+            f"input_ids must hold integer token ids, got dtype {input_ids.dtype}; convert them "
+            "with input_ids.long()"
         )
     if inputs_embeds is not None and (
         inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != config.hidden_size

@@ -632,8 +632,13 @@ def _load(
     weights = read_weight_files(Path(path))
     if dtype == "auto":
         dtype = weights_dtype(weights)
-    elif dtype is not None and not isinstance(dtype, torch.dtype):
-        raise ValueError(f"dtype={dtype!r} is not a torch.dtype, 'auto' or None")
+    elif isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype):
+        dtype = getattr(torch, dtype)  # "bfloat16", as --dtype and from_pretrained take it
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(
+            f"dtype={dtype!r} is not a floating torch dtype (torch.bfloat16 or 'bfloat16', "
+            "float16, float32), 'auto' or None"
+        )
     state = to_state(weights, cfg, fot_config)
     if isinstance(fot_config, FoTConfig):
         model = FoTForCausalLM(fot_config)

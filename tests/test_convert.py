@@ -159,6 +159,14 @@ def test_a_16_bit_conversion_keeps_the_data_independent_forget_gate_fp32(variant
         assert layer.self_attn.fgate_bias.dtype == torch.float32
         want = torch.nn.functional.logsigmoid(bias.double()).float().expand(1, 3, -1)
         torch.testing.assert_close(layer.self_attn.log_fgate(x), want, rtol=1e-6, atol=0)
+    # the dtype by name, as --dtype and from_pretrained take it (was refused as no torch.dtype)
+    named = from_paper(PAPER / variant, dtype="bfloat16")
+    assert all(
+        torch.equal(a, b) for a, b in zip(named.state_dict().values(), model.state_dict().values())
+    )
+    for bad in ("bf16", torch.int8):  # int8: was nn.Module.to's TypeError
+        with pytest.raises(ValueError, match=r"is not a floating torch dtype \(torch.bfloat16"):
+            from_paper(PAPER / variant, dtype=bad)
 
 
 def test_the_command_writes_a_fot_export_that_loads_and_records_json_escaping(tmp_path, capsys):

@@ -499,8 +499,8 @@ def test_a_relative_path_with_a_typo_is_named_not_looked_up_on_the_hub(
     (tmp_path / "data").mkdir()
     assert main(["--hf", "data/my_textz", "--out", "tok"]) == 2
     assert capsys.readouterr().err.startswith(
-        "python -m fot.data.prepare: error: dataset data/my_textz: data/my_textz does not exist (its folder data does, so "
-        "it is read as a local path, not a hub dataset id). Give a data file or a folder"
+        "python -m fot.data.prepare: error: dataset data/my_textz: data/my_textz does not exist. Its folder data exists, "
+        "so it is read as a local path, not a hub dataset id. Give a data file or a folder"
     )
     assert asked == [] and not (tmp_path / "tok").exists()
     assert main(["--hf", "someone/corpus", "--out", "tok"]) == 2

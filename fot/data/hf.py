@@ -137,10 +137,16 @@ class HFDataset:
         ):
             # `runs/notez` beside a folder `runs`: a local path with a typo, which datasets
             # would look up on the hub (a minute of retries offline, then a hub error)
+            local_not_hub = (
+                ""
+                if local.is_absolute()
+                else f" Its folder {local.parent} exists, so it is read as a local path, not a "
+                "hub dataset id."
+            )
             raise HFDataError(
-                f"{where}: {path} does not exist (its folder {local.parent} does, so it is read "
-                "as a local path, not a hub dataset id). Give a data file or a folder of them "
-                f"(.txt, .json, .jsonl, .csv, .parquet, ...), or a loader name with {files_option}"
+                f"{where}: {path} does not exist.{local_not_hub} Give a data file or a folder of "
+                f"them (.txt, .json, .jsonl, .csv, .parquet, ...), or a loader name with "
+                f"{files_option}"
             )
         self.saved = saved_to_disk(local) if local.is_dir() else None
         """``"Dataset"``/``"DatasetDict"``: a folder written by ``save_to_disk``, read with

@@ -198,7 +198,9 @@ def build_corpus(
             s = sources.setdefault(source, {})
             s[f"{split}_docs"] = s.get(f"{split}_docs", 0) + 1
             s[f"{split}_tokens"] = s.get(f"{split}_tokens", 0) + int(ids.size)
-    nbytes = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    # the token folders (a corpus.json of an earlier run into `out` is rewritten below)
+    files = [f for d in ("train", "heldout") for f in (out / d).rglob("*") if f.is_file()]
+    nbytes = sum(f.stat().st_size for f in files)
     summary = {
         "train_docs": len(tr),
         "train_tokens": int(tr.num_tokens),

@@ -781,11 +781,15 @@ def run_meta(device: torch.device, args: argparse.Namespace | None = None) -> di
 
 
 def parse_models(text: str, valid: Sequence[str]) -> list[str]:
-    """``"a,b c"`` -> ``["a", "b", "c"]``, every name checked against ``valid``."""
+    """``"a,b c"`` -> ``["a", "b", "c"]``, every name checked against ``valid`` and named
+    once (a model listed twice would be built and timed twice)."""
     names = [n for n in text.replace(",", " ").split() if n]
     bad = [n for n in names if n not in valid]
     if bad or not names:
         raise SystemExit(f"--models: unknown or empty {bad or text!r}; valid: {','.join(valid)}")
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise SystemExit(f"--models names {','.join(repeated)} more than once; list each once")
     return names
 
 

@@ -426,6 +426,8 @@ def test_train_throughput_default_lr_freezes_the_model(bench):
 def test_train_throughput_bad_args(bench):
     with pytest.raises(SystemExit, match="valid: fot_pro"):
         bench["train_throughput"].main([*TOY, "--models", "fot_pro,gpt5"])
+    with pytest.raises(SystemExit, match="--models names fot_llama more than once; list each"):
+        bench["train_throughput"].main([*TOY, "--models", "fot_llama,hf_llama,fot_llama"])
     with pytest.raises(SystemExit, match="--seq-len must be >= 1"):
         bench["train_throughput"].main([*TOY, "--seq-len", "0"])
     with pytest.raises(SystemExit, match="--lr must be a finite number >= 0"):

@@ -94,6 +94,11 @@ def test_corpus_split_counts_and_round_trip(tmp_path, few_plays):
     }
     assert not s["subsampled"] and s["fits_transfer_limit"]
     assert json.loads((tmp_path / "c" / "corpus.json").read_text()) == s
+    # the size is the two token folders', the same on a rerun into the folder (it counted the
+    # earlier run's corpus.json too)
+    folders = [tmp_path / "c" / d for d in ("train", "heldout")]
+    assert s["bytes_on_disk"] == sum(f.stat().st_size for d in folders for f in d.iterdir())
+    assert make_corpus.build_corpus(tmp_path / "c", [src], heldout_every=2) == s
 
 
 def test_corpus_cap_subsamples_training_documents_only(tmp_path, few_plays):

@@ -281,7 +281,7 @@ def check_override_keys(
         own_fields.update(
             p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
         )
-    own = sorted(own_fields - {"self"} - {k for k in own_fields if k.startswith("_")})
+    own = sorted(k for k in own_fields if k != "self" and not k.startswith("_"))
     hints, fixes = {}, []
     for key in unknown:
         close = difflib.get_close_matches(key, own, n=3, cutoff=0.6) or difflib.get_close_matches(

@@ -116,8 +116,10 @@ def main(cfg: DictConfig) -> None:
         record_interrupted()  # for a rank left waiting, if Ctrl-C reached this process alone
         if int(os.environ.get("RANK", "0")) == 0:  # torchrun interrupts every rank
             out_dir = cfg.out_dir or hydra_cfg.runtime.output_dir
-            branch = cfg.get("branch_from")
-            kept = interrupted_message(out_dir, cfg.resume, branch, sweep)
+            if Path(out_dir).resolve() in OWNS_FOLDER:  # once this job owns its folder
+                kept = interrupted_message(out_dir, cfg.resume, cfg.get("branch_from"), sweep)
+            else:  # the folder goes again, or is left as it was found (the finally below)
+                kept = "interrupted while starting; nothing was written"
             say(f"train.py: {kept}", blank=True)
         sys.exit(130)
 

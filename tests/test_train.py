@@ -3763,6 +3763,7 @@ CTRL_C_AT = """
 import os, runpy, signal, sys, time
 import hydra._internal.config_loader_impl as loader
 import fot.training.config as config
+import fot.training.trainer as trainer
 
 def sigint():
     os.kill(os.getpid(), signal.SIGINT)
@@ -3794,16 +3795,19 @@ elif where == "import_error":
     wrap(config, "register_configs", as_import_error)
 elif where == "swallowed":
     wrap(config, "register_configs", swallowed)
+elif where == "training_starts":  # in train(), before the run owns its folder
+    wrap(trainer, "resolve_strategy", sigint)
 sys.argv[0] = os.path.join(os.environ["FOT_ROOT"], "train.py")
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
-@pytest.mark.parametrize("where", ["composing", "import_error", "swallowed"])
+@pytest.mark.parametrize("where", ["composing", "import_error", "swallowed", "training_starts"])
 def test_ctrl_c_anywhere_before_training_is_one_line(tmp_path, where) -> None:
     """Ctrl-C while Hydra composed the config printed Hydra's ~50-line traceback with status 1,
     and one inside a library's import could come out as that library's ImportError; one that
-    a library swallowed let the run start."""
+    a library swallowed let the run start. One in train() before the run owned its folder
+    named that folder ("interrupted before the first checkpoint of ...") as it was removed."""
     script = tmp_path / "ctrl_c_at.py"
     script.write_text(CTRL_C_AT)
     env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": str(ROOT), "FOT_ROOT": str(ROOT)}

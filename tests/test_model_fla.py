@@ -15,6 +15,7 @@ import copy
 import functools
 import importlib.util
 import json
+import logging
 import math
 import re
 from pathlib import Path
@@ -312,6 +313,17 @@ def test_mamba2_initialises_as_the_papers_code() -> None:
         assert _is_uniform(mixer.out_proj.weight, 1 / math.sqrt(inner) / math.sqrt(layers))
     assert _is_uniform(m.lm_head.weight, 1 / math.sqrt(hidden))
     assert _is_normal(m.backbone.embeddings.weight, 0.02)
+
+
+def test_mamba2s_note_on_its_conv1d_backend_is_logged_once_not_per_layer(caplog) -> None:
+    """FLA's Mamba2 layer logs "Mamba2 does not recommend using Triton's conv1d backend" as
+    it is built, where causal-conv1d is not installed: 24 identical lines for a 760M model,
+    and again for every model built in the process."""
+    with caplog.at_level(logging.WARNING):
+        _paper_sized("mamba2")  # 4 layers
+        _paper_sized("mamba2")
+    notes = [r for r in caplog.records if "does not recommend using Triton" in r.getMessage()]
+    assert len(notes) <= 1, [r.getMessage() for r in notes]
 
 
 def _paper_samba_mlp_width(hidden: int, ratio: float) -> int:

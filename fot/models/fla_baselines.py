@@ -19,6 +19,7 @@ import importlib
 import importlib.util
 import itertools
 import json
+import logging
 import math
 import numbers
 import os
@@ -97,18 +98,38 @@ def _size_fields(model: str, size: str) -> dict[str, Any]:
     }
 
 
+class _OnceEach(logging.Filter):
+    """Lets each message of a logger through once per process: FLA's Mamba2 layers log their
+    note on the conv1d backend once per layer (24 identical lines for a 760M model)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if message in self.seen:
+            return False
+        self.seen.add(message)
+        return True
+
+
 def _fla_models_module():
     try:
         with warnings.catch_warnings():
             # FLA's note on a machine without a GPU ("Triton is not supported on current
             # platform, roll back to CPU"): the CPU is what fot runs the baselines on there
             warnings.filterwarnings("ignore", message="Triton is not supported on current platform")
-            return importlib.import_module("fla.models")
+            module = importlib.import_module("fla.models")
     except ImportError as err:  # pragma: no cover - fla is a hard dependency
         raise ImportError(
             f"the recurrent baselines need flash-linear-attention (pip install "
             f"flash-linear-attention): {err}"
         ) from err
+    mamba2 = logging.getLogger("fla.layers.mamba2")
+    if not any(isinstance(f, _OnceEach) for f in mamba2.filters):
+        mamba2.addFilter(_OnceEach())
+    return module
 
 
 def fla_config(model: str, size: str, **overrides: Any) -> PretrainedConfig:

@@ -190,6 +190,7 @@ def export_hf(
     tokenizer: bool = True,
     max_shard_size: str = "5GB",
     text_escaping: str = "none",
+    replace_run_export: bool = False,
 ) -> Path:
     """Write ``model`` as an HF checkpoint folder loadable by ``AutoModelForCausalLM``.
 
@@ -205,12 +206,17 @@ def export_hf(
         text_escaping: how the training text was escaped before tokenization
             (``fot.tokenizer.TEXT_ESCAPINGS``; ``"json"`` for LongCrawl64), recorded with the
             tokenizer for ``fot.eval``.
+        replace_run_export: replace a training run's own export, ``<run>/hf``, as the run
+            does when it ends; without it that folder is refused (it holds the run's final
+            weights, their only copy once the checkpoints are deleted).
 
     Returns:
         The folder path.
 
     Raises:
         NotADirectoryError: ``path`` is a file.
+        FileExistsError: ``path`` is a training run's own export and ``replace_run_export`` is
+            not set; nothing is written.
         FileExistsError: ``path`` holds files that the export would overwrite (config,
             weights, tokenizer) and is not a folder of an earlier export of a fot model; nothing
             is written. An earlier export is replaced once the new one is complete (written
@@ -245,6 +251,12 @@ def export_hf(
         raise NotADirectoryError(
             f"export_hf: {out} is a file, not a folder; pass the path of a new or empty folder "
             "(created if missing)"
+        )
+    run = None if replace_run_export else _run_of_final_export(out)
+    if run is not None:
+        raise FileExistsError(
+            f"export_hf: {_final_export_refusal(out, run, '<run>/hf_step_<n>')}; or pass "
+            "replace_run_export=True to replace it"
         )
     target = Path(os.path.abspath(out))
     _clean_ended_exports(target)
@@ -484,13 +496,9 @@ def check_export_folder(path: str | os.PathLike, example: str) -> None:
     if not out.is_dir():
         return
     if is_fot_export(out):
-        run = out.parent
-        if out.name == "hf" and (run / "run_info.json").is_file():
-            raise FileExistsError(
-                f"{out} holds the final weights of the training run {run} (it may be their "
-                f"only copy) and is not replaced: write to a folder of its own, e.g. {example}, "
-                f"or move {out} away first"
-            )
+        run = _run_of_final_export(out)
+        if run is not None:
+            raise FileExistsError(_final_export_refusal(out, run, example))
         return
     names = sorted((p.name for p in out.iterdir()), key=lambda n: (n.startswith("."), n))
     if names:
@@ -500,6 +508,23 @@ def check_export_folder(path: str | os.PathLike, example: str) -> None:
             f"e.g. {example}"
         )
         raise FileExistsError(f"{out} is not empty ({shown}) and holds no earlier export: {fix}")
+
+
+def _run_of_final_export(out: Path) -> Path | None:
+    """The training run whose own final export ``out`` is (``<run>/hf``, beside the run's
+    ``run_info.json``), or None."""
+    run = out.parent
+    if out.name == "hf" and (run / "run_info.json").is_file() and is_fot_export(out):
+        return run
+    return None
+
+
+def _final_export_refusal(out: Path, run: Path, example: str) -> str:
+    return (
+        f"{out} holds the final weights of the training run {run} (it may be their only copy) "
+        f"and is not replaced: write to a folder of its own, e.g. {example}, or move {out} "
+        "away first"
+    )
 
 
 def not_exported_message(p: Path) -> str:

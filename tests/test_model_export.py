@@ -472,6 +472,32 @@ def test_export_refuses_to_overwrite_files_it_did_not_write(tmp_path) -> None:
         export_hf(_tiny(0), tmp_path / "file")
 
 
+def test_export_hf_refuses_a_training_runs_own_export_unless_told(tmp_path) -> None:
+    """export_hf(model, "<run>/hf") replaced a finished run's final weights (with a model of
+    another size, too) without a word, which `python -m fot.export` and fot.convert refuse."""
+    from transformers import AutoModelForCausalLM
+
+    run = tmp_path / "run"
+    export_hf(_tiny(0), run / "hf")
+    (run / "run_info.json").write_text("[]\n")  # what makes a folder a training run's
+    before = {p.name: p.read_bytes() for p in (run / "hf").iterdir() if p.is_file()}
+    with pytest.raises(FileExistsError) as err:
+        export_hf(_tiny(1), run / "hf")
+    assert str(err.value) == (
+        f"export_hf: {run / 'hf'} holds the final weights of the training run {run} (it may be "
+        "their only copy) and is not replaced: write to a folder of its own, e.g. "
+        f"<run>/hf_step_<n>, or move {run / 'hf'} away first; or pass replace_run_export=True "
+        "to replace it"
+    )
+    assert before == {p.name: p.read_bytes() for p in (run / "hf").iterdir() if p.is_file()}
+    new = _tiny(1)
+    export_hf(new, run / "hf", replace_run_export=True)  # as the run itself does at its end
+    x = torch.randint(0, VOCAB, (1, 9))
+    with torch.no_grad():
+        got = AutoModelForCausalLM.from_pretrained(run / "hf").eval()(x).logits
+        assert torch.equal(got, new(x).logits)
+
+
 @pytest.mark.parametrize("fails_in", ["weights", "tokenizer"])
 def test_an_export_that_fails_part_way_leaves_the_earlier_export_whole(
     tmp_path, monkeypatch, fails_in

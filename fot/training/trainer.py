@@ -423,20 +423,28 @@ def export_hf_folder(
     state = ckpt.gather_model_state(model)
     with stop_together(f"while exporting to {out}"):  # rank 0's failure stops every rank
         if is_main:
-            export_with_tokenizer(_cpu_model(hf_config, state), out, text_escaping, tokenizer)
+            export_with_tokenizer(
+                _cpu_model(hf_config, state), out, text_escaping, tokenizer, run_export=True
+            )
     return out if is_main else None
 
 
 def export_with_tokenizer(
-    model: nn.Module, out: Path, text_escaping: str, tokenizer: Path | None
+    model: nn.Module,
+    out: Path,
+    text_escaping: str,
+    tokenizer: Path | None,
+    *,
+    run_export: bool = False,
 ) -> Path:
     """:func:`fot.export.export_hf` with GPT-2's tokenizer, or, where ``tokenizer`` is a folder
     (a run's :data:`fot.training.init_weights.TOKENIZER_FOLDER`), with that folder's tokenizer
-    files and its bos, eos and pad token ids in the model's config and generation config."""
+    files and its bos, eos and pad token ids in the model's config and generation config.
+    ``run_export``: ``out`` is the run's own ``<run>/hf``, which this replaces."""
     from fot.export import export_hf
 
     if tokenizer is None or not tokenizer.is_dir():
-        return export_hf(model, out, text_escaping=text_escaping)
+        return export_hf(model, out, text_escaping=text_escaping, replace_run_export=run_export)
     from transformers import AutoTokenizer
 
     from fot.convert import copy_tokenizer
@@ -446,7 +454,7 @@ def export_with_tokenizer(
         setattr(model.config, key, getattr(tok, key))
         if getattr(model, "generation_config", None) is not None:
             setattr(model.generation_config, key, getattr(tok, key))
-    export_hf(model, out, tokenizer=False)
+    export_hf(model, out, tokenizer=False, replace_run_export=run_export)
     copy_tokenizer(tokenizer, out, text_escaping)
     return out
 

@@ -346,6 +346,13 @@ def open_documents(
             from fot.data.tokens import TokenDocuments
 
             return TokenDocuments(path), "tokens"
+        from fot.data.tokens import FILES, is_token_folder
+
+        if path.name in FILES and is_token_folder(path.parent):
+            raise ValueError(
+                f"--data {source!r} is a file of the token folder {path.parent}, which is read "
+                f"whole: pass --data {path.parent}"
+            )
         if not (
             path.suffix == ".zarr" or (path / "zarr.json").is_file() or (path / ".zarray").is_file()
         ):

@@ -71,6 +71,30 @@ def test_text_files_as_data_are_named_with_the_command_that_tokenizes_them(
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("command", ["per-token-loss", "forgetting-curve"])
+def test_a_file_of_a_token_folder_as_data_names_the_folder(tmp_path, monkeypatch, command):
+    """--data <token folder>/tokens.bin was told to tokenize it with fot.data.prepare, which
+    refuses a binary file; the folder itself is what --data takes."""
+    from fot.data.prepare import main as prepare
+
+    monkeypatch.chdir(tmp_path)
+    Path("texts").mkdir()
+    Path("texts/a.txt").write_text("It was a bright cold day in April. " * 20)
+    assert prepare(["texts", "--out", "mine"]) == 0
+    args = PTL if command == "per-token-loss" else FC
+    argv = [command, str(tmp_path / "missing"), *args, "--out", str(tmp_path / "o")]
+    for name in ("tokens.bin", "doc_offsets.npy", "meta.json"):
+        with pytest.raises(ValueError) as err:
+            main([*argv, "--data", f"mine/{name}"])
+        assert str(err.value) == (
+            f"--data 'mine/{name}' is a file of the token folder mine, which is read whole: "
+            "pass --data mine"
+        )
+    with pytest.raises(FileNotFoundError, match="missing"):  # past the data: the checkpoint
+        main([*argv, "--data", "mine"])
+    assert not (tmp_path / "o").exists()
+
+
 @pytest.mark.parametrize("bad", [99_999, -1])
 @pytest.mark.parametrize("command", ["per-token-loss", "forgetting-curve"])
 def test_token_ids_outside_the_vocabulary_are_named(llama, tmp_path, command, bad):

@@ -1059,8 +1059,9 @@ _SUMMARY_WRITERS = {
 
 
 def check_out_dir(out_dir: str, checkpoint: str) -> None:
-    """Refuse an ``--out`` that is empty, an existing file, a training run's folder, or the
-    checkpoint folder or a folder inside it.
+    """Refuse an ``--out`` that is empty, an existing file, a training run's folder, the
+    checkpoint folder or a folder inside it, a token folder, or another model's folder (a
+    training checkpoint or an export).
 
     Results written into the checkpoint folder would change its content fingerprint (every other
     results folder of that checkpoint would then refuse to resume, naming a changed checkpoint)
@@ -1102,6 +1103,22 @@ def check_out_dir(out_dir: str, checkpoint: str) -> None:
             "written there would change the checkpoint (its fingerprint, which every results "
             "folder checks before resuming); choose a folder outside it, e.g. "
             f"{str(ckpt.parent / (ckpt.name + '_eval'))!r}"
+        )
+    from fot.data.tokens import is_token_folder
+
+    if is_token_folder(out):
+        raise ValueError(
+            f"--out {str(out_dir)!r} is a token folder (data): results written there would mix "
+            "with its files, and fot.data.prepare would then refuse to rewrite it; choose a "
+            f"folder of their own, e.g. {str(out.parent / (out.name + '_eval'))!r}"
+        )
+    if (out / "trainer.json").is_file() or (
+        (out / "config.json").is_file() and any(out.glob("*.safetensors"))
+    ):
+        raise ValueError(
+            f"--out {str(out_dir)!r} holds a model (a training checkpoint or an export): "
+            "results written there would mix with the files from_pretrained reads; choose a "
+            f"folder of their own, e.g. {str(out.parent / (out.name + '_eval'))!r}"
         )
 
 

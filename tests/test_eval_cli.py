@@ -26,6 +26,8 @@ from eval_helpers import (
 from srun_tasks import srun_environments
 from zarr_arrays import new_array
 
+from fot.data.prepare import main as prepare
+from fot.data.tokens import FILES as TOKEN_FILES
 from fot.eval.__main__ import build_parser, cli, main
 from fot.eval.common import ResumeMismatchError
 
@@ -1374,12 +1376,25 @@ def test_out_inside_the_checkpoint_an_empty_out_and_a_file_are_refused(ckpts, tm
     run = tmp_path / "run"  # a training run's folder (train.py's run_info.json): gates wrote
     run.mkdir()  # its results beside the run's, under the run's lock file name
     (run / "run_info.json").write_text("[]\n")
+    # a token folder and another model's folders: results went in beside their files (the
+    # token folder was then refused by fot.data.prepare, the other model's fingerprint changed)
+    (tmp_path / "texts").mkdir()
+    (tmp_path / "texts" / "a.txt").write_text("It was a bright cold day in April. " * 20)
+    assert prepare([str(tmp_path / "texts"), "--out", str(tmp_path / "tokens")]) == 0
+    other = ckpts["llama2"]
+    other_before = checkpoint_fingerprint(other)
+    step = tmp_path / "checkpoints" / "step_00000004"  # a training checkpoint
+    step.mkdir(parents=True)
+    (step / "trainer.json").write_text("{}")
     for out, message in (
         (str(ck), "is inside the checkpoint folder"),
         (str(ck / "results"), "is inside the checkpoint folder"),
         ("", "--out is empty"),
         (str(tmp_path / "afile"), "is a file, not a folder"),
         (str(run), f"is a training run's folder: .* e.g. '{run / 'eval'}'"),
+        (str(tmp_path / "tokens"), f"is a token folder .* e.g. '{tmp_path / 'tokens_eval'}'"),
+        (str(other), f"holds a model .* e.g. '{other.parent / (other.name + '_eval')}'"),
+        (str(step), "holds a model \\(a training checkpoint or an export\\)"),
     ):
         for command in ("per-token-loss", "gates"):
             with pytest.raises(ValueError, match=message):
@@ -1387,6 +1402,9 @@ def test_out_inside_the_checkpoint_an_empty_out_and_a_file_are_refused(ckpts, tm
     assert not (ck / "results").exists()
     assert [p.name for p in run.iterdir()] == ["run_info.json"]
     assert checkpoint_fingerprint(ck) == before  # nothing written into the checkpoint
+    assert checkpoint_fingerprint(other) == other_before
+    assert sorted(p.name for p in (tmp_path / "tokens").iterdir()) == sorted(TOKEN_FILES)
+    assert [p.name for p in step.iterdir()] == ["trainer.json"]
 
 
 def test_damaged_checkpoint_files_and_devices_are_named(ckpts, tmp_path):

@@ -221,8 +221,8 @@ def test_out_dir_that_is_a_file_is_a_one_line_error_and_the_file_is_kept(tmp_pat
 def test_out_dir_that_is_an_export_checkpoint_or_token_folder_is_refused(tmp_path) -> None:
     """out_dir=<run>/hf (meant: init_from=) trained a new run inside the export, its
     checkpoints, metrics and a nested hf/ beside the model's files; likewise a training
-    checkpoint or a token folder. Each is refused before Hydra starts, naming the option
-    meant; a run folder, new or earlier, is not."""
+    checkpoint, a token folder or a folder of fot.eval results. Each is refused before Hydra
+    starts, naming the option meant; a run folder, new or earlier, is not."""
     from fot.training.config import out_dir_problem
 
     export, ckpt, tokens = (
@@ -248,6 +248,13 @@ def test_out_dir_that_is_an_export_checkpoint_or_token_folder_is_refused(tmp_pat
     assert out_dir_problem([f"out_dir={tokens}"]) == (
         f"out_dir={tokens} is a token folder (data), not a run folder: choose a new folder "
         "for the run"
+    )
+    results = tmp_path / "eval"  # python -m fot.eval's --out (its run_config.json)
+    results.mkdir()
+    (results / "run_config.json").write_text("{}")
+    assert out_dir_problem([f"out_dir={results}"]) == (
+        f"out_dir={results} holds results of python -m fot.eval (run_config.json), not a "
+        "training run: choose a new folder for the run"
     )
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "config.json").write_text("{}")  # no weights: not an export

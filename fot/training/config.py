@@ -921,7 +921,7 @@ def out_dir_problem(argv: list[str]) -> str | None:
                 f"{key}={value}{where} cannot be written: a read-only file system or no "
                 "permission; choose a folder you can write"
             )
-        problem = _not_a_run_folder(path)
+        problem = _not_a_run_folder(path) or _holds_eval_results(path)
         if problem:
             return f"{key}={value} {problem}"
     return None
@@ -949,6 +949,17 @@ def _not_a_run_folder(path: Path) -> str | None:
         return None
     if isinstance(meta, dict) and meta.get("format") == "fot-tokens":
         return "is a token folder (data), not a run folder: choose a new folder for the run"
+    return None
+
+
+def _holds_eval_results(path: Path) -> str | None:
+    """What ``path`` is where it holds ``python -m fot.eval`` results (its ``run_config.json``)
+    and no training run; ``None`` otherwise."""
+    if (path / "run_config.json").is_file() and not (path / "run_info.json").is_file():
+        return (
+            "holds results of python -m fot.eval (run_config.json), not a training run: "
+            "choose a new folder for the run"
+        )
     return None
 
 

@@ -918,6 +918,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"it with python -m fot.export {args.src} {args.out}, "
                 f"or train on from its weights with train.py init_from={args.src}"
             )
+        if (src / "run_info.json").is_file():  # read_config would say it has no config.json
+            final = src / "hf"
+            loads = (
+                f"its final weights are in {final}; load that as it is (python -m fot.eval, "
+                "train.py init_from=<that folder>, or AutoModelForCausalLM after import fot)"
+                if (final / "config.json").is_file()
+                else "export a checkpoint of it with python -m fot.export "
+                f"{src / 'checkpoints' / 'step_<n>'} {args.out}"
+            )
+            raise ConversionError(
+                f"{args.src} is a training run of fot, which needs no conversion: {loads}"
+            )
         source_config = read_config(src)
         fla = source_kind(source_config) == "fla"
         if dtype == "auto" and source_config.get("model_type") in PAPER_BASELINE_MODEL_TYPES:

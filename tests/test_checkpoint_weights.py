@@ -790,6 +790,11 @@ def test_a_fot_checkpoint_or_model_where_another_kind_is_read_names_the_option_t
         f"conversion: export it with python -m fot.export {step} {out}, or train on from its "
         f"weights with train.py init_from={step}"
     )
+    assert convert_error(str(source_run), str(out)) == (  # was: "has no config.json"
+        f"python -m fot.convert: error: {source_run} is a training run of fot, which needs no "
+        f"conversion: its final weights are in {hf}; load that as it is (python -m fot.eval, "
+        "train.py init_from=<that folder>, or AutoModelForCausalLM after import fot)"
+    )
     assert convert_error(str(hf), str(out)) == (
         "python -m fot.convert: error: config.json has model_type 'fot': the folder holds a fot "
         "model already, which needs no conversion; load it as it is (python -m fot.eval, "

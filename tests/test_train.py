@@ -2583,6 +2583,30 @@ def test_a_sweep_over_a_data_path_that_is_not_there_stops_before_any_job_trains(
     assert not sweep.exists() and not (tmp_path / "multirun").exists()
 
 
+def test_sweep_jobs_whose_out_dir_is_one_folder_are_refused_before_any_job_trains(
+    tmp_path,
+) -> None:
+    """out_dir=runs/${model.name} while sweeping the learning rate put both jobs in one
+    folder: job #1 found job #0's finished run and did nothing ("nothing to do"), and the
+    sweep exited 0 with one result for two learning rates. Each job's out_dir is resolved
+    before the first trains; jobs that share one are named, and nothing is made."""
+    sweep = tmp_path / "sweep"
+    runs = tmp_path / "runs"
+    res = _run_script(
+        _sweep_args(sweep, "optim.lr=0.001,0.003", f"out_dir={runs}/${{model.name}}"),
+        cwd=tmp_path,
+    )
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert res.stderr == (
+        "train.py: error: jobs #0 (optim.lr=0.001) and #1 (optim.lr=0.003) of the sweep would "
+        f"both run in out_dir={runs / 'fot_pro'}: the later one would go on from the earlier "
+        "one's run instead of training its own. No job has started: put a swept value in "
+        "out_dir (e.g. out_dir=runs/${hydra:job.num}) or leave out_dir out (each job then gets "
+        "its own folder)\n"
+    )
+    assert not sweep.exists() and not runs.exists() and not (tmp_path / "multirun").exists()
+
+
 def test_a_sweep_job_refused_while_starting_leaves_no_folder_behind(tmp_path) -> None:
     """A job of a new sweep that training refused after Hydra had made its folder (data=hf
     with a data.path that is not there: a hub name is not checked before the sweep) left the

@@ -786,6 +786,11 @@ def sweep_job_problem(argv: list[str], config_dir: str | os.PathLike) -> str | N
     world_size = int(os.environ.get("WORLD_SIZE", "1") or 1)
     swept = {o.get_key_element() for o in parsed if o.is_sweep_override()}
     saved_hydra = HydraConfig.instance().cfg
+    folders: dict[Path, int] = {}  # each job's run folder, and the first job to run there
+
+    def label(num: int) -> str:
+        return " ".join(o for o in jobs[num] if o.split("=", 1)[0] in swept)
+
     try:
         with initialize_config_dir(config_dir=str(Path(config_dir).resolve()), version_base="1.3"):
             for num, job in enumerate(jobs):
@@ -802,11 +807,23 @@ def sweep_job_problem(argv: list[str], config_dir: str | os.PathLike) -> str | N
                     check_sizes(cfg, world_size)
                     check_data_paths(cfg.data)
                 except USER_ERRORS as err:
-                    label = " ".join(o for o in job if o.split("=", 1)[0] in swept)
                     refusal = str(err).rstrip(".")  # most end in a full stop, as this does
                     return (
-                        f"job #{num} of the sweep ({label}) would be refused: {refusal}. No job "
-                        "has started: change that value or leave it out of the sweep"
+                        f"job #{num} of the sweep ({label(num)}) would be refused: {refusal}. "
+                        "No job has started: change that value or leave it out of the sweep"
+                    )
+                try:
+                    folder = Path(str(cfg.out_dir)).expanduser().resolve()
+                except Exception:  # an interpolation that does not resolve: Hydra names it
+                    return None
+                first = folders.setdefault(folder, num)
+                if first != num:  # the later job would resume (or find finished) the first's run
+                    return (
+                        f"jobs #{first} ({label(first)}) and #{num} ({label(num)}) of the sweep "
+                        f"would both run in out_dir={folder}: the later one would go on from "
+                        "the earlier one's run instead of training its own. No job has started: "
+                        "put a swept value in out_dir (e.g. out_dir=runs/${hydra:job.num}) or "
+                        "leave out_dir out (each job then gets its own folder)"
                     )
     finally:
         HydraConfig.instance().cfg = saved_hydra

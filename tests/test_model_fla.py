@@ -17,7 +17,10 @@ import importlib.util
 import json
 import logging
 import math
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -26,6 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from fot import presets
+
+ROOT = Path(__file__).resolve().parents[1]
 
 VOCAB = 300
 # Overrides of the tiny preset for the tests whose checks hold at any width. On the CPU FLA's
@@ -231,9 +236,27 @@ def test_fla_presets_are_fla_classes_at_paper_sizes() -> None:
 
 
 @pytest.mark.skipif(importlib.util.find_spec("flash_attn") is not None, reason="flash-attn present")
-def test_samba_without_flash_attn_says_what_to_install() -> None:
+def test_samba_without_flash_attn_says_what_to_install(tmp_path) -> None:
+    """train.py model=samba (under TRITON_INTERPRET=1, as the CPU refusal suggests) printed
+    Hydra's traceback of the ImportError with status 1, after making the run folder: it is
+    now refused with the config checks, in one line, and nothing is made."""
     with pytest.raises(ImportError, match="flash-attn"):
         presets.build_model(presets.config("samba", "tiny"))
+    out = tmp_path / "run"
+    res = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "model=samba", "data.seq_len=64",
+         "total_tokens=1024", "data.val_tokens=128", f"out_dir={out}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "TRITON_INTERPRET": "1", "WANDB_MODE": "disabled"},
+    )  # fmt: skip
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert res.stderr.startswith(
+        "train.py: error: model=samba: FLA's Samba uses flash-attn for its sliding-window "
+        "attention layers: install it on the GPU machine (pip install flash-attn "
+        "--no-build-isolation) to build 'samba'\n"
+    )
+    assert "Traceback" not in res.stderr, res.stderr
+    assert not out.exists()
 
 
 # Initialisation as the paper's code draws it (transformers 4.44, FLA at 1c5937e). Oracles:

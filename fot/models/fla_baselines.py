@@ -35,6 +35,8 @@ from transformers import PretrainedConfig
 from transformers import initialization as init
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from fot.errors import MissingPackageError
+
 IGNORE_INDEX = -100
 
 # name -> (FLA config class, FLA model class, varlen support through cu_seqlens)
@@ -777,6 +779,22 @@ def _has_attention(config: PretrainedConfig) -> bool:
     )
 
 
+def missing_package(config: PretrainedConfig) -> str | None:
+    """Why the FLA baseline of ``config`` cannot be built here, where a package it needs is not
+    installed (Samba's attention layers need ``flash-attn``: FLA's choice); ``None`` where it
+    can."""
+    if (
+        _fla_name(config) == "samba"
+        and _has_attention(config)
+        and importlib.util.find_spec("flash_attn") is None
+    ):
+        return (
+            "FLA's Samba uses flash-attn for its sliding-window attention layers: install it "
+            "on the GPU machine (pip install flash-attn --no-build-isolation) to build 'samba'"
+        )
+    return None
+
+
 def build_fla_model(config: PretrainedConfig) -> torch.nn.Module:
     """Instantiate the (wrapped) FLA model for an FLA config from :func:`fla_config`.
 
@@ -789,15 +807,9 @@ def build_fla_model(config: PretrainedConfig) -> torch.nn.Module:
     """
     name = _fla_name(config)
     register_auto_classes()
-    if (
-        name == "samba"
-        and _has_attention(config)
-        and importlib.util.find_spec("flash_attn") is None
-    ):
-        raise ImportError(
-            "FLA's Samba uses flash-attn for its sliding-window attention layers: install it "
-            "on the GPU machine (pip install flash-attn --no-build-isolation) to build 'samba'"
-        )
+    missing = missing_package(config)
+    if missing is not None:
+        raise MissingPackageError(missing)
     model = fla_model_class(name)(config)
     # HGRN2's per-layer lower bounds (logits of its forget gates' floors) take no weight
     # decay, which would pull them to equal floors: the paper's code marks them so, FLA does not

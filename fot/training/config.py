@@ -453,6 +453,13 @@ def check_config(cfg: DictConfig) -> list[str]:
             "transformer_*) train on the CPU"
         )
     model_config = _model_config(cfg)
+    if cfg.model.name in FLA_MODELS:
+        from fot.errors import MissingPackageError
+        from fot.models.fla_baselines import missing_package
+
+        missing = missing_package(model_config)
+        if missing is not None:
+            raise MissingPackageError(f"model={cfg.model.name}: {missing}")
     if on_cpu and getattr(model_config, "attn_backend", None) == "triton":
         raise ValueError(
             f"model.overrides.attn_backend=triton runs the Triton kernels, which need a CUDA GPU "

@@ -61,6 +61,7 @@ def argv_problem(argv: list[str]) -> str | None:
     problems = [checks.unparsable_override(argv)]
     problems += [checks.unknown_override_key(arg, added=not more_configs) for arg in argv]
     problems.append(checks.mistyped_override(argv))  # a known key with a value of another type
+    problems.append(checks.non_dict_override(argv))  # model.overrides=a:1 (or {a:1,b:2} unquoted)
     # +total_tokens=..., +experiment=..., model.overrides.x=... (Hydra: several lines, status 1)
     problems.append(checks.misprefixed_override(argv, None if more_configs else configs))
     if not more_configs:

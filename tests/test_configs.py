@@ -26,6 +26,7 @@ from fot.training.config import (
     check_config,
     claim_default_folder,
     mistyped_override,
+    non_dict_override,
     register_configs,
     unparsable_override,
 )
@@ -1446,6 +1447,48 @@ def test_well_typed_forced_overrides_and_sweeps_pass_the_type_check(hydra_ctx, o
     assert mistyped_override([override]) is None
     if override.startswith("++"):
         compose("train", overrides=[override])  # Hydra accepts it
+
+
+def test_a_dict_field_set_to_something_else_is_named_with_the_quoted_form(
+    hydra_ctx, tmp_path
+) -> None:
+    """``++model.overrides=use_output_gate:false`` (no braces) and the two words the shell
+    makes of an unquoted ``++model.overrides={a:1,b:2}`` were Hydra's four-line "Cannot assign
+    str to Dict[str, Any]" with status 1. The suggested forms compose to the settings meant."""
+    message = non_dict_override(["++model.overrides=use_output_gate:false"])
+    assert message == (
+        "++model.overrides=use_output_gate:false: model.overrides takes a dict of settings; "
+        "write '++model.overrides={use_output_gate:false}', or one setting per override, "
+        "++model.overrides.use_output_gate=false"
+    )
+    split = ["++model.overrides=decay_time_min:64", "++model.overrides=decay_time_max:128"]
+    assert non_dict_override(["model=fot_pro_fixed", *split]) == (
+        f"{' '.join(split)}: model.overrides takes a dict of settings; the shell splits an "
+        "unquoted {a:1,b:2} into one word per setting (brace expansion), so quote it: write "
+        "'++model.overrides={decay_time_min:64,decay_time_max:128}', or one setting per "
+        "override, ++model.overrides.decay_time_min=64"
+    )
+    assert non_dict_override(["data.storage_options=5"]) == (
+        "'data.storage_options=5': data.storage_options takes a dict of settings, e.g. "
+        "'++data.storage_options={name:value}' (quoted) or ++data.storage_options.name=value; "
+        "{} for none"
+    )
+    assert non_dict_override(["model.overrides=null"]).startswith(
+        "'model.overrides=null': model.overrides takes a dict of settings"
+    )
+    for bad in (["++model.overrides=use_output_gate:false"], split, ["model.overrides=null"]):
+        with pytest.raises(ConfigCompositionException):  # Hydra refuses them (exit status 1)
+            compose("train", overrides=bad)
+    for good in (["++model.overrides={decay_time_min:64,decay_time_max:128}"],
+                 ["++model.overrides.use_output_gate=false"], ["++model.overrides={}"],
+                 ["model=fot_pro"]):  # fmt: skip
+        assert non_dict_override(good) is None, good
+        compose("train", overrides=good)
+    cfg = compose("train", overrides=["++model.overrides={decay_time_min:64,decay_time_max:128}"])
+    assert dict(cfg.model.overrides) == {"decay_time_min": 64, "decay_time_max": 128}
+    assert _train_py_refuses(tmp_path, "++model.overrides=use_output_gate:false") == (
+        f"train.py: error: {message}\n"
+    )
 
 
 def test_train_py_names_a_mistyped_value_in_one_line_with_status_2(tmp_path) -> None:

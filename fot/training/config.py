@@ -1358,6 +1358,64 @@ def mistyped_override(args: list[str]) -> str | None:
     return None
 
 
+def non_dict_override(args: list[str]) -> str | None:
+    """A message for the first command-line override that sets a free-form dict field
+    (``model.overrides``, ``data.storage_options``) to something other than a dict, e.g.
+    ``++model.overrides=use_output_gate:false``, or the two words the shell makes of an unquoted
+    ``++model.overrides={a:1,b:2}`` (brace expansion); ``None`` when there is none. Hydra
+    refuses them in its own four-line form ("Cannot assign str to Dict[str, Any]") with exit
+    status 1.
+
+    Args:
+        args: the command line after ``train.py``.
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    parser = OverridesParser.create()
+    dicts = {
+        key
+        for key, node in _config_nodes(OmegaConf.structured(TrainConfig)).items()
+        if isinstance(node, DictConfig)
+    }
+    found: dict[str, list[str]] = {}
+    for arg in args:
+        if arg.startswith(("-", "~")) or "=" not in arg:
+            continue
+        try:
+            override = parser.parse_overrides([arg])[0]
+        except OverrideParseException:
+            continue  # unparsable_override names it
+        key = override.key_or_group
+        if key not in dicts or override.package is not None or override.is_sweep_override():
+            continue
+        value = override.value()
+        if isinstance(value, dict) or (isinstance(value, str) and "${" in value):
+            continue
+        found.setdefault(key, []).append(arg)
+    for key, bad in found.items():
+        plus = bad[0][: len(bad[0]) - len(bad[0].lstrip("+"))] or "++"
+        pairs = [a.split("=", 1)[1] for a in bad]
+        if all(":" in pair for pair in pairs):
+            quoted = f"'{plus}{key}={{{','.join(pairs)}}}'"
+            split = (
+                "the shell splits an unquoted {a:1,b:2} into one word per setting (brace "
+                "expansion), so quote it: "
+                if len(bad) > 1
+                else ""
+            )
+            k, v = pairs[0].split(":", 1)
+            return (
+                f"{' '.join(bad)}: {key} takes a dict of settings; {split}write {quoted}, "
+                f"or one setting per override, {plus}{key}.{k}={v}"
+            )
+        return (
+            f"{bad[0]!r}: {key} takes a dict of settings, e.g. '{plus}{key}={{name:value}}' "
+            f"(quoted) or {plus}{key}.name=value; {{}} for none"
+        )
+    return None
+
+
 def _kind(node: Any) -> str:
     """What a leaf field takes, in words, for the message of :func:`mistyped_override`."""
     from omegaconf import BooleanNode, FloatNode, IntegerNode, ListConfig, StringNode

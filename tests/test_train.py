@@ -3585,6 +3585,18 @@ def test_resume_warns_where_the_optimizer_or_lr_schedule_differ(tmp_path) -> Non
     changed = ("schedule.min_lr_ratio=0", "optim.lr=0.02", "optim.weight_decay=0.05")
     assert check_resume(done, _cfg(tmp_path, *changed), path) == []
     assert len(check_resume(done, _cfg(tmp_path, *changed, "total_tokens=4096"), path)) == 2
+    # the same batch summed in other parts (helper-174: no warning, and the losses moved in
+    # the last bits)
+    (note,) = check_resume(saved, _cfg(tmp_path, "micro_batch_size=1"), path)
+    assert note == (
+        f"resuming from {path} with another implementation setting: micro_batch_size=2 "
+        "(checkpoint) vs 1 (this run); the model and training state are the checkpoint's, but "
+        "losses may differ from an uninterrupted run in rounding"
+    )
+    on_2 = {**saved, "sizes": {"world_size": 2}}
+    (note,) = check_resume(on_2, _cfg(tmp_path), path, world_size=1)
+    assert "another implementation setting: 2 processes (checkpoint) vs 1 (this run)" in note
+    assert check_resume(on_2, _cfg(tmp_path), path, world_size=2) == []
     notes = check_resume(saved, _cfg(tmp_path, f"seed={was.seed + 5}"), path)
     assert len(notes) == 1, notes
     assert f"with seed={was.seed + 5}, but the checkpoint run's seed={was.seed} stays" in notes[0]

@@ -764,6 +764,7 @@ def check_resume(
     *,
     branching: bool = False,
     compute: str | None = None,
+    world_size: int | None = None,
 ) -> list[str]:
     """Refuse to resume a checkpoint of another model, batch shape or data kind, before any
     tensor loads.
@@ -778,14 +779,16 @@ def check_resume(
             compared with the checkpoint's record of its run; a checkpoint of an older
             version, which has none, is compared by ``parallel.precision`` and
             ``parallel.param_precision`` as written.
+        world_size: this run's process count, compared with the checkpoint run's where the
+            checkpoint records it.
 
     Returns:
         Warnings for the caller to log, one per setting the run resumes with although it
         differs from the checkpoint's: a ``model.overrides`` field of
         :data:`fot.models.configuration_fot.IMPLEMENTATION_FIELDS` (kernel backend, loss
         implementation, chunk size, recomputation: how the same model is computed), the
-        precision it is computed in (``compute``) or ``parallel.reduce_precision``, or a
-        field of :data:`DATA_SOURCE_FIELDS` (where the training data is read from; the data
+        precision it is computed in (``compute``) or ``parallel.reduce_precision``, how a
+        step's batch is summed (``micro_batch_size``, the process count), or a field of :data:`DATA_SOURCE_FIELDS` (where the training data is read from; the data
         position is the checkpoint's), other AdamW settings (betas, eps, weight decay, clip),
         or a learning rate that differs from the checkpoint run's at any step left (at the
         next step for a branch; ``optim.lr``, ``schedule``, ``total_tokens``); the run goes on
@@ -849,6 +852,15 @@ def check_resume(
                         f"parallel.{key}={was_parallel[key]} (checkpoint) vs "
                         f"{now['parallel'].get(key)}"
                     )
+            # the same batch, summed in other parts: its gradients round differently
+            was_micro = config.get("micro_batch_size")
+            if was_micro is not None and was_micro != now["micro_batch_size"]:
+                changed.append(
+                    f"micro_batch_size={was_micro} (checkpoint) vs {now['micro_batch_size']}"
+                )
+            was_world = saved.get("sizes", {}).get("world_size")
+            if was_world is not None and world_size is not None and was_world != world_size:
+                changed.append(f"{was_world} processes (checkpoint) vs {world_size}")
             for key in DATA_SOURCE_FIELDS:
                 if key in was_data and was_data[key] != data[key]:
                     changed.append(f"data.{key}={was_data[key]} (checkpoint) vs {data[key]}")
@@ -1276,7 +1288,12 @@ def _train(
     if resume_from is not None:
         compute = compute_precision(cfg.parallel, strategy, info.device)
         for note in check_resume(
-            saved, cfg, resume_from, branching=branching is not None, compute=compute
+            saved,
+            cfg,
+            resume_from,
+            branching=branching is not None,
+            compute=compute,
+            world_size=info.world_size,
         ):
             if info.is_main:
                 logger.warning(note)
@@ -1636,7 +1653,7 @@ def _train(
                 "step": at_step,
                 "tokens": tokens,
                 "data": stream.state_dict(),
-                "sizes": {"global_batch_tokens": gbt, "seq_len": T},
+                "sizes": {"global_batch_tokens": gbt, "seq_len": T, "world_size": info.world_size},
                 "wandb_id": metrics.wandb_id,
                 "log_window": {"loss_sum": float(window[0]), "label_tokens": int(window[1])},
                 # what the last step read, for a resumed run to check (rank 0 writes the state)

@@ -380,6 +380,30 @@ def test_batched_generate_with_the_exported_tokenizer_as_it_is(tmp_path) -> None
     assert healed[0, 0] == tok.bos_token_id and text.startswith("Hello wor"), text
 
 
+@pytest.mark.parametrize("name", ["fot_pro", "transformer_llama"])
+def test_generate_without_a_mask_conditions_on_the_bos_whatever_the_eos(tmp_path, name) -> None:
+    """generate(input_ids, eos_token_id=198) without an attention_mask: transformers inferred
+    the mask from the pad id (50256, which is also the BOS the tokenizer puts first) because
+    eos differed from it, masked the BOS, and the output was that of the prompt without it
+    (helper-175). Oracle: a forward pass over the whole generated sequence, BOS included."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    cfg = presets.config(name, "tiny", attn_backend="reference", hidden_size=64, num_heads=2,
+                         num_hidden_layers=2)  # fmt: skip
+    folder = export_hf(presets.build_model(cfg), tmp_path / "m")
+    tok, model = AutoTokenizer.from_pretrained(folder), AutoModelForCausalLM.from_pretrained(folder)
+    ids = tok("The quick brown fox jumps over the lazy dog and", return_tensors="pt").input_ids
+    assert ids[0, 0] == tok.bos_token_id == model.generation_config.pad_token_id
+    n = ids.shape[1]
+    for eos in (None, 198):
+        out = model.eval().generate(ids, max_new_tokens=4, do_sample=False, eos_token_id=eos,
+                                    return_dict_in_generate=True, output_logits=True)  # fmt: skip
+        with torch.no_grad():
+            whole = model(out.sequences).logits[0, n - 1 : -1]
+        torch.testing.assert_close(torch.stack(out.logits, 1)[0], whole, rtol=0, atol=1e-5)
+
+
 @pytest.mark.skipif(os.name != "posix", reason="file mode bits are POSIX")
 @pytest.mark.parametrize("umask", [0o022, 0o027, 0o077])
 def test_saved_weights_get_the_umask_mode(tmp_path, umask) -> None:

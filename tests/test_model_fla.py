@@ -126,6 +126,25 @@ def test_fla_baseline_generate_decodes_with_its_state(name: str, device) -> None
         assert (scores.float() - want).abs().max() < 1e-3, step
 
 
+def test_fla_baseline_generate_without_a_mask_keeps_the_bos(device) -> None:
+    """generate(ids, eos_token_id=...) without an attention_mask, the pad id being the BOS id
+    (as in fot's exports: 50256 is both): transformers inferred the mask from the pad id,
+    masked the BOS, and the scores were off by 1.35 from the full forward."""
+    m = tiny("deltanet", **SMALL).to(device).eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(2)).to(p) * 0.05)
+    m.config.bos_token_id = m.generation_config.bos_token_id = 7
+    m.generation_config.pad_token_id = 7
+    ids = torch.tensor([[7, 11, 23, 5, 99, 14]], device=device)
+    with torch.no_grad():
+        out = m.generate(ids, max_new_tokens=3, do_sample=False, eos_token_id=9,
+                         output_scores=True, return_dict_in_generate=True)  # fmt: skip
+        full = m(out.sequences).logits.float()
+    for step, scores in enumerate(out.scores):
+        assert (scores.float() - full[:, ids.shape[1] - 1 + step]).abs().max() < 1e-3, step
+
+
 def test_fla_model_types_are_those_of_the_classes() -> None:
     from fot.models.fla_baselines import (
         _FLA_CLASSES,

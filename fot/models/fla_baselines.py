@@ -736,7 +736,10 @@ def fla_model_class(name: str) -> type:
     if name not in _WRAPPED:
         _, model_cls_name, varlen = _FLA_CLASSES[name]
         base = getattr(_fla_models_module(), model_cls_name)
-        mixins = (_SambaMLPs, _FoTContractMixin) if name == "samba" else (_FoTContractMixin,)
+        from fot.models.modeling_fot import BosPadGenerationMixin
+
+        contract = (_FoTContractMixin, BosPadGenerationMixin)
+        mixins = (_SambaMLPs, *contract) if name == "samba" else contract
         _WRAPPED[name] = type(
             f"FoT{model_cls_name}",
             (*mixins, base),

@@ -1869,7 +1869,33 @@ def _fla_fused_linear_ce() -> type | None:
     return FusedLinearCrossEntropyLoss
 
 
-class FoTForCausalLM(FoTPreTrainedModel, GenerationMixin):
+class BosPadGenerationMixin:
+    """``generate`` without an ``attention_mask`` attends to the whole prompt where the pad id
+    is the BOS id (fot's GPT-2 tokenizer: ``<|endoftext|>``, 50256, is both, and starts every
+    tokenized text). transformers infers the mask from the pad id whenever ``eos_token_id``
+    differs from it (``eos_token_id=198`` to stop at a newline): that masked the BOS, which the
+    forward then leaves out, and the output was that of the prompt without it. A padded batch
+    passes the tokenizer's ``attention_mask``, as with any model."""
+
+    def _prepare_attention_mask_for_generation(
+        self, inputs_tensor: torch.Tensor, generation_config: Any, model_kwargs: dict[str, Any]
+    ) -> torch.Tensor:
+        pad = generation_config.pad_token_id
+        bos = generation_config.bos_token_id
+        if bos is None:
+            bos = getattr(self.config, "bos_token_id", None)
+        if pad is not None and pad == bos:
+            if "input_ids" in model_kwargs and model_kwargs["input_ids"].shape[1] > 0:
+                inputs_tensor = model_kwargs["input_ids"]
+            return torch.ones(
+                inputs_tensor.shape[:2], dtype=torch.long, device=inputs_tensor.device
+            )
+        return super()._prepare_attention_mask_for_generation(  # type: ignore[misc]
+            inputs_tensor, generation_config, model_kwargs
+        )
+
+
+class FoTForCausalLM(BosPadGenerationMixin, FoTPreTrainedModel, GenerationMixin):
     """FoT / Transformer language model with an untied, vocab-padded LM head.
 
     ``forward`` returns ``CausalLMOutputWithPast``. When a loss is requested (``labels`` or

@@ -1850,7 +1850,7 @@ def test_the_head_width_check_follows_the_batches_the_data_feeds(
 def test_a_small_vocabulary_trains_from_a_flat_file_of_its_own_ids(hydra_ctx, tmp_path) -> None:
     """A flat .npy/.bin file is read as it is (no <|endoftext|> inserted): another
     tokenizer's ids train there with its vocab_size; other data kinds insert id 50256."""
-    small = ["+model.overrides.vocab_size=32000", "data=tokens"]
+    small = ["+model.overrides.vocab_size=32000", "data=tokens", "data.doc_start_id=1"]
     for name in ("ids.npy", "ids.bin"):
         path = f"data.path={tmp_path / name}"
         check_config(compose("train", overrides=[*small, path]))
@@ -1860,6 +1860,50 @@ def test_a_small_vocabulary_trains_from_a_flat_file_of_its_own_ids(hydra_ctx, tm
             check_config(compose("train", overrides=held_out))  # a token folder's inserted
     with pytest.raises(ValueError, match=r"vocab_size=32000 leaves out .* data=tokens puts"):
         check_config(compose("train", overrides=[*small, f"data.path={tmp_path / 'folder'}"]))
+
+
+def test_flat_files_of_another_tokenizer_put_document_boundaries_at_its_doc_start_id(
+    hydra_ctx, tmp_path
+) -> None:
+    """varlen packing of a flat file put a boundary at every 50256 whatever the tokenizer
+    (helper-176): in Llama 3's ids, whose documents start with 128000, the documents attended
+    to each other and one was cut at its ordinary token 50256. data.doc_start_id names the id;
+    without it such a vocabulary is refused with varlen packing. Oracle: the positions of the
+    BOS written before each document, and the row starts."""
+    from fot.data.loaders import build_sources
+    from fot.data.streams import iterate_eval_batches
+
+    bos = 128000
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(0, 128000, size=n) for n in (20, 7, 33, 12, 25)]
+    docs[2][5] = 50256  # an ordinary token of this vocabulary
+    flat = np.concatenate([np.concatenate([[bos], d]) for d in docs]).astype(np.uint32)
+    np.save(tmp_path / "ids.npy", flat)
+    base = ["data=tokens", f"data.path={tmp_path / 'ids.npy'}", "data.seq_len=16",
+            "+model.overrides.vocab_size=128256"]  # fmt: skip
+    with pytest.raises(ValueError) as err:
+        check_config(compose("train", overrides=base))
+    assert str(err.value).startswith(
+        "data.packing=varlen starts a document at every <|endoftext|> (GPT-2's id 50256) of a "
+        "flat token file, but the model's vocab_size=128256 is not GPT-2's (50257)"
+    ), err.value
+    check_config(compose("train", overrides=[*base, "data.packing=causal"]))
+    cfg = compose("train", overrides=[*base, f"data.doc_start_id={bos}"])
+    check_config(cfg)
+    source, _ = build_sources(cfg.data)
+    (batch,) = iterate_eval_batches(source, num_sequences=6, micro_batch_size=6)
+    ids = batch.input_ids.reshape(-1).numpy()
+    starts = sorted(set(np.flatnonzero(ids == bos)) | set(range(0, ids.size, 16)))
+    assert batch.cu_seqlens.tolist() == [*starts, ids.size]
+    assert 50256 in ids and bos in ids
+    for bad, message in (
+        ("data.doc_start_id=128256", r"data.doc_start_id=128256 is no id of the model's vocab"),
+        ("data.doc_start_id=-1", r"data.doc_start_id=-1 is no id"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            check_config(compose("train", overrides=[*base, bad]))
+    with pytest.raises(ValueError, match=r"data.doc_start_id=5 is read from flat .*: leave it out"):
+        check_config(compose("train", overrides=["data.doc_start_id=5"]))  # the sample corpus
 
 
 def test_from_json_file_reads_an_older_config_json_as_from_pretrained_does(tmp_path) -> None:

@@ -14,7 +14,14 @@ from typing import Any
 import numpy as np
 from omegaconf import OmegaConf
 
-from fot.data.streams import PACKINGS, HFSource, PackedSource, PaddedSource, ZarrRowsSource
+from fot.data.streams import (
+    EOT_ID,
+    PACKINGS,
+    HFSource,
+    PackedSource,
+    PaddedSource,
+    ZarrRowsSource,
+)
 from fot.data.zarr_store import (
     chunk_checker,
     is_url,
@@ -181,6 +188,7 @@ def open_token_path(
     key: str = "data.path",
     storage_options: dict[str, Any] | None = None,
     cache_bytes: int | None = None,
+    doc_start_id: int | None = None,
 ) -> Any:
     """A sequence source for a token folder, a flat ``.npy``/``.bin`` file or a 2-D ``.zarr``.
 
@@ -193,6 +201,8 @@ def open_token_path(
         storage_options: options of a URL's filesystem (``data.storage_options``).
         cache_bytes: a zarr array's chunk cache (``data.cache_mib``; ``None``: sized for
             ``seq_len``).
+        doc_start_id: the id that starts each document of a flat file (``data.doc_start_id``;
+            ``None``: GPT-2's ``<|endoftext|>``).
     """
     from fot.data.tokens import TokenDocuments, is_token_folder
 
@@ -262,8 +272,13 @@ def open_token_path(
             f"don't know how to read {p}: expected a token folder, a .npy/.bin (uint16) token "
             f"file or a .zarr array. {_prepare_hint(key)}"
         )
+    start = EOT_ID if doc_start_id is None else int(doc_start_id)
     return _named(
-        key, p, lambda: PackedSource.from_flat(tokens, seq_len, varlen=packing == "varlen")
+        key,
+        p,
+        lambda: PackedSource.from_flat(
+            tokens, seq_len, varlen=packing == "varlen", doc_start_id=start
+        ),
     )
 
 
@@ -724,8 +739,14 @@ def build_sources(cfg: Any, *, val_unit: int | None = None) -> tuple[Any, Any | 
         if not cfg.path:
             raise ValueError(f"data=tokens needs data.path. {_prepare_hint()}")
         options, cache = _storage_options(cfg), _cache_bytes(cfg)
+        start = getattr(cfg, "doc_start_id", None)
         train = open_token_path(
-            cfg.path, T, cfg.packing, storage_options=options, cache_bytes=cache
+            cfg.path,
+            T,
+            cfg.packing,
+            storage_options=options,
+            cache_bytes=cache,
+            doc_start_id=start,
         )
         val = None
         if cfg.val_path and want_val:
@@ -736,6 +757,7 @@ def build_sources(cfg: Any, *, val_unit: int | None = None) -> tuple[Any, Any | 
                 key="data.val_path",
                 storage_options=options,
                 cache_bytes=cache,
+                doc_start_id=start,
             )
             _warn_if_validating_on_training_data(cfg)
         return train, val

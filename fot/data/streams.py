@@ -321,6 +321,10 @@ class PackedSource:
         label needs the token after the last input): what validation may read without
         wrapping around."""
 
+    doc_start_id = EOT_ID
+    """The id that starts each document in the stream (``varlen`` boundaries): EOT, which
+    fot's readers put before every document, or a flat file's own (:meth:`from_flat`)."""
+
     empty_documents = 0
     """Documents without tokens, which the stream skips (:meth:`from_documents`): each would
     be a lone BOS whose label is the next document's BOS."""
@@ -367,16 +371,26 @@ class PackedSource:
         return source
 
     @classmethod
-    def from_flat(cls, tokens: np.ndarray, seq_len: int, *, varlen: bool = True) -> PackedSource:
-        """Use a flat 1-D token array (memmap) as the packed stream."""
+    def from_flat(
+        cls,
+        tokens: np.ndarray,
+        seq_len: int,
+        *,
+        varlen: bool = True,
+        doc_start_id: int = EOT_ID,
+    ) -> PackedSource:
+        """Use a flat 1-D token array (memmap) as the packed stream, whose documents each
+        start with ``doc_start_id`` (GPT-2's EOT; another tokenizer's BOS)."""
         if tokens.ndim != 1:
             raise ValueError(f"a flat token file must be 1-D, got shape {tokens.shape}")
-        return cls(
+        source = cls(
             lambda s, n: np.array(tokens[s : s + n], dtype=np.int64),
             len(tokens),
             seq_len,
             varlen=varlen,
         )
+        source.doc_start_id = int(doc_start_id)
+        return source
 
     def read(self, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
         T = self.seq_len
@@ -784,18 +798,21 @@ def _no_documents(rows: int) -> str:
 # --------------------------------------------------------------------------------------------
 
 
-def make_batch(inputs: np.ndarray, labels: np.ndarray, *, varlen: bool) -> Batch:
+def make_batch(
+    inputs: np.ndarray, labels: np.ndarray, *, varlen: bool, doc_start_id: int = EOT_ID
+) -> Batch:
     """Turn ``[B, T]`` numpy sequences into a :class:`Batch`.
 
     With ``varlen`` the rows are laid end to end (``B == 1``) and ``cu_seqlens`` marks a
-    boundary at every row start and every EOT (BOS) position, so attention never crosses a
-    document.
+    boundary at every row start and every position holding ``doc_start_id`` (EOT, the BOS
+    fot puts before each document; another tokenizer's BOS in its flat token files), so
+    attention never crosses a document.
     """
     B, T = inputs.shape
     if not varlen:
         return Batch(torch.from_numpy(inputs), torch.from_numpy(labels), None, T)
     flat = inputs.reshape(-1)
-    starts = flat == EOT_ID
+    starts = flat == doc_start_id
     starts[::T] = True  # every row starts a segment
     bounds = np.append(np.flatnonzero(starts), B * T).astype(np.int32)
     return Batch(
@@ -918,6 +935,7 @@ class SequenceStream:
         self.accum_steps = self.local_batch_size // micro_batch_size
         self.position = 0
         self.varlen = bool(getattr(source, "varlen", False))
+        self.doc_start_id = int(getattr(source, "doc_start_id", EOT_ID))
 
     def next_step(self) -> list[Batch]:
         """The micro batches of this rank for the next optimizer step."""
@@ -933,7 +951,12 @@ class SequenceStream:
                 prefetch(self.position + S + self.rank * local, local)
         self.position += S
         return [
-            make_batch(inputs[a : a + m], labels[a : a + m], varlen=self.varlen)
+            make_batch(
+                inputs[a : a + m],
+                labels[a : a + m],
+                varlen=self.varlen,
+                doc_start_id=self.doc_start_id,
+            )
             for a in range(0, local, m)
         ]
 
@@ -986,12 +1009,13 @@ def iterate_eval_batches(
     per = math.ceil(num_sequences / world_size)
     lo, hi = min(rank * per, num_sequences), min((rank + 1) * per, num_sequences)
     varlen = bool(getattr(source, "varlen", False))
+    start = int(getattr(source, "doc_start_id", EOT_ID))
     if source.sequential:
         source.reset()  # type: ignore[attr-defined]
         inputs, labels = source.read(0, hi)
         for a in range(lo, hi, micro_batch_size):
             b = min(a + micro_batch_size, hi)
-            yield make_batch(inputs[a:b], labels[a:b], varlen=varlen)
+            yield make_batch(inputs[a:b], labels[a:b], varlen=varlen, doc_start_id=start)
         return
     prefetch = getattr(source, "prefetch", None)
     for a in range(lo, hi, micro_batch_size):
@@ -999,7 +1023,7 @@ def iterate_eval_batches(
         b = a + micro_batch_size
         if prefetch is not None and b < hi:
             prefetch(b, min(micro_batch_size, hi - b))
-        yield make_batch(inputs, labels, varlen=varlen)
+        yield make_batch(inputs, labels, varlen=varlen, doc_start_id=start)
 
 
 def num_eval_sequences(tokens: int, seq_len: int) -> int:

@@ -59,6 +59,10 @@ class DataConfig:
     URL); hf: dataset name or local path."""
     val_path: str | None = None
     """Held-out data of the same kind (longcrawl64 default: ``<path>/heldout.zarr``)."""
+    doc_start_id: int | None = None
+    """tokens, a flat ``.npy``/``.bin`` file packed ``varlen``: the id that starts each of its
+    documents, where ``cu_seqlens`` puts a boundary (``null``: GPT-2's ``<|endoftext|>``,
+    50256). Set it for ids of another tokenizer: its BOS (128000 for Llama 3)."""
     storage_options: dict[str, Any] = field(default_factory=dict)
     """Options of the filesystem of a URL ``path``/``val_path`` (a zarr array at ``gs://``,
     ``s3://``, ``https://``), passed to fsspec: credentials (gcsfs ``{token: anon}``, a key
@@ -506,6 +510,33 @@ def check_config(cfg: DictConfig) -> list[str]:
             f"{EOT_ID}), which data={cfg.data.kind} puts before every document: use a "
             f"vocab_size of at least {EOT_ID + 1} (the presets' GPT-2 vocabulary), or leave it "
             "out; ids of another tokenizer train as they are from a flat .npy or .bin file"
+        )
+    start = cfg.data.get("doc_start_id")
+    if start is not None:
+        if not (cfg.data.kind == "tokens" and reads_ids_as_they_are(cfg.data)):
+            raise ValueError(
+                f"data.doc_start_id={start} is read from flat .npy/.bin token files only (data="
+                f"{cfg.data.kind} here puts <|endoftext|>, {EOT_ID}, before every document "
+                "itself): leave it out"
+            )
+        if not 0 <= int(start) < vocab_size:
+            raise ValueError(
+                f"data.doc_start_id={start} is no id of the model's vocabulary (0 to "
+                f"{vocab_size - 1}): set the id that starts each document in the files"
+            )
+    elif (
+        vocab_size != EOT_ID + 1
+        and cfg.data.packing == "varlen"
+        and cfg.data.kind == "tokens"
+        and reads_ids_as_they_are(cfg.data)
+    ):
+        raise ValueError(
+            f"data.packing=varlen starts a document at every <|endoftext|> (GPT-2's id "
+            f"{EOT_ID}) of a flat token file, but the model's vocab_size={vocab_size} is not "
+            "GPT-2's (50257): in another tokenizer's ids that id is an ordinary token, and the "
+            "documents' own starts would go unseen. Set data.doc_start_id=<the id that starts "
+            "each document in the files> (the tokenizer's BOS), or data.packing=causal "
+            "(documents packed end to end, attending across their boundaries)"
         )
     if cfg.peak_flops is not None and not float(cfg.peak_flops) > 0:
         raise ValueError(

@@ -832,7 +832,9 @@ def check_resume(
             if was != value and not (key == "overrides" and _same_model(cfg, was, value)):
                 differences.append(f"{group}.{key}={was} (checkpoint) vs {value} (this run)")
         was_data, data = config.get("data") or {}, now["data"]
-        for key in ("kind", "packing"):  # the saved stream position means nothing in another
+        # the saved stream position means nothing in another kind or packing; other document
+        # boundaries (doc_start_id) attend within other spans: another training
+        for key in ("kind", "packing", "doc_start_id"):
             if key in was_data and was_data[key] != data[key]:
                 differences.append(f"data.{key}={was_data[key]} (checkpoint) vs {data[key]}")
         if not differences:

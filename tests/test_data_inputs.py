@@ -230,6 +230,31 @@ def test_hf_empty_and_none_texts_are_skipped(tmp_path) -> None:
         build_sources(_cfg(kind="hf", path="json", hf_data_files=empty, seq_len=T))
 
 
+def test_csv_cells_that_read_like_missing_values_are_text(tmp_path) -> None:
+    """pandas reads "NA", "null", "None", "nan", "#N/A", ... as missing values: such documents
+    were dropped as empty CSV cells (helper-176), by data=hf and prepare --hf csv alike.
+    Oracle: the same texts packed as given, the empty cell left out."""
+    import csv
+
+    from fot.data.prepare import main as prepare
+    from fot.data.tokens import TokenDocuments
+
+    texts = ["real document one", "NA", "N/A", "null", "None", "NaN", "nan", "#N/A", "<NA>", "",
+             "real document two"]  # fmt: skip
+    path = tmp_path / "na.csv"
+    with path.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["text"])
+        writer.writerows([t] for t in texts)
+    T = 4
+    oracle = _packed([t for t in texts if t], T)
+    train, _ = build_sources(_cfg(kind="hf", path="csv", hf_data_files=str(path), seq_len=T))
+    n = oracle.num_sequences
+    np.testing.assert_array_equal(train.read(0, n)[0], oracle.read(0, n)[0])
+    assert prepare(["--hf", "csv", "--data-files", str(path), "--out", str(tmp_path / "t")]) == 0
+    assert len(TokenDocuments(tmp_path / "t")) == len(texts) - 1
+
+
 @pytest.mark.parametrize("streaming", [False, True])
 def test_hf_empty_or_undecodable_files_get_one_clear_error(tmp_path, streaming: bool) -> None:
     """An empty data file gave a bare StopIteration from inside datasets; a latin-1 text file

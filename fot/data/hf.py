@@ -340,6 +340,8 @@ class HFDataset:
             extra = {"sample_by": "document", "encoding": "utf-8-sig"}
         if self.tab_separated:
             extra["sep"] = "\t"
+        if self.loader == "csv":  # a cell reading "NA", "null", "None", "nan", ... is text
+            extra["keep_default_na"] = False
         loaded = self.guard(
             lambda: datasets.load_dataset(
                 self.path,

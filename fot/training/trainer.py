@@ -798,8 +798,8 @@ def check_resume(
     Raises:
         ValueError: the checkpoint's model (``model.name``, ``size.name``, any other
             ``model.overrides`` field), ``global_batch_tokens``, ``data.seq_len``,
-            ``data.kind`` or ``data.packing`` differ from this run's; the message names each
-            difference and the ways out.
+            ``data.kind``, ``data.packing`` or ``data.doc_start_id`` differ from this run's;
+            the message names each difference and the ways out.
     """
     from fot.models.configuration_fot import IMPLEMENTATION_FIELDS
 

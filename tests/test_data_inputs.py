@@ -230,6 +230,36 @@ def test_hf_empty_and_none_texts_are_skipped(tmp_path) -> None:
         build_sources(_cfg(kind="hf", path="json", hf_data_files=empty, seq_len=T))
 
 
+def test_prepare_skips_hidden_folders_and_files_of_a_folder(tmp_path, capsys) -> None:
+    """prepare <folder> read Jupyter's .ipynb_checkpoints/ copies and .git/ files as documents
+    (helper-176): a notebook's checkpoint copy landed in the held-out folder while its
+    original trained. They are skipped with a warning, as data=hf skips them; named as
+    inputs, they are read. Oracle: the documents of the visible files alone."""
+    from fot.data.prepare import main as prepare
+    from fot.data.tokens import TokenDocuments
+    from fot.tokenizer import get_encoding
+
+    def encode_document(text: str) -> list[int]:
+        return get_encoding().encode_ordinary(text)
+
+    folder = tmp_path / "nb"
+    for name, text in (("notes.txt", "notes one\n"), (".ipynb_checkpoints/notes-checkpoint.txt",
+                       "notes one\n"), (".git/MSG.txt", "old draft\n"), ("z.txt", "second doc\n"),
+                       ("sub/.hidden.txt", "a hidden file\n")):  # fmt: skip
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text(text)
+    assert prepare([str(folder), "--out", str(tmp_path / "t")]) == 0
+    got = [list(map(int, d)) for d in TokenDocuments(tmp_path / "t")]
+    assert got == [list(encode_document(t)) for t in ("notes one\n", "second doc\n")]
+    err = capsys.readouterr().err
+    assert f"3 file(s) in hidden folders or with hidden names under {folder} skipped" in err
+    named = folder / ".git" / "MSG.txt"
+    assert prepare([str(named), "--out", str(tmp_path / "u")]) == 0
+    assert [list(map(int, d)) for d in TokenDocuments(tmp_path / "u")] == [
+        list(encode_document("old draft\n"))
+    ]
+
+
 def test_csv_cells_that_read_like_missing_values_are_text(tmp_path) -> None:
     """pandas reads "NA", "null", "None", "nan", "#N/A", ... as missing values: such documents
     were dropped as empty CSV cells (helper-176), by data=hf and prepare --hf csv alike.

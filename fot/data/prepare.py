@@ -230,6 +230,15 @@ def iter_texts(
     for p in _expand_inputs(inputs):
         if p.is_dir():
             matched = {f for g in globs for f in p.rglob(g)}
+            # .ipynb_checkpoints/, .git/, editors' .swp files: copies and tools' files, not the
+            # corpus (datasets leaves them out of a folder too)
+            hidden = sorted(f for f in matched if _hidden(f, p) and f.is_file())
+            if hidden:
+                _warn(
+                    f"{len(hidden)} file(s) in hidden folders or with hidden names under {p} "
+                    f"skipped (e.g. {hidden[0]}); name such a file as an input to read it"
+                )
+            matched = {f for f in matched if not _hidden(f, p)}
             broken = sorted(f for f in matched if f.is_symlink() and not f.exists())
             if broken:
                 _warn(f"{len(broken)} broken symbolic link(s) under {p} skipped (e.g. {broken[0]})")
@@ -280,6 +289,12 @@ def iter_texts(
         )
 
 
+def _hidden(path: Path, folder: Path) -> bool:
+    """Whether ``path`` under ``folder`` lies in a hidden folder or has a hidden name (a part
+    starting with a dot)."""
+    return any(part.startswith(".") for part in path.relative_to(folder).parts)
+
+
 def _left_out_files(folder: Path, globs: list[str], matched: set[Path]) -> str | None:
     """A warning naming the files of data under ``folder`` that none of ``globs`` reads (text,
     JSON Lines and table files, none of a token folder), with the command that reads
@@ -291,6 +306,7 @@ def _left_out_files(folder: Path, globs: list[str], matched: set[Path]) -> str |
         for f in folder.rglob("*")
         if f.suffix.lower() in kinds
         and f not in matched
+        and not _hidden(f, folder)
         and f.is_file()
         and not is_token_folder(f.parent)
     )

@@ -775,6 +775,32 @@ def test_prepare_names_the_option_a_typo_meant(tmp_path, capsys) -> None:
     assert json.loads((out / "meta.json").read_text())["num_documents"] == 1
 
 
+def test_prepare_refuses_a_symbolic_link_as_out(tmp_path, capsys) -> None:
+    """--out <link to a token folder> replaced the link with a new folder, left the target's
+    old tokens for runs that read it, and a stray link behind that later prepares warned of
+    (helper-176). A link is refused, naming its target; both stay as they were."""
+    from fot.data.prepare import main
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("a first text")
+    target, link = tmp_path / "target", tmp_path / "link"
+    assert main([str(corpus), "--out", str(target)]) == 0
+    link.symlink_to(target)
+    before = {q.name: q.read_bytes() for q in target.iterdir()}
+    (corpus / "b.txt").write_text("a second text")
+    capsys.readouterr()
+    assert main([str(corpus), "--out", str(link)]) == 2
+    err = capsys.readouterr().err
+    assert (
+        f"--out {link} is a symbolic link (to {target}): the new token folder would replace "
+        f"the link, not the folder it points to. Pass the folder itself, --out {target}"
+    ) in err, err
+    assert link.is_symlink() and {q.name: q.read_bytes() for q in target.iterdir()} == before
+    assert sorted(q.name for q in tmp_path.iterdir()) == ["corpus", "link", "target"]
+    assert main([str(corpus), "--out", str(target)]) == 0  # the advice
+
+
 def test_prepare_never_deletes_a_folder_that_is_not_a_token_folder(tmp_path, capsys) -> None:
     from fot.data.prepare import main
     from fot.data.tokens import TokenDocuments

@@ -451,6 +451,12 @@ def _check_replaceable(path: str | Path, flag: str) -> None:
         )
     if not p.exists() and not p.is_symlink():
         return
+    if p.is_symlink():  # replacing it would put a folder where the link is, not at its target
+        raise ValueError(
+            f"{flag} {p} is a symbolic link (to {os.readlink(p)}): the new token folder would "
+            f"replace the link, not the folder it points to. Pass the folder itself, "
+            f"{flag} {p.resolve()}, or a new path"
+        )
     if not is_token_folder(p):
         raise ValueError(
             f"{flag} {p} exists and is not a token folder; it would be replaced, and everything "

@@ -260,6 +260,23 @@ def test_prepare_skips_hidden_folders_and_files_of_a_folder(tmp_path, capsys) ->
     ]
 
 
+def test_prepare_counts_empty_files_and_texts_it_skips(tmp_path, capsys) -> None:
+    """Empty input files and "" texts of a .jsonl were skipped without a word (helper-176);
+    only nulls were counted. Oracle: the non-empty documents alone are written."""
+    from fot.data.prepare import main as prepare
+    from fot.data.tokens import TokenDocuments
+
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    for name, text in (("a.txt", "one text"), ("b.txt", ""), ("c.txt", "")):
+        (folder / name).write_text(text)
+    rows = _jsonl(tmp_path / "r.jsonl", [{"text": "kept"}, {"text": ""}])
+    assert prepare([str(folder), rows, "--out", str(tmp_path / "t")]) == 0
+    assert len(TokenDocuments(tmp_path / "t")) == 2
+    err = capsys.readouterr().err
+    assert "3 empty text(s) (an empty file, or an empty text field) skipped" in err, err
+
+
 def test_csv_cells_that_read_like_missing_values_are_text(tmp_path) -> None:
     """pandas reads "NA", "null", "None", "nan", "#N/A", ... as missing values: such documents
     were dropped as empty CSV cells (helper-176), by data=hf and prepare --hf csv alike.

@@ -1103,8 +1103,9 @@ def test_prepare_of_a_folder_warns_of_the_files_of_data_its_glob_leaves_out(
 
 
 def test_prepare_skips_rows_whose_text_is_none_as_empty_documents(tmp_path, capsys) -> None:
-    """datasets reads an empty CSV cell (and a field missing from a JSON row) as None: an empty
-    document, skipped with a warning counting it (it used to stop prepare with an error)."""
+    """datasets reads a null (and a field missing from a JSON row) as None: an empty document,
+    skipped with a warning counting it (it used to stop prepare with an error); an empty CSV
+    cell is an empty text, counted as one."""
     import pandas as pd
 
     from fot.data.prepare import main
@@ -1118,7 +1119,9 @@ def test_prepare_skips_rows_whose_text_is_none_as_empty_documents(tmp_path, caps
     pd.DataFrame({"text": ["one", "", "three", ""], "id": [1, 2, 3, 4]}).to_csv(csv, index=False)
     assert main(["--hf", "csv", "--data-files", str(csv), "--out", str(tmp_path / "c")]) == 0
     assert _decoded(tmp_path / "c") == ["one", "three"]
-    assert "2 row(s) of dataset csv had no text (None: an empty CSV cell" in capsys.readouterr().err
+    assert "2 empty text(s) (an empty file, or an empty text field) skipped" in (
+        capsys.readouterr().err
+    )
     # a null in a plain .jsonl input is an empty document too; a missing field stays an error
     j = tmp_path / "in.jsonl"
     j.write_text('{"text": "kept"}\n{"text": null}\n')

@@ -23,8 +23,8 @@ Text that is not valid UTF-8 is read with U+FFFD for the bad bytes and a warning
 file, as is a lone UTF-16 surrogate in a ``.jsonl`` text or dataset row (an escape such as
 ``\\ud800`` without its pair: no character), with a warning naming the line; a text file
 with NUL bytes (binary, or UTF-16/UTF-32 text) is refused. A file named more than once (by a folder and a pattern, or through a symbolic link) is
-read once, with a warning. Empty documents are skipped (an empty text, or a ``null``/empty
-CSV cell, which datasets reads as None: counted in a warning); a run that would write no training
+read once, with a warning. Empty documents are skipped, counted in a warning (an empty file
+or text, an empty CSV cell, or a ``null``, which datasets reads as None); a run that would write no training
 document (or, with ``--heldout-every``, no held-out one) fails and leaves existing folders as
 they were, as does an error, Ctrl-C or SIGTERM part way. Output folders may not lie inside
 each other or inside another token folder.
@@ -386,9 +386,7 @@ def iter_hf_texts(
             nulls += 1
         else:
             yield text
-    _warn_nulls(
-        nulls, f"dataset {path}", "None: an empty CSV cell, a null, or a field missing from the row"
-    )
+    _warn_nulls(nulls, f"dataset {path}", "None: a null, or a field missing from the row")
 
 
 def tokenize(
@@ -412,9 +410,10 @@ def tokenize(
                 yield np.asarray(ids, dtype=np.uint16)
         buf.clear()
 
-    kept = 0
+    kept = empty = 0
     for text in texts:
         if not text:  # tokenizes to nothing; any other text has at least one token
+            empty += 1
             continue
         buf.append(text)
         kept += 1
@@ -423,6 +422,8 @@ def tokenize(
         if max_docs is not None and kept >= max_docs:
             break
     yield from flush()
+    if empty:
+        _warn(f"{empty} empty text(s) (an empty file, or an empty text field) skipped")
 
 
 def _absolute(path: str | Path) -> Path:

@@ -484,7 +484,7 @@ class HFSource:
     one again. A state with the carried-over tokens themselves (``buffer``, as written before)
     still resumes exactly.
 
-    Rows whose text is empty or ``None`` (an empty CSV cell) are skipped, as
+    Rows whose text is empty (an empty CSV cell) or ``None`` (a null) are skipped, as
     ``python -m fot.data.prepare`` skips empty documents.
 
     Args:
@@ -586,7 +586,7 @@ class HFSource:
         without either, or with a value of the wrong type, is a ``ValueError`` naming it."""
         if self.text_field in row:
             text = row[self.text_field]
-            if text is None:  # an empty CSV cell, a null: an empty document, skipped
+            if text is None:  # a null, a missing field: an empty document, skipped
                 return np.zeros(0, dtype=np.int64)
             if not isinstance(text, str):
                 raise ValueError(

@@ -474,6 +474,25 @@ def _packed_oracle(docs: list[np.ndarray], T: int, n: int) -> tuple[np.ndarray, 
     return windows[:, :-1], windows[:, 1:]
 
 
+def test_hf_input_ids_that_start_with_the_bos_get_one_bos(tmp_path) -> None:
+    """Rows of input_ids tokenized with fot's exported tokenizer (tok(text) puts
+    <|endoftext|> first) got a second BOS from the reader: a one-token document before each
+    (helper-176). Oracle: the stream of the same ids without their BOS."""
+    from transformers import AutoTokenizer
+
+    from fot.tokenizer import save_hf_tokenizer
+
+    tok = AutoTokenizer.from_pretrained(save_hf_tokenizer(tmp_path / "tok"))
+    texts = ["A first document of a few words.", "Another one.", "And a third, the last one."]
+    with_bos = [np.asarray(tok(t).input_ids) for t in texts]
+    assert all(ids[0] == EOT_ID for ids in with_bos)
+    T, n = 8, 6
+    got = _hf_source(with_bos, T, streaming=False).read(0, n)
+    want = _packed_oracle([ids[1:] for ids in with_bos], T, n)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
+
+
 def _old_format_state(docs: list[np.ndarray], T: int, position: int) -> dict:
     """The state the packed reader wrote before it kept an offset (``git show 7adef54``):
     after ``position`` sequences, the tokens carried over (``buffer``: the stream from token

@@ -492,8 +492,9 @@ class HFSource:
         encode: text -> list of token ids (e.g. ``fot.tokenizer.get_encoding().encode_ordinary``).
         seq_len: T.
         packing: ``"varlen"``, ``"causal"`` or ``"padded"``.
-        text_field: column holding the text; if the rows instead hold ``input_ids``, they are
-            used as tokens directly.
+        text_field: column holding the text; if the rows instead hold ``input_ids`` (GPT-2
+            ids), they are used as tokens directly, a leading ``<|endoftext|>`` (the BOS of
+            fot's tokenizer) left out, as the reader puts one before every document.
         explain_error: turns an error raised while iterating the dataset (a bad file met by a
             streaming dataset) into a clearer one, or returns ``None`` to keep it.
     """
@@ -605,6 +606,10 @@ class HFSource:
                     f"dataset row {index}: column 'input_ids' is not a list of token ids; give "
                     "integer ids, or a text column with data.text_field"
                 )
+            # ids from fot's tokenizer (tok(text)) start with the BOS this reader puts before
+            # every document: one BOS, not a one-token document before each
+            if ids.size and int(ids[0]) == EOT_ID:
+                ids = ids[1:]
             return ids.astype(np.int64)
         raise ValueError(
             f"dataset row {index} has columns {sorted(row)}, no {self.text_field!r} (or "

@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -1351,23 +1352,14 @@ def mistyped_override(args: list[str]) -> str | None:
     Args:
         args: the command line after ``train.py``.
     """
-    from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.core.override_parser.types import ChoiceSweep
-    from hydra.errors import OverrideParseException
     from omegaconf.errors import OmegaConfBaseException
 
-    parser = OverridesParser.create()
     leaves = _config_nodes(OmegaConf.structured(TrainConfig))
-    for arg in args:
-        # ++ sets an existing field as = does; + (a new key) and ~ (deletion) are Hydra's
-        if arg.startswith(("-", "~")) or arg.startswith("+") != arg.startswith("++"):
+    for arg, override in _parsed_overrides(args):
+        # ++ sets an existing field as = does; + (a new key) is Hydra's
+        if arg.startswith("+") != arg.startswith("++"):
             continue
-        if "=" not in arg:
-            continue
-        try:
-            override = parser.parse_overrides([arg])[0]
-        except OverrideParseException:
-            continue  # unparsable_override names it
         key = override.key_or_group
         node = leaves.get(key)
         if override.package is not None or node is None or isinstance(node, DictConfig):
@@ -1389,6 +1381,23 @@ def mistyped_override(args: list[str]) -> str | None:
     return None
 
 
+def _parsed_overrides(args: list[str]) -> Iterator[tuple[str, Any]]:
+    """``(arg, Hydra's parsed override)`` of each ``key=value`` of ``args``; flags, deletions
+    (``~key``) and overrides Hydra cannot parse (:func:`unparsable_override` names those) are
+    left out."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    parser = OverridesParser.create()
+    for arg in args:
+        if arg.startswith(("-", "~")) or "=" not in arg:
+            continue
+        try:
+            yield arg, parser.parse_overrides([arg])[0]
+        except OverrideParseException:
+            continue
+
+
 def non_dict_override(args: list[str]) -> str | None:
     """A message for the first command-line override that sets a free-form dict field
     (``model.overrides``, ``data.storage_options``) to something other than a dict, e.g.
@@ -1400,23 +1409,13 @@ def non_dict_override(args: list[str]) -> str | None:
     Args:
         args: the command line after ``train.py``.
     """
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import OverrideParseException
-
-    parser = OverridesParser.create()
     dicts = {
         key
         for key, node in _config_nodes(OmegaConf.structured(TrainConfig)).items()
         if isinstance(node, DictConfig)
     }
     found: dict[str, list[str]] = {}
-    for arg in args:
-        if arg.startswith(("-", "~")) or "=" not in arg:
-            continue
-        try:
-            override = parser.parse_overrides([arg])[0]
-        except OverrideParseException:
-            continue  # unparsable_override names it
+    for arg, override in _parsed_overrides(args):
         key = override.key_or_group
         if key not in dicts or override.package is not None or override.is_sweep_override():
             continue

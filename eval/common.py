@@ -1104,17 +1104,16 @@ def check_out_dir(out_dir: str, checkpoint: str) -> None:
             "folder checks before resuming); choose a folder outside it, e.g. "
             f"{str(ckpt.parent / (ckpt.name + '_eval'))!r}"
         )
-    from fot.data.tokens import is_token_folder
+    from fot.training.config import folder_kind
 
-    if is_token_folder(out):
+    kind = folder_kind(out)
+    if kind == "tokens":
         raise ValueError(
             f"--out {str(out_dir)!r} is a token folder (data): results written there would mix "
             "with its files, and fot.data.prepare would then refuse to rewrite it; choose a "
             f"folder of their own, e.g. {str(out.parent / (out.name + '_eval'))!r}"
         )
-    if (out / "trainer.json").is_file() or (
-        (out / "config.json").is_file() and any(out.glob("*.safetensors"))
-    ):
+    if kind in ("checkpoint", "export"):
         raise ValueError(
             f"--out {str(out_dir)!r} holds a model (a training checkpoint or an export): "
             "results written there would mix with the files from_pretrained reads; choose a "

@@ -22,11 +22,13 @@ Inputs, one document each:
 Text that is not valid UTF-8 is read with U+FFFD for the bad bytes and a warning naming the
 file, as is a lone UTF-16 surrogate in a ``.jsonl`` text or dataset row (an escape such as
 ``\\ud800`` without its pair: no character), with a warning naming the line; a text file
-with NUL bytes (binary, or UTF-16/UTF-32 text) is refused. A file named more than once (by a folder and a pattern, or through a symbolic link) is
-read once, with a warning. Empty documents are skipped, counted in a warning (an empty file
-or text, an empty CSV cell, or a ``null``, which datasets reads as None); a run that would write no training
-document (or, with ``--heldout-every``, no held-out one) fails and leaves existing folders as
-they were, as does an error, Ctrl-C or SIGTERM part way. Output folders may not lie inside
+with NUL bytes (binary, or UTF-16/UTF-32 text) is refused. A file named more than once (by
+a folder and a pattern, or through a symbolic link) is read once, with a warning. Hidden
+folders and files of a folder (``.git/``, ``.ipynb_checkpoints/``) are skipped, with a
+warning. Empty documents are skipped, counted in a warning (an empty file or text, an empty
+CSV cell, or a ``null``, which datasets reads as None); a run that would write no training
+document (or, with ``--heldout-every``, no held-out one) fails and leaves existing folders
+as they were, as does an error, Ctrl-C or SIGTERM part way. Output folders may not lie inside
 each other or inside another token folder.
 
 Documents are tokenized with the GPT-2 tokenizer (``fot.tokenizer.get_encoding()``, offline)

@@ -514,7 +514,7 @@ def check_config(cfg: DictConfig) -> list[str]:
         )
     start = cfg.data.get("doc_start_id")
     if start is not None:
-        if not (cfg.data.kind == "tokens" and reads_ids_as_they_are(cfg.data)):
+        if not reads_ids_as_they_are(cfg.data):
             raise ValueError(
                 f"data.doc_start_id={start} is read from flat .npy/.bin token files only (data="
                 f"{cfg.data.kind} here puts <|endoftext|>, {EOT_ID}, before every document "
@@ -528,7 +528,6 @@ def check_config(cfg: DictConfig) -> list[str]:
     elif (
         vocab_size != EOT_ID + 1
         and cfg.data.packing == "varlen"
-        and cfg.data.kind == "tokens"
         and reads_ids_as_they_are(cfg.data)
     ):
         raise ValueError(
@@ -977,41 +976,53 @@ def out_dir_problem(argv: list[str]) -> str | None:
                 f"{key}={value}{where} cannot be written: a read-only file system or no "
                 "permission; choose a folder you can write"
             )
-        problem = _not_a_run_folder(path) or _holds_eval_results(path)
+        problem = _not_a_run_folder(path)
         if problem:
             return f"{key}={value} {problem}"
     return None
 
 
-def _not_a_run_folder(path: Path) -> str | None:
-    """What the existing folder ``path`` is where it is a model export, a training checkpoint
-    or a token folder (a slip for ``init_from=``, ``resume=`` or ``data.path=``), which a run
-    would fill with its own files; ``None`` otherwise."""
+def folder_kind(path: Path) -> str | None:
+    """What the existing folder ``path`` holds where it is no training run's and no
+    results folder of its own: ``"checkpoint"`` (a training checkpoint: ``trainer.json``),
+    ``"export"`` (a model: ``config.json`` and weights), ``"tokens"`` (a token folder) or
+    ``"eval"`` (``python -m fot.eval`` results: ``run_config.json``, no ``run_info.json``);
+    ``None`` otherwise. Standard library only: train.py's checks run before fot is imported."""
     if (path / "trainer.json").is_file():
-        return (
-            "is a training checkpoint, not a run folder: to go on with its run, pass that run's "
-            f"folder (out_dir={path.parent.parent}); to start a new run from its weights, "
-            f"init_from={path} with a new out_dir"
-        )
+        return "checkpoint"
     weights = [*path.glob("*.safetensors"), *path.glob("pytorch_model*.bin")]
     if (path / "config.json").is_file() and weights:
-        return (
-            "is an exported model (config.json and weights), not a run folder: to start a run "
-            f"from its weights, pass init_from={path} with a new out_dir"
-        )
+        return "export"
+    if (path / "run_config.json").is_file() and not (path / "run_info.json").is_file():
+        return "eval"
     try:  # fot.data.tokens.is_token_folder, without importing fot here (start-up time)
         meta = json.loads((path / "meta.json").read_text())
     except (OSError, ValueError):
         return None
     if isinstance(meta, dict) and meta.get("format") == "fot-tokens":
-        return "is a token folder (data), not a run folder: choose a new folder for the run"
+        return "tokens"
     return None
 
 
-def _holds_eval_results(path: Path) -> str | None:
-    """What ``path`` is where it holds ``python -m fot.eval`` results (its ``run_config.json``)
-    and no training run; ``None`` otherwise."""
-    if (path / "run_config.json").is_file() and not (path / "run_info.json").is_file():
+def _not_a_run_folder(path: Path) -> str | None:
+    """What the existing folder ``path`` is where it is a model export, a training checkpoint,
+    a token folder (a slip for ``init_from=``, ``resume=`` or ``data.path=``) or a folder of
+    fot.eval results, which a run would fill with its own files; ``None`` otherwise."""
+    kind = folder_kind(path)
+    if kind == "checkpoint":
+        return (
+            "is a training checkpoint, not a run folder: to go on with its run, pass that run's "
+            f"folder (out_dir={path.parent.parent}); to start a new run from its weights, "
+            f"init_from={path} with a new out_dir"
+        )
+    if kind == "export":
+        return (
+            "is an exported model (config.json and weights), not a run folder: to start a run "
+            f"from its weights, pass init_from={path} with a new out_dir"
+        )
+    if kind == "tokens":
+        return "is a token folder (data), not a run folder: choose a new folder for the run"
+    if kind == "eval":
         return (
             "holds results of python -m fot.eval (run_config.json), not a training run: "
             "choose a new folder for the run"

@@ -788,8 +788,9 @@ def check_resume(
         :data:`fot.models.configuration_fot.IMPLEMENTATION_FIELDS` (kernel backend, loss
         implementation, chunk size, recomputation: how the same model is computed), the
         precision it is computed in (``compute``) or ``parallel.reduce_precision``, how a
-        step's batch is summed (``micro_batch_size``, the process count), or a field of :data:`DATA_SOURCE_FIELDS` (where the training data is read from; the data
-        position is the checkpoint's), other AdamW settings (betas, eps, weight decay, clip),
+        step's batch is summed (``micro_batch_size``, the process count), or a field of
+        :data:`DATA_SOURCE_FIELDS` (where the training data is read from; the data position
+        is the checkpoint's), other AdamW settings (betas, eps, weight decay, clip),
         or a learning rate that differs from the checkpoint run's at any step left (at the
         next step for a branch; ``optim.lr``, ``schedule``, ``total_tokens``); the run goes on
         with this run's values. Another ``seed`` is named too: it changes nothing in a resumed

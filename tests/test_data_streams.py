@@ -1631,6 +1631,14 @@ def test_damaged_token_data_is_named_with_the_fix(tmp_path) -> None:
             r"doc_offsets.npy does not hold document offsets",
         ),
         "no_offsets": (lambda f: (f / "doc_offsets.npy").unlink(), r"doc_offsets.npy is missing"),
+        # tokens.bin and doc_offsets.npy of another write (they agree), meta.json left behind
+        "two_writes": (
+            lambda f: (
+                np.save(f / "doc_offsets.npy", np.array([0, 40, 90, 120])),
+                (f / "tokens.bin").write_bytes(bytes(240)),
+            ),
+            r"meta.json says num_documents=2, but doc_offsets.npy counts 3: the files are of two",
+        ),
     }
     for name, (change, match) in cases.items():
         folder = damaged(name, change)

@@ -3597,6 +3597,11 @@ def test_resume_warns_where_the_optimizer_or_lr_schedule_differ(tmp_path) -> Non
     (note,) = check_resume(on_2, _cfg(tmp_path), path, world_size=1)
     assert "another implementation setting: 2 processes (checkpoint) vs 1 (this run)" in note
     assert check_resume(on_2, _cfg(tmp_path), path, world_size=2) == []
+    # the same process count, reduced by another strategy: other rounding too
+    ddp = {**saved, "sizes": {"world_size": 2, "strategy": "ddp"}}
+    (note,) = check_resume(ddp, _cfg(tmp_path), path, world_size=2, strategy="fsdp")
+    assert "another implementation setting: parallel.strategy=ddp (checkpoint) vs fsdp" in note
+    assert check_resume(ddp, _cfg(tmp_path), path, world_size=2, strategy="ddp") == []
     notes = check_resume(saved, _cfg(tmp_path, f"seed={was.seed + 5}"), path)
     assert len(notes) == 1, notes
     assert f"with seed={was.seed + 5}, but the checkpoint run's seed={was.seed} stays" in notes[0]

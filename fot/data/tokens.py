@@ -119,6 +119,14 @@ class TokenDocuments(Sequence):
                 f"decreasing); {damaged}"
             )
         n_tokens = int(self.offsets[-1])
+        # a meta.json of another folder (files copied over from two writes) may also name
+        # another tokenizer or text escaping: the counts tell it apart
+        for key, count in (("num_documents", len(self.offsets) - 1), ("num_tokens", n_tokens)):
+            if key in self.meta and self.meta[key] != count:
+                raise ValueError(
+                    f"{meta_file} says {key}={self.meta[key]!r}, but {offsets_file.name} counts "
+                    f"{count}: the files are of two different writes; {damaged}"
+                )
         tokens_file = self.path / "tokens.bin"
         size = tokens_file.stat().st_size if tokens_file.is_file() else None
         if size != 2 * n_tokens and (n_tokens or size is not None):

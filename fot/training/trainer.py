@@ -765,6 +765,7 @@ def check_resume(
     branching: bool = False,
     compute: str | None = None,
     world_size: int | None = None,
+    strategy: str | None = None,
 ) -> list[str]:
     """Refuse to resume a checkpoint of another model, batch shape or data kind, before any
     tensor loads.
@@ -781,6 +782,8 @@ def check_resume(
             ``parallel.param_precision`` as written.
         world_size: this run's process count, compared with the checkpoint run's where the
             checkpoint records it.
+        strategy: this run's resolved ``parallel.strategy`` (``single``, ``ddp``, ``fsdp``),
+            compared likewise.
 
     Returns:
         Warnings for the caller to log, one per setting the run resumes with although it
@@ -788,7 +791,8 @@ def check_resume(
         :data:`fot.models.configuration_fot.IMPLEMENTATION_FIELDS` (kernel backend, loss
         implementation, chunk size, recomputation: how the same model is computed), the
         precision it is computed in (``compute``) or ``parallel.reduce_precision``, how a
-        step's batch is summed (``micro_batch_size``, the process count), or a field of
+        step's batch is summed (``micro_batch_size``, the process count, the resolved
+        ``parallel.strategy``), or a field of
         :data:`DATA_SOURCE_FIELDS` (where the training data is read from; the data position
         is the checkpoint's), other AdamW settings (betas, eps, weight decay, clip),
         or a learning rate that differs from the checkpoint run's at any step left (at the
@@ -864,6 +868,9 @@ def check_resume(
             was_world = saved.get("sizes", {}).get("world_size")
             if was_world is not None and world_size is not None and was_world != world_size:
                 changed.append(f"{was_world} processes (checkpoint) vs {world_size}")
+            was_strategy = saved.get("sizes", {}).get("strategy")
+            if was_strategy is not None and strategy is not None and was_strategy != strategy:
+                changed.append(f"parallel.strategy={was_strategy} (checkpoint) vs {strategy}")
             for key in DATA_SOURCE_FIELDS:
                 if key in was_data and was_data[key] != data[key]:
                     changed.append(f"data.{key}={was_data[key]} (checkpoint) vs {data[key]}")
@@ -1297,6 +1304,7 @@ def _train(
             branching=branching is not None,
             compute=compute,
             world_size=info.world_size,
+            strategy=strategy,
         ):
             if info.is_main:
                 logger.warning(note)
@@ -1656,7 +1664,12 @@ def _train(
                 "step": at_step,
                 "tokens": tokens,
                 "data": stream.state_dict(),
-                "sizes": {"global_batch_tokens": gbt, "seq_len": T, "world_size": info.world_size},
+                "sizes": {
+                    "global_batch_tokens": gbt,
+                    "seq_len": T,
+                    "world_size": info.world_size,
+                    "strategy": strategy,
+                },
                 "wandb_id": metrics.wandb_id,
                 "log_window": {"loss_sum": float(window[0]), "label_tokens": int(window[1])},
                 # what the last step read, for a resumed run to check (rank 0 writes the state)

@@ -293,6 +293,15 @@ def test_unsupported_llama_fields_raise(kwargs: dict, match: str) -> None:
         fot.FoTConfig(hidden_size=64, num_heads=4, **kwargs)
 
 
+def test_a_misspelt_field_is_refused_and_other_unknown_keywords_are_stored() -> None:
+    """FoTConfig(hidden_sise=...) used to store the typo and build the default width."""
+    for typo, field in (("hidden_sise", "hidden_size"), ("use_k_shfit", "use_k_shift")):
+        with pytest.raises(ValueError, match=rf"FoTConfig got {typo}=.*did you mean {field}="):
+            fot.FoTConfig(hidden_size=64, num_heads=4, **{typo: 32})
+    c = fot.FoTConfig(hidden_size=64, num_heads=4, my_experiment_tag="a", num_labels=3)
+    assert c.my_experiment_tag == "a" and c.num_labels == 3
+
+
 @pytest.mark.parametrize(
     "kwargs,match",
     [

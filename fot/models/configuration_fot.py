@@ -7,6 +7,7 @@ The Pro components (QK-norm, KV-shift, output norm, output gate) are independent
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import json
 import math
@@ -175,6 +176,7 @@ class FoTConfig(PretrainedConfig):
         norm_eps = _take_alias(kwargs, "norm_eps", norm_eps, ("rms_norm_eps",), 1e-6)
         rope_theta = _take_rope_parameters(kwargs, rope_theta)
         _refuse_unsupported_fields(kwargs)
+        _refuse_misspelt_fields(kwargs)
         _check_dtype_name(kwargs)
         head_dim = kwargs.pop("head_dim", None)
         if head_dim is not None and head_dim * num_heads != hidden_size:
@@ -846,6 +848,24 @@ def _refuse_unsupported_fields(kwargs: dict) -> None:
             f"hidden_act={act!r} is not supported: FoT's MLP is SwiGLU (silu); set "
             "hidden_act='silu' or leave it out"
         )
+
+
+def _refuse_misspelt_fields(kwargs: dict) -> None:
+    """Raise ``ValueError`` for a keyword a letter or two from one of FoT's fields
+    (``hidden_sise=1024``): PretrainedConfig would store it as a new attribute and the field
+    would keep its default. Other unknown keywords are stored, as transformers does."""
+    own = sorted(FoTConfig.constructor_keys())
+    known = set(own) | set(PretrainedConfig().to_dict())
+    for key in kwargs:
+        if key in known:
+            continue
+        close = difflib.get_close_matches(key, own, n=1, cutoff=0.85)
+        if close:
+            raise ValueError(
+                f"FoTConfig got {key}={kwargs[key]!r}, which is not one of its fields; did you "
+                f"mean {close[0]}={kwargs[key]!r}? (an unknown keyword would be stored and "
+                f"{close[0]} left at its default)"
+            )
 
 
 TRITON_HEAD_DIMS = (16, 32, 64, 128, 256)

@@ -1003,6 +1003,21 @@ def test_a_rank_that_waits_out_parallel_timeout_s_stops_with_one_line(tmp_path) 
                 "not come: it stalled or died (see its output). If a rank was busy that long on "
                 "its own (rank 0 writing a checkpoint to a slow file system or exporting a big "
                 "model), raise parallel.timeout_s\n") in err, err[-3000:]  # fmt: skip
+    # rank 0 never starts (its node died, or MASTER_ADDR names another host): rank 1 gave
+    # the store client's DistNetworkError in a traceback (helper-179)
+    run = tmp_path / "no_rank_0"
+    rank_1 = srun_environments(2, **env)[1]
+    script = [str(ROOT / "train.py"), *SMALL, "parallel=ddp", "parallel.timeout_s=5",
+              f"out_dir={run}", f"hydra.run.dir={run}"]  # fmt: skip
+    done = subprocess.run([sys.executable, *script], cwd=tmp_path, capture_output=True,
+                          text=True, env=rank_1, timeout=60)  # fmt: skip
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert (f"train.py (rank 1 of 2): error: waited longer than parallel.timeout_s=5 seconds to "
+            f"reach rank 0 at localhost:{rank_1['MASTER_PORT']} (MASTER_ADDR, MASTER_PORT), "
+            "where the processes of the run meet at the start: rank 0 did not start, or stopped "
+            "before the others came (see its output), or that address is not rank 0's host\n"
+            ) in done.stderr, done.stderr[-3000:]  # fmt: skip
 
 
 def _two_srun_tasks(tmp_path: Path, run: Path, *overrides: str, **env_extra: str) -> list:

@@ -46,7 +46,10 @@ _made_group: dict[str, float | None] = {}
 # gloo's words for a collective that waited out the timeout, and the store's at the start
 _TIMED_OUT = re.compile(
     r"Timed out waiting \d+ms|wait timeout after \d+ms|Timed out after \d+ seconds waiting"
+    r"|client socket has timed out after \d+ms"
 )
+# the store client's words when rank 0's store never answered at the start
+_NO_STORE = re.compile(r"while trying to connect to \(([^,()]+), (\d+)\)")
 # gloo's (and the store's) words when the process at the other end of a connection has exited
 _PEER_GONE = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe")
 
@@ -196,6 +199,14 @@ def collective_timeout(err: BaseException, what: str = "") -> CollectiveTimeoutE
         limit = f"torch's default timeout (parallel.timeout_s=null: {TORCH_DEFAULT_TIMEOUTS})"
     else:
         limit = f"parallel.timeout_s={_seconds(timeout_s)} seconds"
+    if store := _NO_STORE.search(str(err)):
+        host, port = store.groups()
+        return CollectiveTimeoutError(
+            f"waited longer than {limit} to reach rank 0 at {host}:{port} (MASTER_ADDR, "
+            "MASTER_PORT), where the processes of the run meet at the start: rank 0 did not "
+            "start, or stopped before the others came (see its output), or that address is "
+            "not rank 0's host"
+        )
     return CollectiveTimeoutError(
         f"waited longer than {limit} for the other ranks{f' {what}' if what else ''}, "
         "and one of them did not come: it stalled or died (see its output). If a rank was "

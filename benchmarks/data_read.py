@@ -460,6 +460,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]] | None:
         p.error(f"--seq-len must be >= 1, got {min(args.seq_len)}")
     if args.naive_s <= 0:
         p.error(f"--naive-s must be > 0, got {args.naive_s}")
+    if not args.gpu_ms >= 0:  # NaN too
+        p.error(f"--gpu-ms must be >= 0 (0: no GPU time between steps), got {args.gpu_ms}")
     if args.reader == "trainer":
         if min(args.doc_len) < 1 or args.budget_s <= 0:
             p.error(
@@ -501,6 +503,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]] | None:
     args.steps = 24 if args.steps is None else args.steps
     if args.seq_len > args.row_len:
         p.error(f"--seq-len {args.seq_len} is longer than a row (--row-len {args.row_len})")
+    given = None
+    if args.zarr:  # before the table's header: a bad path is one line, not a traceback
+        try:
+            given = open_zarr_array(args.zarr)
+        except (OSError, ValueError, ImportError) as err:  # ImportError: gcsfs, s3fs missing
+            p.error(f"--zarr: {err}")
 
     print(
         "| array | chunks | uncached: ms per step | cached | cached, fetched ahead "
@@ -509,8 +517,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]] | None:
     print("|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         arrays = []
-        if args.zarr:
-            arrays.append(open_zarr_array(args.zarr))
+        if given is not None:
+            arrays.append(given)
         else:
             for cr, cc in args.chunks:
                 path = Path(tmp) / f"c{cr}x{cc}.zarr"

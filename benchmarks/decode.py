@@ -266,7 +266,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             f"--context, --new-tokens and --batch-sizes must be >= 1, got {args.context}, "
             f"{args.new_tokens}, {args.batch_sizes}"
         )
-    fot_caches = [c.strip() for c in args.fot_cache.split(",") if c.strip()]
+    if args.hf_llama_heads is not None and args.hf_llama_heads < 1:
+        raise SystemExit(f"--hf-llama-heads must be >= 1 (or left out: as FoT), got "
+                         f"{args.hf_llama_heads}")  # fmt: skip
+    # each measured once: a repeat would be timed twice, and the ratios taken to either row
+    args.batch_sizes = list(dict.fromkeys(args.batch_sizes))
+    fot_caches = list(dict.fromkeys(c.strip() for c in args.fot_cache.split(",") if c.strip()))
     if not fot_caches or any(c not in ("graphs", "eager") for c in fot_caches):
         raise SystemExit(f"--fot-cache takes graphs and/or eager, got {args.fot_cache!r}")
     check_out_file(args.out)

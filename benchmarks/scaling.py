@@ -267,7 +267,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.nprocs = sorted({int(x) for x in args.nprocs.split(",") if x})
     except ValueError:
         p.error(f"--nprocs {args.nprocs!r}: expected comma-separated integers, e.g. 1,2,4")
-    args.strategies = [s for s in args.strategies.split(",") if s]
+    args.strategies = list(dict.fromkeys(s for s in args.strategies.split(",") if s))
     bad = [s for s in args.strategies if s not in STRATEGIES]
     if bad or not args.strategies:
         p.error(f"--strategies {bad or args.strategies}: choose from {','.join(STRATEGIES)}")

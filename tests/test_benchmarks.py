@@ -640,6 +640,9 @@ def test_decode_cpu(bench, tmp_path):
             "--batch-sizes",
             "1",
             "2",
+            "1",  # a repeat is measured once (helper-179: twice, and HF at "0.70x HF Llama")
+            "--fot-cache",
+            "graphs,eager,graphs",
             "--out",
             str(out),
         ]
@@ -680,6 +683,11 @@ def test_decode_triton_backend_on_cpu_says_the_fix(bench, monkeypatch):
     with pytest.raises(SystemExit, match="use --fot-backend auto or reference"):
         bench["decode"].main(["--device", "cpu", "--size", "tiny", "--fot-backend", "triton",
                               "--context", "8", "--new-tokens", "1", "--batch-sizes", "1"])  # fmt: skip
+
+
+def test_decode_refuses_a_head_count_below_one(bench):
+    with pytest.raises(SystemExit, match=r"--hf-llama-heads must be >= 1 .*got 0"):
+        bench["decode"].main([*DECODE_TOY, "--hf-llama-heads", "0"])
 
 
 def test_decode_ctrl_c_keeps_finished_rows(bench, tmp_path, monkeypatch, capsys):
@@ -1121,6 +1129,26 @@ def test_scaling_without_work_dir_takes_a_new_folder_per_invocation(tmp_path, be
         d.rmdir()  # empty: nothing ran
 
 
+def test_scaling_runs_a_strategy_named_twice_once(tmp_path, bench, monkeypatch):
+    """--strategies ddp,ddp ran (and reported) every process count twice (helper-179)."""
+    scaling = bench["scaling"]
+    runs = []
+
+    class Stop(Exception):
+        pass
+
+    def record(nproc, strategy, args):
+        runs.append((nproc, strategy, tuple(args.strategies)))
+        raise Stop
+
+    monkeypatch.setattr(scaling, "run_one", record)
+    with pytest.raises(Stop):
+        scaling.main(["--size", "tiny", "--seq-len", "64", "--steps", "3", "--warmup", "1",
+                      "--nprocs", "2", "--strategies", "ddp,fsdp,ddp", "--device", "cpu",
+                      "--work-dir", str(tmp_path)])  # fmt: skip
+    assert runs == [(2, "ddp", ("ddp", "fsdp"))]
+
+
 def test_scaling_cpu_two_processes_match_one(tmp_path, bench):
     """benchmarks/scaling.py on CPU (gloo): with one global batch, the 2-process DDP run's
     per-step losses equal the 1-process run's (the oracle), and every step is reported."""
@@ -1348,6 +1376,16 @@ def test_data_read_benchmark_reads_the_same_tokens_every_way(bench, capsys, monk
     with pytest.raises(SystemExit):
         data_read.main(["--chunks", "3y"])
     assert "'3y' is not ROWSxCOLUMNS" in capsys.readouterr().err
+    # helper-179: tracebacks (a negative sleep; the missing array's FileNotFoundError)
+    with pytest.raises(SystemExit):
+        data_read.main(["--gpu-ms", "-5"])
+    assert "--gpu-ms must be >= 0 (0: no GPU time between steps), got -5.0" in (
+        capsys.readouterr().err
+    )
+    with pytest.raises(SystemExit):
+        data_read.main(["--zarr", "/nonexistent/x.zarr", "--seq-len", "64"])
+    err = capsys.readouterr().err
+    assert "error: --zarr: zarr array /nonexistent/x.zarr does not exist" in err
 
 
 def _packed_digests(docs, T: int, rows: int) -> list[str]:

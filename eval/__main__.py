@@ -167,15 +167,10 @@ def _write_error(err: OSError, out: str | None, *, resumes: bool) -> WriteError 
         isinstance(err, FotError) and not isinstance(err, WriteError)
     ):
         return None
-    from fot.training.checkpoint import RUN_LOCK
-
     # a folder that holds only the lock holds no results (a new --out goes with the lock)
     kept = (
         f"Items finished before it are kept in {str(out)!r}: rerun the same command to resume"
-        if resumes
-        and out is not None
-        and os.path.isdir(out)
-        and any(name != RUN_LOCK for name in os.listdir(out))
+        if resumes and out is not None and _holds_results(out)
         else ""
     )
     if isinstance(err, WriteError):
@@ -220,7 +215,16 @@ def _stopped_line(
             "hold an earlier run's results or only part of this one's: rerun the same command "
             "to compute them all again"
         )
+    if out and not _holds_results(out):  # a new --out goes when nothing was written to it
+        return f"{prog}: {signal_name} before its first result; nothing was written"
     return f"{prog}: {signal_name}; finished items are saved in {where}: rerun the same command to resume"
+
+
+def _holds_results(out: str) -> bool:
+    """Whether the folder ``out`` exists and holds more than its run lock."""
+    from fot.training.checkpoint import RUN_LOCK
+
+    return os.path.isdir(out) and any(name != RUN_LOCK for name in os.listdir(out))
 
 
 def cli(argv: Sequence[str], *, exiting: bool = False) -> int:
@@ -272,6 +276,12 @@ def cli(argv: Sequence[str], *, exiting: bool = False) -> int:
             main(argv)
             finished = True
             stop.check()  # a SIGTERM whose raise was lost (in a __del__) after the last check
+    except BrokenPipeError:
+        # stdout's reader went (`| head -1`): quiet, with the status of a process that SIGPIPE
+        # ends, as other commands in a pipe; what the command writes to --out is not stdout
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error
+        return 128 + signal.SIGPIPE
     except KeyboardInterrupt as err:
         if show_traceback:
             raise

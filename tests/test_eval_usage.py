@@ -4,6 +4,7 @@ status. Each error must name the problem and the fix, and lose no results."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -141,8 +142,23 @@ def test_cli_user_errors_and_ctrl_c_print_a_message_not_a_traceback(tmp_path, mo
         raise KeyboardInterrupt
 
     monkeypatch.setattr(eval_main, "main", interrupted)
-    assert cli(["needle", "x", "--out", "o"]) == 130
-    assert "rerun the same command to resume" in capsys.readouterr().err
+    # before the first result a new --out goes again: nothing is "saved" in it (helper-177)
+    out = tmp_path / "o"
+    assert cli(["needle", "x", "--out", str(out)]) == 130
+    line = capsys.readouterr().err.strip()
+    assert (
+        line
+        == "python -m fot.eval needle: interrupted before its first result; nothing was written"
+    )
+    out.mkdir()
+    (out / ".run.lock").write_text("")
+    assert cli(["needle", "x", "--out", str(out)]) == 130
+    assert "before its first result; nothing was written" in capsys.readouterr().err
+    (out / "needle_easy.jsonl").write_text("{}\n")
+    assert cli(["needle", "x", "--out", str(out)]) == 130
+    assert f"finished items are saved in {str(out)!r}: rerun the same command to resume" in (
+        capsys.readouterr().err
+    )
 
     # SIGTERM (Slurm's time limit, `timeout`) stops as Ctrl-C does: the commands' own saving
     # on KeyboardInterrupt runs (by default Python would die at once, skipping it)
@@ -157,10 +173,10 @@ def test_cli_user_errors_and_ctrl_c_print_a_message_not_a_traceback(tmp_path, mo
             saved.append(True)
 
     monkeypatch.setattr(eval_main, "main", terminated)
-    assert cli(["needle", "x", "--out", "o"]) == 128 + signal.SIGTERM
+    assert cli(["needle", "x", "--out", str(out)]) == 128 + signal.SIGTERM
     assert saved == [True]
     err = capsys.readouterr().err
-    assert "needle: stopped by SIGTERM; finished items are saved in 'o': rerun the same" in err
+    assert f"needle: stopped by SIGTERM; finished items are saved in {str(out)!r}: rerun the" in err
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # put back
 
     # A SIGTERM handled inside a __del__ (a tokenizer's regex objects have one) only prints its
@@ -175,6 +191,23 @@ def test_cli_user_errors_and_ctrl_c_print_a_message_not_a_traceback(tmp_path, mo
     monkeypatch.setattr(eval_main, "main", items_with_a_lost_raise)
     assert cli(["needle", "x", "--out", "o"]) == 128 + signal.SIGTERM
     assert len(JsonlLog(tmp_path / "items.jsonl")) == 2  # items 0 and 1, not all five
+
+
+def test_a_closed_stdout_at_the_summary_is_quiet_as_in_a_pipe(monkeypatch, capsys):
+    """`fot-eval ... | head -1`: the final summary's print met a closed pipe and the command,
+    its results all written, said "error: [Errno 32] Broken pipe" with status 2
+    (helper-177). It now ends as commands in a pipe do: quiet, status 128 + SIGPIPE."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    pipe = os.fdopen(write_end, "w")
+    monkeypatch.setattr(sys, "stdout", pipe)
+    monkeypatch.setattr(eval_main, "main", lambda argv: print("summary " * 10000, flush=True))
+    try:
+        assert cli(["needle", "x", "--out", "o"]) == 128 + signal.SIGPIPE
+    finally:
+        with contextlib.suppress(OSError):
+            pipe.close()
+    assert capsys.readouterr().err == ""
 
 
 def test_a_stopped_gates_run_does_not_say_it_resumes(tmp_path, monkeypatch, capsys):

@@ -9,7 +9,10 @@ decode step is two launches per layer, however long the cache: the step is memor
 the cache, and the spans keep every SM reading. The gate cumsum of the cache is never
 recomputed: the caller passes the running c.
 
-Elsewhere (CPU without the interpreter, float64 inputs or cumsums, inputs that need
+The cumsums may be float64 (as fot's cache keeps them): the kernel takes ``c_i - c_j`` in
+float64 and rounds the difference, so a long cache's large ``|c|`` costs no precision.
+
+Elsewhere (CPU without the interpreter, float64 inputs, inputs that need
 gradients: a padded training batch attends through this function) the same function runs as
 batched PyTorch matmuls (GQA by grouping query heads instead of copying the cache).
 """
@@ -100,7 +103,10 @@ def _decode_span_kernel(
             mask=row_ok[:, None] & n_ok[None, :],
             other=0.0,
         )
-        s = tl.dot(q, kT, input_precision=DOT_PREC) * qk_scale + (cq[:, None] - ck) * _LOG2E
+        # the bias in the cumsums' dtype, then float32: float64 cumsums keep the low bits of
+        # c_i - c_j that float32 ones of |c| ~ 4e4 (32k steps of log f ~ -1.4) lose
+        bias = (cq[:, None] - ck).to(tl.float32)
+        s = tl.dot(q, kT, input_precision=DOT_PREC) * qk_scale + bias * _LOG2E
         ok = n_ok[None, :] & (offs_n[None, :] <= q_pos[:, None])
         if HAS_WINDOW:
             ok = ok & (q_pos[:, None] - offs_n[None, :] < W)
@@ -208,8 +214,8 @@ def _append_kernel(
 ):  # fmt: skip
     """One new token of sequence ``b`` (program ``b``) into a fixed-capacity cache at the
     device position ``POS``: ``KB[b, :, pos] = KN[b]`` and ``VB`` likewise (cast to the
-    buffers' dtype), ``CB[b, pos] = COUT[b] = float32(float64(LF[b]) + float64(CB[b, pos -
-    1]))``, and with KV-shift the pre-shift projections into ``KS[b]`` / ``VS[b]``.
+    buffers' dtype), ``CB[b, pos] = COUT[b] = float64(LF[b]) + float64(CB[b, pos - 1])``
+    (rounded to CB's dtype), and with KV-shift the pre-shift projections into ``KS[b]`` / ``VS[b]``.
 
     With ``K_MIX`` / ``K_NORM`` (``V_MIX``) the key (value) written is first shifted and
     normalised as ``shift_norm`` does it: ``z = x + sigmoid(KL) (KS - x)`` with ``x = KN``
@@ -282,7 +288,7 @@ def _append_kernel(
         rstd = tl.rsqrt(tl.sum(x * x, axis=1) / D + q_eps)  # (BQ,)
         q_out = (x * rstd[:, None] * q_w).to(QO.dtype.element_ty)
         tl.store(QO + (b * HQ + qh) * D + ds, q_out, mask=okq)
-    c = (lf + prev.to(tl.float64)).to(tl.float32)
+    c = (lf + prev.to(tl.float64)).to(CB.dtype.element_ty)
     tl.store(CB + b * s_cbb + pos * s_cbt + qs * s_cbh, c, mask=qok)
     tl.store(COUT + b * HQ + qs, c, mask=qok)
 
@@ -292,7 +298,7 @@ def decode_append_supported(
 ) -> bool:
     """Whether :func:`decode_append` takes a cache with these buffers and new tensors
     (``k, v, k_pre, v_pre``; None for an absent one): on CUDA (or under the interpreter),
-    float32 gate inputs and cumsum buffer (float64 keeps the PyTorch ops), nothing to
+    float32 gate inputs (float64 keeps the PyTorch ops), nothing to
     differentiate (it has no backward)."""
     return (
         (k_buf.is_cuda or _interpreting())
@@ -318,13 +324,14 @@ def decode_append(
     """Write one new token per sequence into a fixed-capacity cache, in one launch.
 
     The same as ``k_buf.index_copy_(2, pos, k.transpose(1, 2).to(k_buf.dtype))``, likewise
-    for ``v``, ``c = (log_fgate.double() + c_buf[:, pos - 1].double()).float()`` written at
+    for ``v``, ``c = (log_fgate.double() + c_buf[:, pos - 1].double()).to(c_buf.dtype)`` written at
     ``c_buf[:, pos]``, and ``k_shift.copy_(k_pre[:, -1])`` / ``v_shift.copy_(v_pre[:, -1])``
     (about ten small launches as PyTorch ops). Bit-equal to them.
 
     Args:
         k_buf, v_buf: ``[B, H, capacity, D]`` key / value buffers (head-major).
-        c_buf: ``[B, capacity, HQ]`` float32 gate cumsum buffer.
+        c_buf: ``[B, capacity, HQ]`` float64 (as fot's cache keeps it) or float32 gate cumsum
+            buffer.
         k, v: ``[B, 1, H, D]`` the new token's key and value (any float dtype).
         log_fgate: ``[B, 1, HQ]`` float32 log forget gates of the new token.
         pos: ``[1]`` int64 on the buffers' device, the position to write (``>= 1``: the cumsum
@@ -333,7 +340,7 @@ def decode_append(
             that keeps it (KV-shift), or both None; ``v_pre``, ``v_shift`` likewise.
 
     Returns:
-        ``[B, 1, HQ]`` float32, the new token's cumsum.
+        ``[B, 1, HQ]`` in c_buf's dtype, the new token's cumsum.
     """
     return _launch_append(
         k_buf, v_buf, c_buf, k, v, log_fgate, pos, k_pre, k_shift, v_pre, v_shift
@@ -381,7 +388,7 @@ def decode_shift_norm_append(
             epsilon; ``q_weight`` ``[HQ, D]``, ``q_eps`` for the query.
 
     Returns:
-        ``([B, 1, HQ]`` float32 cumsum of the new token, ``[B, 1, HQ, D]`` query in q's
+        ``([B, 1, HQ]`` cumsum of the new token in c_buf's dtype, ``[B, 1, HQ, D]`` query in q's
         dtype: normalised, contiguous with ``q_weight``, else ``q`` itself``)``.
 
     Raises:
@@ -409,7 +416,7 @@ def _launch_append(
     """``_append_kernel`` over the batch: returns ``(c, q_out)`` (q_out is None without q)."""
     B, _, H, D = k.shape
     HQ, DV = log_fgate.shape[-1], v.shape[-1]
-    c = torch.empty(B, 1, HQ, dtype=torch.float32, device=k.device)
+    c = torch.empty(B, 1, HQ, dtype=c_buf.dtype, device=k.device)
     q_out = q
     if q is not None and q_weight is not None:
         q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -450,13 +457,14 @@ def _launch_append(
 
 def _triton_ok(q, k_cache, v_cache, q_cumsum, k_cumsum) -> bool:
     """Whether the Triton kernels take these (checked) inputs: CUDA tensors or the
-    interpreter, 16/32-bit q and caches, float32 cumsums (float64 keeps the PyTorch path),
-    nothing to differentiate (a padded training batch goes through the decode function)."""
+    interpreter, 16/32-bit q and caches, float32 or float64 cumsums, nothing to differentiate
+    (a padded training batch goes through the decode function)."""
     if not (q.is_cuda or _interpreting()) or needs_grad(q, k_cache, v_cache, q_cumsum, k_cumsum):
         return False
     small = (torch.float16, torch.bfloat16, torch.float32)
+    sums = (torch.float32, torch.float64)
     return all(t.dtype in small for t in (q, k_cache, v_cache)) and (
-        q_cumsum.dtype == k_cumsum.dtype == torch.float32
+        q_cumsum.dtype in sums and k_cumsum.dtype in sums
     )
 
 

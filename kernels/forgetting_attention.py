@@ -509,7 +509,11 @@ def forgetting_attention(
             the gate-cumsum kernel flags it (no host sync) and nothing is pruned there. With
             ``cu_seqlens`` one float64 cumsum runs over the whole packed row (only differences
             within a document are used), so a NaN or -inf gate makes every later document NaN
-            too, and a sum beyond ~1e12 costs the later documents their precision.
+            too, and a sum beyond ~1e12 costs the later documents their precision. The kernel
+            takes c relative to the first position of each query tile, in float32: a gate of
+            ``log f = -x`` between that position and a query or key rounds its bias by up to
+            ~5e-8 ``x`` (a reset of ``-1e4`` moves the output by ~4e-4; ``F.logsigmoid``
+            outputs, above -100, by < 5e-6).
         scale: logit scale; default ``D ** -0.5``.
         cu_seqlens: ``[N + 1]`` int32/int64 document boundaries of packed sequences
             (``B == 1``); no attention and no gate cumsum across documents.

@@ -69,8 +69,9 @@ def _attend_chunk(
     if key_mask is not None:
         allowed = allowed & key_mask[:, None, None, :]
     scores = scores.masked_fill(~allowed, float("-inf"))
-    # A query with nothing to attend to (fully masked row) gives 0, not NaN; a NaN or inf in
-    # the inputs still comes out as NaN, as from the kernel.
+    # A query with nothing to attend to (fully masked row) gives 0, not NaN. A NaN or inf in
+    # the inputs still comes out as NaN; one in k or v also at the chunk's earlier queries
+    # (0 * inf), where the kernel reaches only the queries of its key tile.
     probs = torch.softmax(scores, dim=-1).masked_fill(~allowed.any(-1, keepdim=True), 0.0)
     out = torch.einsum("bhij,bjhd->bihd", probs, v.to(compute))  # (B, Tq, HQ, D)
     return out.to(q.dtype)
@@ -148,6 +149,9 @@ def forgetting_attention_reference(
     Returns:
         ``[B, T, HQ, D]`` in q's dtype. Internally float32 (float64 for float64 inputs), under
         autocast too, with the gate cumsum in float64. Differentiable in q, k, v and log_fgate.
+        A NaN or inf in a key or value makes NaN of every query of its ``chunk_size`` chunk,
+        those before it too (their zero weights times it); the Triton kernel spreads it only
+        within the key tile it reads (32 to 128 positions).
     """
     check_inputs(q, k, v, log_fgate, cu_seqlens=cu_seqlens, window_size=window_size, debug=True)
     if not isinstance(chunk_size, int) or chunk_size < 1:

@@ -984,6 +984,34 @@ def test_decode_kernel_matches_reference(B, Tq, Tk, HQ, H, D, window, dtype, con
     assert rel_err(out, ref) < TOL[dtype]
 
 
+@pytest.mark.parametrize("impl", ["kernel", "pytorch"])
+def test_decode_with_float64_cumsums_keeps_float32_accuracy_after_a_long_prefill(impl):
+    """After ~32k tokens of strong decay |c| is ~4e4, where a float32 cumsum rounds c_i - c_j
+    by ~4e-3 (helper-178: the cache kept float32 cumsums, and decode drifted by ~1e-3 from
+    the float64 result). With float64 cumsums (as FoTCache keeps them) the kernel (CPU:
+    interpreter) and the PyTorch path stay at float32 accuracy; float32 cumsums of the same
+    |c| do not, which shows that the case tells the two apart."""
+    g = torch.Generator().manual_seed(0)
+    B, Tq, Tk, HQ, H, D = 1, 2, 200, 4, 2, 32
+    q = torch.randn(B, Tq, HQ, D, generator=g)
+    kc, vc = torch.randn(B, Tk, H, D, generator=g), torch.randn(B, Tk, H, D, generator=g)
+    log_f = F.logsigmoid(torch.randn(B, Tk, HQ, generator=g, dtype=torch.float64) - 1.0)
+    c = torch.cumsum(log_f, 1) - 46000.0  # where 32k tokens of log f ~ -1.4 leave it
+    ref = forgetting_attention_decode_reference(q.double(), kc.double(), vc.double(), c[:, -Tq:], c)
+    fn = forgetting_attention_decode if impl == "kernel" else _decode_pytorch
+
+    def err(c):
+        out = fn(q, kc, vc, c[:, -Tq:], c)
+        return (out.double() - ref).abs().max().item()
+
+    assert err(c) < 2e-6
+    assert err(c.float()) > 1e-4
+    if impl == "kernel":  # the Triton kernels take float64 cumsums (not the PyTorch fallback)
+        from fot.kernels import decode
+
+        assert decode._triton_ok(q, kc, vc, c[:, -Tq:], c)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("parts", [("gate", "norm"), ("gate",), ("norm",)])
 def test_decode_output_norm_and_gate_equal_norm_gate_after_it(dtype, parts, device):

@@ -567,9 +567,42 @@ def test_cached_decode_equals_full_forward(model: str, extra: dict) -> None:
     chunked, cache = _decode_logits(m, x, [6, 3, 1, 4])  # prefill, chunked prefill, decode
     assert max_err(chunked, full) < TOL
     layer = cache[0]
-    assert layer.keys.shape[1] == 14 and layer.cumsum.dtype == torch.float32
+    assert layer.keys.shape[1] == 14 and layer.cumsum.dtype == torch.float64
     if m.config.use_k_shift:
         assert layer.k_shift.shape == (2, m.config.kv_heads, m.config.head_dim)
+
+
+def test_the_cache_keeps_the_gate_cumsum_in_float64() -> None:
+    """After 32k tokens of strong decay |c| is ~4e4: float32 (as the cache kept it) rounds
+    c_i - c_j by ~4e-3, and cached decode drifted from the forward (helper-178). The cache's
+    cumsum, over a prefill, chunked appends and static (CUDA-graph) steps, is the float64
+    cumsum of the log gates, bit for bit."""
+    from fot.models.cache import FoTLayerCache, StaticStep
+
+    g = torch.Generator().manual_seed(0)
+    B, H, D, T = 1, 2, 8, 32768
+    log_f = F.logsigmoid(torch.randn(B, T, H, generator=g) - 1.0)  # float32, as the model's
+    want = torch.cumsum(log_f.double(), 1)
+    assert want[0, -1].abs().min() > 4e4
+
+    def kv(n):
+        return torch.zeros(B, n, H, D), torch.zeros(B, n, H, D)
+
+    for capacity in (None, T):
+        cache = FoTLayerCache(capacity=capacity)
+        got = [cache.append(*kv(T - 10), log_f[:, : T - 10], None, None)]
+        got.append(cache.append(*kv(6), log_f[:, T - 10 : T - 4], None, None))
+        if capacity is not None:  # static steps: one token at a device position
+            for t in range(T - 4, T):
+                cache.step = StaticStep(
+                    torch.tensor([t]), T, torch.ones(B, T, dtype=torch.bool), torch.arange(T)
+                )
+                got.append(cache.append(*kv(1), log_f[:, t : t + 1], None, None))
+                cache.step, cache._len = None, t + 1
+        else:
+            got.append(cache.append(*kv(4), log_f[:, T - 4 :], None, None))
+        assert torch.equal(torch.cat(got, 1), want)
+        assert torch.equal(cache.cumsum[:, :T], want)
 
 
 @pytest.mark.parametrize("model", ["fot_pro", "transformer_pro"])

@@ -73,7 +73,9 @@ class FoTLayerCache:
             of the buffer; read-only use). During a static step: the step's ``bucket`` first
             buffer positions.
         values: ``[B, Tk, H, D]`` (a view).
-        cumsum: ``[B, Tk, HQ]`` float32, running gate cumsum ``c`` at each cached position.
+        cumsum: ``[B, Tk, HQ]`` float64, running gate cumsum ``c`` at each cached position
+            (float64: after 32k tokens ``|c|`` may be ~4e4, where float32 would round
+            ``c_i - c_j`` by ~4e-3).
         k_shift: ``[B, H, D]`` last pre-shift key projection (``None`` without KV-shift).
         v_shift: ``[B, H, D]`` last pre-shift value projection (``None`` without KV-shift).
         step: the :class:`StaticStep` in progress, set by :class:`FoTCache` (else None).
@@ -114,7 +116,7 @@ class FoTLayerCache:
         if self.capacity is None:
             self._k = keys.transpose(1, 2).contiguous()  # (B, H, Tk, D)
             self._v = values.transpose(1, 2).contiguous()
-            self._c = cumsum.contiguous()  # (B, Tk, HQ)
+            self._c = cumsum.to(torch.float64).contiguous()  # (B, Tk, HQ)
             return
         self._check_room(T)
         # Zero-filled: the positions a static step reads beyond the cached ones are masked,
@@ -122,7 +124,7 @@ class FoTLayerCache:
         cap = self.capacity
         self._k = keys.new_zeros(B, H, cap, D)
         self._v = values.new_zeros(B, H, cap, values.shape[-1])
-        self._c = cumsum.new_zeros(B, cap, cumsum.shape[-1])
+        self._c = cumsum.new_zeros(B, cap, cumsum.shape[-1], dtype=torch.float64)
         self._k[:, :, :T] = keys.transpose(1, 2)
         self._v[:, :, :T] = values.transpose(1, 2)
         self._c[:, :T] = cumsum
@@ -168,7 +170,7 @@ class FoTLayerCache:
 
     @property
     def cumsum(self) -> torch.Tensor | None:
-        """Forget-gate cumsum of the cached positions ``[B, T, HQ]`` float32, or ``None``."""
+        """Forget-gate cumsum of the cached positions ``[B, T, HQ]`` float64, or ``None``."""
         return None if self._c is None else self._c[:, : self._visible()]
 
     @property
@@ -197,14 +199,14 @@ class FoTLayerCache:
                 ops; the same numbers.
 
         Returns:
-            ``[B, T, HQ]`` float32 cumsum ``c`` at the new positions (continuing the cached one;
-            summed in float64).
+            ``[B, T, HQ]`` float64 cumsum ``c`` at the new positions (continuing the cached
+            one).
         """
         if self.step is not None:
             return self._append_static(k, v, log_fgate, k_pre, v_pre, fused)
         c = torch.cumsum(log_fgate.double(), dim=1)
         if self._len:
-            c = (c + self._c[:, self._len - 1 : self._len].double()).float()
+            c = c + self._c[:, self._len - 1 : self._len]
             n, T = self._len, k.shape[1]
             self._reserve(n + T)
             self._k[:, :, n : n + T] = k.transpose(1, 2)  # (B, H, T, D), cast to cache dtype
@@ -212,7 +214,6 @@ class FoTLayerCache:
             self._c[:, n : n + T] = c
             self._len = n + T
         else:
-            c = c.float()
             self._set(k, v, c)
         for name, pre in (("k_shift", k_pre), ("v_shift", v_pre)):
             if pre is None:
@@ -247,7 +248,7 @@ class FoTLayerCache:
                     v_pre, self.v_shift if v_pre is not None else None,
                 )  # fmt: skip
         prev = self._c.index_select(1, pos - 1)  # (B, 1, HQ) cumsum of the last cached token
-        c = (log_fgate.double() + prev.double()).float()  # as append: float64 sum, then float32
+        c = log_fgate.double() + prev  # (B, 1, HQ) float64, as append
         self._k.index_copy_(2, pos, k.transpose(1, 2).to(self._k.dtype))  # (B, H, 1, D)
         self._v.index_copy_(2, pos, v.transpose(1, 2).to(self._v.dtype))
         self._c.index_copy_(1, pos, c)
@@ -282,7 +283,7 @@ class FoTLayerCache:
 
         Returns:
             ``(q, c)``: the query as attention takes it ``[B, 1, HQ, D]`` and the new token's
-            cumsum ``[B, 1, HQ]`` float32; or None where the kernel does not apply (no static
+            cumsum ``[B, 1, HQ]`` float64; or None where the kernel does not apply (no static
             step, not on CUDA or the interpreter, gradients, no shift state): nothing was
             written, and the caller shifts, normalises and calls :meth:`append` itself.
         """

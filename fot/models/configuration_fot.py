@@ -108,7 +108,9 @@ class FoTConfig(PretrainedConfig):
     models do not have are refused with a ``ValueError`` rather than stored and ignored:
     non-zero dropout (``dropout``, ``attention_dropout``, ``hidden_dropout``, ``resid_pdrop``,
     ...), ``rope_scaling`` or a non-default ``rope_parameters`` type, ``attention_bias`` /
-    ``mlp_bias``, and a ``hidden_act`` other than ``"silu"``.
+    ``mlp_bias``, and a ``hidden_act`` other than ``"silu"``. So is a keyword a letter or two
+    from one of FoT's fields (``hidden_sise``); other unknown keywords are stored, as
+    transformers stores them.
 
     Keyword overrides given to :meth:`from_pretrained` / :meth:`from_dict` (and so to
     ``AutoConfig`` / ``AutoModelForCausalLM.from_pretrained``) go through the same constructor,

@@ -979,7 +979,7 @@ class FoTAttention(nn.Module):
             # Cached keys or padding: the decode function takes the running gate cumsum c of
             # the queries and of all keys, and a key mask.
             if cache is None:
-                c_q = torch.cumsum(log_f.double(), dim=1).to(log_f.dtype)
+                c_q = torch.cumsum(log_f.double(), dim=1)  # float64: long rows' |c| is large
                 keys, values, c_k = k, v, c_q
             else:
                 keys, values, c_k = cache.keys, cache.values, cache.cumsum

@@ -1105,24 +1105,25 @@ def test_pruning_cpu_after_triton_was_imported_without_interpreter_says_the_fix(
 # ---------------------------------------------------------------------------------------
 
 
+class _StopRun(Exception):
+    """Raised by a stand-in for scaling.run_one once it has recorded what it was given."""
+
+
 def test_scaling_without_work_dir_takes_a_new_folder_per_invocation(tmp_path, bench, monkeypatch):
     """--work-dir was /tmp/fot_scaling by default: two invocations (two users of a machine, or
     two jobs) replaced each other's run folders. Each now gets a new temporary folder."""
     scaling = bench["scaling"]
     dirs = []
 
-    class Stop(Exception):
-        pass
-
     def record(nproc, strategy, args):
         dirs.append(Path(args.work_dir))
-        raise Stop  # the folder is all this test needs
+        raise _StopRun  # the folder is all this test needs
 
     monkeypatch.setattr(scaling, "run_one", record)
     argv = ["--size", "tiny", "--seq-len", "64", "--steps", "3", "--warmup", "1", "--nprocs", "1",
             "--device", "cpu"]  # fmt: skip
     for _ in range(2):
-        with pytest.raises(Stop):
+        with pytest.raises(_StopRun):
             scaling.main(argv)
     assert len(dirs) == 2 and dirs[0] != dirs[1] and all(d.is_dir() for d in dirs)
     for d in dirs:
@@ -1134,15 +1135,12 @@ def test_scaling_runs_a_strategy_named_twice_once(tmp_path, bench, monkeypatch):
     scaling = bench["scaling"]
     runs = []
 
-    class Stop(Exception):
-        pass
-
     def record(nproc, strategy, args):
         runs.append((nproc, strategy, tuple(args.strategies)))
-        raise Stop
+        raise _StopRun
 
     monkeypatch.setattr(scaling, "run_one", record)
-    with pytest.raises(Stop):
+    with pytest.raises(_StopRun):
         scaling.main(["--size", "tiny", "--seq-len", "64", "--steps", "3", "--warmup", "1",
                       "--nprocs", "2", "--strategies", "ddp,fsdp,ddp", "--device", "cpu",
                       "--work-dir", str(tmp_path)])  # fmt: skip

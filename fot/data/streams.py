@@ -536,7 +536,6 @@ class HFSource:
         self._doc_is_row = True  # False: _doc is a carry restored as is (see _restore)
         self._pending: dict[str, Any] | None = None  # a loaded state not yet restored
         self._it: Iterator[Any] | None = None
-        self._it_docs = 0  # documents consumed when _it was created
 
     def _open(self) -> Iterator[Any]:
         ds = self.make_dataset()
@@ -1029,8 +1028,3 @@ def iterate_eval_batches(
         if prefetch is not None and b < hi:
             prefetch(b, min(micro_batch_size, hi - b))
         yield make_batch(inputs, labels, varlen=varlen, doc_start_id=start)
-
-
-def num_eval_sequences(tokens: int, seq_len: int) -> int:
-    """How many sequences of ``seq_len`` hold at least ``tokens`` tokens (>= 1)."""
-    return max(1, math.ceil(tokens / seq_len))

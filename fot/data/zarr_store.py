@@ -348,8 +348,6 @@ class ChunkReader:
         self.name = name
         self.chunk_exists = chunk_exists if self.chunk_rows else None
         self.fill_value = getattr(array, "fill_value", None)
-        self.fetches = 0
-        """Reads sent to the array (for tests and benchmarks)."""
         self._pieces: OrderedDict[Key, np.ndarray] = OrderedDict()
         self._bytes = 0
         self._pending: dict[Key, Future] = {}
@@ -420,7 +418,6 @@ class ChunkReader:
         n = self.retries if retries is None else retries
         attempt = 0
         while True:
-            self.fetches += 1
             if n == 0:
                 try:
                     return self._read_checked(r0, r1, c0, c1)

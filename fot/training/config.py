@@ -289,16 +289,6 @@ class TrainConfig:
     """Per-device peak FLOP/s for MFU (default: looked up for known GPUs; none on CPU)."""
 
 
-GROUPS = {
-    "model": ModelConfig,
-    "size": SizeConfig,
-    "data": DataConfig,
-    "optim": OptimConfig,
-    "schedule": ScheduleConfig,
-    "parallel": ParallelConfig,
-}
-
-
 def mul(*factors: int) -> int:
     """The ``fot.mul`` resolver: the product of integers (``${fot.mul:8,${data.seq_len}}``).
 

@@ -1,10 +1,11 @@
-"""Packaging, offline tokenizer, token folders and the sample corpus."""
+"""Packaging, offline tokenizer, token folders, the sample corpus and the links in the docs."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -596,3 +597,50 @@ def test_each_test_starts_with_torchs_global_rng_seeded_with_0():
     # it, or at torch's own start-up seed (not 0) in a fresh process.
     expected = torch.randn(8, generator=torch.Generator().manual_seed(0))
     assert torch.equal(torch.randn(8), expected)
+
+
+def _heading_anchor(heading: str) -> str:
+    """GitHub's anchor of a Markdown heading: lower case, punctuation other than ``-`` and
+    ``_`` dropped, spaces as ``-``."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_heading_anchor_follows_githubs_rule() -> None:
+    # anchors GitHub renders for such headings, written out by hand
+    assert _heading_anchor("Against the bar (B1 T16k, fwd+bwd, N(4,1))") == (
+        "against-the-bar-b1-t16k-fwdbwd-n41"
+    )
+    assert _heading_anchor("Commit e3580ae: 32 × 128 tiles") == "commit-e3580ae-32--128-tiles"
+    assert _heading_anchor("`optim=muon` against AdamW") == "optimmuon-against-adamw"
+
+
+def test_links_in_the_docs_reach_a_file_and_a_heading() -> None:
+    """Every relative link of README.md, eval/README.md and docs/*.md names a file that
+    exists and, after ``#``, a heading of that file (a heading that occurs again gets ``-1``,
+    ``-2``, ... as on GitHub; lines in code blocks are not headings)."""
+    pages = [REPO / "README.md", REPO / "eval" / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    anchors: dict[Path, set[str]] = {}
+    for page in pages:
+        seen: dict[str, int] = {}
+        in_code = False
+        for line in page.read_text().splitlines():
+            if line.startswith("```"):
+                in_code = not in_code
+            heading = None if in_code else re.match(r"#{1,6} (.*)", line)
+            if heading:
+                a = _heading_anchor(heading.group(1))
+                seen[a] = seen.get(a, -1) + 1
+                anchors.setdefault(page.resolve(), set()).add(f"{a}-{seen[a]}" if seen[a] else a)
+    broken, checked = [], 0
+    for page in pages:
+        for m in re.finditer(r"\]\(([^)\s#]*)(?:#([^)\s]+))?\)", page.read_text()):
+            path, anchor = m.groups()
+            if re.match(r"[a-z]+:", path):  # http:, https:, mailto:
+                continue
+            target = (page.parent / path).resolve() if path else page.resolve()
+            checked += 1
+            if not target.exists():
+                broken.append(f"{page.relative_to(REPO)}: {path} does not exist")
+            elif anchor and anchor not in anchors.get(target, set()):
+                broken.append(f"{page.relative_to(REPO)}: no heading #{anchor} in {path or 'it'}")
+    assert checked > 50 and not broken, broken

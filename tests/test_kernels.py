@@ -777,6 +777,35 @@ def test_exact_pruning_never_hides_a_nan_query_or_output_gradient(where):
         torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
 
 
+def test_a_query_tile_that_needs_older_keys_than_later_tiles_gets_its_key_gradients():
+    """With pruning, each dK/dV program binary-searches the query tiles that need its key
+    tile, which holds only if the first key needed per query tile never falls from one tile
+    to a later one: the launcher makes it so (a suffix minimum). Here the queries of one tile
+    near the end are large (|q| 30 times the rest; a trained model's q norms vary too) and
+    need the first keys, which the normal tiles before and after it prune: without the
+    suffix minimum the search for the first key tile (CPU: query tiles of 32, the large ones
+    the 7th of 8) stopped before it, and its share of dk, dv and dlogf was dropped. The
+    large queries point along the first keys, so that those carry weight despite the decay.
+    Oracles: the same call with ``prune=False`` (bitwise) and the float64 reference."""
+    T, D = (256 if DEVICE == "cpu" else 1024), 32  # GPU: larger tiles
+    q, k, v, log_f = make_inputs(1, T, 2, 1, D, torch.float32, STRONG, seed=7)
+    u = F.normalize(torch.randn(D, generator=torch.Generator().manual_seed(8)), dim=0)
+    k[:, :32] += 10 * u
+    q[0, 3 * T // 4 : 3 * T // 4 + 32] = 200 * u  # in one query tile (of 32, GPU 64 or 128)
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(2))
+    stats = PruneStats()
+    pruned, pruned_grads = kernel_and_grads(q, k, v, log_f, do, prune=True, stats=stats)
+    unpruned, unpruned_grads = kernel_and_grads(q, k, v, log_f, do, prune=False)
+    assert stats.tiles_skipped > 0  # the normal tiles prune
+    for name, got, want in zip(("o", "dq", "dk", "dv", "dlogf"), [pruned, *pruned_grads],
+                               [unpruned, *unpruned_grads], strict=True):  # fmt: skip
+        assert torch.equal(got, want), f"{name} differs with pruning on"
+    o_ref, grads_ref = reference_and_grads(q, k, v, log_f, do)
+    for name, a, b in zip(("o", "dq", "dk", "dv"), (pruned, *pruned_grads[:3]),
+                          (o_ref, *grads_ref[:3]), strict=True):  # fmt: skip
+        assert rel_err(a, b) <= TOL[torch.float32], name
+
+
 def test_decode_gives_zero_for_a_query_with_no_key_and_nan_for_nan_input():
     """Prefill over a left-padded row: queries at padding positions see no key and give 0
     (not NaN); a NaN query still gives NaN, in the kernel path and in the reference."""

@@ -1044,6 +1044,25 @@ def test_decode_with_float64_cumsums_keeps_float32_accuracy_after_a_long_prefill
         assert decode._triton_ok(q, kc, vc, c[:, -Tq:], c)
 
 
+@pytest.mark.parametrize("impl", ["kernel", "pytorch"])
+def test_decode_takes_each_query_heads_own_cumsum(impl):
+    """Heads decay at their own rates, so after a long prefill their cumsums lie far apart
+    (here 4e4 between neighbouring query heads). A query row that read another head's c_i
+    (a GQA index mix-up) is off by a constant per row, which the softmax would cancel in
+    exact arithmetic, but its float32 scores of ~4e4 round by ~4e-3. Oracle: the float64
+    reference, which pairs each query head with its own cumsum."""
+    g = torch.Generator().manual_seed(1)
+    B, Tq, Tk, HQ, H, D = 2, 3, 200, 6, 2, 32
+    q = torch.randn(B, Tq, HQ, D, generator=g)
+    kc, vc = torch.randn(B, Tk, H, D, generator=g), torch.randn(B, Tk, H, D, generator=g)
+    log_f = F.logsigmoid(torch.randn(B, Tk, HQ, generator=g, dtype=torch.float64) - 1.0)
+    c = torch.cumsum(log_f, 1) - 4e4 * torch.arange(HQ, dtype=torch.float64)
+    fn = forgetting_attention_decode if impl == "kernel" else _decode_pytorch
+    out = fn(q, kc, vc, c[:, -Tq:], c)
+    ref = forgetting_attention_decode_reference(q.double(), kc.double(), vc.double(), c[:, -Tq:], c)
+    assert (out.double() - ref).abs().max().item() < 2e-6
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("parts", [("gate", "norm"), ("gate",), ("norm",)])
 def test_decode_output_norm_and_gate_equal_norm_gate_after_it(dtype, parts, device):

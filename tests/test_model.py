@@ -626,6 +626,36 @@ def test_left_padding_equals_unpadded(model: str) -> None:
     assert max_err(got[0], want_a[0]) < TOL and max_err(got[1, pad:], want_b[0]) < TOL
 
 
+def test_a_padded_forward_keeps_the_gate_cumsum_in_float64() -> None:
+    """A forward with padding (no cache) attends through the decode function with the
+    queries' running gate cumsum c. After very negative gates |c| is ~4.5e4, where a float32
+    c rounds each bias c_i - c_j by up to ~4e-3 (helper-178: the padded forward rounded its
+    float64 cumsum to float32); the weak decay after them spreads the weights over many keys,
+    so that shows in the output. Oracle: the same layer without padding (the reference
+    kernel, whose cumsum is float64)."""
+    m = tiny("fot_llama")
+    attn = m.model.layers[0].self_attn
+    T, hidden = 160, m.config.hidden_size
+    x = torch.randn(1, T, hidden, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():  # feature 0 drives the forget gate only: log f ~ -700 on 64 tokens
+        for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
+            proj.weight[:, 0] = 0.0
+        attn.fgate_proj.weight.zero_()
+        attn.fgate_proj.weight[:, 0] = 1.0
+        attn.fgate_proj.bias.fill_(4.0)  # f ~ 0.98 elsewhere
+    x[:, :64, 0] = -700.0
+    x[:, 64:, 0] = 0.0
+    from fot.models.modeling_fot import _Context
+
+    assert attn.log_fgate(x).double().sum(1).min() < -4e4
+    want = attn(x, _Context(None, None, None, None, None))
+    padded = torch.cat([torch.zeros(1, 1, hidden), x], dim=1)  # one padding position in front
+    mask = torch.ones(1, T + 1, dtype=torch.bool)
+    mask[0, 0] = False
+    got = attn(padded, _Context(None, None, None, mask, mask))[:, 1:]
+    assert max_err(got, want) < 1e-5 * want.abs().max().item()
+
+
 @pytest.mark.parametrize("model", ["fot_pro", "fot_llama"])
 def test_padding_gaps_equal_removed_tokens(model: str) -> None:
     """Zeros inside attention_mask remove those tokens: the KV-shift of the next real token

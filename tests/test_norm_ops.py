@@ -24,7 +24,7 @@ TOL = {torch.float32: (1e-5, 1e-6), torch.bfloat16: (BF16_STEP, 1e-3)}
 EPS = 1e-6
 
 
-def oracle(x, residual, weight, dy, dh):
+def oracle(x, residual, weight, dy, dh, eps=EPS):
     """Outputs and gradients in float64; ``h`` rounded to the stream's dtype before the norm."""
     x64 = x.detach().double().requires_grad_(True)
     w64 = weight.detach().double().requires_grad_(True)
@@ -34,7 +34,7 @@ def oracle(x, residual, weight, dy, dh):
     # rounding the stream is not differentiated (a straight-through step, as in the kernel)
     h = h + (h.detach().to(stream_dtype).double() - h.detach())
     w_used = w64 + (w64.detach().to(stream_dtype).double() - w64.detach())
-    y = h * torch.rsqrt(h.square().mean(-1, keepdim=True) + EPS) * w_used
+    y = h * torch.rsqrt(h.square().mean(-1, keepdim=True) + eps) * w_used
     outs, grads = [y], [dy.double()]
     if dh is not None:
         outs.append(h)
@@ -43,11 +43,11 @@ def oracle(x, residual, weight, dy, dh):
     return y.detach(), h.detach(), x64.grad, (r64.grad if r64 is not None else None), w64.grad
 
 
-def run(x, residual, weight, dy, dh, out_dtype=None):
+def run(x, residual, weight, dy, dh, out_dtype=None, eps=EPS):
     xg = x.clone().requires_grad_(True)
     rg = residual.clone().requires_grad_(True) if residual is not None else None
     wg = weight.clone().requires_grad_(True)
-    y, h = add_rms_norm(xg, rg, wg, eps=EPS, out_dtype=out_dtype)
+    y, h = add_rms_norm(xg, rg, wg, eps=eps, out_dtype=out_dtype)
     outs, grads = [y], [dy]
     if dh is not None:
         outs.append(h)
@@ -100,6 +100,24 @@ def test_add_rms_norm_matches_float64_oracle(shape, x_dtype, r_dtype, out_dtype,
         assert dr.dtype == r_dtype
         assert_close(dr, want[3], tol[r_dtype], "d residual")
     assert_close(dw, want[4], tol[stream] if stream != torch.float32 else (1e-4, 1e-5), "dw")
+
+
+@pytest.mark.parametrize("eps", [1e-5, 1e-3])
+def test_add_rms_norm_takes_the_callers_eps(eps):
+    """``eps`` reaches the forward and the backward kernel. The other tests use eps 1e-6 on
+    unit-scale rows, where eps moves y by ~1e-6 relative (within float32 tolerance): here the
+    rows' mean square is ~1e-5, so an eps other than the caller's (a norm_eps of 1e-5, as
+    LLaMA's) moves y and every gradient by a large factor. Oracle: float64 autograd."""
+    g = torch.Generator().manual_seed(1)
+    shape = (2, 7, 48)
+    x = (2e-3 * torch.randn(*shape, generator=g)).to(DEVICE)
+    residual = (3e-3 * torch.randn(*shape, generator=g)).to(DEVICE)
+    weight = (1 + 0.3 * torch.randn(shape[-1], generator=g)).to(DEVICE)
+    dy, dh = (torch.randn(*shape, generator=g).to(DEVICE) for _ in range(2))
+    want = oracle(x.cpu(), residual.cpu(), weight.cpu(), dy.cpu(), dh.cpu(), eps=eps)
+    got = run(x, residual, weight, dy, dh, eps=eps)
+    for name, a, b in zip(("y", "h", "dx", "d residual", "dw"), got, want, strict=True):
+        assert_close(a, b, TOL[torch.float32] if name != "dw" else (1e-4, 1e-5), name)
 
 
 PROJ_CASES = [

@@ -240,6 +240,42 @@ def test_norm_gate_matches_oracle(case, variant, dtype) -> None:
             assert a.dtype == dtype
 
 
+@pytest.mark.parametrize("fn", ["shift_norm", "norm_gate"])
+def test_eps_is_the_callers(fn) -> None:
+    """``eps`` reaches the forward and the backward kernels. The other tests use eps 1e-6 on
+    unit-scale rows, where it moves the results by ~1e-6 relative (inside float32
+    tolerance); the model's q/k norms take 1e-5. Here the rows' mean square is ~1e-5, so an
+    eps other than the caller's moves y and every gradient by a large factor. Oracle: the
+    float64 formulas with autograd."""
+    B, T, H, D = 2, 70, 3, 64  # T: the shift backward's t + 1 rows cross a block edge
+    eps = 1e-5
+    g = torch.Generator().manual_seed(11)
+    x = (3e-3 * torch.randn(B, T, H, D, generator=g)).to(DEVICE).requires_grad_()
+    w = (1.0 + 0.3 * torch.randn(H, D, generator=g)).to(DEVICE).requires_grad_()
+    if fn == "shift_norm":
+        s = (2.0 * torch.randn(B, T, H, generator=g)).to(DEVICE).requires_grad_()
+        reset = random_reset(T, g).to(DEVICE)
+        y, want_y, got, want, dy = grads_vs_oracle(
+            lambda a, b, c, **kw: shift_norm(a, b, c, **kw),
+            lambda a, b, c, **kw: shift_norm_oracle(a, b, c, kw["reset"], kw["eps"]),
+            (x, s, w), {"eps": eps, "reset": reset}, seed=5,
+        )  # fmt: skip
+        names = ("dx", "ds", "dw")
+    else:
+        gl = (2.0 * torch.randn(B, T, H, D, generator=g)).to(DEVICE).requires_grad_()
+        y, want_y, got, want, dy = grads_vs_oracle(
+            lambda a, b, c, **kw: norm_gate(a, b, c, **kw),
+            lambda a, b, c, **kw: norm_gate_oracle(a, b, c, kw["eps"]),
+            (x, gl, w), {"eps": eps}, seed=5,
+        )  # fmt: skip
+        names = ("do", "dg", "dw")
+    assert_close(y, want_y, TOL[torch.float32], "y")
+    for name, a, b in zip(names, got, want, strict=True):
+        # ds: the sum over D cancels (see shift_grad_scale); its scale is the sum's terms
+        scale = shift_grad_scale(x, s, w, reset, eps, dy) if name == "ds" else None
+        assert_close(a, b, DW_TOL if name == "dw" else TOL[torch.float32], name, scale)
+
+
 def test_gpu_block_sizes_strided_inputs_and_frozen_weight(monkeypatch) -> None:
     """The GPU tile heights (32 rows forward, 16 backward at D=128: forward and backward blocks
     differ, the t+1 recompute crosses many block edges), inputs that are strided views of

@@ -37,7 +37,11 @@ from fot.eval.metrics import (
 
 def test_qa_f1_hand_computed():
     assert normalize_answer("The  Eiffel-Tower, an icon!") == "eiffeltower icon"
+    # each of the three articles goes, as whole words only ("a" inside "banana" stays)
+    assert normalize_answer("A banana, an apple and THE pear") == "banana apple and pear"
     assert qa_f1("The Eiffel Tower!", "eiffel tower") == 1.0
+    # pred {dog} after "a" is dropped, ref {dog}: F1 = 1 (with "a" kept: P = 1/2, F1 = 2/3)
+    assert qa_f1("a dog", "dog") == 1.0
     # pred {in, paris, france}, ref {paris}: P = 1/3, R = 1, F1 = 2 * (1/3) / (4/3) = 0.5
     assert qa_f1("in Paris France", "Paris") == pytest.approx(0.5)
     # counts matter: pred {a-less: "x x y"} vs ref "x y y" -> overlap x1 y1 = 2, P = R = 2/3

@@ -1571,6 +1571,12 @@ def test_lr_schedule_in_tokens() -> None:
     assert lr_at(1100, peak_lr=1.0, total_tokens=1100, cfg=cfg) == pytest.approx(0.1)
     lin = ScheduleConfig(name="warmup_linear", warmup_tokens=0, min_lr_ratio=0.0)
     assert lr_at(250, peak_lr=2.0, total_tokens=1000, cfg=lin) == pytest.approx(1.5)
+    # the linear decay ends at the floor, not at 0 (schedule=warmup_linear's min_lr_ratio 0.1):
+    # halfway from the warmup's end to total_tokens, 1 - 0.9 * 0.5 of the peak
+    lin = ScheduleConfig(name="warmup_linear", warmup_tokens=100, min_lr_ratio=0.1)
+    assert lr_at(50, peak_lr=1.0, total_tokens=1100, cfg=lin) == pytest.approx(0.5)
+    assert lr_at(600, peak_lr=1.0, total_tokens=1100, cfg=lin) == pytest.approx(0.55)
+    assert lr_at(1100, peak_lr=1.0, total_tokens=1100, cfg=lin) == pytest.approx(0.1)
     with pytest.raises(ValueError, match="warmup_cosine"):
         lr_at(0, peak_lr=1.0, total_tokens=1, cfg=ScheduleConfig(name="cosine"))
 

@@ -99,6 +99,24 @@ def test_multiple_choice_matches_direct_loglikelihood(setup):
     assert table1({"piqa": {"acc,none": 0.5}}).splitlines()[2].startswith("| - | - | - | 50.00")
 
 
+def test_a_continuation_is_greedy_only_if_each_of_its_tokens_is_the_argmax(setup):
+    """lm-eval's is_greedy (LAMBADA's accuracy): true only where every continuation token is
+    the model's most likely next token. Oracle: the argmax of the model's logits, token by
+    token; a continuation whose first token is the argmax and second is not is not greedy."""
+    from fot.eval.common import model_logits
+    from fot.eval.lm_eval_adapter import make_fot_lm
+
+    _, model, tok = setup
+    lm = make_fot_lm(model, tok, max_length=64, batch_size=2)
+    ctx = [50256, *tok.encode("It was a bright cold day in", add_special_tokens=False)]
+    with torch.no_grad():
+        first = int(model_logits(model, torch.tensor([ctx]))[0, -1].argmax())
+        second = int(model_logits(model, torch.tensor([[*ctx, first]]))[0, -1].argmax())
+    other = (second + 1) % model.config.vocab_size  # not the argmax after `first`
+    requests = [(None, ctx, [first, second]), (None, ctx, [first, other])]
+    assert [greedy for _, greedy in lm._loglikelihood_tokens(requests)] == [True, False]
+
+
 def test_log_samples_on_a_rerun_writes_the_samples_of_finished_tasks(setup):
     """A rerun with --log-samples after a run without it skipped the finished task and wrote no
     samples_<task>.jsonl, without a word. The task now runs again for them (its requests come

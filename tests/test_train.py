@@ -1604,6 +1604,75 @@ def test_wsd_schedule_by_hand() -> None:
         lr_at(950, peak_lr=1.0, total_tokens=1000, cfg=ScheduleConfig(**cfg))
 
 
+@pytest.mark.parametrize("packing", ["causal", "padded"])
+def test_two_steps_are_adamw_steps_on_the_clipped_mean_loss_by_hand(tmp_path, packing) -> None:
+    """The training step against one written out here: the mean cross entropy over the labels
+    of the global batch that count (the loop accumulates it over 2 micro batches; padded rows
+    give them different label counts), its gradient's norm before clipping (logged as
+    grad_norm), clipped to optim.grad_clip, then torch's AdamW at the LR of the tokens seen
+    including the step, weight decay on matrices only. Both steps clip (their norms exceed
+    0.5) by different factors, so the second AdamW step shows whether they were clipped; the
+    first moves every weight by about the LR whatever the gradient's scale."""
+    from transformers import AutoModelForCausalLM
+
+    from fot import presets
+    from fot.data.tokens import write_token_documents
+
+    torch.manual_seed(1)
+    init = tmp_path / "init"
+    presets.build_model(presets.config("fot_pro", "tiny", hidden_size=32, num_hidden_layers=1,
+                                       num_heads=2)).save_pretrained(init)  # fmt: skip
+    rng = np.random.default_rng(0)
+    if packing == "causal":  # a flat token file: sequence g is tokens[64 g : 64 g + 65]
+        tokens = rng.integers(0, 1000, 8 * 64 + 1).astype(np.uint16)
+        np.save(data := tmp_path / "tokens.npy", tokens)
+        rows = [tokens[g * 64 : g * 64 + 65] for g in range(8)]
+    else:  # one document a row: BOS, the document, EOT, cut to 65 tokens; then -100 labels
+        docs = [rng.integers(0, 1000, n) for n in (10, 63, 100, 30, 5, 64, 20, 40)]
+        write_token_documents(data := tmp_path / "docs", docs)
+        rows = [np.array([50256, *d, 50256][:65]) for d in docs]
+    out = tmp_path / "run"
+    train(_cfg(out, "data=tokens", f"data.packing={packing}", "data.val_tokens=0",
+               f"data.path={data}", "total_tokens=512", f"init_from={init}",
+               "optim.grad_clip=0.5", "log_every_tokens=256"))  # fmt: skip
+    recs = _records(out)
+
+    model = AutoModelForCausalLM.from_pretrained(init)
+    decay = [p for n, p in model.named_parameters() if p.ndim == 2 and "norm" not in n]
+    rest = [p for n, p in model.named_parameters() if p.ndim < 2 or "norm" in n]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+        lr=0.01,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
+    for step, lr in ((1, 0.01 * 256 / 512), (2, 0.01)):  # warmup of 512 tokens, 256 a step
+        x = torch.full((4, 65), 50256)
+        y = torch.full((4, 64), -100)
+        for i, row in enumerate(rows[4 * step - 4 : 4 * step]):
+            x[i, : len(row)] = torch.from_numpy(row.astype(np.int64))
+            y[i, : len(row) - 1] = x[i, 1 : len(row)]
+        logits = model(input_ids=x[:, :-1]).logits
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        assert norm > 0.6  # clipped
+        for group in opt.param_groups:
+            group["lr"] = lr
+        opt.step()
+        opt.zero_grad()
+        assert recs[step]["lr"] == pytest.approx(lr, rel=1e-12)
+        assert recs[step]["loss"] == pytest.approx(loss.item(), rel=1e-5)
+        assert recs[step]["grad_norm"] == pytest.approx(norm.item(), rel=1e-4)
+    got = torch.load(out / "checkpoints" / "step_00000002" / "model.pt", weights_only=True)
+    want = model.state_dict()
+    assert got.keys() == want.keys()
+    # AdamW divides by the gradient's size: rounding in gradients near 0 (the loop sums 2 micro
+    # batches) moves a weight by up to ~1e-5; unclipped steps differ by 1e-3 and more
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=0, atol=5e-5, msg=key)
+
+
 def test_wsd_branch_trains_as_a_run_planned_at_its_length(tmp_path) -> None:
     """The point of warmup-stable-decay: a run branched from a stable-phase checkpoint of a
     longer run (branch_from=<its checkpoint>, a shorter total_tokens) trains step for step as
@@ -2452,6 +2521,47 @@ def test_validation_never_reads_past_the_held_out_data(caplog) -> None:
     caplog.clear()
     assert validation_sequences(_data_cfg("tokens", 64 * 16), held, unit=4, warn=False) == 8
     assert not caplog.records
+
+
+def test_validation_losses_are_token_means_over_the_positions_they_name() -> None:
+    """evaluate()'s val/loss against cross entropy computed here from the model's logits:
+    the mean over every label that counts (padded rows' -100 left out), and
+    val/loss_last_<k> the mean over the last k positions of each sequence only. Documents of
+    other lengths than the rows put a different number of counted labels in each window, so
+    a mean over the wrong positions or over padding gives another number."""
+    from fot import presets
+    from fot.data.streams import PaddedSource
+    from fot.training.parallel import DistInfo
+    from fot.training.trainer import evaluate
+
+    torch.manual_seed(0)
+    model = presets.build_model(
+        presets.config("fot_pro", "tiny", hidden_size=32, num_hidden_layers=1, num_heads=2)
+    )
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(0, 1000, n) for n in (1500, 300, 700)]  # rows of 1024: cut, padded
+    source = PaddedSource(docs, 1024)
+    info = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    got = evaluate(model, source, num_sequences=3, micro_batch_size=2, info=info, amp_dtype=None)
+
+    inputs, labels = (torch.from_numpy(a) for a in source.read(0, 3))
+    with torch.no_grad():
+        logits = model(input_ids=inputs).logits
+    ce = torch.nn.functional.cross_entropy(
+        logits.transpose(1, 2).double(), labels, ignore_index=-100, reduction="none"
+    )  # (3, 1024), 0 where ignored
+    counted = labels != -100
+    assert counted[:, -512:].sum() == 512 + 0 + 189  # the 300-token row ends before them
+    want = {
+        "val/loss": ce.sum() / counted.sum(),
+        "val/loss_last_512": ce[:, -512:].sum() / counted[:, -512:].sum(),
+        "val/loss_last_1024": ce.sum() / counted.sum(),
+    }
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        assert got[key] == pytest.approx(float(value), rel=1e-5), key
+    # the windows differ by more than the tolerance (an untrained model: all near ln 50257)
+    assert abs(got["val/loss_last_512"] - got["val/loss"]) > 1e-4 * got["val/loss"]
 
 
 @pytest.mark.parametrize(

@@ -933,6 +933,7 @@ def test_check_config_warns_when_the_run_is_not_whole_steps(hydra_ctx) -> None:
     assert "total_tokens=5000 is not a multiple of global_batch_tokens=2048" in steps
     assert "trains 2 steps (4096 tokens; its learning-rate schedule ends there)" in steps
     assert "use total_tokens=4096" in steps
+    assert check_sizes(cfg, 1) == (8, 2)  # the loop trains the 2 steps the warning names
     # the warm-up outlasts the 4096 tokens trained, though not the 5000 asked;
     # its last step's rate: 3e-3 * 4096 / 4500 = 0.0027306...
     assert "more than the 4096 tokens the run trains" in warmup

@@ -1821,12 +1821,15 @@ def test_last_step_digest_is_the_global_batch_for_any_world_and_micro_batch() ->
     src = PackedSource.from_documents(docs, 16)
     inputs, labels = (a.astype(np.int64).tobytes() for a in src.read(8, 8))
     want = hashlib.sha256(inputs + labels).hexdigest()
+    inputs, labels = (a.astype(np.int64).tobytes() for a in src.read(0, 8))
+    first = hashlib.sha256(inputs + labels).hexdigest()  # a checkpoint of step 1 holds it too
     for world, rank, micro in ((1, 0, 8), (2, 1, 2), (4, 3, 1)):
         stream = SequenceStream(
             src, global_batch_size=8, micro_batch_size=micro, rank=rank, world_size=world
         )
         assert stream.last_step_digest() is None  # no step yet
         stream.next_step()
+        assert stream.last_step_digest() == first
         stream.next_step()
         assert stream.last_step_digest() == want
     hf = SequenceStream(HFSource(lambda: [{"text": "a b"}] * 50, lambda t: [1, 2], 4),

@@ -1942,6 +1942,54 @@ def test_muon_step_is_the_orthogonalised_update_by_hand() -> None:
     assert model.layers[0].weight.grad is None and model.layers[0].bias.grad is None
 
 
+def test_muon_under_ddp_shares_the_orthogonalisations_over_ddps_ranks() -> None:
+    """Under DDP the Muon of optim=muon gets DDP's process group, over which each rank
+    orthogonalises its share of the matrices (without it every rank would do them all)."""
+    import torch.distributed as dist
+
+    from fot.training.optim import build_optimizer
+    from fot.training.parallel import wrap_ddp
+
+    model = torch.nn.Sequential()
+    model.add_module("layers", torch.nn.ModuleList([torch.nn.Linear(8, 12, bias=False)]))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ddp = wrap_ddp(model, torch.device("cpu"))
+        muon, _ = build_optimizer(ddp, _muon_cfg(), device=torch.device("cpu")).optimizers
+        assert muon.process_group is ddp.process_group
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(
+    not hasattr(torch.optim, "Muon"), reason="the oracle, torch.optim.Muon, needs torch >= 2.9"
+)
+def test_build_optimizer_gives_muon_the_configs_momentum_ns_steps_and_lr_rule() -> None:
+    """optim.momentum, optim.ns_steps and optim.adjust_lr other than Muon's defaults reach the
+    Muon that build_optimizer makes: three steps on a tall matrix end where
+    torch.optim.Muon built with those values ends (bit for bit; the momentum shows from the
+    second step on, the first update being the normalised gradient whatever it is)."""
+    from fot.training.optim import build_optimizer
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential()
+    model.add_module("layers", torch.nn.ModuleList([torch.nn.Linear(8, 20, bias=False)]))
+    weight = model.layers[0].weight
+    theirs = torch.nn.Parameter(weight.detach().clone())
+    cfg = _muon_cfg(momentum=0.5, ns_steps=2, adjust_lr="original", weight_decay=0.05)
+    opt = build_optimizer(model, cfg, device=torch.device("cpu"))
+    oracle = torch.optim.Muon(
+        [theirs], lr=0.02, weight_decay=0.05, momentum=0.5, nesterov=True, ns_steps=2,
+        adjust_lr_fn="original",
+    )  # fmt: skip
+    for _ in range(3):
+        weight.grad = torch.randn(weight.shape)
+        theirs.grad = weight.grad.clone()
+        opt.step()
+        oracle.step()
+    assert torch.equal(weight.detach(), theirs.detach())
+
+
 @pytest.fixture(scope="module")
 def muon_run(tmp_path_factory) -> dict[int, float]:
     """An uninterrupted 8-step optim=muon run (parallel=single): its per-step losses."""

@@ -2275,9 +2275,12 @@ def test_fsdp_accumulation_keeps_parameters_gathered(reshard_after_backward: boo
     """Gradient accumulation under FSDP2 (process group of one, fp32): with
     ``reshard_after_backward=false`` the parameters stay gathered (plain tensors, not DTensor
     shards) between a step's micro batches and are sharded again after the last one; with
-    ``true`` they are sharded after every micro batch. Either way the accumulated gradients
-    equal those of the unsharded model over the same two micro batches."""
+    ``true`` they are sharded after every micro batch. Only the last micro batch reduces:
+    the sharded parameters have no gradient before it. Every block is an FSDP unit of its own
+    (gathered one at a time), besides the root. Either way the accumulated gradients equal
+    those of the unsharded model over the same two micro batches."""
     import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
     from fot import presets
@@ -2301,12 +2304,17 @@ def test_fsdp_accumulation_keeps_parameters_gathered(reshard_after_backward: boo
             strategy="fsdp", precision="fp32", reshard_after_backward=reshard_after_backward
         )
         model = parallelize(sharded, cfg, info, strategy="fsdp")
-        gathered = []
+        assert all(isinstance(block, FSDPModule) for block in model.model.layers)
+        assert isinstance(model, FSDPModule)
+        gathered, reduced = [], []
         for i, ids in enumerate(micro):
             with accumulation(model, "fsdp", last=i == len(micro) - 1, cfg=cfg):
                 model(input_ids=ids, shift_labels=ids).loss.backward()
             gathered.append(not any(isinstance(p, DTensor) for p in model.parameters()))
+            reduced.append(any(p.grad is not None for p in model.parameters()))
         assert gathered == [not reshard_after_backward, False]
+        if reshard_after_backward:  # sharded after the first micro batch: no reduced gradient
+            assert reduced == [False, True]
         for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
             torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-5, atol=1e-6, msg=name)
     finally:

@@ -443,6 +443,18 @@ def test_settings_the_papers_fox_ignores_convert_as_their_defaults_do(tmp_path, 
     assert torch.equal(got, _logits(from_paper(PAPER / "fox_pro"), ids))
 
 
+def test_a_config_json_without_norm_eps_or_rope_base_converts_with_the_papers_defaults() -> None:
+    """A FoX config.json that leaves out norm_eps and rope_base is the paper's model with its
+    config class's defaults (ForgettingTransformerConfig: norm_eps=1e-6, rope_base=500000.0),
+    which fot's config then holds."""
+    from fot.convert import fot_config_from_paper
+
+    cfg = json.loads((PAPER / "fox_pro" / "config.json").read_text())
+    cfg = {k: v for k, v in cfg.items() if k not in ("norm_eps", "rope_base")}
+    got = fot_config_from_paper({**cfg, "use_rope": True})
+    assert (got.norm_eps, got.use_rope, got.rope_theta) == (1e-6, True, 500000.0)
+
+
 def test_the_papers_pruning_tolerance_is_named_and_the_full_attention_converted(
     tmp_path, capsys
 ) -> None:

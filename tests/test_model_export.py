@@ -832,3 +832,25 @@ def test_check_weight_files_opens_every_bin_that_read_weight_files_reads(
         read_weight_files(folder)
     with pytest.raises(WeightFilesError, match=r"pytorch_model\.bin cannot be read"):
         check_weight_files(folder)
+
+
+def test_read_weight_files_takes_the_safetensors_shards_over_bin_files_as_from_pretrained(
+    tmp_path,
+) -> None:
+    # A hub folder may hold both formats (e.g. model-*-of-*.safetensors and pytorch_model.bin):
+    # from_pretrained loads the safetensors and never opens the .bin, so neither does
+    # read_weight_files (nor check_weight_files). Oracle: from_pretrained of the same folder.
+    from safetensors.torch import load_file
+
+    from fot.export import check_weight_files, read_weight_files
+
+    folder = export_hf(_tiny(0), tmp_path / "m", tokenizer=False, max_shard_size="20KB")
+    shards = sorted(folder.glob("model-*-of-*.safetensors"))
+    assert len(shards) > 1 and not (folder / "model.safetensors").exists()
+    state = {k: v for shard in shards for k, v in load_file(shard).items()}
+    (folder / "pytorch_model.bin").write_bytes(b"an unrelated, unreadable file")
+    got = read_weight_files(folder)
+    check_weight_files(folder)
+    loaded = type(_tiny(0)).from_pretrained(folder).state_dict()
+    assert got.keys() == state.keys()
+    assert all(torch.equal(got[k], loaded[k]) for k in got)

@@ -197,6 +197,14 @@ def fot_config_from_paper(cfg: Mapping[str, Any]) -> Any:
         return False if transformer else bool(cfg.get(key, False))
 
     use_rope = bool(cfg.get("use_rope", transformer))
+    fgate_type = "none" if transformer else cfg.get("fgate_type", "full")
+    # the decay times that set the per-head gate biases of the gate ablations: a fixed gate's
+    # buffer holds them (init_from compares them), a bias_only gate started from them
+    decay_times = {
+        k: float(cfg[k])
+        for k in ("decay_time_min", "decay_time_max")
+        if fgate_type in ("fixed", "bias_only") and cfg.get(k) is not None
+    }
     return FoTConfig(
         vocab_size=int(cfg["vocab_size"]),
         hidden_size=int(cfg["hidden_size"]),
@@ -205,7 +213,8 @@ def fot_config_from_paper(cfg: Mapping[str, Any]) -> Any:
         num_heads=heads,
         num_kv_heads=kv_heads,
         window_size=window,
-        fgate_type="none" if transformer else cfg.get("fgate_type", "full"),
+        fgate_type=fgate_type,
+        **decay_times,
         use_rope=use_rope,
         # the paper's configs hold a rope_base with or without RoPE; FoT keeps one it reads
         rope_theta=float(cfg.get("rope_base", 500000.0)) if use_rope else 500000.0,

@@ -862,3 +862,27 @@ def test_train_py_init_from_a_paper_baseline_names_its_settings_and_starts_from_
     want = torch.from_numpy(ref["logits"])
     got = _logits(model.eval(), torch.from_numpy(ref["input_ids"]))
     assert (got - want).norm() / want.norm() < BASELINES[name]
+
+
+def test_a_fixed_gate_checkpoint_converts_with_the_decay_times_its_biases_come_from() -> None:
+    """The paper's fixed forget gate is a buffer of per-head biases set from decay_time_min and
+    decay_time_max (2 and 64 in fox_pro_fixed): the converted config keeps them (it took
+    fot's defaults, 2 and 16384, which init_from then compared and asked a run to set), so a
+    fresh model of that config holds the checkpoint's buffer. Oracle: the paper's values,
+    b = logit(exp(-1/T)) for T log-uniform over [2, 64] across the heads."""
+    import math
+
+    from fot import presets
+    from fot.convert import fot_config_from_paper
+
+    cfg = json.loads((PAPER / "fox_pro_fixed" / "config.json").read_text())
+    config = fot_config_from_paper(cfg)
+    assert (config.fgate_type, config.decay_time_min, config.decay_time_max) == ("fixed", 2, 64)
+    heads = config.num_heads
+    times = torch.exp(torch.linspace(math.log(2.0), math.log(64.0), heads, dtype=torch.float64))
+    want = torch.logit(torch.exp(-1.0 / times)).float()
+    converted, fresh = from_paper(PAPER / "fox_pro_fixed"), presets.build_model(config)
+    for i in range(config.num_hidden_layers):
+        key = f"model.layers.{i}.self_attn.fgate_bias"
+        torch.testing.assert_close(converted.state_dict()[key], want)
+        torch.testing.assert_close(fresh.state_dict()[key], want)

@@ -252,12 +252,12 @@ def test_settings_of_how_the_model_is_computed_or_initialised_may_differ(source_
 
 @pytest.mark.parametrize(
     ("variant", "model_name"),
-    [("fox_pro", "fot_pro"), ("fox_llama", "fot_llama"),
+    [("fox_pro", "fot_pro"), ("fox_llama", "fot_llama"), ("fox_pro_fixed", "fot_pro"),
      ("transformer_pro", "transformer_pro"), ("transformer_llama", "transformer_llama")],
 )  # fmt: skip
 def test_a_paper_checkpoint_loads_into_the_model_the_run_builds(variant, model_name) -> None:
     """The paper's model, built from fot's preset with the overrides the refusal names, computes
-    the paper's logits."""
+    the paper's logits (fox_pro_fixed: its fixed forget-gate biases are a buffer, loaded too)."""
     source = read_init_source(PAPER / variant)
     assert source.kind == "paper"
     run_config = presets.config(model_name, "tiny")
@@ -274,6 +274,8 @@ def test_a_paper_checkpoint_loads_into_the_model_the_run_builds(variant, model_n
             else float(value)
             if "." in value
             else int(value)
+            if value.isdigit()
+            else value  # fgate_type=fixed
         )
     run_config = presets.config(model_name, "tiny", **overrides)
     check_init_source(source, run_config)

@@ -265,14 +265,18 @@ def test_prepare_counts_empty_files_and_texts_it_skips(tmp_path, capsys) -> None
     only nulls were counted. Oracle: the non-empty documents alone are written."""
     from fot.data.prepare import main as prepare
     from fot.data.tokens import TokenDocuments
+    from fot.tokenizer import get_encoding
 
+    enc = get_encoding()
     folder = tmp_path / "texts"
     folder.mkdir()
     for name, text in (("a.txt", "one text"), ("b.txt", ""), ("c.txt", "")):
         (folder / name).write_text(text)
-    rows = _jsonl(tmp_path / "r.jsonl", [{"text": "kept"}, {"text": ""}])
+    rows = _jsonl(tmp_path / "r.jsonl", [{"text": "kept"}, {"text": ""}, {"text": " \n\n"}])
     assert prepare([str(folder), rows, "--out", str(tmp_path / "t")]) == 0
-    assert len(TokenDocuments(tmp_path / "t")) == 2
+    # a text of white space alone is not empty: it has tokens of its own, and is kept
+    docs = TokenDocuments(tmp_path / "t")
+    assert [d.tolist() for d in docs][1:] == [enc.encode_ordinary(t) for t in ("kept", " \n\n")]
     err = capsys.readouterr().err
     assert "3 empty text(s) (an empty file, or an empty text field) skipped" in err, err
 

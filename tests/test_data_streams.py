@@ -837,10 +837,19 @@ def test_prepare_never_deletes_a_folder_that_is_not_a_token_folder(tmp_path, cap
         assert str(out) in capsys.readouterr().err
     assert sorted(p.name for p in corpus.iterdir()) == [f"{i}.txt" for i in range(4)]
     assert (other / "notes.md").read_text() == "keep me"
+    # a folder with a meta.json of another program (not format fot-tokens) is no token folder
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "meta.json").write_text(json.dumps({"format": "other", "num_documents": 1}))
+    assert main([str(corpus), "--out", str(foreign)]) == 2
+    assert f"--out {foreign} exists and is not a token folder" in capsys.readouterr().err
+    assert [p.name for p in foreign.iterdir()] == ["meta.json"]
     # --heldout-out that would replace --out, or that nothing would be written to: refused
     tok = tmp_path / "tok"
     args = [str(corpus), "--out", str(tok)]
+    capsys.readouterr()
     assert main([*args, "--heldout-every", "2", "--heldout-out", str(tok)]) == 2
+    assert "--heldout-out and --out are the same folder" in capsys.readouterr().err
     assert main([*args, "--heldout-out", str(tmp_path / "held")]) == 2
     assert not tok.exists() and not (tmp_path / "held").exists()
     # an existing token folder is replaced, as documented
@@ -1699,6 +1708,11 @@ def test_prepare_max_docs_counts_written_documents_and_reads_no_further(tmp_path
     assert exit_.value.code == 2
     assert "argument --max-docs: expected an integer >= 1, got '0'" in capsys.readouterr().err
     assert not (tmp_path / "tok0").exists()
+    # the Python API refuses it too (it wrote one document)
+    from fot.data.prepare import tokenize
+
+    with pytest.raises(ValueError, match="--max-docs must be >= 1"):
+        list(tokenize(iter(["one", "two"]), max_docs=0))
 
 
 def test_prepare_refuses_output_folders_that_would_delete_each_other(tmp_path, capsys) -> None:

@@ -253,6 +253,11 @@ def test_json_text_escaping_is_json_string_syntax_and_round_trips():
     assert tokenizer.unescape_text(generated, "json") == "C:\\New\\Tab \\U0041 \\B 😀"
     with pytest.raises(ValueError, match=r"'JSON' is not one of \['none', 'json'\]"):
         tokenizer.escape_text("a", "JSON")
+    # every two-character escape of JSON is decoded as json.loads decodes it, \/ included
+    # (json.dumps never writes it, other JSON writers do)
+    for escape in ('\\"', "\\\\", "\\/", "\\b", "\\f", "\\n", "\\r", "\\t"):
+        written = f"a{escape}b"
+        assert tokenizer.unescape_text(written, "json") == json.loads(f'"{written}"'), escape
 
 
 def test_the_text_escaping_is_recorded_with_the_exported_tokenizer(tmp_path):
@@ -269,6 +274,20 @@ def test_the_text_escaping_is_recorded_with_the_exported_tokenizer(tmp_path):
     (escaped / "tokenizer_config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"sets fot_text_escaping='xml'; use one of"):
         tokenizer.text_escaping_of(AutoTokenizer.from_pretrained(escaped))
+
+
+def test_a_damaged_merges_line_of_a_tokenizer_folder_is_named(tmp_path):
+    """A merges.txt line must be two non-empty symbols; others are named with their number.
+    Oracle: lines written by hand into the exported GPT-2 folder (which reads)."""
+    folder = tokenizer.save_hf_tokenizer(tmp_path / "tok")
+    assert tokenizer.unreadable_tokenizer_file(folder) is None
+    lines = (folder / "merges.txt").read_text(encoding="utf-8").splitlines()
+    for bad in ("a b c", "a ", " b", "ab"):
+        (folder / "merges.txt").write_text("\n".join([*lines[:3], bad, *lines[3:]]) + "\n")
+        assert tokenizer.unreadable_tokenizer_file(folder) == (
+            "merges.txt",
+            f"line 4 is {bad!r}, not two symbols",
+        ), bad
 
 
 def test_tokenizer_files_missing_gives_clear_error(tmp_path, monkeypatch):
@@ -298,6 +317,12 @@ def test_token_folder_round_trip(tmp_path):
     assert reread.num_tokens == 318
     assert reread.meta["source"] == "test"
     np.testing.assert_array_equal(reread.lengths(), [0, 1, 17, 300])
+    # negative indices count from the end, as for a list; out of range is an IndexError
+    for i in range(-4, 0):
+        np.testing.assert_array_equal(reread[i], docs[i])
+    for i in (4, -5):
+        with pytest.raises(IndexError):
+            reread[i]
     # Overwriting replaces the folder atomically, leaving no temp folders behind.
     write_token_documents(tmp_path / "toks", docs[:2])
     assert len(TokenDocuments(tmp_path / "toks")) == 2
@@ -307,9 +332,11 @@ def test_token_folder_round_trip(tmp_path):
 def test_token_folder_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"fot\.data\.prepare"):
         TokenDocuments(tmp_path)
-    with pytest.raises(ValueError, match=r"\[0, 65535\]"):
-        write_token_documents(tmp_path / "x", [np.array([70000])])
-    assert not (tmp_path / "x").exists()
+    # ids outside uint16 would wrap (70000 -> 4464, -1 -> 65535): refused, nothing written
+    for bad in ([70000], [5, -1]):
+        with pytest.raises(ValueError, match=r"\[0, 65535\]"):
+            write_token_documents(tmp_path / "x", [np.array([1, 2]), np.array(bad)])
+        assert not (tmp_path / "x").exists()
 
 
 def test_sample_corpus_is_real_english(tmp_path, monkeypatch):

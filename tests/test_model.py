@@ -158,6 +158,10 @@ def test_vocab_padded_to_multiple_of_64() -> None:
     assert m.model.embed_tokens.weight.shape[0] == 50304
     assert m.lm_head.weight.shape[0] == 50304
     assert m(ids(1, 5)).logits.shape[-1] == 50257
+    # rounded up to the next multiple, never past one: a multiple is kept as it is
+    for vocab, multiple, rows in ((256, 64, 256), (257, 64, 320), (50304, 64, 50304), (7, 1, 7)):
+        cfg = fot.FoTConfig(vocab_size=vocab, pad_vocab_multiple=multiple)
+        assert cfg.padded_vocab_size == rows, (vocab, multiple)
 
 
 def test_init_is_normal_002_and_untied() -> None:
@@ -1121,12 +1125,33 @@ def test_smaller_presets_pro_matches_llama(size: str, nominal: float) -> None:
     assert abs(counts["fot_pro"] - counts["fot_llama"]) / counts["fot_llama"] < 0.025
 
 
+def test_the_tiny_sliding_window_preset_windows_tiny_sequences() -> None:
+    """transformer_swa's window (2048) is cut at size tiny so that tiny runs (T=256) use it.
+    Oracle: transformer_llama with the same weights (full attention): equal logits while the
+    window holds every key, others once it does not."""
+    m = tiny("transformer_swa")
+    full = tiny("transformer_llama")
+    full.load_state_dict(m.state_dict())
+    x = ids(1, 256)
+    with torch.no_grad():
+        a, b = m(x).logits, full(x).logits
+    w = m.config.window_size
+    assert w < 256
+    torch.testing.assert_close(a[:, :w], b[:, :w], atol=TOL, rtol=0)
+    assert not torch.allclose(a[:, w + 1 :], b[:, w + 1 :], atol=1e-3)
+
+
 def test_presets_names_and_overrides() -> None:
     assert set(FOT_MODELS) <= set(presets.MODELS)
     assert presets.SIZES == ("tiny", "125m", "360m", "760m")
     c = presets.config("transformer_llama_nope", "125m", attn_backend="reference")
     assert c.fgate_type == "none" and not c.use_rope and c.attn_backend == "reference"
     assert presets.config("transformer_swa", "760m").window_size == 2048
+    # the paper's head counts at 760m: 24 heads of 64 for FoT, 12 of 128 for every Transformer
+    for model in FOT_MODELS:
+        cfg = presets.config(model, "760m")
+        want = (12, 128) if model.startswith("transformer") else (24, 64)
+        assert (cfg.num_heads, cfg.head_dim) == want, model
     assert presets.config("fot_pro_fixed").fgate_type == "fixed"
     with pytest.raises(ValueError, match=r"valid models: .*fot_pro"):
         presets.config("fot_large")
@@ -1138,6 +1163,7 @@ def test_presets_names_and_overrides() -> None:
     "kwargs,match",
     [
         ({"hidden_size": 100, "num_heads": 3}, "divisible by num_heads"),
+        ({"hidden_size": 60, "num_heads": 4, "use_rope": True}, "RoPE needs an even head dim"),
         ({"num_heads": 12, "num_kv_heads": 5}, "multiple of num_kv_heads"),
         ({"fgate_type": "sometimes"}, "valid: .*'bias_only'"),
         ({"attn_backend": "cuda"}, "valid: .*'triton'"),

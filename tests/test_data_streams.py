@@ -1437,6 +1437,28 @@ def test_a_token_folder_a_killed_prepare_left_set_aside_is_named_where_it_is_mis
     assert str(info.value).startswith(f"data.path={tok} does not exist. Turn text files")
 
 
+def test_a_folder_set_aside_under_this_process_id_earlier_is_kept_by_the_next_replace(
+    tmp_path, caplog
+) -> None:
+    """A whole token folder that an earlier process with this process' id set aside and left
+    (a restarted container reuses ids) may be the only copy of it: the next replace sets the
+    old folder aside under another name (``+1``) and keeps that one as it was. Oracle: the
+    documents written into each folder by hand."""
+    from fot.data.prepare import prepare
+    from fot.staging import writer_tag
+
+    tok = tmp_path / "tok"
+    write_token_documents(tok, [[1, 2, 3]])
+    kept = tmp_path / f".tok.old-{writer_tag()}"
+    write_token_documents(kept, [[7, 7]])
+    with caplog.at_level(logging.WARNING):
+        prepare(iter([np.array([4, 5], dtype=np.uint16)]), tok)
+    assert [d.tolist() for d in TokenDocuments(tok)] == [[4, 5]]
+    assert [d.tolist() for d in TokenDocuments(kept)] == [[7, 7]]
+    assert f"kept {kept}" in caplog.text
+    assert sorted(p.name for p in tmp_path.iterdir()) == [kept.name, "tok"]
+
+
 def test_folders_an_earlier_fot_staged_are_removed_once_a_day_unchanged(
     tmp_path, monkeypatch, caplog
 ) -> None:

@@ -176,6 +176,30 @@ def test_init_is_normal_002_and_untied() -> None:
     ):
         assert abs(w.std().item() - 0.02) < 0.002 and abs(w.mean().item()) < 0.002
     assert torch.all(m.model.layers[0].self_attn.fgate_proj.bias == 0)
+    # every projection, the output ones (o_proj, down_proj) too: no depth-scaled std
+    for name, mod in m.named_modules():
+        if isinstance(mod, (torch.nn.Linear, torch.nn.Embedding)):
+            w = mod.weight
+            assert abs(w.std().item() - 0.02) < 0.003 and abs(w.mean().item()) < 0.003, name
+
+
+def test_init_weights_of_a_meta_built_model_gives_the_long_init_gate_bias() -> None:
+    """A model built on the meta device (no data), moved with ``to_empty`` and initialised by
+    HF's ``init_weights`` (as ``from_pretrained`` initialises missing weights) gets the same
+    init as one built directly: the bias-only / fixed gates' long-init bias (decay times
+    log-uniform in [2, decay_time_max]), not whatever memory ``to_empty`` left."""
+    for name in ("fot_llama_bias_only", "fot_llama_fixed"):
+        cfg = presets.config(name, "tiny")
+        with torch.device("meta"):
+            m = presets.build_model(cfg)
+        m.to_empty(device="cpu")
+        m.init_weights()
+        want = torch.logspace(math.log10(2.0), math.log10(cfg.decay_time_max), 4).double()
+        for layer in m.model.layers:
+            times = 1.0 / (-F.logsigmoid(layer.self_attn.fgate_bias.double()))
+            assert torch.allclose(times, want, rtol=1e-4), name
+            assert torch.all(layer.input_layernorm.weight == 1), name
+        assert abs(m.model.layers[0].self_attn.q_proj.weight.std().item() - 0.02) < 0.003
 
 
 def test_loss_matches_full_cross_entropy_and_labels_convention() -> None:

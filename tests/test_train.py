@@ -3081,6 +3081,7 @@ def test_mfu_counts_the_attention_each_step_computes(tmp_path) -> None:
         ("NVIDIA A100-SXM4-80GB", 624e12 / 2),
         ("NVIDIA H200", 1979e12 / 2),
         ("NVIDIA H200 NVL", 1671e12 / 2),
+        ("NVIDIA B200", 4500e12 / 2),  # HGX B200: 36 PFLOP/s sparse over 8 GPUs
     ],
 )
 def test_peak_flops_of_the_card_the_name_says(monkeypatch, name: str, peak: float) -> None:

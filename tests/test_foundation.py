@@ -6,8 +6,10 @@ import importlib.util
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -671,3 +673,35 @@ def test_links_in_the_docs_reach_a_file_and_a_heading() -> None:
             elif anchor and anchor not in anchors.get(target, set()):
                 broken.append(f"{page.relative_to(REPO)}: no heading #{anchor} in {path or 'it'}")
     assert checked > 50 and not broken, broken
+
+
+def test_stop_on_signal_raises_once_held_or_lost_raises_at_the_next_check() -> None:
+    """``StopOnSignal``: a signal raises its error where the process is; inside
+    ``signals_held`` it is only noted, and the next check (``checked``'s, also after the last
+    item) raises it; after a held block a signal raises at once again; the previous handler
+    is back on exit."""
+    from fot.interrupt import StopOnSignal, check_stop, signals_held
+
+    before = signal.getsignal(signal.SIGTERM)
+    with StopOnSignal((signal.SIGTERM,)) as stop:
+        with signals_held():
+            pass
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(1)  # the handler runs before this ends
+        assert stop.signum == signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) is before
+    seen = []
+    with (
+        StopOnSignal((signal.SIGTERM,)) as stop,
+        pytest.raises(KeyboardInterrupt),
+        signals_held(),
+    ):
+        for item in stop.checked([1, 2]):
+            seen.append(item)
+            if item == 2:  # during the last item: noted, raised by the check after it
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.1)
+        seen.append("after the loop")
+    assert seen == [1, 2]
+    check_stop()  # no active StopOnSignal: nothing to raise

@@ -354,6 +354,7 @@ def test_jsonl_log_skips_done_and_torn_lines(tmp_path):
     log2 = JsonlLog(path)
     assert log2.done("a") and log2.done("b") and not log2.done("c")
     log2.append({"key": "c", "v": 3})
+    assert log2.done("c") and len(log2) == 3  # known at once, not only after a reopen
     assert [json.loads(x)["key"] for x in path.read_text().splitlines()] == ["a", "b", "c"]
 
 

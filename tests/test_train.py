@@ -3908,6 +3908,28 @@ def test_resume_takes_another_implementation_setting(tmp_path, reference_run, ca
     assert runs[-1]["config"]["model"]["overrides"]["loss_chunk_size"] == 16
 
 
+def test_the_continue_hint_names_what_the_command_as_it_is_would_do() -> None:
+    """A stopped run's hint: with resume=auto (or unset) the same command continues; with
+    resume=never or resume=<checkpoint> it says to put resume=auto in its place and what the
+    command as it is would do (start from scratch, or from that checkpoint again)."""
+    from fot.training.signals import continue_hint
+
+    auto = "run the same command with out_dir=r to continue from it (resume=auto)"
+    assert continue_hint("r") == continue_hint("r", "auto") == auto
+    replace = "run the same command with out_dir=r and resume=auto in place of resume="
+    assert continue_hint("r", "never") == (
+        f"{replace}never to continue from it (as it is, the command would start over from scratch)"
+    )
+    assert continue_hint("r", "r/checkpoints/step_00000002") == (
+        f"{replace}r/checkpoints/step_00000002 to continue from it (as it is, the command "
+        "would start over from that checkpoint)"
+    )
+    assert continue_hint("r", "never", sweep="s").startswith(
+        "run the same command with hydra.sweep.dir=s and resume=auto in place of resume=never "
+        "to continue this job and then run the sweep's remaining ones"
+    )
+
+
 def test_ctrl_c_says_which_checkpoint_is_kept_and_how_to_resume(tmp_path) -> None:
     import time
 

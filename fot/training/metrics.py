@@ -29,16 +29,17 @@ logger = logging.getLogger("fot.train")
 WANDB_MODES = ("auto", "online", "offline", "disabled")
 
 # Dense bf16 peak FLOP/s per device (no sparsity), by substring of the device name; the first
-# match counts, so the PCIe and NVL cards come before the SXM ones whose names they contain.
+# match counts, so the PCIe and NVL cards (and GH200) come before the SXM ones whose names
+# they contain.
 _PEAK_FLOPS = {
     "H100 PCIe": 756e12,
     "H100 NVL": 835e12,
     "H800 PCIe": 756e12,
     "H200 NVL": 835e12,
+    "GH200": 989e12,
     "H200": 989e12,
     "H100": 989e12,
     "H800": 989e12,
-    "GH200": 989e12,
     "B200": 2250e12,
     "A100": 312e12,
     "A800": 312e12,

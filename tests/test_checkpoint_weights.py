@@ -257,7 +257,7 @@ def test_settings_of_how_the_model_is_computed_or_initialised_may_differ(source_
 )  # fmt: skip
 def test_a_paper_checkpoint_loads_into_the_model_the_run_builds(variant, model_name) -> None:
     """The paper's model, built from fot's preset with the overrides the refusal names, computes
-    the paper's logits (fox_pro_fixed: its fixed forget-gate biases are a buffer, loaded too)."""
+    the paper's logits (fox_pro_fixed: a fixed gate, whose decay times the refusal names)."""
     source = read_init_source(PAPER / variant)
     assert source.kind == "paper"
     run_config = presets.config(model_name, "tiny")
